@@ -1,0 +1,12 @@
+"""hlo-shard: automatic cross-replica sharding of the weight update for XLA HLO text."""
+
+from hlo_shard.errors import HloParseError, HloRuntimeError, HloShardError
+from hlo_shard.ir import Computation, Instruction, Module
+from hlo_shard.parser import parse, parse_file
+from hlo_shard.printer import to_text
+
+__all__ = [
+    "Computation", "HloParseError", "HloRuntimeError", "HloShardError", "Instruction",
+    "Module", "parse", "parse_file", "to_text",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,340 @@
+"""Typed records for an HLO module.
+
+The ordered instruction list of each computation is the source of truth; the
+networkx view in :mod:`hlo_shard.graph` is derived from it. Operands refer to
+instructions *by name* within the same computation, which keeps the records
+small, printable without a symbol table and trivially copyable.
+
+Attribute values are typed only where a pass interprets them (see
+:data:`AttrValue`); everything else is kept as :class:`Raw` text and printed back
+verbatim, so nothing XLA adds in a new release is ever dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+# --------------------------------------------------------------------------- shapes
+
+#: Size in bits of each element type (sub-byte types are packed by XLA only with an
+#: explicit ``E(n)`` layout; for memory accounting we use XLA's CPU convention of
+#: one byte for sub-byte integer types and pred).
+ELEMENT_BITS: dict[str, int] = {
+    "pred": 8,
+    "s1": 8, "s2": 8, "s4": 8, "s8": 8, "s16": 16, "s32": 32, "s64": 64,
+    "u1": 8, "u2": 8, "u4": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "f8e5m2": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e3m4": 8,
+    "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "f8e8m0fnu": 8, "f4e2m1fn": 8,
+    "c64": 64, "c128": 128,
+    "token": 0, "opaque": 0,
+}
+
+FLOAT_TYPES = frozenset(
+    t for t in ELEMENT_BITS if t.startswith(("f", "bf"))
+)
+INTEGER_TYPES = frozenset(t for t in ELEMENT_BITS if t[0] in "su" and t[1:].isdigit())
+COMPLEX_TYPES = frozenset({"c64", "c128"})
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """``{minor_to_major[:tail]}``. ``tail`` keeps tiles, memory space, element bits
+    etc. verbatim (e.g. ``"T(8,128)(2,1)S(1)"``); passes only reason about order."""
+
+    minor_to_major: tuple[int, ...]
+    tail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayShape:
+    element_type: str
+    dims: tuple[int, ...]
+    #: Per dimension: "" static, "<=" bounded dynamic, "?" unbounded (size -1).
+    #: Empty when every dimension is static (the common case).
+    dynamic: tuple[str, ...] = ()
+    layout: Layout | None = None
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def byte_size(self) -> int:
+        return self.num_elements * ELEMENT_BITS[self.element_type] // 8
+
+    @property
+    def is_scalar(self) -> bool:
+        return not self.dims
+
+    def minor_to_major(self) -> tuple[int, ...]:
+        """The layout's order, or XLA's default ``{rank-1, …, 0}`` when absent."""
+        if self.layout is not None and self.layout.minor_to_major:
+            return self.layout.minor_to_major
+        return tuple(range(self.rank - 1, -1, -1))
+
+    def with_dims(self, dims: tuple[int, ...], layout: Layout | None = None) -> ArrayShape:
+        return ArrayShape(self.element_type, tuple(dims), (), layout)
+
+    def with_element_type(self, element_type: str) -> ArrayShape:
+        return ArrayShape(element_type, self.dims, self.dynamic, self.layout)
+
+
+@dataclass(frozen=True, slots=True)
+class TupleShape:
+    elements: tuple[Shape, ...]
+
+    @property
+    def byte_size(self) -> int:
+        return sum(e.byte_size for e in self.elements)
+
+    def leaves(self) -> Iterator[tuple[tuple[int, ...], ArrayShape]]:
+        """(shape index, array shape) for every array leaf, depth first."""
+        for i, element in enumerate(self.elements):
+            if isinstance(element, TupleShape):
+                for index, leaf in element.leaves():
+                    yield (i, *index), leaf
+            else:
+                yield (i,), element
+
+
+Shape = Union[ArrayShape, TupleShape]
+
+
+def shape_leaves(shape: Shape) -> Iterator[tuple[tuple[int, ...], ArrayShape]]:
+    if isinstance(shape, TupleShape):
+        yield from shape.leaves()
+    else:
+        yield (), shape
+
+
+# ----------------------------------------------------------------------- attributes
+
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """An attribute value kept verbatim (metadata, sharding, backend_config, …)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ident:
+    """A bare identifier value: ``direction=LT``, ``kind=kLoop``, ``fft_type=FFT``."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Str:
+    """A quoted string value, unescaped (``custom_call_target="foo"``)."""
+
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
+class ComputationRef:
+    """``to_apply=%add`` and friends: the name of a computation in the module."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ComputationList:
+    """``branch_computations={%a, %b}``, custom-call ``called_computations``."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRanges:
+    """``slice={[start:limit:stride], …}``."""
+
+    ranges: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGroups:
+    """``replica_groups=`` in any of XLA's three forms.
+
+    ``groups`` is the explicit expansion used by analyses (empty tuple for ``{}``,
+    "all participants"); ``text`` is the form that was read, printed back as is so a
+    round trip never changes the module. A group list built by a pass has
+    ``text=None`` and prints in the explicit form.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    text: str | None = None
+
+    @property
+    def group_size(self) -> int | None:
+        """Common size of the groups, or None when empty or non-uniform."""
+        sizes = {len(g) for g in self.groups}
+        return sizes.pop() if len(sizes) == 1 else None
+
+
+#: int: channel_id, index, iota_dimension, feature_index …
+#: bool: use_global_device_ids, constrain_layout, is_stable, indices_are_sorted …
+#: tuple[int, ...]: braced int lists (dimensions, dynamic_slice_sizes, *_dims …)
+#: float: epsilon
+AttrValue = Union[
+    int, bool, float, tuple, Raw, Ident, Str, ComputationRef, ComputationList,
+    SliceRanges, ReplicaGroups,
+]
+
+
+# --------------------------------------------------------------------- instructions
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLoc:
+    """1-based line and column of a definition in the text it was parsed from."""
+
+    line: int
+    column: int
+
+
+@dataclass(slots=True, eq=False)
+class Instruction:
+    name: str
+    opcode: str
+    shape: Shape
+    #: Names of operand instructions in the same computation, in operand order
+    #: (repeats allowed: ``multiply(x, x)``).
+    operands: list[str] = field(default_factory=list)
+    #: Attributes in print order.
+    attributes: dict[str, AttrValue] = field(default_factory=dict)
+    #: ``parameter(N)``.
+    parameter_number: int | None = None
+    #: ``constant(...)``: the literal text verbatim (``{1, 2}``, ``nan``, ``{...}``).
+    literal: str | None = None
+    loc: SourceLoc | None = None
+
+    @property
+    def is_elided_constant(self) -> bool:
+        """A constant printed as ``{...}`` by XLA: its values are unknown."""
+        return self.literal is not None and "..." in self.literal
+
+    def attr(self, name: str, default: AttrValue | None = None) -> AttrValue | None:
+        return self.attributes.get(name, default)
+
+    def called_computations(self) -> list[str]:
+        """Names of the computations this instruction calls, in attribute order."""
+        names: list[str] = []
+        for value in self.attributes.values():
+            if isinstance(value, ComputationRef):
+                names.append(value.name)
+            elif isinstance(value, ComputationList):
+                names.extend(value.names)
+        return names
+
+    def __repr__(self) -> str:  # short: full dumps belong to the printer
+        return f"<{self.name} = {self.opcode}({', '.join(self.operands)})>"
+
+
+@dataclass(slots=True, eq=False)
+class Computation:
+    name: str
+    instructions: list[Instruction] = field(default_factory=list)
+    root_name: str | None = None
+    is_entry: bool = False
+    execution_thread: str | None = None
+    loc: SourceLoc | None = None
+    _index: dict[str, Instruction] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {inst.name: inst for inst in self.instructions}
+        if self.root_name is None and self.instructions:
+            self.root_name = self.instructions[-1].name
+
+    # Lookups -------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def __getitem__(self, name: str) -> Instruction:
+        return self._index[name]
+
+    def get(self, name: str) -> Instruction | None:
+        return self._index.get(name)
+
+    @property
+    def root(self) -> Instruction:
+        assert self.root_name is not None, f"computation {self.name} is empty"
+        return self._index[self.root_name]
+
+    def parameters(self) -> list[Instruction]:
+        """Parameter instructions ordered by parameter number."""
+        params = [i for i in self.instructions if i.opcode == "parameter"]
+        return sorted(params, key=lambda i: i.parameter_number)
+
+    def operands_of(self, inst: Instruction) -> list[Instruction]:
+        return [self._index[name] for name in inst.operands]
+
+    # Structural edits (keep the name index in step) ----------------------------------
+    def insert(self, position: int, inst: Instruction) -> Instruction:
+        if inst.name in self._index:
+            raise ValueError(f"duplicate instruction name {inst.name!r} in {self.name}")
+        self.instructions.insert(position, inst)
+        self._index[inst.name] = inst
+        return inst
+
+    def append(self, inst: Instruction) -> Instruction:
+        return self.insert(len(self.instructions), inst)
+
+    def position(self, name: str) -> int:
+        for i, inst in enumerate(self.instructions):
+            if inst.name == name:
+                return i
+        raise KeyError(name)
+
+    def remove(self, name: str) -> None:
+        inst = self._index.pop(name)
+        self.instructions.remove(inst)
+
+    def reindex(self) -> None:
+        """Rebuild the name index after editing ``instructions`` directly."""
+        self._index = {inst.name: inst for inst in self.instructions}
+
+
+@dataclass(slots=True, eq=False)
+class Module:
+    name: str
+    computations: list[Computation] = field(default_factory=list)
+    #: Header attributes in print order (``replica_count`` and ``num_partitions`` are
+    #: ints, ``is_scheduled`` a bool, the rest mostly :class:`Raw`).
+    header: dict[str, AttrValue] = field(default_factory=dict)
+    #: The ``FileNames … StackFrames`` section verbatim, or None.
+    stack_frames: str | None = None
+    #: Path the module was read from, for messages.
+    source_path: str | None = None
+
+    @property
+    def entry(self) -> Computation:
+        for comp in self.computations:
+            if comp.is_entry:
+                return comp
+        return self.computations[-1]
+
+    def computation(self, name: str) -> Computation:
+        for comp in self.computations:
+            if comp.name == name:
+                return comp
+        raise KeyError(name)
+
+    @property
+    def replica_count(self) -> int:
+        return int(self.header.get("replica_count", 1))
+
+    @property
+    def num_partitions(self) -> int:
+        return int(self.header.get("num_partitions", 1))
+
+    @property
+    def is_scheduled(self) -> bool:
+        return bool(self.header.get("is_scheduled", False))
