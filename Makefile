@@ -1,0 +1,30 @@
+# hlo-shard developer targets. `make install && make test` on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+N      ?= 8
+
+.PHONY: install test test-fast bench fixtures fuzz clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+fixtures: install
+	$(PY) scripts/make_fixtures.py --out fixtures
+
+bench: install
+	$(PY) bench/run.py
+
+fuzz: install
+	$(PY) -m hlo_shard.fuzz --cases $${CASES:-2000}
+
+clean:
+	rm -rf $(VENV) build dist bench/out .pytest_cache
