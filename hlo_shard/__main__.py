@@ -1,0 +1,3 @@
+from hlo_shard.cli import main
+
+main()
