@@ -1,0 +1,298 @@
+"""The networkx dataflow view of a module and the editing helpers passes use.
+
+Analyses read :func:`dataflow_graph` (a ``MultiDiGraph`` per computation, operand →
+user edges keyed by operand index, so ``multiply(x, x)`` has two edges) and
+:func:`call_graph`. Passes edit through a :class:`Rewriter`, which keeps the
+computation's ordered instruction list (the source of truth), its users index and a
+log of every change in step — the log is what ``optimize --explain`` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import networkx as nx
+
+from hlo_shard.ir import ELEMENT_BITS, Computation, Instruction, Module
+
+# ------------------------------------------------------------------------ read views
+
+
+def dataflow_graph(comp: Computation) -> nx.MultiDiGraph:
+    """Operand → user edges, keyed by operand index; node attribute ``inst``."""
+    graph = nx.MultiDiGraph(name=comp.name)
+    for inst in comp.instructions:
+        graph.add_node(inst.name, inst=inst)
+    for inst in comp.instructions:
+        for index, operand in enumerate(inst.operands):
+            graph.add_edge(operand, inst.name, key=index)
+    return graph
+
+
+def call_graph(module: Module) -> nx.DiGraph:
+    """Computation → called computation, edge attribute ``via`` (the calling
+    instruction names)."""
+    graph = nx.DiGraph(name=module.name)
+    for comp in module.computations:
+        graph.add_node(comp.name, computation=comp)
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for callee in inst.called_computations():
+                if graph.has_edge(comp.name, callee):
+                    graph.edges[comp.name, callee]["via"].append(inst.name)
+                else:
+                    graph.add_edge(comp.name, callee, via=[inst.name])
+    return graph
+
+
+def users_map(comp: Computation) -> dict[str, list[str]]:
+    """Name → names of its users, each user once, in program order."""
+    users: dict[str, list[str]] = {inst.name: [] for inst in comp.instructions}
+    for inst in comp.instructions:
+        for operand in dict.fromkeys(inst.operands):
+            users[operand].append(inst.name)
+    return users
+
+
+def control_predecessors(inst: Instruction) -> list[str]:
+    """Names in ``control-predecessors={%a, %b}`` (kept as raw text in the IR)."""
+    raw = inst.attributes.get("control-predecessors")
+    if raw is None:
+        return []
+    return re.findall(r"%?([A-Za-z_][\w.\-]*)", getattr(raw, "text", str(raw)))
+
+
+def is_def_before_use(comp: Computation) -> bool:
+    seen: set[str] = set()
+    for inst in comp.instructions:
+        if any(op not in seen for op in inst.operands):
+            return False
+        if any(p not in seen for p in control_predecessors(inst)):
+            return False
+        seen.add(inst.name)
+    return True
+
+
+def topological_order(comp: Computation) -> list[Instruction]:
+    """A def-before-use order that keeps the list order wherever it is valid.
+
+    Kahn's algorithm with a priority on the original position: when the list is
+    already valid (the common case) this returns it unchanged.
+    """
+    if is_def_before_use(comp):
+        return list(comp.instructions)
+    import heapq
+
+    position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+    deps = {
+        inst.name: set(inst.operands) | set(control_predecessors(inst))
+        for inst in comp.instructions
+    }
+    dependents: dict[str, list[str]] = {name: [] for name in deps}
+    for name, needs in deps.items():
+        for need in needs:
+            dependents[need].append(name)
+    remaining = {name: len(needs) for name, needs in deps.items()}
+    ready = [position[n] for n, count in remaining.items() if count == 0]
+    heapq.heapify(ready)
+    order: list[Instruction] = []
+    while ready:
+        inst = comp.instructions[heapq.heappop(ready)]
+        order.append(inst)
+        for user in dependents[inst.name]:
+            remaining[user] -= 1
+            if remaining[user] == 0:
+                heapq.heappush(ready, position[user])
+    if len(order) != len(comp.instructions):
+        raise ValueError(f"computation {comp.name} has a dependency cycle")
+    return order
+
+
+def callees_first(module: Module) -> list[Computation]:
+    """Computations ordered so that every callee precedes its callers, keeping the
+    module's order where it already is."""
+    graph = call_graph(module)
+    position = {comp.name: i for i, comp in enumerate(module.computations)}
+    order = nx.lexicographical_topological_sort(graph.reverse(copy=False), key=position.get)
+    return [graph.nodes[name]["computation"] for name in order]
+
+
+# ------------------------------------------------------------------------- rewriting
+
+#: Identifiers XLA's lexer reserves: an instruction may not be named like these.
+_RESERVED_NAMES = frozenset(ELEMENT_BITS) | {
+    "opaque_type", "true", "false", "inf", "nan", "ENTRY", "ROOT", "HloModule",
+    "maximal", "replicated", "manual",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One edit, as recorded for ``--explain`` and for tests."""
+
+    kind: str  # "insert" | "replace-uses" | "erase" | "set-root"
+    name: str
+    detail: str = ""
+
+
+@dataclass
+class Rewriter:
+    """Edits one computation, keeping the instruction list, the users index and the
+    change log consistent (the torch.fx editing vocabulary on HLO records)."""
+
+    comp: Computation
+    changes: list[Change] = field(default_factory=list)
+    _users: dict[str, list[str]] = field(init=False)
+    _cursor: int | None = field(init=False, default=None)
+    _taken: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._users = users_map(self.comp)
+        self._taken = {inst.name for inst in self.comp.instructions}
+
+    # Queries -------------------------------------------------------------------------
+    def users(self, name: str) -> list[Instruction]:
+        return [self.comp[u] for u in self._users[name]]
+
+    def operands(self, inst: Instruction) -> list[Instruction]:
+        return self.comp.operands_of(inst)
+
+    def fresh_name(self, base: str) -> str:
+        """A name unused in this computation, derived from ``base`` (``base.N``)."""
+        stem = re.sub(r"[^\w.\-]", "_", base.lstrip("%")) or "v"
+        if not re.match(r"[A-Za-z_]", stem):
+            stem = f"v{stem}"
+        stem = re.sub(r"\.\d+$", "", stem)
+        for n in itertools.count(1):
+            candidate = f"{stem}.{n}"
+            if candidate not in self._taken and candidate not in _RESERVED_NAMES:
+                self._taken.add(candidate)
+                return candidate
+        raise AssertionError("unreachable")
+
+    # Insertion -----------------------------------------------------------------------
+    def insert_before(self, anchor: str, inst: Instruction) -> Instruction:
+        return self._insert(self.comp.position(anchor), inst)
+
+    def insert_after(self, anchor: str, inst: Instruction) -> Instruction:
+        return self._insert(self.comp.position(anchor) + 1, inst)
+
+    @contextlib.contextmanager
+    def inserting_after(self, anchor: str) -> Iterator[None]:
+        """Within the block, :meth:`add` inserts in sequence right after ``anchor``."""
+        saved, self._cursor = self._cursor, self.comp.position(anchor) + 1
+        try:
+            yield
+        finally:
+            self._cursor = saved
+
+    @contextlib.contextmanager
+    def inserting_before(self, anchor: str) -> Iterator[None]:
+        saved, self._cursor = self._cursor, self.comp.position(anchor)
+        try:
+            yield
+        finally:
+            self._cursor = saved
+
+    def add(self, opcode: str, shape, operands: Iterable[str] = (), *, name: str | None = None,
+            **attributes) -> Instruction:
+        """Create an instruction (fresh name from ``name`` or the opcode) at the current
+        insertion point (end of the computation, before the root, when none is set)."""
+        inst = Instruction(
+            name=self.fresh_name(name or opcode), opcode=opcode, shape=shape,
+            operands=list(operands), attributes=dict(attributes),
+        )
+        return self.add_instruction(inst)
+
+    def add_instruction(self, inst: Instruction) -> Instruction:
+        self._taken.add(inst.name)
+        if self._cursor is None:
+            return self._insert(self.comp.position(self.comp.root_name), inst)
+        inserted = self._insert(self._cursor, inst)
+        self._cursor += 1
+        return inserted
+
+    def _insert(self, position: int, inst: Instruction) -> Instruction:
+        self.comp.insert(position, inst)
+        self._taken.add(inst.name)
+        self._users[inst.name] = []
+        for operand in dict.fromkeys(inst.operands):
+            self._users[operand].append(inst.name)
+        if self._cursor is not None and position < self._cursor:
+            self._cursor += 1
+        self.changes.append(Change("insert", inst.name, inst.opcode))
+        return inst
+
+    # Use replacement ----------------------------------------------------------------
+    def set_operand(self, user: Instruction, index: int, new: str) -> None:
+        old = user.operands[index]
+        user.operands[index] = new
+        if old not in user.operands and user.name in self._users[old]:
+            self._users[old].remove(user.name)
+        if user.name not in self._users[new]:
+            self._users[new].append(user.name)
+
+    def replace_all_uses_with(self, old: str, new: str, *, exclude: Iterable[str] = ()) -> None:
+        """Point every user of ``old`` (except ``exclude``) at ``new``; moves the root
+        too when ``old`` was the root."""
+        skip = set(exclude) | {new}
+        for user_name in list(self._users[old]):
+            if user_name in skip:
+                continue
+            user = self.comp[user_name]
+            for i, operand in enumerate(user.operands):
+                if operand == old:
+                    self.set_operand(user, i, new)
+        if self.comp.root_name == old and self.comp.root_name not in set(exclude):
+            self.set_root(new)
+        self.changes.append(Change("replace-uses", old, new))
+
+    def set_root(self, name: str) -> None:
+        self.comp.root_name = name
+        self.changes.append(Change("set-root", name))
+
+    # Removal --------------------------------------------------------------------------
+    def erase(self, name: str) -> None:
+        """Remove an instruction that has no users (and is not the root)."""
+        if self._users[name]:
+            raise ValueError(f"cannot erase {name}: still used by {self._users[name]}")
+        if name == self.comp.root_name:
+            raise ValueError(f"cannot erase the root {name}")
+        inst = self.comp[name]
+        position = self.comp.position(name)
+        self.comp.remove(name)
+        if self._cursor is not None and position < self._cursor:
+            self._cursor -= 1
+        for operand in dict.fromkeys(inst.operands):
+            self._users[operand].remove(name)
+        del self._users[name]
+        self.changes.append(Change("erase", name, inst.opcode))
+
+    def remove_dead(self, keep: Iterable[str] = ()) -> int:
+        """Erase instructions whose value is never used, except parameters, the root,
+        side-effecting ops and ``keep``. Returns how many were removed."""
+        protected = set(keep) | {self.comp.root_name}
+        for inst in self.comp.instructions:
+            protected.update(control_predecessors(inst))
+        removed = 0
+        for inst in reversed(list(self.comp.instructions)):
+            if (inst.name in protected or self._users[inst.name]
+                    or inst.opcode in _SIDE_EFFECTING):
+                continue
+            self.erase(inst.name)
+            removed += 1
+        return removed
+
+
+#: Opcodes never removed as dead: they have effects beyond their value (or are part of
+#: the signature).
+_SIDE_EFFECTING = frozenset({
+    "parameter", "send", "send-done", "recv", "recv-done", "outfeed", "infeed",
+    "custom-call", "after-all", "rng", "rng-get-and-update-state", "all-reduce-start",
+    "all-gather-start", "collective-permute-start", "async-start", "copy-start",
+    "add-dependency", "opt-barrier",
+})
