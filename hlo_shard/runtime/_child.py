@@ -1,0 +1,255 @@
+"""The child process that compiles and executes HLO through jax's XLA client.
+
+Run as a script by :class:`hlo_shard.runtime.worker.Worker`, never imported by the
+parent except for its pure helpers (framing, version range). It imports only the
+standard library, numpy and jax — not :mod:`hlo_shard` — so it starts fast and a
+CHECK failure inside XLA (which calls ``abort()``) kills this process only.
+
+Why a separate process at all: ``--xla_force_host_platform_device_count`` must be in
+the environment before jax's CPU backend starts, and XLA's CHECKs cannot be caught.
+
+Protocol: length-prefixed pickles over two pipes. Each request is a dict with an
+``op``; each reply is ``{"ok": True, "result": …}`` or ``{"ok": False, "error": …}``.
+This file holds every call into jax's private API (``jax._src.lib.xla_client``); the
+shim functions cover the differences listed in executing-hlo-with-jax.md §11.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import struct
+import sys
+import time
+from typing import Any, BinaryIO
+
+#: jax/jaxlib releases this runtime was written and tested against ([low, high)).
+SUPPORTED_JAXLIB = ((0, 10), (0, 11))
+SUPPORTED_TEXT = "jax>=0.10,<0.11"
+#: Set to 1 to try an unsupported jaxlib anyway (the shim may cope).
+ALLOW_UNSUPPORTED_ENV = "HLO_SHARD_ALLOW_UNSUPPORTED_JAX"
+
+_HEADER = struct.Struct("<Q")
+
+# ------------------------------------------------------------------ framing helpers
+
+
+def write_message(stream: BinaryIO, message: Any) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(payload)))
+    stream.write(payload)
+    stream.flush()
+
+
+def read_message(stream: BinaryIO) -> Any:
+    """The next message, or None at end of stream."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (length,) = _HEADER.unpack(header)
+    payload = stream.read(length)
+    if len(payload) < length:
+        return None
+    return pickle.loads(payload)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def unsupported_version_message(version: str) -> str | None:
+    """Why ``version`` of jaxlib cannot be used, or None when it is supported."""
+    low, high = SUPPORTED_JAXLIB
+    if low <= version_tuple(version)[:2] < high:
+        return None
+    return (f"jaxlib {version} is not supported: hlo-shard needs {SUPPORTED_TEXT} "
+            f"(pip install '{SUPPORTED_TEXT}'), or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway")
+
+
+# ------------------------------------------------------------------------- runtime
+
+
+class UsageError(Exception):
+    """A request the runtime refuses (not an XLA failure)."""
+
+
+class Runtime:
+    """Compiled executables of one backend and device count, addressed by handle."""
+
+    def __init__(self, backend: str, device_count: int) -> None:
+        import jaxlib.version
+
+        problem = unsupported_version_message(jaxlib.version.__version__)
+        if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+            raise UsageError(problem)
+        import jax
+        import numpy as np
+        from jax._src.lib import xla_client as xc  # private API, see module docstring
+
+        self.jax, self.np, self.xc = jax, np, xc
+        try:
+            available = jax.devices(backend)
+        except RuntimeError as err:
+            raise UsageError(f"backend {backend!r} is not available to jax: "
+                             f"{str(err).splitlines()[0]}") from None
+        if len(available) < device_count:
+            raise UsageError(f"{device_count} devices requested but the {backend} backend "
+                             f"has only {len(available)}")
+        self.devices = available[:device_count]
+        self.executables: dict[int, tuple[Any, list]] = {}
+        self.next_handle = 1
+
+    # The shim: one function per API that moved between jaxlib releases -----------
+    def _parse(self, text: str):
+        hlo = getattr(self.xc, "hlo", None)
+        if hlo is not None and hasattr(hlo, "hlo_module_from_text"):
+            return hlo.hlo_module_from_text(text)
+        return self.xc._xla.hlo_module_from_text(text)
+
+    def _compile(self, mlir: str, devices: list, options):
+        client = devices[0].client
+        if hasattr(client, "compile_and_load"):
+            return client.compile_and_load(mlir, self.xc.DeviceList(tuple(devices)), options)
+        return client.compile(mlir, options)
+
+    def _module_cost(self, module) -> dict[str, float]:
+        analysis = getattr(self.xc._xla, "hlo_module_cost_analysis", None)
+        if analysis is None:
+            return {}
+        return {key: float(value) for key, value in analysis(self.devices[0].client,
+                                                              module).items()}
+
+    def describe(self) -> dict:
+        import jaxlib.version
+
+        first = self.devices[0]
+        return {"jax": self.jax.__version__, "jaxlib": jaxlib.version.__version__,
+                "platform": first.platform, "device_kind": first.device_kind,
+                "device_count": len(self.devices)}
+
+    # Requests --------------------------------------------------------------------
+    def compile(self, text: str, replicas: int) -> dict:
+        """Compile replica-form text for ``replicas`` devices (one partition each)."""
+        if replicas > len(self.devices):
+            raise UsageError(f"module needs {replicas} devices; this worker has "
+                             f"{len(self.devices)}")
+        xc, np = self.xc, self.np
+        module = self._parse(text)
+        computation = xc.XlaComputation(module.as_serialized_hlo_module_proto())
+        mlir = xc._xla.mlir.xla_computation_to_mlir_module(computation)
+        options = xc.CompileOptions()
+        build = options.executable_build_options
+        build.num_replicas = replicas
+        build.num_partitions = 1
+        devices = self.devices[:replicas]
+        build.device_assignment = xc.DeviceAssignment.create(
+            np.array([[device.id] for device in devices]))
+        started = time.perf_counter()
+        executable = self._compile(mlir, devices, options)
+        compile_seconds = time.perf_counter() - started
+        handle = self.next_handle
+        self.next_handle += 1
+        self.executables[handle] = (executable, devices)
+        compiled_cost = executable.cost_analysis()
+        if isinstance(compiled_cost, list):  # jaxlib 0.4.x
+            compiled_cost = compiled_cost[0] if compiled_cost else {}
+        return {"handle": handle, "compile_seconds": compile_seconds,
+                "memory": _memory_stats(executable.get_compiled_memory_stats()),
+                "cost": self._module_cost(module),
+                "compiled_cost": {k: float(v) for k, v in compiled_cost.items()}}
+
+    def _arrays(self, devices: list, per_parameter: list[list]) -> list:
+        """One jax.Array per parameter holding each device's own value."""
+        jax = self.jax
+        mesh = jax.sharding.Mesh(self.np.array(devices), ("d",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        arrays = []
+        for values in per_parameter:
+            if len(values) != len(devices):
+                raise UsageError(f"{len(values)} values given for {len(devices)} devices")
+            buffers = [jax.device_put(v, d) for v, d in zip(values, devices)]
+            arrays.append(jax.make_array_from_single_device_arrays(
+                self.np.shape(values[0]), replicated, buffers))
+        return arrays
+
+    def _executable(self, handle: int):
+        if handle not in self.executables:
+            raise UsageError(f"no executable with handle {handle}")
+        return self.executables[handle]
+
+    def execute(self, handle: int, arguments: list[list]) -> list[list]:
+        executable, devices = self._executable(handle)
+        result = executable.execute_sharded(self._arrays(devices, arguments))
+        return [[self.np.asarray(x) for x in leaf]
+                for leaf in result.disassemble_into_single_device_arrays()]
+
+    def time(self, handles: list[int], arguments: list[list[list]], runs: int,
+             warmup: int) -> list[list[float]]:
+        """Wall seconds per run of each executable, interleaved A, B, A, B … so that
+        machine noise hits all of them alike; the first ``warmup`` rounds are dropped.
+        Inputs are placed once (modules run without donation, so they stay valid)."""
+        prepared = []
+        for handle, args in zip(handles, arguments):
+            executable, devices = self._executable(handle)
+            prepared.append((executable, self._arrays(devices, args)))
+        times: list[list[float]] = [[] for _ in handles]
+        for round_number in range(warmup + runs):
+            for slot, (executable, arrays) in enumerate(prepared):
+                started = time.perf_counter()
+                result = executable.execute_sharded(arrays)
+                self.jax.block_until_ready(result.disassemble_into_single_device_arrays())
+                elapsed = time.perf_counter() - started
+                if round_number >= warmup:
+                    times[slot].append(elapsed)
+        return times
+
+    def release(self, handle: int) -> None:
+        self.executables.pop(handle, None)
+
+
+def _memory_stats(stats) -> dict[str, int]:
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
+    return {name: int(getattr(stats, name)) for name in fields if hasattr(stats, name)}
+
+
+def _error_reply(err: BaseException) -> dict:
+    kind = "usage" if isinstance(err, UsageError) else "xla"
+    if type(err).__name__ not in ("JaxRuntimeError", "XlaRuntimeError", "UsageError"):
+        kind = "internal"
+    return {"ok": False, "kind": kind, "error": str(err) or type(err).__name__,
+            "type": type(err).__name__}
+
+
+def serve(requests: BinaryIO, replies: BinaryIO, backend: str, device_count: int) -> None:
+    try:
+        runtime = Runtime(backend, device_count)
+    except Exception as err:  # noqa: BLE001 - every failure goes back to the parent
+        write_message(replies, _error_reply(err))
+        return
+    write_message(replies, {"ok": True, "result": runtime.describe()})
+    handlers = {"compile": runtime.compile, "execute": runtime.execute,
+                "time": runtime.time, "release": runtime.release,
+                "ping": lambda: "pong"}
+    while (request := read_message(requests)) is not None:
+        op = request.pop("op")
+        try:
+            reply = {"ok": True, "result": handlers[op](**request)}
+        except Exception as err:  # noqa: BLE001 - reported, the worker lives on
+            reply = _error_reply(err)
+        write_message(replies, reply)
+
+
+def main(argv: list[str]) -> None:
+    # The parent owns interruption: on Ctrl-C it closes our pipe and we exit at EOF.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    request_fd, reply_fd, backend, device_count = argv
+    with os.fdopen(int(request_fd), "rb") as requests, \
+            os.fdopen(int(reply_fd), "wb") as replies:
+        serve(requests, replies, backend, int(device_count))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
