@@ -1,0 +1,141 @@
+""":class:`hlo_shard.ir.Module` → HLO text that XLA's parser reads back as the same module.
+
+Always the long form: ``%`` names, computation signatures, ``ENTRY``/``ROOT``, result
+shapes, no operand shapes. Callees come before callers; instructions keep their
+order where it is a valid def-before-use order (and always in scheduled modules).
+Typed attribute values are printed canonically, :class:`~hlo_shard.ir.Raw` ones
+verbatim, so printing a parsed module twice gives the same text.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hlo_shard.graph import callees_first, topological_order
+from hlo_shard.ir import (
+    ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident, Instruction,
+    Module, Raw, ReplicaGroups, Shape, SliceRanges, Str,
+)
+
+__all__ = ["format_shape", "format_value", "to_text"]
+
+
+def format_shape(shape: Shape) -> str:
+    """``f32[8,4]{1,0}``, ``(f32[], (s32[2]{0}, pred[]))``, ``f32[<=8,?]``."""
+    if not isinstance(shape, ArrayShape):
+        return "(" + ", ".join(format_shape(s) for s in shape.elements) + ")"
+    if shape.dynamic:
+        dims = ",".join("?" if kind == "?" else f"{kind}{d}"
+                        for d, kind in zip(shape.dims, shape.dynamic))
+    else:
+        dims = ",".join(map(str, shape.dims))
+    layout = shape.layout
+    if layout is None or (not layout.minor_to_major and not layout.tail):
+        return f"{shape.element_type}[{dims}]"
+    order = ",".join(map(str, layout.minor_to_major))
+    tail = f":{layout.tail}" if layout.tail else ""
+    return f"{shape.element_type}[{dims}]{{{order}{tail}}}"
+
+
+def _c_escape(value: str) -> str:
+    out = []
+    for ch in value:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\{ord(ch):03o}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _format_int_list(values: tuple) -> str:
+    return "{" + ",".join(
+        _format_int_list(v) if isinstance(v, tuple) else str(v) for v in values) + "}"
+
+
+def _format_float(value: float) -> str:
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
+
+
+#: Value type → printer. bool is listed before int (bool is an int subclass) and the
+#: lookup goes by exact type.
+_VALUE_FORMATS: dict[type, Callable[[AttrValue], str]] = {
+    bool: lambda v: "true" if v else "false",
+    int: str,
+    float: _format_float,
+    tuple: _format_int_list,
+    Raw: lambda v: v.text,
+    Ident: lambda v: v.name,
+    Str: lambda v: f'"{_c_escape(v.value)}"',
+    ComputationRef: lambda v: f"%{v.name}",
+    ComputationList: lambda v: "{" + ", ".join(f"%{n}" for n in v.names) + "}",
+    SliceRanges: lambda v: "{" + ", ".join(
+        f"[{a}:{b}]" if c == 1 else f"[{a}:{b}:{c}]" for a, b, c in v.ranges) + "}",
+    ReplicaGroups: lambda v: v.text if v.text is not None else _format_int_list(v.groups),
+}
+
+
+def format_value(value: AttrValue) -> str:
+    """An attribute value as it appears after ``name=``."""
+    return _VALUE_FORMATS[type(value)](value)
+
+
+class _Printer:
+    """Formats one module; caches shape texts (most shapes repeat many times)."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[int, str] = {}
+
+    def shape(self, shape: Shape) -> str:
+        text = self._shapes.get(id(shape))
+        if text is None:
+            text = self._shapes[id(shape)] = format_shape(shape)
+        return text
+
+    def module(self, module: Module) -> str:
+        header = "HloModule " + module.name + "".join(
+            f", {key}={format_value(value)}" for key, value in module.header.items())
+        parts = [header]
+        if module.stack_frames:
+            parts.append(module.stack_frames)
+        scheduled = module.is_scheduled
+        parts.extend(self.computation(comp, scheduled) for comp in callees_first(module))
+        return "\n\n".join(parts) + "\n"
+
+    def computation(self, comp: Computation, scheduled: bool) -> str:
+        params = ", ".join(f"{p.name}: {self.shape(p.shape)}" for p in comp.parameters())
+        head = (f"{'ENTRY ' if comp.is_entry else ''}%{comp.name} ({params}) -> "
+                f"{self.shape(comp.root.shape)} {{")
+        order = comp.instructions if scheduled else topological_order(comp)
+        root = comp.root_name
+        lines = [head]
+        lines.extend(self.instruction(inst, inst.name == root) for inst in order)
+        tail = "}"
+        if comp.execution_thread is not None:
+            tail += f', execution_thread="{_c_escape(comp.execution_thread)}"'
+        lines.append(tail)
+        return "\n".join(lines)
+
+    def instruction(self, inst: Instruction, is_root: bool) -> str:
+        if inst.parameter_number is not None:
+            body = f"parameter({inst.parameter_number})"
+        elif inst.literal is not None:
+            body = f"constant({inst.literal})"
+        else:
+            body = f"{inst.opcode}(" + ", ".join("%" + o for o in inst.operands) + ")"
+        attrs = inst.attributes
+        text = f"  {'ROOT ' if is_root else ''}%{inst.name} = {self.shape(inst.shape)} {body}"
+        if attrs:
+            text += "".join(f", {key}={_VALUE_FORMATS[type(value)](value)}"
+                            for key, value in attrs.items())
+        return text
+
+
+def to_text(module: Module) -> str:
+    """The module as HLO text (long form)."""
+    return _Printer().module(module)
