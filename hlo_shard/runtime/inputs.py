@@ -1,0 +1,388 @@
+"""Inputs for executing a module on N devices: roles, seeded values, ``.npz`` files.
+
+Data parallelism has a precondition: weights and optimizer state are the same on
+every replica, the batch differs. So each entry parameter is either *replicated*
+(one value on all devices) or *per-device* (its own value on each device). The role
+comes from the first source that has an opinion (:func:`parameter_roles`):
+
+1. an explicit list of per-device parameters (``--per-device-params 9,10``; every
+   other parameter is then replicated);
+2. the manifest (:mod:`hlo_shard.runtime.manifest`) records of the original's parameters;
+3. the parameter's ``sharding`` in an SPMD-form module: ``{replicated}`` → replicated,
+   a tiled sharding → per-device;
+4. its ``parameter_replication`` attribute;
+5. :func:`default_roles`, a dataflow analysis: a parameter that reaches an output
+   through elementwise and data-movement ops only (no reduction, dot or summing
+   collective on the way) is state updated in place → replicated; else one that
+   reaches a summing collective (all-reduce, reduce-scatter) is batch data or a local
+   gradient → per-device; anything else → replicated.
+
+Values are seeded by (seed, step, parameter, device) so both modules of a comparison
+get the same inputs and a rerun reproduces them. Floats are ``0.1·N(0,1)``, small
+enough that a few optimizer steps stay finite; parameters that flow into ``sqrt``,
+``rsqrt``, ``log``, ``power`` or a divisor (Adam's second moment ``nu``) are made
+positive instead (``0.01 + |0.1·N(0,1)|``, :func:`positive_parameters`). Integers are
+drawn from 1…4 (valid as step counts and divisors, small as exponents and indices),
+pred uniformly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import topological_order
+from hlo_shard.ir import (
+    COMPLEX_TYPES, FLOAT_TYPES, ArrayShape, Computation, Instruction, Module, Raw,
+    TupleShape, shape_leaves,
+)
+from hlo_shard.runtime.manifest import Manifest
+
+REPLICATED = "replicated"
+PER_DEVICE = "per-device"
+
+#: Per-device values of one parameter or output leaf: ``values[device]``.
+DeviceValues = list[np.ndarray]
+
+# ---------------------------------------------------------------------------- dtypes
+
+_NUMPY_NAMES = {
+    "pred": "bool", "s8": "int8", "s16": "int16", "s32": "int32", "s64": "int64",
+    "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64",
+    "f16": "float16", "f32": "float32", "f64": "float64",
+    "c64": "complex64", "c128": "complex128",
+}
+#: Types numpy lacks, provided by ml_dtypes (a jax dependency).
+_ML_DTYPES_NAMES = {
+    "bf16": "bfloat16", "s1": "int1", "s2": "int2", "s4": "int4",
+    "u1": "uint1", "u2": "uint2", "u4": "uint4",
+    "f8e5m2": "float8_e5m2", "f8e4m3": "float8_e4m3", "f8e4m3fn": "float8_e4m3fn",
+    "f8e4m3b11fnuz": "float8_e4m3b11fnuz", "f8e3m4": "float8_e3m4",
+    "f8e5m2fnuz": "float8_e5m2fnuz", "f8e4m3fnuz": "float8_e4m3fnuz",
+    "f8e8m0fnu": "float8_e8m0fnu", "f4e2m1fn": "float4_e2m1fn",
+}
+
+
+def numpy_dtype(element_type: str) -> np.dtype:
+    if element_type in _NUMPY_NAMES:
+        return np.dtype(_NUMPY_NAMES[element_type])
+    if element_type in _ML_DTYPES_NAMES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, _ML_DTYPES_NAMES[element_type]))
+    raise HloShardError(f"element type {element_type} cannot be passed as an input")
+
+
+# --------------------------------------------------------------------------- roles
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterRole:
+    number: int
+    name: str
+    role: str  # REPLICATED | PER_DEVICE
+    #: Which rule decided: "--per-device-params", "manifest", "sharding",
+    #: "parameter_replication" or "analysis".
+    source: str
+
+
+def parameter_roles(module: Module, per_device: Iterable[int] | None = None,
+                    manifest: Manifest | None = None) -> list[ParameterRole]:
+    """The role of every entry parameter of ``module`` (the *original* of a pair)."""
+    params = module.entry.parameters()
+    if per_device is not None:
+        chosen = set(per_device)
+        unknown = chosen - {p.parameter_number for p in params}
+        if unknown:
+            raise HloShardError(f"--per-device-params: module has no parameter "
+                                f"{', '.join(map(str, sorted(unknown)))}")
+        return [ParameterRole(p.parameter_number, p.name,
+                              PER_DEVICE if p.parameter_number in chosen else REPLICATED,
+                              "--per-device-params") for p in params]
+    from_manifest = {}
+    if manifest is not None:
+        from_manifest = {r.original: PER_DEVICE if r.kind == PER_DEVICE else REPLICATED
+                         for r in manifest.parameters if r.original is not None}
+    analysis = default_roles(module)
+    roles = []
+    for p in params:
+        for source, role in (("manifest", from_manifest.get(p.parameter_number)),
+                             ("sharding", _sharding_role(module, p)),
+                             ("parameter_replication", _replication_role(p)),
+                             ("analysis", analysis[p.parameter_number])):
+            if role is not None:
+                roles.append(ParameterRole(p.parameter_number, p.name, role, source))
+                break
+    return roles
+
+
+_TILE_DIMS = re.compile(r"devices=\[([\d,]+)\]")
+
+
+def _sharding_role(module: Module, param: Instruction) -> str | None:
+    """Role from an SPMD module's ``sharding={…}`` on the parameter, if it says."""
+    sharding = param.attributes.get("sharding")
+    if module.num_partitions <= 1 or sharding is None:
+        return None
+    text = sharding.text if isinstance(sharding, Raw) else str(sharding)
+    if text.strip("{} ") == "replicated":
+        return REPLICATED
+    match = _TILE_DIMS.search(text)
+    if not match:
+        return None  # manual, maximal, unknown: not a statement about replication
+    tiles = [int(d) for d in match.group(1).split(",")]
+    if "last_tile_dim_replicate" in text or "last_tile_dims" in text:
+        tiles = tiles[:-1]
+    return PER_DEVICE if np.prod(tiles) > 1 else REPLICATED
+
+
+def _replication_role(param: Instruction) -> str | None:
+    value = param.attributes.get("parameter_replication")
+    if value is None:
+        return None
+    flags = value if isinstance(value, tuple) else re.findall(
+        r"true|false", value.text if isinstance(value, Raw) else str(value))
+    flags = [flag in (True, "true") for flag in flags]
+    if not flags:
+        return None
+    return REPLICATED if all(flags) else PER_DEVICE
+
+
+# ----------------------------------------------------------------- default analysis
+
+#: Ops through which a value keeps its identity (elementwise and data movement):
+#: a parameter reaching an output through these only is state updated in place.
+PASS_THROUGH = frozenset({
+    "abs", "add", "and", "atan2", "bitcast", "bitcast-convert", "broadcast", "cbrt",
+    "ceil", "clamp", "clz", "compare", "complex", "concatenate", "convert", "copy",
+    "copy-done", "copy-start", "cosine", "divide", "dynamic-slice",
+    "dynamic-update-slice", "erf", "exp", "expm1", "floor", "get-tuple-element", "imag",
+    "is-finite", "log", "log1p", "logistic", "maximum", "minimum", "multiply", "negate",
+    "not", "optimization-barrier", "or", "pad", "popcnt", "power", "real",
+    "reduce-precision", "remainder", "reshape", "reverse", "round-nearest-afz",
+    "round-nearest-even", "rsqrt", "select", "shift-left", "shift-right-arithmetic",
+    "shift-right-logical", "sign", "sine", "slice", "sqrt", "stochastic-convert",
+    "subtract", "tan", "tanh", "transpose", "tuple", "xor",
+    # Gathers the shards of replicated state back: still the same state.
+    "all-gather", "all-gather-start", "all-gather-done",
+})
+#: Collectives that sum values across devices: what batch data and gradients feed.
+SUMMING_COLLECTIVES = frozenset({"all-reduce", "all-reduce-start", "reduce-scatter"})
+_CALLS_BODY = frozenset({"fusion", "call", "async-start"})
+
+
+def default_roles(module: Module) -> dict[int, str]:
+    """Parameter number → role by the dataflow rule in the module docstring."""
+    comps = {c.name: c for c in module.computations}
+
+    @lru_cache(maxsize=None)
+    def body_kind(name: str) -> tuple[bool, bool]:
+        """(computation is pass-through only, computation contains a summing collective)."""
+        through, summing = True, False
+        for inst in comps[name].instructions:
+            if inst.opcode == "parameter" or inst.opcode == "constant" or inst.opcode == "iota":
+                continue
+            inner = [body_kind(c) for c in inst.called_computations() if c in comps]
+            summing |= inst.opcode in SUMMING_COLLECTIVES or any(s for _, s in inner)
+            if inst.opcode in _CALLS_BODY:
+                through &= all(t for t, _ in inner)
+            elif inst.opcode not in PASS_THROUGH:
+                through = False
+        return through, summing
+
+    entry = module.entry
+    through: dict[str, int] = {}   # name → bitset of parameters passing through unchanged
+    reach: dict[str, int] = {}     # name → bitset of parameters it depends on at all
+    summed = 0                     # parameters that reach a summing collective
+    for inst in topological_order(entry):
+        if inst.opcode == "parameter":
+            through[inst.name] = reach[inst.name] = 1 << inst.parameter_number
+            continue
+        deps = 0
+        passing = 0
+        for operand in inst.operands:
+            deps |= reach[operand]
+            passing |= through[operand]
+        inner = [body_kind(c) for c in inst.called_computations() if c in comps]
+        if inst.opcode in SUMMING_COLLECTIVES or any(s for _, s in inner):
+            summed |= deps
+        keeps = (inst.opcode in _CALLS_BODY and inner and all(t for t, _ in inner)) or (
+            inst.opcode in PASS_THROUGH)
+        reach[inst.name] = deps
+        through[inst.name] = passing if keeps else 0
+    to_output = through[entry.root_name]
+    roles = {}
+    for param in entry.parameters():
+        bit = 1 << param.parameter_number
+        per_device = not (to_output & bit) and bool(summed & bit)
+        roles[param.parameter_number] = PER_DEVICE if per_device else REPLICATED
+    return roles
+
+
+# ---------------------------------------------------------------- positive domains
+
+#: Operands that must be positive for finite results: opcode → operand indices.
+POSITIVE_OPERANDS: dict[str, tuple[int, ...]] = {
+    "sqrt": (0,), "rsqrt": (0,), "log": (0,), "log1p": (0,), "power": (0,), "divide": (1,),
+}
+#: How a demand for a positive result passes to operands: opcode → operand indices
+#: (None: all operands). Ops not listed stop the demand (exp, abs, subtract …).
+POSITIVE_IF: dict[str, tuple[int, ...] | None] = {
+    "add": None, "multiply": None, "maximum": None, "minimum": None, "divide": (0,),
+    "sqrt": (0,), "convert": None, "copy": None, "broadcast": None, "reshape": None,
+    "bitcast": None, "transpose": None, "slice": None, "reverse": None,
+    "concatenate": None, "pad": None, "dynamic-slice": (0,), "dynamic-update-slice": (0, 1),
+    "all-reduce": None, "all-gather": None, "reduce-scatter": None, "reduce": (0,),
+    "select": (1, 2), "clamp": (1,), "tuple": None, "optimization-barrier": None,
+}
+
+
+def positive_parameters(module: Module) -> set[int]:
+    """Entry parameters whose values should be positive (see the module docstring)."""
+    comps = {c.name: c for c in module.computations}
+
+    @lru_cache(maxsize=None)
+    def demanded_params(name: str, root_demanded: bool) -> frozenset[int]:
+        return frozenset(_demanded_parameters(comps[name], root_demanded, comps,
+                                              demanded_params))
+
+    return set(demanded_params(module.entry.name, False))
+
+
+def _demanded_parameters(comp: Computation, root_demanded: bool, comps: dict,
+                         callee_demands) -> set[int]:
+    demanded: set[str] = {comp.root_name} if root_demanded else set()
+    for inst in reversed(topological_order(comp)):
+        wanted = inst.name in demanded
+        if inst.opcode == "multiply" and len(set(inst.operands)) == 1:
+            continue  # a square is positive whatever its operand
+        indices: set[int] = set(POSITIVE_OPERANDS.get(inst.opcode, ()))
+        if wanted and inst.opcode in POSITIVE_IF:
+            chosen = POSITIVE_IF[inst.opcode]
+            indices |= set(range(len(inst.operands)) if chosen is None else chosen)
+        if wanted and inst.opcode == "get-tuple-element":
+            producer = comp.get(inst.operands[0])
+            if producer is not None and producer.opcode in ("tuple", "all-reduce"):
+                demanded.add(producer.operands[inst.attributes.get("index", 0)])
+        if inst.opcode in ("fusion", "call"):
+            for callee in inst.called_computations():
+                if callee in comps:
+                    indices |= set(callee_demands(callee, wanted))
+        demanded.update(inst.operands[i] for i in indices if i < len(inst.operands))
+    return {p.parameter_number for p in comp.parameters() if p.name in demanded}
+
+
+# ----------------------------------------------------------------------- generation
+
+
+def random_value(shape: ArrayShape, rng: np.random.Generator, positive: bool = False
+                 ) -> np.ndarray:
+    """One seeded value for ``shape`` (see the module docstring for the ranges)."""
+    dtype = numpy_dtype(shape.element_type)
+    dims = shape.dims
+    if shape.element_type == "pred":
+        return rng.random(dims) < 0.5
+    if shape.element_type in COMPLEX_TYPES:
+        return (0.1 * (rng.standard_normal(dims) + 1j * rng.standard_normal(dims))).astype(dtype)
+    if shape.element_type in FLOAT_TYPES:
+        value = 0.1 * rng.standard_normal(dims)
+        if positive:
+            value = 0.01 + np.abs(value)
+        return np.asarray(value, dtype=np.float32).astype(dtype)
+    return rng.integers(1, 5, size=dims).astype(dtype)
+
+
+def parameter_shapes(module: Module) -> list[ArrayShape]:
+    shapes = []
+    for param in module.entry.parameters():
+        if isinstance(param.shape, TupleShape):
+            raise HloShardError(f"entry parameter %{param.name} is a tuple; tuple-shaped "
+                                "entry parameters are not supported")
+        shapes.append(param.shape)
+    return shapes
+
+
+def output_shapes(module: Module) -> list[ArrayShape]:
+    """The entry's output leaves, depth first (the order XLA returns them in)."""
+    return [leaf for _, leaf in shape_leaves(module.entry.root.shape)]
+
+
+def generate_parameter(shape: ArrayShape, number: int, role: str, devices: int, seed: int,
+                       step: int = 0, positive: bool = False) -> DeviceValues:
+    """Seeded per-device values of one parameter; replicated ones share one array."""
+    if role == REPLICATED:
+        value = random_value(shape, np.random.default_rng([seed, step, number]), positive)
+        return [value] * devices
+    return [random_value(shape, np.random.default_rng([seed, step, number, 1 + d]), positive)
+            for d in range(devices)]
+
+
+def generate_inputs(module: Module, roles: Sequence[ParameterRole], devices: int,
+                    seed: int = 0, step: int = 0) -> list[DeviceValues]:
+    """Seeded values for every entry parameter: ``inputs[parameter][device]``."""
+    positive = positive_parameters(module)
+    return [generate_parameter(shape, role.number, role.role, devices, seed, step,
+                               role.number in positive)
+            for shape, role in zip(parameter_shapes(module), roles)]
+
+
+# ---------------------------------------------------------------------- npz inputs
+
+
+def load_npz(path: str | Path, module: Module, devices: int) -> dict[int, DeviceValues]:
+    """User-supplied values from an ``.npz``, by parameter number.
+
+    Keys are ``p<N>`` (parameter number) or the parameter's name. A value shaped like
+    the parameter is replicated; one with a leading axis of size N (devices) holds a
+    value per device. Parameters absent from the file are generated.
+    """
+    params = module.entry.parameters()
+    by_key = {f"p{p.parameter_number}": p for p in params} | {p.name: p for p in params}
+    values: dict[int, DeviceValues] = {}
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise HloShardError(f"{path}: cannot read inputs ({err})") from None
+    with archive:
+        for key in archive.files:
+            param = by_key.get(key)
+            if param is None:
+                raise HloShardError(f"{path}: {key!r} names no entry parameter "
+                                    "(use p<number> or the parameter's name)")
+            shape = param.shape
+            array = archive[key]
+            dtype = numpy_dtype(shape.element_type)
+            if tuple(array.shape) == shape.dims:
+                values[param.parameter_number] = [array.astype(dtype)] * devices
+            elif tuple(array.shape) == (devices, *shape.dims):
+                values[param.parameter_number] = [array[d].astype(dtype) for d in range(devices)]
+            else:
+                raise HloShardError(
+                    f"{path}: {key!r} has shape {tuple(array.shape)}; parameter "
+                    f"%{param.name} needs {shape.dims} (replicated) or "
+                    f"{(devices, *shape.dims)} (one per device)")
+    return values
+
+
+def coerce_argument(value, shape: ArrayShape, devices: int, number: int) -> DeviceValues:
+    """A Python-API argument as per-device values: a list or tuple holds one value
+    per device; anything else (numpy or jax array, scalar) is replicated."""
+    dtype = numpy_dtype(shape.element_type)
+    items = list(value) if isinstance(value, (list, tuple)) else [value] * devices
+    if len(items) != devices:
+        raise HloShardError(f"parameter {number}: {len(items)} per-device values for "
+                            f"{devices} devices")
+    out = []
+    for item in items:
+        array = np.asarray(item).astype(dtype, copy=False)
+        if array.shape != shape.dims:
+            raise HloShardError(f"parameter {number}: value of shape {array.shape}, "
+                                f"expected {shape.dims}")
+        out.append(array)
+    return out

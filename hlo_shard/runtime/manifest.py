@@ -1,0 +1,259 @@
+"""The sharding manifest: how a candidate module's arrays relate to the original's.
+
+``hlo-shard optimize --manifest M.json`` writes it next to a rewritten module;
+``hlo-shard verify --manifest M.json`` reads it to feed the candidate the right
+slices of the original's inputs and to gather its sharded outputs back.
+
+Schema (JSON, version 1)::
+
+    {
+      "format": "hlo-shard-manifest",
+      "version": 1,
+      "devices": 4,                 # N the candidate was rewritten for
+      "parameters": [               # one record per CANDIDATE entry parameter
+        {
+          "index": 0,               # candidate parameter number
+          "original": 0,            # original parameter number it stands for,
+                                    #   or null for a parameter the original lacks
+          "name": "w",              # optional, for messages
+          "kind": "sharded",        # "replicated" | "per-device" | "sharded"
+          "shape": [16, 8],         # ORIGINAL (full, per-device) logical dims
+          "element_type": "f32",
+          "layout": [1, 0],         # original minor_to_major; flatten order below
+          "shard": {                # only for kind "sharded"
+            "length": 32,           # elements in each device's chunk
+            "padding": 0,           # zeros appended before cutting: length*G - numel
+            "replica_groups": [[0, 1, 2, 3]]   # optional; default one group of all N
+          }
+        }
+      ],
+      "outputs": [                  # one record per CANDIDATE output leaf (depth-first
+        {"index": 0, "original": 0, "kind": "sharded", ...}   #  order of the root tuple)
+      ],
+      "feedback": [                 # optional, for --steps: ORIGINAL output leaf j
+        {"output": 0, "parameter": 0}   # becomes ORIGINAL parameter i at the next step
+      ]
+    }
+
+Meaning of ``kind``:
+
+* ``replicated`` — the same value on every device (weights, optimizer state in the
+  original); candidate shape == original shape.
+* ``per-device`` — each device has its own value (batch data, local gradients);
+  candidate shape == original shape.
+* ``sharded`` — each device holds one contiguous chunk of the original value: the
+  original value is flattened in its **physical order** (the order of ``layout``,
+  minor_to_major: the most-major dimension varies slowest), zero-padded at the end to
+  ``length × G`` elements (G = group size) and cut into G chunks of ``length``; the
+  device at position *p* of its replica group holds chunk *p*. The candidate's own
+  array (any dims whose element count is ``length``) holds the chunk in its own
+  physical order. Outputs are gathered back the same way, padding dropped.
+
+A manifest is only read here; :func:`manifest_to_json` writes one so the pass that
+produces it and this reader share the format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Layout
+
+FORMAT = "hlo-shard-manifest"
+VERSION = 1
+KINDS = ("replicated", "per-device", "sharded")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    length: int
+    padding: int = 0
+    #: Empty: one group holding every device.
+    replica_groups: tuple[tuple[int, ...], ...] = ()
+
+    def groups(self, devices: int) -> tuple[tuple[int, ...], ...]:
+        return self.replica_groups or (tuple(range(devices)),)
+
+    def position(self, device: int, devices: int) -> tuple[tuple[int, ...], int]:
+        """(the group holding ``device``, the device's position in it)."""
+        for group in self.groups(devices):
+            if device in group:
+                return group, group.index(device)
+        raise HloShardError(f"manifest: device {device} is in no replica group of a shard")
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayRecord:
+    """One candidate entry parameter or output leaf."""
+
+    index: int
+    original: int | None
+    kind: str
+    shape: ArrayShape
+    name: str = ""
+    shard: Shard | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    devices: int
+    parameters: tuple[ArrayRecord, ...]
+    outputs: tuple[ArrayRecord, ...]
+    #: (original output leaf, original parameter) pairs for --steps, or None.
+    feedback: tuple[tuple[int, int], ...] | None = None
+    path: str | None = None
+
+    def parameter(self, index: int) -> ArrayRecord | None:
+        return next((r for r in self.parameters if r.index == index), None)
+
+
+# -------------------------------------------------------------------------- reading
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise HloShardError(f"manifest {where}: {message}")
+
+
+def _int_list(value, where: str) -> tuple[int, ...]:
+    _require(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                             for v in value), where, "expected a list of integers")
+    return tuple(value)
+
+
+def _record(raw, where: str, devices: int) -> ArrayRecord:
+    _require(isinstance(raw, dict), where, "expected an object")
+    for key in ("index", "kind", "shape", "element_type"):
+        _require(key in raw, where, f"missing {key!r}")
+    index, original, kind = raw["index"], raw.get("original"), raw["kind"]
+    _require(isinstance(index, int) and index >= 0, where, "'index' must be a non-negative integer")
+    _require(original is None or (isinstance(original, int) and original >= 0), where,
+             "'original' must be a non-negative integer or null")
+    _require(kind in KINDS, where, f"'kind' must be one of {', '.join(KINDS)}")
+    element_type = raw["element_type"]
+    _require(element_type in ELEMENT_BITS, where, f"unknown element type {element_type!r}")
+    dims = _int_list(raw["shape"], f"{where}.shape")
+    layout = _int_list(raw.get("layout", list(range(len(dims) - 1, -1, -1))), f"{where}.layout")
+    _require(sorted(layout) == list(range(len(dims))), where,
+             f"layout {list(layout)} is not a permutation of the {len(dims)} dimensions")
+    shape = ArrayShape(element_type, dims, (), Layout(layout))
+    shard = None
+    if kind == "sharded":
+        raw_shard = raw.get("shard")
+        _require(isinstance(raw_shard, dict) and "length" in raw_shard, where,
+                 "a sharded record needs 'shard': {'length': …}")
+        groups = tuple(_int_list(g, f"{where}.shard.replica_groups")
+                       for g in raw_shard.get("replica_groups", []))
+        shard = Shard(int(raw_shard["length"]), int(raw_shard.get("padding", 0)), groups)
+        size = len(shard.groups(devices)[0])
+        _require(all(len(g) == size for g in shard.groups(devices)), where,
+                 "replica groups must have equal sizes")
+        _require(sorted(d for g in shard.groups(devices) for d in g) == list(range(devices)),
+                 where, f"replica groups must cover devices 0..{devices - 1} once")
+        _require(shard.length * size == shape.num_elements + shard.padding, where,
+                 f"length {shard.length} × {size} devices != {shape.num_elements} elements "
+                 f"+ padding {shard.padding}")
+    return ArrayRecord(index, original, kind, shape, str(raw.get("name", "")), shard)
+
+
+def parse_manifest(data, path: str | None = None) -> Manifest:
+    where = path or "<manifest>"
+    _require(isinstance(data, dict) and data.get("format") == FORMAT, where,
+             f"not an {FORMAT} (missing \"format\": \"{FORMAT}\")")
+    _require(data.get("version") == VERSION, where,
+             f"version {data.get('version')!r} is not supported (this hlo-shard reads {VERSION})")
+    devices = data.get("devices")
+    _require(isinstance(devices, int) and devices >= 1, where, "'devices' must be a positive integer")
+    records = {}
+    for section in ("parameters", "outputs"):
+        raw = data.get(section, [])
+        _require(isinstance(raw, list), where, f"'{section}' must be a list")
+        records[section] = tuple(_record(r, f"{where} {section}[{i}]", devices)
+                                 for i, r in enumerate(raw))
+        indices = [r.index for r in records[section]]
+        _require(len(set(indices)) == len(indices), where, f"duplicate index in '{section}'")
+    feedback = None
+    if "feedback" in data:
+        _require(isinstance(data["feedback"], list), where, "'feedback' must be a list")
+        feedback = tuple((int(f["output"]), int(f["parameter"])) for f in data["feedback"])
+    return Manifest(devices, records["parameters"], records["outputs"], feedback, path)
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise HloShardError(f"manifest {path}: not valid JSON ({err.msg} at line {err.lineno})")
+    return parse_manifest(data, str(path))
+
+
+def manifest_to_json(manifest: Manifest) -> dict:
+    """The JSON object for ``manifest`` (what ``optimize --manifest`` writes)."""
+
+    def record(r: ArrayRecord) -> dict:
+        out = {"index": r.index, "original": r.original, "kind": r.kind,
+               "shape": list(r.shape.dims), "element_type": r.shape.element_type,
+               "layout": list(r.shape.minor_to_major())}
+        if r.name:
+            out["name"] = r.name
+        if r.shard is not None:
+            out["shard"] = {"length": r.shard.length, "padding": r.shard.padding}
+            if r.shard.replica_groups:
+                out["shard"]["replica_groups"] = [list(g) for g in r.shard.replica_groups]
+        return out
+
+    data = {"format": FORMAT, "version": VERSION, "devices": manifest.devices,
+            "parameters": [record(r) for r in manifest.parameters],
+            "outputs": [record(r) for r in manifest.outputs]}
+    if manifest.feedback is not None:
+        data["feedback"] = [{"output": o, "parameter": p} for o, p in manifest.feedback]
+    return data
+
+
+# -------------------------------------------------------------- physical flattening
+
+
+def physical_flat(value: np.ndarray, minor_to_major: Sequence[int]) -> np.ndarray:
+    """``value``'s elements in memory order for the layout (most-major first)."""
+    return np.ascontiguousarray(np.transpose(value, tuple(reversed(minor_to_major)))).ravel()
+
+
+def from_physical_flat(flat: np.ndarray, dims: Sequence[int],
+                       minor_to_major: Sequence[int]) -> np.ndarray:
+    major_to_minor = tuple(reversed(minor_to_major))
+    stored = flat.reshape([dims[d] for d in major_to_minor])
+    return np.transpose(stored, np.argsort(major_to_minor))
+
+
+def shard_value(full: np.ndarray, record: ArrayRecord, device: int, devices: int,
+                candidate: ArrayShape) -> np.ndarray:
+    """Device ``device``'s chunk of the original value, in the candidate's shape."""
+    shard = record.shard
+    flat = physical_flat(np.asarray(full), record.shape.minor_to_major())
+    if shard.padding:
+        flat = np.concatenate([flat, np.zeros(shard.padding, flat.dtype)])
+    _, position = shard.position(device, devices)
+    chunk = flat[position * shard.length:(position + 1) * shard.length]
+    return from_physical_flat(chunk, candidate.dims, candidate.minor_to_major())
+
+
+def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: int,
+                 candidate: ArrayShape) -> np.ndarray:
+    """The full original-shaped value on ``device`` from its group's chunks."""
+    shard = record.shard
+    group, _ = shard.position(device, len(per_device))
+    flat = np.concatenate([physical_flat(np.asarray(per_device[d]), candidate.minor_to_major())
+                           for d in group])
+    numel = math.prod(record.shape.dims)
+    return from_physical_flat(flat[:numel], record.shape.dims, record.shape.minor_to_major())

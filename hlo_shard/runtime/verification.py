@@ -1,0 +1,371 @@
+"""Run an original and a candidate module on the same inputs and compare them.
+
+Both modules are driven in the *original's* terms: inputs are generated (or read)
+per original parameter, the candidate receives them through the manifest (a shard
+of the value for a sharded parameter) and its outputs are gathered back to the
+original's output leaves before comparing. With ``steps > 1`` each module carries
+its own state: its outputs, in original terms, become its next inputs where an
+output feeds a parameter (the manifest's ``feedback``, else
+:func:`default_feedback`); other parameters (batch data, gradients) get fresh
+seeded values every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import ArrayShape, Module
+from hlo_shard.runtime.compare import LeafComparison, compare_leaf, missing_leaf
+from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
+from hlo_shard.runtime.forms import check_executable, device_count
+from hlo_shard.runtime.inputs import (
+    REPLICATED, DeviceValues, ParameterRole, generate_inputs, generate_parameter, load_npz,
+    output_shapes, parameter_roles, parameter_shapes,
+)
+from hlo_shard.runtime.manifest import ArrayRecord, Manifest, gather_value, shard_value
+from hlo_shard.runtime.worker import DEFAULT_TIMEOUT
+
+Progress = Callable[[str], None]
+#: Seed offset for candidate-only parameters, so they never repeat an original's values.
+_CANDIDATE_ONLY_SEED = 1_000_003
+
+
+@dataclass
+class VerifyOptions:
+    devices: int | None = None
+    steps: int = 1
+    seed: int = 0
+    rtol: float | None = None
+    atol: float | None = None
+    backend: str = "cpu"
+    manifest: Manifest | None = None
+    per_device_params: Sequence[int] | None = None
+    inputs_npz: str | Path | None = None
+    #: Timed runs per module (0: no timing) after ``warmup`` untimed ones.
+    time_runs: int = 0
+    warmup: int = 2
+    timeout: float = DEFAULT_TIMEOUT
+
+
+@dataclass
+class ModuleReport:
+    name: str
+    parameters: list[ArrayShape]
+    outputs: list[ArrayShape]
+    memory: MemoryStats
+    cost: dict[str, float]
+    compile_seconds: float
+    timing: Timing | None = None
+    #: Output leaves (index) holding NaN or inf after the last step: a warning only.
+    nonfinite_outputs: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, exe: Executable) -> ModuleReport:
+        return cls(exe.name, exe.parameters, exe.outputs, exe.memory, exe.cost,
+                   exe.compile_seconds)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "outputs": [_shape_text(s) for s in self.outputs],
+                "memory_per_device": self.memory.to_json(),
+                "cost": {k: self.cost[k] for k in ("flops", "transcendentals", "bytes accessed")
+                         if k in self.cost},
+                "compile_s": self.compile_seconds,
+                "timing": self.timing.to_json() if self.timing else None,
+                "nonfinite_outputs": self.nonfinite_outputs}
+
+
+@dataclass
+class VerifyReport:
+    devices: int
+    backend: str
+    roles: list[ParameterRole]
+    original: ModuleReport
+    candidate: ModuleReport | None
+    #: Comparisons per step (empty for a single module).
+    steps: list[list[LeafComparison]] = field(default_factory=list)
+    #: (original output leaf, original parameter) pairs fed back between steps.
+    feedback: list[tuple[int, int]] = field(default_factory=list)
+    steps_run: int = 0
+
+    @property
+    def differing(self) -> list[tuple[int, LeafComparison]]:
+        """(step, comparison) for every leaf that did not match, first step first."""
+        return [(step, leaf) for step, leaves in enumerate(self.steps, 1)
+                for leaf in leaves if not leaf.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.differing
+
+    def final(self) -> list[LeafComparison]:
+        """Per leaf: its first failing step's comparison, else the last step's."""
+        if not self.steps:
+            return []
+        first_bad: dict[int, LeafComparison] = {}
+        for _, leaf in self.differing:
+            first_bad.setdefault(leaf.index, leaf)
+        return [first_bad.get(leaf.index, leaf) for leaf in self.steps[-1]]
+
+    def to_json(self) -> dict:
+        data = {"devices": self.devices, "backend": self.backend, "steps": self.steps_run,
+                "inputs": [{"parameter": r.number, "name": r.name, "role": r.role,
+                            "source": r.source} for r in self.roles],
+                "feedback": [{"output": o, "parameter": p} for o, p in self.feedback],
+                "original": self.original.to_json()}
+        if self.candidate is not None:
+            data["candidate"] = self.candidate.to_json()
+            data["match"] = self.ok
+            data["outputs"] = [leaf.to_json() for leaf in self.final()]
+            data["first_difference_step"] = self.differing[0][0] if self.differing else None
+        return data
+
+
+def _shape_text(shape: ArrayShape) -> str:
+    return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
+
+
+def _same_array(a: ArrayShape, b: ArrayShape) -> bool:
+    return a.element_type == b.element_type and a.dims == b.dims
+
+
+# ------------------------------------------------------------------- correspondences
+
+
+def default_feedback(module: Module, roles: Sequence[ParameterRole]) -> list[tuple[int, int]]:
+    """(output leaf, parameter) pairs: each replicated parameter, in order, takes the
+    next output leaf of its shape and type after the previous match. Per-device
+    parameters (batch data, gradients) never take an output: they are fresh each step."""
+    outputs = output_shapes(module)
+    pairs = []
+    start = 0
+    for role, shape in zip(roles, parameter_shapes(module)):
+        if role.role != REPLICATED:
+            continue
+        match = next((j for j in range(start, len(outputs)) if _same_array(outputs[j], shape)),
+                     None)
+        if match is not None:
+            pairs.append((match, role.number))
+            start = match + 1
+    return pairs
+
+
+def _identity_records(original: Module, candidate: Module) -> tuple[list[ArrayRecord], list[ArrayRecord]]:
+    """Records for a candidate with the original's exact signature (no manifest)."""
+    problems = []
+    sections = []
+    for what, ours, theirs in (("parameter", parameter_shapes(original), parameter_shapes(candidate)),
+                               ("output", output_shapes(original), output_shapes(candidate))):
+        if len(ours) != len(theirs):
+            problems.append(f"{len(ours)} {what}s vs {len(theirs)}")
+        problems += [f"{what} {i}: {_shape_text(a)} vs {_shape_text(b)}"
+                     for i, (a, b) in enumerate(zip(ours, theirs)) if not _same_array(a, b)]
+        sections.append([ArrayRecord(i, i, "replicated", s) for i, s in enumerate(ours)])
+    if problems:
+        raise HloShardError("signature mismatch between original and candidate ("
+                            + "; ".join(problems[:4]) + "); pass --manifest to explain it")
+    return sections[0], sections[1]
+
+
+def _check_manifest(manifest: Manifest, original: Module, candidate: Module, devices: int
+                    ) -> tuple[list[ArrayRecord], list[ArrayRecord]]:
+    where = f"manifest {manifest.path or ''}".rstrip()
+    if manifest.devices != devices:
+        raise HloShardError(f"{where} is for {manifest.devices} devices, not {devices}")
+    sections = []
+    for what, ours, theirs, records in (
+            ("parameter", parameter_shapes(original), parameter_shapes(candidate),
+             manifest.parameters),
+            ("output", output_shapes(original), output_shapes(candidate), manifest.outputs)):
+        by_index = {r.index: r for r in records}
+        ordered = []
+        for index, shape in enumerate(theirs):
+            record = by_index.get(index)
+            if record is None:
+                raise HloShardError(f"{where} has no record for candidate {what} {index}")
+            if record.original is not None:
+                if record.original >= len(ours):
+                    raise HloShardError(f"{where}: candidate {what} {index} maps to original "
+                                        f"{what} {record.original}, which does not exist")
+                if not _same_array(record.shape, ours[record.original]):
+                    raise HloShardError(
+                        f"{where}: candidate {what} {index} records original shape "
+                        f"{_shape_text(record.shape)}, but original {what} {record.original} "
+                        f"is {_shape_text(ours[record.original])}")
+            if record.kind == "sharded":
+                if shape.num_elements != record.shard.length or \
+                        shape.element_type != record.shape.element_type:
+                    raise HloShardError(
+                        f"{where}: candidate {what} {index} is {_shape_text(shape)}, not a "
+                        f"shard of {record.shard.length} {record.shape.element_type}")
+            elif not _same_array(shape, record.shape):
+                raise HloShardError(f"{where}: candidate {what} {index} is {_shape_text(shape)}"
+                                    f", the manifest says {_shape_text(record.shape)}")
+            ordered.append(record)
+        sections.append(ordered)
+    return sections[0], sections[1]
+
+
+# ------------------------------------------------------------------------ the driver
+
+
+@dataclass
+class _Pair:
+    original: Executable
+    candidate: Executable | None
+    param_records: list[ArrayRecord]
+    output_records: list[ArrayRecord]
+
+
+def _candidate_inputs(pair: _Pair, values: list[DeviceValues], options: VerifyOptions,
+                      devices: int, step: int) -> list[DeviceValues]:
+    """The candidate's arguments from values in original terms."""
+    out = []
+    for record, shape in zip(pair.param_records, pair.candidate.parameters):
+        if record.original is None:
+            out.append(generate_parameter(shape, _CANDIDATE_ONLY_SEED + record.index, REPLICATED,
+                                          devices, options.seed, step))
+        elif record.kind == "sharded":
+            full = values[record.original]
+            out.append([shard_value(full[d], record, d, devices, shape) for d in range(devices)])
+        else:
+            out.append(values[record.original])
+    return out
+
+
+def _in_original_terms(pair: _Pair, outputs: list[DeviceValues], devices: int
+                       ) -> dict[int, DeviceValues]:
+    """Candidate outputs keyed by the original output leaf they stand for."""
+    gathered = {}
+    for record, shape, values in zip(pair.output_records, pair.candidate.outputs, outputs):
+        if record.original is None:
+            continue
+        if record.kind == "sharded":
+            values = [gather_value(values, record, d, shape) for d in range(devices)]
+        gathered[record.original] = values
+    return gathered
+
+
+def _nonfinite(outputs: list[DeviceValues], shapes: list[ArrayShape]) -> list[int]:
+    bad = []
+    for index, (values, shape) in enumerate(zip(outputs, shapes)):
+        if shape.element_type.startswith(("f", "bf", "c")) and not all(
+                np.all(np.isfinite(np.asarray(v, dtype=np.complex128 if np.iscomplexobj(v)
+                                              else np.float64))) for v in values):
+            bad.append(index)
+    return bad
+
+
+def verify(original: str | Path | Module, candidate: str | Path | Module | None = None,
+           options: VerifyOptions | None = None, progress: Progress | None = None
+           ) -> VerifyReport:
+    """Run ``original`` (and ``candidate``) for ``options.steps`` steps on the same
+    seeded inputs and compare every output leaf on every device."""
+    options = options or VerifyOptions()
+    say = progress or (lambda message: None)
+    if options.steps < 1:
+        raise HloShardError("--steps must be at least 1")
+    modules = [read_module(original)] + ([read_module(candidate)] if candidate is not None else [])
+    for module in modules:
+        check_executable(module)
+    counts = {device_count(m) for m in modules} - {1}
+    if len(counts) > 1:
+        raise HloShardError(f"original and candidate are written for different device counts "
+                            f"({' and '.join(map(str, sorted(counts)))})")
+    devices = options.devices or (counts.pop() if counts else 1)
+    first = modules[0]
+    if len(modules) == 2:
+        if options.manifest is not None:
+            param_records, output_records = _check_manifest(options.manifest, first,
+                                                            modules[1], devices)
+        else:
+            param_records, output_records = _identity_records(first, modules[1])
+    roles = parameter_roles(first, options.per_device_params, options.manifest)
+    feedback = list(options.manifest.feedback) if options.manifest and \
+        options.manifest.feedback is not None else default_feedback(first, roles)
+    _check_feedback(first, feedback)
+    supplied = load_npz(options.inputs_npz, first, devices) if options.inputs_npz else {}
+
+    executables = []
+    for module in modules:
+        say(f"compiling {module.source_path or module.name} for {devices} "
+            f"{options.backend} device{'s' if devices > 1 else ''}")
+        executables.append(load(module, devices, options.backend, timeout=options.timeout))
+    pair = _Pair(executables[0], executables[1] if len(executables) == 2 else None,
+                 *((param_records, output_records) if len(modules) == 2 else ([], [])))
+    report = VerifyReport(devices, options.backend, roles, ModuleReport.of(pair.original),
+                          ModuleReport.of(pair.candidate) if pair.candidate else None,
+                          feedback=feedback)
+
+    def fresh(step: int) -> list[DeviceValues]:
+        values = generate_inputs(first, roles, devices, options.seed, step)
+        for number, given in supplied.items():
+            values[number] = given
+        return values
+
+    state_a = state_b = fresh(0)
+    first_inputs: tuple | None = None
+    for step in range(1, options.steps + 1):
+        say(f"step {step}/{options.steps}: running")
+        outputs_a = pair.original.run(state_a)
+        if pair.candidate is None:
+            report.original.nonfinite_outputs = _nonfinite(outputs_a, pair.original.outputs)
+        else:
+            inputs_b = _candidate_inputs(pair, state_b, options, devices, step - 1)
+            first_inputs = first_inputs or (state_a, inputs_b)
+            outputs_b = _in_original_terms(pair, pair.candidate.run(inputs_b), devices)
+            leaves = []
+            for index, shape in enumerate(pair.original.outputs):
+                if index not in outputs_b:
+                    leaves.append(missing_leaf(index, shape, "no candidate output stands for it"))
+                else:
+                    leaves.append(compare_leaf(index, shape, outputs_a[index], outputs_b[index],
+                                               options.rtol, options.atol))
+            report.steps.append(leaves)
+            bad = sum(not leaf.ok for leaf in leaves)
+            say(f"step {step}/{options.steps}: " + (f"{bad} output(s) differ" if bad
+                                                      else "all outputs match"))
+        report.steps_run = step
+        if step < options.steps:
+            upcoming = fresh(step)
+            state_a = _fed(upcoming, dict(enumerate(outputs_a)), feedback)
+            if pair.candidate is not None:
+                state_b = _fed(upcoming, outputs_b, feedback)
+    if options.time_runs:
+        say(f"timing: {options.time_runs} runs per module after {options.warmup} warm-up, "
+            "interleaved")
+        timed = [pair.original] + ([pair.candidate] if pair.candidate else [])
+        inputs = [fresh(0)] if pair.candidate is None else list(first_inputs)
+        timings = time_interleaved(timed, inputs, options.time_runs, options.warmup)
+        report.original.timing = timings[0]
+        if report.candidate is not None:
+            report.candidate.timing = timings[1]
+    for exe in executables:
+        exe.close()
+    return report
+
+
+def _check_feedback(module: Module, feedback: Sequence[tuple[int, int]]) -> None:
+    outputs, params = output_shapes(module), parameter_shapes(module)
+    for output, parameter in feedback:
+        if output >= len(outputs) or parameter >= len(params):
+            raise HloShardError(f"feedback output {output} -> parameter {parameter}: "
+                                "no such output or parameter in the original")
+        if not _same_array(outputs[output], params[parameter]):
+            raise HloShardError(f"feedback output {output} ({_shape_text(outputs[output])}) "
+                                f"cannot feed parameter {parameter} "
+                                f"({_shape_text(params[parameter])})")
+
+
+def _fed(fresh_values: list[DeviceValues], outputs: dict[int, DeviceValues],
+         feedback: Sequence[tuple[int, int]]) -> list[DeviceValues]:
+    """Next step's inputs: fresh values, with fed-back outputs in their parameters."""
+    values = list(fresh_values)
+    for output, parameter in feedback:
+        if output in outputs:
+            values[parameter] = outputs[output]
+    return values
