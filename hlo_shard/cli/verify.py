@@ -1,0 +1,167 @@
+"""``hlo-shard verify``: run modules on N devices and compare what they compute.
+
+Exit status: 0 every output matches (or a single module ran), 1 some output
+differs, 2 usage or input errors, including XLA rejecting or crashing on a module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from hlo_shard.cli.app import main, user_errors
+from hlo_shard.errors import HloShardError
+
+EXIT_DIFFERENT = 1
+
+
+def _index_list(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise HloShardError(f"--per-device-params expects numbers like 9,10, not {text!r}") from None
+
+
+def _number(value: float) -> str:
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _roles_lines(report) -> list[str]:
+    lines = []
+    for role in ("replicated", "per-device"):
+        chosen = [r for r in report.roles if r.role == role]
+        if chosen:
+            sources = sorted({r.source for r in chosen})
+            names = ", ".join(f"{r.number} ({r.name})" for r in chosen)
+            lines.append(f"  {role}: {names}  [{', '.join(sources)}]")
+    return ["inputs:"] + lines
+
+
+def _table(report) -> list[str]:
+    rows = [("output", "shape", "max abs", "max rel", "worst dev", "verdict")]
+    for leaf in report.final():
+        shape = f"{leaf.shape.element_type}[{','.join(map(str, leaf.shape.dims))}]"
+        verdict = leaf.verdict
+        if not leaf.ok and leaf.mismatched:
+            verdict += f" ({leaf.mismatched}/{leaf.compared} elements)"
+        if leaf.detail:
+            verdict += f": {leaf.detail}"
+        rows.append((str(leaf.index), shape, _number(leaf.max_abs), _number(leaf.max_rel),
+                     "-" if leaf.worst_device is None else str(leaf.worst_device), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5]
+            for row in rows]
+
+
+def _measure_lines(report) -> list[str]:
+    modules = [("original", report.original)] + (
+        [("candidate", report.candidate)] if report.candidate else [])
+    lines = []
+    if report.original.timing:
+        runs = len(report.original.timing.seconds)
+        parts = [f"{label} {m.timing.median * 1e3:.3f} ms" for label, m in modules]
+        ratio = ""
+        if report.candidate:
+            ratio = f" (candidate/original {report.candidate.timing.median / report.original.timing.median:.2f}x)"
+        lines.append(f"time per step (median of {runs}, interleaved): {', '.join(parts)}{ratio}")
+    header = ("memory per device (bytes)", "argument", "output", "alias", "temp", "peak")
+    rows = [header] + [(label, str(m.memory.argument), str(m.memory.output), str(m.memory.alias),
+                        str(m.memory.temp), "-" if m.memory.peak is None else str(m.memory.peak))
+                       for label, m in modules]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    return lines
+
+
+def _text_report(report, timed: bool) -> list[str]:
+    devices = f"{report.devices} {report.backend} device{'s' if report.devices > 1 else ''}"
+    steps = f"{report.steps_run} step{'s' if report.steps_run > 1 else ''}"
+    lines = _roles_lines(report)
+    if report.feedback and report.steps_run > 1:
+        lines.append("fed back between steps: " + ", ".join(
+            f"output {o} -> parameter {p}" for o, p in report.feedback))
+    if report.candidate is None:
+        lines.append(f"{report.original.name}: compiled and executed on {devices} ({steps})")
+        lines.append("outputs:")
+        for index, shape in enumerate(report.original.outputs):
+            warn = "  (contains NaN/inf)" if index in report.original.nonfinite_outputs else ""
+            lines.append(f"  {index}  {shape.element_type}[{','.join(map(str, shape.dims))}]{warn}")
+    else:
+        lines += _table(report)
+        bad = [leaf for leaf in report.final() if not leaf.ok]
+        if bad:
+            step = report.differing[0][0]
+            lines.append(f"DIFFERENT: {len(bad)} of {len(report.final())} outputs differ "
+                         f"(output {', '.join(str(l.index) for l in bad)}; first at step {step} "
+                         f"of {report.steps_run}) on {devices}")
+        else:
+            lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "
+                         f"over {steps}")
+    if timed or report.candidate is not None:
+        lines += _measure_lines(report)
+    return lines
+
+
+@main.command()
+@click.argument("original", metavar="ORIGINAL.hlo", type=click.Path(dir_okay=False))
+@click.argument("candidate", metavar="[CANDIDATE.hlo]", required=False,
+                type=click.Path(dir_okay=False))
+@click.option("--devices", "-n", type=click.IntRange(min=1), default=None,
+              help="Devices to run on (default: the module's replica_count/num_partitions).")
+@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Training steps; outputs that correspond to parameters are fed back.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None,
+              help="Relative tolerance for float outputs (default by dtype).")
+@click.option("--atol", type=click.FloatRange(min=0), default=None,
+              help="Absolute tolerance for float outputs (default by dtype).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@click.option("--backend", type=click.Choice(["cpu", "gpu", "tpu"]), default="cpu",
+              show_default=True, help="Where to run (CPU uses N virtual devices).")
+@click.option("--manifest", "manifest_path", metavar="M.json", default=None,
+              type=click.Path(dir_okay=False),
+              help="How the candidate's arrays map to the original's (written by optimize).")
+@click.option("--per-device-params", metavar="I,J", default=None,
+              help="Parameters with a different value on each device; all others replicated.")
+@click.option("--inputs", "inputs_npz", metavar="X.npz", default=None,
+              type=click.Path(dir_okay=False),
+              help="Input values: key p<N> or a parameter name; a leading device axis "
+                   "gives one value per device.")
+@click.option("--time", "time_runs", type=click.IntRange(min=0), default=0, metavar="R",
+              help="Also time R runs per module after warm-up, interleaved A/B.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed runs before timing.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=300, show_default=True,
+              help="Seconds allowed for each compile or run before giving up.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+@user_errors
+def verify(original: str, candidate: str | None, devices: int | None, steps: int,
+           rtol: float | None, atol: float | None, seed: int, backend: str,
+           manifest_path: str | None, per_device_params: str | None, inputs_npz: str | None,
+           time_runs: int, warmup: int, timeout: float, as_json: bool, quiet: bool) -> None:
+    """Run ORIGINAL (and CANDIDATE) on the same inputs and compare every output.
+
+    Each output leaf is compared on every device with dtype-aware tolerances; the
+    verdict is exit status 0 (match), 1 (differ) or 2 (error). With one module,
+    report that it compiles and runs, and its output shapes.
+    """
+    from hlo_shard import runtime
+
+    options = runtime.VerifyOptions(
+        devices=devices, steps=steps, seed=seed, rtol=rtol, atol=atol, backend=backend,
+        manifest=runtime.load_manifest(manifest_path) if manifest_path else None,
+        per_device_params=_index_list(per_device_params), inputs_npz=inputs_npz,
+        time_runs=time_runs, warmup=warmup, timeout=timeout)
+    progress = None if quiet else (lambda message: click.echo(message, err=True))
+    report = runtime.verify(original, candidate, options, progress)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo("\n".join(_text_report(report, bool(time_runs))))
+    if not report.ok:
+        sys.exit(EXIT_DIFFERENT)
