@@ -1,0 +1,237 @@
+"""hlo_shard.runtime: the worker, module forms, executables, XLA's figures, failures.
+
+One CPU worker with 8 virtual devices serves the whole module (the pool hands it to
+every ``load``); tests that must kill a worker use their own small one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlo_shard import runtime
+from hlo_shard.errors import HloRuntimeError, HloShardError
+from hlo_shard.parser import parse
+from hlo_shard.printer import to_text
+from hlo_shard.runtime import _child
+
+SGD = """HloModule sgd, replica_count=4
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { w = f32[1024] parameter(0) g = f32[1024] parameter(1)
+ ar = f32[1024] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add
+ lr = f32[] constant(0.01) b = f32[1024] broadcast(lr), dimensions={}
+ u = f32[1024] multiply(ar, b) ROOT nw = f32[1024] subtract(w, u) }
+"""
+
+#: Per-device SPMD form as jax 0.10 writes it: num_partitions, shardings, partition-id,
+#: flattened-id collectives sharing one channel id, donation.
+SPMD = """HloModule spmd, input_output_alias={ {0}: (0, {}, may-alias) }, num_partitions=4
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { w = f32[8] parameter(0), sharding={replicated}
+ x = f32[2,3] parameter(1), sharding={devices=[4,1]<=[4]}
+ z = f32[] constant(0)
+ s = f32[3] reduce(x, z), dimensions={0}, to_apply=add
+ ar = f32[3] all-reduce(s), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=add
+ wb = f32[8,2] broadcast(w), dimensions={0}
+ ar2 = f32[8,2] all-reduce(wb), channel_id=1, replica_groups={{0,1},{2,3}}, use_global_device_ids=true, to_apply=add
+ pid = u32[] partition-id()
+ ROOT t = (f32[8,2], f32[3], u32[]) tuple(ar2, ar, pid), sharding={{replicated}, {replicated}, {manual}} }
+"""
+
+CRASH = """HloModule crash, replica_count=2
+fused { p = f32[8,16]{1,0} parameter(0) t = f32[16,8]{0,1} transpose(p), dimensions={1,0} ROOT c = f32[16,8]{1,0} copy(t) }
+ENTRY e { x = f32[8,16]{1,0} parameter(0) ROOT f = f32[16,8]{1,0} fusion(x), kind=kLoop, calls=fused }
+"""
+
+LOOP_FOREVER = """HloModule loop
+cond { p = s32[] parameter(0) ROOT t = pred[] constant(true) }
+body { p = s32[] parameter(0) one = s32[] constant(1) ROOT a = s32[] add(p, one) }
+ENTRY e { z = s32[] constant(0) ROOT w = s32[] while(z), condition=cond, body=body }
+"""
+
+
+@pytest.fixture(scope="module")
+def worker():
+    shared = runtime.get_worker("cpu", 8)
+    yield shared
+    runtime.shutdown_workers()
+
+
+# ----------------------------------------------------------------- executing modules
+
+
+def test_replica_module_runs_with_replicated_and_per_device_arguments(worker):
+    exe = runtime.load(SGD)
+    assert exe.devices == 4 and exe.worker is worker
+    w = np.linspace(-1, 1, 1024, dtype=np.float32)
+    grads = [np.full(1024, d + 1, np.float32) for d in range(4)]
+    outputs = exe(w, grads)
+    assert len(outputs) == 1 and len(outputs[0]) == 4
+    for device in range(4):
+        np.testing.assert_allclose(outputs[0][device], w - 0.01 * 10, atol=1e-7)
+
+
+def test_spmd_module_runs_in_replica_form(worker):
+    module = parse(SPMD)
+    form = runtime.replica_form(module)
+    text = to_text(form)
+    assert "num_partitions" not in text and "replica_count=4" in text
+    assert "sharding=" not in text and "input_output_alias" not in text
+    assert "partition-id" not in text and "replica-id" in text
+    channels = [i.attributes["channel_id"] for c in form.computations for i in c.instructions
+                if "channel_id" in i.attributes]
+    assert channels == [1, 2]
+    assert "partition-id" in to_text(module), "the original module is left untouched"
+
+    exe = runtime.load(module)
+    w = np.arange(8, dtype=np.float32)
+    xs = [np.full((2, 3), d, np.float32) for d in range(4)]
+    broadcast_sum, batch_sum, ids = exe(w, xs)
+    for device in range(4):
+        assert ids[device] == device
+        np.testing.assert_array_equal(batch_sum[device], np.full(3, 2 * (0 + 1 + 2 + 3)))
+        np.testing.assert_array_equal(broadcast_sum[device], 2 * np.repeat(w[:, None], 2, 1))
+
+
+def test_memory_cost_and_timing_are_reported(worker):
+    exe = runtime.load(SGD)
+    assert exe.memory.argument == 2 * 1024 * 4
+    assert exe.memory.output == 1024 * 4
+    assert exe.memory.peak is None or exe.memory.peak >= exe.memory.argument
+    assert exe.cost["flops"] == 3 * 1024
+    assert exe.compiled_cost["flops"] > 0
+    timing = exe.time(np.zeros(1024, np.float32), np.ones(1024, np.float32), runs=3, warmup=1)
+    assert len(timing.seconds) == 3 and 0 < timing.median < 5
+
+
+def test_interleaved_timing_of_two_executables(worker):
+    a, b = runtime.load(SGD), runtime.load(SGD.replace("0.01", "0.02"))
+    args = a.arguments([np.zeros(1024, np.float32), np.ones(1024, np.float32)])
+    timings = runtime.time_interleaved([a, b], [args, args], runs=2, warmup=0)
+    assert [len(t.seconds) for t in timings] == [2, 2]
+
+
+def test_arguments_are_checked(worker):
+    exe = runtime.load(SGD)
+    with pytest.raises(HloShardError, match="takes 2 parameters"):
+        exe(np.zeros(1024, np.float32))
+    with pytest.raises(HloShardError, match="3 per-device values for 4 devices"):
+        exe(np.zeros(1024, np.float32), [np.zeros(1024, np.float32)] * 3)
+    with pytest.raises(HloShardError, match=r"expected \(1024,\)"):
+        exe(np.zeros(1024, np.float32), np.zeros(5, np.float32))
+
+
+def test_device_count_must_match_the_module(worker):
+    with pytest.raises(HloShardError, match="written for 4 devices, not 2"):
+        runtime.load(SGD, devices=2)
+    single = runtime.load("HloModule one\nENTRY e { p = f32[2] parameter(0) "
+                          "ROOT r = u32[] replica-id() }", devices=3)
+    assert [int(v) for v in single(np.zeros(2, np.float32))[0]] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------- refusals
+
+
+def test_elided_constants_are_refused():
+    module = parse("HloModule m\nENTRY e { ROOT c = f32[12] constant({...}) }")
+    with pytest.raises(HloShardError, match="--xla_dump_large_constants"):
+        runtime.replica_form(module)
+
+
+def test_replicas_and_partitions_together_are_refused():
+    module = parse("HloModule m, replica_count=2, num_partitions=2\n"
+                   "ENTRY e { ROOT p = f32[2] parameter(0) }")
+    with pytest.raises(HloShardError, match="not supported yet"):
+        runtime.replica_form(module)
+
+
+def test_global_programs_are_refused():
+    module = parse('HloModule m, num_partitions=2\nENTRY e { p = f32[4] parameter(0)\n'
+                   ' ROOT c = f32[4] custom-call(p), custom_call_target="Sharding", '
+                   'sharding={devices=[2]<=[2]} }')
+    with pytest.raises(HloShardError, match="before SPMD partitioning"):
+        runtime.replica_form(module)
+
+
+SEND_RECV = """HloModule m
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { t = token[] after-all() p = f32[2] parameter(0)
+ s = (f32[2], u32[], token[]) send(p, t), channel_id=7
+ sd = token[] send-done(s), channel_id=7
+ r = (f32[2], u32[], token[]) recv(t), channel_id=7
+ rd = (f32[2], token[]) recv-done(r), channel_id=7
+ ROOT ar = f32[2] all-reduce(p), channel_id=7, replica_groups={}, to_apply=add }
+"""
+
+
+def test_send_recv_pairs_keep_a_shared_channel():
+    module = parse(SEND_RECV)
+    runtime.forms.renumber_channels(module)
+    ids = {i.name: i.attributes["channel_id"] for i in module.entry.instructions
+           if "channel_id" in i.attributes}
+    assert ids["s"] == ids["sd"] == ids["r"] == ids["rd"] == 1 and ids["ar"] == 2
+
+
+# ------------------------------------------------------------------------ failures
+
+
+def test_xla_check_failure_is_a_clean_error_and_the_worker_recovers(worker):
+    survivor = runtime.load(SGD)
+    with pytest.raises(HloRuntimeError, match=r"aborted \(SIGABRT\).*Check failed"):
+        runtime.load(CRASH)
+    assert not worker.alive
+    # Executables of the dead worker recompile in the restarted one.
+    w = np.zeros(1024, np.float32)
+    np.testing.assert_allclose(survivor(w, np.ones(1024, np.float32))[0][0], -0.04)
+    assert worker.alive
+
+
+def test_xla_errors_are_clean(worker):
+    bad = SGD.replace("ar = f32[1024] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add",
+                      "ar = f32[1024] all-reduce(g), replica_groups={{0,1,2}}, to_apply=add")
+    with pytest.raises(HloRuntimeError, match="compiling .*replica groups"):
+        runtime.load(bad)
+    assert worker.alive, "an ordinary XLA error leaves the worker running"
+
+
+def test_a_hang_times_out_without_killing_the_caller():
+    own = runtime.Worker("cpu", 1, timeout=2)
+    try:
+        exe = runtime.load(LOOP_FOREVER, worker=own, timeout=2)
+        with pytest.raises(HloRuntimeError, match="timed out after 2 s"):
+            exe()
+        assert not own.alive
+    finally:
+        own.close()
+
+
+def test_a_missing_backend_is_a_clear_error(worker):
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is not None:
+        pytest.skip("an accelerator plugin is installed")
+    with pytest.raises(HloRuntimeError, match="backend 'tpu' is not available"):
+        runtime.Worker("tpu", 1).start()
+
+
+def test_too_few_devices_is_a_clear_error():
+    own = runtime.Worker("cpu", 2)
+    try:
+        with pytest.raises(HloRuntimeError, match="needs 4 devices; this worker has 2"):
+            runtime.load(SGD, worker=own)
+    finally:
+        own.close()
+
+
+def test_unsupported_jaxlib_versions_are_named():
+    assert _child.unsupported_version_message("0.10.2") is None
+    message = _child.unsupported_version_message("0.4.30")
+    assert "jaxlib 0.4.30 is not supported" in message and "jax>=0.10,<0.11" in message
+    assert _child.unsupported_version_message("0.11.0") is not None
+
+
+def test_worker_environment_sets_the_device_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_foo=1")
+    env = runtime.worker.child_environment("cpu", 8)
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=8"]
+    assert env["JAX_PLATFORMS"] == "cpu"
