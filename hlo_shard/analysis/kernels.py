@@ -1,0 +1,195 @@
+"""Which values reach memory: the kernels XLA would run for an unfused module.
+
+The modules users hand us are usually *before* XLA's fusion passes (the per-device
+HLO of a JAX step), so pricing each instruction with its own memory traffic would
+charge Adam's ~20 elementwise ops ~20 full passes over the weights, where XLA runs one
+fused loop that reads w, g, m, v once and writes w, m, v once. This module groups
+instructions the way XLA's loop/input fusion would, closely enough for a roofline:
+
+* elementwise ops, broadcasts, reshapes, slices, pads, … fuse into their consumer when
+  all their users are in one fusible kernel (no duplication of real work);
+* cheap producers (constants, iota, broadcasts of a smaller operand) are duplicated
+  into every consumer, as XLA does, and never materialise;
+* a reduce ends a kernel (input fusion: the reduce is its root); dot, convolution,
+  collectives, control flow and custom calls are kernels of their own.
+
+A module that already contains ``fusion`` instructions was fused by XLA: each
+instruction is then its own kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, leaf_bytes
+from hlo_shard.graph import topological_order, users_map
+from hlo_shard.ir import Computation, Instruction, Module
+
+#: Ops that XLA's loop/input fusion merges with their consumers.
+FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
+    "broadcast", "reshape", "bitcast", "transpose", "copy", "iota", "constant", "slice",
+    "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice",
+})
+
+#: Fusible ops whose result never leaves a fusion (a reduce or an in-place update is
+#: always the root of its kernel).
+_KERNEL_ROOTS = frozenset({"reduce", "dynamic-update-slice"})
+
+#: Ops that launch nothing: they forward pointers (constants live in read-only data).
+POINTER_OPCODES = FREE_OPCODES | frozenset({"tuple"})
+
+#: Ops whose work is that of the computations they call (priced by the estimator).
+CONTROL_FLOW_OPCODES = frozenset({"while", "call", "conditional"})
+
+
+@dataclass
+class Kernel:
+    """One launched kernel: its member instructions and the values it reads/writes."""
+
+    index: int
+    members: list[Instruction] = field(default_factory=list)
+    #: Bytes read from memory (external inputs, sliced reads counted as slices).
+    read_bytes: float = 0.0
+    #: Bytes written (values used outside the kernel; in-place updates by their update).
+    write_bytes: float = 0.0
+
+    @property
+    def traffic_bytes(self) -> float:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclass
+class KernelPlan:
+    """How the instructions of one computation map to kernels."""
+
+    comp: Computation
+    kernels: list[Kernel]
+    #: Instruction name → its kernel (absent: pointer ops and duplicated producers).
+    kernel_of: dict[str, Kernel]
+    #: Values that are written to memory (kernel outputs and non-fused results).
+    materialized: set[str]
+    #: Cheap producers recomputed inside each consumer kernel (never in memory).
+    duplicated: set[str]
+    #: Whether the plan emulates fusion (False for a module XLA already fused).
+    emulated: bool
+
+
+def is_prefused(module: Module) -> bool:
+    return any(inst.opcode == "fusion" for comp in module.computations
+               for inst in comp.instructions)
+
+
+def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
+    users = users_map(comp)
+    order = topological_order(comp)
+    kernel_of: dict[str, Kernel] = {}
+    duplicated: set[str] = set()
+    kernels: list[Kernel] = []
+
+    def new_kernel(inst: Instruction) -> None:
+        kernel = Kernel(len(kernels), [inst])
+        kernels.append(kernel)
+        kernel_of[inst.name] = kernel
+
+    def consumers(name: str) -> list[Kernel | None]:
+        """Kernels that read ``name`` (looking through duplicated producers); None for
+        a reader that needs it in memory (a tuple, a control-flow op, the root)."""
+        found: list[Kernel | None] = [None] if name == comp.root_name else []
+        for user in users[name]:
+            if user in duplicated:
+                found.extend(consumers(user))
+            else:
+                found.append(kernel_of.get(user))
+        return found
+
+    for inst in reversed(order):
+        if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
+            continue
+        readers = consumers(inst.name)
+        fusible = (emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(readers)
+                   and None not in readers)
+        if fusible and inst.opcode not in _KERNEL_ROOTS and _is_cheap(comp, inst):
+            duplicated.add(inst.name)
+            continue
+        targets = {id(k) for k in readers}
+        if fusible and inst.opcode not in _KERNEL_ROOTS and len(targets) == 1:
+            kernel = readers[0]
+            kernel.members.append(inst)
+            kernel_of[inst.name] = kernel
+        else:
+            new_kernel(inst)
+    position = {inst.name: i for i, inst in enumerate(order)}
+    for kernel in kernels:
+        kernel.members.sort(key=lambda m: position[m.name])
+    kernels.sort(key=lambda k: position[k.members[-1].name])
+    for index, kernel in enumerate(kernels):
+        kernel.index = index
+    materialized = _account(comp, kernels, kernel_of, duplicated, users)
+    return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion)
+
+
+def _is_cheap(comp: Computation, inst: Instruction) -> bool:
+    """Producers XLA duplicates into each consumer: scalar arithmetic, iota, and
+    broadcasts that read less than they write."""
+    if inst.opcode == "iota" or leaf_bytes(inst.shape) <= 8:
+        return True
+    if inst.opcode == "broadcast":
+        operand = comp[inst.operands[0]]
+        return leaf_bytes(operand.shape) < leaf_bytes(inst.shape)
+    return False
+
+
+def _account(comp: Computation, kernels: list[Kernel], kernel_of: dict[str, Kernel],
+             duplicated: set[str], users: dict[str, list[str]]) -> set[str]:
+    """Fill each kernel's read and write bytes; return the materialised values."""
+    materialized: set[str] = set()
+    for kernel in kernels:
+        member_names = {m.name for m in kernel.members}
+        reads: dict[str, float] = {}
+        for member in kernel.members:
+            for operand in _external_operands(comp, member, member_names, duplicated):
+                value = comp[operand]
+                if value.opcode == "constant" and leaf_bytes(value.shape) <= 8:
+                    continue
+                reads[operand] = max(reads.get(operand, 0.0),
+                                     _read_size(comp, member, value, member_names))
+        kernel.read_bytes = sum(reads.values())
+        for member in kernel.members:
+            outside = [u for u in users[member.name] if u not in member_names]
+            if outside or member.name == comp.root_name:
+                materialized.add(member.name)
+                kernel.write_bytes += _write_size(comp, member)
+    return materialized
+
+
+def _external_operands(comp: Computation, member: Instruction, members: set[str],
+                       duplicated: set[str]) -> list[str]:
+    """Operands read from outside the kernel, looking through duplicated producers."""
+    found: list[str] = []
+    stack = list(member.operands)
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in members or name in seen:
+            continue
+        seen.add(name)
+        if name in duplicated:
+            stack.extend(comp[name].operands)
+        else:
+            found.append(name)
+    return found
+
+
+def _read_size(comp: Computation, reader: Instruction, value: Instruction, members: set[str]) -> float:
+    """A slice reads only its window; an in-place update does not read its target."""
+    if reader.opcode in ("slice", "dynamic-slice") and reader.operands[0] == value.name:
+        return leaf_bytes(reader.shape)
+    if reader.opcode == "dynamic-update-slice" and reader.operands[0] == value.name:
+        return 0.0
+    return leaf_bytes(value.shape)
+
+
+def _write_size(comp: Computation, inst: Instruction) -> float:
+    if inst.opcode == "dynamic-update-slice":
+        return leaf_bytes(comp[inst.operands[1]].shape)
+    return leaf_bytes(inst.shape)
