@@ -104,7 +104,7 @@ def _device_error(original: np.ndarray, candidate: np.ndarray, tol: Tolerance,
     finite = ~(nan_a | nan_b)
     inf_differ = finite & (np.isinf(a) | np.isinf(b)) & (a != b)
     both_finite = finite & np.isfinite(a) & np.isfinite(b)
-    diff = np.abs(a - b, where=both_finite, out=np.zeros(a.shape))
+    diff = np.abs(np.subtract(a, b, where=both_finite, out=np.zeros_like(a)))
     scale = np.abs(a)
     allowed = tol.atol + tol.rtol * scale
     over = both_finite & (diff > allowed)
