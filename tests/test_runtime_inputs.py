@@ -191,6 +191,20 @@ def test_shard_and_gather_with_padding_and_groups():
         np.testing.assert_array_equal(runtime.gather_value(chunks, record, device, candidate), full)
 
 
+def test_logical_flatten_and_top_level_groups():
+    manifest = runtime.parse_manifest(_manifest_json(
+        devices=4, replica_groups=[[0, 2], [1, 3]], parameters=[
+            {"index": 0, "original": 0, "kind": "sharded", "shape": [2, 3],
+             "element_type": "f32", "layout": [0, 1],
+             "shard": {"length": 3, "flatten": "logical"}}]))
+    record = manifest.parameters[0]
+    assert record.shard.replica_groups == ((0, 2), (1, 3))
+    full = np.arange(6, dtype=np.float32).reshape(2, 3)
+    chunk = runtime.shard_value(full, record, 2, 4, ArrayShape("f32", (3,)))
+    np.testing.assert_array_equal(chunk, [3, 4, 5])   # row-major despite layout {0,1}
+    assert runtime.manifest_to_json(manifest)["parameters"][0]["shard"]["flatten"] == "logical"
+
+
 # ---------------------------------------------------------------------- comparison
 
 

@@ -10,6 +10,8 @@ Schema (JSON, version 1)::
       "format": "hlo-shard-manifest",
       "version": 1,
       "devices": 4,                 # N the candidate was rewritten for
+      "form": "spmd",               # optional, informational: "spmd" | "replica"
+      "replica_groups": [[0, 1, 2, 3]],   # optional default for every shard below
       "parameters": [               # one record per CANDIDATE entry parameter
         {
           "index": 0,               # candidate parameter number
@@ -23,16 +25,21 @@ Schema (JSON, version 1)::
           "shard": {                # only for kind "sharded"
             "length": 32,           # elements in each device's chunk
             "padding": 0,           # zeros appended before cutting: length*G - numel
-            "replica_groups": [[0, 1, 2, 3]]   # optional; default one group of all N
+            "replica_groups": [[0, 1, 2, 3]],  # optional; default: the top-level
+                                    #   replica_groups, else one group of all N
+            "flatten": "physical"   # optional: "physical" (default, the layout's
+                                    #   order) or "logical" (row-major dims)
           }
         }
       ],
       "outputs": [                  # one record per CANDIDATE output leaf (depth-first
         {"index": 0, "original": 0, "kind": "sharded", ...}   #  order of the root tuple)
       ],
-      "feedback": [                 # optional, for --steps: ORIGINAL output leaf j
-        {"output": 0, "parameter": 0}   # becomes ORIGINAL parameter i at the next step
-      ]
+      "feedback": [                 # optional, for --steps: ORIGINAL output leaf
+        {"output": 0, "parameter": 0}   # "output" becomes ORIGINAL parameter
+      ]                             #   "parameter" at the next step (default: each
+                                    #   replicated parameter takes the next output
+                                    #   of its shape and type, in order)
     }
 
 Meaning of ``kind``:
@@ -43,7 +50,8 @@ Meaning of ``kind``:
   candidate shape == original shape.
 * ``sharded`` — each device holds one contiguous chunk of the original value: the
   original value is flattened in its **physical order** (the order of ``layout``,
-  minor_to_major: the most-major dimension varies slowest), zero-padded at the end to
+  minor_to_major: the most-major dimension varies slowest; ``"flatten": "logical"``
+  means row-major over the logical dims instead), zero-padded at the end to
   ``length × G`` elements (G = group size) and cut into G chunks of ``length``; the
   device at position *p* of its replica group holds chunk *p*. The candidate's own
   array (any dims whose element count is ``length``) holds the chunk in its own
@@ -77,6 +85,8 @@ class Shard:
     padding: int = 0
     #: Empty: one group holding every device.
     replica_groups: tuple[tuple[int, ...], ...] = ()
+    #: "physical" (the original layout's order) or "logical" (row-major).
+    flatten: str = "physical"
 
     def groups(self, devices: int) -> tuple[tuple[int, ...], ...]:
         return self.replica_groups or (tuple(range(devices)),)
@@ -113,6 +123,8 @@ class Manifest:
     #: (original output leaf, original parameter) pairs for --steps, or None.
     feedback: tuple[tuple[int, int], ...] | None = None
     path: str | None = None
+    #: "spmd" | "replica" | "" (informational).
+    form: str = ""
 
     def parameter(self, index: int) -> ArrayRecord | None:
         return next((r for r in self.parameters if r.index == index), None)
@@ -132,7 +144,10 @@ def _int_list(value, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _record(raw, where: str, devices: int) -> ArrayRecord:
+FLATTEN_ORDERS = ("physical", "logical")
+
+
+def _record(raw, where: str, devices: int, default_groups: tuple) -> ArrayRecord:
     _require(isinstance(raw, dict), where, "expected an object")
     for key in ("index", "kind", "shape", "element_type"):
         _require(key in raw, where, f"missing {key!r}")
@@ -154,8 +169,13 @@ def _record(raw, where: str, devices: int) -> ArrayRecord:
         _require(isinstance(raw_shard, dict) and "length" in raw_shard, where,
                  "a sharded record needs 'shard': {'length': …}")
         groups = tuple(_int_list(g, f"{where}.shard.replica_groups")
-                       for g in raw_shard.get("replica_groups", []))
-        shard = Shard(int(raw_shard["length"]), int(raw_shard.get("padding", 0)), groups)
+                       for g in raw_shard["replica_groups"]) if "replica_groups" in raw_shard \
+            else default_groups
+        flatten = raw_shard.get("flatten", "physical")
+        _require(flatten in FLATTEN_ORDERS, where,
+                 f"'flatten' must be one of {', '.join(FLATTEN_ORDERS)}")
+        shard = Shard(int(raw_shard["length"]), int(raw_shard.get("padding", 0)), groups,
+                      flatten)
         size = len(shard.groups(devices)[0])
         _require(all(len(g) == size for g in shard.groups(devices)), where,
                  "replica groups must have equal sizes")
@@ -175,11 +195,15 @@ def parse_manifest(data, path: str | None = None) -> Manifest:
              f"version {data.get('version')!r} is not supported (this hlo-shard reads {VERSION})")
     devices = data.get("devices")
     _require(isinstance(devices, int) and devices >= 1, where, "'devices' must be a positive integer")
+    _require(isinstance(data.get("replica_groups", []), list), where,
+             "'replica_groups' must be a list of lists")
+    default_groups = tuple(_int_list(g, f"{where} replica_groups")
+                           for g in data.get("replica_groups", []))
     records = {}
     for section in ("parameters", "outputs"):
         raw = data.get(section, [])
         _require(isinstance(raw, list), where, f"'{section}' must be a list")
-        records[section] = tuple(_record(r, f"{where} {section}[{i}]", devices)
+        records[section] = tuple(_record(r, f"{where} {section}[{i}]", devices, default_groups)
                                  for i, r in enumerate(raw))
         indices = [r.index for r in records[section]]
         _require(len(set(indices)) == len(indices), where, f"duplicate index in '{section}'")
@@ -187,7 +211,8 @@ def parse_manifest(data, path: str | None = None) -> Manifest:
     if "feedback" in data:
         _require(isinstance(data["feedback"], list), where, "'feedback' must be a list")
         feedback = tuple((int(f["output"]), int(f["parameter"])) for f in data["feedback"])
-    return Manifest(devices, records["parameters"], records["outputs"], feedback, path)
+    return Manifest(devices, records["parameters"], records["outputs"], feedback, path,
+                    str(data.get("form", "")))
 
 
 def load_manifest(path: str | Path) -> Manifest:
@@ -211,9 +236,12 @@ def manifest_to_json(manifest: Manifest) -> dict:
             out["shard"] = {"length": r.shard.length, "padding": r.shard.padding}
             if r.shard.replica_groups:
                 out["shard"]["replica_groups"] = [list(g) for g in r.shard.replica_groups]
+            if r.shard.flatten != "physical":
+                out["shard"]["flatten"] = r.shard.flatten
         return out
 
     data = {"format": FORMAT, "version": VERSION, "devices": manifest.devices,
+            **({"form": manifest.form} if manifest.form else {}),
             "parameters": [record(r) for r in manifest.parameters],
             "outputs": [record(r) for r in manifest.outputs]}
     if manifest.feedback is not None:
@@ -240,7 +268,7 @@ def shard_value(full: np.ndarray, record: ArrayRecord, device: int, devices: int
                 candidate: ArrayShape) -> np.ndarray:
     """Device ``device``'s chunk of the original value, in the candidate's shape."""
     shard = record.shard
-    flat = physical_flat(np.asarray(full), record.shape.minor_to_major())
+    flat = physical_flat(np.asarray(full), _order(record))
     if shard.padding:
         flat = np.concatenate([flat, np.zeros(shard.padding, flat.dtype)])
     _, position = shard.position(device, devices)
@@ -256,4 +284,11 @@ def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: 
     flat = np.concatenate([physical_flat(np.asarray(per_device[d]), candidate.minor_to_major())
                            for d in group])
     numel = math.prod(record.shape.dims)
-    return from_physical_flat(flat[:numel], record.shape.dims, record.shape.minor_to_major())
+    return from_physical_flat(flat[:numel], record.shape.dims, _order(record))
+
+
+def _order(record: ArrayRecord) -> tuple[int, ...]:
+    """The minor_to_major order the original value is flattened in."""
+    if record.shard.flatten == "logical":
+        return tuple(range(record.shape.rank - 1, -1, -1))
+    return record.shape.minor_to_major()
