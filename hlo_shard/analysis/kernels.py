@@ -7,9 +7,12 @@ fused loop that reads w, g, m, v once and writes w, m, v once. This module group
 instructions the way XLA's loop/input fusion would, closely enough for a roofline:
 
 * elementwise ops, broadcasts, reshapes, slices, pads, … fuse into their consumer when
-  all their users are in one fusible kernel (no duplication of real work);
+  all their readers are in one fusible kernel (no duplication of real work); a value
+  that is also an output is then written by that kernel as well;
 * cheap producers (constants, iota, broadcasts of a smaller operand) are duplicated
   into every consumer, as XLA does, and never materialise;
+* a producer read by several such kernels of its own size merges them (XLA's
+  multi-output fusion), so Adam reads the gradient once for m, v and w;
 * a reduce ends a kernel (input fusion: the reduce is its root); dot, convolution,
   collectives, control flow and custom calls are kernels of their own.
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, leaf_bytes
+from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import Computation, Instruction, Module
 
@@ -106,14 +109,23 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
             continue
         readers = consumers(inst.name)
-        fusible = (emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(readers)
-                   and None not in readers)
-        if fusible and inst.opcode not in _KERNEL_ROOTS and _is_cheap(comp, inst):
+        # A value also needed in memory (read by a tuple, a loop, the root) can still be
+        # computed inside its kernel readers' fusion, as an extra output.
+        kernel_readers = [k for k in readers if k is not None]
+        fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(kernel_readers)
+        if (fusible and None not in readers and inst.opcode not in _KERNEL_ROOTS
+                and _is_cheap(comp, inst)):
             duplicated.add(inst.name)
             continue
-        targets = {id(k) for k in readers}
-        if fusible and inst.opcode not in _KERNEL_ROOTS and len(targets) == 1:
-            kernel = readers[0]
+        targets = list({id(k): k for k in kernel_readers}.values())
+        if fusible and inst.opcode not in _KERNEL_ROOTS and (
+                len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets)):
+            kernel = targets[0]
+            for other in targets[1:]:  # multi-output fusion of the readers
+                kernel.members.extend(other.members)
+                for member in other.members:
+                    kernel_of[member.name] = kernel
+                kernels.remove(other)
             kernel.members.append(inst)
             kernel_of[inst.name] = kernel
         else:
@@ -126,6 +138,14 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         kernel.index = index
     materialized = _account(comp, kernels, kernel_of, duplicated, users)
     return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion)
+
+
+def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:
+    """A kernel the producer can share with its other readers (XLA's multi-output
+    fusion): an elementwise loop over as many elements as the producer writes."""
+    root = kernel.members[0]  # the instruction that opened the kernel
+    return (root.opcode in FUSIBLE_OPCODES and root.opcode not in _KERNEL_ROOTS
+            and elements(root.shape) == elements(producer.shape))
 
 
 def _is_cheap(comp: Computation, inst: Instruction) -> bool:
