@@ -1,0 +1,39 @@
+"""Opcode families shared by the analyses (one table each, so the rules agree)."""
+
+from __future__ import annotations
+
+#: Elementwise ops: result[i] depends only on operands[i] (same dims; clamp may take scalar
+#: bounds). They run unchanged on any subset of the elements — the shardable core.
+ELEMENTWISE = frozenset({
+    # unary
+    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cbrt", "ceil", "cosine", "cosh",
+    "count-leading-zeros", "erf", "exponential", "exponential-minus-one", "floor", "imag",
+    "is-finite", "log", "log-plus-one", "logistic", "negate", "not", "popcnt", "real",
+    "reduce-precision", "round-nearest-afz", "round-nearest-even", "rsqrt", "sign", "sine",
+    "sinh", "sqrt", "tan", "tanh", "convert", "copy",
+    # binary
+    "add", "atan2", "complex", "divide", "maximum", "minimum", "multiply", "power", "remainder",
+    "shift-left", "shift-right-arithmetic", "shift-right-logical", "subtract", "and", "or",
+    "xor", "compare",
+    # ternary
+    "select", "clamp",
+})
+
+#: Ops whose result is a deterministic function of their operands' values: identical
+#: operands on every device give identical results.
+DETERMINISTIC = ELEMENTWISE | frozenset({
+    "bitcast-convert", "stochastic-convert", "broadcast", "reshape", "bitcast", "transpose",
+    "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "reverse", "iota",
+    "constant", "dot", "convolution", "reduce", "reduce-window", "map", "sort", "gather",
+    "scatter", "select-and-scatter", "cholesky", "triangular-solve", "fft",
+    "get-dimension-size", "set-dimension-size", "dynamic-reshape", "topk", "batch-norm-training",
+    "batch-norm-inference", "batch-norm-grad", "domain", "ragged-dot", "scaled-dot",
+})
+
+#: Ops whose value differs per device or is not a function of the operands.
+DEVICE_DEPENDENT = frozenset({
+    "replica-id", "partition-id", "rng", "rng-bit-generator", "rng-get-and-update-state",
+    "infeed", "recv", "recv-done", "custom-call", "reduce-scatter", "all-to-all",
+    "ragged-all-to-all", "collective-permute", "collective-permute-start",
+    "collective-permute-done", "collective-broadcast",
+})

@@ -1,0 +1,378 @@
+"""Which values are identical on every device of the data-parallel group.
+
+The rewrite slices a value locally (``dynamic-slice`` at the device's shard offset) only
+when every device of the group holds the same value; slicing a per-device value would mix
+different devices' data. This analysis proves it, conservatively:
+
+* entry parameters: SPMD form — the parameter's ``sharding`` (``{replicated}`` or a tiling
+  whose replicated sub-groups contain each data-parallel group → replicated; any other tiling,
+  ``maximal``, ``manual`` → per-device); replica form — ``parameter_replication`` when present,
+  else :func:`default_parameter_replication`; user flags override both;
+* constants and iota; all-reduce / all-gather results over groups covering the target group;
+* deterministic ops over replicated operands (rule tables in :mod:`.opcodes`);
+* never anything depending on ``replica-id``/``partition-id``, RNG, infeed, custom-call or a
+  collective whose result differs per device; unknown opcodes count as per-device.
+
+While loops are solved by a fixpoint over the carry, calls and fusions by analysing the
+callee with the caller's operand facts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Union
+
+import networkx as nx
+
+from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
+from hlo_shard.analysis.opcodes import DETERMINISTIC, DEVICE_DEPENDENT, ELEMENTWISE
+from hlo_shard.graph import dataflow_graph
+from hlo_shard.ir import Computation, Instruction, Module, Raw, Shape, TupleShape
+
+#: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
+Flags = Union[bool, tuple]
+
+
+def uniform(shape: Shape, flag: bool) -> Flags:
+    if isinstance(shape, TupleShape):
+        return tuple(uniform(e, flag) for e in shape.elements)
+    return flag
+
+
+def all_true(flags: Flags) -> bool:
+    if isinstance(flags, tuple):
+        return all(all_true(f) for f in flags)
+    return flags
+
+
+def meet(a: Flags, b: Flags) -> Flags:
+    """Elementwise AND of two flag trees of the same structure."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(meet(x, y) for x, y in zip(a, b))
+    return all_true(a) and all_true(b)
+
+
+@dataclass(frozen=True)
+class ParamOverrides:
+    """``--replicated-params`` / ``--per-device-params`` (entry parameter numbers)."""
+
+    replicated: frozenset[int] = frozenset()
+    per_device: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ParamReplication:
+    number: int
+    flags: Flags
+    #: Where the fact came from: "flag", "sharding", "parameter_replication", "analysis".
+    source: str
+
+
+@dataclass
+class Replication:
+    """Per computation, per instruction: its replication flags."""
+
+    values: dict[str, dict[str, Flags]] = field(default_factory=dict)
+    params: list[ParamReplication] = field(default_factory=list)
+
+    def flags(self, comp: str, name: str) -> Flags:
+        return self.values.get(comp, {}).get(name, False)
+
+    def is_replicated(self, comp: str, name: str) -> bool:
+        return all_true(self.flags(comp, name))
+
+
+# ------------------------------------------------------------------ entry parameters
+
+
+def _sharding_flags(text: str, shape: Shape, target: list[frozenset[int]] | None) -> Flags | None:
+    """Flags from an SPMD ``sharding={...}`` text, or None when it says nothing usable."""
+    body = text.strip()
+    if body.startswith("{") and body.endswith("}"):
+        body = body[1:-1].strip()
+    if body.startswith("{"):  # tuple sharding {{a}, {b}}
+        parts = _split_top_level(body)
+        if isinstance(shape, TupleShape) and len(parts) == len(shape.elements):
+            leaves = [_sharding_flags(p, e, target) for p, e in zip(parts, shape.elements)]
+            return tuple(False if f is None else f for f in leaves)
+        return None
+    if body.startswith("replicated"):
+        return uniform(shape, True)
+    if body.startswith(("maximal", "manual", "unknown", "unreduced")):
+        return uniform(shape, False)
+    if body.startswith("devices="):
+        sets = _replicated_sets(body)
+        if sets is None or target is None:
+            return uniform(shape, False)
+        return uniform(shape, all(any(g <= s for s in sets) for g in target))
+    return None
+
+
+def _split_top_level(body: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(body[start:i].strip())
+            start = i + 1
+    parts.append(body[start:].strip())
+    return parts
+
+
+def _replicated_sets(body: str) -> list[frozenset[int]] | None:
+    """Device sets that hold the same tile, from ``devices=[d…]ids [last_tile_dim_replicate]``."""
+    import numpy as np
+
+    match = re.match(r"devices=\[([\d,]+)\]\s*(<=\[([\d,]+)\](?:T\(([\d,]+)\))?|[\d,\s]+)", body)
+    if not match:
+        return None
+    tile = [int(d) for d in match.group(1).split(",")]
+    if match.group(3):
+        dims = [int(d) for d in match.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if match.group(4):
+            ids = ids.transpose([int(p) for p in match.group(4).split(",")])
+        ids = ids.reshape(tile)
+    else:
+        ids = np.array([int(d) for d in match.group(2).replace(" ", "").split(",") if d])
+        if ids.size != int(np.prod(tile)):
+            return None
+        ids = ids.reshape(tile)
+    replicated_dims = 0
+    if "last_tile_dim_replicate" in body:
+        replicated_dims = 1
+    elif (subgroups := re.search(r"last_tile_dims=\{([^}]*)\}", body)):
+        kinds = [k.strip() for k in subgroups.group(1).split(",")]
+        if any(k != "replicated" for k in kinds):
+            return None
+        replicated_dims = len(kinds)
+    data_tiles = int(np.prod(tile[:len(tile) - replicated_dims]))
+    return [frozenset(int(d) for d in row) for row in ids.reshape(data_tiles, -1)]
+
+
+def _parameter_replication_attr(inst: Instruction) -> Flags | None:
+    value = inst.attr("parameter_replication")
+    if value is None:
+        return None
+    if isinstance(value, Raw):
+        bools = [w == "true" for w in re.findall(r"true|false", value.text)]
+    elif isinstance(value, tuple):
+        bools = [bool(v) for v in value]
+    else:
+        bools = [bool(value)]
+    leaves = list(_leaf_count_iter(inst.shape))
+    if len(bools) == 1:
+        return uniform(inst.shape, bools[0])
+    if len(bools) != len(leaves):
+        return None
+    it = iter(bools)
+    return _rebuild(inst.shape, it)
+
+
+def _leaf_count_iter(shape: Shape):
+    if isinstance(shape, TupleShape):
+        for e in shape.elements:
+            yield from _leaf_count_iter(e)
+    else:
+        yield shape
+
+
+def _rebuild(shape: Shape, it) -> Flags:
+    if isinstance(shape, TupleShape):
+        return tuple(_rebuild(e, it) for e in shape.elements)
+    return next(it)
+
+
+#: Ops a parameter's value flows through "elementwise" in the default analysis.
+_FLOW_THROUGH = ELEMENTWISE | frozenset({
+    "broadcast", "reshape", "bitcast", "transpose", "slice", "concatenate", "pad",
+    "bitcast-convert", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice",
+})
+
+
+def default_parameter_replication(comp: Computation, sources: set[str]) -> dict[int, bool]:
+    """Replica-form default (no ``parameter_replication``): which entry parameters are
+    per-device batch data.
+
+    ``sources`` are the instructions producing all-reduced gradients (the all-reduces, or
+    loops/calls containing them). A parameter is *per-device* when it is an ancestor of one
+    of them and none of its elementwise/data-movement successors is combined with an
+    all-reduced value — batch data reaches the gradient only through dot/convolution/gather
+    work. Everything else (weights and optimizer state, which meet the reduced gradient
+    elementwise in the update; step counters; unused inputs) is replicated.
+    """
+    graph = dataflow_graph(comp)
+    upstream: set[str] = set()
+    downstream: set[str] = set(sources)
+    for source in sources:
+        upstream |= nx.ancestors(graph, source)
+        downstream |= nx.descendants(graph, source)
+    result: dict[int, bool] = {}
+    for param in comp.parameters():
+        if param.name not in upstream:
+            result[param.parameter_number] = True
+            continue
+        reach, stack = {param.name}, [param.name]
+        while stack:
+            for user in graph.successors(stack.pop()):
+                if user not in reach and graph.nodes[user]["inst"].opcode in _FLOW_THROUGH:
+                    reach.add(user)
+                    stack.append(user)
+        combined = any(set(graph.predecessors(n)) & downstream for n in reach)
+        result[param.parameter_number] = combined
+    return result
+
+
+# ----------------------------------------------------------------------- the analysis
+
+
+@dataclass
+class _Analyzer:
+    module: Module
+    target: list[frozenset[int]] | None
+    result: Replication
+    _memo: dict[tuple[str, tuple], tuple[dict[str, Flags], Flags]] = field(default_factory=dict)
+
+    def computation(self, comp: Computation, params: list[Flags]) -> Flags:
+        """Analyse ``comp`` with the given parameter flags; returns the root's flags."""
+        key = (comp.name, tuple(params))
+        if key in self._memo:
+            values, root = self._memo[key]
+        else:
+            values: dict[str, Flags] = {}
+            for inst in comp.instructions:
+                values[inst.name] = self.instruction(comp, inst, values, params)
+            root = values[comp.root_name]
+            self._memo[key] = (values, root)
+        merged = self.result.values.setdefault(comp.name, {})
+        for name, flags in values.items():
+            merged[name] = meet(merged[name], flags) if name in merged else flags
+        return root
+
+    def instruction(self, comp: Computation, inst: Instruction, values: dict[str, Flags],
+                    params: list[Flags]) -> Flags:
+        ops = [values[o] for o in inst.operands]
+        opcode = inst.opcode
+        if opcode == "parameter":
+            n = inst.parameter_number
+            return params[n] if n < len(params) else uniform(inst.shape, False)
+        if opcode in ("constant", "iota", "after-all"):
+            return uniform(inst.shape, True)
+        if opcode in DEVICE_DEPENDENT:
+            return uniform(inst.shape, False)
+        if opcode in ("all-reduce", "all-gather", "all-reduce-start", "all-gather-start"):
+            return uniform(inst.shape, self._covers(inst))
+        if opcode in ("all-reduce-done", "all-gather-done", "copy-done"):
+            return uniform(inst.shape, all_true(ops[0]))
+        if opcode in ("opt-barrier", "add-dependency"):
+            return ops[0]
+        if opcode == "tuple":
+            return tuple(ops)
+        if opcode == "get-tuple-element":
+            source = ops[0]
+            return source[inst.attr("index")] if isinstance(source, tuple) else source
+        if opcode == "while":
+            return self._while(inst, ops[0])
+        if opcode in ("call", "fusion", "async-start"):
+            callee = inst.called_computations()
+            if len(callee) != 1:
+                return uniform(inst.shape, False)
+            root = self.computation(self.module.computation(callee[0]), ops)
+            return root if isinstance(inst.shape, TupleShape) == isinstance(root, tuple) \
+                else uniform(inst.shape, all_true(root))
+        if opcode == "conditional":
+            return self._conditional(inst, ops)
+        if opcode in DETERMINISTIC:
+            return uniform(inst.shape, all(all_true(f) for f in ops))
+        return uniform(inst.shape, False)
+
+    def _covers(self, inst: Instruction) -> bool:
+        try:
+            groups = device_groups(inst, self.module)
+        except UnsupportedGroups:
+            return False
+        sets = groups.global_sets(self.module.replica_count, self.module.num_partitions)
+        if self.target is None:
+            return len(sets) == 1
+        return all(any(g <= s for s in sets) for g in self.target)
+
+    def _while(self, inst: Instruction, init: Flags) -> Flags:
+        body = self.module.computation(inst.attr("body").name)
+        cond = self.module.computation(inst.attr("condition").name)
+        carry = init
+        while True:
+            out = self.computation(body, [carry])
+            new = meet(carry, out)
+            if new == carry:
+                break
+            carry = new
+        if not all_true(self.computation(cond, [carry])):
+            return uniform(inst.shape, False)  # trip count may differ per device
+        return carry
+
+    def _conditional(self, inst: Instruction, ops: list[Flags]) -> Flags:
+        if not all_true(ops[0]):
+            return uniform(inst.shape, False)
+        result: Flags | None = None
+        for name, operand in zip(inst.called_computations(), ops[1:]):
+            root = self.computation(self.module.computation(name), [operand])
+            result = root if result is None else meet(result, root)
+        return result if result is not None else uniform(inst.shape, False)
+
+
+def target_sets(module: Module, groups: DeviceGroups | None) -> list[frozenset[int]] | None:
+    if groups is None:
+        return None
+    return groups.global_sets(module.replica_count, module.num_partitions)
+
+
+def entry_parameter_replication(module: Module, target: list[frozenset[int]] | None,
+                                overrides: ParamOverrides,
+                                gradient_sources: set[str]) -> list[ParamReplication]:
+    """Per entry parameter: its flags and where they came from (flags > annotation >
+    default analysis)."""
+    entry = module.entry
+    default: dict[int, bool] | None = None
+    out: list[ParamReplication] = []
+    for param in entry.parameters():
+        n = param.parameter_number
+        if n in overrides.replicated or n in overrides.per_device:
+            out.append(ParamReplication(n, uniform(param.shape, n in overrides.replicated), "flag"))
+            continue
+        sharding = param.attr("sharding")
+        flags = _sharding_flags(sharding.text, param.shape, target) \
+            if isinstance(sharding, Raw) else None
+        if flags is not None:
+            out.append(ParamReplication(n, flags, "sharding"))
+            continue
+        flags = _parameter_replication_attr(param)
+        if flags is not None:
+            out.append(ParamReplication(n, flags, "parameter_replication"))
+            continue
+        if default is None:
+            default = default_parameter_replication(entry, gradient_sources)
+        out.append(ParamReplication(n, uniform(param.shape, default[n]), "analysis"))
+    return out
+
+
+def analyze_replication(module: Module, groups: DeviceGroups | None = None,
+                        overrides: ParamOverrides = ParamOverrides(),
+                        gradient_sources: set[str] = frozenset()) -> Replication:
+    """Replication facts for every computation reachable from the entry, relative to the
+    data-parallel ``groups`` (None: identical on all devices)."""
+    target = target_sets(module, groups)
+    result = Replication()
+    result.params = entry_parameter_replication(module, target, overrides, set(gradient_sources))
+    analyzer = _Analyzer(module, target, result)
+    analyzer.computation(module.entry, [p.flags for p in result.params])
+    return result
+
+
+__all__ = [
+    "Flags", "GroupMode", "ParamOverrides", "ParamReplication", "Replication", "all_true",
+    "analyze_replication", "default_parameter_replication", "meet", "uniform",
+]

@@ -1,0 +1,571 @@
+"""The weight-update region: what can run on 1/N shards after the gradient all-reduce.
+
+Starting from the all-reduced gradients, every user is classified by a rule table
+(:data:`RULES`, default: *ends the region*):
+
+* elementwise ops → run on the shard (their non-sharded operands must be proved replicated
+  — they are sliced locally — or be scalars);
+* reshape / bitcast / transpose / copy → free when the element order of the shard format is
+  preserved (transpose always is; reshape when the order stays row-major or only size-1
+  dimensions move; bitcast when the shard is in physical order), else the region ends;
+* reductions to one element (norms, global-norm clipping, is-finite checks, max/min) → a
+  masked local reduction plus a small all-reduce of the same reducer over the group;
+* anything else (dot, gather, partial reductions, tuple, custom-call, …) ends the region:
+  the sharded operand is all-gathered right before that user.
+
+Two extensions pull replicated work into the region so that no update op runs on a
+full-size weight: producers whose every user is in the region (AdamW's ``w * wd``), and
+one-element reductions of replicated values whose result feeds the region (LAMB's weight
+norm). A *sharded value* is described by a :class:`ShardFormat`; the formats of the leaves
+are chosen to minimise formatting copies (transposes) over the region.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import networkx as nx
+
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
+                                            reducer_opcode)
+from hlo_shard.analysis.opcodes import ELEMENTWISE
+from hlo_shard.analysis.replication import Replication
+from hlo_shard.graph import dataflow_graph, topological_order, users_map
+from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module
+
+# ------------------------------------------------------------------------ the format
+
+
+def natural_perm(shape: ArrayShape) -> tuple[int, ...]:
+    """Dimensions from most to least major in ``shape``'s layout (its physical order),
+    canonical (size-1 dimensions first, as their place does not change the order)."""
+    return canonical_perm(tuple(reversed(shape.minor_to_major())), shape.dims)
+
+
+def canonical_perm(perm: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
+    ones = tuple(d for d in perm if dims[d] == 1)
+    return tuple(sorted(ones)) + tuple(d for d in perm if dims[d] != 1)
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """A full value of ``dims``, flattened as ``ravel(transpose(value, perm))``, zero-padded
+    to ``n × shard_len`` and cut into ``n`` chunks; the device at group position j holds
+    chunk j as a 1-D ``[shard_len]`` array."""
+
+    dims: tuple[int, ...]
+    perm: tuple[int, ...]
+    n: int
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def shard_len(self) -> int:
+        return max(1, -(-self.elements // self.n))
+
+    @property
+    def padded(self) -> int:
+        return self.n * self.shard_len
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.elements
+
+    @property
+    def transposed_dims(self) -> tuple[int, ...]:
+        return tuple(self.dims[p] for p in self.perm)
+
+    @property
+    def is_row_major(self) -> bool:
+        return self.perm == canonical_perm(tuple(range(len(self.dims))), self.dims)
+
+    def minor_to_major(self) -> tuple[int, ...]:
+        """The layout whose physical order is this format's flat order."""
+        return tuple(reversed(self.perm))
+
+    @staticmethod
+    def of(shape: ArrayShape, n: int, perm: tuple[int, ...] | None = None) -> ShardFormat:
+        dims = tuple(shape.dims)
+        chosen = natural_perm(shape) if perm is None else canonical_perm(perm, dims)
+        return ShardFormat(dims, chosen, n)
+
+
+def transpose_result(fmt: ShardFormat, permutation: tuple[int, ...]) -> ShardFormat:
+    """Format of ``transpose(x, permutation)`` keeping x's shard order (always exists)."""
+    inverse = [0] * len(permutation)
+    for k, d in enumerate(permutation):
+        inverse[d] = k
+    dims = tuple(fmt.dims[d] for d in permutation)
+    return ShardFormat(dims, canonical_perm(tuple(inverse[p] for p in fmt.perm), dims), fmt.n)
+
+
+def transpose_operand(fmt: ShardFormat, permutation: tuple[int, ...],
+                      operand_dims: tuple[int, ...]) -> ShardFormat:
+    """Format x must have so that ``transpose(x, permutation)`` has ``fmt``."""
+    perm = tuple(permutation[p] for p in fmt.perm)
+    return ShardFormat(operand_dims, canonical_perm(perm, operand_dims), fmt.n)
+
+
+def reshape_format(fmt: ShardFormat, dims: tuple[int, ...]) -> ShardFormat | None:
+    """Format of a reshape to ``dims`` with the same flat order, when one exists: the
+    order is row-major (any reshape keeps it), or only size-1 dimensions change."""
+    if fmt.is_row_major:
+        return ShardFormat(dims, canonical_perm(tuple(range(len(dims))), dims), fmt.n)
+    big_in = [d for d in range(len(fmt.dims)) if fmt.dims[d] != 1]
+    big_out = [d for d in range(len(dims)) if dims[d] != 1]
+    if [fmt.dims[d] for d in big_in] != [dims[d] for d in big_out]:
+        return None
+    to_out = dict(zip(big_in, big_out))
+    perm = tuple(to_out[p] for p in fmt.perm if fmt.dims[p] != 1)
+    return ShardFormat(dims, canonical_perm(perm, dims), fmt.n)
+
+
+# ------------------------------------------------------------------------ the rules
+
+
+@dataclass(frozen=True)
+class RegionOp:
+    """A region instruction: how it consumes its sharded/replicated array operands
+    (``operand_format``) and what it yields (``result_format``; None for a reduction,
+    whose result is a replicated value)."""
+
+    kind: str  # "shard" | "reduce"
+    operand_format: ShardFormat
+    result_format: ShardFormat | None
+    #: For reductions: the reducer opcode (add, maximum, …) and its neutral literal.
+    reducer: str = ""
+    neutral: str = ""
+    pulled: bool = False
+
+
+@dataclass
+class _Context:
+    module: Module
+    comp: Computation
+    replication: Replication
+    n: int
+    sharded: dict[str, ShardFormat]
+
+    def replicated(self, name: str) -> bool:
+        return self.replication.is_replicated(self.comp.name, name)
+
+    def inst(self, name: str) -> Instruction:
+        return self.comp[name]
+
+
+def _array(shape) -> ArrayShape | None:
+    return shape if isinstance(shape, ArrayShape) and not shape.dynamic else None
+
+
+def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
+    """Every operand of ``inst`` is sharded in ``fmt`` or replicated (full dims or scalar)."""
+    for name in inst.operands:
+        if name in ctx.sharded:
+            if ctx.sharded[name] != fmt:
+                return False
+            continue
+        shape = _array(ctx.inst(name).shape)
+        if shape is None or not ctx.replicated(name):
+            return False
+        if shape.dims != fmt.dims and not (shape.is_scalar and inst.opcode in _SCALAR_OK):
+            return False
+    return True
+
+
+#: Elementwise opcodes that accept scalar operands next to arrays.
+_SCALAR_OK = frozenset({"clamp", "select"})
+
+
+def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    formats = {ctx.sharded[o] for o in inst.operands if o in ctx.sharded}
+    if len(formats) != 1:
+        return None
+    fmt = formats.pop()
+    shape = _array(inst.shape)
+    if shape is None or shape.dims != fmt.dims or not _operands_fit(ctx, inst, fmt):
+        return None
+    return RegionOp("shard", fmt, fmt)
+
+
+def _bitcast_convert(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    source = _array(ctx.inst(inst.operands[0]).shape)
+    shape = _array(inst.shape)
+    if source is None or shape is None or source.dims != shape.dims or \
+            ELEMENT_BITS[source.element_type] != ELEMENT_BITS[shape.element_type]:
+        return None
+    return _elementwise(ctx, inst)
+
+
+def _reshape(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    fmt = ctx.sharded[inst.operands[0]]
+    shape = _array(inst.shape)
+    result = reshape_format(fmt, shape.dims) if shape is not None else None
+    return RegionOp("shard", fmt, result) if result is not None else None
+
+
+def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A bitcast keeps the physical order: free when the shard is in physical order."""
+    fmt = ctx.sharded[inst.operands[0]]
+    source = _array(ctx.inst(inst.operands[0]).shape)
+    shape = _array(inst.shape)
+    if source is None or shape is None or source.element_type != shape.element_type:
+        return None
+    if fmt.perm != natural_perm(source):
+        return None
+    return RegionOp("shard", fmt, ShardFormat.of(shape, fmt.n))
+
+
+def _transpose(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    fmt = ctx.sharded[inst.operands[0]]
+    return RegionOp("shard", fmt, transpose_result(fmt, tuple(inst.attr("dimensions"))))
+
+
+def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A reduction to one element of a sharded (or, when pulled, replicated) value."""
+    if len(inst.operands) != 2:
+        return None
+    source, init = inst.operands
+    source_shape = _array(ctx.inst(source).shape)
+    shape = _array(inst.shape)
+    if source_shape is None or shape is None or shape.num_elements != 1:
+        return None
+    if source in ctx.sharded:
+        fmt = ctx.sharded[source]
+    elif ctx.replicated(source):
+        fmt = ShardFormat.of(source_shape, ctx.n)
+    else:
+        return None
+    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    neutral = neutral_literal(reducer, shape.element_type) if reducer else None
+    if neutral is None or init in ctx.sharded or not ctx.replicated(init):
+        return None
+    return RegionOp("reduce", fmt, None, reducer, neutral)
+
+
+Rule = Callable[[_Context, Instruction], "RegionOp | None"]
+
+#: Opcode → rule deciding whether (and how) a user of a sharded value joins the region.
+RULES: dict[str, Rule] = {
+    **{opcode: _elementwise for opcode in ELEMENTWISE},
+    "bitcast-convert": _bitcast_convert,
+    "reshape": _reshape,
+    "bitcast": _bitcast,
+    "transpose": _transpose,
+    "reduce": _reduce,
+}
+
+
+def _ends_region(ctx: _Context, inst: Instruction) -> None:
+    return None
+
+
+def classify(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    return RULES.get(inst.opcode, _ends_region)(ctx, inst)
+
+
+#: Producers that may be pulled into the region when all their users are in it.
+_PULLABLE = ELEMENTWISE | frozenset({"transpose", "reshape", "bitcast-convert"})
+
+
+def _operand_format_for(inst: Instruction, comp: Computation,
+                        result: ShardFormat) -> ShardFormat | None:
+    """For pulling: the format ``inst``'s operand must have for its result to be in
+    ``result``."""
+    if inst.opcode == "transpose":
+        operand_dims = tuple(comp[inst.operands[0]].shape.dims)
+        return transpose_operand(result, tuple(inst.attr("dimensions")), operand_dims)
+    if inst.opcode == "reshape":
+        operand = _array(comp[inst.operands[0]].shape)
+        if operand is None:
+            return None
+        candidate = ShardFormat(operand.dims, canonical_perm(tuple(range(operand.rank)),
+                                                             operand.dims), result.n)
+        return candidate if reshape_format(candidate, result.dims) == result else None
+    return result
+
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Leaf:
+    """One gradient: an array all-reduce or one element of a tuple all-reduce."""
+
+    all_reduce: str
+    index: int | None
+    #: Names whose value is the reduced gradient (the all-reduce or its GTEs).
+    values: tuple[str, ...]
+    #: The per-device gradient (the all-reduce's operand).
+    operand: str
+    shape: ArrayShape
+    groups: DeviceGroups
+    format: ShardFormat | None = None
+    sharded: bool = False
+    reason: str = ""
+    ops_moved: int = 0
+    formatting_copies: int = 0
+    saved_flops: float = 0.0
+
+    @property
+    def byte_size(self) -> int:
+        return self.shape.byte_size
+
+    @property
+    def label(self) -> str:
+        return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
+
+
+@dataclass
+class RegionPlan:
+    """Everything the rewrite of one computation needs."""
+
+    comp: str
+    groups: DeviceGroups
+    #: An all-reduce whose collective attributes the new collectives copy.
+    template: str
+    leaves: list[Leaf]
+    #: Region value → format of its shard (leaf values included).
+    sharded: dict[str, ShardFormat] = field(default_factory=dict)
+    #: Region instructions (leaves excluded) in program order.
+    ops: dict[str, RegionOp] = field(default_factory=dict)
+    #: Sharded value → its users that need the full value (``""`` for the root).
+    boundary: dict[str, list[str]] = field(default_factory=dict)
+    formatting_copies: int = 0
+
+    @property
+    def active(self) -> list[Leaf]:
+        return [leaf for leaf in self.leaves if leaf.sharded]
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    #: Gradients smaller than this stay all-reduced (0: no minimum).
+    min_shard_bytes: int = 0
+
+
+def collect_leaves(module: Module, comp: Computation, candidates: list[GradientAllReduce]
+                   ) -> tuple[list[Leaf], list[tuple[GradientAllReduce, str]]]:
+    """Leaves of the candidate all-reduces in ``comp``, and the all-reduces rejected as a
+    whole (with the reason)."""
+    users = users_map(comp)
+    leaves: list[Leaf] = []
+    rejected: list[tuple[GradientAllReduce, str]] = []
+    for ar in candidates:
+        inst = comp[ar.name]
+        if isinstance(inst.shape, ArrayShape):
+            leaves.append(Leaf(ar.name, None, (ar.name,), inst.operands[0], inst.shape,
+                               ar.groups))
+            continue
+        user_insts = [comp[u] for u in users[ar.name]]
+        if any(u.opcode != "get-tuple-element" for u in user_insts) or \
+                comp.root_name == ar.name:
+            rejected.append((ar, "the tuple result is used whole (not through "
+                                 "get-tuple-element)"))
+            continue
+        for index, operand in enumerate(inst.operands):
+            values = tuple(u.name for u in user_insts if u.attr("index") == index)
+            leaves.append(Leaf(ar.name, index, values, operand, inst.shape.elements[index],
+                               ar.groups))
+    return leaves, rejected
+
+
+def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
+    shape = leaf.shape
+    if shape.element_type in ("token", "opaque") or shape.dynamic:
+        return "not a static array"
+    if shape.num_elements <= 1:
+        return "scalar: nothing to shard"
+    if shape.byte_size < options.min_shard_bytes:
+        return f"smaller than --min-shard-bytes ({shape.byte_size} < {options.min_shard_bytes})"
+    if not leaf.values:
+        return "result unused"
+    return ""
+
+
+def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
+                replication: Replication, options: RegionOptions = RegionOptions()
+                ) -> RegionPlan:
+    """Grow the region from the eligible ``leaves`` (same groups), drop leaves that move
+    no work, and choose leaf formats that minimise formatting copies."""
+    groups = leaves[0].groups
+    for leaf in leaves:
+        leaf.reason = _leaf_filter(leaf, options)
+        leaf.sharded = not leaf.reason
+        leaf.format = ShardFormat.of(leaf.shape, groups.size)
+    graph = dataflow_graph(comp)
+    plan = _grow(module, comp, graph, leaves, replication, groups)
+    # Leaves whose region is empty gain nothing (reduce-scatter + all-gather = all-reduce).
+    while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
+        for leaf in leaves:
+            if leaf.sharded and leaf.ops_moved == 0:
+                leaf.sharded, leaf.reason = False, "no update work downstream (all users " \
+                                                   "need the full gradient)"
+        plan = _grow(module, comp, graph, leaves, replication, groups)
+    # Leaves not stored in row-major order: keep whichever order costs fewer copies.
+    for leaf in leaves:
+        if not leaf.sharded or leaf.format.is_row_major:
+            continue
+        saved = leaf.format
+        leaf.format = ShardFormat.of(leaf.shape, groups.size,
+                                     tuple(range(leaf.shape.rank)))
+        other = _grow(module, comp, graph, leaves, replication, groups)
+        if other.formatting_copies < plan.formatting_copies and \
+                all(leaf.ops_moved > 0 for leaf in other.active):
+            plan = other
+        else:
+            leaf.format = saved
+            plan = _grow(module, comp, graph, leaves, replication, groups)
+    return plan
+
+
+def _grow(module: Module, comp: Computation, graph: nx.MultiDiGraph, leaves: list[Leaf],
+          replication: Replication, groups: DeviceGroups) -> RegionPlan:
+    active = [leaf for leaf in leaves if leaf.sharded]
+    plan = RegionPlan(comp.name, groups, active[0].all_reduce if active else leaves[0].all_reduce,
+                      leaves)
+    ctx = _Context(module, comp, replication, groups.size, plan.sharded)
+    for leaf in active:
+        for value in leaf.values:
+            plan.sharded[value] = leaf.format
+    leaf_values = set(plan.sharded)
+    for inst in topological_order(comp):
+        if inst.name in leaf_values or not any(o in plan.sharded for o in inst.operands):
+            continue
+        op = classify(ctx, inst)
+        if op is not None:
+            plan.ops[inst.name] = op
+            if op.result_format is not None:
+                plan.sharded[inst.name] = op.result_format
+    if active:
+        _pull_reductions(ctx, plan, graph, active)
+        _pull_producers(ctx, plan, graph)
+        plan.ops = {i.name: plan.ops[i.name] for i in comp.instructions if i.name in plan.ops}
+    _boundaries(comp, graph, plan)
+    _account(comp, graph, plan, active, ctx)
+    return plan
+
+
+def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
+                     active: list[Leaf]) -> None:
+    """One-element reductions of replicated values whose result feeds the region (LAMB's
+    weight norm) become masked local reductions of a slice."""
+    feeds: set[str] = set()
+    for name in plan.ops:
+        feeds |= nx.ancestors(graph, name)
+    upstream_of_gradients: set[str] = set()
+    for leaf in active:
+        upstream_of_gradients |= nx.ancestors(graph, leaf.operand) | {leaf.operand}
+    for inst in ctx.comp.instructions:
+        if inst.opcode != "reduce" or inst.name in plan.ops or inst.name not in feeds \
+                or inst.name in upstream_of_gradients or not ctx.replicated(inst.name):
+            continue
+        source = _array(ctx.inst(inst.operands[0]).shape)
+        if source is None or source.num_elements < ctx.n:
+            continue
+        op = classify(ctx, inst)
+        if op is not None:
+            plan.ops[inst.name] = replace(op, pulled=True)
+
+
+def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> None:
+    """Replicated producers whose every user consumes them in the region, in one format,
+    run on shards too (AdamW's ``w * weight_decay``)."""
+    comp = ctx.comp
+    changed = True
+    while changed:
+        changed = False
+        for name, op in list(plan.ops.items()):
+            for operand in dict.fromkeys(comp[name].operands):
+                if operand in plan.sharded or operand in plan.ops:
+                    continue
+                producer = comp[operand]
+                shape = _array(producer.shape)
+                if producer.opcode not in _PULLABLE or shape is None or shape.is_scalar \
+                        or shape.dims != op.operand_format.dims or operand == comp.root_name \
+                        or not ctx.replicated(operand):
+                    continue
+                users = set(graph.successors(operand))
+                if not users <= set(plan.ops) or any(
+                        plan.ops[u].operand_format != op.operand_format for u in users):
+                    continue
+                operand_format = _operand_format_for(producer, comp, op.operand_format)
+                if operand_format is None or not _operands_fit(ctx, producer, operand_format):
+                    continue
+                plan.ops[operand] = RegionOp("shard", operand_format, op.operand_format,
+                                             pulled=True)
+                plan.sharded[operand] = op.operand_format
+                changed = True
+
+
+def _boundaries(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan) -> None:
+    for name in plan.sharded:
+        outside = [u for u in dict.fromkeys(graph.successors(name)) if u not in plan.ops]
+        if comp.root_name == name:
+            outside.append("")
+        if outside:
+            plan.boundary[name] = outside
+
+
+def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
+             active: list[Leaf], ctx: _Context) -> None:
+    """Per leaf: region ops it reaches (plus pulled producers feeding them), formatting
+    copies, and the elementwise work saved on the other N-1 shards' behalf."""
+    region = set(plan.ops)
+    copies_of = _formatting_copies(comp, plan, ctx)
+    plan.formatting_copies = sum(copies_of.values())
+    for leaf in active:
+        reached: set[str] = set()
+        stack = list(leaf.values)
+        while stack:
+            for user in graph.successors(stack.pop()):
+                if user in region and user not in reached:
+                    reached.add(user)
+                    stack.append(user)
+        frontier = list(reached)
+        while frontier:
+            for producer in graph.predecessors(frontier.pop()):
+                if producer in region and producer not in reached and plan.ops[producer].pulled:
+                    reached.add(producer)
+                    frontier.append(producer)
+        leaf.ops_moved = len(reached)
+        leaf.formatting_copies = sum(copies_of.get(n, 0) for n in reached | set(leaf.values))
+        leaf.saved_flops = sum(plan.ops[n].operand_format.elements for n in reached) * \
+            (1 - 1 / ctx.n)
+
+
+def _formatting_copies(comp: Computation, plan: RegionPlan, ctx: _Context) -> dict[str, int]:
+    """Transposes the rewrite must add: region value → count (gradients formatted before
+    the reduce-scatter, replicated operands sliced in another order, gathered values)."""
+    copies: dict[str, int] = {}
+
+    def add(name: str, shape, fmt: ShardFormat) -> None:
+        if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:
+            copies[name] = copies.get(name, 0) + 1
+
+    for leaf in plan.active:
+        add(leaf.values[0], comp[leaf.operand].shape, leaf.format)
+    for name, op in plan.ops.items():
+        for operand in comp[name].operands:
+            if operand not in plan.sharded and not is_scalar_broadcast(comp, operand):
+                add(name, comp[operand].shape, op.operand_format)
+    for name in plan.boundary:
+        add(name, comp[name].shape, plan.sharded[name])
+    return copies
+
+
+def is_scalar_broadcast(comp: Computation, name: str) -> bool:
+    """``broadcast`` of a scalar: formatted as a ``[shard_len]`` broadcast, no slicing."""
+    inst = comp[name]
+    return inst.opcode == "broadcast" and isinstance(comp[inst.operands[0]].shape, ArrayShape) \
+        and comp[inst.operands[0]].shape.is_scalar
+
+
+__all__ = [
+    "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
+    "canonical_perm", "classify", "collect_leaves", "is_scalar_broadcast", "natural_perm",
+    "plan_region", "reshape_format", "transpose_operand", "transpose_result",
+]

@@ -1,0 +1,197 @@
+"""``hlo-shard optimize``: shard the weight update across the data-parallel replicas.
+
+Reads per-device HLO of a training step, runs the weight-update sharding pass, checks
+the result (parsed back and validated: def-before-use, unique names, shapes of every op
+the pass emits, unique channel ids, replica groups, entry layout) and only then writes
+it atomically. A module the validator rejects is never written.
+
+Output streams: the module goes to ``-o`` (``-`` for stdout); a one-line summary and,
+with ``--explain``, one row per gradient all-reduce go to **stderr**; ``--json`` prints
+the machine-readable report to **stdout** (so it cannot be combined with ``-o -``).
+
+Exit status: 0 when the module was written (whether or not anything was sharded —
+``--explain`` says why), 2 on bad input or flags.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from hlo_shard.analysis.replication import ParamOverrides
+from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
+from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
+                                                     ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
+from hlo_shard.printer import to_text
+from hlo_shard.validate import validate
+
+
+def _numbers(text: str | None, flag: str) -> frozenset[int]:
+    if not text:
+        return frozenset()
+    try:
+        return frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise HloShardError(f"{flag} expects parameter numbers like 0,3, not {text!r}") from None
+
+
+def optimize_module(module: Module, options: ShardingOptions) -> tuple[ShardingReport, str]:
+    """Run the pass on ``module`` (in place); the report and the validated text."""
+    report = WeightUpdateSharding(options).apply(module).notes[0]
+    return report, check_output(module)
+
+
+def check_output(module: Module) -> str:
+    """The module's text, after checking that it parses back and validates."""
+    text = to_text(module)
+    try:
+        reparsed = parse(text, path="<optimized output>")
+    except HloShardError as err:
+        raise HloShardError(f"refusing to write: the optimized module does not parse back "
+                            f"({err})") from None
+    problems = validate(reparsed)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise HloShardError(f"refusing to write: the optimized module fails validation: "
+                            f"{problems[0]}{more}")
+    return text
+
+
+def build_manifest(report: ShardingReport, module: Module):
+    """The runtime's manifest record for the rewritten signature."""
+    from hlo_shard.runtime.manifest import ArrayRecord, Manifest, Shard
+
+    def record(entry) -> ArrayRecord:
+        shard = None
+        if entry.kind == "sharded":
+            fmt = entry.format
+            flatten = "physical" if fmt.minor_to_major() == _physical(entry.shape) else "logical"
+            shard = Shard(fmt.shard_len, fmt.padding, entry.groups, flatten)
+        if not hasattr(entry.shape, "dims"):
+            raise HloShardError(f"cannot describe tuple-shaped entry value {entry.name!r} "
+                                "in a manifest")
+        return ArrayRecord(entry.index, entry.index, entry.kind, entry.shape, entry.name, shard)
+
+    form = "spmd" if module.num_partitions > 1 else "replica"
+    feedback = tuple(report.feedback) if report.feedback else None
+    return Manifest(report.devices, tuple(record(p) for p in report.parameters),
+                    tuple(record(o) for o in report.outputs), feedback, form=form)
+
+
+def _physical(shape) -> tuple[int, ...]:
+    from hlo_shard.analysis.update_region import natural_perm
+
+    return tuple(reversed(natural_perm(shape)))
+
+
+def _explain_lines(rows: list[Explanation]) -> list[str]:
+    header = ("all-reduce", "shape", "bytes", "sharded", "ops moved", "copies", "saved flops",
+              "collective / reason")
+    table = [header]
+    for row in rows:
+        where = row.all_reduce if row.index is None else f"{row.all_reduce}[{row.index}]"
+        if row.computation:
+            where = f"{row.computation}/{where}"
+        table.append((where, row.shape, str(row.bytes), "yes" if row.sharded else "no",
+                      str(row.ops_moved), str(row.formatting_copies), f"{row.saved_flops:.3g}",
+                      row.collective if row.sharded else row.reason))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in table]
+
+
+def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> str:
+    rows = report.explanations
+    done = [r for r in rows if r.sharded]
+    moved = sum(r.ops_moved for r in done)
+    state = sum(1 for p in report.parameters if p.kind == "sharded")
+    where = "stdout" if output in (None, "-") else output
+    text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
+            f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
+            f"{report.devices} devices; {moved} update ops moved; state {options.state}"
+            f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
+            f"strategy {options.strategy}; wrote {where}")
+    if not rows:
+        text = f"no gradient all-reduce found; module written unchanged to {where}"
+    return text
+
+
+@main.command()
+@click.argument("input_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, metavar="OUT.hlo",
+              help="Where to write the optimized module ('-' for stdout).")
+@click.option("--num-replicas", "-n", type=click.IntRange(min=1), default=None,
+              help="Confirm the data-parallel group size (an error if the module disagrees).")
+@click.option("--state", type=click.Choice(STATE_MODES), default="gathered", show_default=True,
+              help="gathered: same signature; sharded: optimizer state stays in [L] shards.")
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="auto", show_default=True,
+              help="One collective per gradient, combined buckets, or chosen by cost.")
+@click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Leave gradients smaller than this all-reduced.")
+@click.option("--bucket-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
+              help="Largest combined reduce-scatter/all-gather.")
+@click.option("--replicated-params", default=None, metavar="LIST",
+              help="Entry parameters to treat as replicated (e.g. 0,1,2).")
+@click.option("--per-device-params", default=None, metavar="LIST",
+              help="Entry parameters to treat as per-device batch data (e.g. 3,4).")
+@click.option("--manifest", "manifest_path", default=None, metavar="OUT.json",
+              type=click.Path(dir_okay=False),
+              help="Write the signature manifest (for verify --manifest).")
+@click.option("--explain", is_flag=True, help="One row per gradient all-reduce (stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+@click.option("--in-place", is_flag=True, help="Allow -o to be the input file.")
+@user_errors
+def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
+             min_shard_bytes: int, bucket_bytes: int, replicated_params: str | None,
+             per_device_params: str | None, manifest_path: str | None, explain: bool,
+             as_json: bool, in_place: bool) -> None:
+    """Shard the weight update of IN.hlo across its data-parallel replicas."""
+    if as_json and output == "-":
+        raise HloShardError("--json prints to stdout; write the module to a file with -o")
+    check_output_path(output, [input_path], in_place)
+    if manifest_path is not None:
+        check_output_path(manifest_path, [input_path])
+    overrides = ParamOverrides(_numbers(replicated_params, "--replicated-params"),
+                               _numbers(per_device_params, "--per-device-params"))
+    if overrides.replicated & overrides.per_device:
+        raise HloShardError("a parameter cannot be both --replicated-params and "
+                            "--per-device-params")
+    module = parse(read_text(input_path), path=input_path)
+    params = {p.parameter_number for p in module.entry.parameters()}
+    unknown = (overrides.replicated | overrides.per_device) - params
+    if unknown:
+        raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
+    options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
+                              min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
+                              overrides=overrides)
+    report, text = optimize_module(module, options)
+    manifest_json = None
+    if manifest_path is not None:
+        from hlo_shard.runtime.manifest import manifest_to_json
+
+        manifest_json = json.dumps(manifest_to_json(build_manifest(report, module)), indent=2)
+    write_output(output, text)
+    if manifest_json is not None:
+        write_output(manifest_path, manifest_json + "\n")
+    if explain:
+        click.echo("\n".join(_explain_lines(report.explanations)), err=True)
+        for note in report.notes:
+            click.echo(f"note: {note}", err=True)
+    click.echo(_summary(report, options, output), err=True)
+    if as_json:
+        click.echo(json.dumps({
+            "input": input_path, "output": output, "devices": report.devices,
+            "state": state, "strategy": strategy,
+            "sharded": sum(1 for r in report.explanations if r.sharded),
+            "gradients": len(report.explanations),
+            "explanations": [r.to_json() for r in report.explanations],
+            "notes": report.notes,
+            "manifest": manifest_path,
+        }, indent=2))
+
+
+__all__ = ["build_manifest", "check_output", "optimize", "optimize_module"]

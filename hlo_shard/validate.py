@@ -1,0 +1,363 @@
+"""Structural checks of a module, run after every pass and before ``optimize`` writes.
+
+A rewrite that slips produces text XLA may accept and then compute garbage with
+(collective shapes, for one, are not checked by XLA's parser — reference §13.2). These
+checks catch that class of slip: def-before-use, unique names, result shapes that agree
+with the operands for the opcodes the sharding pass emits (a rule per opcode; opcodes
+without a rule are not checked), unique collective channel ids, well-formed replica
+groups, and a root that matches the entry layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from hlo_shard.analysis.opcodes import ELEMENTWISE
+from hlo_shard.graph import control_predecessors
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
+                          Shape, SliceRanges, TupleShape)
+
+
+@dataclass(frozen=True)
+class Problem:
+    check: str  # short name of the failed check
+    computation: str
+    instruction: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"%{self.instruction} in %{self.computation}" if self.instruction \
+            else f"%{self.computation}"
+        return f"{self.check}: {where}: {self.message}"
+
+
+class _Checker:
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.problems: list[Problem] = []
+        self.comp: Computation | None = None
+
+    def fail(self, check: str, inst: Instruction | None, message: str) -> None:
+        self.problems.append(Problem(check, self.comp.name if self.comp else "",
+                                     inst.name if inst else "", message))
+
+    def run(self) -> list[Problem]:
+        self.channels()
+        for comp in self.module.computations:
+            self.comp = comp
+            self.computation(comp)
+        self.comp = None
+        self.entry_layout()
+        return self.problems
+
+    # Per computation ---------------------------------------------------------------
+    def computation(self, comp: Computation) -> None:
+        seen: set[str] = set()
+        for inst in comp.instructions:
+            if inst.name in seen:
+                self.fail("unique-names", inst, "defined twice")
+            for operand in inst.operands + control_predecessors(inst):
+                if operand not in seen:
+                    what = "undefined" if operand not in comp else "defined after its use"
+                    self.fail("def-before-use", inst, f"operand %{operand} is {what}")
+            seen.add(inst.name)
+        if comp.root_name not in comp:
+            self.fail("root", None, f"root %{comp.root_name} is not an instruction")
+        for inst in comp.instructions:
+            if all(o in comp for o in inst.operands):
+                operands = [comp[o].shape for o in inst.operands]
+                message = _SHAPE_RULES.get(inst.opcode, _unchecked)(self, inst, operands)
+                if message:
+                    self.fail("shape", inst, message)
+            groups = inst.attr("replica_groups")
+            if isinstance(groups, ReplicaGroups):
+                self.replica_groups(inst, groups)
+
+    def replica_groups(self, inst: Instruction, groups: ReplicaGroups) -> None:
+        devices = [d for g in groups.groups for d in g]
+        if len(devices) != len(set(devices)):
+            self.fail("replica-groups", inst, "a device appears in more than one group")
+        if groups.groups and groups.group_size is None:
+            self.fail("replica-groups", inst, "groups have different sizes")
+        limit = self.module.replica_count * self.module.num_partitions
+        if any(d < 0 or d >= limit for d in devices):
+            self.fail("replica-groups", inst, f"device id out of range 0..{limit - 1}")
+
+    # Module-wide -------------------------------------------------------------------------
+    def channels(self) -> None:
+        seen: dict[int, str] = {}
+        for comp in self.module.computations:
+            for inst in comp.instructions:
+                channel = inst.attr("channel_id")
+                if channel is None or inst.opcode not in _CHANNEL_UNIQUE:
+                    continue
+                if channel in seen:
+                    self.comp = comp
+                    self.fail("unique-channel-ids", inst,
+                              f"channel_id={channel} is also used by %{seen[channel]}")
+                    self.comp = None
+                seen[channel] = inst.name
+
+    def entry_layout(self) -> None:
+        raw = self.module.header.get("entry_computation_layout")
+        if not isinstance(raw, Raw) or not self.module.computations:
+            return
+        from hlo_shard.printer import format_shape
+
+        entry = self.module.entry
+        text = raw.text.strip()
+        arrow = text.rfind(")->")
+        if arrow < 0:
+            return
+        declared = _strip_layouts(text[arrow + 3:].rstrip("}"))
+        actual = _strip_layouts(format_shape(entry.root.shape))
+        if declared.replace(" ", "") != actual.replace(" ", ""):
+            self.problems.append(Problem(
+                "entry-layout", entry.name, entry.root_name,
+                f"root shape {actual} differs from entry_computation_layout result {declared}"))
+
+
+def _strip_layouts(text: str) -> str:
+    return re.sub(r"\{[^{}]*\}", "", text)
+
+
+#: Collectives whose channel ids must be unique (send/recv pairs share theirs).
+_CHANNEL_UNIQUE = frozenset({
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "all-reduce-start", "all-gather-start", "collective-permute-start", "ragged-all-to-all",
+    "collective-broadcast",
+})
+
+# ------------------------------------------------------------------------ shape rules
+
+ShapeRule = Callable[[_Checker, Instruction, list[Shape]], "str | None"]
+
+
+def _unchecked(checker: _Checker, inst: Instruction, operands: list[Shape]) -> None:
+    return None
+
+
+def _array(shape: Shape) -> ArrayShape | None:
+    return shape if isinstance(shape, ArrayShape) else None
+
+
+def _dims(shape: Shape) -> tuple[int, ...] | None:
+    return shape.dims if isinstance(shape, ArrayShape) else None
+
+
+def _elementwise(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    result = _dims(inst.shape)
+    for shape in operands:
+        dims = _dims(shape)
+        if dims is None:
+            return "operand is a tuple"
+        if dims != result and not (dims == () and inst.opcode in ("clamp", "select")):
+            return f"operand dims {list(dims)} differ from result dims {list(result)}"
+    if inst.opcode == "compare" and isinstance(inst.shape, ArrayShape) \
+            and inst.shape.element_type != "pred":
+        return "compare must yield pred"
+    return None
+
+
+def _broadcast(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    dims = inst.attr("dimensions", ())
+    source, result = _dims(operands[0]), _dims(inst.shape)
+    if len(dims) != len(source):
+        return f"dimensions={list(dims)} has {len(dims)} entries for a rank-{len(source)} operand"
+    if any(d >= len(result) or result[d] != s for d, s in zip(dims, source)):
+        return "operand dims do not match the broadcast dimensions"
+    return None
+
+
+def _same_count(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    source, result = _array(operands[0]), _array(inst.shape)
+    if source and result and source.num_elements != result.num_elements:
+        return f"{source.num_elements} elements reshaped to {result.num_elements}"
+    return None
+
+
+def _transpose(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    perm = tuple(inst.attr("dimensions", ()))
+    source = _dims(operands[0])
+    if sorted(perm) != list(range(len(source))):
+        return f"dimensions={list(perm)} is not a permutation"
+    if tuple(source[p] for p in perm) != _dims(inst.shape):
+        return "result dims are not the permuted operand dims"
+    return None
+
+
+def _slice(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    ranges = inst.attr("slice")
+    source = _dims(operands[0])
+    if not isinstance(ranges, SliceRanges) or len(ranges.ranges) != len(source):
+        return "slice ranges do not match the operand rank"
+    expected = []
+    for (start, limit, stride), size in zip(ranges.ranges, source):
+        if not 0 <= start <= limit <= size:
+            return f"slice [{start}:{limit}] outside 0..{size}"
+        expected.append(-(-(limit - start) // stride))
+    if tuple(expected) != _dims(inst.shape):
+        return f"result dims should be {expected}"
+    return None
+
+
+def _dynamic_slice(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    sizes = tuple(inst.attr("dynamic_slice_sizes", ()))
+    source = _dims(operands[0])
+    indices = operands[1:]
+    if len(indices) == len(source):
+        types = {s.element_type for s in indices if isinstance(s, ArrayShape)}
+        if len(types) > 1:
+            return "start indices of different types"
+    if sizes != _dims(inst.shape) or len(sizes) != len(source) or any(
+            s > d for s, d in zip(sizes, source)):
+        return f"dynamic_slice_sizes={list(sizes)} do not fit operand {list(source)}"
+    return None
+
+
+def _pad(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    config = inst.attr("padding")
+    source = _dims(operands[0])
+    text = config.text if isinstance(config, Raw) else str(config)
+    parts = [list(map(int, re.findall(r"-?\d+", p))) for p in text.split("x")] if text else []
+    if len(parts) != len(source):
+        return "padding config does not match the operand rank"
+    expected = []
+    for size, config_of_dim in zip(source, parts):
+        low, high = config_of_dim[0], config_of_dim[1]
+        interior = config_of_dim[2] if len(config_of_dim) > 2 else 0
+        expected.append(low + high + size + max(0, size - 1) * interior)
+    return None if tuple(expected) == _dims(inst.shape) else f"result dims should be {expected}"
+
+
+def _concatenate(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    (axis,) = inst.attr("dimensions", (0,))
+    dims = [_dims(s) for s in operands]
+    result = _dims(inst.shape)
+    if any(len(d) != len(result) for d in dims):
+        return "operands of different rank"
+    if any(d[:axis] + d[axis + 1:] != result[:axis] + result[axis + 1:] for d in dims) or \
+            sum(d[axis] for d in dims) != result[axis]:
+        return "result dims are not the concatenation of the operands"
+    return None
+
+
+def _reduce(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    half = len(operands) // 2
+    reduced = set(inst.attr("dimensions", ()))
+    results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
+    for source, result in zip(operands[:half], results):
+        keep = tuple(d for i, d in enumerate(_dims(source)) if i not in reduced)
+        if keep != _dims(result):
+            return f"reducing {sorted(reduced)} of {list(_dims(source))} gives {list(keep)}"
+    return None
+
+
+def _iota(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    dim = inst.attr("iota_dimension", 0)
+    return None if 0 <= dim < len(_dims(inst.shape)) else "iota_dimension out of range"
+
+
+def _gte(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    source = operands[0]
+    index = inst.attr("index")
+    if not isinstance(source, TupleShape) or not 0 <= index < len(source.elements):
+        return "get-tuple-element index outside the operand tuple"
+    if _strip(source.elements[index]) != _strip(inst.shape):
+        return "result shape differs from the tuple element"
+    return None
+
+
+def _tuple(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    if not isinstance(inst.shape, TupleShape) or len(inst.shape.elements) != len(operands) \
+            or any(_strip(a) != _strip(b) for a, b in zip(inst.shape.elements, operands)):
+        return "tuple shape differs from its operands"
+    return None
+
+
+def _strip(shape: Shape):
+    if isinstance(shape, TupleShape):
+        return tuple(_strip(e) for e in shape.elements)
+    return shape.element_type, shape.dims
+
+
+def _group_size(checker: _Checker, inst: Instruction) -> int:
+    groups = inst.attr("replica_groups")
+    if isinstance(groups, ReplicaGroups) and groups.groups and groups.group_size:
+        return groups.group_size
+    module = checker.module
+    if inst.attr("channel_id") is not None and inst.attr("use_global_device_ids") is None:
+        return module.num_partitions
+    return module.replica_count if inst.attr("channel_id") is None else \
+        module.replica_count * module.num_partitions
+
+
+def _collective_dims(checker: _Checker, inst: Instruction, operands: list[Shape],
+                     scale: Callable[[int, int], int | None]) -> str | None:
+    (axis,) = inst.attr("dimensions", (0,))
+    n = _group_size(checker, inst)
+    results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
+    for source, result in zip(operands, results):
+        src, res = _dims(source), _dims(result)
+        if src is None or res is None or len(src) != len(res) or not 0 <= axis < len(src):
+            return "operand and result ranks differ or dimension out of range"
+        expected = scale(src[axis], n)
+        if expected is None or src[:axis] + (expected,) + src[axis + 1:] != res:
+            return (f"dimension {axis} of {list(src)} over groups of {n} "
+                    f"cannot give {list(res)}")
+    return None
+
+
+def _reduce_scatter(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    return _collective_dims(checker, inst, operands,
+                            lambda size, n: size // n if size % n == 0 else None)
+
+
+def _all_gather(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    return _collective_dims(checker, inst, operands, lambda size, n: size * n)
+
+
+def _all_reduce(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
+    if len(results) != len(operands) or any(_strip(a) != _strip(b)
+                                            for a, b in zip(results, operands)):
+        return "all-reduce result differs from its operands"
+    return None
+
+
+def _select(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    message = _elementwise(checker, inst, operands)
+    if message is None and isinstance(operands[0], ArrayShape) and \
+            operands[0].element_type != "pred":
+        return "select predicate must be pred"
+    return message
+
+
+_SHAPE_RULES: dict[str, ShapeRule] = {
+    **{opcode: _elementwise for opcode in ELEMENTWISE},
+    "select": _select,
+    "broadcast": _broadcast,
+    "reshape": _same_count,
+    "transpose": _transpose,
+    "slice": _slice,
+    "dynamic-slice": _dynamic_slice,
+    "pad": _pad,
+    "concatenate": _concatenate,
+    "reduce": _reduce,
+    "iota": _iota,
+    "get-tuple-element": _gte,
+    "tuple": _tuple,
+    "reduce-scatter": _reduce_scatter,
+    "all-gather": _all_gather,
+    "all-reduce": _all_reduce,
+}
+
+
+def validate(module: Module) -> list[Problem]:
+    """Every structural problem found (empty when the module passes)."""
+    return _Checker(module).run()
+
+
+__all__ = ["Problem", "validate"]
