@@ -378,7 +378,7 @@ def _array_shape(token: Token) -> ArrayShape:
 
 
 def _read_array_shape(text: str) -> ArrayShape:
-    element_type, _, rest = text.partition("[")
+    element_type, _, rest = text.rstrip().partition("[")
     if element_type == "opaque_type":
         element_type = "opaque"
     if element_type not in ELEMENT_BITS:
@@ -411,9 +411,33 @@ def _read_array_shape(text: str) -> ArrayShape:
                       tuple(dynamic) if any(dynamic) else (), layout)
 
 
+_SHAPE_PART_RE = re.compile(
+    r"\s+|/\*[^*]*\*+(?:[^/*][^*]*\*+)*/|[(),]|[a-z][a-z0-9_]*\[[^\]]*\]"
+    r"(?:\s*\{(?=\s*[0-9:])[^{}]*\})?")
+
+
+def _read_shape(text: str, where) -> Shape:
+    """Any shape, tuples included, from text (used for coarse signature tokens)."""
+    stack: list[list[Shape]] = [[]]
+    for match in _SHAPE_PART_RE.finditer(text):
+        part = match.group(0)
+        if part == "(":
+            stack.append([])
+        elif part == ")":
+            if len(stack) == 1:
+                _fail(f"unbalanced ')' in shape {_show(text)}", where)
+            elements = stack.pop()
+            stack[-1].append(TupleShape(tuple(elements)))
+        elif part[0].isalpha():
+            stack[-1].append(_array_shape(_Val("SHAPE", part, where.line, where.column)))
+    if len(stack) != 1 or len(stack[0]) != 1:
+        _fail(f"bad shape {_show(text)}", where)
+    return stack[0][0]
+
+
 def _shape(value) -> Shape:
-    """A grammar ``shape`` child: a SHAPE token or an already built tuple shape."""
-    return _array_shape(value) if isinstance(value, Token) else value
+    """A grammar ``shape`` child: a SHAPE token or an already built shape."""
+    return _array_shape(value) if isinstance(value, (Token, _Val)) else value
 
 
 def compatible(a: Shape, b: Shape) -> bool:
@@ -492,25 +516,14 @@ _BINARY_ELEMENTWISE = frozenset(_BINARY) - {"compare", "dot", "pad", "triangular
 _PLACEHOLDER = "\0nested"
 
 
-class _Builder(Transformer):
-    """Grammar callbacks. Reductions arrive in text order, so each computation's
-    instructions are checked and collected as they are read."""
+class _Scope:
+    """What is being collected for the computation currently read."""
+
+    __slots__ = ("names", "instructions", "root_token", "root_name", "parameter_numbers",
+                 "first_unknown_use", "nested_count", "tuple_depth")
 
     def __init__(self) -> None:
-        super().__init__(visit_tokens=False)
-        self.reset(None)
-
-    def reset(self, path: str | None) -> None:
-        self.path = path
-        self.computations: dict[str, Computation] = {}
-        self.computation_order: list[Computation] = []
-        self.entry_token: Token | None = None
-        self.entry_name: str | None = None
-        self.unresolved: list[tuple[str, Token]] = []
-        self._new_scope()
-
-    def _new_scope(self) -> None:
-        self.scope: dict[str, Instruction] = {}
+        self.names: dict[str, Instruction] = {}
         self.instructions: list[Instruction] = []
         self.root_token: Token | None = None
         self.root_name: str | None = None
@@ -518,6 +531,23 @@ class _Builder(Transformer):
         self.first_unknown_use: Token | None = None
         self.nested_count = 0
         self.tuple_depth: dict[int, int] = {}
+
+
+class _Builder(Transformer):
+    """Grammar callbacks. Reductions arrive in text order, so each computation's
+    instructions are checked and collected as they are read."""
+
+    def __init__(self) -> None:
+        super().__init__(visit_tokens=False)
+        self.reset()
+
+    def reset(self) -> None:
+        self.computations: dict[str, Computation] = {}
+        self.computation_order: list[Computation] = []
+        self.entry_token: Token | None = None
+        self.entry_name: str | None = None
+        self.unresolved: list[tuple[str, Token]] = []
+        self.scope = _Scope()
 
     # Module --------------------------------------------------------------------------
     def start(self, children: list) -> Module:
@@ -553,74 +583,81 @@ class _Builder(Transformer):
     # Computations -------------------------------------------------------------------
     def computation(self, children: list) -> Computation:
         entry, name_token, signature, *rest = children
-        attributes = [c for c in rest if isinstance(c, tuple)]
         name = _bare(name_token.value)
         if name in self.computations:
             _fail(f"duplicate computation name '{name}'", name_token)
-        self._resolve_scope(name)
+        scope = self._close_scope(name)
         if entry is not None:
             if self.entry_token is not None:
                 _fail(f"second ENTRY computation (the first is at line "
                       f"{self.entry_token.line})", entry)
-            self.entry_token = entry
-            self.entry_name = name
+            self.entry_token, self.entry_name = entry, name
         thread = None
-        for attr_token, value in attributes:
+        for item in rest:
+            if not isinstance(item, tuple):
+                continue
+            attr_token, value = item
             if attr_token.value != "execution_thread=" or value.type != "STRING":
                 _fail("a computation takes only execution_thread=\"...\" after its body",
                       attr_token)
             thread = _c_unescape(value.value)
-        comp = Computation(name, self.instructions, self.root_name,
-                           is_entry=entry is not None, execution_thread=thread,
-                           loc=SourceLoc(name_token.line, name_token.column))
+        comp = self._add_computation(name, scope, entry is not None, name_token)
+        comp.execution_thread = thread
         if signature is not None and not compatible(signature, comp.root.shape):
             _fail(f"the root of '{name}' has shape {_format_shape(comp.root.shape)}, not "
                   f"the {_format_shape(signature)} its signature declares", name_token)
-        self.computations[name] = comp
-        self.computation_order.append(comp)
-        self._new_scope()
         return comp
 
     def signature(self, children: list) -> Shape:
+        token = children[0]
+        arrow = token.value.rindex("->")
+        return _read_shape(token.value[arrow + 2:], _piece(token, "SHAPE", arrow + 2,
+                                                              len(token.value)))
+
+    def long_signature(self, children: list) -> Shape:
         return _shape(children[-1])
 
     def parameter_decl(self, children: list) -> None:
         return None
 
-    def inline_body(self, children: list) -> list[Instruction]:
-        self._resolve_scope("inline computation")
-        instructions = self.instructions
-        self._new_scope()
-        return instructions
+    def inline_body(self, children: list) -> _Scope:
+        return self._close_scope("inline computation")
 
-    def _resolve_scope(self, computation: str) -> None:
-        """End-of-computation checks, then fresh names for nested operands."""
-        if self.first_unknown_use is not None:
-            token = self.first_unknown_use
+    def _add_computation(self, name: str, scope: _Scope, is_entry: bool,
+                         token: Token) -> Computation:
+        comp = Computation(name, scope.instructions, scope.root_name, is_entry=is_entry,
+                           loc=SourceLoc(token.line, token.column))
+        self.computations[name] = comp
+        self.computation_order.append(comp)
+        return comp
+
+    def _close_scope(self, computation: str) -> _Scope:
+        """End-of-computation checks and names for nested operands; starts a new scope."""
+        scope, self.scope = self.scope, _Scope()
+        if scope.first_unknown_use is not None:
+            token = scope.first_unknown_use
             name = _bare(token.value)
-            defined = self.scope.get(name)
+            defined = scope.names.get(name)
             if defined is not None and defined.loc is not None:
                 _fail(f"'{name}' is used before its definition at line {defined.loc.line}",
                       token)
             _fail(f"use of undefined instruction '{name}' in '{computation}'", token)
-        if self.nested_count:
-            self._name_nested()
+        if scope.nested_count:
+            _name_nested(scope)
+        return scope
 
-    def _name_nested(self) -> None:
-        taken = set(self.scope)
-        renames: dict[str, str] = {}
-        for inst in self.instructions:
-            if inst.name.startswith(_PLACEHOLDER):
-                for n in itertools.count(1):
-                    fresh = f"{inst.opcode}.{n}"
-                    if fresh not in taken:
-                        break
-                taken.add(fresh)
-                renames[inst.name] = fresh
-                inst.name = fresh
-        for inst in self.instructions:
-            inst.operands = [renames.get(o, o) for o in inst.operands]
-        self.scope = {inst.name: inst for inst in self.instructions}
+    def _inline_computation(self, token: Token) -> ComputationRef:
+        """``to_apply={ a = ... ROOT r = ... }``: parse the body as a computation of its
+        own, named like XLA names it (``_``), placed before its caller."""
+        padding = "\n" * (token.line - 1) + " " * token.column  # keeps positions exact
+        outer, self.scope = self.scope, _Scope()
+        try:
+            scope = _parser().parse(padding + token.value[1:-1], start="inline_body")
+        finally:
+            self.scope = outer
+        name = _unique("_", self.computations)
+        self._add_computation(name, scope, False, token)
+        return ComputationRef(name)
 
     # Shapes -------------------------------------------------------------------------
     def tuple_shape(self, children: list) -> TupleShape:
@@ -628,24 +665,42 @@ class _Builder(Transformer):
         if elements == [None]:
             elements = []
         shapes = tuple(_shape(e) for e in elements)
-        depth = 1 + max((self.tuple_depth.get(id(s), 0) for s in shapes), default=0)
+        depths = self.scope.tuple_depth
+        depth = 1 + max((depths.get(id(s), 0) for s in shapes), default=0)
         if depth > _MAX_TUPLE_DEPTH:
             _fail(f"tuple shape nests deeper than {_MAX_TUPLE_DEPTH} levels", open_paren)
         shape = TupleShape(shapes)
-        if depth > 1:
-            self.tuple_depth[id(shape)] = depth
+        depths[id(shape)] = depth
         return shape
 
     # Instructions -------------------------------------------------------------------
+    def headed(self, children: list) -> Instruction:
+        """``HEAD`` is ``[ROOT] name = [array shape]`` in one token."""
+        head, shape, rhs, attrs_token, *attributes = children
+        text = head.value
+        root = None
+        start = 0
+        if text.startswith("ROOT") and text[4:5].isspace():
+            root = head
+            start = len(text) - len(text[4:].lstrip())
+        name = _piece(head, "NAME", start, _NAME_RE.match(text, start).end())
+        after_equals = text.index("=", start) + 1
+        shape_start = len(text) - len(text[after_equals:].lstrip())
+        if shape_start < len(text):
+            shape = _array_shape(_piece(head, "SHAPE", shape_start, len(text)))
+        return self.instruction([root, name, shape, rhs, attrs_token, *attributes])
+
     def instruction(self, children: list) -> Instruction:
-        root, name_token, shape, rhs, *attributes = children
+        root, name_token, shape, rhs, attrs_token, *attributes = children
+        if attrs_token is not None:
+            attributes = _split_attributes(attrs_token) + attributes
         inst = self._build(name_token, shape, rhs, attributes)
         if root is not None:
-            if self.root_token is not None:
+            scope = self.scope
+            if scope.root_token is not None:
                 _fail(f"second ROOT in this computation (the first is at line "
-                      f"{self.root_token.line})", root)
-            self.root_token = root
-            self.root_name = inst.name
+                      f"{scope.root_token.line})", root)
+            scope.root_token, scope.root_name = root, inst.name
         return inst
 
     def op(self, children: list) -> tuple:
@@ -654,20 +709,31 @@ class _Builder(Transformer):
             operands = []
         return ("op", opcode, operands)
 
+    def simple_op(self, children: list) -> tuple:
+        call = children[0]
+        paren = call.value.index("(")
+        return ("simple", _piece(call, "NAME", 0, paren), (call, paren))
+
     def constant(self, children: list) -> tuple:
         return ("constant", children[0], children[1])
 
     def parameter(self, children: list) -> tuple:
-        return ("parameter", children[0], children[1])
+        if len(children) == 2:
+            return ("parameter", children[0], children[1])
+        call = children[0]
+        digits = _INT_RE.search(call.value)
+        return ("parameter", call, _piece(call, "INT", *digits.span()))
 
     def operand(self, children: list) -> tuple:
         return (children[1], children[0])
 
     def nested_operand(self, children: list) -> tuple:
         shape, rhs = children
-        self.nested_count += 1
-        token = rhs[1]
-        placeholder = Token.new_borrow_pos("NAME", f"{_PLACEHOLDER}{self.nested_count}", token)
+        scope = self.scope
+        scope.nested_count += 1
+        opcode = rhs[1]
+        placeholder = _Val("NAME", f"{_PLACEHOLDER}{scope.nested_count}", opcode.line,
+                           opcode.column)
         self._build(placeholder, shape, rhs, [])
         return (placeholder, None)
 
@@ -678,11 +744,11 @@ class _Builder(Transformer):
                attributes: list[tuple[Token, Token]]) -> Instruction:
         name = _bare(name_token.value)
         scope = self.scope
-        if name in scope:
-            first = scope[name].loc
-            _fail(f"duplicate instruction name '{name}' (first defined at line "
-                  f"{first.line})" if first else f"duplicate instruction name '{name}'",
-                  name_token)
+        names = scope.names
+        if name in names:
+            first = names[name].loc
+            _fail(f"duplicate instruction name '{name}'" + (
+                f" (first defined at line {first.line})" if first else ""), name_token)
         if name in _TYPE_KEYWORDS:
             _fail(f"'{name}' is a type name and cannot name an instruction", name_token)
         kind, opcode, payload = rhs
@@ -691,20 +757,16 @@ class _Builder(Transformer):
             key = attr_token.value[:-1]
             if key in attrs:
                 _fail(f"duplicate attribute '{key}'", attr_token)
-            value = _attribute_value(key, value_token)
-            attrs[key] = value
-            if isinstance(value, (ComputationRef, ComputationList)):
-                self._check_callees(value, value_token)
-            elif key == "control-predecessors":
-                self._check_control_predecessors(value_token)
+            attrs[key] = self._attribute(key, value_token)
         shape = _shape(shape_child) if shape_child is not None else None
-        inst = Instruction(name, opcode.value if kind == "op" else kind,
-                           shape, [], attrs, loc=SourceLoc(name_token.line, name_token.column))
-        if kind == "op":
+        is_op = kind == "op" or kind == "simple"
+        inst = Instruction(name, opcode.value if is_op else kind, shape, [], attrs,
+                           loc=SourceLoc(name_token.line, name_token.column))
+        if is_op:
             self._set_operands(inst, opcode, payload)
             if shape is None:
-                inst.shape = _infer_shape(opcode, [scope[o] for o in inst.operands
-                                                   if o in scope], attrs)
+                inst.shape = _infer_shape(opcode, [names[o] for o in inst.operands
+                                                   if o in names], attrs)
         elif shape is None:
             _fail(f"a {kind} needs its shape before the opcode", opcode)
         elif kind == "constant":
@@ -712,31 +774,55 @@ class _Builder(Transformer):
             inst.literal = payload.value.strip()
         else:
             number = int(payload.value)
-            if number in self.parameter_numbers:
+            if number in scope.parameter_numbers:
                 _fail(f"parameter({number}) is already defined at line "
-                      f"{self.parameter_numbers[number].line}", payload)
-            self.parameter_numbers[number] = payload
+                      f"{scope.parameter_numbers[number].line}", payload)
+            scope.parameter_numbers[number] = payload
             inst.parameter_number = number
-        scope[name] = inst
-        self.instructions.append(inst)
+        names[name] = inst
+        scope.instructions.append(inst)
         return inst
+
+    def _attribute(self, key: str, token: Token) -> AttrValue:
+        if key in _COMPUTATION_ATTRS and token.type == "BLOB" and "=" in token.value:
+            return self._inline_computation(token)
+        value = _attribute_value(key, token)
+        if isinstance(value, (ComputationRef, ComputationList)):
+            for callee in (value.name,) if isinstance(value, ComputationRef) else value.names:
+                if callee not in self.computations:
+                    self.unresolved.append((callee, token))
+        elif key == "control-predecessors":
+            for predecessor in _NAME_IN_LIST_RE.findall(token.value[1:-1]):
+                if predecessor not in self.scope.names:
+                    _fail(f"control predecessor '{predecessor}' is not defined before "
+                          "this instruction", token)
+        return value
 
     def _set_operands(self, inst: Instruction, opcode: Token, operands: list) -> None:
         op = opcode.value
         if op not in OPCODES and not is_known_opcode(op):
-            if op == "cross-replica-sum":
-                inst.opcode = op = "all-reduce"
-            else:
+            if op != "cross-replica-sum":
                 _fail(f"unknown opcode '{op}'", opcode)
+            inst.opcode = op = "all-reduce"  # its name before 2018
         scope = self.scope
+        defined_names = scope.names
+        if isinstance(operands, tuple):  # a CALL token: positions only if needed
+            call, paren = operands
+            names = inst.operands = _operand_names(call, paren)
+            for index, name in enumerate(names):
+                if name not in defined_names:
+                    if scope.first_unknown_use is None:
+                        scope.first_unknown_use = _simple_operands(call, paren)[index][0]
+                    break
+            operands = ()
         names = inst.operands
         for name_token, declared in operands:
             name = _bare(name_token.value)
             names.append(name)
-            defined = scope.get(name)
+            defined = defined_names.get(name)
             if defined is None:
-                if self.first_unknown_use is None:
-                    self.first_unknown_use = name_token
+                if scope.first_unknown_use is None:
+                    scope.first_unknown_use = name_token
             elif declared is not None and not compatible(_shape(declared), defined.shape):
                 _fail(f"operand '{name}' is declared {_format_shape(_shape(declared))} but "
                       f"defined as {_format_shape(defined.shape)}", name_token)
@@ -750,17 +836,95 @@ class _Builder(Transformer):
                 _fail(f"'{op}' takes {expected} operand{'s' * (expected != '1')}, got {n}",
                       opcode)
 
-    def _check_callees(self, value: AttrValue, token: Token) -> None:
-        names = (value.name,) if isinstance(value, ComputationRef) else value.names
-        for name in names:
-            if name not in self.computations:
-                self.unresolved.append((name, token))
 
-    def _check_control_predecessors(self, token: Token) -> None:
-        for name in _NAME_IN_LIST_RE.findall(token.value[1:-1]):
-            if name not in self.scope:
-                _fail(f"control predecessor '{name}' is not defined before this "
-                      "instruction", token)
+class _Val:
+    """A token cut out of a coarse token: what the converters and messages need."""
+
+    __slots__ = ("type", "value", "line", "column")
+
+    def __init__(self, kind: str, value: str, line: int, column: int) -> None:
+        self.type, self.value, self.line, self.column = kind, value, line, column
+
+
+def _piece(token: Token, kind: str, start: int, end: int) -> _Val:
+    """The part ``token.value[start:end]`` with its own position."""
+    text = token.value
+    newline = text.rfind("\n", 0, start)
+    if newline < 0:
+        return _Val(kind, text[start:end], token.line, token.column + start)
+    return _Val(kind, text[start:end], token.line + text.count("\n", 0, start),
+                start - newline)
+
+
+_PAIR_RE: re.Pattern | None = None
+_NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
+_BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
+_BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
+
+
+def _pair_re() -> re.Pattern:
+    """``, name=value`` with one named group per value kind, from the grammar's own
+    terminal patterns so the two never disagree."""
+    global _PAIR_RE
+    if _PAIR_RE is None:
+        lark = _parser()
+        kinds = ("BLOB", "STRING", "IOTA_GROUPS", "MESH_GROUPS", "FLOAT", "INT", "NAME")
+        values = "|".join(f"(?P<{k}>{lark.get_terminal(k).pattern.to_regexp()})"
+                          for k in kinds)
+        _PAIR_RE = re.compile(rf"\s*,\s*(?P<key>{lark.get_terminal('ATTR').pattern.to_regexp()})"
+                              rf"(?:{values})(?=\s|,|\}}|/[*/]|$)")
+    return _PAIR_RE
+
+
+def _split_attributes(token: Token) -> list[tuple[_Val, _Val]]:
+    pairs = []
+    for match in _pair_re().finditer(token.value):
+        kind = match.lastgroup
+        pairs.append((_piece(token, "ATTR", *match.span("key")),
+                      _piece(token, kind, *match.span(kind))))
+    return pairs
+
+
+def _operand_names(token: Token, paren: int) -> list[str]:
+    """The names in ``opcode(%a, b, /*index=2*/%c)`` (``paren``: index of '(')."""
+    text = token.value
+    if "/*" in text:
+        text = _BLOCK_COMMENT_RE.sub("", text)
+    return _BARE_NAME_RE.findall(text, paren)
+
+
+def _simple_operands(token: Token, paren: int) -> list[tuple]:
+    """The same names with their positions, for messages."""
+    text = token.value
+    if "/*" in text:
+        text = _BLOCK_COMMENT_RE.sub(lambda m: " " * len(m.group(0)), text)
+    return [(_piece(token, "NAME", *m.span()), None)
+            for m in _NAME_RE.finditer(text, paren)]
+
+
+def _unique(base: str, taken) -> str:
+    """``base``, else ``base.1``, ``base.2``, … (XLA's name uniquer)."""
+    if base not in taken:
+        return base
+    for n in itertools.count(1):
+        candidate = f"{base}.{n}"
+        if candidate not in taken:
+            return candidate
+
+
+def _name_nested(scope: _Scope) -> None:
+    """Give hoisted nested operands XLA's names (``negate.anon``, ``negate.anon.1``)."""
+    taken = {name for name in scope.names if not name.startswith(_PLACEHOLDER)}
+    renames: dict[str, str] = {}
+    for inst in scope.instructions:
+        if inst.name.startswith(_PLACEHOLDER):
+            fresh = _unique(f"{inst.opcode}.anon", taken)
+            taken.add(fresh)
+            renames[inst.name] = fresh
+            inst.name = fresh
+    for inst in scope.instructions:
+        inst.operands = [renames.get(o, o) for o in inst.operands]
+    scope.names = {inst.name: inst for inst in scope.instructions}
 
 
 # --------------------------------------------------------------------- entry points
@@ -783,7 +947,7 @@ def _parser() -> Lark:
 def parse(text: str, path: str | None = None) -> Module:
     """Parse HLO text into a :class:`Module`; ``path`` is only used in messages."""
     with _LOCK:
-        _BUILDER.reset(path)
+        _BUILDER.reset()
         try:
             module = _parser().parse(text, start="start")
             _check_unresolved(_BUILDER)
@@ -794,7 +958,7 @@ def parse(text: str, path: str | None = None) -> Module:
         except RecursionError:
             raise _error(text, path, "input nests too deeply to parse", 1, 1) from None
         finally:
-            _BUILDER.reset(None)
+            _BUILDER.reset()
     module.source_path = path
     return module
 
@@ -850,9 +1014,21 @@ def _expected_words(expected: Iterable[str]) -> str:
 
 
 def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParseError:
+    if not text.strip() or _COMMENTS_ONLY_RE.fullmatch(text):
+        return _error(text, path, "empty input: expected 'HloModule' or a computation", 1, 1)
     if isinstance(err, UnexpectedToken):
         token = err.token
         expected = err.expected
+        if token.value.startswith("/*"):
+            return _error(text, path, "unterminated /* comment", token.line, token.column)
+        if token.value.startswith("{") and "BLOB" in expected:
+            return _error(text, path, "'{' has no matching '}' (unbalanced braces, an "
+                          "unterminated string, or nesting deeper than 12 levels)",
+                          token.line, token.column)
+        if token.type == "LITERAL":  # the catch-all token: report one character
+            char = text[token.start_pos]
+            return _error(text, path, f"unexpected character {char!r}; expected "
+                          f"{_expected_words(expected)}", token.line, token.column)
         if token.type == "$END":
             line, column = _end_position(text)
             return _error(text, path, f"unexpected end of input; expected "
@@ -863,10 +1039,6 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
                        "put a space before '=')"
         elif token.type == "NAME" and "ATTR" in expected:
             message += " (write attributes as name=value with no space before '=')"
-        elif token.value == "{" and "BLOB" in expected:
-            message = "unbalanced '{': no matching '}' (or nested too deeply)"
-        elif token.type == "NAME" and "SHAPE" in expected and "[" not in token.value:
-            pass
         return _error(text, path, message, token.line, token.column)
     if isinstance(err, UnexpectedCharacters):
         char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
@@ -884,6 +1056,9 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
                       f"{_expected_words(err.expected)}", line, column)
     return _error(text, path, str(err).splitlines()[0], getattr(err, "line", 1) or 1,
                   getattr(err, "column", 1) or 1)
+
+
+_COMMENTS_ONLY_RE = re.compile(r"(?:\s+|//[^\n]*|/\*[\s\S]*?\*/)*")
 
 
 def _end_position(text: str) -> tuple[int, int]:
