@@ -34,6 +34,9 @@ FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
     "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice",
 })
 
+#: Ops that only relabel a row-major buffer: outside a fusion XLA makes them bitcasts.
+_LAYOUT_ONLY_OPCODES = frozenset({"reshape"})
+
 #: Fusible ops whose result never leaves a fusion (a reduce or an in-place update is
 #: always the root of its kernel).
 _KERNEL_ROOTS = frozenset({"reduce", "dynamic-update-slice"})
@@ -71,7 +74,8 @@ class KernelPlan:
     kernel_of: dict[str, Kernel]
     #: Values that are written to memory (kernel outputs and non-fused results).
     materialized: set[str]
-    #: Cheap producers recomputed inside each consumer kernel (never in memory).
+    #: Cheap producers recomputed inside each consumer kernel, and reshapes that are
+    #: bitcasts of their operand: values with no buffer of their own.
     duplicated: set[str]
     #: Whether the plan emulates fusion (False for a module XLA already fused).
     emulated: bool
@@ -101,8 +105,11 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         for user in users[name]:
             if user in duplicated:
                 found.extend(consumers(user))
-            else:
-                found.append(kernel_of.get(user))
+                continue
+            kernel = kernel_of.get(user)
+            # Only fusion kernels take producers in: a dot or a collective reads memory.
+            found.append(kernel if kernel and kernel.members[0].opcode in FUSIBLE_OPCODES
+                         else None)
         return found
 
     for inst in reversed(order):
@@ -118,8 +125,12 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
             duplicated.add(inst.name)
             continue
         targets = list({id(k): k for k in kernel_readers}.values())
-        if fusible and inst.opcode not in _KERNEL_ROOTS and (
-                len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets)):
+        joins = fusible and inst.opcode not in _KERNEL_ROOTS and (
+            len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets))
+        if not joins and emulate_fusion and inst.opcode in _LAYOUT_ONLY_OPCODES:
+            duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
+            continue
+        if joins:
             kernel = targets[0]
             for other in targets[1:]:  # multi-output fusion of the readers
                 kernel.members.extend(other.members)

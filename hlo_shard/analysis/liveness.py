@@ -8,7 +8,7 @@ Like XLA's buffer assignment:
 
 * parameters are live for the whole step (the caller owns them); constants live in
   read-only data and are not counted;
-* get-tuple-element, tuple, bitcast and a materialised reshape alias their operand;
+* get-tuple-element, tuple, bitcast and a reshape outside a fusion alias their operand;
 * an elementwise kernel, a dynamic-update-slice and a while loop write into an operand
   buffer that dies there (in place) instead of allocating a new one;
 * ``input_output_alias`` makes an output share its parameter's buffer (a donated
@@ -136,7 +136,7 @@ class _Liveness:
             elif inst.opcode == "constant":
                 self.owners[inst.name] = ()
             elif inst.opcode in _ALIASING_OPCODES and (
-                    inst.opcode != "reshape" or inst.name in self.plan.materialized):
+                    inst.opcode != "reshape" or inst.name in self.plan.duplicated):
                 self.owners[inst.name] = tuple(dict.fromkeys(
                     o for operand in inst.operands for o in self.owners.get(operand, ())))
             elif inst.name in self.plan.materialized or inst.opcode in CONTROL_FLOW_OPCODES:

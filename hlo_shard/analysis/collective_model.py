@@ -1,0 +1,143 @@
+"""What a collective costs on the network: bytes per device and α-β time.
+
+XLA's cost analysis does not model the network (it prices all-gather and
+reduce-scatter at zero flops and default memory bytes), so this is our own model:
+
+* **bytes** each device sends (and receives) for payload S and group size n follow
+  nccl-tests' bus-bandwidth accounting, which every algorithm below attains:
+  all-reduce 2(n−1)/n·S, reduce-scatter (n−1)/n·S_in, all-gather (n−1)/n·S_out,
+  all-to-all (n−1)/n·S, collective-permute S;
+* **steps** (each paying the latency α) depend on the algorithm: a ring takes n−1
+  steps per reduce-scatter or all-gather phase; a tree (recursive halving/doubling)
+  ⌈log₂ n⌉; a k-dimensional torus runs one ring per dimension, Σ(dᵢ−1) steps for
+  dimensions dᵢ with Πdᵢ = n. An all-reduce is a reduce-scatter phase plus an
+  all-gather phase, which is why weight-update sharding never changes the wire bytes
+  and only adds latency (two collectives instead of one);
+* **time** = α·steps + bytes/β, with (α, β) of the interconnect level the group
+  spans (inside a node or across nodes) from the hardware profile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hlo_shard.analysis.collectives import GroupMode, group_mode
+from hlo_shard.ir import Instruction, Module, ReplicaGroups, shape_leaves
+from hlo_shard.profiles import HardwareProfile
+
+#: Opcode → collective kind as reported (async starts priced, their -done free).
+COLLECTIVE_KINDS: dict[str, str] = {
+    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
+    "reduce-scatter": "reduce-scatter",
+    "all-gather": "all-gather", "all-gather-start": "all-gather",
+    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
+    "collective-broadcast": "collective-broadcast",
+}
+
+#: The halves of an async collective that carry no traffic of their own.
+COLLECTIVE_DONE_OPCODES = frozenset({
+    "all-reduce-done", "all-gather-done", "collective-permute-done",
+})
+
+#: Per kind: (number of reduce-scatter/all-gather phases, wire-bytes factor of (n−1)/n·S).
+_PHASES: dict[str, int] = {
+    "all-reduce": 2, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1,
+    "collective-broadcast": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCost:
+    kind: str
+    group_size: int
+    #: The payload S: the full (unsharded) buffer a device contributes or receives.
+    payload_bytes: int
+    bytes_sent: float
+    bytes_received: float
+    steps: int
+    seconds: float
+    algorithm: str
+
+
+def group_size(inst: Instruction, module: Module) -> int:
+    """Devices in each of the collective's groups (the largest group when uneven)."""
+    mode = group_mode(inst)
+    replicas, partitions = module.replica_count, module.num_partitions
+    raw = inst.attr("replica_groups")
+    groups = raw.groups if isinstance(raw, ReplicaGroups) else ()
+    if inst.opcode.startswith("collective-permute"):
+        return 2
+    if groups:
+        size = max(len(g) for g in groups)
+        return size * partitions if mode is GroupMode.CROSS_REPLICA_AND_PARTITION else size
+    return {
+        GroupMode.CROSS_REPLICA: replicas,
+        GroupMode.CROSS_PARTITION: partitions,
+        GroupMode.FLATTENED_ID: replicas * partitions,
+        GroupMode.CROSS_REPLICA_AND_PARTITION: replicas * partitions,
+    }[mode]
+
+
+def payload_bytes(inst: Instruction, operand_shapes: list) -> int:
+    """S: the full buffer — the output of an all-gather, the input otherwise."""
+    shapes = [inst.shape] if COLLECTIVE_KINDS[inst.opcode] == "all-gather" else operand_shapes
+    if inst.opcode == "all-gather-start":
+        shapes = [inst.shape.elements[-1]] if hasattr(inst.shape, "elements") else [inst.shape]
+    return sum(leaf.byte_size for shape in shapes for _, leaf in shape_leaves(shape))
+
+
+def algorithm_steps(kind: str, n: int, algorithm: str) -> int:
+    """Latency-bearing steps of one collective of ``kind`` over ``n`` devices."""
+    if n <= 1:
+        return 0
+    if kind == "collective-permute":
+        return 1
+    phases = _PHASES[kind]
+    if algorithm == "tree":
+        return phases * math.ceil(math.log2(n))
+    if algorithm.startswith("torus"):
+        return phases * sum(d - 1 for d in torus_dims(n, int(algorithm[5])))
+    return phases * (n - 1)
+
+
+def torus_dims(n: int, k: int) -> list[int]:
+    """A near-cubic factorisation of n into k dimensions (largest first)."""
+    dims = []
+    remaining = n
+    for left in range(k, 0, -1):
+        target = round(remaining ** (1 / left))
+        d = next((c for c in range(max(target, 1), remaining + 1) if remaining % c == 0), remaining)
+        dims.append(d)
+        remaining //= d
+    return sorted(dims, reverse=True)
+
+
+def wire_bytes(kind: str, n: int, payload: int) -> float:
+    """Bytes each device sends (= receives) for one collective."""
+    if n <= 1:
+        return 0.0
+    if kind == "collective-permute":
+        return float(payload)
+    return _PHASES[kind] * (n - 1) / n * payload
+
+
+def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
+                    algorithm: str | None = None) -> CollectiveCost:
+    algorithm = algorithm or profile.interconnect.algorithm
+    link = profile.interconnect.link_for(n)
+    steps = algorithm_steps(kind, n, algorithm)
+    sent = wire_bytes(kind, n, payload)
+    seconds = steps * link.alpha_s + sent / link.beta_bytes_per_s
+    return CollectiveCost(kind, n, payload, sent, sent, steps, seconds, algorithm)
+
+
+def instruction_collective_cost(inst: Instruction, module: Module, operand_shapes: list,
+                                profile: HardwareProfile, *, group_override: int | None = None,
+                                algorithm: str | None = None) -> CollectiveCost:
+    """The network cost of one collective instruction (``group_override`` rescales the
+    group, for projections to other replica counts)."""
+    kind = COLLECTIVE_KINDS[inst.opcode]
+    n = group_override or group_size(inst, module)
+    return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm)

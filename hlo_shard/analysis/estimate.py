@@ -1,0 +1,502 @@
+"""Estimated step time and memory of one module on one hardware profile.
+
+Every instruction gets a category and a time:
+
+* ``communication`` — collectives, priced by :mod:`.collective_model` (α-β);
+* ``formatting`` — the data movement weight-update sharding adds around its
+  collectives: padding, reshaping and concatenating gradients before a
+  reduce-scatter, slicing replicated weights and state at the device's shard offset
+  (and the offset arithmetic from ``replica-id``/``partition-id``), un-padding after
+  an all-gather;
+* ``weight_update`` — the optimizer's work after the gradient all-reduce (or
+  reduce-scatter): the region :mod:`hlo_shard.analysis.update_region` plans for the
+  pass when it applies, else :func:`update_region_fallback`;
+* ``forward_backward`` — everything else.
+
+Compute time is a roofline per kernel, max(flops / peak, bytes / memory bandwidth)
+plus the profile's launch overhead, over the kernels XLA would run
+(:mod:`.kernels`); a kernel's time is shared among its instructions by their own
+roofline weight. Loop bodies count once per iteration when the trip count is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hlo_shard.analysis.collective_model import (
+    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, group_size,
+    instruction_collective_cost,
+)
+from hlo_shard.analysis.cost import (
+    ELEMENTWISE_OPCODES, Cost, CostAnalysis, elements, known_trip_count, leaf_bytes,
+)
+from hlo_shard.analysis.kernels import (
+    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
+)
+from hlo_shard.analysis.liveness import MemoryProfile, memory_profile
+from hlo_shard.graph import users_map
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
+from hlo_shard.profiles import HardwareProfile
+
+CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
+
+#: Ops the weight update is made of (besides the collectives that bound it).
+UPDATE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
+    "broadcast", "reshape", "bitcast", "transpose", "copy", "reduce", "slice",
+    "dynamic-slice", "concatenate", "pad", "get-tuple-element",
+})
+
+#: Data movement the sharding rewrite adds around its collectives.
+FORMAT_OPCODES = frozenset({
+    "reshape", "bitcast", "transpose", "copy", "pad", "slice", "dynamic-slice",
+    "concatenate",
+})
+
+_DEVICE_ID_OPCODES = frozenset({"replica-id", "partition-id"})
+_MATRIX_OPCODES = frozenset({"dot", "convolution"})
+
+
+@dataclass
+class InstructionEstimate:
+    computation: str
+    name: str
+    opcode: str
+    category: str
+    #: How many times it runs per step (loop trip counts).
+    runs: int
+    seconds: float
+    cost: Cost
+    collective: CollectiveCost | None = None
+
+    def to_json(self) -> dict:
+        data = {"computation": self.computation, "name": self.name, "opcode": self.opcode,
+                "category": self.category, "runs": self.runs, "seconds": self.seconds,
+                **self.cost.as_dict()}
+        if self.collective is not None:
+            data["collective"] = {
+                "kind": self.collective.kind, "group_size": self.collective.group_size,
+                "payload_bytes": self.collective.payload_bytes,
+                "bytes_sent": self.collective.bytes_sent, "steps": self.collective.steps,
+                "algorithm": self.collective.algorithm}
+        return data
+
+
+@dataclass
+class CollectiveSummary:
+    kind: str
+    count: int = 0
+    payload_bytes: float = 0.0
+    bytes_sent: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class StepEstimate:
+    module: str
+    profile: HardwareProfile
+    devices: int
+    instructions: list[InstructionEstimate]
+    #: Module totals by XLA's rules, loop bodies once per iteration.
+    executed: Cost
+    #: Module totals exactly as ``hlo_module_cost_analysis`` counts them.
+    xla: Cost
+    memory: MemoryProfile
+    parameter_kinds: dict[str, str]
+    region_source: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(i.seconds for i in self.instructions)
+
+    def seconds_by_category(self) -> dict[str, float]:
+        totals = {c: 0.0 for c in CATEGORIES}
+        for inst in self.instructions:
+            totals[inst.category] += inst.seconds
+        return totals
+
+    def cost_by_category(self) -> dict[str, Cost]:
+        totals = {c: Cost() for c in CATEGORIES}
+        for inst in self.instructions:
+            totals[inst.category] = totals[inst.category] + inst.cost
+        return totals
+
+    def collectives(self) -> dict[str, CollectiveSummary]:
+        summary: dict[str, CollectiveSummary] = {}
+        for inst in self.instructions:
+            c = inst.collective
+            if c is None:
+                continue
+            row = summary.setdefault(c.kind, CollectiveSummary(c.kind))
+            row.count += inst.runs
+            row.payload_bytes += c.payload_bytes * inst.runs
+            row.bytes_sent += c.bytes_sent * inst.runs
+            row.seconds += inst.seconds
+        return summary
+
+    @property
+    def collective_bytes(self) -> float:
+        return sum(s.bytes_sent for s in self.collectives().values())
+
+    @property
+    def weight_update_share(self) -> float:
+        total = self.seconds
+        return self.seconds_by_category()["weight_update"] / total if total else 0.0
+
+    def top(self, count: int = 10) -> list[InstructionEstimate]:
+        return sorted(self.instructions, key=lambda i: -i.seconds)[:count]
+
+
+# ------------------------------------------------------------------------- regions
+
+
+def device_index_values(comp: Computation) -> set[str]:
+    """``replica-id``/``partition-id`` and the small arithmetic on them (shard offsets,
+    table lookups): values that differ per device only through its index."""
+    found: set[str] = set()
+    for inst in comp.instructions:
+        derived = inst.opcode in _DEVICE_ID_OPCODES or (
+            any(o in found for o in inst.operands)
+            and all(o in found or comp[o].opcode == "constant" for o in inst.operands)
+            and all(leaf.num_elements <= 64 for _, leaf in shape_leaves(inst.shape)))
+        if derived:
+            found.add(inst.name)
+    return found
+
+
+def formatting_ops(comp: Computation) -> set[str]:
+    """Data movement around reduce-scatters and all-gathers and local shard slicing."""
+    users = users_map(comp)
+    found = device_index_values(comp)
+    stack: list[str] = []
+    for inst in comp.instructions:
+        if inst.opcode == "dynamic-slice" and any(o in found for o in inst.operands[1:]):
+            found.add(inst.name)
+            stack.append(inst.operands[0])
+        elif inst.opcode in ("reduce-scatter", "all-gather", "all-gather-start"):
+            stack.extend(inst.operands)
+            if inst.opcode != "reduce-scatter":
+                forward = [inst.name]
+                while forward:
+                    for user in users[forward.pop()]:
+                        if comp[user].opcode in FORMAT_OPCODES | {"get-tuple-element", "all-gather-done"} \
+                                and user not in found:
+                            found.add(user)
+                            forward.append(user)
+    while stack:  # producers feeding only formatting
+        name = stack.pop()
+        inst = comp[name]
+        if name in found or inst.opcode not in FORMAT_OPCODES:
+            continue
+        if all(u in found or comp[u].opcode in ("reduce-scatter",) for u in users[name]):
+            found.add(name)
+            stack.extend(inst.operands)
+    return found
+
+
+def _is_sum_collective(module: Module, inst: Instruction) -> bool:
+    if inst.opcode not in ("all-reduce", "reduce-scatter", "all-reduce-start"):
+        return False
+    if group_size(inst, module) < 2:
+        return False
+    ref = inst.attr("to_apply")
+    try:
+        reducer = module.computation(getattr(ref, "name", ""))
+    except KeyError:
+        return False
+    return reducer.root.opcode == "add"
+
+
+def update_region_fallback(module: Module, comp: Computation) -> set[str]:
+    """The elementwise work downstream of the gradient sums (all-reduce or
+    reduce-scatter with ``add`` over N > 1 devices), plus the producers whose every
+    user is in it (Adam's ``β₁·m``), up to dots, all-gathers and the outputs."""
+    users = users_map(comp)
+    seeds = [i.name for i in comp.instructions if _is_sum_collective(module, i)]
+    region: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        for user in users[stack.pop()]:
+            inst = comp[user]
+            if user in region or inst.opcode not in UPDATE_OPCODES:
+                continue
+            region.add(user)
+            stack.append(user)
+    changed = True
+    while changed:
+        changed = False
+        for inst in comp.instructions:
+            if (inst.name in region or inst.opcode not in UPDATE_OPCODES
+                    or not users[inst.name] or inst.name == comp.root_name):
+                continue
+            if all(u in region for u in users[inst.name]):
+                region.add(inst.name)
+                changed = True
+    return region
+
+
+def _planned_region(module: Module, comp: Computation) -> set[str] | None:
+    """The region the sharding pass's own analysis plans, or None when it does not
+    apply (no candidate all-reduce here, or the analysis is unavailable)."""
+    try:
+        from hlo_shard.analysis import collectives, replication, update_region
+    except ImportError:
+        return None
+    candidates = [c for c in collectives.find_gradient_all_reduces(module)
+                  if c.computation == comp.name and c.is_candidate]
+    if not candidates:
+        return None
+    try:
+        leaves, _ = update_region.collect_leaves(module, comp, candidates)
+        if not leaves:
+            return None
+        facts = replication.analyze_replication(module, leaves[0].groups)
+        plan = update_region.plan_region(module, comp, leaves, facts)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None  # the pass's analysis changed shape or refused: use the fallback
+    pulled_norms = {n for n, op in plan.ops.items() if comp[n].opcode == "reduce"}
+    return set(plan.ops) | pulled_norms
+
+
+def categorize(module: Module, comp: Computation) -> tuple[dict[str, str], str]:
+    """Category of every instruction of ``comp`` and where the region came from."""
+    formatting = formatting_ops(comp)
+    planned = _planned_region(module, comp)
+    region = planned if planned is not None else update_region_fallback(module, comp)
+    source = "update_region" if planned is not None else "fallback"
+    categories: dict[str, str] = {}
+    for inst in comp.instructions:
+        if inst.opcode in COLLECTIVE_KINDS or inst.opcode in COLLECTIVE_DONE_OPCODES:
+            categories[inst.name] = "communication"
+        elif inst.name in formatting:
+            categories[inst.name] = "formatting"
+        elif inst.name in region:
+            categories[inst.name] = "weight_update"
+        else:
+            categories[inst.name] = "forward_backward"
+    return categories, source
+
+
+def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str, str]:
+    """Entry parameters by name: ``weights`` (read by the update and by the rest of the
+    step), ``optimizer_state`` (read only by the update), ``batch`` (per-device data: a
+    tiled sharding, or — in replica form, where nothing says — an array the update
+    never reads), else ``other_parameters`` (step counters, frozen tables, seeds)."""
+    comp = module.entry
+    users = users_map(comp)
+    kinds: dict[str, str] = {}
+    for param in comp.parameters():
+        sharding = str(getattr(param.attr("sharding"), "text", param.attr("sharding") or ""))
+        readers = _readers(comp, users, param.name)
+        in_update = any(categories.get(r) in ("weight_update", "formatting") for r in readers)
+        elsewhere = any(categories.get(r) == "forward_backward" for r in readers)
+        if "devices=" in sharding and "last_tile_dim_replicate" not in sharding:
+            kinds[param.name] = "batch"
+        elif in_update:
+            kinds[param.name] = "weights" if elsewhere else "optimizer_state"
+        elif not sharding and elements(param.shape) > 1 and readers:
+            kinds[param.name] = "batch"
+        else:
+            kinds[param.name] = "other_parameters"
+    return kinds
+
+
+def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:
+    """Users of a value, looking through tuples, get-tuple-element and reshapes."""
+    found: list[str] = []
+    stack = list(users[name])
+    seen: set[str] = set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if comp[user].opcode in ("get-tuple-element", "bitcast", "reshape", "copy"):
+            stack.extend(users[user])
+        if comp[user].opcode not in ("tuple", "get-tuple-element"):
+            found.append(user)
+    return found
+
+
+def gradient_values(module: Module, comp: Computation) -> set[str]:
+    """Gradient sums and their inputs: the buffers reported as ``gradients``."""
+    found: set[str] = set()
+    for inst in comp.instructions:
+        if _is_sum_collective(module, inst):
+            found.add(inst.name)
+            found.update(inst.operands)
+    return found
+
+
+# ---------------------------------------------------------------------------- time
+
+
+@dataclass
+class _Estimator:
+    module: Module
+    profile: HardwareProfile
+    analysis: CostAnalysis
+    algorithm: str | None
+    group_override: int | None
+    emulate: bool
+    region_sources: set[str] = field(default_factory=set)
+    categories: dict[str, dict[str, str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def computation(self, comp: Computation, runs: int) -> list[InstructionEstimate]:
+        categories, source = categorize(self.module, comp)
+        self.categories[comp.name] = categories
+        self.region_sources.add(source)
+        plan = plan_kernels(comp, self.emulate)
+        out: list[InstructionEstimate] = []
+        for kernel in plan.kernels:
+            out.extend(self._kernel(comp, kernel, categories, runs))
+        for inst in comp.instructions:
+            if inst.opcode in CONTROL_FLOW_OPCODES:
+                out.extend(self._control_flow(comp, inst, runs))
+        return out
+
+    def _kernel(self, comp: Computation, kernel: Kernel, categories: dict[str, str],
+                runs: int) -> list[InstructionEstimate]:
+        members = kernel.members
+        costs = [self.analysis.instruction_cost(comp, m) for m in members]
+        if len(members) == 1 and members[0].opcode in COLLECTIVE_DONE_OPCODES:
+            return [InstructionEstimate(comp.name, members[0].name, members[0].opcode,
+                                        categories[members[0].name], runs, 0.0, costs[0])]
+        if len(members) == 1 and members[0].opcode in COLLECTIVE_KINDS:
+            inst = members[0]
+            shapes = [comp[o].shape for o in inst.operands]
+            network = instruction_collective_cost(
+                inst, self.module, shapes, self.profile,
+                group_override=self._group(inst), algorithm=self.algorithm)
+            return [InstructionEstimate(comp.name, inst.name, inst.opcode, "communication",
+                                        runs, network.seconds * runs, costs[0], network)]
+        compute = [self._compute_seconds(comp, m, c) for m, c in zip(members, costs)]
+        # XLA's own bytes for a lone non-fusible op (a dot, a fusion XLA made); the
+        # kernel's reads and writes for an emulated fusion.
+        lone = len(members) == 1 and members[0].opcode not in FUSIBLE_OPCODES
+        traffic = costs[0].bytes_accessed if lone else kernel.traffic_bytes
+        memory = max(traffic, 0.0) / self.profile.memory_bandwidth_bytes_per_s
+        seconds = max(sum(compute), memory) + self.profile.kernel_overhead_s
+        weights = [max(c, max(cost.bytes_accessed, 0.0) / self.profile.memory_bandwidth_bytes_per_s)
+                   for c, cost in zip(compute, costs)]
+        total_weight = sum(weights)
+        shares = ([w / total_weight for w in weights] if total_weight > 0
+                  else [1 / len(members)] * len(members))
+        return [InstructionEstimate(comp.name, m.name, m.opcode, categories[m.name], runs,
+                                    seconds * share * runs, cost.scaled(runs))
+                for m, cost, share in zip(members, costs, shares)]
+
+    def _group(self, inst: Instruction) -> int | None:
+        if self.group_override is None:
+            return None
+        return self.group_override if group_size(inst, self.module) > 1 else None
+
+    def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
+        element_type = _element_type(comp, inst)
+        rate = (self.profile.matrix_rate(element_type) if inst.opcode in _MATRIX_OPCODES
+                else self.profile.vector_rate(element_type))
+        return (max(cost.flops, 0.0) / rate
+                + cost.transcendentals / self.profile.transcendentals_per_s)
+
+    def _control_flow(self, comp: Computation, inst: Instruction,
+                      runs: int) -> list[InstructionEstimate]:
+        called = inst.called_computations()
+        if inst.opcode == "while":
+            trips = known_trip_count(self.analysis, comp, inst)
+            if trips is None:
+                trips = 1
+                self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
+            body = self.module.computation(getattr(inst.attr("body"), "name"))
+            condition = self.module.computation(getattr(inst.attr("condition"), "name"))
+            return (self.computation(body, runs * trips)
+                    + self.computation(condition, runs * (trips + 1)))
+        if inst.opcode == "call":
+            return self.computation(self.module.computation(called[0]), runs)
+        branches = [self.computation(self.module.computation(name), runs) for name in called]
+        return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
+
+
+def _element_type(comp: Computation, inst: Instruction) -> str:
+    source = comp[inst.operands[0]].shape if inst.opcode in _MATRIX_OPCODES else inst.shape
+    leaves = list(shape_leaves(source))
+    return leaves[0][1].element_type if leaves else "f32"
+
+
+def device_count(module: Module) -> int:
+    return max(module.replica_count * module.num_partitions, 1)
+
+
+def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | None = None,
+                  group_override: int | None = None) -> StepEstimate:
+    """Time and memory of one step of ``module`` per device on ``profile``.
+    ``group_override`` prices every multi-device collective as if its group had that
+    many devices (projections to other replica counts)."""
+    emulate = not is_prefused(module)
+    model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
+    estimator = _Estimator(module, profile, model, algorithm, group_override, emulate)
+    instructions = estimator.computation(module.entry, 1)
+    kinds = classify_parameters(module, estimator.categories[module.entry.name])
+    memory = memory_profile(module, kinds, gradient_values(module, module.entry))
+    source = "update_region" if "update_region" in estimator.region_sources else "fallback"
+    return StepEstimate(
+        module=module.source_path or module.name, profile=profile,
+        devices=group_override or device_count(module), instructions=instructions,
+        executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
+        parameter_kinds=kinds, region_source=source, notes=estimator.notes)
+
+
+def predicted_step_ratio(original: Module, optimized: Module, profile: HardwareProfile) -> float:
+    """Predicted step time of ``optimized`` over that of ``original`` (for the benchmark)."""
+    before = estimate_step(original, profile).seconds
+    after = estimate_step(optimized, profile).seconds
+    return after / before if before else 1.0
+
+
+def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[str, float]]:
+    """Per weight parameter: its bytes, and the update work and gradient traffic that
+    belong to it — the update, formatting and communication instructions connected to
+    the instructions that read it in the update (its optimizer state's update and its
+    gradient's collective included). Work shared by several weights (a tuple
+    all-reduce, a learning-rate schedule) is split in proportion to their sizes."""
+    comp = module.entry
+    users = users_map(comp)
+    entries = {i.name: i for i in estimate.instructions if i.computation == comp.name}
+    sizes = {p: leaf_bytes(comp[p].shape) for p, k in estimate.parameter_kinds.items()
+             if k == "weights"}
+
+    def in_update(name: str) -> bool:
+        entry = entries.get(name)
+        return entry is not None and entry.category != "forward_backward"
+
+    owners: dict[str, set[str]] = {}
+    for param in sizes:
+        starts = [r for r in _readers(comp, users, param) if in_update(r)]
+        seen = set(starts)
+        stack = list(starts)
+        while stack:
+            name = stack.pop()
+            owners.setdefault(name, set()).add(param)
+            for neighbour in [*comp[name].operands, *users[name]]:
+                if neighbour not in seen and (in_update(neighbour) or
+                                              comp[neighbour].opcode == "get-tuple-element"):
+                    seen.add(neighbour)
+                    stack.append(neighbour)
+    rows = {p: {"bytes": float(size), "update_seconds": 0.0, "update_flops": 0.0,
+                "collective_bytes": 0.0, "collective_seconds": 0.0}
+            for p, size in sizes.items()}
+    for name, params in owners.items():
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        total = sum(sizes[p] for p in params) or 1
+        for param in params:
+            share = sizes[param] / total
+            row = rows[param]
+            if entry.collective is not None:
+                row["collective_bytes"] += entry.collective.bytes_sent * entry.runs * share
+                row["collective_seconds"] += entry.seconds * share
+            else:
+                row["update_seconds"] += entry.seconds * share
+                row["update_flops"] += entry.cost.flops * share
+    return rows

@@ -1,0 +1,94 @@
+"""``hlo-shard scale``: projected step time and memory from 8 to 1024 replicas.
+
+The pass is re-run on the module retargeted to each replica count (see
+:mod:`hlo_shard.scaling`); both modules are then estimated on the profile.
+Exit status 0, or 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import click
+
+from hlo_shard.cli.app import check_output_path, main, user_errors, write_output
+from hlo_shard.cli.report import load_module
+from hlo_shard.errors import HloShardError
+from hlo_shard.profiles import ALGORITHMS, available_profiles
+
+
+def _replica_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise HloShardError(f"--replicas expects numbers like 8,16,32, not {text!r}") from None
+    if not values:
+        raise HloShardError("--replicas is empty")
+    return values
+
+
+def _batch_mode(text: str) -> int | None:
+    """``fixed`` (weak scaling) → None; ``global=B`` → B examples shared by all replicas."""
+    if text == "fixed":
+        return None
+    if text.startswith("global="):
+        try:
+            value = int(text.split("=", 1)[1])
+        except ValueError:
+            value = 0
+        if value > 0:
+            return value
+    raise HloShardError(f"--batch-per-replica must be 'fixed' or 'global=B', not {text!r}")
+
+
+@main.command()
+@click.argument("module_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
+@click.option("--replicas", default="8,16,32,64,128,256,512,1024", show_default=True,
+              metavar="N,N,…", help="Replica counts to project to.")
+@click.option("--profile", default="tpu-v3", show_default=True, metavar="NAME|FILE",
+              help=f"Hardware profile: {', '.join(available_profiles())}, or a JSON file.")
+@click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
+              help="Collective algorithm (default: the profile's).")
+@click.option("--batch-per-replica", "batch_mode", default="fixed", show_default=True,
+              metavar="fixed|global=B",
+              help="fixed: weak scaling. global=B: B examples per step shared by all "
+                   "replicas (strong scaling; forward/backward scaled analytically).")
+@click.option("--state", type=click.Choice(["gathered", "sharded"]), default="sharded",
+              show_default=True, help="Optimizer state of the sharded module.")
+@click.option("--strategy", type=click.Choice(["auto", "per-tensor", "combined"]),
+              default="auto", show_default=True, help="The pass's collective strategy.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON.")
+@click.option("--markdown", is_flag=True, help="Markdown instead of a text table.")
+@click.option("--plot", "plot_path", metavar="FILE.png", default=None,
+              type=click.Path(dir_okay=False), help="Write the scaling curve as a PNG.")
+@click.option("--html", "html_path", metavar="FILE", default=None,
+              type=click.Path(dir_okay=False), help="Write a self-contained HTML page.")
+@click.option("-o", "--output", metavar="FILE", default=None, type=click.Path(dir_okay=False),
+              help="Write the table/JSON here instead of stdout.")
+@user_errors
+def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, batch_mode: str,
+          state: str, strategy: str, as_json: bool, markdown: bool, plot_path: str | None,
+          html_path: str | None, output: str | None) -> None:
+    """Project the step time and peak memory of IN.hlo (the original, unsharded
+    module) and of its weight-update-sharded form across replica counts."""
+    from hlo_shard import report as fmt
+    from hlo_shard.scaling import project
+
+    counts = _replica_list(replicas)
+    global_batch = _batch_mode(batch_mode)
+    if as_json and markdown:
+        raise HloShardError("--json and --markdown are exclusive")
+    for target in (output, plot_path, html_path):
+        check_output_path(target, [module_path])
+    module = load_module(module_path)
+    hardware = fmt.resolve_profile(profile)
+    points = project(module, counts, hardware, global_batch=global_batch, state=state,
+                     strategy=strategy, algorithm=algorithm)
+    document = fmt.scale_document(module_path, hardware, points, batch_mode, state)
+    if plot_path is not None:
+        png = fmt.figure_png(document.figures[0])
+        with open(plot_path, "wb") as handle:
+            handle.write(png)
+    if html_path is not None:
+        write_output(html_path, fmt.render_html(document))
+    text = (fmt.to_json_text(fmt.scale_json(module_path, hardware, points, batch_mode, state))
+            if as_json else fmt.render_markdown(document) if markdown else fmt.render_text(document))
+    write_output(output, text)

@@ -1,0 +1,478 @@
+"""Cost reports: one module (``report``), two side by side (``diff``), a projection
+over replica counts (``scale``); as text, Markdown, JSON or a self-contained HTML page.
+
+A report is a :class:`Document` — tables and figures — built once and rendered by
+each format, so every format shows the same numbers. Figures need matplotlib (the
+``plot`` extra); without it the HTML page says so where the figure would be.
+All figures are per device.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from hlo_shard.analysis.estimate import (
+    CATEGORIES, StepEstimate, estimate_step, per_weight_rows,
+)
+from hlo_shard.analysis.liveness import CATEGORIES as MEMORY_CATEGORIES
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
+from hlo_shard.profiles import HardwareProfile, load_profile
+
+CATEGORY_LABELS = {
+    "forward_backward": "forward/backward", "weight_update": "weight update",
+    "communication": "communication", "formatting": "formatting overhead",
+}
+
+MEMORY_LABELS = {
+    "weights": "weights", "optimizer_state": "optimizer state", "batch": "batch",
+    "other_parameters": "other parameters", "gradients": "gradients",
+    "temporaries": "temporaries", "outputs": "outputs",
+}
+
+PLOT_HINT = "plots need matplotlib: pip install 'hlo-shard[plot]'"
+
+
+class PlotUnavailable(HloShardError):
+    """matplotlib is not installed."""
+
+
+# --------------------------------------------------------------------------- units
+
+
+def fmt_seconds(value: float) -> str:
+    magnitude = abs(value)
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if magnitude >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns" if value else "0"
+
+
+def fmt_bytes(value: float) -> str:
+    magnitude = abs(value)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if magnitude >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def fmt_count(value: float) -> str:
+    magnitude = abs(value)
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if magnitude >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f}"
+
+
+def fmt_share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "–"
+
+
+def fmt_delta(before: float, after: float, fmt: Callable[[float], str]) -> tuple[str, str]:
+    delta = after - before
+    if abs(delta) <= 1e-6 * max(abs(before), abs(after)):
+        delta = 0.0  # float noise of sums taken in another order
+    sign = "+" if delta > 0 else "−" if delta < 0 else ""
+    relative = f"{sign}{abs(100 * delta / before):.1f}%" if before else ("–" if not delta else "new")
+    return f"{sign}{fmt(abs(delta))}" if delta else "0", relative
+
+
+# ------------------------------------------------------------------------ document
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+
+@dataclass
+class Figure:
+    title: str
+    #: Draws the figure with matplotlib's pyplot; called only when rendering HTML/PNG.
+    draw: Callable[[object], None]
+
+
+@dataclass
+class Document:
+    title: str
+    subtitle: str
+    tables: list[Table] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def render_text(doc: Document) -> str:
+    out = [doc.title, doc.subtitle, ""]
+    for table in doc.tables:
+        out.append(table.title)
+        widths = [max(len(str(c)), *(len(r[i]) for r in table.rows)) if table.rows else len(c)
+                  for i, c in enumerate(table.columns)]
+        line = lambda cells: "  " + "  ".join(  # noqa: E731
+            (c.ljust(w) if i == 0 else c.rjust(w)) for i, (c, w) in enumerate(zip(cells, widths)))
+        out.append(line(table.columns).rstrip())
+        out.extend(line(row).rstrip() for row in table.rows)
+        if table.note:
+            out.append(f"  ({table.note})")
+        out.append("")
+    out.extend(f"note: {n}" for n in doc.notes)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_markdown(doc: Document) -> str:
+    out = [f"# {doc.title}", "", doc.subtitle, ""]
+    for table in doc.tables:
+        out += [f"## {table.title}", ""]
+        out.append("| " + " | ".join(table.columns) + " |")
+        out.append("|" + "|".join(["---"] + ["---:"] * (len(table.columns) - 1)) + "|")
+        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table.rows]
+        if table.note:
+            out += ["", f"_{table.note}_"]
+        out.append("")
+    out += [f"- {n}" for n in doc.notes]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_html(doc: Document) -> str:
+    """A self-contained page: inline CSS, figures as base64 PNG."""
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset='utf-8'>", f"<title>{esc(doc.title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}"
+        "table{border-collapse:collapse;margin:.5em 0 1.5em}"
+        "td,th{border-bottom:1px solid #ddd;padding:.2em .8em;text-align:right}"
+        "td:first-child,th:first-child{text-align:left}th{background:#f4f4f4}"
+        "img{max-width:100%}.note{color:#666}</style></head><body>",
+        f"<h1>{esc(doc.title)}</h1>", f"<p>{esc(doc.subtitle)}</p>",
+    ]
+    for figure in doc.figures:
+        parts.append(f"<h2>{esc(figure.title)}</h2>")
+        try:
+            png = base64.b64encode(figure_png(figure)).decode("ascii")
+            parts.append(f"<img alt='{esc(figure.title)}' src='data:image/png;base64,{png}'>")
+        except PlotUnavailable as err:
+            parts.append(f"<p class='note'>{esc(str(err))}</p>")
+    for table in doc.tables:
+        parts.append(f"<h2>{esc(table.title)}</h2><table><tr>"
+                     + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+                  for row in table.rows]
+        parts.append("</table>")
+        if table.note:
+            parts.append(f"<p class='note'>{esc(table.note)}</p>")
+    parts += [f"<p class='note'>{esc(n)}</p>" for n in doc.notes]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or a clear error."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable(PLOT_HINT) from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_png(figure: Figure) -> bytes:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    try:
+        figure.draw(ax)
+        ax.set_title(figure.title)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        return buffer.getvalue()
+    finally:
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------- single report
+
+
+def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
+    return load_profile(profile) if isinstance(profile, str) else profile
+
+
+def report_json(est: StepEstimate, module: Module, top: int = 10) -> dict:
+    """The machine-readable report (all figures per device)."""
+    memory = est.memory
+    by_category = est.seconds_by_category()
+    return {
+        "module": est.module,
+        "profile": est.profile.name,
+        "devices": est.devices,
+        "flops": est.executed.flops,
+        "transcendentals": est.executed.transcendentals,
+        "bytes_accessed": est.executed.bytes_accessed,
+        "collective_bytes": est.collective_bytes,
+        "peak_memory_bytes": memory.peak_bytes,
+        "estimated_step_seconds": est.seconds,
+        "seconds_by_category": by_category,
+        "weight_update_share": est.weight_update_share,
+        "xla_cost_analysis": {"flops": est.xla.flops, "transcendentals": est.xla.transcendentals,
+                              "bytes_accessed": est.xla.bytes_accessed},
+        "collectives": {kind: {"count": s.count, "payload_bytes": s.payload_bytes,
+                               "bytes_sent": s.bytes_sent, "seconds": s.seconds}
+                        for kind, s in sorted(est.collectives().items())},
+        "memory": memory.to_json(),
+        "parameters": est.parameter_kinds,
+        "weights": per_weight_rows(est, module),
+        "top_instructions": [i.to_json() for i in est.top(top)],
+        "region_source": est.region_source,
+        "notes": est.notes,
+    }
+
+
+def _summary_rows(est: StepEstimate) -> list[tuple[str, float, Callable[[float], str]]]:
+    """(label, value, formatter) rows shared by report and diff."""
+    rows: list[tuple[str, float, Callable[[float], str]]] = [
+        ("step time (estimated)", est.seconds, fmt_seconds)]
+    for category, seconds in est.seconds_by_category().items():
+        rows.append((f"  {CATEGORY_LABELS[category]}", seconds, fmt_seconds))
+    rows += [
+        ("flops", est.executed.flops, fmt_count),
+        ("  weight-update flops", est.cost_by_category()["weight_update"].flops, fmt_count),
+        ("transcendentals", est.executed.transcendentals, fmt_count),
+        ("bytes accessed (XLA convention)", est.executed.bytes_accessed, fmt_bytes),
+        ("collective bytes sent", est.collective_bytes, fmt_bytes),
+        ("peak memory", est.memory.peak_bytes, fmt_bytes),
+    ]
+    return rows
+
+
+def _memory_rows(est: StepEstimate) -> list[tuple[str, float]]:
+    return [(MEMORY_LABELS[c], est.memory.peak_breakdown.get(c, 0)) for c in MEMORY_CATEGORIES]
+
+
+def report_document(est: StepEstimate, module: Module, top: int = 10) -> Document:
+    total = est.seconds
+    doc = Document(
+        f"hlo-shard report: {est.module}",
+        f"profile {est.profile.name} ({est.profile.description}); {est.devices} devices; "
+        f"all figures per device")
+    summary = Table("Summary", ["", "value", "share of step"], [])
+    for label, value, fmt in _summary_rows(est):
+        share = fmt_share(value, total) if fmt is fmt_seconds and label != "step time (estimated)" else ""
+        summary.rows.append([label, fmt(value), share])
+    summary.rows.append(["weight-update share of the step", f"{100 * est.weight_update_share:.1f}%", ""])
+    doc.tables.append(summary)
+    collectives = Table("Collectives", ["kind", "count", "payload", "sent per device", "time"], [
+        [kind, str(s.count), fmt_bytes(s.payload_bytes), fmt_bytes(s.bytes_sent),
+         fmt_seconds(s.seconds)] for kind, s in sorted(est.collectives().items())],
+        note=f"{est.profile.interconnect.algorithm} algorithm; XLA's cost analysis does not "
+             "count network bytes (these are hlo-shard's α-β model)")
+    doc.tables.append(collectives)
+    peak = est.memory.peak_bytes
+    doc.tables.append(Table(
+        f"Peak memory: {fmt_bytes(peak)} at {est.memory.peak_instruction}",
+        ["category", "bytes", "share"],
+        [[label, fmt_bytes(value), fmt_share(value, peak)] for label, value in _memory_rows(est)],
+        note=f"XLA-style argument + output + temp − alias: "
+             f"{fmt_bytes(est.memory.xla_equivalent_bytes)}"))
+    doc.tables.append(Table(
+        f"Top {top} instructions by estimated time",
+        ["instruction", "opcode", "category", "runs", "time", "flops", "bytes"],
+        [[i.name, i.opcode, CATEGORY_LABELS[i.category], str(i.runs), fmt_seconds(i.seconds),
+          fmt_count(i.cost.flops), fmt_bytes(i.cost.bytes_accessed)] for i in est.top(top)]))
+    weights = per_weight_rows(est, module)
+    if weights:
+        doc.tables.append(Table("Per weight tensor", [
+            "weight", "bytes", "update time", "update flops", "gradient sent"],
+            [[name, fmt_bytes(r["bytes"]), fmt_seconds(r["update_seconds"]),
+              fmt_count(r["update_flops"]), fmt_bytes(r["collective_bytes"])]
+             for name, r in weights.items()]))
+    doc.figures += [memory_figure([est]), step_figure([est])]
+    doc.notes += _notes(est)
+    return doc
+
+
+def _notes(est: StepEstimate) -> list[str]:
+    notes = list(est.notes)
+    if est.region_source == "fallback":
+        notes.append("weight-update region: elementwise consumers of the gradient sums "
+                     "(the pass's own analysis did not apply)")
+    if est.executed != est.xla:
+        notes.append("counts include every loop iteration; XLA's cost analysis counts one "
+                     f"(flops {fmt_count(est.xla.flops)})")
+    return notes
+
+
+# ------------------------------------------------------------------------- diff
+
+
+def diff_json(before: StepEstimate, after: StepEstimate, before_module: Module,
+              after_module: Module) -> dict:
+    a, b = report_json(before, before_module), report_json(after, after_module)
+    keys = ("flops", "transcendentals", "bytes_accessed", "collective_bytes",
+            "peak_memory_bytes", "estimated_step_seconds")
+    delta = {k: b[k] - a[k] for k in keys}
+    delta["seconds_by_category"] = {c: b["seconds_by_category"][c] - a["seconds_by_category"][c]
+                                    for c in CATEGORIES}
+    return {"before": a, "after": b, "delta": delta,
+            "ratio": {"estimated_step_seconds": (b["estimated_step_seconds"]
+                                                 / a["estimated_step_seconds"])
+                      if a["estimated_step_seconds"] else None}}
+
+
+def _diff_table(title: str, rows: Sequence[tuple[str, float, float, Callable[[float], str]]],
+                note: str = "") -> Table:
+    table = Table(title, ["", "before", "after", "Δ", "Δ%"], [], note)
+    for label, a, b, fmt in rows:
+        table.rows.append([label, fmt(a), fmt(b), *fmt_delta(a, b, fmt)])
+    return table
+
+
+def diff_document(before: StepEstimate, after: StepEstimate, before_module: Module,
+                  after_module: Module) -> Document:
+    doc = Document(f"hlo-shard diff: {before.module} → {after.module}",
+                   f"profile {before.profile.name}; {before.devices} → {after.devices} devices; "
+                   "all figures per device")
+    rows = [(label, a, b, fmt) for (label, a, fmt), (_, b, _) in
+            zip(_summary_rows(before), _summary_rows(after))]
+    rows.append(("weight-update share", before.weight_update_share, after.weight_update_share,
+                 lambda v: f"{100 * v:.1f}%"))
+    doc.tables.append(_diff_table("Summary", rows))
+    kinds = sorted(set(before.collectives()) | set(after.collectives()))
+    coll_rows = []
+    for kind in kinds:
+        a, b = before.collectives().get(kind), after.collectives().get(kind)
+        coll_rows += [
+            (f"{kind}: count", a.count if a else 0, b.count if b else 0, lambda v: f"{v:.0f}"),
+            (f"{kind}: sent per device", a.bytes_sent if a else 0, b.bytes_sent if b else 0,
+             fmt_bytes),
+            (f"{kind}: time", a.seconds if a else 0, b.seconds if b else 0, fmt_seconds)]
+    doc.tables.append(_diff_table("Collectives", coll_rows,
+                                  "an all-reduce moves the bytes of a reduce-scatter plus an "
+                                  "all-gather: sharding changes latency, not wire bytes"))
+    doc.tables.append(_diff_table(
+        f"Peak memory ({before.memory.peak_instruction} → {after.memory.peak_instruction})",
+        [(label, a, b, fmt_bytes) for (label, a), (_, b) in
+         zip(_memory_rows(before), _memory_rows(after))]))
+    weights_a = per_weight_rows(before, before_module)
+    weights_b = per_weight_rows(after, after_module)
+    weight_rows = []
+    for name in weights_a:
+        a, b = weights_a[name], weights_b.get(name)
+        if b is None:
+            continue
+        weight_rows += [
+            (f"{name}: update time", a["update_seconds"], b["update_seconds"], fmt_seconds),
+            (f"{name}: update flops", a["update_flops"], b["update_flops"], fmt_count),
+            (f"{name}: gradient sent", a["collective_bytes"], b["collective_bytes"], fmt_bytes)]
+    if weight_rows:
+        doc.tables.append(_diff_table("Per weight tensor", weight_rows))
+    doc.figures += [step_figure([before, after]), memory_figure([before, after])]
+    doc.notes += [f"before: {n}" for n in _notes(before)] + [f"after: {n}" for n in _notes(after)]
+    return doc
+
+
+def diff_report(before: Module, after: Module, profile: HardwareProfile | str = "cpu-generic",
+                algorithm: str | None = None) -> str:
+    """The text diff ``optimize --report`` prints after optimizing."""
+    profile = resolve_profile(profile)
+    a = estimate_step(before, profile, algorithm=algorithm)
+    b = estimate_step(after, profile, algorithm=algorithm)
+    return render_text(diff_document(a, b, before, after))
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def _label(est: StepEstimate, index: int, count: int) -> str:
+    return ("before", "after")[index] if count == 2 else est.module
+
+
+def memory_figure(estimates: Sequence[StepEstimate]) -> Figure:
+    def draw(ax) -> None:
+        for index, est in enumerate(estimates):
+            xs = [p for p, _, _ in est.memory.curve]
+            ys = [v / (1 << 20) for _, _, v in est.memory.curve]
+            length = max(len(xs) - 1, 1)
+            ax.plot([x / length for x in xs], ys, label=_label(est, index, len(estimates)))
+        ax.set_xlabel("program order (fraction of the schedule)")
+        ax.set_ylabel("live MiB per device")
+        ax.legend()
+
+    return Figure("Memory over the program", draw)
+
+
+def step_figure(estimates: Sequence[StepEstimate]) -> Figure:
+    def draw(ax) -> None:
+        labels = [_label(e, i, len(estimates)) for i, e in enumerate(estimates)]
+        bottoms = [0.0] * len(estimates)
+        for category in CATEGORIES:
+            values = [e.seconds_by_category()[category] * 1e3 for e in estimates]
+            ax.bar(labels, values, bottom=bottoms, label=CATEGORY_LABELS[category])
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        ax.set_ylabel("estimated ms per step")
+        ax.legend()
+
+    return Figure("Step time by category", draw)
+
+
+def to_json_text(data: dict) -> str:
+    return json.dumps(data, indent=2, sort_keys=False, default=float) + "\n"
+
+
+# ------------------------------------------------------------------------- scale
+
+
+def scale_json(module: str, profile: HardwareProfile, points: Sequence, batch_mode: str,
+               state: str) -> dict:
+    return {"module": module, "profile": profile.name, "batch_per_replica": batch_mode,
+            "state": state, "method": "pass re-run at each N; estimated on the profile",
+            "points": [p.to_json() for p in points]}
+
+
+def scale_document(module: str, profile: HardwareProfile, points: Sequence, batch_mode: str,
+                   state: str) -> Document:
+    doc = Document(
+        f"hlo-shard scale: {module}",
+        f"profile {profile.name}; batch per replica {batch_mode}; sharded module with "
+        f"--state {state}; the pass is re-run at each replica count; per device")
+    table = Table("Projected step time and peak memory", [
+        "replicas", "original", "update share", "sharded", "update share", "saving",
+        "peak original", "peak sharded"], [])
+    for p in points:
+        s = p.sharded
+        table.rows.append([
+            str(p.replicas), fmt_seconds(p.original.step_seconds),
+            f"{100 * p.original.weight_update_share:.1f}%",
+            fmt_seconds(s.step_seconds) if s else "–",
+            f"{100 * s.weight_update_share:.1f}%" if s else "–",
+            f"{100 * p.saving:.1f}%" if p.saving is not None else p.error,
+            fmt_bytes(p.original.peak_memory_bytes),
+            fmt_bytes(s.peak_memory_bytes) if s else "–"])
+    doc.tables.append(table)
+    doc.figures.append(scale_figure(points))
+    return doc
+
+
+def scale_figure(points: Sequence) -> Figure:
+    def draw(ax) -> None:
+        xs = [p.replicas for p in points]
+        ax.plot(xs, [p.original.step_seconds * 1e3 for p in points], "o-", label="original")
+        shown = [p for p in points if p.sharded]
+        ax.plot([p.replicas for p in shown], [p.sharded.step_seconds * 1e3 for p in shown],
+                "o-", label="sharded weight update")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_ylabel("estimated ms per step")
+        for p in shown:
+            ax.annotate(f"−{100 * p.saving:.0f}%", (p.replicas, p.sharded.step_seconds * 1e3),
+                        textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+        ax.legend()
+
+    return Figure("Step time across replica counts", draw)

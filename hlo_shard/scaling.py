@@ -1,0 +1,170 @@
+"""Projected step time and memory across replica counts (``hlo-shard scale``).
+
+How: **the pass is re-run at each N.** The per-device program of data parallelism is
+the same for every replica count except the size of the data-parallel group (and,
+with a fixed global batch, the per-replica batch), so :func:`retarget` rewrites the
+module's group to N devices, :class:`~hlo_shard.passes.weight_update_sharding.
+WeightUpdateSharding` shards that module for N (its shard lengths, padding, bucket
+choices), and both modules are estimated on the profile. Nothing is compiled or run.
+
+Weak scaling (``batch_per_replica="fixed"``, the default) needs nothing else. With a
+fixed *global* batch the per-replica batch shrinks as 1/N; the module's shapes cannot
+follow, so the forward/backward time and the batch and temporary (activation) memory
+are scaled analytically by per-replica batch / the module's per-replica batch — the
+work of a step is linear in its examples, its weight update and state are not.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+from hlo_shard.analysis.collective_model import COLLECTIVE_KINDS, group_size
+from hlo_shard.analysis.collectives import find_gradient_all_reduces
+from hlo_shard.analysis.estimate import StepEstimate, estimate_step
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import ArrayShape, Module, Raw, ReplicaGroups
+from hlo_shard.profiles import HardwareProfile
+
+
+@dataclass
+class Projection:
+    """One module at one replica count."""
+
+    step_seconds: float
+    seconds_by_category: dict[str, float]
+    peak_memory_bytes: float
+
+    @property
+    def weight_update_share(self) -> float:
+        return (self.seconds_by_category["weight_update"] / self.step_seconds
+                if self.step_seconds else 0.0)
+
+    def to_json(self) -> dict:
+        return {"step_seconds": self.step_seconds, "seconds_by_category": self.seconds_by_category,
+                "peak_memory_bytes": self.peak_memory_bytes,
+                "weight_update_share": self.weight_update_share}
+
+
+@dataclass
+class ScalePoint:
+    replicas: int
+    original: Projection
+    sharded: Projection | None
+    #: Why the sharded module is missing at this N (the pass refused).
+    error: str = ""
+
+    @property
+    def saving(self) -> float | None:
+        if self.sharded is None or not self.original.step_seconds:
+            return None
+        return 1 - self.sharded.step_seconds / self.original.step_seconds
+
+    def to_json(self) -> dict:
+        return {"replicas": self.replicas, "original": self.original.to_json(),
+                "sharded": self.sharded.to_json() if self.sharded else None,
+                "saving": self.saving, "error": self.error}
+
+
+def data_parallel_size(module: Module) -> int:
+    """N of the module: the group size of its gradient all-reduces."""
+    sizes = {group_size(module.computation(ar.computation)[ar.name], module)
+             for ar in find_gradient_all_reduces(module)}
+    sizes.discard(1)
+    if len(sizes) != 1:
+        raise HloShardError("scale needs a data-parallel module: gradient all-reduces over one "
+                            f"group size (found {sorted(sizes) or 'none'})")
+    return sizes.pop()
+
+
+def retarget(module: Module, replicas: int) -> Module:
+    """A copy of the per-device data-parallel ``module`` for ``replicas`` devices:
+    every collective over the whole data-parallel group, the header's device count and
+    tiled parameter shardings now name ``replicas`` devices."""
+    n0 = data_parallel_size(module)
+    result = copy.deepcopy(module)
+    for key in ("replica_count", "num_partitions"):
+        if int(result.header.get(key, 1)) == n0:
+            result.header[key] = replicas
+    for comp in result.computations:
+        for inst in comp.instructions:
+            if inst.opcode in COLLECTIVE_KINDS:
+                groups = inst.attr("replica_groups")
+                if isinstance(groups, ReplicaGroups) and groups.groups:
+                    if len(groups.groups) != 1 or len(groups.groups[0]) != n0:
+                        raise HloShardError(f"{inst.name}: scale supports one data-parallel "
+                                            "group covering every device")
+                    inst.attributes["replica_groups"] = ReplicaGroups((tuple(range(replicas)),))
+            sharding = inst.attr("sharding")
+            if isinstance(sharding, Raw) and "devices=" in sharding.text:
+                inst.attributes["sharding"] = Raw(_retarget_sharding(sharding.text, n0, replicas))
+    return result
+
+
+def _retarget_sharding(text: str, n0: int, n: int) -> str:
+    """``{devices=[8,1]<=[8]}`` or ``{devices=[8,1]0,1,…,7}`` → the same tiling over n."""
+    match = re.search(r"devices=\[([\d,]+)\]\s*(<=\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)", text)
+    if not match:
+        return text
+    tiles = [int(t) for t in match.group(1).split(",")]
+    if n0 not in tiles:
+        return text
+    tiles[tiles.index(n0)] = n
+    total = 1
+    for t in tiles:
+        total *= t
+    replacement = f"devices=[{','.join(map(str, tiles))}]<=[{total}]"
+    return text[:match.start()] + replacement + text[match.end():]
+
+
+def per_replica_batch(estimate: StepEstimate, module: Module) -> int:
+    """The leading dimension of the module's batch parameters."""
+    for name, kind in estimate.parameter_kinds.items():
+        shape = module.entry[name].shape
+        if kind == "batch" and isinstance(shape, ArrayShape) and shape.dims:
+            return shape.dims[0]
+    raise HloShardError("cannot tell the per-replica batch (no batch parameter found); "
+                        "use --batch-per-replica fixed")
+
+
+def _projection(est: StepEstimate, batch_factor: float) -> Projection:
+    seconds = est.seconds_by_category()
+    seconds["forward_backward"] *= batch_factor
+    breakdown = dict(est.memory.peak_breakdown)
+    for category in ("batch", "temporaries"):
+        breakdown[category] = breakdown.get(category, 0) * batch_factor
+    peak = est.memory.peak_bytes + sum(breakdown.values()) - sum(est.memory.peak_breakdown.values())
+    return Projection(sum(seconds.values()), seconds, peak)
+
+
+def sharding_pass(state: str, strategy: str):
+    """The weight-update sharding pass with the given options."""
+    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+
+    return WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy))
+
+
+def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
+            global_batch: int | None = None, state: str = "sharded", strategy: str = "auto",
+            algorithm: str | None = None) -> list[ScalePoint]:
+    """Step time and peak memory of ``module`` and of its sharded form at each N."""
+    n0 = data_parallel_size(module)
+    base = estimate_step(module, profile, algorithm=algorithm)
+    b0 = per_replica_batch(base, module) if global_batch is not None else None
+    points: list[ScalePoint] = []
+    for n in replicas:
+        if n < 2:
+            raise HloShardError(f"--replicas must be at least 2 (got {n})")
+        factor = 1.0 if global_batch is None else (global_batch / n) / b0
+        target = retarget(module, n) if n != n0 else copy.deepcopy(module)
+        original = _projection(estimate_step(target, profile, algorithm=algorithm), factor)
+        try:
+            sharded_module = sharding_pass(state, strategy).apply(copy.deepcopy(target)).module
+        except HloShardError as err:
+            points.append(ScalePoint(n, original, None, str(err)))
+            continue
+        sharded = _projection(estimate_step(sharded_module, profile, algorithm=algorithm), factor)
+        points.append(ScalePoint(n, original, sharded))
+    return points
+
