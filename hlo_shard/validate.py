@@ -120,7 +120,7 @@ class _Checker:
 
 
 def _strip_layouts(text: str) -> str:
-    return re.sub(r"\{[^{}]*\}", "", text)
+    return re.sub(r"\{[^{}]*\}|/\*.*?\*/", "", text)
 
 
 #: Collectives whose channel ids must be unique (send/recv pairs share theirs).

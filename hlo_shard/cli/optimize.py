@@ -20,6 +20,7 @@ import json
 import click
 
 from hlo_shard.analysis.replication import ParamOverrides
+from hlo_shard.analysis.update_region import natural_perm
 from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
@@ -70,7 +71,7 @@ def build_manifest(report: ShardingReport, module: Module):
         shard = None
         if entry.kind == "sharded":
             fmt = entry.format
-            flatten = "physical" if fmt.minor_to_major() == _physical(entry.shape) else "logical"
+            flatten = "physical" if fmt.perm == natural_perm(entry.shape) else "logical"
             shard = Shard(fmt.shard_len, fmt.padding, entry.groups, flatten)
         if not hasattr(entry.shape, "dims"):
             raise HloShardError(f"cannot describe tuple-shaped entry value {entry.name!r} "
@@ -81,12 +82,6 @@ def build_manifest(report: ShardingReport, module: Module):
     feedback = tuple(report.feedback) if report.feedback else None
     return Manifest(report.devices, tuple(record(p) for p in report.parameters),
                     tuple(record(o) for o in report.outputs), feedback, form=form)
-
-
-def _physical(shape) -> tuple[int, ...]:
-    from hlo_shard.analysis.update_region import natural_perm
-
-    return tuple(reversed(natural_perm(shape)))
 
 
 def _explain_lines(rows: list[Explanation]) -> list[str]:

@@ -151,6 +151,7 @@ class WeightUpdateSharding:
         output_kinds = _output_kinds(module, replication)
         for comp_name, ars in by_comp.items():
             comp = module.computation(comp_name)
+            changes += _forward_tuple_elements(comp)
             leaves, rejected = collect_leaves(module, comp, ars)
             report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
             if not leaves:
@@ -226,6 +227,25 @@ def _gradient_sources(module: Module, found: list[GradientAllReduce]) -> set[str
     return sources
 
 
+def _forward_tuple_elements(comp: Computation) -> list:
+    """``get-tuple-element(tuple(a, b, …), i)`` → the ``i``-th operand, so that the region
+    flows through the tuples jax wraps around shard_map outputs. Pure simplification."""
+    rw = Rewriter(comp)
+    forwarded = False
+    for inst in list(comp.instructions):
+        if inst.opcode != "get-tuple-element" or inst.name == comp.root_name:
+            continue
+        source = comp[inst.operands[0]]
+        if source.opcode != "tuple":
+            continue
+        rw.replace_all_uses_with(inst.name, source.operands[inst.attr("index")])
+        rw.erase(inst.name)
+        forwarded = True
+        if not rw.users(source.name) and source.name != comp.root_name:
+            rw.erase(source.name)
+    return rw.changes if forwarded else []
+
+
 class ChannelIds:
     """Fresh channel ids for a module that uses them (``max + 1``, as XLA does)."""
 
@@ -275,8 +295,14 @@ class StatePair:
     output: int
     value: str
     format: ShardFormat
-    #: The parameter's original (full) shape.
+    #: The parameter's and the output's original (full) shapes.
     shape: ArrayShape
+    output_shape: ArrayShape
+
+
+def _flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
+    """The manifest can describe ``fmt`` for ``shape``: physical or row-major order."""
+    return fmt.dims == shape.dims and (fmt.perm == natural_perm(shape) or fmt.is_row_major)
 
 
 def _pair_state(module: Module, comp: Computation, plan: RegionPlan,
@@ -296,18 +322,18 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan,
                 or not replication.is_replicated(comp.name, param.name):
             continue
         formats = {plan.ops[u].operand_format for u in users}
-        if len(formats) == 1 and (fmt := formats.pop()).perm == natural_perm(param.shape) \
-                and fmt.dims == param.shape.dims:
+        if len(formats) == 1 and _flattenable(fmt := formats.pop(), param.shape):
             candidates[number] = fmt
     outputs: dict[int, str] = {}
     for k, value in enumerate(root.operands):
         fmt = plan.sharded.get(value)
-        if fmt is not None and fmt.perm == natural_perm(root.shape.elements[k]):
+        if fmt is not None and _flattenable(fmt, root.shape.elements[k]):
             outputs[k] = value
     pairs: dict[int, StatePair] = {}
 
     def pair(number: int, k: int) -> None:
-        pairs[number] = StatePair(k, outputs[k], candidates[number], params[number].shape)
+        pairs[number] = StatePair(k, outputs[k], candidates[number], params[number].shape,
+                                  root.shape.elements[k])
 
     def fits(number: int, k: int) -> bool:
         param = params[number]
@@ -371,8 +397,8 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
     for k, (value, shape) in enumerate(zip(outputs, shapes)):
         if k in sharded_outputs:
             pair = sharded_outputs[k]
-            report.outputs.append(SignatureEntry(k, "sharded", pair.shape, value, pair.format,
-                                                 explicit_groups))
+            report.outputs.append(SignatureEntry(k, "sharded", pair.output_shape, value,
+                                                 pair.format, explicit_groups))
             continue
         report.outputs.append(SignatureEntry(k, output_kinds[k], shape, value))
 
