@@ -1,0 +1,439 @@
+"""Cost model unit tests: XLA's HloCostAnalysis rules, kernels, liveness, collectives.
+
+The expected totals of the op corpora below were read from XLA itself
+(``hlo_module_cost_analysis``, jaxlib 0.10.2); ``tests/test_cost_xla.py`` re-checks
+the fixtures against the live XLA through the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hlo_shard.analysis.collective_model import (
+    algorithm_steps, collective_cost, group_size, torus_dims, wire_bytes,
+)
+from hlo_shard.analysis.cost import CostAnalysis, module_cost, parse_window
+from hlo_shard.analysis.estimate import (
+    classify_parameters, categorize, estimate_step, predicted_step_ratio,
+)
+from hlo_shard.analysis.kernels import plan_kernels
+from hlo_shard.analysis.liveness import memory_profile, output_parameter_aliases
+from hlo_shard.errors import HloShardError
+from hlo_shard.parser import parse
+from hlo_shard.profiles import available_profiles, load_profile, profile_from_dict
+
+#: Most opcodes with a rule of their own (dot, convolutions, reduce, reduce-window, sort,
+#: slices, transposes that are and are not bitcasts, transcendentals, …).
+OPS1 = """HloModule ops1
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] maximum(a, b)
+}
+ge {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = pred[] compare(a, b), direction=GE
+}
+ENTRY e {
+  x = f32[8,16] parameter(0)
+  w = f32[16,32] parameter(1)
+  i = s32[] parameter(2)
+  img = f32[2,8,8,3] parameter(3)
+  k = f32[3,3,3,4] parameter(4)
+  d = f32[8,32] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  t = f32[32,8] transpose(d), dimensions={1,0}
+  tb = f32[8,1,32] reshape(d)
+  t2 = f32[1,8,32] transpose(tb), dimensions={1,0,2}
+  z = f32[] constant(0)
+  r = f32[8] reduce(d, z), dimensions={1}, to_apply=add
+  s = f32[4,16] slice(x), slice={[0:4], [0:16]}
+  zi = s32[] constant(0)
+  ds = f32[4,16] dynamic-slice(x, i, zi), dynamic_slice_sizes={4,16}
+  dus = f32[8,16] dynamic-update-slice(x, s, i, zi)
+  e1 = f32[8,16] exponential(x)
+  l1 = f32[8,16] log(e1)
+  tn = f32[8,16] tan(x)
+  ef = f32[8,16] erf(x)
+  c = f32[2,8,8,4] convolution(img, k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  c2 = f32[2,4,4,4] convolution(img, k), window={size=3x3 stride=2x2 pad=0_1x0_1}, dim_labels=b01f_01io->b01f
+  rw = f32[2,4,4,3] reduce-window(img, z), window={size=1x2x2x1 stride=1x2x2x1}, to_apply=max
+  so = f32[8,16] sort(x), dimensions={1}, to_apply=ge
+  cc = f32[16,16] concatenate(x, x), dimensions={0}
+  p = f32[10,18] pad(x, z), padding=1_1x1_1
+  b = f32[8,16,4] broadcast(x), dimensions={0,1}
+  io = s32[8,16] iota(), iota_dimension=0
+  cv = s32[8,16] convert(x)
+  bc = s32[8,16] bitcast-convert(x)
+  rev = f32[8,16] reverse(x), dimensions={0}
+  cp = f32[8,16] copy(x)
+  so2 = pred[8,16] compare(x, e1), direction=LT
+  sel = f32[8,16] select(so2, x, e1)
+  cl = f32[8,16] clamp(z, x, e1)
+  rs = f32[128] reshape(x)
+  bi = f32[128] bitcast(x)
+  pw = f32[8,16] power(x, e1)
+  ROOT tu = (f32[32,8], f32[1,8,32], f32[8], f32[4,16], f32[8,16], f32[8,16], f32[8,16], f32[2,8,8,4], f32[2,4,4,4], f32[2,4,4,3], f32[8,16], f32[16,16], f32[10,18], f32[8,16,4], s32[8,16], s32[8,16], s32[8,16], f32[8,16], f32[8,16], f32[8,16], f32[8,16], f32[128], f32[128], f32[8,16], f32[8,16], f32[8,16]) tuple(t, t2, r, ds, dus, l1, tn, c, c2, rw, so, cc, p, b, io, cv, bc, rev, cp, sel, cl, rs, bi, pw, ef, ef)
+}
+"""
+
+#: Fusions (DUS root, slices, broadcasts), collectives, conditional, call, custom-call.
+OPS2 = """HloModule ops2, replica_count=4
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+fused1 {
+  p0 = f32[64] parameter(0)
+  p1 = f32[64] parameter(1)
+  p2 = f32[] parameter(2)
+  b = f32[64] broadcast(p2), dimensions={}
+  m = f32[64] multiply(p1, b)
+  s = f32[64] subtract(p0, m)
+  e = f32[64] exponential(s)
+  c = f32[64] broadcast(p2), dimensions={}
+  ROOT a = f32[64] add(e, c)
+}
+fused2 {
+  p0 = f32[64] parameter(0)
+  p1 = f32[16] parameter(1)
+  p2 = s32[] parameter(2)
+  sl = f32[16] slice(p0), slice={[0:16]}
+  a = f32[16] add(sl, p1)
+  dus = f32[64] dynamic-update-slice(p0, a, p2)
+  ROOT t = (f32[64], f32[16]) tuple(dus, a)
+}
+br0 {
+  p = f32[64] parameter(0)
+  ROOT n = f32[64] negate(p)
+}
+br1 {
+  p = f32[64] parameter(0)
+  e = f32[64] exponential(p)
+  ROOT n = f32[64] add(e, p)
+}
+callee {
+  p = f32[64] parameter(0)
+  ROOT n = f32[64] multiply(p, p)
+}
+ENTRY e {
+  w = f32[64] parameter(0)
+  g = f32[64] parameter(1)
+  lr = f32[] parameter(2)
+  u = f32[16] parameter(3)
+  i = s32[] parameter(4)
+  pr = pred[] parameter(5)
+  ar = f32[64] all-reduce(g), replica_groups={}, to_apply=add
+  art = (f32[64], f32[16]) all-reduce(g, u), replica_groups={}, to_apply=add
+  rs = f32[16] reduce-scatter(g), replica_groups={}, dimensions={0}, to_apply=add
+  ag = f32[64] all-gather(u), replica_groups={}, dimensions={0}
+  f1 = f32[64] fusion(w, ar, lr), kind=kLoop, calls=fused1
+  f2 = (f32[64], f32[16]) fusion(f1, u, i), kind=kLoop, calls=fused2
+  cd = f32[64] conditional(pr, w, g), true_computation=br0, false_computation=br1
+  cl = f32[64] call(w), to_apply=callee
+  rid = u32[] replica-id()
+  cus = f32[64] custom-call(w), custom_call_target="foo"
+  ROOT t = (f32[64], (f32[64], f32[16]), f32[16], f32[64], f32[64], f32[64], u32[], (f32[64], f32[16]), f32[64]) tuple(f1, f2, rs, ag, cd, cl, rid, art, cus)
+}
+"""
+
+#: A counted loop: XLA prices one iteration; the time model all ten.
+LOOP = """HloModule w
+
+body {
+  p = (s32[], f32[128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  x = f32[128] get-tuple-element(p), index=1
+  one = s32[] constant(1)
+  i2 = s32[] add(i, one)
+  e = f32[128] exponential(x)
+  y = f32[128] add(e, x)
+  ROOT t = (s32[], f32[128]) tuple(i2, y)
+}
+cond {
+  p = (s32[], f32[128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  n = s32[] constant(10)
+  ROOT c = pred[] compare(i, n), direction=LT
+}
+ENTRY e {
+  a = f32[128] parameter(0)
+  z = s32[] constant(0)
+  t = (s32[], f32[128]) tuple(z, a)
+  w = (s32[], f32[128]) while(t), condition=cond, body=body
+  ROOT r = f32[128] get-tuple-element(w), index=1
+}
+"""
+
+#: An Adam step on one 1024x1024 weight, written out unfused as JAX would emit it.
+ADAM = """HloModule adam, replica_count=4
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY e {
+  w = f32[1024,1024] parameter(0)
+  m = f32[1024,1024] parameter(1)
+  v = f32[1024,1024] parameter(2)
+  x = f32[8,1024] parameter(3)
+  step = s32[] parameter(4)
+  y = f32[8,1024] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  g0 = f32[1024,1024] dot(x, y), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  g = f32[1024,1024] all-reduce(g0), replica_groups={}, to_apply=add
+  b1 = f32[] constant(0.9)
+  b2 = f32[] constant(0.999)
+  omb1 = f32[] constant(0.1)
+  omb2 = f32[] constant(0.001)
+  lr = f32[] constant(0.001)
+  eps = f32[] constant(1e-8)
+  one = s32[] constant(1)
+  step1 = s32[] add(step, one)
+  stepf = f32[] convert(step1)
+  b1t = f32[] power(b1, stepf)
+  b2t = f32[] power(b2, stepf)
+  onef = f32[] constant(1)
+  c1 = f32[] subtract(onef, b1t)
+  c2 = f32[] subtract(onef, b2t)
+  lr1 = f32[] divide(lr, c1)
+  bb1 = f32[1024,1024] broadcast(b1), dimensions={}
+  bomb1 = f32[1024,1024] broadcast(omb1), dimensions={}
+  m1a = f32[1024,1024] multiply(m, bb1)
+  m1b = f32[1024,1024] multiply(g, bomb1)
+  m1 = f32[1024,1024] add(m1a, m1b)
+  bb2 = f32[1024,1024] broadcast(b2), dimensions={}
+  bomb2 = f32[1024,1024] broadcast(omb2), dimensions={}
+  gg = f32[1024,1024] multiply(g, g)
+  v1a = f32[1024,1024] multiply(v, bb2)
+  v1b = f32[1024,1024] multiply(gg, bomb2)
+  v1 = f32[1024,1024] add(v1a, v1b)
+  bc2 = f32[1024,1024] broadcast(c2), dimensions={}
+  vh = f32[1024,1024] divide(v1, bc2)
+  sq = f32[1024,1024] sqrt(vh)
+  be = f32[1024,1024] broadcast(eps), dimensions={}
+  den = f32[1024,1024] add(sq, be)
+  upd = f32[1024,1024] divide(m1, den)
+  blr = f32[1024,1024] broadcast(lr1), dimensions={}
+  st = f32[1024,1024] multiply(upd, blr)
+  w1 = f32[1024,1024] subtract(w, st)
+  ROOT t = (f32[1024,1024], f32[1024,1024], f32[1024,1024], s32[]) tuple(w1, m1, v1, step1)
+}
+"""
+
+
+def costs(text: str, **options) -> tuple[float, float, float]:
+    cost = module_cost(parse(text), **options)
+    return cost.flops, cost.transcendentals, cost.bytes_accessed
+
+
+# ------------------------------------------------------------------ XLA's numbers
+
+
+@pytest.mark.parametrize("text, expected", [
+    (OPS1, (39304, 640, 43448)),
+    (OPS2, (479, 128, 4951)),  # includes XLA's -1 flops / -1 bytes for the custom-call
+    (LOOP, (130, 128, 2613)),
+])
+def test_totals_equal_xla_cost_analysis(text, expected):
+    assert costs(text) == pytest.approx(expected, abs=0.5)
+
+
+def test_loop_iterations_counted_for_the_time_model():
+    flops, transcendentals, bytes_ = costs(LOOP, count_loop_iterations=True)
+    assert (flops, transcendentals, bytes_) == (1301, 1280, 25995)  # 10 trips, 11 conditions
+
+
+def test_custom_call_is_unknown_for_xla_and_default_bytes_for_the_model():
+    module = parse(OPS2)
+    entry = module.entry
+    call = entry["cus"]
+    assert CostAnalysis(module).instruction_cost(entry, call).flops == -1
+    model = CostAnalysis(module, xla_compatible=False).instruction_cost(entry, call)
+    assert (model.flops, model.bytes_accessed) == (0, 2 * 64 * 4)
+
+
+def test_per_instruction_rules():
+    module = parse(OPS1)
+    cost = CostAnalysis(module).per_instruction()
+    assert cost["d"].flops == 2 * 8 * 32 * 16                   # dot: 2 · out · contracting
+    assert cost["t"].bytes_accessed == 2 * 8 * 32 * 4           # real transpose: default bytes
+    assert cost["t2"].bytes_accessed == 2 * 8 * 32 * 4          # XLA ignores size-1 dims here
+    assert cost["r"].flops == 8 * 32 - 8                        # reduce: reducer × (in − out)
+    assert cost["s"].bytes_accessed == 2 * 4 * 16 * 4           # slice: 2 × output
+    assert cost["ds"].bytes_accessed == 2 * 4 * 16 * 4 + 4      # + the first index
+    assert cost["dus"].bytes_accessed == 2 * 4 * 16 * 4 + 4     # 2 × update + index
+    assert cost["e1"].transcendentals == 128 and cost["e1"].flops == 0
+    assert cost["tn"].transcendentals == 128                    # tan is transcendental
+    assert cost["c"].flops == 2 * 3 * 4 * 2 * 22 * 22  # 22 valid (output, tap) pairs per dim
+    assert cost["tu"].bytes_accessed == 8 * 26                  # tuple: its index table
+    assert cost["so"].flops == 128 * 7                          # n · ⌈log2 n⌉
+
+
+def test_transpose_into_the_matching_layout_is_a_bitcast():
+    module = parse("""
+HloModule t
+
+ENTRY e {
+  x = f32[8,32]{1,0} parameter(0)
+  ROOT t = f32[32,8]{0,1} transpose(x), dimensions={1,0}
+}
+""")
+    assert CostAnalysis(module).per_instruction()["t"].bytes_accessed == 0
+
+
+def test_parse_window():
+    dims = parse_window("{size=3x2 stride=2x1 pad=1_0x0_1 rhs_dilate=1x2}")
+    assert [(d.size, d.stride, d.pad_low, d.pad_high, d.rhs_dilate) for d in dims] == [
+        (3, 2, 1, 0, 1), (2, 1, 0, 1, 2)]
+
+
+# ------------------------------------------------------------------------ kernels
+
+
+def test_adam_update_is_one_multi_output_kernel():
+    module = parse(ADAM)
+    plan = plan_kernels(module.entry)
+    update = plan.kernel_of["w1"]
+    assert plan.kernel_of["m1"] is update and plan.kernel_of["v1"] is update
+    # Reads g, w, m, v once; writes w, m, v (plus the 4-byte step counter).
+    assert update.read_bytes == pytest.approx(4 * 4 * 2 ** 20, abs=16)
+    assert update.write_bytes == pytest.approx(3 * 4 * 2 ** 20, abs=16)
+    assert {"bb1", "blr", "lr1"} <= plan.duplicated  # broadcasts and scalars recomputed
+
+
+def test_prefused_module_is_not_refused():
+    module = parse(OPS2)
+    plan = plan_kernels(module.entry, emulate_fusion=False)
+    assert all(len(k.members) == 1 for k in plan.kernels)
+
+
+# ----------------------------------------------------------------------- liveness
+
+
+def test_adam_peak_memory_matches_xla_figures():
+    # XLA CPU (jaxlib 0.10.2) reports argument 12615684 + output 12582948 + temp 68.
+    module = parse(ADAM)
+    profile = memory_profile(module)
+    assert profile.argument_bytes == 12615684
+    assert profile.output_bytes == 12582948
+    assert profile.peak_bytes == pytest.approx(12615684 + 12582948 + 68, rel=0.01)
+
+
+def test_donated_outputs_share_their_parameter():
+    text = ADAM.replace("HloModule adam, replica_count=4",
+                        "HloModule adam, replica_count=4, input_output_alias={ {0}: (0, {}, "
+                        "may-alias), {1}: (1, {}, may-alias), {2}: (2, {}, may-alias) }")
+    module = parse(text)
+    assert output_parameter_aliases(module) == {0: 0, 1: 1, 2: 2}
+    profile = memory_profile(module)
+    assert profile.alias_bytes == 3 * 4 * 2 ** 20
+    assert profile.xla_equivalent_bytes < memory_profile(parse(ADAM)).xla_equivalent_bytes
+
+
+def test_parameter_kinds():
+    module = parse(ADAM)
+    categories, _ = categorize(module, module.entry)
+    kinds = classify_parameters(module, categories)
+    assert kinds == {"w": "weights", "m": "optimizer_state", "v": "optimizer_state",
+                     "x": "batch", "step": "other_parameters"}
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def test_ring_bytes_and_steps():
+    assert wire_bytes("all-reduce", 8, 800) == pytest.approx(2 * 7 / 8 * 800)
+    assert wire_bytes("reduce-scatter", 8, 800) == pytest.approx(7 / 8 * 800)
+    assert wire_bytes("all-gather", 8, 800) == pytest.approx(7 / 8 * 800)
+    assert wire_bytes("all-reduce", 1, 800) == 0
+    # AR ≡ RS + AG on the wire; latency: one collective of 2(n−1) steps or two of n−1.
+    assert algorithm_steps("all-reduce", 8, "ring") == 14
+    assert algorithm_steps("reduce-scatter", 8, "ring") == 7
+    assert algorithm_steps("all-reduce", 8, "tree") == 6
+    assert algorithm_steps("all-reduce", 16, "torus2d") == 2 * (3 + 3)
+    assert torus_dims(1024, 2) == [32, 32] and math.prod(torus_dims(512, 3)) == 512
+
+
+def test_collective_time_uses_the_link_the_group_spans():
+    profile = load_profile("a100")
+    inside = collective_cost("all-reduce", 8, 1 << 30, profile)
+    across = collective_cost("all-reduce", 16, 1 << 30, profile)
+    link = profile.interconnect.intra_node
+    assert inside.seconds == pytest.approx(14 * link.alpha_s + 2 * 7 / 8 * (1 << 30)
+                                           / link.beta_bytes_per_s)
+    assert across.seconds > 5 * inside.seconds
+
+
+def test_group_size_in_every_mode():
+    module = parse("""
+HloModule g, replica_count=2, num_partitions=4
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY e {
+  x = f32[8] parameter(0)
+  r = f32[8] all-reduce(x), replica_groups={}, to_apply=add
+  g = f32[8] all-reduce(x), replica_groups={{0,1}}, to_apply=add
+  p = f32[8] all-reduce(x), channel_id=1, replica_groups={{0,1}}, to_apply=add
+  f = f32[8] all-reduce(x), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=add
+  ROOT t = (f32[8], f32[8], f32[8], f32[8]) tuple(r, g, p, f)
+}
+""")
+    entry = module.entry
+    assert [group_size(entry[n], module) for n in "rgpf"] == [2, 2, 2, 8]
+
+
+# ------------------------------------------------------------------------ profiles
+
+
+def test_shipped_profiles_load_and_cite_sources():
+    names = available_profiles()
+    assert {"tpu-v3", "tpu-v4", "a100", "h100", "h200", "cpu-generic"} <= set(names)
+    for name in names:
+        profile = load_profile(name)
+        assert profile.sources and profile.memory_bandwidth_bytes_per_s > 0
+
+
+def test_bad_profiles_are_user_errors(tmp_path):
+    with pytest.raises(HloShardError, match="unknown profile"):
+        load_profile("tpu-v9")
+    bad = tmp_path / "p.json"
+    bad.write_text("{nope")
+    with pytest.raises(HloShardError, match="not a JSON profile"):
+        load_profile(str(bad))
+    with pytest.raises(HloShardError, match="missing field"):
+        profile_from_dict({"name": "x"}, "x.json")
+
+
+# ------------------------------------------------------------------------ estimate
+
+
+def test_adam_step_split_and_update_share():
+    module = parse(ADAM)
+    est = estimate_step(module, load_profile("tpu-v3"))
+    by = est.seconds_by_category()
+    assert est.seconds == pytest.approx(sum(by.values()))
+    assert by["weight_update"] > by["forward_backward"] > 0
+    assert by["communication"] == pytest.approx(est.collectives()["all-reduce"].seconds)
+    assert by["formatting"] == 0
+    # The update kernel moves 28 MiB at 450 GB/s.
+    assert by["weight_update"] == pytest.approx(28 * 2 ** 20 / 450e9, rel=0.05)
+
+
+def test_predicted_ratio_of_a_module_with_itself_is_one():
+    module = parse(ADAM)
+    assert predicted_step_ratio(module, parse(ADAM), load_profile("cpu-generic")) == 1.0
