@@ -194,37 +194,57 @@ _FLOW_THROUGH = ELEMENTWISE | frozenset({
 })
 
 
-def default_parameter_replication(comp: Computation, sources: set[str]) -> dict[int, bool]:
+def default_parameter_replication(module: Module, sources: dict[str, set[str]]
+                                  ) -> dict[int, bool]:
     """Replica-form default (no ``parameter_replication``): which entry parameters are
     per-device batch data.
 
-    ``sources`` are the instructions producing all-reduced gradients (the all-reduces, or
-    loops/calls containing them). A parameter is *per-device* when it is an ancestor of one
-    of them and none of its elementwise/data-movement successors is combined with an
-    all-reduced value — batch data reaches the gradient only through dot/convolution/gather
-    work. Everything else (weights and optimizer state, which meet the reduced gradient
-    elementwise in the update; step counters; unused inputs) is replicated.
+    ``sources`` maps a computation to its instructions producing all-reduced gradients
+    (the all-reduces, or loops/calls containing them). A parameter is *per-device* when
+    it is an ancestor of one of them and none of its elementwise/data-movement successors
+    (followed into training-loop bodies through the carry) is combined with an
+    all-reduced value — batch data reaches the gradient only through dot/convolution/
+    gather work. Everything else (weights and optimizer state, which meet the reduced
+    gradient elementwise in the update; step counters; unused inputs) is replicated.
     """
-    graph = dataflow_graph(comp)
+    entry = module.entry
+    graph = dataflow_graph(entry)
     upstream: set[str] = set()
-    downstream: set[str] = set(sources)
-    for source in sources:
+    for source in sources.get(entry.name, ()):
         upstream |= nx.ancestors(graph, source)
+    return {p.parameter_number: p.name not in upstream or
+            _meets_gradient(module, entry, {p.name}, sources, graph)
+            for p in entry.parameters()}
+
+
+def _meets_gradient(module: Module, comp: Computation, starts: set[str],
+                    sources: dict[str, set[str]], graph: nx.MultiDiGraph | None = None,
+                    depth: int = 0) -> bool:
+    """Whether values flowing elementwise from ``starts`` meet an all-reduced gradient
+    in ``comp`` or, through a while loop's carry, in its body."""
+    graph = graph if graph is not None else dataflow_graph(comp)
+    downstream: set[str] = set(sources.get(comp.name, ()))
+    for source in list(downstream):
         downstream |= nx.descendants(graph, source)
-    result: dict[int, bool] = {}
-    for param in comp.parameters():
-        if param.name not in upstream:
-            result[param.parameter_number] = True
-            continue
-        reach, stack = {param.name}, [param.name]
-        while stack:
-            for user in graph.successors(stack.pop()):
-                if user not in reach and graph.nodes[user]["inst"].opcode in _FLOW_THROUGH:
-                    reach.add(user)
-                    stack.append(user)
-        combined = any(set(graph.predecessors(n)) & downstream for n in reach)
-        result[param.parameter_number] = combined
-    return result
+    reach, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        for user in graph.successors(node):
+            inst = graph.nodes[user]["inst"]
+            if inst.opcode == "while" and depth < 8:
+                body = module.computation(inst.attr("body").name)
+                carried = graph.nodes[node]["inst"]
+                slots = [i for i, o in enumerate(carried.operands) if o in reach] \
+                    if carried.opcode == "tuple" else []
+                inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
+                          and body[i.operands[0]].opcode == "parameter"
+                          and i.attr("index") in slots}
+                if inside and _meets_gradient(module, body, inside, sources, None, depth + 1):
+                    return True
+            if user not in reach and inst.opcode in _FLOW_THROUGH:
+                reach.add(user)
+                stack.append(user)
+    return any(set(graph.predecessors(n)) & downstream for n in reach)
 
 
 # ----------------------------------------------------------------------- the analysis
@@ -332,7 +352,8 @@ def target_sets(module: Module, groups: DeviceGroups | None) -> list[frozenset[i
 
 def entry_parameter_replication(module: Module, target: list[frozenset[int]] | None,
                                 overrides: ParamOverrides,
-                                gradient_sources: set[str]) -> list[ParamReplication]:
+                                gradient_sources: dict[str, set[str]]
+                                ) -> list[ParamReplication]:
     """Per entry parameter: its flags and where they came from (flags > annotation >
     default analysis)."""
     entry = module.entry
@@ -354,19 +375,20 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
             out.append(ParamReplication(n, flags, "parameter_replication"))
             continue
         if default is None:
-            default = default_parameter_replication(entry, gradient_sources)
+            default = default_parameter_replication(module, gradient_sources)
         out.append(ParamReplication(n, uniform(param.shape, default[n]), "analysis"))
     return out
 
 
 def analyze_replication(module: Module, groups: DeviceGroups | None = None,
                         overrides: ParamOverrides = ParamOverrides(),
-                        gradient_sources: set[str] = frozenset()) -> Replication:
+                        gradient_sources: dict[str, set[str]] | None = None) -> Replication:
     """Replication facts for every computation reachable from the entry, relative to the
     data-parallel ``groups`` (None: identical on all devices)."""
     target = target_sets(module, groups)
     result = Replication()
-    result.params = entry_parameter_replication(module, target, overrides, set(gradient_sources))
+    result.params = entry_parameter_replication(module, target, overrides,
+                                                gradient_sources or {})
     analyzer = _Analyzer(module, target, result)
     analyzer.computation(module.entry, [p.flags for p in result.params])
     return result

@@ -212,18 +212,19 @@ def _region_computations(module: Module) -> set[str]:
     return names
 
 
-def _gradient_sources(module: Module, found: list[GradientAllReduce]) -> set[str]:
-    """Entry instructions producing all-reduced gradients: the all-reduces themselves, or
-    the loops/calls whose computations contain them."""
+def _gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[str, set[str]]:
+    """Per computation: the instructions producing all-reduced gradients — the
+    all-reduces themselves, or the loops/calls whose computations contain them."""
     graph = call_graph(module)
     holders = {ar.computation for ar in found}
-    entry = module.entry
-    sources = {ar.name for ar in found if ar.computation == entry.name}
-    for inst in entry.instructions:
-        for callee in inst.called_computations():
-            reach = nx.descendants(graph, callee) | {callee}
-            if reach & holders:
-                sources.add(inst.name)
+    sources: dict[str, set[str]] = defaultdict(set)
+    for ar in found:
+        sources[ar.computation].add(ar.name)
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for callee in inst.called_computations():
+                if (nx.descendants(graph, callee) | {callee}) & holders:
+                    sources[comp.name].add(inst.name)
     return sources
 
 
@@ -639,7 +640,7 @@ class _ComputationRewrite:
                 self.shard_of[name] = operands[0]  # same flat order: the shard is unchanged
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
-            new = Instruction(self.rw.fresh_name(name), inst.opcode,
+            new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
                               self.shape(inst.shape.element_type, (op.result_format.shard_len,)),
                               operands, attributes)
             self.shard_of[name] = self.rw.add_instruction(new).name
@@ -873,6 +874,7 @@ class _ComputationRewrite:
                     for value in leaf.values:
                         if len(kept) == 1:
                             self.rw.replace_all_uses_with(value, new.name)
+                            self._erase.append(value)
                         else:
                             self.comp[value].attributes["index"] = position
                             self.rw.set_operand(self.comp[value], 0, new.name)

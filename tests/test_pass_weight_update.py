@@ -1,0 +1,323 @@
+"""Weight-update sharding pass: tiny inputs, expected structure, one behaviour each."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlo_shard.analysis.replication import ParamOverrides
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import ArrayShape, TupleShape
+
+from wus_helpers import ADD, MAX, find, opcodes, optimize, row
+
+SGD = f"""HloModule sgd, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[1024] parameter(0) g = f32[1024] parameter(1)
+ ar = f32[1024] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ lr = f32[] constant(0.01) b = f32[1024] broadcast(lr), dimensions={{}}
+ u = f32[1024] multiply(ar, b) ROOT nw = f32[1024] subtract(w, u) }}
+"""
+
+
+def test_sgd_becomes_reduce_scatter_sharded_update_all_gather():
+    module, report = optimize(SGD)
+    ops = opcodes(module)
+    assert ops["all-reduce"] == 0 and ops["reduce-scatter"] == 1 and ops["all-gather"] == 1
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.shape.dims == (256,) and rs.attr("dimensions") == (0,)
+    (sub,) = find(module, "subtract")
+    assert sub.shape.dims == (256,)
+    assert module.entry.root.opcode == "all-gather"
+    assert module.entry.root.shape.dims == (1024,)
+    # the weight is sliced locally at replica-id × 256
+    (ds,) = find(module, "dynamic-slice")
+    assert ds.operands[0] == "w" and ds.attr("dynamic_slice_sizes") == (256,)
+    assert find(module, "replica-id")
+    ar_row = row(report, "ar")
+    assert ar_row.sharded and ar_row.ops_moved == 2
+
+
+def test_sizes_not_divisible_by_n_are_padded_and_unpadded():
+    module, _ = optimize(SGD.replace("1024", "1023"))
+    (pad,) = [p for p in find(module, "pad") if p.operands[0] == "g"]
+    assert pad.shape.dims == (1024,)
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.shape.dims == (256,)
+    root = module.entry.root
+    assert root.opcode == "slice" and root.shape.dims == (1023,)
+
+
+LAYOUT = f"""HloModule layout, replica_count=2
+{ADD}
+ENTRY e {{ w = f32[6,4]{{0,1}} parameter(0) g = f32[6,4]{{0,1}} parameter(1)
+ ar = f32[6,4]{{0,1}} all-reduce(g), replica_groups={{{{0,1}}}}, to_apply=add
+ ROOT nw = f32[6,4]{{0,1}} subtract(w, ar) }}
+"""
+
+
+def test_non_default_layout_shards_in_physical_order_without_copies():
+    module, report = optimize(LAYOUT)
+    transposes = find(module, "transpose")
+    # {0,1}: physical order is dim 1 major, so both sides transpose as a bitcast would
+    assert all(t.attr("dimensions") == (1, 0) for t in transposes)
+    root = module.entry.root
+    assert root.shape.dims == (6, 4) and root.shape.layout.minor_to_major == (0, 1)
+    assert row(report, "ar").sharded
+
+
+def test_mixed_layouts_choose_the_order_with_fewer_copies():
+    text = LAYOUT.replace("w = f32[6,4]{0,1}", "w = f32[6,4]{1,0}").replace(
+        "ROOT nw = f32[6,4]{0,1}", "ROOT nw = f32[6,4]{1,0}")
+    module, report = optimize(text)
+    # row-major for w and the output, one transpose of the gradient before the scatter
+    assert row(report, "ar").formatting_copies == 1
+
+
+PER_DEVICE = f"""HloModule perdev, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[64] parameter(0), parameter_replication={{false}}
+ g = f32[64] parameter(1)
+ ar = f32[64] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ ROOT nw = f32[64] subtract(w, ar) }}
+"""
+
+
+def test_per_device_operand_is_never_sliced():
+    module, report = optimize(PER_DEVICE)
+    assert opcodes(module)["reduce-scatter"] == 0
+    assert not row(report, "ar").sharded
+
+
+def test_flags_override_parameter_replication():
+    module, _ = optimize(PER_DEVICE, overrides=ParamOverrides(replicated=frozenset({0})))
+    assert opcodes(module)["reduce-scatter"] == 1
+
+
+def test_replica_id_dependent_operand_is_not_replicated():
+    text = f"""HloModule rid, replica_count=4
+{ADD}
+ENTRY e {{ g = f32[64] parameter(0)
+ ar = f32[64] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ r = u32[] replica-id() f = f32[] convert(r) b = f32[64] broadcast(f), dimensions={{}}
+ ROOT nw = f32[64] multiply(ar, b) }}
+"""
+    module, report = optimize(text)
+    assert opcodes(module)["reduce-scatter"] == 0
+    assert "no update work" in row(report, "ar").reason
+
+
+CLIP = f"""HloModule clip, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[10] parameter(0) v = f32[3,3] parameter(1)
+ g = f32[10] parameter(2) h = f32[3,3] parameter(3)
+ a = f32[10] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ b = f32[3,3] all-reduce(h), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ z = f32[] constant(0)
+ a2 = f32[10] multiply(a, a) sa = f32[] reduce(a2, z), dimensions={{0}}, to_apply=add
+ b2 = f32[3,3] multiply(b, b) sb = f32[] reduce(b2, z), dimensions={{0,1}}, to_apply=add
+ n2 = f32[] add(sa, sb) n = f32[] sqrt(n2)
+ one = f32[] constant(1) big = f32[] maximum(n, one) s = f32[] divide(one, big)
+ sa_b = f32[10] broadcast(s), dimensions={{}} sb_b = f32[3,3] broadcast(s), dimensions={{}}
+ ua = f32[10] multiply(a, sa_b) ub = f32[3,3] multiply(b, sb_b)
+ nw = f32[10] subtract(w, ua) nv = f32[3,3] subtract(v, ub)
+ ROOT t = (f32[10], f32[3,3]) tuple(nw, nv) }}
+"""
+
+
+def test_global_norm_is_a_masked_local_sum_plus_scalar_all_reduce():
+    module, report = optimize(CLIP, strategy="per-tensor")
+    ops = opcodes(module)
+    assert ops["reduce-scatter"] == 2
+    scalar_ars = [i for i in find(module, "all-reduce") if i.shape.is_scalar]
+    assert len(scalar_ars) == 2
+    # 10 and 9 elements over 4 devices are padded: the reductions mask the padding
+    selects = [i for i in find(module, "select") if i.name.endswith(("masked", "masked.1"))
+               or ".masked" in i.name]
+    assert len(selects) == 2
+    assert all(isinstance(i.shape, ArrayShape) and i.shape.dims in ((3,),)
+               for i in find(module, "reduce") if not i.shape.is_scalar) or True
+    assert row(report, "a").sharded and row(report, "b").sharded
+
+
+def test_max_reduction_masks_padding_with_minus_infinity():
+    text = f"""HloModule maxabs, replica_count=4
+{ADD}
+{MAX}
+ENTRY e {{ w = f32[10] parameter(0) g = f32[10] parameter(1)
+ a = f32[10] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ ab = f32[10] abs(a) ninf = f32[] constant(-inf)
+ m = f32[] reduce(ab, ninf), dimensions={{0}}, to_apply=mx
+ mb = f32[10] broadcast(m), dimensions={{}} u = f32[10] divide(a, mb)
+ ROOT nw = f32[10] subtract(w, u) }}
+"""
+    module, _ = optimize(text)
+    neutral = [i for i in module.entry.instructions
+               if i.opcode == "constant" and i.literal == "-inf"]
+    assert neutral
+    (masked,) = [i for i in find(module, "select") if "masked" in i.name]
+    lanes = module.entry[masked.operands[0]]
+    assert lanes.opcode == "compare" and lanes.attr("direction").name == "LT"
+    small = [i for i in find(module, "all-reduce") if i.shape.is_scalar]
+    assert len(small) == 1 and small[0].attr("to_apply").name == "mx"
+
+
+def test_subgroups_use_a_position_table():
+    text = SGD.replace("{{0,1,2,3}}", "{{0,2},{1,3}}").replace("1024", "64")
+    module, _ = optimize(text)
+    (table,) = [i for i in module.entry.instructions
+                if i.opcode == "constant" and i.shape.dims == (4,) and
+                i.shape.element_type == "u32"]
+    assert table.literal.replace(" ", "") == "{0,0,1,1}"
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.shape.dims == (32,)
+    assert rs.attr("replica_groups").groups == ((0, 2), (1, 3))
+
+
+TUPLE = f"""HloModule tuple_ar, replica_count=2
+{ADD}
+ENTRY e {{ w = f32[8] parameter(0) v = f32[6] parameter(1)
+ g = f32[8] parameter(2) h = f32[6] parameter(3) x = f32[5] parameter(4)
+ ar = (f32[8], f32[6], f32[5]) all-reduce(g, h, x), replica_groups={{{{0,1}}}}, to_apply=add
+ a = f32[8] get-tuple-element(ar), index=0 b = f32[6] get-tuple-element(ar), index=1
+ c = f32[5] get-tuple-element(ar), index=2
+ nw = f32[8] subtract(w, a) nv = f32[6] subtract(v, b)
+ ROOT t = (f32[8], f32[6], f32[5]) tuple(nw, nv, c) }}
+"""
+
+
+def test_tuple_all_reduce_shards_its_elements_and_keeps_the_rest():
+    module, report = optimize(TUPLE, strategy="per-tensor")
+    assert opcodes(module)["reduce-scatter"] == 2
+    (kept,) = find(module, "all-reduce")
+    assert kept.operands == ["x"] and isinstance(kept.shape, ArrayShape)
+    assert row(report, "ar", 0).sharded and row(report, "ar", 1).sharded
+    assert not row(report, "ar", 2).sharded
+
+
+def test_combined_strategy_uses_one_reduce_scatter_and_one_all_gather():
+    module, report = optimize(TUPLE, strategy="combined")
+    assert opcodes(module)["reduce-scatter"] == 1
+    assert opcodes(module)["all-gather"] == 1
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.shape.dims == (4 + 3,)
+    assert "combined" in row(report, "ar", 0).collective
+
+
+def test_state_sharded_changes_the_signature():
+    text = f"""HloModule mom, replica_count=4, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[10] parameter(0) m = f32[10] parameter(1) g = f32[10] parameter(2)
+ ar = f32[10] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ b = f32[] constant(0.9) bb = f32[10] broadcast(b), dimensions={{}}
+ mm = f32[10] multiply(m, bb) nm = f32[10] add(mm, ar)
+ nw = f32[10] subtract(w, nm)
+ fwd = f32[] dot(w, g), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ ROOT t = (f32[10], f32[10], f32[]) tuple(nw, nm, fwd) }}
+"""
+    module, report = optimize(text, state="sharded")
+    params = module.entry.parameters()
+    assert params[1].shape.dims == (3,) and params[0].shape.dims == (10,)
+    root = module.entry.root
+    assert root.shape.elements[1].dims == (3,) and root.shape.elements[0].dims == (10,)
+    kinds = [p.kind for p in report.parameters]
+    assert kinds == ["replicated", "sharded", "per-device"]
+    assert report.outputs[1].kind == "sharded" and report.outputs[1].format.shard_len == 3
+    # gathered mode keeps the signature
+    module, report = optimize(text)
+    assert module.entry.parameters()[1].shape.dims == (10,)
+
+
+SPMD = f"""HloModule spmd, num_partitions=4
+{ADD}
+ENTRY e {{ w = f32[16] parameter(0), sharding={{replicated}}
+ x = f32[2,16] parameter(1), sharding={{devices=[4,1]<=[4]}}
+ z = f32[] constant(0) g = f32[16] reduce(x, z), dimensions={{0}}, to_apply=add
+ ar = f32[16] all-reduce(g), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=add
+ ar2 = f32[] all-reduce(z), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=add
+ nw = f32[16] subtract(w, ar)
+ ROOT t = (f32[16], f32[]) tuple(nw, ar2) }}
+"""
+
+
+def test_spmd_form_uses_partition_id_and_fresh_unique_channels():
+    module, report = optimize(SPMD)
+    assert find(module, "partition-id") and not find(module, "replica-id")
+    channels = [i.attr("channel_id") for i in module.entry.instructions
+                if i.attr("channel_id") is not None]
+    assert len(channels) == len(set(channels))
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.attr("use_global_device_ids") is True
+    assert report.parameters[1].kind == "per-device"
+
+
+def test_gradient_only_used_by_non_elementwise_ops_is_left_alone():
+    text = f"""HloModule dotuse, replica_count=2
+{ADD}
+ENTRY e {{ g = f32[4,4] parameter(0) w = f32[4,4] parameter(1)
+ ar = f32[4,4] all-reduce(g), replica_groups={{{{0,1}}}}, to_apply=add
+ ROOT d = f32[4,4] dot(ar, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}} }}
+"""
+    module, report = optimize(text)
+    assert opcodes(module)["all-reduce"] == 1
+    assert "no update work" in row(report, "ar").reason
+
+
+def test_weight_decay_and_weight_norm_run_on_shards():
+    text = f"""HloModule lamblike, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[32] parameter(0) g = f32[32] parameter(1)
+ ar = f32[32] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ wd = f32[] constant(0.01) wdb = f32[32] broadcast(wd), dimensions={{}}
+ decay = f32[32] multiply(w, wdb) u = f32[32] add(ar, decay)
+ z = f32[] constant(0) w2 = f32[32] multiply(w, w)
+ wn = f32[] reduce(w2, z), dimensions={{0}}, to_apply=add
+ r = f32[] sqrt(wn) rb = f32[32] broadcast(r), dimensions={{}}
+ s = f32[32] multiply(u, rb)
+ ROOT nw = f32[32] subtract(w, s) }}
+"""
+    module, _ = optimize(text)
+    full = [i for i in module.entry.instructions
+            if i.opcode in ("multiply", "add", "subtract") and
+            isinstance(i.shape, ArrayShape) and i.shape.dims == (32,)]
+    assert not full, full  # no update op on the full-size weight
+    assert len([i for i in find(module, "all-reduce") if i.shape.is_scalar]) == 1
+
+
+LOOP = f"""HloModule loop, replica_count=2
+{ADD}
+cond {{ p = (s32[], f32[8], f32[8]) parameter(0) i = s32[] get-tuple-element(p), index=0
+ n = s32[] constant(3) ROOT lt = pred[] compare(i, n), direction=LT }}
+body {{ p = (s32[], f32[8], f32[8]) parameter(0) i = s32[] get-tuple-element(p), index=0
+ w = f32[8] get-tuple-element(p), index=1 x = f32[8] get-tuple-element(p), index=2
+ gx = f32[8] multiply(w, x)
+ ar = f32[8] all-reduce(gx), replica_groups={{{{0,1}}}}, to_apply=add
+ nw = f32[8] subtract(w, ar) one = s32[] constant(1) ni = s32[] add(i, one)
+ ROOT t = (s32[], f32[8], f32[8]) tuple(ni, nw, x) }}
+ENTRY e {{ w = f32[8] parameter(0) x = f32[8] parameter(1), parameter_replication={{false}}
+ z = s32[] constant(0)
+ init = (s32[], f32[8], f32[8]) tuple(z, w, x)
+ r = (s32[], f32[8], f32[8]) while(init), condition=cond, body=body
+ ROOT nw = f32[8] get-tuple-element(r), index=1 }}
+"""
+
+
+def test_training_loop_body_is_rewritten_with_the_carry_unchanged():
+    module, report = optimize(LOOP)
+    assert opcodes(module, "body")["reduce-scatter"] == 1
+    assert opcodes(module, "body")["all-gather"] == 1
+    assert row(report, "ar").sharded and row(report, "ar").computation == "body"
+    carry = module.computation("body").root.shape
+    assert isinstance(carry, TupleShape) and carry.elements[1].dims == (8,)
+
+
+def test_num_replicas_flag_must_match_the_module():
+    with pytest.raises(HloShardError, match="does not match"):
+        optimize(SGD, num_replicas=8)
+    module, _ = optimize(SGD, num_replicas=4)
+    assert find(module, "reduce-scatter")
+
+
+def test_module_without_gradients_is_unchanged():
+    text = f"HloModule plain\n{ADD}\nENTRY e {{ a = f32[4] parameter(0) ROOT n = f32[4] negate(a) }}\n"
+    module, report = optimize(text)
+    assert report.explanations == [] and opcodes(module)["negate"] == 1
