@@ -989,6 +989,8 @@ _TERMINAL_WORDS = {
     "DXD": "a size like 3x3", "IOTA_GROUPS": "iota replica groups",
     "MESH_GROUPS": "mesh replica groups", "STACK_FRAMES": "the FileNames table",
     "CONSTANT": "'constant'", "PARAMETER": "'parameter'", "$END": "end of input",
+    "HEAD": "an instruction", "CALL": "an opcode and its operands", "ATTRS": "','",
+    "SIGNATURE": "a signature", "PARAMETER_CALL": "'parameter'",
     "TUPLE_OPEN": "'('", "ENTRY": "'ENTRY'", "ROOT": "'ROOT'",
 }
 
@@ -1026,9 +1028,8 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
                           "unterminated string, or nesting deeper than 12 levels)",
                           token.line, token.column)
         if token.type == "LITERAL":  # the catch-all token: report one character
-            char = text[token.start_pos]
-            return _error(text, path, f"unexpected character {char!r}; expected "
-                          f"{_expected_words(expected)}", token.line, token.column)
+            return _unexpected_character(text, path, token.start_pos, token.line,
+                                         token.column, expected)
         if token.type == "$END":
             line, column = _end_position(text)
             return _error(text, path, f"unexpected end of input; expected "
@@ -1037,19 +1038,12 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
         if token.type == "ATTR" and "NAME" in expected:
             message += " (a name directly followed by '=' reads as an attribute name; " \
                        "put a space before '=')"
-        elif token.type == "NAME" and "ATTR" in expected:
+        elif token.type in ("NAME", "HEAD") and "ATTR" in expected:
             message += " (write attributes as name=value with no space before '=')"
         return _error(text, path, message, token.line, token.column)
     if isinstance(err, UnexpectedCharacters):
-        char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
-        if char in "{(\"'" and char:
-            what = {"{": "'{' without a matching '}'", "(": "'(' without a matching ')'",
-                    '"': "unterminated string", "'": "unterminated string"}[char]
-            message = f"{what} (or not allowed here; expected {_expected_words(err.allowed)})"
-        else:
-            message = (f"unexpected character {char!r}; expected "
-                       f"{_expected_words(err.allowed or ())}")
-        return _error(text, path, message, err.line, err.column)
+        return _unexpected_character(text, path, err.pos_in_stream, err.line, err.column,
+                                     err.allowed or ())
     if isinstance(err, UnexpectedEOF):
         line, column = _end_position(text)
         return _error(text, path, f"unexpected end of input; expected "
@@ -1058,7 +1052,23 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
                   getattr(err, "column", 1) or 1)
 
 
+_WORD_BEFORE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _COMMENTS_ONLY_RE = re.compile(r"(?:\s+|//[^\n]*|/\*[\s\S]*?\*/)*")
+
+
+def _unexpected_character(text: str, path: str | None, pos: int, line: int, column: int,
+                          expected: Iterable[str]) -> HloParseError:
+    char = text[pos] if pos < len(text) else ""
+    if char == "[" and (word := _WORD_BEFORE_RE.search(text, 0, pos)):
+        return _error(text, path, f"unknown element type '{word.group(0)}'", line,
+                      column - len(word.group(0)))
+    unclosed = {"{": "'{' without a matching '}'", "(": "'(' without a matching ')'",
+                '"': "unterminated string", "'": "unterminated string"}.get(char)
+    if unclosed:
+        message = f"{unclosed} (or not allowed here; expected {_expected_words(expected)})"
+    else:
+        message = f"unexpected character {char!r}; expected {_expected_words(expected)}"
+    return _error(text, path, message, line, column)
 
 
 def _end_position(text: str) -> tuple[int, int]:

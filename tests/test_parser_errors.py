@@ -1,0 +1,128 @@
+"""Bad input: every failure is an HloParseError at the right line and column, in words."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hlo_shard import HloParseError, parse
+
+GOLDEN = Path(__file__).parent / "golden"
+
+OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
+
+
+@pytest.mark.parametrize("text, line, column, words", [
+    ("", 1, 1, "empty input"),
+    ("  \n// just a comment\n", 1, 1, "empty input"),
+    ("\x00\x01\x02\xff", 1, 1, "unexpected character '\\x00'"),
+    ("HloModule m\n", 1, 12, "unexpected end of input"),
+    ("HloModule m\nENTRY e {\n}\n", 3, 1, "unexpected character '}'"),
+    (OK_HEAD + "  ROOT n = f32[4] foo(p)\n}\n", 4, 19, "unknown opcode 'foo'"),
+    (OK_HEAD + "  ROOT n = f32[4] add(p, q)\n  q = f32[4] negate(p)\n}\n", 4, 26,
+     "'q' is used before its definition at line 5"),
+    (OK_HEAD + "  ROOT n = f32[4] add(p, zz)\n}\n", 4, 26, "undefined instruction 'zz'"),
+    (OK_HEAD + "  ROOT n = f32[4] add(f32[4] p, zz)\n}\n", 4, 33, "undefined instruction 'zz'"),
+    (OK_HEAD + "  p = f32[4] negate(p)\n}\n", 4, 3, "duplicate instruction name 'p'"),
+    (OK_HEAD + "  ROOT a = f32[4] negate(p)\n  ROOT b = f32[4] abs(p)\n}\n", 5, 3,
+     "second ROOT"),
+    ("HloModule m\nENTRY a {\n ROOT p = f32[] parameter(0)\n}\n"
+     "ENTRY b {\n ROOT p = f32[] parameter(0)\n}\n", 5, 1, "second ENTRY"),
+    (OK_HEAD + "  ROOT c = f32[4] call(p), to_apply=nothere\n}\n", 4, 37,
+     "unknown computation 'nothere'"),
+    (OK_HEAD + "  ROOT c = f32[4] call(p), to_apply=later\n}\n"
+     "later {\n ROOT a = f32[4] parameter(0)\n}\n", 4, 37,
+     "computation 'later' is used before it is defined"),
+    (OK_HEAD + "  ROOT n = f32[4] add(p)\n}\n", 4, 19, "'add' takes 2 operands, got 1"),
+    (OK_HEAD + "  ROOT n = f32[4] select(p, p)\n}\n", 4, 19, "'select' takes 3 operands"),
+    (OK_HEAD + "  ROOT n = f32[4] transpose(p), dimensions = {0}\n}\n", 4, 33,
+     "no space before '='"),
+    ("HloModule m\nENTRY e {\n  p=f32[4] parameter(0)\n}\n", 3, 3, "put a space before '='"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f32[3] constant({1, 2})\n}\n", 3, 28,
+     "constant has 2 values but its shape f32[3] holds 3"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f32[] constant({1, 2})\n}\n", 3, 27,
+     "constant has 2 values"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f32[3,2]{0} parameter(0)\n}\n", 3, 12,
+     "not a permutation of 2 dimensions"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f33[3] parameter(0)\n}\n", 3, 12, "unknown element type 'f33'"),
+    ("HloModule m /* open\nENTRY e {\n}\n", 1, 13, "unterminated /* comment"),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={op_name="x}\n}\n', 4, 39,
+     "'{' has no matching '}'"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p), metadata=" + "{" * 40 + "}" * 40 + "\n}\n",
+     4, 39, "nesting deeper than 12 levels"),
+    ("HloModule m\nENTRY e {\n  ROOT c = " + "(" * 100 + "f32[]" + ")" * 100
+     + " parameter(0)\n}\n", 3, 47, "tuple shape nests deeper than 64 levels"),
+    ("HloModule m\nENTRY e {\n  %c128 = f32[] parameter(0)\n}\n", 3, 3, "type name"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(f32[5] p)\n}\n", 4, 33,
+     "operand 'p' is declared f32[5] but defined as f32[4]"),
+    ("HloModule m\nENTRY e (p: f32[4]) -> f32[9] {\n  p = f32[4] parameter(0)\n"
+     "  ROOT n = f32[4] negate(p)\n}\n", 2, 7, "signature declares"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p), dimensions={a}\n}\n", 4, 41,
+     "expected a list of integers"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p), dimensions={0}, dimensions={0}\n}\n", 4, 46,
+     "duplicate attribute 'dimensions'"),
+    (OK_HEAD + "  ROOT n = f32[4] slice(p), slice={[0:2], x}\n}\n", 4, 35,
+     "expected slice ranges"),
+    (OK_HEAD + "  ROOT n = f32[4] all-reduce(p), replica_groups=[3,3]<=[8], to_apply=a\n}\n",
+     4, 49, "bad replica_groups"),
+    ("HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n  q = f32[4] parameter(0)\n}\n",
+     4, 24, "parameter(0) is already defined at line 3"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p), control-predecessors={later}\n}\n", 4, 51,
+     "control predecessor 'later' is not defined"),
+    ("HloModule m, replica_count=two\nENTRY e {\n ROOT p = f32[] parameter(0)\n}\n", 1, 28,
+     "'replica_count' expects an integer"),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p)\n}, color=\"red\"\n", 5, 4,
+     "only execution_thread"),
+    (OK_HEAD + "  ROOT c = f32[4] tuple(p),,\n}\n", 4, 28, "expected"),
+])
+def test_error_position_and_words(text, line, column, words):
+    with pytest.raises(HloParseError) as info:
+        parse(text, "in.hlo")
+    err = info.value
+    assert (err.line, err.column) == (line, column), err.render()
+    assert words in err.message, err.message
+    assert str(err).startswith(f"in.hlo:{line}:{column}: error: ")
+    # The rendered form shows the line and a caret under the column.
+    rendered = err.render().splitlines()
+    if err.source_line and len(err.source_line) <= 200:
+        assert rendered[1] == err.source_line
+        assert rendered[2] == " " * (column - 1) + "^"
+
+
+@pytest.mark.parametrize("name", ["control_flow", "attributes", "header_and_stack_frames"])
+def test_every_truncation_is_a_located_error(name):
+    text = (GOLDEN / f"{name}.hlo").read_text()
+    rng = random.Random(name)
+    for cut in sorted(rng.sample(range(1, len(text) - 3), 40)):
+        try:
+            parse(text[:cut], "cut.hlo")
+        except HloParseError as err:
+            assert 1 <= err.line <= text[:cut].count("\n") + 1
+            assert err.column >= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_byte_flips_never_crash(seed):
+    data = bytearray((GOLDEN / "attributes.hlo").read_bytes())
+    rng = random.Random(seed)
+    for _ in range(30):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        text = mutated.decode("utf-8", errors="replace")
+        try:
+            parse(text, "flip.hlo")
+        except HloParseError as err:
+            assert err.line >= 1 and err.column >= 1 and err.message
+
+
+def test_deeply_nested_operands_are_fine_and_deep_braces_are_an_error():
+    depth = 3000
+    text = (OK_HEAD.replace("f32[4]", "f32[]") + "  ROOT c = f32[] " + "negate(" * depth
+            + "p" + ")" * depth + "\n}\n")
+    assert len(parse(text).entry.instructions) == depth + 1
+    with pytest.raises(HloParseError):
+        parse("HloModule m\nENTRY e {\n  ROOT c = f32[] parameter(0), metadata="
+              + "{" * 100000 + "\n}\n")
