@@ -111,7 +111,8 @@ class _Checker:
         arrow = text.rfind(")->")
         if arrow < 0:
             return
-        declared = _strip_layouts(text[arrow + 3:].rstrip("}"))
+        result = text[arrow + 3:]
+        declared = _strip_layouts(result[:-1] if result.endswith("}") else result)
         actual = _strip_layouts(format_shape(entry.root.shape))
         if declared.replace(" ", "") != actual.replace(" ", ""):
             self.problems.append(Problem(

@@ -1,0 +1,129 @@
+"""``hlo-shard optimize``: outputs, explain/json streams, manifest, refusals, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from hlo_shard.cli import main
+from hlo_shard.cli import optimize as optimize_cli
+from hlo_shard.parser import parse
+from hlo_shard.runtime.manifest import parse_manifest
+
+from test_pass_weight_update import SGD, SPMD
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["optimize", *args])
+
+
+@pytest.fixture
+def sgd(tmp_path):
+    path = tmp_path / "sgd.hlo"
+    path.write_text(SGD)
+    return path
+
+
+def test_writes_the_optimized_module_and_a_summary(sgd, tmp_path):
+    out = tmp_path / "out.hlo"
+    result = run(str(sgd), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    assert "sharded 1 of 1" in result.stderr
+    assert "reduce-scatter" in out.read_text()
+    assert sgd.read_text() == SGD  # the input is never touched
+
+
+def test_explain_goes_to_stderr_with_one_row_per_gradient(sgd, tmp_path):
+    result = run(str(sgd), "-o", str(tmp_path / "o.hlo"), "--explain")
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("all-reduce") and "e/ar" in lines[1] and "yes" in lines[1]
+
+
+def test_json_report_on_stdout(sgd, tmp_path):
+    result = run(str(sgd), "-o", str(tmp_path / "o.hlo"), "--json")
+    data = json.loads(result.stdout)
+    assert data["sharded"] == 1 and data["explanations"][0]["all_reduce"] == "ar"
+    assert run(str(sgd), "-o", "-", "--json").exit_code == 2
+
+
+def test_module_to_stdout(sgd):
+    result = run(str(sgd), "-o", "-")
+    assert result.exit_code == 0 and "reduce-scatter" in result.stdout
+    parse(result.stdout)
+
+
+def test_manifest_describes_sharded_state(tmp_path):
+    text = SPMD.replace("HloModule spmd,", "HloModule spmd, input_output_alias={ {0}: (0, {}, may-alias) },")
+    # make w pure state: the forward pass does not read it
+    path = tmp_path / "in.hlo"
+    path.write_text(text)
+    manifest = tmp_path / "m.json"
+    result = run(str(path), "-o", str(tmp_path / "o.hlo"), "--state", "sharded",
+                 "--manifest", str(manifest))
+    assert result.exit_code == 0, result.output
+    parsed = parse_manifest(json.loads(manifest.read_text()))
+    assert parsed.devices == 4 and parsed.form == "spmd"
+    (state,) = [r for r in parsed.parameters if r.kind == "sharded"]
+    assert state.index == 0 and state.shard.length == 4 and state.shard.padding == 0
+    assert parsed.outputs[0].kind == "sharded"
+    assert parsed.parameters[1].kind == "per-device"
+    assert parsed.feedback == ((0, 0),)
+
+
+def test_refuses_to_overwrite_the_input_unless_in_place(sgd):
+    result = run(str(sgd), "-o", str(sgd))
+    assert result.exit_code == 2 and "--in-place" in result.stderr
+    assert sgd.read_text() == SGD
+    result = run(str(sgd), "-o", str(sgd), "--in-place")
+    assert result.exit_code == 0 and "reduce-scatter" in sgd.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-replicas", "8"], "does not match"),
+    (["--replicated-params", "0", "--per-device-params", "0"], "both"),
+    (["--per-device-params", "7"], "no parameter 7"),
+    (["--per-device-params", "x"], "expects parameter numbers"),
+])
+def test_bad_flags_exit_2(sgd, tmp_path, args, message):
+    out = tmp_path / "o.hlo"
+    result = run(str(sgd), "-o", str(out), *args)
+    assert result.exit_code == 2 and message in result.stderr
+    assert not out.exists()
+
+
+def test_bad_input_exits_2_without_output(tmp_path):
+    bad = tmp_path / "bad.hlo"
+    bad.write_text("HloModule m\nENTRY e { ROOT x = f32[] bogus-op() }\n")
+    out = tmp_path / "o.hlo"
+    result = run(str(bad), "-o", str(out))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_refuses_to_write_a_module_that_fails_validation(sgd, tmp_path, monkeypatch):
+    original = optimize_cli.WeightUpdateSharding.apply
+
+    def broken(self, module):
+        result = original(self, module)
+        (rs,) = [i for i in module.entry.instructions if i.opcode == "reduce-scatter"]
+        rs.shape = rs.shape.with_dims((5,))
+        return result
+
+    monkeypatch.setattr(optimize_cli.WeightUpdateSharding, "apply", broken)
+    out = tmp_path / "o.hlo"
+    result = run(str(sgd), "-o", str(out))
+    assert result.exit_code == 2
+    assert "refusing to write" in result.stderr and "shape" in result.stderr
+    assert not out.exists()
+
+
+def test_nothing_to_shard_still_writes_and_says_so(tmp_path):
+    path = tmp_path / "plain.hlo"
+    path.write_text("HloModule plain\nENTRY e { a = f32[4] parameter(0) ROOT n = f32[4] negate(a) }\n")
+    out = tmp_path / "o.hlo"
+    result = run(str(path), "-o", str(out))
+    assert result.exit_code == 0 and out.exists()
+    assert "no gradient all-reduce" in result.stderr

@@ -1,0 +1,83 @@
+"""The structural validator: each check fires on a module broken in exactly that way."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlo_shard.ir import ArrayShape, Instruction
+from hlo_shard.parser import parse
+from hlo_shard.validate import validate
+
+from wus_helpers import ADD
+
+GOOD = f"""HloModule good, replica_count=4, entry_computation_layout={{(f32[8]{{0}})->f32[8]{{0}}}}
+{ADD}
+ENTRY e {{ g = f32[8] parameter(0)
+ rs = f32[2] reduce-scatter(g), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}, to_apply=add
+ n = f32[2] negate(rs)
+ ROOT ag = f32[8] all-gather(n), channel_id=2, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}} }}
+"""
+
+
+def checks(text: str) -> set[str]:
+    return {p.check for p in validate(parse(text))}
+
+
+def test_a_correct_module_passes():
+    assert validate(parse(GOOD)) == []
+
+
+@pytest.mark.parametrize("old, new, check", [
+    ("f32[2] reduce-scatter", "f32[3] reduce-scatter", "shape"),
+    ("f32[8] all-gather", "f32[6] all-gather", "shape"),
+    ("channel_id=2", "channel_id=1", "unique-channel-ids"),
+    ("{{0,1,2,3}}, dimensions={0} }", "{{0,1},{1,2,3}}, dimensions={0} }", "replica-groups"),
+    ("f32[2] negate", "f32[3] negate", "shape"),
+])
+def test_broken_modules_name_the_failed_check(old, new, check):
+    assert old in GOOD
+    assert check in checks(GOOD.replace(old, new))
+
+
+def test_root_must_match_the_entry_layout():
+    module = parse(GOOD)
+    module.entry.root.shape = ArrayShape("f32", (4,))
+    assert "entry-layout" in {p.check for p in validate(module)}
+
+
+def test_use_before_definition_and_duplicate_names():
+    module = parse(GOOD)
+    entry = module.entry
+    entry.instructions.insert(0, Instruction("early", "negate", ArrayShape("f32", (2,)), ["n"]))
+    entry.instructions.append(Instruction("n", "negate", ArrayShape("f32", (2,)), ["rs"]))
+    found = {p.check for p in validate(module)}
+    assert {"def-before-use", "unique-names"} <= found
+
+
+@pytest.mark.parametrize("body, check", [
+    ("s = f32[5] slice(p), slice={[0:5]}", None),
+    ("s = f32[5] slice(p), slice={[2:9]}", "shape"),
+    ("s = f32[10] pad(p, z), padding=0_2", None),
+    ("s = f32[11] pad(p, z), padding=0_2", "shape"),
+    ("s = f32[2,4] reshape(p)", None),
+    ("s = f32[3,3] reshape(p)", "shape"),
+    ("s = f32[8,3] broadcast(p), dimensions={0}", None),
+    ("s = f32[3,8] broadcast(p), dimensions={0}", "shape"),
+    ("s = f32[16] concatenate(p, p), dimensions={0}", None),
+    ("s = f32[15] concatenate(p, p), dimensions={0}", "shape"),
+    ("s = f32[] reduce(p, z), dimensions={0}, to_apply=add", None),
+    ("s = f32[8] reduce(p, z), dimensions={0}, to_apply=add", "shape"),
+    ("s = f32[4] dynamic-slice(p, i), dynamic_slice_sizes={4}", None),
+    ("s = f32[4] dynamic-slice(p, i), dynamic_slice_sizes={9}", "shape"),
+    ("s = u32[8] iota(), iota_dimension=0", None),
+    ("s = pred[8] compare(p, p), direction=LT", None),
+    ("s = f32[8] compare(p, p), direction=LT", "shape"),
+])
+def test_shape_rules_of_emitted_opcodes(body, check):
+    text = (f"HloModule m\n{ADD}\nENTRY e {{ p = f32[8] parameter(0) z = f32[] constant(0) "
+            f"i = u32[] constant(0) ROOT {body} }}\n")
+    found = checks(text)
+    if check is None:
+        assert "shape" not in found, validate(parse(text))
+    else:
+        assert check in found
