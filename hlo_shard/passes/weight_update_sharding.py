@@ -100,6 +100,7 @@ class SignatureEntry:
 
 @dataclass
 class ShardingReport:
+    #: Devices the module runs on (replicas × partitions), not the group size.
     devices: int
     explanations: list[Explanation] = field(default_factory=list)
     parameters: list[SignatureEntry] = field(default_factory=list)
@@ -125,12 +126,11 @@ class WeightUpdateSharding:
     def apply(self, module: Module) -> PassResult:
         found = find_gradient_all_reduces(module)
         groups = _data_parallel_groups(module, found)
-        devices = groups.size if groups else max(module.replica_count, module.num_partitions)
         if self.options.num_replicas is not None and groups is not None \
                 and self.options.num_replicas != groups.size:
             raise HloShardError(f"--num-replicas {self.options.num_replicas} does not match "
                                 f"the module's data-parallel group size {groups.size}")
-        report = ShardingReport(self.options.num_replicas or devices)
+        report = ShardingReport(module.replica_count * module.num_partitions)
         regions = _region_computations(module)
         sources = _gradient_sources(module, found)
         replication = analyze_replication(module, groups, self.options.overrides, sources)
