@@ -2,25 +2,28 @@
 
 One LALR pass with lark's contextual lexer and an inline transformer: the records
 are built while the text is read, with no intermediate parse tree. The grammar
-(``grammar/hlo.lark``) keeps long opaque values as single tokens; this module types
-the attribute values the passes interpret (see :data:`hlo_shard.ir.AttrValue`) and
-keeps everything else verbatim as :class:`~hlo_shard.ir.Raw`.
+(``grammar/hlo.lark``) reads the common forms as a few coarse tokens (a whole
+instruction is usually one ``LINE`` token), which this module cuts into parts; the
+attribute values the passes interpret are typed (see :data:`hlo_shard.ir.AttrValue`),
+everything else is kept verbatim as :class:`~hlo_shard.ir.Raw`.
 
 The semantic checks XLA's parser makes and that are cheap here are made here too,
-with the position of the offending token: use before definition, duplicate names,
+at the position of the offending text: use before definition, duplicate names,
 unknown or not-yet-defined computations, operand counts, several ROOT/ENTRY marks,
-literal element counts. Every failure is an :class:`HloParseError` in the user's
-words; no lark exception escapes.
+literal element counts, operand and signature shapes. Every failure is an
+:class:`HloParseError` in the user's words; no lark exception escapes.
+
+Positions are resolved lazily: a location is a lark token or ``(token, offset)``
+into a coarse token, turned into line and column only for a message.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable, Union
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -28,15 +31,17 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from hlo_shard.errors import HloParseError
 from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident,
-    Instruction, Layout, Module, Raw, ReplicaGroups, Shape, SliceRanges, SourceLoc, Str,
-    TupleShape,
+    Instruction, Layout, Module, Raw, Shape, SourceLoc, Str, TupleShape,
+)
+from hlo_shard.values import (
+    c_unescape, read_int_list, read_names, read_replica_groups, read_slice_ranges, show,
 )
 
-__all__ = ["OPCODES", "parse", "parse_file", "grammar_path", "is_known_opcode"]
+__all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", "parse_file"]
 
 # ----------------------------------------------------------------------------- tables
 
-#: ``HLO_OPCODE_LIST`` of xla/hlo/ir/hlo_opcode.h (plus the historical ``trace``).
+#: ``HLO_OPCODE_LIST`` of xla/hlo/ir/hlo_opcode.h.
 OPCODES = frozenset("""
 abs acos acosh add add-dependency after-all all-gather all-gather-done all-gather-start
 all-reduce all-reduce-done all-reduce-start all-to-all and asin asinh async-done async-start
@@ -56,28 +61,30 @@ shift-right-logical shuffle sign sine sinh slice sort sqrt stochastic-convert su
 tanh topk transpose triangular-solve tuple while xor
 """.split())
 
+#: Historical opcode names read as their current ones.
+_RENAMED_OPCODES = {"cross-replica-sum": "all-reduce"}
 _ASYNC_SUFFIXES = ("-start", "-update", "-done")
 
 
 def is_known_opcode(opcode: str) -> bool:
     """A table opcode, or XLA's async sugar ``<op>-start/-update/-done``."""
-    if opcode in OPCODES:
-        return True
-    for suffix in _ASYNC_SUFFIXES:
-        if opcode.endswith(suffix) and opcode[: -len(suffix)] in OPCODES:
-            return True
-    return False
+    return opcode in OPCODES or any(
+        opcode.endswith(suffix) and opcode[: -len(suffix)] in OPCODES
+        for suffix in _ASYNC_SUFFIXES)
 
 
-_UNARY = """abs acos acosh asin asinh atan atanh bitcast bitcast-convert broadcast cbrt ceil
-copy convert cosh cosine count-leading-zeros erf exponential exponential-minus-one floor
-get-tuple-element imag is-finite log log-plus-one logistic negate not popcnt real
-reduce-precision reshape reverse round-nearest-afz round-nearest-even rsqrt sign sine sinh
-slice sqrt tan tanh transpose all-reduce-done all-gather-done collective-permute-done
-copy-done copy-start recv-done send-done cholesky""".split()
-_BINARY = """add and atan2 complex divide maximum minimum mulhi multiply or power remainder
-shift-left shift-right-arithmetic shift-right-logical subtract xor compare dot pad
-triangular-solve add-dependency stochastic-convert""".split()
+_UNARY_ELEMENTWISE = frozenset("""abs acos acosh asin asinh atan atanh cbrt ceil copy cosh
+cosine count-leading-zeros erf exponential exponential-minus-one floor is-finite log
+log-plus-one logistic negate not popcnt reduce-precision round-nearest-afz
+round-nearest-even rsqrt sign sine sinh sqrt tan tanh""".split())
+_BINARY_ELEMENTWISE = frozenset("""add and atan2 divide maximum minimum mulhi multiply or
+power remainder shift-left shift-right-arithmetic shift-right-logical subtract xor""".split())
+_UNARY = _UNARY_ELEMENTWISE | frozenset("""bitcast bitcast-convert broadcast convert
+get-tuple-element imag real reshape reverse slice transpose all-reduce-done all-gather-done
+collective-permute-done copy-done copy-start recv-done send-done cholesky
+get-dimension-size""".split())
+_BINARY = _BINARY_ELEMENTWISE | frozenset("""complex compare dot pad triangular-solve
+add-dependency stochastic-convert set-dimension-size""".split())
 
 #: (min, max) operand counts; max None = unbounded. Opcodes not listed are unchecked.
 _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
@@ -93,7 +100,6 @@ _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
     "gather": (2, 2), "scatter": (3, None), "sort": (1, None), "map": (1, None),
     "select-and-scatter": (3, 3), "batch-norm-training": (3, 3),
     "batch-norm-inference": (5, 5), "batch-norm-grad": (5, 5),
-    "get-dimension-size": (1, 1), "set-dimension-size": (2, 2),
 }
 
 #: Attributes naming one computation / a list of computations.
@@ -112,9 +118,6 @@ _INT_LIST_ATTRS = frozenset({
     "update_window_dims", "inserted_window_dims", "scatter_dims_to_operand_dims",
     "input_batching_dims", "scatter_indices_batching_dims", "source_target_pairs",
 })
-
-#: Kept verbatim whatever their token (a quoted backend_config stays quoted).
-_RAW_ATTRS = frozenset({"backend_config"})
 
 #: Header attributes with a typed value; the others are kept verbatim.
 _HEADER_TYPES: dict[str, type] = {"replica_count": int, "num_partitions": int,
@@ -136,229 +139,38 @@ def grammar_path() -> Path:
     raise FileNotFoundError("hlo.lark grammar not found next to the hlo_shard package")
 
 
-# ------------------------------------------------------------------ error plumbing
+# ------------------------------------------------------------------------ locations
+
+#: A lark token, or ``(token, offset)`` into the text of a coarse token.
+Loc = Union[Token, tuple]
+
+
+def _position(loc: Loc) -> tuple[int, int]:
+    if not isinstance(loc, tuple):
+        return loc.line, loc.column
+    token, offset = loc
+    text = token.value
+    newline = text.rfind("\n", 0, offset)
+    if newline < 0:
+        return token.line, token.column + offset
+    return token.line + text.count("\n", 0, offset), offset - newline
 
 
 class _Located(Exception):
-    """A semantic error found while building, at a token's position."""
+    """A semantic error found while building, at a location in the text."""
 
-    def __init__(self, message: str, line: int, column: int) -> None:
+    def __init__(self, message: str, loc: Loc) -> None:
         super().__init__(message)
-        self.message, self.line, self.column = message, line, column
+        self.message = message
+        self.line, self.column = _position(loc)
 
 
-def _fail(message: str, token: Token) -> "NoReturn":  # noqa: F821 - typing only
-    raise _Located(message, token.line, token.column)
+def _fail(message: str, loc: Loc) -> "NoReturn":  # noqa: F821 - typing only
+    raise _Located(message, loc)
 
 
 def _bare(name: str) -> str:
-    return name[1:] if name.startswith("%") else name
-
-
-# ---------------------------------------------------------------- value converters
-
-_INT_LIST_RE = re.compile(r"\{\s*(-?\d+(?:\s*,\s*-?\d+)*)?\s*\}\Z")
-_INT_RE = re.compile(r"-?\d+")
-_GROUP_RE = re.compile(r"\{([^{}]*)\}")
-_SLICE_RE = re.compile(r"\[\s*(-?\d+)\s*:\s*(-?\d+)\s*(?::\s*(-?\d+)\s*)?\]")
-_NAME_IN_LIST_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
-
-
-def _int_list(token: Token) -> tuple:
-    text = token.value
-    match = _INT_LIST_RE.match(text)
-    if match:
-        return tuple(int(v) for v in _INT_RE.findall(text))
-    if text.startswith("{") and all(
-            _INT_LIST_RE.match(g.group(0)) for g in _GROUP_RE.finditer(text[1:-1])):
-        if _GROUP_RE.sub("", text[1:-1]).replace(",", "").strip() == "":
-            return tuple(tuple(int(v) for v in _INT_RE.findall(g.group(1)))
-                         for g in _GROUP_RE.finditer(text[1:-1]))
-    _fail(f"expected a list of integers like {{1,0}}, found {_show(text)}", token)
-
-
-def _slice_ranges(token: Token) -> SliceRanges:
-    text = token.value
-    ranges = tuple((int(a), int(b), int(c) if c else 1)
-                   for a, b, c in _SLICE_RE.findall(text))
-    if _SLICE_RE.sub("", text[1:-1]).replace(",", "").strip():
-        _fail(f"expected slice ranges like {{[0:4], [0:8:2]}}, found {_show(text)}", token)
-    return SliceRanges(ranges)
-
-
-def _replica_groups(token: Token) -> ReplicaGroups:
-    text = token.value
-    try:
-        if token.type == "IOTA_GROUPS":
-            return ReplicaGroups(_iota_groups(text), text)
-        if token.type == "MESH_GROUPS":
-            return ReplicaGroups(_mesh_groups(text), text)
-        if token.type == "BLOB":
-            inner = text[1:-1]
-            groups = tuple(tuple(int(v) for v in _INT_RE.findall(g))
-                           for g in _GROUP_RE.findall(inner))
-            if _GROUP_RE.sub("", inner).replace(",", "").strip():
-                raise ValueError("expected {{0,1},{2,3}}")
-            return ReplicaGroups(groups, text)
-    except ValueError as err:
-        _fail(f"bad replica_groups {_show(text)}: {err}", token)
-    _fail(f"bad replica_groups {_show(text)}", token)
-
-
-def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
-    """``iota(prod(dims)).reshape(dims).transpose(perm).flatten()``."""
-    if sorted(perm) != list(range(len(dims))):
-        raise ValueError(f"T{tuple(perm)} is not a permutation of {len(dims)} dimensions")
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
-    new_dims = [dims[p] for p in perm]
-    new_strides = [strides[p] for p in perm]
-    return [sum(i * s for i, s in zip(index, new_strides))
-            for index in itertools.product(*(range(d) for d in new_dims))]
-
-
-def _chunk(devices: list[int], group_size: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(devices[i:i + group_size]) for i in range(0, len(devices), group_size))
-
-
-def _iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
-    shape_text, _, rest = text.partition("<=")
-    num_groups, group_size = (int(v) for v in _INT_RE.findall(shape_text))
-    reshape_text, _, perm_text = rest.partition("T")
-    dims = [int(v) for v in _INT_RE.findall(reshape_text)]
-    perm = [int(v) for v in _INT_RE.findall(perm_text)] if perm_text else list(range(len(dims)))
-    if math.prod(dims) != num_groups * group_size:
-        raise ValueError(f"[{num_groups},{group_size}] does not hold {math.prod(dims)} devices")
-    return _chunk(_transposed_iota(dims, perm), group_size)
-
-
-_MESH_AXIS_RE = re.compile(r"""['"]?([A-Za-z_][\w.\-]*)['"]?\s*=\s*(\d+)""")
-_GROUP_AXIS_RE = re.compile(r"""['"]?([A-Za-z_][\w.\-]*)['"]?(?:\s*:\s*\(\s*(\d+)\s*\)\s*(\d+))?""")
-
-
-def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
-    """Groups of ``mesh[axes](, device_ids=(...))? {listed axes}``: the devices that
-    vary along the listed (sub-)axes, the others fixed (MeshAxesReplicaGroupList)."""
-    mesh_text = text[text.index("[") + 1: text.index("]")]
-    axes = [(name, int(size)) for name, size in _MESH_AXIS_RE.findall(mesh_text)]
-    names = [name for name, _ in axes]
-    total = math.prod(size for _, size in axes)
-    ids_match = re.search(r"device_ids=\(([^)]*)\)", text)
-    devices = ([int(v) for v in _INT_RE.findall(ids_match.group(1))] if ids_match
-               else list(range(total)))
-    if len(devices) != total:
-        raise ValueError(f"device_ids has {len(devices)} entries for {total} devices")
-    listed_text = text[text.rindex("{") + 1: text.rindex("}")]
-    listed = [(m.group(1), m.group(2), m.group(3))
-              for m in _GROUP_AXIS_RE.finditer(listed_text) if m.group(1)]
-    if not listed:
-        raise ValueError("no mesh axes listed")
-    # Split every mesh axis into the factors its listed sub-axes need.
-    by_axis: dict[int, list[tuple[int, int]]] = {}
-    for name, pre, size in listed:
-        if name not in names:
-            raise ValueError(f"axis {name!r} is not in the mesh")
-        axis = names.index(name)
-        full = axes[axis][1]
-        by_axis.setdefault(axis, []).append((int(pre), int(size)) if pre else (1, full))
-    factors: list[int] = []
-    factor_of: dict[tuple[int, tuple[int, int]], int] = {}
-    for axis, (_, full) in enumerate(axes):
-        product = 1
-        for pre, size in sorted(by_axis.get(axis, [])):
-            if pre != product:
-                if pre % product:
-                    raise ValueError("overlapping sub-axes")
-                factors.append(pre // product)
-                product = pre
-            factor_of[(axis, (pre, size))] = len(factors)
-            factors.append(size)
-            product *= size
-        if full % product:
-            raise ValueError(f"sub-axes do not divide axis {axes[axis][0]!r}")
-        if product != full:
-            factors.append(full // product)
-    grouped = []
-    for name, pre, size in listed:
-        axis = names.index(name)
-        grouped.append(factor_of[(axis, (int(pre), int(size)) if pre else (1, axes[axis][1]))])
-    perm = [i for i in range(len(factors)) if i not in grouped] + grouped
-    order = _transposed_iota(factors, perm)
-    group_size = math.prod(factors[i] for i in grouped)
-    return _chunk([devices[i] for i in order], group_size)
-
-
-def _computation_names(token: Token) -> list[str]:
-    text = token.value
-    if token.type in ("NAME",):
-        return [_bare(text)]
-    if token.type == "BLOB":
-        inner = text[1:-1]
-        names = _NAME_IN_LIST_RE.findall(inner)
-        if _NAME_IN_LIST_RE.sub("", inner).replace(",", "").strip() == "":
-            return names
-    _fail(f"expected a computation name, found {_show(text)}", token)
-
-
-def _c_unescape(text: str) -> str:
-    """The value of a quoted string token (absl::CUnescape on the inside)."""
-    inner = text[1:-1]
-    if "\\" not in inner:
-        return inner
-    return _ESCAPE_RE.sub(_unescape_one, inner)
-
-
-_ESCAPE_RE = re.compile(r"\\(x[0-9a-fA-F]{1,2}|[0-7]{1,3}|.)", re.S)
-_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f",
-                   "v": "\v", "\\": "\\", "'": "'", '"': '"', "?": "?"}
-
-
-def _unescape_one(match: re.Match) -> str:
-    code = match.group(1)
-    if code[0] == "x":
-        return chr(int(code[1:], 16))
-    if code[0].isdigit():
-        return chr(int(code, 8))
-    return _SIMPLE_ESCAPES.get(code, code)
-
-
-def _show(text: str, limit: int = 40) -> str:
-    text = " ".join(text.split())
-    return repr(text if len(text) <= limit else text[:limit] + "…")
-
-
-def _default_value(token: Token) -> AttrValue:
-    kind = token.type
-    if kind == "INT":
-        return int(token.value)
-    if kind == "NAME":
-        if token.value in ("true", "false"):
-            return token.value == "true"
-        return Ident(token.value) if not token.value.startswith("%") else Raw(token.value)
-    if kind == "STRING":
-        return Str(_c_unescape(token.value))
-    if kind == "FLOAT" and "(" not in token.value:
-        return float(token.value)
-    return Raw(token.value)
-
-
-def _attribute_value(name: str, token: Token) -> AttrValue:
-    """Type an instruction attribute by its name, then by its token."""
-    if name in _RAW_ATTRS:
-        return Raw(token.value)
-    if name in _COMPUTATION_ATTRS:
-        if token.type == "NAME":
-            return ComputationRef(_bare(token.value))
-        names = _computation_names(token)
-        return ComputationList(tuple(names))
-    if name in _COMPUTATION_LIST_ATTRS:
-        return ComputationList(tuple(_computation_names(token)))
-    if name == "replica_groups":
-        return _replica_groups(token)
-    if name in _INT_LIST_ATTRS and token.type == "BLOB":
-        return _int_list(token)
-    if name == "slice" and token.type == "BLOB":
-        return _slice_ranges(token)
-    return _default_value(token)
+    return name[1:] if name[0] == "%" else name
 
 
 # ------------------------------------------------------------------------- shapes
@@ -366,19 +178,19 @@ def _attribute_value(name: str, token: Token) -> AttrValue:
 _SHAPE_CACHE: dict[str, ArrayShape] = {}
 
 
-def _array_shape(token: Token) -> ArrayShape:
-    text = token.value
+def _array_shape(text: str, loc: Loc) -> ArrayShape:
+    """An array shape token's text (cached: few distinct shapes, many uses)."""
     shape = _SHAPE_CACHE.get(text)
     if shape is None:
         try:
-            shape = _SHAPE_CACHE[text] = _read_array_shape(text)
+            shape = _SHAPE_CACHE[text] = _read_array_shape(text.strip())
         except ValueError as err:
-            _fail(f"bad shape {_show(text)}: {err}", token)
+            _fail(f"bad shape {show(text)}: {err}", loc)
     return shape
 
 
 def _read_array_shape(text: str) -> ArrayShape:
-    element_type, _, rest = text.rstrip().partition("[")
+    element_type, _, rest = text.partition("[")
     if element_type == "opaque_type":
         element_type = "opaque"
     if element_type not in ELEMENT_BITS:
@@ -386,18 +198,10 @@ def _read_array_shape(text: str) -> ArrayShape:
     dims_text, _, layout_text = rest.partition("]")
     dims: list[int] = []
     dynamic: list[str] = []
-    if dims_text.strip():
-        for item in dims_text.split(","):
-            item = item.strip()
-            if item == "?":
-                dims.append(-1)
-                dynamic.append("?")
-            elif item.startswith("<="):
-                dims.append(int(item[2:]))
-                dynamic.append("<=")
-            else:
-                dims.append(int(item))
-                dynamic.append("")
+    for item in filter(None, (d.strip() for d in dims_text.split(","))):
+        kind = "?" if item == "?" else "<=" if item.startswith("<=") else ""
+        dims.append(-1 if kind == "?" else int(item[len(kind):]))
+        dynamic.append(kind)
     layout = None
     layout_text = layout_text.strip()
     if layout_text:
@@ -407,8 +211,8 @@ def _read_array_shape(text: str) -> ArrayShape:
             raise ValueError(f"layout {{{order_text.strip()}}} is not a permutation of "
                              f"{len(dims)} dimensions")
         layout = Layout(order, tail.strip())
-    return ArrayShape(element_type, tuple(dims),
-                      tuple(dynamic) if any(dynamic) else (), layout)
+    return ArrayShape(element_type, tuple(dims), tuple(dynamic) if any(dynamic) else (),
+                      layout)
 
 
 _SHAPE_PART_RE = re.compile(
@@ -416,28 +220,26 @@ _SHAPE_PART_RE = re.compile(
     r"(?:\s*\{(?=\s*[0-9:])[^{}]*\})?")
 
 
-def _read_shape(text: str, where) -> Shape:
-    """Any shape, tuples included, from text (used for coarse signature tokens)."""
+def _read_shape(text: str, loc: Loc) -> Shape:
+    """Any shape, tuples included, from text (the result of a coarse signature)."""
     stack: list[list[Shape]] = [[]]
     for match in _SHAPE_PART_RE.finditer(text):
         part = match.group(0)
         if part == "(":
             stack.append([])
-        elif part == ")":
-            if len(stack) == 1:
-                _fail(f"unbalanced ')' in shape {_show(text)}", where)
+        elif part == ")" and len(stack) > 1:
             elements = stack.pop()
             stack[-1].append(TupleShape(tuple(elements)))
         elif part[0].isalpha():
-            stack[-1].append(_array_shape(_Val("SHAPE", part, where.line, where.column)))
+            stack[-1].append(_array_shape(part, loc))
     if len(stack) != 1 or len(stack[0]) != 1:
-        _fail(f"bad shape {_show(text)}", where)
+        _fail(f"bad shape {show(text)}", loc)
     return stack[0][0]
 
 
-def _shape(value) -> Shape:
-    """A grammar ``shape`` child: a SHAPE token or an already built shape."""
-    return _array_shape(value) if isinstance(value, (Token, _Val)) else value
+def _shape(child) -> Shape:
+    """A grammar ``shape`` child: a SHAPE token or an already built tuple shape."""
+    return _array_shape(child.value, child) if isinstance(child, Token) else child
 
 
 def compatible(a: Shape, b: Shape) -> bool:
@@ -456,60 +258,177 @@ def _format_shape(shape: Shape) -> str:
     return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
 
 
+# ---------------------------------------------------------------- attribute values
+
+
+def _attribute_value(key: str, kind: str, text: str, loc: Loc) -> AttrValue:
+    """Type an instruction attribute by its name, then by the kind of its token."""
+    try:
+        if key == "backend_config":
+            return Raw(text)
+        if key in _COMPUTATION_ATTRS:
+            if kind == "NAME":
+                return ComputationRef(_bare(text))
+            return ComputationList(read_names(text))
+        if key in _COMPUTATION_LIST_ATTRS:
+            return ComputationList((_bare(text),) if kind == "NAME" else read_names(text))
+        if key == "replica_groups":
+            return read_replica_groups(text)
+        if kind == "BLOB":
+            if key in _INT_LIST_ATTRS:
+                return read_int_list(text)
+            if key == "slice":
+                return read_slice_ranges(text)
+            return Raw(text)
+    except ValueError as err:
+        _fail(str(err), loc)
+    if kind == "INT":
+        return int(text)
+    if kind == "NAME":
+        if text == "true" or text == "false":
+            return text == "true"
+        return Raw(text) if text[0] == "%" else Ident(text)
+    if kind == "STRING":
+        return Str(c_unescape(text))
+    if kind == "FLOAT" and "(" not in text:
+        return float(text)
+    return Raw(text)
+
+
 # --------------------------------------------------------------- literal checking
 
 _SCALAR_RE = re.compile(r"-?nan\(0x[0-9a-fA-F]+\)|[^\s{},()]+")
 
 
-def _check_literal(shape: Shape, literal: Token) -> None:
+def _check_literal(shape: Shape, literal: str, loc: Loc) -> None:
     """Element count of a constant against its shape (XLA checks it exactly)."""
-    text = literal.value
-    if not isinstance(shape, ArrayShape) or "..." in text or -1 in shape.dims:
+    if not isinstance(shape, ArrayShape) or "..." in literal or -1 in shape.dims:
         return
     if shape.element_type in ("c64", "c128"):
-        count = text.count("(")
+        count = literal.count("(")
     else:
-        count = sum(1 for _ in _SCALAR_RE.finditer(text))
+        count = sum(1 for _ in _SCALAR_RE.finditer(literal))
     if count != shape.num_elements:
         _fail(f"constant has {count} value{'s' * (count != 1)} but its shape "
-              f"{_format_shape(shape)} holds {shape.num_elements}", literal)
+              f"{_format_shape(shape)} holds {shape.num_elements}", loc)
 
 
 # ------------------------------------------------------------------ shape inference
 
 
-def _infer_shape(opcode: Token, operands: list[Instruction],
+def _infer_shape(opcode: str, loc: Loc, operands: list[Instruction],
                  attrs: dict[str, AttrValue]) -> Shape:
-    """Result shape for the few opcodes whose shape may be left out of the text."""
-    op = opcode.value
-    if op in ("replica-id", "partition-id"):
+    """Result shape for the opcodes whose shape XLA lets the text leave out."""
+    if opcode in ("replica-id", "partition-id"):
         return ArrayShape("u32", ())
-    if op == "tuple":
+    if opcode == "tuple":
         return TupleShape(tuple(o.shape for o in operands))
-    if operands and op == "get-tuple-element" and isinstance(operands[0].shape, TupleShape):
+    first = operands[0].shape if operands else None
+    if opcode == "get-tuple-element" and isinstance(first, TupleShape):
         index = attrs.get("index")
-        if isinstance(index, int) and 0 <= index < len(operands[0].shape.elements):
-            return operands[0].shape.elements[index]
-    if operands and isinstance(operands[0].shape, ArrayShape):
-        first = operands[0].shape
-        if op == "compare":
+        if isinstance(index, int) and 0 <= index < len(first.elements):
+            return first.elements[index]
+    if isinstance(first, ArrayShape):
+        if opcode == "compare":
             return ArrayShape("pred", first.dims, first.dynamic)
-        if op in _UNARY_ELEMENTWISE or op in _BINARY_ELEMENTWISE or op in ("select", "clamp"):
-            source = operands[1].shape if op == "select" and len(operands) > 1 else first
-            return source
-    _fail(f"the result shape of '{op}' cannot be inferred; write it before the opcode",
-          opcode)
+        if opcode in _UNARY_ELEMENTWISE or opcode in _BINARY_ELEMENTWISE or opcode == "clamp":
+            return first
+        if opcode == "select" and len(operands) > 1:
+            return operands[1].shape
+    _fail(f"the result shape of '{opcode}' cannot be inferred; write it before the "
+          "opcode", loc)
 
 
-_UNARY_ELEMENTWISE = frozenset(_UNARY) - {
-    "broadcast", "bitcast", "bitcast-convert", "convert", "get-tuple-element", "reshape",
-    "reverse", "slice", "transpose", "all-reduce-done", "all-gather-done",
-    "collective-permute-done", "copy-done", "copy-start", "recv-done", "send-done",
-    "cholesky", "imag", "real",
-}
-_BINARY_ELEMENTWISE = frozenset(_BINARY) - {"compare", "dot", "pad", "triangular-solve",
-                                            "add-dependency", "complex",
-                                            "stochastic-convert"}
+# --------------------------------------------------------------- coarse-token parts
+
+_NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
+_BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
+_BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
+_INT_RE = re.compile(r"[0-9]+")
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def _patterns() -> dict[str, re.Pattern]:
+    """Regexes that cut coarse tokens into parts, built from the grammar's own terminal
+    patterns so that the two never disagree."""
+    if not _PATTERNS:
+        lark = _parser()
+
+        def part(name: str) -> str:
+            return lark.get_terminal(name).pattern.to_regexp()
+
+        values = "|".join(f"(?P<{kind}>{part(kind)})" for kind in _ATTRS_VALUE_KINDS)
+        _PATTERNS["pair"] = re.compile(
+            rf"\s*,\s*(?P<key>{part('ATTR')})(?:{values})(?=\s|,|\}}|/[*/]|$)")
+        head = (rf"(?:(?P<root>ROOT)\s+)?(?P<name>%?[A-Za-z_][A-Za-z0-9_.\-]*)\s+=\s*"
+                rf"(?P<shape>{part('SHAPE')})?")
+        _PATTERNS["head"] = re.compile(head)
+        _PATTERNS["line"] = re.compile(
+            rf"{head}(?:(?P<parameter>{part('PARAMETER_CALL')})|"
+            rf"(?P<constant>{part('CONSTANT_CALL')})|(?P<call>{part('CALL')}))"
+            rf"(?P<attrs>{part('ATTRS')})?")
+    return _PATTERNS
+
+
+#: The value kinds an ATTRS token takes (see ``_SIMPLE_VALUE`` in the grammar).
+_ATTRS_VALUE_KINDS = ("BLOB", "STRING", "IOTA_GROUPS", "MESH_GROUPS", "FLOAT", "INT", "NAME")
+
+
+def _split_attributes(token: Token, start: int, end: int) -> list[tuple]:
+    """``, k=v, k=v`` → [(key, key loc, value kind, value text, value loc)]."""
+    items = []
+    for match in _patterns()["pair"].finditer(token.value, start, end):
+        kind = match.lastgroup
+        key_start = match.start("key")
+        items.append((match.group("key")[:-1], (token, key_start), kind, match.group(kind),
+                      (token, match.start(kind))))
+    return items
+
+
+def _call(token: Token, start: int, end: int) -> tuple:
+    """``opcode(%a, b, /*index=2*/%c)`` → an rhs whose operands are found on demand."""
+    paren = token.value.index("(", start)
+    return ("names", token.value[start:paren], (token, start), (token, paren, end))
+
+
+def _constant_call(token: Token, start: int, end: int) -> tuple:
+    text = token.value
+    open_paren = text.index("(", start)
+    close_paren = text.rindex(")", start, end)
+    return ("constant", "constant", (token, start),
+            (text[open_paren + 1:close_paren], (token, open_paren + 1)))
+
+
+def _parameter_call(token: Token, start: int, end: int) -> tuple:
+    digits = _INT_RE.search(token.value, start, end)
+    return ("parameter", "parameter", (token, start),
+            (int(digits.group(0)), (token, digits.start())))
+
+
+#: LINE parts → rhs readers, by the name of the group that matched.
+_RHS_READERS = {"call": _call, "constant": _constant_call, "parameter": _parameter_call}
+
+
+def _operand_names(token: Token, paren: int, end: int) -> list[str]:
+    text = token.value[paren:end]
+    if "/*" in text:
+        text = _BLOCK_COMMENT_RE.sub("", text)
+    return _BARE_NAME_RE.findall(text)
+
+
+def _operand_locations(token: Token, paren: int, end: int) -> list[Loc]:
+    text = token.value[:end]
+    if "/*" in text:  # blank the comments out, keeping offsets
+        text = _BLOCK_COMMENT_RE.sub(lambda m: " " * len(m.group(0)), text)
+    return [(token, m.start()) for m in _NAME_RE.finditer(text, paren)]
+
+
+def _unique(base: str, taken) -> str:
+    """``base``, else ``base.1``, ``base.2``, … (XLA's name uniquer)."""
+    if base not in taken:
+        return base
+    return next(f"{base}.{n}" for n in itertools.count(1) if f"{base}.{n}" not in taken)
+
 
 # ------------------------------------------------------------------ the transformer
 
@@ -519,23 +438,29 @@ _PLACEHOLDER = "\0nested"
 class _Scope:
     """What is being collected for the computation currently read."""
 
-    __slots__ = ("names", "instructions", "root_token", "root_name", "parameter_numbers",
+    __slots__ = ("names", "instructions", "root_loc", "root_name", "parameter_numbers",
                  "first_unknown_use", "nested_count", "tuple_depth")
 
     def __init__(self) -> None:
         self.names: dict[str, Instruction] = {}
         self.instructions: list[Instruction] = []
-        self.root_token: Token | None = None
+        self.root_loc: Loc | None = None
         self.root_name: str | None = None
-        self.parameter_numbers: dict[int, Token] = {}
-        self.first_unknown_use: Token | None = None
+        self.parameter_numbers: dict[int, Loc] = {}
+        self.first_unknown_use: tuple[str, Loc] | None = None
         self.nested_count = 0
         self.tuple_depth: dict[int, int] = {}
 
 
 class _Builder(Transformer):
     """Grammar callbacks. Reductions arrive in text order, so each computation's
-    instructions are checked and collected as they are read."""
+    instructions are checked and collected as they are read.
+
+    An rhs is ``(kind, opcode, opcode loc, payload)``: kind ``"op"`` with a list of
+    ``(name, loc, declared shape)``, ``"names"`` with ``(token, start, end)`` of a plain
+    operand list, ``"constant"`` with ``(literal, loc)``, ``"parameter"`` with
+    ``(number, loc)``. An attribute is ``(key, key loc, value kind, text, value loc)``.
+    """
 
     def __init__(self) -> None:
         super().__init__(visit_tokens=False)
@@ -544,9 +469,9 @@ class _Builder(Transformer):
     def reset(self) -> None:
         self.computations: dict[str, Computation] = {}
         self.computation_order: list[Computation] = []
-        self.entry_token: Token | None = None
+        self.entry_loc: Loc | None = None
         self.entry_name: str | None = None
-        self.unresolved: list[tuple[str, Token]] = []
+        self.unresolved: list[tuple[str, Loc]] = []
         self.scope = _Scope()
 
     # Module --------------------------------------------------------------------------
@@ -556,28 +481,30 @@ class _Builder(Transformer):
         comps = self.computation_order
         if not any(c.is_entry for c in comps):
             comps[-1].is_entry = True
-        if name is None:
-            name = f"module_{self.entry_name or comps[-1].name}"
-        return Module(name, list(comps), attributes,
-                      stack_frames.value if stack_frames is not None else None)
+        for callee, loc in self.unresolved:
+            if callee in self.computations:
+                _fail(f"computation '{callee}' is used before it is defined (define "
+                      "callees first)", loc)
+            _fail(f"unknown computation '{callee}'", loc)
+        return Module(name or f"module_{self.entry_name or comps[-1].name}", list(comps),
+                      attributes, stack_frames.value if stack_frames is not None else None)
 
     def header(self, children: list) -> tuple[str, dict[str, AttrValue]]:
         name, *attributes = children
         header: dict[str, AttrValue] = {}
-        for attr_token, value in attributes:
-            key = attr_token.value[:-1]
+        for key, key_loc, kind, text, loc in attributes:
             if key in header:
-                _fail(f"duplicate module attribute '{key}'", attr_token)
-            kind = _HEADER_TYPES.get(key)
-            if kind is int and value.type == "INT":
-                header[key] = int(value.value)
-            elif kind is bool and value.value in ("true", "false"):
-                header[key] = value.value == "true"
-            elif kind is not None:
-                _fail(f"'{key}' expects {'an integer' if kind is int else 'true or false'}, "
-                      f"found {_show(value.value)}", value)
+                _fail(f"duplicate module attribute '{key}'", key_loc)
+            expected = _HEADER_TYPES.get(key)
+            if expected is int and kind == "INT":
+                header[key] = int(text)
+            elif expected is bool and text in ("true", "false"):
+                header[key] = text == "true"
+            elif expected is not None:
+                _fail(f"'{key}' expects {'an integer' if expected is int else 'true or false'}"
+                      f", found {show(text)}", loc)
             else:
-                header[key] = Raw(value.value)
+                header[key] = Raw(text)
         return _bare(name.value), header
 
     # Computations -------------------------------------------------------------------
@@ -588,21 +515,18 @@ class _Builder(Transformer):
             _fail(f"duplicate computation name '{name}'", name_token)
         scope = self._close_scope(name)
         if entry is not None:
-            if self.entry_token is not None:
+            if self.entry_loc is not None:
                 _fail(f"second ENTRY computation (the first is at line "
-                      f"{self.entry_token.line})", entry)
-            self.entry_token, self.entry_name = entry, name
-        thread = None
-        for item in rest:
-            if not isinstance(item, tuple):
-                continue
-            attr_token, value = item
-            if attr_token.value != "execution_thread=" or value.type != "STRING":
-                _fail("a computation takes only execution_thread=\"...\" after its body",
-                      attr_token)
-            thread = _c_unescape(value.value)
+                      f"{_position(self.entry_loc)[0]})", entry)
+            self.entry_loc, self.entry_name = entry, name
         comp = self._add_computation(name, scope, entry is not None, name_token)
-        comp.execution_thread = thread
+        for item in rest:
+            if isinstance(item, tuple):
+                key, key_loc, kind, text, _ = item
+                if key != "execution_thread" or kind != "STRING":
+                    _fail("a computation takes only execution_thread=\"...\" after its body",
+                          key_loc)
+                comp.execution_thread = c_unescape(text)
         if signature is not None and not compatible(signature, comp.root.shape):
             _fail(f"the root of '{name}' has shape {_format_shape(comp.root.shape)}, not "
                   f"the {_format_shape(signature)} its signature declares", name_token)
@@ -610,9 +534,8 @@ class _Builder(Transformer):
 
     def signature(self, children: list) -> Shape:
         token = children[0]
-        arrow = token.value.rindex("->")
-        return _read_shape(token.value[arrow + 2:], _piece(token, "SHAPE", arrow + 2,
-                                                              len(token.value)))
+        arrow = token.value.rindex("->") + 2
+        return _read_shape(token.value[arrow:], (token, arrow))
 
     def long_signature(self, children: list) -> Shape:
         return _shape(children[-1])
@@ -624,9 +547,10 @@ class _Builder(Transformer):
         return self._close_scope("inline computation")
 
     def _add_computation(self, name: str, scope: _Scope, is_entry: bool,
-                         token: Token) -> Computation:
+                         loc: Loc) -> Computation:
+        line, column = _position(loc)
         comp = Computation(name, scope.instructions, scope.root_name, is_entry=is_entry,
-                           loc=SourceLoc(token.line, token.column))
+                           loc=SourceLoc(line, column))
         self.computations[name] = comp
         self.computation_order.append(comp)
         return comp
@@ -635,36 +559,34 @@ class _Builder(Transformer):
         """End-of-computation checks and names for nested operands; starts a new scope."""
         scope, self.scope = self.scope, _Scope()
         if scope.first_unknown_use is not None:
-            token = scope.first_unknown_use
-            name = _bare(token.value)
+            name, loc = scope.first_unknown_use
             defined = scope.names.get(name)
             if defined is not None and defined.loc is not None:
                 _fail(f"'{name}' is used before its definition at line {defined.loc.line}",
-                      token)
-            _fail(f"use of undefined instruction '{name}' in '{computation}'", token)
+                      loc)
+            _fail(f"use of undefined instruction '{name}' in '{computation}'", loc)
         if scope.nested_count:
             _name_nested(scope)
         return scope
 
-    def _inline_computation(self, token: Token) -> ComputationRef:
+    def _inline_computation(self, text: str, loc: Loc) -> ComputationRef:
         """``to_apply={ a = ... ROOT r = ... }``: parse the body as a computation of its
-        own, named like XLA names it (``_``), placed before its caller."""
-        padding = "\n" * (token.line - 1) + " " * token.column  # keeps positions exact
+        own, named as XLA names it (``_``), placed before its caller."""
+        line, column = _position(loc)
+        padding = "\n" * (line - 1) + " " * column  # keeps positions exact
         outer, self.scope = self.scope, _Scope()
         try:
-            scope = _parser().parse(padding + token.value[1:-1], start="inline_body")
+            scope = _parser().parse(padding + text[1:-1], start="inline_body")
         finally:
             self.scope = outer
         name = _unique("_", self.computations)
-        self._add_computation(name, scope, False, token)
+        self._add_computation(name, scope, False, loc)
         return ComputationRef(name)
 
     # Shapes -------------------------------------------------------------------------
     def tuple_shape(self, children: list) -> TupleShape:
         open_paren, *elements = children
-        if elements == [None]:
-            elements = []
-        shapes = tuple(_shape(e) for e in elements)
+        shapes = tuple(_shape(e) for e in elements if e is not None)
         depths = self.scope.tuple_depth
         depth = 1 + max((depths.get(id(s), 0) for s in shapes), default=0)
         if depth > _MAX_TUPLE_DEPTH:
@@ -674,242 +596,174 @@ class _Builder(Transformer):
         return shape
 
     # Instructions -------------------------------------------------------------------
+    def line(self, children: list) -> Instruction:
+        """``LINE``: a whole instruction in the common form, cut into its parts."""
+        token, *attributes = children
+        match = _patterns()["line"].match(token.value)
+        kind = next(k for k in _RHS_READERS if match.start(k) >= 0)
+        rhs = _RHS_READERS[kind](token, *match.span(kind))
+        if match.start("attrs") >= 0:
+            attributes = _split_attributes(token, *match.span("attrs")) + attributes
+        shape_text = match.group("shape")
+        shape = (_array_shape(shape_text, (token, match.start("shape")))
+                 if shape_text is not None else None)
+        root = (token, 0) if match.start("root") >= 0 else None
+        return self._build(_bare(match.group("name")), (token, match.start("name")), root,
+                           shape, rhs, attributes)
+
     def headed(self, children: list) -> Instruction:
-        """``HEAD`` is ``[ROOT] name = [array shape]`` in one token."""
-        head, shape, rhs, attrs_token, *attributes = children
-        text = head.value
-        root = None
-        start = 0
-        if text.startswith("ROOT") and text[4:5].isspace():
-            root = head
-            start = len(text) - len(text[4:].lstrip())
-        name = _piece(head, "NAME", start, _NAME_RE.match(text, start).end())
-        after_equals = text.index("=", start) + 1
-        shape_start = len(text) - len(text[after_equals:].lstrip())
-        if shape_start < len(text):
-            shape = _array_shape(_piece(head, "SHAPE", shape_start, len(text)))
-        return self.instruction([root, name, shape, rhs, attrs_token, *attributes])
+        """``HEAD`` (``[ROOT] name = [array shape]``), then the rest in finer tokens."""
+        head, shape, rhs, attrs, *attributes = children
+        match = _patterns()["head"].match(head.value)
+        if match.group("shape") is not None:
+            shape = _array_shape(match.group("shape"), (head, match.start("shape")))
+        if attrs is not None:
+            attributes = _split_attributes(attrs, 0, len(attrs.value)) + attributes
+        root = head if match.start("root") >= 0 else None
+        return self._build(_bare(match.group("name")), (head, match.start("name")), root,
+                           _shape(shape) if shape is not None else None, rhs, attributes)
 
     def instruction(self, children: list) -> Instruction:
-        root, name_token, shape, rhs, attrs_token, *attributes = children
-        if attrs_token is not None:
-            attributes = _split_attributes(attrs_token) + attributes
-        inst = self._build(name_token, shape, rhs, attributes)
-        if root is not None:
-            scope = self.scope
-            if scope.root_token is not None:
-                _fail(f"second ROOT in this computation (the first is at line "
-                      f"{scope.root_token.line})", root)
-            scope.root_token, scope.root_name = root, inst.name
-        return inst
+        root, name, shape, rhs, attrs, *attributes = children
+        if attrs is not None:
+            attributes = _split_attributes(attrs, 0, len(attrs.value)) + attributes
+        return self._build(_bare(name.value), name, root,
+                           _shape(shape) if shape is not None else None, rhs, attributes)
 
     def op(self, children: list) -> tuple:
         opcode, *operands = children
-        if operands == [None]:
-            operands = []
-        return ("op", opcode, operands)
+        return ("op", opcode.value, opcode, [o for o in operands if o is not None])
 
     def simple_op(self, children: list) -> tuple:
-        call = children[0]
-        paren = call.value.index("(")
-        return ("simple", _piece(call, "NAME", 0, paren), (call, paren))
+        return _call(children[0], 0, len(children[0].value))
+
+    def constant_call(self, children: list) -> tuple:
+        return _constant_call(children[0], 0, len(children[0].value))
 
     def constant(self, children: list) -> tuple:
-        return ("constant", children[0], children[1])
+        keyword, literal = children
+        return ("constant", "constant", keyword, (literal.value, literal))
 
     def parameter(self, children: list) -> tuple:
-        if len(children) == 2:
-            return ("parameter", children[0], children[1])
-        call = children[0]
-        digits = _INT_RE.search(call.value)
-        return ("parameter", call, _piece(call, "INT", *digits.span()))
+        if len(children) == 1:
+            return _parameter_call(children[0], 0, len(children[0].value))
+        keyword, number = children
+        return ("parameter", "parameter", keyword, (int(number.value), number))
 
     def operand(self, children: list) -> tuple:
-        return (children[1], children[0])
+        shape, name = children
+        return (_bare(name.value), name, _shape(shape) if shape is not None else None)
 
     def nested_operand(self, children: list) -> tuple:
+        """``f32[4] negate(p)`` inside an operand list: hoisted before its user."""
         shape, rhs = children
         scope = self.scope
         scope.nested_count += 1
-        opcode = rhs[1]
-        placeholder = _Val("NAME", f"{_PLACEHOLDER}{scope.nested_count}", opcode.line,
-                           opcode.column)
-        self._build(placeholder, shape, rhs, [])
-        return (placeholder, None)
+        name = f"{_PLACEHOLDER}{scope.nested_count}"
+        self._build(name, rhs[2], None, _shape(shape) if shape is not None else None, rhs, [])
+        return (name, rhs[2], None)
 
-    def attribute(self, children: list) -> tuple[Token, Token]:
-        return (children[0], children[1])
+    def attribute(self, children: list) -> tuple:
+        key, value = children
+        return (key.value[:-1], key, value.type, value.value, value)
 
-    def _build(self, name_token: Token, shape_child, rhs: tuple,
-               attributes: list[tuple[Token, Token]]) -> Instruction:
-        name = _bare(name_token.value)
+    def _build(self, name: str, name_loc: Loc, root: Loc | None, shape: Shape | None,
+               rhs: tuple, attributes: list[tuple]) -> Instruction:
         scope = self.scope
         names = scope.names
         if name in names:
             first = names[name].loc
-            _fail(f"duplicate instruction name '{name}'" + (
-                f" (first defined at line {first.line})" if first else ""), name_token)
+            _fail(f"duplicate instruction name '{name}'"
+                  + (f" (first defined at line {first.line})" if first else ""), name_loc)
         if name in _TYPE_KEYWORDS:
-            _fail(f"'{name}' is a type name and cannot name an instruction", name_token)
-        kind, opcode, payload = rhs
+            _fail(f"'{name}' is a type name and cannot name an instruction", name_loc)
+        kind, opcode, opcode_loc, payload = rhs
         attrs: dict[str, AttrValue] = {}
-        for attr_token, value_token in attributes:
-            key = attr_token.value[:-1]
+        for key, key_loc, value_kind, text, loc in attributes:
             if key in attrs:
-                _fail(f"duplicate attribute '{key}'", attr_token)
-            attrs[key] = self._attribute(key, value_token)
-        shape = _shape(shape_child) if shape_child is not None else None
-        is_op = kind == "op" or kind == "simple"
-        inst = Instruction(name, opcode.value if is_op else kind, shape, [], attrs,
-                           loc=SourceLoc(name_token.line, name_token.column))
-        if is_op:
-            self._set_operands(inst, opcode, payload)
+                _fail(f"duplicate attribute '{key}'", key_loc)
+            attrs[key] = self._attribute(key, value_kind, text, loc)
+        line, column = _position(name_loc)
+        inst = Instruction(name, opcode, shape, [], attrs, loc=SourceLoc(line, column))
+        if kind == "constant":
             if shape is None:
-                inst.shape = _infer_shape(opcode, [names[o] for o in inst.operands
-                                                   if o in names], attrs)
-        elif shape is None:
-            _fail(f"a {kind} needs its shape before the opcode", opcode)
-        elif kind == "constant":
-            _check_literal(shape, payload)
-            inst.literal = payload.value.strip()
-        else:
-            number = int(payload.value)
+                _fail("a constant needs its shape before the opcode", opcode_loc)
+            literal, literal_loc = payload
+            _check_literal(shape, literal, literal_loc)
+            inst.literal = literal.strip()
+        elif kind == "parameter":
+            if shape is None:
+                _fail("a parameter needs its shape before the opcode", opcode_loc)
+            number, number_loc = payload
             if number in scope.parameter_numbers:
                 _fail(f"parameter({number}) is already defined at line "
-                      f"{scope.parameter_numbers[number].line}", payload)
-            scope.parameter_numbers[number] = payload
+                      f"{_position(scope.parameter_numbers[number])[0]}", number_loc)
+            scope.parameter_numbers[number] = number_loc
             inst.parameter_number = number
+        else:
+            self._set_operands(inst, opcode_loc, kind, payload)
+            if shape is None:
+                inst.shape = _infer_shape(inst.opcode, opcode_loc,
+                                          [names[o] for o in inst.operands if o in names],
+                                          attrs)
+        if root is not None:
+            if scope.root_loc is not None:
+                _fail(f"second ROOT in this computation (the first is at line "
+                      f"{_position(scope.root_loc)[0]})", root)
+            scope.root_loc, scope.root_name = root, name
         names[name] = inst
         scope.instructions.append(inst)
         return inst
 
-    def _attribute(self, key: str, token: Token) -> AttrValue:
-        if key in _COMPUTATION_ATTRS and token.type == "BLOB" and "=" in token.value:
-            return self._inline_computation(token)
-        value = _attribute_value(key, token)
+    def _attribute(self, key: str, kind: str, text: str, loc: Loc) -> AttrValue:
+        if key in _COMPUTATION_ATTRS and kind == "BLOB" and "=" in text:
+            return self._inline_computation(text, loc)
+        value = _attribute_value(key, kind, text, loc)
         if isinstance(value, (ComputationRef, ComputationList)):
             for callee in (value.name,) if isinstance(value, ComputationRef) else value.names:
                 if callee not in self.computations:
-                    self.unresolved.append((callee, token))
+                    self.unresolved.append((callee, loc))
         elif key == "control-predecessors":
-            for predecessor in _NAME_IN_LIST_RE.findall(token.value[1:-1]):
+            for predecessor in read_names(text):
                 if predecessor not in self.scope.names:
                     _fail(f"control predecessor '{predecessor}' is not defined before "
-                          "this instruction", token)
+                          "this instruction", loc)
         return value
 
-    def _set_operands(self, inst: Instruction, opcode: Token, operands: list) -> None:
-        op = opcode.value
-        if op not in OPCODES and not is_known_opcode(op):
-            if op != "cross-replica-sum":
-                _fail(f"unknown opcode '{op}'", opcode)
-            inst.opcode = op = "all-reduce"  # its name before 2018
+    def _set_operands(self, inst: Instruction, opcode_loc: Loc, kind: str, payload) -> None:
+        opcode = inst.opcode
+        if opcode not in OPCODES and not is_known_opcode(opcode):
+            if opcode not in _RENAMED_OPCODES:
+                _fail(f"unknown opcode '{opcode}'", opcode_loc)
+            inst.opcode = opcode = _RENAMED_OPCODES[opcode]
         scope = self.scope
-        defined_names = scope.names
-        if isinstance(operands, tuple):  # a CALL token: positions only if needed
-            call, paren = operands
-            names = inst.operands = _operand_names(call, paren)
+        defined = scope.names
+        if kind == "names":
+            names = inst.operands = _operand_names(*payload)
             for index, name in enumerate(names):
-                if name not in defined_names:
+                if name not in defined:
                     if scope.first_unknown_use is None:
-                        scope.first_unknown_use = _simple_operands(call, paren)[index][0]
+                        scope.first_unknown_use = (name, _operand_locations(*payload)[index])
                     break
-            operands = ()
-        names = inst.operands
-        for name_token, declared in operands:
-            name = _bare(name_token.value)
-            names.append(name)
-            defined = defined_names.get(name)
-            if defined is None:
-                if scope.first_unknown_use is None:
-                    scope.first_unknown_use = name_token
-            elif declared is not None and not compatible(_shape(declared), defined.shape):
-                _fail(f"operand '{name}' is declared {_format_shape(_shape(declared))} but "
-                      f"defined as {_format_shape(defined.shape)}", name_token)
-        counts = _OPERAND_COUNTS.get(op)
+        else:
+            names = inst.operands
+            for name, loc, declared in payload:
+                names.append(name)
+                definition = defined.get(name)
+                if definition is None:
+                    if scope.first_unknown_use is None:
+                        scope.first_unknown_use = (name, loc)
+                elif declared is not None and not compatible(declared, definition.shape):
+                    _fail(f"operand '{name}' is declared {_format_shape(declared)} but "
+                          f"defined as {_format_shape(definition.shape)}", loc)
+        counts = _OPERAND_COUNTS.get(opcode)
         if counts is not None:
             low, high = counts
-            n = len(names)
-            if n < low or (high is not None and n > high):
+            if len(names) < low or (high is not None and len(names) > high):
                 expected = str(low) if low == high else (
                     f"at least {low}" if high is None else f"{low} to {high}")
-                _fail(f"'{op}' takes {expected} operand{'s' * (expected != '1')}, got {n}",
-                      opcode)
-
-
-class _Val:
-    """A token cut out of a coarse token: what the converters and messages need."""
-
-    __slots__ = ("type", "value", "line", "column")
-
-    def __init__(self, kind: str, value: str, line: int, column: int) -> None:
-        self.type, self.value, self.line, self.column = kind, value, line, column
-
-
-def _piece(token: Token, kind: str, start: int, end: int) -> _Val:
-    """The part ``token.value[start:end]`` with its own position."""
-    text = token.value
-    newline = text.rfind("\n", 0, start)
-    if newline < 0:
-        return _Val(kind, text[start:end], token.line, token.column + start)
-    return _Val(kind, text[start:end], token.line + text.count("\n", 0, start),
-                start - newline)
-
-
-_PAIR_RE: re.Pattern | None = None
-_NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
-_BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
-_BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
-
-
-def _pair_re() -> re.Pattern:
-    """``, name=value`` with one named group per value kind, from the grammar's own
-    terminal patterns so the two never disagree."""
-    global _PAIR_RE
-    if _PAIR_RE is None:
-        lark = _parser()
-        kinds = ("BLOB", "STRING", "IOTA_GROUPS", "MESH_GROUPS", "FLOAT", "INT", "NAME")
-        values = "|".join(f"(?P<{k}>{lark.get_terminal(k).pattern.to_regexp()})"
-                          for k in kinds)
-        _PAIR_RE = re.compile(rf"\s*,\s*(?P<key>{lark.get_terminal('ATTR').pattern.to_regexp()})"
-                              rf"(?:{values})(?=\s|,|\}}|/[*/]|$)")
-    return _PAIR_RE
-
-
-def _split_attributes(token: Token) -> list[tuple[_Val, _Val]]:
-    pairs = []
-    for match in _pair_re().finditer(token.value):
-        kind = match.lastgroup
-        pairs.append((_piece(token, "ATTR", *match.span("key")),
-                      _piece(token, kind, *match.span(kind))))
-    return pairs
-
-
-def _operand_names(token: Token, paren: int) -> list[str]:
-    """The names in ``opcode(%a, b, /*index=2*/%c)`` (``paren``: index of '(')."""
-    text = token.value
-    if "/*" in text:
-        text = _BLOCK_COMMENT_RE.sub("", text)
-    return _BARE_NAME_RE.findall(text, paren)
-
-
-def _simple_operands(token: Token, paren: int) -> list[tuple]:
-    """The same names with their positions, for messages."""
-    text = token.value
-    if "/*" in text:
-        text = _BLOCK_COMMENT_RE.sub(lambda m: " " * len(m.group(0)), text)
-    return [(_piece(token, "NAME", *m.span()), None)
-            for m in _NAME_RE.finditer(text, paren)]
-
-
-def _unique(base: str, taken) -> str:
-    """``base``, else ``base.1``, ``base.2``, … (XLA's name uniquer)."""
-    if base not in taken:
-        return base
-    for n in itertools.count(1):
-        candidate = f"{base}.{n}"
-        if candidate not in taken:
-            return candidate
+                _fail(f"'{opcode}' takes {expected} operand{'s' * (expected != '1')}, "
+                      f"got {len(names)}", opcode_loc)
 
 
 def _name_nested(scope: _Scope) -> None:
@@ -920,11 +774,12 @@ def _name_nested(scope: _Scope) -> None:
         if inst.name.startswith(_PLACEHOLDER):
             fresh = _unique(f"{inst.opcode}.anon", taken)
             taken.add(fresh)
-            renames[inst.name] = fresh
-            inst.name = fresh
+            renames[inst.name] = inst.name = fresh
     for inst in scope.instructions:
         inst.operands = [renames.get(o, o) for o in inst.operands]
     scope.names = {inst.name: inst for inst in scope.instructions}
+    if scope.root_name in renames:
+        scope.root_name = renames[scope.root_name]
 
 
 # --------------------------------------------------------------------- entry points
@@ -939,8 +794,7 @@ def _parser() -> Lark:
     if _PARSER is None:
         _PARSER = Lark(grammar_path().read_text(encoding="utf-8"), parser="lalr",
                        lexer="contextual", transformer=_BUILDER,
-                       start=["start", "inline_body"], maybe_placeholders=True,
-                       cache=True)
+                       start=["start", "inline_body"], maybe_placeholders=True, cache=True)
     return _PARSER
 
 
@@ -950,7 +804,6 @@ def parse(text: str, path: str | None = None) -> Module:
         _BUILDER.reset()
         try:
             module = _parser().parse(text, start="start")
-            _check_unresolved(_BUILDER)
         except _Located as err:
             raise _error(text, path, err.message, err.line, err.column) from None
         except UnexpectedInput as err:
@@ -970,14 +823,6 @@ def parse_file(path: str | Path) -> Module:
     return parse(read_text(str(path)), str(path))
 
 
-def _check_unresolved(builder: _Builder) -> None:
-    for name, token in builder.unresolved:
-        if name in builder.computations:
-            _fail(f"computation '{name}' is used before it is defined (define callees "
-                  "first)", token)
-        _fail(f"unknown computation '{name}'", token)
-
-
 # -------------------------------------------------------------- syntax error words
 
 #: How the grammar's regex terminals are named in messages.
@@ -989,9 +834,9 @@ _TERMINAL_WORDS = {
     "DXD": "a size like 3x3", "IOTA_GROUPS": "iota replica groups",
     "MESH_GROUPS": "mesh replica groups", "STACK_FRAMES": "the FileNames table",
     "CONSTANT": "'constant'", "PARAMETER": "'parameter'", "$END": "end of input",
-    "HEAD": "an instruction", "CALL": "an opcode and its operands", "ATTRS": "','",
-    "SIGNATURE": "a signature", "PARAMETER_CALL": "'parameter'",
-    "TUPLE_OPEN": "'('", "ENTRY": "'ENTRY'", "ROOT": "'ROOT'",
+    "LINE": "an instruction", "HEAD": "an instruction", "CALL": "an opcode and its operands",
+    "ATTRS": "','", "SIGNATURE": "a signature", "PARAMETER_CALL": "'parameter'",
+    "CONSTANT_CALL": "'constant'", "TUPLE_OPEN": "'('", "ENTRY": "'ENTRY'", "ROOT": "'ROOT'",
 }
 
 
@@ -1019,8 +864,11 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
     if not text.strip() or _COMMENTS_ONLY_RE.fullmatch(text):
         return _error(text, path, "empty input: expected 'HloModule' or a computation", 1, 1)
     if isinstance(err, UnexpectedToken):
-        token = err.token
-        expected = err.expected
+        token, expected = err.token, err.expected
+        if token.type == "$END":
+            line, column = _end_position(text)
+            return _error(text, path, f"unexpected end of input; expected "
+                          f"{_expected_words(expected)}", line, column)
         if token.value.startswith("/*"):
             return _error(text, path, "unterminated /* comment", token.line, token.column)
         if token.value.startswith("{") and "BLOB" in expected:
@@ -1030,14 +878,10 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
         if token.type == "LITERAL":  # the catch-all token: report one character
             return _unexpected_character(text, path, token.start_pos, token.line,
                                          token.column, expected)
-        if token.type == "$END":
-            line, column = _end_position(text)
-            return _error(text, path, f"unexpected end of input; expected "
-                          f"{_expected_words(expected)}", line, column)
-        message = f"expected {_expected_words(expected)}, found {_show(token.value, 30)}"
+        message = f"expected {_expected_words(expected)}, found {show(token.value, 30)}"
         if token.type == "ATTR" and "NAME" in expected:
-            message += " (a name directly followed by '=' reads as an attribute name; " \
-                       "put a space before '=')"
+            message += (" (a name directly followed by '=' reads as an attribute name; "
+                        "put a space before '=')")
         elif token.type in ("NAME", "HEAD") and "ATTR" in expected:
             message += " (write attributes as name=value with no space before '=')"
         return _error(text, path, message, token.line, token.column)
@@ -1054,6 +898,8 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
 
 _WORD_BEFORE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _COMMENTS_ONLY_RE = re.compile(r"(?:\s+|//[^\n]*|/\*[\s\S]*?\*/)*")
+_UNCLOSED = {"{": "'{' without a matching '}'", "(": "'(' without a matching ')'",
+             '"': "unterminated string", "'": "unterminated string"}
 
 
 def _unexpected_character(text: str, path: str | None, pos: int, line: int, column: int,
@@ -1062,10 +908,8 @@ def _unexpected_character(text: str, path: str | None, pos: int, line: int, colu
     if char == "[" and (word := _WORD_BEFORE_RE.search(text, 0, pos)):
         return _error(text, path, f"unknown element type '{word.group(0)}'", line,
                       column - len(word.group(0)))
-    unclosed = {"{": "'{' without a matching '}'", "(": "'(' without a matching ')'",
-                '"': "unterminated string", "'": "unterminated string"}.get(char)
-    if unclosed:
-        message = f"{unclosed} (or not allowed here; expected {_expected_words(expected)})"
+    if char in _UNCLOSED:
+        message = f"{_UNCLOSED[char]} (or not allowed here; expected {_expected_words(expected)})"
     else:
         message = f"unexpected character {char!r}; expected {_expected_words(expected)}"
     return _error(text, path, message, line, column)
@@ -1073,9 +917,7 @@ def _unexpected_character(text: str, path: str | None, pos: int, line: int, colu
 
 def _end_position(text: str) -> tuple[int, int]:
     stripped = text.rstrip()
-    line = stripped.count("\n") + 1
-    column = len(stripped) - (stripped.rfind("\n") + 1) + 1
-    return line, column
+    return stripped.count("\n") + 1, len(stripped) - (stripped.rfind("\n") + 1) + 1
 
 
 def _error(text: str, path: str | None, message: str, line: int, column: int) -> HloParseError:

@@ -16,6 +16,7 @@ from hlo_shard.ir import (
     ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident, Instruction,
     Module, Raw, ReplicaGroups, Shape, SliceRanges, Str,
 )
+from hlo_shard.values import c_quote
 
 __all__ = ["format_shape", "format_value", "to_text"]
 
@@ -37,21 +38,6 @@ def format_shape(shape: Shape) -> str:
     return f"{shape.element_type}[{dims}]{{{order}{tail}}}"
 
 
-def _c_escape(value: str) -> str:
-    out = []
-    for ch in value:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\{ord(ch):03o}")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
 def _format_int_list(values: tuple) -> str:
     return "{" + ",".join(
         _format_int_list(v) if isinstance(v, tuple) else str(v) for v in values) + "}"
@@ -71,7 +57,7 @@ _VALUE_FORMATS: dict[type, Callable[[AttrValue], str]] = {
     tuple: _format_int_list,
     Raw: lambda v: v.text,
     Ident: lambda v: v.name,
-    Str: lambda v: f'"{_c_escape(v.value)}"',
+    Str: lambda v: c_quote(v.value),
     ComputationRef: lambda v: f"%{v.name}",
     ComputationList: lambda v: "{" + ", ".join(f"%{n}" for n in v.names) + "}",
     SliceRanges: lambda v: "{" + ", ".join(
@@ -117,7 +103,7 @@ class _Printer:
         lines.extend(self.instruction(inst, inst.name == root) for inst in order)
         tail = "}"
         if comp.execution_thread is not None:
-            tail += f', execution_thread="{_c_escape(comp.execution_thread)}"'
+            tail += f", execution_thread={c_quote(comp.execution_thread)}"
         lines.append(tail)
         return "\n".join(lines)
 
