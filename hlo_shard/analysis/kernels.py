@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
-from hlo_shard.ir import Computation, Instruction, Module
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module
 
 #: Ops that XLA's loop/input fusion merges with their consumers.
 FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
@@ -34,8 +34,6 @@ FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
     "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice",
 })
 
-#: Ops that only relabel a row-major buffer: outside a fusion XLA makes them bitcasts.
-_LAYOUT_ONLY_OPCODES = frozenset({"reshape"})
 
 #: Fusible ops whose result never leaves a fusion (a reduce or an in-place update is
 #: always the root of its kernel).
@@ -120,6 +118,9 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         # computed inside its kernel readers' fusion, as an extra output.
         kernel_readers = [k for k in readers if k is not None]
         fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(kernel_readers)
+        if emulate_fusion and is_relabel(comp, inst):
+            duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
+            continue
         if (fusible and None not in readers and inst.opcode not in _KERNEL_ROOTS
                 and _is_cheap(comp, inst)):
             duplicated.add(inst.name)
@@ -127,9 +128,6 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         targets = list({id(k): k for k in kernel_readers}.values())
         joins = fusible and inst.opcode not in _KERNEL_ROOTS and (
             len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets))
-        if not joins and emulate_fusion and inst.opcode in _LAYOUT_ONLY_OPCODES:
-            duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
-            continue
         if joins:
             kernel = targets[0]
             for other in targets[1:]:  # multi-output fusion of the readers
@@ -149,6 +147,21 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         kernel.index = index
     materialized = _account(comp, kernels, kernel_of, duplicated, users)
     return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion)
+
+
+def is_relabel(comp: Computation, inst: Instruction) -> bool:
+    """A reshape or copy that leaves the bytes in place (same physical order): outside a
+    fusion XLA turns it into a bitcast or removes it (the SPMD partitioner's copies of
+    every parameter and output are of this kind)."""
+    if inst.opcode not in ("reshape", "copy"):
+        return False
+    operand = comp[inst.operands[0]].shape
+    if not isinstance(operand, ArrayShape) or not isinstance(inst.shape, ArrayShape):
+        return False
+    if inst.opcode == "copy":
+        return operand.minor_to_major() == inst.shape.minor_to_major()
+    row_major = lambda s: s.minor_to_major() == tuple(range(s.rank - 1, -1, -1))  # noqa: E731
+    return row_major(operand) and row_major(inst.shape)
 
 
 def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:
