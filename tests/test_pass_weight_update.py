@@ -299,13 +299,22 @@ ENTRY e {{ w = f32[8] parameter(0) x = f32[8] parameter(1), parameter_replicatio
 """
 
 
-def test_training_loop_body_is_rewritten_with_the_carry_unchanged():
+def test_training_loop_keeps_the_weights_sharded_in_the_carry():
     module, report = optimize(LOOP)
+    body = module.computation("body")
     assert opcodes(module, "body")["reduce-scatter"] == 1
-    assert opcodes(module, "body")["all-gather"] == 1
     assert row(report, "ar").sharded and row(report, "ar").computation == "body"
-    carry = module.computation("body").root.shape
-    assert isinstance(carry, TupleShape) and carry.elements[1].dims == (8,)
+    carry = body.root.shape
+    assert isinstance(carry, TupleShape) and carry.elements[1].dims == (4,)
+    assert module.computation("cond").parameters()[0].shape == carry
+    # the weights' all-gather is at the top of the body, before the forward multiply
+    (gather,) = find(module, "all-gather", "body")
+    order = [i.name for i in body.instructions]
+    assert order.index(gather.name) < order.index("gx")
+    # sliced once before the loop, gathered once after it
+    entry = opcodes(module)
+    assert entry["dynamic-slice"] == 1 and entry["all-gather"] == 1
+    assert module.entry.root.shape.dims == (8,)
 
 
 def test_num_replicas_flag_must_match_the_module():

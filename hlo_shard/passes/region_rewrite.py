@@ -1,0 +1,354 @@
+"""Rewriting one computation according to its :class:`~hlo_shard.analysis.update_region.RegionPlan`.
+
+* gradients: ``reduce-scatter`` of the formatted per-device gradient (one per tensor, or
+  one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
+* region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
+  broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
+  locally and all-reduced;
+* sharded values needed whole: all-gathered right before their first such user (values
+  sharing that user share one all-gather when the strategy combines);
+* *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
+  becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
+  right after it; *output shards*: root tuple positions that keep the shard.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
+                                              is_scalar_broadcast)
+from hlo_shard.graph import Rewriter, topological_order
+from hlo_shard.ir import ArrayShape, Computation, Ident, Instruction, Module, SliceRanges, TupleShape
+from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
+
+#: Never erased as a side effect of the rewrite.
+_KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
+                   "send-done", "recv-done", "after-all", "rng-get-and-update-state"})
+
+
+@dataclass(frozen=True)
+class Bucketing:
+    """How collectives are grouped: ``per-tensor``, ``combined`` or ``auto`` (items of at
+    least ``per_tensor_bytes`` alone, the rest combined), buckets up to ``bucket_bytes``."""
+
+    strategy: str
+    bucket_bytes: int
+    per_tensor_bytes: int
+
+    def buckets(self, items: list, size, element_type) -> list[list]:
+        out: list[list] = []
+        open_buckets: dict[str, tuple[list, list[int]]] = {}
+        for item in items:
+            nbytes, etype = size(item), element_type(item)
+            if self.strategy == "per-tensor" or (
+                    self.strategy == "auto" and nbytes >= self.per_tensor_bytes):
+                out.append([item])
+                continue
+            bucket = open_buckets.get(etype)
+            if bucket is None or bucket[1][0] + nbytes > self.bucket_bytes:
+                bucket = open_buckets[etype] = ([], [0])
+                out.append(bucket[0])
+            bucket[0].append(item)
+            bucket[1][0] += nbytes
+        return out
+
+
+class RegionRewrite:
+    """Rewrites ``comp`` by ``plan``. ``inputs``: instruction → format of the shard its
+    value becomes (state parameters, carried loop slots); ``outputs``: root tuple position
+    → region value whose shard stays there."""
+
+    def __init__(self, module: Module, comp: Computation, plan: RegionPlan,
+                 bucketing: Bucketing, channels: ChannelIds,
+                 inputs: dict[str, ShardFormat] | None = None,
+                 outputs: dict[int, str] | None = None) -> None:
+        self.module, self.comp, self.plan, self.bucketing = module, comp, plan, bucketing
+        self.channels = channels
+        self.inputs = inputs or {}
+        self.outputs = outputs or {}
+        self.rw = Rewriter(comp)
+        self.emit = ShardEmitter(module, comp, self.rw, plan.groups, comp[plan.template],
+                                 channels)
+        self.n = plan.groups.size
+        self.shard_of: dict[str, str] = {}
+        self.collective_of: dict[str, str] = {}
+        self._erase: list[str] = []
+
+    # Operands ---------------------------------------------------------------------------
+    def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
+        """This device's shard of a replicated full value (no communication)."""
+        key = ("shard", value, fmt)
+        cache = self.emit.cache
+        if key not in cache:
+            inst = self.comp[value]
+            if is_scalar_broadcast(self.comp, value):
+                cache[key] = self.emit.add(
+                    "broadcast", self.emit.shape(inst.shape.element_type, (fmt.shard_len,)),
+                    [inst.operands[0]], name=f"{value}.shard", dimensions=())
+            else:
+                cache[key] = self.emit.local_slice(value, fmt)
+        return cache[key]
+
+    def operand_shard(self, operand: str, fmt: ShardFormat) -> str:
+        if operand in self.shard_of:
+            return self.shard_of[operand]
+        shape = self.comp[operand].shape
+        if isinstance(shape, ArrayShape) and shape.is_scalar:
+            return operand
+        return self.replicated_shard(operand, fmt)
+
+    # Reduce-scatter side ------------------------------------------------------------------
+    def scatter(self, leaves: list[Leaf]) -> None:
+        """One reduce-scatter for ``leaves`` (one element type), placed before the last of
+        their all-reduces; records each leaf's ``[L]`` shard."""
+        emit = self.emit
+        anchor = max((leaf.all_reduce for leaf in leaves), key=self.comp.position)
+        to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
+        element_type = leaves[0].shape.element_type
+        with self.rw.inserting_before(anchor):
+            flats = [emit.flat_padded(leaf.operand, leaf.format) for leaf in leaves]
+            total = sum(leaf.format.shard_len for leaf in leaves)
+            if len(leaves) == 1:
+                operand = flats[0]
+            else:
+                pieces = [emit.add("reshape", emit.shape(element_type, (self.n, leaf.format.shard_len)),
+                                   [flat], name=f"{leaf.operand}.rows")
+                          for leaf, flat in zip(leaves, flats)]
+                rows = emit.add("concatenate", emit.shape(element_type, (self.n, total)), pieces,
+                                name="gradient_bucket", dimensions=(1,))
+                operand = emit.add("reshape", emit.shape(element_type, (self.n * total,)),
+                                   [rows], name="gradient_bucket.flat")
+            scattered = emit.add("reduce-scatter", emit.shape(element_type, (total,)), [operand],
+                                 name="reduce-scatter",
+                                 **emit.collective_attrs(dimensions=(0,), to_apply=to_apply))
+            start = 0
+            for leaf in leaves:
+                length = leaf.format.shard_len
+                shard = scattered if len(leaves) == 1 else emit.add(
+                    "slice", emit.shape(element_type, (length,)), [scattered],
+                    name=f"{leaf.values[0]}.shard",
+                    slice=SliceRanges(((start, start + length, 1),)))
+                start += length
+                for value in leaf.values:
+                    self.shard_of[value] = shard
+                self.collective_of[leaf.label] = scattered
+
+    # Region ops ---------------------------------------------------------------------------
+    def shard_op(self, name: str, op: RegionOp) -> None:
+        inst = self.comp[name]
+        with self.rw.inserting_before(name):
+            operands = [self.operand_shard(o, op.operand_format) for o in inst.operands]
+            if inst.opcode in ("reshape", "bitcast", "transpose"):
+                self.shard_of[name] = operands[0]  # same flat order: the shard is unchanged
+                return
+            attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
+            new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
+                              self.emit.shape(inst.shape.element_type,
+                                              (op.result_format.shard_len,)),
+                              operands, attributes)
+            self.shard_of[name] = self.rw.add_instruction(new).name
+
+    def reduce_op(self, name: str, op: RegionOp) -> None:
+        """Masked local reduction + one-element all-reduce over the group."""
+        emit = self.emit
+        inst = self.comp[name]
+        fmt = op.operand_format
+        source, init = inst.operands
+        element_type = self.comp[source].shape.element_type
+        out_type = inst.shape.element_type
+        to_apply = inst.attr("to_apply")
+        with self.rw.inserting_before(name):
+            shard = self.operand_shard(source, fmt)
+            if fmt.padding:
+                neutral = emit.add("broadcast", emit.shape(element_type, (fmt.shard_len,)),
+                                   [emit.constant(element_type, op.neutral)], dimensions=())
+                shard = emit.add("select", emit.shape(element_type, (fmt.shard_len,)),
+                                 [self.valid_lanes(fmt), shard, neutral], name=f"{name}.masked")
+            local = emit.add("reduce", emit.shape(out_type, ()),
+                             [shard, emit.constant(out_type, op.neutral)],
+                             name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
+            result = emit.add("all-reduce", emit.shape(out_type, ()), [local],
+                              name=f"{name}.sum", **emit.collective_attrs(to_apply=to_apply))
+            if not _is_constant(self.comp[init], op.neutral):
+                result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
+            if not inst.shape.is_scalar:
+                result = emit.add("reshape", inst.shape, [result])
+        self.rw.replace_all_uses_with(name, result)
+        self._erase.append(name)
+
+    def valid_lanes(self, fmt: ShardFormat) -> str:
+        """pred[L]: which lanes of this device's shard hold real (not padding) elements."""
+        emit = self.emit
+        key = ("valid", fmt.shard_len, fmt.elements)
+        if key not in emit.cache:
+            length = fmt.shard_len
+            lanes = emit.add("iota", emit.shape("u32", (length,)), [], iota_dimension=0)
+            start = emit.add("broadcast", emit.shape("u32", (length,)),
+                             [emit.offset(length)], dimensions=())
+            index = emit.add("add", emit.shape("u32", (length,)), [lanes, start])
+            limit = emit.add("broadcast", emit.shape("u32", (length,)),
+                             [emit.constant("u32", str(fmt.elements))], dimensions=())
+            emit.cache[key] = emit.add("compare", emit.shape("pred", (length,)), [index, limit],
+                                       name="valid_lanes", direction=Ident("LT"))
+        return emit.cache[key]
+
+    # Driver -------------------------------------------------------------------------------
+    def run(self) -> dict[str, str]:
+        """Rewrite; returns leaf label → the collective that now carries it."""
+        plan = self.plan
+        self._seed_inputs()
+        for bucket in self.bucketing.buckets(plan.active, lambda leaf: leaf.byte_size,
+                                             lambda leaf: leaf.shape.element_type):
+            self.scatter(bucket)
+        for name, op in plan.ops.items():
+            if op.kind == "reduce":
+                self.reduce_op(name, op)
+            else:
+                self.shard_op(name, op)
+        self._gather_boundaries()
+        self._rebuild_all_reduces()
+        self._erase.extend(reversed(list(plan.ops)))
+        self._erase_dead()
+        order = topological_order(self.comp)
+        if [i.name for i in order] != [i.name for i in self.comp.instructions]:
+            self.comp.instructions[:] = order
+            self.comp.reindex()
+        shared = defaultdict(int)
+        for name in self.collective_of.values():
+            shared[name] += 1
+        return {label: f"{name} (combined, {shared[name]} tensors)" if shared[name] > 1 else name
+                for label, name in self.collective_of.items()}
+
+    def _seed_inputs(self) -> None:
+        """Input shards: the instruction's value becomes its ``[L]`` shard; users outside
+        the region get the all-gathered full value right after it."""
+        for name, fmt in self.inputs.items():
+            inst = self.comp[name]
+            full_shape = inst.shape
+            outside = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
+            inst.shape = self.emit.shape(full_shape.element_type, (fmt.shard_len,))
+            self.emit.cache[("shard", name, fmt)] = name
+            if name == self.comp.root_name:
+                outside.append("")
+            if not outside:
+                continue
+            with self.rw.inserting_after(name):
+                (full,) = self.emit.gather([Gathered(name, fmt, full_shape, name)])
+            self._rewire(name, full, outside)
+
+    def _rewire(self, value: str, replacement: str, users: list[str],
+                keep: dict[int, str] | None = None) -> None:
+        """Point ``users`` (``""``: the root) of ``value`` at ``replacement``; root tuple
+        positions in ``keep`` get that name instead."""
+        for user in users:
+            if not user:
+                self.rw.set_root(replacement)
+                continue
+            inst = self.comp[user]
+            for i, operand in enumerate(inst.operands):
+                if operand == value:
+                    kept = keep.get(i) if keep and user == self.comp.root_name else None
+                    self.rw.set_operand(inst, i, kept or replacement)
+
+    def _gather_boundaries(self) -> None:
+        comp = self.comp
+        root = comp.root
+        kept_shards = {k: self.shard_of[v] for k, v in self.outputs.items()}
+        position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+        anchors: dict[str, list[str]] = defaultdict(list)
+        needs: dict[str, list[str]] = {}
+        for value, users in self.plan.boundary.items():
+            users = list(users)
+            if root.name in users and root.opcode == "tuple" and all(
+                    self.outputs.get(k) == value for k, o in enumerate(root.operands)
+                    if o == value):
+                users.remove(root.name)  # only shard-keeping outputs use it: no gather
+            if not users:
+                continue
+            needs[value] = users
+            first = min(users, key=lambda u: position[u] if u else len(position))
+            anchors[first or root.name].append(value)
+        gathered: dict[str, str] = {}
+        for anchor, values in anchors.items():
+            values.sort(key=lambda v: position[v])
+            for bucket in self.bucketing.buckets(values, lambda v: comp[v].shape.byte_size,
+                                                 lambda v: comp[v].shape.element_type):
+                items = [Gathered(self.shard_of[v], self.plan.sharded[v], comp[v].shape, v)
+                         for v in bucket]
+                with self.rw.inserting_before(anchor):
+                    gathered.update(zip(bucket, self.emit.gather(items)))
+        for value, users in needs.items():
+            self._rewire(value, gathered[value], users, kept_shards)
+        if root.opcode == "tuple" and self.outputs:
+            for k, value in self.outputs.items():
+                if root.operands[k] == value:
+                    self.rw.set_operand(root, k, self.shard_of[value])
+            elements = list(root.shape.elements)
+            for k in self.outputs:
+                elements[k] = comp[root.operands[k]].shape
+            root.shape = TupleShape(tuple(elements))
+
+    def _rebuild_all_reduces(self) -> None:
+        """Keep the unsharded elements of partly sharded tuple all-reduces."""
+        by_ar: dict[str, list[Leaf]] = defaultdict(list)
+        for leaf in self.plan.leaves:
+            by_ar[leaf.all_reduce].append(leaf)
+        for name, leaves in by_ar.items():
+            sharded = [leaf for leaf in leaves if leaf.sharded]
+            if not sharded:
+                continue
+            self._erase.extend(v for leaf in sharded for v in leaf.values if v != name)
+            self._erase.append(name)
+            kept = [leaf for leaf in leaves if not leaf.sharded]
+            if not kept:
+                continue
+            ar = self.comp[name]
+            shapes = tuple(leaf.shape for leaf in kept)
+            shape = shapes[0] if len(kept) == 1 else TupleShape(shapes)
+            attributes = dict(ar.attributes)
+            if "channel_id" in attributes:
+                attributes["channel_id"] = self.channels.fresh()
+            with self.rw.inserting_before(name):
+                new = self.rw.add_instruction(Instruction(
+                    self.rw.fresh_name(name), "all-reduce", shape,
+                    [leaf.operand for leaf in kept], attributes))
+                for position, leaf in enumerate(kept):
+                    for value in leaf.values:
+                        if len(kept) == 1:
+                            self.rw.replace_all_uses_with(value, new.name)
+                            self._erase.append(value)
+                        else:
+                            self.comp[value].attributes["index"] = position
+                            self.rw.set_operand(self.comp[value], 0, new.name)
+
+    def _erase_dead(self) -> None:
+        """Erase the replaced instructions, then operands of theirs left unused (users
+        before producers, until nothing more goes)."""
+        pending = set(self._erase)
+        progress = True
+        while progress:
+            progress = False
+            position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
+            for name in sorted((n for n in pending if n in position), key=position.get,
+                               reverse=True):
+                inst = self.comp[name]
+                if name == self.comp.root_name or self.rw.users(name) or inst.opcode in _KEEP:
+                    continue
+                self.rw.erase(name)
+                pending.discard(name)
+                pending.update(inst.operands)
+                progress = True
+
+
+def _is_constant(inst: Instruction, literal: str) -> bool:
+    if inst.opcode != "constant" or inst.literal is None:
+        return False
+    try:
+        return float(inst.literal) == float(literal)
+    except ValueError:
+        return inst.literal.strip() == literal
+
+
+__all__ = ["Bucketing", "RegionRewrite"]

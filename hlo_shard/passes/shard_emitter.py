@@ -1,0 +1,232 @@
+"""Emitting the pieces of the shard format into one computation.
+
+XLA's own index pattern for shard offsets (reference §13.4): the participant id
+(``replica-id``, ``partition-id`` or the flattened id) → a u32 table lookup when the groups
+are not ``{0..N-1}`` → ``multiply`` by the shard length. Formatting a full value:
+transpose to the format's order (only when it is not the identity), reshape to ``[E]``,
+zero-pad to ``[N·L]``, ``dynamic-slice`` at the offset. Gathering: ``all-gather`` of the
+``[L]`` shards (several concatenated into one bucket), un-pad, reshape, inverse transpose
+back to the value's shape and layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
+from hlo_shard.analysis.update_region import ShardFormat
+from hlo_shard.graph import Rewriter
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
+                          SliceRanges, TupleShape)
+
+
+class ChannelIds:
+    """Fresh channel ids for a module that uses them (``max + 1``, as XLA does)."""
+
+    #: Opcodes whose ``channel_id`` must be unique (send/recv pairs share theirs).
+    COLLECTIVES = frozenset({
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+        "collective-permute", "collective-broadcast", "all-reduce-start", "all-gather-start",
+        "collective-permute-start",
+    })
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        ids = [i.attr("channel_id") for c in module.computations for i in c.instructions
+               if i.attr("channel_id") is not None]
+        self.next = max(ids, default=0) + 1
+
+    def fresh(self) -> int:
+        value, self.next = self.next, self.next + 1
+        return value
+
+    def dedupe(self) -> int:
+        """Give every collective after the first with a shared id a fresh one."""
+        seen: set[int] = set()
+        renumbered = 0
+        for comp in self.module.computations:
+            for inst in comp.instructions:
+                channel = inst.attr("channel_id")
+                if channel is None or inst.opcode not in self.COLLECTIVES:
+                    continue
+                if channel in seen:
+                    inst.attributes["channel_id"] = self.fresh()
+                    renumbered += 1
+                else:
+                    seen.add(channel)
+        return renumbered
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One value to all-gather: its shard, format and full shape (with layout)."""
+
+    shard: str
+    format: ShardFormat
+    shape: ArrayShape
+    label: str
+
+
+@dataclass
+class ShardEmitter:
+    """Emits shard-format pieces into ``comp`` through ``rw`` (one per computation)."""
+
+    module: Module
+    comp: Computation
+    rw: Rewriter
+    groups: DeviceGroups
+    #: A collective over the data-parallel group whose attributes new collectives copy.
+    template: Instruction
+    channels: ChannelIds
+    cache: dict[tuple, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        shape = self.template.shape
+        self.n = self.groups.size
+        self.with_layouts = isinstance(shape, TupleShape) or (
+            isinstance(shape, ArrayShape) and shape.layout is not None)
+        body = [i.name for i in self.comp.instructions if i.opcode != "parameter"]
+        self.first = body[0] if body else self.comp.root_name
+
+    # Shapes and small pieces -----------------------------------------------------------
+    def shape(self, element_type: str, dims: tuple[int, ...]) -> ArrayShape:
+        layout = Layout(tuple(range(len(dims) - 1, -1, -1))) \
+            if self.with_layouts and dims else None
+        return ArrayShape(element_type, tuple(dims), (), layout)
+
+    def add(self, opcode: str, shape, operands, name: str | None = None, **attributes) -> str:
+        return self.rw.add(opcode, shape, operands, name=name, **attributes).name
+
+    def add_top(self, opcode: str, shape, operands, name: str | None = None,
+                literal: str | None = None, **attributes) -> str:
+        """Add at the top of the computation (in sequence), whatever the insertion point."""
+        inst = Instruction(self.rw.fresh_name(name or opcode), opcode, shape, list(operands),
+                           dict(attributes), literal=literal)
+        return self.rw.insert_before(self.first, inst).name
+
+    def prologue(self, key: tuple, build) -> str:
+        """A value computed once at the top of the computation (constants, ids, offsets);
+        ``build`` emits it with :meth:`add_top`."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+    def constant(self, element_type: str, literal: str, dims: tuple[int, ...] = (),
+                 name: str = "constant") -> str:
+        return self.prologue(("constant", element_type, dims, literal),
+                             lambda: self.add_top("constant", self.shape(element_type, dims), [],
+                                                  name=name, literal=literal))
+
+    def position(self) -> str:
+        """u32[] position of this device within its group."""
+        def build() -> str:
+            u32 = self.shape("u32", ())
+            source = participant_id_source(self.module, self.groups.mode)
+            if source == "flattened":
+                replica = self.add_top("replica-id", u32, [])
+                partition = self.add_top("partition-id", u32, [])
+                count = self.constant("u32", str(self.module.num_partitions))
+                scaled = self.add_top("multiply", u32, [replica, count])
+                pid = self.add_top("add", u32, [scaled, partition])
+            else:
+                pid = self.add_top(source, u32, [])
+            if self.groups.is_trivial and self.groups.num_ids == self.n:
+                return pid
+            table = self.groups.position_table()
+            literal = "{" + ", ".join(map(str, table)) + "}"
+            positions = self.constant("u32", literal, (len(table),), name="shard_positions")
+            entry = self.add_top("dynamic-slice", self.shape("u32", (1,)), [positions, pid],
+                                 dynamic_slice_sizes=(1,))
+            return self.add_top("reshape", u32, [entry], name="shard_position")
+        return self.prologue(("position",), build)
+
+    def offset(self, shard_len: int) -> str:
+        def build() -> str:
+            length = self.constant("u32", str(shard_len))
+            return self.add_top("multiply", self.shape("u32", ()), [self.position(), length],
+                                name="shard_offset")
+        return self.prologue(("offset", shard_len), build)
+
+    def collective_attrs(self, **extra) -> dict:
+        """Attributes of a new collective over the data-parallel group, in XLA's order."""
+        attrs: dict = {}
+        if self.template.attr("channel_id") is not None:
+            attrs["channel_id"] = self.channels.fresh()
+        for key in ("replica_groups", "use_global_device_ids"):
+            if self.template.attr(key) is not None:
+                attrs[key] = self.template.attr(key)
+        if "dimensions" in extra:
+            attrs["dimensions"] = extra.pop("dimensions")
+        attrs.update(extra)
+        return attrs
+
+    # Formatting -------------------------------------------------------------------------
+    def flat_padded(self, value: str, fmt: ShardFormat) -> str:
+        """``value`` (full) in ``fmt``'s order, flat and zero-padded: ``[N·L]``."""
+        inst = self.comp[value]
+        element_type = inst.shape.element_type
+        current = value
+        if fmt.perm != tuple(range(len(fmt.dims))):
+            current = self.add("transpose", self.shape(element_type, fmt.transposed_dims),
+                               [current], name=f"{value}.formatted", dimensions=fmt.perm)
+        if inst.shape.dims != (fmt.elements,) or current != value:
+            current = self.add("reshape", self.shape(element_type, (fmt.elements,)), [current],
+                               name=f"{value}.flat")
+        if fmt.padding:
+            zero = self.constant(element_type, "false" if element_type == "pred" else "0")
+            current = self.add("pad", self.shape(element_type, (fmt.padded,)), [current, zero],
+                               name=f"{value}.padded", padding=Raw(f"0_{fmt.padding}"))
+        return current
+
+    def local_slice(self, value: str, fmt: ShardFormat) -> str:
+        """This device's ``[L]`` shard of a full value it holds (no communication)."""
+        flat = self.flat_padded(value, fmt)
+        element_type = self.comp[value].shape.element_type
+        return self.add("dynamic-slice", self.shape(element_type, (fmt.shard_len,)),
+                        [flat, self.offset(fmt.shard_len)], name=f"{value}.shard",
+                        dynamic_slice_sizes=(fmt.shard_len,))
+
+    # All-gather ---------------------------------------------------------------------------
+    def gather(self, items: list[Gathered]) -> list[str]:
+        """All-gather ``items`` (one element type) at the insertion point — one collective
+        for all of them — and bring each back to its full shape and layout."""
+        element_type = items[0].shape.element_type
+        total = sum(item.format.shard_len for item in items)
+        operand = items[0].shard if len(items) == 1 else self.add(
+            "concatenate", self.shape(element_type, (total,)), [i.shard for i in items],
+            name="update_bucket", dimensions=(0,))
+        gathered = self.add("all-gather", self.shape(element_type, (self.n * total,)),
+                            [operand], name="all-gather", **self.collective_attrs(dimensions=(0,)))
+        if len(items) == 1:
+            return [self.unformat(items[0], gathered)]
+        rows = self.add("reshape", self.shape(element_type, (self.n, total)), [gathered],
+                        name="all-gather.rows")
+        out, start = [], 0
+        for item in items:
+            length = item.format.shard_len
+            mine = self.add("slice", self.shape(element_type, (self.n, length)), [rows],
+                            name=f"{item.label}.rows",
+                            slice=SliceRanges(((0, self.n, 1), (start, start + length, 1))))
+            flat = self.add("reshape", self.shape(element_type, (item.format.padded,)), [mine])
+            out.append(self.unformat(item, flat))
+            start += length
+        return out
+
+    def unformat(self, item: Gathered, flat: str) -> str:
+        """``[N·L]`` gathered vector → the full value in the item's shape and layout."""
+        fmt, shape = item.format, item.shape
+        element_type = shape.element_type
+        if fmt.padding:
+            flat = self.add("slice", self.shape(element_type, (fmt.elements,)), [flat],
+                            slice=SliceRanges(((0, fmt.elements, 1),)))
+        if fmt.perm == tuple(range(len(fmt.dims))):
+            if shape.dims == (fmt.elements,):
+                return flat
+            return self.add("reshape", shape, [flat], name=f"{item.label}.gathered")
+        ordered = self.add("reshape", self.shape(element_type, fmt.transposed_dims), [flat])
+        inverse = tuple(sorted(range(len(fmt.perm)), key=lambda d: fmt.perm[d]))
+        return self.add("transpose", shape, [ordered], name=f"{item.label}.gathered",
+                        dimensions=inverse)
+
+
+__all__ = ["ChannelIds", "Gathered", "ShardEmitter"]
