@@ -111,6 +111,16 @@ def test_interleaved_timing_of_two_executables(worker):
     assert [len(t.seconds) for t in timings] == [2, 2]
 
 
+def test_identical_modules_compile_once_and_survive_a_release(worker):
+    a, b = runtime.load(SGD), runtime.load(parse(SGD))
+    assert a._handle == b._handle
+    a.close()
+    w = np.zeros(1024, np.float32)
+    np.testing.assert_allclose(b(w, np.ones(1024, np.float32))[0][0], -0.04)
+    b.close()
+    assert runtime.load(SGD)._handle == a._handle, "kept idle for reuse"
+
+
 def test_arguments_are_checked(worker):
     exe = runtime.load(SGD)
     with pytest.raises(HloShardError, match="takes 2 parameters"):

@@ -16,6 +16,8 @@ shim functions cover the differences listed in executing-hlo-with-jax.md §11.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import os
 import pickle
 import re
@@ -30,6 +32,9 @@ SUPPORTED_JAXLIB = ((0, 10), (0, 11))
 SUPPORTED_TEXT = "jax>=0.10,<0.11"
 #: Set to 1 to try an unsupported jaxlib anyway (the shim may cope).
 ALLOW_UNSUPPORTED_ENV = "HLO_SHARD_ALLOW_UNSUPPORTED_JAX"
+#: Released executables kept for reuse: comparing a module with itself, or a test
+#: suite loading one fixture many times, compiles it once.
+IDLE_EXECUTABLES_KEPT = 32
 
 _HEADER = struct.Struct("<Q")
 
@@ -100,6 +105,11 @@ class Runtime:
         self.devices = available[:device_count]
         self.executables: dict[int, tuple[Any, list]] = {}
         self.next_handle = 1
+        # (text digest, replicas) → handle; the compile reply of each handle; users.
+        self.by_source: dict[tuple[str, int], int] = {}
+        self.replies: dict[int, dict] = {}
+        self.users: collections.Counter[int] = collections.Counter()
+        self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     # The shim: one function per API that moved between jaxlib releases -----------
     def _parse(self, text: str):
@@ -131,10 +141,21 @@ class Runtime:
 
     # Requests --------------------------------------------------------------------
     def compile(self, text: str, replicas: int) -> dict:
-        """Compile replica-form text for ``replicas`` devices (one partition each)."""
+        """Compile replica-form text for ``replicas`` devices (one partition each),
+        or hand out another use of an identical executable compiled before."""
         if replicas > len(self.devices):
             raise UsageError(f"module needs {replicas} devices; this worker has "
                              f"{len(self.devices)}")
+        key = (hashlib.sha256(text.encode()).hexdigest(), replicas)
+        handle = self.by_source.get(key)
+        if handle is None:
+            handle = self._compile_new(text, replicas)
+            self.by_source[key] = handle
+        self.idle.pop(handle, None)
+        self.users[handle] += 1
+        return self.replies[handle]
+
+    def _compile_new(self, text: str, replicas: int) -> int:
         xc, np = self.xc, self.np
         module = self._parse(text)
         computation = xc.XlaComputation(module.as_serialized_hlo_module_proto())
@@ -155,10 +176,12 @@ class Runtime:
         compiled_cost = executable.cost_analysis()
         if isinstance(compiled_cost, list):  # jaxlib 0.4.x
             compiled_cost = compiled_cost[0] if compiled_cost else {}
-        return {"handle": handle, "compile_seconds": compile_seconds,
-                "memory": _memory_stats(executable.get_compiled_memory_stats()),
-                "cost": self._module_cost(module),
-                "compiled_cost": {k: float(v) for k, v in compiled_cost.items()}}
+        self.replies[handle] = {
+            "handle": handle, "compile_seconds": compile_seconds,
+            "memory": _memory_stats(executable.get_compiled_memory_stats()),
+            "cost": self._module_cost(module),
+            "compiled_cost": {k: float(v) for k, v in compiled_cost.items()}}
+        return handle
 
     def _arrays(self, devices: list, per_parameter: list[list]) -> list:
         """One jax.Array per parameter holding each device's own value."""
@@ -206,7 +229,19 @@ class Runtime:
         return times
 
     def release(self, handle: int) -> None:
-        self.executables.pop(handle, None)
+        """One user fewer; unused executables stay idle for reuse, oldest dropped."""
+        if self.users[handle] <= 0:
+            return
+        self.users[handle] -= 1
+        if self.users[handle]:
+            return
+        self.idle[handle] = None
+        while len(self.idle) > IDLE_EXECUTABLES_KEPT:
+            oldest, _ = self.idle.popitem(last=False)
+            self.executables.pop(oldest, None)
+            self.replies.pop(oldest, None)
+            del self.users[oldest]
+            self.by_source = {k: h for k, h in self.by_source.items() if h != oldest}
 
 
 def _memory_stats(stats) -> dict[str, int]:
