@@ -223,20 +223,20 @@ class RegionRewrite:
 
     def _seed_inputs(self) -> None:
         """Input shards: the instruction's value becomes its ``[L]`` shard; users outside
-        the region get the all-gathered full value right after it."""
+        the region get the all-gathered full value (one collective per bucket)."""
+        outside: dict[str, list[str]] = {}
+        items: list[Gathered] = []
         for name, fmt in self.inputs.items():
             inst = self.comp[name]
-            full_shape = inst.shape
-            outside = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
-            inst.shape = self.emit.shape(full_shape.element_type, (fmt.shard_len,))
+            users = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
+            users += [""] if name == self.comp.root_name else []
+            if users:
+                outside[name] = users
+                items.append(Gathered(name, fmt, inst.shape, name))
+            inst.shape = self.emit.shape(inst.shape.element_type, (fmt.shard_len,))
             self.emit.cache[("shard", name, fmt)] = name
-            if name == self.comp.root_name:
-                outside.append("")
-            if not outside:
-                continue
-            with self.rw.inserting_after(name):
-                (full,) = self.emit.gather([Gathered(name, fmt, full_shape, name)])
-            self._rewire(name, full, outside)
+        for item, full in gather_after(self.rw, self.emit, self.bucketing, items).items():
+            self._rewire(item.shard, full, outside[item.shard])
 
     def _rewire(self, value: str, replacement: str, users: list[str],
                 keep: dict[int, str] | None = None) -> None:
@@ -342,6 +342,19 @@ class RegionRewrite:
                 progress = True
 
 
+def gather_after(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
+                 items: list[Gathered]) -> dict[Gathered, str]:
+    """All-gather shards that already exist (parameters, loop slots): one collective per
+    bucket, right after the last of its shards is defined."""
+    position = {inst.name: i for i, inst in enumerate(rw.comp.instructions)}
+    out: dict[Gathered, str] = {}
+    for bucket in bucketing.buckets(sorted(items, key=lambda i: position[i.shard]),
+                                    lambda i: i.shape.byte_size, lambda i: i.shape.element_type):
+        with rw.inserting_after(max((i.shard for i in bucket), key=rw.comp.position)):
+            out.update(zip(bucket, emit.gather(bucket)))
+    return out
+
+
 def _is_constant(inst: Instruction, literal: str) -> bool:
     if inst.opcode != "constant" or inst.literal is None:
         return False
@@ -351,4 +364,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["Bucketing", "RegionRewrite"]
+__all__ = ["Bucketing", "RegionRewrite", "gather_after"]

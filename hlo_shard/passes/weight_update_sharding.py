@@ -40,7 +40,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
 from hlo_shard.passes.base import PassResult
-from hlo_shard.passes.region_rewrite import Bucketing, RegionRewrite
+from hlo_shard.passes.region_rewrite import Bucketing, RegionRewrite, gather_after
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 
 STATE_MODES = ("gathered", "sharded")
@@ -175,7 +175,7 @@ class WeightUpdateSharding:
             for leaf in leaves:
                 report.explanations.append(_explain(comp_name, leaf, collectives))
         for carry in carries:
-            changes += _shard_loop_carry(module, carry, channels)
+            changes += _shard_loop_carry(module, carry, channels, bucketing)
             report.notes.append(
                 f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
                 f"stay sharded across iterations (sliced before the loop, gathered after)")
@@ -441,7 +441,8 @@ def _condition_slots(cond: Computation) -> set[int] | None:
     return used
 
 
-def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds) -> list:
+def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
+                      bucketing: Bucketing) -> list:
     """Outside the body: slice the initial values of the carried slots before the loop,
     gather them after it, and give the loop, body and condition the new carry shape."""
     parent = module.computation(carry.parent)
@@ -465,21 +466,18 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds) -
     loop.shape = carried
     for comp in (body, module.computation(carry.condition)):
         comp.parameters()[0].shape = carried
-    for reader in list(rw.users(loop.name)):
-        index = reader.attr("index")
-        if index not in carry.slots:
-            continue
-        users = [u.name for u in rw.users(reader.name)]
-        full_shape, reader.shape = reader.shape, elements[index]
-        with rw.inserting_after(reader.name):
-            (gathered,) = emit.gather([Gathered(reader.name, carry.slots[index], full_shape,
-                                                reader.name)])
-        for user in users:
+    readers = [r for r in rw.users(loop.name) if r.attr("index") in carry.slots]
+    users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
+    items = [Gathered(r.name, carry.slots[r.attr("index")], r.shape, r.name) for r in readers]
+    for reader in readers:
+        reader.shape = elements[reader.attr("index")]
+    for item, gathered in gather_after(rw, emit, bucketing, items).items():
+        for user in users[item.shard]:
             inst = parent[user]
             for i, operand in enumerate(inst.operands):
-                if operand == reader.name:
+                if operand == item.shard:
                     rw.set_operand(inst, i, gathered)
-        if parent.root_name == reader.name:
+        if parent.root_name == item.shard:
             rw.set_root(gathered)
     return rw.changes
 
