@@ -42,6 +42,7 @@ CASES = {
     "spmd": cases.SPMD,
     "loop": cases.LOOP,
     "adam_like": ADAM_LIKE,
+    "fused": cases.FUSED,
 }
 
 MATRIX = [(name, state, strategy) for name in CASES for state in ("gathered", "sharded")

@@ -328,3 +328,30 @@ def test_module_without_gradients_is_unchanged():
     text = f"HloModule plain\n{ADD}\nENTRY e {{ a = f32[4] parameter(0) ROOT n = f32[4] negate(a) }}\n"
     module, report = optimize(text)
     assert report.explanations == [] and opcodes(module)["negate"] == 1
+
+
+FUSED = f"""HloModule fused, replica_count=4
+{ADD}
+upd {{ w = f32[10] parameter(0) g = f32[10] parameter(1) lr = f32[] parameter(2)
+ b = f32[10] broadcast(lr), dimensions={{}} u = f32[10] multiply(g, b)
+ ROOT n = f32[10] subtract(w, u) }}
+ENTRY e {{ w = f32[10] parameter(0) g = f32[10] parameter(1) lr = f32[] constant(0.1)
+ ar = f32[10] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ ROOT f = f32[10] fusion(w, ar, lr), kind=kLoop, calls=upd }}
+"""
+
+
+def test_elementwise_loop_fusion_runs_on_shards_with_a_sharded_body():
+    module, report = optimize(FUSED)
+    (fusion,) = find(module, "fusion")
+    assert fusion.shape.dims == (3,)
+    body = module.computation(fusion.attr("calls").name)
+    assert body.root.shape.dims == (3,) and body.parameters()[2].shape.is_scalar
+    assert row(report, "ar").sharded
+
+
+def test_fusion_with_non_elementwise_body_ends_the_region():
+    text = FUSED.replace("ROOT n = f32[10] subtract(w, u)",
+                         "r = f32[10] reverse(u), dimensions={0} ROOT n = f32[10] subtract(w, r)")
+    module, report = optimize(text)
+    assert not row(report, "ar").sharded

@@ -176,8 +176,9 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
     return True
 
 
-#: Elementwise opcodes that accept scalar operands next to arrays.
-_SCALAR_OK = frozenset({"clamp", "select"})
+#: Opcodes that accept scalar operands next to arrays (a loop fusion broadcasts its
+#: scalar parameters inside).
+_SCALAR_OK = frozenset({"clamp", "select", "fusion"})
 
 
 def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -246,6 +247,40 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     return RegionOp("reduce", fmt, None, reducer, neutral)
 
 
+def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A loop fusion whose body is elementwise over the result's dims (what XLA makes of
+    an optimizer update) runs on shards like one elementwise op."""
+    calls = inst.attr("calls")
+    kind = inst.attr("kind")
+    shape = _array(inst.shape)
+    if shape is None or getattr(kind, "name", "") != "kLoop" or calls is None:
+        return None
+    if not is_elementwise_body(ctx.module.computation(calls.name), shape.dims):
+        return None
+    return _elementwise(ctx, inst)
+
+
+#: Inside an elementwise fusion body: opcodes allowed besides :data:`ELEMENTWISE`.
+_BODY_EXTRA = frozenset({"parameter", "constant", "broadcast"})
+
+
+def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
+    """Every value is ``dims``-shaped or a scalar, every array op elementwise; constants
+    are scalars and broadcasts spread scalars — so the body computes element i of its
+    result from element i of its operands."""
+    for inst in comp.instructions:
+        shape = _array(inst.shape)
+        if shape is None or (shape.dims != dims and not shape.is_scalar):
+            return False
+        if inst.opcode not in ELEMENTWISE and inst.opcode not in _BODY_EXTRA:
+            return False
+        if inst.opcode == "constant" and not shape.is_scalar:
+            return False
+        if inst.opcode == "broadcast" and not comp[inst.operands[0]].shape.is_scalar:
+            return False
+    return _array(comp.root.shape) is not None and comp.root.shape.dims == dims
+
+
 Rule = Callable[[_Context, Instruction], "RegionOp | None"]
 
 #: Opcode → rule deciding whether (and how) a user of a sharded value joins the region.
@@ -256,6 +291,7 @@ RULES: dict[str, Rule] = {
     "bitcast": _bitcast,
     "transpose": _transpose,
     "reduce": _reduce,
+    "fusion": _fusion,
 }
 
 
@@ -566,6 +602,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "canonical_perm", "classify", "collect_leaves", "is_scalar_broadcast", "natural_perm",
+    "canonical_perm", "classify", "collect_leaves", "is_elementwise_body", "is_scalar_broadcast",
+    "natural_perm",
     "plan_region", "reshape_format", "transpose_operand", "transpose_result",
 ]

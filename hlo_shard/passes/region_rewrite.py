@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
-from hlo_shard.ir import ArrayShape, Computation, Ident, Instruction, Module, SliceRanges, TupleShape
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
+                          SliceRanges, TupleShape)
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 
 #: Never erased as a side effect of the rewrite.
@@ -144,11 +145,32 @@ class RegionRewrite:
                 self.shard_of[name] = operands[0]  # same flat order: the shard is unchanged
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
+            if inst.opcode == "fusion":
+                attributes["calls"] = ComputationRef(self.sharded_body(
+                    attributes["calls"].name, op.result_format))
             new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
                               self.emit.shape(inst.shape.element_type,
                                               (op.result_format.shard_len,)),
                               operands, attributes)
             self.shard_of[name] = self.rw.add_instruction(new).name
+
+    def sharded_body(self, name: str, fmt: ShardFormat) -> str:
+        """A copy of an elementwise fusion body computing ``[L]`` shards."""
+        key = ("body", name, fmt.shard_len)
+        if key not in self.emit.cache:
+            body = self.module.computation(name)
+            taken = {c.name for c in self.module.computations}
+            new_name = next(f"{name}.shard{'' if k == 0 else f'.{k}'}" for k in range(len(taken) + 1)
+                            if f"{name}.shard{'' if k == 0 else f'.{k}'}" not in taken)
+            clone = Computation(new_name, [
+                Instruction(i.name, i.opcode,
+                            i.shape if i.shape.is_scalar
+                            else self.emit.shape(i.shape.element_type, (fmt.shard_len,)),
+                            list(i.operands), dict(i.attributes), i.parameter_number, i.literal)
+                for i in body.instructions], body.root_name)
+            self.module.computations.insert(self.module.computations.index(body) + 1, clone)
+            self.emit.cache[key] = new_name
+        return self.emit.cache[key]
 
     def reduce_op(self, name: str, op: RegionOp) -> None:
         """Masked local reduction + one-element all-reduce over the group."""
