@@ -261,38 +261,61 @@ def _format_shape(shape: Shape) -> str:
 # ---------------------------------------------------------------- attribute values
 
 
+def _computation_ref(kind: str, text: str) -> AttrValue:
+    return ComputationRef(_bare(text)) if kind == "NAME" else ComputationList(read_names(text))
+
+
+def _computation_list(kind: str, text: str) -> AttrValue:
+    return ComputationList((_bare(text),) if kind == "NAME" else read_names(text))
+
+
+def _blob_reader(read):
+    """A reader for a braced value; other value kinds fall back to the default."""
+    return lambda kind, text: read(text) if kind == "BLOB" else _by_kind(kind, text)
+
+
+def _name_value(text: str) -> AttrValue:
+    if text == "true" or text == "false":
+        return text == "true"
+    return Raw(text) if text[0] == "%" else Ident(text)
+
+
+#: Value readers by the kind of the value's token (the default).
+_KIND_READERS = {
+    "INT": int,
+    "NAME": _name_value,
+    "STRING": lambda text: Str(c_unescape(text)),
+    "FLOAT": lambda text: Raw(text) if "(" in text else float(text),
+}
+
+
+def _by_kind(kind: str, text: str) -> AttrValue:
+    reader = _KIND_READERS.get(kind)
+    return reader(text) if reader is not None else Raw(text)
+
+
+#: Value readers by attribute name, for the attributes the passes interpret.
+_ATTRIBUTE_READERS = {
+    "backend_config": lambda kind, text: Raw(text),
+    "replica_groups": lambda kind, text: read_replica_groups(text),
+    "slice": _blob_reader(read_slice_ranges),
+    **{key: _computation_ref for key in _COMPUTATION_ATTRS},
+    **{key: _computation_list for key in _COMPUTATION_LIST_ATTRS},
+    **{key: _blob_reader(read_int_list) for key in _INT_LIST_ATTRS},
+}
+
+
 def _attribute_value(key: str, kind: str, text: str, loc: Loc) -> AttrValue:
-    """Type an instruction attribute by its name, then by the kind of its token."""
+    """Type an instruction attribute by its name, else by the kind of its token."""
+    reader = _ATTRIBUTE_READERS.get(key)
     try:
-        if key == "backend_config":
-            return Raw(text)
-        if key in _COMPUTATION_ATTRS:
-            if kind == "NAME":
-                return ComputationRef(_bare(text))
-            return ComputationList(read_names(text))
-        if key in _COMPUTATION_LIST_ATTRS:
-            return ComputationList((_bare(text),) if kind == "NAME" else read_names(text))
-        if key == "replica_groups":
-            return read_replica_groups(text)
+        if reader is not None:
+            return reader(kind, text)
         if kind == "BLOB":
-            if key in _INT_LIST_ATTRS:
-                return read_int_list(text)
-            if key == "slice":
-                return read_slice_ranges(text)
             return Raw(text)
+        return _by_kind(kind, text)
     except ValueError as err:
         _fail(str(err), loc)
-    if kind == "INT":
-        return int(text)
-    if kind == "NAME":
-        if text == "true" or text == "false":
-            return text == "true"
-        return Raw(text) if text[0] == "%" else Ident(text)
-    if kind == "STRING":
-        return Str(c_unescape(text))
-    if kind == "FLOAT" and "(" not in text:
-        return float(text)
-    return Raw(text)
 
 
 # --------------------------------------------------------------- literal checking
@@ -510,7 +533,7 @@ class _Builder(Transformer):
     # Computations -------------------------------------------------------------------
     def computation(self, children: list) -> Computation:
         entry, name_token, signature, *rest = children
-        name = _bare(name_token.value)
+        name = _bare(name_token.value.rstrip(":"))
         if name in self.computations:
             _fail(f"duplicate computation name '{name}'", name_token)
         scope = self._close_scope(name)
@@ -600,7 +623,10 @@ class _Builder(Transformer):
         """``LINE``: a whole instruction in the common form, cut into its parts."""
         token, *attributes = children
         match = _patterns()["line"].match(token.value)
-        kind = next(k for k in _RHS_READERS if match.start(k) >= 0)
+        kind = match.lastgroup
+        if kind == "attrs":
+            kind = "call" if match.start("call") >= 0 else (
+                "parameter" if match.start("parameter") >= 0 else "constant")
         rhs = _RHS_READERS[kind](token, *match.span(kind))
         if match.start("attrs") >= 0:
             attributes = _split_attributes(token, *match.span("attrs")) + attributes
@@ -631,7 +657,7 @@ class _Builder(Transformer):
                            _shape(shape) if shape is not None else None, rhs, attributes)
 
     def op(self, children: list) -> tuple:
-        opcode, *operands = children
+        opcode, *operands = children  # None for an absent list or trailing comma
         return ("op", opcode.value, opcode, [o for o in operands if o is not None])
 
     def simple_op(self, children: list) -> tuple:
@@ -724,7 +750,11 @@ class _Builder(Transformer):
                 if callee not in self.computations:
                     self.unresolved.append((callee, loc))
         elif key == "control-predecessors":
-            for predecessor in read_names(text):
+            try:
+                predecessors = read_names(text)
+            except ValueError as err:
+                _fail(str(err), loc)
+            for predecessor in predecessors:
                 if predecessor not in self.scope.names:
                     _fail(f"control predecessor '{predecessor}' is not defined before "
                           "this instruction", loc)
