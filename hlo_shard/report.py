@@ -279,8 +279,9 @@ def report_document(est: StepEstimate, module: Module, top: int = 10) -> Documen
         f"Peak memory: {fmt_bytes(peak)} at {est.memory.peak_instruction}",
         ["category", "bytes", "share"],
         [[label, fmt_bytes(value), fmt_share(value, peak)] for label, value in _memory_rows(est)],
-        note=f"XLA-style argument + output + temp − alias: "
-             f"{fmt_bytes(est.memory.xla_equivalent_bytes)}"))
+        note="XLA's accounting: arguments + outputs + temporaries − donated outputs; at "
+             f"most {fmt_bytes(est.memory.high_water_bytes)} is live at once "
+             f"(at {est.memory.high_water_instruction})"))
     doc.tables.append(Table(
         f"Top {top} instructions by estimated time",
         ["instruction", "opcode", "category", "runs", "time", "flops", "bytes"],

@@ -21,7 +21,9 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hlo_shard.analysis.collective_model import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, group_size,
@@ -301,6 +303,29 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
     return kinds
 
 
+#: Roles of ``fixtures/MANIFEST.json`` → parameter kinds.
+_MANIFEST_ROLES = {"weight": "weights", "optimizer_state": "optimizer_state", "batch": "batch"}
+
+
+def manifest_parameter_kinds(module: Module) -> dict[str, str] | None:
+    """Parameter kinds from the ``MANIFEST.json`` next to a fixture (``<dir>/<form>/
+    <file>.hlo`` described under the key ``<form>/<file>.hlo``), when there is one."""
+    if not module.source_path:
+        return None
+    path = Path(module.source_path)
+    manifest = path.parent.parent / "MANIFEST.json"
+    try:
+        entry = json.loads(manifest.read_text(encoding="utf-8")).get(
+            f"{path.parent.name}/{path.name}")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or "parameters" not in entry:
+        return None
+    params = {p.parameter_number: p.name for p in module.entry.parameters()}
+    return {params[p["index"]]: _MANIFEST_ROLES.get(p.get("role"), "other_parameters")
+            for p in entry["parameters"] if p.get("index") in params}
+
+
 def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:
     """Users of a value, looking through tuples, get-tuple-element and reshapes."""
     found: list[str] = []
@@ -436,8 +461,10 @@ def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | 
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     estimator = _Estimator(module, profile, model, algorithm, group_override, emulate)
     instructions = estimator.computation(module.entry, 1)
-    kinds = classify_parameters(module, estimator.categories[module.entry.name])
-    memory = memory_profile(module, kinds, gradient_values(module, module.entry))
+    kinds = (manifest_parameter_kinds(module)
+             or classify_parameters(module, estimator.categories[module.entry.name]))
+    memory = memory_profile(module, kinds, gradient_values(module, module.entry),
+                            upcast_16bit_floats=profile.upcasts_16bit_floats)
     source = "update_region" if "update_region" in estimator.region_sources else "fallback"
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,

@@ -17,9 +17,11 @@ Like XLA's buffer assignment:
 * a while, call or conditional adds what its callee allocates on top of the buffers
   it is passed (a loop body's new carry values and temporaries).
 
-``xla_equivalent_bytes`` is what ``CompiledMemoryStats`` adds up (argument + output +
-temp − alias): XLA allocates outputs and temporaries separately, so it is at least the
-true high-water mark that ``peak_bytes`` reports.
+``peak_bytes`` is what ``CompiledMemoryStats`` adds up (argument + output + temp −
+alias): XLA allocates outputs and temporaries separately, a temporary sharing an
+output's allocation only when it has exactly its size and dies before (or as) the
+output is written. ``high_water_bytes`` is the most that is ever live at once (a
+perfectly packed heap), and the curve plotted over the schedule.
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, is_relabel, plan_kernels,
 )
 from hlo_shard.graph import topological_order
-from hlo_shard.ir import Computation, Instruction, Module, Shape, TupleShape
+from hlo_shard.ir import (
+    ELEMENT_BITS, Computation, Instruction, Module, Shape, TupleShape, shape_leaves,
+)
 
 #: Ops that may write their result into an operand buffer that dies at them (XLA's
 #: ``CanShareOperandBufferWithUser``: elementwise loops, fusions of them, in-place
 #: updates, loops over their carry).
 _IN_PLACE_OPCODES = ELEMENTWISE_OPCODES | frozenset({"dynamic-update-slice", "while", "fusion"})
+
+_HALF_FLOATS = frozenset({"bf16", "f16"})
 
 CATEGORIES = ("weights", "optimizer_state", "batch", "other_parameters", "gradients",
               "temporaries", "outputs")
@@ -52,31 +58,34 @@ class Buffer:
 
 @dataclass
 class MemoryProfile:
-    """Per-device memory of one step."""
+    """Per-device memory of one step, in XLA's accounting: arguments + outputs + the
+    temporary allocation − outputs aliased to (donated) arguments."""
 
     peak_bytes: int
-    #: The instruction after which the peak is reached.
+    #: The instruction at which the temporary allocation is at its largest.
     peak_instruction: str
-    #: Live bytes at the peak by category (see :data:`CATEGORIES`).
+    #: ``peak_bytes`` by category: arguments by kind, outputs not aliased to an
+    #: argument, and the temporaries (gradients apart) live at ``peak_instruction``.
     peak_breakdown: dict[str, int]
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
-    #: The largest sum of live temporaries (XLA's ``temp`` allocation, unpacked).
+    #: XLA's ``temp`` allocation, modelled: the peak of live temporaries that cannot
+    #: borrow a not-yet-written output buffer of their size.
     temp_bytes: int
+    #: The largest sum of live buffers at any point (a perfectly packed heap) and where.
+    high_water_bytes: int
+    high_water_instruction: str
     #: (position, instruction, live bytes) after each scheduled instruction.
     curve: list[tuple[int, str, int]] = field(default_factory=list)
-
-    @property
-    def xla_equivalent_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
     def to_json(self) -> dict:
         return {
             "peak_bytes": self.peak_bytes, "peak_instruction": self.peak_instruction,
             "peak_breakdown": self.peak_breakdown, "argument_bytes": self.argument_bytes,
             "output_bytes": self.output_bytes, "alias_bytes": self.alias_bytes,
-            "temp_bytes": self.temp_bytes, "xla_equivalent_bytes": self.xla_equivalent_bytes,
+            "temp_bytes": self.temp_bytes, "high_water_bytes": self.high_water_bytes,
+            "high_water_instruction": self.high_water_instruction,
         }
 
 
@@ -98,14 +107,27 @@ def output_parameter_aliases(module: Module) -> dict[int, int]:
 
 
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
-                   gradients: set[str] | None = None) -> MemoryProfile:
+                   gradients: set[str] | None = None, *,
+                   upcast_16bit_floats: bool = False) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);
-    ``gradients`` names the values holding gradients (collective inputs and results)."""
+    ``gradients`` names the values holding gradients (collective inputs and results).
+    ``upcast_16bit_floats``: the backend computes bf16/f16 in f32 (XLA CPU's float
+    normalization), so temporaries of those types take 4 bytes per element."""
     entry = module.entry
     kinds = parameter_kinds or {}
     emulate = not is_prefused(module)
-    return _Liveness(module, entry, kinds, gradients or set(), emulate).run()
+    return _Liveness(module, entry, kinds, gradients or set(), emulate,
+                     upcast=upcast_16bit_floats).run()
+
+
+def temporary_bytes(shape: Shape, upcast: bool) -> int:
+    """Bytes of a temporary of ``shape``; 16-bit floats as f32 when ``upcast``."""
+    if not upcast:
+        return leaf_bytes(shape)
+    return sum(leaf.num_elements * (4 if leaf.element_type in _HALF_FLOATS else
+                                    ELEMENT_BITS[leaf.element_type] // 8)
+               for _, leaf in shape_leaves(shape))
 
 
 class _Liveness:
@@ -114,8 +136,10 @@ class _Liveness:
     all-reduce, a multi-output fusion), so that get-tuple-element selects one."""
 
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
-                 gradients: set[str], emulate: bool, nested: bool = False) -> None:
+                 gradients: set[str], emulate: bool, nested: bool = False,
+                 upcast: bool = False) -> None:
         self.module = module
+        self.upcast = upcast
         self.comp = comp
         self.kinds = kinds
         self.gradients = gradients
@@ -139,9 +163,10 @@ class _Liveness:
         parts = (list(enumerate(shape.elements)) if isinstance(shape, TupleShape)
                  else [(None, shape)])
         self.elements[inst.name] = []
+        upcast = self.upcast and category in ("temporaries", "gradients")
         for index, part in parts:
             key = inst.name if index is None else f"{inst.name}#{index}"
-            self.buffers[key] = Buffer(key, leaf_bytes(part), category)
+            self.buffers[key] = Buffer(key, temporary_bytes(part, upcast), category)
             self.definer[key] = inst.name
             self.elements[inst.name].append((key,))
 
@@ -169,7 +194,14 @@ class _Liveness:
         for key in self.owners(self.comp.root_name):
             buffer = self.buffers[key]
             if buffer.category == "temporaries" and not self._is_parameter(key):
-                self.buffers[key] = Buffer(key, buffer.size, "outputs")
+                shape = self._shape_of(key)
+                self.buffers[key] = Buffer(key, leaf_bytes(shape), "outputs")
+
+    def _shape_of(self, key: str) -> Shape:
+        shape = self.comp[self.definer[key]].shape
+        if "#" in key and isinstance(shape, TupleShape):
+            return shape.elements[int(key.rsplit("#", 1)[1])]
+        return shape
 
     def _is_parameter(self, key: str) -> bool:
         return self.comp[self.definer[key]].opcode == "parameter"
@@ -221,8 +253,9 @@ class _Liveness:
         for key in self.buffers:  # defined, never read: dies at once
             if key not in last_use and not self._persistent(key):
                 dies_at.setdefault(self.position[self.definer[key]], []).append(key)
-        peak, peak_at, peak_live = self._total(live), "(start)", dict(live)
-        temp_peak = 0
+        peak, peak_at = self._total(live), "(start)"
+        born: dict[str, int] = {}
+        transients: list[int] = []
         curve: list[tuple[int, str, int]] = []
         for inst in self.order:
             pos = self.position[inst.name]
@@ -233,10 +266,11 @@ class _Liveness:
             shared = self._in_place_bytes(inst, written, dying)
             for buffer in written:
                 live[buffer.owner] = buffer
+                born[buffer.owner] = pos
             level = self._total(live) + transient - shared
             if level > peak:
-                peak, peak_at, peak_live = level, inst.name, dict(live)
-            temp_peak = max(temp_peak, self._temps(live) + transient - shared)
+                peak, peak_at = level, inst.name
+            transients.append(transient - shared)
             for key in dies_at.get(pos, ()):
                 if key in live and not self._persistent(key):
                     del live[key]
@@ -244,13 +278,51 @@ class _Liveness:
         if copied:
             level = self._total(live) + copied
             if level > peak:
-                peak, peak_at, peak_live = level, self.comp.root_name, dict(live)
+                peak, peak_at = level, self.comp.root_name
+        temp_peak, temp_at, temp_split = self._temp_allocation(born, last_use, transients)
         breakdown = {c: 0 for c in CATEGORIES}
-        for b in peak_live.values():
-            breakdown[b.category] += b.size
-        breakdown["outputs"] += copied if peak_at == self.comp.root_name else 0
-        return MemoryProfile(peak, peak_at, breakdown, argument_bytes, output_bytes,
-                             alias_bytes, temp_peak, curve)
+        for key, buffer in self.buffers.items():
+            if self._is_parameter(key):
+                breakdown[buffer.category] += buffer.size
+        breakdown["outputs"] = output_bytes - alias_bytes
+        breakdown.update(temp_split)
+        return MemoryProfile(
+            argument_bytes + output_bytes + temp_peak - alias_bytes,
+            self.order[temp_at].name if self.order else "", breakdown, argument_bytes,
+            output_bytes, alias_bytes, temp_peak, peak, peak_at, curve)
+
+    def _temp_allocation(self, born: dict[str, int], last_use: dict[str, int],
+                         transients: list[int]) -> tuple[int, int, dict[str, int]]:
+        """XLA's temp allocation: the peak of live temporaries that cannot borrow the
+        space of an output buffer (buffer assignment lets a temporary use a live-out
+        allocation of exactly its size before the output value is written there, or
+        as the output is written in place). Returns (bytes, position, by category)."""
+        temps = sorted((born[k], last_use.get(k, born[k]), b.size, k)
+                       for k, b in self.buffers.items()
+                       if k in born and b.category in ("temporaries", "gradients"))
+        free_from = {k: -1 for k, b in self.buffers.items()
+                     if k in born and b.category == "outputs" and b.size}
+        hosted: set[str] = set()
+        for start, end, size, key in temps:
+            for out, available in free_from.items():
+                if (self.buffers[out].size == size and available < start
+                        and end <= born[out]):
+                    free_from[out] = end
+                    hosted.add(key)
+                    break
+        steps = len(self.order)
+        level = {c: [0] * steps for c in ("gradients", "temporaries")}
+        for start, end, size, key in temps:
+            if key not in hosted:
+                for pos in range(start, min(end, steps - 1) + 1):
+                    level[self.buffers[key].category][pos] += size
+        totals = [level["gradients"][i] + level["temporaries"][i] + transients[i]
+                  for i in range(steps)]
+        if not totals:
+            return 0, 0, {}
+        at = max(range(steps), key=totals.__getitem__)
+        return totals[at], at, {"gradients": level["gradients"][at],
+                                "temporaries": level["temporaries"][at] + transients[at]}
 
     def _output_leaves(self) -> list[tuple[str | None, tuple[str, ...], Shape]]:
         """(value name when known, buffers, shape) of each top-level output element."""
@@ -335,15 +407,14 @@ class _Liveness:
             if inst.opcode == "while" and name == getattr(inst.attr("condition"), "name", None):
                 continue
             callee = self.module.computation(name)
-            nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate, nested=True)
+            nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
+                               nested=True, upcast=self.upcast)
             profile = nested.run()
             # What the callee adds on top of the buffers it was passed.
-            peaks.append(profile.peak_bytes - profile.argument_bytes)
+            peaks.append(profile.high_water_bytes - profile.argument_bytes)
         return max(peaks, default=0)
 
     @staticmethod
     def _total(live: dict[str, Buffer]) -> int:
         return sum(b.size for b in live.values())
 
-    def _temps(self, live: dict[str, Buffer]) -> int:
-        return sum(b.size for b in live.values() if b.category in ("temporaries", "gradients"))

@@ -51,6 +51,8 @@ class HardwareProfile:
     memory_capacity_bytes: int
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
+    #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
+    upcasts_16bit_floats: bool
     interconnect: Interconnect
     sources: tuple[str, ...]
 
@@ -108,6 +110,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             memory_bandwidth_bytes_per_s=_positive(data["memory_bandwidth_bytes_per_s"]),
             memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
+            upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
             interconnect=Interconnect(
                 algorithm=algorithm,
                 devices_per_node=int(net.get("devices_per_node", 1 << 30)),
