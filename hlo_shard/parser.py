@@ -446,11 +446,11 @@ def _operand_locations(token: Token, paren: int, end: int) -> list[Loc]:
     return [(token, m.start()) for m in _NAME_RE.finditer(text, paren)]
 
 
-def _unique(base: str, taken) -> str:
-    """``base``, else ``base.1``, ``base.2``, … (XLA's name uniquer)."""
+def _unique(base: str, taken, start: int = 1) -> str:
+    """``base``, else ``base.<n>`` for the first free n ≥ ``start`` (XLA's uniquer)."""
     if base not in taken:
         return base
-    return next(f"{base}.{n}" for n in itertools.count(1) if f"{base}.{n}" not in taken)
+    return next(f"{base}.{n}" for n in itertools.count(start) if f"{base}.{n}" not in taken)
 
 
 # ------------------------------------------------------------------ the transformer
@@ -800,9 +800,13 @@ def _name_nested(scope: _Scope) -> None:
     """Give hoisted nested operands XLA's names (``negate.anon``, ``negate.anon.1``)."""
     taken = {name for name in scope.names if not name.startswith(_PLACEHOLDER)}
     renames: dict[str, str] = {}
+    next_suffix: dict[str, int] = {}  # keeps many same-opcode operands linear
     for inst in scope.instructions:
         if inst.name.startswith(_PLACEHOLDER):
-            fresh = _unique(f"{inst.opcode}.anon", taken)
+            base = f"{inst.opcode}.anon"
+            fresh = _unique(base, taken, next_suffix.get(base, 1))
+            if fresh != base:
+                next_suffix[base] = int(fresh.rsplit(".", 1)[1]) + 1
             taken.add(fresh)
             renames[inst.name] = inst.name = fresh
     for inst in scope.instructions:
