@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hlo_shard import parse
@@ -212,3 +214,42 @@ def test_execution_thread_and_comments_anywhere():
                    "}, execution_thread=\"host\"\n"
                    "ENTRY e {\n ROOT p = f32[] parameter(0) // c\n}\n")
     assert module.computation("t").execution_thread == "host"
+
+
+# The coarse tokens (LINE, HEAD, CALL, ATTRS, ...) are a speed-up only: with them
+# switched off the fine-grained rules must read every file to the very same module.
+COARSE_TOKENS = {"LINE", "HEAD", "CALL", "ATTRS", "SIGNATURE", "PARAMETER_CALL",
+                 "CONSTANT_CALL"}
+ROOT_DIR = Path(__file__).resolve().parents[1]
+FILES = sorted((ROOT_DIR / "tests" / "golden").glob("**/*.hlo")) + sorted(
+    (ROOT_DIR / "fixtures").glob("*/*.n4.hlo"))
+
+
+@pytest.fixture(scope="module")
+def fine_grained_parser():
+    from lark import Lark
+    from lark.lexer import PatternRE
+
+    from hlo_shard import parser
+
+    def switch_off(terminal):
+        if terminal.name in COARSE_TOKENS:
+            terminal.pattern = PatternRE("\x00never\x00")
+
+    parser._patterns()  # the cutting regexes come from the real grammar
+    return Lark(parser.grammar_path().read_text(), parser="lalr", lexer="contextual",
+                transformer=parser._BUILDER, start=["start", "inline_body"],
+                maybe_placeholders=True, edit_terminals=switch_off)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT_DIR)))
+def test_coarse_tokens_do_not_change_the_module(path, fine_grained_parser, monkeypatch):
+    from hlo_shard import parser, to_text
+
+    text = path.read_text()
+    coarse = parse(text)
+    monkeypatch.setattr(parser, "_PARSER", fine_grained_parser)
+    fine = parse(text)
+    assert to_text(fine) == to_text(coarse)
+    assert [(i.name, i.loc) for c in fine.computations for i in c.instructions] == [
+        (i.name, i.loc) for c in coarse.computations for i in c.instructions]
