@@ -910,8 +910,7 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
                           "unterminated string, or nesting deeper than 12 levels)",
                           token.line, token.column)
         if token.type == "LITERAL":  # the catch-all token: report one character
-            return _unexpected_character(text, path, token.start_pos, token.line,
-                                         token.column, expected)
+            return _unexpected_character(text, path, token.line, token.column, expected)
         message = f"expected {_expected_words(expected)}, found {show(token.value, 30)}"
         if token.type == "ATTR" and "NAME" in expected:
             message += (" (a name directly followed by '=' reads as an attribute name; "
@@ -920,8 +919,7 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
             message += " (write attributes as name=value with no space before '=')"
         return _error(text, path, message, token.line, token.column)
     if isinstance(err, UnexpectedCharacters):
-        return _unexpected_character(text, path, err.pos_in_stream, err.line, err.column,
-                                     err.allowed or ())
+        return _unexpected_character(text, path, err.line, err.column, err.allowed or ())
     if isinstance(err, UnexpectedEOF):
         line, column = _end_position(text)
         return _error(text, path, f"unexpected end of input; expected "
@@ -936,10 +934,13 @@ _UNCLOSED = {"{": "'{' without a matching '}'", "(": "'(' without a matching ')'
              '"': "unterminated string", "'": "unterminated string"}
 
 
-def _unexpected_character(text: str, path: str | None, pos: int, line: int, column: int,
+def _unexpected_character(text: str, path: str | None, line: int, column: int,
                           expected: Iterable[str]) -> HloParseError:
-    char = text[pos] if pos < len(text) else ""
-    if char == "[" and (word := _WORD_BEFORE_RE.search(text, 0, pos)):
+    """(Found by line and column: inside an inline computation lark's offsets are
+    relative to the computation's text.)"""
+    source_line = _source_line(text, line)
+    char = source_line[column - 1: column]
+    if char == "[" and (word := _WORD_BEFORE_RE.search(source_line, 0, column - 1)):
         return _error(text, path, f"unknown element type '{word.group(0)}'", line,
                       column - len(word.group(0)))
     if char in _UNCLOSED:

@@ -76,6 +76,13 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     (OK_HEAD + "  ROOT n = f32[4] negate(p)\n}, color=\"red\"\n", 5, 4,
      "only execution_thread"),
     (OK_HEAD + "  ROOT c = f32[4] tuple(p),,\n}\n", 4, 28, "expected"),
+    # Inside an inline computation, positions are still those of the whole text.
+    (OK_HEAD + "  z = f32[] constant(0)\n  ROOT s = f32[] reduce(p, z), dimensions={0}, "
+     "to_apply={ a = f32[] parameter(0) ROOT m = f32[] maximum(a, c) }\n}\n", 5, 108,
+     "undefined instruction 'c'"),
+    (OK_HEAD + "  z = f32[] constant(0)\n  ROOT s = f32[] reduce(p, z), dimensions={0}, "
+     "to_apply={ a = f32[] parameter(0) ROOT m = f32[] maximum(a, \x01) }\n}\n", 5, 108,
+     "unexpected character '\\x01'"),
 ])
 def test_error_position_and_words(text, line, column, words):
     with pytest.raises(HloParseError) as info:
