@@ -174,53 +174,124 @@ PASS_THROUGH = frozenset({
 })
 #: Collectives that sum values across devices: what batch data and gradients feed.
 SUMMING_COLLECTIVES = frozenset({"all-reduce", "all-reduce-start", "reduce-scatter"})
-_CALLS_BODY = frozenset({"fusion", "call", "async-start"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Bits:
+    """Parameters (bitsets) a value depends on at all, and unchanged (pass-through)."""
+
+    reach: int
+    through: int
+
+    def __or__(self, other: _Bits) -> _Bits:
+        return _Bits(self.reach | other.reach, self.through | other.through)
+
+
+#: One _Bits per array leaf of a value, depth first.
+_Leaves = tuple[_Bits, ...]
+
+
+def _leaf_count(shape) -> int:
+    return sum(1 for _ in shape_leaves(shape))
+
+
+class _ParameterFlow:
+    """Tuple-aware forward dataflow of entry parameters through the module, following
+    calls, fusions, conditionals and while loops (to a fixpoint) into their bodies, so
+    that state carried through a loop stays apart from the batch it is carried with."""
+
+    def __init__(self, module: Module) -> None:
+        self.comps = {c.name: c for c in module.computations}
+        self.summed = 0  # parameters that reach a summing collective
+        self._summing: dict[str, bool] = {}
+        self.handlers = {"parameter": None, "tuple": self._tuple,
+                         "get-tuple-element": self._get_tuple_element, "while": self._while,
+                         "call": self._call, "fusion": self._call,
+                         "conditional": self._conditional}
+
+    def run(self, comp: Computation, params: Sequence[_Leaves]) -> _Leaves:
+        values: dict[str, _Leaves] = {}
+        for inst in topological_order(comp):
+            if inst.opcode == "parameter":
+                values[inst.name] = params[inst.parameter_number]
+                continue
+            operands = [values[name] for name in inst.operands]
+            handler = self.handlers.get(inst.opcode, self._default)
+            values[inst.name] = handler(comp, inst, operands)
+        return values[comp.root_name]
+
+    def _tuple(self, comp, inst, operands) -> _Leaves:
+        return tuple(bits for leaves in operands for bits in leaves)
+
+    def _get_tuple_element(self, comp, inst, operands) -> _Leaves:
+        elements = comp[inst.operands[0]].shape.elements
+        index = inst.attributes.get("index", 0)
+        start = sum(_leaf_count(e) for e in elements[:index])
+        return operands[0][start:start + _leaf_count(elements[index])]
+
+    def _call(self, comp, inst, operands) -> _Leaves:
+        callee = inst.called_computations()[0]
+        return self.run(self.comps[callee], operands)
+
+    def _while(self, comp, inst, operands) -> _Leaves:
+        body = self.comps[inst.attributes["body"].name]
+        condition = self.comps[inst.attributes["condition"].name]
+        state = operands[0]
+        while True:
+            self.run(condition, [state])
+            grown = tuple(a | b for a, b in zip(state, self.run(body, [state])))
+            if grown == state:
+                return state
+            state = grown
+
+    def _conditional(self, comp, inst, operands) -> _Leaves:
+        predicate = _Bits(0, 0)
+        for bits in operands[0]:
+            predicate |= _Bits(bits.reach, 0)
+        result = None
+        for k, branch in enumerate(inst.called_computations()):
+            out = self.run(self.comps[branch], [operands[k + 1]])
+            result = out if result is None else tuple(a | b for a, b in zip(result, out))
+        return tuple(bits | predicate for bits in result)
+
+    def _default(self, comp, inst, operands) -> _Leaves:
+        flat = [bits for leaves in operands for bits in leaves]
+        reach = 0
+        for bits in flat:
+            reach |= bits.reach
+        if inst.opcode in SUMMING_COLLECTIVES or any(
+                self._contains_summing(c) for c in inst.called_computations() if c in self.comps):
+            self.summed |= reach
+            if len(flat) == _leaf_count(inst.shape):  # variadic: leaf k from operand k
+                return tuple(_Bits(bits.reach, 0) for bits in flat)
+        through = 0
+        if inst.opcode in PASS_THROUGH:
+            for bits in flat:
+                through |= bits.through
+        return (_Bits(reach, through),) * _leaf_count(inst.shape)
+
+    def _contains_summing(self, name: str) -> bool:
+        if name not in self._summing:
+            self._summing[name] = any(inst.opcode in SUMMING_COLLECTIVES or any(
+                self._contains_summing(c) for c in inst.called_computations() if c in self.comps)
+                for inst in self.comps[name].instructions)
+        return self._summing[name]
 
 
 def default_roles(module: Module) -> dict[int, str]:
     """Parameter number → role by the dataflow rule in the module docstring."""
-    comps = {c.name: c for c in module.computations}
-
-    @lru_cache(maxsize=None)
-    def body_kind(name: str) -> tuple[bool, bool]:
-        """(computation is pass-through only, computation contains a summing collective)."""
-        through, summing = True, False
-        for inst in comps[name].instructions:
-            if inst.opcode == "parameter" or inst.opcode == "constant" or inst.opcode == "iota":
-                continue
-            inner = [body_kind(c) for c in inst.called_computations() if c in comps]
-            summing |= inst.opcode in SUMMING_COLLECTIVES or any(s for _, s in inner)
-            if inst.opcode in _CALLS_BODY:
-                through &= all(t for t, _ in inner)
-            elif inst.opcode not in PASS_THROUGH:
-                through = False
-        return through, summing
-
-    entry = module.entry
-    through: dict[str, int] = {}   # name → bitset of parameters passing through unchanged
-    reach: dict[str, int] = {}     # name → bitset of parameters it depends on at all
-    summed = 0                     # parameters that reach a summing collective
-    for inst in topological_order(entry):
-        if inst.opcode == "parameter":
-            through[inst.name] = reach[inst.name] = 1 << inst.parameter_number
-            continue
-        deps = 0
-        passing = 0
-        for operand in inst.operands:
-            deps |= reach[operand]
-            passing |= through[operand]
-        inner = [body_kind(c) for c in inst.called_computations() if c in comps]
-        if inst.opcode in SUMMING_COLLECTIVES or any(s for _, s in inner):
-            summed |= deps
-        keeps = (inst.opcode in _CALLS_BODY and inner and all(t for t, _ in inner)) or (
-            inst.opcode in PASS_THROUGH)
-        reach[inst.name] = deps
-        through[inst.name] = passing if keeps else 0
-    to_output = through[entry.root_name]
+    flow = _ParameterFlow(module)
+    params = module.entry.parameters()
+    outputs = flow.run(module.entry, [
+        (_Bits(1 << p.parameter_number, 1 << p.parameter_number),) * _leaf_count(p.shape)
+        for p in params])
+    to_output = 0
+    for bits in outputs:
+        to_output |= bits.through
     roles = {}
-    for param in entry.parameters():
+    for param in params:
         bit = 1 << param.parameter_number
-        per_device = not (to_output & bit) and bool(summed & bit)
+        per_device = not (to_output & bit) and bool(flow.summed & bit)
         roles[param.parameter_number] = PER_DEVICE if per_device else REPLICATED
     return roles
 
