@@ -59,6 +59,27 @@ def test_default_roles_of_a_training_step():
     assert roles == {0: "replicated", 1: "per-device"}
 
 
+LOOP = "HloModule loop, replica_count=2\n" + ADD + """cond {
+ s = (f32[4], f32[2,4], s32[]) parameter(0) i = s32[] get-tuple-element(s), index=2
+ three = s32[] constant(3) ROOT lt = pred[] compare(i, three), direction=LT }
+body { s = (f32[4], f32[2,4], s32[]) parameter(0)
+ w = f32[4] get-tuple-element(s), index=0 x = f32[2,4] get-tuple-element(s), index=1
+ i = s32[] get-tuple-element(s), index=2 z = f32[] constant(0)
+ r = f32[4] reduce(x, z), dimensions={0}, to_apply=add
+ g = f32[4] all-reduce(r), replica_groups={{0,1}}, to_apply=add
+ w2 = f32[4] subtract(w, g) one = s32[] constant(1) i2 = s32[] add(i, one)
+ ROOT t = (f32[4], f32[2,4], s32[]) tuple(w2, x, i2) }
+ENTRY e { w = f32[4] parameter(0) x = f32[2,4] parameter(1) z = s32[] constant(0)
+ t = (f32[4], f32[2,4], s32[]) tuple(w, x, z)
+ l = (f32[4], f32[2,4], s32[]) while(t), condition=cond, body=body
+ ROOT o = f32[4] get-tuple-element(l), index=0 }
+"""
+
+
+def test_default_roles_follow_tuple_elements_through_loops():
+    assert runtime.default_roles(parse(LOOP)) == {0: "replicated", 1: "per-device"}
+
+
 def test_explicit_list_then_manifest_then_sharding_then_replication():
     module = parse("HloModule m, num_partitions=2\nENTRY e {\n"
                    " a = f32[2] parameter(0), sharding={replicated}\n"
