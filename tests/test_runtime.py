@@ -104,6 +104,13 @@ def test_memory_cost_and_timing_are_reported(worker):
     assert len(timing.seconds) == 3 and 0 < timing.median < 5
 
 
+def test_module_cost_without_compiling(worker):
+    assert runtime.module_cost(SGD)["flops"] == 3 * 1024
+    # XLA would abort compiling this one; its cost analysis still works.
+    assert runtime.module_cost(CRASH)["bytes accessed"] > 0
+    assert worker.alive
+
+
 def test_interleaved_timing_of_two_executables(worker):
     a, b = runtime.load(SGD), runtime.load(SGD.replace("0.01", "0.02"))
     args = a.arguments([np.zeros(1024, np.float32), np.ones(1024, np.float32)])

@@ -14,6 +14,7 @@ Python API (what ``verify``, the benchmarks and the cost report call)::
     exe.memory.temp, exe.memory.peak                  # XLA CompiledMemoryStats, per device
     exe.cost["flops"], exe.cost["bytes accessed"]     # hlo_module_cost_analysis (as written)
     exe.compiled_cost                                 # cost_analysis() of the optimized module
+    runtime.module_cost("any.hlo")                    # hlo_module_cost_analysis, no compile
     exe.time(w, gs, runs=20).median                   # seconds per step after warm-up
     runtime.time_interleaved([a, b], [args_a, args_b], runs=20)   # A/B/A/B timing
 
@@ -28,7 +29,7 @@ schema written by ``optimize --manifest`` is documented in :mod:`.manifest`.
 
 from hlo_shard.runtime.compare import DEFAULT_TOLERANCES, LeafComparison, Tolerance, compare_leaf
 from hlo_shard.runtime.executable import (
-    Executable, MemoryStats, Timing, load, read_module, time_interleaved,
+    Executable, MemoryStats, Timing, load, module_cost, read_module, time_interleaved,
 )
 from hlo_shard.runtime.forms import check_executable, device_count, replica_form
 from hlo_shard.runtime.inputs import (
@@ -49,7 +50,7 @@ __all__ = [
     "MemoryStats", "ModuleReport", "PER_DEVICE", "ParameterRole", "REPLICATED", "Shard",
     "Timing", "Tolerance", "VerifyOptions", "VerifyReport", "Worker", "check_executable",
     "compare_leaf", "default_feedback", "default_roles", "device_count", "gather_value",
-    "generate_inputs", "get_worker", "load", "load_manifest", "load_npz", "manifest_to_json",
+    "generate_inputs", "get_worker", "load", "load_manifest", "load_npz", "manifest_to_json", "module_cost",
     "numpy_dtype", "parameter_roles", "parse_manifest", "positive_parameters", "read_module",
     "replica_form", "shard_value", "shutdown_workers", "time_interleaved", "verify",
 ]

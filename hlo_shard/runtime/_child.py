@@ -183,6 +183,11 @@ class Runtime:
             "compiled_cost": {k: float(v) for k, v in compiled_cost.items()}}
         return handle
 
+    def cost(self, text: str) -> dict[str, float]:
+        """``hlo_module_cost_analysis`` of the text as written, without compiling it
+        (so it works for modules XLA will not compile again, e.g. optimized dumps)."""
+        return self._module_cost(self._parse(text))
+
     def _arrays(self, devices: list, per_parameter: list[list]) -> list:
         """One jax.Array per parameter holding each device's own value."""
         jax = self.jax
@@ -265,7 +270,7 @@ def serve(requests: BinaryIO, replies: BinaryIO, backend: str, device_count: int
         write_message(replies, _error_reply(err))
         return
     write_message(replies, {"ok": True, "result": runtime.describe()})
-    handlers = {"compile": runtime.compile, "execute": runtime.execute,
+    handlers = {"compile": runtime.compile, "execute": runtime.execute, "cost": runtime.cost,
                 "time": runtime.time, "release": runtime.release,
                 "ping": lambda: "pong"}
     while (request := read_message(requests)) is not None:

@@ -180,6 +180,20 @@ def load(source: str | Path | Module, devices: int | None = None, backend: str |
     return Executable(module, executable_form, devices, worker, timeout)
 
 
+def module_cost(source: str | Path | Module, backend: str = "cpu", *,
+                worker: Worker | None = None, timeout: float = DEFAULT_TIMEOUT
+                ) -> dict[str, float]:
+    """XLA's ``hlo_module_cost_analysis`` of ``source`` as written (flops,
+    transcendentals, bytes accessed …), without compiling: cheaper than :func:`load`
+    and it also works on modules XLA refuses to compile again."""
+    from hlo_shard.printer import to_text
+
+    module = read_module(source)
+    worker = worker or get_worker(backend, 1, timeout)
+    return worker.request("cost", timeout, f"cost analysis of {module.source_path or module.name}",
+                          text=to_text(module))
+
+
 def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequence[DeviceValues]],
                      runs: int = 10, warmup: int = 2) -> list[Timing]:
     """Median-ready step times of several executables sharing one worker, run
