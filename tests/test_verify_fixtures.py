@@ -81,6 +81,10 @@ def test_identical_fixtures_verify_equal(name):
     assert report.ok, [leaf for leaf in report.final() if not leaf.ok]
     assert report.devices == info["num_devices"]
     assert len(report.final()) == len(info["outputs"])
+    memory = report.original.memory  # XLA's figures, per device, donation stripped
+    assert memory.argument == sum(shape.byte_size for shape in report.original.parameters)
+    assert memory.output >= sum(shape.byte_size for shape in report.original.outputs)
+    assert memory.alias == 0 and memory.peak >= memory.argument
 
 
 @pytest.mark.parametrize("name", SELECTED)
