@@ -93,6 +93,10 @@ def _text_report(report, timed: bool) -> list[str]:
             lines.append(f"  {index}  {shape.element_type}[{','.join(map(str, shape.dims))}]{warn}")
     else:
         lines += _table(report)
+        tolerances = {leaf.shape.element_type: leaf.tolerance for leaf in report.final()}
+        lines.append("tolerances: " + ", ".join(
+            f"{t} rtol {tol.rtol:g} atol {tol.atol:g}" if tol.rtol or tol.atol else f"{t} exact"
+            for t, tol in sorted(tolerances.items())))
         bad = [leaf for leaf in report.final() if not leaf.ok]
         if bad:
             step = report.differing[0][0]
