@@ -47,6 +47,8 @@ class PlotUnavailable(HloShardError):
 
 def fmt_seconds(value: float) -> str:
     magnitude = abs(value)
+    if 0 < magnitude < 1e-9:
+        return "<1 ns"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if magnitude >= scale:
             return f"{value / scale:.3g} {unit}"

@@ -158,7 +158,8 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
             raise HloShardError(f"--replicas must be at least 2 (got {n})")
         factor = 1.0 if global_batch is None else (global_batch / n) / b0
         target = retarget(module, n) if n != n0 else copy.deepcopy(module)
-        original = _projection(estimate_step(target, profile, algorithm=algorithm), factor)
+        original = _projection(estimate_step(target, profile, algorithm=algorithm,
+                                             categories=base.categories), factor)
         try:
             sharded_module = sharding_pass(state, strategy).apply(copy.deepcopy(target)).module
         except HloShardError as err:

@@ -59,6 +59,8 @@ class CollectiveCost:
     steps: int
     seconds: float
     algorithm: str
+    #: The α part of ``seconds`` (paid once per combined bucket, see :func:`combine`).
+    latency_s: float = 0.0
 
 
 def group_size(inst: Instruction, module: Module) -> int:
@@ -129,15 +131,41 @@ def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
     link = profile.interconnect.link_for(n)
     steps = algorithm_steps(kind, n, algorithm)
     sent = wire_bytes(kind, n, payload)
-    seconds = steps * link.alpha_s + sent / link.beta_bytes_per_s
-    return CollectiveCost(kind, n, payload, sent, sent, steps, seconds, algorithm)
+    latency = steps * link.alpha_s
+    return CollectiveCost(kind, n, payload, sent, sent, steps,
+                          latency + sent / link.beta_bytes_per_s, algorithm, latency)
+
+
+def combine(costs: list[CollectiveCost], threshold_bytes: int) -> list[float]:
+    """Seconds of each of ``costs`` — independent collectives of one kind and group, in
+    program order — once XLA's collective combiner has packed them into buckets of up
+    to ``threshold_bytes``: a bucket pays the latency of one collective, shared among
+    its members by payload; bandwidth time is unchanged."""
+    seconds = [c.seconds - c.latency_s for c in costs]
+    bucket: list[int] = []
+    size = 0
+
+    def close() -> None:
+        payload = sum(costs[i].payload_bytes for i in bucket) or 1
+        latency = max(costs[i].latency_s for i in bucket)
+        for i in bucket:
+            seconds[i] += latency * (costs[i].payload_bytes or 1 / len(bucket)) / payload
+
+    for index, cost in enumerate(costs):
+        if bucket and size + cost.payload_bytes > threshold_bytes:
+            close()
+            bucket, size = [], 0
+        bucket.append(index)
+        size += cost.payload_bytes
+    if bucket:
+        close()
+    return seconds
 
 
 def instruction_collective_cost(inst: Instruction, module: Module, operand_shapes: list,
-                                profile: HardwareProfile, *, group_override: int | None = None,
+                                profile: HardwareProfile, *,
                                 algorithm: str | None = None) -> CollectiveCost:
-    """The network cost of one collective instruction (``group_override`` rescales the
-    group, for projections to other replica counts)."""
+    """The network cost of one collective instruction."""
     kind = COLLECTIVE_KINDS[inst.opcode]
-    n = group_override or group_size(inst, module)
+    n = group_size(inst, module)
     return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlo_shard.analysis.collective_model import (
-    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, group_size,
+    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combine, group_size,
     instruction_collective_cost,
 )
 from hlo_shard.analysis.cost import (
@@ -36,7 +36,7 @@ from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
 from hlo_shard.analysis.liveness import MemoryProfile, memory_profile
-from hlo_shard.graph import users_map
+from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 
@@ -106,6 +106,8 @@ class StepEstimate:
     parameter_kinds: dict[str, str]
     region_source: str
     notes: list[str] = field(default_factory=list)
+    #: Computation → (instruction categories, region source), for reuse.
+    categories: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -264,8 +266,10 @@ def categorize(module: Module, comp: Computation) -> tuple[dict[str, str], str]:
     """Category of every instruction of ``comp`` and where the region came from."""
     formatting = formatting_ops(comp)
     planned = _planned_region(module, comp)
-    region = planned if planned is not None else update_region_fallback(module, comp)
-    source = "update_region" if planned is not None else "fallback"
+    # The fallback also finds the update of an already sharded module (downstream of
+    # its reduce-scatters), which the pass's analysis does not look for.
+    region = update_region_fallback(module, comp) | (planned or set())
+    source = "update_region" if planned else "fallback"
     categories: dict[str, str] = {}
     for inst in comp.instructions:
         if inst.opcode in COLLECTIVE_KINDS or inst.opcode in COLLECTIVE_DONE_OPCODES:
@@ -362,20 +366,20 @@ class _Estimator:
     profile: HardwareProfile
     analysis: CostAnalysis
     algorithm: str | None
-    group_override: int | None
     emulate: bool
-    region_sources: set[str] = field(default_factory=set)
-    categories: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Computation → (instruction categories, region source), computed on first use.
+    categories: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def computation(self, comp: Computation, runs: int) -> list[InstructionEstimate]:
-        categories, source = categorize(self.module, comp)
-        self.categories[comp.name] = categories
-        self.region_sources.add(source)
+        if comp.name not in self.categories:
+            self.categories[comp.name] = categorize(self.module, comp)
+        categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
             out.extend(self._kernel(comp, kernel, categories, runs))
+        self._combine_collectives(comp, out)
         for inst in comp.instructions:
             if inst.opcode in CONTROL_FLOW_OPCODES:
                 out.extend(self._control_flow(comp, inst, runs))
@@ -391,9 +395,8 @@ class _Estimator:
         if len(members) == 1 and members[0].opcode in COLLECTIVE_KINDS:
             inst = members[0]
             shapes = [comp[o].shape for o in inst.operands]
-            network = instruction_collective_cost(
-                inst, self.module, shapes, self.profile,
-                group_override=self._group(inst), algorithm=self.algorithm)
+            network = instruction_collective_cost(inst, self.module, shapes, self.profile,
+                                                  algorithm=self.algorithm)
             return [InstructionEstimate(comp.name, inst.name, inst.opcode, "communication",
                                         runs, network.seconds * runs, costs[0], network)]
         compute = [self._compute_seconds(comp, m, c) for m, c in zip(members, costs)]
@@ -412,10 +415,22 @@ class _Estimator:
                                     seconds * share * runs, cost.scaled(runs))
                 for m, cost, share in zip(members, costs, shares)]
 
-    def _group(self, inst: Instruction) -> int | None:
-        if self.group_override is None:
-            return None
-        return self.group_override if group_size(inst, self.module) > 1 else None
+    def _combine_collectives(self, comp: Computation, estimates: list[InstructionEstimate]
+                             ) -> None:
+        """Price collectives as XLA runs them after its combiners: those of one kind and
+        group size that do not depend on each other share one latency per bucket."""
+        depth = collective_depth(comp)
+        groups: dict[tuple, list[InstructionEstimate]] = {}
+        for estimate in estimates:
+            c = estimate.collective
+            if c is not None and c.group_size > 1:
+                groups.setdefault((c.kind, c.group_size, depth[estimate.name]), []).append(
+                    estimate)
+        for members in groups.values():
+            seconds = combine([m.collective for m in members],
+                              self.profile.combine_threshold_bytes)
+            for member, value in zip(members, seconds):
+                member.seconds = value * member.runs
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
         element_type = _element_type(comp, inst)
@@ -442,6 +457,17 @@ class _Estimator:
         return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
 
 
+def collective_depth(comp: Computation) -> dict[str, int]:
+    """How many collectives precede each instruction on its longest dependency path:
+    collectives at the same depth cannot depend on one another."""
+    depth: dict[str, int] = {}
+    for inst in topological_order(comp):
+        before = max((depth[o] + (comp[o].opcode in COLLECTIVE_KINDS) for o in inst.operands),
+                     default=0)
+        depth[inst.name] = before
+    return depth
+
+
 def _element_type(comp: Computation, inst: Instruction) -> str:
     source = comp[inst.operands[0]].shape if inst.opcode in _MATRIX_OPCODES else inst.shape
     leaves = list(shape_leaves(source))
@@ -453,24 +479,26 @@ def device_count(module: Module) -> int:
 
 
 def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | None = None,
-                  group_override: int | None = None) -> StepEstimate:
+                  categories: dict[str, tuple[dict[str, str], str]] | None = None
+                  ) -> StepEstimate:
     """Time and memory of one step of ``module`` per device on ``profile``.
-    ``group_override`` prices every multi-device collective as if its group had that
-    many devices (projections to other replica counts)."""
+    ``categories`` (computation → what :func:`categorize` returns) reuses the
+    categories of a module with the same instructions (a retargeted copy)."""
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
-    estimator = _Estimator(module, profile, model, algorithm, group_override, emulate)
+    estimator = _Estimator(module, profile, model, algorithm, emulate, dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
     kinds = (manifest_parameter_kinds(module)
-             or classify_parameters(module, estimator.categories[module.entry.name]))
+             or classify_parameters(module, estimator.categories[module.entry.name][0]))
     memory = memory_profile(module, kinds, gradient_values(module, module.entry),
                             upcast_16bit_floats=profile.upcasts_16bit_floats)
-    source = "update_region" if "update_region" in estimator.region_sources else "fallback"
+    sources = {source for _, source in estimator.categories.values()}
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,
-        devices=group_override or device_count(module), instructions=instructions,
+        devices=device_count(module), instructions=instructions,
         executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
-        parameter_kinds=kinds, region_source=source, notes=estimator.notes)
+        parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
+        else "fallback", notes=estimator.notes, categories=estimator.categories)
 
 
 def predicted_step_ratio(original: Module, optimized: Module, profile: HardwareProfile) -> float:

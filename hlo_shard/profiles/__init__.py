@@ -53,6 +53,8 @@ class HardwareProfile:
     kernel_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
     upcasts_16bit_floats: bool
+    #: XLA's collective combiners pack independent collectives into buckets this large.
+    combine_threshold_bytes: int
     interconnect: Interconnect
     sources: tuple[str, ...]
 
@@ -111,6 +113,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
             upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
+            combine_threshold_bytes=int(data.get("combine_threshold_bytes", 30 << 20)),
             interconnect=Interconnect(
                 algorithm=algorithm,
                 devices_per_node=int(net.get("devices_per_node", 1 << 30)),
