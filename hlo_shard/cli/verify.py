@@ -90,7 +90,8 @@ def _text_report(report, timed: bool) -> list[str]:
         lines.append("outputs:")
         for index, shape in enumerate(report.original.outputs):
             warn = "  (contains NaN/inf)" if index in report.original.nonfinite_outputs else ""
-            lines.append(f"  {index}  {shape.element_type}[{','.join(map(str, shape.dims))}]{warn}")
+            dims = ",".join(map(str, shape.dims))
+            lines.append(f"  {index}  {shape.element_type}[{dims}]{warn}")
     else:
         lines += _table(report)
         tolerances = {leaf.shape.element_type: leaf.tolerance for leaf in report.final()}

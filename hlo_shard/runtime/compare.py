@@ -66,14 +66,15 @@ class LeafComparison:
         return self.verdict == "match"
 
     def to_json(self) -> dict:
-        return {"index": self.index, "shape": _shape_text(self.shape), "verdict": self.verdict,
+        return {"index": self.index, "shape": shape_text(self.shape), "verdict": self.verdict,
                 "max_abs": self.max_abs, "max_rel": self.max_rel,
                 "worst_device": self.worst_device, "mismatched": self.mismatched,
                 "compared": self.compared, "rtol": self.tolerance.rtol,
                 "atol": self.tolerance.atol, "detail": self.detail}
 
 
-def _shape_text(shape: ArrayShape) -> str:
+def shape_text(shape: ArrayShape) -> str:
+    """``f32[3,4]``: element type and dims, no layout (for tables and messages)."""
     return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
-from hlo_shard.runtime.compare import LeafComparison, compare_leaf, missing_leaf
+from hlo_shard.runtime.compare import LeafComparison, compare_leaf, missing_leaf, shape_text
 from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
 from hlo_shard.runtime.forms import check_executable, device_count
 from hlo_shard.runtime.inputs import (
@@ -70,7 +70,7 @@ class ModuleReport:
                    exe.compile_seconds)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "outputs": [_shape_text(s) for s in self.outputs],
+        return {"name": self.name, "outputs": [shape_text(s) for s in self.outputs],
                 "memory_per_device": self.memory.to_json(),
                 "cost": {k: self.cost[k] for k in ("flops", "transcendentals", "bytes accessed")
                          if k in self.cost},
@@ -125,10 +125,6 @@ class VerifyReport:
         return data
 
 
-def _shape_text(shape: ArrayShape) -> str:
-    return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
-
-
 def _same_array(a: ArrayShape, b: ArrayShape) -> bool:
     return a.element_type == b.element_type and a.dims == b.dims
 
@@ -162,7 +158,7 @@ def _identity_records(original: Module, candidate: Module) -> tuple[list[ArrayRe
                                ("output", output_shapes(original), output_shapes(candidate))):
         if len(ours) != len(theirs):
             problems.append(f"{len(ours)} {what}s vs {len(theirs)}")
-        problems += [f"{what} {i}: {_shape_text(a)} vs {_shape_text(b)}"
+        problems += [f"{what} {i}: {shape_text(a)} vs {shape_text(b)}"
                      for i, (a, b) in enumerate(zip(ours, theirs)) if not _same_array(a, b)]
         sections.append([ArrayRecord(i, i, "replicated", s) for i, s in enumerate(ours)])
     if problems:
@@ -194,17 +190,17 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
                 if not _same_array(record.shape, ours[record.original]):
                     raise HloShardError(
                         f"{where}: candidate {what} {index} records original shape "
-                        f"{_shape_text(record.shape)}, but original {what} {record.original} "
-                        f"is {_shape_text(ours[record.original])}")
+                        f"{shape_text(record.shape)}, but original {what} {record.original} "
+                        f"is {shape_text(ours[record.original])}")
             if record.kind == "sharded":
                 if shape.num_elements != record.shard.length or \
                         shape.element_type != record.shape.element_type:
                     raise HloShardError(
-                        f"{where}: candidate {what} {index} is {_shape_text(shape)}, not a "
+                        f"{where}: candidate {what} {index} is {shape_text(shape)}, not a "
                         f"shard of {record.shard.length} {record.shape.element_type}")
             elif not _same_array(shape, record.shape):
-                raise HloShardError(f"{where}: candidate {what} {index} is {_shape_text(shape)}"
-                                    f", the manifest says {_shape_text(record.shape)}")
+                raise HloShardError(f"{where}: candidate {what} {index} is {shape_text(shape)}"
+                                    f", the manifest says {shape_text(record.shape)}")
             ordered.append(record)
         sections.append(ordered)
     return sections[0], sections[1]
@@ -356,9 +352,9 @@ def _check_feedback(module: Module, feedback: Sequence[tuple[int, int]]) -> None
             raise HloShardError(f"feedback output {output} -> parameter {parameter}: "
                                 "no such output or parameter in the original")
         if not _same_array(outputs[output], params[parameter]):
-            raise HloShardError(f"feedback output {output} ({_shape_text(outputs[output])}) "
+            raise HloShardError(f"feedback output {output} ({shape_text(outputs[output])}) "
                                 f"cannot feed parameter {parameter} "
-                                f"({_shape_text(params[parameter])})")
+                                f"({shape_text(params[parameter])})")
 
 
 def _fed(fresh_values: list[DeviceValues], outputs: dict[int, DeviceValues],
