@@ -12,7 +12,7 @@ import math
 import pytest
 
 from hlo_shard.analysis.collective_model import (
-    algorithm_steps, collective_cost, group_size, torus_dims, wire_bytes,
+    algorithm_steps, collective_cost, combine, group_size, torus_dims, wire_bytes,
 )
 from hlo_shard.analysis.cost import CostAnalysis, module_cost, parse_window
 from hlo_shard.analysis.estimate import (
@@ -373,6 +373,18 @@ def test_collective_time_uses_the_link_the_group_spans():
     assert inside.seconds == pytest.approx(14 * link.alpha_s + 2 * 7 / 8 * (1 << 30)
                                            / link.beta_bytes_per_s)
     assert across.seconds > 5 * inside.seconds
+
+
+def test_combined_collectives_share_one_latency_per_bucket():
+    profile = load_profile("tpu-v3")
+    costs = [collective_cost("all-reduce", 64, size, profile) for size in (1000, 3000, 4000)]
+    latency = costs[0].latency_s
+    bandwidth = [c.seconds - c.latency_s for c in costs]
+    one_bucket = combine(costs, threshold_bytes=1 << 20)
+    assert sum(one_bucket) == pytest.approx(latency + sum(bandwidth))
+    assert one_bucket[1] == pytest.approx(bandwidth[1] + latency * 3000 / 8000)
+    two_buckets = combine(costs, threshold_bytes=4000)  # {1000, 3000}, {4000}
+    assert sum(two_buckets) == pytest.approx(2 * latency + sum(bandwidth))
 
 
 def test_group_size_in_every_mode():
