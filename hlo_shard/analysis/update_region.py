@@ -22,6 +22,7 @@ are chosen to minimise formatting copies (transposes) over the region.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -232,8 +233,10 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     source, init = inst.operands
     source_shape = _array(ctx.inst(source).shape)
     shape = _array(inst.shape)
-    if source_shape is None or shape is None or shape.num_elements != 1:
+    if source_shape is None or shape is None:
         return None
+    if shape.num_elements != 1:
+        return _degenerate_reduce(ctx, inst, source_shape, shape)
     if source in ctx.sharded:
         fmt = ctx.sharded[source]
     elif ctx.replicated(source):
@@ -279,6 +282,31 @@ def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
         if inst.opcode == "broadcast" and not comp[inst.operands[0]].shape.is_scalar:
             return False
     return _array(comp.root.shape) is not None and comp.root.shape.dims == dims
+
+
+def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
+                       shape: ArrayShape) -> RegionOp | None:
+    """A reduction over size-1 dimensions only, from the reducer's neutral value, is a
+    reshape (jit's bias gradients: ``reduce(f32[1,16]) -> f32[16]``)."""
+    source_name, init = inst.operands
+    if source_name not in ctx.sharded or any(source.dims[d] != 1 for d in inst.attr("dimensions")):
+        return None
+    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    neutral = neutral_literal(reducer, shape.element_type) if reducer else None
+    init_inst = ctx.inst(init)
+    if neutral is None or init_inst.opcode != "constant" or not _same_number(init_inst.literal,
+                                                                             neutral):
+        return None
+    fmt = ctx.sharded[source_name]
+    result = reshape_format(fmt, shape.dims)
+    return RegionOp("shard", fmt, result) if result is not None else None
+
+
+def _same_number(literal: str | None, value: str) -> bool:
+    try:
+        return literal is not None and float(literal) == float(value)
+    except ValueError:
+        return literal.strip() == value
 
 
 Rule = Callable[[_Context, Instruction], "RegionOp | None"]
@@ -441,21 +469,31 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
                 leaf.sharded, leaf.reason = False, "no update work downstream (all users " \
                                                    "need the full gradient)"
         plan = _grow(module, comp, graph, leaves, replication, groups)
-    # Leaves not stored in row-major order: keep whichever order costs fewer copies.
+    # Leaves whose region needs transposes: try the other element orders, keep the best.
     for leaf in leaves:
-        if not leaf.sharded or leaf.format.is_row_major:
+        if not leaf.sharded or leaf.formatting_copies == 0:
             continue
-        saved = leaf.format
-        leaf.format = ShardFormat.of(leaf.shape, groups.size,
-                                     tuple(range(leaf.shape.rank)))
-        other = _grow(module, comp, graph, leaves, replication, groups)
-        if other.formatting_copies < plan.formatting_copies and \
-                all(leaf.ops_moved > 0 for leaf in other.active):
-            plan = other
-        else:
-            leaf.format = saved
+        best = leaf.format
+        for perm in _candidate_orders(leaf.shape):
+            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
+            if leaf.format == best:
+                continue
+            other = _grow(module, comp, graph, leaves, replication, groups)
+            if other.formatting_copies < plan.formatting_copies and \
+                    all(active.ops_moved > 0 for active in other.active):
+                plan, best = other, leaf.format
+        if leaf.format != best:
+            leaf.format = best
             plan = _grow(module, comp, graph, leaves, replication, groups)
     return plan
+
+
+def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
+    """Element orders worth trying for a gradient: every order up to rank 3, else
+    row-major and the stored order."""
+    if shape.rank <= 3:
+        return list(itertools.permutations(range(shape.rank)))
+    return [tuple(range(shape.rank)), tuple(reversed(shape.minor_to_major()))]
 
 
 def _grow(module: Module, comp: Computation, graph: nx.MultiDiGraph, leaves: list[Leaf],
@@ -489,12 +527,9 @@ def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
                      active: list[Leaf]) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
     weight norm) become masked local reductions of a slice."""
-    feeds: set[str] = set()
-    for name in plan.ops:
-        feeds |= nx.ancestors(graph, name)
-    upstream_of_gradients: set[str] = set()
-    for leaf in active:
-        upstream_of_gradients |= nx.ancestors(graph, leaf.operand) | {leaf.operand}
+    feeds = upstream(graph, plan.ops)
+    upstream_of_gradients = upstream(graph, [leaf.operand for leaf in active]) | \
+        {leaf.operand for leaf in active}
     for inst in ctx.comp.instructions:
         if inst.opcode != "reduce" or inst.name in plan.ops or inst.name not in feeds \
                 or inst.name in upstream_of_gradients or not ctx.replicated(inst.name):
@@ -505,6 +540,18 @@ def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
         op = classify(ctx, inst)
         if op is not None:
             plan.ops[inst.name] = replace(op, pulled=True)
+
+
+def upstream(graph: nx.MultiDiGraph, starts) -> set[str]:
+    """Every strict ancestor of any of ``starts`` (one traversal for all of them)."""
+    seen: set[str] = set()
+    stack = [p for s in starts for p in graph.predecessors(s)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(graph.predecessors(node))
+    return seen
 
 
 def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> None:

@@ -141,8 +141,9 @@ class RegionRewrite:
         inst = self.comp[name]
         with self.rw.inserting_before(name):
             operands = [self.operand_shard(o, op.operand_format) for o in inst.operands]
-            if inst.opcode in ("reshape", "bitcast", "transpose"):
-                self.shard_of[name] = operands[0]  # same flat order: the shard is unchanged
+            if inst.opcode in ("reshape", "bitcast", "transpose", "reduce"):
+                # same flat order (a reduce here only drops size-1 dimensions)
+                self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
             if inst.opcode == "fusion":
