@@ -274,75 +274,99 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
                             f"({' and '.join(map(str, sorted(counts)))})")
     devices = options.devices or (counts.pop() if counts else 1)
     first = modules[0]
+    records: tuple[list[ArrayRecord], list[ArrayRecord]] = ([], [])
     if len(modules) == 2:
-        if options.manifest is not None:
-            param_records, output_records = _check_manifest(options.manifest, first,
-                                                            modules[1], devices)
-        else:
-            param_records, output_records = _identity_records(first, modules[1])
+        records = _check_manifest(options.manifest, first, modules[1], devices) \
+            if options.manifest is not None else _identity_records(first, modules[1])
     roles = parameter_roles(first, options.per_device_params, options.manifest)
     feedback = list(options.manifest.feedback) if options.manifest and \
         options.manifest.feedback is not None else default_feedback(first, roles)
     _check_feedback(first, feedback)
     supplied = load_npz(options.inputs_npz, first, devices) if options.inputs_npz else {}
 
-    executables = []
-    for module in modules:
-        say(f"compiling {module.source_path or module.name} for {devices} "
-            f"{options.backend} device{'s' if devices > 1 else ''}")
-        executables.append(load(module, devices, options.backend, timeout=options.timeout))
-    pair = _Pair(executables[0], executables[1] if len(executables) == 2 else None,
-                 *((param_records, output_records) if len(modules) == 2 else ([], [])))
-    report = VerifyReport(devices, options.backend, roles, ModuleReport.of(pair.original),
-                          ModuleReport.of(pair.candidate) if pair.candidate else None,
-                          feedback=feedback)
+    executables: list[Executable] = []
+    try:
+        for module in modules:
+            say(f"compiling {module.source_path or module.name} for {devices} "
+                f"{options.backend} device{'s' if devices > 1 else ''}")
+            executables.append(load(module, devices, options.backend, timeout=options.timeout))
+        pair = _Pair(executables[0], executables[1] if len(executables) == 2 else None, *records)
+        report = VerifyReport(devices, options.backend, roles, ModuleReport.of(pair.original),
+                              ModuleReport.of(pair.candidate) if pair.candidate else None,
+                              feedback=feedback)
+        _Run(pair, report, options, supplied, devices, say).steps()
+    finally:
+        for exe in executables:
+            exe.close()
+    return report
 
-    def fresh(step: int) -> list[DeviceValues]:
-        values = generate_inputs(first, roles, devices, options.seed, step)
-        for number, given in supplied.items():
+
+@dataclass
+class _Run:
+    """The step loop: each module carries its own state between steps."""
+
+    pair: _Pair
+    report: VerifyReport
+    options: VerifyOptions
+    supplied: dict[int, DeviceValues]
+    devices: int
+    say: Progress
+
+    def fresh(self, step: int) -> list[DeviceValues]:
+        """Seeded inputs of ``step`` in original terms, with the user's values."""
+        values = generate_inputs(self.pair.original.source, self.report.roles, self.devices,
+                                 self.options.seed, step)
+        for number, given in self.supplied.items():
             values[number] = given
         return values
 
-    state_a = state_b = fresh(0)
-    first_inputs: tuple | None = None
-    for step in range(1, options.steps + 1):
-        say(f"step {step}/{options.steps}: running")
-        outputs_a = pair.original.run(state_a)
-        if pair.candidate is None:
-            report.original.nonfinite_outputs = _nonfinite(outputs_a, pair.original.outputs)
-        else:
-            inputs_b = _candidate_inputs(pair, state_b, options, devices, step - 1)
-            first_inputs = first_inputs or (state_a, inputs_b)
-            outputs_b = _in_original_terms(pair, pair.candidate.run(inputs_b), devices)
-            leaves = []
-            for index, shape in enumerate(pair.original.outputs):
-                if index not in outputs_b:
-                    leaves.append(missing_leaf(index, shape, "no candidate output stands for it"))
-                else:
-                    leaves.append(compare_leaf(index, shape, outputs_a[index], outputs_b[index],
-                                               options.rtol, options.atol))
-            report.steps.append(leaves)
-            bad = sum(not leaf.ok for leaf in leaves)
-            say(f"step {step}/{options.steps}: " + (f"{bad} output(s) differ" if bad
-                                                      else "all outputs match"))
-        report.steps_run = step
-        if step < options.steps:
-            upcoming = fresh(step)
-            state_a = _fed(upcoming, dict(enumerate(outputs_a)), feedback)
-            if pair.candidate is not None:
+    def steps(self) -> None:
+        pair, options, feedback = self.pair, self.options, self.report.feedback
+        state_a = state_b = self.fresh(0)
+        timed_inputs = None
+        for step in range(1, options.steps + 1):
+            self.say(f"step {step}/{options.steps}: running")
+            outputs_a = dict(enumerate(pair.original.run(state_a)))
+            outputs_b: dict[int, DeviceValues] = {}
+            if pair.candidate is None:
+                self.report.original.nonfinite_outputs = _nonfinite(
+                    list(outputs_a.values()), pair.original.outputs)
+                timed_inputs = timed_inputs or [state_a]
+            else:
+                inputs_b = _candidate_inputs(pair, state_b, options, self.devices, step - 1)
+                timed_inputs = timed_inputs or [state_a, inputs_b]
+                outputs_b = _in_original_terms(pair, pair.candidate.run(inputs_b), self.devices)
+                self.compare(step, outputs_a, outputs_b)
+            self.report.steps_run = step
+            if step < options.steps:
+                upcoming = self.fresh(step)
+                state_a = _fed(upcoming, outputs_a, feedback)
                 state_b = _fed(upcoming, outputs_b, feedback)
-    if options.time_runs:
-        say(f"timing: {options.time_runs} runs per module after {options.warmup} warm-up, "
-            "interleaved")
-        timed = [pair.original] + ([pair.candidate] if pair.candidate else [])
-        inputs = [fresh(0)] if pair.candidate is None else list(first_inputs)
-        timings = time_interleaved(timed, inputs, options.time_runs, options.warmup)
-        report.original.timing = timings[0]
-        if report.candidate is not None:
-            report.candidate.timing = timings[1]
-    for exe in executables:
-        exe.close()
-    return report
+        if options.time_runs:
+            self.time(timed_inputs)
+
+    def compare(self, step: int, outputs_a: dict[int, DeviceValues],
+                outputs_b: dict[int, DeviceValues]) -> None:
+        leaves = []
+        for index, shape in enumerate(self.pair.original.outputs):
+            if index not in outputs_b:
+                leaves.append(missing_leaf(index, shape, "no candidate output stands for it"))
+            else:
+                leaves.append(compare_leaf(index, shape, outputs_a[index], outputs_b[index],
+                                           self.options.rtol, self.options.atol))
+        self.report.steps.append(leaves)
+        bad = sum(not leaf.ok for leaf in leaves)
+        self.say(f"step {step}/{self.options.steps}: "
+                 + (f"{bad} output(s) differ" if bad else "all outputs match"))
+
+    def time(self, inputs: list[list[DeviceValues]]) -> None:
+        """Step-0 inputs, both modules interleaved A/B/A/B."""
+        self.say(f"timing: {self.options.time_runs} runs per module after "
+                 f"{self.options.warmup} warm-up, interleaved")
+        timed = [e for e in (self.pair.original, self.pair.candidate) if e is not None]
+        timings = time_interleaved(timed, inputs, self.options.time_runs, self.options.warmup)
+        for module_report, timing in zip((self.report.original, self.report.candidate), timings):
+            module_report.timing = timing
 
 
 def _check_feedback(module: Module, feedback: Sequence[tuple[int, int]]) -> None:
