@@ -3,11 +3,12 @@
 Every instruction gets a category and a time:
 
 * ``communication`` — collectives, priced by :mod:`.collective_model` (α-β);
-* ``formatting`` — the data movement weight-update sharding adds around its
-  collectives: padding, reshaping and concatenating gradients before a
+* ``formatting`` — data movement around the gradient collectives: transposing,
+  padding, reshaping and concatenating gradients before an all-reduce or
   reduce-scatter, slicing replicated weights and state at the device's shard offset
   (and the offset arithmetic from ``replica-id``/``partition-id``), un-padding after
-  an all-gather;
+  an all-gather. Counting the original module's gradient transposes here too keeps
+  the comparison fair: the pass folds them into its shard format;
 * ``weight_update`` — the optimizer's work after the gradient all-reduce (or
   reduce-scatter): the region :mod:`hlo_shard.analysis.update_region` plans for the
   pass when it applies, else :func:`update_region_fallback`;
@@ -168,31 +169,34 @@ def device_index_values(comp: Computation) -> set[str]:
     return found
 
 
-def formatting_ops(comp: Computation) -> set[str]:
-    """Data movement around reduce-scatters and all-gathers and local shard slicing."""
+def formatting_ops(module: Module, comp: Computation) -> set[str]:
+    """Data movement that lays gradients out for their collective (transposes and
+    reshapes into a gradient sum, padding and concatenation before a reduce-scatter),
+    un-pads after an all-gather, and slices a device's shard locally."""
     users = users_map(comp)
     found = device_index_values(comp)
     stack: list[str] = []
+    gathers = ("all-gather", "all-gather-start")
     for inst in comp.instructions:
         if inst.opcode == "dynamic-slice" and any(o in found for o in inst.operands[1:]):
             found.add(inst.name)
             stack.append(inst.operands[0])
-        elif inst.opcode in ("reduce-scatter", "all-gather", "all-gather-start"):
+        elif inst.opcode in gathers or _is_sum_collective(module, inst):
             stack.extend(inst.operands)
-            if inst.opcode != "reduce-scatter":
-                forward = [inst.name]
-                while forward:
-                    for user in users[forward.pop()]:
-                        if comp[user].opcode in FORMAT_OPCODES | {"get-tuple-element", "all-gather-done"} \
-                                and user not in found:
-                            found.add(user)
-                            forward.append(user)
-    while stack:  # producers feeding only formatting
+        if inst.opcode in gathers:
+            forward = [inst.name]
+            while forward:
+                for user in users[forward.pop()]:
+                    if comp[user].opcode in FORMAT_OPCODES | {"get-tuple-element", "all-gather-done"} \
+                            and user not in found:
+                        found.add(user)
+                        forward.append(user)
+    while stack:  # producers feeding only formatting and collectives
         name = stack.pop()
         inst = comp[name]
         if name in found or inst.opcode not in FORMAT_OPCODES:
             continue
-        if all(u in found or comp[u].opcode in ("reduce-scatter",) for u in users[name]):
+        if all(u in found or comp[u].opcode in COLLECTIVE_KINDS for u in users[name]):
             found.add(name)
             stack.extend(inst.operands)
     return found
@@ -264,7 +268,7 @@ def _planned_region(module: Module, comp: Computation) -> set[str] | None:
 
 def categorize(module: Module, comp: Computation) -> tuple[dict[str, str], str]:
     """Category of every instruction of ``comp`` and where the region came from."""
-    formatting = formatting_ops(comp)
+    formatting = formatting_ops(module, comp)
     planned = _planned_region(module, comp)
     # The fallback also finds the update of an already sharded module (downstream of
     # its reduce-scatters), which the pass's analysis does not look for.

@@ -23,6 +23,7 @@ instruction is then its own kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
@@ -191,7 +192,7 @@ def _account(comp: Computation, kernels: list[Kernel], kernel_of: dict[str, Kern
         member_names = {m.name for m in kernel.members}
         reads: dict[str, float] = {}
         for member in kernel.members:
-            for operand in _external_operands(comp, member, member_names, duplicated):
+            for operand in kernel_inputs(comp, member.operands, member_names, duplicated):
                 value = comp[operand]
                 if value.opcode == "constant" and leaf_bytes(value.shape) <= 8:
                     continue
@@ -206,11 +207,12 @@ def _account(comp: Computation, kernels: list[Kernel], kernel_of: dict[str, Kern
     return materialized
 
 
-def _external_operands(comp: Computation, member: Instruction, members: set[str],
-                       duplicated: set[str]) -> list[str]:
-    """Operands read from outside the kernel, looking through duplicated producers."""
+def kernel_inputs(comp: Computation, operands: Iterable[str], members: set[str],
+                  duplicated: set[str]) -> list[str]:
+    """The values a kernel reads from memory for ``operands`` of its ``members``:
+    outside the kernel, looking through producers it recomputes (duplicated)."""
     found: list[str] = []
-    stack = list(member.operands)
+    stack = list(operands)
     seen: set[str] = set()
     while stack:
         name = stack.pop()

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, POINTER_BYTES, leaf_bytes
 from hlo_shard.analysis.kernels import (
-    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, is_relabel, plan_kernels,
+    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, is_relabel, kernel_inputs,
+    plan_kernels,
 )
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import (
@@ -214,20 +215,8 @@ class _Liveness:
             return list(inst.operands)
         if kernel.members[-1] is not inst:
             return []
-        members = {m.name for m in kernel.members}
-        reads: list[str] = []
-        stack = [o for m in kernel.members for o in m.operands]
-        seen: set[str] = set()
-        while stack:
-            name = stack.pop()
-            if name in members or name in seen:
-                continue
-            seen.add(name)
-            if name in self.plan.duplicated and not self.elements.get(name):
-                stack.extend(self.comp[name].operands)  # recomputed inside this kernel
-            else:
-                reads.append(name)
-        return reads
+        return kernel_inputs(self.comp, [o for m in kernel.members for o in m.operands],
+                             {m.name for m in kernel.members}, self.plan.duplicated)
 
     def run(self) -> MemoryProfile:
         self._define()
