@@ -19,6 +19,7 @@ about 3 minutes and ~5 GB of memory to dump; the others a few seconds each.
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import sys
 import tempfile
@@ -48,6 +49,14 @@ def generate_bench_modules(out_dir: Path) -> dict[str, Path]:
     """Dump (or reuse) every benchmark module under out_dir; return key -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Concurrent callers (two benchmark runs) wait here instead of dumping the same model
+    # twice: the deep transformer alone needs ~5 GB while XLA optimizes it.
+    with (out_dir / ".generate.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _generate(out_dir)
+
+
+def _generate(out_dir: Path) -> dict[str, Path]:
     result: dict[str, Path] = {}
     for model, forms in BENCH_FORMS.items():
         targets = _targets(out_dir, model)

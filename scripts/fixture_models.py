@@ -27,11 +27,13 @@ class ModelSpec:
     make_optimizer: Callable[[], Any]
     params: Callable[[], dict]        # name -> (shape, dtype)
     batch: Callable[[], dict]         # name -> (per-device shape, dtype)
-    loss: Callable[..., Any]          # (params, batch) -> scalar
+    loss: Callable[..., Any]          # (params, batch[, dropout_key]) -> scalar
     style: str = "shard_map"          # "shard_map" (explicit pmean) or "jit" (NamedSharding)
     donate: bool = True               # donate params and optimizer state (input_output_alias)
     compute_dtype: str | None = None  # mixed precision: grads taken and all-reduced in this dtype
     loop_steps: int = 1               # > 1: fori_loop over steps inside the jitted step
+    dropout: float = 0.0              # > 0: replicated `rng` key input, per-device dropout key
+                                      # fold_in(rng, axis_index) -> partition-id in the HLO
     devices: tuple[int, ...] = (2, 4, 8)
     notes: str = ""
     batch_int_high: dict = field(default_factory=dict)  # int batch leaf -> exclusive upper bound
@@ -127,16 +129,26 @@ def _layer_norm(x, scale, bias):
     return (x - mean) * (1.0 / jnp.sqrt(var + 1e-5)) * scale + bias
 
 
-def _transformer_loss(t: TransformerShape):
+def _dropout(x, rate, key):
+    import jax
+    import jax.numpy as jnp
+
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def _transformer_loss(t: TransformerShape, dropout: float):
     """Pre-LN decoder-only transformer, causal attention, next-token cross-entropy."""
     import jax
     import jax.numpy as jnp
 
-    def loss(p, batch):
+    def loss(p, batch, dropout_key=None):
         tokens = batch["tokens"]
         b, s = tokens.shape
         hd = t.d_model // t.heads
         x = jnp.take(p["embed"], tokens, axis=0) + p["pos"][None]
+        if dropout_key is not None:  # embedding dropout (one RNG call keeps the text small)
+            x = _dropout(x, dropout, dropout_key)
         causal = jnp.tril(jnp.ones((s, s), bool))
         for i in range(t.layers):
             h = _layer_norm(x, p[f"layer{i}_ln1_scale"], p[f"layer{i}_ln1_bias"])
@@ -158,14 +170,14 @@ def _transformer_loss(t: TransformerShape):
     return loss
 
 
-def _transformer_spec(name, t: TransformerShape, per_device, **kw) -> ModelSpec:
+def _transformer_spec(name, t: TransformerShape, per_device, dropout=0.0, **kw) -> ModelSpec:
     description, factory = _optax("adam(1e-3)", lambda o: o.adam(1e-3))
     return ModelSpec(
         name=name, optimizer=description, make_optimizer=factory,
         params=_transformer_params(t),
         batch=lambda: {"tokens": ((per_device, t.seq), "int32"),
                        "targets": ((per_device, t.seq), "int32")},
-        loss=_transformer_loss(t), batch_int_high={"tokens": t.vocab, "targets": t.vocab}, **kw)
+        loss=_transformer_loss(t, dropout), dropout=dropout, batch_int_high={"tokens": t.vocab, "targets": t.vocab}, **kw)
 
 
 def _optax(description: str, build: Callable[[Any], Any]):
@@ -234,7 +246,9 @@ FIXTURE_MODELS: dict[str, ModelSpec] = {s.name: s for s in [
                              "label": ((8,), "float32")},
               loss=_ncf_loss, batch_int_high={"user": 61, "item": 37},
               notes="embedding tables updated through gather / scatter-add gradients"),
-    _transformer_spec("transformer", TINY_TRANSFORMER, per_device=2),
+    _transformer_spec("transformer", TINY_TRANSFORMER, per_device=2, dropout=0.1,
+                      notes="embedding dropout keyed by fold_in(rng, axis_index('dp')): "
+                            "partition-id (replica-id in replica form) and RNG ops"),
 ]}
 
 # Committed at N=8 only (issue 4's update-heavy model, issue 5's scaling input).
@@ -246,7 +260,7 @@ LARGE_MODELS: dict[str, ModelSpec] = {s.name: s for s in [
               sizes=UPDATE_HEAVY_MLP, per_device=2, devices=(8,),
               notes="same model as mlp_adam with SGD (Adam-vs-SGD memory)"),
     _transformer_spec("transformer_scale", SCALE_TRANSFORMER, per_device=4, devices=(8,),
-                      notes="issue 5 scaling projection input"),
+                      dropout=0.1, notes="issue 5 scaling projection input"),
 ]}
 
 # Generated for the benchmark only (never committed).

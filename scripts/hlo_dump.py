@@ -93,7 +93,8 @@ def _leaves(tree, role: str, prefix: str, shapes_of) -> list[dict]:
 
 
 def _describe(leaf, per_device_shape=None) -> dict:
-    return {"shape": list(per_device_shape or leaf.shape), "dtype": str(leaf.dtype)}
+    shape = leaf.shape if per_device_shape is None else per_device_shape
+    return {"shape": list(shape), "dtype": str(leaf.dtype)}
 
 
 def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
@@ -128,22 +129,28 @@ def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
     batch = {k: abstract(global_batch_shape(s), d, batch_sharding)
              for k, (s, d) in spec.batch().items()}
 
-    def train_update(p, s, b):
+    rng = {"dropout": abstract((2,), "uint32", replicated)} if spec.dropout else {}
+
+    def train_update(p, s, b, r, step_index=None):
         """One optimizer step; inside shard_map the loss is per-device and grads are pmean'd."""
         p_compute = (jax.tree.map(lambda a: a.astype(spec.compute_dtype), p)
                      if spec.compute_dtype else p)
-        loss, grads = jax.value_and_grad(spec.loss)(p_compute, b)
+        extra = ()
+        if r:  # a different dropout mask on every device (and every loop step)
+            key = jax.random.fold_in(r["dropout"], jax.lax.axis_index(AXIS))
+            extra = (key if step_index is None else jax.random.fold_in(key, step_index),)
+        loss, grads = jax.value_and_grad(spec.loss)(p_compute, b, *extra)
         if spec.style == "shard_map":
             grads, loss = jax.lax.pmean((grads, loss), AXIS)
         grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, p)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss.astype(jnp.float32)
 
-    def train_loop(p, s, b):
+    def train_loop(p, s, b, r):
         def body(i, carry):
             p, s, total = carry
             step_batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), b)
-            p, s, loss = train_update(p, s, step_batch)
+            p, s, loss = train_update(p, s, step_batch, r, i)
             return p, s, total + loss
 
         p, s, total = jax.lax.fori_loop(0, spec.loop_steps, body, (p, s, jnp.float32(0)))
@@ -153,7 +160,7 @@ def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
     step.__name__ = step.__qualname__ = f"{spec.name}_step"
     donate = (0, 1) if spec.donate else ()
     if spec.style == "shard_map":
-        step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), batch_spec),
+        step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), batch_spec, P()),
                              out_specs=(P(), P(), P()), check_vma=False)
         jitted = jax.jit(step, donate_argnums=donate, keep_unused=True)
     else:
@@ -180,12 +187,13 @@ def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
         "jax_version": jax.__version__, "optax_version": optax.__version__,
         "parameters": (_leaves(params, "weight", "params", replicated_leaf)
                        + _leaves(state, "optimizer_state", "opt_state", replicated_leaf)
-                       + _leaves(batch, "batch", "batch", batch_leaf)),
+                       + _leaves(batch, "batch", "batch", batch_leaf)
+                       + _leaves(rng, "rng", "rng", replicated_leaf)),
         "outputs": (_leaves(params, "weight", "params", replicated_leaf)
                     + _leaves(state, "optimizer_state", "opt_state", replicated_leaf)
                     + [loss_leaf]),
     }
-    return (lambda: jitted.lower(params, state, batch).compile()), signature
+    return (lambda: jitted.lower(params, state, batch, rng).compile()), signature
 
 
 def main(argv: list[str]) -> None:

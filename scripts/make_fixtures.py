@@ -94,13 +94,13 @@ def check_against_xla(text: str, signature: dict, where: str) -> None:
 def manifest_entry(signature: dict, form: str, num_devices: int, path: Path, **extra) -> dict:
     params = signature["parameters"]
     by_role = {role: [i for i, p in enumerate(params) if p["role"] == role]
-               for role in ("weight", "optimizer_state", "batch")}
+               for role in ("weight", "optimizer_state", "batch", "rng")}
     keys = ("model", "optimizer", "style", "donated", "loop_steps", "compute_dtype", "notes",
             "jax_version", "optax_version")
     return {**{k: signature[k] for k in keys}, "form": form, "num_devices": num_devices,
             "bytes": path.stat().st_size,
             "weight_params": by_role["weight"], "optimizer_state_params": by_role["optimizer_state"],
-            "batch_params": by_role["batch"],
+            "batch_params": by_role["batch"], "rng_params": by_role["rng"],
             "parameters": [{"index": i, **p} for i, p in enumerate(params)],
             "outputs": [{"index": i, **o} for i, o in enumerate(signature["outputs"])],
             "command": command(signature["model"], num_devices), **extra}
@@ -168,6 +168,21 @@ def fixtures_for(model: str, num_devices: int, out: Path, work: Path) -> dict[st
     return entries
 
 
+def manifest_text(manifest: dict) -> str:
+    """Indented JSON, but one line per parameter/output record (keeps the file small)."""
+    def value(v, depth: int) -> str:
+        pad = " " * depth
+        if isinstance(v, dict) and depth < 2:
+            items = [f'{pad} {json.dumps(k)}: {value(x, depth + 1)}' for k, x in v.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            rows = [f"{pad}  {json.dumps(x)}" for x in v]
+            return "[\n" + ",\n".join(rows) + f"\n{pad} ]"
+        return json.dumps(v)
+
+    return value(dict(sorted(manifest.items())), 0) + "\n"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("fixtures"))
@@ -204,7 +219,7 @@ def main(argv: list[str]) -> int:
                                                  for k, v in entries.items()))
             manifest.update(entries)
     shutil.rmtree(work)
-    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    manifest_path.write_text(manifest_text(manifest))
     return 0
 
 
