@@ -32,7 +32,7 @@ CATEGORY_LABELS = {
 MEMORY_LABELS = {
     "weights": "weights", "optimizer_state": "optimizer state", "batch": "batch",
     "other_parameters": "other parameters", "gradients": "gradients",
-    "temporaries": "temporaries", "outputs": "outputs",
+    "activations": "activations", "temporaries": "other temporaries", "outputs": "outputs",
 }
 
 PLOT_HINT = "plots need matplotlib: pip install 'hlo-shard[plot]'"

@@ -9,9 +9,11 @@ choices), and both modules are estimated on the profile. Nothing is compiled or 
 
 Weak scaling (``batch_per_replica="fixed"``, the default) needs nothing else. With a
 fixed *global* batch the per-replica batch shrinks as 1/N; the module's shapes cannot
-follow, so the forward/backward time and the batch and temporary (activation) memory
-are scaled analytically by per-replica batch / the module's per-replica batch — the
-work of a step is linear in its examples, its weight update and state are not.
+follow, so the forward/backward time and the memory of the batch and of the
+activations (forward/backward temporaries) are scaled analytically by per-replica
+batch / the module's per-replica batch — that work is linear in the examples (a dot
+that reads a weight is not quite: the projection is optimistic at small batches);
+the weight update, its formatting, communication and state are not.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def _projection(est: StepEstimate, batch_factor: float) -> Projection:
     seconds = est.seconds_by_category()
     seconds["forward_backward"] *= batch_factor
     breakdown = dict(est.memory.peak_breakdown)
-    for category in ("batch", "temporaries"):
+    for category in ("batch", "activations"):
         breakdown[category] = breakdown.get(category, 0) * batch_factor
     peak = est.memory.peak_bytes + sum(breakdown.values()) - sum(est.memory.peak_breakdown.values())
     return Projection(sum(seconds.values()), seconds, peak)

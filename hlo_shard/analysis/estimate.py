@@ -494,7 +494,9 @@ def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | 
     instructions = estimator.computation(module.entry, 1)
     kinds = (manifest_parameter_kinds(module)
              or classify_parameters(module, estimator.categories[module.entry.name][0]))
-    memory = memory_profile(module, kinds, gradient_values(module, module.entry),
+    entry_categories = estimator.categories[module.entry.name][0]
+    activations = {n for n, c in entry_categories.items() if c == "forward_backward"}
+    memory = memory_profile(module, kinds, gradient_values(module, module.entry), activations,
                             upcast_16bit_floats=profile.upcasts_16bit_floats)
     sources = {source for _, source in estimator.categories.values()}
     return StepEstimate(

@@ -47,7 +47,10 @@ _IN_PLACE_OPCODES = ELEMENTWISE_OPCODES | frozenset({"dynamic-update-slice", "wh
 _HALF_FLOATS = frozenset({"bf16", "f16"})
 
 CATEGORIES = ("weights", "optimizer_state", "batch", "other_parameters", "gradients",
-              "temporaries", "outputs")
+              "activations", "temporaries", "outputs")
+
+#: Buffer categories of the temporary allocation.
+_TEMPORARY = ("gradients", "activations", "temporaries")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +111,19 @@ def output_parameter_aliases(module: Module) -> dict[int, int]:
 
 
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
-                   gradients: set[str] | None = None, *,
-                   upcast_16bit_floats: bool = False) -> MemoryProfile:
+                   gradients: set[str] | None = None, activations: set[str] | None = None,
+                   *, upcast_16bit_floats: bool = False) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);
-    ``gradients`` names the values holding gradients (collective inputs and results).
+    ``gradients`` names the values holding gradients (collective inputs and results),
+    ``activations`` the forward/backward values (their size follows the batch).
     ``upcast_16bit_floats``: the backend computes bf16/f16 in f32 (XLA CPU's float
     normalization), so temporaries of those types take 4 bytes per element."""
     entry = module.entry
     kinds = parameter_kinds or {}
     emulate = not is_prefused(module)
     return _Liveness(module, entry, kinds, gradients or set(), emulate,
-                     upcast=upcast_16bit_floats).run()
+                     upcast=upcast_16bit_floats, activations=activations or set()).run()
 
 
 def temporary_bytes(shape: Shape, upcast: bool) -> int:
@@ -138,9 +142,10 @@ class _Liveness:
 
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
                  gradients: set[str], emulate: bool, nested: bool = False,
-                 upcast: bool = False) -> None:
+                 upcast: bool = False, activations: set[str] = frozenset()) -> None:
         self.module = module
         self.upcast = upcast
+        self.activations = activations
         self.comp = comp
         self.kinds = kinds
         self.gradients = gradients
@@ -164,7 +169,7 @@ class _Liveness:
         parts = (list(enumerate(shape.elements)) if isinstance(shape, TupleShape)
                  else [(None, shape)])
         self.elements[inst.name] = []
-        upcast = self.upcast and category in ("temporaries", "gradients")
+        upcast = self.upcast and category in _TEMPORARY
         for index, part in parts:
             key = inst.name if index is None else f"{inst.name}#{index}"
             self.buffers[key] = Buffer(key, temporary_bytes(part, upcast), category)
@@ -189,12 +194,13 @@ class _Liveness:
                 self.elements[inst.name] = list(self.elements.get(inst.operands[0], []))
             elif inst.name in self.plan.materialized or inst.opcode in CONTROL_FLOW_OPCODES:
                 self._allocate(inst, "gradients" if inst.name in self.gradients
+                               else "activations" if inst.name in self.activations
                                else "temporaries")
             else:
                 self.elements[inst.name] = []  # constants, fused and recomputed values
         for key in self.owners(self.comp.root_name):
             buffer = self.buffers[key]
-            if buffer.category == "temporaries" and not self._is_parameter(key):
+            if buffer.category in ("activations", "temporaries") and not self._is_parameter(key):
                 shape = self._shape_of(key)
                 self.buffers[key] = Buffer(key, leaf_bytes(shape), "outputs")
 
@@ -288,7 +294,7 @@ class _Liveness:
         as the output is written in place). Returns (bytes, position, by category)."""
         temps = sorted((born[k], last_use.get(k, born[k]), b.size, k)
                        for k, b in self.buffers.items()
-                       if k in born and b.category in ("temporaries", "gradients"))
+                       if k in born and b.category in _TEMPORARY)
         free_from = {k: -1 for k, b in self.buffers.items()
                      if k in born and b.category == "outputs" and b.size}
         hosted: set[str] = set()
@@ -300,18 +306,18 @@ class _Liveness:
                     hosted.add(key)
                     break
         steps = len(self.order)
-        level = {c: [0] * steps for c in ("gradients", "temporaries")}
+        level = {c: [0] * steps for c in _TEMPORARY}
         for start, end, size, key in temps:
             if key not in hosted:
                 for pos in range(start, min(end, steps - 1) + 1):
                     level[self.buffers[key].category][pos] += size
-        totals = [level["gradients"][i] + level["temporaries"][i] + transients[i]
-                  for i in range(steps)]
+        totals = [sum(level[c][i] for c in _TEMPORARY) + transients[i] for i in range(steps)]
         if not totals:
             return 0, 0, {}
         at = max(range(steps), key=totals.__getitem__)
-        return totals[at], at, {"gradients": level["gradients"][at],
-                                "temporaries": level["temporaries"][at] + transients[at]}
+        split = {c: level[c][at] for c in _TEMPORARY}
+        split["temporaries"] += transients[at]
+        return totals[at], at, split
 
     def _output_leaves(self) -> list[tuple[str | None, tuple[str, ...], Shape]]:
         """(value name when known, buffers, shape) of each top-level output element."""
