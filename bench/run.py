@@ -1,0 +1,129 @@
+"""``make bench``: every speed and memory target, each next to its reference measured
+in the same run, as a ratio.
+
+1. Front end: hlo-shard parse / graph / print throughput against XLA's C++ parser and
+   printer on a deep transformer step (SPMD ~4 MB, optimized ~45 MB). Target: ≤ 10×.
+2. Step time: the update-heavy model (4 layers of 1024×1024, Adam, 2 examples per
+   device) at N = 8 on CPU, optimized / original, measured interleaved A/B through
+   ``hlo-shard verify --time``, next to the cost model's prediction. Target: ≤ 0.70.
+3. Memory: per-device XLA compiled memory (argument + output + temp − alias) of the
+   same model with ``--state sharded``, Adam over SGD. Target: ≤ 1.3.
+
+The optimizations go through the real command line (``hlo-shard optimize`` and
+``verify``), as a user would run them; ``--quick`` skips the large front-end files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
+
+UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
+                "sgd": ROOT / "fixtures/spmd/mlp_sgd.n8.hlo"}
+TARGETS = {"front end": 10.0, "step time": 0.70, "memory": 1.3}
+
+
+def hlo_shard(*args: str) -> str:
+    """Run the command line; a failure stops the benchmark with its message."""
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", *args], cwd=ROOT,
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"hlo-shard {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
+    return run.stdout
+
+
+def optimize(original: Path, work: Path, state: str) -> tuple[Path, Path]:
+    out, manifest = work / f"{original.stem}.{state}.hlo", work / f"{original.stem}.{state}.json"
+    hlo_shard("optimize", str(original), "-o", str(out), "--state", state,
+              "--manifest", str(manifest))
+    return out, manifest
+
+
+def verify_json(original: Path, candidate: Path, manifest: Path, runs: int) -> dict:
+    return json.loads(hlo_shard("verify", str(original), str(candidate), "--manifest",
+                                str(manifest), "--time", str(runs), "--json"))
+
+
+def net_bytes(memory: dict) -> int:
+    return (memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
+            - memory["alias_bytes"])
+
+
+def front_end() -> float:
+    from bench_models import generate_bench_modules
+    from parse_bench import format_rows, run_parse_bench
+
+    print("== front end: parse + print, hlo-shard vs XLA's C++ parser/printer", flush=True)
+    modules = generate_bench_modules(OUT)
+    rows = run_parse_bench([modules["transformer_deep.spmd"],
+                            modules["transformer_deep.optimized"]])
+    print(format_rows(rows))
+    return max(row["ratio"] for row in rows)
+
+
+def step_time(work: Path, runs: int) -> float:
+    from hlo_shard import parse_file
+    from hlo_shard.analysis.estimate import predicted_step_ratio
+    from hlo_shard.profiles import load_profile
+
+    print("\n== step time: 4x1024x1024 MLP + Adam, 2 examples/device, N=8, CPU", flush=True)
+    original = UPDATE_HEAVY["adam"]
+    for state in ("gathered", "sharded"):
+        candidate, manifest = optimize(original, work, state)
+        report = verify_json(original, candidate, manifest, runs)
+        before = report["original"]["timing"]["median_s"]
+        after = report["candidate"]["timing"]["median_s"]
+        predicted = predicted_step_ratio(parse_file(original), parse_file(candidate),
+                                         load_profile("cpu-generic"))
+        print(f"--state {state:8s} outputs match: {report['match']}   original "
+              f"{before * 1e3:8.1f} ms   optimized {after * 1e3:8.1f} ms   measured "
+              f"{after / before:.2f}x   predicted (cpu-generic) {predicted:.2f}x")
+        if state == "gathered":
+            measured = after / before
+    return measured
+
+
+def memory(work: Path) -> float:
+    print("\n== memory per device with --state sharded (XLA: argument + output + temp - alias)",
+          flush=True)
+    figures = {}
+    for name, original in UPDATE_HEAVY.items():
+        candidate, manifest = optimize(original, work, "sharded")
+        report = verify_json(original, candidate, manifest, runs=1)
+        figures[name] = (net_bytes(report["original"]["memory_per_device"]),
+                         net_bytes(report["candidate"]["memory_per_device"]))
+        print(f"{name:5s} original {figures[name][0] / 2**20:8.1f} MiB   sharded "
+              f"{figures[name][1] / 2**20:8.1f} MiB   outputs match: {report['match']}")
+    ratio = figures["adam"][1] / figures["sgd"][1]
+    print(f"Adam / SGD: original {figures['adam'][0] / figures['sgd'][0]:.2f}x, "
+          f"sharded {ratio:.2f}x")
+    return ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the large front-end files")
+    parser.add_argument("--runs", type=int, default=10, help="timed steps per module")
+    args = parser.parse_args()
+    results = {}
+    if not args.quick:
+        results["front end"] = front_end()
+    with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-") as tmp:
+        results["step time"] = step_time(Path(tmp), args.runs)
+        results["memory"] = memory(Path(tmp))
+    print("\n== summary (ratio, target)")
+    for name, value in results.items():
+        verdict = "ok" if value <= TARGETS[name] else "MISSED"
+        print(f"{name:10s} {value:6.2f}x   target <= {TARGETS[name]:.2f}x   {verdict}")
+
+
+if __name__ == "__main__":
+    main()
