@@ -625,19 +625,18 @@ class _Builder(Transformer):
         """``LINE``: a whole instruction in the common form, cut into its parts."""
         token, *attributes = children
         match = _patterns()["line"].match(token.value)
-        kind = match.lastgroup
-        if kind == "attrs":
-            kind = "call" if match.start("call") >= 0 else (
-                "parameter" if match.start("parameter") >= 0 else "constant")
+        root, name, shape_text, parameter, constant, call, attrs = match.group(
+            "root", "name", "shape", "parameter", "constant", "call", "attrs")
+        kind = "call" if call is not None else "parameter" if parameter is not None else "constant"
         rhs = _RHS_READERS[kind](token, *match.span(kind))
-        if match.start("attrs") >= 0:
+        if attrs is not None:
             attributes = _split_attributes(token, *match.span("attrs")) + attributes
-        shape_text = match.group("shape")
-        shape = (_array_shape(shape_text, (token, match.start("shape")))
-                 if shape_text is not None else None)
-        root = (token, 0) if match.start("root") >= 0 else None
-        return self._build(_bare(match.group("name")), (token, match.start("name")), root,
-                           shape, rhs, attributes)
+        shape = None
+        if shape_text is not None:
+            shape = _SHAPE_CACHE.get(shape_text) or _array_shape(
+                shape_text, (token, match.start("shape")))
+        return self._build(_bare(name), (token, match.start("name")),
+                           (token, 0) if root is not None else None, shape, rhs, attributes)
 
     def headed(self, children: list) -> Instruction:
         """``HEAD`` (``[ROOT] name = [array shape]``), then the rest in finer tokens."""
@@ -744,6 +743,8 @@ class _Builder(Transformer):
         return inst
 
     def _attribute(self, key: str, kind: str, text: str, loc: Loc) -> AttrValue:
+        if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
+            return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
         if key in _COMPUTATION_ATTRS and kind == "BLOB" and "=" in text:
             return self._inline_computation(text, loc)
         value = _attribute_value(key, kind, text, loc)
