@@ -31,6 +31,7 @@ from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from hlo_shard.errors import HloParseError
+from hlo_shard.source import read_text
 from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident,
     Instruction, Layout, Module, Raw, Shape, SourceLoc, Str, TupleShape,
@@ -868,8 +869,6 @@ def _no_cyclic_gc():
 
 def parse_file(path: str | Path) -> Module:
     """Read and parse an HLO text file (UTF-8)."""
-    from hlo_shard.cli.app import read_text  # the shared, located UTF-8 decoding
-
     return parse(read_text(str(path)), str(path))
 
 

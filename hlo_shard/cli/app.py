@@ -12,6 +12,7 @@ from typing import Callable
 import click
 
 from hlo_shard.errors import HloParseError, HloShardError
+from hlo_shard.source import read_text  # noqa: F401 - re-exported for the commands
 
 EXIT_USAGE = 2
 
@@ -53,17 +54,6 @@ def user_errors(command: Callable) -> Callable:
             sys.exit(EXIT_USAGE)
 
     return wrapper
-
-
-def read_text(path: str) -> str:
-    """Read an input file as UTF-8; undecodable bytes are a located input error."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise HloParseError("input is not UTF-8 text", line, column, path=path) from None
 
 
 def check_output_path(output: str | None, inputs: list[str], in_place: bool = False) -> None:

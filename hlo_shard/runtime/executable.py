@@ -64,15 +64,13 @@ class Timing:
 def read_module(source: str | Path | Module) -> Module:
     """A Module from a Module, a path, or HLO text (a string with a newline or an
     ``HloModule`` header is text; any other string is a path)."""
-    from hlo_shard.parser import parse
+    from hlo_shard.parser import parse, parse_file
 
     if isinstance(source, Module):
         return source
     if isinstance(source, Path) or ("\n" not in source and not source.lstrip().startswith(
             ("HloModule", "ENTRY"))):
-        from hlo_shard.cli.app import read_text
-
-        return parse(read_text(str(source)), path=str(source))
+        return parse_file(source)
     return parse(source)
 
 
