@@ -10,8 +10,9 @@ Every instruction gets a category and a time:
   an all-gather. Counting the original module's gradient transposes here too keeps
   the comparison fair: the pass folds them into its shard format;
 * ``weight_update`` — the optimizer's work after the gradient all-reduce (or
-  reduce-scatter): the region :mod:`hlo_shard.analysis.update_region` plans for the
-  pass when it applies, else :func:`update_region_fallback`;
+  reduce-scatter): :func:`update_region_fallback` (the elementwise work downstream of
+  the gradient sums, which also finds the update of an already sharded module)
+  together with the region :mod:`hlo_shard.analysis.update_region` plans for the pass;
 * ``forward_backward`` — everything else.
 
 Compute time is a roofline per kernel, max(flops / peak, bytes / memory bandwidth)
@@ -300,10 +301,10 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
         readers = _readers(comp, users, param.name)
         in_update = any(categories.get(r) in ("weight_update", "formatting") for r in readers)
         elsewhere = any(categories.get(r) == "forward_backward" for r in readers)
-        if "devices=" in sharding and "last_tile_dim_replicate" not in sharding:
-            kinds[param.name] = "batch"
-        elif in_update:
+        if in_update:  # sharded optimizer state is tiled too: the update decides first
             kinds[param.name] = "weights" if elsewhere else "optimizer_state"
+        elif "devices=" in sharding and "last_tile_dim_replicate" not in sharding:
+            kinds[param.name] = "batch"
         elif not sharding and elements(param.shape) > 1 and readers:
             kinds[param.name] = "batch"
         else:
