@@ -15,8 +15,8 @@ Every instruction gets a category and a time:
   together with the region :mod:`hlo_shard.analysis.update_region` plans for the pass;
 * ``forward_backward`` — everything else.
 
-Compute time is a roofline per kernel, max(flops / peak, bytes / memory bandwidth)
-plus the profile's launch overhead, over the kernels XLA would run
+Compute time is a roofline per kernel, max(flops / peak, bytes read / read
+bandwidth + bytes written / write bandwidth) plus the profile's launch overhead, over the kernels XLA would run
 (:mod:`.kernels`); a kernel's time is shared among its instructions by their own
 roofline weight. Loop bodies count once per iteration when the trip count is known.
 """
@@ -408,10 +408,14 @@ class _Estimator:
         # XLA's own bytes for a lone non-fusible op (a dot, a fusion XLA made); the
         # kernel's reads and writes for an emulated fusion.
         lone = len(members) == 1 and members[0].opcode not in FUSIBLE_OPCODES
-        traffic = costs[0].bytes_accessed if lone else kernel.traffic_bytes
-        memory = max(traffic, 0.0) / self.profile.memory_bandwidth_bytes_per_s
+        if lone:
+            written = min(leaf_bytes(members[0].shape), max(costs[0].bytes_accessed, 0.0))
+            read = max(costs[0].bytes_accessed, 0.0) - written
+        else:
+            read, written = kernel.read_bytes, kernel.write_bytes
+        memory = self.profile.memory_seconds(read, written)
         seconds = max(sum(compute), memory) + self.profile.kernel_overhead_s
-        weights = [max(c, max(cost.bytes_accessed, 0.0) / self.profile.memory_bandwidth_bytes_per_s)
+        weights = [max(c, self.profile.memory_seconds(max(cost.bytes_accessed, 0.0), 0.0))
                    for c, cost in zip(compute, costs)]
         total_weight = sum(weights)
         shares = ([w / total_weight for w in weights] if total_weight > 0

@@ -78,6 +78,8 @@ class KernelPlan:
     duplicated: set[str]
     #: Whether the plan emulates fusion (False for a module XLA already fused).
     emulated: bool
+    #: The duplicated values that are their operand's buffer relabelled (bitcasts).
+    relabels: set[str] = field(default_factory=set)
 
 
 def is_prefused(module: Module) -> bool:
@@ -90,6 +92,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
     order = topological_order(comp)
     kernel_of: dict[str, Kernel] = {}
     duplicated: set[str] = set()
+    relabels: set[str] = set()
     kernels: list[Kernel] = []
 
     def new_kernel(inst: Instruction) -> None:
@@ -119,8 +122,9 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
         # computed inside its kernel readers' fusion, as an extra output.
         kernel_readers = [k for k in readers if k is not None]
         fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(kernel_readers)
-        if emulate_fusion and is_relabel(comp, inst):
+        if emulate_fusion and (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
+            relabels.add(inst.name)
             continue
         if (fusible and None not in readers and inst.opcode not in _KERNEL_ROOTS
                 and _is_cheap(comp, inst)):
@@ -147,7 +151,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
     for index, kernel in enumerate(kernels):
         kernel.index = index
     materialized = _account(comp, kernels, kernel_of, duplicated, users)
-    return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion)
+    return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion,
+                      relabels)
 
 
 def is_relabel(comp: Computation, inst: Instruction) -> bool:
@@ -163,6 +168,17 @@ def is_relabel(comp: Computation, inst: Instruction) -> bool:
         return operand.minor_to_major() == inst.shape.minor_to_major()
     row_major = lambda s: s.minor_to_major() == tuple(range(s.rank - 1, -1, -1))  # noqa: E731
     return row_major(operand) and row_major(inst.shape)
+
+
+def _absorbed_transpose(comp: Computation, inst: Instruction,
+                        users: dict[str, list[str]]) -> bool:
+    """A transpose of a dot or convolution result read only by it: XLA's layout
+    assignment makes the producer write the transposed layout, and the transpose a
+    bitcast (a gradient is typically computed transposed to its weight)."""
+    if inst.opcode != "transpose":
+        return False
+    operand = inst.operands[0]
+    return comp[operand].opcode in ("dot", "convolution") and users[operand] == [inst.name]
 
 
 def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:

@@ -8,8 +8,9 @@ Like XLA's buffer assignment:
 
 * parameters are live for the whole step (the caller owns them); constants live in
   read-only data and are not counted;
-* get-tuple-element, tuple, bitcast, and a reshape or copy that leaves the bytes in
-  place outside a fusion, alias their operand;
+* get-tuple-element, tuple, bitcast, and what XLA turns into bitcasts (a reshape or
+  copy that leaves the bytes in place, a transpose absorbed by its dot's layout)
+  alias their operand;
 * an elementwise kernel, a dynamic-update-slice and a while loop write into an operand
   buffer that dies there (in place) instead of allocating a new one;
 * ``input_output_alias`` makes an output share its parameter's buffer (a donated
@@ -31,8 +32,7 @@ from dataclasses import dataclass, field
 
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, POINTER_BYTES, leaf_bytes
 from hlo_shard.analysis.kernels import (
-    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, is_relabel, kernel_inputs,
-    plan_kernels,
+    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
 )
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import (
@@ -189,8 +189,7 @@ class _Liveness:
                                             else [self.owners(inst.operands[0])])
             elif inst.opcode == "tuple":
                 self.elements[inst.name] = [self.owners(o) for o in inst.operands]
-            elif inst.opcode == "bitcast" or (
-                    inst.name in self.plan.duplicated and is_relabel(self.comp, inst)):
+            elif inst.opcode == "bitcast" or inst.name in self.plan.relabels:
                 self.elements[inst.name] = list(self.elements.get(inst.operands[0], []))
             elif inst.name in self.plan.materialized or inst.opcode in CONTROL_FLOW_OPCODES:
                 self._allocate(inst, "gradients" if inst.name in self.gradients

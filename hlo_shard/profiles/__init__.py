@@ -48,6 +48,9 @@ class HardwareProfile:
     vector_flops_per_s: dict[str, float]
     transcendentals_per_s: float
     memory_bandwidth_bytes_per_s: float
+    #: Writes into freshly allocated buffers where they cost more than reads (a host's
+    #: page faults); the memory bandwidth when the profile does not say.
+    memory_write_bandwidth_bytes_per_s: float
     memory_capacity_bytes: int
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
@@ -57,6 +60,10 @@ class HardwareProfile:
     combine_threshold_bytes: int
     interconnect: Interconnect
     sources: tuple[str, ...]
+
+    def memory_seconds(self, read_bytes: float, written_bytes: float) -> float:
+        return (read_bytes / self.memory_bandwidth_bytes_per_s
+                + written_bytes / self.memory_write_bandwidth_bytes_per_s)
 
     def matrix_rate(self, element_type: str) -> float:
         return self.matrix_flops_per_s.get(element_type, self.matrix_flops_per_s["default"])
@@ -110,6 +117,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             vector_flops_per_s=_rates(data["vector_flops_per_s"], "vector_flops_per_s"),
             transcendentals_per_s=_positive(data["transcendentals_per_s"]),
             memory_bandwidth_bytes_per_s=_positive(data["memory_bandwidth_bytes_per_s"]),
+            memory_write_bandwidth_bytes_per_s=_positive(data.get(
+                "memory_write_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
             memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
             upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),

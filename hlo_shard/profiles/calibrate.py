@@ -1,0 +1,143 @@
+"""Measure a CPU profile on this machine: ``python3 -m hlo_shard.profiles.calibrate``.
+
+XLA's CPU devices of one process share the host's cores, so the rates a step sees
+per device are those of N devices running at once. Each probe is a tiny HLO module
+run on N devices through the runtime (median of a few runs):
+
+* read bandwidth from a sum over an array far larger than the caches, write
+  bandwidth from filling a fresh one (a host pays page faults on every new buffer);
+* vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
+* matrix rate from a square f32 dot;
+* collective α and β from a 4-byte and a 16 MiB all-reduce (ring accounting);
+* kernel overhead from a module of one scalar add.
+
+The result is printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json``
+in this package. Nothing here is imported by the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+_ADD = """HloModule add, replica_count={n}
+add {{
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}}
+ENTRY e {{
+  {body}
+}}
+"""
+
+ELEMENTS = 1 << 23          # 32 MiB per f32 array
+CHAIN = 16                  # ops per element in the compute probes
+DOT = 1024
+COLLECTIVE = 1 << 22        # 16 MiB all-reduce
+
+
+def _module(n: int, body: str) -> str:
+    return _ADD.format(n=n, body=body)
+
+
+def _probes(n: int) -> dict[str, str]:
+    e = ELEMENTS
+    chain_fma = "\n  ".join(
+        f"m{i} = f32[{e}] multiply({'x' if i == 0 else f'a{i - 1}'}, c)\n  "
+        f"a{i} = f32[{e}] add(m{i}, x)" for i in range(CHAIN))
+    chain_sqrt = "\n  ".join(
+        f"q{i} = f32[{e}] sqrt({'x' if i == 0 else f'q{i - 1}'})" for i in range(CHAIN))
+    return {
+        "read": f"x = f32[{e}] parameter(0)\n  z = f32[] constant(0)\n"
+                f"  ROOT r = f32[] reduce(x, z), dimensions={{0}}, to_apply=add",
+        "write": f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}",
+        "vector": f"x = f32[{e}] parameter(0)\n  k = f32[] constant(0.999)\n"
+                  f"  c = f32[{e}] broadcast(k), dimensions={{}}\n  {chain_fma}\n"
+                  f"  ROOT r = f32[{e}] copy(a{CHAIN - 1})",
+        "transcendental": f"x = f32[{e}] parameter(0)\n  {chain_sqrt}\n"
+                          f"  ROOT r = f32[{e}] copy(q{CHAIN - 1})",
+        "matrix": f"x = f32[{DOT},{DOT}] parameter(0)\n  y = f32[{DOT},{DOT}] parameter(1)\n"
+                  f"  ROOT d = f32[{DOT},{DOT}] dot(x, y), lhs_contracting_dims={{1}}, "
+                  f"rhs_contracting_dims={{0}}",
+        "small_all_reduce": "x = f32[1] parameter(0)\n"
+                            "  ROOT r = f32[1] all-reduce(x), replica_groups={}, to_apply=add",
+        "large_all_reduce": f"x = f32[{COLLECTIVE}] parameter(0)\n"
+                            f"  ROOT r = f32[{COLLECTIVE}] all-reduce(x), replica_groups={{}}, "
+                            f"to_apply=add",
+        "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
+    }
+
+
+def measure(n: int, runs: int = 5) -> dict[str, float]:
+    """Median seconds per step of each probe on ``n`` CPU devices."""
+    import numpy as np
+
+    from hlo_shard import runtime
+
+    seconds: dict[str, float] = {}
+    for name, body in _probes(n).items():
+        executable = runtime.load(_module(n, body), n)
+        args = [np.ones(shape.dims, np.float32) for shape in executable.parameters]
+        seconds[name] = executable.time(*args, runs=runs, warmup=1).median
+        executable.close()
+    return seconds
+
+
+def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
+    """Per-device rates implied by the probe times on ``n`` devices."""
+    overhead = t["overhead"]
+    e = ELEMENTS
+    read = 4 * e / max(t["read"] - overhead, 1e-9)
+    write = 4 * e / max(t["write"] - overhead, 1e-9)
+    # The chains read x and write one result; the rest is arithmetic.
+    streaming = 4 * e / read + 4 * e / write
+    vector = 2 * CHAIN * e / max(t["vector"] - overhead - streaming, 1e-9)
+    transcendental = CHAIN * e / max(t["transcendental"] - overhead - streaming, 1e-9)
+    matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
+    alpha = max(t["small_all_reduce"] - overhead, 0.0) / (2 * (n - 1))
+    wire = 2 * (n - 1) / n * 4 * COLLECTIVE
+    beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
+    link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
+    return {
+        "name": "cpu-local",
+        "description": f"This machine ({platform.machine()}, {platform.processor() or 'cpu'}) "
+                       f"as {n} XLA CPU devices sharing its cores, measured",
+        "matrix_flops_per_s": {"f32": matrix, "default": matrix},
+        "vector_flops_per_s": {"f32": vector, "default": vector},
+        "transcendentals_per_s": transcendental,
+        "memory_bandwidth_bytes_per_s": read,
+        "memory_write_bandwidth_bytes_per_s": write,
+        "memory_capacity_bytes": 16 << 30,
+        "upcasts_16bit_floats": True,
+        "combine_threshold_bytes": 30 << 20,
+        "kernel_overhead_s": overhead,
+        "interconnect": {"algorithm": "ring", "devices_per_node": 1 << 20,
+                         "intra_node": link, "inter_node": link},
+        "sources": [
+            f"measured by hlo_shard.profiles.calibrate on {time.strftime('%Y-%m-%d')} with "
+            f"{n} CPU devices (probe medians, seconds): "
+            + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
+            "rates are per device while all devices run at once; valid for this device count",
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--write", action="store_true", help="store as cpu-local.json")
+    options = parser.parse_args()
+    profile = profile_from_measurements(options.devices, measure(options.devices, options.runs))
+    text = json.dumps(profile, indent=2) + "\n"
+    if options.write:
+        (Path(__file__).parent / "cpu-local.json").write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
