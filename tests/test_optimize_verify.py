@@ -43,6 +43,7 @@ CASES = {
     "loop": cases.LOOP,
     "adam_like": ADAM_LIKE,
     "fused": cases.FUSED,
+    "reshaped": cases.RESHAPED,
 }
 
 MATRIX = [(name, state, strategy) for name in CASES for state in ("gathered", "sharded")

@@ -355,3 +355,19 @@ def test_fusion_with_non_elementwise_body_ends_the_region():
                          "r = f32[10] reverse(u), dimensions={0} ROOT n = f32[10] subtract(w, r)")
     module, report = optimize(text)
     assert not row(report, "ar").sharded
+
+
+RESHAPED = f"""HloModule reshaped, replica_count=2
+{ADD}
+ENTRY e {{ w = f32[4,6]{{0,1}} parameter(0) g = f32[4,6]{{0,1}} parameter(1)
+ ar = f32[4,6]{{0,1}} all-reduce(g), replica_groups={{{{0,1}}}}, to_apply=add
+ r = f32[1,24] reshape(ar) n = f32[1,24] negate(r) b = f32[4,6]{{0,1}} reshape(n)
+ ROOT nw = f32[4,6]{{0,1}} add(w, b) }}
+"""
+
+
+def test_a_reshape_that_needs_row_major_order_picks_it():
+    module, report = optimize(RESHAPED)
+    assert row(report, "ar").sharded
+    (rs,) = find(module, "reduce-scatter")
+    assert module.entry[rs.operands[0]].opcode == "reshape"  # no transpose: row-major

@@ -462,7 +462,22 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
         leaf.format = ShardFormat.of(leaf.shape, groups.size)
     graph = dataflow_graph(comp)
     plan = _grow(module, comp, graph, leaves, replication, groups)
-    # Leaves whose region is empty gain nothing (reduce-scatter + all-gather = all-reduce).
+    # A leaf whose region is empty in its stored order may have one in another order
+    # (a reshape that keeps only the row-major order).
+    idle = [leaf for leaf in leaves if leaf.sharded and leaf.ops_moved == 0]
+    for leaf in idle:
+        stored = leaf.format
+        for perm in _candidate_orders(leaf.shape):
+            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
+            _grow(module, comp, graph, leaves, replication, groups)
+            if leaf.ops_moved > 0:
+                break
+        else:
+            leaf.format = stored
+    if idle:
+        plan = _grow(module, comp, graph, leaves, replication, groups)
+    # Leaves whose region is still empty gain nothing (reduce-scatter + all-gather is the
+    # all-reduce again).
     while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
         for leaf in leaves:
             if leaf.sharded and leaf.ops_moved == 0:
