@@ -93,7 +93,7 @@ def test_optimized_fixture_computes_the_same(worker, path, state):
     report, optimized = optimize_module(module, ShardingOptions(state=state))
     manifest = build_manifest(report, module)
     if state == "sharded":
-        assert any(p.kind == "sharded" for p in report.parameters) or "loop" in path.name
+        assert any(p.kind == "sharded" for p in report.parameters)
     result = runtime.verify(parse(text, str(path)), parse(optimized),
                             runtime.VerifyOptions(steps=3, manifest=manifest))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs, leaf.max_rel)

@@ -44,6 +44,7 @@ CASES = {
     "adam_like": ADAM_LIKE,
     "fused": cases.FUSED,
     "reshaped": cases.RESHAPED,
+    "loop_state": cases.LOOP_STATE,
 }
 
 MATRIX = [(name, state, strategy) for name in CASES for state in ("gathered", "sharded")

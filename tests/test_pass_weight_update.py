@@ -371,3 +371,21 @@ def test_a_reshape_that_needs_row_major_order_picks_it():
     assert row(report, "ar").sharded
     (rs,) = find(module, "reduce-scatter")
     assert module.entry[rs.operands[0]].opcode == "reshape"  # no transpose: row-major
+
+
+LOOP_STATE = LOOP.replace(
+    """init = (s32[], f32[8], f32[8]) tuple(z, w, x)""",
+    """cw = f32[8] copy(w) init = (s32[], f32[8], f32[8]) tuple(z, cw, x)""").replace(
+    """ROOT nw = f32[8] get-tuple-element(r), index=1 }""",
+    """nw = f32[8] get-tuple-element(r), index=1 out = f32[8] copy(nw)
+ ROOT t = (f32[8]) tuple(out) }""")
+
+
+def test_state_sharded_with_a_loop_shards_the_carried_parameters():
+    module, report = optimize(LOOP_STATE, state="sharded")
+    (w, x) = module.entry.parameters()
+    assert w.shape.dims == (4,) and x.shape.dims == (8,)
+    assert module.entry.root.shape.elements[0].dims == (4,)
+    assert not find(module, "all-gather")  # the entry neither slices nor gathers w
+    assert [p.kind for p in report.parameters] == ["sharded", "per-device"]
+    assert report.outputs[0].kind == "sharded"

@@ -175,7 +175,10 @@ class WeightUpdateSharding:
             for leaf in leaves:
                 report.explanations.append(_explain(comp_name, leaf, collectives))
         for carry in carries:
-            changes += _shard_loop_carry(module, carry, channels, bucketing)
+            edits, sunk = _shard_loop_carry(module, carry, channels, bucketing,
+                                            self.options.state == "sharded")
+            changes += edits
+            state_plan.update(sunk)
             report.notes.append(
                 f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
                 f"stay sharded across iterations (sliced before the loop, gathered after)")
@@ -442,23 +445,42 @@ def _condition_slots(cond: Computation) -> set[int] | None:
 
 
 def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
-                      bucketing: Bucketing) -> list:
+                      bucketing: Bucketing, sink_state: bool) -> tuple[list, dict[int, StatePair]]:
     """Outside the body: slice the initial values of the carried slots before the loop,
-    gather them after it, and give the loop, body and condition the new carry shape."""
+    gather them after it, and give the loop, body and condition the new carry shape.
+
+    With ``sink_state`` (``--state sharded``, loop in the entry), a slot whose initial
+    value is an entry parameter (through copies) and whose final value is an entry output
+    (through copies) is not sliced nor gathered: parameter and output become the shard."""
     parent = module.computation(carry.parent)
     body = module.computation(carry.body)
     loop = parent[carry.loop]
+    forwarded = _forward_tuple_elements(parent)
     rw = Rewriter(parent)
     emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
     old = parent[loop.operands[0]]
     full = loop.shape.elements
     elements = list(full)
+    for index, fmt in carry.slots.items():
+        elements[index] = emit.shape(full[index].element_type, (fmt.shard_len,))
+    carried = TupleShape(tuple(elements))
+    sunk = _sinkable_slots(parent, rw, carry, old) if sink_state and parent.is_entry else {}
+    state: dict[int, StatePair] = {}
+    root = parent.root
+    for index, (upward, downward, k) in sunk.items():
+        fmt, param = carry.slots[index], parent[upward[0]]
+        state[param.parameter_number] = StatePair(k, downward[-1], fmt, param.shape,
+                                                  root.shape.elements[k])
+        for name in upward + downward:
+            parent[name].shape = elements[index]
+        root.shape = TupleShape(tuple(elements[index] if i == k else e
+                                      for i, e in enumerate(root.shape.elements)))
+    _annotate_state(module, parent, state, carry.groups)
     operands = list(old.operands)
     with rw.inserting_before(loop.name):
         for index, fmt in carry.slots.items():
-            operands[index] = emit.local_slice(old.operands[index], fmt)
-            elements[index] = emit.shape(full[index].element_type, (fmt.shard_len,))
-        carried = TupleShape(tuple(elements))
+            if index not in sunk:
+                operands[index] = emit.local_slice(old.operands[index], fmt)
         init = rw.add("tuple", carried, operands, name=old.name)
     rw.set_operand(loop, 0, init.name)
     if not rw.users(old.name) and parent.root_name != old.name:
@@ -468,7 +490,8 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
         comp.parameters()[0].shape = carried
     readers = [r for r in rw.users(loop.name) if r.attr("index") in carry.slots]
     users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
-    items = [Gathered(r.name, carry.slots[r.attr("index")], r.shape, r.name) for r in readers]
+    items = [Gathered(r.name, carry.slots[r.attr("index")], r.shape, r.name) for r in readers
+             if r.attr("index") not in sunk]
     for reader in readers:
         reader.shape = elements[reader.attr("index")]
     for item, gathered in gather_after(rw, emit, bucketing, items).items():
@@ -479,7 +502,42 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
                     rw.set_operand(inst, i, gathered)
         if parent.root_name == item.shard:
             rw.set_root(gathered)
-    return rw.changes
+    return forwarded + rw.changes, state
+
+
+def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
+                    init: Instruction) -> dict[int, tuple[list[str], list[str], int]]:
+    """Slot → (parameter … initial value, reader … final value, output position) for the
+    slots that run parameter → copies → loop → copies → one entry output and nothing else."""
+    root = parent.root
+    if root.opcode != "tuple":
+        return {}
+
+    def only_user(name: str) -> Instruction | None:
+        users = rw.users(name)
+        return users[0] if len(users) == 1 else None
+
+    out: dict[int, tuple[list[str], list[str], int]] = {}
+    readers: dict[int, list[Instruction]] = defaultdict(list)
+    for reader in rw.users(carry.loop):
+        readers[reader.attr("index")].append(reader)
+    for index, fmt in carry.slots.items():
+        upward = [init.operands[index]]
+        while parent[upward[0]].opcode == "copy" and only_user(parent[upward[0]].operands[0]):
+            upward.insert(0, parent[upward[0]].operands[0])
+        if parent[upward[0]].opcode != "parameter" or init.operands.count(upward[-1]) != 1 \
+                or any(only_user(n) is None for n in upward) or len(readers[index]) != 1:
+            continue
+        downward = [readers[index][0].name]
+        while (user := only_user(downward[-1])) is not None and user.opcode == "copy":
+            downward.append(user.name)
+        if only_user(downward[-1]) is not root or root.operands.count(downward[-1]) != 1:
+            continue
+        k = root.operands.index(downward[-1])
+        if _flattenable(fmt, parent[upward[0]].shape) and \
+                _flattenable(fmt, root.shape.elements[k]):
+            out[index] = (upward, downward, k)
+    return out
 
 
 def _update_entry_layout(module: Module) -> None:
