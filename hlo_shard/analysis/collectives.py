@@ -63,10 +63,6 @@ class DeviceGroups:
                 table[device] = position
         return tuple(table)
 
-    def partition_of(self) -> dict[int, int]:
-        """Participant id → index of its group."""
-        return {device: k for k, group in enumerate(self.groups) for device in group}
-
     def global_sets(self, replicas: int, partitions: int) -> list[frozenset[int]]:
         """The groups as sets of global device ids (replica × partitions + partition)."""
         expand = {
@@ -87,6 +83,10 @@ class DeviceGroups:
 
 class UnsupportedGroups(ValueError):
     """The groups cannot be used for a reduce-scatter (the reason is the message)."""
+
+
+class SingleDeviceGroups(UnsupportedGroups):
+    """Groups of one device: the collective reduces nothing across devices."""
 
 
 def device_groups(inst: Instruction, module: Module) -> DeviceGroups:
@@ -113,7 +113,7 @@ def device_groups(inst: Instruction, module: Module) -> DeviceGroups:
     if len(seen) != len(set(seen)) or any(not 0 <= d < num_ids for d in seen):
         raise UnsupportedGroups("replica groups repeat a device or name one out of range")
     if sizes.pop() < 2:
-        raise UnsupportedGroups("groups of one device (nothing to shard across)")
+        raise SingleDeviceGroups("groups of one device (nothing to shard across)")
     global_ids = inst.attr("use_global_device_ids")
     return DeviceGroups(mode, tuple(tuple(g) for g in groups), num_ids,
                         raw if isinstance(raw, ReplicaGroups) else None,
@@ -221,9 +221,9 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                 continue
             try:
                 groups = device_groups(inst, module)
+            except SingleDeviceGroups:
+                continue
             except UnsupportedGroups as err:
-                if "groups of one device" in str(err):
-                    continue
                 found.append(GradientAllReduce(comp.name, inst.name, None, str(err)))
                 continue
             found.append(GradientAllReduce(comp.name, inst.name, groups,
