@@ -1,0 +1,147 @@
+"""The analyses behind the weight-update pass: gradient all-reduces and their groups,
+replication, and the shard format's element-order algebra."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hlo_shard.analysis.collectives import (GroupMode, device_groups, find_gradient_all_reduces,
+                                            neutral_literal, participant_id_source)
+from hlo_shard.analysis.replication import ParamOverrides, analyze_replication
+from hlo_shard.analysis.update_region import (ShardFormat, reshape_format, transpose_operand,
+                                              transpose_result)
+from hlo_shard.parser import parse
+
+from wus_helpers import ADD
+
+
+def module_with(collective: str, header: str = "replica_count=8") -> tuple:
+    module = parse(f"HloModule m, {header}\n{ADD}\nENTRY e {{ g = f32[8] parameter(0)\n"
+                   f" ROOT ar = f32[8] {collective} }}\n")
+    return module, module.entry["ar"]
+
+
+@pytest.mark.parametrize("attrs, mode, groups", [
+    ("replica_groups={{0,1,2,3,4,5,6,7}}", GroupMode.CROSS_REPLICA, ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("replica_groups={}", GroupMode.CROSS_REPLICA, ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", GroupMode.CROSS_REPLICA, ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true",
+     GroupMode.FLATTENED_ID, ((0, 4), (1, 5), (2, 6), (3, 7))),
+])
+def test_group_forms_expand_to_explicit_groups(attrs, mode, groups):
+    module, inst = module_with(f"all-reduce(g), {attrs}, to_apply=add")
+    found = device_groups(inst, module)
+    assert found.mode is mode and found.groups == groups
+    table = found.position_table()
+    for group in groups:
+        assert [table[d] for d in group] == list(range(len(group)))
+
+
+def test_participant_id_follows_the_module_form():
+    spmd, _ = module_with("all-reduce(g), channel_id=1, replica_groups={{0,1}}, "
+                          "use_global_device_ids=true, to_apply=add", "num_partitions=2")
+    assert participant_id_source(spmd, GroupMode.FLATTENED_ID) == "partition-id"
+    replica, _ = module_with("all-reduce(g), replica_groups={{0,1}}, to_apply=add")
+    assert participant_id_source(replica, GroupMode.CROSS_REPLICA) == "replica-id"
+
+
+def test_only_sum_all_reduces_over_several_devices_are_gradients():
+    text = f"""HloModule m, replica_count=4
+{ADD}
+mx {{ x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] maximum(x, y) }}
+ENTRY e {{ g = f32[8] parameter(0)
+ a = f32[8] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ b = f32[8] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=mx
+ c = f32[8] all-reduce(g), replica_groups={{{{0}},{{1}},{{2}},{{3}}}}, to_apply=add
+ d = f32[8] all-reduce(g), replica_groups={{{{0,1,2}},{{3}}}}, to_apply=add
+ ROOT t = (f32[8], f32[8], f32[8], f32[8]) tuple(a, b, c, d) }}
+"""
+    found = {ar.name: ar for ar in find_gradient_all_reduces(parse(text))}
+    assert set(found) == {"a", "d"}
+    assert found["a"].is_candidate and "different sizes" in found["d"].reason
+
+
+@pytest.mark.parametrize("reducer, element_type, literal", [
+    ("add", "f32", "0"), ("maximum", "f32", "-inf"), ("minimum", "bf16", "inf"),
+    ("maximum", "s32", "-2147483648"), ("minimum", "u8", "255"), ("and", "pred", "true"),
+    ("or", "pred", "false"), ("multiply", "f16", "1"),
+])
+def test_neutral_values_of_reducers(reducer, element_type, literal):
+    assert neutral_literal(reducer, element_type) == literal
+
+
+REPLICATION = f"""HloModule r, num_partitions=4
+{ADD}
+body {{ p = (f32[4], f32[4]) parameter(0) a = f32[4] get-tuple-element(p), index=0
+ b = f32[4] get-tuple-element(p), index=1 n = f32[4] add(a, b)
+ ROOT t = (f32[4], f32[4]) tuple(n, b) }}
+cond {{ p = (f32[4], f32[4]) parameter(0) ROOT c = pred[] constant(false) }}
+ENTRY e {{ w = f32[4] parameter(0), sharding={{replicated}}
+ x = f32[4] parameter(1), sharding={{devices=[4]<=[4]}}
+ h = f32[4] parameter(2), sharding={{devices=[2,2]<=[4] last_tile_dim_replicate}}
+ pid = u32[] partition-id() f = f32[] convert(pid) fb = f32[4] broadcast(f), dimensions={{}}
+ tainted = f32[4] add(w, fb)
+ s = f32[4] all-reduce(x), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=add
+ init = (f32[4], f32[4]) tuple(w, x) loop = (f32[4], f32[4]) while(init), condition=cond, body=body
+ ROOT t = (f32[4], f32[4], f32[4], f32[4], (f32[4], f32[4])) tuple(w, h, tainted, s, loop) }}
+"""
+
+
+def test_replication_facts():
+    module = parse(REPLICATION)
+    facts = analyze_replication(module)
+    entry = module.entry.name
+    assert facts.is_replicated(entry, "w") and not facts.is_replicated(entry, "x")
+    assert not facts.is_replicated(entry, "tainted")  # depends on partition-id
+    assert facts.is_replicated(entry, "s")  # all-reduce over every device
+    # replicated within pairs {0,1} {2,3} only: not across all four devices
+    assert not facts.is_replicated(entry, "h")
+    # loop fixpoint: slot 0 accumulates the per-device slot 1
+    assert facts.flags(entry, "loop") == (False, False)
+    assert facts.is_replicated("body", "b") is False
+
+
+def test_replication_relative_to_subgroups_and_overrides():
+    module = parse(REPLICATION)
+    pairs = device_groups(parse(REPLICATION.replace(
+        "replica_groups={{0,1,2,3}}", "replica_groups={{0,1},{2,3}}")).entry["s"], module)
+    facts = analyze_replication(module, pairs, ParamOverrides(per_device=frozenset({0})))
+    assert facts.is_replicated(module.entry.name, "h")  # replicated within each pair
+    assert not facts.is_replicated(module.entry.name, "w")  # the flag wins
+    assert [p.source for p in facts.params] == ["flag", "sharding", "sharding"]
+
+
+def _order(fmt: ShardFormat) -> np.ndarray:
+    """Flat element order of a format, as logical indices of the full value."""
+    return np.arange(fmt.elements).reshape(fmt.dims).transpose(fmt.perm).ravel()
+
+
+@pytest.mark.parametrize("dims", [(2, 3), (2, 3, 4), (1, 5, 3)])
+def test_transposes_keep_the_shard_order(dims):
+    for perm, permutation in itertools.product(itertools.permutations(range(len(dims))),
+                                               itertools.permutations(range(len(dims)))):
+        fmt = ShardFormat(dims, perm, 2)
+        result = transpose_result(fmt, permutation)
+        values = np.arange(fmt.elements).reshape(dims)
+        transposed = values.transpose(permutation)
+        assert (transposed.transpose(result.perm).ravel() == values.transpose(perm).ravel()).all()
+        back = transpose_operand(result, permutation, dims)
+        assert (_order(back) == _order(fmt)).all()
+
+
+def test_reshapes_keep_the_order_only_when_it_exists():
+    row_major = ShardFormat((4, 6), (0, 1), 3)
+    assert reshape_format(row_major, (2, 12)).perm == (0, 1)
+    column = ShardFormat((4, 6), (1, 0), 3)
+    assert reshape_format(column, (2, 12)) is None
+    squeezed = reshape_format(ShardFormat((1, 4, 6), (0, 2, 1), 3), (4, 6))
+    assert squeezed is not None and squeezed.perm == (1, 0)
+
+
+def test_shard_lengths_and_padding():
+    fmt = ShardFormat.of(parse(f"HloModule m\nENTRY e {{ ROOT p = f32[10,3] parameter(0) }}\n")
+                         .entry.root.shape, 4)
+    assert (fmt.shard_len, fmt.padded, fmt.padding) == (8, 32, 2)
