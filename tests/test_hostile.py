@@ -18,7 +18,6 @@ crashes on, are reported by ``verify`` as an error (exit 2) with the parent aliv
 from __future__ import annotations
 
 import hashlib
-import pickle
 import re
 import resource
 import subprocess
@@ -31,6 +30,7 @@ import pytest
 from hlo_shard.cli import main
 from hlo_shard.fuzz import hostile
 from hlo_shard.fuzz.hostile import CliRun, run_cli
+from test_fuzz_xla import xla_parse
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).resolve().parent / "hostile"
@@ -251,16 +251,16 @@ _LITERALS_ACCEPTED_BY_MISTAKE = [
                    "the element type and rank as XLA's parser does — reported")
 @pytest.mark.parametrize("shape,literal", _LITERALS_ACCEPTED_BY_MISTAKE)
 def test_literals_xla_refuses_are_refused(shape, literal, tmp_path):
-    bad = tmp_path / "bad.hlo"
-    bad.write_text(f"HloModule m\n\nENTRY %e () -> {shape} {{\n  ROOT %c = {shape} "
-                   f"constant({literal})\n}}\n")
-    result = _in_process(["fmt", str(bad)])
-    assert result.exit_code == 2 and result.stderr.startswith(f"{bad}:4:"), result.stderr
+    _check_literal_refused(shape, literal, tmp_path)
 
 
 @pytest.mark.parametrize("shape,literal", [("f32[]", "(1, 2)"), ("f32[3]", "{1, 2}"),
                                            ("c64[]", "1"), ("pred[2]", "{true}")])
 def test_literals_with_the_wrong_count_are_refused(shape, literal, tmp_path):
+    _check_literal_refused(shape, literal, tmp_path)
+
+
+def _check_literal_refused(shape: str, literal: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.hlo"
     bad.write_text(f"HloModule m\n\nENTRY %e () -> {shape} {{\n  ROOT %c = {shape} "
                    f"constant({literal})\n}}\n")
@@ -269,33 +269,6 @@ def test_literals_with_the_wrong_count_are_refused(shape, literal, tmp_path):
 
 
 # ------------------------------------------------------- truncations and byte flips
-
-_XLA_ORACLE = r"""
-import pickle, sys
-from jax._src.lib import xla_client as xc
-verdicts = []
-for text in pickle.load(sys.stdin.buffer):
-    try:
-        xc.hlo.hlo_module_from_text(text)
-        verdicts.append(True)
-    except Exception:
-        verdicts.append(False)
-pickle.dump(verdicts, sys.stdout.buffer)
-"""
-
-
-def xla_accepts(texts: list[str]) -> list[bool | None]:
-    """XLA's parser verdict per text (None: it aborted on that text), in a child process
-    (an XLA CHECK failure kills the process that calls the parser)."""
-    proc = subprocess.run([sys.executable, "-c", _XLA_ORACLE], input=pickle.dumps(texts),
-                          capture_output=True, timeout=300)
-    if proc.returncode == 0:
-        return pickle.loads(proc.stdout)
-    if len(texts) == 1:
-        return [None]
-    half = len(texts) // 2
-    return xla_accepts(texts[:half]) + xla_accepts(texts[half:])
-
 
 def _in_process(args: list[str]):
     from click.testing import CliRunner
@@ -310,7 +283,7 @@ def mutants(tmp_path_factory) -> list[tuple[Path, bool | None]]:
     folder = tmp_path_factory.mktemp("mutants")
     real = REAL.read_bytes()
     variants = [t.encode() for t in hostile.truncations(real.decode())] + hostile.byte_flips(real)
-    verdicts = xla_accepts([v.decode("utf-8", "replace") for v in variants])
+    verdicts = [v.accepted for v in xla_parse([v.decode("utf-8", "replace") for v in variants])]
     assert len(variants) == MUTANT_COUNT
     mutants = []
     for index, (data, verdict) in enumerate(zip(variants, verdicts)):

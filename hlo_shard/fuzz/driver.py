@@ -16,6 +16,8 @@ harness itself stays tested.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 import signal
 import tempfile
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.fuzz.steps import StepSpec, random_step, reductions, render
+from hlo_shard.fuzz.steps import FULL, Size, StepSpec, random_step, reductions, render
 
 STATES = ("gathered", "sharded")
 STRATEGIES = ("auto", "per-tensor", "combined")
@@ -35,6 +37,9 @@ VARIANTS = tuple((state, strategy) for state in STATES for strategy in STRATEGIE
 STEPS = 2
 #: Seconds one optimize call may take before it counts as hung.
 TRANSFORM_TIMEOUT = 120
+#: XLA's LLVM optimisation off in the fuzzing workers: compiles about a third faster,
+#: and both modules of a pair are compiled alike, so equivalence is judged the same.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 _REDUCE_SCATTER = re.compile(r"\breduce-scatter(?:-start)?\(")
 
 #: Outcome kinds; every one but "match" is a failure.
@@ -156,6 +161,30 @@ def _time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def fast_compile() -> Iterator[None]:
+    """Workers started inside compile with :data:`FAST_COMPILE_FLAG` (unless the user's
+    XLA_FLAGS choose a level); the environment is restored afterwards."""
+    previous = os.environ.get("XLA_FLAGS")
+    if "backend_optimization_level" not in (previous or ""):
+        os.environ["XLA_FLAGS"] = f"{previous or ''} {FAST_COMPILE_FLAG}".strip()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = previous
+
+
+def start_worker():
+    """The one pooled 8-device CPU worker every case of this process uses (N ≤ 8)."""
+    from hlo_shard import runtime
+
+    with fast_compile():
+        return runtime.get_worker("cpu", 8)
 
 
 # ------------------------------------------------------------------------ one case
@@ -287,6 +316,7 @@ def write_reproducer(out_dir: Path, spec: StepSpec, transform: Transformation, s
 
 @dataclass
 class Summary:
+    transform: str = ""
     cases: int = 0
     variants: int = 0
     verified: int = 0
@@ -295,6 +325,12 @@ class Summary:
     #: (seed, variant, outcome, reproducer folder or None)
     failures: list[tuple[int, str, Outcome, Path | None]] = field(default_factory=list)
     seconds: float = 0.0
+
+    def merge(self, other: Summary) -> None:
+        for name in ("cases", "variants", "verified", "sharded"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.invalid += other.invalid
+        self.failures += other.failures
 
     @property
     def counts(self) -> dict[str, int]:
@@ -308,10 +344,10 @@ class Summary:
         valid = self.cases - len(self.invalid)
         return self.sharded / valid if valid else 0.0
 
-    def lines(self, transform: Transformation) -> list[str]:
+    def lines(self) -> list[str]:
         counts = self.counts
         return [
-            f"transformation: {transform.name}",
+            f"transformation: {self.transform}",
             f"cases: {self.cases} ({self.variants} optimize runs, {self.verified} distinct "
             f"candidates verified over {STEPS} steps) in {self.seconds:.1f} s",
             f"mismatches: {counts.get(MISMATCH, 0)}, crashes: {counts.get(CRASH, 0)}, "
@@ -322,21 +358,46 @@ class Summary:
         ]
 
 
-def run(cases: int, seed: int = 0, out_dir: Path | None = None,
-        transform: Transformation | None = None, variants=VARIANTS, shrink_budget: int = 60,
-        log: Callable[[str], None] = lambda line: None) -> Summary:
-    """Fuzz ``cases`` seeds starting at ``seed``; reproducers go to ``out_dir``."""
-    from hlo_shard import runtime
+def variants_of(case_seed: int, per_case: int | None) -> tuple[tuple[str, str], ...]:
+    """All variants, or ``per_case`` of them rotating with the seed (so that a run of
+    many cases still covers every state × strategy)."""
+    if per_case is None or per_case >= len(VARIANTS):
+        return VARIANTS
+    start = case_seed * per_case
+    return tuple(VARIANTS[(start + k) % len(VARIANTS)] for k in range(per_case))
 
-    transform = transform or default_transformation()
-    summary = Summary()
+
+@dataclass(frozen=True)
+class Plan:
+    """What one fuzzing process does (picklable, for ``--jobs``)."""
+
+    seeds: tuple[int, ...]
+    out_dir: Path | None = None
+    transform: str = "auto"
+    size: Size = FULL
+    variants_per_case: int | None = None
+    shrink_budget: int = 60
+    verbose: bool = True
+
+
+def _transformation(name: str) -> Transformation:
+    return {"auto": default_transformation, "optimize": Transformation,
+            "identity": Identity}[name]()
+
+
+def run_plan(plan: Plan, log: Callable[[str], None] | None = None) -> Summary:
+    """Fuzz ``plan.seeds`` in this process; reproducers go to ``plan.out_dir``."""
+    log = log or ((lambda line: print(line, flush=True)) if plan.verbose else (lambda line: None))
+    transform = _transformation(plan.transform)
+    summary = Summary(transform=transform.name)
     started = time.perf_counter()
-    runtime.get_worker("cpu", max(n for n in (2, 3, 4, 8)))  # one worker for every N
+    start_worker()
     with tempfile.TemporaryDirectory(prefix="hlo-shard-fuzz-") as scratch:
-        for case_seed in range(seed, seed + cases):
-            spec = random_step(case_seed)
+        for done, case_seed in enumerate(plan.seeds, 1):
+            spec = random_step(case_seed, plan.size)
             workdir = Path(scratch) / str(case_seed)
             workdir.mkdir()
+            variants = variants_of(case_seed, plan.variants_per_case)
             result = run_case(spec, transform, workdir, variants)
             summary.cases += 1
             summary.variants += len(variants)
@@ -348,18 +409,35 @@ def run(cases: int, seed: int = 0, out_dir: Path | None = None,
             summary.sharded += result.sharded
             folder = None
             for variant, outcome in result.failures.items():
-                if out_dir is not None and folder is None:  # one shrunk reproducer per case
+                if plan.out_dir is not None and folder is None:  # one reproducer per case
                     state, strategy = variant.split("/")
                     small, small_outcome = shrink(spec, transform, state, strategy,
-                                                  outcome.kind, workdir, shrink_budget)
-                    folder = write_reproducer(out_dir, small, transform, state, strategy,
+                                                  outcome.kind, workdir, plan.shrink_budget)
+                    folder = write_reproducer(plan.out_dir, small, transform, state, strategy,
                                               small_outcome or outcome)
                 summary.failures.append((case_seed, variant, outcome, folder))
                 first = outcome.detail.strip().splitlines()[-1] if outcome.detail else ""
                 log(f"seed {case_seed} {variant}: {outcome.kind.upper()}: {first}"
                     + (f" -> {folder}" if folder else ""))
-            if (case_seed - seed + 1) % 50 == 0:
-                log(f"... {case_seed - seed + 1}/{cases} cases, {len(summary.failures)} "
-                    f"failures, {summary.sharded} sharded, {time.perf_counter() - started:.0f} s")
+            if done % 50 == 0:
+                log(f"... {done}/{len(plan.seeds)} cases, {len(summary.failures)} failures, "
+                    f"{summary.sharded} sharded, {time.perf_counter() - started:.0f} s")
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def run(cases: int, seed: int = 0, jobs: int = 1, **options) -> Summary:
+    """Fuzz seeds ``seed … seed+cases-1`` in ``jobs`` processes (each with its own
+    worker); ``options`` are the other :class:`Plan` fields."""
+    seeds = tuple(range(seed, seed + cases))
+    if jobs <= 1:
+        return run_plan(Plan(seeds, **options))
+    started = time.perf_counter()
+    plans = [Plan(seeds[k::jobs], **options) for k in range(jobs)]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        parts = pool.map(run_plan, plans)
+    total = Summary(transform=parts[0].transform)
+    for part in parts:
+        total.merge(part)
+    total.seconds = time.perf_counter() - started
+    return total

@@ -79,16 +79,12 @@ class Reducers:
         return "\n\n".join(blocks)
 
 
-class Emitter:
-    """Instructions of one computation, in definition order."""
+class Names:
+    """Unique names in XLA's style: ``base``, then ``base.1``, ``base.2`` …"""
 
-    def __init__(self, reducers: Reducers) -> None:
-        self.reducers = reducers
-        self.lines: list[str] = []
+    def __init__(self) -> None:
         self._taken: set[str] = set()
-        self._scalars: dict[tuple[str, str], Val] = {}
 
-    # Names and raw instructions ------------------------------------------------
     def fresh(self, base: str) -> str:
         name, n = base, 0
         while name in self._taken:
@@ -96,6 +92,18 @@ class Emitter:
             name = f"{base}.{n}"
         self._taken.add(name)
         return name
+
+
+class Emitter(Names):
+    """Instructions of one computation, in definition order."""
+
+    def __init__(self, reducers: Reducers) -> None:
+        super().__init__()
+        self.reducers = reducers
+        self.lines: list[str] = []
+        self._scalars: dict[tuple[str, str], Val] = {}
+
+    # Raw instructions ------------------------------------------------------------
 
     def emit(self, base: str, shape: Sh | str, opcode: str, operands=(), attrs: str = "") -> Val:
         name = self.fresh(base)

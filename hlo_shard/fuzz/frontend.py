@@ -20,6 +20,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from hlo_shard.fuzz.emit import Names
+
 INT_RANGES = {
     "s1": (-1, 0), "s2": (-2, 1), "s4": (-8, 7), "s8": (-128, 127), "s16": (-32768, 32767),
     "s32": (-2**31, 2**31 - 1), "s64": (-2**63, 2**63 - 1),
@@ -80,10 +82,11 @@ class Inst:
     payload: str | None = None  # parameter number or constant literal
 
 
-class ModuleGenerator:
+class ModuleGenerator(Names):
     """One random module; :meth:`text` spells it in a random :class:`Style`."""
 
     def __init__(self, seed: int) -> None:
+        super().__init__()
         self.rng = random.Random(seed)
         self.seed = seed
         self.style = self._random_style()
@@ -95,7 +98,6 @@ class ModuleGenerator:
         self.channel = 0
         self.devices = self.rng.choice((2, 4, 8))
         self.spmd = self.rng.random() < 0.5
-        self._taken: set[str] = set()
 
     # ------------------------------------------------------------------ plumbing
     def _random_style(self) -> Style:
@@ -107,14 +109,6 @@ class ModuleGenerator:
                      entry_keyword=not header or r.random() < 0.9,
                      comments=r.choice((0.0, 0.0, 0.1, 0.3)), one_line=r.random() < 0.1,
                      root_keyword=r.random() < 0.9)
-
-    def fresh(self, base: str) -> str:
-        name, n = base, 0
-        while name in self._taken:
-            n += 1
-            name = f"{base}.{n}"
-        self._taken.add(name)
-        return name
 
     def add(self, inst: Inst, dtype: str | None = None, dims=None) -> Value:
         self.insts.append(inst)

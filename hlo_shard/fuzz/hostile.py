@@ -26,28 +26,29 @@ DEPTH = 100_000
 HUGE_BYTES = 50 * 1024 * 1024
 
 
+def _module(name: str, params: str, result: str, body: str) -> str:
+    return f"HloModule {name}\n\nENTRY %e ({params}) -> {result} {{\n{body}\n}}\n"
+
+
 def deep_tuple_shape(depth: int = DEPTH) -> str:
     shape = "(" * depth + "f32[]" + ")" * depth
-    return (f"HloModule deep_tuple\n\nENTRY %e (p: {shape}) -> f32[] {{\n"
-            f"  %p = {shape} parameter(0)\n  ROOT %c = f32[] constant(0)\n}}\n")
+    return _module("deep_tuple", f"p: {shape}", "f32[]",
+                   f"  %p = {shape} parameter(0)\n  ROOT %c = f32[] constant(0)")
 
 
 def deep_operands(depth: int = DEPTH) -> str:
     nested = "negate(" * depth + "%p" + ")" * depth
-    return (f"HloModule deep_operands\n\nENTRY %e (p: f32[]) -> f32[] {{\n"
-            f"  %p = f32[] parameter(0)\n  ROOT %r = f32[] add(%p, {nested})\n}}\n")
+    return _module("deep_operands", "p: f32[]", "f32[]",
+                   f"  %p = f32[] parameter(0)\n  ROOT %r = f32[] add(%p, {nested})")
 
 
-def deep_literal(depth: int = DEPTH) -> str:
-    literal = "{" * depth + "1" + "}" * depth
-    return (f"HloModule deep_literal\n\nENTRY %e () -> f32[1] {{\n"
-            f"  ROOT %c = f32[1] constant({literal})\n}}\n")
+def deep_literal(depth: int = DEPTH, open_close: str = "{}", shape: str = "f32[1]") -> str:
+    literal = open_close[0] * depth + "1" + open_close[1] * depth
+    return _module("deep_literal", "", shape, f"  ROOT %c = {shape} constant({literal})")
 
 
 def deep_literal_parentheses(depth: int = DEPTH) -> str:
-    literal = "(" * depth + "1" + ")" * depth
-    return (f"HloModule deep_parentheses\n\nENTRY %e () -> f32[] {{\n"
-            f"  ROOT %c = f32[] constant({literal})\n}}\n")
+    return deep_literal(depth, "()", "f32[]")
 
 
 def huge_string_line(size: int = HUGE_BYTES) -> str:

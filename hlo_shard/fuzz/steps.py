@@ -38,7 +38,18 @@ MUTATIONS = ("tanh", "axpy", "maximum", "minimum", "select", "clamp", "absmul", 
 #: runtime ("LogicalBuffer … does not have a layout", reported); replica form only until then.
 SPMD_TUPLE_ALL_REDUCE = False
 _DIM_POOL = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 31, 32, 61, 64, 97, 128, 257)
-_MAX_ELEMENTS = 4096
+
+@dataclass(frozen=True)
+class Size:
+    """How big the drawn cases are: ``FULL`` for ``make fuzz``, ``SMALL`` for the subset
+    in ``make test`` (compile time grows with the number of tensors and ops)."""
+
+    tensor_counts: tuple[int, ...]
+    max_elements: int
+
+
+FULL = Size((1, 1, 2, 2, 3, 3, 4, 6), 4096)
+SMALL = Size((1, 1, 2, 2, 3), 512)
 
 
 @dataclass
@@ -149,13 +160,14 @@ class StepSpec:
 # ---------------------------------------------------------------------- random specs
 
 
-def random_step(seed: int, devices: int | None = None) -> StepSpec:
-    """The case of ``seed``: the same seed always gives the same spec (and text)."""
+def random_step(seed: int, size: Size = FULL) -> StepSpec:
+    """The case of ``seed``: the same seed and size always give the same spec (and text)."""
     rng = random.Random(seed)
-    n = devices or rng.choice(DEVICE_COUNTS)
+    n = rng.choice(DEVICE_COUNTS)
     form = rng.choice(("spmd", "replica"))
     groups, group_size = random_groups(rng, n, form)
-    tensors = [random_tensor(rng) for _ in range(rng.choice((1, 1, 2, 2, 3, 3, 4, 6)))]
+    tensors = [random_tensor(rng, size.max_elements)
+               for _ in range(rng.choice(size.tensor_counts))]
     loop = rng.random() < 0.2
     spec = StepSpec(
         seed=seed, devices=n, form=form, groups=groups, group_size=group_size,
@@ -219,16 +231,16 @@ def random_groups(rng: random.Random, n: int, form: str) -> tuple[str, int]:
     return rng.choice(texts), size
 
 
-def random_dims(rng: random.Random) -> list[int]:
+def random_dims(rng: random.Random, max_elements: int) -> list[int]:
     rank = rng.choices((0, 1, 2, 3), weights=(12, 35, 38, 15))[0]
     while True:
         dims = [rng.choice(_DIM_POOL) for _ in range(rank)]
-        if math.prod(dims) <= _MAX_ELEMENTS:
+        if math.prod(dims) <= max_elements:
             return dims
 
 
-def random_tensor(rng: random.Random) -> TensorSpec:
-    dims = random_dims(rng)
+def random_tensor(rng: random.Random, max_elements: int) -> TensorSpec:
+    dims = random_dims(rng, max_elements)
     dtype = rng.choices(FLOAT_TYPES, weights=(60, 25, 15))[0]
     compute = dtype if dtype == "f32" or rng.random() < 0.5 else "f32"
     choices = [o for o in OPTIMIZERS if o != "adafactor" or len(dims) >= 2]
@@ -668,7 +680,6 @@ class _Update:
     def adafactor(self, g: Val, states: dict[str, Val]) -> tuple[Val, dict[str, Val]]:
         em = self.em
         rank = g.shape.rank
-        rows, cols = g.shape.dims[-2], g.shape.dims[-1]
         g2 = em.binary("add", em.binary("multiply", g, g), self.full(1e-2, g))
         row = self.mean(g2, rank - 1)
         col = self.mean(g2, rank - 2)
