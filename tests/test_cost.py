@@ -12,7 +12,8 @@ import math
 import pytest
 
 from hlo_shard.analysis.collective_model import (
-    algorithm_steps, collective_cost, combine, group_size, torus_dims, wire_bytes,
+    algorithm_steps, collective_cost, combiner_buckets, group_size, share_latency, torus_dims,
+    wire_bytes,
 )
 from hlo_shard.analysis.cost import CostAnalysis, module_cost, parse_window
 from hlo_shard.analysis.estimate import (
@@ -232,6 +233,35 @@ ENTRY e {
 """
 
 
+#: Three independent gradient all-reduces (1 KiB each), each used by its own update,
+#: then a norm that depends on one of them.
+MLP_GRADIENTS = """
+HloModule grads, replica_count=4
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY e {
+  x = f32[256] parameter(0)
+  g0 = f32[256] multiply(x, x)
+  ar0 = f32[256] all-reduce(g0), replica_groups={}, to_apply=add
+  g1 = f32[256] add(x, x)
+  ar1 = f32[256] all-reduce(g1), replica_groups={}, to_apply=add
+  g2 = f32[256] subtract(x, g1)
+  ar2 = f32[256] all-reduce(g2), replica_groups={}, to_apply=add
+  w0 = f32[256] subtract(x, ar0)
+  w1 = f32[256] subtract(x, ar1)
+  w2 = f32[256] subtract(x, ar2)
+  z = f32[] constant(0)
+  n = f32[] reduce(w2, z), dimensions={0}, to_apply=add
+  norm = f32[] all-reduce(n), replica_groups={}, to_apply=add
+  ROOT t = (f32[256], f32[256], f32[256], f32[]) tuple(w0, w1, w2, norm)
+}
+"""
+
+
 def costs(text: str, **options) -> tuple[float, float, float]:
     cost = module_cost(parse(text), **options)
     return cost.flops, cost.transcendentals, cost.bytes_accessed
@@ -380,11 +410,22 @@ def test_combined_collectives_share_one_latency_per_bucket():
     costs = [collective_cost("all-reduce", 64, size, profile) for size in (1000, 3000, 4000)]
     latency = costs[0].latency_s
     bandwidth = [c.seconds - c.latency_s for c in costs]
-    one_bucket = combine(costs, threshold_bytes=1 << 20)
-    assert sum(one_bucket) == pytest.approx(latency + sum(bandwidth))
-    assert one_bucket[1] == pytest.approx(bandwidth[1] + latency * 3000 / 8000)
-    two_buckets = combine(costs, threshold_bytes=4000)  # {1000, 3000}, {4000}
-    assert sum(two_buckets) == pytest.approx(2 * latency + sum(bandwidth))
+    seconds = share_latency(costs)
+    assert sum(seconds) == pytest.approx(latency + sum(bandwidth))
+    assert seconds[1] == pytest.approx(bandwidth[1] + latency * 3000 / 8000)
+
+
+def test_combiner_buckets_independent_collectives_up_to_the_threshold():
+    module = parse(MLP_GRADIENTS)
+    assert combiner_buckets(module, module.entry, 1 << 20) == [["ar0", "ar1", "ar2"], ["norm"]]
+    assert combiner_buckets(module, module.entry, 2048) == [["ar0", "ar1"], ["ar2"], ["norm"]]
+
+
+def test_combined_gradients_are_live_together():
+    module = parse(MLP_GRADIENTS)
+    alone = memory_profile(module, combine_threshold_bytes=0)
+    combined = memory_profile(module)
+    assert combined.temp_bytes >= alone.temp_bytes + 2 * 1024  # two more gradients at once
 
 
 def test_group_size_in_every_mode():

@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import GroupMode, group_mode
-from hlo_shard.ir import Instruction, Module, ReplicaGroups, shape_leaves
+from hlo_shard.graph import topological_order
+from hlo_shard.ir import Computation, Instruction, Module, ReplicaGroups, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 
 #: Opcode → collective kind as reported (async starts priced, their -done free).
@@ -59,7 +60,7 @@ class CollectiveCost:
     steps: int
     seconds: float
     algorithm: str
-    #: The α part of ``seconds`` (paid once per combined bucket, see :func:`combine`).
+    #: The α part of ``seconds`` (paid once per combined bucket, see :func:`share_latency`).
     latency_s: float = 0.0
 
 
@@ -136,30 +137,50 @@ def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
                           latency + sent / link.beta_bytes_per_s, algorithm, latency)
 
 
-def combine(costs: list[CollectiveCost], threshold_bytes: int) -> list[float]:
-    """Seconds of each of ``costs`` — independent collectives of one kind and group, in
-    program order — once XLA's collective combiner has packed them into buckets of up
-    to ``threshold_bytes``: a bucket pays the latency of one collective, shared among
-    its members by payload; bandwidth time is unchanged."""
-    seconds = [c.seconds - c.latency_s for c in costs]
-    bucket: list[int] = []
-    size = 0
+def share_latency(costs: list[CollectiveCost]) -> list[float]:
+    """Seconds of each collective of one combined bucket: the bucket pays the latency of
+    one collective, shared among its members by payload; bandwidth time is unchanged."""
+    payload = sum(c.payload_bytes for c in costs)
+    latency = max((c.latency_s for c in costs), default=0.0)
+    return [c.seconds - c.latency_s
+            + latency * (c.payload_bytes / payload if payload else 1 / len(costs))
+            for c in costs]
 
-    def close() -> None:
-        payload = sum(costs[i].payload_bytes for i in bucket) or 1
-        latency = max(costs[i].latency_s for i in bucket)
-        for i in bucket:
-            seconds[i] += latency * (costs[i].payload_bytes or 1 / len(bucket)) / payload
 
-    for index, cost in enumerate(costs):
-        if bucket and size + cost.payload_bytes > threshold_bytes:
-            close()
-            bucket, size = [], 0
-        bucket.append(index)
-        size += cost.payload_bytes
-    if bucket:
-        close()
-    return seconds
+def collective_depth(comp: Computation) -> dict[str, int]:
+    """How many collectives precede each instruction on its longest dependency path:
+    collectives at the same depth cannot depend on one another."""
+    depth: dict[str, int] = {}
+    for inst in topological_order(comp):
+        depth[inst.name] = max((depth[o] + (comp[o].opcode in COLLECTIVE_KINDS)
+                                for o in inst.operands), default=0)
+    return depth
+
+
+def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int
+                     ) -> list[list[str]]:
+    """The collectives XLA's combiners merge into one: of one kind and group size, not
+    depending on each other (same collective depth), in program order, up to
+    ``threshold_bytes`` per bucket. Single collectives are buckets of one."""
+    depth = collective_depth(comp)
+    groups: dict[tuple, list[Instruction]] = {}
+    for inst in topological_order(comp):
+        if inst.opcode in COLLECTIVE_KINDS:
+            key = (COLLECTIVE_KINDS[inst.opcode], group_size(inst, module), depth[inst.name])
+            groups.setdefault(key, []).append(inst)
+    buckets: list[list[str]] = []
+    for (_, size, _), members in groups.items():
+        bucket: list[str] = []
+        total = 0
+        for inst in members:
+            payload = payload_bytes(inst, [comp[o].shape for o in inst.operands])
+            if bucket and (size < 2 or total + payload > threshold_bytes):
+                buckets.append(bucket)
+                bucket, total = [], 0
+            bucket.append(inst.name)
+            total += payload
+        buckets.append(bucket)
+    return buckets
 
 
 def instruction_collective_cost(inst: Instruction, module: Module, operand_shapes: list,

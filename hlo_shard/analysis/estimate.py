@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlo_shard.analysis.collective_model import (
-    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combine, group_size,
-    instruction_collective_cost,
+    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
+    instruction_collective_cost, share_latency,
 )
 from hlo_shard.analysis.cost import (
     ELEMENTWISE_OPCODES, Cost, CostAnalysis, elements, known_trip_count, leaf_bytes,
@@ -38,7 +38,7 @@ from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
 from hlo_shard.analysis.liveness import MemoryProfile, memory_profile
-from hlo_shard.graph import topological_order, users_map
+from hlo_shard.graph import users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 
@@ -426,19 +426,11 @@ class _Estimator:
 
     def _combine_collectives(self, comp: Computation, estimates: list[InstructionEstimate]
                              ) -> None:
-        """Price collectives as XLA runs them after its combiners: those of one kind and
-        group size that do not depend on each other share one latency per bucket."""
-        depth = collective_depth(comp)
-        groups: dict[tuple, list[InstructionEstimate]] = {}
-        for estimate in estimates:
-            c = estimate.collective
-            if c is not None and c.group_size > 1:
-                groups.setdefault((c.kind, c.group_size, depth[estimate.name]), []).append(
-                    estimate)
-        for members in groups.values():
-            seconds = combine([m.collective for m in members],
-                              self.profile.combine_threshold_bytes)
-            for member, value in zip(members, seconds):
+        """Price collectives as XLA runs them after its combiners: one latency per bucket."""
+        by_name = {e.name: e for e in estimates if e.collective is not None}
+        for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes):
+            members = [by_name[name] for name in bucket if name in by_name]
+            for member, value in zip(members, share_latency([m.collective for m in members])):
                 member.seconds = value * member.runs
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
@@ -466,17 +458,6 @@ class _Estimator:
         return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
 
 
-def collective_depth(comp: Computation) -> dict[str, int]:
-    """How many collectives precede each instruction on its longest dependency path:
-    collectives at the same depth cannot depend on one another."""
-    depth: dict[str, int] = {}
-    for inst in topological_order(comp):
-        before = max((depth[o] + (comp[o].opcode in COLLECTIVE_KINDS) for o in inst.operands),
-                     default=0)
-        depth[inst.name] = before
-    return depth
-
-
 def _element_type(comp: Computation, inst: Instruction) -> str:
     source = comp[inst.operands[0]].shape if inst.opcode in _MATRIX_OPCODES else inst.shape
     leaves = list(shape_leaves(source))
@@ -502,7 +483,8 @@ def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | 
     entry_categories = estimator.categories[module.entry.name][0]
     activations = {n for n, c in entry_categories.items() if c == "forward_backward"}
     memory = memory_profile(module, kinds, gradient_values(module, module.entry), activations,
-                            upcast_16bit_floats=profile.upcasts_16bit_floats)
+                            upcast_16bit_floats=profile.upcasts_16bit_floats,
+                            combine_threshold_bytes=profile.combine_threshold_bytes)
     sources = {source for _, source in estimator.categories.values()}
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,

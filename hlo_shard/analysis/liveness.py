@@ -27,9 +27,11 @@ perfectly packed heap), and the curve plotted over the schedule.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 
+from hlo_shard.analysis.collective_model import combiner_buckets
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, POINTER_BYTES, leaf_bytes
 from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
@@ -93,9 +95,43 @@ class MemoryProfile:
         }
 
 
-def schedule(module: Module, comp: Computation) -> list[Instruction]:
-    """The order instructions run in: as written when the module is scheduled."""
-    return list(comp.instructions) if module.is_scheduled else topological_order(comp)
+def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
+             ) -> list[Instruction]:
+    """The order instructions run in: as written when the module is scheduled, else a
+    topological order in which the collectives XLA would combine run together (a
+    combined all-reduce needs every member's operand: they are all live at once)."""
+    if module.is_scheduled:
+        return list(comp.instructions)
+    if not combine_threshold_bytes:
+        return topological_order(comp)
+    bucket_of: dict[str, list[str]] = {}
+    for bucket in combiner_buckets(module, comp, combine_threshold_bytes):
+        for name in bucket:
+            bucket_of[name] = bucket
+    position = {inst.name: i for i, inst in enumerate(topological_order(comp))}
+    # A bucket runs as one node: ready when all of its members' operands are.
+    node = {name: bucket_of.get(name, [name])[0] for name in position}
+    deps: dict[str, set[str]] = {}
+    for inst in comp.instructions:
+        deps.setdefault(node[inst.name], set()).update(
+            node[o] for o in inst.operands if node[o] != node[inst.name])
+    dependents: dict[str, list[str]] = {n: [] for n in deps}
+    for name, needs in deps.items():
+        for need in needs:
+            dependents[need].append(name)
+    remaining = {name: len(needs) for name, needs in deps.items()}
+    ready = [position[n] for n, count in remaining.items() if count == 0]
+    heapq.heapify(ready)
+    by_position = {i: n for n, i in position.items()}
+    order: list[Instruction] = []
+    while ready:
+        head = by_position[heapq.heappop(ready)]
+        order.extend(comp[name] for name in bucket_of.get(head, [head]))
+        for user in dependents[head]:
+            remaining[user] -= 1
+            if remaining[user] == 0:
+                heapq.heappush(ready, position[user])
+    return order
 
 
 def output_parameter_aliases(module: Module) -> dict[int, int]:
@@ -112,18 +148,21 @@ def output_parameter_aliases(module: Module) -> dict[int, int]:
 
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
                    gradients: set[str] | None = None, activations: set[str] | None = None,
-                   *, upcast_16bit_floats: bool = False) -> MemoryProfile:
+                   *, upcast_16bit_floats: bool = False,
+                   combine_threshold_bytes: int = 30 << 20) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);
     ``gradients`` names the values holding gradients (collective inputs and results),
     ``activations`` the forward/backward values (their size follows the batch).
     ``upcast_16bit_floats``: the backend computes bf16/f16 in f32 (XLA CPU's float
-    normalization), so temporaries of those types take 4 bytes per element."""
+    normalization), so temporaries of those types take 4 bytes per element;
+    ``combine_threshold_bytes``: the collective combiner's bucket size (0: none)."""
     entry = module.entry
     kinds = parameter_kinds or {}
     emulate = not is_prefused(module)
     return _Liveness(module, entry, kinds, gradients or set(), emulate,
-                     upcast=upcast_16bit_floats, activations=activations or set()).run()
+                     upcast=upcast_16bit_floats, activations=activations or set(),
+                     combine=combine_threshold_bytes).run()
 
 
 def temporary_bytes(shape: Shape, upcast: bool) -> int:
@@ -142,16 +181,18 @@ class _Liveness:
 
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
                  gradients: set[str], emulate: bool, nested: bool = False,
-                 upcast: bool = False, activations: set[str] = frozenset()) -> None:
+                 upcast: bool = False, activations: set[str] = frozenset(),
+                 combine: int = 0) -> None:
         self.module = module
         self.upcast = upcast
         self.activations = activations
+        self.combine = combine
         self.comp = comp
         self.kinds = kinds
         self.gradients = gradients
         self.emulate = emulate
         self.nested = nested
-        self.order = schedule(module, comp)
+        self.order = schedule(module, comp, combine)
         self.position = {inst.name: i for i, inst in enumerate(self.order)}
         self.plan: KernelPlan = plan_kernels(comp, emulate)
         #: Value name → the buffers it refers to, per top-level element of its shape.
@@ -402,7 +443,7 @@ class _Liveness:
                 continue
             callee = self.module.computation(name)
             nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
-                               nested=True, upcast=self.upcast)
+                               nested=True, upcast=self.upcast, combine=self.combine)
             profile = nested.run()
             # What the callee adds on top of the buffers it was passed.
             peaks.append(profile.high_water_bytes - profile.argument_bytes)
