@@ -389,3 +389,15 @@ def test_state_sharded_with_a_loop_shards_the_carried_parameters():
     assert not find(module, "all-gather")  # the entry neither slices nor gathers w
     assert [p.kind for p in report.parameters] == ["sharded", "per-device"]
     assert report.outputs[0].kind == "sharded"
+
+
+def test_unannotated_tuple_parameter_counts_as_per_device():
+    text = f"""HloModule tup, replica_count=2
+{ADD}
+ENTRY e {{ t = (f32[4], f32[4]) parameter(0) g = f32[4] get-tuple-element(t), index=1
+ w = f32[4] get-tuple-element(t), index=0
+ ar = f32[4] all-reduce(g), replica_groups={{{{0,1}}}}, to_apply=add
+ ROOT n = f32[4] subtract(w, ar) }}
+"""
+    module, report = optimize(text)
+    assert not row(report, "ar").sharded

@@ -374,6 +374,10 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
         if flags is not None:
             out.append(ParamReplication(n, flags, "parameter_replication"))
             continue
+        if isinstance(param.shape, TupleShape):
+            # one tuple may mix weights and batch data: per-device unless annotated
+            out.append(ParamReplication(n, uniform(param.shape, False), "analysis"))
+            continue
         if default is None:
             default = default_parameter_replication(module, gradient_sources)
         out.append(ParamReplication(n, uniform(param.shape, default[n]), "analysis"))

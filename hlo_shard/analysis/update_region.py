@@ -442,7 +442,8 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
     if shape.element_type in ("token", "opaque") or shape.dynamic:
         return "not a static array"
     if shape.num_elements <= 1:
-        return "scalar: nothing to shard"
+        return "scalar: nothing to shard" if shape.is_scalar else \
+            f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}: nothing to shard"
     if shape.byte_size < options.min_shard_bytes:
         return f"smaller than --min-shard-bytes ({shape.byte_size} < {options.min_shard_bytes})"
     if not leaf.values:
