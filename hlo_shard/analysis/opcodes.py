@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hlo_shard.ir import ArrayShape, Computation
+
 #: Elementwise ops: result[i] depends only on operands[i] (same dims; clamp may take scalar
 #: bounds). They run unchanged on any subset of the elements — the shardable core.
 ELEMENTWISE = frozenset({
@@ -37,3 +39,25 @@ DEVICE_DEPENDENT = frozenset({
     "ragged-all-to-all", "collective-permute", "collective-permute-start",
     "collective-permute-done", "collective-broadcast",
 })
+
+
+#: Inside an elementwise fusion body: opcodes allowed besides :data:`ELEMENTWISE`.
+_BODY_EXTRA = frozenset({"parameter", "constant", "broadcast"})
+
+
+def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
+    """Every value is ``dims``-shaped or a scalar, every array op elementwise; constants
+    are scalars and broadcasts spread scalars — so the body computes element i of its
+    result from element i of its operands."""
+    for inst in comp.instructions:
+        shape = inst.shape
+        if not isinstance(shape, ArrayShape) or shape.dynamic or (
+                shape.dims != dims and not shape.is_scalar):
+            return False
+        if inst.opcode not in ELEMENTWISE and inst.opcode not in _BODY_EXTRA:
+            return False
+        if inst.opcode == "constant" and not shape.is_scalar:
+            return False
+        if inst.opcode == "broadcast" and not comp[inst.operands[0]].shape.is_scalar:
+            return False
+    return isinstance(comp.root.shape, ArrayShape) and comp.root.shape.dims == dims

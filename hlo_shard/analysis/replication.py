@@ -26,9 +26,10 @@ from typing import Union
 import networkx as nx
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.analysis.opcodes import DETERMINISTIC, DEVICE_DEPENDENT, ELEMENTWISE
+from hlo_shard.analysis.opcodes import (DETERMINISTIC, DEVICE_DEPENDENT, ELEMENTWISE,
+                                        is_elementwise_body)
 from hlo_shard.graph import dataflow_graph
-from hlo_shard.ir import Computation, Instruction, Module, Raw, Shape, TupleShape
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Shape, TupleShape
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
 Flags = Union[bool, tuple]
@@ -190,7 +191,7 @@ def _rebuild(shape: Shape, it) -> Flags:
 #: Ops a parameter's value flows through "elementwise" in the default analysis.
 _FLOW_THROUGH = ELEMENTWISE | frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "slice", "concatenate", "pad",
-    "bitcast-convert", "tuple", "get-tuple-element", "dynamic-slice", "dynamic-update-slice",
+    "bitcast-convert", "dynamic-slice", "dynamic-update-slice",
 })
 
 
@@ -227,24 +228,41 @@ def _meets_gradient(module: Module, comp: Computation, starts: set[str],
     for source in list(downstream):
         downstream |= nx.descendants(graph, source)
     reach, stack = set(starts), list(starts)
+    tuples: set[str] = set()  # carry only values, never combine them: followed into loops
     while stack:
         node = stack.pop()
         for user in graph.successors(node):
             inst = graph.nodes[user]["inst"]
-            if inst.opcode == "while" and depth < 8:
-                body = module.computation(inst.attr("body").name)
-                carried = graph.nodes[node]["inst"]
-                slots = [i for i, o in enumerate(carried.operands) if o in reach] \
-                    if carried.opcode == "tuple" else []
-                inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
-                          and body[i.operands[0]].opcode == "parameter"
-                          and i.attr("index") in slots}
-                if inside and _meets_gradient(module, body, inside, sources, None, depth + 1):
+            if node in tuples:
+                if inst.opcode == "while" and depth < 8 and \
+                        _meets_in_body(module, inst, graph.nodes[node]["inst"], reach, sources,
+                                       depth):
                     return True
-            if user not in reach and inst.opcode in _FLOW_THROUGH:
+            elif inst.opcode == "tuple" and user not in tuples:
+                tuples.add(user)
+                stack.append(user)
+            elif user not in reach and _flows_through(module, inst):
                 reach.add(user)
                 stack.append(user)
     return any(set(graph.predecessors(n)) & downstream for n in reach)
+
+
+def _flows_through(module: Module, inst: Instruction) -> bool:
+    if inst.opcode == "fusion":
+        calls = inst.attr("calls")
+        return isinstance(inst.shape, ArrayShape) and calls is not None and \
+            is_elementwise_body(module.computation(calls.name), inst.shape.dims)
+    return inst.opcode in _FLOW_THROUGH
+
+
+def _meets_in_body(module: Module, loop: Instruction, init: Instruction, reach: set[str],
+                   sources: dict[str, set[str]], depth: int) -> bool:
+    """The carried slots of ``init`` that hold reached values, followed into the body."""
+    body = module.computation(loop.attr("body").name)
+    slots = {i for i, o in enumerate(init.operands) if o in reach}
+    inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
+              and body[i.operands[0]].opcode == "parameter" and i.attr("index") in slots}
+    return bool(inside) and _meets_gradient(module, body, inside, sources, None, depth + 1)
 
 
 # ----------------------------------------------------------------------- the analysis

@@ -31,7 +31,7 @@ import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.opcodes import ELEMENTWISE
+from hlo_shard.analysis.opcodes import ELEMENTWISE, is_elementwise_body
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
 from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module
@@ -261,27 +261,6 @@ def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
     if not is_elementwise_body(ctx.module.computation(calls.name), shape.dims):
         return None
     return _elementwise(ctx, inst)
-
-
-#: Inside an elementwise fusion body: opcodes allowed besides :data:`ELEMENTWISE`.
-_BODY_EXTRA = frozenset({"parameter", "constant", "broadcast"})
-
-
-def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
-    """Every value is ``dims``-shaped or a scalar, every array op elementwise; constants
-    are scalars and broadcasts spread scalars — so the body computes element i of its
-    result from element i of its operands."""
-    for inst in comp.instructions:
-        shape = _array(inst.shape)
-        if shape is None or (shape.dims != dims and not shape.is_scalar):
-            return False
-        if inst.opcode not in ELEMENTWISE and inst.opcode not in _BODY_EXTRA:
-            return False
-        if inst.opcode == "constant" and not shape.is_scalar:
-            return False
-        if inst.opcode == "broadcast" and not comp[inst.operands[0]].shape.is_scalar:
-            return False
-    return _array(comp.root.shape) is not None and comp.root.shape.dims == dims
 
 
 def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
@@ -665,7 +644,6 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "canonical_perm", "classify", "collect_leaves", "is_elementwise_body", "is_scalar_broadcast",
-    "natural_perm",
+    "canonical_perm", "classify", "collect_leaves", "is_scalar_broadcast", "natural_perm",
     "plan_region", "reshape_format", "transpose_operand", "transpose_result",
 ]
