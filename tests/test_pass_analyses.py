@@ -145,3 +145,15 @@ def test_shard_lengths_and_padding():
     fmt = ShardFormat.of(parse(f"HloModule m\nENTRY e {{ ROOT p = f32[10,3] parameter(0) }}\n")
                          .entry.root.shape, 4)
     assert (fmt.shard_len, fmt.padded, fmt.padding) == (8, 32, 2)
+
+
+def test_default_analysis_follows_the_loop_carry_slot_by_slot():
+    from test_pass_weight_update import LOOP
+
+    module = parse(LOOP.replace(", parameter_replication={false}", ""))
+    found = find_gradient_all_reduces(module)
+    facts = analyze_replication(module, found[0].groups,
+                                gradient_sources={"body": {"ar"}, module.entry.name: {"r"}})
+    # w meets the reduced gradient in the body's update; x only feeds the gradient
+    assert [(p.flags, p.source) for p in facts.params] == [(True, "analysis"),
+                                                          (False, "analysis")]
