@@ -255,7 +255,8 @@ class RegionRewrite:
             users += [""] if name == self.comp.root_name else []
             if users:
                 outside[name] = users
-                items.append(Gathered(name, fmt, inst.shape, name))
+                items.append(Gathered(name, fmt,
+                                      self.emit.gathered_shape(inst.shape, fmt, users), name))
             inst.shape = self.emit.shape(inst.shape.element_type, (fmt.shard_len,))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_after(self.rw, self.emit, self.bucketing, items).items():
@@ -298,7 +299,9 @@ class RegionRewrite:
             values.sort(key=lambda v: position[v])
             for bucket in self.bucketing.buckets(values, lambda v: comp[v].shape.byte_size,
                                                  lambda v: comp[v].shape.element_type):
-                items = [Gathered(self.shard_of[v], self.plan.sharded[v], comp[v].shape, v)
+                items = [Gathered(self.shard_of[v], self.plan.sharded[v],
+                                  self.emit.gathered_shape(comp[v].shape, self.plan.sharded[v],
+                                                           needs[v]), v)
                          for v in bucket]
                 with self.rw.inserting_before(anchor):
                     gathered.update(zip(bucket, self.emit.gather(items)))

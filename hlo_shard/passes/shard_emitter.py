@@ -187,6 +187,18 @@ class ShardEmitter:
                         dynamic_slice_sizes=(fmt.shard_len,))
 
     # All-gather ---------------------------------------------------------------------------
+    def gathered_shape(self, shape: ArrayShape, fmt: ShardFormat, users: list[str]) -> ArrayShape:
+        """The full shape a gathered value takes: laid out in the format's order, so that
+        un-formatting it is free (a bitcast) and XLA's layout assignment copies only where
+        a user really needs another layout — unless the module is laid out already
+        (scheduled) or a user is a layout-sensitive ``bitcast``."""
+        if shape.layout is None or self.module.is_scheduled or any(
+                user and self.comp[user].opcode == "bitcast" for user in users):
+            return shape
+        return ArrayShape(shape.element_type, shape.dims, shape.dynamic,
+                          Layout(fmt.minor_to_major(), shape.layout.tail))
+
+
     def gather(self, items: list[Gathered]) -> list[str]:
         """All-gather ``items`` (one element type) at the insertion point — one collective
         for all of them — and bring each back to its full shape and layout."""

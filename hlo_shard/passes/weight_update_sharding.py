@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from hlo_shard.analysis.collective_model import collective_cost
 from hlo_shard.analysis.collectives import DeviceGroups, GradientAllReduce, find_gradient_all_reduces
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
@@ -42,6 +43,7 @@ from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Tupl
 from hlo_shard.passes.base import PassResult
 from hlo_shard.passes.region_rewrite import Bucketing, RegionRewrite, gather_after
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
+from hlo_shard.profiles import load_profile
 
 STATE_MODES = ("gathered", "sharded")
 STRATEGIES = ("auto", "per-tensor", "combined")
@@ -490,8 +492,10 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
         comp.parameters()[0].shape = carried
     readers = [r for r in rw.users(loop.name) if r.attr("index") in carry.slots]
     users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
-    items = [Gathered(r.name, carry.slots[r.attr("index")], r.shape, r.name) for r in readers
-             if r.attr("index") not in sunk]
+    items = [Gathered(r.name, carry.slots[r.attr("index")],
+                      emit.gathered_shape(r.shape, carry.slots[r.attr("index")], users[r.name]),
+                      r.name)
+             for r in readers if r.attr("index") not in sunk]
     for reader in readers:
         reader.shape = elements[reader.attr("index")]
     for item, gathered in gather_after(rw, emit, bucketing, items).items():
@@ -631,16 +635,17 @@ def _shard_sharding(groups: DeviceGroups) -> str:
         n, len(groups.groups), ",".join(map(str, order)))
 
 
-def _crossover_bytes(n: int) -> int:
-    """Size above which a gradient's own collective is bandwidth-bound (10 × α·β of the
-    CPU profile, ≈ 1 MB): larger ones go per tensor under ``auto``."""
-    try:
-        from hlo_shard.profiles import load_profile
-
-        link = load_profile("cpu-generic").interconnect.link_for(n)
-        return int(10 * link.alpha_s * link.beta_bytes_per_s)
-    except Exception:  # noqa: BLE001 - the estimate has a safe fallback
-        return 1 << 20
+def _crossover_bytes(n: int, profile: str = "cpu-generic") -> int:
+    """Gradient size up to which sharing a combined collective pays: the latency one
+    collective fewer saves (α-β model of :mod:`hlo_shard.analysis.collective_model`)
+    against the bucketing copies (concatenate before the reduce-scatter, slice after the
+    all-gather: about 4 bytes of memory traffic per gradient byte). Larger gradients go
+    per tensor under ``auto``."""
+    if n <= 1:
+        return 0
+    hardware = load_profile(profile)
+    latency = collective_cost("reduce-scatter", n, 0, hardware).latency_s
+    return int(latency * hardware.memory_bandwidth_bytes_per_s / 4)
 
 
 __all__ = ["ChannelIds", "Explanation", "ShardingOptions", "ShardingReport", "SignatureEntry",
