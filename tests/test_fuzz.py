@@ -180,6 +180,7 @@ def test_generator_covers_the_issue():
     assert {t.dtype for t in tensors} == {"f32", "bf16", "f16"}
     assert {t.optimizer for t in tensors} == set(OPTIMIZERS)
     assert {m.op for t in tensors for m in t.mutations} == set(MUTATIONS)
+    assert {t.extremum for t in tensors} == {None, "maximum", "minimum"}
     sizes = [math.prod(t.dims) for t in tensors]
     assert any(not t.dims for t in tensors) and any(t.dims and math.prod(t.dims) == 1 for t in tensors)
     assert any(_is_prime(d) and d > 7 for t in tensors for d in t.dims)
@@ -191,14 +192,14 @@ def test_generator_covers_the_issue():
                  "norm_output", "metric_all_reduce", "device_noise"):
         assert n(lambda s: bool(getattr(s, flag))), flag
     for flag in ("layout", "lamb", "clip_value", "sanitize", "weight_decay", "nesterov", "view",
-                 "max_stat", "post_use"):
+                 "extremum", "post_use"):
         assert any(getattr(t, flag) for t in tensors), flag
     joined = "\n".join(texts)
     for form in (r"replica_groups=\{\{", r"replica_groups=\[\d+,\d+\]<=\[\d+\]",
                  r"<=\[\d+,\d+\]T\(1,0\)", r"replica_groups=mesh\[", r"replica_groups=\{\}",
                  r"replica_groups=\{\{0,1\},\{2,3\}", r"replica_groups=\{\{0,2",
                  r"partition-id\(\)", r"replica-id\(\)", r" while\(", r"is-finite\(",
-                 r"reduce_maximum", r"s32\[\] add\(%step", r"\{0,1\}", r"transpose\(",
+                 r"reduce_maximum", r"reduce_minimum", r"s32\[\] add\(%step", r"\{0,1\}", r"transpose\(",
                  r"use_global_device_ids=true", r"sharding=\{replicated\}",
                  r"sharding=\{devices=\[\d+,1\]<=\[\d+\]\}", r"parameter_replication=",
                  r"input_output_alias="):
@@ -227,10 +228,41 @@ ENTRY %main (x: f32[4], y: f32[3]) -> (f32[4], f32[3]) {
 """
 
 
-@pytest.mark.xfail(strict=True, raises=HloRuntimeError, reason="runtime: a variadic all-reduce with channel_id (SPMD form) "
-                   "does not compile on XLA:CPU ('LogicalBuffer … does not have a layout'); "
-                   "replica_form could make it cross-replica (no channel id) — reported")
-def test_spmd_tuple_all_reduce_runs(worker):
-    """Found by the fuzzer (its generator avoids the form until this passes)."""
-    report = runtime.verify(SPMD_TUPLE_ALL_REDUCE, None, runtime.VerifyOptions(steps=1))
+#: Found by the fuzzer: a tuple all-reduce with an operand in a non-default layout whose
+#: result is transposed fails in the HLO → StableHLO translation the runtime compiles through.
+TUPLE_ALL_REDUCE_LAYOUT = """HloModule tuple_all_reduce_layout, replica_count=2
+
+%add (a: f16[], b: f16[]) -> f16[] {
+  %a = f16[] parameter(0)
+  %b = f16[] parameter(1)
+  ROOT %r = f16[] add(%a, %b)
+}
+
+ENTRY %main (w0: f16[2,4]{0,1}, w1: f16[3,3], g0: f16[2,4]{0,1}, g1: f16[3,3]) -> (f16[2,4]{0,1}, f16[3,3]) {
+  %w0 = f16[2,4]{0,1} parameter(0)
+  %w1 = f16[3,3] parameter(1)
+  %g0 = f16[2,4]{0,1} parameter(2)
+  %g1 = f16[3,3] parameter(3)
+  %all_reduce = (f16[2,4]{0,1}, f16[3,3]) all-reduce(%g0, %g1), replica_groups={{0,1}}, to_apply=%add
+  %grad = f16[2,4]{0,1} get-tuple-element(%all_reduce), index=0
+  %grad.1 = f16[3,3] get-tuple-element(%all_reduce), index=1
+  %transpose = f16[4,2] transpose(%grad), dimensions={1,0}
+  %transpose.2 = f16[2,4]{0,1} transpose(%transpose), dimensions={1,0}
+  %subtract = f16[2,4]{0,1} subtract(%w0, %transpose.2)
+  %subtract.1 = f16[3,3] subtract(%w1, %grad.1)
+  ROOT %result = (f16[2,4]{0,1}, f16[3,3]) tuple(%subtract, %subtract.1)
+}
+"""
+
+
+@pytest.mark.xfail(strict=True, raises=HloRuntimeError, reason=(
+    "runtime: valid modules with a variadic (tuple) all-reduce fail to compile on XLA:CPU — "
+    "with channel_id (SPMD form): 'LogicalBuffer … does not have a layout'; with an operand "
+    "in a non-default layout: 'requires all operands to be defined in the parent region'; "
+    "replica_form could split variadic all-reduces — reported"))
+@pytest.mark.parametrize("text", [SPMD_TUPLE_ALL_REDUCE, TUPLE_ALL_REDUCE_LAYOUT],
+                         ids=["spmd-channel-id", "non-default-layout"])
+def test_tuple_all_reduce_modules_run(worker, text):
+    """Found by the fuzzer (its generator avoids these forms until this passes)."""
+    report = runtime.verify(text, None, runtime.VerifyOptions(steps=1))
     assert report.steps_run == 1

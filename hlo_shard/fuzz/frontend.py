@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass, field
 
 from hlo_shard.fuzz.emit import Names
@@ -98,6 +99,9 @@ class ModuleGenerator(Names):
         self.channel = 0
         self.devices = self.rng.choice((2, 4, 8))
         self.spmd = self.rng.random() < 0.5
+        self.stack_frames = self.style.header and self.rng.random() < 0.2
+        #: Callee name → execution_thread of the computation.
+        self.threads: dict[str, str] = {}
 
     # ------------------------------------------------------------------ plumbing
     def _random_style(self) -> Style:
@@ -172,6 +176,10 @@ class ModuleGenerator(Names):
                 self.spell(n) for n in earlier) + "}"))
         if r.random() < 0.04:
             inst.attrs.append(("statistics", "{visualizing_index=1,stat-0=0.5}"))
+        first: dict[str, str] = {}
+        for key, value in inst.attrs:  # one of each: XLA refuses a repeated attribute
+            first.setdefault(key, value)
+        inst.attrs[:] = first.items()
 
     def metadata(self) -> str:
         r = self.rng
@@ -185,6 +193,8 @@ class ModuleGenerator(Names):
                       f"source_end_column={r.randint(1, 80)}"]
         if r.random() < 0.2:
             parts.append('deduplicated_name="fusion.1"')
+        if r.random() < 0.3:  # without the FileNames table XLA drops it, on both reads
+            parts.append(f"stack_frame_id={r.randint(1, 2)}")
         r.shuffle(parts)
         return "{" + r.choice((" ", ", ")).join(parts) + "}"
 
@@ -315,8 +325,12 @@ class ModuleGenerator(Names):
         if math.prod(dims) > 24:
             dims = dims[:1]
         layout = self.random_layout(dtype, dims) if r.random() < 0.3 else ""
-        self.add(Inst(self.fresh(r.choice(("constant", "c", "cst"))), _shape(dtype, dims) + layout,
-                      "constant", payload=self.literal(dtype, dims)), dtype, dims)
+        literal = self.literal(dtype, dims)
+        # XLA renames instructions whose name another computation uses; an elided constant
+        # keeps a distinctive name so the tests can find it in XLA's print.
+        base = "elided" if literal == "{...}" else r.choice(("constant", "c", "cst"))
+        self.add(Inst(self.fresh(base), _shape(dtype, dims) + layout, "constant",
+                      payload=literal), dtype, dims)
 
     def _float_array(self) -> Value:
         dtype = self.rng.choice(WIDE_FLOATS)
@@ -465,8 +479,10 @@ class ModuleGenerator(Names):
         if kind == "reduce":
             a = self.array(f32, (4, 6))
             init = self.add(Inst(self.fresh("init"), "f32[]", "constant", payload="0"), f32, ())
+            to_apply = "%" + self.helper("add") if r.random() < 0.8 else \
+                "{ x = f32[] parameter(0) y = f32[] parameter(1) ROOT z = f32[] add(x, y) }"
             self.add(Inst(self.fresh("reduce"), "f32[4]", kind, [a, init],
-                          [("dimensions", "{1}"), ("to_apply", "%" + self.helper("add"))]), f32, (4,))
+                          [("dimensions", "{1}"), ("to_apply", to_apply)]), f32, (4,))
         elif kind == "reduce-window":
             a = self.array(f32, (4, 6))
             init = self.add(Inst(self.fresh("init"), "f32[]", "constant", payload="-inf"), f32, ())
@@ -585,6 +601,8 @@ class ModuleGenerator(Names):
             body = [Inst("param_0", "f32[4]", "parameter", payload="0"),
                     Inst("neg", "f32[4]", "negate", [Value("param_0", "f32[4]")])]
             self.callees.append((name, "param_0: f32[4]", body, "f32[4]"))
+            if kind == "call" and r.random() < 0.3:
+                self.threads[name] = "main"
             attrs = [("calls", "%" + name), ("kind", r.choice(("kLoop", "kInput", "kOutput")))] \
                 if kind == "fusion" else [("to_apply", "%" + name)]
             self.add(Inst(self.fresh(kind), "f32[4]", kind, [a], attrs), "f32", (4,))
@@ -687,7 +705,8 @@ class ModuleGenerator(Names):
             head += f" ({params}) -> {root_shape}"
         lines = [self.inst_text(inst, i == len(body) - 1) for i, inst in enumerate(body)]
         closing = "" if self.style.one_line else "\n"
-        return head + " {" + newline + newline.join(lines) + closing + "}"
+        thread = f', execution_thread="{self.threads[name]}"' if name in self.threads else ""
+        return head + " {" + newline + newline.join(lines) + closing + "}" + thread
 
     def text(self) -> str:
         if not self.insts:
@@ -707,7 +726,14 @@ class ModuleGenerator(Names):
                 attrs.insert(0, ("is_scheduled", "false"))
             if self.rng.random() < 0.15:
                 attrs.append(("frontend_attributes", '{xla.sdy.meshes={mesh = #sdy.mesh<["dp"=4]>}}'))
+            params = sorted((i for i in self.insts if i.opcode == "parameter"),
+                            key=lambda p: int(p.payload))
+            layout = _entry_layout([p.shape for p in params], [v.shape for v in leaves])
+            if layout and self.rng.random() < 0.3:
+                attrs.insert(0, ("entry_computation_layout", layout))
             header = f"HloModule fe_{self.seed}" + "".join(f", {k}={v}" for k, v in attrs)
+            if self.stack_frames:
+                header += STACK_FRAMES
         params = [i for i in self.insts if i.opcode == "parameter"]
         signature = ", ".join(f"{p.name}: {p.shape}" for p in sorted(params, key=lambda p: int(p.payload)))
         blocks = [self.computation_text(name, sig, body, root_shape)
@@ -715,6 +741,46 @@ class ModuleGenerator(Names):
         blocks.append(self.computation_text(self.fresh("main"), signature, self.insts, root.shape, entry=True))
         separator = " " if self.style.one_line else "\n\n"
         return separator.join(([header] if header else []) + blocks) + "\n"
+
+
+#: A FileNames … StackFrames section as jax 0.10 writes it after the header.
+STACK_FRAMES = """
+
+FileNames
+1 "train.py"
+
+FunctionNames
+1 "<module>"
+2 "step"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=25 end_line=25 column=6 end_column=6}
+2 {file_name_id=1 function_name_id=2 line=14 end_line=14 column=10 end_column=10}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}"""
+
+_PLAIN_ARRAY = re.compile(r"^([a-z0-9]+)\[([\d,]*)\](\{[^}]*\})?$")
+
+
+def _entry_layout(params: list[str], results: list[str]) -> str | None:
+    """``{(p0, p1)->(r0, …)}`` with every layout spelled out, or None when a shape is
+    not a plain array (tuples, tokens, dynamic dimensions)."""
+    def with_layout(shape: str) -> str | None:
+        match = _PLAIN_ARRAY.match(shape)
+        if match is None or match.group(1) in ("token", "opaque"):
+            return None
+        rank = len(match.group(2).split(",")) if match.group(2) else 0
+        if match.group(3) or not rank:
+            return shape
+        return shape + "{" + ",".join(map(str, range(rank - 1, -1, -1))) + "}"
+
+    texts = [with_layout(s) for s in params + results]
+    if None in texts:
+        return None
+    ins, outs = texts[:len(params)], texts[len(params):]
+    return "{(" + ", ".join(ins) + ")->(" + ", ".join(outs) + ")}"
 
 
 def _shape(dtype: str, dims: tuple[int, ...]) -> str:

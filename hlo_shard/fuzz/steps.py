@@ -34,9 +34,12 @@ FULL_STATE = {"sgd": (), "momentum": ("m",), "adam": ("m", "v"), "rmsprop": ("v"
               "lion": ("m",), "adafactor": ()}
 MUTATIONS = ("tanh", "axpy", "maximum", "minimum", "select", "clamp", "absmul", "negate",
              "divide", "expdecay", "roundtrip", "softabs", "isfinite")
-#: Tuple all-reduces with channel ids (SPMD form) do not compile on XLA:CPU through the
-#: runtime ("LogicalBuffer … does not have a layout", reported); replica form only until then.
+#: Tuple all-reduces that do not compile on XLA:CPU through the runtime (reported): with
+#: channel ids, the SPMD form ("LogicalBuffer … does not have a layout"), and with an operand
+#: in a non-default layout ("requires all operands to be defined in the parent region").
+#: The generator avoids them until the runtime handles them.
 SPMD_TUPLE_ALL_REDUCE = False
+TUPLE_ALL_REDUCE_WITH_LAYOUTS = False
 _DIM_POOL = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 31, 32, 61, 64, 97, 128, 257)
 
 @dataclass(frozen=True)
@@ -80,8 +83,9 @@ class TensorSpec:
     #: The update computed in another view: ["reshape", dims] or ["transpose", perm].
     view: list | None = None
     mutations: list[Mutation] = field(default_factory=list)
-    #: Scale the update by 1/(1+max|g|) (a max-reduction).
-    max_stat: bool = False
+    #: Scale the update by 1/(1+max|g|) ("maximum") or 1/(1+|min g|) ("minimum"): a
+    #: max/min reduction, exact in any order.
+    extremum: str | None = None
     #: The new weight is used after the update (a dot producing an extra output).
     post_use: bool = False
 
@@ -254,7 +258,7 @@ def random_tensor(rng: random.Random, max_elements: int) -> TensorSpec:
         nesterov=rng.random() < 0.3,
         view=_random_view(rng, dims) if rng.random() < 0.3 else None,
         mutations=[_random_mutation(rng) for _ in range(rng.choice((0, 0, 1, 2, 3)))],
-        max_stat=rng.random() < 0.2,
+        extremum=rng.choice(("maximum", "minimum")) if rng.random() < 0.25 else None,
         post_use=rng.random() < 0.1,
     )
     return tensor
@@ -295,7 +299,8 @@ def normalized(spec: StepSpec) -> StepSpec:
             tensor.post_use = False
     if spec.bias_correction or spec.lr_schedule:
         spec.step_counter = True
-    if spec.form == "spmd" and not SPMD_TUPLE_ALL_REDUCE:
+    if not TUPLE_ALL_REDUCE_WITH_LAYOUTS and any(t.layout for t in spec.tensors) or \
+            spec.form == "spmd" and not SPMD_TUPLE_ALL_REDUCE:
         spec.tuple_all_reduce = False
     if spec.lr_param and (spec.loss_output or spec.norm_output or spec.metric_all_reduce
                           or any(t.post_use for t in spec.tensors)):
@@ -600,10 +605,11 @@ class _Update:
         u = self.from_view(u, wc.shape, view)
         new_states = {k: self.from_view(v, states[k].shape, view) if k in ("m", "v") else v
                       for k, v in new_states.items()}
-        if t.max_stat:
-            top = em.reduce(em.unary("abs", g), "maximum")
+        if t.extremum:
+            source = em.unary("abs", g) if t.extremum == "maximum" else g
+            size = em.unary("abs", em.reduce(source, t.extremum))
             u = em.binary("multiply", u, em.broadcast(em.binary(
-                "divide", em.constant(1.0, c), em.binary("add", top, em.constant(1.0, c))),
+                "divide", em.constant(1.0, c), em.binary("add", size, em.constant(1.0, c))),
                 u.shape))
         if t.lamb:
             u = em.binary("multiply", u, em.broadcast(self.trust_ratio(wc, u), u.shape))
@@ -650,7 +656,7 @@ class _Update:
             return u, {"m": m}
         if t.optimizer == "adam":
             m = blend(full["m"], g, 0.9)
-            v = blend(full["v"], em.binary("multiply", g, g), 0.999)
+            v = blend(self.second_moment(full["v"]), em.binary("multiply", g, g), 0.999)
             m_hat, v_hat = m, v
             if self.spec.bias_correction:
                 m_hat = em.binary("multiply", m, em.broadcast(self.correction(0.9), m.shape))
@@ -658,13 +664,19 @@ class _Update:
             denom = em.binary("add", em.unary("sqrt", v_hat), self.full(1e-3, v))
             return em.binary("divide", m_hat, denom), {"m": m, "v": v}
         if t.optimizer == "rmsprop":
-            v = blend(full["v"], em.binary("multiply", g, g), 0.9)
+            v = blend(self.second_moment(full["v"]), em.binary("multiply", g, g), 0.9)
             return em.binary("multiply", g, em.unary("rsqrt", em.binary(
                 "add", v, self.full(1e-3, v)))), {"v": v}
         if t.optimizer == "lion":
             direction = blend(full["m"], g, 0.9)
             return em.unary("sign", direction), {"m": blend(full["m"], g, 0.99)}
         return self.adafactor(g, states)
+
+    def second_moment(self, state: Val) -> Val:
+        """``|state|``: a mean of squares is never negative, but verify's inputs may be
+        (it cannot see through a while loop that the state feeds a square root), and a
+        square root at the edge of NaN turns rounding into NaN-position differences."""
+        return self.em.unary("abs", state)
 
     def blend(self, old: Val, new: Val, beta: float) -> Val:
         return self.em.binary("add", self.em.scale(old, beta), self.em.scale(new, 1 - beta))
@@ -683,8 +695,8 @@ class _Update:
         g2 = em.binary("add", em.binary("multiply", g, g), self.full(1e-2, g))
         row = self.mean(g2, rank - 1)
         col = self.mean(g2, rank - 2)
-        r = self.blend(states["r"], row, 0.9)
-        c = self.blend(states["c"], col, 0.9)
+        r = self.blend(self.second_moment(states["r"]), row, 0.9)
+        c = self.blend(self.second_moment(states["c"]), col, 0.9)
         r_mean = self.mean(r, rank - 2)
         full = g.shape
         batch = tuple(range(rank - 2))
@@ -770,7 +782,7 @@ def reductions(spec: StepSpec):
             yield variant(lambda s, i=i, k=k: s.tensors[i].mutations.pop(k))
         for name, off in (("view", None), ("layout", None), ("lamb", False),
                           ("clip_value", None), ("sanitize", False), ("weight_decay", 0.0),
-                          ("nesterov", False), ("max_stat", False), ("post_use", False)):
+                          ("nesterov", False), ("extremum", None), ("post_use", False)):
             if getattr(tensor, name) != off:
                 yield variant(lambda s, i=i, name=name, off=off:
                               setattr(s.tensors[i], name, off))
