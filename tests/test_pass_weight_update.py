@@ -55,14 +55,26 @@ ENTRY e {{ w = f32[6,4]{{0,1}} parameter(0) g = f32[6,4]{{0,1}} parameter(1)
 """
 
 
-def test_non_default_layout_shards_in_physical_order_without_copies():
+def test_non_default_layout_shards_in_physical_order_as_blocks():
     module, report = optimize(LAYOUT)
-    transposes = find(module, "transpose")
-    # {0,1}: physical order is dim 1 major, so both sides transpose as a bitcast would
-    assert all(t.attr("dimensions") == (1, 0) for t in transposes)
+    # {0,1}: dim 1 is major; 4 columns over 2 devices = blocks of 2 whole columns, so the
+    # collectives work on the [6,4] value along dimension 1 and only blocks are transposed
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.operands == ["g"] and rs.attr("dimensions") == (1,) and rs.shape.dims == (6, 2)
+    (ds,) = find(module, "dynamic-slice")
+    assert ds.operands[0] == "w" and ds.attr("dynamic_slice_sizes") == (6, 2)
+    assert all(t.shape.num_elements == 12 for t in find(module, "transpose"))
     root = module.entry.root
+    assert root.opcode == "all-gather" and root.attr("dimensions") == (1,)
     assert root.shape.dims == (6, 4) and root.shape.layout.minor_to_major == (0, 1)
     assert row(report, "ar").sharded
+
+
+def test_non_default_layout_with_padding_transposes_the_flat_copy():
+    module, _ = optimize(LAYOUT.replace("6,4", "5,3"))
+    (rs,) = find(module, "reduce-scatter")
+    assert rs.shape.dims == (8,)
+    assert any(t.attr("dimensions") == (1, 0) for t in find(module, "transpose"))
 
 
 def test_mixed_layouts_choose_the_order_with_fewer_copies():

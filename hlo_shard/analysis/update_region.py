@@ -84,6 +84,18 @@ class ShardFormat:
     def is_row_major(self) -> bool:
         return self.perm == canonical_perm(tuple(range(len(self.dims))), self.dims)
 
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """``(dimension, rows)`` when every shard is a plain block of the value — rows
+        ``[j·rows, (j+1)·rows)`` of the format's most-major dimension (no padding, the
+        shard a whole number of slabs) — so slices and collectives can work on the value's
+        own dimensions instead of a transposed flat copy; None otherwise."""
+        major = next((d for d in self.perm if self.dims[d] != 1), None)
+        if self.padding or major is None:
+            return None
+        slab = math.prod(self.dims[d] for d in self.perm[self.perm.index(major) + 1:])
+        return (major, self.shard_len // slab) if self.shard_len % slab == 0 else None
+
     def minor_to_major(self) -> tuple[int, ...]:
         """The layout whose physical order is this format's flat order."""
         return tuple(reversed(self.perm))
@@ -631,7 +643,8 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
     def add(name: str, shape, fmt: ShardFormat) -> None:
         if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:
             count, moved = copies.get(name, (0, 0.0))
-            copies[name] = (count + 1, moved + fmt.elements)
+            whole = fmt.block is None  # else only the shard-sized block is transposed
+            copies[name] = (count + 1, moved + (fmt.elements if whole else fmt.shard_len))
 
     for leaf in plan.active:
         add(leaf.values[0], comp[leaf.operand].shape, leaf.format)

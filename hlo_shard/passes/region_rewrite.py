@@ -22,7 +22,8 @@ from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardF
 from hlo_shard.graph import Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
                           SliceRanges, TupleShape)
-from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
+from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
+                                           uses_blocks)
 
 #: Never erased as a side effect of the rewrite.
 _KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
@@ -109,6 +110,9 @@ class RegionRewrite:
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
         element_type = leaves[0].shape.element_type
         with self.rw.inserting_before(anchor):
+            if len(leaves) == 1 and uses_blocks(leaves[0].format):
+                self.scatter_block(leaves[0], to_apply)
+                return
             flats = [emit.flat_padded(leaf.operand, leaf.format) for leaf in leaves]
             total = sum(leaf.format.shard_len for leaf in leaves)
             if len(leaves) == 1:
@@ -135,6 +139,20 @@ class RegionRewrite:
                 for value in leaf.values:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
+
+    def scatter_block(self, leaf: Leaf, to_apply) -> None:
+        """Reduce-scatter the gradient along its format's major dimension (each device
+        gets its block) and transpose only that block into the shard order."""
+        emit = self.emit
+        element_type = leaf.shape.element_type
+        scattered = emit.add("reduce-scatter", emit.shape(element_type, block_dims(leaf.format)),
+                             [leaf.operand], name="reduce-scatter",
+                             **emit.collective_attrs(dimensions=(leaf.format.block[0],),
+                                                     to_apply=to_apply))
+        shard = emit.block_to_shard(scattered, leaf.format, element_type)
+        for value in leaf.values:
+            self.shard_of[value] = shard
+        self.collective_of[leaf.label] = scattered
 
     # Region ops ---------------------------------------------------------------------------
     def shard_op(self, name: str, op: RegionOp) -> None:

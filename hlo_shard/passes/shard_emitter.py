@@ -179,12 +179,38 @@ class ShardEmitter:
         return current
 
     def local_slice(self, value: str, fmt: ShardFormat) -> str:
-        """This device's ``[L]`` shard of a full value it holds (no communication)."""
-        flat = self.flat_padded(value, fmt)
+        """This device's ``[L]`` shard of a full value it holds (no communication). A
+        transposed order whose shards are blocks slices the block first, so only the
+        shard is transposed."""
         element_type = self.comp[value].shape.element_type
+        if uses_blocks(fmt):
+            major, rows = fmt.block
+            starts = [self.constant("u32", "0")] * len(fmt.dims)
+            starts[major] = self.offset(rows)
+            block = self.add("dynamic-slice", self.shape(element_type, block_dims(fmt)),
+                             [value, *starts], name=f"{value}.block",
+                             dynamic_slice_sizes=block_dims(fmt))
+            return self.block_to_shard(block, fmt, element_type)
+        flat = self.flat_padded(value, fmt)
         return self.add("dynamic-slice", self.shape(element_type, (fmt.shard_len,)),
                         [flat, self.offset(fmt.shard_len)], name=f"{value}.shard",
                         dynamic_slice_sizes=(fmt.shard_len,))
+
+    def block_to_shard(self, block: str, fmt: ShardFormat, element_type: str) -> str:
+        """A block of the value (dims of :func:`block_dims`) → its ``[L]`` shard."""
+        dims = block_dims(fmt)
+        ordered = self.add("transpose", self.shape(element_type, tuple(dims[p] for p in fmt.perm)),
+                           [block], dimensions=fmt.perm)
+        return self.add("reshape", self.shape(element_type, (fmt.shard_len,)), [ordered],
+                        name=f"{block}.shard")
+
+    def shard_to_block(self, shard: str, fmt: ShardFormat, element_type: str) -> str:
+        dims = block_dims(fmt)
+        ordered = self.add("reshape", self.shape(element_type, tuple(dims[p] for p in fmt.perm)),
+                           [shard])
+        inverse = tuple(sorted(range(len(fmt.perm)), key=lambda d: fmt.perm[d]))
+        return self.add("transpose", self.shape(element_type, dims), [ordered],
+                        name=f"{shard}.block", dimensions=inverse)
 
     # All-gather ---------------------------------------------------------------------------
     def gathered_shape(self, shape: ArrayShape, fmt: ShardFormat, users: list[str]) -> ArrayShape:
@@ -203,6 +229,11 @@ class ShardEmitter:
         """All-gather ``items`` (one element type) at the insertion point — one collective
         for all of them — and bring each back to its full shape and layout."""
         element_type = items[0].shape.element_type
+        if len(items) == 1 and uses_blocks(items[0].format):
+            item = items[0]
+            block = self.shard_to_block(item.shard, item.format, element_type)
+            return [self.add("all-gather", item.shape, [block], name=f"{item.label}.gathered",
+                             **self.collective_attrs(dimensions=(item.format.block[0],)))]
         total = sum(item.format.shard_len for item in items)
         operand = items[0].shard if len(items) == 1 else self.add(
             "concatenate", self.shape(element_type, (total,)), [i.shard for i in items],
@@ -241,4 +272,15 @@ class ShardEmitter:
                         dimensions=inverse)
 
 
-__all__ = ["ChannelIds", "Gathered", "ShardEmitter"]
+def uses_blocks(fmt: ShardFormat) -> bool:
+    """Work on blocks of the value: the order is transposed (a flat copy would move the
+    whole tensor) and every shard is a block."""
+    return not fmt.is_row_major and fmt.block is not None
+
+
+def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
+    major, rows = fmt.block
+    return tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
+
+
+__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_dims", "uses_blocks"]
