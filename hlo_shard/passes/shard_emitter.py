@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.analysis.update_region import ShardFormat
+from hlo_shard.analysis.update_region import ShardFormat, natural_perm
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           SliceRanges, TupleShape)
@@ -183,7 +183,7 @@ class ShardEmitter:
         transposed order whose shards are blocks slices the block first, so only the
         shard is transposed."""
         element_type = self.comp[value].shape.element_type
-        if uses_blocks(fmt):
+        if uses_blocks(fmt, self.comp[value].shape):
             major, rows = fmt.block
             starts = [self.constant("u32", "0")] * len(fmt.dims)
             starts[major] = self.offset(rows)
@@ -229,7 +229,7 @@ class ShardEmitter:
         """All-gather ``items`` (one element type) at the insertion point — one collective
         for all of them — and bring each back to its full shape and layout."""
         element_type = items[0].shape.element_type
-        if len(items) == 1 and uses_blocks(items[0].format):
+        if len(items) == 1 and uses_blocks(items[0].format, items[0].shape):
             item = items[0]
             block = self.shard_to_block(item.shard, item.format, element_type)
             return [self.add("all-gather", item.shape, [block], name=f"{item.label}.gathered",
@@ -272,10 +272,10 @@ class ShardEmitter:
                         dimensions=inverse)
 
 
-def uses_blocks(fmt: ShardFormat) -> bool:
-    """Work on blocks of the value: the order is transposed (a flat copy would move the
-    whole tensor) and every shard is a block."""
-    return not fmt.is_row_major and fmt.block is not None
+def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
+    """Work on blocks of the value: its stored order is not the format's (a flat copy
+    would transpose the whole tensor) and every shard is a block."""
+    return fmt.block is not None and natural_perm(shape) != fmt.perm
 
 
 def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
