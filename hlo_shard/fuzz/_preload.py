@@ -10,8 +10,10 @@ import pkgutil
 import hlo_shard
 from hlo_shard.parser import parse
 
+_SKIPPED = ("hlo_shard.fuzz", "hlo_shard.runtime._child", "hlo_shard.__main__")
+
 for _info in pkgutil.walk_packages(hlo_shard.__path__, "hlo_shard."):
-    if not _info.name.startswith(("hlo_shard.fuzz", "hlo_shard.runtime._child", "hlo_shard.__main__")):
+    if not _info.name.startswith(_SKIPPED):
         importlib.import_module(_info.name)
 
 parse("HloModule warm\nENTRY e { ROOT c = f32[] constant(0) }\n")

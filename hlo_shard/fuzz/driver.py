@@ -302,8 +302,10 @@ def write_reproducer(out_dir: Path, spec: StepSpec, transform: Transformation, s
     transform(original, folder, state, strategy)
     candidate = folder / f"candidate-{state}-{strategy}.hlo"
     manifest = folder / f"manifest-{state}-{strategy}.json"
-    replay = [f"# {outcome.kind}: {spec.describe()}", f"# {outcome.detail.splitlines()[0] if outcome.detail else ''}",
-              f"python -m hlo_shard {' '.join(transform.arguments(original, candidate, manifest, state, strategy))}",
+    command = transform.arguments(original, candidate, manifest, state, strategy)
+    first_line = outcome.detail.splitlines()[0] if outcome.detail else ""
+    replay = [f"# {outcome.kind}: {spec.describe()}", f"# {first_line}",
+              f"python -m hlo_shard {' '.join(command)}",
               f"python -m hlo_shard verify {original} {candidate} --steps {STEPS}"
               + (f" --manifest {manifest}" if manifest.exists() else "")]
     (folder / "REPRODUCE.txt").write_text("\n".join(replay) + "\n\n" + outcome.detail + "\n",

@@ -91,7 +91,8 @@ class ModuleGenerator(Names):
         self.rng = random.Random(seed)
         self.seed = seed
         self.style = self._random_style()
-        self.callees: list[tuple[str, str, list[Inst], str]] = []  # name, sig params, body, root shape
+        #: (name, signature parameters, body, root shape) of each called computation.
+        self.callees: list[tuple[str, str, list[Inst], str]] = []
         self._helpers: dict[str, str] = {}
         self.insts: list[Inst] = []
         self.values: list[Value] = []
@@ -120,6 +121,17 @@ class ModuleGenerator(Names):
         self.values.append(value)
         return value
 
+    def op(self, opcode: str, dtype: str, dims: tuple[int, ...], operands=(), attrs=(),
+           shape: str | None = None) -> Value:
+        """A new instruction ``opcode`` of array type ``dtype[dims]`` (or ``shape``)."""
+        inst = Inst(self.fresh(opcode), shape or _shape(dtype, dims), opcode, list(operands),
+                    list(attrs))
+        return self.add(inst, dtype, dims)
+
+    def constant(self, dtype: str, literal: str, base: str = "constant") -> Value:
+        inst = Inst(self.fresh(base), f"{dtype}[]", "constant", payload=literal)
+        return self.add(inst, dtype, ())
+
     def param(self, shape: str, dtype=None, dims=None, attrs=None) -> Value:
         inst = Inst(self.fresh(self.rng.choice(("p", "arg", "Arg_0", "x", "param"))), shape,
                     "parameter", payload=str(self.params), attrs=attrs or [])
@@ -140,7 +152,8 @@ class ModuleGenerator(Names):
             return self._helpers[key]
         name = self.fresh(key if self.rng.random() < 0.7 else f"region_{len(self._helpers)}.1")
         scalar = f"{dtype}[]"
-        body = [Inst("a", scalar, "parameter", payload="0"), Inst("b", scalar, "parameter", payload="1")]
+        body = [Inst("a", scalar, "parameter", payload="0"),
+                Inst("b", scalar, "parameter", payload="1")]
         if kind in ("add", "max", "mul"):
             opcode = {"add": "add", "max": "maximum", "mul": "multiply"}[kind]
             body.append(Inst("r", scalar, opcode, [Value("a", scalar), Value("b", scalar)]))
@@ -167,7 +180,8 @@ class ModuleGenerator(Names):
                               )
         if r.random() < 0.08:
             inst.attrs.append(("backend_config", r.choice((
-                '{"operation_queue_id":"0","wait_on_operation_queues":[],"force_earliest_schedule":false}',
+                '{"operation_queue_id":"0","wait_on_operation_queues":[],'
+                '"force_earliest_schedule":false}',
                 '"opaque string with \\"quotes\\""', '{}',
                 '{"outer":{"inner":[1,2,{"x":"}"}]}}'))))
         if r.random() < 0.08 and len(self.insts) > 1:
@@ -204,9 +218,10 @@ class ModuleGenerator(Names):
                    "{replicated metadata={op_name=\"s\"}}"]
         if rank >= 1:
             tiles = [2] + [1] * (rank - 1)
-            options += [f"{{devices=[{','.join(map(str, tiles))}]0,1}}",
-                        f"{{devices=[{','.join(map(str, tiles + [2]))}]<=[4] last_tile_dim_replicate}}",
-                        f"{{devices=[{','.join(map(str, tiles + [2]))}]0,1,2,3 last_tile_dims={{manual}}}}"]
+            tiled, replicated = ",".join(map(str, tiles)), ",".join(map(str, tiles + [2]))
+            options += [f"{{devices=[{tiled}]0,1}}",
+                        f"{{devices=[{replicated}]<=[4] last_tile_dim_replicate}}",
+                        f"{{devices=[{replicated}]0,1,2,3 last_tile_dims={{manual}}}}"]
         if rank >= 2:
             options.append("{devices=[2,2" + ",1" * (rank - 2) + "]<=[2,2]T(1,0)}")
         return r.choice(options)
@@ -220,7 +235,8 @@ class ModuleGenerator(Names):
         if n >= 4:  # mesh axes of size 1 would make groups of one device, which XLA refuses
             forms += [f"mesh['x'={half},'y'=2] {{'x'}}", f"mesh['a'=2,'b'={half}] {{'b'}}",
                       f"mesh['x'={n}] {{'x':(2){half}}}"]
-            forms.append(f"mesh['x'=2,'y'={half}], device_ids=({','.join(map(str, reversed(range(n))))}) {{'y'}}")
+            reversed_ids = ",".join(map(str, reversed(range(n))))
+            forms.append(f"mesh['x'=2,'y'={half}], device_ids=({reversed_ids}) {{'y'}}")
         if not self.spmd:
             forms.append("{}")
         return r.choice(forms)
@@ -314,7 +330,8 @@ class ModuleGenerator(Names):
     def t_constant(self) -> None:
         r = self.rng
         if r.random() < 0.15:
-            parts = [(r.choice(("f32", "s32", "pred")), self.random_dims(2, False)) for _ in range(r.randint(1, 3))]
+            parts = [(r.choice(("f32", "s32", "pred")), self.random_dims(2, False))
+                     for _ in range(r.randint(1, 3))]
             shape = "(" + ", ".join(_shape(d, s) for d, s in parts) + ")"
             literal = "(" + ", ".join(self._nested(d, s) if s else self.scalar_literal(d)
                                       for d, s in parts) + ")"
@@ -359,8 +376,8 @@ class ModuleGenerator(Names):
         attrs = [("direction", self.rng.choice(("EQ", "NE", "LT", "LE", "GT", "GE")))]
         if self.rng.random() < 0.3:
             attrs.append(("type", "TOTALORDER" if self.rng.random() < 0.5 else "FLOAT"))
-        p = self.add(Inst(self.fresh("compare"), pred_shape, "compare", [a, b], attrs), "pred", a.dims)
-        self.add(Inst(self.fresh("select"), a.shape, "select", [p, a, b]), a.dtype, a.dims)
+        p = self.op("compare", "pred", a.dims, [a, b], attrs, shape=pred_shape)
+        self.op("select", a.dtype, a.dims, [p, a, b], shape=a.shape)
 
     def t_collective(self) -> None:
         r = self.rng
@@ -372,8 +389,8 @@ class ModuleGenerator(Names):
                          "all-to-all", "all-reduce-start", "tuple-all-reduce"))
         to_apply = ("to_apply", "%" + self.helper("add", dtype))
         if kind == "all-reduce":
-            attrs = self.collective_attrs() + ([("constrain_layout", "true")] if r.random() < 0.1 else []) + [to_apply]
-            self.add(Inst(self.fresh("all-reduce"), a.shape, kind, [a], attrs), dtype, dims)
+            constrain = [("constrain_layout", "true")] if r.random() < 0.1 else []
+            self.op(kind, dtype, dims, [a], self.collective_attrs() + constrain + [to_apply])
         elif kind == "tuple-all-reduce":
             b = self.array(dtype, dims)
             shape = f"({a.shape}, {b.shape})"
@@ -388,23 +405,23 @@ class ModuleGenerator(Names):
             out = (dims[0] * 2, dims[1])
             groups = "{" + ",".join("{" + f"{i},{i + 1}" + "}" for i in range(0, n, 2)) + "}"
             attrs = self.collective_attrs(groups) + [("dimensions", "{0}")]
-            self.add(Inst(self.fresh("all-gather"), _shape(dtype, out), kind, [a], attrs), dtype, out)
+            self.op(kind, dtype, out, [a], attrs)
         elif kind == "reduce-scatter":
             out = (dims[0] // 2, dims[1])
             groups = f"[{n // 2},2]<=[{n}]"
             attrs = self.collective_attrs(groups) + [("dimensions", "{0}"), to_apply]
-            self.add(Inst(self.fresh("reduce-scatter"), _shape(dtype, out), kind, [a], attrs), dtype, out)
+            self.op(kind, dtype, out, [a], attrs)
         elif kind == "collective-permute":
             pairs = "{" + ",".join("{" + f"{i},{(i + 1) % n}" + "}" for i in range(n)) + "}"
             attrs = ([("channel_id", str(self._next_channel()))] if self.spmd else []) + \
                 [("source_target_pairs", pairs)]
-            self.add(Inst(self.fresh("collective-permute"), a.shape, kind, [a], attrs), dtype, dims)
+            self.op(kind, dtype, dims, [a], attrs)
         else:
             attrs = [("replica_groups", "{" + "{" + ",".join(map(str, range(n))) + "}}"),
                      ("dimensions", "{0}")]
             if self.spmd:
                 attrs.insert(0, ("channel_id", str(self._next_channel())))
-            self.add(Inst(self.fresh("all-to-all"), a.shape, kind, [a], attrs), dtype, dims)
+            self.op("all-to-all", dtype, dims, [a], attrs)
 
     def _next_channel(self) -> int:
         self.channel += 1
@@ -421,60 +438,55 @@ class ModuleGenerator(Names):
         if kind == "slice":
             ranges = [(0, d, 1) if r.random() < 0.5 else (1, d, 2) for d in dims]
             out = tuple(len(range(lo, hi, st)) for lo, hi, st in ranges)
-            text = "{" + ", ".join(f"[{lo}:{hi}]" if st == 1 and r.random() < 0.5 else f"[{lo}:{hi}:{st}]"
-                                   for lo, hi, st in ranges) + "}"
-            self.add(Inst(self.fresh("slice"), _shape(dtype, out), kind, [a], [("slice", text)]), dtype, out)
+            text = "{" + ", ".join(f"[{lo}:{hi}]" if st == 1 and r.random() < 0.5 else
+                                   f"[{lo}:{hi}:{st}]" for lo, hi, st in ranges) + "}"
+            self.op(kind, dtype, out, [a], [("slice", text)])
         elif kind == "pad":
             cfg = [(r.randint(-1, 2), r.randint(0, 2), r.choice((0, 0, 1))) for _ in dims]
             out = tuple(lo + hi + d + max(d - 1, 0) * it for (lo, hi, it), d in zip(cfg, dims))
             interior = any(it for _, _, it in cfg)
             text = "x".join(f"{lo}_{hi}_{it}" if interior else f"{lo}_{hi}" for lo, hi, it in cfg)
-            zero = self.add(Inst(self.fresh("zero"), f"{dtype}[]", "constant",
-                                 payload=self.scalar_literal(dtype)), dtype, ())
-            self.add(Inst(self.fresh("pad"), _shape(dtype, out), kind, [a, zero], [("padding", text)]), dtype, out)
+            zero = self.constant(dtype, self.scalar_literal(dtype), "zero")
+            self.op(kind, dtype, out, [a, zero], [("padding", text)])
         elif kind == "transpose":
             perm = list(range(rank))
             r.shuffle(perm)
             out = tuple(dims[p] for p in perm)
-            self.add(Inst(self.fresh("transpose"), _shape(dtype, out), kind, [a],
-                          [("dimensions", "{" + ",".join(map(str, perm)) + "}")]), dtype, out)
+            self.op(kind, dtype, out, [a], [("dimensions", "{" + ",".join(map(str, perm)) + "}")])
         elif kind in ("reshape", "bitcast"):
             out = (math.prod(dims),)
-            self.add(Inst(self.fresh(kind), _shape(dtype, out), kind, [a]), dtype, out)
+            self.op(kind, dtype, out, [a])
         elif kind == "broadcast":
             out = (2,) + dims
-            self.add(Inst(self.fresh("broadcast"), _shape(dtype, out), kind, [a],
-                          [("dimensions", "{" + ",".join(str(i + 1) for i in range(rank)) + "}")]), dtype, out)
+            mapped = "{" + ",".join(str(i + 1) for i in range(rank)) + "}"
+            self.op(kind, dtype, out, [a], [("dimensions", mapped)])
         elif kind == "reverse":
-            self.add(Inst(self.fresh("reverse"), a.shape, kind, [a], [("dimensions", "{0}")]), dtype, dims)
+            self.op(kind, dtype, dims, [a], [("dimensions", "{0}")])
         elif kind == "concatenate":
             b = self.array(dtype, dims)
             out = (dims[0] * 2,) + dims[1:]
-            self.add(Inst(self.fresh("concatenate"), _shape(dtype, out), kind, [a, b], [("dimensions", "{0}")]), dtype, out)
+            self.op(kind, dtype, out, [a, b], [("dimensions", "{0}")])
         elif kind in ("dynamic-slice", "dus"):
             index_type = r.choice(("s32", "u32"))
-            idx = [self.add(Inst(self.fresh("idx"), f"{index_type}[]", "constant", payload="1"), index_type, ())
-                   for _ in dims]
+            idx = [self.constant(index_type, "1", "idx") for _ in dims]
+            ones = tuple(1 for _ in dims)
             if kind == "dus":
-                update = self.array(dtype, tuple(1 for _ in dims))
-                self.add(Inst(self.fresh("dynamic-update-slice"), a.shape, "dynamic-update-slice",
-                              [a, update, *idx]), dtype, dims)
+                update = self.array(dtype, ones)
+                self.op("dynamic-update-slice", dtype, dims, [a, update, *idx])
             else:
-                sizes = tuple(1 for _ in dims)
-                self.add(Inst(self.fresh("dynamic-slice"), _shape(dtype, sizes), kind, [a, *idx],
-                              [("dynamic_slice_sizes", "{" + ",".join(map(str, sizes)) + "}")]), dtype, sizes)
+                sizes = "{" + ",".join(map(str, ones)) + "}"
+                self.op(kind, dtype, ones, [a, *idx], [("dynamic_slice_sizes", sizes)])
         elif kind == "iota":
-            self.add(Inst(self.fresh("iota"), _shape(dtype if dtype != "pred" else "s32", dims), "iota", [],
-                          [("iota_dimension", str(r.randrange(rank)))]), dtype, dims)
+            self.op("iota", "s32" if dtype == "pred" else dtype, dims, [],
+                    [("iota_dimension", str(r.randrange(rank)))])
         else:
             tup = self.param(f"({a.shape}, (s32[], pred[2]))")
-            self.add(Inst(self.fresh("get-tuple-element"), a.shape, "get-tuple-element", [tup],
-                          [("index", "0")]), dtype, dims)
+            self.op("get-tuple-element", dtype, dims, [tup], [("index", "0")], shape=a.shape)
 
     def t_reduce_like(self) -> None:
         r = self.rng
-        kind = r.choice(("reduce", "reduce-window", "sort", "map", "select-and-scatter", "convolution",
-                         "dot", "gather", "scatter"))
+        kind = r.choice(("reduce", "reduce-window", "sort", "map", "select-and-scatter",
+                         "convolution", "dot", "gather", "scatter"))
         f32 = "f32"
         if kind == "reduce":
             a = self.array(f32, (4, 6))
@@ -488,37 +500,37 @@ class ModuleGenerator(Names):
             init = self.add(Inst(self.fresh("init"), "f32[]", "constant", payload="-inf"), f32, ())
             window = r.choice(("{size=2x3 stride=2x3}", "{size=3x3 pad=1_1x1_1}",
                                "{size=2x2 stride=1x1 pad=0_1x0_1 lhs_dilate=1x1 rhs_dilate=1x1}"))
-            out = {"{size=2x3 stride=2x3}": (2, 2), "{size=3x3 pad=1_1x1_1}": (4, 6)}.get(window, (4, 6))
-            self.add(Inst(self.fresh("reduce-window"), _shape(f32, out), kind, [a, init],
-                          [("window", window), ("to_apply", "%" + self.helper("max"))]), f32, out)
+            out = (2, 2) if window == "{size=2x3 stride=2x3}" else (4, 6)
+            self.op(kind, f32, out, [a, init],
+                    [("window", window), ("to_apply", "%" + self.helper("max"))])
         elif kind == "sort":
             a = self.array(f32, (8,))
-            self.add(Inst(self.fresh("sort"), a.shape, kind, [a],
-                          [("dimensions", "{0}"), ("is_stable", "true"), ("to_apply", "%" + self.helper("lt"))]), f32, (8,))
+            self.op(kind, f32, (8,), [a], [("dimensions", "{0}"), ("is_stable", "true"),
+                                           ("to_apply", "%" + self.helper("lt"))])
         elif kind == "map":
             a = self.array(f32, (3,))
             b = self.array(f32, (3,))
-            self.add(Inst(self.fresh("map"), a.shape, kind, [a, b],
-                          [("dimensions", "{0}"), ("to_apply", "%" + self.helper("add"))]), f32, (3,))
+            self.op(kind, f32, (3,), [a, b],
+                    [("dimensions", "{0}"), ("to_apply", "%" + self.helper("add"))])
         elif kind == "select-and-scatter":
             a = self.array(f32, (4, 6))
             source = self.array(f32, (2, 3))
-            init = self.add(Inst(self.fresh("init"), "f32[]", "constant", payload="0"), f32, ())
-            self.add(Inst(self.fresh("select-and-scatter"), a.shape, kind, [a, source, init],
-                          [("window", "{size=2x2 stride=2x2}"), ("select", "%" + self.helper("ge")),
-                           ("scatter", "%" + self.helper("add"))]), f32, (4, 6))
+            init = self.constant(f32, "0", "init")
+            self.op(kind, f32, (4, 6), [a, source, init],
+                    [("window", "{size=2x2 stride=2x2}"), ("select", "%" + self.helper("ge")),
+                     ("scatter", "%" + self.helper("add"))])
         elif kind == "convolution":
             lhs = self.array(f32, (1, 5, 5, 2))
             rhs = self.array(f32, (3, 3, 2, 4))
             attrs = [("window", r.choice(("{size=3x3}", "{size=3x3 pad=1_1x1_1}",
                                          "{size=3x3 stride=2x2 pad=1_1x1_1 rhs_reversal=0x1}"))),
                      ("dim_labels", "b01f_01io->b01f")]
-            out = {"{size=3x3}": (1, 3, 3, 4), "{size=3x3 pad=1_1x1_1}": (1, 5, 5, 4)}.get(attrs[0][1], (1, 3, 3, 4))
+            out = (1, 5, 5, 4) if attrs[0][1] == "{size=3x3 pad=1_1x1_1}" else (1, 3, 3, 4)
             if r.random() < 0.3:
                 attrs.append(("feature_group_count", "1"))
             if r.random() < 0.3:
                 attrs.append(("operand_precision", "{highest,default}"))
-            self.add(Inst(self.fresh("convolution"), _shape(f32, out), kind, [lhs, rhs], attrs), f32, out)
+            self.op(kind, f32, out, [lhs, rhs], attrs)
         elif kind == "dot":
             lhs = self.array(f32, (2, 3, 4))
             rhs = self.array(f32, (2, 4, 5))
@@ -527,15 +539,16 @@ class ModuleGenerator(Names):
             r.shuffle(attrs)
             if r.random() < 0.3:
                 attrs.append(("operand_precision", "{high,highest}"))
-            self.add(Inst(self.fresh("dot"), "f32[2,3,5]", kind, [lhs, rhs], attrs), f32, (2, 3, 5))
+            self.op(kind, f32, (2, 3, 5), [lhs, rhs], attrs)
         elif kind == "gather":
             operand = self.array(f32, (5, 4))
             indices = self.array("s32", (3, 1))
-            attrs = [("offset_dims", "{1}"), ("collapsed_slice_dims", "{0}"), ("start_index_map", "{0}"),
-                     ("index_vector_dim", "1"), ("slice_sizes", "{1,4}")]
+            attrs = [("offset_dims", "{1}"), ("collapsed_slice_dims", "{0}"),
+                     ("start_index_map", "{0}"), ("index_vector_dim", "1"),
+                     ("slice_sizes", "{1,4}")]
             if r.random() < 0.3:
                 attrs.append(("indices_are_sorted", "true"))
-            self.add(Inst(self.fresh("gather"), "f32[3,4]", kind, [operand, indices], attrs), f32, (3, 4))
+            self.op(kind, f32, (3, 4), [operand, indices], attrs)
         else:
             operand = self.array(f32, (5, 4))
             indices = self.array("s32", (3, 1))
@@ -545,36 +558,38 @@ class ModuleGenerator(Names):
                      ("to_apply", "%" + self.helper("add"))]
             if r.random() < 0.3:
                 attrs.append(("unique_indices", "true"))
-            self.add(Inst(self.fresh("scatter"), "f32[5,4]", kind, [operand, indices, updates], attrs), f32, (5, 4))
+            self.op(kind, f32, (5, 4), [operand, indices, updates], attrs)
 
     def t_misc(self) -> None:
         r = self.rng
-        kind = r.choice(("custom-call", "convert", "bitcast-convert", "reduce-precision", "rng-bit-generator",
-                         "replica-id", "partition-id", "opt-barrier", "tuple", "after-all", "clamp"))
+        kind = r.choice(("custom-call", "convert", "bitcast-convert", "reduce-precision",
+                         "rng-bit-generator", "replica-id", "partition-id", "opt-barrier", "tuple",
+                         "after-all", "clamp"))
         if kind == "custom-call":
             a = self._float_array()
             attrs = [("custom_call_target", r.choice(('"my_target"', '"Sharding"', '"x\\"y"')))]
             if r.random() < 0.4:
-                attrs.append(("api_version", r.choice(("API_VERSION_TYPED_FFI", "API_VERSION_STATUS_RETURNING"))))
+                attrs.append(("api_version", r.choice(("API_VERSION_TYPED_FFI",
+                                                       "API_VERSION_STATUS_RETURNING"))))
             if r.random() < 0.3:
                 attrs.append(("custom_call_has_side_effect", "true"))
             if r.random() < 0.4:
                 attrs.append(("backend_config", r.choice(('"cfg"', '{"k":[1,{"n":"}"}]}'))))
-            self.add(Inst(self.fresh("custom-call"), a.shape, kind, [a], attrs), a.dtype, a.dims)
+            self.op(kind, a.dtype, a.dims, [a], attrs, shape=a.shape)
         elif kind in ("convert", "bitcast-convert"):
             a = self.array("f32", (3,))
-            target = r.choice(("bf16", "s32", "f16")) if kind == "convert" else r.choice(("s32", "u32"))
-            self.add(Inst(self.fresh(kind), f"{target}[3]", kind, [a]), target, (3,))
+            target = r.choice(("bf16", "s32", "f16") if kind == "convert" else ("s32", "u32"))
+            self.op(kind, target, (3,), [a])
         elif kind == "reduce-precision":
             a = self.array("f32", (3,))
-            self.add(Inst(self.fresh(kind), a.shape, kind, [a], [("exponent_bits", "5"), ("mantissa_bits", "10")]),
-                     "f32", (3,))
+            self.op(kind, "f32", (3,), [a], [("exponent_bits", "5"), ("mantissa_bits", "10")])
         elif kind == "rng-bit-generator":
             state = self.array("u64", (2,))
             self.add(Inst(self.fresh("rng"), "(u64[2], u32[4])", kind, [state],
-                          [("algorithm", r.choice(("rng_three_fry", "rng_philox", "rng_default")))]))
+                          [("algorithm", r.choice(("rng_three_fry", "rng_philox",
+                                                   "rng_default")))]))
         elif kind in ("replica-id", "partition-id"):
-            self.add(Inst(self.fresh(kind), "u32[]", kind), "u32", ())
+            self.op(kind, "u32", ())
         elif kind == "opt-barrier":
             a = self._float_array()
             self.add(Inst(self.fresh("opt-barrier"), f"({a.shape})", kind,
@@ -582,15 +597,14 @@ class ModuleGenerator(Names):
                           [self.add(Inst(self.fresh("tuple"), f"({a.shape})", "tuple", [a]))]))
         elif kind == "tuple":
             picks = r.sample(self.values, k=min(len(self.values), r.randint(0, 3)))
-            self.add(Inst(self.fresh("tuple"), "(" + ", ".join(v.shape for v in picks) + ")", kind, picks))
+            self.add(Inst(self.fresh("tuple"), _tuple(picks), kind, picks))
         elif kind == "after-all":
             token = self.add(Inst(self.fresh("after-all"), "token[]", kind))
             self.add(Inst(self.fresh("after-all"), "token[]", kind, [token, token]))
         else:
             a = self.array("f32", (4,))
-            lo = self.add(Inst(self.fresh("lo"), "f32[]", "constant", payload="-1"), "f32", ())
-            hi = self.add(Inst(self.fresh("hi"), "f32[]", "constant", payload="1"), "f32", ())
-            self.add(Inst(self.fresh("clamp"), a.shape, kind, [lo, a, hi]), "f32", (4,))
+            low, high = self.constant("f32", "-1", "lo"), self.constant("f32", "1", "hi")
+            self.op(kind, "f32", (4,), [low, a, high])
 
     def t_control_flow(self) -> None:
         r = self.rng
@@ -611,17 +625,18 @@ class ModuleGenerator(Names):
             for i in range(r.choice((2, 3))):
                 name = self.fresh(f"branch_{i}")
                 body = [Inst("bp", "f32[4]", "parameter", payload="0"),
-                        Inst("out", "f32[4]", r.choice(("negate", "abs", "copy")), [Value("bp", "f32[4]")])]
+                        Inst("out", "f32[4]", r.choice(("negate", "abs", "copy")),
+                             [Value("bp", "f32[4]")])]
                 self.callees.append((name, "bp: f32[4]", body, "f32[4]"))
                 branches.append(name)
             if len(branches) == 2 and r.random() < 0.5:
-                index = self.add(Inst(self.fresh("flag"), "pred[]", "constant", payload="true"), "pred", ())
-                attrs = [("true_computation", "%" + branches[0]), ("false_computation", "%" + branches[1])]
+                index = self.constant("pred", "true", "flag")
+                attrs = [("true_computation", "%" + branches[0]),
+                         ("false_computation", "%" + branches[1])]
             else:
-                index = self.add(Inst(self.fresh("index"), "s32[]", "constant", payload="1"), "s32", ())
+                index = self.constant("s32", "1", "index")
                 attrs = [("branch_computations", "{" + ", ".join("%" + b for b in branches) + "}")]
-            self.add(Inst(self.fresh("conditional"), "f32[4]", kind, [index] + [a] * len(branches), attrs),
-                     "f32", (4,))
+            self.op(kind, "f32", (4,), [index] + [a] * len(branches), attrs)
         else:
             carry = "(s32[], f32[4])"
             cond = self.fresh("cond")
@@ -631,7 +646,8 @@ class ModuleGenerator(Names):
                 Inst("c", carry, "parameter", payload="0"),
                 Inst("i", "s32[]", "get-tuple-element", [cv], [("index", "0")]),
                 Inst("n", "s32[]", "constant", payload="3"),
-                Inst("lt", "pred[]", "compare", [Value("i", "s32[]"), Value("n", "s32[]")], [("direction", "LT")])],
+                Inst("lt", "pred[]", "compare", [Value("i", "s32[]"), Value("n", "s32[]")],
+                     [("direction", "LT")])],
                 "pred[]"))
             self.callees.append((body_name, f"c: {carry}", [
                 Inst("c", carry, "parameter", payload="0"),
@@ -693,7 +709,8 @@ class ModuleGenerator(Names):
             body = f"{inst.opcode}({inst.payload})"
         else:
             sep = "," + self.gap()
-            body = f"{inst.opcode}(" + sep.join(self.operand_text(o, i) for i, o in enumerate(inst.operands)) + ")"
+            operands = sep.join(self.operand_text(o, i) for i, o in enumerate(inst.operands))
+            body = f"{inst.opcode}({operands})"
         attrs = "".join(f",{self.gap()}{k}={v}" for k, v in inst.attrs)
         return f"{head}{shape} {body}{attrs}"
 
@@ -715,7 +732,7 @@ class ModuleGenerator(Names):
         for inst in self.insts:
             used.update(o.name for o in inst.operands if isinstance(o, Value))
         leaves = [v for v in self.values if v.name not in used]
-        root = Inst(self.fresh("tuple"), "(" + ", ".join(v.shape for v in leaves) + ")", "tuple", leaves)
+        root = Inst(self.fresh("tuple"), _tuple(leaves), "tuple", leaves)
         self.insts.append(root)
         header = ""
         if self.style.header:
@@ -725,7 +742,8 @@ class ModuleGenerator(Names):
             if self.rng.random() < 0.2:
                 attrs.insert(0, ("is_scheduled", "false"))
             if self.rng.random() < 0.15:
-                attrs.append(("frontend_attributes", '{xla.sdy.meshes={mesh = #sdy.mesh<["dp"=4]>}}'))
+                attrs.append(("frontend_attributes",
+                              '{xla.sdy.meshes={mesh = #sdy.mesh<["dp"=4]>}}'))
             params = sorted((i for i in self.insts if i.opcode == "parameter"),
                             key=lambda p: int(p.payload))
             layout = _entry_layout([p.shape for p in params], [v.shape for v in leaves])
@@ -735,10 +753,12 @@ class ModuleGenerator(Names):
             if self.stack_frames:
                 header += STACK_FRAMES
         params = [i for i in self.insts if i.opcode == "parameter"]
-        signature = ", ".join(f"{p.name}: {p.shape}" for p in sorted(params, key=lambda p: int(p.payload)))
+        params.sort(key=lambda p: int(p.payload))
+        signature = ", ".join(f"{p.name}: {p.shape}" for p in params)
         blocks = [self.computation_text(name, sig, body, root_shape)
                   for name, sig, body, root_shape in self.callees]
-        blocks.append(self.computation_text(self.fresh("main"), signature, self.insts, root.shape, entry=True))
+        blocks.append(self.computation_text(self.fresh("main"), signature, self.insts, root.shape,
+                                            entry=True))
         separator = " " if self.style.one_line else "\n\n"
         return separator.join(([header] if header else []) + blocks) + "\n"
 
@@ -781,6 +801,10 @@ def _entry_layout(params: list[str], results: list[str]) -> str | None:
         return None
     ins, outs = texts[:len(params)], texts[len(params):]
     return "{(" + ", ".join(ins) + ")->(" + ", ".join(outs) + ")}"
+
+
+def _tuple(values: list[Value]) -> str:
+    return "(" + ", ".join(v.shape for v in values) + ")"
 
 
 def _shape(dtype: str, dims: tuple[int, ...]) -> str:

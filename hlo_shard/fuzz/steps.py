@@ -147,9 +147,10 @@ class StepSpec:
         return cls(tensors=tensors, **data)
 
     def describe(self) -> str:
+        tensors = ", ".join(f"{t.dtype}[{','.join(map(str, t.dims))}]/{t.optimizer}"
+                            for t in self.tensors)
         parts = [f"N={self.devices}", self.form, f"groups={self.groups}",
-                 f"{len(self.tensors)} tensor(s): " + ", ".join(
-                     f"{t.dtype}[{','.join(map(str, t.dims))}]/{t.optimizer}" for t in self.tensors)]
+                 f"{len(self.tensors)} tensor(s): {tensors}"]
         flags = [name for name in ("tuple_all_reduce", "mean", "skip_nonfinite", "lr_param",
                                    "lr_schedule", "bias_correction", "shared_channel_ids",
                                    "alias", "loss_output", "norm_output", "metric_all_reduce")
@@ -728,6 +729,9 @@ class _Update:
                           em.constant(1.0))
         return em.convert(ratio, self.tensor.compute)
 
+    def one_plus_abs(self, x: Val) -> Val:
+        return self.em.binary("add", self.em.unary("abs", x), self.full(1.0, x))
+
     def mutate(self, u: Val, m: Mutation, operands: dict[str, Val]) -> Val:
         em = self.em
         x = operands[m.operand]
@@ -738,9 +742,9 @@ class _Update:
             "minimum": lambda: em.binary("minimum", u, self.full(m.k, u)),
             "select": lambda: em.select(em.compare(u, x, m.direction), u, em.scale(x, m.k)),
             "clamp": lambda: em.clamp(self.full(-m.k, u), u, self.full(m.k, u)),
-            "absmul": lambda: em.binary("multiply", u, em.binary("add", em.unary("abs", x), self.full(1.0, u))),
+            "absmul": lambda: em.binary("multiply", u, self.one_plus_abs(x)),
             "negate": lambda: em.unary("negate", u),
-            "divide": lambda: em.binary("divide", u, em.binary("add", em.unary("abs", x), self.full(1.0, u))),
+            "divide": lambda: em.binary("divide", u, self.one_plus_abs(x)),
             "expdecay": lambda: em.binary("multiply", u, em.unary(
                 "exponential", em.unary("negate", em.unary("abs", x)))),
             "roundtrip": lambda: em.convert(em.convert(u, "bf16" if u.shape.dtype != "bf16"
