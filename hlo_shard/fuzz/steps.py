@@ -311,6 +311,13 @@ def normalized(spec: StepSpec) -> StepSpec:
     for tensor in spec.tensors:
         if tensor.optimizer == "adafactor" and len(tensor.dims) < 2:
             tensor.optimizer = "rmsprop"
+        if tensor.dtype != "f32" and (spec.global_clip or tensor.lamb or
+                                      tensor.optimizer == "adafactor"):
+            # Summed in another order, a reduction may round a 16-bit weight one step the
+            # other way (within its tolerance); fed back, that step becomes a difference
+            # beyond f32's tolerance in f32 state computed from it at step 2 (verify lets
+            # each module carry its own state — reported). Such state stays 16-bit.
+            tensor.compute = tensor.dtype
         if tensor.layout is not None and len(tensor.layout) != len(tensor.dims):
             tensor.layout = None
     params = sum(1 + len(t.state_shapes()) for t in spec.tensors) + spec.step_counter \
