@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 N      ?= 8
 
-.PHONY: install test test-fast bench fixtures fuzz clean
+.PHONY: install test test-all bench fixtures fuzz clean
 
 install: $(VENV)/.installed
 
@@ -14,8 +14,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The CI suite: everything but the tests marked `slow` (one XLA compile per fixture
+# for the cost model's accuracy, the 1024-wide models): minutes on two cores.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# Everything, including the slow accuracy and whole-fixture sweeps.
+test-all: install
+	HLO_SHARD_ALL_FIXTURES=1 $(PY) -m pytest -q
 
 fixtures: install
 	$(PY) scripts/make_fixtures.py --out fixtures
