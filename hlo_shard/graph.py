@@ -10,6 +10,7 @@ log of every change in step — the log is what ``optimize --explain`` reports.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -85,31 +86,35 @@ def topological_order(comp: Computation) -> list[Instruction]:
     """
     if is_def_before_use(comp):
         return list(comp.instructions)
-    import heapq
+    deps = {inst.name: set(inst.operands) | set(control_predecessors(inst))
+            for inst in comp.instructions}
+    names = stable_topological_sort([inst.name for inst in comp.instructions], deps)
+    if len(names) != len(comp.instructions):
+        raise ValueError(f"computation {comp.name} has a dependency cycle")
+    return [comp[name] for name in names]
 
-    position = {inst.name: i for i, inst in enumerate(comp.instructions)}
-    deps = {
-        inst.name: set(inst.operands) | set(control_predecessors(inst))
-        for inst in comp.instructions
-    }
-    dependents: dict[str, list[str]] = {name: [] for name in deps}
+
+def stable_topological_sort(order: list[str], deps: dict[str, set[str]]) -> list[str]:
+    """Kahn's algorithm that always takes the ready node earliest in ``order``, so an
+    order that already respects ``deps`` comes back unchanged. Nodes on a cycle are
+    left out (callers compare lengths)."""
+    position = {name: i for i, name in enumerate(order)}
+    dependents: dict[str, list[str]] = {name: [] for name in order}
     for name, needs in deps.items():
         for need in needs:
             dependents[need].append(name)
-    remaining = {name: len(needs) for name, needs in deps.items()}
+    remaining = {name: len(deps.get(name, ())) for name in order}
     ready = [position[n] for n, count in remaining.items() if count == 0]
     heapq.heapify(ready)
-    order: list[Instruction] = []
+    result: list[str] = []
     while ready:
-        inst = comp.instructions[heapq.heappop(ready)]
-        order.append(inst)
-        for user in dependents[inst.name]:
+        name = order[heapq.heappop(ready)]
+        result.append(name)
+        for user in dependents[name]:
             remaining[user] -= 1
             if remaining[user] == 0:
                 heapq.heappush(ready, position[user])
-    if len(order) != len(comp.instructions):
-        raise ValueError(f"computation {comp.name} has a dependency cycle")
-    return order
+    return result
 
 
 def callees_first(module: Module) -> list[Computation]:

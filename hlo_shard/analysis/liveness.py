@@ -27,7 +27,6 @@ perfectly packed heap), and the curve plotted over the schedule.
 
 from __future__ import annotations
 
-import heapq
 import re
 from dataclasses import dataclass, field
 
@@ -36,7 +35,7 @@ from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, POINTER_BYTES, leaf_byt
 from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
 )
-from hlo_shard.graph import topological_order
+from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
     ELEMENT_BITS, Computation, Instruction, Module, Shape, TupleShape, shape_leaves,
 )
@@ -108,30 +107,16 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
     for bucket in combiner_buckets(module, comp, combine_threshold_bytes):
         for name in bucket:
             bucket_of[name] = bucket
-    position = {inst.name: i for i, inst in enumerate(topological_order(comp))}
+    topo = [inst.name for inst in topological_order(comp)]
     # A bucket runs as one node: ready when all of its members' operands are.
-    node = {name: bucket_of.get(name, [name])[0] for name in position}
+    node = {name: bucket_of.get(name, [name])[0] for name in topo}
     deps: dict[str, set[str]] = {}
     for inst in comp.instructions:
         deps.setdefault(node[inst.name], set()).update(
             node[o] for o in inst.operands if node[o] != node[inst.name])
-    dependents: dict[str, list[str]] = {n: [] for n in deps}
-    for name, needs in deps.items():
-        for need in needs:
-            dependents[need].append(name)
-    remaining = {name: len(needs) for name, needs in deps.items()}
-    ready = [position[n] for n, count in remaining.items() if count == 0]
-    heapq.heapify(ready)
-    by_position = {i: n for n, i in position.items()}
-    order: list[Instruction] = []
-    while ready:
-        head = by_position[heapq.heappop(ready)]
-        order.extend(comp[name] for name in bucket_of.get(head, [head]))
-        for user in dependents[head]:
-            remaining[user] -= 1
-            if remaining[user] == 0:
-                heapq.heappush(ready, position[user])
-    return order
+    heads = [name for name in topo if node[name] == name]
+    return [comp[name] for head in stable_topological_sort(heads, deps)
+            for name in bucket_of.get(head, [head])]
 
 
 def output_parameter_aliases(module: Module) -> dict[int, int]:
