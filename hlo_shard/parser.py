@@ -90,6 +90,22 @@ _BINARY = _BINARY_ELEMENTWISE | frozenset("""complex compare dot pad triangular-
 add-dependency stochastic-convert set-dimension-size""".split())
 
 #: (min, max) operand counts; max None = unbounded. Opcodes not listed are unchecked.
+#: Attributes XLA's parser requires per opcode (``CreateInstruction``): a module
+#: without them is refused there, and passes rely on them being present.
+_REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "all-reduce": ("to_apply",), "all-reduce-start": ("to_apply",),
+    "reduce-scatter": ("to_apply", "dimensions"), "all-gather": ("dimensions",),
+    "all-gather-start": ("dimensions",), "reduce": ("to_apply", "dimensions"),
+    "reduce-window": ("to_apply",), "sort": ("dimensions", "to_apply"), "map": ("to_apply",),
+    "scatter": ("to_apply",), "call": ("to_apply",), "while": ("condition", "body"),
+    "fusion": ("calls", "kind"), "get-tuple-element": ("index",), "iota": ("iota_dimension",),
+    "compare": ("direction",), "dynamic-slice": ("dynamic_slice_sizes",), "slice": ("slice",),
+    "transpose": ("dimensions",), "reverse": ("dimensions",), "concatenate": ("dimensions",),
+    "pad": ("padding",), "select-and-scatter": ("select", "scatter"),
+    "custom-call": ("custom_call_target",), "collective-permute": ("source_target_pairs",),
+    "convolution": ("dim_labels",),
+}
+
 _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
     **{op: (1, 1) for op in _UNARY},
     **{op: (2, 2) for op in _BINARY},
@@ -730,6 +746,9 @@ class _Builder(Transformer):
             inst.parameter_number = number
         else:
             self._set_operands(inst, opcode_loc, kind, payload)
+            for required in _REQUIRED_ATTRIBUTES.get(inst.opcode, ()):
+                if required not in attrs:
+                    _fail(f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
             if shape is None:
                 inst.shape = _infer_shape(inst.opcode, opcode_loc,
                                           [names[o] for o in inst.operands if o in names],

@@ -138,16 +138,15 @@ def test_every_command_is_covered():
 
 
 #: Bad text some command does not yet refuse cleanly (strict xfail: each is reported).
-_KNOWN_BAD_TEXT_BUGS = {
-    "unknown_attribute.hlo": "parser accepts an unknown attribute name (t0_apply=) and so a "
-                             "reduce without to_apply, which XLA's parser refuses; report and "
-                             "diff then crash with AssertionError 'no to_apply' — reported",
-}
+_KNOWN_BAD_TEXT_BUGS: dict[str, str] = {}
+#: Fixed bugs kept as regressions: a reduce whose to_apply is misspelt (t0_apply=) once
+#: crashed report and diff; the parser now requires each opcode's attributes.
+_REGRESSIONS = ("unknown_attribute.hlo",)
 
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_KNOWN_BAD_TEXT_BUGS[n]))
-    if n in _KNOWN_BAD_TEXT_BUGS else n for n in SYNTAX + tuple(_KNOWN_BAD_TEXT_BUGS)])
+    if n in _KNOWN_BAD_TEXT_BUGS else n for n in SYNTAX + _REGRESSIONS])
 def test_bad_text_fails_cleanly_in_every_command(name, tmp_path):
     bad = CORPUS / name
     extra = SECOND_POSITION if name in ("empty.hlo", "non_utf8.hlo", "use_before_def.hlo") else ()
@@ -295,10 +294,7 @@ def mutants(tmp_path_factory) -> list[tuple[Path, bool | None]]:
 
 
 #: Mutants (index into the ``mutants`` fixture) some command does not yet handle cleanly.
-_KNOWN_MUTANT_BUGS = {
-    24: "report and diff crash (AssertionError 'no to_apply') on this byte flip (to_apply → "
-        "t0_apply), which the parser accepts though XLA refuses it — reported",
-}
+_KNOWN_MUTANT_BUGS: dict[int, str] = {}  # mutant 24 (to_apply → t0_apply) fixed: regression
 MUTANT_COUNT = 48
 
 
