@@ -153,6 +153,8 @@ class Rewriter:
     changes: list[Change] = field(default_factory=list)
     _users: dict[str, list[str]] = field(init=False)
     _cursor: int | None = field(init=False, default=None)
+    #: Cursors of the enclosing ``inserting_*`` blocks, kept in step with every edit.
+    _saved: list[int | None] = field(init=False, default_factory=list)
     _taken: set[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -186,22 +188,21 @@ class Rewriter:
     def insert_after(self, anchor: str, inst: Instruction) -> Instruction:
         return self._insert(self.comp.position(anchor) + 1, inst)
 
-    @contextlib.contextmanager
-    def inserting_after(self, anchor: str) -> Iterator[None]:
+    def inserting_after(self, anchor: str) -> contextlib.AbstractContextManager[None]:
         """Within the block, :meth:`add` inserts in sequence right after ``anchor``."""
-        saved, self._cursor = self._cursor, self.comp.position(anchor) + 1
-        try:
-            yield
-        finally:
-            self._cursor = saved
+        return self._inserting_at(self.comp.position(anchor) + 1)
+
+    def inserting_before(self, anchor: str) -> contextlib.AbstractContextManager[None]:
+        return self._inserting_at(self.comp.position(anchor))
 
     @contextlib.contextmanager
-    def inserting_before(self, anchor: str) -> Iterator[None]:
-        saved, self._cursor = self._cursor, self.comp.position(anchor)
+    def _inserting_at(self, position: int) -> Iterator[None]:
+        self._saved.append(self._cursor)
+        self._cursor = position
         try:
             yield
         finally:
-            self._cursor = saved
+            self._cursor = self._saved.pop()
 
     def add(self, opcode: str, shape, operands: Iterable[str] = (), *, name: str | None = None,
             **attributes) -> Instruction:
@@ -229,6 +230,8 @@ class Rewriter:
             self._users[operand].append(inst.name)
         if self._cursor is not None and position < self._cursor:
             self._cursor += 1
+        # An enclosing block continues after whatever was inserted at or before it.
+        self._saved = [c + 1 if c is not None and position <= c else c for c in self._saved]
         self.changes.append(Change("insert", inst.name, inst.opcode))
         return inst
 
@@ -272,6 +275,7 @@ class Rewriter:
         self.comp.remove(name)
         if self._cursor is not None and position < self._cursor:
             self._cursor -= 1
+        self._saved = [c - 1 if c is not None and position < c else c for c in self._saved]
         for operand in dict.fromkeys(inst.operands):
             self._users[operand].remove(name)
         del self._users[name]
