@@ -481,7 +481,7 @@ class _Scope:
     """What is being collected for the computation currently read."""
 
     __slots__ = ("names", "instructions", "root_loc", "root_name", "parameter_numbers",
-                 "first_unknown_use", "nested_count", "tuple_depth")
+                 "first_unknown_use", "first_missing_attribute", "nested_count", "tuple_depth")
 
     def __init__(self) -> None:
         self.names: dict[str, Instruction] = {}
@@ -490,6 +490,8 @@ class _Scope:
         self.root_name: str | None = None
         self.parameter_numbers: dict[int, Loc] = {}
         self.first_unknown_use: tuple[str, Loc] | None = None
+        #: Checked when the computation closes, so a truncated file says so instead.
+        self.first_missing_attribute: tuple[str, Loc] | None = None
         self.nested_count = 0
         self.tuple_depth: dict[int, int] = {}
 
@@ -607,6 +609,8 @@ class _Builder(Transformer):
                 _fail(f"'{name}' is used before its definition at line {defined.loc.line}",
                       loc)
             _fail(f"use of undefined instruction '{name}' in '{computation}'", loc)
+        if scope.first_missing_attribute is not None:
+            _fail(*scope.first_missing_attribute)
         if scope.nested_count:
             _name_nested(scope)
         return scope
@@ -747,8 +751,9 @@ class _Builder(Transformer):
         else:
             self._set_operands(inst, opcode_loc, kind, payload)
             for required in _REQUIRED_ATTRIBUTES.get(inst.opcode, ()):
-                if required not in attrs:
-                    _fail(f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
+                if required not in attrs and scope.first_missing_attribute is None:
+                    scope.first_missing_attribute = (
+                        f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
             if shape is None:
                 inst.shape = _infer_shape(inst.opcode, opcode_loc,
                                           [names[o] for o in inst.operands if o in names],
