@@ -40,6 +40,16 @@ MUTATIONS = ("tanh", "axpy", "maximum", "minimum", "select", "clamp", "absmul", 
 #: The generator avoids them until the runtime handles them.
 SPMD_TUPLE_ALL_REDUCE = False
 TUPLE_ALL_REDUCE_WITH_LAYOUTS = False
+#: 16-bit weights. Whatever a correct rewrite sums in another order (a clipping norm, a
+#: LAMB ratio, Adafactor's mean) may round a 16-bit value one step the other way: within
+#: its tolerance, but verify lets each module carry its own state, so at step 2 that
+#: step is input (reported). Two rules keep such a step from growing past a tolerance:
+#: the gradient of a 16-bit weight does not read the weight (else an f32 optimizer state
+#: computed from it would differ beyond f32's tolerance), and its learning rate is scaled
+#: down so that a rounding step of the update stays below the weight's own tolerance
+#: where ``w - lr·u`` cancels.
+LOW_PRECISION = ("bf16", "f16")
+LOW_PRECISION_LR_SCALE = 0.1
 _DIM_POOL = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 31, 32, 61, 64, 97, 128, 257)
 
 @dataclass(frozen=True)
@@ -311,13 +321,6 @@ def normalized(spec: StepSpec) -> StepSpec:
     for tensor in spec.tensors:
         if tensor.optimizer == "adafactor" and len(tensor.dims) < 2:
             tensor.optimizer = "rmsprop"
-        if tensor.dtype != "f32" and (spec.global_clip or tensor.lamb or
-                                      tensor.optimizer == "adafactor"):
-            # Summed in another order, a reduction may round a 16-bit weight one step the
-            # other way (within its tolerance); fed back, that step becomes a difference
-            # beyond f32's tolerance in f32 state computed from it at step 2 (verify lets
-            # each module carry its own state — reported). Such state stays 16-bit.
-            tensor.compute = tensor.dtype
         if tensor.layout is not None and len(tensor.layout) != len(tensor.dims):
             tensor.layout = None
     params = sum(1 + len(t.state_shapes()) for t in spec.tensors) + spec.step_counter \
@@ -498,7 +501,7 @@ class _StepBody:
             step_factor = em.binary("add", em.constant(1.0), em.binary(
                 "multiply", em.convert(ins["iter"], "f32"), em.constant(0.25)))
             scale = em.binary("multiply", scale, step_factor)
-        grads = [self._gradient(ins[f"w{i}"], scale) for i in range(len(spec.tensors))]
+        grads = [self._gradient(ins[f"w{i}"], scale, i) for i in range(len(spec.tensors))]
         reduced = self._all_reduce(grads)
         processed = [self._prepare(t, g) for t, g in zip(spec.tensors, reduced)]
         norm = self._global_norm(processed) if spec.global_clip or spec.norm_output else None
@@ -534,15 +537,20 @@ class _StepBody:
                                           self._collective_attrs(every, "f32"))
         return out
 
-    def _gradient(self, w: Val, scale: Val) -> Val:
-        """A per-device gradient of ``w``'s shape: ``w·s + iota·s/100``."""
+    def _gradient(self, w: Val, scale: Val, index: int) -> Val:
+        """A per-device gradient of ``w``'s shape: ``s·(base + ramp)`` with ``base`` the
+        weight itself when it is f32, else a fixed pattern (see :data:`LOW_PRECISION`)."""
         em = self.em
-        wf = em.convert(w, "f32")
-        s = em.broadcast(scale, wf.shape)
-        g = em.binary("multiply", wf, s)
+        shape = w.shape.of("f32")
+        if w.shape.dtype not in LOW_PRECISION:
+            base = w
+        else:
+            flat = em.iota(Sh("f32", (w.shape.elements,)), 0)
+            phase = em.offset(em.scale(flat, 0.731), float(index))
+            base = em.scale(em.emit("reshape", shape, "reshape", [em.unary("sine", phase)]), 0.1)
         if w.shape.rank:
-            ramp = em.scale(em.iota(wf.shape, w.shape.rank - 1), 0.01)
-            g = em.binary("add", g, em.binary("multiply", ramp, s))
+            base = em.binary("add", base, em.scale(em.iota(shape, w.shape.rank - 1), 0.01))
+        g = em.binary("multiply", base, em.broadcast(scale, shape))
         return em.convert(g, w.shape.dtype)
 
     def _prepare(self, tensor: TensorSpec, g: Val) -> Val:
@@ -623,6 +631,8 @@ class _Update:
             u = em.binary("multiply", u, em.broadcast(self.trust_ratio(wc, u), u.shape))
         if t.weight_decay:
             u = em.binary("add", u, em.scale(wc, t.weight_decay))
+        if t.dtype in LOW_PRECISION:
+            lr = em.scale(lr, LOW_PRECISION_LR_SCALE)
         new_w = em.binary("subtract", wc, em.binary(
             "multiply", em.broadcast(em.convert(lr, c), u.shape), u))
         if finite is not None:
