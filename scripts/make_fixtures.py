@@ -8,7 +8,8 @@ this script keeps:
 
 * `spmd/<model>.n<N>.hlo`: the per-device module at the end of the SPMD partitioner
   (`*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`), for N = 2, 4, 8;
-* `optimized/<model>.n4.hlo`: the CPU-optimized module (`*.cpu_after_optimizations.txt`);
+* `optimized/<model>.n4.hlo`: the CPU-optimized module (`*.cpu_after_optimizations.txt`),
+  with XLA's `CompiledMemoryStats` of it in the manifest (`fixture_memory.record`);
 * `replica/<model>.n<N>.hlo` for the models in `REPLICA_FIXTURES`: the classic replica form
   (`replica_form.spmd_to_replica`), compiled and run on N devices and checked bit-identical to
   the SPMD module run in replica form (executing-hlo-with-jax.md §5.2);
@@ -36,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fixture_memory import record as record_memory  # noqa: E402
 from fixture_models import FIXTURE_MODELS, LARGE_MODELS  # noqa: E402
 from hlo_dump import Dump, dump_model  # noqa: E402
 from replica_form import spmd_to_replica  # noqa: E402
@@ -144,6 +146,7 @@ def fixtures_for(model: str, num_devices: int, out: Path, work: Path) -> dict[st
         entries[f"optimized/{name}"] = manifest_entry(
             signature, "optimized", num_devices, optimized,
             source_dump=dump.optimized.name.split(".", 2)[2])
+        record_memory(optimized, entries[f"optimized/{name}"])
     for spec in REPLICA_FIXTURES:
         if (spec.model, spec.num_devices) != (model, num_devices):
             continue
