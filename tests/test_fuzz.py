@@ -16,7 +16,6 @@ import re
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.errors import HloRuntimeError
 from hlo_shard.fuzz import driver
 from hlo_shard.fuzz.driver import (CRASH, MATCH, MISMATCH, REFUSED, Candidate, Identity, Plan,
                                    Transformation, run_case, run_plan, variants_of)
@@ -191,6 +190,9 @@ def test_generator_covers_the_issue():
                  "shared_channel_ids", "alias", "replication_attr", "loss_output",
                  "norm_output", "metric_all_reduce", "device_noise"):
         assert n(lambda s: bool(getattr(s, flag))), flag
+    assert n(lambda s: s.tuple_all_reduce and s.form == "spmd"), "tuple all-reduce with channel ids"
+    assert n(lambda s: s.tuple_all_reduce and any(t.layout for t in s.tensors)), \
+        "tuple all-reduce with an operand in a non-default layout"
     for flag in ("layout", "lamb", "clip_value", "sanitize", "weight_decay", "nesterov", "view",
                  "extremum", "post_use"):
         assert any(getattr(t, flag) for t in tensors), flag
@@ -255,14 +257,10 @@ ENTRY %main (w0: f16[2,4]{0,1}, w1: f16[3,3], g0: f16[2,4]{0,1}, g1: f16[3,3]) -
 """
 
 
-@pytest.mark.xfail(strict=True, raises=HloRuntimeError, reason=(
-    "runtime: valid modules with a variadic (tuple) all-reduce fail to compile on XLA:CPU — "
-    "with channel_id (SPMD form): 'LogicalBuffer … does not have a layout'; with an operand "
-    "in a non-default layout: 'requires all operands to be defined in the parent region'; "
-    "replica_form could split variadic all-reduces — reported"))
 @pytest.mark.parametrize("text", [SPMD_TUPLE_ALL_REDUCE, TUPLE_ALL_REDUCE_LAYOUT],
                          ids=["spmd-channel-id", "non-default-layout"])
 def test_tuple_all_reduce_modules_run(worker, text):
-    """Found by the fuzzer (its generator avoids these forms until this passes)."""
+    """Found by the fuzzer: XLA:CPU compiles neither as a variadic all-reduce, so the
+    runtime's replica form splits them (one all-reduce per element)."""
     report = runtime.verify(text, None, runtime.VerifyOptions(steps=1))
     assert report.steps_run == 1

@@ -189,6 +189,31 @@ def test_send_recv_pairs_keep_a_shared_channel():
     assert ids["s"] == ids["sd"] == ids["r"] == ids["rd"] == 1 and ids["ar"] == 2
 
 
+
+VARIADIC_ALL_REDUCES = """HloModule m, replica_count=2
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { p = f32[2] parameter(0) q = f32[3,2]{0,1} parameter(1)
+ kept = (f32[2], f32[2]) all-reduce(p, p), replica_groups={}, to_apply=add
+ chan = (f32[2], f32[2]) all-reduce(p, p), channel_id=5, replica_groups={}, to_apply=add
+ laid = (f32[2], f32[3,2]{0,1}) all-reduce(p, q), replica_groups={}, to_apply=add
+ g = f32[2] get-tuple-element(chan), index=1
+ ROOT t = f32[3,2]{0,1} get-tuple-element(laid), index=1 }
+"""
+
+
+def test_variadic_all_reduces_xla_cpu_refuses_are_split_per_element():
+    out = runtime.replica_form(parse(VARIADIC_ALL_REDUCES)).entry
+    assert out["kept"].opcode == "all-reduce"
+    for name, count in (("chan", 2), ("laid", 2)):
+        assert out[name].opcode == "tuple" and not out[name].attributes
+        parts = [out[operand] for operand in out[name].operands]
+        assert len(parts) == count and all(p.opcode == "all-reduce" for p in parts)
+        assert [p.shape for p in parts] == list(out[name].shape.elements)
+    channels = [i.attributes["channel_id"] for i in out.instructions if "channel_id" in i.attributes]
+    assert sorted(channels) == [1, 2]
+    assert out["g"].operands == ["chan"]
+
+
 # ------------------------------------------------------------------------ failures
 
 

@@ -34,12 +34,6 @@ FULL_STATE = {"sgd": (), "momentum": ("m",), "adam": ("m", "v"), "rmsprop": ("v"
               "lion": ("m",), "adafactor": ()}
 MUTATIONS = ("tanh", "axpy", "maximum", "minimum", "select", "clamp", "absmul", "negate",
              "divide", "expdecay", "roundtrip", "softabs", "isfinite")
-#: Tuple all-reduces that do not compile on XLA:CPU through the runtime (reported): with
-#: channel ids, the SPMD form ("LogicalBuffer … does not have a layout"), and with an operand
-#: in a non-default layout ("requires all operands to be defined in the parent region").
-#: The generator avoids them until the runtime handles them.
-SPMD_TUPLE_ALL_REDUCE = False
-TUPLE_ALL_REDUCE_WITH_LAYOUTS = False
 #: 16-bit weights. Whatever a correct rewrite sums in another order (a clipping norm, a
 #: LAMB ratio, Adafactor's mean) may round a 16-bit value one step the other way: within
 #: its tolerance, but verify lets each module carry its own state, so at step 2 that
@@ -310,9 +304,6 @@ def normalized(spec: StepSpec) -> StepSpec:
             tensor.post_use = False
     if spec.bias_correction or spec.lr_schedule:
         spec.step_counter = True
-    if not TUPLE_ALL_REDUCE_WITH_LAYOUTS and any(t.layout for t in spec.tensors) or \
-            spec.form == "spmd" and not SPMD_TUPLE_ALL_REDUCE:
-        spec.tuple_all_reduce = False
     if spec.lr_param and (spec.loss_output or spec.norm_output or spec.metric_all_reduce
                           or any(t.post_use for t in spec.tensors)):
         # Without an alias verify feeds each replicated parameter the next output of its

@@ -10,7 +10,8 @@ id when there is one partition.
 Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
 shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
 ``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse).
-All edits are on the IR, on a copy.
+Variadic all-reduces XLA:CPU cannot compile become one all-reduce per element (see
+:func:`split_variadic_all_reduces`). All edits are on the IR, on a copy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import copy
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.ir import Module, Str, TupleShape
+from hlo_shard.graph import Rewriter
+from hlo_shard.ir import Computation, Instruction, Module, Str, TupleShape, shape_leaves
 
 #: Header attributes dropped for execution: donation would delete reused inputs.
 DONATION_ATTRIBUTES = ("input_output_alias", "buffer_donor")
@@ -81,6 +83,7 @@ def replica_form(module: Module) -> Module:
             inst.attributes.pop("sharding", None)
             if spmd and inst.opcode == "partition-id":
                 inst.opcode = "replica-id"
+        split_variadic_all_reduces(comp)
     renumber_channels(out)
     return out
 
@@ -103,3 +106,36 @@ def renumber_channels(module: Module) -> None:
             else:
                 inst.attributes["channel_id"] = next_id
                 next_id += 1
+
+
+def split_variadic_all_reduces(comp: Computation) -> None:
+    """Rewrite each variadic all-reduce XLA:CPU fails to compile into one all-reduce per
+    element and a ``tuple`` of their results under the original name, so its
+    get-tuple-element users are unchanged; the sums are the same, element by element.
+
+    Two forms fail (jaxlib 0.10): one with a ``channel_id`` ("LogicalBuffer … does not
+    have a layout"), and one with an operand in a non-default layout whose users change
+    layouts ("requires all operands to be defined in the parent region", in the HLO →
+    StableHLO translation). The split parts get fresh channel ids from
+    :func:`renumber_channels`.
+    """
+    rewriter = Rewriter(comp)
+    for inst in list(comp.instructions):
+        if inst.opcode != "all-reduce" or not isinstance(inst.shape, TupleShape) \
+                or not _fails_as_variadic(comp, inst):
+            continue
+        with rewriter.inserting_before(inst.name):
+            parts = [rewriter.add_instruction(Instruction(
+                name=rewriter.fresh_name(inst.name), opcode="all-reduce", shape=element,
+                operands=[operand], attributes=dict(inst.attributes)))
+                for operand, element in zip(inst.operands, inst.shape.elements)]
+        inst.opcode = "tuple"
+        inst.operands = [part.name for part in parts]
+        inst.attributes = {}
+
+
+def _fails_as_variadic(comp: Computation, inst: Instruction) -> bool:
+    """Whether ``inst`` (a variadic all-reduce) is one of the forms XLA:CPU refuses."""
+    return "channel_id" in inst.attributes or any(
+        leaf.minor_to_major() != tuple(range(leaf.rank - 1, -1, -1))
+        for operand in comp.operands_of(inst) for _, leaf in shape_leaves(operand.shape))
