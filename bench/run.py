@@ -28,6 +28,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
 
 UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
                 "sgd": ROOT / "fixtures/spmd/mlp_sgd.n8.hlo"}
+#: The cost model's prediction, on this machine's calibrated profile and a generic one.
+PREDICTION_PROFILES = ("cpu-local", "cpu-generic")
 TARGETS = {"front end": 10.0, "step time, --state gathered": 0.70,
            "step time, --state sharded": 0.70, "memory": 1.3}
 
@@ -83,11 +85,13 @@ def step_time(work: Path, runs: int) -> dict[str, float]:
         report = verify_json(original, candidate, manifest, runs)
         before = report["original"]["timing"]["median_s"]
         after = report["candidate"]["timing"]["median_s"]
-        predicted = predicted_step_ratio(parse_file(original), parse_file(candidate),
-                                         load_profile("cpu-generic"))
+        predicted = {name: predicted_step_ratio(parse_file(original), parse_file(candidate),
+                                                load_profile(name))
+                     for name in PREDICTION_PROFILES}
         print(f"--state {state:8s} outputs match: {report['match']}   original "
               f"{before * 1e3:8.1f} ms   optimized {after * 1e3:8.1f} ms   measured "
-              f"{after / before:.2f}x   predicted (cpu-generic) {predicted:.2f}x")
+              f"{after / before:.2f}x   predicted "
+              + ", ".join(f"{ratio:.2f}x ({name})" for name, ratio in predicted.items()))
         measured[f"step time, --state {state}"] = after / before
     return measured
 

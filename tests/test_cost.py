@@ -342,6 +342,18 @@ def test_adam_update_is_one_multi_output_kernel():
     assert {"bb1", "blr", "lr1"} <= plan.duplicated  # broadcasts and scalars recomputed
 
 
+def test_cpu_runs_the_adam_update_as_three_loops():
+    # XLA CPU has no multi-output fusion: m and v are loops of their own (each reading
+    # g) and the w loop reads them back, as the compiled module shows.
+    module = parse(ADAM)
+    plan = plan_kernels(module.entry, multi_output=False)
+    m_loop, v_loop, w_loop = (plan.kernel_of[n] for n in ("m1", "v1", "w1"))
+    assert len({id(m_loop), id(v_loop), id(w_loop)}) == 3
+    mib = 4 * 2 ** 20
+    assert m_loop.read_bytes == pytest.approx(2 * mib) and m_loop.write_bytes == mib
+    assert w_loop.read_bytes == pytest.approx(3 * mib) and w_loop.write_bytes == mib
+
+
 def test_prefused_module_is_not_refused():
     module = parse(OPS2)
     plan = plan_kernels(module.entry, emulate_fusion=False)
@@ -393,6 +405,19 @@ def test_ring_bytes_and_steps():
     assert algorithm_steps("all-reduce", 8, "tree") == 6
     assert algorithm_steps("all-reduce", 16, "torus2d") == 2 * (3 + 3)
     assert torus_dims(1024, 2) == [32, 32] and math.prod(torus_dims(512, 3)) == 512
+
+
+def test_shared_memory_collectives_are_one_rendezvous_and_copies():
+    profile = load_profile("cpu-local")
+    link = profile.interconnect.intra_node
+    size = 8 << 20
+    costs = {kind: collective_cost(kind, 8, size, profile)
+             for kind in ("all-reduce", "reduce-scatter", "all-gather")}
+    assert all(c.steps == 1 for c in costs.values())
+    moved = {"all-reduce": 2 * size, "reduce-scatter": size + size / 8, "all-gather": 2 * size}
+    for kind, cost in costs.items():
+        assert cost.seconds == pytest.approx(link.alpha_s + moved[kind] / link.beta_bytes_per_s)
+        assert cost.bytes_sent == wire_bytes(kind, 8, size)  # reported as on a network
 
 
 def test_collective_time_uses_the_link_the_group_spans():

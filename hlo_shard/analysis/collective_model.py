@@ -15,6 +15,17 @@ reduce-scatter at zero flops and default memory bytes), so this is our own model
   and only adds latency (two collectives instead of one);
 * **time** = α·steps + bytes/β, with (α, β) of the interconnect level the group
   spans (inside a node or across nodes) from the hardware profile.
+
+``shared-memory`` is the algorithm of XLA's CPU devices, which share one host's
+memory: a collective is one rendezvous of all devices (one α), after which each
+device copies or reduces its part with plain loads and stores
+(``xla/backends/cpu/collectives/in_process_communicator.cc``). Its time is then the
+memory traffic each device causes, over β = the memory bandwidth those copies attain:
+all-reduce reads its chunk of every input (S) and writes it into every output (S);
+reduce-scatter reads S and writes S/n; all-gather reads every input (S) and writes its
+output (S); all-to-all and collective-permute read and write their buffer. The
+cache-resident accumulator chunk is not counted. The wire bytes reported stay those
+of the nccl accounting above, so reports compare across profiles.
 """
 
 from __future__ import annotations
@@ -95,7 +106,7 @@ def algorithm_steps(kind: str, n: int, algorithm: str) -> int:
     """Latency-bearing steps of one collective of ``kind`` over ``n`` devices."""
     if n <= 1:
         return 0
-    if kind == "collective-permute":
+    if kind == "collective-permute" or algorithm == "shared-memory":
         return 1
     phases = _PHASES[kind]
     if algorithm == "tree":
@@ -126,15 +137,32 @@ def wire_bytes(kind: str, n: int, payload: int) -> float:
     return _PHASES[kind] * (n - 1) / n * payload
 
 
+#: Per kind: bytes a device reads + writes, in units of S, for the shared-memory
+#: algorithm (the reduce-scatter's written shard S/n is added by :func:`memory_traffic`).
+_MEMORY_TRAFFIC: dict[str, float] = {
+    "all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 2.0, "all-to-all": 2.0,
+    "collective-broadcast": 2.0, "collective-permute": 2.0,
+}
+
+
+def memory_traffic(kind: str, n: int, payload: int) -> float:
+    """Bytes one device reads and writes for a shared-memory collective."""
+    if n <= 1:
+        return 0.0
+    written_shard = payload / n if kind == "reduce-scatter" else 0.0
+    return _MEMORY_TRAFFIC[kind] * payload + written_shard
+
+
 def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
                     algorithm: str | None = None) -> CollectiveCost:
     algorithm = algorithm or profile.interconnect.algorithm
     link = profile.interconnect.link_for(n)
     steps = algorithm_steps(kind, n, algorithm)
     sent = wire_bytes(kind, n, payload)
+    moved = memory_traffic(kind, n, payload) if algorithm == "shared-memory" else sent
     latency = steps * link.alpha_s
     return CollectiveCost(kind, n, payload, sent, sent, steps,
-                          latency + sent / link.beta_bytes_per_s, algorithm, latency)
+                          latency + moved / link.beta_bytes_per_s, algorithm, latency)
 
 
 def share_latency(costs: list[CollectiveCost]) -> list[float]:

@@ -380,7 +380,7 @@ class _Estimator:
         if comp.name not in self.categories:
             self.categories[comp.name] = categorize(self.module, comp)
         categories = self.categories[comp.name][0]
-        plan = plan_kernels(comp, self.emulate)
+        plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
             out.extend(self._kernel(comp, kernel, categories, runs))

@@ -87,7 +87,12 @@ def is_prefused(module: Module) -> bool:
                for inst in comp.instructions)
 
 
-def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
+def plan_kernels(comp: Computation, emulate_fusion: bool = True,
+                 multi_output: bool = True) -> KernelPlan:
+    """``multi_output``: whether the backend fuses one producer into several kernels'
+    loop, or computes a value that is also needed in memory inside its reader's kernel
+    (XLA GPU/TPU multi-output fusion). XLA CPU does neither: such a producer is a kernel
+    of its own whose output the readers load again."""
     users = users_map(comp)
     order = topological_order(comp)
     kernel_of: dict[str, Kernel] = {}
@@ -132,7 +137,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True) -> KernelPlan:
             continue
         targets = list({id(k): k for k in kernel_readers}.values())
         joins = fusible and inst.opcode not in _KERNEL_ROOTS and (
-            len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets))
+            (len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets))
+            if multi_output else (len(targets) == 1 and None not in readers))
         if joins:
             kernel = targets[0]
             for other in targets[1:]:  # multi-output fusion of the readers

@@ -27,7 +27,8 @@ class Link:
 
 @dataclass(frozen=True, slots=True)
 class Interconnect:
-    #: ``ring``, ``tree``, ``torus2d`` or ``torus3d`` (see collective_model).
+    #: ``ring``, ``tree``, ``torus2d``, ``torus3d`` or ``shared-memory`` (XLA's CPU
+    #: devices; see collective_model).
     algorithm: str
     #: A group larger than this crosses the slower ``inter_node`` links.
     devices_per_node: int
@@ -56,6 +57,9 @@ class HardwareProfile:
     kernel_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
     upcasts_16bit_floats: bool
+    #: XLA fuses a producer into several readers' loop, or a value also needed in
+    #: memory into its reader (multi-output fusion): GPU and TPU yes, CPU no.
+    multi_output_fusion: bool
     #: XLA's collective combiners pack independent collectives into buckets this large.
     combine_threshold_bytes: int
     interconnect: Interconnect
@@ -75,7 +79,7 @@ class HardwareProfile:
         return replace(self, interconnect=replace(self.interconnect, algorithm=algorithm))
 
 
-ALGORITHMS = ("ring", "tree", "torus2d", "torus3d")
+ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
 
 
 def available_profiles() -> list[str]:
@@ -122,6 +126,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
             upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
+            multi_output_fusion=bool(data.get("multi_output_fusion", True)),
             combine_threshold_bytes=int(data.get("combine_threshold_bytes", 30 << 20)),
             interconnect=Interconnect(
                 algorithm=algorithm,

@@ -8,7 +8,9 @@ run on N devices through the runtime (median of a few runs):
   bandwidth from filling a fresh one (a host pays page faults on every new buffer);
 * vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
 * matrix rate from a square f32 dot;
-* collective α and β from a 4-byte and a 16 MiB all-reduce (ring accounting);
+* collective α and β from a 4-byte and a 16 MiB all-reduce, with the shared-memory
+  accounting of :mod:`hlo_shard.analysis.collective_model` (XLA's CPU collectives are
+  one rendezvous, then memory copies: α per collective, β the bandwidth of the copies);
 * the fixed cost of a step from a module of one scalar add (subtracted from the
   probes; the per-kernel overhead is not measured and stays at an assumed 2 µs).
 
@@ -99,9 +101,11 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     vector = 2 * CHAIN * e / max(t["vector"] - overhead - streaming, 1e-9)
     transcendental = CHAIN * e / max(t["transcendental"] - overhead - streaming, 1e-9)
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
-    alpha = max(t["small_all_reduce"] - overhead, 0.0) / (2 * (n - 1))
-    wire = 2 * (n - 1) / n * 4 * COLLECTIVE
-    beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
+    from hlo_shard.analysis.collective_model import memory_traffic
+
+    alpha = max(t["small_all_reduce"] - overhead, 0.0)
+    beta = (memory_traffic("all-reduce", n, 4 * COLLECTIVE)
+            / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9))
     link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
     return {
         "name": "cpu-local",
@@ -114,15 +118,18 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "memory_write_bandwidth_bytes_per_s": write,
         "memory_capacity_bytes": 16 << 30,
         "upcasts_16bit_floats": True,
+        "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
         "kernel_overhead_s": 2e-6,
-        "interconnect": {"algorithm": "ring", "devices_per_node": 1 << 20,
+        "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
         "sources": [
             f"measured by hlo_shard.profiles.calibrate on {time.strftime('%Y-%m-%d')} with "
             f"{n} CPU devices (probe medians, seconds): "
             + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
             "rates are per device while all devices run at once; valid for this device count",
+            "XLA CPU runs no multi-output fusion (its pipeline has loop fusion only; Adam "
+            "compiles to separate m, v and w loops)",
             "assumed: 2 us per kernel launch (the 'overhead' probe is a whole step's fixed cost)",
         ],
     }
