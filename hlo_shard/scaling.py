@@ -14,6 +14,16 @@ activations (forward/backward temporaries) are scaled analytically by per-replic
 batch / the module's per-replica batch — that work is linear in the examples (a dot
 that reads a weight is not quite: the projection is optimistic at small batches);
 the weight update, its formatting, communication and state are not.
+
+A larger model of the same shape (``parameters=P``, ``scale --parameters``) is also
+projected analytically, from the module's own weights W₀ (the elements of its weight
+parameters), with k = P/W₀: the weight update, its formatting, the bytes of every
+collective and the weights, optimizer state, gradients and update temporaries grow
+by k (all are per-parameter work); forward/backward time and activations by k times
+the batch factor (≈ 6·P flops per token for a Transformer); a collective's latency
+is paid once per combiner bucket, so a bucket of k times the bytes pays it
+⌈k·bytes/threshold⌉ times. Committing a fixture of hundreds of millions of parameters
+is not an option (its HLO text is the same program with bigger shapes).
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from dataclasses import dataclass
 
 from hlo_shard.analysis.collective_model import COLLECTIVE_KINDS, group_size
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
+import math
+
 from hlo_shard.analysis.estimate import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module, Raw, ReplicaGroups
@@ -130,12 +142,49 @@ def per_replica_batch(estimate: StepEstimate, module: Module) -> int:
                         "use --batch-per-replica fixed")
 
 
-def _projection(est: StepEstimate, batch_factor: float) -> Projection:
+def weight_parameters(estimate: StepEstimate, module: Module) -> int:
+    """W₀: the elements of the module's weight parameters (replicated, per device)."""
+    return sum(module.entry[name].shape.num_elements
+               for name, kind in estimate.parameter_kinds.items()
+               if kind == "weights" and isinstance(module.entry[name].shape, ArrayShape))
+
+
+def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
+    """Collective time with k times the bytes: bandwidth × k, latency once per bucket of
+    the combiner's threshold (a bucket's latency is shared among its members by payload)."""
+    threshold = est.profile.combine_threshold_bytes
+    total = 0.0
+    for inst in est.instructions:
+        c = inst.collective
+        if c is None:
+            total += inst.seconds if inst.category == "communication" else 0.0
+            continue
+        bandwidth = (c.seconds - c.latency_s) * inst.runs
+        latency_share = inst.seconds - bandwidth
+        bucket_payload = (c.latency_s * inst.runs * c.payload_bytes / latency_share
+                          if latency_share > 0 else c.payload_bytes)
+        buckets = (max(1, math.ceil(weight_factor * bucket_payload / threshold))
+                   / max(1, math.ceil(bucket_payload / threshold)))
+        total += latency_share * buckets + bandwidth * weight_factor
+    return total
+
+
+#: Memory categories that grow with the parameters (the rest: batch and activations).
+_PARAMETER_MEMORY = ("weights", "optimizer_state", "gradients", "other_temporaries")
+
+
+def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1.0
+                ) -> Projection:
     seconds = est.seconds_by_category()
-    seconds["forward_backward"] *= batch_factor
+    seconds["forward_backward"] *= batch_factor * weight_factor
+    seconds["weight_update"] *= weight_factor
+    seconds["formatting"] *= weight_factor
+    seconds["communication"] = _communication_seconds(est, weight_factor)
     breakdown = dict(est.memory.peak_breakdown)
-    for category in ("batch", "activations"):
-        breakdown[category] = breakdown.get(category, 0) * batch_factor
+    factors = {"batch": batch_factor, "activations": batch_factor * weight_factor,
+               **{category: weight_factor for category in _PARAMETER_MEMORY}}
+    for category, factor in factors.items():
+        breakdown[category] = breakdown.get(category, 0) * factor
     peak = est.memory.peak_bytes + sum(breakdown.values()) - sum(est.memory.peak_breakdown.values())
     return Projection(sum(seconds.values()), seconds, peak)
 
@@ -149,11 +198,18 @@ def sharding_pass(state: str, strategy: str):
 
 def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
             global_batch: int | None = None, state: str = "sharded", strategy: str = "auto",
-            algorithm: str | None = None) -> list[ScalePoint]:
-    """Step time and peak memory of ``module`` and of its sharded form at each N."""
+            algorithm: str | None = None, parameters: int | None = None) -> list[ScalePoint]:
+    """Step time and peak memory of ``module`` and of its sharded form at each N;
+    ``parameters``: of a model of that many weights, scaled analytically."""
     n0 = data_parallel_size(module)
     base = estimate_step(module, profile, algorithm=algorithm)
     b0 = per_replica_batch(base, module) if global_batch is not None else None
+    weight_factor = 1.0
+    if parameters is not None:
+        w0 = weight_parameters(base, module)
+        if not w0:
+            raise HloShardError("--parameters needs a module with weight parameters")
+        weight_factor = parameters / w0
     points: list[ScalePoint] = []
     for n in replicas:
         if n < 2:
@@ -161,13 +217,14 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
         factor = 1.0 if global_batch is None else (global_batch / n) / b0
         target = retarget(module, n) if n != n0 else copy.deepcopy(module)
         original = _projection(estimate_step(target, profile, algorithm=algorithm,
-                                             categories=base.categories), factor)
+                                             categories=base.categories), factor, weight_factor)
         try:
             sharded_module = sharding_pass(state, strategy).apply(copy.deepcopy(target)).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))
             continue
-        sharded = _projection(estimate_step(sharded_module, profile, algorithm=algorithm), factor)
+        sharded = _projection(estimate_step(sharded_module, profile, algorithm=algorithm), factor,
+                              weight_factor)
         points.append(ScalePoint(n, original, sharded))
     return points
 

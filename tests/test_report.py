@@ -109,6 +109,7 @@ def test_user_profile_file(modules, tmp_path):
     (["report", "BAD", "--json", "--markdown"], "exclusive"),
     (["scale", "BAD", "--replicas", "8,x"], "--replicas"),
     (["scale", "BAD", "--batch-per-replica", "half"], "--batch-per-replica"),
+    (["scale", "BAD", "--parameters", "lots"], "--parameters"),
 ])
 def test_bad_input_is_one_line_and_exit_2(modules, args, message):
     args = [modules[0] if a == "BAD" else a for a in args]
@@ -125,6 +126,29 @@ def test_parse_error_is_located(tmp_path):
 
 
 # ----------------------------------------------------------------------------- diff
+
+
+def test_per_weight_rows_of_a_combined_bucket():
+    # Biases share one reduce-scatter/all-gather bucket: each owns its own slice's
+    # update (≈ 1/N of its update flops) and a share of the bucket, not its neighbours'.
+    from pathlib import Path
+
+    from hlo_shard.analysis.estimate import estimate_step, per_weight_rows
+    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.profiles import load_profile
+
+    original = parse(Path("fixtures/spmd/adam.n8.hlo").read_text())
+    combined = WeightUpdateSharding(ShardingOptions(strategy="combined")).apply(
+        parse(Path("fixtures/spmd/adam.n8.hlo").read_text())).module
+    profile = load_profile("cpu-generic")
+    before = per_weight_rows(estimate_step(original, profile), original)
+    after = per_weight_rows(estimate_step(combined, profile), combined)
+    for name, row in before.items():
+        elements = row["bytes"] / 4
+        shard = -(-elements // 8)  # padded to a multiple of 8 devices
+        assert after[name]["update_flops"] == pytest.approx(
+            row["update_flops"] * shard / elements, rel=0.1), name
+        assert after[name]["collective_bytes"] > 0
 
 
 def test_diff_shows_the_pass_effect(modules):
@@ -186,6 +210,20 @@ def test_strong_scaling_grows_the_update_share(modules):
     shares = [p["original"]["weight_update_share"] for p in data["points"]]
     savings = [p["saving"] for p in data["points"]]
     assert shares == sorted(shares) and savings == sorted(savings)
+
+
+def test_parameters_scale_the_per_parameter_work(modules):
+    # k times the weights: update and collective bandwidth × k, forward/backward × k.
+    args = ("scale", modules[0], "--replicas", "8", "--json", "--profile", "tpu-v3")
+    base = json.loads(run(*args).output)["points"][0]
+    weights = 1024 * 1024  # ADAM's one weight (test_cost)
+    big = json.loads(run(*args, "--parameters", str(10 * weights)).output)["points"][0]
+    for module in ("original", "sharded"):
+        a, b = base[module]["seconds_by_category"], big[module]["seconds_by_category"]
+        assert b["weight_update"] == pytest.approx(10 * a["weight_update"], rel=1e-6)
+        assert b["forward_backward"] == pytest.approx(10 * a["forward_backward"], rel=1e-6)
+        assert a["communication"] < b["communication"] < 10 * a["communication"] + 1e-3
+    assert big["saving"] > base["saving"]
 
 
 # ---------------------------------------------------------------------------- units

@@ -503,48 +503,70 @@ def predicted_step_ratio(original: Module, optimized: Module, profile: HardwareP
 
 def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[str, float]]:
     """Per weight parameter: its bytes, and the update work and gradient traffic that
-    belong to it — the update, formatting and communication instructions connected to
-    the instructions that read it in the update (its optimizer state's update and its
-    gradient's collective included). Work shared by several weights (a tuple
-    all-reduce, a learning-rate schedule) is split in proportion to their sizes."""
+    belong to it. From the instructions that read the weight in the update, the walk
+    goes forward (its update, its all-gather) and, from everything found, backward
+    (its optimizer state's update, its gradient's collective and formatting), over
+    update, formatting and communication instructions. Junctions — concatenations and
+    tuples (combined buckets), multi-operand collectives and scalar work such as a
+    learning-rate schedule — are owned by every weight that reaches them, split in
+    proportion to the weights' sizes, but never walked through: a bias in a combined
+    bucket owns its own slice's update and a share of the bucket's collectives, not
+    its neighbours' updates. Flops count every instruction, including those the time
+    model recomputes inside their consumers."""
     comp = module.entry
     users = users_map(comp)
+    categories = estimate.categories[comp.name][0]
     entries = {i.name: i for i in estimate.instructions if i.computation == comp.name}
+    analysis = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     sizes = {p: leaf_bytes(comp[p].shape) for p, k in estimate.parameter_kinds.items()
              if k == "weights"}
 
     def in_update(name: str) -> bool:
-        entry = entries.get(name)
-        return entry is not None and entry.category != "forward_backward"
+        return (categories.get(name, "forward_backward") != "forward_backward"
+                or comp[name].opcode == "get-tuple-element")
 
     owners: dict[str, set[str]] = {}
     for param in sizes:
-        starts = [r for r in _readers(comp, users, param) if in_update(r)]
-        seen = set(starts)
-        stack = list(starts)
+        stack = [(r, True) for r in _readers(comp, users, param) if in_update(r)]
+        seen: set[str] = set()
         while stack:
-            name = stack.pop()
+            name, forward = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
             owners.setdefault(name, set()).add(param)
-            for neighbour in [*comp[name].operands, *users[name]]:
-                if neighbour not in seen and (in_update(neighbour) or
-                                              comp[neighbour].opcode == "get-tuple-element"):
-                    seen.add(neighbour)
-                    stack.append(neighbour)
+            if _is_junction(comp, comp[name]):
+                if forward:  # a bucket's single consumer chain (concatenate → all-gather)
+                    stack.extend((u, True) for u in users[name][:1]
+                                 if len(users[name]) == 1 and in_update(u))
+                continue
+            stack.extend((o, False) for o in comp[name].operands if in_update(o))
+            if forward:
+                stack.extend((u, True) for u in users[name] if in_update(u))
     rows = {p: {"bytes": float(size), "update_seconds": 0.0, "update_flops": 0.0,
                 "collective_bytes": 0.0, "collective_seconds": 0.0}
             for p, size in sizes.items()}
     for name, params in owners.items():
         entry = entries.get(name)
-        if entry is None:
-            continue
         total = sum(sizes[p] for p in params) or 1
+        flops = max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
         for param in params:
             share = sizes[param] / total
             row = rows[param]
-            if entry.collective is not None:
+            if entry is not None and entry.collective is not None:
                 row["collective_bytes"] += entry.collective.bytes_sent * entry.runs * share
                 row["collective_seconds"] += entry.seconds * share
-            else:
-                row["update_seconds"] += entry.seconds * share
-                row["update_flops"] += entry.cost.flops * share
+                continue
+            row["update_flops"] += flops * share
+            row["update_seconds"] += (entry.seconds if entry else 0.0) * share
     return rows
+
+
+def _is_junction(comp: Computation, inst: Instruction) -> bool:
+    """Where the work of several weights meets: buckets, tuples, tuple collectives,
+    and scalar work broadcast to every update (all operands scalars)."""
+    if inst.opcode in ("concatenate", "tuple"):
+        return True
+    if inst.opcode in COLLECTIVE_KINDS and len(inst.operands) > 1:
+        return True
+    return bool(inst.operands) and all(elements(comp[o].shape) <= 1 for o in inst.operands)

@@ -39,6 +39,24 @@ def _batch_mode(text: str) -> int | None:
     raise HloShardError(f"--batch-per-replica must be 'fixed' or 'global=B', not {text!r}")
 
 
+_SUFFIXES = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "B": 10 ** 9}
+
+
+def _parameter_count(text: str | None) -> int | None:
+    """``210M`` → 210000000; None when not given."""
+    if text is None:
+        return None
+    text = text.strip()
+    number, suffix = (text, "") if text[-1:].isdigit() else (text[:-1], text[-1:].upper())
+    try:
+        value = float(number) * _SUFFIXES[suffix]
+    except (KeyError, ValueError):
+        value = 0
+    if value < 1:
+        raise HloShardError(f"--parameters expects a count like 210M, not {text!r}")
+    return int(value)
+
+
 @main.command()
 @click.argument("module_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
 @click.option("--replicas", default="8,16,32,64,128,256,512,1024", show_default=True,
@@ -51,6 +69,9 @@ def _batch_mode(text: str) -> int | None:
               metavar="fixed|global=B",
               help="fixed: weak scaling. global=B: B examples per step shared by all "
                    "replicas (strong scaling; forward/backward scaled analytically).")
+@click.option("--parameters", "parameters", default=None, metavar="P",
+              help="Project a model of P weights (e.g. 210M) of the same shape, scaled "
+                   "analytically from the module's own (see docs/cost-model.md).")
 @click.option("--state", type=click.Choice(["gathered", "sharded"]), default="sharded",
               show_default=True, help="Optimizer state of the sharded module.")
 @click.option("--strategy", type=click.Choice(["auto", "per-tensor", "combined"]),
@@ -65,8 +86,8 @@ def _batch_mode(text: str) -> int | None:
               help="Write the table/JSON here instead of stdout.")
 @user_errors
 def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, batch_mode: str,
-          state: str, strategy: str, as_json: bool, markdown: bool, plot_path: str | None,
-          html_path: str | None, output: str | None) -> None:
+          parameters: str | None, state: str, strategy: str, as_json: bool, markdown: bool,
+          plot_path: str | None, html_path: str | None, output: str | None) -> None:
     """Project the step time and peak memory of IN.hlo (the original, unsharded
     module) and of its weight-update-sharded form across replica counts."""
     from hlo_shard import report as fmt
@@ -74,6 +95,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
 
     counts = _replica_list(replicas)
     global_batch = _batch_mode(batch_mode)
+    parameter_count = _parameter_count(parameters)
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
     for target in (output, plot_path, html_path):
@@ -81,7 +103,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
     module = load_module(module_path)
     hardware = fmt.resolve_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
-                     strategy=strategy, algorithm=algorithm)
+                     strategy=strategy, algorithm=algorithm, parameters=parameter_count)
     document = fmt.scale_document(module_path, hardware, points, batch_mode, state)
     if plot_path is not None:
         png = fmt.figure_png(document.figures[0])
