@@ -409,14 +409,14 @@ def test_ring_bytes_and_steps():
 
 def test_shared_memory_collectives_are_one_rendezvous_and_copies():
     profile = load_profile("cpu-local")
-    link = profile.interconnect.intra_node
+    alpha = profile.interconnect.intra_node.alpha_s
     size = 8 << 20
-    costs = {kind: collective_cost(kind, 8, size, profile)
-             for kind in ("all-reduce", "reduce-scatter", "all-gather")}
-    assert all(c.steps == 1 for c in costs.values())
-    moved = {"all-reduce": 2 * size, "reduce-scatter": size + size / 8, "all-gather": 2 * size}
-    for kind, cost in costs.items():
-        assert cost.seconds == pytest.approx(link.alpha_s + moved[kind] / link.beta_bytes_per_s)
+    copies = {"all-reduce": (size, size), "reduce-scatter": (size, size / 8),
+              "all-gather": (size, size)}  # (read, written) per device
+    for kind, (read, written) in copies.items():
+        cost = collective_cost(kind, 8, size, profile)
+        assert cost.steps == 1
+        assert cost.seconds == pytest.approx(alpha + profile.memory_seconds(read, written))
         assert cost.bytes_sent == wire_bytes(kind, 8, size)  # reported as on a network
 
 

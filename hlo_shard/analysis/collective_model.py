@@ -19,13 +19,14 @@ reduce-scatter at zero flops and default memory bytes), so this is our own model
 ``shared-memory`` is the algorithm of XLA's CPU devices, which share one host's
 memory: a collective is one rendezvous of all devices (one α), after which each
 device copies or reduces its part with plain loads and stores
-(``xla/backends/cpu/collectives/in_process_communicator.cc``). Its time is then the
-memory traffic each device causes, over β = the memory bandwidth those copies attain:
-all-reduce reads its chunk of every input (S) and writes it into every output (S);
-reduce-scatter reads S and writes S/n; all-gather reads every input (S) and writes its
-output (S); all-to-all and collective-permute read and write their buffer. The
-cache-resident accumulator chunk is not counted. The wire bytes reported stay those
-of the nccl accounting above, so reports compare across profiles.
+(``xla/backends/cpu/collectives/in_process_communicator.cc``): all-reduce reads its
+chunk of every input (S) and writes it into every output (S); reduce-scatter reads S
+and writes S/n; all-gather reads every input (S) and writes its output (S);
+all-to-all and collective-permute read and write their buffer. Those bytes are
+priced like a kernel's, at the profile's read and write bandwidths (the outputs are
+buffers of the step like any other; the cache-resident accumulator chunk is not
+counted). The wire bytes reported stay those of the nccl accounting above, so
+reports compare across profiles.
 """
 
 from __future__ import annotations
@@ -137,20 +138,22 @@ def wire_bytes(kind: str, n: int, payload: int) -> float:
     return _PHASES[kind] * (n - 1) / n * payload
 
 
-#: Per kind: bytes a device reads + writes, in units of S, for the shared-memory
-#: algorithm (the reduce-scatter's written shard S/n is added by :func:`memory_traffic`).
-_MEMORY_TRAFFIC: dict[str, float] = {
-    "all-reduce": 2.0, "reduce-scatter": 1.0, "all-gather": 2.0, "all-to-all": 2.0,
-    "collective-broadcast": 2.0, "collective-permute": 2.0,
+#: Per kind: (bytes a device reads, bytes it writes) in units of S, for the
+#: shared-memory algorithm; a reduce-scatter writes only its shard, S/n.
+_MEMORY_TRAFFIC: dict[str, tuple[float, float]] = {
+    "all-reduce": (1.0, 1.0), "reduce-scatter": (1.0, 0.0), "all-gather": (1.0, 1.0),
+    "all-to-all": (1.0, 1.0), "collective-broadcast": (1.0, 1.0),
+    "collective-permute": (1.0, 1.0),
 }
 
 
-def memory_traffic(kind: str, n: int, payload: int) -> float:
-    """Bytes one device reads and writes for a shared-memory collective."""
+def memory_traffic(kind: str, n: int, payload: int) -> tuple[float, float]:
+    """(bytes read, bytes written) by one device for a shared-memory collective."""
     if n <= 1:
-        return 0.0
-    written_shard = payload / n if kind == "reduce-scatter" else 0.0
-    return _MEMORY_TRAFFIC[kind] * payload + written_shard
+        return 0.0, 0.0
+    read, written = _MEMORY_TRAFFIC[kind]
+    shard = payload / n if kind == "reduce-scatter" else 0.0
+    return read * payload, written * payload + shard
 
 
 def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
@@ -159,10 +162,11 @@ def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
     link = profile.interconnect.link_for(n)
     steps = algorithm_steps(kind, n, algorithm)
     sent = wire_bytes(kind, n, payload)
-    moved = memory_traffic(kind, n, payload) if algorithm == "shared-memory" else sent
     latency = steps * link.alpha_s
-    return CollectiveCost(kind, n, payload, sent, sent, steps,
-                          latency + moved / link.beta_bytes_per_s, algorithm, latency)
+    transfer = (profile.memory_seconds(*memory_traffic(kind, n, payload))
+                if algorithm == "shared-memory" else sent / link.beta_bytes_per_s)
+    return CollectiveCost(kind, n, payload, sent, sent, steps, latency + transfer, algorithm,
+                          latency)
 
 
 def share_latency(costs: list[CollectiveCost]) -> list[float]:

@@ -8,9 +8,9 @@ run on N devices through the runtime (median of a few runs):
   bandwidth from filling a fresh one (a host pays page faults on every new buffer);
 * vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
 * matrix rate from a square f32 dot;
-* collective α and β from a 4-byte and a 16 MiB all-reduce, with the shared-memory
-  accounting of :mod:`hlo_shard.analysis.collective_model` (XLA's CPU collectives are
-  one rendezvous, then memory copies: α per collective, β the bandwidth of the copies);
+* collective α from a 4-byte all-reduce (one rendezvous: the ``shared-memory``
+  algorithm prices the copies that follow with the memory rates above); β from a
+  16 MiB all-reduce in ring accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
   probes; the per-kernel overhead is not measured and stays at an assumed 2 µs).
 
@@ -101,11 +101,9 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     vector = 2 * CHAIN * e / max(t["vector"] - overhead - streaming, 1e-9)
     transcendental = CHAIN * e / max(t["transcendental"] - overhead - streaming, 1e-9)
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
-    from hlo_shard.analysis.collective_model import memory_traffic
-
     alpha = max(t["small_all_reduce"] - overhead, 0.0)
-    beta = (memory_traffic("all-reduce", n, 4 * COLLECTIVE)
-            / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9))
+    wire = 2 * (n - 1) / n * 4 * COLLECTIVE
+    beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
     link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
     return {
         "name": "cpu-local",
