@@ -450,7 +450,7 @@ def test_combined_gradients_are_live_together():
     module = parse(MLP_GRADIENTS)
     alone = memory_profile(module, combine_threshold_bytes=0)
     combined = memory_profile(module)
-    assert combined.temp_bytes >= alone.temp_bytes + 2 * 1024  # two more gradients at once
+    assert alone.temp_bytes < 2 * 1024 <= 3 * 1024 <= combined.temp_bytes  # 1 vs 3 gradients
 
 
 def test_group_size_in_every_mode():

@@ -1,28 +1,34 @@
 """Peak memory per device: buffer liveness over the module's schedule.
 
 The schedule is the entry computation's order when the module ``is_scheduled``, else a
-topological order. Only values that reach memory get buffers — for an unfused module
-those are the outputs of the kernels :mod:`hlo_shard.analysis.kernels` emulates —
-and each buffer lives from the kernel that writes it to the last kernel that reads it.
+topological order in which the collectives XLA would combine run as one (reading all
+their operands and writing all their results at once). Only values that reach memory
+get buffers — for an unfused module those are the outputs of the kernels
+:mod:`hlo_shard.analysis.kernels` emulates — and each buffer lives from the kernel that
+writes it to the last kernel that reads it.
 Like XLA's buffer assignment:
 
 * parameters are live for the whole step (the caller owns them); constants live in
   read-only data and are not counted;
 * get-tuple-element, tuple, bitcast, and what XLA turns into bitcasts (a reshape or
   copy that leaves the bytes in place, a transpose absorbed by its dot's layout)
-  alias their operand;
+  alias their operand; a tuple-shaped result (a combined all-reduce, a multi-output
+  fusion, a loop) also has a table of its elements' addresses;
 * an elementwise kernel, a dynamic-update-slice and a while loop write into an operand
-  buffer that dies there (in place) instead of allocating a new one;
+  buffer that dies there (in place) when both have the same shape and layout
+  (``CanShareOperandBufferWithUser``: a transposing loop cannot);
 * ``input_output_alias`` makes an output share its parameter's buffer (a donated
   argument), and an output that is an undonated parameter is a copy;
 * a while, call or conditional adds what its callee allocates on top of the buffers
-  it is passed (a loop body's new carry values and temporaries).
+  it is passed (a loop body's new carry values and temporaries); carry elements the
+  body returns unchanged stay where they were (no copy, even of a parameter).
 
 ``peak_bytes`` is what ``CompiledMemoryStats`` adds up (argument + output + temp −
-alias): XLA allocates outputs and temporaries separately, a temporary sharing an
-output's allocation only when it has exactly its size and dies before (or as) the
-output is written. ``high_water_bytes`` is the most that is ever live at once (a
-perfectly packed heap), and the curve plotted over the schedule.
+alias): XLA gives every output its own allocation and fits temporaries into them,
+largest first, where their live ranges do not interfere (``BufferAssigner``); the rest
+share the temp allocation, packed by liveness with 64-byte alignment (XLA CPU's heap).
+``high_water_bytes`` is the most that is ever live at once (a perfectly packed heap),
+and the curve plotted over the schedule.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from hlo_shard.analysis.kernels import (
 )
 from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
-    ELEMENT_BITS, Computation, Instruction, Module, Shape, TupleShape, shape_leaves,
+    ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
+    shape_leaves,
 )
 
 #: Ops that may write their result into an operand buffer that dies at them (XLA's
@@ -46,6 +53,9 @@ from hlo_shard.ir import (
 _IN_PLACE_OPCODES = ELEMENTWISE_OPCODES | frozenset({"dynamic-update-slice", "while", "fusion"})
 
 _HALF_FLOATS = frozenset({"bf16", "f16"})
+
+#: Alignment of each buffer in XLA's temp allocation (the CPU backend's heap).
+HEAP_ALIGNMENT = 64
 
 CATEGORIES = ("weights", "optimizer_state", "batch", "other_parameters", "gradients",
               "activations", "temporaries", "outputs")
@@ -59,6 +69,8 @@ class Buffer:
     owner: str
     size: int
     category: str
+    #: What in-place reuse compares (dimensions and layout).
+    shape: Shape | None = None
 
 
 @dataclass
@@ -95,16 +107,17 @@ class MemoryProfile:
 
 
 def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
-             ) -> list[Instruction]:
+             ) -> tuple[list[Instruction], list[list[str]]]:
     """The order instructions run in: as written when the module is scheduled, else a
-    topological order in which the collectives XLA would combine run together (a
-    combined all-reduce needs every member's operand: they are all live at once)."""
+    topological order in which the collectives XLA would combine run together; and
+    those buckets of collectives (each runs as one combined op)."""
     if module.is_scheduled:
-        return list(comp.instructions)
+        return list(comp.instructions), []
     if not combine_threshold_bytes:
-        return topological_order(comp)
+        return topological_order(comp), []
+    buckets = combiner_buckets(module, comp, combine_threshold_bytes)
     bucket_of: dict[str, list[str]] = {}
-    for bucket in combiner_buckets(module, comp, combine_threshold_bytes):
+    for bucket in buckets:
         for name in bucket:
             bucket_of[name] = bucket
     topo = [inst.name for inst in topological_order(comp)]
@@ -115,8 +128,9 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
         deps.setdefault(node[inst.name], set()).update(
             node[o] for o in inst.operands if node[o] != node[inst.name])
     heads = [name for name in topo if node[name] == name]
-    return [comp[name] for head in stable_topological_sort(heads, deps)
-            for name in bucket_of.get(head, [head])]
+    order = [comp[name] for head in stable_topological_sort(heads, deps)
+             for name in bucket_of.get(head, [head])]
+    return order, [bucket for bucket in buckets if len(bucket) > 1]
 
 
 def output_parameter_aliases(module: Module) -> dict[int, int]:
@@ -150,6 +164,14 @@ def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None
                      combine=combine_threshold_bytes).run()
 
 
+def _same_array(a: Buffer, b: Buffer) -> bool:
+    """Same dimensions and layout: XLA shares an operand buffer only then (a loop
+    that transposes cannot write over what it reads)."""
+    return (isinstance(a.shape, ArrayShape) and isinstance(b.shape, ArrayShape)
+            and a.shape.dims == b.shape.dims and a.size == b.size
+            and a.shape.minor_to_major() == b.shape.minor_to_major())
+
+
 def temporary_bytes(shape: Shape, upcast: bool) -> int:
     """Bytes of a temporary of ``shape``; 16-bit floats as f32 when ``upcast``."""
     if not upcast:
@@ -177,14 +199,26 @@ class _Liveness:
         self.gradients = gradients
         self.emulate = emulate
         self.nested = nested
-        self.order = schedule(module, comp, combine)
+        self.order, buckets = schedule(module, comp, combine)
         self.position = {inst.name: i for i, inst in enumerate(self.order)}
+        #: A combined collective reads all its members' operands and writes all their
+        #: results at once: reads count at its last member, writes at its first.
+        self.read_at: dict[str, int] = {}
+        self.write_at: dict[str, int] = {}
+        for bucket in buckets:
+            positions = [self.position[name] for name in bucket]
+            for name in bucket:
+                self.read_at[name], self.write_at[name] = max(positions), min(positions)
         self.plan: KernelPlan = plan_kernels(comp, emulate)
         #: Value name → the buffers it refers to, per top-level element of its shape.
         self.elements: dict[str, list[tuple[str, ...]]] = {}
         self.buffers: dict[str, Buffer] = {}
         #: Buffer key → name of the instruction that defines it.
         self.definer: dict[str, str] = {}
+        #: Buffer written in place → the dying operand buffer it reuses.
+        self.reuses: dict[str, str] = {}
+        #: Tuple-shaped value → the buffer of its element-address table.
+        self.tables: dict[str, str] = {}
 
     def owners(self, name: str) -> tuple[str, ...]:
         return tuple(dict.fromkeys(k for element in self.elements.get(name, []) for k in element))
@@ -198,9 +232,16 @@ class _Liveness:
         upcast = self.upcast and category in _TEMPORARY
         for index, part in parts:
             key = inst.name if index is None else f"{inst.name}#{index}"
-            self.buffers[key] = Buffer(key, temporary_bytes(part, upcast), category)
+            self.buffers[key] = Buffer(key, temporary_bytes(part, upcast), category, part)
             self.definer[key] = inst.name
             self.elements[inst.name].append((key,))
+        if isinstance(shape, TupleShape) and inst.opcode != "parameter" and \
+                inst.name != self.comp.root_name:
+            # XLA's tuple buffer: the table of its elements' addresses.
+            key = f"{inst.name}#table"
+            self.buffers[key] = Buffer(key, POINTER_BYTES * len(parts), "temporaries")
+            self.definer[key] = inst.name
+            self.tables[inst.name] = key
 
     def _define(self) -> None:
         for inst in self.order:
@@ -221,13 +262,33 @@ class _Liveness:
                 self._allocate(inst, "gradients" if inst.name in self.gradients
                                else "activations" if inst.name in self.activations
                                else "temporaries")
+                if inst.opcode == "while":
+                    self._pass_through_carry(inst)
             else:
                 self.elements[inst.name] = []  # constants, fused and recomputed values
+        if self.nested:
+            return  # a callee's results are its caller's buffers (a loop's carry)
         for key in self.owners(self.comp.root_name):
             buffer = self.buffers[key]
             if buffer.category in ("activations", "temporaries") and not self._is_parameter(key):
                 shape = self._shape_of(key)
-                self.buffers[key] = Buffer(key, leaf_bytes(shape), "outputs")
+                self.buffers[key] = Buffer(key, leaf_bytes(shape), "outputs", shape)
+
+    def _pass_through_carry(self, loop: Instruction) -> None:
+        """Carry elements the body returns unchanged stay in their initial buffer
+        (XLA copies only what the loop writes), even a caller's parameter."""
+        body = self.module.computation(loop.attr("body").name)
+        init = self.elements.get(loop.operands[0], [])
+        carry = body.parameters()[0].name if body.parameters() else None
+        if body.root.opcode != "tuple":
+            return
+        for index, name in enumerate(body.root.operands):
+            value = body[name]
+            if (index < len(init) and value.opcode == "get-tuple-element"
+                    and value.operands[0] == carry and int(value.attr("index")) == index):
+                for key in self.elements[loop.name][index]:
+                    del self.buffers[key], self.definer[key]
+                self.elements[loop.name][index] = init[index]
 
     def _shape_of(self, key: str) -> Shape:
         shape = self.comp[self.definer[key]].shape
@@ -254,11 +315,14 @@ class _Liveness:
         end = len(self.order)
         last_use: dict[str, int] = {}
         for inst in self.order:
+            for table in (self.tables[o] for o in inst.operands if o in self.tables):
+                last_use[table] = self.position[inst.name]  # get-tuple-element reads it
             if inst.opcode in POINTER_OPCODES:
                 continue
+            at = self.read_at.get(inst.name, self.position[inst.name])
             for name in self._reads(inst):
                 for key in self.owners(name):
-                    last_use[key] = max(last_use.get(key, -1), self.position[inst.name])
+                    last_use[key] = max(last_use.get(key, -1), at)
         for key in self.owners(self.comp.root_name):
             last_use[key] = end
         argument_bytes = sum(b.size for k, b in self.buffers.items() if self._is_parameter(k))
@@ -286,11 +350,11 @@ class _Liveness:
             shared = self._in_place_bytes(inst, written, dying)
             for buffer in written:
                 live[buffer.owner] = buffer
-                born[buffer.owner] = pos
+                born[buffer.owner] = self.write_at.get(inst.name, pos)
             level = self._total(live) + transient - shared
             if level > peak:
                 peak, peak_at = level, inst.name
-            transients.append(transient - shared)
+            transients.append(transient)
             for key in dies_at.get(pos, ()):
                 if key in live and not self._persistent(key):
                     del live[key]
@@ -313,29 +377,54 @@ class _Liveness:
 
     def _temp_allocation(self, born: dict[str, int], last_use: dict[str, int],
                          transients: list[int]) -> tuple[int, int, dict[str, int]]:
-        """XLA's temp allocation: the peak of live temporaries that cannot borrow the
-        space of an output buffer (buffer assignment lets a temporary use a live-out
-        allocation of exactly its size before the output value is written there, or
-        as the output is written in place). Returns (bytes, position, by category)."""
-        temps = sorted((born[k], last_use.get(k, born[k]), b.size, k)
-                       for k, b in self.buffers.items()
-                       if k in born and b.category in _TEMPORARY)
-        free_from = {k: -1 for k, b in self.buffers.items()
-                     if k in born and b.category == "outputs" and b.size}
-        hosted: set[str] = set()
-        for start, end, size, key in temps:
-            for out, available in free_from.items():
-                if (self.buffers[out].size == size and available < start
-                        and end <= born[out]):
-                    free_from[out] = end
-                    hosted.add(key)
-                    break
+        """XLA's temp allocation (``BufferAssigner``): every output has an allocation
+        of its own, and temporaries, largest first, move into the smallest one that
+        fits whose values do not interfere with theirs (one ends before the other is
+        written, or as it is written in place); the rest are packed by liveness into
+        the temp allocation, each aligned. Returns (bytes, position, by category)."""
+        def interval(key: str) -> tuple[int, int]:
+            return born[key], last_use.get(key, born[key])
+
+        def disjoint(a: str, b: str) -> bool:
+            (a_start, a_end), (b_start, b_end) = interval(a), interval(b)
+            return (a_end < b_start or b_end < a_start
+                    or (a_end == b_start and self.reuses.get(b) == a)
+                    or (b_end == a_start and self.reuses.get(a) == b))
+
+        outputs = sorted((k for k, b in self.buffers.items()
+                          if k in born and b.category == "outputs" and b.size),
+                         key=lambda k: (self.buffers[k].size, -born[k]))
+        # A temporary an output is written over in place has that output's allocation.
+        written_over = {self.reuses[k]: k for k in outputs if k in self.reuses}
+        # (Values a loop body writes over its carry live in the caller's buffers.)
+        temps = sorted((k for k, b in self.buffers.items()
+                        if k in born and b.category in _TEMPORARY
+                        and not (k in self.reuses and self._is_parameter(self.reuses[k]))),
+                       key=lambda k: (k not in written_over, -self.buffers[k].size, born[k]))
+        held = {k: [k] for k in outputs}
+        heap = []
+        tables = set(self.tables.values())  # tuples share no array's allocation
+        for key in temps:
+            size = self.buffers[key].size
+            candidates = [written_over[key]] if key in written_over else []
+            home = None if key in tables else next(
+                (out for out in candidates + outputs if self.buffers[out].size >= size
+                 and all(disjoint(key, other) for other in held[out])), None)
+            if home is None:
+                heap.append(key)
+            else:
+                held[home].append(key)
         steps = len(self.order)
         level = {c: [0] * steps for c in _TEMPORARY}
-        for start, end, size, key in temps:
-            if key not in hosted:
-                for pos in range(start, min(end, steps - 1) + 1):
-                    level[self.buffers[key].category][pos] += size
+        in_heap = set(heap)
+        for key in heap:
+            buffer = self.buffers[key]
+            size = -(-buffer.size // HEAP_ALIGNMENT) * HEAP_ALIGNMENT
+            start, end = interval(key)
+            if self.reuses.get(key) in in_heap:
+                start += 1  # written into the operand buffer that dies there
+            for pos in range(start, min(end, steps - 1) + 1):
+                level[buffer.category][pos] += size
         totals = [sum(level[c][i] for c in _TEMPORARY) + transients[i] for i in range(steps)]
         if not totals:
             return 0, 0, {}
@@ -378,23 +467,27 @@ class _Liveness:
         return [self.buffers[k] for m in members for k in self._defined_by(m.name)]
 
     def _defined_by(self, name: str) -> list[str]:
+        table = [self.tables[name]] if name in self.tables else []
         return [k for element in self.elements.get(name, []) for k in element
-                if self.definer.get(k) == name]
+                if self.definer.get(k) == name] + table
 
     def _in_place_bytes(self, inst: Instruction, written: list[Buffer],
                         dying: list[Buffer]) -> int:
-        """Bytes of new buffers that reuse an input dying here, buffer for buffer of the
-        same size, when the kernel is an elementwise loop (or an in-place op)."""
+        """Bytes of new buffers that reuse an input dying here (recorded in
+        ``reuses``), buffer for buffer of the same shape and layout, when the kernel
+        is an elementwise loop (or an in-place op)."""
         kernel = self.plan.kernel_of.get(inst.name)
         members = kernel.members if kernel else [inst]
         if not written or any(m.opcode == "reduce" for m in members) or \
                 not any(m.opcode in _IN_PLACE_OPCODES for m in members):
             return 0
-        free = [b.size for b in dying]
+        free = list(dying)
         shared = 0
         for buffer in sorted(written, key=lambda b: -b.size):
-            if buffer.size in free:
-                free.remove(buffer.size)
+            match = next((b for b in free if _same_array(b, buffer)), None)
+            if match is not None and buffer.size:
+                free.remove(match)
+                self.reuses[buffer.owner] = match.owner
                 shared += buffer.size
         return shared
 
@@ -429,9 +522,8 @@ class _Liveness:
             callee = self.module.computation(name)
             nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
                                nested=True, upcast=self.upcast, combine=self.combine)
-            profile = nested.run()
             # What the callee adds on top of the buffers it was passed.
-            peaks.append(profile.high_water_bytes - profile.argument_bytes)
+            peaks.append(nested.run().temp_bytes)
         return max(peaks, default=0)
 
     @staticmethod
