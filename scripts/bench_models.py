@@ -10,6 +10,8 @@ Keys of the returned dict (all N = 8, SPMD = per-device partitioner output):
 * `mlp_adam.spmd`, `mlp_sgd.spmd`: issue 4's update-heavy model (4 layers of 1024x1024,
   2 examples per device) with Adam and with SGD;
 * `transformer_scale.spmd`: issue 5's transformer for the scaling projection;
+* `transformer_wide.spmd`: the same with Transformer-big widths (d_model 1024, 67 M
+  parameters), the README's projection to the paper's setting (`scale --parameters`);
 * `<model>.signature`: JSON with the role (weight / optimizer_state / batch), name, per-device
   shape and dtype of every entry parameter and output of that model.
 
@@ -35,6 +37,7 @@ BENCH_FORMS = {  # model -> forms kept
     "mlp_adam": ("spmd",),
     "mlp_sgd": ("spmd",),
     "transformer_scale": ("spmd",),
+    "transformer_wide": ("spmd",),
 }
 
 

@@ -212,6 +212,12 @@ SCALE_TRANSFORMER = TransformerShape(vocab=2048, d_model=256, heads=4, d_ff=1024
 # horizontal fusion across layers), and 38 layers give the sizes asked for (~4 MB SPMD,
 # ~45 MB optimized); 48 layers gave 5.3 MB / 69 MB and needed 12 GB to compile.
 DEEP_TRANSFORMER = TransformerShape(vocab=512, d_model=64, heads=4, d_ff=256, layers=38, seq=16)
+# Issue 5's projection to the paper's Transformer (MLPerf 0.6, Transformer-big widths:
+# d_model 1024, d_ff 4096, 16 heads): 67 M parameters, dumped for `scale --parameters`
+# (shapes only, never run; not committed: every tensor has >= 1024 rows, so the pass
+# shards it the same way up to 1024 replicas, which the 256-wide fixture cannot show).
+WIDE_TRANSFORMER = TransformerShape(vocab=8192, d_model=1024, heads=16, d_ff=4096, layers=4,
+                                    seq=64)
 UPDATE_HEAVY_MLP = [1024] * 5  # 4 layers of 1024x1024
 
 
@@ -267,6 +273,8 @@ LARGE_MODELS: dict[str, ModelSpec] = {s.name: s for s in [
 BENCH_MODELS: dict[str, ModelSpec] = {s.name: s for s in [
     _transformer_spec("transformer_deep", DEEP_TRANSFORMER, per_device=2, devices=(8,),
                       notes="38-layer transformer for parser throughput"),
+    _transformer_spec("transformer_wide", WIDE_TRANSFORMER, per_device=4, devices=(8,),
+                      dropout=0.1, notes="issue 5: Transformer-big widths for the projection"),
 ]}
 
 ALL_MODELS: dict[str, ModelSpec] = FIXTURE_MODELS | LARGE_MODELS | BENCH_MODELS
