@@ -537,7 +537,7 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             owners.setdefault(name, set()).add(param)
             if _is_junction(comp, comp[name]):
                 if forward:  # a bucket's single consumer chain (concatenate → all-gather)
-                    stack.extend((u, True) for u in users[name][:1]
+                    stack.extend((u, True) for u in users[name]
                                  if len(users[name]) == 1 and in_update(u))
                 continue
             stack.extend((o, False) for o in comp[name].operands if in_update(o))
