@@ -288,8 +288,16 @@ class Computation:
         return self.insert(len(self.instructions), inst)
 
     def position(self, name: str) -> int:
-        for i, inst in enumerate(self.instructions):
-            if inst.name == name:
+        # An identity search (instructions compare by identity) runs at C speed; the
+        # name scan covers a list edited without reindex().
+        inst = self._index.get(name)
+        if inst is not None:
+            try:
+                return self.instructions.index(inst)
+            except ValueError:
+                pass
+        for i, other in enumerate(self.instructions):
+            if other.name == name:
                 return i
         raise KeyError(name)
 

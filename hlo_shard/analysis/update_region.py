@@ -448,28 +448,33 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
                 replication: Replication, options: RegionOptions = RegionOptions()
                 ) -> RegionPlan:
     """Grow the region from the eligible ``leaves`` (same groups), drop leaves that move
-    no work, and choose leaf formats that minimise formatting copies."""
+    no work, and choose leaf formats that minimise formatting copies.
+
+    Element orders are tried per leaf on its *component* only (the leaves whose region
+    can meet its own), so choosing the orders costs the size of the region, not
+    leaves × computation."""
     groups = leaves[0].groups
     for leaf in leaves:
         leaf.reason = _leaf_filter(leaf, options)
         leaf.sharded = not leaf.reason
         leaf.format = ShardFormat.of(leaf.shape, groups.size)
-    graph = dataflow_graph(comp)
-    plan = _grow(module, comp, graph, leaves, replication, groups)
+    planner = _Planner(module, comp, replication, groups, leaves)
+    plan = planner.grow(leaves)
     # A leaf whose region is empty in its stored order may have one in another order
     # (a reshape that keeps only the row-major order).
     idle = [leaf for leaf in leaves if leaf.sharded and leaf.ops_moved == 0]
+    scopes = planner.components() if idle else {}
     for leaf in idle:
         stored = leaf.format
         for perm in _candidate_orders(leaf.shape):
             leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            _grow(module, comp, graph, leaves, replication, groups)
+            planner.grow(*scopes[id(leaf)])
             if leaf.ops_moved > 0:
                 break
         else:
             leaf.format = stored
     if idle:
-        plan = _grow(module, comp, graph, leaves, replication, groups)
+        plan = planner.grow(leaves)
     # Leaves whose region is still empty gain nothing (reduce-scatter + all-gather is the
     # all-reduce again).
     while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
@@ -477,24 +482,29 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
             if leaf.sharded and leaf.ops_moved == 0:
                 leaf.sharded, leaf.reason = False, "no update work downstream (all users " \
                                                    "need the full gradient)"
-        plan = _grow(module, comp, graph, leaves, replication, groups)
+        plan = planner.grow(leaves)
     # Leaves whose region needs transposes: try the other element orders, keep the best.
+    scopes = planner.components()
+    changed = False
     for leaf in leaves:
         if not leaf.sharded or leaf.formatting_copies == 0:
             continue
-        best = leaf.format
+        scope = scopes[id(leaf)]
+        stored = best = leaf.format
+        best_cost = planner.grow(*scope).formatting_cost
         for perm in _candidate_orders(leaf.shape):
             leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            if leaf.format == best:
+            if leaf.format == stored:
                 continue
-            other = _grow(module, comp, graph, leaves, replication, groups)
-            if other.formatting_cost < plan.formatting_cost and \
+            other = planner.grow(*scope)
+            if other.formatting_cost < best_cost and \
                     all(active.ops_moved > 0 for active in other.active):
-                plan, best = other, leaf.format
+                best, best_cost = leaf.format, other.formatting_cost
         if leaf.format != best:
             leaf.format = best
-            plan = _grow(module, comp, graph, leaves, replication, groups)
-    return plan
+            planner.grow(*scope)  # the component's leaves describe the chosen order again
+        changed |= best != stored
+    return planner.grow(leaves) if changed else plan
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -505,17 +515,84 @@ def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
     return [tuple(range(shape.rank)), tuple(reversed(shape.minor_to_major()))]
 
 
-def _grow(module: Module, comp: Computation, graph: nx.MultiDiGraph, leaves: list[Leaf],
-          replication: Replication, groups: DeviceGroups) -> RegionPlan:
+class _Planner:
+    """Grows region plans over one computation. What does not change between trials —
+    the dataflow graph, the topological order, the ancestors of the gradients — is
+    computed once."""
+
+    def __init__(self, module: Module, comp: Computation, replication: Replication,
+                 groups: DeviceGroups, leaves: list[Leaf]) -> None:
+        self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
+        self.leaves = leaves
+        self.graph = dataflow_graph(comp)
+        self.order = topological_order(comp)
+        self.index = {inst.name: i for i, inst in enumerate(self.order)}
+        self._ancestors: dict[tuple[str, ...], set[str]] = {}
+        #: Trials (a component's leaves) stop at the ancestors of every candidate
+        #: gradient; full plans at those of exactly their active leaves.
+        self.all_ancestors = self.ancestors_of_gradients(
+            [leaf for leaf in leaves if leaf.sharded])
+
+    def ancestors_of_gradients(self, active: list[Leaf]) -> set[str]:
+        """The per-device gradients of ``active`` and everything they are computed from."""
+        key = tuple(leaf.operand for leaf in active)
+        if key not in self._ancestors:
+            self._ancestors[key] = upstream(self.graph, key) | set(key)
+        return self._ancestors[key]
+
+    def grow(self, leaves: list[Leaf], order: list[Instruction] | None = None) -> RegionPlan:
+        """The plan for ``leaves`` over ``order`` (default: the whole computation)."""
+        if order is None:
+            return _grow(self, leaves, self.order, self.ancestors_of_gradients(
+                [leaf for leaf in leaves if leaf.sharded]))
+        return _grow(self, leaves, order, self.all_ancestors)
+
+    def components(self) -> dict[int, tuple[list[Leaf], list[Instruction]]]:
+        """id(leaf) → (the sharded leaves whose regions can meet its own, the instructions
+        those regions can reach in order). Reach follows users whose opcode has a region
+        rule, so what ends the region (the root tuple, a dot) couples nothing."""
+        active = [leaf for leaf in self.leaves if leaf.sharded]
+        parent = list(range(len(active)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        owner: dict[str, int] = {}
+        for i, leaf in enumerate(active):
+            stack = list(leaf.values)
+            while stack:
+                name = stack.pop()
+                if name in owner:
+                    parent[find(owner[name])] = find(i)
+                    continue
+                owner[name] = i
+                stack.extend(user for user in self.graph.successors(name)
+                             if self.comp[user].opcode in RULES)
+        orders: dict[int, list[Instruction]] = {}
+        members: dict[int, list[Leaf]] = {}
+        for i, leaf in enumerate(active):
+            members.setdefault(find(i), []).append(leaf)
+        for inst in self.order:
+            if inst.name in owner:
+                orders.setdefault(find(owner[inst.name]), []).append(inst)
+        return {id(leaf): (members[find(i)], orders[find(i)]) for i, leaf in enumerate(active)}
+
+
+def _grow(planner: _Planner, leaves: list[Leaf], order: list[Instruction],
+          upstream_of_gradients: set[str]) -> RegionPlan:
+    comp, graph = planner.comp, planner.graph
     active = [leaf for leaf in leaves if leaf.sharded]
-    plan = RegionPlan(comp.name, groups, active[0].all_reduce if active else leaves[0].all_reduce,
-                      leaves)
-    ctx = _Context(module, comp, replication, groups.size, plan.sharded)
+    plan = RegionPlan(comp.name, planner.groups,
+                      active[0].all_reduce if active else leaves[0].all_reduce, leaves)
+    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, plan.sharded)
     for leaf in active:
         for value in leaf.values:
             plan.sharded[value] = leaf.format
     leaf_values = set(plan.sharded)
-    for inst in topological_order(comp):
+    for inst in order:
         if inst.name in leaf_values or not any(o in plan.sharded for o in inst.operands):
             continue
         op = classify(ctx, inst)
@@ -524,73 +601,74 @@ def _grow(module: Module, comp: Computation, graph: nx.MultiDiGraph, leaves: lis
             if op.result_format is not None:
                 plan.sharded[inst.name] = op.result_format
     if active:
-        _pull_reductions(ctx, plan, graph, active)
+        _pull_reductions(ctx, plan, graph, upstream_of_gradients, planner.index)
         _pull_producers(ctx, plan, graph)
-        plan.ops = {i.name: plan.ops[i.name] for i in comp.instructions if i.name in plan.ops}
+        plan.ops = {name: plan.ops[name] for name in sorted(plan.ops, key=planner.index.get)}
     _boundaries(comp, graph, plan)
     _account(comp, graph, plan, active, ctx)
     return plan
 
 
 def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
-                     active: list[Leaf]) -> None:
+                     upstream_of_gradients: set[str], index: dict[str, int]) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
-    weight norm) become masked local reductions of a slice."""
-    feeds = upstream(graph, plan.ops)
-    upstream_of_gradients = upstream(graph, [leaf.operand for leaf in active]) | \
-        {leaf.operand for leaf in active}
-    for inst in ctx.comp.instructions:
-        if inst.opcode != "reduce" or inst.name in plan.ops or inst.name not in feeds \
-                or inst.name in upstream_of_gradients or not ctx.replicated(inst.name):
+    weight norm) become masked local reductions of a slice. The search for what feeds
+    the region stops at the gradients' ancestors: a reduction behind one of them is one
+    too, and never pulled."""
+    feeds = upstream(graph, plan.ops, upstream_of_gradients)
+    for name in sorted(feeds, key=index.get):
+        inst = ctx.comp[name]
+        if inst.opcode != "reduce" or name in plan.ops or not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
             continue
         op = classify(ctx, inst)
         if op is not None:
-            plan.ops[inst.name] = replace(op, pulled=True)
+            plan.ops[name] = replace(op, pulled=True)
 
 
-def upstream(graph: nx.MultiDiGraph, starts) -> set[str]:
-    """Every strict ancestor of any of ``starts`` (one traversal for all of them)."""
+def upstream(graph: nx.MultiDiGraph, starts, stop: set[str] = frozenset()) -> set[str]:
+    """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
+    searching past (nor including) the names in ``stop``."""
     seen: set[str] = set()
-    stack = [p for s in starts for p in graph.predecessors(s)]
+    stack = [p for s in starts for p in graph.predecessors(s) if p not in stop]
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(graph.predecessors(node))
+            stack.extend(p for p in graph.predecessors(node) if p not in stop)
     return seen
 
 
 def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> None:
     """Replicated producers whose every user consumes them in the region, in one format,
-    run on shards too (AdamW's ``w * weight_decay``)."""
+    run on shards too (AdamW's ``w * weight_decay``). A worklist: a producer is looked at
+    again only when one of its users joins the region."""
     comp = ctx.comp
-    changed = True
-    while changed:
-        changed = False
-        for name, op in list(plan.ops.items()):
-            for operand in dict.fromkeys(comp[name].operands):
-                if operand in plan.sharded or operand in plan.ops:
-                    continue
-                producer = comp[operand]
-                shape = _array(producer.shape)
-                if producer.opcode not in _PULLABLE or shape is None or shape.is_scalar \
-                        or shape.dims != op.operand_format.dims or operand == comp.root_name \
-                        or not ctx.replicated(operand):
-                    continue
-                users = set(graph.successors(operand))
-                if not users <= set(plan.ops) or any(
-                        plan.ops[u].operand_format != op.operand_format for u in users):
-                    continue
-                operand_format = _operand_format_for(producer, comp, op.operand_format)
-                if operand_format is None or not _operands_fit(ctx, producer, operand_format):
-                    continue
-                plan.ops[operand] = RegionOp("shard", operand_format, op.operand_format,
-                                             pulled=True)
-                plan.sharded[operand] = op.operand_format
-                changed = True
+    work = list(plan.ops)
+    while work:
+        name = work.pop()
+        op = plan.ops[name]
+        for operand in dict.fromkeys(comp[name].operands):
+            if operand in plan.sharded or operand in plan.ops:
+                continue
+            producer = comp[operand]
+            shape = _array(producer.shape)
+            if producer.opcode not in _PULLABLE or shape is None or shape.is_scalar \
+                    or shape.dims != op.operand_format.dims or operand == comp.root_name \
+                    or not ctx.replicated(operand):
+                continue
+            if any(u not in plan.ops or plan.ops[u].operand_format != op.operand_format
+                   for u in graph.successors(operand)):
+                continue
+            operand_format = _operand_format_for(producer, comp, op.operand_format)
+            if operand_format is None or not _operands_fit(ctx, producer, operand_format):
+                continue
+            plan.ops[operand] = RegionOp("shard", operand_format, op.operand_format,
+                                         pulled=True)
+            plan.sharded[operand] = op.operand_format
+            work.append(operand)
 
 
 def _boundaries(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan) -> None:
