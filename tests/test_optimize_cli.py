@@ -12,7 +12,7 @@ from hlo_shard.cli import optimize as optimize_cli
 from hlo_shard.parser import parse
 from hlo_shard.runtime.manifest import parse_manifest
 
-from test_pass_weight_update import SGD, SPMD
+from test_pass_weight_update import SGD, SPMD, crossover_bytes, two_gradients
 
 
 def run(*args: str):
@@ -127,3 +127,30 @@ def test_nothing_to_shard_still_writes_and_says_so(tmp_path):
     result = run(str(path), "-o", str(out))
     assert result.exit_code == 0 and out.exists()
     assert "no gradient all-reduce" in result.stderr
+
+
+@pytest.mark.parametrize("profile", ["cpu-generic", "tpu-v3"])
+def test_profile_decides_auto_and_explain_names_it(tmp_path, profile):
+    crossovers = {p: crossover_bytes(p, 8) for p in ("cpu-generic", "tpu-v3")}
+    big = int((crossovers["cpu-generic"] * crossovers["tpu-v3"]) ** 0.5) // 4
+    pairs = 1 if crossovers[profile] == max(crossovers.values()) else 2
+    chosen = "combined" if pairs == 1 else "per-tensor"
+    source = tmp_path / "two.hlo"
+    source.write_text(two_gradients(8, big))
+    out = tmp_path / "o.hlo"
+    result = run(str(source), "-o", str(out), "--profile", profile, "--explain")
+    assert result.exit_code == 0, result.output
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith("strategy auto")]
+    assert line.startswith(f"strategy auto on profile {profile} (8 devices), e: auto {pairs} pair")
+    figures = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
+    assert set(figures) == {"auto", "per-tensor", "combined"}
+    assert figures["auto"].split(" <-")[0].split(" ", 2)[2] == figures[chosen].split(" ", 2)[2]
+    assert out.read_text().count("reduce-scatter(") == pairs
+    data = json.loads(run(str(source), "-o", str(out), "--profile", profile, "--json").stdout)
+    assert data["profile"] == profile and data["strategies"][0]["strategy"] == "auto"
+
+
+def test_unknown_profile_exits_2(sgd, tmp_path):
+    result = run(str(sgd), "-o", str(tmp_path / "o.hlo"), "--profile", "no-such-chip")
+    assert result.exit_code == 2 and "unknown profile" in result.stderr
+    assert not (tmp_path / "o.hlo").exists()

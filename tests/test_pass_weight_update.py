@@ -7,6 +7,8 @@ import pytest
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, TupleShape
+from hlo_shard.passes.bucketing import CollectivePricing
+from hlo_shard.profiles import load_profile
 
 from wus_helpers import ADD, MAX, find, opcodes, optimize, row
 
@@ -419,3 +421,45 @@ ENTRY e {{ t = (f32[4], f32[4]) parameter(0) g = f32[4] get-tuple-element(t), in
 """
     module, report = optimize(text)
     assert not row(report, "ar").sharded
+
+
+def two_gradients(n: int, big: int) -> str:
+    """SGD on a large and a small weight, one all-reduce each, over all ``n`` replicas."""
+    return f"""HloModule two, replica_count={n}
+{ADD}
+ENTRY e {{ w = f32[{big}] parameter(0) v = f32[64] parameter(1)
+ g = f32[{big}] parameter(2) h = f32[64] parameter(3)
+ ag = f32[{big}] all-reduce(g), replica_groups={{}}, to_apply=add
+ ah = f32[64] all-reduce(h), replica_groups={{}}, to_apply=add
+ nw = f32[{big}] subtract(w, ag) nv = f32[64] subtract(v, ah)
+ ROOT t = (f32[{big}], f32[64]) tuple(nw, nv) }}
+"""
+
+
+def crossover_bytes(profile: str, n: int) -> int:
+    """The smallest gradient ``auto`` gives its own collectives on ``profile``."""
+    pricing = CollectivePricing(load_profile(profile), n)
+    low, high = 1, 1 << 40
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if pricing.alone(middle) else (middle + 1, high)
+    return low
+
+
+@pytest.mark.parametrize("n", [8, 1024])
+def test_auto_decides_buckets_on_the_target_profile(n):
+    # A gradient between the two profiles' crossovers: on one, sharing a collective
+    # saves more latency than the bucketing copies cost; on the other it does not.
+    crossovers = {p: crossover_bytes(p, n) for p in ("cpu-generic", "tpu-v3")}
+    combines, alone = sorted(crossovers, key=crossovers.get, reverse=True)
+    assert crossovers[combines] > 2 * crossovers[alone]
+    big = int((crossovers[combines] * crossovers[alone]) ** 0.5) // 4
+    text = two_gradients(n, big)
+    for profile, pairs, cheaper, dearer in ((combines, 1, "combined", "per-tensor"),
+                                            (alone, 2, "per-tensor", "combined")):
+        module, report = optimize(text, profile=profile)
+        assert opcodes(module)["reduce-scatter"] == pairs
+        (choice,) = report.strategies
+        assert choice.profile == profile and choice.strategy == "auto"
+        seconds = {e.strategy: e.seconds for e in choice.estimates}
+        assert seconds["auto"] == seconds[cheaper] < seconds[dearer]

@@ -25,10 +25,12 @@ from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, w
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
-                                                     ShardingOptions, ShardingReport,
+from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, STATE_MODES, STRATEGIES,
+                                                     Explanation, ShardingOptions,
+                                                     ShardingReport, StrategyChoice,
                                                      WeightUpdateSharding)
 from hlo_shard.printer import to_text
+from hlo_shard.profiles import available_profiles, load_profile
 from hlo_shard.validate import validate
 
 
@@ -99,6 +101,20 @@ def _explain_lines(rows: list[Explanation]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in table]
 
 
+def _strategy_lines(choices: list[StrategyChoice]) -> list[str]:
+    """Which profile priced the strategies, and each strategy's estimated gradient
+    collectives (reduce-scatter + all-gather pairs, bucketing copies included)."""
+    lines = []
+    for choice in choices:
+        figures = "; ".join(
+            f"{e.strategy} {e.collectives} pair{'s' if e.collectives != 1 else ''} "
+            f"{e.seconds * 1e6:.1f} us{' <- chosen' if e.strategy == choice.strategy else ''}"
+            for e in choice.estimates)
+        lines.append(f"strategy {choice.strategy} on profile {choice.profile} "
+                     f"({choice.devices} devices), {choice.computation}: {figures}")
+    return lines
+
+
 def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> str:
     rows = report.explanations
     done = [r for r in rows if r.sharded]
@@ -109,7 +125,8 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> s
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices; {moved} update ops moved; state {options.state}"
             f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
-            f"strategy {options.strategy}; wrote {where}")
+            f"strategy {options.strategy} (profile {getattr(options.profile, 'name', options.profile)}); "
+            f"wrote {where}")
     if not rows:
         text = f"no gradient all-reduce found; module written unchanged to {where}"
     return text
@@ -127,6 +144,9 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> s
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave gradients smaller than this all-reduced.")
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, metavar="NAME|FILE",
+              help=f"Target hardware auto decides on: {', '.join(available_profiles())}, "
+                   "or a JSON file (as for report).")
 @click.option("--bucket-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
               help="Largest combined reduce-scatter/all-gather.")
 @click.option("--replicated-params", default=None, metavar="LIST",
@@ -141,7 +161,7 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> s
 @click.option("--in-place", is_flag=True, help="Allow -o to be the input file.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
-             min_shard_bytes: int, bucket_bytes: int, replicated_params: str | None,
+             min_shard_bytes: int, profile: str, bucket_bytes: int, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, in_place: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas."""
@@ -155,6 +175,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if overrides.replicated & overrides.per_device:
         raise HloShardError("a parameter cannot be both --replicated-params and "
                             "--per-device-params")
+    hardware = load_profile(profile)
     module = parse(read_text(input_path), path=input_path)
     params = {p.parameter_number for p in module.entry.parameters()}
     unknown = (overrides.replicated | overrides.per_device) - params
@@ -162,7 +183,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
-                              overrides=overrides)
+                              profile=hardware, overrides=overrides)
     report, text = optimize_module(module, options)
     manifest_json = None
     if manifest_path is not None:
@@ -174,13 +195,16 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         write_output(manifest_path, manifest_json + "\n")
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations)), err=True)
+        for line in _strategy_lines(report.strategies):
+            click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {note}", err=True)
     click.echo(_summary(report, options, output), err=True)
     if as_json:
         click.echo(json.dumps({
             "input": input_path, "output": output, "devices": report.devices,
-            "state": state, "strategy": strategy,
+            "state": state, "strategy": strategy, "profile": hardware.name,
+            "strategies": [choice.to_json() for choice in report.strategies],
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
             "explanations": [r.to_json() for r in report.explanations],

@@ -15,46 +15,19 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
                           SliceRanges, TupleShape)
+from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            uses_blocks)
 
 #: Never erased as a side effect of the rewrite.
 _KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
                    "send-done", "recv-done", "after-all", "rng-get-and-update-state"})
-
-
-@dataclass(frozen=True)
-class Bucketing:
-    """How collectives are grouped: ``per-tensor``, ``combined`` or ``auto`` (items of at
-    least ``per_tensor_bytes`` alone, the rest combined), buckets up to ``bucket_bytes``."""
-
-    strategy: str
-    bucket_bytes: int
-    per_tensor_bytes: int
-
-    def buckets(self, items: list, size, element_type) -> list[list]:
-        out: list[list] = []
-        open_buckets: dict[str, tuple[list, list[int]]] = {}
-        for item in items:
-            nbytes, etype = size(item), element_type(item)
-            if self.strategy == "per-tensor" or (
-                    self.strategy == "auto" and nbytes >= self.per_tensor_bytes):
-                out.append([item])
-                continue
-            bucket = open_buckets.get(etype)
-            if bucket is None or bucket[1][0] + nbytes > self.bucket_bytes:
-                bucket = open_buckets[etype] = ([], [0])
-                out.append(bucket[0])
-            bucket[0].append(item)
-            bucket[1][0] += nbytes
-        return out
 
 
 class RegionRewrite:
@@ -409,4 +382,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["Bucketing", "RegionRewrite", "gather_after"]
+__all__ = ["RegionRewrite", "gather_after"]

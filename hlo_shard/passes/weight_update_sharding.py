@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from hlo_shard.analysis.collective_model import collective_cost
 from hlo_shard.analysis.collectives import DeviceGroups, GradientAllReduce, find_gradient_all_reduces
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
@@ -41,12 +40,15 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
 from hlo_shard.passes.base import PassResult
-from hlo_shard.passes.region_rewrite import Bucketing, RegionRewrite, gather_after
+from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
+                                        StrategyEstimate)
+from hlo_shard.passes.region_rewrite import RegionRewrite, gather_after
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
-from hlo_shard.profiles import load_profile
+from hlo_shard.profiles import HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
-STRATEGIES = ("auto", "per-tensor", "combined")
+#: The profile ``auto`` prices collectives on unless told the target (``report``'s default).
+DEFAULT_PROFILE = "cpu-generic"
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,11 @@ class ShardingOptions:
     min_shard_bytes: int = 0
     #: Largest combined reduce-scatter / all-gather (XLA's combiners default to ~30 MiB).
     bucket_bytes: int = 32 << 20
-    #: ``auto``: gradients at least this large get their own collectives (None: from the
-    #: α-β crossover of the CPU profile, ≈ 10 × α × β).
+    #: The hardware the module will run on (a profile or its name/file): ``auto`` weighs
+    #: collective latency against bucketing copies on it.
+    profile: HardwareProfile | str = DEFAULT_PROFILE
+    #: ``auto``: gradients at least this large get their own collectives (None: decided
+    #: on ``profile``).
     per_tensor_bytes: int | None = None
     overrides: ParamOverrides = ParamOverrides()
 
@@ -105,6 +110,26 @@ class ShardingReport:
     #: (output leaf, parameter) pairs of the original signature (input_output_alias).
     feedback: list[tuple[int, int]] | None = None
     notes: list[str] = field(default_factory=list)
+    #: Per computation with sharded gradients: how it was bucketed.
+    strategies: list[StrategyChoice] = field(default_factory=list)
+
+
+@dataclass
+class StrategyChoice:
+    """The gradients of one computation priced under every strategy on the profile that
+    decided (``--explain``)."""
+
+    computation: str
+    profile: str
+    devices: int
+    strategy: str
+    estimates: list[StrategyEstimate]
+
+    def to_json(self) -> dict:
+        return {"computation": self.computation, "profile": self.profile,
+                "devices": self.devices, "strategy": self.strategy,
+                "estimates": [{"strategy": e.strategy, "collectives": e.collectives,
+                               "seconds": e.seconds} for e in self.estimates]}
 
 
 # ------------------------------------------------------------------------ the pass
@@ -146,10 +171,11 @@ class WeightUpdateSharding:
             else:
                 by_comp[ar.computation].append(ar)
         output_kinds = _output_kinds(module, replication)
+        hardware = self.options.profile if isinstance(self.options.profile, HardwareProfile) \
+            else load_profile(self.options.profile)
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
-                              self.options.per_tensor_bytes
-                              if self.options.per_tensor_bytes is not None
-                              else _crossover_bytes(groups.size if groups else 1))
+                              CollectivePricing(hardware, groups.size if groups else 1),
+                              self.options.per_tensor_bytes)
         carries: list[_LoopCarry] = []
         for comp_name, ars in by_comp.items():
             comp = module.computation(comp_name)
@@ -171,6 +197,10 @@ class WeightUpdateSharding:
                 elif (carry := _loop_slots(module, comp, plan, replication)) is not None:
                     carries.append(carry)
                     inputs, outputs = carry.inputs, carry.outputs
+                sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
+                report.strategies.append(StrategyChoice(
+                    comp_name, hardware.name, groups.size, self.options.strategy,
+                    bucketing.estimates(sizes)))
                 rewrite = RegionRewrite(module, comp, plan, bucketing, channels, inputs, outputs)
                 collectives = rewrite.run()
                 changes += rewrite.rw.changes
@@ -635,18 +665,6 @@ def _shard_sharding(groups: DeviceGroups) -> str:
         n, len(groups.groups), ",".join(map(str, order)))
 
 
-def _crossover_bytes(n: int, profile: str = "cpu-generic") -> int:
-    """Gradient size up to which sharing a combined collective pays: the latency one
-    collective fewer saves (α-β model of :mod:`hlo_shard.analysis.collective_model`)
-    against the bucketing copies (concatenate before the reduce-scatter, slice after the
-    all-gather: about 4 bytes of memory traffic per gradient byte). Larger gradients go
-    per tensor under ``auto``."""
-    if n <= 1:
-        return 0
-    hardware = load_profile(profile)
-    latency = collective_cost("reduce-scatter", n, 0, hardware).latency_s
-    return int(latency * hardware.memory_bandwidth_bytes_per_s / 4)
-
-
-__all__ = ["ChannelIds", "Explanation", "ShardingOptions", "ShardingReport", "SignatureEntry",
-           "WeightUpdateSharding", "STATE_MODES", "STRATEGIES"]
+__all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptions", "ShardingReport",
+           "SignatureEntry", "StrategyChoice", "WeightUpdateSharding", "STATE_MODES",
+           "STRATEGIES"]
