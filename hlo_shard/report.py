@@ -432,19 +432,27 @@ def to_json_text(data: dict) -> str:
 # ------------------------------------------------------------------------- scale
 
 
+def _scale_method(parameters: int | None) -> str:
+    method = "the pass is re-run at each replica count"
+    if parameters is not None:
+        method += f"; the model scaled analytically to {fmt_count(parameters)} weights"
+    return method
+
+
 def scale_json(module: str, profile: HardwareProfile, points: Sequence, batch_mode: str,
-               state: str) -> dict:
+               state: str, parameters: int | None = None) -> dict:
     return {"module": module, "profile": profile.name, "batch_per_replica": batch_mode,
-            "state": state, "method": "pass re-run at each N; estimated on the profile",
+            "state": state, "parameters": parameters,
+            "method": f"{_scale_method(parameters)}; estimated on the profile",
             "points": [p.to_json() for p in points]}
 
 
 def scale_document(module: str, profile: HardwareProfile, points: Sequence, batch_mode: str,
-                   state: str) -> Document:
+                   state: str, parameters: int | None = None) -> Document:
     doc = Document(
         f"hlo-shard scale: {module}",
         f"profile {profile.name}; batch per replica {batch_mode}; sharded module with "
-        f"--state {state}; the pass is re-run at each replica count; per device")
+        f"--state {state}; {_scale_method(parameters)}; per device")
     table = Table("Projected step time and peak memory", [
         "replicas", "original", "update share", "sharded", "update share", "saving",
         "peak original", "peak sharded"], [])

@@ -217,7 +217,9 @@ def test_parameters_scale_the_per_parameter_work(modules):
     args = ("scale", modules[0], "--replicas", "8", "--json", "--profile", "tpu-v3")
     base = json.loads(run(*args).output)["points"][0]
     weights = 1024 * 1024  # ADAM's one weight (test_cost)
-    big = json.loads(run(*args, "--parameters", str(10 * weights)).output)["points"][0]
+    data = json.loads(run(*args, "--parameters", str(10 * weights)).output)
+    assert data["parameters"] == 10 * weights and "analytically" in data["method"]
+    big = data["points"][0]
     for module in ("original", "sharded"):
         a, b = base[module]["seconds_by_category"], big[module]["seconds_by_category"]
         assert b["weight_update"] == pytest.approx(10 * a["weight_update"], rel=1e-6)

@@ -104,13 +104,15 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
     hardware = fmt.resolve_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
                      strategy=strategy, algorithm=algorithm, parameters=parameter_count)
-    document = fmt.scale_document(module_path, hardware, points, batch_mode, state)
+    document = fmt.scale_document(module_path, hardware, points, batch_mode, state,
+                                  parameter_count)
     if plot_path is not None:
         png = fmt.figure_png(document.figures[0])
         with open(plot_path, "wb") as handle:
             handle.write(png)
     if html_path is not None:
         write_output(html_path, fmt.render_html(document))
-    text = (fmt.to_json_text(fmt.scale_json(module_path, hardware, points, batch_mode, state))
+    text = (fmt.to_json_text(fmt.scale_json(module_path, hardware, points, batch_mode, state,
+                                            parameter_count))
             if as_json else fmt.render_markdown(document) if markdown else fmt.render_text(document))
     write_output(output, text)
