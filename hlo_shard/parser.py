@@ -30,6 +30,10 @@ from typing import Iterable, Union
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from hlo_shard.attributes import (
+    ASYNC_SUGAR_ATTRIBUTES, COMMON_ATTRIBUTES, METADATA_FIELDS, METADATA_INT_FIELDS,
+    METADATA_STRING_FIELDS, OPCODE_ATTRIBUTES, REQUIRED_ATTRIBUTES,
+)
 from hlo_shard.errors import HloParseError
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
@@ -90,22 +94,6 @@ _BINARY = _BINARY_ELEMENTWISE | frozenset("""complex compare dot pad triangular-
 add-dependency stochastic-convert set-dimension-size""".split())
 
 #: (min, max) operand counts; max None = unbounded. Opcodes not listed are unchecked.
-#: Attributes XLA's parser requires per opcode (``CreateInstruction``): a module
-#: without them is refused there, and passes rely on them being present.
-_REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "all-reduce": ("to_apply",), "all-reduce-start": ("to_apply",),
-    "reduce-scatter": ("to_apply", "dimensions"), "all-gather": ("dimensions",),
-    "all-gather-start": ("dimensions",), "reduce": ("to_apply", "dimensions"),
-    "reduce-window": ("to_apply",), "sort": ("dimensions", "to_apply"), "map": ("to_apply",),
-    "scatter": ("to_apply",), "call": ("to_apply",), "while": ("condition", "body"),
-    "fusion": ("calls", "kind"), "get-tuple-element": ("index",), "iota": ("iota_dimension",),
-    "compare": ("direction",), "dynamic-slice": ("dynamic_slice_sizes",), "slice": ("slice",),
-    "transpose": ("dimensions",), "reverse": ("dimensions",), "concatenate": ("dimensions",),
-    "pad": ("padding",), "select-and-scatter": ("select", "scatter"),
-    "custom-call": ("custom_call_target",), "collective-permute": ("source_target_pairs",),
-    "convolution": ("dim_labels",),
-}
-
 _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
     **{op: (1, 1) for op in _UNARY},
     **{op: (2, 2) for op in _BINARY},
@@ -120,6 +108,17 @@ _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
     "select-and-scatter": (3, 3), "batch-norm-training": (3, 3),
     "batch-norm-inference": (5, 5), "batch-norm-grad": (5, 5),
 }
+
+#: Every attribute name each opcode takes (XLA's async sugar ``<op>-start`` etc. included);
+#: an opcode missing here is not XLA's and is reported as such.
+_ALLOWED_ATTRIBUTES: dict[str, frozenset[str]] = {
+    **{op + suffix: COMMON_ATTRIBUTES.union(
+        OPCODE_ATTRIBUTES.get(op, ()) if suffix == "-start" else (), added)
+       for op in OPCODES for suffix, added in ASYNC_SUGAR_ATTRIBUTES.items()},
+    **{op: COMMON_ATTRIBUTES.union(OPCODE_ATTRIBUTES.get(op, ())) for op in OPCODES},
+}
+_ALLOWED_ATTRIBUTES.update(
+    {old: _ALLOWED_ATTRIBUTES[new] for old, new in _RENAMED_OPCODES.items()})
 
 #: Attributes naming one computation / a list of computations.
 _COMPUTATION_ATTRS = frozenset({
@@ -335,6 +334,62 @@ def _attribute_value(key: str, kind: str, text: str, loc: Loc) -> AttrValue:
         return _by_kind(kind, text)
     except ValueError as err:
         _fail(str(err), loc)
+
+
+def _unexpected_attribute(key: str, allowed: Iterable[str]) -> str:
+    """XLA's words for an attribute name the opcode (or the metadata) does not take."""
+    return f'unexpected attribute "{key}". Allowed attributes: {", ".join(sorted(allowed))}'
+
+
+def _within(loc: Loc, offset: int) -> Loc:
+    """The location ``offset`` characters into the value found at ``loc``."""
+    return (loc[0], loc[1] + offset) if isinstance(loc, tuple) else (loc, offset)
+
+
+_SPACE = r"(?:\s|/\*[^*]*\*+(?:[^/*][^*]*\*+)*/|//[^\n]*)*"
+_METADATA_SEPARATOR_RE = re.compile(rf"{_SPACE}(?P<comma>,{_SPACE})?")
+_METADATA_KEY_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*)=" + _SPACE)
+_METADATA_VALUE_RES = {
+    "string": re.compile(r"""(?:"[^"\\]*(?:\\[\s\S][^"\\]*)*"|'[^'\\]*(?:\\[\s\S][^'\\]*)*')"""),
+    "integer": re.compile(r"-?[0-9]+(?![0-9A-Za-z_.])"),
+    "list of integers": re.compile(
+        rf"\{{{_SPACE}(?:-?[0-9]+{_SPACE}(?:,{_SPACE}-?[0-9]+{_SPACE})*)?\}}"),
+}
+_METADATA_KINDS = {
+    **{key: "string" for key in METADATA_STRING_FIELDS},
+    **{key: "integer" for key in METADATA_INT_FIELDS},
+    "profile_type": "list of integers",
+}
+_INT32 = range(-2**31, 2**31)
+
+
+def _check_metadata(text: str, loc: Loc) -> None:
+    """``{op_name="..." source_line=3}``: OpMetadata's fields, each once, with values of
+    their kind, separated by spaces or commas (XLA's ParseMetadata)."""
+    if text[0] != "{":
+        _fail("expects '{' to start sub attributes", loc)
+    seen: set[str] = set()
+    position, end = 1, len(text) - 1
+    while True:
+        separator = _METADATA_SEPARATOR_RE.match(text, position)
+        position = separator.end()
+        if position == end and separator.group("comma") is None:
+            return
+        key_match = _METADATA_KEY_RE.match(text, position)
+        if key_match is None:
+            _fail("expects attribute name", _within(loc, position))
+        key = key_match.group(1)
+        if key not in METADATA_FIELDS:
+            _fail(_unexpected_attribute(key, METADATA_FIELDS), _within(loc, position))
+        if key in seen:
+            _fail(f"attribute {key} already exists", _within(loc, position))
+        seen.add(key)
+        kind = _METADATA_KINDS[key]
+        value = _METADATA_VALUE_RES[kind].match(text, key_match.end())
+        if value is None or (kind == "integer" and int(value.group(0)) not in _INT32):
+            _fail(f"expects {'an int32 ' if value is not None else ''}{kind}",
+                  _within(loc, key_match.end()))
+        position = value.end()
 
 
 # --------------------------------------------------------------- literal checking
@@ -727,7 +782,10 @@ class _Builder(Transformer):
             _fail(f"'{name}' is a type name and cannot name an instruction", name_loc)
         kind, opcode, opcode_loc, payload = rhs
         attrs: dict[str, AttrValue] = {}
+        allowed = _ALLOWED_ATTRIBUTES.get(opcode)  # None: not an opcode, reported below
         for key, key_loc, value_kind, text, loc in attributes:
+            if allowed is not None and key not in allowed:
+                _fail(_unexpected_attribute(key, allowed), key_loc)
             if key in attrs:
                 _fail(f"duplicate attribute '{key}'", key_loc)
             attrs[key] = self._attribute(key, value_kind, text, loc)
@@ -750,7 +808,7 @@ class _Builder(Transformer):
             inst.parameter_number = number
         else:
             self._set_operands(inst, opcode_loc, kind, payload)
-            for required in _REQUIRED_ATTRIBUTES.get(inst.opcode, ()):
+            for required in REQUIRED_ATTRIBUTES.get(inst.opcode, ()):
                 if required not in attrs and scope.first_missing_attribute is None:
                     scope.first_missing_attribute = (
                         f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
@@ -768,6 +826,8 @@ class _Builder(Transformer):
         return inst
 
     def _attribute(self, key: str, kind: str, text: str, loc: Loc) -> AttrValue:
+        if key == "metadata":
+            _check_metadata(text, loc)
         if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
             return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
         if key in _COMPUTATION_ATTRS and kind == "BLOB" and "=" in text:

@@ -59,9 +59,9 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
      "operand 'p' is declared f32[5] but defined as f32[4]"),
     ("HloModule m\nENTRY e (p: f32[4]) -> f32[9] {\n  p = f32[4] parameter(0)\n"
      "  ROOT n = f32[4] negate(p)\n}\n", 2, 7, "signature declares"),
-    (OK_HEAD + "  ROOT n = f32[4] negate(p), dimensions={a}\n}\n", 4, 41,
+    (OK_HEAD + "  ROOT n = f32[4] transpose(p), dimensions={a}\n}\n", 4, 44,
      "expected a list of integers"),
-    (OK_HEAD + "  ROOT n = f32[4] negate(p), dimensions={0}, dimensions={0}\n}\n", 4, 46,
+    (OK_HEAD + "  ROOT n = f32[4] transpose(p), dimensions={0}, dimensions={0}\n}\n", 4, 49,
      "duplicate attribute 'dimensions'"),
     (OK_HEAD + "  ROOT n = f32[4] slice(p), slice={[0:2], x}\n}\n", 4, 35,
      "expected slice ranges"),
@@ -76,6 +76,21 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     (OK_HEAD + "  ROOT n = f32[4] negate(p)\n}, color=\"red\"\n", 5, 4,
      "only execution_thread"),
     (OK_HEAD + "  ROOT c = f32[4] tuple(p),,\n}\n", 4, 28, "expected"),
+    # Attribute names each opcode takes, and OpMetadata's fields (XLA's words).
+    (OK_HEAD + "  ROOT n = f32[4] negate(p), t0_apply=x\n}\n", 4, 30,
+     'unexpected attribute "t0_apply". Allowed attributes: backend_config,'),
+    (OK_HEAD + "  ROOT n = f32[4] negate(p) /* c */, sharding={replicated}, zzz=1\n}\n", 4, 61,
+     'unexpected attribute "zzz"'),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={op_dame="x"}\n}\n', 4, 40,
+     'unexpected attribute "op_dame". Allowed attributes: deduplicated_name,'),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={op_na\x1ae="x"}\n}\n', 4, 40,
+     "expects attribute name"),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={op_name="a" op_name="b"}\n}\n', 4, 52,
+     "attribute op_name already exists"),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={source_line="3"}\n}\n', 4, 52,
+     "expects integer"),
+    (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata="x"\n}\n', 4, 39,
+     "expects '{' to start sub attributes"),
     # Inside an inline computation, positions are still those of the whole text.
     (OK_HEAD + "  z = f32[] constant(0)\n  ROOT s = f32[] reduce(p, z), dimensions={0}, "
      "to_apply={ a = f32[] parameter(0) ROOT m = f32[] maximum(a, c) }\n}\n", 5, 108,

@@ -117,8 +117,9 @@ def test_value_format(value, text):
 
 def test_typed_values_survive_a_round_trip():
     text = ('HloModule m\nENTRY e {\n p = f32[8] parameter(0)\n'
-            ' ROOT c = f32[8] custom-call(p), custom_call_target="a\\\\b\\"c\\td", '
-            'dimensions={0}, replica_groups={{0,1}}\n}\n')
-    inst = parse(to_text(parse(text))).entry["c"]
+            ' g = f32[16] all-gather(p), dimensions={0}, replica_groups={{0,1}}\n'
+            ' ROOT c = f32[16] custom-call(g), custom_call_target="a\\\\b\\"c\\td"\n}\n')
+    entry = parse(to_text(parse(text))).entry
+    inst = entry["c"]
     assert inst.attributes["custom_call_target"] == Str('a\\b"c\td')
-    assert inst.attributes["dimensions"] == (0,)
+    assert entry["g"].attributes["dimensions"] == (0,)
