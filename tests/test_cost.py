@@ -407,6 +407,17 @@ def test_ring_bytes_and_steps():
     assert torus_dims(1024, 2) == [32, 32] and math.prod(torus_dims(512, 3)) == 512
 
 
+def test_kernels_that_fit_the_cache_share_move_at_cache_bandwidth():
+    profile = load_profile("cpu-local")
+    share, fast = profile.cache_bytes, profile.cache_bandwidth_bytes_per_s
+    assert share == (32 << 20) // 8
+    assert profile.memory_seconds(share / 2, share / 2) == pytest.approx(share / fast)
+    beyond = profile.memory_seconds(share, share)
+    assert beyond == pytest.approx(share / profile.memory_bandwidth_bytes_per_s
+                                   + share / profile.memory_write_bandwidth_bytes_per_s)
+    assert load_profile("tpu-v3").cache_bytes == 0  # HBM traffic only
+
+
 def test_shared_memory_collectives_are_one_rendezvous_and_copies():
     profile = load_profile("cpu-local")
     alpha = profile.interconnect.intra_node.alpha_s

@@ -53,6 +53,10 @@ class HardwareProfile:
     #: page faults); the memory bandwidth when the profile does not say.
     memory_write_bandwidth_bytes_per_s: float
     memory_capacity_bytes: int
+    #: A device's share of the last-level cache (0: none modelled): a kernel whose
+    #: reads and writes together fit moves them at ``cache_bandwidth_bytes_per_s``.
+    cache_bytes: int
+    cache_bandwidth_bytes_per_s: float
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
@@ -66,6 +70,8 @@ class HardwareProfile:
     sources: tuple[str, ...]
 
     def memory_seconds(self, read_bytes: float, written_bytes: float) -> float:
+        if 0 < read_bytes + written_bytes <= self.cache_bytes:
+            return (read_bytes + written_bytes) / self.cache_bandwidth_bytes_per_s
         return (read_bytes / self.memory_bandwidth_bytes_per_s
                 + written_bytes / self.memory_write_bandwidth_bytes_per_s)
 
@@ -124,6 +130,9 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             memory_write_bandwidth_bytes_per_s=_positive(data.get(
                 "memory_write_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
             memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
+            cache_bytes=int(data.get("cache_bytes", 0)),
+            cache_bandwidth_bytes_per_s=_positive(data.get(
+                "cache_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
             upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
             multi_output_fusion=bool(data.get("multi_output_fusion", True)),

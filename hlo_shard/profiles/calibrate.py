@@ -6,6 +6,10 @@ run on N devices through the runtime (median of a few runs):
 
 * read bandwidth from a sum over an array far larger than the caches, write
   bandwidth from filling a fresh one (a host pays page faults on every new buffer);
+* the device's share of the last-level cache (its size over N devices, from sysfs)
+  and the bandwidth of kernels that stay in it: a chain of elementwise loops over
+  512 KiB arrays, each reading its predecessor's output and one input and writing its
+  own (the shape of a sharded optimizer update), less the same module with one loop;
 * vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
 * matrix rate from a square f32 dot;
 * collective α from a 4-byte all-reduce (one rendezvous: the ``shared-memory``
@@ -41,10 +45,37 @@ ELEMENTS = 1 << 23          # 32 MiB per f32 array
 CHAIN = 16                  # ops per element in the compute probes
 DOT = 1024
 COLLECTIVE = 1 << 22        # 16 MiB all-reduce
+CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
+CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
 
 
 def _module(n: int, body: str) -> str:
     return _ADD.format(n=n, body=body)
+
+
+def _cache_chain(loops: int) -> str:
+    e = CACHED
+    lines = [f"x = f32[{e}] parameter(0)", f"z = f32[{e}] parameter(1)",
+             "k = f32[] constant(0.9)", f"c = f32[{e}] broadcast(k), dimensions={{}}"]
+    for i in range(loops):
+        lines += [f"m{i} = f32[{e}] multiply(c, {'x' if i == 0 else f'y{i - 1}'})",
+                  f"y{i} = f32[{e}] add(m{i}, z)"]
+    shapes = ", ".join([f"f32[{e}]"] * loops)
+    outputs = ", ".join(f"y{i}" for i in range(loops))
+    return "\n  ".join(lines + [f"ROOT t = ({shapes}) tuple({outputs})"])
+
+
+def last_level_cache_bytes() -> int:
+    """This host's last-level cache (sysfs), 0 when it cannot be read."""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))
+    for index in reversed(caches):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return 0
 
 
 def _probes(n: int) -> dict[str, str]:
@@ -71,6 +102,8 @@ def _probes(n: int) -> dict[str, str]:
         "large_all_reduce": f"x = f32[{COLLECTIVE}] parameter(0)\n"
                             f"  ROOT r = f32[{COLLECTIVE}] all-reduce(x), replica_groups={{}}, "
                             f"to_apply=add",
+        "cache": _cache_chain(CACHED_CHAIN),
+        "cache_base": _cache_chain(1),
         "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
     }
 
@@ -101,6 +134,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     vector = 2 * CHAIN * e / max(t["vector"] - overhead - streaming, 1e-9)
     transcendental = CHAIN * e / max(t["transcendental"] - overhead - streaming, 1e-9)
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
+    cached = (CACHED_CHAIN - 1) * 3 * 4 * CACHED / max(t["cache"] - t["cache_base"], 1e-9)
     alpha = max(t["small_all_reduce"] - overhead, 0.0)
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
     beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
@@ -115,6 +149,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "memory_bandwidth_bytes_per_s": read,
         "memory_write_bandwidth_bytes_per_s": write,
         "memory_capacity_bytes": 16 << 30,
+        "cache_bytes": last_level_cache_bytes() // n,
+        "cache_bandwidth_bytes_per_s": cached,
         "upcasts_16bit_floats": True,
         "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
@@ -126,6 +162,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             f"{n} CPU devices (probe medians, seconds): "
             + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
             "rates are per device while all devices run at once; valid for this device count",
+            "cache_bytes: the last-level cache (sysfs) over the devices",
             "XLA CPU runs no multi-output fusion (its pipeline has loop fusion only; Adam "
             "compiles to separate m, v and w loops)",
             "assumed: 2 us per kernel launch (the 'overhead' probe is a whole step's fixed cost)",
