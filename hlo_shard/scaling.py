@@ -189,11 +189,12 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     return Projection(sum(seconds.values()), seconds, peak)
 
 
-def sharding_pass(state: str, strategy: str):
-    """The weight-update sharding pass with the given options."""
+def sharding_pass(state: str, strategy: str, profile: HardwareProfile):
+    """The weight-update sharding pass with the given options; ``auto`` buckets the
+    collectives for ``profile``, the hardware projected on."""
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
-    return WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy))
+    return WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy, profile=profile))
 
 
 def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
@@ -210,6 +211,7 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
         if not w0:
             raise HloShardError("--parameters needs a module with weight parameters")
         weight_factor = parameters / w0
+    hardware = profile.with_algorithm(algorithm) if algorithm else profile  # what auto buckets for
     points: list[ScalePoint] = []
     for n in replicas:
         if n < 2:
@@ -219,7 +221,8 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
         original = _projection(estimate_step(target, profile, algorithm=algorithm,
                                              categories=base.categories), factor, weight_factor)
         try:
-            sharded_module = sharding_pass(state, strategy).apply(copy.deepcopy(target)).module
+            sharded_module = sharding_pass(state, strategy, hardware).apply(
+                copy.deepcopy(target)).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))
             continue
