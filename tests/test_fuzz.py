@@ -264,3 +264,45 @@ def test_tuple_all_reduce_modules_run(worker, text):
     runtime's replica form splits them (one all-reduce per element)."""
     report = runtime.verify(text, None, runtime.VerifyOptions(steps=1))
     assert report.steps_run == 1
+
+
+#: Found by the fuzzer (seed 66, gathered/auto, shrunk): bf16 gradients whose f32
+#: pre-image came from a sine and multiply-adds, fused differently in the two modules, and
+#: XLA skipping 16-bit roundings (excess precision) where fusions differ: a bf16 step of
+#: difference in a gradient, then in the f32 optimizer state computed from it.
+SEED_66_SPEC = json.loads(
+    '{"seed":66,"devices":2,"form":"replica","groups":"[1,2]<=[2]","group_size":2,'
+    '"tensors":[{"dims":[33],"dtype":"f32","compute":"f32","optimizer":"rmsprop",'
+    '"layout":null,"lamb":false,"clip_value":null,"sanitize":false,"weight_decay":0.0,'
+    '"nesterov":false,"view":null,"mutations":[],"extremum":null,"post_use":false},'
+    '{"dims":[31,1,1],"dtype":"bf16","compute":"f32","optimizer":"lion","layout":[0,2,1],'
+    '"lamb":false,"clip_value":null,"sanitize":true,"weight_decay":0.01,"nesterov":false,'
+    '"view":null,"mutations":[{"op":"axpy","operand":"g","k":0.01,"direction":"LE"},'
+    '{"op":"select","operand":"w","k":0.01,"direction":"GE"}],"extremum":null,'
+    '"post_use":false},{"dims":[257,4],"dtype":"bf16","compute":"f32","optimizer":"adam",'
+    '"layout":null,"lamb":false,"clip_value":null,"sanitize":false,"weight_decay":0.0,'
+    '"nesterov":true,"view":null,"mutations":[{"op":"tanh","operand":"g","k":2.0,'
+    '"direction":"GE"}],"extremum":null,"post_use":false},{"dims":[3,2,97],'
+    '"dtype":"bf16","compute":"bf16","optimizer":"lion","layout":null,"lamb":true,'
+    '"clip_value":0.1,"sanitize":false,"weight_decay":0.0,"nesterov":true,'
+    '"view":["reshape",[3,194]],"mutations":[],"extremum":null,"post_use":false}],'
+    '"tuple_all_reduce":false,"mean":false,"global_clip":null,"skip_nonfinite":false,'
+    '"lr_param":false,"step_counter":true,"lr_schedule":false,"bias_correction":false,'
+    '"loop_trips":0,"shared_channel_ids":false,"alias":false,"replication_attr":false,'
+    '"batch":[2,3],"batch_position":10,"device_noise":false,"loss_output":false,'
+    '"norm_output":false,"metric_all_reduce":false}')
+
+
+def test_16_bit_gradients_round_alike_in_both_modules(worker, tmp_path):
+    spec = StepSpec.from_json(SEED_66_SPEC)
+    outcome = driver.run_variant(spec, driver.default_transformation(), tmp_path,
+                                 "gathered", "auto")
+    assert outcome.kind == MATCH, outcome.detail
+
+
+def test_worker_flags_keep_the_users_own(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=true")
+    with driver.worker_flags():
+        flags = driver.os.environ["XLA_FLAGS"].split()
+    assert flags == ["--xla_allow_excess_precision=true", "--xla_backend_optimization_level=0"]
+    assert driver.os.environ["XLA_FLAGS"] == "--xla_allow_excess_precision=true"

@@ -37,9 +37,14 @@ VARIANTS = tuple((state, strategy) for state in STATES for strategy in STRATEGIE
 STEPS = 2
 #: Seconds one optimize call may take before it counts as hung.
 TRANSFORM_TIMEOUT = 120
-#: XLA's LLVM optimisation off in the fuzzing workers: compiles about a third faster,
-#: and both modules of a pair are compiled alike, so equivalence is judged the same.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+#: XLA flags of the fuzzing workers (each unless the user's XLA_FLAGS set it). LLVM
+#: optimisation off: compiles about a third faster, and both modules of a pair are
+#: compiled alike, so equivalence is judged the same. No excess precision: XLA may
+#: otherwise skip a 16-bit rounding the HLO asks for (a convert pair inside a fusion)
+#: in one module and not in the other, where fusions differ, and a 16-bit step of
+#: difference in a gradient becomes a false mismatch in f32 state (found by the fuzzer).
+WORKER_FLAGS = {"--xla_backend_optimization_level": "0",
+                "--xla_allow_excess_precision": "false"}
 _REDUCE_SCATTER = re.compile(r"\breduce-scatter(?:-start)?\(")
 
 #: Outcome kinds; every one but "match" is a failure.
@@ -164,12 +169,13 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 @contextmanager
-def fast_compile() -> Iterator[None]:
-    """Workers started inside compile with :data:`FAST_COMPILE_FLAG` (unless the user's
-    XLA_FLAGS choose a level); the environment is restored afterwards."""
+def worker_flags() -> Iterator[None]:
+    """Workers started inside get :data:`WORKER_FLAGS`; the environment is restored
+    afterwards."""
     previous = os.environ.get("XLA_FLAGS")
-    if "backend_optimization_level" not in (previous or ""):
-        os.environ["XLA_FLAGS"] = f"{previous or ''} {FAST_COMPILE_FLAG}".strip()
+    added = [f"{flag}={value}" for flag, value in WORKER_FLAGS.items()
+             if flag not in (previous or "")]
+    os.environ["XLA_FLAGS"] = " ".join([previous or "", *added]).strip()
     try:
         yield
     finally:
@@ -183,7 +189,7 @@ def start_worker():
     """The one pooled 8-device CPU worker every case of this process uses (N ≤ 8)."""
     from hlo_shard import runtime
 
-    with fast_compile():
+    with worker_flags():
         return runtime.get_worker("cpu", 8)
 
 
