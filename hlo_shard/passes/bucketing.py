@@ -8,8 +8,9 @@ gathered bucket, each priced at 4 bytes of memory traffic per byte (measured on 
 bucketing the 4 MB weights of the 1024² Adam MLP at N = 8 made the step 3× slower than
 per-tensor collectives). ``auto`` combines exactly the tensors whose latency saved exceeds
 their copies, so under this model it is never worse than either fixed strategy. The
-crossover moves with the hardware: ≈ 0.9 MB at N = 8 on ``cpu-generic`` (10 µs per ring
-step), 0.45 MB on ``tpu-v3`` (1 µs per torus hop); at 1024 devices 128 MB vs 7 MB.
+crossover moves with the hardware (profiles as shipped): ≈ 125 KB on ``cpu-generic`` at
+any N (one 10 µs rendezvous per collective); on ``tpu-v3`` (1 µs per torus hop) ≈ 0.45 MB
+at N = 8 and ≈ 7 MB at N = 1024.
 """
 
 from __future__ import annotations
