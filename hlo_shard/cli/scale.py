@@ -71,7 +71,8 @@ def _parameter_count(text: str | None) -> int | None:
                    "replicas (strong scaling; forward/backward scaled analytically).")
 @click.option("--parameters", "parameters", default=None, metavar="P",
               help="Project a model of P weights (e.g. 210M) of the same shape, scaled "
-                   "analytically from the module's own (see docs/cost-model.md).")
+                   "analytically from the module's own; its tensor widths (and padding) "
+                   "stay the module's (see docs/cost-model.md).")
 @click.option("--state", type=click.Choice(["gathered", "sharded"]), default="sharded",
               show_default=True, help="Optimizer state of the sharded module.")
 @click.option("--strategy", type=click.Choice(["auto", "per-tensor", "combined"]),
