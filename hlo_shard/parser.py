@@ -347,14 +347,27 @@ def _within(loc: Loc, offset: int) -> Loc:
 
 
 _SPACE = r"(?:\s|/\*[^*]*\*+(?:[^/*][^*]*\*+)*/|//[^\n]*)*"
-_METADATA_SEPARATOR_RE = re.compile(rf"{_SPACE}(?P<comma>,{_SPACE})?")
-_METADATA_KEY_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*)=" + _SPACE)
-_METADATA_VALUE_RES = {
-    "string": re.compile(r"""(?:"[^"\\]*(?:\\[\s\S][^"\\]*)*"|'[^'\\]*(?:\\[\s\S][^'\\]*)*')"""),
-    "integer": re.compile(r"-?[0-9]+(?![0-9A-Za-z_.])"),
-    "list of integers": re.compile(
-        rf"\{{{_SPACE}(?:-?[0-9]+{_SPACE}(?:,{_SPACE}-?[0-9]+{_SPACE})*)?\}}"),
-}
+_QUOTED = r"""(?:"[^"\\]*(?:\\[\s\S][^"\\]*)*"|'[^'\\]*(?:\\[\s\S][^'\\]*)*')"""
+_BRACED_INTS = rf"\{{{_SPACE}(?:-?[0-9]+{_SPACE}(?:,{_SPACE}-?[0-9]+{_SPACE})*)?\}}"
+#: One ``[,] key=value`` of a metadata value; a key without ``=`` leaves ``key`` empty.
+_METADATA_FIELD_RE = re.compile(
+    rf"{_SPACE}(?P<comma>,{_SPACE})?(?:(?P<key>[A-Za-z_][A-Za-z0-9_.\-]*)={_SPACE}"
+    rf"(?P<value>{_QUOTED}|-?[0-9]+|{_BRACED_INTS})?)?")
+#: The value syntax of each metadata field's kind.
+_METADATA_VALUE_SYNTAX = {"string": _QUOTED, "integer": r"-?[0-9]{1,9}(?![0-9])",
+                          "list of integers": _BRACED_INTS}
+#: Metadata as printers write it: each field at most once, in one order (XLA's, give or
+#: take), separated by spaces. One match reads the common case; the rest goes field by field.
+_PRINTED_METADATA_RE = re.compile(r"\{\s*" + "".join(
+    rf"(?:{key}={_METADATA_VALUE_SYNTAX[kind]}\s*)?" for key, kind in (
+        ("op_type", "string"), ("op_name", "string"), ("source_file", "string"),
+        ("source_line", "integer"), ("source_end_line", "integer"),
+        ("source_column", "integer"), ("source_end_column", "integer"),
+        ("profile_type", "list of integers"), ("deduplicated_name", "string"),
+        ("scheduling_name", "string"), ("stack_frame_id", "integer"),
+        ("metadata_payload", "string"))) + r"\}")
+#: The kind of a metadata value by its first character.
+_METADATA_VALUE_KINDS = {'"': "string", "'": "string", "{": "list of integers"}
 _METADATA_KINDS = {
     **{key: "string" for key in METADATA_STRING_FIELDS},
     **{key: "integer" for key in METADATA_INT_FIELDS},
@@ -366,30 +379,31 @@ _INT32 = range(-2**31, 2**31)
 def _check_metadata(text: str, loc: Loc) -> None:
     """``{op_name="..." source_line=3}``: OpMetadata's fields, each once, with values of
     their kind, separated by spaces or commas (XLA's ParseMetadata)."""
+    if _PRINTED_METADATA_RE.fullmatch(text):
+        return
     if text[0] != "{":
         _fail("expects '{' to start sub attributes", loc)
     seen: set[str] = set()
     position, end = 1, len(text) - 1
     while True:
-        separator = _METADATA_SEPARATOR_RE.match(text, position)
-        position = separator.end()
-        if position == end and separator.group("comma") is None:
-            return
-        key_match = _METADATA_KEY_RE.match(text, position)
-        if key_match is None:
-            _fail("expects attribute name", _within(loc, position))
-        key = key_match.group(1)
+        field = _METADATA_FIELD_RE.match(text, position)
+        key = field.group("key")
+        if key is None:
+            if field.end() == end and field.group("comma") is None:
+                return
+            _fail("expects attribute name", _within(loc, field.end()))
         if key not in METADATA_FIELDS:
-            _fail(_unexpected_attribute(key, METADATA_FIELDS), _within(loc, position))
+            _fail(_unexpected_attribute(key, METADATA_FIELDS), _within(loc, field.start("key")))
         if key in seen:
-            _fail(f"attribute {key} already exists", _within(loc, position))
+            _fail(f"attribute {key} already exists", _within(loc, field.start("key")))
         seen.add(key)
-        kind = _METADATA_KINDS[key]
-        value = _METADATA_VALUE_RES[kind].match(text, key_match.end())
-        if value is None or (kind == "integer" and int(value.group(0)) not in _INT32):
-            _fail(f"expects {'an int32 ' if value is not None else ''}{kind}",
-                  _within(loc, key_match.end()))
-        position = value.end()
+        kind, value = _METADATA_KINDS[key], field.group("value")
+        value_loc = _within(loc, field.start("value") if value is not None else field.end())
+        if value is None or _METADATA_VALUE_KINDS.get(value[0], "integer") != kind:
+            _fail(f"expects {kind}", value_loc)
+        if kind == "integer" and int(value) not in _INT32:
+            _fail("value out of range for int32", value_loc)
+        position = field.end()
 
 
 # --------------------------------------------------------------- literal checking
