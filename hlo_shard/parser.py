@@ -41,7 +41,8 @@ from hlo_shard.ir import (
     Instruction, Layout, Module, Raw, Shape, SourceLoc, Str, TupleShape,
 )
 from hlo_shard.values import (
-    c_unescape, read_int_list, read_names, read_replica_groups, read_slice_ranges, show,
+    LiteralError, c_unescape, check_literal, read_int_list, read_names, read_replica_groups,
+    read_slice_ranges, show,
 )
 
 __all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", "parse_file"]
@@ -408,20 +409,15 @@ def _check_metadata(text: str, loc: Loc) -> None:
 
 # --------------------------------------------------------------- literal checking
 
-_SCALAR_RE = re.compile(r"-?nan\(0x[0-9a-fA-F]+\)|[^\s{},()]+")
-
-
 def _check_literal(shape: Shape, literal: str, loc: Loc) -> None:
-    """Element count of a constant against its shape (XLA checks it exactly)."""
-    if not isinstance(shape, ArrayShape) or "..." in literal or -1 in shape.dims:
+    """A constant's literal against its shape (XLA checks it exactly); positions of the
+    failures are within the literal."""
+    if not isinstance(shape, ArrayShape) or -1 in shape.dims:
         return
-    if shape.element_type in ("c64", "c128"):
-        count = literal.count("(")
-    else:
-        count = sum(1 for _ in _SCALAR_RE.finditer(literal))
-    if count != shape.num_elements:
-        _fail(f"constant has {count} value{'s' * (count != 1)} but its shape "
-              f"{_format_shape(shape)} holds {shape.num_elements}", loc)
+    try:
+        check_literal(shape.element_type, shape.dims, literal)
+    except LiteralError as err:
+        _fail(str(err), _within(loc, err.offset))
 
 
 # ------------------------------------------------------------------ shape inference

@@ -1,4 +1,5 @@
-"""Attribute value texts ↔ typed values: int lists, slices, replica groups, strings.
+"""Attribute value texts ↔ typed values: int lists, slices, replica groups, strings;
+constant literals checked against their shape.
 
 Pure text functions shared by the parser and the printer. Readers raise
 ``ValueError`` with a message for the user; the parser adds the position.
@@ -10,7 +11,7 @@ import itertools
 import math
 import re
 
-from hlo_shard.ir import ReplicaGroups, SliceRanges
+from hlo_shard.ir import COMPLEX_TYPES, INTEGER_TYPES, ReplicaGroups, SliceRanges
 
 _INT_RE = re.compile(r"-?\d+")
 _INT_LIST_RE = re.compile(r"\{\s*(?:-?\d+(?:\s*,\s*-?\d+)*)?\s*\}\Z")
@@ -142,6 +143,275 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
     order = _transposed_iota(factors, [i for i in range(len(factors)) if i not in grouped]
                              + grouped)
     return _chunk([devices[i] for i in order], math.prod(factors[i] for i in grouped))
+
+
+# ------------------------------------------------------------------------- literals
+
+
+class LiteralError(ValueError):
+    """A literal XLA's parser refuses; ``offset`` is where in the literal's text."""
+
+    def __init__(self, message: str, offset: int = 0) -> None:
+        super().__init__(message)
+        self.offset = offset
+
+
+_SCALAR_RE = re.compile(r"-?nan\(0x[0-9a-fA-F]+\)|[^\s{},()]+")
+_COMPLEX_OPEN_RE = re.compile(r"(?<!nan)\(")
+_BRACE_RE = re.compile(r"[{}]")
+_INT_TOKEN_RE = re.compile(r"-?[0-9]+")
+_FLOAT_TOKEN_RE = re.compile(
+    r"-?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|inf|nan(?:\(0x(?P<payload>[0-9a-fA-F]+)\))?)")
+#: What XLA's lexer reads as an integer: int64 ∪ uint64, a uint64 above the int64 range
+#: then cast to int64 (18446744073709551615 is -1). The 64-bit types and pred take all.
+_LEXED_INTS = range(-2**63, 2**64)
+_INT_RANGES = {t: _LEXED_INTS if t[1:] == "64" else
+               range(-2**(int(t[1:]) - 1), 2**(int(t[1:]) - 1)) if t[0] == "s" else
+               range(0, 2**int(t[1:])) for t in INTEGER_TYPES}
+_INT_RANGES["pred"] = _LEXED_INTS
+#: Float types by their numpy / ml_dtypes name (complex: the part type). A finite value
+#: that becomes inf or NaN in the type is out of range; f4e2m1fn saturates instead.
+_FLOAT_DTYPES = {
+    "f16": "float16", "f32": "float32", "f64": "float64", "c64": "float32",
+    "c128": "float64", "bf16": "bfloat16", "f8e5m2": "float8_e5m2", "f8e4m3": "float8_e4m3",
+    "f8e4m3fn": "float8_e4m3fn", "f8e4m3b11fnuz": "float8_e4m3b11fnuz",
+    "f8e3m4": "float8_e3m4", "f8e5m2fnuz": "float8_e5m2fnuz", "f8e4m3fnuz": "float8_e4m3fnuz",
+    "f8e8m0fnu": "float8_e8m0fnu", "f4e2m1fn": "float4_e2m1fn",
+}
+#: Mantissa bits of the float types whose NaNs carry a payload; the others have one NaN.
+_PAYLOAD_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52, "c64": 23, "c128": 52,
+                 "f8e5m2": 2, "f8e4m3": 3, "f8e3m4": 4}
+
+
+def check_literal(element_type: str, dims: tuple[int, ...], literal: str) -> None:
+    """A dense literal against its array shape, as XLA's ParseDenseLiteral and
+    SetValueInLiteral check it: the element count, the nesting of ``{}`` against the
+    rank and dimensions, and each value against the element type (integers in range,
+    no fractions for integer types, finite values that stay finite, NaN payloads that
+    fit). Raises :class:`LiteralError`. An elided literal (``{...}``) is not checked."""
+    if element_type in ("token", "opaque"):
+        raise LiteralError(f"a constant cannot have the element type {element_type}")
+    if "..." in literal:
+        for elision in re.finditer(r"\.\.\.", literal):
+            before = literal[:elision.start()]
+            if before.count("{") - before.count("}") != 1:
+                raise LiteralError("expects `...` at nest level 1, as in {...}",
+                                   elision.start())
+        return
+    if _plainly_valid(element_type, dims, literal):
+        return
+    complex_type = element_type in COMPLEX_TYPES
+    elements, nesting_error = _read_elements(
+        dims, literal, _COMPLEX_OPEN_RE if complex_type else _SCALAR_RE)
+    if len(elements) != math.prod(dims):
+        count, dims_text = len(elements), ",".join(map(str, dims))
+        raise LiteralError(f"constant has {count} value{'s' * (count != 1)} but its shape "
+                           f"{element_type}[{dims_text}] holds {math.prod(dims)}")
+    if nesting_error is not None:
+        raise nesting_error
+    values = _SCALAR_RE.findall(literal) if complex_type else elements
+    bad = _bad_values(element_type, set(values))
+    if bad:
+        first = next(token for token in values if token in bad)
+        raise LiteralError(bad[first], _offset_of(first, literal))
+
+
+def _read_elements(dims: tuple[int, ...], literal: str,
+                   element_re: re.Pattern) -> tuple[list[str], LiteralError | None]:
+    """The elements (``element_re`` matches), and the first place where the braces do
+    not nest exactly ``rank`` deep with values only at the innermost level, each array
+    holding its dimension's size."""
+    rank = len(dims)
+    if "{" not in literal and "}" not in literal:
+        return element_re.findall(literal), None
+    stripped = literal.strip()
+    if (rank == 1 and stripped[0] == "{" and stripped[-1] == "}" and literal.count("{") == 1
+            and literal.count("}") == 1):
+        return element_re.findall(literal), None  # the common case, counted by the caller
+    elements: list[str] = []
+    errors: list[LiteralError] = []
+    open_counts: list[int] = []
+    position = 0
+    for brace in itertools.chain(_BRACE_RE.finditer(literal), (None,)):
+        end = brace.start() if brace is not None else len(literal)
+        found = element_re.findall(literal, position, end)
+        if found:
+            elements += found
+            if len(open_counts) != rank:
+                where = element_re.search(literal, position, end).start()
+                errors.append(LiteralError(
+                    f"expects nested array in rank {rank}, but sees {len(open_counts)}"
+                    if brace is not None else "expects ')' after constant literal", where))
+            else:
+                open_counts[-1] += len(found)
+        if brace is None:
+            break
+        position = brace.end()
+        if brace.group() == "{":
+            if len(open_counts) >= rank:
+                errors.append(LiteralError(
+                    f"expects nested array in rank {rank}, but sees larger", brace.start()))
+            if open_counts:
+                open_counts[-1] += 1
+            open_counts.append(0)
+        elif not open_counts:
+            errors.append(LiteralError("'}' without a matching '{'", brace.start()))
+        else:
+            seen = open_counts.pop()
+            if len(open_counts) < rank and seen != dims[len(open_counts)]:
+                errors.append(LiteralError(
+                    f"expects {dims[len(open_counts)]} elements in dimension "
+                    f"{len(open_counts)}, but sees {seen}", brace.start()))
+    if open_counts:
+        errors.append(LiteralError("'{' without a matching '}'", len(literal)))
+    return elements, errors[0] if errors else None
+
+
+_INTEGER = r"-?[0-9]+"
+_DECIMAL = r"-?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?"
+#: Plain numbers with one comma between each two (braces blanked out): XLA's number
+#: syntax, which also makes numpy's reading of the text exact.
+_PLAIN_LISTS = {kind: re.compile(rf"(?:\s*{number}\s*,)*+\s*{number}\s*")
+                for kind, number in (("integer", _INTEGER), ("decimal", _DECIMAL))}
+_NOT_BRACE_RE = re.compile(r"[^{}]+")
+_INT64_SAFE = 2**62
+
+
+def _plainly_valid(element_type: str, dims: tuple[int, ...], literal: str) -> bool:
+    """The common case checked in bulk: plain numbers, one comma between values,
+    braces nested as the shape says, every value in range. True means the literal is
+    fine; False only that :func:`check_literal` must look value by value (which also
+    finds the words and the place of an error)."""
+    integer = element_type in _INT_RANGES
+    real = element_type in _FLOAT_DTYPES and element_type not in COMPLEX_TYPES
+    if not dims or not math.prod(dims) or not (integer or real):
+        return False
+    skeleton = "{}"
+    for size in reversed(dims[:-1]):
+        skeleton = "{" + skeleton * size + "}"
+    if _NOT_BRACE_RE.sub("", literal) != skeleton:
+        return False
+    flat = literal.replace("{", " ").replace("}", " ")
+    if not _PLAIN_LISTS["integer" if integer else "decimal"].fullmatch(flat):
+        return False
+    import numpy as np  # the parser imports numpy only for constants
+
+    numbers = np.fromstring(flat, dtype=np.int64 if integer else np.float64, sep=",")
+    if len(numbers) != math.prod(dims) or (len(dims) > 1 and not _rows_hold(dims[-1], literal)):
+        return False
+    if integer:
+        int_range = _INT_RANGES[element_type]
+        low, high = int(numbers.min()), int(numbers.max())
+        return (-_INT64_SAFE < low and high < _INT64_SAFE and int_range.start <= low
+                and high < int_range.stop)
+    return bool(np.isfinite(numbers).all()) and not _overflows(element_type, numbers).any()
+
+
+def _rows_hold(size: int, literal: str) -> bool:
+    """Each innermost ``{...}`` of a literal whose values are separated by single commas
+    (none empty, none before or after the last) holds ``size`` values."""
+    import numpy as np
+
+    text = np.frombuffer(literal.encode("ascii", "replace"), dtype=np.uint8)
+    opens = np.flatnonzero(text == ord("{"))
+    closes = np.flatnonzero(text == ord("}"))
+    commas = np.flatnonzero(text == ord(","))
+    inner = np.searchsorted(closes, opens)  # the first '}' after each '{'
+    innermost = np.ones(len(opens), dtype=bool)
+    innermost[:-1] = opens[1:] > closes[inner[:-1]]  # no '{' before that '}'
+    row_opens, row_closes = opens[innermost], closes[inner[innermost]]
+    row_commas = np.searchsorted(commas, row_closes) - np.searchsorted(commas, row_opens)
+    return bool((row_commas == size - 1).all())
+
+
+def _bad_values(element_type: str, tokens: set[str]) -> dict[str, str]:
+    """{token: message} for the distinct values the element type cannot hold."""
+    int_range = _INT_RANGES.get(element_type)
+    if int_range is not None:
+        return {token: message for token in tokens
+                if (message := _int_problem(element_type, int_range, token))}
+    if element_type not in _FLOAT_DTYPES:
+        return {}
+    bad: dict[str, str] = {}
+    finite: dict[float, str] = {}
+    for token in tokens:
+        match = _FLOAT_TOKEN_RE.fullmatch(token)
+        if match is None:
+            bad[token] = f"expects a number, found {show(token)}"
+        elif match.group("payload") is not None:
+            problem = _payload_problem(element_type, int(match.group("payload"), 16))
+            if problem:
+                bad[token] = f"NaN payload {token[token.index('(') + 1:-1]} {problem}"
+        elif "n" not in token:  # neither inf nor nan
+            value = float(token)
+            if math.isinf(value):
+                bad[token] = f"{token} is out of range for double (±1.79769e+308)"
+            else:
+                finite[value] = token
+    for token in _out_of_range(element_type, finite):
+        bad[token] = (f"value {token} is out of range for literal's primitive type "
+                      f"{element_type}")
+    return bad
+
+
+def _int_problem(element_type: str, int_range: range, token: str) -> str:
+    if element_type == "pred" and token in ("true", "false"):
+        return ""
+    if not _INT_TOKEN_RE.fullmatch(token):
+        return f"expects integer, found {show(token)}"
+    value = int(token)
+    if value not in _LEXED_INTS:
+        return f"{token} is out of range for a 64-bit integer"
+    if (value - 2**64 if value >= 2**63 else value) not in int_range:
+        return (f"value {token} is out of range for literal's primitive type {element_type} "
+                f"namely [{int_range.start}, {int_range.stop - 1}]")
+    return ""
+
+
+def _payload_problem(element_type: str, payload: int) -> str:
+    bits = _PAYLOAD_BITS.get(element_type)
+    if bits is None:
+        return f"is not supported: {element_type} has a single NaN"
+    if not 0 < payload < 2**bits:
+        return f"is out of range for {element_type} (1 to {hex(2**bits - 1)})"
+    return ""
+
+
+def _out_of_range(element_type: str, finite: dict[float, str]) -> list[str]:
+    """The tokens of the finite values the type cannot hold."""
+    if not finite:
+        return []
+    import numpy as np
+
+    values = np.fromiter(finite, dtype=np.float64, count=len(finite))
+    return [finite[float(value)] for value in values[_overflows(element_type, values)]]
+
+
+def _overflows(element_type: str, values) -> "np.ndarray":  # noqa: F821 - numpy, lazily
+    """Which finite float64 ``values`` the type turns into inf or NaN (f8e8m0fnu has no
+    zero and no sign: values ≤ 0 are out of its range too)."""
+    import numpy as np
+
+    name = _FLOAT_DTYPES[element_type]
+    if name == "float64":
+        return np.zeros(values.shape, dtype=bool)
+    if hasattr(np, name):
+        dtype = np.dtype(name)
+    else:
+        import ml_dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, name))
+    with np.errstate(over="ignore", invalid="ignore"):
+        overflow = ~np.isfinite(values.astype(dtype))
+    if element_type == "f8e8m0fnu":  # XLA reads tiny values as its smallest, 2^-127
+        return (overflow & (values > 1)) | (values <= 0)
+    return overflow
+
+
+def _offset_of(token: str, literal: str) -> int:
+    """Where ``token`` first stands as a whole value in ``literal``."""
+    match = re.search(rf"(?<![^\s{{}},(]){re.escape(token)}(?![^\s{{}},)])", literal)
+    return match.start() if match else 0
 
 
 # -------------------------------------------------------------------------- strings

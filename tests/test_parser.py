@@ -208,6 +208,25 @@ def test_async_sugar_and_historical_opcode():
     assert comp["a"].opcode == "all-reduce"
 
 
+def test_what_xla_accepts_at_the_edges_is_read():
+    """Attributes and literal values XLA's parser accepts just inside its limits."""
+    _, comp = entry_of(
+        "p = f32[4] parameter(0)\n"
+        "s = ((f32[4]), f32[4], u32[]) all-to-all-start(p), dimensions={0}, "
+        "async_execution_thread=\"t\", metadata={,op_name='a', source_line=-2147483648 "
+        "profile_type={1, 2} stack_frame_id=1}\n"
+        "d = f32[4] all-to-all-done(s), async_execution_thread=\"t\"\n"
+        "e = f32[4] exponential(p), result_accuracy={tolerance={atol=0,rtol=0,ulps=1}}\n"
+        "a = s8[2] constant({-128, 127})\nb = u64[2] constant({-1, 18446744073709551615})\n"
+        "c = f16[3] constant({65504, -65519, nan(0x3ff)})\nf = pred[3] constant({true, 0, 2})\n"
+        "g = f8e8m0fnu[2] constant({1e-50, 2e38})\nh = f4e2m1fn[] constant(100)\n"
+        "i = f32[2,0] constant({ {}, {} })\nj = f32[2,2] constant({{1, 2},{3,4},})\n"
+        "k = c64[2] constant({(1, nan(0x1)), (-inf, 3.4e38)})\nl = f32[3] constant({1, ...})\n"
+        "ROOT t = () tuple()")
+    assert comp["s"].attributes["async_execution_thread"] == Str("t")
+    assert comp["b"].literal == "{-1, 18446744073709551615}"
+
+
 def test_execution_thread_and_comments_anywhere():
     module = parse("/* c */ HloModule /* c */ m // c\n"
                    "%t /* c */ (a: f32[]) -> f32[] {\n ROOT %a = f32[] /* c */ parameter(0)\n"
