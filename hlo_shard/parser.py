@@ -10,8 +10,10 @@ everything else is kept verbatim as :class:`~hlo_shard.ir.Raw`.
 The semantic checks XLA's parser makes and that are cheap here are made here too,
 at the position of the offending text: use before definition, duplicate names,
 unknown or not-yet-defined computations, operand counts, several ROOT/ENTRY marks,
-literal element counts, operand and signature shapes. Every failure is an
-:class:`HloParseError` in the user's words; no lark exception escapes.
+each opcode's allowed and required attributes (:mod:`hlo_shard.attributes`), metadata
+fields, literal values and nesting against the constant's shape, operand and signature
+shapes. Every failure is an :class:`HloParseError` in the user's words; no lark
+exception escapes.
 
 Positions are resolved lazily: a location is a lark token or ``(token, offset)``
 into a coarse token, turned into line and column only for a message.
