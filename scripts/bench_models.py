@@ -21,6 +21,7 @@ about 3 minutes and ~5 GB of memory to dump; the others a few seconds each.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import shutil
 import sys
@@ -48,20 +49,22 @@ def _targets(out_dir: Path, model: str) -> dict[str, Path]:
     return paths
 
 
-def generate_bench_modules(out_dir: Path) -> dict[str, Path]:
-    """Dump (or reuse) every benchmark module under out_dir; return key -> path."""
+def generate_bench_modules(out_dir: Path, models: tuple[str, ...] = tuple(BENCH_FORMS)
+                           ) -> dict[str, Path]:
+    """Dump (or reuse) the benchmark modules of ``models`` under out_dir; return key -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Concurrent callers (two benchmark runs) wait here instead of dumping the same model
     # twice: the deep transformer alone needs ~5 GB while XLA optimizes it.
     with (out_dir / ".generate.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _generate(out_dir)
+        return _generate(out_dir, models)
 
 
-def _generate(out_dir: Path) -> dict[str, Path]:
+def _generate(out_dir: Path, models: tuple[str, ...]) -> dict[str, Path]:
     result: dict[str, Path] = {}
-    for model, forms in BENCH_FORMS.items():
+    for model in models:
+        forms = BENCH_FORMS[model]
         targets = _targets(out_dir, model)
         if not all(p.is_file() and p.stat().st_size for p in targets.values()):
             work = Path(tempfile.mkdtemp(prefix=f"hlo-shard-bench-{model}-"))
@@ -84,7 +87,16 @@ def _publish(source: Path, target: Path) -> None:
     partial.replace(target)
 
 
-if __name__ == "__main__":
-    for key, path in generate_bench_modules(Path(sys.argv[1] if len(sys.argv) > 1
-                                                 else "bench/out")).items():
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Dump (or reuse) the benchmark modules.")
+    parser.add_argument("out_dir", nargs="?", type=Path, default=Path("bench/out"),
+                        help="folder for the modules (default: bench/out)")
+    parser.add_argument("--models", nargs="+", choices=sorted(BENCH_FORMS),
+                        default=list(BENCH_FORMS), help="only these models (default: all)")
+    args = parser.parse_args()
+    for key, path in generate_bench_modules(args.out_dir, tuple(args.models)).items():
         print(f"{key:28s} {path.stat().st_size:>10d}  {path}")
+
+
+if __name__ == "__main__":
+    main()
