@@ -47,6 +47,7 @@ CASES = {
     "fused": cases.FUSED,
     "reshaped": cases.RESHAPED,
     "loop_state": cases.LOOP_STATE,
+    "wide_state": cases.WIDE_STATE,
 }
 
 MATRIX = [(name, state, strategy) for name in CASES for state in ("gathered", "sharded")

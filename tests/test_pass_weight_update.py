@@ -245,6 +245,57 @@ ENTRY e {{ w = f32[10] parameter(0) m = f32[10] parameter(1) g = f32[10] paramet
     assert module.entry.parameters()[1].shape.dims == (10,)
 
 
+#: Adam-like update of a [2,16]{1,0} weight whose gradient comes stored column-major, at
+#: N = 8: no row-major shard is a block of whole rows (N exceeds the 2 rows), so the
+#: stored order's column blocks need fewer transposes — but the manifest flattens state in
+#: its physical or row-major order only (transformer_scale's Adam state at N >= 512).
+WIDE_STATE = f"""HloModule wide, replica_count=8, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias), {{2}}: (2, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[2,16]{{1,0}} parameter(0) m = f32[2,16]{{1,0}} parameter(1)
+ v = f32[2,16]{{1,0}} parameter(2) x = f32[3,2]{{1,0}} parameter(3), parameter_replication={{false}}
+ y = f32[3,16]{{1,0}} dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+ g = f32[2,16]{{0,1}} dot(x, y), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ ar = f32[2,16]{{0,1}} all-reduce(g), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=add
+ b1 = f32[] constant(0.9) b1b = f32[2,16]{{1,0}} broadcast(b1), dimensions={{}}
+ c1 = f32[] constant(0.1) c1b = f32[2,16]{{1,0}} broadcast(c1), dimensions={{}}
+ m1 = f32[2,16]{{1,0}} multiply(m, b1b) m2 = f32[2,16]{{1,0}} multiply(ar, c1b)
+ nm = f32[2,16]{{1,0}} add(m1, m2) gg = f32[2,16]{{1,0}} multiply(ar, ar)
+ v1 = f32[2,16]{{1,0}} multiply(v, b1b) v2 = f32[2,16]{{1,0}} multiply(gg, c1b)
+ nv = f32[2,16]{{1,0}} add(v1, v2) r = f32[2,16]{{1,0}} rsqrt(nv) u = f32[2,16]{{1,0}} multiply(nm, r)
+ lr = f32[] constant(0.01) lrb = f32[2,16]{{1,0}} broadcast(lr), dimensions={{}}
+ s = f32[2,16]{{1,0}} multiply(u, lrb) nw = f32[2,16]{{1,0}} subtract(w, s)
+ ROOT t = (f32[2,16]{{1,0}}, f32[2,16]{{1,0}}, f32[2,16]{{1,0}}) tuple(nw, nm, nv) }}
+"""
+
+
+def test_state_stays_sharded_when_n_exceeds_the_rows_of_its_gradients_order():
+    module, report = optimize(WIDE_STATE, state="sharded")
+    assert [p.kind for p in report.parameters] == ["replicated", "sharded", "sharded",
+                                                   "per-device"]
+    assert [o.kind for o in report.outputs] == ["replicated", "sharded", "sharded"]
+    assert all(p.format.perm == (0, 1) for p in report.parameters if p.kind == "sharded")
+    assert len(find(module, "all-gather")) == 1 and not report.notes  # the weight only
+    # gathered mode keeps the stored order's column blocks (fewer transposes)
+    _, report = optimize(WIDE_STATE)
+    assert row(report, "ar").formatting_copies > 1
+
+
+def test_state_read_in_two_element_orders_stays_whole_and_says_why():
+    text = f"""HloModule two_orders, replica_count=4, input_output_alias={{ {{1}}: (1, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[4,4] parameter(0) m = f32[4,4] parameter(1) g = f32[4,4] parameter(2)
+ ar = f32[4,4] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ mt = f32[4,4] transpose(m), dimensions={{1,0}} a = f32[4,4] add(ar, mt)
+ nm = f32[4,4] add(m, a) nw = f32[4,4] subtract(w, nm)
+ ROOT t = (f32[4,4], f32[4,4]) tuple(nw, nm) }}
+"""
+    _, report = optimize(text, state="sharded")
+    assert report.parameters[1].kind == "replicated"
+    (note,) = report.notes
+    assert note.startswith("optimizer state parameter 1 (%m f32[4,4]) stays whole") \
+        and note.endswith("the update reads it in 2 element orders")
+
+
 SPMD = f"""HloModule spmd, num_partitions=4
 {ADD}
 ENTRY e {{ w = f32[16] parameter(0), sharding={{replicated}}

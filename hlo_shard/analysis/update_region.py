@@ -402,6 +402,30 @@ class RegionPlan:
 class RegionOptions:
     #: Gradients smaller than this stay all-reduced (0: no minimum).
     min_shard_bytes: int = 0
+    #: ``--state sharded`` on the entry: element orders that let optimizer state stay
+    #: sharded win over orders that need fewer transposes (a state tensor kept whole
+    #: costs a slice and an all-gather of the full tensor every step, and its memory).
+    keep_state_orders: bool = False
+    #: Parameter number → the output that is its next value (``input_output_alias``).
+    state_outputs: tuple[tuple[int, int], ...] = ()
+
+
+def flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
+    """A signature value (sharded optimizer state) can be kept in ``fmt``: the manifest
+    flattens it in its physical or its row-major order, no other."""
+    return fmt.dims == shape.dims and (fmt.perm == natural_perm(shape) or fmt.is_row_major)
+
+
+def region_only_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
+                           plan: RegionPlan) -> dict[int, set[ShardFormat]]:
+    """Array parameters read by region ops only (optimizer state, once paired with the
+    output that is its next value) → the formats those ops read them in."""
+    read: dict[int, set[ShardFormat]] = {}
+    for param in params:
+        users = set(graph.successors(param.name))
+        if isinstance(param.shape, ArrayShape) and users and users <= plan.ops.keys():
+            read[param.parameter_number] = {plan.ops[u].operand_format for u in users}
+    return read
 
 
 def collect_leaves(module: Module, comp: Computation, candidates: list[GradientAllReduce]
@@ -458,7 +482,7 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
         leaf.reason = _leaf_filter(leaf, options)
         leaf.sharded = not leaf.reason
         leaf.format = ShardFormat.of(leaf.shape, groups.size)
-    planner = _Planner(module, comp, replication, groups, leaves)
+    planner = _Planner(module, comp, replication, groups, leaves, options)
     plan = planner.grow(leaves)
     # A leaf whose region is empty in its stored order may have one in another order
     # (a reshape that keeps only the row-major order).
@@ -490,18 +514,19 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
         if not leaf.sharded or leaf.formatting_copies == 0:
             continue
         scope = scopes[id(leaf)]
-        stored = best = leaf.format
-        best_cost = planner.grow(*scope).formatting_cost
+        stored = best = grown = leaf.format
+        best_cost = planner.cost(planner.grow(*scope))
         for perm in _candidate_orders(leaf.shape):
             leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
             if leaf.format == stored:
                 continue
-            other = planner.grow(*scope)
-            if other.formatting_cost < best_cost and \
+            other, grown = planner.grow(*scope), leaf.format
+            other_cost = planner.cost(other)
+            if other_cost < best_cost and \
                     all(active.ops_moved > 0 for active in other.active):
-                best, best_cost = leaf.format, other.formatting_cost
-        if leaf.format != best:
-            leaf.format = best
+                best, best_cost = leaf.format, other_cost
+        leaf.format = best
+        if grown != best:
             planner.grow(*scope)  # the component's leaves describe the chosen order again
         changed |= best != stored
     return planner.grow(leaves) if changed else plan
@@ -521,9 +546,10 @@ class _Planner:
     computed once."""
 
     def __init__(self, module: Module, comp: Computation, replication: Replication,
-                 groups: DeviceGroups, leaves: list[Leaf]) -> None:
+                 groups: DeviceGroups, leaves: list[Leaf], options: RegionOptions) -> None:
         self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
-        self.leaves = leaves
+        self.leaves, self.options = leaves, options
+        self.params = comp.parameters() if options.keep_state_orders else []
         self.graph = dataflow_graph(comp)
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
@@ -539,6 +565,32 @@ class _Planner:
         if key not in self._ancestors:
             self._ancestors[key] = upstream(self.graph, key) | set(key)
         return self._ancestors[key]
+
+    def cost(self, plan: RegionPlan) -> tuple[int, float]:
+        """What the choice of element orders minimises: first the optimizer state the
+        plan keeps from staying sharded (with ``keep_state_orders``), then the elements
+        its formatting transposes move."""
+        return self.state_orders_lost(plan), plan.formatting_cost
+
+    def state_orders_lost(self, plan: RegionPlan) -> int:
+        """Parameters read only by the region in no single flattenable order, and the
+        outputs aliased to region-only parameters whose format is not flattenable: state
+        ``--state sharded`` would have to keep whole."""
+        if not self.options.keep_state_orders:
+            return 0
+        read = region_only_parameters(self.params, self.graph, plan)
+        by_number = {p.parameter_number: p for p in self.params}
+        root = self.comp.root
+        lost = 0
+        for number, formats in read.items():
+            fmt = next(iter(formats))
+            lost += len(formats) != 1 or not flattenable(fmt, by_number[number].shape)
+        for number, k in self.options.state_outputs:
+            value = root.operands[k] if number in read and root.opcode == "tuple" and \
+                k < len(root.operands) else None
+            if value in plan.sharded:
+                lost += not flattenable(plan.sharded[value], root.shape.elements[k])
+        return lost
 
     def grow(self, leaves: list[Leaf], order: list[Instruction] | None = None) -> RegionPlan:
         """The plan for ``leaves`` over ``order`` (default: the whole computation)."""
@@ -744,6 +796,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "canonical_perm", "classify", "collect_leaves", "is_scalar_broadcast", "natural_perm",
-    "plan_region", "reshape_format", "transpose_operand", "transpose_result",
+    "canonical_perm", "classify", "collect_leaves", "flattenable", "is_scalar_broadcast",
+    "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
+    "transpose_operand", "transpose_result",
 ]

@@ -35,7 +35,8 @@ from hlo_shard.analysis.collectives import DeviceGroups, GradientAllReduce, find
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
-                                              collect_leaves, natural_perm, plan_region)
+                                              collect_leaves, flattenable, natural_perm,
+                                              plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
@@ -184,13 +185,17 @@ class WeightUpdateSharding:
             report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
             if not leaves:
                 continue
-            plan = plan_region(module, comp, leaves, replication,
-                               RegionOptions(self.options.min_shard_bytes))
+            state_entry = comp.is_entry and self.options.state == "sharded"
+            plan = plan_region(module, comp, leaves, replication, RegionOptions(
+                self.options.min_shard_bytes, state_entry,
+                tuple((number, k) for k, number in _alias_pairs(module)) if state_entry else ()))
             collectives: dict[str, str] = {}
             if plan.active:
                 inputs, outputs = {}, {}
-                if comp.is_entry and self.options.state == "sharded":
-                    state_plan = _pair_state(module, comp, plan, replication)
+                if state_entry:
+                    state_plan, kept_whole = _pair_state(module, comp, plan, replication)
+                    report.notes += [_state_note(comp, number, why)
+                                     for number, why in kept_whole.items()]
                     _annotate_state(module, comp, state_plan, plan.groups)
                     inputs = {_param_name(comp, n): p.format for n, p in state_plan.items()}
                     outputs = {p.output: p.value for p in state_plan.values()}
@@ -317,34 +322,34 @@ class StatePair:
     output_shape: ArrayShape
 
 
-def _flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
-    """The manifest can describe ``fmt`` for ``shape``: physical or row-major order."""
-    return fmt.dims == shape.dims and (fmt.perm == natural_perm(shape) or fmt.is_row_major)
-
-
-def _pair_state(module: Module, comp: Computation, plan: RegionPlan,
-                replication: Replication) -> dict[int, StatePair]:
+def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication
+                ) -> tuple[dict[int, StatePair], dict[int, str]]:
     """Parameter number → (output index, region value) for optimizer state that can stay
     sharded: the parameter is used only by region ops, in the format of the output that
-    is its next value, and both are in physical order (the manifest's flatten order)."""
+    is its next value, and both are in an order the manifest flattens (physical or
+    row-major); and, for the other parameters used only by region ops, why not."""
     root = comp.root
     if root.opcode != "tuple":
-        return {}
+        return {}, {}
     graph = dataflow_graph(comp)
     params = {p.parameter_number: p for p in comp.parameters()}
     candidates: dict[int, ShardFormat] = {}
-    for number, param in params.items():
-        users = set(graph.successors(param.name))
-        if not isinstance(param.shape, ArrayShape) or not users or not users <= set(plan.ops) \
-                or not replication.is_replicated(comp.name, param.name):
+    kept_whole: dict[int, str] = {}
+    for number, formats in region_only_parameters(list(params.values()), graph, plan).items():
+        if not replication.is_replicated(comp.name, params[number].name):
             continue
-        formats = {plan.ops[u].operand_format for u in users}
-        if len(formats) == 1 and _flattenable(fmt := formats.pop(), param.shape):
+        fmt = next(iter(formats))
+        if len(formats) != 1:
+            kept_whole[number] = f"the update reads it in {len(formats)} element orders"
+        elif not flattenable(fmt, params[number].shape):
+            kept_whole[number] = f"the update runs in element order {_order(fmt)}, " \
+                                 f"{_not_flattenable(params[number].shape)}"
+        else:
             candidates[number] = fmt
     outputs: dict[int, str] = {}
     for k, value in enumerate(root.operands):
         fmt = plan.sharded.get(value)
-        if fmt is not None and _flattenable(fmt, root.shape.elements[k]):
+        if fmt is not None and flattenable(fmt, root.shape.elements[k]):
             outputs[k] = value
     pairs: dict[int, StatePair] = {}
 
@@ -362,7 +367,9 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan,
         for k, number in aliases:
             if number in candidates and k in outputs and fits(number, k):
                 pair(number, k)
-        return pairs
+            elif number in candidates:
+                kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
+        return pairs, kept_whole
     # No aliasing: an output depending on exactly one remaining candidate of its kind.
     remaining = dict(candidates)
     open_outputs = dict(outputs)
@@ -377,7 +384,44 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan,
                 del remaining[matches[0]]
                 del open_outputs[k]
                 progress = True
-    return pairs
+    kept_whole.update({number: "no output in its element order is its next value alone "
+                               "(no input_output_alias to say which)" for number in remaining})
+    return pairs, kept_whole
+
+
+def _order(fmt: ShardFormat) -> str:
+    """A format's element order as the layout that stores it (minor_to_major)."""
+    return "{" + ",".join(map(str, fmt.minor_to_major())) + "}"
+
+
+def _not_flattenable(shape: ArrayShape) -> str:
+    row_major = tuple(range(shape.rank - 1, -1, -1))
+    return (f"neither its physical order {{{','.join(map(str, shape.minor_to_major()))}}} "
+            f"nor row-major {{{','.join(map(str, row_major))}}} (the orders a sharded "
+            f"signature value is flattened in)")
+
+
+def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardFormat) -> str:
+    """Why the output aliased to a state parameter cannot be its sharded next value."""
+    shape = root.shape.elements[k] if k < len(root.operands) else None
+    out = plan.sharded.get(root.operands[k]) if shape is not None else None
+    if out is None:
+        return f"its next value (output {k}) is not computed by the sharded update"
+    if not flattenable(out, shape):
+        return f"its next value (output {k}) is in element order {_order(out)}, " \
+               f"{_not_flattenable(shape)}"
+    if out != fmt:
+        return f"its next value (output {k}) is in element order {_order(out)}, " \
+               f"the parameter in {_order(fmt)}"
+    return f"its next value (output {k}) has another element type"
+
+
+def _state_note(comp: Computation, number: int, why: str) -> str:
+    from hlo_shard.printer import format_shape
+
+    param = comp[_param_name(comp, number)]
+    return f"optimizer state parameter {number} (%{param.name} {format_shape(param.shape)}) " \
+           f"stays whole (sliced and all-gathered every step): {why}"
 
 
 def _param_name(comp: Computation, number: int) -> str:
@@ -568,8 +612,8 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
         if only_user(downward[-1]) is not root or root.operands.count(downward[-1]) != 1:
             continue
         k = root.operands.index(downward[-1])
-        if _flattenable(fmt, parent[upward[0]].shape) and \
-                _flattenable(fmt, root.shape.elements[k]):
+        if flattenable(fmt, parent[upward[0]].shape) and \
+                flattenable(fmt, root.shape.elements[k]):
             out[index] = (upward, downward, k)
     return out
 
