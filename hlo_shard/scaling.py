@@ -18,12 +18,12 @@ the weight update, its formatting, communication and state are not.
 A larger model of the same shape (``parameters=P``, ``scale --parameters``) is also
 projected analytically, from the module's own weights W₀ (the elements of its weight
 parameters), with k = P/W₀: the weight update, its formatting, the bytes of every
-collective and the weights, optimizer state, gradients and update temporaries grow
-by k (all are per-parameter work); forward/backward time and activations by k times
-the batch factor (≈ 6·P flops per token for a Transformer); a collective's latency
-is paid once per combiner bucket, so a bucket of k times the bytes pays it
-⌈k·bytes/threshold⌉ times. Committing a fixture of hundreds of millions of parameters
-is not an option (its HLO text is the same program with bigger shapes).
+collective and the weights, optimizer state, gradients, update temporaries and
+undonated outputs grow by k (all are per-parameter work); forward/backward time and
+activations by k times the batch factor (≈ 6·P flops per token for a Transformer); a
+collective's latency is paid once per combiner bucket, so a bucket of k times the
+bytes pays it ⌈k·bytes/threshold⌉ times. Committing a fixture of hundreds of millions
+of parameters is not an option (its HLO text is the same program with bigger shapes).
 """
 
 from __future__ import annotations
@@ -169,8 +169,10 @@ def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
     return total
 
 
-#: Memory categories that grow with the parameters (the rest: batch and activations).
-_PARAMETER_MEMORY = ("weights", "optimizer_state", "gradients", "other_temporaries")
+#: Memory categories that grow with the parameters (the rest: batch and activations):
+#: liveness's categories (:data:`~hlo_shard.analysis.liveness.CATEGORIES`) — temporaries
+#: are the update's and formatting's, outputs not donated are new weights and state.
+_PARAMETER_MEMORY = ("weights", "optimizer_state", "gradients", "temporaries", "outputs")
 
 
 def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1.0

@@ -353,12 +353,24 @@ def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[
 
 
 def gradient_values(module: Module, comp: Computation) -> set[str]:
-    """Gradient sums and their inputs: the buffers reported as ``gradients``."""
+    """Gradient sums and their inputs: the buffers reported as ``gradients``. The inputs
+    are followed back through the data movement that lays them out for the collective
+    (a sharded module's transpose, reshape, pad and bucket concatenation before its
+    reduce-scatter) to the per-device gradient itself, so that a gradient counts as one
+    — memory that grows with the parameters, not the batch — whether it is all-reduced
+    or reduce-scattered."""
     found: set[str] = set()
+    stack: list[str] = []
     for inst in comp.instructions:
         if _is_sum_collective(module, inst):
             found.add(inst.name)
-            found.update(inst.operands)
+            stack.extend(inst.operands)
+    while stack:
+        name = stack.pop()
+        if name not in found:
+            found.add(name)
+            if comp[name].opcode in FORMAT_OPCODES:
+                stack.extend(comp[name].operands)
     return found
 
 
