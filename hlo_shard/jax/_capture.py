@@ -81,7 +81,8 @@ def capture(jitted, args: tuple, kwargs: dict) -> Capture:
     out_shardings = jax.tree.leaves(compiled.output_shardings)
     out_avals, out_tree = jax.tree.flatten(lowered.out_info)
     return Capture(text, lowered, compiled, kept,
-                   tuple(jax.tree.leaves(compiled.input_shardings)),
+                   # flatten_up_to: a pruned argument's sharding is None, not a subtree
+                   tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
                    tuple(info.donated for info in arg_infos), tuple(out_avals),
                    tuple(out_shardings), out_tree, _xla.device_assignment(lowered),
                    compile_seconds)

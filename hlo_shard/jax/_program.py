@@ -10,18 +10,21 @@ shape ``[N·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hlo_shard.cli.optimize import optimize_module
+from hlo_shard.cli.optimize import check_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
 from hlo_shard.printer import to_text
-from hlo_shard.runtime.forms import replica_form
+from hlo_shard.ir import Raw, TupleShape
+from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
 
 
 @dataclass(frozen=True)
@@ -187,15 +190,34 @@ def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
                    out_shardings=shardings)
 
 
-def build_program(capture: Capture, options: ShardingOptions) -> Program:
-    """Optimize and compile ``capture``; :class:`Unsupported` says why not."""
+def build_program(capture: Capture, options: ShardingOptions,
+                  next_values: list[tuple[int, int]]) -> Program:
+    """Optimize and compile ``capture``; :class:`Unsupported` says why not.
+
+    ``next_values``: (output leaf, entry parameter) pairs where the output is the
+    parameter's value for the next step, as the step's pytrees say (``params`` out →
+    ``params`` in). The pass reads them as ``input_output_alias`` to pair optimizer
+    state with its next value; jit's own donation header, which pairs any donated
+    input with any output of its shape, is put back for the executable.
+    """
     started = time.perf_counter()
     module = parse(capture.text, path="<captured step>")
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
                           f"parameters for {len(capture.kept)} arguments")
+    donation = {key: module.header.pop(key) for key in DONATION_ATTRIBUTES
+                if key in module.header}
+    if next_values:
+        module.header["input_output_alias"] = Raw("{ " + ", ".join(
+            f"{{{k}}}: ({p}, {{}}, may-alias)" for k, p in next_values) + " }")
+    else:
+        module.header.update(donation)
     try:
-        report, text = optimize_module(module, options)
+        report = WeightUpdateSharding(options).apply(module).notes[0]
+        for key in DONATION_ATTRIBUTES:
+            module.header.pop(key, None)
+        module.header.update(_still_valid(donation, module))
+        text = check_output(module)
         executable_text = to_text(replica_form(module, keep_donation=True))
     except HloShardError as err:
         raise Unsupported(f"the pass refused the step: {err}") from None
@@ -213,6 +235,29 @@ def build_program(capture: Capture, options: ShardingOptions) -> Program:
     shard_sharding = _shard_sharding(capture) if state_args else None
     return Program(capture, report, options, text, executable, state_args, state_outputs,
                    shard_sharding, time.perf_counter() - started)
+
+
+def _still_valid(donation: dict, module) -> dict:
+    """jit's donation attributes, less the aliases whose parameter and output shapes the
+    pass made differ (a sharded state input whose jit alias was another output)."""
+    alias = donation.get("input_output_alias")
+    if alias is None:
+        return donation
+    params = {p.parameter_number: p.shape for p in module.entry.parameters()}
+    root = module.entry.root
+    outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+    kept = [m.group(0) for m in re.finditer(
+        r"\{\s*(\d+)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}\s*(?:,\s*[\w-]+\s*)?\)", alias.text)
+        if _same_array(outputs[int(m.group(1))], params[int(m.group(2))])]
+    out = {k: v for k, v in donation.items() if k != "input_output_alias"}
+    if kept:
+        out["input_output_alias"] = Raw("{ " + ", ".join(kept) + " }")
+    return out
+
+
+def _same_array(a, b) -> bool:
+    return getattr(a, "dims", None) == getattr(b, "dims", None) \
+        and getattr(a, "element_type", None) == getattr(b, "element_type", None)
 
 
 def _state_layouts(report: ShardingReport, capture: Capture

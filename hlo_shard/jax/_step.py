@@ -84,7 +84,7 @@ class ShardedStep:
         if self._state and not kwargs and self._key(call) not in self._entries:
             full = self.gather_args(*args)  # shards of a signature seen before
             if full is not args:
-                return self(*full)
+                args, call = full, self._split(full, {})
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
             return self._jitted(*args, **kwargs)
@@ -147,8 +147,9 @@ class ShardedStep:
             if found is None:
                 continue
             layout, sharding = found
-            form = tuple(layout.dims) if to_shards else layout.shape
-            if tuple(getattr(leaf, "shape", ())) == form:
+            shard = _is_shard(leaf, layout, self._shard_sharding)
+            full = not shard and tuple(getattr(leaf, "shape", ())) == tuple(layout.dims)
+            if (full if to_shards else shard):
                 chosen.append((index, layout, sharding))
         if not chosen:
             return args
@@ -210,7 +211,8 @@ class ShardedStep:
         if entry is not None:
             return entry
         try:
-            program = build_program(capture(self._jitted, args, kwargs), self.options)
+            cap = capture(self._jitted, args, kwargs)
+            program = build_program(cap, self.options, self._next_values(call, cap))
         except Unsupported as why:
             self._warn(str(why))
             self._entries[key] = _Fallback(str(why))
@@ -228,31 +230,64 @@ class ShardedStep:
         self._latest, self._latest_call = program, call
         return self._entries[key]
 
-    def _names(self, call: _Call) -> list[str]:
-        """Each dynamic leaf's name as the user wrote it: ``params['l0']['w']``."""
+    def _paths(self, call: _Call) -> list[tuple[int | str, str]]:
+        """Each dynamic leaf as (argument number or keyword, path inside it)."""
         import jax
 
-        dynamic_positions = [i for i in range(len(self._arg_names) or 1 << 16)
-                             if i not in {n for n, _ in call.static[0]}]
-        names = []
+        static = {n for n, _ in call.static[0]}
+        positions = [i for i in range(len(self._arg_names) + len(call.leaves))
+                     if i not in static]
         paths = jax.tree_util.tree_flatten_with_path(
             jax.tree.unflatten(call.treedef, [0] * len(call.leaves)))[0]
-        for path, _ in paths:
-            group, position, rest = path[0].idx, path[1], path[2:]
-            if group == 0:
-                index = dynamic_positions[position.idx]
-                head = self._arg_names[index] if index < len(self._arg_names) \
-                    else f"args[{index}]"
-            else:
-                head = position.key
-            names.append(head + jax.tree_util.keystr(rest))
+        return [(positions[path[1].idx] if path[0].idx == 0 else path[1].key,
+                 jax.tree_util.keystr(path[2:])) for path, _ in paths]
+
+    def _names(self, call: _Call) -> list[str]:
+        """Each dynamic leaf's name as the user wrote it: ``params['l0']['w']``."""
+        names = []
+        for head, rest in self._paths(call):
+            if isinstance(head, int):
+                head = self._arg_names[head] if head < len(self._arg_names) \
+                    else f"args[{head}]"
+            names.append(head + rest)
         return names
+
+    def _next_values(self, call: _Call, cap) -> list[tuple[int, int]]:
+        """(output leaf, entry parameter) pairs where output ``[j]<path>`` is argument
+        ``j``'s leaf at ``<path>`` with the same shape and dtype: the training loop's
+        feedback (``params, opt_state, loss = fast(params, opt_state, batch)``)."""
+        import jax
+
+        parameter = {index: number for number, index in enumerate(cap.kept)}
+        by_path = {path: index for index, path in enumerate(self._paths(call))}
+        outs = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(cap.out_tree, [0] * len(cap.out_avals)))[0]
+        pairs = []
+        for k, (path, _) in enumerate(outs):
+            if not path or not isinstance(getattr(path[0], "idx", None), int):
+                continue
+            index = by_path.get((path[0].idx, jax.tree_util.keystr(path[1:])))
+            if index in parameter and _same_aval(call.leaves[index], cap.out_avals[k]):
+                pairs.append((k, parameter[index]))
+        return pairs
 
     def _warn(self, reason: str) -> None:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"hlo_shard.jax: running the original step: {reason}",
                           FallbackWarning, stacklevel=4)
+
+
+def _same_aval(leaf, aval) -> bool:
+    return tuple(getattr(leaf, "shape", ())) == tuple(aval.shape) \
+        and str(getattr(leaf, "dtype", "")) == str(aval.dtype)
+
+
+def _is_shard(leaf, layout, shard_sharding) -> bool:
+    """Whether ``leaf`` is in shard form (a 1-D full leaf can have the shard's shape;
+    the sharding tells them apart)."""
+    return tuple(getattr(leaf, "shape", ())) == layout.shape \
+        and _xla.same_placement(leaf, shard_sharding)
 
 
 def _name_the_argument(err: Exception, call: _Call, before: _Call | None,
