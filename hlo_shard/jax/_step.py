@@ -170,6 +170,11 @@ class ShardedStep:
         return self._latest.report_json(self._latest_call.names)
 
     @property
+    def memory_stats(self) -> dict[str, int] | None:
+        """XLA's compiled memory figures (bytes per device) of the latest program."""
+        return None if self._latest is None else _xla.memory_stats(self._latest.executable)
+
+    @property
     def hlo_text(self) -> str | None:
         return None if self._latest is None else self._latest.hlo_text
 
