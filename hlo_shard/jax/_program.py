@@ -57,6 +57,8 @@ class Program:
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
     seconds: float
+    #: Whether it ran once (a failing first run falls back to ``fn``).
+    ran: bool = False
     _cache: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- placement

@@ -88,7 +88,17 @@ class ShardedStep:
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
             return self._jitted(*args, **kwargs)
-        return self._run(entry, call)
+        if entry.program.ran or entry.program.state_args:
+            return self._run(entry, call)
+        try:  # a first run that fails leaves the inputs intact: fn can still run them
+            outs = self._run(entry, call)
+        except Exception as err:
+            reason = f"the optimized step failed to run: {str(err).splitlines()[0]}"
+            self._warn(reason)
+            self._entries[self._key(call)] = _Fallback(reason)
+            return self._jitted(*args, **kwargs)
+        entry.program.ran = True
+        return outs
 
     def _run(self, entry: _Entry, call: _Call):
         import jax
