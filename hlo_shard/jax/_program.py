@@ -145,7 +145,8 @@ class Program:
             return out
 
         param_of_output = {k: names[cap.kept[p]] for k, p in self.next_values}
-        grads = {key: param_of_output[k] for key, k in _gradient_outputs(cap.text, self.next_values).items()
+        grads = {key: param_of_output[k]
+                 for key, k in _gradient_outputs(cap.text, self.next_values).items()
                  if k in param_of_output}
         profile = self.options.profile
         return {
@@ -237,7 +238,10 @@ def build_program(capture: Capture, options: ShardingOptions,
     (:func:`_executable_aliases`).
     """
     started = time.perf_counter()
-    module = parse(capture.text, path="<captured step>")
+    try:
+        module = parse(capture.text, path="<captured step>")
+    except HloShardError as err:
+        raise Unsupported(f"hlo-shard cannot read the captured module: {err}") from None
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
                           f"parameters for {len(capture.kept)} arguments")
