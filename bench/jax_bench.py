@@ -98,7 +98,10 @@ def _child(runs: int, rounds: int) -> None:
     variants = {"jit": (jit_step, init(adam)),
                 "gathered": (hsj.shard_weight_update(jit_step, state="gathered"), init(adam)),
                 "sharded": (hsj.shard_weight_update(jit_step, state="sharded"), init(adam)),
-                "NamedSharding": (alt_step, init(adam, state_shardings))}
+                "NamedSharding": (alt_step, init(adam, state_shardings)),
+                # for reference: one bucket, whatever auto's cost model would choose
+                "sharded/combined": (hsj.shard_weight_update(jit_step, state="sharded",
+                                                             strategy="combined"), init(adam))}
     first_call = {}
     carry = {}
     for name, (step, (params, state)) in variants.items():
@@ -146,12 +149,18 @@ def _child(runs: int, rounds: int) -> None:
               "sharded SGD": (net(sgd_fast.memory_stats), sgd_carry)}
 
     base = per_round["jit"]
-    print(f"{'variant':14s} {'step ms':>8s} {'/ jit':>6s} {'rounds':>11s} {'first call s':>12s}")
+    for name in ("gathered", "sharded", "sharded/combined"):
+        fast = variants[name][0]
+        text = fast.hlo_text
+        print(f"{name}: strategy {fast.options.strategy}, {fast.report['sharded']} of "
+              f"{fast.report['gradients']} gradients sharded, {text.count('reduce-scatter(')} "
+              f"reduce-scatter and {text.count('all-gather(')} all-gather in the module")
+    print(f"{'variant':16s} {'step ms':>8s} {'/ jit':>6s} {'rounds':>11s} {'first call s':>12s}")
     ratios = {}
     for name in variants:
         r = [a / b for a, b in zip(per_round[name], base)]
         ratios[name] = statistics.median(r)
-        print(f"{name:14s} {statistics.median(per_round[name]) * 1e3:8.1f} {ratios[name]:6.2f} "
+        print(f"{name:16s} {statistics.median(per_round[name]) * 1e3:8.1f} {ratios[name]:6.2f} "
               f"{min(r):5.2f}-{max(r):4.2f} {first_call[name]:12.2f}")
     print(f"\n{'memory/device':14s} {'compiled MiB':>12s} {'live MiB':>9s}  (compiled: argument "
           "+ output + temp - alias)")
