@@ -47,7 +47,6 @@ def jax_training(runs: int = 10, rounds: int = 3) -> dict[str, float]:
 def _child(runs: int, rounds: int) -> None:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_train_helpers import (MODELS, OPTIMIZERS, assert_close, jax, make_program,
+from jax_train_helpers import (MODELS, OPTIMIZERS, assert_close, make_program,
                                needs_devices, train)
 
 import hlo_shard.jax as hsj

@@ -166,7 +166,7 @@ class ShardedStep:
         if not chosen:
             return args
         targets = [self._shard_sharding if to_shards else sharding for _, _, sharding in chosen]
-        values = convert([call.leaves[i] for i, _, _ in chosen], [l for _, l, _ in chosen],
+        values = convert([call.leaves[i] for i, _, _ in chosen], [layout for _, layout, _ in chosen],
                          targets, to_shards)
         leaves = list(call.leaves)
         for (index, _, _), value in zip(chosen, values):
@@ -221,9 +221,6 @@ class ShardedStep:
             call.key = (call.treedef, call.static,
                         tuple(_xla.leaf_key(x) for x in call.leaves))
         return call.key
-
-    def _known(self, call: _Call) -> _Entry | _Fallback | None:
-        return self._entries.get(self._key(call))
 
     def _entry(self, call: _Call, args: tuple, kwargs: dict) -> _Entry | _Fallback:
         key = self._key(call)

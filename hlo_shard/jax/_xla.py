@@ -73,7 +73,6 @@ def lowering_facts(lowered) -> dict:
     args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
     const_args = getattr(lowered._lowering, "const_args", None) or ()
     return {"ordered_effects": tuple(args.get("ordered_effects", ())),
-            "unordered_effects": tuple(args.get("unordered_effects", ())),
             "host_callbacks": tuple(args.get("host_callbacks", ())),
             "tuple_args": bool(args.get("tuple_args", False)),
             "const_args": len(const_args)}
