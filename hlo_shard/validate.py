@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.graph import control_predecessors
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
+from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class _Checker:
         for comp in self.module.computations:
             for inst in comp.instructions:
                 channel = inst.attr("channel_id")
-                if channel is None or inst.opcode not in _CHANNEL_UNIQUE:
+                if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
                     self.comp = comp
@@ -123,13 +123,6 @@ class _Checker:
 def _strip_layouts(text: str) -> str:
     return re.sub(r"\{[^{}]*\}|/\*.*?\*/", "", text)
 
-
-#: Collectives whose channel ids must be unique (send/recv pairs share theirs).
-_CHANNEL_UNIQUE = frozenset({
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-    "all-reduce-start", "all-gather-start", "collective-permute-start", "ragged-all-to-all",
-    "collective-broadcast",
-})
 
 # ------------------------------------------------------------------------ shape rules
 

@@ -44,7 +44,6 @@ FACT_SETS = [
      {"+mulhi": "a pure function of its operands, missing from the module's list"}),
     ("hlo_shard.analysis.opcodes", "DEVICE_DEPENDENT",
      opcodes_where(lambda i: i.values == opinfo.PER_DEVICE), {}),
-    ("hlo_shard.validate", "_CHANNEL_UNIQUE", opinfo.CHANNEL_UNIQUE, {}),
     ("hlo_shard.analysis.cost", "TRANSCENDENTAL_OPCODES",
      opcodes_where(lambda i: i.transcendental), {}),
     ("hlo_shard.analysis.cost", "ELEMENTWISE_OPCODES", opinfo.PER_ELEMENT_COST, {}),
@@ -80,6 +79,12 @@ REPLACED = [
                             "is invalid HLO)",
         "+all-gather-done": "idem", "+collective-permute-done": "idem",
         "+async-update": "idem", "+async-done": "idem", "+copy-done": "idem"}),
+    ("validate._CHANNEL_UNIQUE", opinfo.CHANNEL_UNIQUE, frozenset({
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+        "all-reduce-start", "all-gather-start", "collective-permute-start",
+        "ragged-all-to-all", "collective-broadcast"}), {}),
+    # validate's elementwise shape rule (operand dims = result dims) read
+    # analysis.opcodes.ELEMENTWISE (see its row above for the three opcodes added).
     ("runtime.forms.PAIRED_CHANNEL_OPS", opinfo.CHANNEL_PAIRED,
      frozenset({"send", "recv", "send-done", "recv-done"}), {}),
 ]
