@@ -162,7 +162,8 @@ class Rewriter:
     """Edits one computation, keeping the instruction list, the users index and the
     change log consistent (the torch.fx editing vocabulary on HLO records). Every edit
     of an instruction a pass makes goes through one of its methods, so that
-    :attr:`changes` is the whole story: whether anything changed, and what."""
+    :attr:`changes` is the whole story: whether anything changed, and what (an edit
+    that leaves a value as it was is not recorded)."""
 
     comp: Computation
     changes: list[Change] = field(default_factory=list)
@@ -297,15 +298,21 @@ class Rewriter:
     # Instruction edits ---------------------------------------------------------------
     def set_opcode(self, inst: Instruction, opcode: str) -> None:
         """Turn ``inst`` into another op under the same name (its users are unchanged)."""
-        self.changes.append(Change("set-opcode", inst.name, f"{inst.opcode} -> {opcode}"))
-        inst.opcode = opcode
+        if opcode != inst.opcode:
+            self.changes.append(Change("set-opcode", inst.name, f"{inst.opcode} -> {opcode}"))
+            inst.opcode = opcode
 
     def set_shape(self, inst: Instruction, shape: Shape) -> None:
-        inst.shape = shape
-        self.changes.append(Change("set-shape", inst.name))
+        if shape != inst.shape:
+            inst.shape = shape
+            self.changes.append(Change("set-shape", inst.name))
 
     def set_attr(self, inst: Instruction, key: str, value: AttrValue) -> None:
-        """Set attribute ``key`` (a new key prints last, as XLA's printer adds it)."""
+        """Set attribute ``key`` (a new key prints last, as XLA's printer adds it);
+        recorded only when the value changes."""
+        old = inst.attributes.get(key)
+        if key in inst.attributes and type(old) is type(value) and old == value:
+            return
         inst.attributes[key] = value
         self.changes.append(Change("set-attr", inst.name, key))
 

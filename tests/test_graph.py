@@ -54,7 +54,8 @@ def test_every_edit_is_in_the_change_log():
     rw = Rewriter(comp)
     rw.set_operand(comp["r"], 1, "p")
     rw.set_opcode(comp["n"], "abs")
-    rw.set_shape(comp["n"], ArrayShape("f32", (4,)))
+    rw.set_shape(comp["n"], ArrayShape("f16", (4,)))
+    rw.set_shape(comp["n"], ArrayShape("f16", (4,)))  # unchanged: not recorded
     rw.set_attr(comp["n"], "sharding", Raw("{replicated}"))
     assert rw.pop_attr(comp["n"], "sharding") == Raw("{replicated}")
     assert rw.pop_attr(comp["n"], "sharding", "absent") == "absent"  # not recorded
