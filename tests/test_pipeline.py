@@ -150,3 +150,20 @@ def test_replica_form_refuses_replicas_and_partitions_together():
     module = parse(SGD.replace("replica_count=2", "replica_count=2, num_partitions=2"))
     with pytest.raises(HloShardError, match="replica_count or num_partitions"):
         ReplicaForm().apply(module)
+
+
+def test_pipelines_are_read_from_a_spec():
+    from hlo_shard.passes.registry import parse_pipeline
+
+    first, second = parse_pipeline(
+        "weight-update-sharding{state=sharded bucket-bytes=1024}, replica-form")
+    assert first.options.state == "sharded" and first.options.bucket_bytes == 1024
+    assert isinstance(second, ReplicaForm)
+    with pytest.raises(HloShardError, match="unknown pass 'nope'"):
+        parse_pipeline("nope")
+    with pytest.raises(HloShardError, match="not key=value"):
+        parse_pipeline("weight-update-sharding{sharded}")
+    with pytest.raises(HloShardError, match="pass replica-form: .*unexpected keyword"):
+        parse_pipeline("replica-form{x=1}")
+    with pytest.raises(HloShardError, match="bad pass pipeline at column 14"):
+        parse_pipeline("replica-form,{")
