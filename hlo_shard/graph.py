@@ -11,12 +11,12 @@ report, not this log).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 import contextlib
+from dataclasses import dataclass, field
 import heapq
 import itertools
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import networkx as nx
 
@@ -233,7 +233,7 @@ class Rewriter:
     def add_instruction(self, inst: Instruction) -> Instruction:
         self._taken.add(inst.name)
         if self._cursor is None:
-            return self._insert(self.comp.position(self.comp.root_name), inst)
+            return self._insert(self.comp.position(self.comp.root.name), inst)
         inserted = self._insert(self._cursor, inst)
         self._cursor += 1
         return inserted

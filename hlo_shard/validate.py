@@ -11,8 +11,8 @@ groups, and a root that matches the entry layout.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hlo_shard.graph import control_predecessors
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,

@@ -22,8 +22,8 @@ instruction is then its own kernel.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map

@@ -18,7 +18,6 @@ from hlo_shard.graph import Change
 from hlo_shard.ir import Module
 
 ReportT = TypeVar("ReportT")
-ReportT_co = TypeVar("ReportT_co", covariant=True)
 
 
 @dataclass
@@ -42,12 +41,12 @@ class PassResult(Generic[ReportT]):
             self.report = self.notes[0]
 
 
-class Pass(Protocol[ReportT_co]):
+class Pass(Protocol[ReportT]):
     """What a pipeline needs of a pass (anything with a name and ``apply``)."""
 
     name: ClassVar[str]
 
-    def apply(self, module: Module) -> PassResult[ReportT_co]: ...
+    def apply(self, module: Module) -> PassResult[ReportT]: ...
 
 
 class ModulePass(ABC, Generic[ReportT]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.passes.adapters import WeightUpdateShardingPass
@@ -17,7 +18,8 @@ from hlo_shard.passes.base import Pass
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
-Options = dict[str, "int | str"]
+#: Option name → value (an int when the text is digits, else the text).
+Options = dict[str, Any]
 
 #: Pass name → how to build it from its options.
 PASSES: dict[str, Callable[[Options], Pass]] = {
