@@ -100,6 +100,17 @@ POLICY_SETS = [
     ("hlo_shard.analysis.replication", "_FLOW_THROUGH", {}),
     ("hlo_shard.analysis.update_region", "_PULLABLE", {}),
     ("hlo_shard.analysis.collective_model", "COLLECTIVE_KINDS", {}),
+    ("hlo_shard.analysis.kernels", "_KERNEL_ROOTS", {}),
+    ("hlo_shard.analysis.estimate", "_DEVICE_ID_OPCODES", {}),
+    ("hlo_shard.analysis.estimate", "_MATRIX_OPCODES", {}),
+    ("hlo_shard.analysis.update_region", "_SCALAR_OK", {}),
+    ("hlo_shard.analysis.opcodes", "_BODY_EXTRA", {}),
+    # Rule tables keyed by opcode.
+    ("hlo_shard.analysis.cost", "RULES", {}),
+    ("hlo_shard.analysis.update_region", "RULES", {}),
+    ("hlo_shard.validate", "_SHAPE_RULES", {}),
+    ("hlo_shard.attributes", "REQUIRED_ATTRIBUTES", {}),
+    ("hlo_shard.attributes", "OPCODE_ATTRIBUTES", {}),
     # jax primitive names where HLO opcodes were meant: these entries never match.
     ("hlo_shard.runtime.inputs", "PASS_THROUGH", {
         "clz": "count-leading-zeros", "exp": "exponential", "expm1": "exponential-minus-one",

@@ -13,7 +13,9 @@ from typing import Any, TypeVar
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
+from hlo_shard.parser import parse
 from hlo_shard.passes.base import Pass, PassResult
+from hlo_shard.printer import to_text
 from hlo_shard.validate import validate
 
 #: Problems with a module (empty: fine); :func:`hlo_shard.validate.validate` is one.
@@ -22,6 +24,16 @@ Check = Callable[[Module], Sequence[object]]
 AfterPass = Callable[[Pass, PassResult], None]
 
 T = TypeVar("T")
+
+
+def validate_printed(module: Module) -> list[object]:
+    """The stricter check ``optimize`` makes before writing: the printed module parses
+    back, and what is read back validates."""
+    try:
+        reparsed = parse(to_text(module), path="<pass output>")
+    except HloShardError as err:
+        return [f"its text does not parse back: {err}"]
+    return list(validate(reparsed))
 
 
 class PassCheckError(HloShardError):
@@ -79,4 +91,5 @@ class Pipeline:
         return PipelineResult(module, tuple(results))
 
 
-__all__ = ["AfterPass", "Check", "PassCheckError", "Pipeline", "PipelineResult"]
+__all__ = ["AfterPass", "Check", "PassCheckError", "Pipeline", "PipelineResult",
+           "validate_printed"]
