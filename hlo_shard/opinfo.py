@@ -253,17 +253,21 @@ CHANNEL_UNIQUE = opcodes_where(lambda i: i.channel == UNIQUE)
 CHANNEL_PAIRED = opcodes_where(lambda i: i.channel == PAIRED)
 #: XLA prices these by their output elements (flops or transcendentals).
 PER_ELEMENT_COST = opcodes_where(lambda i: i.cost in (FLOP, TRANSCENDENTAL))
+#: XLA prices these at nothing: they move pointers or order execution.
+NO_COST = opcodes_where(lambda i: i.cost == FREE)
 #: Opcode → the collective it launches (the ``-done`` halves carry no traffic).
 COLLECTIVE_KINDS: dict[str, str] = {
     name: info.collective for name, info in OPINFO.items()
     if info.collective is not None and not info.is_async_done}
+#: The ``-done`` halves of async collectives.
+COLLECTIVE_DONE = opcodes_where(lambda i: i.collective is not None and i.is_async_done)
 #: Collectives that sum values across devices.
 SUMMING_COLLECTIVES = frozenset(
     name for name, kind in COLLECTIVE_KINDS.items() if kind in ("all-reduce", "reduce-scatter"))
 
 __all__ = [
-    "ALL_REDUCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_KINDS", "DETERMINISTIC",
-    "ELEMENTWISE", "FLOP", "FREE", "IMPURE", "OPCODES", "OPINFO", "PAIRED", "PER_DEVICE",
-    "PER_ELEMENT_COST", "STRUCTURAL", "SUMMING_COLLECTIVES", "TRANSCENDENTAL", "UNIQUE",
+    "ALL_REDUCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE", "COLLECTIVE_KINDS",
+    "DETERMINISTIC", "ELEMENTWISE", "FLOP", "FREE", "IMPURE", "NO_COST", "OPCODES", "OPINFO",
+    "PAIRED", "PER_DEVICE", "PER_ELEMENT_COST", "STRUCTURAL", "SUMMING_COLLECTIVES", "TRANSCENDENTAL", "UNIQUE",
     "OpInfo", "is_impure", "opcodes_where",
 ]
