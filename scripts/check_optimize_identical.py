@@ -2,15 +2,17 @@
 a committed table.
 
 For every ``fixtures/*/*.hlo`` this runs ``optimize`` (default options, as the CLI does:
-the pass, then the print / parse-back / validate check) in both ``--state`` modes, and
-the runtime's replica form (what ``verify`` executes) on the executable forms, and
-compares the sha256 of each output text with ``tests/data/optimize_hashes.json``.
+the pass, then the print / parse-back / validate check) in both ``--state`` modes, the
+runtime's replica form (what ``verify`` executes) on the executable forms, and
+``hlo-shard report --json`` (the cost model's figures), and compares the sha256 of each
+output text with ``tests/data/optimize_hashes.json``.
 
     python scripts/check_optimize_identical.py            # compare; exit 1 on a difference
     python scripts/check_optimize_identical.py --update   # rewrite the table (say why in the commit)
     python scripts/check_optimize_identical.py FILTER     # only fixtures whose key contains FILTER
 
-No jax is imported; the whole table takes about a minute on one core.
+No jax is imported; the whole table takes about a minute on one core
+(``optimize`` alone: ``... check_optimize_identical.py optimize``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,11 +50,31 @@ def _replica_form(text: str, path: str) -> str:
     return to_text(replica_form(parse(text, path=path)))
 
 
+def _report_json(text: str, path: str) -> str:
+    """What ``hlo-shard report IN.hlo --json`` prints (through the command, so the cost
+    model's modules may move without this script changing)."""
+    from click.testing import CliRunner
+
+    from hlo_shard.cli import main as cli
+
+    # From the checkout's root with a relative path: the report names its input.
+    previous = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = CliRunner().invoke(cli, ["report", os.path.relpath(path, ROOT), "--json"])
+    finally:
+        os.chdir(previous)
+    if result.exit_code != 0:
+        raise RuntimeError(f"report {path} failed: {result.output}")
+    return result.stdout
+
+
 #: Variant name → (which fixture folders, text → output text).
 VARIANTS: dict[str, tuple[tuple[str, ...] | None, Callable[[str, str], str]]] = {
     "optimize --state gathered": (None, _optimized("gathered")),
     "optimize --state sharded": (None, _optimized("sharded")),
     "replica_form": (EXECUTABLE_FORMS, _replica_form),
+    "report --json": (None, _report_json),
 }
 
 

@@ -1,5 +1,6 @@
-"""Behaviour unchanged: every fixture's ``optimize`` output (both ``--state`` modes) and
-replica form hash to the committed table (``scripts/check_optimize_identical.py``)."""
+"""Behaviour unchanged: every fixture's ``optimize`` output (both ``--state`` modes),
+replica form and ``report --json`` hash to the committed table
+(``scripts/check_optimize_identical.py``)."""
 
 from __future__ import annotations
 
@@ -40,5 +41,5 @@ def test_one_fixture_matches_its_hash():
     check = _script()
     actual = check.compute("spmd/sgd.n2.hlo")
     expected = json.loads(check.TABLE.read_text())
-    assert len(actual) == 3
+    assert len(actual) == 4
     assert check.differences(actual, {k: expected[k] for k in actual}) == []
