@@ -4,8 +4,9 @@ a committed table.
 For every ``fixtures/*/*.hlo`` this runs ``optimize`` (default options, as the CLI does:
 the pass, then the print / parse-back / validate check) in both ``--state`` modes, the
 runtime's replica form (what ``verify`` executes) on the executable forms, and
-``hlo-shard report --json`` (the cost model's figures), and compares the sha256 of each
-output text with ``tests/data/optimize_hashes.json``.
+``hlo-shard report --json`` (the cost model's figures) and the module retargeted to 16
+replicas (what ``scale`` re-runs the pass on; a refusal's message is hashed instead), and
+compares the sha256 of each output text with ``tests/data/optimize_hashes.json``.
 
     python scripts/check_optimize_identical.py            # compare; exit 1 on a difference
     python scripts/check_optimize_identical.py --update   # rewrite the table (say why in the commit)
@@ -69,12 +70,23 @@ def _report_json(text: str, path: str) -> str:
     return result.stdout
 
 
+def _retargeted(text: str, path: str) -> str:
+    from hlo_shard.errors import HloShardError
+    from hlo_shard.scaling import retarget
+
+    try:
+        return to_text(retarget(parse(text, path=path), 16))
+    except HloShardError as err:
+        return f"refused: {err}"
+
+
 #: Variant name → (which fixture folders, text → output text).
 VARIANTS: dict[str, tuple[tuple[str, ...] | None, Callable[[str, str], str]]] = {
     "optimize --state gathered": (None, _optimized("gathered")),
     "optimize --state sharded": (None, _optimized("sharded")),
     "replica_form": (EXECUTABLE_FORMS, _replica_form),
     "report --json": (None, _report_json),
+    "retarget 16": (None, _retargeted),
 }
 
 

@@ -1,5 +1,5 @@
 """Behaviour unchanged: every fixture's ``optimize`` output (both ``--state`` modes),
-replica form and ``report --json`` hash to the committed table
+replica form, ``report --json`` and retargeted module hash to the committed table
 (``scripts/check_optimize_identical.py``)."""
 
 from __future__ import annotations
@@ -41,5 +41,5 @@ def test_one_fixture_matches_its_hash():
     check = _script()
     actual = check.compute("spmd/sgd.n2.hlo")
     expected = json.loads(check.TABLE.read_text())
-    assert len(actual) == 4
+    assert len(actual) == 5
     assert check.differences(actual, {k: expected[k] for k in actual}) == []

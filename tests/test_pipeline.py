@@ -167,3 +167,13 @@ def test_pipelines_are_read_from_a_spec():
         parse_pipeline("replica-form{x=1}")
     with pytest.raises(HloShardError, match="bad pass pipeline at column 14"):
         parse_pipeline("replica-form,{")
+
+
+def test_retarget_reports_the_group_sizes():
+    from hlo_shard.passes.retarget import Retarget, RetargetReport
+
+    result = Pipeline([Retarget(8)]).run(parse(SGD))
+    assert result.report(RetargetReport) == RetargetReport(from_devices=2, to_devices=8)
+    assert result.module.replica_count == 8 and "{0,1,2,3,4,5,6,7}" in to_text(result.module)
+    with pytest.raises(HloShardError, match="at least one replica"):
+        Retarget(0)

@@ -16,6 +16,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.passes.adapters import WeightUpdateShardingPass
 from hlo_shard.passes.base import Pass
 from hlo_shard.passes.replica_form import ReplicaForm
+from hlo_shard.passes.retarget import Retarget
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
 #: Option name → value (an int when the text is digits, else the text).
@@ -25,6 +26,7 @@ Options = dict[str, Any]
 PASSES: dict[str, Callable[[Options], Pass]] = {
     WeightUpdateShardingPass.name: lambda o: WeightUpdateShardingPass(ShardingOptions(**o)),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
+    Retarget.name: lambda o: Retarget(**o),
 }
 
 _STEP = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
