@@ -28,7 +28,8 @@ lint: install
 	$(PY) -m ruff check .
 
 # mypy on the modules that are clean so far (add a module once it is).
-TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/passes/base.py \
+TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/validate.py \
+	hlo_shard/passes/base.py hlo_shard/passes/retarget.py \
 	hlo_shard/passes/pipeline.py hlo_shard/passes/adapters.py hlo_shard/passes/registry.py \
 	hlo_shard/passes/replica_form.py hlo_shard/runtime/forms.py
 typecheck: install

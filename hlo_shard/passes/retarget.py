@@ -41,8 +41,9 @@ class Retarget(ModulePass[RetargetReport]):
     def apply(self, module: Module) -> PassResult[RetargetReport]:
         n0 = data_parallel_size(module)
         changes = []
-        for key in ("replica_count", "num_partitions"):
-            if int(module.header.get(key, 1)) == n0:
+        counts = {"replica_count": module.replica_count, "num_partitions": module.num_partitions}
+        for key, count in counts.items():
+            if count == n0:
                 if module.header.get(key) != self.replicas:
                     changes.append(Change("set-header", key, str(self.replicas)))
                 module.header[key] = self.replicas
