@@ -246,7 +246,6 @@ FILES = sorted((ROOT_DIR / "tests" / "golden").glob("**/*.hlo")) + sorted(
 
 @pytest.fixture(scope="module")
 def fine_grained_parser():
-    from lark import Lark
     from lark.lexer import PatternRE
 
     from hlo_shard import parser
@@ -256,9 +255,7 @@ def fine_grained_parser():
             terminal.pattern = PatternRE("\x00never\x00")
 
     parser._patterns()  # the cutting regexes come from the real grammar
-    return Lark(parser.grammar_path().read_text(), parser="lalr", lexer="contextual",
-                transformer=parser._BUILDER, start=["start", "inline_body"],
-                maybe_placeholders=True, edit_terminals=switch_off)
+    return parser._make_parser(edit_terminals=switch_off)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT_DIR)))
@@ -267,7 +264,7 @@ def test_coarse_tokens_do_not_change_the_module(path, fine_grained_parser, monke
 
     text = path.read_text()
     coarse = parse(text)
-    monkeypatch.setattr(parser, "_PARSER", fine_grained_parser)
+    monkeypatch.setattr(parser._PER_THREAD, "lark", fine_grained_parser)
     fine = parse(text)
     assert to_text(fine) == to_text(coarse)
     assert [(i.name, i.loc) for c in fine.computations for i in c.instructions] == [
