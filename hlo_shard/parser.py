@@ -259,7 +259,11 @@ _SHAPE_PART_RE = re.compile(
 def _read_shape(text: str, loc: Loc) -> Shape:
     """Any shape, tuples included, from text (the result of a coarse signature)."""
     stack: list[list[Shape]] = [[]]
+    covered = 0
     for match in _SHAPE_PART_RE.finditer(text):
+        if match.start() != covered:
+            break  # text that is no part of a shape
+        covered = match.end()
         part = match.group(0)
         if part == "(":
             stack.append([])
@@ -268,7 +272,7 @@ def _read_shape(text: str, loc: Loc) -> Shape:
             stack[-1].append(TupleShape(tuple(elements)))
         elif part[0].isalpha():
             stack[-1].append(_array_shape(part, loc))
-    if len(stack) != 1 or len(stack[0]) != 1:
+    if len(stack) != 1 or len(stack[0]) != 1 or covered != len(text):
         _fail(f"bad shape {show(text)}", loc)
     return stack[0][0]
 
@@ -975,14 +979,12 @@ class _Builder(Transformer):
                 if required not in attrs and scope.first_missing_attribute is None:
                     scope.first_missing_attribute = (
                         f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
-            operands = [names[o] for o in inst.operands if o in names]
             derive = _DERIVED_SHAPES.get(inst.opcode)
-            derived = derive(operands) if derive is not None else None
-            if derived is not None:
-                inst.shape = derived
-            elif shape is None:
-                inst.shape = _infer_shape(inst.opcode, opcode_loc, operands, attrs,
-                                          self.computations)
+            if shape is None or derive is not None:
+                operands = [names[o] for o in inst.operands if o in names]
+                derived = derive(operands) if derive is not None else None
+                inst.shape = derived or shape or _infer_shape(
+                    inst.opcode, opcode_loc, operands, attrs, self.computations)
             if inst.opcode == "conditional" and inst.operands and inst.operands[0] in names:
                 _check_conditional_form(names[inst.operands[0]], attributes, opcode_loc)
         if root is not None:
@@ -997,11 +999,11 @@ class _Builder(Transformer):
     def _attribute(self, key: str, kind: str, text: str, loc: Loc) -> AttrValue:
         if key == "metadata":
             _check_metadata(text, loc)
+        if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
+            return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
         check = _VALUE_CHECKS.get((key, kind))
         if check is not None:
             check(text, loc)
-        if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
-            return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
         if key in _COMPUTATION_ATTRS and kind == "BLOB" and "=" in text:
             return self._inline_computation(text, loc)
         value = _attribute_value(key, kind, text, loc)
