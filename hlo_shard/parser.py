@@ -17,6 +17,11 @@ exception escapes.
 
 Positions are resolved lazily: a location is a lark token or ``(token, offset)``
 into a coarse token, turned into line and column only for a message.
+
+State is per call: each thread has its own lark parser and builder, which holds one
+parse's records from the start of the call to its end (no lock, nothing kept between
+calls); only immutable things are shared (compiled regexes, a bounded cache of shapes).
+See ``docs/frontend.md``.
 """
 
 from __future__ import annotations
