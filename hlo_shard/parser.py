@@ -443,9 +443,45 @@ def _check_shaped_literal(text: str, loc: Loc) -> None:
                    _within(loc, shape_end))
 
 
+def _check_tuple_literal(text: str, loc: Loc) -> None:
+    """``literal=( s32[] 1, ( f32[2]{0} {1, 2} ), )``: each element a shape and its
+    literal, or a tuple of them; a trailing comma is allowed (as XLA)."""
+    items = _top_level_items(text, 1, len(text) - 1)
+    if items and not text[items[-1][0]:items[-1][1]].strip():
+        items.pop()  # `(a, )` and `()`
+    for start, end in items:
+        item = text[start:end]
+        offset = start + len(item) - len(item.lstrip())
+        item = item.strip()
+        if item.startswith("("):
+            _check_tuple_literal(item, _within(loc, offset))
+        elif _patterns()["shape"].match(item):
+            _check_shaped_literal(item, _within(loc, offset))
+        else:
+            _fail("expects a shape and its literal, or a tuple of them", _within(loc, offset))
+
+
+def _top_level_items(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """(start, end) of the comma-separated items of ``text[start:end]`` outside any
+    braces or parentheses."""
+    items, depth, item_start = [], 0, start
+    for position in range(start, end):
+        char = text[position]
+        if char in "({":
+            depth += 1
+        elif char in ")}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append((item_start, position))
+            item_start = position + 1
+    items.append((item_start, end))
+    return items
+
+
 #: Checks of attribute values by (attribute, value kind) that XLA parses as it reads them.
 _VALUE_CHECKS = {
     ("literal", "SHAPED_LITERAL"): _check_shaped_literal,
+    ("literal", "PARENS"): _check_tuple_literal,
     ("outfeed_shape", "PARENS"): _read_shape,
 }
 

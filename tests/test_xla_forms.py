@@ -75,6 +75,12 @@ REFUSALS = [
     pytest.param(_module('  ROOT c = s32[2]{0} custom-call(), custom_call_target="f", '
                          "literal=s32[2] {1, 2}"), 3, 69, "not a permutation", "error",
                  id="custom-call-literal-as-layout"),
+    pytest.param(_module('  ROOT c = (s32[]) custom-call(), custom_call_target="f", '
+                         "literal=( s32[] 1.5 )"), 3, 75, "expects integer, found '1.5'",
+                 "error", id="custom-call-tuple-literal-value"),
+    pytest.param(_module('  ROOT c = (s32[]) custom-call(), custom_call_target="f", '
+                         "literal=(s32[] 1, (7))"), 3, 78, "expects a shape and its literal",
+                 "error", id="custom-call-tuple-literal-no-shape"),
     pytest.param(_module("  p = f32[3]{0} parameter(0)\n  ROOT o = token[] outfeed(p, "
                          "after-all()), outfeed_shape=(f32[3]{0}, x)"), 4, 59, "bad shape",
                  "error", id="outfeed-shape-tuple"),
