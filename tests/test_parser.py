@@ -334,3 +334,14 @@ def test_the_cycle_collector_is_left_as_the_caller_had_it():
         hold.set()
         other.join()
     assert gc.isenabled()
+
+
+def test_the_shape_cache_is_bounded(monkeypatch):
+    from hlo_shard import parser
+
+    monkeypatch.setattr(parser, "_SHAPE_CACHE_LIMIT", 4)
+    monkeypatch.setattr(parser, "_SHAPE_CACHE", {})
+    body = "\n".join(f"  p{n} = f32[{n + 1}] parameter({n})" for n in range(10))
+    module = parse(f"HloModule m\nENTRY e {{\n{body}\n  ROOT t = () tuple()\n}}\n")
+    assert len(parser._SHAPE_CACHE) <= 4
+    assert [i.shape.dims for i in module.entry.instructions[:10]] == [(n + 1,) for n in range(10)]
