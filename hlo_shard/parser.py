@@ -33,7 +33,7 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Union, cast
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -1147,11 +1147,11 @@ def _parser() -> Lark:
 def parse(text: str, path: str | None = None) -> Module:
     """Parse HLO text into a :class:`Module`; ``path`` is only used in messages."""
     lark = _parser()
-    builder = lark.options.transformer
+    builder = cast(_Builder, lark.options.transformer)
     with _cyclic_gc_paused():
         builder.reset()
         try:
-            module = lark.parse(text, start="start")
+            module = cast(Module, lark.parse(text, start="start"))
         except _Located as err:
             raise _error(text, path, err.message, err.line, err.column) from None
         except UnexpectedInput as err:

@@ -30,6 +30,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,17 +110,19 @@ class _Worker:
             [sys.executable, str(Path(__file__).resolve()), "--worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             cwd=ROOT)
+        self.requests = cast(IO[str], self.process.stdin)
+        self.answers = cast(IO[str], self.process.stdout)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        for line in self.answers:
             self.lines.put(line)
         self.lines.put(None)  # end of output: the worker died
 
     def round_trip(self, path: str, timeout: float) -> Verdict:
-        self.process.stdin.write(path + "\n")
-        self.process.stdin.flush()
+        self.requests.write(path + "\n")
+        self.requests.flush()
         stage = "xla"
         while True:
             try:
