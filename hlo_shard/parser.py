@@ -532,12 +532,12 @@ def _tuple_element_shape(operands, attrs, computations) -> Shape | None:
 
 def _dot_shape(operands, attrs, computations) -> Shape | None:
     """Batch dimensions, then the lhs's free ones, then the rhs's (XLA's InferDotOpShape);
-    operands of one element type only."""
+    static operands of one element type only."""
     if len(operands) != 2:
         return None
     lhs, rhs = operands[0].shape, operands[1].shape
     if not (isinstance(lhs, ArrayShape) and isinstance(rhs, ArrayShape)
-            and lhs.element_type == rhs.element_type):
+            and lhs.element_type == rhs.element_type and not lhs.dynamic and not rhs.dynamic):
         return None
     dims = {key: attrs.get(key, ()) for key in (
         "lhs_batch_dims", "rhs_batch_dims", "lhs_contracting_dims", "rhs_contracting_dims")}
