@@ -46,12 +46,13 @@ from hlo_shard.attributes import (
 from hlo_shard.errors import HloParseError
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
-    ELEMENT_BITS, ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident,
-    Instruction, Layout, Module, Raw, Shape, SourceLoc, Str, TupleShape,
+    COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, ArrayShape, AttrValue, Computation,
+    ComputationList, ComputationRef, Ident, Instruction, Layout, Module, Raw, Shape, SourceLoc,
+    Str, TupleShape,
 )
 from hlo_shard.values import (
-    LiteralError, c_unescape, check_literal, read_int_list, read_names, read_replica_groups,
-    read_slice_ranges, show,
+    LiteralError, c_unescape, check_literal, float_format, read_int_list, read_names,
+    read_replica_groups, read_slice_ranges, show,
 )
 
 __all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", "parse_file"]
@@ -531,13 +532,13 @@ def _tuple_element_shape(operands, attrs, computations) -> Shape | None:
 
 
 def _dot_shape(operands, attrs, computations) -> Shape | None:
-    """Batch dimensions, then the lhs's free ones, then the rhs's (XLA's InferDotOpShape);
-    static operands of one element type only."""
+    """Batch dimensions, then the lhs's free ones, then the rhs's, in the operands' more
+    precise element type (XLA's InferDotOpShape); static operands only."""
     if len(operands) != 2:
         return None
     lhs, rhs = operands[0].shape, operands[1].shape
     if not (isinstance(lhs, ArrayShape) and isinstance(rhs, ArrayShape)
-            and lhs.element_type == rhs.element_type and not lhs.dynamic and not rhs.dynamic):
+            and not lhs.dynamic and not rhs.dynamic):
         return None
     dims = {key: attrs.get(key, ()) for key in (
         "lhs_batch_dims", "rhs_batch_dims", "lhs_contracting_dims", "rhs_contracting_dims")}
@@ -551,7 +552,18 @@ def _dot_shape(operands, attrs, computations) -> Shape | None:
     result = ([lhs.dims[d] for d in dims["lhs_batch_dims"]]
               + [n for d, n in enumerate(lhs.dims) if d not in lhs_used]
               + [n for d, n in enumerate(rhs.dims) if d not in rhs_used])
-    return ArrayShape(lhs.element_type, tuple(result))
+    element_type = max(lhs.element_type, rhs.element_type, key=_precision_rank)
+    return ArrayShape(element_type, tuple(result))
+
+
+def _precision_rank(element_type: str) -> tuple:
+    """XLA's order of element types by precision (``HigherPrecisionType``): complex
+    first, then float range, float precision, bit width, signed over unsigned."""
+    component = {"c64": "f32", "c128": "f64"}.get(element_type, element_type)
+    exponent_range, significand = float_format(component) or (-1, -1)
+    width = int(component[1:]) if component in INTEGER_TYPES else ELEMENT_BITS.get(component, 0)
+    return (element_type in COMPLEX_TYPES, exponent_range, significand, width,
+            component[0] == "s")
 
 
 def _conditional_shape(operands, attrs, computations) -> Shape | None:

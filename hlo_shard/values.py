@@ -184,6 +184,23 @@ _PAYLOAD_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52, "c64": 23, "c128": 
                  "f8e5m2": 2, "f8e4m3": 3, "f8e3m4": 4}
 
 
+def float_format(element_type: str) -> tuple[int, int] | None:
+    """(exponent range, significand bits) of a float type (the component type of a
+    complex one), None for other types: the terms XLA ranks float precision by."""
+    name = _FLOAT_DTYPES.get(element_type)
+    if name is None:
+        return None
+    import numpy as np
+
+    if hasattr(np, name):
+        info = np.finfo(np.dtype(name))
+    else:
+        import ml_dtypes
+
+        info = ml_dtypes.finfo(getattr(ml_dtypes, name))
+    return int(info.maxexp - info.minexp), int(info.nmant) + 1
+
+
 def check_literal(element_type: str, dims: tuple[int, ...], literal: str) -> None:
     """A dense literal against its array shape, as XLA's ParseDenseLiteral and
     SetValueInLiteral check it: the element count, the nesting of ``{}`` against the
