@@ -148,9 +148,37 @@ _INT_LIST_ATTRS = frozenset({
     "input_batching_dims", "scatter_indices_batching_dims", "source_target_pairs",
 })
 
-#: Header attributes with a typed value; the others are kept verbatim.
-_HEADER_TYPES: dict[str, type] = {"replica_count": int, "num_partitions": int,
-                                   "is_scheduled": bool}
+_INT64_MAX = 2**63 - 1
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.lstrip("-").isdigit() and 1 <= int(text) <= _INT64_MAX else None
+
+
+def _boolean(text: str) -> bool | None:
+    return {"true": True, "false": False}.get(text)
+
+
+def _booleans(text: str) -> Raw | None:
+    return Raw(text) if text in ("true", "false") or re.fullmatch(
+        r"\{\s*(?:(?:true|false)\s*(?:,\s*(?:true|false)\s*)*)?\}", text) else None
+
+
+def _braced(text: str) -> Raw | None:
+    return Raw(text) if text.startswith("{") else None
+
+
+#: Header attribute → (reader of its value text, None when it is not of the kind; the
+#: kind in words); the typed ones are ints and bools, the others kept verbatim.
+_HEADER_VALUES: dict[str, tuple[Callable[[str], AttrValue | None], str]] = {
+    "replica_count": (_count, "a positive integer (at most 2^63-1)"),
+    "num_partitions": (_count, "a positive integer (at most 2^63-1)"),
+    "is_scheduled": (_boolean, "true or false"),
+    "alias_passthrough_params": (_boolean, "true or false"),
+    "allow_spmd_sharding_propagation_to_output": (_booleans, "true, false or {true,false,...}"),
+    "allow_spmd_sharding_propagation_to_parameters": (
+        _booleans, "true, false or {true,false,...}"),
+}
 
 _TYPE_KEYWORDS = frozenset(ELEMENT_BITS) | {"opaque_type"}
 _MAX_TUPLE_DEPTH = 64
@@ -208,7 +236,6 @@ def _bare(name: str) -> str:
 #: shapes are immutable. Bounded: emptied when full (one module seldom has 10,000).
 _SHAPE_CACHE: dict[str, ArrayShape] = {}
 _SHAPE_CACHE_LIMIT = 10_000
-_INT64_MAX = 2**63 - 1
 
 
 def _array_shape(text: str, loc: Loc) -> ArrayShape:
@@ -806,19 +833,11 @@ class _Builder(Transformer):
                 _fail(_unexpected_attribute(key, HEADER_ATTRIBUTES), key_loc)
             if key in header:
                 _fail(f"attribute {key} already exists", key_loc)
-            expected = _HEADER_TYPES.get(key)
-            if expected is int and kind == "INT":
-                if not 1 <= int(text) <= _INT64_MAX:
-                    _fail(f"'{key}' must be a positive integer (at most 2^63-1), found "
-                          f"{show(text)}", loc)
-                header[key] = int(text)
-            elif expected is bool and text in ("true", "false"):
-                header[key] = text == "true"
-            elif expected is not None:
-                _fail(f"'{key}' expects {'an integer' if expected is int else 'true or false'}"
-                      f", found {show(text)}", loc)
-            else:
-                header[key] = Raw(text)
+            read, words = _HEADER_VALUES.get(key, (_braced, "a '{...}' value"))
+            value = read(text)
+            if value is None:
+                _fail(f"'{key}' expects {words}, found {show(text)}", loc)
+            header[key] = value
         return _bare(name.value.rstrip(":")), header
 
     # Computations -------------------------------------------------------------------

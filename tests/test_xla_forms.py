@@ -39,11 +39,11 @@ REFUSALS = [
     pytest.param(_module("  p = f32[] parameter(2)\n  ROOT q = f32[] parameter(0)"), 3, 23,
                  "has 2 parameters, numbered [0, 2), got 2", "abort", id="parameter-gap"),
     pytest.param(_module("  ROOT p = f32[] parameter(0)", "HloModule m, replica_count=-3"),
-                 1, 28, "'replica_count' must be a positive integer", "ok",
+                 1, 28, "'replica_count' expects a positive integer", "ok",
                  id="replica-count-negative"),
     pytest.param(_module("  ROOT p = f32[] parameter(0)",
                          "HloModule m, num_partitions=99999999999999999999"), 1, 29,
-                 "'num_partitions' must be a positive integer (at most 2^63-1)", "error",
+                 "'num_partitions' expects a positive integer (at most 2^63-1)", "error",
                  id="num-partitions-int64"),
     pytest.param(_module("  ROOT p = f32[] parameter(0)", "HloModule m, foo=3"), 1, 14,
                  'unexpected attribute "foo". Allowed attributes: alias_passthrough_params',
@@ -142,3 +142,32 @@ def test_peer_roundtrip_refuses_a_missing_folder(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nothere")],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+
+
+@pytest.mark.parametrize("attribute, words", [
+    ("alias_passthrough_params=3", "expects true or false"),
+    ("allow_spmd_sharding_propagation_to_output=3", "expects true, false or {true,false,...}"),
+    ("entry_computation_layout=3", "expects a '{...}' value"),
+    ("input_output_alias=3", "expects a '{...}' value"),
+    ("buffer_donor=3", "expects a '{...}' value"),
+    ("frontend_attributes=3", "expects a '{...}' value"),
+    ("origin_recovery_table=3", "expects a '{...}' value"),
+    ("is_scheduled=1", "expects true or false"),
+    ("replica_count=true", "expects a positive integer"),
+])
+def test_header_values_of_the_wrong_kind_are_refused(attribute, words):
+    """XLA refuses each of these too (checked by hand with jaxlib 0.10.2: 'expects true or
+    false', "Expects '{' at the start of aliasing description", ...)."""
+    with pytest.raises(HloParseError) as caught:
+        parse(_module("  ROOT p = f32[] parameter(0)", f"HloModule m, {attribute}"))
+    assert words in caught.value.message and caught.value.column == 15 + attribute.index("=")
+
+
+def test_header_values_of_the_right_kind_are_kept():
+    header = parse(_module(
+        "  ROOT p = f32[] parameter(0)",
+        "HloModule m, alias_passthrough_params=true, is_scheduled=false, replica_count=2, "
+        "allow_spmd_sharding_propagation_to_output={true,false}, input_output_alias={}")).header
+    assert header["alias_passthrough_params"] is True and header["is_scheduled"] is False
+    assert header["replica_count"] == 2
+    assert str(header["allow_spmd_sharding_propagation_to_output"].text) == "{true,false}"
