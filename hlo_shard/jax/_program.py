@@ -253,7 +253,7 @@ def build_program(capture: Capture, options: ShardingOptions,
     else:
         module.header.update(donation)
     try:
-        report = WeightUpdateSharding(options).apply(module).notes[0]
+        report = WeightUpdateSharding(options).apply(module).report
         for key in DONATION_ATTRIBUTES:
             module.header.pop(key, None)
         module.header.update(_executable_aliases(donation, next_values, module))
