@@ -1,0 +1,218 @@
+"""Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
+must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS`` prints one
+JSON object with every scenario's outcome.
+
+Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
+``shard_map`` step run STEPS times without the hook and then, on fresh copies of the same
+inputs, with ``hlo_shard.jax.install()``; the result records the largest difference of
+losses and parameters relative to each tensor's largest magnitude (0.0: bitwise) and what
+the hook did with the step's module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import hlo_shard.jax as hook  # noqa: E402
+from hlo_shard.jax import hook as hook_module  # noqa: E402
+
+SIZES = (24, 64, 48, 16)
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_clip": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                      optax.adamw(1e-2, weight_decay=1e-2)),
+    "lion": lambda: optax.lion(1e-3),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+def init_params() -> dict:
+    key = jax.random.PRNGKey(0)
+    params = {}
+    for i in range(len(SIZES) - 1):
+        params[f"w{i}"] = np.asarray(jax.random.normal(jax.random.fold_in(key, i),
+                                                       (SIZES[i], SIZES[i + 1])) * 0.3)
+        params[f"b{i}"] = np.full((SIZES[i + 1],), 0.01 * (i + 1), np.float32)
+    return params
+
+
+def loss_fn(p, x, y):
+    h = x
+    for i in range(len(SIZES) - 1):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < len(SIZES) - 2:
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def batch():
+    key = jax.random.PRNGKey(1)
+    x = np.asarray(jax.random.normal(key, (4 * N, SIZES[0])))
+    y = np.asarray(jax.random.normal(jax.random.fold_in(key, 1), (4 * N, SIZES[-1])))
+    return x, y
+
+
+def jit_step(opt):
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+    return step
+
+
+def shard_map_step(opt, mesh):
+    from jax.experimental.shard_map import shard_map
+
+    def local(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        g = jax.lax.pmean(g, "d")
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, jax.lax.pmean(loss, "d")
+    return shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
+                     out_specs=(P(), P(), P()), check_rep=False)
+
+
+def run(step, opt, mesh) -> tuple[list[float], dict]:
+    """STEPS steps of a fresh jit of ``step`` from fresh device copies of the inputs."""
+    replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(init_params(), replicated)
+    state = jax.device_put(jax.tree.map(np.asarray, opt.init(init_params())), replicated)
+    x, y = (jax.device_put(v, batched) for v in batch())
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    losses = []
+    for _ in range(STEPS):
+        params, state, loss = jitted(params, state, x, y)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def relative_difference(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(a))), 1e-30)
+    return float(np.max(np.abs(a - b))) / scale
+
+
+def training(name: str, make_step, mesh) -> dict:
+    opt = OPTIMIZERS[name]()
+    step = make_step(opt)
+    plain_losses, plain_params = run(step, opt, mesh)
+    hook.decisions(clear=True)
+    with hook.install():
+        losses, params = run(step, opt, mesh)
+    steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
+                                                                              "jit_local"))]
+    return {
+        "loss": relative_difference(plain_losses, losses),
+        "params": max(relative_difference(plain_params[k], params[k]) for k in params),
+        "changed": [d.changed for d in steps],
+        "reasons": [d.reason for d in steps],
+        "sharded_bytes": sum(d.sharded_bytes for d in steps),
+        "gradient_bytes": sum(d.gradient_bytes for d in steps),
+        "losses": losses,
+    }
+
+
+def idempotence(mesh) -> dict:
+    """install twice / uninstall twice; one registration, one application per module."""
+    opt = OPTIMIZERS["adam"]()
+    step = jit_step(opt)
+    plain, _ = run(step, opt, mesh)
+    hook.decisions(clear=True)
+    hook.install()
+    hook.install()
+    registered_once = hook_module._HOOK.registered
+    losses, _ = run(step, opt, mesh)
+    applied = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+    hook.uninstall()
+    hook.uninstall()
+    after, _ = run(step, opt, mesh)
+    untouched_after = not hook.decisions(clear=True)
+    return {"registered_once": registered_once, "applications": len(applied),
+            "changed": [d.changed for d in applied],
+            "same_losses": losses == plain, "installed_after": hook.installed(),
+            "untouched_after_uninstall": untouched_after, "after_losses_equal": after == plain}
+
+
+def failure(mesh) -> dict:
+    """The pass raising, or producing a module that fails validation: jax compiles the
+    original module, the step runs, one log line says why."""
+    import logging
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hlo_shard").addHandler(Collect())
+    logging.getLogger("hlo_shard").setLevel(logging.INFO)
+    opt = OPTIMIZERS["adam"]()
+    step = jit_step(opt)
+    plain, _ = run(step, opt, mesh)
+    out = {}
+    original_shard = hook_module._shard
+    import hlo_shard.cli.optimize as optimize_cli
+    original_validate = optimize_cli.validate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    for case, patch in (("exception", lambda: setattr(hook_module, "_shard", broken)),
+                        ("invalid", lambda: setattr(optimize_cli, "validate",
+                                                    lambda module: ["injected problem"]))):
+        records.clear()
+        patch()
+        try:
+            hook.decisions(clear=True)
+            with hook.install():
+                losses, _ = run(step, opt, mesh)
+        finally:
+            hook_module._shard = original_shard
+            optimize_cli.validate = original_validate
+        steps = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+        out[case] = {"same_losses": losses == plain, "changed": [d.changed for d in steps],
+                     "reasons": [d.reason for d in steps],
+                     "log": [r for r in records if "jit_step" in r]}
+    return out
+
+
+def no_gradients(mesh) -> dict:
+    """An evaluation function and optax init: nothing changed, init never parsed."""
+    hook.decisions(clear=True)
+    replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    with hook.install():
+        params = jax.device_put(init_params(), replicated)
+        x, y = (jax.device_put(v, batched) for v in batch())
+        evaluated = float(jax.jit(loss_fn)(params, x, y))
+        jax.jit(optax.adam(1e-3).init)(params)
+    made = hook.decisions(clear=True)
+    return {"modules": [d.module for d in made], "changed": [d.changed for d in made],
+            "loss": evaluated,
+            "direct": hook_module._HOOK.transform(b"\x0a\x03abc") is None}
+
+
+def main() -> None:
+    mesh = jax.make_mesh((N,), ("d",))
+    result = {"jit": {name: training(name, jit_step, mesh) for name in OPTIMIZERS},
+              "shard_map": {"adam": training("adam", lambda o: shard_map_step(o, mesh), mesh)},
+              "idempotence": idempotence(mesh), "failure": failure(mesh),
+              "no_gradients": no_gradients(mesh)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
