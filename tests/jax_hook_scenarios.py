@@ -1,6 +1,8 @@
 """Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
-must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS`` prints one
-JSON object with every scenario's outcome.
+must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
+prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>``,
+``shard_map:adam``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
+``per_tensor``).
 
 Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
 ``shard_map`` step run STEPS times without the hook and then, on fresh copies of the same
@@ -15,8 +17,8 @@ import json
 import os
 import sys
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+N = int(sys.argv[1])
+STEPS = int(sys.argv[2])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 
 import jax  # noqa: E402
@@ -41,11 +43,10 @@ OPTIMIZERS = {
 
 
 def init_params() -> dict:
-    key = jax.random.PRNGKey(0)
+    rng = np.random.default_rng(0)
     params = {}
     for i in range(len(SIZES) - 1):
-        params[f"w{i}"] = np.asarray(jax.random.normal(jax.random.fold_in(key, i),
-                                                       (SIZES[i], SIZES[i + 1])) * 0.3)
+        params[f"w{i}"] = (rng.standard_normal((SIZES[i], SIZES[i + 1])) * 0.3).astype(np.float32)
         params[f"b{i}"] = np.full((SIZES[i + 1],), 0.01 * (i + 1), np.float32)
     return params
 
@@ -60,10 +61,15 @@ def loss_fn(p, x, y):
 
 
 def batch():
-    key = jax.random.PRNGKey(1)
-    x = np.asarray(jax.random.normal(key, (4 * N, SIZES[0])))
-    y = np.asarray(jax.random.normal(jax.random.fold_in(key, 1), (4 * N, SIZES[-1])))
-    return x, y
+    rng = np.random.default_rng(1)
+    return (rng.standard_normal((4 * N, SIZES[0])).astype(np.float32),
+            rng.standard_normal((4 * N, SIZES[-1])).astype(np.float32))
+
+
+def host_state(opt) -> dict:
+    """The optimizer's initial state on the host, made before any install (so installs
+    and the caches they clear do not recompile optax's init)."""
+    return jax.tree.map(np.asarray, opt.init(init_params()))
 
 
 def jit_step(opt):
@@ -75,22 +81,20 @@ def jit_step(opt):
 
 
 def shard_map_step(opt, mesh):
-    from jax.experimental.shard_map import shard_map
-
     def local(p, s, x, y):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
         g = jax.lax.pmean(g, "d")
         updates, s = opt.update(g, s, p)
         return optax.apply_updates(p, updates), s, jax.lax.pmean(loss, "d")
-    return shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
-                     out_specs=(P(), P(), P()), check_rep=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
+                         out_specs=(P(), P(), P()), check_vma=False)
 
 
-def run(step, opt, mesh) -> tuple[list[float], dict]:
+def run(step, state0, mesh) -> tuple[list[float], dict]:
     """STEPS steps of a fresh jit of ``step`` from fresh device copies of the inputs."""
     replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
     params = jax.device_put(init_params(), replicated)
-    state = jax.device_put(jax.tree.map(np.asarray, opt.init(init_params())), replicated)
+    state = jax.device_put(state0, replicated)
     x, y = (jax.device_put(v, batched) for v in batch())
     jitted = jax.jit(step, donate_argnums=(0, 1))
     losses = []
@@ -106,13 +110,13 @@ def relative_difference(a, b) -> float:
     return float(np.max(np.abs(a - b))) / scale
 
 
-def training(name: str, make_step, mesh) -> dict:
+def training(name: str, make_step, mesh, **install) -> dict:
     opt = OPTIMIZERS[name]()
-    step = make_step(opt)
-    plain_losses, plain_params = run(step, opt, mesh)
+    step, state0 = make_step(opt), host_state(opt)
+    plain_losses, plain_params = run(step, state0, mesh)
     hook.decisions(clear=True)
-    with hook.install():
-        losses, params = run(step, opt, mesh)
+    with hook.install(**install):
+        losses, params = run(step, state0, mesh)
     steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
                                                                               "jit_local"))]
     return {
@@ -129,17 +133,17 @@ def training(name: str, make_step, mesh) -> dict:
 def idempotence(mesh) -> dict:
     """install twice / uninstall twice; one registration, one application per module."""
     opt = OPTIMIZERS["adam"]()
-    step = jit_step(opt)
-    plain, _ = run(step, opt, mesh)
+    step, state0 = jit_step(opt), host_state(opt)
+    plain, _ = run(step, state0, mesh)
     hook.decisions(clear=True)
     hook.install()
     hook.install()
     registered_once = hook_module._HOOK.registered
-    losses, _ = run(step, opt, mesh)
+    losses, _ = run(step, state0, mesh)
     applied = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
     hook.uninstall()
     hook.uninstall()
-    after, _ = run(step, opt, mesh)
+    after, _ = run(step, state0, mesh)
     untouched_after = not hook.decisions(clear=True)
     return {"registered_once": registered_once, "applications": len(applied),
             "changed": [d.changed for d in applied],
@@ -161,8 +165,8 @@ def failure(mesh) -> dict:
     logging.getLogger("hlo_shard").addHandler(Collect())
     logging.getLogger("hlo_shard").setLevel(logging.INFO)
     opt = OPTIMIZERS["adam"]()
-    step = jit_step(opt)
-    plain, _ = run(step, opt, mesh)
+    step, state0 = jit_step(opt), host_state(opt)
+    plain, _ = run(step, state0, mesh)
     out = {}
     original_shard = hook_module._shard
     import hlo_shard.cli.optimize as optimize_cli
@@ -179,7 +183,7 @@ def failure(mesh) -> dict:
         try:
             hook.decisions(clear=True)
             with hook.install():
-                losses, _ = run(step, opt, mesh)
+                losses, _ = run(step, state0, mesh)
         finally:
             hook_module._shard = original_shard
             optimize_cli.validate = original_validate
@@ -194,25 +198,41 @@ def no_gradients(mesh) -> dict:
     """An evaluation function and optax init: nothing changed, init never parsed."""
     hook.decisions(clear=True)
     replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(init_params(), replicated)
+    x, y = (jax.device_put(v, batched) for v in batch())
     with hook.install():
-        params = jax.device_put(init_params(), replicated)
-        x, y = (jax.device_put(v, batched) for v in batch())
         evaluated = float(jax.jit(loss_fn)(params, x, y))
-        jax.jit(optax.adam(1e-3).init)(params)
+        jax.jit(optax.adam(1e-3).init)(init_params())
     made = hook.decisions(clear=True)
     return {"modules": [d.module for d in made], "changed": [d.changed for d in made],
             "loss": evaluated,
             "direct": hook_module._HOOK.transform(b"\x0a\x03abc") is None}
 
 
-def main() -> None:
+def mutant(mesh) -> dict:
+    """The checker can fail: collectives on blocks along a minor dimension in a laid-out
+    module (the bug XLA:CPU turned into a transposed update) must show in the comparison."""
+    from hlo_shard.passes import shard_emitter
+
+    original = shard_emitter.ShardEmitter.collective_blocks
+    shard_emitter.ShardEmitter.collective_blocks = \
+        lambda self, fmt, shape: shard_emitter.uses_blocks(fmt, shape)
+    try:
+        return training("adam", jit_step, mesh, strategy="per-tensor")  # one leaf each
+    finally:
+        shard_emitter.ShardEmitter.collective_blocks = original
+
+
+def main(names: list[str]) -> None:
     mesh = jax.make_mesh((N,), ("d",))
-    result = {"jit": {name: training(name, jit_step, mesh) for name in OPTIMIZERS},
-              "shard_map": {"adam": training("adam", lambda o: shard_map_step(o, mesh), mesh)},
-              "idempotence": idempotence(mesh), "failure": failure(mesh),
-              "no_gradients": no_gradients(mesh)}
-    print(json.dumps(result))
+    scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
+                 "mutant": mutant,
+                 "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),
+                 "shard_map:adam": lambda m: training("adam", lambda o: shard_map_step(o, m), m),
+                 **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
+                    for name in OPTIMIZERS}}
+    print(json.dumps({name: scenarios[name](mesh) for name in names}))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[3:])
