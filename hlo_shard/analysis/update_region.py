@@ -107,6 +107,35 @@ class ShardFormat:
         return ShardFormat(dims, chosen, n)
 
 
+def is_laid_out(module: Module) -> bool:
+    """XLA has optimized the module (scheduled, or fused: jax never emits fusions), so no
+    layout assignment runs after the pass."""
+    return module.is_scheduled or any(inst.opcode == "fusion" for comp in module.computations
+                                      for inst in comp.instructions)
+
+
+def blocks_through_collectives(fmt: ShardFormat, shape: ArrayShape, laid_out: bool) -> bool:
+    """A reduce-scatter / all-gather can move ``fmt``'s blocks of a ``shape`` value. In a
+    laid-out module no layout pass runs after the rewrite, and XLA:CPU splits a
+    collective's buffer along the physically most-major dimension whatever ``dimensions``
+    says (measured: a reduce-scatter along dimension 1 of a ``{1,0}`` array gave each
+    device rows — a transposed Adam update); there the block dimension must be the major
+    one of both the value's layout and the (row-major) block's."""
+    if fmt.block is None:
+        return False
+    if not laid_out:
+        return True
+    major, rows = fmt.block
+    block = tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
+    return _major_dimension(shape.dims, shape.minor_to_major()) == major == \
+        _major_dimension(block, tuple(range(len(block) - 1, -1, -1)))
+
+
+def _major_dimension(dims: tuple[int, ...], minor_to_major: tuple[int, ...]) -> int | None:
+    """The physically most-major dimension of size > 1."""
+    return next((d for d in reversed(minor_to_major) if dims[d] != 1), None)
+
+
 def transpose_result(fmt: ShardFormat, permutation: tuple[int, ...]) -> ShardFormat:
     """Format of ``transpose(x, permutation)`` keeping x's shard order (always exists)."""
     inverse = [0] * len(permutation)
@@ -922,21 +951,24 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
     transpose before a dynamic-slice too (measured: slicing three transposed 1024² Adam
     tensors per step made the N=8 step 2.5× slower than one transposed gradient)."""
     copies: dict[str, tuple[int, float]] = {}
+    laid_out = is_laid_out(ctx.module)
 
-    def add(name: str, shape, fmt: ShardFormat) -> None:
+    def add(name: str, shape, fmt: ShardFormat, collective: bool) -> None:
         if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:
             count, moved = copies.get(name, (0, 0.0))
-            whole = fmt.block is None  # else only the shard-sized block is transposed
+            # else only the shard-sized block is transposed
+            whole = not blocks_through_collectives(fmt, shape, laid_out) if collective \
+                else fmt.block is None
             copies[name] = (count + 1, moved + (fmt.elements if whole else fmt.shard_len))
 
     for leaf in plan.active:
-        add(leaf.values[0], comp[leaf.operand].shape, leaf.format)
+        add(leaf.values[0], comp[leaf.operand].shape, leaf.format, True)
     for name, op in plan.ops.items():
         for index, operand in enumerate(comp[name].operands):
             if operand not in plan.sharded and not is_scalar_broadcast(comp, operand):
-                add(name, comp[operand].shape, op.format_of(index))
+                add(name, comp[operand].shape, op.format_of(index), False)
     for name in plan.boundary:
-        add(name, comp[name].shape, plan.sharded[name])
+        add(name, comp[name].shape, plan.sharded[name], True)
     return copies
 
 
@@ -949,7 +981,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "canonical_perm", "classify", "collect_leaves", "flattenable", "is_scalar_broadcast",
+    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

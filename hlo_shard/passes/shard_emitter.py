@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.analysis.update_region import ShardFormat, natural_perm
+from hlo_shard.analysis.update_region import (ShardFormat, blocks_through_collectives,
+                                              is_laid_out, natural_perm)
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           SliceRanges, TupleShape)
@@ -163,20 +164,9 @@ class ShardEmitter:
         return attrs
 
     def collective_blocks(self, fmt: ShardFormat, shape: ArrayShape) -> bool:
-        """A collective on blocks of the value (:func:`uses_blocks`). In a module XLA has
-        laid out already (its optimized form: fused or scheduled, what the hook gets)
-        no layout pass runs after us, and XLA:CPU splits a collective's buffer along the
-        physically most-major dimension whatever ``dimensions`` says (measured: a
-        reduce-scatter along dimension 1 of a ``{1,0}`` array gave each device rows, a
-        transposed Adam update); there the block dimension must be the major one of both
-        the value's layout and the block's."""
-        if not uses_blocks(fmt, shape):
-            return False
-        if not self.laid_out:
-            return True
-        major = fmt.block[0]
-        return _major_dimension(shape) == major == \
-            _major_dimension(self.shape(shape.element_type, block_dims(fmt)))
+        """A collective on blocks of the value (:func:`uses_blocks`), where XLA can move
+        them (:func:`~hlo_shard.analysis.update_region.blocks_through_collectives`)."""
+        return uses_blocks(fmt, shape) and blocks_through_collectives(fmt, shape, self.laid_out)
 
     # Formatting -------------------------------------------------------------------------
     def flat_padded(self, value: str, fmt: ShardFormat) -> str:
@@ -316,18 +306,6 @@ def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
     """Work on blocks of the value: its stored order is not the format's (a flat copy
     would transpose the whole tensor) and every shard is a block."""
     return fmt.block is not None and natural_perm(shape) != fmt.perm
-
-
-def is_laid_out(module: Module) -> bool:
-    """XLA has optimized the module (scheduled, or fused: jax never emits fusions), so no
-    layout assignment runs after the pass."""
-    return module.is_scheduled or any(inst.opcode == "fusion" for comp in module.computations
-                                      for inst in comp.instructions)
-
-
-def _major_dimension(shape: ArrayShape) -> int | None:
-    """The physically most-major dimension of size > 1."""
-    return next((d for d in reversed(shape.minor_to_major()) if shape.dims[d] != 1), None)
 
 
 def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
