@@ -1,6 +1,7 @@
 """Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
-prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>``,
+prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
+``conv:<optimizer>``,
 ``shard_map:adam``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
 ``per_tensor``).
 
@@ -66,13 +67,58 @@ def batch():
             rng.standard_normal((4 * N, SIZES[-1])).astype(np.float32))
 
 
-def host_state(opt) -> dict:
+def host_state(opt, params) -> dict:
     """The optimizer's initial state on the host, made before any install (so installs
     and the caches they clear do not recompile optax's init)."""
-    return jax.tree.map(np.asarray, opt.init(init_params()))
+    return jax.tree.map(np.asarray, opt.init(params()))
 
 
-def jit_step(opt):
+def block_params() -> dict:
+    """A transformer block (one head, layer norms, MLP) on 4 tokens of width 6 per row."""
+    rng = np.random.default_rng(2)
+    d, hidden = 6, 32
+    shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "ln1": (d,), "ln2": (d,),
+              "up": (d, hidden), "up_b": (hidden,), "down": (hidden, d)}
+    return {k: (rng.standard_normal(v) * (0.2 if len(v) == 2 else 1.0)).astype(np.float32)
+            for k, v in shapes.items()}
+
+
+def _norm(x, scale):
+    mean = jnp.mean(x, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * scale
+
+
+def block_loss(p, x, y):
+    x = x.reshape(x.shape[0], 4, 6)
+    h = _norm(x, p["ln1"])
+    scores = jnp.einsum("btd,bsd->bts", h @ p["q"], h @ p["k"]) / 2.0
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), h @ p["v"]) @ p["o"]
+    x = x + jax.nn.gelu(_norm(x, p["ln2"]) @ p["up"] + p["up_b"]) @ p["down"]
+    return jnp.mean((x.reshape(x.shape[0], -1)[:, :y.shape[1]] - y) ** 2)
+
+
+def conv_params() -> dict:
+    rng = np.random.default_rng(3)
+    return {"c1": (rng.standard_normal((3, 3, 1, 8)) * 0.3).astype(np.float32),
+            "c1_b": np.zeros((8,), np.float32),
+            "c2": (rng.standard_normal((3, 3, 8, 4)) * 0.3).astype(np.float32),
+            "dense": (rng.standard_normal((4 * 4 * 4, SIZES[-1])) * 0.1).astype(np.float32)}
+
+
+def conv_loss(p, x, y):
+    image = x[:, :16].reshape(-1, 4, 4, 1)
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.lax.conv_general_dilated(image, p["c1"], (1, 1), "SAME", dimension_numbers=dims)
+    h = jnp.tanh(h + p["c1_b"])
+    h = jax.lax.conv_general_dilated(h, p["c2"], (1, 1), "SAME", dimension_numbers=dims)
+    return jnp.mean((h.reshape(h.shape[0], -1) @ p["dense"] - y) ** 2)
+
+
+MODELS = {"mlp": (init_params, loss_fn), "block": (block_params, block_loss),
+          "conv": (conv_params, conv_loss)}
+
+
+def jit_step(opt, loss_fn=loss_fn):
     def step(p, s, x, y):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
         updates, s = opt.update(g, s, p)
@@ -80,7 +126,7 @@ def jit_step(opt):
     return step
 
 
-def shard_map_step(opt, mesh):
+def shard_map_step(opt, mesh, loss_fn=loss_fn):
     def local(p, s, x, y):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
         g = jax.lax.pmean(g, "d")
@@ -90,10 +136,10 @@ def shard_map_step(opt, mesh):
                          out_specs=(P(), P(), P()), check_vma=False)
 
 
-def run(step, state0, mesh) -> tuple[list[float], dict]:
+def run(step, state0, mesh, params=init_params) -> tuple[list[float], dict]:
     """STEPS steps of a fresh jit of ``step`` from fresh device copies of the inputs."""
     replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
-    params = jax.device_put(init_params(), replicated)
+    params = jax.device_put(params(), replicated)
     state = jax.device_put(state0, replicated)
     x, y = (jax.device_put(v, batched) for v in batch())
     jitted = jax.jit(step, donate_argnums=(0, 1))
@@ -110,13 +156,14 @@ def relative_difference(a, b) -> float:
     return float(np.max(np.abs(a - b))) / scale
 
 
-def training(name: str, make_step, mesh, **install) -> dict:
+def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     opt = OPTIMIZERS[name]()
-    step, state0 = make_step(opt), host_state(opt)
-    plain_losses, plain_params = run(step, state0, mesh)
+    params0, model_loss = MODELS[model]
+    step, state0 = make_step(opt, model_loss), host_state(opt, params0)
+    plain_losses, plain_params = run(step, state0, mesh, params0)
     hook.decisions(clear=True)
     with hook.install(**install):
-        losses, params = run(step, state0, mesh)
+        losses, params = run(step, state0, mesh, params0)
     steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
                                                                               "jit_local"))]
     return {
@@ -133,7 +180,7 @@ def training(name: str, make_step, mesh, **install) -> dict:
 def idempotence(mesh) -> dict:
     """install twice / uninstall twice; one registration, one application per module."""
     opt = OPTIMIZERS["adam"]()
-    step, state0 = jit_step(opt), host_state(opt)
+    step, state0 = jit_step(opt), host_state(opt, init_params)
     plain, _ = run(step, state0, mesh)
     hook.decisions(clear=True)
     hook.install()
@@ -165,7 +212,7 @@ def failure(mesh) -> dict:
     logging.getLogger("hlo_shard").addHandler(Collect())
     logging.getLogger("hlo_shard").setLevel(logging.INFO)
     opt = OPTIMIZERS["adam"]()
-    step, state0 = jit_step(opt), host_state(opt)
+    step, state0 = jit_step(opt), host_state(opt, init_params)
     plain, _ = run(step, state0, mesh)
     out = {}
     original_shard = hook_module._shard
@@ -228,9 +275,13 @@ def main(names: list[str]) -> None:
     scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
                  "mutant": mutant,
                  "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),
-                 "shard_map:adam": lambda m: training("adam", lambda o: shard_map_step(o, m), m),
+                 "shard_map:adam": lambda m: training("adam",
+                                                      lambda o, f: shard_map_step(o, m, f), m),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
-                    for name in OPTIMIZERS}}
+                    for name in OPTIMIZERS},
+                 **{f"{model}:{name}": (lambda m, name=name, model=model:
+                                        training(name, jit_step, m, model))
+                    for model in ("block", "conv") for name in OPTIMIZERS}}
     print(json.dumps({name: scenarios[name](mesh) for name in names}))
 
 

@@ -84,15 +84,24 @@ def test_the_comparison_catches_a_wrong_rewrite(quick):
     assert result["changed"] == [True] and result["params"] > 1e-3
 
 
+#: Not bitwise: XLA compiles the sharded step's arithmetic differently (ulp-level: 2e-7
+#: of the largest parameter after 50 steps, measured); the bound is a hundred times that.
+NOT_BITWISE = {"block:adafactor": 1e-5}
+
+
 @pytest.mark.slow
-def test_optimizers_and_shard_map_over_50_steps():
-    names = ["jit:adam", "jit:adamw_clip", "jit:lion", "jit:lamb", "jit:adafactor",
-             "shard_map:adam"]
+def test_models_optimizers_and_shard_map_over_50_steps():
+    """The MLP, a transformer block and a conv net × adam, adamw + clipping, lion, lamb,
+    adafactor, and a shard_map step: 50 steps with the hook = 50 without."""
+    names = [f"{model}:{opt}" for model in ("jit", "block", "conv")
+             for opt in ("adam", "adamw_clip", "lion", "lamb", "adafactor")] + ["shard_map:adam"]
     results = run_scenarios(4, 50, *names)
     for name in names:
         result = results[name]
         assert result["changed"] == [True], (name, result["reasons"])
-        assert result["loss"] == 0.0 and result["params"] == 0.0, name
+        assert result["sharded_bytes"] == result["gradient_bytes"] - 4, name  # all but loss
+        bound = NOT_BITWISE.get(name, 0.0)
+        assert result["loss"] <= bound and result["params"] <= bound, (name, result)
 
 
 def test_install_rejects_what_the_hook_cannot_do():
