@@ -115,7 +115,7 @@ def test_a_body_reading_one_value_in_two_orders_stays_whole():
   ROOT %both = f32[4,4]{1,0} add(%sum, %t)
 }
 """ + square[square.index("ENTRY"):]
-    report, out = _optimize(square)
+    report, _ = _optimize(square)
     (row,) = report.explanations
     assert not row.sharded and "in two element orders" in row.reason, row.reason
 
@@ -147,6 +147,6 @@ def test_optimized_fixture_shards_what_its_spmd_form_shards(path):
     """The fused form of a step shards the same gradients as its SPMD form (the same
     shapes, sharded or not), and the result of the scheduled module validates: every
     instruction after its operands, in the printed (schedule) order."""
-    report, out = _optimize(path.read_text())
+    _, out = _optimize(path.read_text())
     assert out.is_scheduled and not validate(out)
     assert _sharded_gradients(path) == _sharded_gradients(FIXTURES / "spmd" / path.name)

@@ -231,9 +231,8 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
     return True
 
 
-#: Opcodes that accept scalar operands next to arrays (a loop fusion broadcasts its
-#: scalar parameters inside).
-_SCALAR_OK = frozenset({"clamp", "select", "fusion"})
+#: Opcodes that accept scalar operands next to arrays (fusions: :func:`fusion_access`).
+_SCALAR_OK = frozenset({"clamp", "select"})
 
 
 def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:

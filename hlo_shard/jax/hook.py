@@ -209,7 +209,8 @@ def installed() -> bool:
 
 
 def decisions(*, clear: bool = False) -> list[Decision]:
-    """Per module compiled while installed (that had an all-reduce): what the hook did."""
+    """Per module compiled while installed that had an all-reduce and matched ``only``:
+    what the hook did (``clear``: forget them)."""
     with _HOOK.lock:
         out = list(_HOOK.decisions)
         if clear:
@@ -217,5 +218,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["Decision", "Installation", "PASS_NAME", "decisions", "install", "installed",
+__all__ = ["PASS_NAME", "Decision", "Installation", "decisions", "install", "installed",
            "uninstall"]

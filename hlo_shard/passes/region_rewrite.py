@@ -23,7 +23,7 @@ from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instru
                           SliceRanges, TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
-                                           shard_body, uses_blocks)
+                                           shard_body)
 
 #: Never erased as a side effect of the rewrite.
 _KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
