@@ -2,7 +2,7 @@
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
 ``conv:<optimizer>``,
-``shard_map:adam``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
+``shard_map:adam``, ``loop:adam``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
 ``per_tensor``).
 
 Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
@@ -126,6 +126,19 @@ def jit_step(opt, loss_fn=loss_fn):
     return step
 
 
+def loop_step(opt, loss_fn=loss_fn):
+    """Three training steps in one ``fori_loop`` (a ``while`` in one module): the pass
+    keeps the state sharded in the loop carry."""
+    one = jit_step(opt, loss_fn)
+
+    def step(p, s, x, y):
+        def body(_, carry):
+            p, s, _ = carry
+            return one(p, s, x, y)
+        return jax.lax.fori_loop(0, 3, body, (p, s, jnp.float32(0)))
+    return step
+
+
 def shard_map_step(opt, mesh, loss_fn=loss_fn):
     def local(p, s, x, y):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
@@ -171,6 +184,7 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
         "params": max(relative_difference(plain_params[k], params[k]) for k in params),
         "changed": [d.changed for d in steps],
         "reasons": [d.reason for d in steps],
+        "notes": [n for d in steps if d.report for n in d.report.notes],
         "sharded_bytes": sum(d.sharded_bytes for d in steps),
         "gradient_bytes": sum(d.gradient_bytes for d in steps),
         "losses": losses,
@@ -277,6 +291,7 @@ def main(names: list[str]) -> None:
                  "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),
                  "shard_map:adam": lambda m: training("adam",
                                                       lambda o, f: shard_map_step(o, m, f), m),
+                 "loop:adam": lambda m: training("adam", loop_step, m),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
                     for name in OPTIMIZERS},
                  **{f"{model}:{name}": (lambda m, name=name, model=model:

@@ -33,7 +33,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 @pytest.fixture(scope="module")
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
-                         "per_tensor")
+                         "per_tensor", "loop:adam")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -78,6 +78,14 @@ def test_per_tensor_collectives_are_bitwise_the_same(quick):
     assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
 
 
+def test_a_training_loop_keeps_its_state_sharded_in_the_carry(quick):
+    """fori_loop over three steps, compiled as one module: the signature cannot change,
+    but inside the loop the optimizer state stays sharded across iterations."""
+    result = quick["loop:adam"]
+    assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
+    assert any("stay sharded across iterations" in note for note in result["notes"])
+
+
 def test_the_comparison_catches_a_wrong_rewrite(quick):
     """Mutant: blocks through collectives along a minor dimension of a laid-out module."""
     result = quick["mutant"]
@@ -94,7 +102,8 @@ def test_models_optimizers_and_shard_map_over_50_steps():
     """The MLP, a transformer block and a conv net × adam, adamw + clipping, lion, lamb,
     adafactor, and a shard_map step: 50 steps with the hook = 50 without."""
     names = [f"{model}:{opt}" for model in ("jit", "block", "conv")
-             for opt in ("adam", "adamw_clip", "lion", "lamb", "adafactor")] + ["shard_map:adam"]
+             for opt in ("adam", "adamw_clip", "lion", "lamb", "adafactor")] + \
+        ["shard_map:adam", "loop:adam"]
     results = run_scenarios(4, 50, *names)
     for name in names:
         result = results[name]
