@@ -2,7 +2,7 @@
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
 ``conv:<optimizer>``,
-``shard_map:adam``, ``loop:adam``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
+``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
 ``per_tensor``).
 
 Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
@@ -292,6 +292,7 @@ def main(names: list[str]) -> None:
                  "shard_map:adam": lambda m: training("adam",
                                                       lambda o, f: shard_map_step(o, m, f), m),
                  "loop:adam": lambda m: training("adam", loop_step, m),
+                 "only_other": lambda m: training("adam", jit_step, m, only="^jit_eval"),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
                     for name in OPTIMIZERS},
                  **{f"{model}:{name}": (lambda m, name=name, model=model:

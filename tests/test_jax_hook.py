@@ -33,7 +33,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 @pytest.fixture(scope="module")
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
-                         "per_tensor", "loop:adam")
+                         "per_tensor", "loop:adam", "only_other")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -62,6 +62,11 @@ def test_modules_without_gradients_are_untouched(quick):
     # optax init has no all-reduce: skipped by the quick check, never parsed
     assert result["modules"] == ["jit_loss_fn"] and result["changed"] == [False]
     assert result["direct"]  # bytes that are no module: None, no exception
+
+
+def test_only_filters_modules_by_name(quick):
+    result = quick["only_other"]  # only="^jit_eval": the step is compiled as it was
+    assert result["changed"] == [] and result["loss"] == 0.0 and result["params"] == 0.0
 
 
 def test_jit_adam_loop_is_bitwise_the_same(quick):
