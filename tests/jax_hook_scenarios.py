@@ -22,15 +22,15 @@ N = int(sys.argv[1])
 STEPS = int(sys.argv[2])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import hlo_shard.jax as hook
-from hlo_shard.jax import hook as hook_module
+import hlo_shard.jax as hook  # noqa: E402
+from hlo_shard.jax import hook as hook_module  # noqa: E402
 
 SIZES = (24, 64, 48, 16)
 OPTIMIZERS = {

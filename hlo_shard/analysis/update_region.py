@@ -336,7 +336,7 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     access = body_access(body, seeds)
     if isinstance(access, str):
         return access
-    for k, name in enumerate(inst.operands):
+    for name in inst.operands:
         if name not in ctx.sharded and not ctx.replicated(name):
             return f"operand %{name} is neither sharded nor replicated"
     return access

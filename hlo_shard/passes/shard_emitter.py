@@ -11,8 +11,8 @@ back to the value's shape and layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
 from hlo_shard.analysis.update_region import (ShardFormat, blocks_through_collectives,
