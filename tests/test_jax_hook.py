@@ -126,6 +126,10 @@ def test_install_rejects_what_the_hook_cannot_do():
         install(state="sharded")
     with pytest.raises(HloShardError, match="strategy"):
         install(strategy="fastest")
+    with pytest.raises(HloShardError):
+        install(profile="no-such-profile")
+    with pytest.raises(HloShardError, match="regular expression"):
+        install(only="(")
     assert not installed()
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from hlo_shard.errors import HloShardError
 from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, ShardingOptions,
                                                      ShardingReport, WeightUpdateSharding)
+from hlo_shard.profiles import HardwareProfile, load_profile
 
 logger = logging.getLogger("hlo_shard")
 
@@ -161,10 +162,15 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
     if state != "gathered":
         raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
                             "compiled function's signature; shard_weight_update can)")
+    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile) \
+        if not isinstance(profile, HardwareProfile) else profile
     options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
-                              profile=DEFAULT_PROFILE if profile is None else profile)
+                              profile=hardware)
     WeightUpdateSharding(options)  # rejects bad options here, not inside XLA
-    pattern = re.compile(only) if only is not None else None
+    try:
+        pattern = re.compile(only) if only is not None else None
+    except re.error as err:
+        raise HloShardError(f"install(only={only!r}): not a regular expression ({err})") from None
     _check_version()
     from jax.extend import xla as jax_xla
 
@@ -172,9 +178,14 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
         changed = _HOOK.settings != _Settings(options, pattern)
         _HOOK.settings = _Settings(options, pattern)
         if not _HOOK.registered:
-            jax_xla.register_hlo_module_transformation(
-                _HOOK.transform, name=PASS_NAME,
-                stage=jax_xla.PipelineStage.PRE_SCHEDULER)
+            try:
+                jax_xla.register_hlo_module_transformation(
+                    _HOOK.transform, name=PASS_NAME,
+                    stage=jax_xla.PipelineStage.PRE_SCHEDULER)
+            except (NotImplementedError, AttributeError) as err:  # jaxlib < 0.10.2
+                _HOOK.settings = None
+                raise HloShardError(f"install() needs jax's pass hook (jaxlib >= 0.10.2): "
+                                    f"{err}") from None
             _HOOK.registered = True
     if changed:
         _forget_executables()
