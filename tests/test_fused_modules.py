@@ -16,6 +16,7 @@ import pytest
 
 from hlo_shard.analysis.collectives import recovered_device_counts
 from hlo_shard.cli.optimize import optimize_module
+from hlo_shard.ir import ArrayShape
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.validate import validate
@@ -150,3 +151,14 @@ def test_optimized_fixture_shards_what_its_spmd_form_shards(path):
     _, out = _optimize(path.read_text())
     assert out.is_scheduled and not validate(out)
     assert _sharded_gradients(path) == _sharded_gradients(FIXTURES / "spmd" / path.name)
+
+
+def test_the_combined_tuple_all_reduce_is_split():
+    """XLA's combiner made one tuple all-reduce of every gradient and the loss: the
+    gradients go to reduce-scatters, the loss keeps an all-reduce of its own."""
+    _, out = _optimize((FIXTURES / "optimized" / "momentum.n4.hlo").read_text(),
+                       strategy="per-tensor")
+    opcodes = Counter(i.opcode for i in out.entry.instructions)
+    assert opcodes["reduce-scatter"] == 4
+    (loss,) = [i for i in out.entry.instructions if i.opcode == "all-reduce"]
+    assert isinstance(loss.shape, ArrayShape) and loss.shape.is_scalar
