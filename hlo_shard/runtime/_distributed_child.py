@@ -12,50 +12,20 @@ What differs from a single-process child:
 * ``jax.devices()`` is then the *global* device list; each process holds, and is
   sent, the values of its own (addressable) devices only, and returns its own
   devices' outputs;
-* the process dies with its parent: ``PR_SET_PDEATHSIG`` (Linux) and a watchdog
-  thread that exits when the lifeline pipe, whose write end only the parent holds,
-  reaches end of file. A process blocked in a collective whose peer died cannot
-  read its request pipe, so the request pipe's EOF alone would not be enough.
+* the process dies with its parent (:func:`_lifeline.die_with_parent`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
-import threading
 
 import _child  # the script's folder (hlo_shard/runtime) is sys.path[0]
+import _lifeline
 
-#: ``prctl`` option: signal sent to this process when its parent thread exits.
-_PR_SET_PDEATHSIG = 1
 #: How long a process waits for its peers at ``jax.distributed.shutdown``.
 SHUTDOWN_TIMEOUT_S = 10
-
-
-def die_with_parent(lifeline_fd: int, parent_pid: int) -> None:
-    """Make sure this process never outlives the process that started it."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass  # the lifeline below still covers it
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            try:
-                if not os.read(lifeline_fd, 1):
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
-        os._exit(1)
-
-    threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
 class DistributedRuntime(_child.Runtime):
@@ -120,9 +90,9 @@ def serve(requests, replies, runtime: DistributedRuntime) -> None:
 
 
 def main(argv: list[str]) -> None:
-    (request_fd, reply_fd, lifeline_fd, parent_pid, backend, coordinator, processes,
+    (lifeline_fd, parent_pid, request_fd, reply_fd, backend, coordinator, processes,
      process_id, device_count, init_timeout) = argv
-    die_with_parent(int(lifeline_fd), int(parent_pid))
+    _lifeline.die_with_parent(int(lifeline_fd), int(parent_pid))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns interruption
     with os.fdopen(int(request_fd), "rb") as requests, \
             os.fdopen(int(reply_fd), "wb") as replies:

@@ -18,6 +18,11 @@ with an error while its peers wait in a collective, or does not answer within th
 timeout stops *all* processes, and the error names the process and its last
 stderr line. The processes die with this one (``PR_SET_PDEATHSIG`` and a lifeline
 pipe), so none is ever left behind.
+
+:func:`launch` runs a Python script the same way (P processes, N/P CPU devices
+each, the same failure rules), passing it ``--coordinator ADDRESS --num-processes P
+--process-id I``: the three values a script hands to ``jax.distributed.initialize``
+on a real cluster too (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.runtime import _child
@@ -49,8 +54,10 @@ FAILURE_GRACE_S = 0.5
 #: Seconds each process gets to leave ``jax.distributed`` cleanly at close.
 CLOSE_TIMEOUT_S = 15.0
 _STDERR_LINES_KEPT = 200
-#: Run as a script (not imported here: it imports ``_child`` from its own folder).
+#: Run as scripts (not imported here: they import ``_child``/``_lifeline`` from their
+#: own folder, as the single-process child does).
 _CHILD_SCRIPT = Path(__file__).with_name("_distributed_child.py")
+_LAUNCHED_SCRIPT = Path(__file__).with_name("_launched.py")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,13 +80,14 @@ def split_devices(device_count: int, processes: int) -> int:
 
 @dataclass(eq=False)
 class _Process:
-    """One child: its pipes, its stderr tail, and a reply being read."""
+    """One child: its lifeline, its stderr tail and, for a worker's child, its request
+    and reply pipes and the reply being read."""
 
     index: int
     popen: subprocess.Popen
-    requests: Any
-    replies_fd: int
     lifeline_fd: int
+    requests: Any = None
+    replies_fd: int = -1
     stderr: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=_STDERR_LINES_KEPT))
     buffer: bytearray = field(default_factory=bytearray)
@@ -103,6 +111,45 @@ class _Process:
             "process ", "")
         detail = _crash_detail(list(self.stderr))
         return f"{cause}" + (f"; last stderr line: {detail}" if detail else "")
+
+
+def _spawn(index: int, arguments: list[str], env: dict[str, str], pass_fds: tuple = (),
+           stdout: int = subprocess.DEVNULL) -> _Process:
+    """Start ``python -u ARGUMENTS…`` with a lifeline pipe: ``arguments[0]`` is a script
+    taking the lifeline's fd and this process's pid as its first two arguments."""
+    lifeline_read, lifeline_write = os.pipe()
+    command = [sys.executable, "-u", arguments[0], str(lifeline_read), str(os.getpid()),
+               *arguments[1:]]
+    try:
+        popen = subprocess.Popen(command, env=env, pass_fds=(lifeline_read, *pass_fds),
+                                 stdin=subprocess.DEVNULL, stdout=stdout,
+                                 stderr=subprocess.PIPE, close_fds=True)
+    finally:
+        os.close(lifeline_read)
+    child = _Process(index, popen, lifeline_write)
+    threading.Thread(target=_drain, args=(child,), daemon=True).start()
+    return child
+
+
+def _drain(child: _Process) -> None:
+    for raw in iter(child.popen.stderr.readline, b""):
+        child.stderr.append(raw.decode("utf-8", "replace").rstrip("\n"))
+    child.popen.stderr.close()
+
+
+def _blame(children: list[_Process], suspects: list[int], errors: dict[int, str]) -> str:
+    """Stop every process and say why the run failed: a process that exited (within
+    a short grace) if any did, else the suspects, with their errors or last lines."""
+    time.sleep(FAILURE_GRACE_S)
+    status = {c: c.popen.poll() for c in children}
+    exited = [c for c, code in status.items() if code is not None]
+    blamed = exited or [c for c in children if c.index in suspects]
+    _kill_all(children)
+    time.sleep(0.05)  # let the drain threads collect the last lines
+    return "; ".join(f"process {c.index} of {len(children)} "
+                     + (errors[c.index] if c not in exited and c.index in errors
+                        else c.describe_failure(status[c])) for c in blamed) \
+        + f" (all {len(children)} processes were stopped)"
 
 
 # --------------------------------------------------------- splitting and combining
@@ -203,7 +250,9 @@ class DistributedWorker:
             self._stop()
             self.info = {}
             self.coordinator = f"127.0.0.1:{free_port()}"
-            self._children = [self._spawn(index) for index in range(self.processes)]
+            self._children = []
+            for index in range(self.processes):
+                self._children.append(self._spawn(index))
             self.generation += 1
             described = self._gather([True] * self.processes, STARTUP_TIMEOUT,
                                      f"starting {self.processes} jax.distributed processes")
@@ -213,29 +262,18 @@ class DistributedWorker:
     def _spawn(self, index: int) -> _Process:
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
-        lifeline_read, lifeline_write = os.pipe()
-        command = [sys.executable, "-u", str(_CHILD_SCRIPT),
-                   str(request_read), str(reply_write), str(lifeline_read), str(os.getpid()),
-                   self.backend, self.coordinator, str(self.processes), str(index),
-                   str(self.device_count), str(int(STARTUP_TIMEOUT))]
-        env = child_environment(self.backend, self.local_device_count)
-        env["no_grpc_proxy"] = "127.0.0.1,localhost"  # the coordinator is local
-        popen = subprocess.Popen(
-            command, env=env, pass_fds=(request_read, reply_write, lifeline_read),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            close_fds=True)
-        for fd in (request_read, reply_write, lifeline_read):
-            os.close(fd)
-        child = _Process(index, popen, os.fdopen(request_write, "wb"), reply_read,
-                         lifeline_write)
-        threading.Thread(target=self._drain, args=(child,), daemon=True).start()
+        try:
+            child = _spawn(index, [str(_CHILD_SCRIPT), str(request_read), str(reply_write),
+                                   self.backend, self.coordinator, str(self.processes),
+                                   str(index), str(self.device_count),
+                                   str(int(STARTUP_TIMEOUT))],
+                           child_environment(self.backend, self.local_device_count),
+                           pass_fds=(request_read, reply_write))
+        finally:
+            os.close(request_read)
+            os.close(reply_write)
+        child.requests, child.replies_fd = os.fdopen(request_write, "wb"), reply_read
         return child
-
-    @staticmethod
-    def _drain(child: _Process) -> None:
-        for raw in iter(child.popen.stderr.readline, b""):
-            child.stderr.append(raw.decode("utf-8", "replace").rstrip("\n"))
-        child.popen.stderr.close()
 
     def close(self) -> None:
         """Stop all processes: end of input (they leave jax.distributed together),
@@ -333,20 +371,9 @@ class DistributedWorker:
 
     def _fail(self, what: str, suspects: list[int], errors: dict[int, str] | None = None
               ) -> NoReturn:
-        """Stop every process and raise, blaming a process that exited if any did
-        (within a short grace), else the suspects."""
-        time.sleep(FAILURE_GRACE_S)
-        status = {c: c.popen.poll() for c in self._children}
-        exited = [c for c, code in status.items() if code is not None]
-        blamed = exited or [c for c in status if c.index in suspects]
-        errors = errors or {}
-        self._stop()
-        time.sleep(0.05)  # let the drain threads collect the last lines
-        parts = [f"process {c.index} of {self.processes} "
-                 + (errors.get(c.index) if c not in exited and c.index in errors
-                    else c.describe_failure(status[c])) for c in blamed]
-        raise HloRuntimeError(f"{what}: " + "; ".join(parts)
-                              + f" (all {self.processes} processes were stopped)")
+        """Stop every process and raise (see :func:`_blame`)."""
+        children, self._children = self._children, []
+        raise HloRuntimeError(f"{what}: " + _blame(children, suspects, errors or {}))
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "stopped"
@@ -368,6 +395,61 @@ def _kill_all(children: list[_Process]) -> None:
             child.popen.kill()
     for child in children:
         child.popen.wait()
-        _close_quietly(child.requests.close)
+        if child.requests is not None:
+            _close_quietly(child.requests.close)
         for fd in (child.replies_fd, child.lifeline_fd):
-            _close_quietly(lambda fd=fd: os.close(fd))
+            if fd >= 0:
+                _close_quietly(lambda fd=fd: os.close(fd))
+
+
+# ------------------------------------------------------------------- scripts
+
+
+def launch(script: str | Path, args: Sequence[str] = (), processes: int = 2,
+           devices_per_process: int = 1, timeout: float = DEFAULT_TIMEOUT,
+           env: dict[str, str] | None = None) -> list[str]:
+    """Run the Python ``script`` as ``processes`` local processes with
+    ``devices_per_process`` CPU devices each and return each one's stdout.
+
+    Process ``i`` gets ``ARGS --coordinator 127.0.0.1:PORT --num-processes P
+    --process-id i`` (a free port; process 0 hosts the coordinator). If any process
+    fails or the run outlasts ``timeout`` seconds, all are stopped and
+    :class:`HloRuntimeError` names the process and its last stderr line."""
+    split_devices(processes * devices_per_process, processes)
+    coordinator = f"127.0.0.1:{free_port()}"
+    base = {**child_environment("cpu", devices_per_process), **(env or {})}
+    children: list[_Process] = []
+    outputs: list[bytes] = [b""] * processes
+    readers: list[threading.Thread] = []
+
+    def read_stdout(child: _Process) -> None:
+        with child.popen.stdout as stream:
+            outputs[child.index] = stream.read()
+
+    try:
+        for index in range(processes):
+            child = _spawn(index, [str(_LAUNCHED_SCRIPT), str(script), *args,
+                                   "--coordinator", coordinator, "--num-processes",
+                                   str(processes), "--process-id", str(index)],
+                           base, stdout=subprocess.PIPE)
+            children.append(child)
+            readers.append(threading.Thread(target=read_stdout, args=(child,), daemon=True))
+            readers[-1].start()
+        deadline = time.monotonic() + timeout
+        while any(c.popen.poll() is None for c in children):
+            failed = [c.index for c in children if c.popen.poll() not in (None, 0)]
+            if failed:
+                raise HloRuntimeError(f"{Path(script).name}: " + _blame(children, failed, {}))
+            if time.monotonic() > deadline:
+                late = [c.index for c in children if c.popen.poll() is None]
+                raise HloRuntimeError(f"{Path(script).name}: timed out after {timeout:g} s: "
+                                      + _blame(children, late, {}))
+            time.sleep(0.05)
+        failed = [c.index for c in children if c.popen.returncode != 0]
+        if failed:
+            raise HloRuntimeError(f"{Path(script).name}: " + _blame(children, failed, {}))
+    finally:
+        _kill_all(children)
+    for reader in readers:
+        reader.join(timeout=5)
+    return [out.decode("utf-8", "replace") for out in outputs]
