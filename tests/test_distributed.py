@@ -84,7 +84,7 @@ def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
 def test_optimized_fixture_matches_on_two_processes(optimized):
     out, manifest = optimized
     result = verify_cli(str(ADAM), str(out), "--manifest", str(manifest), "--steps", "2",
-                        *TWO_BY_TWO)
+                        "--processes", "2")  # 4 devices: the module's count
     assert result.exit_code == 0, result.output
     assert "MATCH: all 14 outputs agree on 4 cpu devices over 2 steps" in result.stdout
     assert "ran in 2 processes x 2 devices through jax.distributed" in result.stdout
@@ -119,6 +119,9 @@ def test_devices_must_split_evenly():
     assert result.exit_code == 2
     assert result.stderr.strip() == ("error: 4 devices cannot be split evenly over 3 "
                                      "processes; choose --devices as a multiple of --processes")
+    result = verify_cli(str(ADAM), "--processes", "2", "--backend", "gpu")
+    assert result.exit_code == 2 and result.stderr.startswith(
+        "error: --processes starts local CPU processes; for gpu across hosts")
     with pytest.raises(HloShardError, match="for 2 devices cannot run on the 4 devices"):
         with DistributedWorker(2, 4) as worker:
             runtime.load(WHO.replace("replica_count=4", "replica_count=2"), worker=worker)
@@ -136,7 +139,9 @@ def _start_long_run(tmp_path, timeout: str = "60"):
         [sys.executable, "-m", "hlo_shard", "verify", str(module), str(module),
          "--time", "100000000", "--timeout", timeout, *TWO_BY_TWO],
         stdout=subprocess.PIPE, stderr=log.open("wb"),
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # Python keeps SIGINT ignored if it starts ignored (as under a background shell).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while "timing:" not in log.read_text() and process.poll() is None:
         assert time.monotonic() < deadline, log.read_text()
@@ -177,6 +182,13 @@ def test_processes_die_with_their_parent(tmp_path):
     process.kill()  # no cleanup code runs in the parent
     process.wait()
     assert wait_gone(children) == []
+
+
+def test_interrupted_run_stops_its_processes_at_once(tmp_path):
+    process, _, children = _start_long_run(tmp_path)
+    os.kill(process.pid, signal.SIGINT)  # Ctrl-C: the processes ignore it, the parent not
+    assert process.wait(timeout=30) != 0
+    assert wait_gone(children, seconds=3) == []
 
 
 def test_a_dead_process_is_reported_to_the_api():

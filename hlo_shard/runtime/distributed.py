@@ -217,6 +217,8 @@ class DistributedWorker:
         self.coordinator = ""
         self.info: dict[str, Any] = {}
         self._children: list[_Process] = []
+        #: A request is in flight: the processes may be inside a collective.
+        self._busy = False
         self._lock = threading.RLock()
         atexit.register(self.close)
 
@@ -277,8 +279,11 @@ class DistributedWorker:
 
     def close(self) -> None:
         """Stop all processes: end of input (they leave jax.distributed together),
-        then a kill for any that lingers."""
+        then a kill for any that lingers; at once if a request was interrupted (they
+        may be inside a collective and read no input)."""
         with self._lock:
+            if self._busy:
+                self._stop()
             children, self._children = self._children, []
             for child in children:
                 _close_quietly(child.requests.close)
@@ -292,16 +297,21 @@ class DistributedWorker:
 
     def _stop(self) -> None:
         """Kill every process at once (after a failure: their state is unknown)."""
-        children, self._children = self._children, []
+        children, self._children, self._busy = self._children, [], False
         _kill_all(children)
 
     # Requests --------------------------------------------------------------------
     def request(self, op: str, timeout: float | None = None, what: str = "", **fields) -> Any:
         """Send one request to every process and return the combined result."""
         with self._lock:
+            if self._busy:  # the previous request was interrupted: state unknown
+                self._stop()
+            if op == "release" and not self.alive:
+                return None  # the executables went with their processes
             if op == "compile":
                 self._check_replicas(fields["replicas"])
             self.start()
+            self._busy = True
             key, split = _SPLIT_FIELD.get(op, (None, None))
             local = self.local_device_count
             for child in self._children:
@@ -314,6 +324,7 @@ class DistributedWorker:
                     self._fail(what or op, [c.index for c in self._children])
             replies = self._gather([True] * self.processes, timeout or self.timeout,
                                    what or op)
+            self._busy = False
             return _COMBINE.get(op, lambda all_replies: all_replies[0])(replies)
 
     def _check_replicas(self, replicas: int) -> None:
@@ -360,6 +371,7 @@ class DistributedWorker:
 
     def _raise_errors(self, what: str, errors: dict[int, str]) -> None:
         """Every process answered; some with an error (the processes stay usable)."""
+        self._busy = False
         messages = set(errors.values())
         if len(messages) == 1 and len(errors) == self.processes:
             message = messages.pop()
@@ -372,7 +384,7 @@ class DistributedWorker:
     def _fail(self, what: str, suspects: list[int], errors: dict[int, str] | None = None
               ) -> NoReturn:
         """Stop every process and raise (see :func:`_blame`)."""
-        children, self._children = self._children, []
+        children, self._children, self._busy = self._children, [], False
         raise HloRuntimeError(f"{what}: " + _blame(children, suspects, errors or {}))
 
     def __repr__(self) -> str:
