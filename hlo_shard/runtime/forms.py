@@ -9,7 +9,8 @@ id when there is one partition.
 
 Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
 shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
-``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse).
+``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse) unless
+asked to keep them (:mod:`hlo_shard.jax` donates as the user's jit step does).
 Variadic all-reduces XLA:CPU cannot compile become one all-reduce per element (see
 :func:`split_variadic_all_reduces`). All edits are on the IR, on a copy.
 """
@@ -62,15 +63,17 @@ def check_executable(module: Module) -> None:
                                 "tuple-shaped entry parameters are not supported")
 
 
-def replica_form(module: Module) -> Module:
-    """An executable copy of ``module`` in replica form (see the module docstring)."""
+def replica_form(module: Module, *, keep_donation: bool = False) -> Module:
+    """An executable copy of ``module`` in replica form (see the module docstring);
+    ``keep_donation`` keeps its input/output aliasing (its inputs are consumed)."""
     check_executable(module)
     out = copy.deepcopy(module)
     devices = device_count(module)
     spmd = module.num_partitions > 1
     header: dict = {}
     for key, value in out.header.items():
-        if key in DONATION_ATTRIBUTES or (key == "replica_count" and spmd):
+        if (key in DONATION_ATTRIBUTES and not keep_donation) \
+                or (key == "replica_count" and spmd):
             continue
         if key == "num_partitions":
             if spmd:
