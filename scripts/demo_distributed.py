@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"training loops to run, from {', '.join(MODES)}")
     parser.add_argument("--strategy", default="auto", help="shard_weight_update's strategy")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--resume-at", type=int, default=None, metavar="K",
+                        help="sharded mode: before step K, checkpoint round trip (gather_args"
+                             " to numpy, back to jax Arrays, shard_args)")
     parser.add_argument("--width", type=int, default=64, help="MLP hidden width")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--rows-per-device", type=int, default=2, help="batch rows per device")
@@ -112,6 +115,9 @@ def train(args: argparse.Namespace) -> list[dict]:
         opt_state = place(jax.tree.map(np.asarray, optimizer.init(start)), replicated)
         losses, seconds = [], []
         for number in range(args.steps):
+            if mode == "sharded" and number == args.resume_at:
+                params, opt_state = checkpoint_round_trip(step, params, opt_state, place,
+                                                          replicated)
             data = np.random.default_rng(100 + number)  # the global batch of this step
             batch = {"x": data.normal(size=(rows, 16)).astype(np.float32)[mine],
                      "y": data.normal(size=(rows, 4)).astype(np.float32)[mine]}
@@ -133,6 +139,16 @@ def train(args: argparse.Namespace) -> list[dict]:
     if args.num_processes > 1:
         jax.distributed.shutdown()
     return results
+
+
+def checkpoint_round_trip(step, params, opt_state, place, replicated):
+    """What saving and restoring a checkpoint does in every process: full leaves to
+    numpy (replicated, so complete in each process), then back to shards."""
+    import jax
+
+    full = step.gather_args(params, opt_state)
+    saved = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
+    return step.shard_args(*place(saved, replicated))
 
 
 # --------------------------------------------------------------- the localhost run
