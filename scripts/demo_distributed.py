@@ -201,7 +201,8 @@ def verify_fixture(processes: int, devices: int) -> None:
         optimized, manifest = Path(folder) / "adam.opt.hlo", Path(folder) / "adam.opt.json"
         cli = [sys.executable, "-m", "hlo_shard"]
         subprocess.run(cli + ["optimize", str(FIXTURE), "-o", str(optimized), "--state",
-                              "sharded", "--manifest", str(manifest)], check=True)
+                              "sharded", "--manifest", str(manifest)], check=True,
+                       capture_output=True)
         command = ["verify", str(FIXTURE.relative_to(ROOT)), str(optimized), "--manifest",
                    str(manifest), "--steps", "3", "--processes", str(processes),
                    "--devices", str(devices), "-q"]
