@@ -122,9 +122,9 @@ def test_devices_must_split_evenly():
     result = verify_cli(str(ADAM), "--processes", "2", "--backend", "gpu")
     assert result.exit_code == 2 and result.stderr.startswith(
         "error: --processes starts local CPU processes; for gpu across hosts")
-    with pytest.raises(HloShardError, match="for 2 devices cannot run on the 4 devices"):
-        with DistributedWorker(2, 4) as worker:
-            runtime.load(WHO.replace("replica_count=4", "replica_count=2"), worker=worker)
+    with pytest.raises(HloShardError, match="for 2 devices cannot run on the 4 devices"), \
+            DistributedWorker(2, 4) as worker:
+        runtime.load(WHO.replace("replica_count=4", "replica_count=2"), worker=worker)
 
 
 # ----------------------------------------------------------------------- failures

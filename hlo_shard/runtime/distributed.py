@@ -139,10 +139,12 @@ def _drain(child: _Process) -> None:
 
 def _blame(children: list[_Process], suspects: list[int], errors: dict[int, str]) -> str:
     """Stop every process and say why the run failed: a process that exited (within
-    a short grace) if any did, else the suspects, with their errors or last lines."""
+    a short grace; failed ones first) if any did, else the suspects, with their errors
+    or last lines."""
     time.sleep(FAILURE_GRACE_S)
     status = {c: c.popen.poll() for c in children}
-    exited = [c for c, code in status.items() if code is not None]
+    exited = [c for c, code in status.items() if code not in (None, 0)] or \
+        [c for c, code in status.items() if code is not None]
     blamed = exited or [c for c in children if c.index in suspects]
     _kill_all(children)
     time.sleep(0.05)  # let the drain threads collect the last lines
@@ -345,7 +347,7 @@ class DistributedWorker:
             fds = {self._children[i].replies_fd: self._children[i]
                    for i, wait in enumerate(waiting) if wait}
             left = deadline - time.monotonic()
-            ready, _, _ = select.select(list(fds), [], [], max(left, 0)) if left > 0 else ([], [], [])
+            ready = select.select(list(fds), [], [], left)[0] if left > 0 else []
             if not ready:
                 late = [i for i, wait in enumerate(waiting) if wait]
                 self._fail(f"{what}: timed out after {timeout:g} s", late)
