@@ -221,20 +221,24 @@ def _training(processes: int, devices_per_process: int, *args: str) -> list[dict
                                               devices_per_process, timeout=300))
 
 
-@pytest.mark.parametrize("mode", ["sharded"])
-def test_training_in_two_processes_equals_one_process(mode):
-    """The same 10 steps through shard_weight_update on 2 processes x 2 devices (with a
-    checkpoint round trip before step 6) and on 1 process x 4 (without): the same
-    losses, parameters and optimizer state (after gather_args) within f32 rounding of
-    sums taken in another order (gloo's across processes, XLA's in one), and every
-    process holding the same full values."""
-    one, = _training(1, 4, "--modes", mode)
-    two = _training(2, 2, "--modes", mode, "--resume-at", "5")
-    assert [r["process"] for r in two] == [0, 1] and one["sharded"] and two[0]["sharded"]
-    assert two[0]["leaves"] == two[1]["leaves"] and two[0]["losses"] == two[1]["losses"]
-    np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-5, atol=1e-6)
-    for ours, theirs in zip(two[0]["leaves"], one["leaves"]):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+def test_training_in_two_processes_equals_one_process():
+    """The same 10 steps through shard_weight_update, both state modes, on 2 processes
+    x 2 devices (sharded: with a checkpoint round trip before step 6) and on 1 process
+    x 4 (without): the same losses, parameters and optimizer state (after gather_args)
+    within f32 rounding of sums taken in another order (gloo's across processes, XLA's
+    in one), and every process holding the same full values."""
+    modes = ("--modes", "gathered,sharded")
+    one = {r["mode"]: r for r in _training(1, 4, *modes)}
+    two = _training(2, 2, *modes, "--resume-at", "5")
+    assert sorted((r["mode"], r["process"]) for r in two) == [
+        ("gathered", 0), ("gathered", 1), ("sharded", 0), ("sharded", 1)]
+    for mode, reference in one.items():
+        first, second = (r for r in two if r["mode"] == mode)
+        assert reference["sharded"] and first["sharded"] == reference["sharded"]
+        assert first["leaves"] == second["leaves"] and first["losses"] == second["losses"]
+        np.testing.assert_allclose(first["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        for ours, theirs in zip(first["leaves"], reference["leaves"]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_processes_that_build_different_programs_are_refused(tmp_path):
