@@ -26,7 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
-import distributed_bench  # noqa: E402
 
 UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
                 "sgd": ROOT / "fixtures/spmd/mlp_sgd.n8.hlo"}
@@ -147,7 +146,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-") as tmp:
         results |= step_time(Path(tmp), args.runs, args.rounds)
         results["memory"] = memory(Path(tmp))
-    distributed_bench.report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
+    from distributed_bench import report as distributed_report
+    from jax_bench import TARGETS as JAX_TARGETS, jax_training
+
+    TARGETS.update(JAX_TARGETS)
+    results |= jax_training(args.runs, args.rounds)
+    distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

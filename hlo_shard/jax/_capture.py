@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hlo_shard.cli.optimize import pick_dump_file
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 
-#: Partitioner stages holding the per-device module, best first.
-SPMD_STAGES = (".spmd-partitioner.after_call-inliner.before_pipeline-end.txt",
-               ".spmd-partitioner.after_spmd-partitioning.before_control-dep-rewriter.txt")
 #: The dump options one capture compiles with (into the capture's own folder).
 DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning|call-inliner",
                 "xla_dump_large_constants": True}
@@ -102,9 +100,8 @@ def per_device_hlo(fn, *args, **kwargs) -> str:
 
 def _read_stage(folder: Path) -> str:
     """The partitioned module in ``folder`` (only this compile dumps there)."""
-    for stage in SPMD_STAGES:
-        found = sorted(folder.glob(f"module_*{stage}"))
-        if found:
-            return found[-1].read_text()
-    raise Unsupported("XLA wrote no SPMD-partitioned module for the step (is it compiled "
-                      "for more than one device?)")
+    try:
+        return pick_dump_file(folder).read_text()
+    except HloShardError:
+        raise Unsupported("XLA wrote no SPMD-partitioned module for the step (is it "
+                          "compiled for more than one device?)") from None

@@ -27,6 +27,15 @@ _KEY_PREFIX = "hlo_shard.jax/program"
 _builds = itertools.count()
 
 
+def multi_process() -> bool:
+    """Whether jax runs several processes. A first run that fails then raises instead
+    of falling back to ``fn``: the other processes may already wait in the optimized
+    step's collectives, and ``fn``'s would never meet them."""
+    import jax
+
+    return jax.process_count() > 1
+
+
 def agree_on_program(kind: str, text: str) -> None:
     """Check that every process built the same ``kind`` ("optimized module" or "fallback
     to fn") from the same ``text`` (the module, or the reason); no-op in one process."""

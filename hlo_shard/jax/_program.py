@@ -57,6 +57,8 @@ class Program:
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
     seconds: float
+    #: Whether it ran once (a failing first run falls back to ``fn``).
+    ran: bool = False
     _cache: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- placement
@@ -197,8 +199,8 @@ def build_program(capture: Capture, options: ShardingOptions,
     ``next_values``: (output leaf, entry parameter) pairs where the output is the
     parameter's value for the next step, as the step's pytrees say (``params`` out →
     ``params`` in). The pass reads them as ``input_output_alias`` to pair optimizer
-    state with its next value; jit's own donation header, which pairs any donated
-    input with any output of its shape, is put back for the executable.
+    state with its next value; the executable aliases what jit donates
+    (:func:`_executable_aliases`).
     """
     started = time.perf_counter()
     module = parse(capture.text, path="<captured step>")
@@ -216,7 +218,7 @@ def build_program(capture: Capture, options: ShardingOptions,
         report = WeightUpdateSharding(options).apply(module).notes[0]
         for key in DONATION_ATTRIBUTES:
             module.header.pop(key, None)
-        module.header.update(_still_valid(donation, module))
+        module.header.update(_executable_aliases(donation, next_values, module))
         text = check_output(module)
         executable_text = to_text(replica_form(module, keep_donation=True))
     except HloShardError as err:
@@ -237,22 +239,34 @@ def build_program(capture: Capture, options: ShardingOptions,
                    shard_sharding, time.perf_counter() - started)
 
 
-def _still_valid(donation: dict, module) -> dict:
-    """jit's donation attributes, less the aliases whose parameter and output shapes the
-    pass made differ (a sharded state input whose jit alias was another output)."""
-    alias = donation.get("input_output_alias")
-    if alias is None:
-        return donation
+def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module) -> dict:
+    """The donation header for the executable: every parameter jit donates
+    (``buffer_donor`` or ``input_output_alias``) aliased to an output of its shape in
+    the optimized module — its next value where the pytrees say which, else the first
+    free one, as jit pairs them. (A bare ``buffer_donor`` does not make the executable
+    consume its inputs through this compile path; an alias does.)"""
+    donors = sorted({int(n) for key in DONATION_ATTRIBUTES if key in donation
+                     for n in re.findall(r"\(\s*(\d+)\s*,\s*\{", donation[key].text)})
+    if not donors:
+        return {}
     params = {p.parameter_number: p.shape for p in module.entry.parameters()}
     root = module.entry.root
     outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
-    kept = [m.group(0) for m in re.finditer(
-        r"\{\s*(\d+)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}\s*(?:,\s*[\w-]+\s*)?\)", alias.text)
-        if _same_array(outputs[int(m.group(1))], params[int(m.group(2))])]
-    out = {k: v for k, v in donation.items() if k != "input_output_alias"}
-    if kept:
-        out["input_output_alias"] = Raw("{ " + ", ".join(kept) + " }")
-    return out
+    preferred = {p: k for k, p in next_values}
+    taken: dict[int, int] = {}
+    for number in donors:
+        choices = [preferred[number]] if number in preferred else []
+        choices += [k for k in range(len(outputs)) if k not in choices]
+        k = next((k for k in choices if k not in taken.values()
+                  and _same_array(outputs[k], params[number])), None)
+        if k is not None:
+            taken[number] = k
+    if not taken:
+        return {}
+    return {"input_output_alias": Raw("{ " + ", ".join(
+        f"{{{k}}}: ({number}, {{}}, may-alias)" for number, k in sorted(taken.items(),
+                                                                       key=lambda t: t[1]))
+        + " }")}
 
 
 def _same_array(a, b) -> bool:

@@ -88,7 +88,17 @@ class ShardedStep:
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
             return self._jitted(*args, **kwargs)
-        return self._run(entry, call)
+        if entry.program.ran or entry.program.state_args or _distributed.multi_process():
+            return self._run(entry, call)
+        try:  # a first run that fails leaves the inputs intact: fn can still run them
+            outs = self._run(entry, call)
+        except Exception as err:
+            reason = f"the optimized step failed to run: {str(err).splitlines()[0]}"
+            self._warn(reason)
+            self._entries[self._key(call)] = _Fallback(reason)
+            return self._jitted(*args, **kwargs)
+        entry.program.ran = True
+        return outs
 
     def _run(self, entry: _Entry, call: _Call):
         import jax
@@ -168,6 +178,11 @@ class ShardedStep:
         if self._latest is None:
             return None
         return self._latest.report_json(self._latest_call.names)
+
+    @property
+    def memory_stats(self) -> dict[str, int] | None:
+        """XLA's compiled memory figures (bytes per device) of the latest program."""
+        return None if self._latest is None else _xla.memory_stats(self._latest.executable)
 
     @property
     def hlo_text(self) -> str | None:
