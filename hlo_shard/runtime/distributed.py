@@ -44,10 +44,12 @@ from typing import Any, Callable, NoReturn, Sequence
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.runtime import _child
 from hlo_shard.runtime.worker import (
-    DEFAULT_TIMEOUT, STARTUP_TIMEOUT, _crash_detail, _exit_cause, _first_lines,
-    child_environment,
+    DEFAULT_TIMEOUT, _crash_detail, _exit_cause, _first_lines, child_environment,
 )
 
+#: Seconds allowed for all processes to start jax, meet at the coordinator and report
+#: their devices.
+STARTUP_TIMEOUT = 120.0
 #: Seconds the other processes get, after one fails, to show whether they failed too
 #: (so that the process that died first is blamed, not a peer it took down).
 FAILURE_GRACE_S = 0.5
