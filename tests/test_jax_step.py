@@ -123,6 +123,8 @@ def test_report_names_leaves_by_their_paths(request):
     assert kinds["params['l0']['w']"] == "replicated"
     assert kinds["opt_state[0].mu['l0']['w']"] == "sharded"
     assert kinds["batch['x']"] == "per-device"
+    gradients = {row["gradient_of"] for row in fast.report["explanations"] if row["sharded"]}
+    assert {"params['l0']['w']", "params['l2']['b']"} <= gradients
     assert "reduce-scatter" in fast.hlo_text and "reduce-scatter" not in fast.original_hlo_text
     parse(fast.hlo_text)
 

@@ -57,6 +57,8 @@ class Program:
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
     seconds: float
+    #: (output leaf, entry parameter): the output is the parameter's next value.
+    next_values: list[tuple[int, int]] = field(default_factory=list)
     #: Whether it ran once (a failing first run falls back to ``fn``).
     ran: bool = False
     _cache: dict = field(default_factory=dict)
@@ -103,7 +105,7 @@ class Program:
                          [self.shard_sharding] * len(indices), to_shards=True)
         out = list(leaves)
         for index, shard in zip(indices, shards):
-            if donated and donated[index]:
+            if donated and donated[index] and hasattr(out[index], "delete"):
                 out[index].delete()
             out[index] = shard
         return out
@@ -142,6 +144,10 @@ class Program:
                 out["shard_length"] = record.format.shard_len
             return out
 
+        param_of_output = {k: names[cap.kept[p]] for k, p in self.next_values}
+        grads = {key: param_of_output[k]
+                 for key, k in _gradient_outputs(cap.text, self.next_values).items()
+                 if k in param_of_output}
         profile = self.options.profile
         return {
             "devices": report.devices, "state": self.options.state,
@@ -150,12 +156,41 @@ class Program:
             "strategies": [choice.to_json() for choice in report.strategies],
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
-            "explanations": [r.to_json() for r in report.explanations],
+            "explanations": [{**r.to_json(), "gradient_of": grads.get((r.all_reduce, r.index))}
+                             for r in report.explanations],
             "notes": list(report.notes),
             "parameters": [entry(p, names[cap.kept[p.index]]) for p in report.parameters],
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
             "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
         }
+
+
+def _gradient_outputs(text: str, next_values: list[tuple[int, int]]
+                      ) -> dict[tuple[str, None], int]:
+    """All-reduce → the output leaf that is its weight's next value: of its shape, reached
+    from it, and the next value of a parameter the gradient was computed from (which
+    tells the weight from its optimizer state). Only where exactly one output fits."""
+    import networkx as nx
+
+    from hlo_shard.graph import dataflow_graph
+
+    entry = parse(text, path="<captured step>").entry
+    graph = dataflow_graph(entry)
+    root = entry.root
+    outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+    param_name = {p.parameter_number: p.name for p in entry.parameters()}
+    found = {}
+    for inst in entry.instructions:
+        if inst.opcode != "all-reduce" or isinstance(inst.shape, TupleShape):
+            continue
+        reached, sources = nx.descendants(graph, inst.name), nx.ancestors(graph, inst.name)
+        ks = [k for k, p in next_values
+              if outputs[k] in reached and param_name[p] in sources
+              and sorted(getattr(shapes[k], "dims", ())) == sorted(inst.shape.dims)]
+        if len(ks) == 1:
+            found[(inst.name, None)] = ks[0]
+    return found
 
 
 def _shard(x, layout: StateLayout):
@@ -203,7 +238,10 @@ def build_program(capture: Capture, options: ShardingOptions,
     (:func:`_executable_aliases`).
     """
     started = time.perf_counter()
-    module = parse(capture.text, path="<captured step>")
+    try:
+        module = parse(capture.text, path="<captured step>")
+    except HloShardError as err:
+        raise Unsupported(f"hlo-shard cannot read the captured module: {err}") from None
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
                           f"parameters for {len(capture.kept)} arguments")
@@ -236,7 +274,7 @@ def build_program(capture: Capture, options: ShardingOptions,
                           f"{str(err).splitlines()[0]}") from None
     shard_sharding = _shard_sharding(capture) if state_args else None
     return Program(capture, report, options, text, executable, state_args, state_outputs,
-                   shard_sharding, time.perf_counter() - started)
+                   shard_sharding, time.perf_counter() - started, list(next_values))
 
 
 def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module) -> dict:

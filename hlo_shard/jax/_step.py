@@ -48,6 +48,8 @@ class _Call:
     treedef: Any
     static: tuple
     names: list[str] = field(default_factory=list)
+    #: The signature key, computed once per call.
+    key: tuple | None = None
 
 
 class ShardedStep:
@@ -215,7 +217,10 @@ class ShardedStep:
         return tuple(static[i] if i in static else next(dynamic) for i in range(len(args)))
 
     def _key(self, call: _Call) -> tuple:
-        return (call.treedef, call.static, tuple(_xla.leaf_key(x) for x in call.leaves))
+        if call.key is None:
+            call.key = (call.treedef, call.static,
+                        tuple(_xla.leaf_key(x) for x in call.leaves))
+        return call.key
 
     def _known(self, call: _Call) -> _Entry | _Fallback | None:
         return self._entries.get(self._key(call))
