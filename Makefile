@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 N      ?= 8
 
-.PHONY: install test test-all lint typecheck bench fixtures fuzz clean
+.PHONY: install test test-all lint typecheck bench fixtures fuzz demo-distributed clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ bench: install
 fuzz: install
 	$(PY) -m hlo_shard.fuzz --cases $${CASES:-2000} --seed $${SEED:-0} \
 	    --variants-per-case $${VARIANTS:-1}
+
+# hlo-shard on 2 jax.distributed processes x 4 CPU devices on localhost: a training
+# loop through hlo_shard.jax and `verify --processes 2` (docs/distributed.md).
+demo-distributed: install
+	$(PY) scripts/demo_distributed.py
 
 clean:
 	rm -rf $(VENV) build dist bench/out .pytest_cache

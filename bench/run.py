@@ -151,10 +151,12 @@ def main() -> None:
         results["memory"] = memory(Path(tmp))
     from hook_bench import hook_step_time
     results["step time, install() hook"] = hook_step_time(args.runs, args.rounds)
+    from distributed_bench import report as distributed_report
     from jax_bench import TARGETS as JAX_TARGETS, jax_training
 
     TARGETS.update(JAX_TARGETS)
     results |= jax_training(args.runs, args.rounds)
+    distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

@@ -118,6 +118,9 @@ def _text_report(report, timed: bool) -> list[str]:
                 type=click.Path(dir_okay=False))
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=None,
               help="Devices to run on (default: the module's replica_count/num_partitions).")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local processes joined by jax.distributed, each with devices/processes "
+                   "CPU devices (docs/distributed.md).")
 @click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True,
               help="Training steps; outputs that correspond to parameters are fed back.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None,
@@ -145,7 +148,7 @@ def _text_report(report, timed: bool) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @user_errors
-def verify(original: str, candidate: str | None, devices: int | None, steps: int,
+def verify(original: str, candidate: str | None, devices: int | None, processes: int, steps: int,
            rtol: float | None, atol: float | None, seed: int, backend: str,
            manifest_path: str | None, per_device_params: str | None, inputs_npz: str | None,
            time_runs: int, warmup: int, timeout: float, as_json: bool, quiet: bool) -> None:
@@ -156,17 +159,28 @@ def verify(original: str, candidate: str | None, devices: int | None, steps: int
     report that it compiles and runs, and its output shapes.
     """
     from hlo_shard import runtime
+    from hlo_shard.runtime.distributed import DistributedWorker
 
+    worker = DistributedWorker(processes, devices, backend, timeout) if processes > 1 else None
     options = runtime.VerifyOptions(
         devices=devices, steps=steps, seed=seed, rtol=rtol, atol=atol, backend=backend,
         manifest=runtime.load_manifest(manifest_path) if manifest_path else None,
         per_device_params=_index_list(per_device_params), inputs_npz=inputs_npz,
-        time_runs=time_runs, warmup=warmup, timeout=timeout)
+        time_runs=time_runs, warmup=warmup, timeout=timeout, worker=worker)
     progress = None if quiet else (lambda message: click.echo(message, err=True))
-    report = runtime.verify(original, candidate, options, progress)
+    try:
+        report = runtime.verify(original, candidate, options, progress)
+    finally:
+        if worker is not None:
+            worker.close()
+    where = {} if worker is None else {"processes": processes,
+                                       "coordinator": worker.coordinator}
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps({**report.to_json(), **where}, indent=2))
     else:
         click.echo("\n".join(_text_report(report, bool(time_runs))))
+        if where:
+            click.echo(f"ran in {processes} processes x {report.devices // processes} devices "
+                       f"through jax.distributed (coordinator {worker.coordinator})")
     if not report.ok:
         sys.exit(EXIT_DIFFERENT)

@@ -56,9 +56,6 @@ def capture(jitted, args: tuple, kwargs: dict) -> Capture:
     """Lower and compile ``jitted`` for these arguments, reading the partitioned module."""
     import jax
 
-    if jax.process_count() > 1:
-        raise Unsupported("multi-process programs (jax.process_count() > 1) are not "
-                          "supported yet")
     lowered = jitted.lower(*args, **kwargs)
     folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
     try:

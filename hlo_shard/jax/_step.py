@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hlo_shard.jax import _xla
+from hlo_shard.jax import _distributed, _xla
 from hlo_shard.jax._capture import Unsupported, capture
 from hlo_shard.jax._program import Program, build_program, convert
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
@@ -90,7 +90,7 @@ class ShardedStep:
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
             return self._jitted(*args, **kwargs)
-        if entry.program.ran or entry.program.state_args:
+        if entry.program.ran or entry.program.state_args or _distributed.multi_process():
             return self._run(entry, call)
         try:  # a first run that fails leaves the inputs intact: fn can still run them
             outs = self._run(entry, call)
@@ -231,12 +231,14 @@ class ShardedStep:
             cap = capture(self._jitted, args, kwargs)
             program = build_program(cap, self.options, self._next_values(call, cap))
         except Unsupported as why:
+            _distributed.agree_on_program("fallback to fn", str(why))
             self._warn(str(why))
             self._entries[key] = _Fallback(str(why))
             return self._entries[key]
         except Exception as err:
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
+        _distributed.agree_on_program("optimized module", program.hlo_text)
         call.names = self._names(call)
         self._entries[key] = _Entry(program, shards=False)
         if program.state_args:
