@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import functools
-import os
+import signal
 import sys
-import tempfile
-from pathlib import Path
 from typing import Callable
 
 import click
 
 from hlo_shard.errors import HloParseError, HloShardError
+from hlo_shard.outputs import (check_distinct_outputs, check_output_path,  # noqa: F401
+                               write_output, write_outputs)  # re-exported for the commands
 from hlo_shard.source import read_text  # noqa: F401 - re-exported for the commands
 
 EXIT_USAGE = 2
+#: Interrupted (Ctrl-C): 128 + SIGINT, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +32,9 @@ def fail(message: str) -> "NoReturn":  # noqa: F821 - typing only
 
 
 def user_errors(command: Callable) -> Callable:
-    """Turn every anticipated failure into a clean message and exit status 2."""
+    """Turn every anticipated failure into a clean message and exit status 2, and
+    Ctrl-C into "interrupted" and 130 (never click's "Aborted!" and 1, which is
+    verify's "outputs differ")."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -52,33 +56,26 @@ def user_errors(command: Callable) -> Callable:
             where = f"{err.filename}: " if err.filename else ""
             click.echo(f"error: {where}{err.strerror or err}", err=True)
             sys.exit(EXIT_USAGE)
+        except KeyboardInterrupt:
+            _interrupted()
 
     return wrapper
 
 
-def check_output_path(output: str | None, inputs: list[str], in_place: bool = False) -> None:
-    """Refuse to overwrite an input unless explicitly asked to."""
-    if output in (None, "-") or in_place:
-        return
-    out = Path(output).resolve()
-    for path in inputs:
-        if Path(path).resolve() == out:
-            raise HloShardError(f"output {output} is an input; pass --in-place to overwrite it")
-
-
-def write_output(output: str | None, text: str) -> None:
-    """Write ``text`` to ``output`` atomically (temp file in the same folder, then
-    rename), or to stdout for ``None`` / ``-``. A failed run leaves nothing behind."""
-    if output in (None, "-"):
-        click.echo(text, nl=False)
-        return
-    target = Path(output)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                               dir=str(target.parent) or ".")
+def _interrupted() -> "NoReturn":  # noqa: F821 - typing only
+    """Stop the execution workers at once (not after their current request), say so,
+    exit 130. A second Ctrl-C meanwhile is ignored rather than turned into click's
+    "Aborted!"."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        workers = sys.modules.get("hlo_shard.runtime.worker")
+        if workers is not None:
+            workers.kill_workers()
+        click.echo("error: interrupted", err=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    sys.exit(EXIT_INTERRUPTED)
