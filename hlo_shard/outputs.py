@@ -164,8 +164,9 @@ def _commit(item: _Output) -> None:
     with _naming(item.requested):
         if item.how == "stdout":
             click.echo(item.data, nl=False)
-        elif item.how == "direct":
-            with open(item.target, "wb") as handle:
+        elif item.how == "direct":  # never truncated: /dev/stdout may be a log, `>>`
+            with open(os.open(item.target, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC),
+                      "wb") as handle:
                 handle.write(item.data)
         elif item.how == "rewrite":
             item.previous = item.target.read_bytes()

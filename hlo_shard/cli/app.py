@@ -64,18 +64,14 @@ def user_errors(command: Callable) -> Callable:
 
 def _interrupted() -> "NoReturn":  # noqa: F821 - typing only
     """Stop the execution workers at once (not after their current request), say so,
-    exit 130. A second Ctrl-C meanwhile is ignored rather than turned into click's
-    "Aborted!"."""
+    exit 130. Further Ctrl-C are ignored from here on, as the process is ending: one
+    would turn exit 130 into click's "Aborted!" (exit 1) or a death by SIGINT."""
     try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread
-        previous = None
-    try:
-        workers = sys.modules.get("hlo_shard.runtime.worker")
-        if workers is not None:
-            workers.kill_workers()
-        click.echo("error: interrupted", err=True)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        pass
+    workers = sys.modules.get("hlo_shard.runtime.worker")
+    if workers is not None:
+        workers.kill_workers()
+    click.echo("error: interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)

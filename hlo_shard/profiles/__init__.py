@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.schema import REQUIRED, At, load_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,66 +105,76 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise HloShardError(
             f"unknown profile {name_or_path!r}: not a file, and not one of "
             f"{', '.join(available_profiles())}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HloShardError(f"{path}: not a JSON profile: {err}") from None
-    return profile_from_dict(data, str(path))
+    return profile_from_dict(load_json(path, "profile"), str(path))
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
-    """Validate and build a profile; a bad field is one clear user error."""
-    try:
-        if not isinstance(data, dict):
-            raise ValueError("the top level must be an object")
-        net = data["interconnect"]
-        algorithm = str(net.get("algorithm", "ring"))
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"interconnect.algorithm must be one of {', '.join(ALGORITHMS)}")
-        profile = HardwareProfile(
-            name=str(data.get("name", origin)),
-            description=str(data.get("description", "")),
-            matrix_flops_per_s=_rates(data["matrix_flops_per_s"], "matrix_flops_per_s"),
-            vector_flops_per_s=_rates(data["vector_flops_per_s"], "vector_flops_per_s"),
-            transcendentals_per_s=_positive(data["transcendentals_per_s"]),
-            memory_bandwidth_bytes_per_s=_positive(data["memory_bandwidth_bytes_per_s"]),
-            memory_write_bandwidth_bytes_per_s=_positive(data.get(
-                "memory_write_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
-            memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
-            cache_bytes=int(data.get("cache_bytes", 0)),
-            cache_bandwidth_bytes_per_s=_positive(data.get(
-                "cache_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
-            kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
-            upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
-            multi_output_fusion=bool(data.get("multi_output_fusion", True)),
-            combine_threshold_bytes=int(data.get("combine_threshold_bytes", 30 << 20)),
-            interconnect=Interconnect(
-                algorithm=algorithm,
-                devices_per_node=int(net.get("devices_per_node", 1 << 30)),
-                intra_node=_link(net["intra_node"]),
-                inter_node=_link(net.get("inter_node", net["intra_node"])),
-            ),
-            sources=tuple(str(s) for s in data.get("sources", ())),
-        )
-    except KeyError as err:
-        raise HloShardError(f"profile {origin}: missing field {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
-        raise HloShardError(f"profile {origin}: {err}") from None
-    return profile
+    """Validate and build a profile; a bad field is one error naming its place."""
+    at = At(f"profile {origin}")
+    data = at.object(data)
+
+    def get(name: str, default=REQUIRED, where: At = at, obj: dict = data):
+        return where.field(obj, name, default)
+
+    def positive(name: str, default=REQUIRED) -> float:
+        value, place = get(name, default)
+        return place.number(value, positive=True)
+
+    def count(name: str, default) -> int:
+        value, place = get(name, default)
+        return int(place.number(value, low=0))
+
+    def flag(name: str, default: bool) -> bool:
+        value, place = get(name, default)
+        return place.boolean(value)
+
+    net_raw, net_at = get("interconnect")
+    net = net_at.object(net_raw)
+    algorithm, algorithm_at = get("algorithm", "ring", net_at, net)
+    per_node, per_node_at = get("devices_per_node", 1 << 30, net_at, net)
+    intra = _link(*get("intra_node", REQUIRED, net_at, net))
+    inter_raw, inter_at = get("inter_node", None, net_at, net)
+    name, name_at = get("name", origin)
+    description, description_at = get("description", "")
+    overhead, overhead_at = get("kernel_overhead_s", 0.0)
+    sources, sources_at = get("sources", [])
+    bandwidth = positive("memory_bandwidth_bytes_per_s")
+    return HardwareProfile(
+        name=name_at.string(name),
+        description=description_at.string(description),
+        matrix_flops_per_s=_rates(*get("matrix_flops_per_s")),
+        vector_flops_per_s=_rates(*get("vector_flops_per_s")),
+        transcendentals_per_s=positive("transcendentals_per_s"),
+        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_write_bandwidth_bytes_per_s=positive("memory_write_bandwidth_bytes_per_s",
+                                                    bandwidth),
+        memory_capacity_bytes=int(positive("memory_capacity_bytes")),
+        cache_bytes=count("cache_bytes", 0),
+        cache_bandwidth_bytes_per_s=positive("cache_bandwidth_bytes_per_s", bandwidth),
+        kernel_overhead_s=overhead_at.number(overhead, low=0),
+        upcasts_16bit_floats=flag("upcasts_16bit_floats", False),
+        multi_output_fusion=flag("multi_output_fusion", True),
+        combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
+        interconnect=Interconnect(
+            algorithm=algorithm_at.string(algorithm, ALGORITHMS),
+            devices_per_node=per_node_at.integer(per_node, 1),
+            intra_node=intra,
+            inter_node=intra if inter_raw is None else _link(inter_raw, inter_at),
+        ),
+        sources=tuple(sources_at.index(i).string(s)
+                      for i, s in enumerate(sources_at.array(sources))),
+    )
 
 
-def _positive(value: object) -> float:
-    number = float(value)  # type: ignore[arg-type]
-    if not number > 0:
-        raise ValueError(f"expected a positive number, got {value!r}")
-    return number
+def _rates(value: object, at: At) -> dict[str, float]:
+    rates = at.object(value)
+    at.field(rates, "default")
+    return {key: at.key(key).number(rate, positive=True) for key, rate in rates.items()}
 
 
-def _rates(value: object, field: str) -> dict[str, float]:
-    if not isinstance(value, dict) or "default" not in value:
-        raise ValueError(f"{field} must be an object with a 'default' rate")
-    return {str(k): _positive(v) for k, v in value.items()}
-
-
-def _link(value: dict) -> Link:
-    return Link(alpha_s=float(value["alpha_s"]), beta_bytes_per_s=_positive(value["beta_bytes_per_s"]))
+def _link(value: object, at: At) -> Link:
+    link = at.object(value)
+    alpha, alpha_at = at.field(link, "alpha_s")
+    beta, beta_at = at.field(link, "beta_bytes_per_s")
+    return Link(alpha_s=alpha_at.number(alpha, low=0),
+                beta_bytes_per_s=beta_at.number(beta, positive=True))
