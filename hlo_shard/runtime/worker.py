@@ -53,13 +53,16 @@ _OUT_OF_MEMORY = re.compile(r"bad_alloc|MemoryError|Cannot allocate memory|out o
                             re.IGNORECASE)
 
 
-def memory_limit(device_count: int) -> int | None:
+def memory_limit(backend: str, device_count: int) -> int | None:
     """Bytes of address space a worker of ``device_count`` devices may map: the
-    ``--worker-memory`` flag, else ``HLO_SHARD_WORKER_MEMORY``, else 3/4 of the
-    machine's memory plus a reserve per device; None: unlimited."""
+    ``--worker-memory`` flag, else ``HLO_SHARD_WORKER_MEMORY``, else (CPU only: GPU
+    drivers reserve far more address space than memory) 3/4 of the machine's memory
+    plus a reserve per device; None: unlimited."""
     chosen = limits.WORKER_MEMORY.value()
     if chosen != limits.WORKER_MEMORY.default:
         return chosen
+    if backend != "cpu":
+        return None
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(physical * MEMORY_SHARE) + MEMORY_PER_DEVICE * device_count
 _STDERR_LINES_KEPT = 400
@@ -95,7 +98,7 @@ class Worker:
         self.backend = backend
         self.device_count = device_count
         self.timeout = timeout
-        self.memory_limit = memory_limit(device_count)
+        self.memory_limit = memory_limit(backend, device_count)
         self.generation = 0
         self.info: dict[str, Any] = {}
         self._process: subprocess.Popen | None = None
@@ -296,7 +299,7 @@ def get_worker(backend: str = "cpu", device_count: int = 1,
     with _pool_lock:
         for worker in _pool:
             if worker.backend == backend and worker.device_count >= device_count \
-                    and worker.memory_limit == memory_limit(worker.device_count):
+                    and worker.memory_limit == memory_limit(backend, worker.device_count):
                 worker.timeout = timeout
                 break
         else:
@@ -312,21 +315,22 @@ def get_worker(backend: str = "cpu", device_count: int = 1,
     return worker
 
 
-def shutdown_workers() -> None:
-    """Stop every pooled worker (also run at interpreter exit)."""
+def _empty_pool() -> list[Worker]:
     with _pool_lock:
         workers = list(_pool)
         _pool.clear()
-    for worker in workers:
+    return workers
+
+
+def shutdown_workers() -> None:
+    """Stop every pooled worker (also run at interpreter exit)."""
+    for worker in _empty_pool():
         worker.close()
 
 
 def kill_workers() -> None:
     """Kill every pooled worker now, busy or not (Ctrl-C: nobody waits for a result)."""
-    with _pool_lock:
-        workers = list(_pool)
-        _pool.clear()
-    for worker in workers:
+    for worker in _empty_pool():
         worker._kill()
 
 
