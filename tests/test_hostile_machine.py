@@ -368,9 +368,23 @@ def test_parameter_number_beyond_the_signature_is_one_line(tmp_path):
     bad.write_text("HloModule p7\n\nENTRY %e (x: f32[4]) -> f32[4] {\n"
                    "  ROOT %x = f32[4] parameter(7)\n}\n")
     run = _cli("verify", bad)
-    if "Traceback" in run.stderr:
+    if "internal error" in run.stderr:
         pytest.xfail("parameter(7) is refused by the parser fix (issue 16 item 7)")
     _one_error(run)
+
+
+def test_a_bug_is_exit_3_never_verify_s_1(monkeypatch):
+    """Exit 1 means only "outputs differ": an internal error is one line and 3."""
+    import hlo_shard.printer
+
+    def broken(module):
+        raise ValueError("a bug\nsecond line")
+
+    monkeypatch.setattr(hlo_shard.printer, "to_text", broken)
+    result = CliRunner().invoke(main, ["fmt", str(SGD)])
+    assert result.exit_code == 3 and result.output.splitlines() == [
+        "error: internal error (ValueError: a bug); please report it (set HLO_SHARD_DEBUG=1 "
+        "for the traceback)"]
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
+import traceback
 from typing import Callable
 
 import click
@@ -15,8 +17,12 @@ from hlo_shard.outputs import (check_distinct_outputs, check_output_path,  # noq
 from hlo_shard.source import read_text  # noqa: F401 - re-exported for the commands
 
 EXIT_USAGE = 2
+#: A bug in hlo-shard (never 1: verify's "outputs differ" must mean only that).
+EXIT_INTERNAL = 3
 #: Interrupted (Ctrl-C): 128 + SIGINT, as a shell reports it.
 EXIT_INTERRUPTED = 130
+#: Set to print the traceback of an internal error.
+DEBUG_ENV = "HLO_SHARD_DEBUG"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,9 +38,10 @@ def fail(message: str) -> "NoReturn":  # noqa: F821 - typing only
 
 
 def user_errors(command: Callable) -> Callable:
-    """Turn every anticipated failure into a clean message and exit status 2, and
+    """Turn every anticipated failure into a clean message and exit status 2,
     Ctrl-C into "interrupted" and 130 (never click's "Aborted!" and 1, which is
-    verify's "outputs differ")."""
+    verify's "outputs differ"), and a bug into "internal error" and 3 (the traceback
+    with HLO_SHARD_DEBUG=1)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -58,6 +65,14 @@ def user_errors(command: Callable) -> Callable:
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:
             _interrupted()
+        except Exception as err:  # noqa: BLE001 - a bug, reported as one
+            if os.environ.get(DEBUG_ENV):
+                traceback.print_exc()
+            detail = str(err).splitlines()[0][:200] if str(err) else ""
+            click.echo(f"error: internal error ({type(err).__name__}{': ' if detail else ''}"
+                       f"{detail}); please report it (set {DEBUG_ENV}=1 for the traceback)",
+                       err=True)
+            sys.exit(EXIT_INTERNAL)
 
     return wrapper
 
