@@ -250,50 +250,66 @@ def spin(tmp_path_factory) -> Path:
     return path
 
 
-def _busy_verify(spin: Path) -> tuple[subprocess.Popen, int]:
-    """``verify`` of a minutes-long module, once its worker is computing: (the
-    parent, the worker's pid)."""
-    proc = subprocess.Popen(PYTHON + ["verify", str(spin), "--timeout", "600"], cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if line.startswith("step 1/1"):
-            break
-    else:
-        pytest.fail(f"verify ended before running: {proc.wait()}")
-    workers = _children(proc.pid)
-    assert len(workers) == 1, workers
-    time.sleep(0.5)  # well into the computation
-    return proc, workers[0]
+@pytest.fixture
+def busy_verify(spin):
+    """Starts ``verify`` of a minutes-long module and returns once its worker is
+    computing: (the parent, the worker's pid). Whatever the test leaves is killed."""
+    started: list[tuple[subprocess.Popen, int]] = []
+
+    def start() -> tuple[subprocess.Popen, int]:
+        proc = subprocess.Popen(PYTHON + ["verify", str(spin), "--timeout", "600"], cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:
+            if line.startswith("step 1/1"):
+                break
+        workers = _children(proc.pid)
+        started.append((proc, workers[0] if workers else 0))
+        assert len(workers) == 1, f"verify ended before running: {proc.wait()}"
+        time.sleep(0.5)  # well into the computation
+        return started[-1]
+
+    yield start
+    for proc, worker in started:
+        proc.kill()
+        proc.wait()
+        if worker and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP],
                          ids=lambda s: s.name)
-def test_worker_dies_with_a_killed_parent(sig, spin):
-    proc, worker = _busy_verify(spin)
+def test_worker_dies_with_a_killed_parent(sig, busy_verify):
+    proc, worker = busy_verify()
     proc.send_signal(sig)
     assert proc.wait(timeout=GONE_WITHIN) == -sig
     assert _wait_gone(worker), f"worker {worker} outlived its parent ({sig.name})"
 
 
-def test_worker_started_from_a_thread_dies_with_its_parent():
+def test_worker_started_from_a_thread_dies_with_its_parent(spin):
     """A worker started from a thread cannot use PR_SET_PDEATHSIG (it fires when that
-    thread ends): the pipe watchdog alone must end it."""
-    script = ("import os, signal, threading\n"
+    thread ends): the pipe watchdog alone must end it, in the middle of a computation."""
+    script = ("import os, signal, sys, threading, time\n"
+              "import numpy as np\n"
+              "from hlo_shard.runtime import _child\n"
               "from hlo_shard.runtime.worker import Worker\n"
               "w = Worker('cpu', 1)\n"
               "t = threading.Thread(target=w.start); t.start(); t.join()\n"
+              "handle = w.request('compile', text=open(sys.argv[1]).read(), replicas=1)\n"
+              "_child.write_message(w._requests, {'op': 'execute', 'handle': handle['handle'],\n"
+              "                     'arguments': [[np.zeros(256, np.float32)]]})\n"
+              "time.sleep(1)\n"
               "print(w._process.pid, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script, str(spin)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert _wait_gone(int(proc.stdout.split()[0])), "the watchdog did not end the worker"
 
 
 @pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_kills_the_worker_and_exits_130(presses, spin):
-    proc, worker = _busy_verify(spin)
+def test_ctrl_c_kills_the_worker_and_exits_130(presses, spin, busy_verify):
+    proc, worker = busy_verify()
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
