@@ -379,6 +379,12 @@ def test_bad_timeout_is_one_line(value):
     _one_error(_cli("verify", SGD, "--timeout", value), message=r"--timeout must be between")
 
 
+def test_negative_seed_is_a_usage_error():
+    run = _cli("verify", SGD, "--seed", "-1")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "'--seed': -1 is not in the range" in run.stderr
+
+
 def test_parameter_number_beyond_the_signature_is_one_line(tmp_path):
     bad = tmp_path / "p7.hlo"
     bad.write_text("HloModule p7\n\nENTRY %e (x: f32[4]) -> f32[4] {\n"

@@ -144,7 +144,8 @@ def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
               help="Relative tolerance for float outputs (default by dtype).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Absolute tolerance for float outputs (default by dtype).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the inputs.")
 @click.option("--backend", type=click.Choice(["cpu", "gpu", "tpu"]), default="cpu",
               show_default=True, help="Where to run (CPU uses N virtual devices).")
 @click.option("--manifest", "manifest_path", metavar="M.json", default=None,
