@@ -387,7 +387,7 @@ def _out_of_range(element_type: str, finite: dict[float, str]) -> list[str]:
     return [finite[float(value)] for value in values[_overflows(element_type, values)]]
 
 
-def _overflows(element_type: str, values) -> "np.ndarray":  # noqa: F821 - numpy, lazily
+def _overflows(element_type: str, values) -> np.ndarray:  # noqa: F821 - numpy, lazily
     """Which finite float64 ``values`` the type turns into inf or NaN (f8e8m0fnu has no
     zero and no sign: values ≤ 0 are out of its range too)."""
     import numpy as np
