@@ -22,6 +22,7 @@ not do, and so does not:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -29,7 +30,7 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Iterator, Sequence
 
 import click
 
@@ -51,7 +52,7 @@ def is_stdout(path: str | None) -> bool:
 
 def check_output_path(output: str | None, inputs: Sequence[str], in_place: bool = False) -> None:
     """Refuse to overwrite an input unless explicitly asked to."""
-    if is_stdout(output) or in_place:
+    if output is None or output == "-" or in_place:
         return
     for path in inputs:
         if _same_file(output, path):
@@ -136,7 +137,7 @@ def write_outputs(outputs: Sequence[tuple[str | None, str | bytes | None]]) -> N
 
 
 def _stage(path: str | None, data: bytes) -> _Output:
-    if is_stdout(path):
+    if path is None or path == "-":
         return _Output("-", data, "stdout")
     with _naming(path):
         try:
@@ -179,6 +180,7 @@ def _commit(item: _Output) -> None:
                     os.link(item.target, item.backup)
                 except OSError:
                     item.backup = None  # no hard links here: this one cannot be undone
+            assert item.temp is not None
             os.replace(item.temp, item.target)
             item.temp = None
         item.done = True
@@ -281,16 +283,12 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
-class _naming:
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
     """Re-raise an OSError as one about the user's ``path`` (never a temporary's)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, traceback) -> bool:
-        if isinstance(err, OSError) and err.filename != self.path:
-            raise OSError(err.errno, err.strerror or str(err), self.path) from None
-        return False
+    try:
+        yield
+    except OSError as err:
+        if err.filename == path:
+            raise
+        raise OSError(err.errno, err.strerror or str(err), path) from None

@@ -13,7 +13,8 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.source import read_bytes
@@ -61,7 +62,7 @@ class At:
     def index(self, number: int) -> At:
         return At(self.origin, f"{self.path}[{number}]")
 
-    def fail(self, message: str) -> "NoReturn":  # noqa: F821 - typing only
+    def fail(self, message: str) -> NoReturn:
         where = f"{self.origin}: {self.path}" if self.path else self.origin
         raise HloShardError(f"{where}: {message}")
 

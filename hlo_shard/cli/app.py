@@ -7,7 +7,8 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
+from typing import NoReturn
 
 import click
 
@@ -31,7 +32,7 @@ def main() -> None:
     """Automatic cross-replica sharding of the weight update for XLA HLO text."""
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821 - typing only
+def fail(message: str) -> NoReturn:
     """Print one error line and exit with the usage/input status."""
     click.echo(f"error: {message}", err=True)
     sys.exit(EXIT_USAGE)
@@ -77,7 +78,7 @@ def user_errors(command: Callable) -> Callable:
     return wrapper
 
 
-def _interrupted() -> "NoReturn":  # noqa: F821 - typing only
+def _interrupted() -> NoReturn:
     """Stop the execution workers at once (not after their current request), say so,
     exit 130. Further Ctrl-C are ignored from here on, as the process is ending: one
     would turn exit 130 into click's "Aborted!" (exit 1) or a death by SIGINT."""
