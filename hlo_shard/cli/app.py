@@ -66,6 +66,8 @@ def user_errors(command: Callable) -> Callable:
             sys.exit(EXIT_USAGE)
         except KeyboardInterrupt:
             _interrupted()
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors (exit 2), ctx.exit()
         except Exception as err:  # noqa: BLE001 - a bug, reported as one
             if os.environ.get(DEBUG_ENV):
                 traceback.print_exc()
