@@ -137,6 +137,44 @@ def _formatted(path: Path = SGD) -> bytes:
     return run.stdout.encode()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def inputs_unchanged():
+    """No case modifies the fixtures it reads."""
+    before = {path: _digest(path) for path in (SGD, ADAM)}
+    yield
+    assert {path: _digest(path) for path in before} == before
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left():
+    """After every case, no execution worker of this checkout outlives its command."""
+    yield
+    deadline = time.monotonic() + GONE_WITHIN
+    while (left := _workers_left()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"workers left running: {left}"
+
+
+def _workers_left() -> list[int]:
+    """Workers of this checkout not started by this test process (in-process runs keep a
+    pooled worker until exit)."""
+    child = str(REPO / "hlo_shard" / "runtime" / "_child.py")
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and child in (entry / "cmdline").read_bytes().decode(
+                    errors="replace").split("\0") and not _gone(int(entry.name)) \
+                    and _parent(int(entry.name)) != os.getpid():
+                left.append(int(entry.name))
+        except OSError:
+            continue
+    return left
+
+
+def _parent(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 # ------------------------------------------------ 1. devices, pipes, symlinks
 
 
@@ -218,11 +256,10 @@ def _children(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if _parent(int(entry.name)) == pid:
+                    found.append(int(entry.name))
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
     return found
 
 
