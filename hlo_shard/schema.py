@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from hlo_shard.errors import HloShardError
@@ -67,13 +67,16 @@ class At:
         raise HloShardError(f"{where}: {message}")
 
     # Fields of an object ------------------------------------------------------------
-    def field(self, obj: dict, name: str, default: Any = REQUIRED) -> tuple[Any, At]:
-        """``obj[name]`` and its place; ``default`` when absent (an error if required)."""
+    def read(self, obj: dict, name: str, check: Callable[..., Any], *args: Any,
+             default: Any = REQUIRED, **kwargs: Any) -> Any:
+        """``obj[name]`` checked at its place by ``check`` (an ``At`` method such as
+        :meth:`integer`, given ``args``/``kwargs``); ``default`` (unchecked) when the
+        field is absent, which is an error when there is none."""
         if name not in obj:
             if default is REQUIRED:
                 self.fail(f"missing field {name!r}")
-            return default, self.key(name)
-        return obj[name], self.key(name)
+            return default
+        return check(self.key(name), obj[name], *args, **kwargs)
 
     # Values ---------------------------------------------------------------------------
     def object(self, value: Any) -> dict:

@@ -111,70 +111,53 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     """Validate and build a profile; a bad field is one error naming its place."""
     at = At(f"profile {origin}")
-    data = at.object(data)
+    raw = at.object(data)
+    net = at.read(raw, "interconnect", At.object)
+    net_at = at.key("interconnect")
+    intra = net_at.read(net, "intra_node", _link)
+    bandwidth = at.read(raw, "memory_bandwidth_bytes_per_s", At.number, positive=True)
 
-    def get(name: str, default=REQUIRED, where: At = at, obj: dict = data):
-        return where.field(obj, name, default)
+    def rate(name: str, default: float | None = None) -> float:
+        return at.read(raw, name, At.number, positive=True,
+                       default=REQUIRED if default is None else default)
 
-    def positive(name: str, default=REQUIRED) -> float:
-        value, place = get(name, default)
-        return place.number(value, positive=True)
+    def count(name: str, default: int) -> int:
+        return int(at.read(raw, name, At.number, low=0, default=default))
 
-    def count(name: str, default) -> int:
-        value, place = get(name, default)
-        return int(place.number(value, low=0))
-
-    def flag(name: str, default: bool) -> bool:
-        value, place = get(name, default)
-        return place.boolean(value)
-
-    net_raw, net_at = get("interconnect")
-    net = net_at.object(net_raw)
-    algorithm, algorithm_at = get("algorithm", "ring", net_at, net)
-    per_node, per_node_at = get("devices_per_node", 1 << 30, net_at, net)
-    intra = _link(*get("intra_node", REQUIRED, net_at, net))
-    inter_raw, inter_at = get("inter_node", None, net_at, net)
-    name, name_at = get("name", origin)
-    description, description_at = get("description", "")
-    overhead, overhead_at = get("kernel_overhead_s", 0.0)
-    sources, sources_at = get("sources", [])
-    bandwidth = positive("memory_bandwidth_bytes_per_s")
     return HardwareProfile(
-        name=name_at.string(name),
-        description=description_at.string(description),
-        matrix_flops_per_s=_rates(*get("matrix_flops_per_s")),
-        vector_flops_per_s=_rates(*get("vector_flops_per_s")),
-        transcendentals_per_s=positive("transcendentals_per_s"),
+        name=at.read(raw, "name", At.string, default=origin),
+        description=at.read(raw, "description", At.string, default=""),
+        matrix_flops_per_s=at.read(raw, "matrix_flops_per_s", _rates),
+        vector_flops_per_s=at.read(raw, "vector_flops_per_s", _rates),
+        transcendentals_per_s=rate("transcendentals_per_s"),
         memory_bandwidth_bytes_per_s=bandwidth,
-        memory_write_bandwidth_bytes_per_s=positive("memory_write_bandwidth_bytes_per_s",
-                                                    bandwidth),
-        memory_capacity_bytes=int(positive("memory_capacity_bytes")),
+        memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
+        memory_capacity_bytes=int(rate("memory_capacity_bytes")),
         cache_bytes=count("cache_bytes", 0),
-        cache_bandwidth_bytes_per_s=positive("cache_bandwidth_bytes_per_s", bandwidth),
-        kernel_overhead_s=overhead_at.number(overhead, low=0),
-        upcasts_16bit_floats=flag("upcasts_16bit_floats", False),
-        multi_output_fusion=flag("multi_output_fusion", True),
+        cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
+        kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
+        upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
+        multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
         interconnect=Interconnect(
-            algorithm=algorithm_at.string(algorithm, ALGORITHMS),
-            devices_per_node=per_node_at.integer(per_node, 1),
+            algorithm=net_at.read(net, "algorithm", At.string, ALGORITHMS, default="ring"),
+            devices_per_node=net_at.read(net, "devices_per_node", At.integer, 1,
+                                         default=1 << 30),
             intra_node=intra,
-            inter_node=intra if inter_raw is None else _link(inter_raw, inter_at),
+            inter_node=net_at.read(net, "inter_node", _link, default=intra),
         ),
-        sources=tuple(sources_at.index(i).string(s)
-                      for i, s in enumerate(sources_at.array(sources))),
+        sources=tuple(at.key("sources").index(i).string(source) for i, source in
+                      enumerate(at.read(raw, "sources", At.array, default=[]))),
     )
 
 
-def _rates(value: object, at: At) -> dict[str, float]:
+def _rates(at: At, value: object) -> dict[str, float]:
     rates = at.object(value)
-    at.field(rates, "default")
+    at.read(rates, "default", At.number, positive=True)
     return {key: at.key(key).number(rate, positive=True) for key, rate in rates.items()}
 
 
-def _link(value: object, at: At) -> Link:
+def _link(at: At, value: object) -> Link:
     link = at.object(value)
-    alpha, alpha_at = at.field(link, "alpha_s")
-    beta, beta_at = at.field(link, "beta_bytes_per_s")
-    return Link(alpha_s=alpha_at.number(alpha, low=0),
-                beta_bytes_per_s=beta_at.number(beta, positive=True))
+    return Link(alpha_s=at.read(link, "alpha_s", At.number, low=0),
+                beta_bytes_per_s=at.read(link, "beta_bytes_per_s", At.number, positive=True))

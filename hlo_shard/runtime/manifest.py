@@ -139,37 +139,32 @@ FLATTEN_ORDERS = ("physical", "logical")
 
 def _record(raw, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
     raw = at.object(raw)
-    index = at.field(raw, "index")[1].integer(raw.get("index"), 0)
-    original, where = at.field(raw, "original", None)
-    original = None if original is None else where.integer(original, 0)
-    kind = at.key("kind").string(at.field(raw, "kind")[0], KINDS)
-    element_type = at.key("element_type").string(at.field(raw, "element_type")[0],
-                                                 tuple(ELEMENT_BITS))
-    dims = at.key("shape").integers(at.field(raw, "shape")[0], 0)
-    layout_raw, layout_at = at.field(raw, "layout", list(range(len(dims) - 1, -1, -1)))
-    layout = layout_at.integers(layout_raw, 0)
+    index = at.read(raw, "index", At.integer, 0)
+    original = None if raw.get("original") is None else at.read(raw, "original", At.integer, 0)
+    kind = at.read(raw, "kind", At.string, KINDS)
+    element_type = at.read(raw, "element_type", At.string, tuple(ELEMENT_BITS))
+    dims = at.read(raw, "shape", At.integers, 0)
+    layout = at.read(raw, "layout", At.integers, 0,
+                     default=tuple(range(len(dims) - 1, -1, -1)))
     if sorted(layout) != list(range(len(dims))):
-        layout_at.fail(f"{list(layout)} is not a permutation of the {len(dims)} dimensions")
-    name, name_at = at.field(raw, "name", "")
+        at.key("layout").fail(f"{list(layout)} is not a permutation of the {len(dims)} "
+                              "dimensions")
     shape = ArrayShape(element_type, dims, (), Layout(layout))
     shard = None
     if kind == "sharded":
-        shard = _shard(raw, at, devices, default_groups, shape)
+        shard = _shard(at.read(raw, "shard", At.object), at.key("shard"), devices,
+                       default_groups, shape)
     elif "shard" in raw:
         at.key("shard").fail(f"only a sharded record has a shard, not a {kind} one")
-    return ArrayRecord(index, original, kind, shape, name_at.string(name), shard)
+    return ArrayRecord(index, original, kind, shape, at.read(raw, "name", At.string, default=""),
+                       shard)
 
 
 def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayShape) -> Shard:
-    raw_shard, at = at.field(raw, "shard")
-    raw_shard = at.object(raw_shard)
-    length = at.field(raw_shard, "length")[1].integer(raw_shard["length"], 1)
-    padding_raw, padding_at = at.field(raw_shard, "padding", 0)
-    groups_raw, groups_at = at.field(raw_shard, "replica_groups", None)
-    groups = default_groups if groups_raw is None else _groups(groups_raw, groups_at)
-    flatten_raw, flatten_at = at.field(raw_shard, "flatten", "physical")
-    shard = Shard(length, padding_at.integer(padding_raw, 0), groups,
-                  flatten_at.string(flatten_raw, FLATTEN_ORDERS))
+    shard = Shard(at.read(raw, "length", At.integer, 1),
+                  at.read(raw, "padding", At.integer, 0, default=0),
+                  at.read(raw, "replica_groups", _groups, default=default_groups),
+                  at.read(raw, "flatten", At.string, FLATTEN_ORDERS, default="physical"))
     all_groups = shard.groups(devices)
     size = len(all_groups[0])
     if any(len(g) != size for g in all_groups):
@@ -182,17 +177,17 @@ def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayS
     return shard
 
 
-def _groups(raw, at: At) -> tuple[tuple[int, ...], ...]:
+def _groups(at: At, raw) -> tuple[tuple[int, ...], ...]:
     return tuple(at.index(i).integers(group, 0) for i, group in enumerate(at.array(raw)))
 
 
-def _feedback(raw, at: At) -> tuple[tuple[int, int], ...]:
+def _feedback(at: At, raw) -> tuple[tuple[int, int], ...]:
     pairs = []
     for i, entry in enumerate(at.array(raw, non_empty=True)):
         where = at.index(i)
         entry = where.object(entry)
-        pairs.append(tuple(where.field(entry, key)[1].integer(entry[key], 0)
-                           for key in ("output", "parameter")))
+        pairs.append((where.read(entry, "output", At.integer, 0),
+                      where.read(entry, "parameter", At.integer, 0)))
     return tuple(pairs)
 
 
@@ -203,23 +198,20 @@ def parse_manifest(data, path: str | None = None) -> Manifest:
     if data.get("version") != VERSION:
         at.fail(f"version {data.get('version')!r} is not supported (this hlo-shard reads "
                 f"{VERSION})")
-    devices = at.field(data, "devices")[1].integer(data["devices"], 1,
-                                                    limits.DEVICES.value())
-    form_raw, form_at = at.field(data, "form", "")
-    groups_raw, groups_at = at.field(data, "replica_groups", [])
-    default_groups = _groups(groups_raw, groups_at)
+    devices = at.read(data, "devices", At.integer, 1, limits.DEVICES.value())
+    default_groups = at.read(data, "replica_groups", _groups, default=())
     records = {}
     for section in ("parameters", "outputs"):
-        raw, where = at.field(data, section, [])
+        where = at.key(section)
         records[section] = tuple(_record(r, where.index(i), devices, default_groups)
-                                 for i, r in enumerate(where.array(raw)))
+                                 for i, r in enumerate(at.read(data, section, At.array,
+                                                               default=[])))
         indices = [r.index for r in records[section]]
         if len(set(indices)) != len(indices):
             where.fail("duplicate index")
-    feedback_raw, feedback_at = at.field(data, "feedback", None)
-    feedback = None if feedback_raw is None else _feedback(feedback_raw, feedback_at)
+    feedback = at.read(data, "feedback", _feedback, default=None)
     return Manifest(devices, records["parameters"], records["outputs"], feedback, path,
-                    form_at.string(form_raw))
+                    at.read(data, "form", At.string, default=""))
 
 
 def load_manifest(path: str | Path) -> Manifest:
