@@ -57,6 +57,8 @@ class ArrayShape:
     #: Empty when every dimension is static (the common case).
     dynamic: tuple[str, ...] = ()
     layout: Layout | None = None
+    #: ``b(f32[4])``: a buffer holding such an array (custom-call operands and results).
+    buffer: bool = False
 
     @property
     def rank(self) -> int:
