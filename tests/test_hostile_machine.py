@@ -318,13 +318,48 @@ def busy_verify(spin):
             os.kill(worker, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP],
-                         ids=lambda s: s.name)
-def test_worker_dies_with_a_killed_parent(sig, busy_verify):
+def test_worker_dies_with_a_killed_parent(busy_verify):
+    """SIGKILL: no cleanup in the parent runs; the kernel (PR_SET_PDEATHSIG) and the
+    watchdog end the worker."""
+    proc, worker = busy_verify()
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=GONE_WITHIN) == -signal.SIGKILL
+    assert _wait_gone(worker), f"worker {worker} outlived its parent"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_terminated_verify_kills_its_worker_and_says_so(sig, busy_verify):
     proc, worker = busy_verify()
     proc.send_signal(sig)
-    assert proc.wait(timeout=GONE_WITHIN) == -sig
+    stdout, stderr = proc.communicate(timeout=GONE_WITHIN)
+    run = CliRun(["verify"], proc.returncode, stdout, stderr, 0)
+    _one_error(run, status=128 + sig, message=rf"^error: terminated \({sig.name}\)$")
     assert _wait_gone(worker), f"worker {worker} outlived its parent ({sig.name})"
+
+
+def test_terminated_during_a_write_puts_back_what_it_replaced(tmp_path):
+    """optimize -o out --manifest FIFO: the module is renamed into place, then the
+    manifest's write waits for a reader; SIGTERM then must put the old module back
+    and leave no temporary file."""
+    old = _old_outputs(tmp_path, "o.hlo")
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(PYTHON + ["optimize", str(SGD), "-o", str(tmp_path / "o.hlo"),
+                                      "--manifest", str(fifo)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while (tmp_path / "o.hlo").read_bytes() == old["o.hlo"] \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)  # until the module is in place and the FIFO write waits
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=GONE_WITHIN)
+    finally:
+        proc.kill()
+    run = CliRun(["optimize"], proc.returncode, stdout, stderr, 0)
+    _one_error(run, status=128 + signal.SIGTERM, message=r"^error: terminated \(SIGTERM\)$")
+    assert _listing(tmp_path) == ["m.json", "o.hlo"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert (tmp_path / "o.hlo").read_bytes() == old["o.hlo"]
 
 
 def test_worker_started_from_a_thread_dies_with_its_parent(spin):

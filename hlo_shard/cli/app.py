@@ -38,14 +38,46 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the command is so that it unwinds as from
+    Ctrl-C: temporary files removed, replaced outputs put back, workers killed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum: int, frame) -> NoReturn:
+    raise Terminated(signum)
+
+
+def _raise_on_terminations() -> list[signal.Signals]:
+    """From now on SIGTERM and SIGHUP raise :class:`Terminated` — where their default
+    action (death) is in force and this is the main thread; the signals changed."""
+    installed = []
+    try:
+        for signum in _TERMINATIONS:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _raise_terminated)
+                installed.append(signum)
+    except ValueError:  # not the main thread
+        pass
+    return installed
+
+
 def user_errors(command: Callable) -> Callable:
     """Turn every anticipated failure into a clean message and exit status 2,
     Ctrl-C into "interrupted" and 130 (never click's "Aborted!" and 1, which is
-    verify's "outputs differ"), and a bug into "internal error" and 3 (the traceback
-    with HLO_SHARD_DEBUG=1)."""
+    verify's "outputs differ"), SIGTERM/SIGHUP into "terminated" and 128 + the
+    signal, and a bug into "internal error" and 3 (the traceback with
+    HLO_SHARD_DEBUG=1)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        installed = _raise_on_terminations()
         try:
             return command(*args, **kwargs)
         except HloParseError as err:
@@ -64,8 +96,8 @@ def user_errors(command: Callable) -> Callable:
             where = f"{err.filename}: " if err.filename else ""
             click.echo(f"error: {where}{err.strerror or err}", err=True)
             sys.exit(EXIT_USAGE)
-        except KeyboardInterrupt:
-            _interrupted()
+        except KeyboardInterrupt as err:
+            _interrupted(err)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own: usage errors (exit 2), ctx.exit()
         except Exception as err:  # noqa: BLE001 - a bug, reported as one
@@ -76,20 +108,28 @@ def user_errors(command: Callable) -> Callable:
                        f"{detail}); please report it (set {DEBUG_ENV}=1 for the traceback)",
                        err=True)
             sys.exit(EXIT_INTERNAL)
+        finally:
+            for signum in installed:
+                signal.signal(signum, signal.SIG_DFL)
 
     return wrapper
 
 
-def _interrupted() -> NoReturn:
+def _interrupted(err: KeyboardInterrupt) -> NoReturn:
     """Stop the execution workers at once (not after their current request), say so,
-    exit 130. Further Ctrl-C are ignored from here on, as the process is ending: one
-    would turn exit 130 into click's "Aborted!" (exit 1) or a death by SIGINT."""
+    exit 130 (Ctrl-C) or 128 + the signal (SIGTERM, SIGHUP). Further signals are
+    ignored from here on, as the process is ending: one would turn the exit status
+    into click's "Aborted!" (exit 1) or a death by the signal."""
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in (signal.SIGINT, *_TERMINATIONS):
+            signal.signal(signum, signal.SIG_IGN)
     except ValueError:  # not the main thread
         pass
     workers = sys.modules.get("hlo_shard.runtime.worker")
     if workers is not None:
         workers.kill_workers()
+    if isinstance(err, Terminated):
+        click.echo(f"error: terminated ({signal.Signals(err.signum).name})", err=True)
+        sys.exit(128 + err.signum)
     click.echo("error: interrupted", err=True)
     sys.exit(EXIT_INTERRUPTED)

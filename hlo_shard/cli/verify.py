@@ -3,7 +3,7 @@
 Exit status: 0 every output matches (or a single module ran), 1 some output
 differs (and nothing else), 2 usage or input errors, including XLA rejecting or
 crashing on a module, 3 an internal error (a bug in hlo-shard), 130 interrupted
-(Ctrl-C).
+(Ctrl-C), 143/129 terminated (SIGTERM/SIGHUP).
 """
 
 from __future__ import annotations
