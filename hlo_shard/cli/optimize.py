@@ -22,7 +22,8 @@ import click
 
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.analysis.update_region import natural_perm
-from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
+from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
+                               user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -201,8 +202,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if as_json and output == "-":
         raise HloShardError("--json prints to stdout; write the module to a file with -o")
     check_output_path(output, [input_path], in_place)
-    if manifest_path is not None:
-        check_output_path(manifest_path, [input_path])
+    check_output_path(manifest_path, [input_path])
+    check_distinct_outputs({"-o": output, "--manifest": manifest_path})
     overrides = ParamOverrides(_numbers(replicated_params, "--replicated-params"),
                                _numbers(per_device_params, "--per-device-params"))
     if overrides.replicated & overrides.per_device:
@@ -223,9 +224,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         from hlo_shard.runtime.manifest import manifest_to_json
 
         manifest_json = json.dumps(manifest_to_json(build_manifest(report, module)), indent=2)
-    write_output(output, text)
-    if manifest_json is not None:
-        write_output(manifest_path, manifest_json + "\n")
+    write_outputs([(output, text),
+                   (manifest_path, None if manifest_json is None else manifest_json + "\n")])
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations)), err=True)
         for line in _strategy_lines(report.strategies):
