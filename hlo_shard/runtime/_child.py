@@ -17,17 +17,14 @@ shim functions cover the differences listed in executing-hlo-with-jax.md §11.
 from __future__ import annotations
 
 import collections
-import ctypes
 import hashlib
 import os
 import pickle
 import re
 import resource
-import select
 import signal
 import struct
 import sys
-import threading
 import time
 from typing import Any, BinaryIO
 
@@ -286,34 +283,6 @@ def serve(requests: BinaryIO, replies: BinaryIO, backend: str, device_count: int
         write_message(replies, reply)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent: int, request_fd: int) -> None:
-    """Never outlive the parent, even in the middle of an hour-long computation:
-    the kernel sends SIGKILL when the parent (``parent``: its pid, 0 when it cannot
-    ask, see worker.py) dies, and a watchdog thread exits when the request pipe has
-    no writer left (the parent is gone, whatever killed it)."""
-    if parent:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the watchdog alone
-            pass
-        if os.getppid() != parent:  # the parent died before the request was made
-            os._exit(1)
-    threading.Thread(target=_watch_parent, args=(request_fd,), daemon=True,
-                     name="parent-watchdog").start()
-
-
-def _watch_parent(request_fd: int) -> None:
-    poller = select.poll()
-    poller.register(request_fd, 0)  # no events asked: POLLHUP/POLLERR only
-    while True:
-        if any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
-               for _, events in poller.poll()):
-            os._exit(1)
-
-
 def limit_memory(limit: int) -> None:
     """Cap the address space so that a runaway compile fails with an allocation error
     (reported with the limit) instead of waking the OOM killer."""
@@ -328,7 +297,9 @@ def main(argv: list[str]) -> None:
     # The parent owns interruption: on Ctrl-C it kills us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     request_fd, reply_fd, backend, device_count, parent, memory = argv
-    die_with_parent(int(parent), int(request_fd))
+    from _lifeline import die_with_parent  # this script's folder is sys.path[0]
+
+    die_with_parent(int(request_fd), int(parent))
     limit_memory(int(memory))
     with os.fdopen(int(request_fd), "rb") as requests, \
             os.fdopen(int(reply_fd), "wb") as replies:
