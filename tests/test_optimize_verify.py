@@ -62,7 +62,7 @@ def worker():
 
 def verify_optimized(text: str, **options) -> runtime.VerifyReport:
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(**options))
+    report, optimized = optimize_module(module, ShardingOptions(**options), force=True)
     assert any(r.sharded for r in report.explanations)
     manifest = build_manifest(report, module)
     return runtime.verify(parse(text), parse(optimized),

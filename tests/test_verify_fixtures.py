@@ -181,7 +181,7 @@ def test_cpu_optimized_dumps_fail_cleanly():
 @pytest.mark.skipif(ADAM not in RUNNABLE, reason=f"{ADAM} not generated")
 def test_sharded_state_from_optimize_verifies_over_three_steps(tmp_path):
     out, manifest = tmp_path / "adam.sharded.hlo", tmp_path / "adam.sharded.json"
-    made = CliRunner().invoke(main, ["optimize", str(FIXTURES / ADAM), "-o", str(out),
+    made = CliRunner().invoke(main, ["optimize", "--force", str(FIXTURES / ADAM), "-o", str(out),
                                      "--state", "sharded", "--manifest", str(manifest)])
     assert made.exit_code == 0, made.output
     result = cli(str(FIXTURES / ADAM), str(out), "--manifest", str(manifest), "--steps", "3",

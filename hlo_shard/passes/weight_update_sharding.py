@@ -45,11 +45,9 @@ from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing
                                         StrategyEstimate)
 from hlo_shard.passes.region_rewrite import RegionRewrite, gather_after
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
-from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
-#: The profile ``auto`` prices collectives on unless told the target (``report``'s default).
-DEFAULT_PROFILE = "cpu-generic"
 
 
 @dataclass(frozen=True)
@@ -172,8 +170,7 @@ class WeightUpdateSharding:
             else:
                 by_comp[ar.computation].append(ar)
         output_kinds = _output_kinds(module, replication)
-        hardware = self.options.profile if isinstance(self.options.profile, HardwareProfile) \
-            else load_profile(self.options.profile)
+        hardware = resolve_profile(self.options.profile)
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
                               CollectivePricing(hardware, groups.size if groups else 1),
                               self.options.per_tensor_bytes)
@@ -231,6 +228,10 @@ class WeightUpdateSharding:
 
 
 # ----------------------------------------------------------------- module-level facts
+
+
+def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
+    return profile if isinstance(profile, HardwareProfile) else load_profile(profile)
 
 
 def _data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
@@ -711,4 +712,5 @@ def _shard_sharding(groups: DeviceGroups) -> str:
 
 __all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptions", "ShardingReport",
            "SignatureEntry", "StrategyChoice", "WeightUpdateSharding", "STATE_MODES",
+           "resolve_profile",
            "STRATEGIES"]

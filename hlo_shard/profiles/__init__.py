@@ -87,6 +87,11 @@ class HardwareProfile:
 
 ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
 
+#: The profile every command prices on unless told the target: the calibrated XLA CPU
+#: devices (CPU being the default backend), so that ``optimize`` decides, and ``report``,
+#: ``diff`` and ``scale`` estimate, on one and the same hardware.
+DEFAULT_PROFILE = "cpu-local"
+
 
 def available_profiles() -> list[str]:
     """Names of the profiles shipped with hlo-shard."""
