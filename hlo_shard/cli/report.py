@@ -14,9 +14,7 @@ import click
 from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.profiles import ALGORITHMS, available_profiles
-
-DEFAULT_PROFILE = "cpu-generic"
+from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, available_profiles
 
 
 def report_options(command: Callable) -> Callable:
