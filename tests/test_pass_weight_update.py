@@ -148,13 +148,29 @@ def test_global_norm_is_a_masked_local_sum_plus_scalar_all_reduce():
     module, report = optimize(CLIP, strategy="per-tensor")
     ops = opcodes(module)
     assert ops["reduce-scatter"] == 2
-    scalar_ars = [i for i in find(module, "all-reduce") if i.shape.is_scalar]
-    assert len(scalar_ars) == 2
+    # the two partial squared norms share one collective: a [2] all-reduce
+    (sums,) = find(module, "all-reduce")
+    assert sums.shape.dims == (2,)
+    assert module.entry[sums.operands[0]].opcode == "concatenate"
     # 10 and 9 elements over 4 devices are padded: the reductions mask the padding
     masked = [i for i in find(module, "select") if ".masked" in i.name]
     assert len(masked) == 2 and {i.shape.dims for i in masked} == {(3,)}
     assert all(module.entry[i.operands[0]].shape.dims == (3,) for i in find(module, "reduce"))
     assert row(report, "a").sharded and row(report, "b").sharded
+
+
+#: LAMB-like: sa and sb are independent (one collective); sc needs sa's sum first.
+LEVELS = CLIP.replace(
+    " ua = f32[10] multiply(a, sa_b)",
+    " sab = f32[10] broadcast(sa), dimensions={} c = f32[10] multiply(a, sab)"
+    " c2 = f32[10] multiply(c, c) sc = f32[] reduce(c2, z), dimensions={0}, to_apply=add"
+    " scb = f32[10] broadcast(sc), dimensions={} ua = f32[10] multiply(c, scb)")
+
+
+def test_one_element_sums_are_combined_per_dependency_level():
+    module, _ = optimize(LEVELS, strategy="per-tensor")
+    sums = sorted(find(module, "all-reduce"), key=lambda i: i.shape.dims)
+    assert [i.shape.dims for i in sums] == [(), (2,)]
 
 
 def test_max_reduction_masks_padding_with_minus_infinity():

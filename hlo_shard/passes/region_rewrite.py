@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
@@ -50,6 +51,8 @@ class RegionRewrite:
         self.shard_of: dict[str, str] = {}
         self.collective_of: dict[str, str] = {}
         self._erase: list[str] = []
+        #: The one-element all-reduces of the sharded reductions (combined at the end).
+        self._one_element_sums: list[str] = []
 
     # Operands ---------------------------------------------------------------------------
     def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
@@ -186,6 +189,7 @@ class RegionRewrite:
                              name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
             result = emit.add("all-reduce", emit.shape(out_type, ()), [local],
                               name=f"{name}.sum", **emit.collective_attrs(to_apply=to_apply))
+            self._one_element_sums.append(result)
             if not _is_constant(self.comp[init], op.neutral):
                 result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
             if not inst.shape.is_scalar:
@@ -226,6 +230,7 @@ class RegionRewrite:
         self._rebuild_all_reduces()
         self._erase.extend(reversed(list(plan.ops)))
         self._erase_dead()
+        combine_one_element_sums(self.rw, self.emit, self._one_element_sums)
         order = topological_order(self.comp)
         if [i.name for i in order] != [i.name for i in self.comp.instructions]:
             self.comp.instructions[:] = order
@@ -371,6 +376,59 @@ def gather_after(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
         with rw.inserting_after(max((i.shard for i in bucket), key=rw.comp.position)):
             out.update(zip(bucket, emit.gather(bucket)))
     return out
+
+
+def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> int:
+    """One all-reduce per dependency level for the one-element all-reduces ``names``
+    (per-tensor squared norms of global-norm clipping, LAMB's trust-ratio norms,
+    Adafactor's statistics, is-finite checks): those with the same reducer, element
+    type and groups, none depending on another, become one ``[k]`` all-reduce of their
+    concatenated values — one collective's latency instead of k. Returns how many
+    collectives were saved."""
+    comp = rw.comp
+    present = [n for n in names if n in comp]
+    if len(present) < 2:
+        return 0
+    # Level: how many of these all-reduces lie upstream (same level: independent).
+    members, level = set(present), {}
+    for inst in topological_order(comp):
+        level[inst.name] = max((level[o] + (o in members) for o in inst.operands), default=0)
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name in present:
+        inst = comp[name]
+        reducer = reducer_opcode(emit.module, getattr(inst.attr("to_apply"), "name", ""))
+        if reducer is None:
+            continue
+        groups[(level[name], inst.shape.element_type, reducer,
+                str(inst.attr("replica_groups")), inst.attr("use_global_device_ids"))
+               ].append(name)
+    saved = 0
+    for key, group in groups.items():
+        if len(group) < 2:
+            continue
+        element_type, first = key[1], comp[group[0]]
+        operands = [comp[n].operands[0] for n in group]
+        anchor = max(operands, key=comp.position)
+        with rw.inserting_after(anchor):
+            pieces = [emit.add("reshape", emit.shape(element_type, (1,)), [o],
+                               name=f"{o}.element") for o in operands]
+            values = emit.add("concatenate", emit.shape(element_type, (len(group),)), pieces,
+                              name="one_element_sums", dimensions=(0,))
+            attributes = {k: v for k, v in first.attributes.items()}
+            if "channel_id" in attributes:
+                attributes["channel_id"] = emit.channels.fresh()
+            summed = rw.add_instruction(Instruction(
+                rw.fresh_name("one_element_sums.sum"), "all-reduce",
+                emit.shape(element_type, (len(group),)), [values], attributes)).name
+            for k, name in enumerate(group):
+                piece = emit.add("slice", emit.shape(element_type, (1,)), [summed],
+                                 name=f"{name}.element",
+                                 slice=SliceRanges(((k, k + 1, 1),)))
+                scalar = emit.add("reshape", comp[name].shape, [piece], name=name)
+                rw.replace_all_uses_with(name, scalar)
+                rw.erase(name)
+        saved += len(group) - 1
+    return saved
 
 
 def _is_constant(inst: Instruction, literal: str) -> bool:
