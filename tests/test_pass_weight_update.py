@@ -530,3 +530,21 @@ def test_auto_decides_buckets_on_the_target_profile(n):
         assert choice.profile == profile and choice.strategy == "auto"
         seconds = {e.strategy: e.seconds for e in choice.estimates}
         assert seconds["auto"] == seconds[cheaper] < seconds[dearer]
+
+
+#: After the loop, other work runs before the first use of the carried weight.
+LATE_USE = LOOP.replace(
+    """ROOT nw = f32[8] get-tuple-element(r), index=1 }""",
+    """nw = f32[8] get-tuple-element(r), index=1
+ p1 = f32[8] negate(x) p2 = f32[8] exponential(p1) use = f32[8] multiply(nw, nw)
+ ROOT t = (f32[8], f32[8]) tuple(use, p2) }""")
+
+
+def test_all_gather_is_placed_right_before_the_first_use():
+    module, _ = optimize(LATE_USE)
+    entry = module.entry
+    (gather,) = find(module, "all-gather")
+    order = [i.name for i in entry.instructions]
+    # Before: right after the loop, the full weight live across unrelated work.
+    assert order.index(gather.name) > order.index("p2")
+    assert order.index(gather.name) < order.index("use")

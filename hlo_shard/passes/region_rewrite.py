@@ -9,7 +9,7 @@
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
   becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
-  right after it; *output shards*: root tuple positions that keep the shard.
+  right before the first of them; *output shards*: root tuple positions that keep the shard.
 """
 
 from __future__ import annotations
@@ -256,7 +256,8 @@ class RegionRewrite:
                                       self.emit.gathered_shape(inst.shape, fmt, users), name))
             inst.shape = self.emit.shape(inst.shape.element_type, (fmt.shard_len,))
             self.emit.cache[("shard", name, fmt)] = name
-        for item, full in gather_after(self.rw, self.emit, self.bucketing, items).items():
+        for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
+                                            outside).items():
             self._rewire(item.shard, full, outside[item.shard])
 
     def _rewire(self, value: str, replacement: str, users: list[str],
@@ -365,16 +366,27 @@ class RegionRewrite:
                 progress = True
 
 
-def gather_after(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
-                 items: list[Gathered]) -> dict[Gathered, str]:
-    """All-gather shards that already exist (parameters, loop slots): one collective per
-    bucket, right after the last of its shards is defined."""
-    position = {inst.name: i for i, inst in enumerate(rw.comp.instructions)}
+def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
+                      items: list[Gathered], users: dict[str, list[str]]) -> dict[Gathered, str]:
+    """All-gather shards that already exist (parameters, loop slots) right before the
+    first of their ``users`` (``""``: the root) — never earlier, so the full copy is
+    live no longer than needed; shards whose first user is the same share a bucket."""
+    comp = rw.comp
+    position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+    anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
+    for item in sorted(items, key=lambda i: position[i.shard]):
+        readers = [u or comp.root_name for u in users.get(item.shard, [])]
+        readers = [u for u in readers if u != item.shard]
+        # (anchor, before it?): with no other reader (the shard is the root), right after.
+        key = (min(readers, key=position.get), True) if readers else (item.shard, False)
+        anchors[key].append(item)
     out: dict[Gathered, str] = {}
-    for bucket in bucketing.buckets(sorted(items, key=lambda i: position[i.shard]),
-                                    lambda i: i.shape.byte_size, lambda i: i.shape.element_type):
-        with rw.inserting_after(max((i.shard for i in bucket), key=rw.comp.position)):
-            out.update(zip(bucket, emit.gather(bucket)))
+    for (anchor, before), group in anchors.items():
+        for bucket in bucketing.buckets(group, lambda i: i.shape.byte_size,
+                                        lambda i: i.shape.element_type):
+            place = rw.inserting_before if before else rw.inserting_after
+            with place(anchor):
+                out.update(zip(bucket, emit.gather(bucket)))
     return out
 
 
@@ -440,4 +452,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "gather_after"]
+__all__ = ["RegionRewrite", "combine_one_element_sums", "gather_before_use"]

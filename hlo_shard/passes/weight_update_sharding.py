@@ -43,7 +43,7 @@ from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Tupl
 from hlo_shard.passes.base import PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
-from hlo_shard.passes.region_rewrite import RegionRewrite, gather_after
+from hlo_shard.passes.region_rewrite import RegionRewrite, gather_before_use
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
@@ -573,7 +573,7 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
              for r in readers if r.attr("index") not in sunk]
     for reader in readers:
         reader.shape = elements[reader.attr("index")]
-    for item, gathered in gather_after(rw, emit, bucketing, items).items():
+    for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
         for user in users[item.shard]:
             inst = parent[user]
             for i, operand in enumerate(inst.operands):
