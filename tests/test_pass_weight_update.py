@@ -548,3 +548,25 @@ def test_all_gather_is_placed_right_before_the_first_use():
     # Before: right after the loop, the full weight live across unrelated work.
     assert order.index(gather.name) > order.index("p2")
     assert order.index(gather.name) < order.index("use")
+
+
+#: Adafactor-like: the row statistic r reduces the squared gradient along dimension 1.
+FACTORED = f"""HloModule factored, replica_count=4, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[8,16] parameter(0) r = f32[8] parameter(1) g = f32[8,16] parameter(2)
+ ar = f32[8,16] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ gg = f32[8,16] multiply(ar, ar) z = f32[] constant(0)
+ rs = f32[8] reduce(gg, z), dimensions={{1}}, to_apply=add
+ b = f32[] constant(0.9) bb = f32[8] broadcast(b), dimensions={{}}
+ r1 = f32[8] multiply(r, bb) nr = f32[8] add(r1, rs)
+ lr = f32[] constant(0.01) lrb = f32[8,16] broadcast(lr), dimensions={{}}
+ u = f32[8,16] multiply(ar, lrb) nw = f32[8,16] subtract(w, u)
+ ROOT t = (f32[8,16], f32[8]) tuple(nw, nr) }}
+"""
+
+
+def test_factored_state_kept_whole_is_explained():
+    # Before: the factored statistic stayed whole silently ("notes": []).
+    _, report = optimize(FACTORED, state="sharded")
+    (note,) = [n for n in report.notes if "parameter 1 " in n]
+    assert "stays whole" in note and "factored statistic" in note

@@ -193,6 +193,8 @@ class WeightUpdateSharding:
                     state_plan, kept_whole = _pair_state(module, comp, plan, replication)
                     report.notes += [_state_note(comp, number, why)
                                      for number, why in kept_whole.items()]
+                    report.notes += _unsharded_state(module, comp, plan, set(state_plan) |
+                                                     set(kept_whole))
                     _annotate_state(module, comp, state_plan, plan.groups)
                     inputs = {_param_name(comp, n): p.format for n, p in state_plan.items()}
                     outputs = {p.output: p.value for p in state_plan.values()}
@@ -388,6 +390,43 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
     kept_whole.update({number: "no output in its element order is its next value alone "
                                "(no input_output_alias to say which)" for number in remaining})
     return pairs, kept_whole
+
+
+def _unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
+                     explained: set[int]) -> list[str]:
+    """Optimizer state the sharded update does not compute at all, and why: a parameter
+    aliased to an output, not read by the forward/backward pass, whose next value needs
+    the summed gradients outside the region — a factored statistic such as Adafactor's
+    ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
+    graph = dataflow_graph(comp)
+    root = comp.root
+    gradients = {leaf.all_reduce for leaf in plan.leaves}
+    forward: set[str] = set()
+    for name in gradients:
+        forward |= nx.ancestors(graph, name)
+    params = {p.parameter_number: p for p in comp.parameters()}
+    from hlo_shard.printer import format_shape
+
+    sharded = {leaf.all_reduce for leaf in plan.active}
+    found: list[str] = []
+    for k, number in _alias_pairs(module):
+        param = params.get(number)
+        if param is None or number in explained or param.name in forward \
+                or not isinstance(param.shape, ArrayShape) or param.shape.num_elements <= 1 \
+                or root.opcode != "tuple" or k >= len(root.operands):
+            continue
+        value = root.operands[k]
+        upstream = nx.ancestors(graph, value)
+        if value in plan.sharded or not gradients & upstream:
+            continue
+        why = ("its gradient stays all-reduced (see its row)" if not sharded & upstream else
+               "its next value reduces the gradient along a dimension (a factored statistic, "
+               "like Adafactor's v_row/v_col), outside the element-wise update the pass "
+               "shards")
+        found.append(f"optimizer state parameter {number} (%{param.name} "
+                     f"{format_shape(param.shape)}) stays whole, computed in full on every "
+                     f"device: {why}")
+    return found
 
 
 def _order(fmt: ShardFormat) -> str:
