@@ -114,13 +114,21 @@ def run_zoo(runs: int = 5, rounds: int = 3, devices: tuple[int, ...] = (4, 8),
         f"{DEFAULT_PROFILE}) and measured (median of {rounds} interleaved rounds of {runs})",
         flush=True)
     modules = [m for m in zoo_modules() if m[1] in devices]
+    from hlo_shard.errors import HloShardError
+
     rows: list[Row] = []
+    skipped: list[str] = []
     log(f"{'model':24s} {'N':>2s}  {'gathered: pred  meas  shards':28s}  "
         f"{'sharded: pred  meas  shards':28s}  verified")
     with tempfile.TemporaryDirectory(prefix="hlo-shard-zoo-") as tmp:
         try:
             for model, n, path in modules:
-                row = measure(model, n, path, Path(tmp), runs, rounds)
+                try:
+                    row = measure(model, n, path, Path(tmp), runs, rounds)
+                except HloShardError as err:  # reported, never hidden
+                    log(f"{model:24s} {n:2d}  SKIPPED: {str(err).splitlines()[0]}", flush=True)
+                    skipped.append(f"{model}.n{n}")
+                    continue
                 rows.append(row)
                 cells = "  ".join(
                     f"{'':9s}{row.predicted[s]:5.2f} {row.measured[s]:5.2f} {row.sharded[s]:7d}"
@@ -142,6 +150,8 @@ def run_zoo(runs: int = 5, rounds: int = 3, devices: tuple[int, ...] = (4, 8),
     mismatches = [f"{r.model}.n{r.devices}" for r in rows if not all(r.match.values())]
     if mismatches:
         log(f"MISMATCH: {', '.join(mismatches)}")
+    if skipped:
+        log(f"skipped (could not be read): {', '.join(skipped)}")
     (ZOO_OUT / "last_run.json").write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     return summary
 

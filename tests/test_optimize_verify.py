@@ -40,6 +40,7 @@ CASES = {
     "layout_mixed": cases.LAYOUT.replace("w = f32[6,4]{0,1}", "w = f32[6,4]{1,0}"),
     "clip": cases.CLIP,
     "levels": cases.LEVELS,
+    "pmap": cases.PMAP,
     "subgroups": cases.SGD.replace("{{0,1,2,3}}", "{{0,2},{1,3}}").replace("1024", "37"),
     "tuple": cases.TUPLE,
     "spmd": cases.SPMD,

@@ -570,3 +570,30 @@ def test_factored_state_kept_whole_is_explained():
     _, report = optimize(FACTORED, state="sharded")
     (note,) = [n for n in report.notes if "parameter 1 " in n]
     assert "stays whole" in note and "factored statistic" in note
+
+
+#: jax 0.10's pmap lowering: every parameter tiled along a leading axis of 1 per device,
+#: the (replicated) weight as much as the batch.
+PMAP = f"""HloModule pm, num_partitions=4
+{ADD}
+ENTRY e {{ w = f32[1,16] parameter(0), sharding={{devices=[4,1]<=[4]}}
+ x = f32[1,2,16] parameter(1), sharding={{devices=[4,1,1]<=[4]}}
+ xs = f32[2,16] reshape(x) ws = f32[16] reshape(w) wb = f32[2,16] broadcast(ws), dimensions={{1}}
+ xw = f32[2,16] multiply(xs, wb) z = f32[] constant(0)
+ g = f32[16] reduce(xw, z), dimensions={{0}}, to_apply=add gw = f32[1,16] reshape(g)
+ ar = f32[1,16] all-reduce(gw), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=add
+ lr = f32[] constant(0.1) lrb = f32[1,16] broadcast(lr), dimensions={{}}
+ u = f32[1,16] multiply(ar, lrb) nw = f32[1,16] subtract(w, u)
+ ROOT t = (f32[1,16]) tuple(nw) }}
+"""
+
+
+def test_pmap_form_infers_which_parameters_are_replicated():
+    from hlo_shard.analysis.replication import is_pmap_form
+    from hlo_shard.parser import parse
+
+    assert is_pmap_form(parse(PMAP)) and not is_pmap_form(parse(SPMD))
+    # Before: the tiled sharding made the weight per-device: nothing sharded.
+    module, report = optimize(PMAP)
+    assert row(report, "ar").sharded and opcodes(module)["reduce-scatter"] == 1
+    assert [p.kind for p in report.parameters] == ["replicated", "per-device"]

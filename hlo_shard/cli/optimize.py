@@ -25,7 +25,7 @@ from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, w
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
+from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision, shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptions, ShardingReport,
                                                      StrategyChoice)
@@ -142,7 +142,8 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
                      f"{trial.seconds * 1e6:.1f} us ({_ratio(trial.seconds, decision)}){chosen}")
     if decision.kept_whole:
-        lines.append("  none predicted faster: module kept whole (--force shards anyway)")
+        lines.append(f"  none predicted faster by {MIN_GAIN:.0%} or more: module kept whole "
+                     "(--force shards anyway)")
     return lines
 
 
@@ -155,7 +156,8 @@ def _speed_summary(decision: SpeedDecision) -> str:
     figures = f"{before:.1f} -> {after:.1f} us/step, {_ratio(decision.after_s, decision)}"
     if decision.kept_whole:
         best = min(t.seconds for t in decision.trials) * 1e6
-        return (f"kept whole: sharding is predicted slower on profile {decision.profile} "
+        verdict = "slower" if best >= before else f"less than {MIN_GAIN:.0%} faster"
+        return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "
                 f"(best {best:.1f} us/step against {before:.1f} as written; --force shards "
                 f"anyway)")
     if decision.forced:
