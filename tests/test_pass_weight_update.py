@@ -593,7 +593,9 @@ def test_pmap_form_infers_which_parameters_are_replicated():
     from hlo_shard.parser import parse
 
     assert is_pmap_form(parse(PMAP)) and not is_pmap_form(parse(SPMD))
-    # Before: the tiled sharding made the weight per-device: nothing sharded.
+    # Before: the tiled sharding made the weight per-device: its update (the subtract)
+    # stayed whole, 1 op moved instead of 2.
     module, report = optimize(PMAP)
     assert row(report, "ar").sharded and opcodes(module)["reduce-scatter"] == 1
+    assert row(report, "ar").ops_moved == 2
     assert [p.kind for p in report.parameters] == ["replicated", "per-device"]
