@@ -228,6 +228,21 @@ def test_step_figure_legend_does_not_cover_the_bars(modules):
         plt.close(fig)
 
 
+@pytest.mark.parametrize("name", ["spmd/adam.n4.hlo", "spmd/loop_adam.n2.hlo",
+                                  "spmd/transformer.n4.hlo"])
+def test_memory_plot_and_table_come_from_one_computation(name):
+    # Before: the plot (live bytes after each instruction) peaked below the table's
+    # "at most … live at once" (live while it runs, callee transients included).
+    from pathlib import Path
+
+    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.profiles import load_profile
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / name
+    memory = estimate_step(parse(path.read_text()), load_profile("tpu-v3")).memory
+    assert max(v for _, _, v in memory.curve) == memory.high_water_bytes
+
+
 # ---------------------------------------------------------------------------- scale
 
 
