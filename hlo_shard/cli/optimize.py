@@ -1,6 +1,9 @@
 """``hlo-shard optimize``: shard the weight update across the data-parallel replicas.
 
-Reads per-device HLO of a training step, runs the weight-update sharding pass, checks
+Reads per-device HLO of a training step, runs the weight-update sharding pass where the
+cost model predicts it faster on ``--profile`` (default: the calibrated CPU profile;
+:mod:`hlo_shard.passes.speed_gate`) — never writing a module predicted slower than its
+input unless ``--force`` — checks
 the result (parsed back and validated: def-before-use, unique names, shapes of every op
 the pass emits, unique channel ids, replica groups, entry layout) and only then writes
 it atomically. A module the validator rejects is never written.
