@@ -447,8 +447,8 @@ class _Estimator:
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
         element_type = _element_type(comp, inst)
-        rate = (self.profile.matrix_rate(element_type) if inst.opcode in _MATRIX_OPCODES
-                else self.profile.vector_rate(element_type))
+        rate = {"dot": self.profile.matrix_rate, "convolution": self.profile.convolution_rate
+                }.get(inst.opcode, self.profile.vector_rate)(element_type)
         return (max(cost.flops, 0.0) / rate
                 + cost.transcendentals / self.profile.transcendentals_per_s)
 

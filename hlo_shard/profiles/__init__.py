@@ -45,6 +45,9 @@ class HardwareProfile:
     description: str
     #: Dense matrix units (dot, convolution), by element type with a ``default``.
     matrix_flops_per_s: dict[str, float]
+    #: Convolutions, by element type with a ``default`` (XLA CPU runs them through Eigen's
+    #: spatial convolution, far below its dot rate); the matrix rates when not given.
+    convolution_flops_per_s: dict[str, float]
     #: Everything else (elementwise, reductions), by element type with a ``default``.
     vector_flops_per_s: dict[str, float]
     transcendentals_per_s: float
@@ -77,6 +80,10 @@ class HardwareProfile:
 
     def matrix_rate(self, element_type: str) -> float:
         return self.matrix_flops_per_s.get(element_type, self.matrix_flops_per_s["default"])
+
+    def convolution_rate(self, element_type: str) -> float:
+        rates = self.convolution_flops_per_s
+        return rates.get(element_type, rates["default"])
 
     def vector_rate(self, element_type: str) -> float:
         return self.vector_flops_per_s.get(element_type, self.vector_flops_per_s["default"])
@@ -129,6 +136,9 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             name=str(data.get("name", origin)),
             description=str(data.get("description", "")),
             matrix_flops_per_s=_rates(data["matrix_flops_per_s"], "matrix_flops_per_s"),
+            convolution_flops_per_s=_rates(data.get("convolution_flops_per_s",
+                                                    data["matrix_flops_per_s"]),
+                                           "convolution_flops_per_s"),
             vector_flops_per_s=_rates(data["vector_flops_per_s"], "vector_flops_per_s"),
             transcendentals_per_s=_positive(data["transcendentals_per_s"]),
             memory_bandwidth_bytes_per_s=_positive(data["memory_bandwidth_bytes_per_s"]),
