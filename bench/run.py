@@ -9,6 +9,9 @@ in the same run, as a ratio.
    rounds, next to the cost model's prediction. Target: ≤ 0.70.
 3. Memory: per-device XLA compiled memory (argument + output + temp − alias) of the
    same model with ``--state sharded``, Adam over SGD. Target: ≤ 1.3.
+4. The model zoo (``bench/zoo.py``): predicted and measured ratios optimized ÷ original
+   on models the pass had never seen. Targets: ≤ 1.00 predicted, ≤ 1.05 measured,
+   geometric mean ≤ 0.85 at N = 8.
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -33,6 +36,9 @@ UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
 PREDICTION_PROFILES = ("cpu-local", "cpu-generic")
 TARGETS = {"front end": 10.0, "step time, --state gathered": 0.70,
            "step time, --state sharded": 0.70, "memory": 1.3}
+import zoo  # noqa: E402  (bench/ is on sys.path)
+
+TARGETS |= zoo.TARGETS
 
 
 def hlo_shard(*args: str) -> str:
@@ -146,6 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-") as tmp:
         results |= step_time(Path(tmp), args.runs, args.rounds)
         results["memory"] = memory(Path(tmp))
+    results |= zoo.run_zoo()  # 4. the model zoo (bench/zoo.py)
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"
