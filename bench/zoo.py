@@ -1,7 +1,8 @@
 """The model zoo (issue 12): does ``optimize`` pay off on models it had never seen?
 
 Every model of ``scripts/zoo_models.py`` (conv net, transformer block, LayerNorm MLP ×
-Adam, AdamW + clipping, Lion, LAMB, Adafactor, momentum) at N = 4 and 8 is dumped from
+Adam, AdamW + clipping, Lion, LAMB, Adafactor, momentum) at N = 4 and 8, and the bench's
+update-heavy MLP (Adam, SGD; N = 8, the committed fixtures), is dumped from
 its real JAX + optax step (cached in ``bench/out/zoo``), optimized as a user would run
 it (the default profile, both ``--state`` modes), verified (one step, every output
 leaf) and timed against the original in interleaved rounds. Per module: the predicted
@@ -39,6 +40,10 @@ class Row:
     match: dict[str, bool] = field(default_factory=dict)
 
 
+#: The bench's own update-heavy models join the zoo (committed fixtures, N = 8 only).
+BENCH_MODELS = ("mlp_adam", "mlp_sgd")
+
+
 def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
     """(model, N, SPMD module) for the whole zoo, dumped once and reused."""
     sys.path[:0] = [str(ROOT / "scripts")]
@@ -60,7 +65,8 @@ def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
             found.append((name, n, target))
-    return found
+    return found + [(name, 8, ROOT / "fixtures" / "spmd" / f"{name}.n8.hlo")
+                    for name in BENCH_MODELS]
 
 
 def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) -> Row:
