@@ -325,7 +325,7 @@ def diff_json(before: StepEstimate, after: StepEstimate, before_module: Module,
     delta = {k: b[k] - a[k] for k in keys}
     delta["seconds_by_category"] = {c: b["seconds_by_category"][c] - a["seconds_by_category"][c]
                                     for c in CATEGORIES}
-    return {"before": a, "after": b, "delta": delta,
+    return {"before": a, "after": b, "delta": delta, "verdict": step_verdict(before, after),
             "ratio": {"estimated_step_seconds": (b["estimated_step_seconds"]
                                                  / a["estimated_step_seconds"])
                       if a["estimated_step_seconds"] else None}}

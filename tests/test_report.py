@@ -186,6 +186,8 @@ def test_diff_says_which_module_is_faster_on_which_profile(modules):
     assert "on profile tpu-v3" in faster
     slower = run("diff", modules[1], modules[0], "--profile", "tpu-v3").output
     assert "SLOWER per step" in slower
+    data = json.loads(run("diff", *modules, "--json", "--profile", "tpu-v3").output)
+    assert data["verdict"].startswith("verdict: after is predicted")
 
 
 def test_diff_notes_say_what_they_mean(modules):
