@@ -528,6 +528,17 @@ def test_convolutions_have_their_own_rate():
     assert generic.convolution_flops_per_s == generic.matrix_flops_per_s
 
 
+def test_step_overhead_is_counted_once_per_step():
+    import dataclasses
+
+    base = load_profile("cpu-generic")
+    assert base.step_overhead_s == 0 and load_profile("cpu-local").step_overhead_s > 0
+    module = parse(ADAM)
+    with_overhead = dataclasses.replace(base, step_overhead_s=1e-3)
+    assert estimate_step(module, with_overhead).seconds == pytest.approx(
+        estimate_step(module, base).seconds + 1e-3)
+
+
 # ------------------------------------------------------------------------ estimate
 
 

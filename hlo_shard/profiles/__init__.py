@@ -62,6 +62,9 @@ class HardwareProfile:
     cache_bandwidth_bytes_per_s: float
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
+    #: Fixed cost of one step whatever it computes (XLA CPU: dispatch, the devices'
+    #: threads meeting); 0 when the profile does not say.
+    step_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
     upcasts_16bit_floats: bool
     #: XLA fuses a producer into several readers' loop, or a value also needed in
@@ -149,6 +152,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
             cache_bandwidth_bytes_per_s=_positive(data.get(
                 "cache_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
             kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
+            step_overhead_s=float(data.get("step_overhead_s", 0.0)),
             upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
             multi_output_fusion=bool(data.get("multi_output_fusion", True)),
             combine_threshold_bytes=int(data.get("combine_threshold_bytes", 30 << 20)),

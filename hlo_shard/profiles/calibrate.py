@@ -16,7 +16,8 @@ run on N devices through the runtime (median of a few runs):
   algorithm prices the copies that follow with the memory rates above); β from a
   16 MiB all-reduce in ring accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
-  probes; the per-kernel overhead is not measured and stays at an assumed 2 µs).
+  probes, and the profile's ``step_overhead_s``; the per-kernel overhead is not
+  measured and stays at an assumed 2 µs).
 
 The result is printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json``
 in this package. Nothing here is imported by the cost model.
@@ -164,6 +165,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
         "kernel_overhead_s": 2e-6,
+        "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
         "sources": [
