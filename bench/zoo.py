@@ -38,6 +38,9 @@ class Row:
     measured: dict[str, float] = field(default_factory=dict)
     sharded: dict[str, int] = field(default_factory=dict)
     match: dict[str, bool] = field(default_factory=dict)
+    #: The original's step: predicted on the profile, measured (median round; 0: not timed).
+    original_predicted_s: float = 0.0
+    original_measured_s: float = 0.0
 
 
 #: The bench's own update-heavy models join the zoo (committed fixtures, N = 8 only).
@@ -81,6 +84,7 @@ def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) 
         module = parse_file(path)
         report, text, decision = optimize_where_faster(module, ShardingOptions(state=state))
         row.predicted[state] = decision.after_s / decision.before_s
+        row.original_predicted_s = decision.before_s
         row.sharded[state] = sum(1 for r in report.explanations if r.sharded)
         if decision.kept_whole:
             row.measured[state] = 1.0
@@ -100,6 +104,7 @@ def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) 
         for _ in range(rounds):
             per_round.append([t.median for t in runtime.time_interleaved(executables, inputs,
                                                                           runs=runs)])
+        row.original_measured_s = median(r[0] for r in per_round)
         for k, state in enumerate(candidates, start=1):
             row.measured[state] = median(r[k] / r[0] for r in per_round)
         for executable in executables:
