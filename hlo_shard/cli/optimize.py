@@ -33,6 +33,7 @@ from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Ex
                                                      ShardingOptions, ShardingReport,
                                                      StrategyChoice)
 from hlo_shard.printer import to_text
+from hlo_shard.report import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.validate import validate
 
@@ -139,11 +140,11 @@ def _strategy_lines(choices: list[StrategyChoice]) -> list[str]:
 def _speed_lines(decision: SpeedDecision) -> list[str]:
     """``--explain``: the predicted step of the input and of every cut-off tried."""
     lines = [f"predicted step on profile {decision.profile}: input "
-             f"{decision.before_s * 1e6:.1f} us"]
+             f"{fmt_seconds(decision.before_s)}"]
     for trial in decision.trials:
         chosen = " <- written" if trial == decision.chosen or decision.forced else ""
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
-                     f"{trial.seconds * 1e6:.1f} us ({_ratio(trial.seconds, decision)}){chosen}")
+                     f"{fmt_seconds(trial.seconds)} ({_ratio(trial.seconds, decision)}){chosen}")
     if decision.kept_whole:
         lines.append(f"  none predicted faster by {MIN_GAIN:.0%} or more: module kept whole "
                      "(--force shards anyway)")
@@ -155,14 +156,15 @@ def _ratio(seconds: float, decision: SpeedDecision) -> str:
 
 
 def _speed_summary(decision: SpeedDecision) -> str:
-    before, after = decision.before_s * 1e6, decision.after_s * 1e6
-    figures = f"{before:.1f} -> {after:.1f} us/step, {_ratio(decision.after_s, decision)}"
+    before, after = decision.before_s, decision.after_s
+    figures = (f"{fmt_seconds(before)} -> {fmt_seconds(after)} per step, "
+               f"{_ratio(after, decision)}")
     if decision.kept_whole:
-        best = min(t.seconds for t in decision.trials) * 1e6
+        best = min(t.seconds for t in decision.trials)
         verdict = "slower" if best >= before else f"less than {MIN_GAIN:.0%} faster"
         return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "
-                f"(best {best:.1f} us/step against {before:.1f} as written; --force shards "
-                f"anyway)")
+                f"(best {fmt_seconds(best)} per step against {fmt_seconds(before)} as "
+                f"written; --force shards anyway)")
     if decision.forced:
         slower = "; predicted SLOWER, written because of --force" if after > before else ""
         return f"predicted {figures} on profile {decision.profile}{slower}"

@@ -123,8 +123,8 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
             continue
         alternative = min(options, key=lambda t: t.seconds)
         row.reason = (f"kept whole for speed: sharding it predicted "
-                      f"{alternative.seconds * 1e6:.1f} us/step, whole "
-                      f"{kept * 1e6:.1f} us/step (profile {decision.profile})")
+                      f"{alternative.seconds * 1e3:.4g} ms/step, whole "
+                      f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
 
 
 __all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "shard_where_faster"]
