@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 N      ?= 8
 
-.PHONY: install test test-all bench fixtures fuzz clean
+.PHONY: install test test-all lint typecheck bench fixtures fuzz clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,18 @@ test: install
 # Everything, including the slow accuracy and whole-fixture sweeps.
 test-all: install
 	HLO_SHARD_ALL_FIXTURES=1 $(PY) -m pytest -q
+
+# ruff (rules in pyproject.toml). Not yet part of `make test`: see CONTRIBUTING.md.
+lint: install
+	$(PY) -m ruff check .
+
+# mypy on the modules that are clean so far (add a module once it is).
+TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/validate.py \
+	hlo_shard/passes/base.py hlo_shard/passes/retarget.py \
+	hlo_shard/passes/pipeline.py hlo_shard/passes/adapters.py hlo_shard/passes/registry.py \
+	hlo_shard/passes/replica_form.py hlo_shard/runtime/forms.py
+typecheck: install
+	$(PY) -m mypy --follow-imports=silent $(TYPED)
 
 fixtures: install
 	$(PY) scripts/make_fixtures.py --out fixtures
