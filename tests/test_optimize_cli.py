@@ -214,7 +214,22 @@ ENTRY e { w = f32[16] parameter(0), sharding={replicated}
  c = f32[16] custom-call(w), custom_call_target="Sharding", sharding={replicated}
  ROOT n = f32[16] negate(c) }
 """)
-    result = run_gated(str(path), "-o", str(tmp_path / "o.hlo"))
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(path), "-o", str(out))
     assert result.exit_code == 0
     assert "NOTHING TO DO: this is the global program before SPMD partitioning" in result.stderr
-    assert "spmd-partitioner" in result.stderr
+    assert "spmd-partitioner" in result.stderr and "written unchanged" in result.stderr
+    assert "custom-call" in out.read_text()
+    # even when it holds psums (shard_map inside jit): never rewritten, said so
+    psum = path.read_text().replace(
+        "ROOT n = f32[16] negate(c) }",
+        "s = f32[16] all-reduce(c), replica_groups={{0,1,2,3}}, to_apply=add\n"
+        " ROOT n = f32[16] negate(s) }").replace(
+        "ENTRY e {", "add { x = f32[] parameter(0) y = f32[] parameter(1) "
+        "ROOT r = f32[] add(x, y) }\nENTRY e {")
+    path.write_text(psum)
+    result = run_gated(str(path), "-o", str(out), "--force")
+    assert result.exit_code == 0 and "NOTHING TO DO" in result.stderr
+    assert "reduce-scatter" not in out.read_text()
+    manifest = run_gated(str(path), "-o", str(out), "--manifest", str(tmp_path / "m.json"))
+    assert manifest.exit_code == 2 and "no manifest for a global program" in manifest.stderr

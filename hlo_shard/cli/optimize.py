@@ -172,14 +172,14 @@ def _speed_summary(decision: SpeedDecision) -> str:
 
 
 def _summary(report: ShardingReport, options: ShardingOptions, output: str,
-             decision: SpeedDecision, module: Module) -> str:
+             decision: SpeedDecision) -> str:
     rows = report.explanations
     done = [r for r in rows if r.sharded]
     moved = sum(r.ops_moved for r in done)
     state = sum(1 for p in report.parameters if p.kind == "sharded")
     where = "stdout" if output in (None, "-") else output
     if not rows:
-        return f"{_no_gradients(module)}; module written unchanged to {where}"
+        return f"no gradient all-reduce found; module written unchanged to {where}"
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices; {moved} update ops moved; state {options.state}"
@@ -188,18 +188,18 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     return text
 
 
-def _no_gradients(module: Module) -> str:
-    """Why nothing was found, naming the pre-partitioning module when it is one."""
+def global_program_note(module: Module) -> str | None:
+    """What to say about a global program (before SPMD partitioning), else None: the
+    pass rewrites per-device modules only."""
     from hlo_shard.runtime.forms import GLOBAL_PROGRAM_TARGETS
 
     targets = {getattr(i.attributes.get("custom_call_target"), "value", "")
                for c in module.computations for i in c.instructions}
-    if any(t.startswith(GLOBAL_PROGRAM_TARGETS) for t in targets if t):
-        return ("NOTHING TO DO: this is the global program before SPMD partitioning (it "
-                "carries sharding custom calls and no collectives); optimize the "
-                "per-device module, the *.spmd-partitioner.after_call-inliner… or "
-                "*.after_spmd-partitioning dump")
-    return "no gradient all-reduce found"
+    if not any(t.startswith(GLOBAL_PROGRAM_TARGETS) for t in targets if t):
+        return None
+    return ("NOTHING TO DO: this is the global program before SPMD partitioning (it carries "
+            "sharding custom calls); optimize the per-device module, the "
+            "*.spmd-partitioner.after_call-inliner… or *.after_spmd-partitioning dump")
 
 
 @main.command()
@@ -257,6 +257,13 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
                               profile=hardware, overrides=overrides)
+    if (note := global_program_note(module)) is not None:
+        if manifest_path is not None:
+            raise HloShardError(f"{note} (no manifest for a global program)")
+        write_output(output, check_output(module))
+        click.echo(f"{note}; module written unchanged to "
+                   f"{'stdout' if output == '-' else output}", err=True)
+        return
     report, text, decision = optimize_where_faster(module, options, force)
     manifest_json = None
     if manifest_path is not None:
@@ -274,7 +281,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {note}", err=True)
-    click.echo(_summary(report, options, output, decision, module), err=True)
+    click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(json.dumps({
             "input": input_path, "output": output, "devices": report.devices,
