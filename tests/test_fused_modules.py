@@ -56,7 +56,7 @@ ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {
 
 def _optimize(text: str, **options):
     module = parse(text)
-    report, out = optimize_module(module, ShardingOptions(**options))
+    report, out = optimize_module(module, ShardingOptions(**options), force=True)
     return report, parse(out)
 
 

@@ -489,7 +489,7 @@ def manifest(tmp_path_factory) -> tuple[Path, dict]:
     feedback)."""
     folder = tmp_path_factory.mktemp("optimized")
     _ok(_cli("optimize", ADAM, "-o", folder / "o.hlo", "--manifest", folder / "m.json",
-             "--state", "sharded"))
+             "--state", "sharded", "--force"))
     return folder / "o.hlo", json.loads((folder / "m.json").read_text())
 
 

@@ -20,7 +20,7 @@ def test_optimize_reads_the_partitioned_step_of_a_dump_folder(request, tmp_path)
                "xla_dump_hlo_pass_re": "spmd-partitioning|call-inliner"}
     program.step.lower(params, opt_state, program.batch(0)).compile(compiler_options=options)
     out = tmp_path / "step.hlo"
-    result = CliRunner().invoke(main, ["optimize", str(dump), "-o", str(out)])
+    result = CliRunner().invoke(main, ["optimize", str(dump), "-o", str(out), "--force"])
     assert result.exit_code == 0, result.output
     assert "after_call-inliner.before_pipeline-end.txt" in result.output  # says which file
     assert "reduce-scatter" in out.read_text()

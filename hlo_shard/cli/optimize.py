@@ -294,7 +294,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if (note := global_program_note(module)) is not None:
         if manifest_path is not None:
             raise HloShardError(f"{note} (no manifest for a global program)")
-        write_output(output, check_output(module))
+        write_outputs([(output, check_output(module))])
         click.echo(f"{note}; module written unchanged to "
                    f"{'stdout' if output == '-' else output}", err=True)
         return
