@@ -219,8 +219,9 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
     for ba, aa, bb, ab in zip(before_a, after_a, before_b, after_b):
         a0, a1, b0, b1 = (np.asarray(v).astype(np.float64) for v in (ba, aa, bb, ab))
         finite = np.isfinite(a0) & np.isfinite(a1) & np.isfinite(b0) & np.isfinite(b1)
-        da = np.where(finite, a1 - a0, 0.0)
-        db = np.where(finite, b1 - b0, 0.0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            da = np.where(finite, a1 - a0, 0.0)
+            db = np.where(finite, b1 - b0, 0.0)
         spacing = ulp(np.maximum(np.abs(np.where(finite, a1, 0.0)),
                                  np.abs(np.where(finite, b1, 0.0))), element_type)
         deltas.append((da, db, spacing))

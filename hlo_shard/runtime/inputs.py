@@ -440,16 +440,21 @@ def _late_count(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> 
 
 
 #: Decades of magnitude of wide-range floats: (low, high) exponents of ten; positive
-#: values (second moments) go lower, to reach an optimizer's eps.
+#: values (second moments) go twice as low, to reach an optimizer's eps.
 _WIDE_DECADES = {"f64": (-8, 2), "f32": (-8, 2), "f16": (-3, 1), "bf16": (-6, 2)}
 _WIDE_DEFAULT = (-1, 0)
+#: Decades the elements of one wide-range value spread around its own decade: values
+#: of one scale per tensor, so that each tensor in turn dominates a global norm, and
+#: elements spread enough that some reach eps.
+_WIDE_SPREAD = 2.0
 
 
 def _wide(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> np.ndarray:
     low, high = _WIDE_DECADES.get(shape.element_type, _WIDE_DEFAULT)
     if positive:
         low = 2 * low
-    magnitude = 10.0 ** rng.uniform(low, high, size=shape.dims)
+    exponent = rng.uniform(low, high) + rng.uniform(-_WIDE_SPREAD, _WIDE_SPREAD, size=shape.dims)
+    magnitude = 10.0 ** np.clip(exponent, low, high)
     sign = 1.0 if positive else np.where(rng.random(shape.dims) < 0.5, -1.0, 1.0)
     return np.asarray(sign * magnitude, dtype=np.float32).astype(numpy_dtype(shape.element_type))
 
@@ -463,7 +468,8 @@ REGIMES: tuple[Regime, ...] = (
     Regime("late-step", lambda role, t: role == REPLICATED and _is_integer(t), _late_count,
            "replicated integers (step counts) at their type's maximum minus 0…3"),
     Regime("wide-range", lambda role, t: _is_float(t), _wide,
-           "floats ±10^U(-8, 2) (f32; 16-bit narrower), positive ones 10^U(-16, 2)"),
+           "floats ±10^(d ± 2), one decade d ~ U(-8, 2) per value (f32; 16-bit narrower), "
+           "positive ones down to 10^-16"),
 )
 REGIME_NAMES = tuple(r.name for r in REGIMES)
 #: ``--inputs-regime all``: one regime per step, in this order, cycling.

@@ -283,6 +283,10 @@ def _params_in_original_terms(pair: _Pair, inputs: list[DeviceValues], devices: 
     return _gathered(pair.param_records, pair.candidate.parameters, inputs, devices)
 
 
+def _nonfinite_leaves(outputs: dict[int, DeviceValues], shapes: list[ArrayShape]) -> set[int]:
+    return set(_nonfinite([outputs[i] for i in range(len(shapes))], shapes))
+
+
 def _nonfinite(outputs: list[DeviceValues], shapes: list[ArrayShape]) -> list[int]:
     bad = []
     for index, (values, shape) in enumerate(zip(outputs, shapes)):
@@ -442,6 +446,10 @@ class _Run:
             if step == options.steps:
                 break
             upcoming, reset = self.fresh(step)
+            # State the original left NaN/inf would make every later step vacuous:
+            # both modules start it afresh (the step that produced it was compared).
+            broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
+            reset |= {p for o, p in feedback if o in broken}
             fed = [(o, p) for o, p in feedback if p not in reset]
             state_a = _fed(upcoming, outputs_a, fed)
             if pair.candidate is not None:
@@ -460,6 +468,7 @@ class _Run:
         outputs_b = _in_original_terms(pair, raw_b, devices)
         before_b = _params_in_original_terms(pair, inputs_b, devices)
         fed_from = {o: p for o, p in self.report.feedback}
+        broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
         leaves = []
         for index, shape in enumerate(pair.original.outputs):
             if index not in outputs_b:
@@ -472,9 +481,12 @@ class _Run:
                 leaf = compare_update(leaf, inputs_a[parameter], outputs_a[index],
                                       before_b[parameter], outputs_b[index],
                                       self.options.update_rtol)
+            # Where the original's math breaks down (NaN/inf in the leaf), the padding
+            # lanes compute the same expressions on zeros: checked on finite steps only.
+            finite = index not in broken
             for record, cshape, values in zip(pair.output_records, pair.candidate.outputs,
                                               raw_b):
-                if record.original == index and record.kind == "sharded" and \
+                if finite and record.original == index and record.kind == "sharded" and \
                         record.shard.padding:
                     leaf = check_padding(leaf, _padding_lanes(values, record, cshape, devices))
             leaves.append(leaf)
