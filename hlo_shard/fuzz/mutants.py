@@ -105,7 +105,7 @@ def _scaled_literal(inst: Instruction, sign: int) -> str | None:
     if new == old:  # 16-bit: the smallest step in that direction instead
         bits = old.view(f"u{dtype.itemsize}")
         toward = 1 if (sign > 0) == (value > 0) else -1
-        new = np.asarray(bits + toward, bits.dtype).view(dtype)
+        new = np.asarray(int(bits) + toward, bits.dtype).view(dtype)
     return repr(float(new)) if dtype.itemsize >= 4 else f"{float(new):.6g}"
 
 

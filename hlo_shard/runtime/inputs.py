@@ -441,7 +441,7 @@ def _late_count(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> 
 
 #: Decades of magnitude of wide-range floats: (low, high) exponents of ten; positive
 #: values (second moments) go twice as low, to reach an optimizer's eps.
-_WIDE_DECADES = {"f64": (-8, 2), "f32": (-8, 2), "f16": (-3, 1), "bf16": (-6, 2)}
+_WIDE_DECADES = {"f64": (-8, 2), "f32": (-8, 2), "f16": (-3, 0), "bf16": (-6, 2)}
 _WIDE_DEFAULT = (-1, 0)
 #: Decades the elements of one wide-range value spread around its own decade: values
 #: of one scale per tensor, so that each tensor in turn dominates a global norm, and

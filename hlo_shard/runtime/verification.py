@@ -441,7 +441,7 @@ class _Run:
                     list(outputs_a.values()), pair.original.outputs)
             else:
                 raw_b = pair.candidate.run(inputs_b)
-                self.compare(step, state_a, outputs_a, inputs_b, raw_b)
+                outputs_b = self.compare(step, state_a, outputs_a, inputs_b, raw_b)
             self.report.steps_run = step
             if step == options.steps:
                 break
@@ -453,7 +453,6 @@ class _Run:
             fed = [(o, p) for o, p in feedback if p not in reset]
             state_a = _fed(upcoming, outputs_a, fed)
             if pair.candidate is not None:
-                outputs_b = _in_original_terms(pair, raw_b, self.devices)
                 inputs_b = _candidate_inputs(pair, _fed(upcoming, outputs_b, fed), options,
                                              self.devices, step)
                 for feed in feeds:
@@ -463,7 +462,10 @@ class _Run:
             self.time(timed_inputs)
 
     def compare(self, step: int, inputs_a: list[DeviceValues], outputs_a: dict[int, DeviceValues],
-                inputs_b: list[DeviceValues], raw_b: list[DeviceValues]) -> None:
+                inputs_b: list[DeviceValues], raw_b: list[DeviceValues]
+                ) -> dict[int, DeviceValues]:
+        """Compare one step (values, updates, padding); the candidate's outputs in
+        original terms."""
         pair, devices = self.pair, self.devices
         outputs_b = _in_original_terms(pair, raw_b, devices)
         before_b = _params_in_original_terms(pair, inputs_b, devices)
@@ -494,6 +496,7 @@ class _Run:
         bad = sum(not leaf.ok for leaf in leaves)
         self.say(f"step {step}/{self.options.steps}: "
                  + (f"{bad} output(s) differ" if bad else "all outputs match"))
+        return outputs_b
 
     def time(self, inputs: list[list[DeviceValues]]) -> None:
         """Step-0 inputs, both modules interleaved A/B/A/B."""
