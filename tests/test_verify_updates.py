@@ -114,6 +114,21 @@ def test_a_reduction_order_error_passes_the_update_check():
     assert leaf.ok and leaf.update_rtol == pytest.approx(256 * 2.0 ** -24)
 
 
+def test_an_output_near_zero_by_cancellation_is_judged_by_its_update():
+    """w ≈ −Δ: the result is tiny, so a reduction-order ulp of Δ is a large relative
+    error of the value; the update bound allows it. An inf on one side never passes."""
+    w = np.array([100.0, 200.0, -100.0, 50.0], np.float32)
+    delta = np.array([-100.0, -200.0, 100.0, -50.0], np.float32) * np.float32(1 + 2 ** -20)
+    out_a = w + delta
+    out_b = w + delta * np.float32(1 + 2 ** -22)
+    value = _leaf(out_a, out_b)
+    assert value.verdict == "differ"
+    assert compare_update(value, [w], [out_a], [w], [out_b]).ok
+    out_inf = out_b.copy()
+    out_inf[0] = np.inf
+    assert not compare_update(_leaf(out_a, out_inf), [w], [out_a], [w], [out_inf]).ok
+
+
 def test_nonzero_padding_is_reported():
     leaf = _leaf(np.zeros(4, np.float32), np.zeros(4, np.float32))
     assert check_padding(leaf, [np.zeros(2, np.float32)]).ok
