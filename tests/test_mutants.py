@@ -12,6 +12,10 @@ verified against the *original* module through the manifest, with the default op
 * **stillborn** — XLA refuses it (a shape no longer fits): no module to verify;
 * **equivalent** — it survived, and it computes bit for bit what the unmutated
   candidate computes on every regime's inputs (so no verifier could tell them apart);
+* **rounding** — it survived and differs from the unmutated candidate only within the
+  tolerances a correct rewrite is allowed (2 ulp of the stored value, the dtype's
+  update and value tolerances): e.g. a bf16 constant moved by its one ulp, which moves
+  bf16 outputs by one ulp — what a flipped rounding does; listed;
 * **a survivor** — anything else: a verifier miss, and the test fails naming it.
 
 ``make test`` runs a sample (the first and last mutant of each kind on Adam with
@@ -93,6 +97,12 @@ def classify(s: Subject, mutant: Mutant) -> tuple[str, str]:
         devices=s.devices, rtol=0.0, atol=0.0))
     if twin.ok:
         return "equivalent", "bit-identical to the unmutated candidate on every regime"
+    if runtime.verify(parse(s.candidate), parse(mutant.text),
+                      runtime.VerifyOptions(devices=s.devices)).ok:
+        step, leaf = twin.differing[0]
+        return "rounding", (f"differs from the candidate only within the tolerances of a "
+                            f"correct rewrite (output {leaf.index} {leaf.shape.element_type}, "
+                            f"max abs {leaf.max_abs:.3g} at step {step})")
     step, leaf = twin.differing[0]
     return "survived", (f"differs from the candidate (output {leaf.index} {leaf.verdict}, "
                         f"max abs {leaf.max_abs:.3g} at step {step}) yet matches the original")

@@ -126,8 +126,16 @@ def _set_literal(comp_name: str, name: str, literal: str) -> Callable[[Module], 
     return edit
 
 
+#: compare directions that do not care about operand order.
+SYMMETRIC_DIRECTIONS = frozenset({"EQ", "NE"})
+
+
 def _swaps(comp: Computation, region: set[str]) -> Iterator[Edit]:
     for inst in comp.instructions:
+        direction = str(getattr(inst.attributes.get("direction"), "name",
+                                inst.attributes.get("direction")))
+        if inst.opcode == "compare" and direction in SYMMETRIC_DIRECTIONS:
+            continue
         if inst.opcode in NON_COMMUTATIVE and inst.name in region and \
                 len(inst.operands) == 2 and inst.operands[0] != inst.operands[1] and \
                 comp[inst.operands[0]].shape == comp[inst.operands[1]].shape:
