@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 N      ?= 8
 
-.PHONY: install test test-all bench fixtures fuzz clean
+.PHONY: install test test-all lint typecheck bench fixtures fuzz demo-distributed clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,20 @@ test: install
 test-all: install
 	HLO_SHARD_ALL_FIXTURES=1 $(PY) -m pytest -q
 
+# ruff (rules in pyproject.toml). Not yet part of `make test`: see CONTRIBUTING.md.
+lint: install
+	$(PY) -m ruff check .
+
+# mypy on the modules that are clean so far (add a module once it is).
+TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/validate.py \
+	hlo_shard/passes/base.py hlo_shard/passes/retarget.py \
+	hlo_shard/passes/pipeline.py hlo_shard/passes/adapters.py hlo_shard/passes/registry.py \
+	hlo_shard/passes/replica_form.py hlo_shard/runtime/forms.py \
+	hlo_shard/outputs.py hlo_shard/limits.py hlo_shard/schema.py hlo_shard/source.py \
+	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py
+typecheck: install
+	$(PY) -m mypy --follow-imports=silent $(TYPED)
+
 fixtures: install
 	$(PY) scripts/make_fixtures.py --out fixtures
 
@@ -36,6 +50,11 @@ bench: install
 fuzz: install
 	$(PY) -m hlo_shard.fuzz --cases $${CASES:-2000} --seed $${SEED:-0} \
 	    --variants-per-case $${VARIANTS:-1}
+
+# hlo-shard on 2 jax.distributed processes x 4 CPU devices on localhost: a training
+# loop through hlo_shard.jax and `verify --processes 2` (docs/distributed.md).
+demo-distributed: install
+	$(PY) scripts/demo_distributed.py
 
 clean:
 	rm -rf $(VENV) build dist bench/out .pytest_cache

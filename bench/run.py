@@ -9,6 +9,9 @@ in the same run, as a ratio.
    rounds, next to the cost model's prediction. Target: ≤ 0.70.
 3. Memory: per-device XLA compiled memory (argument + output + temp − alias) of the
    same model with ``--state sharded``, Adam over SGD. Target: ≤ 1.3.
+4. The pass inside XLA's compilation (``hlo_shard.jax.install()``): the same model as an
+   unmodified ``jax.jit`` step, hooked / plain, same process (``bench/hook_bench.py``).
+   Target: ≤ 0.75.
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -32,7 +35,7 @@ UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
 #: The cost model's prediction, on this machine's calibrated profile and a generic one.
 PREDICTION_PROFILES = ("cpu-local", "cpu-generic")
 TARGETS = {"front end": 10.0, "step time, --state gathered": 0.70,
-           "step time, --state sharded": 0.70, "memory": 1.3}
+           "step time, --state sharded": 0.70, "memory": 1.3, "step time, install() hook": 0.75}
 
 
 def hlo_shard(*args: str) -> str:
@@ -146,6 +149,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-") as tmp:
         results |= step_time(Path(tmp), args.runs, args.rounds)
         results["memory"] = memory(Path(tmp))
+    from hook_bench import hook_step_time
+    results["step time, install() hook"] = hook_step_time(args.runs, args.rounds)
+    from distributed_bench import report as distributed_report
+    from jax_bench import TARGETS as JAX_TARGETS, jax_training
+
+    TARGETS.update(JAX_TARGETS)
+    results |= jax_training(args.runs, args.rounds)
+    distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

@@ -25,7 +25,8 @@ exponential-minus-one log log-plus-one logistic rsqrt sine sinh sqrt tan tanh"""
 
 #: The attributes an opcode takes besides :data:`COMMON_ATTRIBUTES`; the default (an
 #: opcode not listed, elementwise ops among them) takes none. ``conditional`` takes
-#: both spellings here: XLA picks one by its first operand's type (pred or s32).
+#: both spellings here; the parser then keeps the one its first operand's type selects
+#: (:data:`CONDITIONAL_FORMS`).
 OPCODE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     **{op: ("result_accuracy",) for op in _UNARY_WITH_ACCURACY},
     "all-reduce": _ALL_REDUCE, "all-reduce-start": _ALL_REDUCE,
@@ -125,3 +126,19 @@ METADATA_INT_FIELDS = frozenset({
     "source_line", "source_end_line", "source_column", "source_end_column", "stack_frame_id",
 })
 METADATA_FIELDS = METADATA_STRING_FIELDS | METADATA_INT_FIELDS | {"profile_type"}
+
+#: The ``HloModule name, key=value`` attributes XLA's ``ParseHloModule`` reads; any other
+#: key is refused there ("unexpected attribute").
+HEADER_ATTRIBUTES = frozenset({
+    "alias_passthrough_params", "allow_spmd_sharding_propagation_to_output",
+    "allow_spmd_sharding_propagation_to_parameters", "buffer_donor",
+    "entry_computation_layout", "frontend_attributes", "input_output_alias", "is_scheduled",
+    "num_partitions", "origin_recovery_table", "replica_count",
+})
+
+#: ``conditional`` takes one of two attribute sets, chosen by its first operand's type:
+#: a ``pred`` selects between two computations, an ``s32`` index among a list.
+CONDITIONAL_FORMS = {
+    True: ("true_computation", "false_computation"),
+    False: ("branch_computations",),
+}

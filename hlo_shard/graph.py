@@ -4,21 +4,24 @@ Analyses read :func:`dataflow_graph` (a ``MultiDiGraph`` per computation, operan
 user edges keyed by operand index, so ``multiply(x, x)`` has two edges) and
 :func:`call_graph`. Passes edit through a :class:`Rewriter`, which keeps the
 computation's ordered instruction list (the source of truth), its users index and a
-log of every change in step — the log is what ``optimize --explain`` reports.
+log of every edit in step. The log is what a pass's ``PassResult.changed`` and
+``changes`` come from and what tests read (``optimize --explain`` prints the pass's
+report, not this log).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 import contextlib
+from dataclasses import dataclass, field
 import heapq
 import itertools
 import re
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import networkx as nx
 
-from hlo_shard.ir import ELEMENT_BITS, Computation, Instruction, Module
+from hlo_shard.ir import ELEMENT_BITS, AttrValue, Computation, Instruction, Module, Shape
+from hlo_shard.opinfo import is_impure as opcode_is_impure
 
 # ------------------------------------------------------------------------ read views
 
@@ -137,17 +140,30 @@ _RESERVED_NAMES = frozenset(ELEMENT_BITS) | {
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One edit, as recorded for ``--explain`` and for tests."""
+    """One edit of a :class:`Rewriter`: ``kind`` is the name of the method that made it
+    (``insert``, ``erase``, ``replace-uses``, ``set-root``, ``set-operand``,
+    ``set-operands``, ``set-opcode``, ``set-shape``, ``set-attr``, ``pop-attr``,
+    ``reorder``), ``name`` the instruction."""
 
-    kind: str  # "insert" | "replace-uses" | "erase" | "set-root"
+    kind: str
     name: str
     detail: str = ""
+
+
+def is_impure(inst: Instruction) -> bool:
+    """The default of :meth:`Rewriter.remove_dead`: parameters (the signature) and ops
+    the opcode table marks impure (:data:`hlo_shard.opinfo.IMPURE`: sends, receives,
+    feeds, custom calls, rng state, async halves, ordering tokens, opt-barrier)."""
+    return inst.opcode == "parameter" or opcode_is_impure(inst.opcode)
 
 
 @dataclass
 class Rewriter:
     """Edits one computation, keeping the instruction list, the users index and the
-    change log consistent (the torch.fx editing vocabulary on HLO records)."""
+    change log consistent (the torch.fx editing vocabulary on HLO records). Every edit
+    of an instruction a pass makes goes through one of its methods, so that
+    :attr:`changes` is the whole story: whether anything changed, and what (an edit
+    that leaves a value as it was is not recorded)."""
 
     comp: Computation
     changes: list[Change] = field(default_factory=list)
@@ -217,7 +233,7 @@ class Rewriter:
     def add_instruction(self, inst: Instruction) -> Instruction:
         self._taken.add(inst.name)
         if self._cursor is None:
-            return self._insert(self.comp.position(self.comp.root_name), inst)
+            return self._insert(self.comp.position(self.comp.root.name), inst)
         inserted = self._insert(self._cursor, inst)
         self._cursor += 1
         return inserted
@@ -237,12 +253,28 @@ class Rewriter:
 
     # Use replacement ----------------------------------------------------------------
     def set_operand(self, user: Instruction, index: int, new: str) -> None:
+        """Point operand ``index`` of ``user`` at ``new``."""
+        old = self._retarget(user, index, new)
+        self.changes.append(Change("set-operand", user.name, f"{index}: {old} -> {new}"))
+
+    def set_operands(self, user: Instruction, names: Iterable[str]) -> None:
+        """Replace the whole operand list of ``user`` (any length)."""
+        names = list(names)
+        for operand in dict.fromkeys(user.operands):
+            self._users[operand].remove(user.name)
+        user.operands = names
+        for operand in dict.fromkeys(names):
+            self._users[operand].append(user.name)
+        self.changes.append(Change("set-operands", user.name, ", ".join(names)))
+
+    def _retarget(self, user: Instruction, index: int, new: str) -> str:
         old = user.operands[index]
         user.operands[index] = new
         if old not in user.operands and user.name in self._users[old]:
             self._users[old].remove(user.name)
         if user.name not in self._users[new]:
             self._users[new].append(user.name)
+        return old
 
     def replace_all_uses_with(self, old: str, new: str, *, exclude: Iterable[str] = ()) -> None:
         """Point every user of ``old`` (except ``exclude``) at ``new``; moves the root
@@ -254,7 +286,7 @@ class Rewriter:
             user = self.comp[user_name]
             for i, operand in enumerate(user.operands):
                 if operand == old:
-                    self.set_operand(user, i, new)
+                    self._retarget(user, i, new)
         if self.comp.root_name == old and self.comp.root_name not in set(exclude):
             self.set_root(new)
         self.changes.append(Change("replace-uses", old, new))
@@ -263,9 +295,59 @@ class Rewriter:
         self.comp.root_name = name
         self.changes.append(Change("set-root", name))
 
+    # Instruction edits ---------------------------------------------------------------
+    def set_opcode(self, inst: Instruction, opcode: str) -> None:
+        """Turn ``inst`` into another op under the same name (its users are unchanged)."""
+        if opcode != inst.opcode:
+            self.changes.append(Change("set-opcode", inst.name, f"{inst.opcode} -> {opcode}"))
+            inst.opcode = opcode
+
+    def set_shape(self, inst: Instruction, shape: Shape) -> None:
+        if shape != inst.shape:
+            inst.shape = shape
+            self.changes.append(Change("set-shape", inst.name))
+
+    def set_attr(self, inst: Instruction, key: str, value: AttrValue) -> None:
+        """Set attribute ``key`` (a new key prints last, as XLA's printer adds it);
+        recorded only when the value changes."""
+        old = inst.attributes.get(key)
+        if key in inst.attributes and type(old) is type(value) and old == value:
+            return
+        inst.attributes[key] = value
+        self.changes.append(Change("set-attr", inst.name, key))
+
+    def pop_attr(self, inst: Instruction, key: str,
+                 default: AttrValue | None = None) -> AttrValue | None:
+        """Remove attribute ``key``; recorded only when it was there."""
+        if key not in inst.attributes:
+            return default
+        self.changes.append(Change("pop-attr", inst.name, key))
+        return inst.attributes.pop(key)
+
+    def reorder(self, order: Iterable[Instruction]) -> None:
+        """Put the instructions in ``order`` (the same instructions, e.g. a topological
+        order); recorded when the order differs. Not inside an ``inserting_*`` block,
+        whose position would lose its meaning."""
+        order = list(order)
+        if self._cursor is not None or self._saved:
+            raise ValueError("cannot reorder inside an inserting_* block")
+        if len(order) != len(self.comp.instructions) or \
+                {id(i) for i in order} != {id(i) for i in self.comp.instructions}:
+            raise ValueError(f"reorder of {self.comp.name} must keep the same instructions")
+        if all(a is b for a, b in zip(order, self.comp.instructions)):
+            return
+        self.comp.instructions[:] = order
+        self.changes.append(Change("reorder", self.comp.name))
+
+    def sort_topologically(self) -> None:
+        """Restore def-before-use after edits that broke it (see
+        :func:`topological_order`: a valid order is kept)."""
+        self.reorder(topological_order(self.comp))
+
     # Removal --------------------------------------------------------------------------
     def erase(self, name: str) -> None:
-        """Remove an instruction that has no users (and is not the root)."""
+        """Remove an instruction that has no users and is not the root (torch.fx's
+        ``erase_node``: erasing a used value is a bug in the pass, not a request)."""
         if self._users[name]:
             raise ValueError(f"cannot erase {name}: still used by {self._users[name]}")
         if name == self.comp.root_name:
@@ -281,27 +363,18 @@ class Rewriter:
         del self._users[name]
         self.changes.append(Change("erase", name, inst.opcode))
 
-    def remove_dead(self, keep: Iterable[str] = ()) -> int:
-        """Erase instructions whose value is never used, except parameters, the root,
-        side-effecting ops and ``keep``. Returns how many were removed."""
+    def remove_dead(self, keep: Iterable[str] = (), *,
+                    is_impure: Callable[[Instruction], bool] = is_impure) -> int:
+        """Erase every instruction whose value is never used, users first, except the
+        root, control predecessors, ``keep`` and what ``is_impure`` says must stay (by
+        default :func:`is_impure`). Returns how many were erased."""
         protected = set(keep) | {self.comp.root_name}
         for inst in self.comp.instructions:
             protected.update(control_predecessors(inst))
         removed = 0
         for inst in reversed(list(self.comp.instructions)):
-            if (inst.name in protected or self._users[inst.name]
-                    or inst.opcode in _SIDE_EFFECTING):
+            if inst.name in protected or self._users[inst.name] or is_impure(inst):
                 continue
             self.erase(inst.name)
             removed += 1
         return removed
-
-
-#: Opcodes never removed as dead: they have effects beyond their value (or are part of
-#: the signature).
-_SIDE_EFFECTING = frozenset({
-    "parameter", "send", "send-done", "recv", "recv-done", "outfeed", "infeed",
-    "custom-call", "after-all", "rng", "rng-get-and-update-state", "all-reduce-start",
-    "all-gather-start", "collective-permute-start", "async-start", "copy-start",
-    "add-dependency", "opt-barrier",
-})

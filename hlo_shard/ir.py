@@ -13,8 +13,9 @@ verbatim, so nothing XLA adds in a new release is ever dropped.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import cast
 
 # --------------------------------------------------------------------------- shapes
 
@@ -56,6 +57,8 @@ class ArrayShape:
     #: Empty when every dimension is static (the common case).
     dynamic: tuple[str, ...] = ()
     layout: Layout | None = None
+    #: ``b(f32[4])``: a buffer holding such an array (custom-call operands and results).
+    buffer: bool = False
 
     @property
     def rank(self) -> int:
@@ -104,7 +107,7 @@ class TupleShape:
                 yield (i,), element
 
 
-Shape = Union[ArrayShape, TupleShape]
+Shape = ArrayShape | TupleShape
 
 
 def shape_leaves(shape: Shape) -> Iterator[tuple[tuple[int, ...], ArrayShape]]:
@@ -183,10 +186,8 @@ class ReplicaGroups:
 #: bool: use_global_device_ids, constrain_layout, is_stable, indices_are_sorted …
 #: tuple[int, ...]: braced int lists (dimensions, dynamic_slice_sizes, *_dims …)
 #: float: epsilon
-AttrValue = Union[
-    int, bool, float, tuple, Raw, Ident, Str, ComputationRef, ComputationList,
-    SliceRanges, ReplicaGroups,
-]
+AttrValue = (int | bool | float | tuple | Raw | Ident | Str | ComputationRef | ComputationList
+             | SliceRanges | ReplicaGroups)
 
 
 # --------------------------------------------------------------------- instructions
@@ -271,7 +272,7 @@ class Computation:
     def parameters(self) -> list[Instruction]:
         """Parameter instructions ordered by parameter number."""
         params = [i for i in self.instructions if i.opcode == "parameter"]
-        return sorted(params, key=lambda i: i.parameter_number)
+        return sorted(params, key=lambda i: cast(int, i.parameter_number))
 
     def operands_of(self, inst: Instruction) -> list[Instruction]:
         return [self._index[name] for name in inst.operands]
@@ -337,11 +338,11 @@ class Module:
 
     @property
     def replica_count(self) -> int:
-        return int(self.header.get("replica_count", 1))
+        return int(cast(int, self.header.get("replica_count", 1)))
 
     @property
     def num_partitions(self) -> int:
-        return int(self.header.get("num_partitions", 1))
+        return int(cast(int, self.header.get("num_partitions", 1)))
 
     @property
     def is_scheduled(self) -> bool:

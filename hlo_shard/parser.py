@@ -17,34 +17,42 @@ exception escapes.
 
 Positions are resolved lazily: a location is a lark token or ``(token, offset)``
 into a coarse token, turned into line and column only for a message.
+
+State is per call: each thread has its own lark parser and builder, which holds one
+parse's records from the start of the call to its end (no lock, nothing kept between
+calls); only immutable things are shared (compiled regexes, a bounded cache of shapes).
+See ``docs/frontend.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import re
 import threading
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union, cast
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from hlo_shard.attributes import (
-    ASYNC_SUGAR_ATTRIBUTES, COMMON_ATTRIBUTES, METADATA_FIELDS, METADATA_INT_FIELDS,
-    METADATA_STRING_FIELDS, OPCODE_ATTRIBUTES, REQUIRED_ATTRIBUTES,
+    ASYNC_SUGAR_ATTRIBUTES, COMMON_ATTRIBUTES, CONDITIONAL_FORMS, HEADER_ATTRIBUTES,
+    METADATA_FIELDS, METADATA_INT_FIELDS, METADATA_STRING_FIELDS, OPCODE_ATTRIBUTES,
+    REQUIRED_ATTRIBUTES,
 )
 from hlo_shard.errors import HloParseError
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
-    ELEMENT_BITS, ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident,
-    Instruction, Layout, Module, Raw, Shape, SourceLoc, Str, TupleShape,
+    COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, ArrayShape, AttrValue, Computation,
+    ComputationList, ComputationRef, Ident, Instruction, Layout, Module, Raw, Shape, SourceLoc,
+    Str, TupleShape,
 )
 from hlo_shard.values import (
-    LiteralError, c_unescape, check_literal, read_int_list, read_names, read_replica_groups,
-    read_slice_ranges, show,
+    LiteralError, c_unescape, check_literal, float_format, read_int_list, read_names,
+    read_replica_groups, read_slice_ranges, show,
 )
 
 __all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", "parse_file"]
@@ -140,9 +148,37 @@ _INT_LIST_ATTRS = frozenset({
     "input_batching_dims", "scatter_indices_batching_dims", "source_target_pairs",
 })
 
-#: Header attributes with a typed value; the others are kept verbatim.
-_HEADER_TYPES: dict[str, type] = {"replica_count": int, "num_partitions": int,
-                                   "is_scheduled": bool}
+_INT64_MAX = 2**63 - 1
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.lstrip("-").isdigit() and 1 <= int(text) <= _INT64_MAX else None
+
+
+def _boolean(text: str) -> bool | None:
+    return {"true": True, "false": False}.get(text)
+
+
+def _booleans(text: str) -> Raw | None:
+    return Raw(text) if text in ("true", "false") or re.fullmatch(
+        r"\{\s*(?:(?:true|false)\s*(?:,\s*(?:true|false)\s*)*)?\}", text) else None
+
+
+def _braced(text: str) -> Raw | None:
+    return Raw(text) if text.startswith("{") else None
+
+
+#: Header attribute → (reader of its value text, None when it is not of the kind; the
+#: kind in words); the typed ones are ints and bools, the others kept verbatim.
+_HEADER_VALUES: dict[str, tuple[Callable[[str], AttrValue | None], str]] = {
+    "replica_count": (_count, "a positive integer (at most 2^63-1)"),
+    "num_partitions": (_count, "a positive integer (at most 2^63-1)"),
+    "is_scheduled": (_boolean, "true or false"),
+    "alias_passthrough_params": (_boolean, "true or false"),
+    "allow_spmd_sharding_propagation_to_output": (_booleans, "true, false or {true,false,...}"),
+    "allow_spmd_sharding_propagation_to_parameters": (
+        _booleans, "true, false or {true,false,...}"),
+}
 
 _TYPE_KEYWORDS = frozenset(ELEMENT_BITS) | {"opaque_type"}
 _MAX_TUPLE_DEPTH = 64
@@ -196,21 +232,29 @@ def _bare(name: str) -> str:
 
 # ------------------------------------------------------------------------- shapes
 
+#: Shape texts → shapes, shared by all parses: few distinct shapes, many uses, and the
+#: shapes are immutable. Bounded: emptied when full (one module seldom has 10,000).
 _SHAPE_CACHE: dict[str, ArrayShape] = {}
+_SHAPE_CACHE_LIMIT = 10_000
 
 
 def _array_shape(text: str, loc: Loc) -> ArrayShape:
-    """An array shape token's text (cached: few distinct shapes, many uses)."""
+    """An array shape token's text (cached)."""
     shape = _SHAPE_CACHE.get(text)
     if shape is None:
         try:
-            shape = _SHAPE_CACHE[text] = _read_array_shape(text.strip())
+            shape = _read_array_shape(text.strip())
         except ValueError as err:
             _fail(f"bad shape {show(text)}: {err}", loc)
+        if len(_SHAPE_CACHE) >= _SHAPE_CACHE_LIMIT:
+            _SHAPE_CACHE.clear()
+        _SHAPE_CACHE[text] = shape
     return shape
 
 
 def _read_array_shape(text: str) -> ArrayShape:
+    if text.startswith("b("):  # a buffer: b(f32[4]{0})
+        return dataclasses.replace(_read_array_shape(text[2:-1].strip()), buffer=True)
     element_type, _, rest = text.partition("[")
     if element_type == "opaque_type":
         element_type = "opaque"
@@ -221,7 +265,10 @@ def _read_array_shape(text: str) -> ArrayShape:
     dynamic: list[str] = []
     for item in filter(None, (d.strip() for d in dims_text.split(","))):
         kind = "?" if item == "?" else "<=" if item.startswith("<=") else ""
-        dims.append(-1 if kind == "?" else int(item[len(kind):]))
+        size = -1 if kind == "?" else int(item[len(kind):])
+        if size > _INT64_MAX:
+            raise ValueError(f"dimension {item[len(kind):]} is beyond int64")
+        dims.append(size)
         dynamic.append(kind)
     layout = None
     layout_text = layout_text.strip()
@@ -236,15 +283,20 @@ def _read_array_shape(text: str) -> ArrayShape:
                       layout)
 
 
+_ARRAY_SHAPE_PATTERN = r"[a-z][a-z0-9_]*\[[^\]]*\](?:\s*\{(?=\s*[0-9:])[^{}]*\})?"
 _SHAPE_PART_RE = re.compile(
-    r"\s+|/\*[^*]*\*+(?:[^/*][^*]*\*+)*/|[(),]|[a-z][a-z0-9_]*\[[^\]]*\]"
-    r"(?:\s*\{(?=\s*[0-9:])[^{}]*\})?")
+    rf"\s+|/\*[^*]*\*+(?:[^/*][^*]*\*+)*/|b\(\s*{_ARRAY_SHAPE_PATTERN}\s*\)"
+    rf"|{_ARRAY_SHAPE_PATTERN}|[(),]")
 
 
 def _read_shape(text: str, loc: Loc) -> Shape:
     """Any shape, tuples included, from text (the result of a coarse signature)."""
     stack: list[list[Shape]] = [[]]
+    covered = 0
     for match in _SHAPE_PART_RE.finditer(text):
+        if match.start() != covered:
+            break  # text that is no part of a shape
+        covered = match.end()
         part = match.group(0)
         if part == "(":
             stack.append([])
@@ -253,7 +305,7 @@ def _read_shape(text: str, loc: Loc) -> Shape:
             stack[-1].append(TupleShape(tuple(elements)))
         elif part[0].isalpha():
             stack[-1].append(_array_shape(part, loc))
-    if len(stack) != 1 or len(stack[0]) != 1:
+    if len(stack) != 1 or len(stack[0]) != 1 or covered != len(text):
         _fail(f"bad shape {show(text)}", loc)
     return stack[0][0]
 
@@ -276,7 +328,8 @@ def compatible(a: Shape, b: Shape) -> bool:
 def _format_shape(shape: Shape) -> str:
     if isinstance(shape, TupleShape):
         return "(" + ", ".join(_format_shape(s) for s in shape.elements) + ")"
-    return f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
+    text = f"{shape.element_type}[{','.join(map(str, shape.dims))}]"
+    return f"b({text})" if shape.buffer else text
 
 
 # ---------------------------------------------------------------- attribute values
@@ -411,6 +464,56 @@ def _check_metadata(text: str, loc: Loc) -> None:
 
 # --------------------------------------------------------------- literal checking
 
+def _check_shaped_literal(text: str, loc: Loc) -> None:
+    """``literal=s32[2]{0} {1, 2}`` (custom-call): the literal against its shape."""
+    shape_end = _patterns()["shape"].match(text).end()
+    _check_literal(_array_shape(text[:shape_end], loc), text[shape_end:],
+                   _within(loc, shape_end))
+
+
+def _check_tuple_literal(text: str, loc: Loc) -> None:
+    """``literal=( s32[] 1, ( f32[2]{0} {1, 2} ), )``: each element a shape and its
+    literal, or a tuple of them; a trailing comma is allowed (as XLA)."""
+    items = _top_level_items(text, 1, len(text) - 1)
+    if items and not text[items[-1][0]:items[-1][1]].strip():
+        items.pop()  # `(a, )` and `()`
+    for start, end in items:
+        item = text[start:end]
+        offset = start + len(item) - len(item.lstrip())
+        item = item.strip()
+        if item.startswith("("):
+            _check_tuple_literal(item, _within(loc, offset))
+        elif _patterns()["shape"].match(item):
+            _check_shaped_literal(item, _within(loc, offset))
+        else:
+            _fail("expects a shape and its literal, or a tuple of them", _within(loc, offset))
+
+
+def _top_level_items(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """(start, end) of the comma-separated items of ``text[start:end]`` outside any
+    braces or parentheses."""
+    items, depth, item_start = [], 0, start
+    for position in range(start, end):
+        char = text[position]
+        if char in "({":
+            depth += 1
+        elif char in ")}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append((item_start, position))
+            item_start = position + 1
+    items.append((item_start, end))
+    return items
+
+
+#: Checks of attribute values by (attribute, value kind) that XLA parses as it reads them.
+_VALUE_CHECKS = {
+    ("literal", "SHAPED_LITERAL"): _check_shaped_literal,
+    ("literal", "PARENS"): _check_tuple_literal,
+    ("outfeed_shape", "PARENS"): _read_shape,
+}
+
+
 def _check_literal(shape: Shape, literal: str, loc: Loc) -> None:
     """A constant's literal against its shape (XLA checks it exactly); positions of the
     failures are within the literal."""
@@ -425,27 +528,142 @@ def _check_literal(shape: Shape, literal: str, loc: Loc) -> None:
 # ------------------------------------------------------------------ shape inference
 
 
-def _infer_shape(opcode: str, loc: Loc, operands: list[Instruction],
-                 attrs: dict[str, AttrValue]) -> Shape:
-    """Result shape for the opcodes whose shape XLA lets the text leave out."""
-    if opcode in ("replica-id", "partition-id"):
-        return ArrayShape("u32", ())
-    if opcode == "tuple":
-        return TupleShape(tuple(o.shape for o in operands))
+_TOKEN = ArrayShape("token", ())
+
+#: A shape rule: (operands, attributes, computations defined so far) → the result shape,
+#: or None where the operands do not give one.
+ShapeRule = Callable[[list[Instruction], dict[str, AttrValue], dict[str, Computation]],
+                     Union[Shape, None]]
+
+
+def _first_array(operands, attrs, computations) -> Shape | None:
     first = operands[0].shape if operands else None
-    if opcode == "get-tuple-element" and isinstance(first, TupleShape):
-        index = attrs.get("index")
-        if isinstance(index, int) and 0 <= index < len(first.elements):
-            return first.elements[index]
-    if isinstance(first, ArrayShape):
-        if opcode == "compare":
-            return ArrayShape("pred", first.dims, first.dynamic)
-        if opcode in _UNARY_ELEMENTWISE or opcode in _BINARY_ELEMENTWISE or opcode == "clamp":
-            return first
-        if opcode == "select" and len(operands) > 1:
-            return operands[1].shape
-    _fail(f"the result shape of '{opcode}' cannot be inferred; write it before the "
-          "opcode", loc)
+    return first if isinstance(first, ArrayShape) else None
+
+
+def _compare_shape(operands, attrs, computations) -> Shape | None:
+    first = _first_array(operands, attrs, computations)
+    return ArrayShape("pred", first.dims, first.dynamic) if first is not None else None
+
+
+def _select_shape(operands, attrs, computations) -> Shape | None:
+    return operands[1].shape if len(operands) > 1 else None
+
+
+def _tuple_element_shape(operands, attrs, computations) -> Shape | None:
+    first, index = operands[0].shape if operands else None, attrs.get("index")
+    if isinstance(first, TupleShape) and isinstance(index, int) and 0 <= index < len(
+            first.elements):
+        return first.elements[index]
+    return None
+
+
+def _dot_shape(operands, attrs, computations) -> Shape | None:
+    """Batch dimensions, then the lhs's free ones, then the rhs's, in the operands' more
+    precise element type (XLA's InferDotOpShape); static operands only."""
+    if len(operands) != 2:
+        return None
+    lhs, rhs = operands[0].shape, operands[1].shape
+    if not (isinstance(lhs, ArrayShape) and isinstance(rhs, ArrayShape)
+            and not lhs.dynamic and not rhs.dynamic):
+        return None
+    dims = {key: attrs.get(key, ()) for key in (
+        "lhs_batch_dims", "rhs_batch_dims", "lhs_contracting_dims", "rhs_contracting_dims")}
+    if not all(isinstance(v, tuple) and all(isinstance(d, int) for d in v)
+               for v in dims.values()):
+        return None
+    lhs_used = set(dims["lhs_batch_dims"]) | set(dims["lhs_contracting_dims"])
+    rhs_used = set(dims["rhs_batch_dims"]) | set(dims["rhs_contracting_dims"])
+    if not (lhs_used <= set(range(lhs.rank)) and rhs_used <= set(range(rhs.rank))):
+        return None
+    result = ([lhs.dims[d] for d in dims["lhs_batch_dims"]]
+              + [n for d, n in enumerate(lhs.dims) if d not in lhs_used]
+              + [n for d, n in enumerate(rhs.dims) if d not in rhs_used])
+    element_type = max(lhs.element_type, rhs.element_type, key=_precision_rank)
+    return ArrayShape(element_type, tuple(result))
+
+
+def _precision_rank(element_type: str) -> tuple:
+    """XLA's order of element types by precision (``HigherPrecisionType``): complex
+    first, then float range, float precision, bit width, signed over unsigned."""
+    component = {"c64": "f32", "c128": "f64"}.get(element_type, element_type)
+    exponent_range, significand = float_format(component) or (-1, -1)
+    width = int(component[1:]) if component in INTEGER_TYPES else ELEMENT_BITS.get(component, 0)
+    return (element_type in COMPLEX_TYPES, exponent_range, significand, width,
+            component[0] == "s")
+
+
+def _conditional_shape(operands, attrs, computations) -> Shape | None:
+    """The root shape of the first branch (every branch has the same one)."""
+    branch = attrs.get("true_computation", attrs.get("branch_computations"))
+    name = branch.name if isinstance(branch, ComputationRef) else (
+        branch.names[0] if isinstance(branch, ComputationList) and branch.names else None)
+    callee = computations.get(name) if name is not None else None
+    return callee.root.shape if callee is not None else None
+
+
+#: Result shapes for the opcodes whose shape the text may leave out (a subset of
+#: XLA's ``CanInferShape``); an opcode not listed needs its shape written.
+_SHAPE_RULES: dict[str, ShapeRule] = {
+    **{op: _first_array for op in _UNARY_ELEMENTWISE | _BINARY_ELEMENTWISE | {"clamp"}},
+    "replica-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
+    "partition-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
+    "after-all": lambda operands, attrs, computations: _TOKEN,
+    "tuple": lambda operands, attrs, computations: TupleShape(
+        tuple(o.shape for o in operands)),
+    "get-tuple-element": _tuple_element_shape,
+    "compare": _compare_shape,
+    "select": _select_shape,
+    "dot": _dot_shape,
+    "conditional": _conditional_shape,
+}
+
+
+def _infer_shape(opcode: str, loc: Loc, operands: list[Instruction],
+                 attrs: dict[str, AttrValue], computations: dict[str, Computation]) -> Shape:
+    """Result shape for the opcodes whose shape XLA lets the text leave out."""
+    rule = _SHAPE_RULES.get(opcode)
+    shape = rule(operands, attrs, computations) if rule is not None else None
+    if shape is None:
+        _fail(f"the result shape of '{opcode}' cannot be inferred; write it before the "
+              "opcode", loc)
+    return shape
+
+
+def _send_shape(operands: list[Instruction]) -> Shape | None:
+    return TupleShape((operands[0].shape, ArrayShape("u32", ()), _TOKEN)) if operands else None
+
+
+def _recv_done_shape(operands: list[Instruction]) -> Shape | None:
+    recv = operands[0] if operands else None
+    if recv is None or recv.opcode != "recv" or not isinstance(recv.shape, TupleShape) \
+            or not recv.shape.elements:
+        return None
+    return TupleShape((recv.shape.elements[0], _TOKEN))
+
+
+#: Opcodes whose result shape XLA derives from the operands whatever the text declares
+#: (its ``CreateSend``, ``CreateSendDone``, ``CreateRecvDone`` take no shape).
+_DERIVED_SHAPES: dict[str, Callable[[list[Instruction]], Union[Shape, None]]] = {
+    "send": _send_shape,
+    "send-done": lambda operands: _TOKEN,
+    "recv-done": _recv_done_shape,
+}
+
+
+def _check_conditional_form(selector: Instruction, attributes: list[tuple], loc: Loc) -> None:
+    """A ``pred`` selector takes true/false_computation, an index branch_computations;
+    XLA refuses the other spelling and a missing one."""
+    shape = selector.shape
+    form = CONDITIONAL_FORMS[isinstance(shape, ArrayShape) and shape.element_type == "pred"]
+    allowed = COMMON_ATTRIBUTES.union(form)
+    for key, key_loc, *_ in attributes:
+        if key not in allowed:
+            _fail(_unexpected_attribute(key, allowed), key_loc)
+    given = {key for key, *_ in attributes}
+    for required in form:
+        if required not in given:
+            _fail(f"attribute {required} is expected but not seen", loc)
 
 
 # --------------------------------------------------------------- coarse-token parts
@@ -454,28 +672,32 @@ _NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
 _BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
 _BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
 _INT_RE = re.compile(r"[0-9]+")
-_PATTERNS: dict[str, re.Pattern] = {}
+_PATTERNS: dict[str, re.Pattern] | None = None
 
 
 def _patterns() -> dict[str, re.Pattern]:
     """Regexes that cut coarse tokens into parts, built from the grammar's own terminal
-    patterns so that the two never disagree."""
-    if not _PATTERNS:
+    patterns so that the two never disagree (once; published whole, for threads)."""
+    global _PATTERNS
+    if _PATTERNS is None:
         lark = _parser()
 
         def part(name: str) -> str:
             return lark.get_terminal(name).pattern.to_regexp()
 
         values = "|".join(f"(?P<{kind}>{part(kind)})" for kind in _ATTRS_VALUE_KINDS)
-        _PATTERNS["pair"] = re.compile(
-            rf"\s*,\s*(?P<key>{part('ATTR')})(?:{values})(?=\s|,|\}}|/[*/]|$)")
-        head = (rf"(?:(?P<root>ROOT)\s+)?(?P<name>%?[A-Za-z_][A-Za-z0-9_.\-]*)\s+=\s*"
-                rf"(?P<shape>{part('SHAPE')})?")
-        _PATTERNS["head"] = re.compile(head)
-        _PATTERNS["line"] = re.compile(
-            rf"{head}(?:(?P<parameter>{part('PARAMETER_CALL')})|"
-            rf"(?P<constant>{part('CONSTANT_CALL')})|(?P<call>{part('CALL')}))"
-            rf"(?P<attrs>{part('ATTRS')})?")
+        head = (rf"(?:(?P<root>ROOT)\s+)?(?P<name>%[A-Za-z_][A-Za-z0-9_.\-]*(?=\s*=)|"
+                rf"[A-Za-z_][A-Za-z0-9_.\-]*(?=\s+=))\s*=\s*(?P<shape>{part('SHAPE')})?")
+        _PATTERNS = {
+            "pair": re.compile(
+                rf"\s*,\s*(?P<key>{part('ATTR')})(?:{values})(?=\s|,|\}}|/[*/]|$)"),
+            "head": re.compile(head),
+            "shape": re.compile(part("SHAPE")),
+            "line": re.compile(
+                rf"{head}(?:(?P<parameter>{part('PARAMETER_CALL')})|"
+                rf"(?P<constant>{part('CONSTANT_CALL')})|(?P<call>{part('CALL')}))"
+                rf"(?P<attrs>{part('ATTRS')})?"),
+        }
     return _PATTERNS
 
 
@@ -575,6 +797,7 @@ class _Builder(Transformer):
 
     def __init__(self) -> None:
         super().__init__(visit_tokens=False)
+        self.lark: Lark | None = None  # the parser this builder is bound to
         self.reset()
 
     def reset(self) -> None:
@@ -602,21 +825,20 @@ class _Builder(Transformer):
 
     def header(self, children: list) -> tuple[str, dict[str, AttrValue]]:
         name, *attributes = children
+        if name.type == "NAME_COLON" and name.value[0] == "%":
+            _fail("expects name", name)  # XLA takes `HloModule m:`, not `%m:`
         header: dict[str, AttrValue] = {}
         for key, key_loc, kind, text, loc in attributes:
+            if key not in HEADER_ATTRIBUTES:
+                _fail(_unexpected_attribute(key, HEADER_ATTRIBUTES), key_loc)
             if key in header:
-                _fail(f"duplicate module attribute '{key}'", key_loc)
-            expected = _HEADER_TYPES.get(key)
-            if expected is int and kind == "INT":
-                header[key] = int(text)
-            elif expected is bool and text in ("true", "false"):
-                header[key] = text == "true"
-            elif expected is not None:
-                _fail(f"'{key}' expects {'an integer' if expected is int else 'true or false'}"
-                      f", found {show(text)}", loc)
-            else:
-                header[key] = Raw(text)
-        return _bare(name.value), header
+                _fail(f"attribute {key} already exists", key_loc)
+            read, words = _HEADER_VALUES.get(key, (_braced, "a '{...}' value"))
+            value = read(text)
+            if value is None:
+                _fail(f"'{key}' expects {words}, found {show(text)}", loc)
+            header[key] = value
+        return _bare(name.value.rstrip(":")), header
 
     # Computations -------------------------------------------------------------------
     def computation(self, children: list) -> Computation:
@@ -676,6 +898,11 @@ class _Builder(Transformer):
                 _fail(f"'{name}' is used before its definition at line {defined.loc.line}",
                       loc)
             _fail(f"use of undefined instruction '{name}' in '{computation}'", loc)
+        count = len(scope.parameter_numbers)
+        for number, loc in scope.parameter_numbers.items():
+            if number >= count:
+                _fail(f"invalid parameter number: '{computation}' has {count} parameter"
+                      f"{'s' * (count != 1)}, numbered [0, {count}), got {number}", loc)
         if scope.first_missing_attribute is not None:
             _fail(*scope.first_missing_attribute)
         if scope.nested_count:
@@ -689,7 +916,7 @@ class _Builder(Transformer):
         padding = "\n" * (line - 1) + " " * column  # keeps positions exact
         outer, self.scope = self.scope, _Scope()
         try:
-            scope = _parser().parse(padding + text[1:-1], start="inline_body")
+            scope = self.lark.parse(padding + text[1:-1], start="inline_body")
         finally:
             self.scope = outer
         name = _unique("_", self.computations)
@@ -739,10 +966,10 @@ class _Builder(Transformer):
                            _shape(shape) if shape is not None else None, rhs, attributes)
 
     def instruction(self, children: list) -> Instruction:
-        root, name, shape, rhs, attrs, *attributes = children
+        root, name, shape, rhs, attrs, *attributes = children  # name: NAME or NAME_EQ
         if attrs is not None:
             attributes = _split_attributes(attrs, 0, len(attrs.value)) + attributes
-        return self._build(_bare(name.value), name, root,
+        return self._build(_bare(name.value.rstrip("=")), name, root,
                            _shape(shape) if shape is not None else None, rhs, attributes)
 
     def op(self, children: list) -> tuple:
@@ -824,10 +1051,14 @@ class _Builder(Transformer):
                 if required not in attrs and scope.first_missing_attribute is None:
                     scope.first_missing_attribute = (
                         f"'{inst.opcode}' needs the attribute {required}=", opcode_loc)
-            if shape is None:
-                inst.shape = _infer_shape(inst.opcode, opcode_loc,
-                                          [names[o] for o in inst.operands if o in names],
-                                          attrs)
+            derive = _DERIVED_SHAPES.get(inst.opcode)
+            if shape is None or derive is not None:
+                operands = [names[o] for o in inst.operands if o in names]
+                derived = derive(operands) if derive is not None else None
+                inst.shape = derived or shape or _infer_shape(
+                    inst.opcode, opcode_loc, operands, attrs, self.computations)
+            if inst.opcode == "conditional" and inst.operands and inst.operands[0] in names:
+                _check_conditional_form(names[inst.operands[0]], attributes, opcode_loc)
         if root is not None:
             if scope.root_loc is not None:
                 _fail(f"second ROOT in this computation (the first is at line "
@@ -842,6 +1073,9 @@ class _Builder(Transformer):
             _check_metadata(text, loc)
         if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
             return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
+        check = _VALUE_CHECKS.get((key, kind))
+        if check is not None:
+            check(text, loc)
         if key in _COMPUTATION_ATTRS and kind == "BLOB" and "=" in text:
             return self._inline_computation(text, loc)
         value = _attribute_value(key, kind, text, loc)
@@ -918,26 +1152,37 @@ def _name_nested(scope: _Scope) -> None:
 
 # --------------------------------------------------------------------- entry points
 
-_BUILDER = _Builder()
-_LOCK = threading.RLock()
-_PARSER: Lark | None = None
+#: Each thread's parser: lark's LALR tables bound to a builder of its own, so that
+#: parses in different threads share no mutable state and take no lock. A parse's
+#: state lives in the builder from its ``reset`` to the next one.
+_PER_THREAD = threading.local()
+
+
+def _make_parser(**options) -> Lark:
+    """A lark parser with a builder of its own (``options`` go to lark, for tests)."""
+    builder = _Builder()
+    lark = Lark(grammar_path().read_text(encoding="utf-8"), parser="lalr",
+                lexer="contextual", transformer=builder, start=["start", "inline_body"],
+                maybe_placeholders=True, **options)
+    builder.lark = lark
+    return lark
 
 
 def _parser() -> Lark:
-    global _PARSER
-    if _PARSER is None:
-        _PARSER = Lark(grammar_path().read_text(encoding="utf-8"), parser="lalr",
-                       lexer="contextual", transformer=_BUILDER,
-                       start=["start", "inline_body"], maybe_placeholders=True, cache=True)
-    return _PARSER
+    lark = getattr(_PER_THREAD, "lark", None)
+    if lark is None:
+        lark = _PER_THREAD.lark = _make_parser(cache=True)
+    return lark
 
 
 def parse(text: str, path: str | None = None) -> Module:
     """Parse HLO text into a :class:`Module`; ``path`` is only used in messages."""
-    with _LOCK, _no_cyclic_gc():
-        _BUILDER.reset()
+    lark = _parser()
+    builder = cast(_Builder, lark.options.transformer)
+    with _cyclic_gc_paused():
+        builder.reset()
         try:
-            module = _parser().parse(text, start="start")
+            module = cast(Module, lark.parse(text, start="start"))
         except _Located as err:
             raise _error(text, path, err.message, err.line, err.column) from None
         except UnexpectedInput as err:
@@ -945,22 +1190,26 @@ def parse(text: str, path: str | None = None) -> Module:
         except RecursionError:
             raise _error(text, path, "input nests too deeply to parse", 1, 1) from None
         finally:
-            _BUILDER.reset()
+            builder.reset()
     module.source_path = path
     return module
 
 
 @contextlib.contextmanager
-def _no_cyclic_gc():
-    """Pause the cycle collector: reading creates a great many objects and no cycles,
-    and the collector's passes over them cost a fifth of the time on large modules."""
-    was_enabled = gc.isenabled()
+def _cyclic_gc_paused():
+    """Pause the cycle collector while this thread is the only one: reading creates a
+    great many objects and no cycles, and the collector's passes over them cost a fifth
+    of the time on large modules. With other threads running the collector is left
+    alone (it is process-wide, and they may need it), and the caller's setting is
+    always restored as it was."""
+    if not gc.isenabled() or threading.active_count() > 1:
+        yield
+        return
     gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        gc.enable()
 
 
 def parse_file(path: str | Path) -> Module:

@@ -9,6 +9,7 @@ verbatim, so printing a parsed module twice gives the same text.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from hlo_shard.graph import callees_first, topological_order
@@ -22,9 +23,11 @@ __all__ = ["format_shape", "format_value", "to_text"]
 
 
 def format_shape(shape: Shape) -> str:
-    """``f32[8,4]{1,0}``, ``(f32[], (s32[2]{0}, pred[]))``, ``f32[<=8,?]``."""
+    """``f32[8,4]{1,0}``, ``(f32[], (s32[2]{0}, pred[]))``, ``f32[<=8,?]``, ``b(f32[4]{0})``."""
     if not isinstance(shape, ArrayShape):
         return "(" + ", ".join(format_shape(s) for s in shape.elements) + ")"
+    if shape.buffer:
+        return f"b({format_shape(dataclasses.replace(shape, buffer=False))})"
     if shape.dynamic:
         dims = ",".join("?" if kind == "?" else f"{kind}{d}"
                         for d, kind in zip(shape.dims, shape.dynamic))

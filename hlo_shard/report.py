@@ -10,11 +10,11 @@ All figures are per device.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 import html
 import io
 import json
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from hlo_shard.analysis.estimate import (
     CATEGORIES, StepEstimate, estimate_step, per_weight_rows,

@@ -29,16 +29,13 @@ of parameters is not an option (its HLO text is the same program with bigger sha
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
-
-from hlo_shard.analysis.collective_model import COLLECTIVE_KINDS, group_size
-from hlo_shard.analysis.collectives import find_gradient_all_reduces
 import math
+from dataclasses import dataclass
 
 from hlo_shard.analysis.estimate import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.ir import ArrayShape, Module, Raw, ReplicaGroups
+from hlo_shard.ir import ArrayShape, Module
+from hlo_shard.passes.retarget import Retarget, data_parallel_size
 from hlo_shard.profiles import HardwareProfile
 
 
@@ -81,55 +78,12 @@ class ScalePoint:
                 "saving": self.saving, "error": self.error}
 
 
-def data_parallel_size(module: Module) -> int:
-    """N of the module: the group size of its gradient all-reduces."""
-    sizes = {group_size(module.computation(ar.computation)[ar.name], module)
-             for ar in find_gradient_all_reduces(module)}
-    sizes.discard(1)
-    if len(sizes) != 1:
-        raise HloShardError("scale needs a data-parallel module: gradient all-reduces over one "
-                            f"group size (found {sorted(sizes) or 'none'})")
-    return sizes.pop()
-
-
 def retarget(module: Module, replicas: int) -> Module:
-    """A copy of the per-device data-parallel ``module`` for ``replicas`` devices:
-    every collective over the whole data-parallel group, the header's device count and
-    tiled parameter shardings now name ``replicas`` devices."""
-    n0 = data_parallel_size(module)
+    """A copy of the per-device data-parallel ``module`` for ``replicas`` devices (see
+    :class:`~hlo_shard.passes.retarget.Retarget`)."""
     result = copy.deepcopy(module)
-    for key in ("replica_count", "num_partitions"):
-        if int(result.header.get(key, 1)) == n0:
-            result.header[key] = replicas
-    for comp in result.computations:
-        for inst in comp.instructions:
-            if inst.opcode in COLLECTIVE_KINDS:
-                groups = inst.attr("replica_groups")
-                if isinstance(groups, ReplicaGroups) and groups.groups:
-                    if len(groups.groups) != 1 or len(groups.groups[0]) != n0:
-                        raise HloShardError(f"{inst.name}: scale supports one data-parallel "
-                                            "group covering every device")
-                    inst.attributes["replica_groups"] = ReplicaGroups((tuple(range(replicas)),))
-            sharding = inst.attr("sharding")
-            if isinstance(sharding, Raw) and "devices=" in sharding.text:
-                inst.attributes["sharding"] = Raw(_retarget_sharding(sharding.text, n0, replicas))
+    Retarget(replicas).apply(result)
     return result
-
-
-def _retarget_sharding(text: str, n0: int, n: int) -> str:
-    """``{devices=[8,1]<=[8]}`` or ``{devices=[8,1]0,1,…,7}`` → the same tiling over n."""
-    match = re.search(r"devices=\[([\d,]+)\]\s*(<=\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)", text)
-    if not match:
-        return text
-    tiles = [int(t) for t in match.group(1).split(",")]
-    if n0 not in tiles:
-        return text
-    tiles[tiles.index(n0)] = n
-    total = 1
-    for t in tiles:
-        total *= t
-    replacement = f"devices=[{','.join(map(str, tiles))}]<=[{total}]"
-    return text[:match.start()] + replacement + text[match.end():]
 
 
 def per_replica_batch(estimate: StepEstimate, module: Module) -> int:

@@ -11,13 +11,13 @@ groups, and a root that matches the entry layout.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.graph import control_predecessors
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
+from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,15 @@ class _Checker:
                     what = "undefined" if operand not in comp else "defined after its use"
                     self.fail("def-before-use", inst, f"operand %{operand} is {what}")
             seen.add(inst.name)
-        if comp.root_name not in comp:
+        if comp.root_name is None or comp.root_name not in comp:
             self.fail("root", None, f"root %{comp.root_name} is not an instruction")
         for inst in comp.instructions:
             if all(o in comp for o in inst.operands):
                 operands = [comp[o].shape for o in inst.operands]
-                message = _SHAPE_RULES.get(inst.opcode, _unchecked)(self, inst, operands)
+                try:
+                    message = _SHAPE_RULES.get(inst.opcode, _unchecked)(self, inst, operands)
+                except _Unfit as unfit:
+                    message = str(unfit)
                 if message:
                     self.fail("shape", inst, message)
             groups = inst.attr("replica_groups")
@@ -91,7 +94,7 @@ class _Checker:
         for comp in self.module.computations:
             for inst in comp.instructions:
                 channel = inst.attr("channel_id")
-                if channel is None or inst.opcode not in _CHANNEL_UNIQUE:
+                if not isinstance(channel, int) or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
                     self.comp = comp
@@ -116,20 +119,13 @@ class _Checker:
         actual = _strip_layouts(format_shape(entry.root.shape))
         if declared.replace(" ", "") != actual.replace(" ", ""):
             self.problems.append(Problem(
-                "entry-layout", entry.name, entry.root_name,
+                "entry-layout", entry.name, entry.root.name,
                 f"root shape {actual} differs from entry_computation_layout result {declared}"))
 
 
 def _strip_layouts(text: str) -> str:
     return re.sub(r"\{[^{}]*\}|/\*.*?\*/", "", text)
 
-
-#: Collectives whose channel ids must be unique (send/recv pairs share theirs).
-_CHANNEL_UNIQUE = frozenset({
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-    "all-reduce-start", "all-gather-start", "collective-permute-start", "ragged-all-to-all",
-    "collective-broadcast",
-})
 
 # ------------------------------------------------------------------------ shape rules
 
@@ -140,20 +136,48 @@ def _unchecked(checker: _Checker, inst: Instruction, operands: list[Shape]) -> N
     return None
 
 
+class _Unfit(Exception):
+    """A rule met a tuple where it needs an array, or an attribute of the wrong kind;
+    reported as a shape problem (the message), never raised out of :func:`validate`."""
+
+
 def _array(shape: Shape) -> ArrayShape | None:
     return shape if isinstance(shape, ArrayShape) else None
 
 
-def _dims(shape: Shape) -> tuple[int, ...] | None:
-    return shape.dims if isinstance(shape, ArrayShape) else None
+def _dims(shape: Shape) -> tuple[int, ...]:
+    if not isinstance(shape, ArrayShape):
+        raise _Unfit("a tuple where an array is expected")
+    return shape.dims
+
+
+def _ints(inst: Instruction, name: str, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+    value = inst.attributes.get(name, default)
+    if not isinstance(value, tuple) or not all(isinstance(v, int) for v in value):
+        raise _Unfit(f"{name}= is not a list of integers")
+    return value
+
+
+def _int(inst: Instruction, name: str, default: int | None = None) -> int:
+    value = inst.attributes.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Unfit(f"{name}= is missing or not an integer")
+    return value
+
+
+def _one_dimension(inst: Instruction) -> int:
+    dims = _ints(inst, "dimensions", (0,))
+    if len(dims) != 1:
+        raise _Unfit(f"dimensions={list(dims)} must name one dimension")
+    return dims[0]
 
 
 def _elementwise(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     result = _dims(inst.shape)
     for shape in operands:
-        dims = _dims(shape)
-        if dims is None:
+        if not isinstance(shape, ArrayShape):
             return "operand is a tuple"
+        dims = shape.dims
         if dims != result and not (dims == () and inst.opcode in ("clamp", "select")):
             return f"operand dims {list(dims)} differ from result dims {list(result)}"
     if inst.opcode == "compare" and isinstance(inst.shape, ArrayShape) \
@@ -163,7 +187,7 @@ def _elementwise(checker: _Checker, inst: Instruction, operands: list[Shape]) ->
 
 
 def _broadcast(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    dims = inst.attr("dimensions", ())
+    dims = _ints(inst, "dimensions")
     source, result = _dims(operands[0]), _dims(inst.shape)
     if len(dims) != len(source):
         return f"dimensions={list(dims)} has {len(dims)} entries for a rank-{len(source)} operand"
@@ -180,7 +204,7 @@ def _same_count(checker: _Checker, inst: Instruction, operands: list[Shape]) -> 
 
 
 def _transpose(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    perm = tuple(inst.attr("dimensions", ()))
+    perm = _ints(inst, "dimensions")
     source = _dims(operands[0])
     if sorted(perm) != list(range(len(source))):
         return f"dimensions={list(perm)} is not a permutation"
@@ -205,7 +229,7 @@ def _slice(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
 
 
 def _dynamic_slice(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    sizes = tuple(inst.attr("dynamic_slice_sizes", ()))
+    sizes = _ints(inst, "dynamic_slice_sizes")
     source = _dims(operands[0])
     indices = operands[1:]
     if len(indices) == len(source):
@@ -234,7 +258,7 @@ def _pad(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | N
 
 
 def _concatenate(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    (axis,) = inst.attr("dimensions", (0,))
+    axis = _one_dimension(inst)
     dims = [_dims(s) for s in operands]
     result = _dims(inst.shape)
     if any(len(d) != len(result) for d in dims):
@@ -247,7 +271,7 @@ def _concatenate(checker: _Checker, inst: Instruction, operands: list[Shape]) ->
 
 def _reduce(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     half = len(operands) // 2
-    reduced = set(inst.attr("dimensions", ()))
+    reduced = set(_ints(inst, "dimensions"))
     results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
     for source, result in zip(operands[:half], results):
         keep = tuple(d for i, d in enumerate(_dims(source)) if i not in reduced)
@@ -257,13 +281,13 @@ def _reduce(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str 
 
 
 def _iota(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    dim = inst.attr("iota_dimension", 0)
+    dim = _int(inst, "iota_dimension", 0)
     return None if 0 <= dim < len(_dims(inst.shape)) else "iota_dimension out of range"
 
 
 def _gte(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     source = operands[0]
-    index = inst.attr("index")
+    index = _int(inst, "index")
     if not isinstance(source, TupleShape) or not 0 <= index < len(source.elements):
         return "get-tuple-element index outside the operand tuple"
     if _strip(source.elements[index]) != _strip(inst.shape):
@@ -278,7 +302,7 @@ def _tuple(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
     return None
 
 
-def _strip(shape: Shape):
+def _strip(shape: Shape) -> tuple:
     if isinstance(shape, TupleShape):
         return tuple(_strip(e) for e in shape.elements)
     return shape.element_type, shape.dims
@@ -297,12 +321,12 @@ def _group_size(checker: _Checker, inst: Instruction) -> int:
 
 def _collective_dims(checker: _Checker, inst: Instruction, operands: list[Shape],
                      scale: Callable[[int, int], int | None]) -> str | None:
-    (axis,) = inst.attr("dimensions", (0,))
+    axis = _one_dimension(inst)
     n = _group_size(checker, inst)
     results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
     for source, result in zip(operands, results):
         src, res = _dims(source), _dims(result)
-        if src is None or res is None or len(src) != len(res) or not 0 <= axis < len(src):
+        if len(src) != len(res) or not 0 <= axis < len(src):
             return "operand and result ranks differ or dimension out of range"
         expected = scale(src[axis], n)
         if expected is None or src[:axis] + (expected,) + src[axis + 1:] != res:

@@ -159,6 +159,7 @@ class LiteralError(ValueError):
 _SCALAR_RE = re.compile(r"-?nan\(0x[0-9a-fA-F]+\)|[^\s{},()]+")
 _COMPLEX_OPEN_RE = re.compile(r"(?<!nan)\(")
 _BRACE_RE = re.compile(r"[{}]")
+_BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
 _INT_TOKEN_RE = re.compile(r"-?[0-9]+")
 _FLOAT_TOKEN_RE = re.compile(
     r"-?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|inf|nan(?:\(0x(?P<payload>[0-9a-fA-F]+)\))?)")
@@ -183,12 +184,31 @@ _PAYLOAD_BITS = {"f16": 10, "bf16": 7, "f32": 23, "f64": 52, "c64": 23, "c128": 
                  "f8e5m2": 2, "f8e4m3": 3, "f8e3m4": 4}
 
 
+def float_format(element_type: str) -> tuple[int, int] | None:
+    """(exponent range, significand bits) of a float type (the component type of a
+    complex one), None for other types: the terms XLA ranks float precision by."""
+    name = _FLOAT_DTYPES.get(element_type)
+    if name is None:
+        return None
+    import numpy as np
+
+    if hasattr(np, name):
+        info = np.finfo(np.dtype(name))
+    else:
+        import ml_dtypes
+
+        info = ml_dtypes.finfo(getattr(ml_dtypes, name))
+    return int(info.maxexp - info.minexp), int(info.nmant) + 1
+
+
 def check_literal(element_type: str, dims: tuple[int, ...], literal: str) -> None:
     """A dense literal against its array shape, as XLA's ParseDenseLiteral and
     SetValueInLiteral check it: the element count, the nesting of ``{}`` against the
     rank and dimensions, and each value against the element type (integers in range,
     no fractions for integer types, finite values that stay finite, NaN payloads that
-    fit). Raises :class:`LiteralError`. An elided literal (``{...}``) is not checked."""
+    fit). Raises :class:`LiteralError`. An elided literal (``{...}``) is not checked.
+    A single unbraced value is accepted for any non-empty shape: XLA sets the first
+    element to it and the others to zero (``f32[3] constant(1)`` is ``{1, 0, 0}``)."""
     if element_type in ("token", "opaque"):
         raise LiteralError(f"a constant cannot have the element type {element_type}")
     if "..." in literal:
@@ -200,10 +220,13 @@ def check_literal(element_type: str, dims: tuple[int, ...], literal: str) -> Non
         return
     if _plainly_valid(element_type, dims, literal):
         return
+    if "/*" in literal:  # XLA's printer writes /*i0=0*/ index comments from rank 4 on
+        literal = _BLOCK_COMMENT_RE.sub(lambda m: " " * len(m.group(0)), literal)
     complex_type = element_type in COMPLEX_TYPES
     elements, nesting_error = _read_elements(
         dims, literal, _COMPLEX_OPEN_RE if complex_type else _SCALAR_RE)
-    if len(elements) != math.prod(dims):
+    one_scalar = len(elements) == 1 and "{" not in literal and math.prod(dims) > 0
+    if len(elements) != math.prod(dims) and not one_scalar:
         count, dims_text = len(elements), ",".join(map(str, dims))
         raise LiteralError(f"constant has {count} value{'s' * (count != 1)} but its shape "
                            f"{element_type}[{dims_text}] holds {math.prod(dims)}")
@@ -387,7 +410,7 @@ def _out_of_range(element_type: str, finite: dict[float, str]) -> list[str]:
     return [finite[float(value)] for value in values[_overflows(element_type, values)]]
 
 
-def _overflows(element_type: str, values) -> "np.ndarray":  # noqa: F821 - numpy, lazily
+def _overflows(element_type: str, values) -> np.ndarray:  # noqa: F821 - numpy, lazily
     """Which finite float64 ``values`` the type turns into inf or NaN (f8e8m0fnu has no
     zero and no sign: values ≤ 0 are out of its range too)."""
     import numpy as np

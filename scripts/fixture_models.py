@@ -12,8 +12,9 @@ the XLA flags.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 AXIS = "dp"
 

@@ -12,15 +12,15 @@ shape and dtype of every entry parameter and output leaf, in entry order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 import json
 import os
+from pathlib import Path
 import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 SPMD_SUFFIX = ".spmd-partitioner.after_call-inliner.before_pipeline-end.txt"

@@ -99,7 +99,7 @@ def _cross_replica(line: str, num_devices: int, all_replicas_as_empty: bool) -> 
 
 def _mark_entry_parameters(text: str, replicated: list[bool]) -> str:
     lines = text.split("\n")
-    entry = next(i for i, l in enumerate(lines) if l.startswith("ENTRY "))
+    entry = next(i for i, line in enumerate(lines) if line.startswith("ENTRY "))
     end = lines.index("}", entry)
     for i in range(entry + 1, end):
         m = re.search(r" parameter\((\d+)\)", lines[i])
@@ -135,19 +135,21 @@ def _inputs(signature: dict, num_devices: int, seed: int = 0) -> list[list]:
     values = []
     for leaf in signature["parameters"]:
         dtype = np.dtype(ml_dtypes.bfloat16 if leaf["dtype"] == "bfloat16" else leaf["dtype"])
-        shape = tuple(leaf["shape"])
-
-        def draw():
-            if np.issubdtype(dtype, np.integer):
-                return rng.integers(0, leaf.get("int_high", 5), shape).astype(dtype)
-            value = rng.standard_normal(shape) * 0.5
-            return (np.abs(value) if leaf["role"] == "optimizer_state" else value).astype(dtype)
-
         if leaf["role"] == "batch":
-            values.append([draw() for _ in range(num_devices)])
+            values.append([_draw(rng, leaf, dtype) for _ in range(num_devices)])
         else:
-            values.append([draw()] * num_devices)
+            values.append([_draw(rng, leaf, dtype)] * num_devices)
     return values
+
+
+def _draw(rng, leaf: dict, dtype):
+    import numpy as np
+
+    shape = tuple(leaf["shape"])
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, leaf.get("int_high", 5), shape).astype(dtype)
+    value = rng.standard_normal(shape) * 0.5
+    return (np.abs(value) if leaf["role"] == "optimizer_state" else value).astype(dtype)
 
 
 def run_replica_module(text: str, num_devices: int, per_device_inputs: list[list]) -> list:

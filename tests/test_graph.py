@@ -1,7 +1,9 @@
 """The Rewriter keeps the instruction list, users and insertion points consistent."""
 
+import pytest
+
 from hlo_shard.graph import Rewriter, dataflow_graph, topological_order
-from hlo_shard.ir import ArrayShape, Computation, Instruction
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Raw
 
 F4 = ArrayShape("f32", (4,))
 
@@ -42,3 +44,88 @@ def test_nested_insertion_points_stay_in_sequence():
     assert [i.name for i in comp.instructions] == [
         "p", first.name, inner.name, second.name, "n", "r"]
     assert topological_order(comp) == comp.instructions
+
+
+# ------------------------------------------------------------ the edit vocabulary
+
+
+def test_every_edit_is_in_the_change_log():
+    comp = _comp()
+    rw = Rewriter(comp)
+    rw.set_operand(comp["r"], 1, "p")
+    rw.set_opcode(comp["n"], "abs")
+    rw.set_shape(comp["n"], ArrayShape("f16", (4,)))
+    rw.set_shape(comp["n"], ArrayShape("f16", (4,)))  # unchanged: not recorded
+    rw.set_attr(comp["n"], "sharding", Raw("{replicated}"))
+    assert rw.pop_attr(comp["n"], "sharding") == Raw("{replicated}")
+    assert rw.pop_attr(comp["n"], "sharding", "absent") == "absent"  # not recorded
+    rw.set_operands(comp["r"], ["n"])
+    assert [(c.kind, c.name) for c in rw.changes] == [
+        ("set-operand", "r"), ("set-opcode", "n"), ("set-shape", "n"), ("set-attr", "n"),
+        ("pop-attr", "n"), ("set-operands", "r")]
+    assert comp["r"].operands == ["n"] and comp["n"].opcode == "abs"
+    assert [u.name for u in rw.users("p")] == ["n"]
+    assert [u.name for u in rw.users("n")] == ["r"]
+
+
+def test_set_operand_keeps_the_users_index():
+    comp = _comp()
+    rw = Rewriter(comp)
+    rw.set_operand(comp["r"], 0, "p")
+    assert [u.name for u in rw.users("n")] == ["r"]  # still operand 1
+    rw.set_operand(comp["r"], 1, "p")
+    assert rw.users("n") == []
+    assert rw.remove_dead() == 1 and "n" not in comp
+
+
+def test_reorder_is_recorded_only_when_the_order_changes():
+    comp = _comp()
+    rw = Rewriter(comp)
+    rw.sort_topologically()
+    assert rw.changes == []
+    p, n, r = comp.instructions
+    rw.reorder([n, p, r])
+    assert comp.instructions == [n, p, r] and rw.changes[-1].kind == "reorder"
+    rw.sort_topologically()
+    assert [i.name for i in comp.instructions] == ["p", "n", "r"]
+    with pytest.raises(ValueError, match="same instructions"):
+        rw.reorder([p, r])
+    with rw.inserting_after("p"), pytest.raises(ValueError, match="inserting"):
+        rw.reorder([p, n, r])
+
+
+def test_erase_refuses_a_used_value_and_the_root():
+    rw = Rewriter(_comp())
+    with pytest.raises(ValueError, match="still used by"):
+        rw.erase("n")
+    with pytest.raises(ValueError, match="root"):
+        rw.erase("r")
+    assert rw.changes == []
+
+
+def _with_dead(*opcodes: str) -> Computation:
+    return Computation("e", [
+        Instruction("p", "parameter", F4, parameter_number=0),
+        *[Instruction(f"d{i}", opcode, F4, ["p"]) for i, opcode in enumerate(opcodes)],
+        Instruction("r", "negate", F4, ["p"]),
+    ], is_entry=True)
+
+
+@pytest.mark.parametrize("opcode", [
+    "all-reduce-start", "all-reduce-done", "collective-permute-start", "async-start",
+    "async-done", "copy-start", "copy-done", "opt-barrier", "add-dependency", "send",
+    "recv-done", "outfeed", "custom-call", "rng", "reduce-scatter-start"])
+def test_remove_dead_keeps_what_the_opcode_table_calls_impure(opcode):
+    comp = _with_dead(opcode, "exponential")
+    assert Rewriter(comp).remove_dead() == 1
+    assert [i.name for i in comp.instructions] == ["p", "d0", "r"]
+
+
+def test_remove_dead_takes_a_predicate_and_keeps_control_predecessors():
+    comp = _with_dead("custom-call", "exponential", "sine")
+    comp["r"].attributes["control-predecessors"] = Raw("{%d2}")
+    assert Rewriter(comp).remove_dead(is_impure=lambda inst: False) == 2
+    assert [i.name for i in comp.instructions] == ["p", "d2", "r"]
+    comp = _with_dead("exponential", "sine")
+    assert Rewriter(comp).remove_dead(keep=["d0"]) == 1
+    assert "d0" in comp and "d1" not in comp

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hlo_shard import parse
+from hlo_shard import HloParseError, parse
 from hlo_shard.ir import (
     ArrayShape, ComputationList, ComputationRef, Ident, Layout, Raw, ReplicaGroups,
     SliceRanges, SourceLoc, Str, TupleShape,
@@ -246,7 +246,6 @@ FILES = sorted((ROOT_DIR / "tests" / "golden").glob("**/*.hlo")) + sorted(
 
 @pytest.fixture(scope="module")
 def fine_grained_parser():
-    from lark import Lark
     from lark.lexer import PatternRE
 
     from hlo_shard import parser
@@ -256,9 +255,7 @@ def fine_grained_parser():
             terminal.pattern = PatternRE("\x00never\x00")
 
     parser._patterns()  # the cutting regexes come from the real grammar
-    return Lark(parser.grammar_path().read_text(), parser="lalr", lexer="contextual",
-                transformer=parser._BUILDER, start=["start", "inline_body"],
-                maybe_placeholders=True, edit_terminals=switch_off)
+    return parser._make_parser(edit_terminals=switch_off)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT_DIR)))
@@ -267,8 +264,84 @@ def test_coarse_tokens_do_not_change_the_module(path, fine_grained_parser, monke
 
     text = path.read_text()
     coarse = parse(text)
-    monkeypatch.setattr(parser, "_PARSER", fine_grained_parser)
+    monkeypatch.setattr(parser._PER_THREAD, "lark", fine_grained_parser)
     fine = parse(text)
     assert to_text(fine) == to_text(coarse)
     assert [(i.name, i.loc) for c in fine.computations for i in c.instructions] == [
         (i.name, i.loc) for c in coarse.computations for i in c.instructions]
+
+
+# Parser state is per call: threads parse at once, and nothing leaks between calls.
+
+def test_threads_parse_concurrently_each_its_own_module():
+    import threading
+
+    texts = {n: f"HloModule m{n}\nENTRY e{n} {{\n  ROOT p{n} = f32[{n}] parameter(0)\n}}\n"
+             for n in range(1, 9)}
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(texts))
+
+    def read(n: int) -> None:
+        start.wait()
+        for _ in range(20):
+            results[n] = parse(texts[n])
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {n: (m.name, m.entry.root.shape.dims) for n, m in results.items()} == {
+        n: (f"m{n}", (n,)) for n in texts}
+
+
+def test_a_failed_parse_leaves_nothing_for_the_next():
+    with pytest.raises(HloParseError):
+        parse("HloModule a\nc {\n  ROOT x = f32[] parameter(0)\n}\nENTRY e {\n  ROOT y = f32[]"
+              " call(f32[] parameter(0)), to_apply=c\n  bad\n")
+    module = parse("HloModule b\nc {\n  ROOT z = f32[] parameter(0)\n}\n")
+    assert [c.name for c in module.computations] == ["c"]
+
+
+def test_the_cycle_collector_is_left_as_the_caller_had_it():
+    """Paused during a parse only while no other thread runs; restored as it was."""
+    import gc
+    import threading
+
+    from hlo_shard.parser import _cyclic_gc_paused
+
+    text = "HloModule m\nENTRY e {\n  ROOT p = f32[] parameter(0)\n}\n"
+    gc.disable()
+    try:
+        parse(text)
+        with _cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    if threading.active_count() == 1:
+        with _cyclic_gc_paused():
+            assert not gc.isenabled()
+    assert gc.isenabled()
+    hold = threading.Event()
+    other = threading.Thread(target=hold.wait)
+    other.start()
+    try:
+        with _cyclic_gc_paused():
+            assert gc.isenabled()
+        parse(text)
+    finally:
+        hold.set()
+        other.join()
+    assert gc.isenabled()
+
+
+def test_the_shape_cache_is_bounded(monkeypatch):
+    from hlo_shard import parser
+
+    monkeypatch.setattr(parser, "_SHAPE_CACHE_LIMIT", 4)
+    monkeypatch.setattr(parser, "_SHAPE_CACHE", {})
+    body = "\n".join(f"  p{n} = f32[{n + 1}] parameter({n})" for n in range(10))
+    module = parse(f"HloModule m\nENTRY e {{\n{body}\n  ROOT t = () tuple()\n}}\n")
+    assert len(parser._SHAPE_CACHE) <= 4
+    assert [i.shape.dims for i in module.entry.instructions[:10]] == [(n + 1,) for n in range(10)]

@@ -72,7 +72,7 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     (OK_HEAD + "  ROOT n = f32[4] negate(p), control-predecessors={later}\n}\n", 4, 51,
      "control predecessor 'later' is not defined"),
     ("HloModule m, replica_count=two\nENTRY e {\n ROOT p = f32[] parameter(0)\n}\n", 1, 28,
-     "'replica_count' expects an integer"),
+     "'replica_count' expects a positive integer"),
     (OK_HEAD + "  ROOT n = f32[4] negate(p)\n}, color=\"red\"\n", 5, 4,
      "only execution_thread"),
     (OK_HEAD + "  ROOT c = f32[4] tuple(p),,\n}\n", 4, 28, "expected"),

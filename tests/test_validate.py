@@ -81,3 +81,22 @@ def test_shape_rules_of_emitted_opcodes(body, check):
         assert "shape" not in found, validate(parse(text))
     else:
         assert check in found
+
+
+@pytest.mark.parametrize("body, message", [
+    ("t = (f32[8]) tuple(p) ROOT s = f32[8,3] broadcast(t), dimensions={0}",
+     "a tuple where an array is expected"),
+    ("ROOT s = (f32[8]) negate(p)", "a tuple where an array is expected"),
+    ("ROOT s = f32[16] concatenate(p, p), dimensions={0,1}", "must name one dimension"),
+])
+def test_a_rule_meeting_the_wrong_kind_reports_it_instead_of_crashing(body, message):
+    text = f"HloModule m\nENTRY e {{ p = f32[8] parameter(0) {body} }}\n"
+    problems = validate(parse(text))
+    assert [p.check for p in problems] == ["shape"] and message in problems[0].message
+
+
+def test_an_instruction_built_without_its_index_is_reported():
+    module = parse("HloModule m\nENTRY e { p = f32[8] parameter(0) t = (f32[8]) tuple(p)\n"
+                   " ROOT x = f32[8] get-tuple-element(t), index=0 }\n")
+    del module.entry.root.attributes["index"]
+    assert "index= is missing" in str(validate(module)[0])

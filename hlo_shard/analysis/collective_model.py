@@ -36,23 +36,14 @@ from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import GroupMode, group_mode
 from hlo_shard.graph import topological_order
+from hlo_shard import opinfo
 from hlo_shard.ir import Computation, Instruction, Module, ReplicaGroups, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 
-#: Opcode → collective kind as reported (async starts priced, their -done free).
-COLLECTIVE_KINDS: dict[str, str] = {
-    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-    "all-gather": "all-gather", "all-gather-start": "all-gather",
-    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
-    "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
-    "collective-broadcast": "collective-broadcast",
-}
-
-#: The halves of an async collective that carry no traffic of their own.
-COLLECTIVE_DONE_OPCODES = frozenset({
-    "all-reduce-done", "all-gather-done", "collective-permute-done",
-})
+#: Opcode → collective kind as reported (async starts priced, their -done free), and the
+#: halves of an async collective that carry no traffic of their own: from the opcode table.
+COLLECTIVE_KINDS = opinfo.COLLECTIVE_KINDS
+COLLECTIVE_DONE_OPCODES = opinfo.COLLECTIVE_DONE
 
 #: Per kind: (number of reduce-scatter/all-gather phases, wire-bytes factor of (n−1)/n·S).
 _PHASES: dict[str, int] = {

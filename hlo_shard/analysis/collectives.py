@@ -239,3 +239,34 @@ def _shape_reason(inst: Instruction) -> str:
     if any(not isinstance(s, ArrayShape) or s.dynamic for s in shapes):
         return "dynamic or nested shape"
     return ""
+
+
+# ---------------------------------------------------------------- lost header facts
+
+#: Opcodes whose ``replica_groups`` name the devices a module runs on.
+_GROUPED = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                      "all-reduce-start", "all-gather-start", "collective-broadcast"})
+
+
+def recovered_device_counts(module: Module) -> dict[str, int]:
+    """Header facts a module lost, recovered from its collectives: a module taken from
+    the serialized proto XLA's pass hook hands over prints neither ``replica_count`` nor
+    ``num_partitions``. The largest device id named in the groups of each mode says how
+    many replicas (cross-replica) or partitions (cross-partition, or global ids of an
+    SPMD module) there are. Empty when the header has them or nothing names a device."""
+    if "replica_count" in module.header or "num_partitions" in module.header:
+        return {}
+    largest: dict[str, int] = {}
+    for comp in module.computations:
+        for inst in comp.instructions:
+            groups = inst.attr("replica_groups")
+            if inst.opcode not in _GROUPED or not isinstance(groups, ReplicaGroups) \
+                    or not groups.groups:
+                continue
+            key = "num_partitions" if group_mode(inst) in (
+                GroupMode.CROSS_PARTITION, GroupMode.FLATTENED_ID) else "replica_count"
+            top = max(d for g in groups.groups for d in g) + 1
+            largest[key] = max(largest.get(key, 1), top)
+    if len(largest) != 1 or max(largest.values()) < 2:
+        return {}  # both kinds at once: which ids are whose is not recoverable
+    return largest

@@ -22,15 +22,16 @@ instruction is then its own kernel.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
-from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, FREE_OPCODES, elements, leaf_bytes
+from hlo_shard.analysis.cost import elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module
+from hlo_shard.opinfo import NO_COST, PER_ELEMENT_COST
 
 #: Ops that XLA's loop/input fusion merges with their consumers.
-FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
+FUSIBLE_OPCODES = PER_ELEMENT_COST | frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "copy", "iota", "constant", "slice",
     "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice",
 })
@@ -41,7 +42,7 @@ FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
 _KERNEL_ROOTS = frozenset({"reduce", "dynamic-update-slice"})
 
 #: Ops that launch nothing: they forward pointers (constants live in read-only data).
-POINTER_OPCODES = FREE_OPCODES | frozenset({"tuple"})
+POINTER_OPCODES = NO_COST | frozenset({"tuple"})
 
 #: Ops whose work is that of the computations they call (priced by the estimator).
 CONTROL_FLOW_OPCODES = frozenset({"while", "call", "conditional"})

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collective_model import combiner_buckets
-from hlo_shard.analysis.cost import ELEMENTWISE_OPCODES, POINTER_BYTES, leaf_bytes
+from hlo_shard.analysis.cost import POINTER_BYTES, leaf_bytes
 from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
 )
@@ -46,11 +46,12 @@ from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
+from hlo_shard.opinfo import PER_ELEMENT_COST
 
 #: Ops that may write their result into an operand buffer that dies at them (XLA's
 #: ``CanShareOperandBufferWithUser``: elementwise loops, fusions of them, in-place
 #: updates, loops over their carry).
-_IN_PLACE_OPCODES = ELEMENTWISE_OPCODES | frozenset({"dynamic-update-slice", "while", "fusion"})
+_IN_PLACE_OPCODES = PER_ELEMENT_COST | frozenset({"dynamic-update-slice", "while", "fusion"})
 
 _HALF_FLOATS = frozenset({"bf16", "f16"})
 

@@ -31,7 +31,7 @@ import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.opcodes import ELEMENTWISE, is_elementwise_body
+from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
 from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module
@@ -107,6 +107,35 @@ class ShardFormat:
         return ShardFormat(dims, chosen, n)
 
 
+def is_laid_out(module: Module) -> bool:
+    """XLA has optimized the module (scheduled, or fused: jax never emits fusions), so no
+    layout assignment runs after the pass."""
+    return module.is_scheduled or any(inst.opcode == "fusion" for comp in module.computations
+                                      for inst in comp.instructions)
+
+
+def blocks_through_collectives(fmt: ShardFormat, shape: ArrayShape, laid_out: bool) -> bool:
+    """A reduce-scatter / all-gather can move ``fmt``'s blocks of a ``shape`` value. In a
+    laid-out module no layout pass runs after the rewrite, and XLA:CPU splits a
+    collective's buffer along the physically most-major dimension whatever ``dimensions``
+    says (measured: a reduce-scatter along dimension 1 of a ``{1,0}`` array gave each
+    device rows — a transposed Adam update); there the block dimension must be the major
+    one of both the value's layout and the (row-major) block's."""
+    if fmt.block is None:
+        return False
+    if not laid_out:
+        return True
+    major, rows = fmt.block
+    block = tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
+    return _major_dimension(shape.dims, shape.minor_to_major()) == major == \
+        _major_dimension(block, tuple(range(len(block) - 1, -1, -1)))
+
+
+def _major_dimension(dims: tuple[int, ...], minor_to_major: tuple[int, ...]) -> int | None:
+    """The physically most-major dimension of size > 1."""
+    return next((d for d in reversed(minor_to_major) if dims[d] != 1), None)
+
+
 def transpose_result(fmt: ShardFormat, permutation: tuple[int, ...]) -> ShardFormat:
     """Format of ``transpose(x, permutation)`` keeping x's shard order (always exists)."""
     inverse = [0] * len(permutation)
@@ -153,6 +182,19 @@ class RegionOp:
     reducer: str = ""
     neutral: str = ""
     pulled: bool = False
+    #: Per operand, the format it is read in, where operands differ (a loop fusion whose
+    #: body transposes, reshapes or bitcasts one; None for scalars); empty: all
+    #: in ``operand_format``.
+    operand_formats: tuple[ShardFormat | None, ...] = ()
+
+    def format_of(self, index: int) -> ShardFormat:
+        """The format operand ``index`` is read in."""
+        fmt = self.operand_formats[index] if self.operand_formats else None
+        return fmt or self.operand_format
+
+    def formats_reading(self, inst: Instruction, name: str) -> set[ShardFormat]:
+        """The formats ``inst`` (this op's instruction) reads its operand ``name`` in."""
+        return {self.format_of(i) for i, o in enumerate(inst.operands) if o == name}
 
 
 @dataclass
@@ -189,9 +231,8 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
     return True
 
 
-#: Opcodes that accept scalar operands next to arrays (a loop fusion broadcasts its
-#: scalar parameters inside).
-_SCALAR_OK = frozenset({"clamp", "select", "fusion"})
+#: Opcodes that accept scalar operands next to arrays (fusions: :func:`fusion_access`).
+_SCALAR_OK = frozenset({"clamp", "select"})
 
 
 def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -263,16 +304,141 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 
 def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
-    """A loop fusion whose body is elementwise over the result's dims (what XLA makes of
-    an optimizer update) runs on shards like one elementwise op."""
-    calls = inst.attr("calls")
-    kind = inst.attr("kind")
-    shape = _array(inst.shape)
-    if shape is None or getattr(kind, "name", "") != "kLoop" or calls is None:
+    """A loop fusion whose body is elementwise up to views of its operands (what XLA makes
+    of an optimizer update: transposes, reshapes and bitcasts of the gradient fused in)
+    runs on shards like one elementwise op, each operand read in the element order the
+    body maps onto the result's."""
+    access = fusion_access(ctx, inst)
+    if isinstance(access, str):
         return None
-    if not is_elementwise_body(ctx.module.computation(calls.name), shape.dims):
+    return RegionOp("shard", access.result, access.result, operand_formats=access.operands)
+
+
+@dataclass(frozen=True)
+class FusionAccess:
+    """The element orders of a loop fusion on shards: its result's, and per operand the
+    one its body reads it in (None for scalars)."""
+
+    result: ShardFormat
+    operands: tuple[ShardFormat | None, ...]
+
+
+def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
+    """How ``inst`` (a fusion with sharded operands) runs on shards, or why it cannot:
+    the op of its body that stops it."""
+    calls, kind, shape = inst.attr("calls"), inst.attr("kind"), _array(inst.shape)
+    if getattr(kind, "name", "") != "kLoop" or calls is None:
+        return f"a {getattr(kind, 'name', '?')} fusion (only loop fusions run on shards)"
+    if shape is None:
+        return "a multi-output fusion"
+    body = ctx.module.computation(calls.name)
+    seeds = {k: ctx.sharded[o] for k, o in enumerate(inst.operands) if o in ctx.sharded}
+    access = body_access(body, seeds)
+    if isinstance(access, str):
+        return access
+    for name in inst.operands:
+        if name not in ctx.sharded and not ctx.replicated(name):
+            return f"operand %{name} is neither sharded nor replicated"
+    return access
+
+
+def _free(body: Computation, inst: Instruction) -> bool:
+    """A scalar, or a broadcast of one: any element order."""
+    return inst.shape.is_scalar or is_scalar_broadcast(body, inst.name)
+
+
+#: Body ops that move elements without changing them: the result's format from the
+#: operand's (forward) and the operand's from the result's (back); None: no such order.
+def _view_forward(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
+    source = body[inst.operands[0]].shape
+    if inst.opcode == "transpose":
+        return transpose_result(fmt, tuple(inst.attr("dimensions")))
+    if inst.opcode == "reshape":
+        return reshape_format(fmt, inst.shape.dims)
+    if source.element_type != inst.shape.element_type or fmt.perm != natural_perm(source):
+        return None  # a bitcast keeps the physical order
+    return ShardFormat.of(inst.shape, fmt.n)
+
+
+def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
+    source = body[inst.operands[0]].shape
+    if inst.opcode in ("transpose", "reshape"):
+        return _operand_format_for(inst, body, fmt)
+    if source.element_type != inst.shape.element_type or fmt != ShardFormat.of(inst.shape, fmt.n):
         return None
-    return _elementwise(ctx, inst)
+    return ShardFormat.of(source, fmt.n)
+
+
+_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
+#: Scalar body ops that may compute the broadcast scalars (bias corrections, steps).
+_SCALAR_BODY = ELEMENTWISE | frozenset({"parameter", "constant", "bitcast-convert"})
+
+
+def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAccess | str:
+    """The element orders of a fusion body whose parameters ``seeds`` are shards: forward
+    from them through elementwise ops and views, then back from the root to the other
+    parameters. Everything else (reductions, non-scalar broadcasts and constants, slices,
+    iota, …) stops it, and so does a value needed in two orders."""
+    order = topological_order(body)
+    formats: dict[str, ShardFormat] = {}
+    for inst in order:
+        shape = _array(inst.shape)
+        if shape is None:
+            return f"%{inst.name} ({inst.opcode}) is not an array"
+        if inst.opcode == "parameter":
+            seed = seeds.get(inst.parameter_number)
+            if seed is not None:
+                formats[inst.name] = seed
+            continue
+        if shape.is_scalar:
+            if inst.opcode not in _SCALAR_BODY or any(
+                    not body[o].shape.is_scalar for o in inst.operands):
+                return f"%{inst.name} ({inst.opcode}) computes a scalar from the body"
+            continue
+        if is_scalar_broadcast(body, inst.name):
+            continue
+        known = {formats[o] for o in inst.operands if o in formats}
+        if inst.opcode in _VIEWS:
+            if known:
+                result = _view_forward(body, inst, known.pop())
+                if result is None:
+                    return f"%{inst.name} ({inst.opcode}) changes the element order"
+                formats[inst.name] = result
+        elif inst.opcode in ELEMENTWISE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
+                body[inst.operands[0]].shape.element_type] == ELEMENT_BITS[shape.element_type]):
+            if len(known) > 1:
+                return f"%{inst.name} ({inst.opcode}) reads its operands in two element orders"
+            if known:
+                formats[inst.name] = known.pop()
+        else:
+            return f"%{inst.name} ({inst.opcode}) is not elementwise"
+    if body.root_name not in formats:
+        return "its result does not depend on the sharded operands"
+    for inst in reversed(order):
+        fmt = formats.get(inst.name)
+        if fmt is None:
+            if not _free(body, inst) and inst.opcode != "parameter":
+                return f"%{inst.name} ({inst.opcode}) has no element order"
+            continue
+        for name in inst.operands:
+            if _free(body, body[name]):
+                continue
+            have = formats.get(name)
+            if inst.opcode in _VIEWS:
+                fits = have is not None and _view_forward(body, inst, have) == fmt
+                want = None if have is not None else _view_back(body, inst, fmt)
+            else:
+                fits, want = have == fmt, fmt
+            if have is None and want is not None:
+                formats[name] = want
+            elif not fits:
+                return f"%{inst.name} ({inst.opcode}) reads %{name} in another element order"
+    operands: list[ShardFormat | None] = []
+    for param in sorted(body.parameters(), key=lambda p: p.parameter_number):
+        if not _free(body, param) and param.name not in formats:
+            return f"parameter %{param.name} is unused"
+        operands.append(None if _free(body, param) else formats[param.name])
+    return FusionAccess(formats[body.root_name], tuple(operands))
 
 
 def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
@@ -424,7 +590,8 @@ def region_only_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
     for param in params:
         users = set(graph.successors(param.name))
         if isinstance(param.shape, ArrayShape) and users and users <= plan.ops.keys():
-            read[param.parameter_number] = {plan.ops[u].operand_format for u in users}
+            read[param.parameter_number] = set().union(*(
+                plan.ops[u].formats_reading(graph.nodes[u]["inst"], param.name) for u in users))
     return read
 
 
@@ -504,8 +671,7 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
     while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
         for leaf in leaves:
             if leaf.sharded and leaf.ops_moved == 0:
-                leaf.sharded, leaf.reason = False, "no update work downstream (all users " \
-                                                   "need the full gradient)"
+                leaf.sharded, leaf.reason = False, _idle_reason(planner, plan, leaf)
         plan = planner.grow(leaves)
     # Leaves whose region needs transposes: try the other element orders, keep the best.
     scopes = planner.components()
@@ -530,6 +696,21 @@ def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
             planner.grow(*scope)  # the component's leaves describe the chosen order again
         changed |= best != stored
     return planner.grow(leaves) if changed else plan
+
+
+def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: Leaf) -> str:
+    """Why a gradient moves no work: the fusions reading it say which op of their body
+    stops them (XLA's optimized modules fuse the whole update)."""
+    ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
+                   plan.sharded)
+    stops = [f"fusion %{user}: {why}" for value in leaf.values
+             for user in dict.fromkeys(planner.graph.successors(value))
+             if planner.comp[user].opcode == "fusion"
+             and isinstance(why := fusion_access(ctx, planner.comp[user]), str)]
+    if stops:
+        return "no update work downstream (" + "; ".join(stops[:2]) + \
+            (f"; {len(stops) - 2} more" if len(stops) > 2 else "") + ")"
+    return "no update work downstream (all users need the full gradient)"
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -702,24 +883,24 @@ def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> 
     while work:
         name = work.pop()
         op = plan.ops[name]
-        for operand in dict.fromkeys(comp[name].operands):
+        for index, operand in enumerate(comp[name].operands):
             if operand in plan.sharded or operand in plan.ops:
                 continue
             producer = comp[operand]
             shape = _array(producer.shape)
+            read_as = op.format_of(index)
             if producer.opcode not in _PULLABLE or shape is None or shape.is_scalar \
-                    or shape.dims != op.operand_format.dims or operand == comp.root_name \
+                    or shape.dims != read_as.dims or operand == comp.root_name \
                     or not ctx.replicated(operand):
                 continue
-            if any(u not in plan.ops or plan.ops[u].operand_format != op.operand_format
+            if any(u not in plan.ops or plan.ops[u].formats_reading(comp[u], operand) != {read_as}
                    for u in graph.successors(operand)):
                 continue
-            operand_format = _operand_format_for(producer, comp, op.operand_format)
+            operand_format = _operand_format_for(producer, comp, read_as)
             if operand_format is None or not _operands_fit(ctx, producer, operand_format):
                 continue
-            plan.ops[operand] = RegionOp("shard", operand_format, op.operand_format,
-                                         pulled=True)
-            plan.sharded[operand] = op.operand_format
+            plan.ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
+            plan.sharded[operand] = read_as
             work.append(operand)
 
 
@@ -769,21 +950,24 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
     transpose before a dynamic-slice too (measured: slicing three transposed 1024² Adam
     tensors per step made the N=8 step 2.5× slower than one transposed gradient)."""
     copies: dict[str, tuple[int, float]] = {}
+    laid_out = is_laid_out(ctx.module)
 
-    def add(name: str, shape, fmt: ShardFormat) -> None:
+    def add(name: str, shape, fmt: ShardFormat, collective: bool) -> None:
         if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:
             count, moved = copies.get(name, (0, 0.0))
-            whole = fmt.block is None  # else only the shard-sized block is transposed
+            # else only the shard-sized block is transposed
+            whole = not blocks_through_collectives(fmt, shape, laid_out) if collective \
+                else fmt.block is None
             copies[name] = (count + 1, moved + (fmt.elements if whole else fmt.shard_len))
 
     for leaf in plan.active:
-        add(leaf.values[0], comp[leaf.operand].shape, leaf.format)
+        add(leaf.values[0], comp[leaf.operand].shape, leaf.format, True)
     for name, op in plan.ops.items():
-        for operand in comp[name].operands:
+        for index, operand in enumerate(comp[name].operands):
             if operand not in plan.sharded and not is_scalar_broadcast(comp, operand):
-                add(name, comp[operand].shape, op.operand_format)
+                add(name, comp[operand].shape, op.format_of(index), False)
     for name in plan.boundary:
-        add(name, comp[name].shape, plan.sharded[name])
+        add(name, comp[name].shape, plan.sharded[name], True)
     return copies
 
 
@@ -796,7 +980,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "canonical_perm", "classify", "collect_leaves", "flattenable", "is_scalar_broadcast",
+    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

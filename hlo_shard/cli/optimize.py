@@ -16,12 +16,14 @@ Exit status: 0 when the module was written (whether or not anything was sharded 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.analysis.update_region import natural_perm
-from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
+from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
+                               user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -41,6 +43,32 @@ def _numbers(text: str | None, flag: str) -> frozenset[int]:
         return frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
     except ValueError:
         raise HloShardError(f"{flag} expects parameter numbers like 0,3, not {text!r}") from None
+
+
+#: Partitioner stages of an XLA dump holding the per-device module, best first:
+#: shard_map bodies inlined, else right after partitioning.
+SPMD_STAGES = (".spmd-partitioner.after_call-inliner.before_pipeline-end.txt",
+               ".spmd-partitioner.after_spmd-partitioning.before_control-dep-rewriter.txt")
+#: The XLA flags that write those stages.
+DUMP_FLAGS = ("--xla_dump_to=DIR --xla_dump_hlo_pass_re=spmd-partitioning|call-inliner "
+              "--xla_dump_large_constants")
+
+
+def pick_dump_file(folder: Path) -> Path:
+    """The per-device module of the largest step in an XLA dump folder: the best
+    partitioner stage present, the largest module of it (a training step, not the
+    optimizer's ``init``); or an error listing what is there and how to dump it."""
+    for stage in SPMD_STAGES:
+        found = [p for p in folder.glob(f"module_*{stage}") if p.is_file()]
+        if found:
+            return max(found, key=lambda p: (p.stat().st_size, p.name))
+    modules = sorted({p.name.split(".")[1] for p in folder.glob("module_*.*.txt")
+                      if p.name.count(".") >= 2})
+    listed = f" (it has modules {', '.join(modules[:5])}{' …' if len(modules) > 5 else ''}" \
+             f" but no partitioner stage)" if modules else " (no XLA dump files in it)"
+    raise HloShardError(f"{folder}: no per-device module *{SPMD_STAGES[0]}{listed}; dump "
+                        f"the step with XLA_FLAGS=\"{DUMP_FLAGS}\" or "
+                        "hlo_shard.jax.per_device_hlo(step, *args)")
 
 
 def optimize_module(module: Module, options: ShardingOptions) -> tuple[ShardingReport, str]:
@@ -133,7 +161,7 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> s
 
 
 @main.command()
-@click.argument("input_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
+@click.argument("input_path", metavar="IN.hlo|DUMP_DIR", type=click.Path())
 @click.option("-o", "--output", required=True, metavar="OUT.hlo",
               help="Where to write the optimized module ('-' for stdout).")
 @click.option("--num-replicas", "-n", type=click.IntRange(min=1), default=None,
@@ -164,12 +192,18 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
              min_shard_bytes: int, profile: str, bucket_bytes: int, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, in_place: bool) -> None:
-    """Shard the weight update of IN.hlo across its data-parallel replicas."""
+    """Shard the weight update of IN.hlo across its data-parallel replicas.
+
+    Given an XLA dump folder instead, reads the per-device module of its largest step
+    (the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage)."""
+    if Path(input_path).is_dir():
+        input_path = str(pick_dump_file(Path(input_path)))
+        click.echo(f"reading {input_path}", err=True)
     if as_json and output == "-":
         raise HloShardError("--json prints to stdout; write the module to a file with -o")
     check_output_path(output, [input_path], in_place)
-    if manifest_path is not None:
-        check_output_path(manifest_path, [input_path])
+    check_output_path(manifest_path, [input_path])
+    check_distinct_outputs({"-o": output, "--manifest": manifest_path})
     overrides = ParamOverrides(_numbers(replicated_params, "--replicated-params"),
                                _numbers(per_device_params, "--per-device-params"))
     if overrides.replicated & overrides.per_device:
@@ -190,9 +224,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         from hlo_shard.runtime.manifest import manifest_to_json
 
         manifest_json = json.dumps(manifest_to_json(build_manifest(report, module)), indent=2)
-    write_output(output, text)
-    if manifest_json is not None:
-        write_output(manifest_path, manifest_json + "\n")
+    write_outputs([(output, text),
+                   (manifest_path, None if manifest_json is None else manifest_json + "\n")])
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations)), err=True)
         for line in _strategy_lines(report.strategies):
@@ -213,4 +246,5 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         }, indent=2))
 
 
-__all__ = ["build_manifest", "check_output", "optimize", "optimize_module"]
+__all__ = ["DUMP_FLAGS", "SPMD_STAGES", "build_manifest", "check_output", "optimize",
+           "optimize_module", "pick_dump_file"]

@@ -11,7 +11,8 @@ from typing import Callable
 
 import click
 
-from hlo_shard.cli.app import check_output_path, main, read_text, user_errors, write_output
+from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
+                               user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.profiles import ALGORITHMS, available_profiles
@@ -55,11 +56,11 @@ def emit(document, data: dict, *, as_json: bool, markdown: bool, html_path: str 
         raise HloShardError("--json and --markdown are exclusive")
     for target in (output, html_path):
         check_output_path(target, inputs)
-    if html_path is not None:
-        write_output(html_path, fmt.render_html(document))
+    check_distinct_outputs({"-o": output, "--html": html_path})
+    html = fmt.render_html(document) if html_path is not None else None
     text = (fmt.to_json_text(data) if as_json else fmt.render_markdown(document) if markdown
             else fmt.render_text(document))
-    write_output(output, text)
+    write_outputs([(html_path, html), (output, text)])
 
 
 @main.command()

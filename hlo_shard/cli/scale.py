@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import click
 
-from hlo_shard.cli.app import check_output_path, main, user_errors, write_output
+from hlo_shard import limits
+from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, user_errors,
+                               write_outputs)
 from hlo_shard.cli.report import load_module
 from hlo_shard.errors import HloShardError
 from hlo_shard.profiles import ALGORITHMS, available_profiles
 
 
-def _replica_list(text: str) -> list[int]:
+def _replica_list(text: str, max_replicas: str | None) -> list[int]:
     try:
         values = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
         raise HloShardError(f"--replicas expects numbers like 8,16,32, not {text!r}") from None
     if not values:
         raise HloShardError("--replicas is empty")
+    limits.REPLICAS.check(max(values), "--replicas", max_replicas)
     return values
 
 
@@ -85,35 +88,36 @@ def _parameter_count(text: str | None) -> int | None:
               type=click.Path(dir_okay=False), help="Write a self-contained HTML page.")
 @click.option("-o", "--output", metavar="FILE", default=None, type=click.Path(dir_okay=False),
               help="Write the table/JSON here instead of stdout.")
+@click.option("--max-replicas", metavar="N", default=None,
+              help=f"Refuse replica counts above this (default {limits.REPLICAS.default}, "
+                   f"or {limits.REPLICAS.env}).")
 @user_errors
 def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, batch_mode: str,
           parameters: str | None, state: str, strategy: str, as_json: bool, markdown: bool,
-          plot_path: str | None, html_path: str | None, output: str | None) -> None:
+          plot_path: str | None, html_path: str | None, output: str | None,
+          max_replicas: str | None) -> None:
     """Project the step time and peak memory of IN.hlo (the original, unsharded
     module) and of its weight-update-sharded form across replica counts."""
     from hlo_shard import report as fmt
     from hlo_shard.scaling import project
 
-    counts = _replica_list(replicas)
+    counts = _replica_list(replicas, max_replicas)
     global_batch = _batch_mode(batch_mode)
     parameter_count = _parameter_count(parameters)
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
     for target in (output, plot_path, html_path):
         check_output_path(target, [module_path])
+    check_distinct_outputs({"-o": output, "--plot": plot_path, "--html": html_path})
     module = load_module(module_path)
     hardware = fmt.resolve_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
                      strategy=strategy, algorithm=algorithm, parameters=parameter_count)
     document = fmt.scale_document(module_path, hardware, points, batch_mode, state,
                                   parameter_count)
-    if plot_path is not None:
-        png = fmt.figure_png(document.figures[0])
-        with open(plot_path, "wb") as handle:
-            handle.write(png)
-    if html_path is not None:
-        write_output(html_path, fmt.render_html(document))
+    png = fmt.figure_png(document.figures[0]) if plot_path is not None else None
+    html = fmt.render_html(document) if html_path is not None else None
     text = (fmt.to_json_text(fmt.scale_json(module_path, hardware, points, batch_mode, state,
                                             parameter_count))
             if as_json else fmt.render_markdown(document) if markdown else fmt.render_text(document))
-    write_output(output, text)
+    write_outputs([(plot_path, png), (html_path, html), (output, text)])

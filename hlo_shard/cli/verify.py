@@ -1,7 +1,9 @@
 """``hlo-shard verify``: run modules on N devices and compare what they compute.
 
 Exit status: 0 every output matches (or a single module ran), 1 some output
-differs, 2 usage or input errors, including XLA rejecting or crashing on a module.
+differs (and nothing else), 2 usage or input errors, including XLA rejecting or
+crashing on a module, 3 an internal error (a bug in hlo-shard), 130 interrupted
+(Ctrl-C), 143/129 terminated (SIGTERM/SIGHUP).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import sys
 
 import click
 
+from hlo_shard import limits
 from hlo_shard.cli.app import main, user_errors
 from hlo_shard.errors import HloShardError
 
 EXIT_DIFFERENT = 1
+#: The longest --timeout: a week (select() overflows on 1e300, and inf never ends).
+MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
 def _index_list(text: str | None) -> list[int] | None:
@@ -135,12 +140,30 @@ def _text_report(report, timed: bool) -> list[str]:
     return lines
 
 
+def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
+                  worker_memory: str | None) -> None:
+    """Refuse out-of-range limits before any work; the limits given by flags hold
+    for the rest of the command (the workers read them)."""
+    if not 1 <= timeout <= MAX_TIMEOUT:  # also refuses nan
+        raise HloShardError(f"--timeout must be between 1 and {MAX_TIMEOUT:.0f} seconds, "
+                            f"not {timeout}")
+    flags = {limits.DEVICES: max_devices, limits.WORKER_MEMORY: worker_memory}
+    for limit, value in flags.items():
+        limit.value(value)
+    click.get_current_context().with_resource(limits.given_limits(flags))
+    if devices is not None:
+        limits.DEVICES.check(devices, "--devices")
+
+
 @main.command()
 @click.argument("original", metavar="ORIGINAL.hlo", type=click.Path(dir_okay=False))
 @click.argument("candidate", metavar="[CANDIDATE.hlo]", required=False,
                 type=click.Path(dir_okay=False))
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=None,
               help="Devices to run on (default: the module's replica_count/num_partitions).")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Local processes joined by jax.distributed, each with devices/processes "
+                   "CPU devices (docs/distributed.md).")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Training steps; outputs that correspond to parameters are fed back "
                    "(default: one per input regime with a candidate and --inputs-regime "
@@ -157,7 +180,8 @@ def _text_report(report, timed: bool) -> list[str]:
               help="Relative tolerance for float outputs (default by dtype).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Absolute tolerance for float outputs (default by dtype).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the inputs.")
 @click.option("--backend", type=click.Choice(["cpu", "gpu", "tpu"]), default="cpu",
               show_default=True, help="Where to run (CPU uses N virtual devices).")
 @click.option("--manifest", "manifest_path", metavar="M.json", default=None,
@@ -173,16 +197,24 @@ def _text_report(report, timed: bool) -> list[str]:
               help="Also time R runs per module after warm-up, interleaved A/B.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
               help="Untimed runs before timing.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=300, show_default=True,
-              help="Seconds allowed for each compile or run before giving up.")
+@click.option("--timeout", type=float, default=300, show_default=True,
+              help="Seconds allowed for the worker to start and for each compile or run "
+                   "before giving up (1 to 604800).")
+@click.option("--max-devices", metavar="N", default=None,
+              help=f"Refuse to start more devices than this (default "
+                   f"{limits.DEVICES.default}, or {limits.DEVICES.env}).")
+@click.option("--worker-memory", metavar="SIZE", default=None,
+              help="Address-space limit of the execution worker, e.g. 32G or unlimited "
+                   f"(default: 3/4 of the machine's memory, or {limits.WORKER_MEMORY.env}).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @user_errors
-def verify(original: str, candidate: str | None, devices: int | None, steps: int | None,
-           regime: str, update_rtol: float | None,
+def verify(original: str, candidate: str | None, devices: int | None, processes: int,
+           steps: int | None, regime: str, update_rtol: float | None,
            rtol: float | None, atol: float | None, seed: int, backend: str,
            manifest_path: str | None, per_device_params: str | None, inputs_npz: str | None,
-           time_runs: int, warmup: int, timeout: float, as_json: bool, quiet: bool) -> None:
+           time_runs: int, warmup: int, timeout: float, max_devices: str | None,
+           worker_memory: str | None, as_json: bool, quiet: bool) -> None:
     """Run ORIGINAL (and CANDIDATE) on the same inputs and compare every output.
 
     Each output leaf is compared on every device with dtype-aware tolerances, each
@@ -192,18 +224,30 @@ def verify(original: str, candidate: str | None, devices: int | None, steps: int
     report that it compiles and runs, and its output shapes.
     """
     from hlo_shard import runtime
+    from hlo_shard.runtime.distributed import DistributedWorker
 
+    _check_limits(timeout, devices, max_devices, worker_memory)
+    worker = DistributedWorker(processes, devices, backend, timeout) if processes > 1 else None
     options = runtime.VerifyOptions(
         devices=devices, steps=steps, seed=seed, rtol=rtol, atol=atol, backend=backend,
         update_rtol=update_rtol, regime=regime,
         manifest=runtime.load_manifest(manifest_path) if manifest_path else None,
         per_device_params=_index_list(per_device_params), inputs_npz=inputs_npz,
-        time_runs=time_runs, warmup=warmup, timeout=timeout)
+        time_runs=time_runs, warmup=warmup, timeout=timeout, worker=worker)
     progress = None if quiet else (lambda message: click.echo(message, err=True))
-    report = runtime.verify(original, candidate, options, progress)
+    try:
+        report = runtime.verify(original, candidate, options, progress)
+    finally:
+        if worker is not None:
+            worker.close()
+    where = {} if worker is None else {"processes": processes,
+                                       "coordinator": worker.coordinator}
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps({**report.to_json(), **where}, indent=2))
     else:
         click.echo("\n".join(_text_report(report, bool(time_runs))))
+        if where:
+            click.echo(f"ran in {processes} processes x {report.devices // processes} devices "
+                       f"through jax.distributed (coordinator {worker.coordinator})")
     if not report.ok:
         sys.exit(EXIT_DIFFERENT)

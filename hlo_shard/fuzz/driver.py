@@ -15,18 +15,18 @@ harness itself stays tested.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 import json
 import multiprocessing
 import os
+from pathlib import Path
 import re
 import signal
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.fuzz.steps import FULL, Size, StepSpec, random_step, reductions, render

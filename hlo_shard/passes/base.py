@@ -1,26 +1,64 @@
-"""What every pass is: a name and one ``apply(module) -> PassResult``."""
+"""The pass contract: a pass is a small frozen dataclass and one ``apply``.
+
+As in xDSL (``ModulePass``) and torch.fx (``PassBase``): the pass's ``name`` is a class
+constant, its options are typed fields resolved before it runs (a ``HardwareProfile``,
+not a profile name: an option error is raised building the pass, never half way through
+a module), and ``apply(module)`` edits the module in place and says what it did in a
+:class:`PassResult` with a typed report. :class:`hlo_shard.passes.pipeline.Pipeline`
+runs passes in order and checks the module after each.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from hlo_shard.graph import Change
 from hlo_shard.ir import Module
 
+ReportT = TypeVar("ReportT")
+
 
 @dataclass
-class PassResult:
-    """The (edited in place) module, whether anything changed, the edit log, and
-    pass-specific notes (for the weight-update pass: one explanation per gradient)."""
+class PassResult(Generic[ReportT]):
+    """The (edited in place) module, whether anything changed, the Rewriter's log of the
+    edits, and the pass's report (what ``--explain`` and tests read).
+
+    ``notes`` is the old untyped form of the report, still written positionally by
+    ``WeightUpdateSharding.apply`` (``notes[0]`` is its report); a result made that way
+    gets ``report = notes[0]``. It goes once that pass returns ``report=`` itself.
+    """
 
     module: Module
     changed: bool
     changes: list[Change] = field(default_factory=list)
     notes: list[Any] = field(default_factory=list)
+    report: ReportT | None = None
+
+    def __post_init__(self) -> None:
+        if self.report is None and self.notes:
+            self.report = self.notes[0]
 
 
-class Pass(Protocol):
-    name: str
+class Pass(Protocol[ReportT]):
+    """What a pipeline needs of a pass (anything with a name and ``apply``)."""
 
-    def apply(self, module: Module) -> PassResult: ...
+    name: ClassVar[str]
+
+    def apply(self, module: Module) -> PassResult[ReportT]: ...
+
+
+class ModulePass(ABC, Generic[ReportT]):
+    """Base of the project's passes. Subclass as ``@dataclass(frozen=True)`` with the
+    options as fields; resolve and check them in ``__post_init__`` (raising
+    ``HloShardError`` worded for the library, not for one command line)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def apply(self, module: Module) -> PassResult[ReportT]:
+        """Edit ``module`` in place; ``changed`` is True iff its text changed."""
+
+
+__all__ = ["ModulePass", "Pass", "PassResult", "ReportT"]

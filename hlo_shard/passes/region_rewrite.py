@@ -23,7 +23,7 @@ from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instru
                           SliceRanges, TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
-                                           uses_blocks)
+                                           shard_body)
 
 #: Never erased as a side effect of the rewrite.
 _KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
@@ -83,8 +83,8 @@ class RegionRewrite:
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
         element_type = leaves[0].shape.element_type
         with self.rw.inserting_before(anchor):
-            if len(leaves) == 1 and uses_blocks(leaves[0].format,
-                                                self.comp[leaves[0].operand].shape):
+            if len(leaves) == 1 and emit.collective_blocks(leaves[0].format,
+                                                           self.comp[leaves[0].operand].shape):
                 self.scatter_block(leaves[0], to_apply)
                 return
             flats = [emit.flat_padded(leaf.operand, leaf.format) for leaf in leaves]
@@ -132,7 +132,8 @@ class RegionRewrite:
     def shard_op(self, name: str, op: RegionOp) -> None:
         inst = self.comp[name]
         with self.rw.inserting_before(name):
-            operands = [self.operand_shard(o, op.operand_format) for o in inst.operands]
+            operands = [self.operand_shard(o, op.format_of(i))
+                        for i, o in enumerate(inst.operands)]
             if inst.opcode in ("reshape", "bitcast", "transpose", "reduce"):
                 # same flat order (a reduce here only drops size-1 dimensions)
                 self.shard_of[name] = operands[0]
@@ -148,19 +149,14 @@ class RegionRewrite:
             self.shard_of[name] = self.rw.add_instruction(new).name
 
     def sharded_body(self, name: str, fmt: ShardFormat) -> str:
-        """A copy of an elementwise fusion body computing ``[L]`` shards."""
+        """A copy of a fusion body computing ``[L]`` shards (see :func:`shard_body`)."""
         key = ("body", name, fmt.shard_len)
         if key not in self.emit.cache:
             body = self.module.computation(name)
             taken = {c.name for c in self.module.computations}
             new_name = next(f"{name}.shard{'' if k == 0 else f'.{k}'}" for k in range(len(taken) + 1)
                             if f"{name}.shard{'' if k == 0 else f'.{k}'}" not in taken)
-            clone = Computation(new_name, [
-                Instruction(i.name, i.opcode,
-                            i.shape if i.shape.is_scalar
-                            else self.emit.shape(i.shape.element_type, (fmt.shard_len,)),
-                            list(i.operands), dict(i.attributes), i.parameter_number, i.literal)
-                for i in body.instructions], body.root_name)
+            clone = shard_body(body, new_name, lambda t: self.emit.shape(t, (fmt.shard_len,)))
             self.module.computations.insert(self.module.computations.index(body) + 1, clone)
             self.emit.cache[key] = new_name
         return self.emit.cache[key]

@@ -11,10 +11,12 @@ back to the value's shape and layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.analysis.update_region import ShardFormat, natural_perm
+from hlo_shard.analysis.update_region import (ShardFormat, blocks_through_collectives,
+                                              is_laid_out, natural_perm)
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           SliceRanges, TupleShape)
@@ -85,6 +87,7 @@ class ShardEmitter:
         self.n = self.groups.size
         self.with_layouts = isinstance(shape, TupleShape) or (
             isinstance(shape, ArrayShape) and shape.layout is not None)
+        self.laid_out = is_laid_out(self.module)
         body = [i.name for i in self.comp.instructions if i.opcode != "parameter"]
         self.first = body[0] if body else self.comp.root_name
 
@@ -160,6 +163,11 @@ class ShardEmitter:
         attrs.update(extra)
         return attrs
 
+    def collective_blocks(self, fmt: ShardFormat, shape: ArrayShape) -> bool:
+        """A collective on blocks of the value (:func:`uses_blocks`), where XLA can move
+        them (:func:`~hlo_shard.analysis.update_region.blocks_through_collectives`)."""
+        return uses_blocks(fmt, shape) and blocks_through_collectives(fmt, shape, self.laid_out)
+
     # Formatting -------------------------------------------------------------------------
     def flat_padded(self, value: str, fmt: ShardFormat) -> str:
         """``value`` (full) in ``fmt``'s order, flat and zero-padded: ``[N·L]``."""
@@ -217,8 +225,8 @@ class ShardEmitter:
         """The full shape a gathered value takes: laid out in the format's order, so that
         un-formatting it is free (a bitcast) and XLA's layout assignment copies only where
         a user really needs another layout — unless the module is laid out already
-        (scheduled) or a user is a layout-sensitive ``bitcast``."""
-        if shape.layout is None or self.module.is_scheduled or any(
+        (:func:`is_laid_out`) or a user is a layout-sensitive ``bitcast``."""
+        if shape.layout is None or self.laid_out or any(
                 user and self.comp[user].opcode == "bitcast" for user in users):
             return shape
         return ArrayShape(shape.element_type, shape.dims, shape.dynamic,
@@ -229,7 +237,7 @@ class ShardEmitter:
         """All-gather ``items`` (one element type) at the insertion point — one collective
         for all of them — and bring each back to its full shape and layout."""
         element_type = items[0].shape.element_type
-        if len(items) == 1 and uses_blocks(items[0].format, items[0].shape):
+        if len(items) == 1 and self.collective_blocks(items[0].format, items[0].shape):
             item = items[0]
             block = self.shard_to_block(item.shard, item.format, element_type)
             return [self.add("all-gather", item.shape, [block], name=f"{item.label}.gathered",
@@ -272,6 +280,28 @@ class ShardEmitter:
                         dimensions=inverse)
 
 
+#: Fusion-body ops that only move elements: on shards in one element order they are the
+#: identity (the body analysis proved the order of their result is their operand's).
+_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
+
+
+def shard_body(body: Computation, name: str,
+               shard_shape: Callable[[str], ArrayShape]) -> Computation:
+    """A fusion body on ``[L]`` shards: every array value becomes ``shard_shape(type)``,
+    scalars stay, views of arrays vanish (their users read the viewed value)."""
+    alias: dict[str, str] = {}
+    out: list[Instruction] = []
+    for inst in body.instructions:
+        operands = [alias.get(o, o) for o in inst.operands]
+        if inst.opcode in _VIEWS and not inst.shape.is_scalar:
+            alias[inst.name] = operands[0]
+            continue
+        shape = inst.shape if inst.shape.is_scalar else shard_shape(inst.shape.element_type)
+        out.append(Instruction(inst.name, inst.opcode, shape, operands, dict(inst.attributes),
+                               inst.parameter_number, inst.literal))
+    return Computation(name, out, alias.get(body.root_name, body.root_name))
+
+
 def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
     """Work on blocks of the value: its stored order is not the format's (a flat copy
     would transpose the whole tensor) and every shard is a block."""
@@ -283,4 +313,4 @@ def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
     return tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
 
 
-__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_dims", "uses_blocks"]
+__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_dims", "shard_body", "uses_blocks"]

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from hlo_shard.analysis.collectives import DeviceGroups, GradientAllReduce, find_gradient_all_reduces
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
+                                            find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
@@ -147,6 +148,8 @@ class WeightUpdateSharding:
         self.options = options
 
     def apply(self, module: Module) -> PassResult:
+        recovered = recovered_device_counts(module)
+        module.header.update(recovered)
         found = find_gradient_all_reduces(module)
         groups = _data_parallel_groups(module, found)
         if self.options.num_replicas is not None and groups is not None \
@@ -154,6 +157,8 @@ class WeightUpdateSharding:
             raise HloShardError(f"--num-replicas {self.options.num_replicas} does not match "
                                 f"the module's data-parallel group size {groups.size}")
         report = ShardingReport(module.replica_count * module.num_partitions)
+        report.notes += [f"{key}={value} recovered from the collectives' device groups "
+                         f"(the header had none)" for key, value in recovered.items()]
         regions = _region_computations(module)
         sources = _gradient_sources(module, found)
         replication = analyze_replication(module, groups, self.options.overrides, sources)
@@ -494,7 +499,7 @@ def _loop_slots(module: Module, body: Computation, plan: RegionPlan,
                 or not replication.is_replicated(parent.name, init.operands[index]):
             continue
         readers = slot_readers.get(index, [])
-        if any(plan.ops[u].operand_format != fmt for g in readers
+        if any(plan.ops[u].formats_reading(body[u], g) != {fmt} for g in readers
                for u in graph.successors(g) if u in plan.ops):
             continue
         slots[index] = fmt

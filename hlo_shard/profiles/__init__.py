@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.schema import REQUIRED, At, load_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,66 +105,59 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise HloShardError(
             f"unknown profile {name_or_path!r}: not a file, and not one of "
             f"{', '.join(available_profiles())}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HloShardError(f"{path}: not a JSON profile: {err}") from None
-    return profile_from_dict(data, str(path))
+    return profile_from_dict(load_json(path, "profile"), str(path))
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
-    """Validate and build a profile; a bad field is one clear user error."""
-    try:
-        if not isinstance(data, dict):
-            raise ValueError("the top level must be an object")
-        net = data["interconnect"]
-        algorithm = str(net.get("algorithm", "ring"))
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"interconnect.algorithm must be one of {', '.join(ALGORITHMS)}")
-        profile = HardwareProfile(
-            name=str(data.get("name", origin)),
-            description=str(data.get("description", "")),
-            matrix_flops_per_s=_rates(data["matrix_flops_per_s"], "matrix_flops_per_s"),
-            vector_flops_per_s=_rates(data["vector_flops_per_s"], "vector_flops_per_s"),
-            transcendentals_per_s=_positive(data["transcendentals_per_s"]),
-            memory_bandwidth_bytes_per_s=_positive(data["memory_bandwidth_bytes_per_s"]),
-            memory_write_bandwidth_bytes_per_s=_positive(data.get(
-                "memory_write_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
-            memory_capacity_bytes=int(_positive(data["memory_capacity_bytes"])),
-            cache_bytes=int(data.get("cache_bytes", 0)),
-            cache_bandwidth_bytes_per_s=_positive(data.get(
-                "cache_bandwidth_bytes_per_s", data["memory_bandwidth_bytes_per_s"])),
-            kernel_overhead_s=float(data.get("kernel_overhead_s", 0.0)),
-            upcasts_16bit_floats=bool(data.get("upcasts_16bit_floats", False)),
-            multi_output_fusion=bool(data.get("multi_output_fusion", True)),
-            combine_threshold_bytes=int(data.get("combine_threshold_bytes", 30 << 20)),
-            interconnect=Interconnect(
-                algorithm=algorithm,
-                devices_per_node=int(net.get("devices_per_node", 1 << 30)),
-                intra_node=_link(net["intra_node"]),
-                inter_node=_link(net.get("inter_node", net["intra_node"])),
-            ),
-            sources=tuple(str(s) for s in data.get("sources", ())),
-        )
-    except KeyError as err:
-        raise HloShardError(f"profile {origin}: missing field {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
-        raise HloShardError(f"profile {origin}: {err}") from None
-    return profile
+    """Validate and build a profile; a bad field is one error naming its place."""
+    at = At(f"profile {origin}")
+    raw = at.object(data)
+    net = at.read(raw, "interconnect", At.object)
+    net_at = at.key("interconnect")
+    intra = net_at.read(net, "intra_node", _link)
+    bandwidth = at.read(raw, "memory_bandwidth_bytes_per_s", At.number, positive=True)
+
+    def rate(name: str, default: float | None = None) -> float:
+        return at.read(raw, name, At.number, positive=True,
+                       default=REQUIRED if default is None else default)
+
+    def count(name: str, default: int) -> int:
+        return int(at.read(raw, name, At.number, low=0, default=default))
+
+    return HardwareProfile(
+        name=at.read(raw, "name", At.string, default=origin),
+        description=at.read(raw, "description", At.string, default=""),
+        matrix_flops_per_s=at.read(raw, "matrix_flops_per_s", _rates),
+        vector_flops_per_s=at.read(raw, "vector_flops_per_s", _rates),
+        transcendentals_per_s=rate("transcendentals_per_s"),
+        memory_bandwidth_bytes_per_s=bandwidth,
+        memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
+        memory_capacity_bytes=int(rate("memory_capacity_bytes")),
+        cache_bytes=count("cache_bytes", 0),
+        cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
+        kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
+        upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
+        multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
+        combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
+        interconnect=Interconnect(
+            algorithm=net_at.read(net, "algorithm", At.string, ALGORITHMS, default="ring"),
+            devices_per_node=net_at.read(net, "devices_per_node", At.integer, 1,
+                                         default=1 << 30),
+            intra_node=intra,
+            inter_node=net_at.read(net, "inter_node", _link, default=intra),
+        ),
+        sources=tuple(at.key("sources").index(i).string(source) for i, source in
+                      enumerate(at.read(raw, "sources", At.array, default=[]))),
+    )
 
 
-def _positive(value: object) -> float:
-    number = float(value)  # type: ignore[arg-type]
-    if not number > 0:
-        raise ValueError(f"expected a positive number, got {value!r}")
-    return number
+def _rates(at: At, value: object) -> dict[str, float]:
+    rates = at.object(value)
+    at.read(rates, "default", At.number, positive=True)
+    return {key: at.key(key).number(rate, positive=True) for key, rate in rates.items()}
 
 
-def _rates(value: object, field: str) -> dict[str, float]:
-    if not isinstance(value, dict) or "default" not in value:
-        raise ValueError(f"{field} must be an object with a 'default' rate")
-    return {str(k): _positive(v) for k, v in value.items()}
-
-
-def _link(value: dict) -> Link:
-    return Link(alpha_s=float(value["alpha_s"]), beta_bytes_per_s=_positive(value["beta_bytes_per_s"]))
+def _link(at: At, value: object) -> Link:
+    link = at.object(value)
+    return Link(alpha_s=at.read(link, "alpha_s", At.number, low=0),
+                beta_bytes_per_s=at.read(link, "beta_bytes_per_s", At.number, positive=True))

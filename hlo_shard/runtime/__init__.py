@@ -43,7 +43,9 @@ from hlo_shard.runtime.manifest import (
 from hlo_shard.runtime.verification import (
     ModuleReport, VerifyOptions, VerifyReport, default_feedback, verify,
 )
-from hlo_shard.runtime.worker import Worker, get_worker, shutdown_workers
+from hlo_shard.runtime.worker import (
+    Worker, get_worker, kill_workers, shutdown_workers,
+)
 
 __all__ = [
     "ArrayRecord", "DEFAULT_TOLERANCES", "Executable", "LeafComparison", "Manifest",
@@ -54,4 +56,5 @@ __all__ = [
     "generate_inputs", "get_worker", "load", "load_manifest", "load_npz", "manifest_to_json", "module_cost",
     "numpy_dtype", "parameter_roles", "parse_manifest", "positive_parameters", "read_module",
     "regime_inputs", "replica_form", "shard_value", "shutdown_workers", "time_interleaved", "verify",
+    "kill_workers",
 ]

@@ -21,6 +21,7 @@ import hashlib
 import os
 import pickle
 import re
+import resource
 import signal
 import struct
 import sys
@@ -282,10 +283,24 @@ def serve(requests: BinaryIO, replies: BinaryIO, backend: str, device_count: int
         write_message(replies, reply)
 
 
+def limit_memory(limit: int) -> None:
+    """Cap the address space so that a runaway compile fails with an allocation error
+    (reported with the limit) instead of waking the OOM killer."""
+    if limit > 0:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def main(argv: list[str]) -> None:
-    # The parent owns interruption: on Ctrl-C it closes our pipe and we exit at EOF.
+    # The parent owns interruption: on Ctrl-C it kills us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    request_fd, reply_fd, backend, device_count = argv
+    request_fd, reply_fd, backend, device_count, parent, memory = argv
+    from _lifeline import die_with_parent  # this script's folder is sys.path[0]
+
+    die_with_parent(int(request_fd), int(parent))
+    limit_memory(int(memory))
     with os.fdopen(int(request_fd), "rb") as requests, \
             os.fdopen(int(reply_fd), "wb") as replies:
         serve(requests, replies, backend, int(device_count))

@@ -8,9 +8,9 @@ died (a crash in another module) and was restarted.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module

@@ -63,16 +63,17 @@ produces it and this reader share the format.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from hlo_shard import limits
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Layout
+from hlo_shard.schema import At, load_json
 
 FORMAT = "hlo-shard-manifest"
 VERSION = 1
@@ -133,94 +134,88 @@ class Manifest:
 # -------------------------------------------------------------------------- reading
 
 
-def _require(condition: bool, where: str, message: str) -> None:
-    if not condition:
-        raise HloShardError(f"manifest {where}: {message}")
-
-
-def _int_list(value, where: str) -> tuple[int, ...]:
-    _require(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                             for v in value), where, "expected a list of integers")
-    return tuple(value)
-
-
 FLATTEN_ORDERS = ("physical", "logical")
 
 
-def _record(raw, where: str, devices: int, default_groups: tuple) -> ArrayRecord:
-    _require(isinstance(raw, dict), where, "expected an object")
-    for key in ("index", "kind", "shape", "element_type"):
-        _require(key in raw, where, f"missing {key!r}")
-    index, original, kind = raw["index"], raw.get("original"), raw["kind"]
-    _require(isinstance(index, int) and index >= 0, where, "'index' must be a non-negative integer")
-    _require(original is None or (isinstance(original, int) and original >= 0), where,
-             "'original' must be a non-negative integer or null")
-    _require(kind in KINDS, where, f"'kind' must be one of {', '.join(KINDS)}")
-    element_type = raw["element_type"]
-    _require(element_type in ELEMENT_BITS, where, f"unknown element type {element_type!r}")
-    dims = _int_list(raw["shape"], f"{where}.shape")
-    layout = _int_list(raw.get("layout", list(range(len(dims) - 1, -1, -1))), f"{where}.layout")
-    _require(sorted(layout) == list(range(len(dims))), where,
-             f"layout {list(layout)} is not a permutation of the {len(dims)} dimensions")
+def _record(raw, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
+    raw = at.object(raw)
+    index = at.read(raw, "index", At.integer, 0)
+    original = None if raw.get("original") is None else at.read(raw, "original", At.integer, 0)
+    kind = at.read(raw, "kind", At.string, KINDS)
+    element_type = at.read(raw, "element_type", At.string, tuple(ELEMENT_BITS))
+    dims = at.read(raw, "shape", At.integers, 0)
+    layout = at.read(raw, "layout", At.integers, 0,
+                     default=tuple(range(len(dims) - 1, -1, -1)))
+    if sorted(layout) != list(range(len(dims))):
+        at.key("layout").fail(f"{list(layout)} is not a permutation of the {len(dims)} "
+                              "dimensions")
     shape = ArrayShape(element_type, dims, (), Layout(layout))
     shard = None
     if kind == "sharded":
-        raw_shard = raw.get("shard")
-        _require(isinstance(raw_shard, dict) and "length" in raw_shard, where,
-                 "a sharded record needs 'shard': {'length': …}")
-        groups = tuple(_int_list(g, f"{where}.shard.replica_groups")
-                       for g in raw_shard["replica_groups"]) if "replica_groups" in raw_shard \
-            else default_groups
-        flatten = raw_shard.get("flatten", "physical")
-        _require(flatten in FLATTEN_ORDERS, where,
-                 f"'flatten' must be one of {', '.join(FLATTEN_ORDERS)}")
-        shard = Shard(int(raw_shard["length"]), int(raw_shard.get("padding", 0)), groups,
-                      flatten)
-        size = len(shard.groups(devices)[0])
-        _require(all(len(g) == size for g in shard.groups(devices)), where,
-                 "replica groups must have equal sizes")
-        _require(sorted(d for g in shard.groups(devices) for d in g) == list(range(devices)),
-                 where, f"replica groups must cover devices 0..{devices - 1} once")
-        _require(shard.length * size == shape.num_elements + shard.padding, where,
-                 f"length {shard.length} × {size} devices != {shape.num_elements} elements "
-                 f"+ padding {shard.padding}")
-    return ArrayRecord(index, original, kind, shape, str(raw.get("name", "")), shard)
+        shard = _shard(at.read(raw, "shard", At.object), at.key("shard"), devices,
+                       default_groups, shape)
+    elif "shard" in raw:
+        at.key("shard").fail(f"only a sharded record has a shard, not a {kind} one")
+    return ArrayRecord(index, original, kind, shape, at.read(raw, "name", At.string, default=""),
+                       shard)
+
+
+def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayShape) -> Shard:
+    shard = Shard(at.read(raw, "length", At.integer, 1),
+                  at.read(raw, "padding", At.integer, 0, default=0),
+                  at.read(raw, "replica_groups", _groups, default=default_groups),
+                  at.read(raw, "flatten", At.string, FLATTEN_ORDERS, default="physical"))
+    all_groups = shard.groups(devices)
+    size = len(all_groups[0])
+    if any(len(g) != size for g in all_groups):
+        at.fail("replica groups must have equal sizes")
+    if sorted(d for g in all_groups for d in g) != list(range(devices)):
+        at.fail(f"replica groups must cover devices 0..{devices - 1} once")
+    if shard.length * size != shape.num_elements + shard.padding:
+        at.fail(f"length {shard.length} × {size} devices != {shape.num_elements} elements "
+                f"+ padding {shard.padding}")
+    return shard
+
+
+def _groups(at: At, raw) -> tuple[tuple[int, ...], ...]:
+    return tuple(at.index(i).integers(group, 0) for i, group in enumerate(at.array(raw)))
+
+
+def _feedback(at: At, raw) -> tuple[tuple[int, int], ...]:
+    pairs = []
+    for i, entry in enumerate(at.array(raw, non_empty=True)):
+        where = at.index(i)
+        entry = where.object(entry)
+        pairs.append((where.read(entry, "output", At.integer, 0),
+                      where.read(entry, "parameter", At.integer, 0)))
+    return tuple(pairs)
 
 
 def parse_manifest(data, path: str | None = None) -> Manifest:
-    where = path or "<manifest>"
-    _require(isinstance(data, dict) and data.get("format") == FORMAT, where,
-             f"not an {FORMAT} (missing \"format\": \"{FORMAT}\")")
-    _require(data.get("version") == VERSION, where,
-             f"version {data.get('version')!r} is not supported (this hlo-shard reads {VERSION})")
-    devices = data.get("devices")
-    _require(isinstance(devices, int) and devices >= 1, where, "'devices' must be a positive integer")
-    _require(isinstance(data.get("replica_groups", []), list), where,
-             "'replica_groups' must be a list of lists")
-    default_groups = tuple(_int_list(g, f"{where} replica_groups")
-                           for g in data.get("replica_groups", []))
+    at = At(f"manifest {path or '<manifest>'}")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        at.fail(f"not an {FORMAT} (missing \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        at.fail(f"version {data.get('version')!r} is not supported (this hlo-shard reads "
+                f"{VERSION})")
+    devices = at.read(data, "devices", At.integer, 1, limits.DEVICES.value())
+    default_groups = at.read(data, "replica_groups", _groups, default=())
     records = {}
     for section in ("parameters", "outputs"):
-        raw = data.get(section, [])
-        _require(isinstance(raw, list), where, f"'{section}' must be a list")
-        records[section] = tuple(_record(r, f"{where} {section}[{i}]", devices, default_groups)
-                                 for i, r in enumerate(raw))
+        where = at.key(section)
+        records[section] = tuple(_record(r, where.index(i), devices, default_groups)
+                                 for i, r in enumerate(at.read(data, section, At.array,
+                                                               default=[])))
         indices = [r.index for r in records[section]]
-        _require(len(set(indices)) == len(indices), where, f"duplicate index in '{section}'")
-    feedback = None
-    if "feedback" in data:
-        _require(isinstance(data["feedback"], list), where, "'feedback' must be a list")
-        feedback = tuple((int(f["output"]), int(f["parameter"])) for f in data["feedback"])
+        if len(set(indices)) != len(indices):
+            where.fail("duplicate index")
+    feedback = at.read(data, "feedback", _feedback, default=None)
     return Manifest(devices, records["parameters"], records["outputs"], feedback, path,
-                    str(data.get("form", "")))
+                    at.read(data, "form", At.string, default=""))
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise HloShardError(f"manifest {path}: not valid JSON ({err.msg} at line {err.lineno})")
-    return parse_manifest(data, str(path))
+    return parse_manifest(load_json(path, "manifest"), str(path))
 
 
 def manifest_to_json(manifest: Manifest) -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -68,6 +68,9 @@ class VerifyOptions:
     time_runs: int = 0
     warmup: int = 2
     timeout: float = DEFAULT_TIMEOUT
+    #: Where to run (default: the pooled single-process worker), e.g. a
+    #: :class:`~hlo_shard.runtime.distributed.DistributedWorker`.
+    worker: Any = None
 
 
 @dataclass
@@ -334,7 +337,8 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
         for module in modules:
             say(f"compiling {module.source_path or module.name} for {devices} "
                 f"{options.backend} device{'s' if devices > 1 else ''}")
-            executables.append(load(module, devices, options.backend, timeout=options.timeout))
+            executables.append(load(module, devices, options.backend, worker=options.worker,
+                                    timeout=options.timeout))
         pair = _Pair(executables[0], executables[1] if len(executables) == 2 else None, *records)
         report = VerifyReport(devices, options.backend, roles, ModuleReport.of(pair.original),
                               ModuleReport.of(pair.candidate) if pair.candidate else None,

@@ -7,6 +7,14 @@ an XLA error, an ``abort()`` from a CHECK, a hang past the timeout — becomes a
 stderr; the parent never dies with it. A dead worker restarts on the next request
 and bumps :attr:`Worker.generation`, so executables know to compile again.
 
+The child never outlives its parent: it asks the kernel for SIGKILL when the parent
+dies (``PR_SET_PDEATHSIG``) and a watchdog thread in it exits when the request pipe
+loses its writer, so a ``verify`` killed by SIGKILL, SIGTERM or SIGHUP leaves no XLA
+computation running. Ctrl-C kills the child at once (:func:`kill_workers`). Its
+address space is limited (:func:`memory_limit`) so that a runaway compile fails with
+a message instead of waking the OOM killer, and the device count is bounded
+(:data:`hlo_shard.limits.DEVICES`).
+
 :func:`get_worker` keeps a pool so that a test module or a CLI process starts jax
 once: a live worker of the same backend with at least as many devices is reused
 (a CPU worker with 8 virtual devices serves 2- and 4-device modules too).
@@ -27,14 +35,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hlo_shard import limits
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.runtime import _child
 
 BACKENDS = ("cpu", "gpu", "tpu")
-#: Seconds allowed for jax to start in the child and report its devices.
-STARTUP_TIMEOUT = 120.0
-#: Default seconds for one request (a compile, an execution, a timing batch).
+#: Default seconds for one request (a compile, an execution, a timing batch) and for
+#: jax to start in the child and report its devices.
 DEFAULT_TIMEOUT = 300.0
+#: The default address-space limit: this share of the machine's memory …
+MEMORY_SHARE = 0.75
+#: … plus this much per device: XLA reserves (does not use) thread stacks per device.
+MEMORY_PER_DEVICE = 40 << 20
+#: What an allocation failure looks like in the child's error or stderr.
+_OUT_OF_MEMORY = re.compile(r"bad_alloc|MemoryError|Cannot allocate memory|out of memory|pthread_create|"
+                            r"RESOURCE_EXHAUSTED|Resource exhausted|Failed to allocate",
+                            re.IGNORECASE)
+
+
+def memory_limit(backend: str, device_count: int) -> int | None:
+    """Bytes of address space a worker of ``device_count`` devices may map: the
+    ``--worker-memory`` flag, else ``HLO_SHARD_WORKER_MEMORY``, else (CPU only: GPU
+    drivers reserve far more address space than memory) 3/4 of the machine's memory
+    plus a reserve per device; None: unlimited."""
+    chosen = limits.WORKER_MEMORY.value()
+    if chosen != limits.WORKER_MEMORY.default:
+        return chosen
+    if backend != "cpu":
+        return None
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(physical * MEMORY_SHARE) + MEMORY_PER_DEVICE * device_count
 _STDERR_LINES_KEPT = 400
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -65,9 +95,11 @@ class Worker:
             raise HloShardError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if device_count < 1:
             raise HloShardError(f"device count must be at least 1, not {device_count}")
+        limits.DEVICES.check(device_count, f"starting {backend} devices")
         self.backend = backend
         self.device_count = device_count
         self.timeout = timeout
+        self.memory_limit = memory_limit(backend, device_count)
         self.generation = 0
         self.info: dict[str, Any] = {}
         self._process: subprocess.Popen | None = None
@@ -88,15 +120,19 @@ class Worker:
                 return
             self._spawn()
             self.generation += 1
-            self.info = self._receive(STARTUP_TIMEOUT, "starting jax")
+            self.info = self._receive(self.timeout, "starting jax")
 
     def _spawn(self) -> None:
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
         self._stderr.clear()
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only the main
+        # thread's children may ask for it (the watchdog covers the others).
+        parent = os.getpid() if threading.current_thread() is threading.main_thread() else 0
         self._process = subprocess.Popen(
             [sys.executable, "-u", str(Path(_child.__file__)), str(request_read),
-             str(reply_write), self.backend, str(self.device_count)],
+             str(reply_write), self.backend, str(self.device_count), str(parent),
+             str(self.memory_limit or 0)],
             env=child_environment(self.backend, self.device_count),
             pass_fds=(request_read, reply_write), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
@@ -148,6 +184,15 @@ class Worker:
             return self._receive(timeout or self.timeout, what or op)
 
     def _receive(self, timeout: float, what: str) -> Any:
+        """The reply; on Ctrl-C (or any other interruption) the child is killed at
+        once: it may be busy for as long as the timeout, and nobody waits for it."""
+        try:
+            return self._receive_reply(timeout, what)
+        except (KeyboardInterrupt, SystemExit):
+            self._kill()
+            raise
+
+    def _receive_reply(self, timeout: float, what: str) -> Any:
         header = self._read_exactly(_child._HEADER.size, timeout, what)
         (length,) = _child._HEADER.unpack(header)
         reply = _child.pickle.loads(self._read_exactly(length, timeout, what))
@@ -155,8 +200,15 @@ class Worker:
             return reply["result"]
         if reply.get("kind") == "usage" and not self.info:
             self.close()  # the child refused to start; it exits by itself
-        message = _first_lines(reply["error"])
+        message = _first_lines(reply["error"]) + self._memory_hint(reply["error"])
         raise HloRuntimeError(f"{what}: {message}" if what else message)
+
+    def _memory_hint(self, text: str) -> str:
+        """Why an allocation failed, when it hit this worker's limit."""
+        if self.memory_limit is None or not _OUT_OF_MEMORY.search(text):
+            return ""
+        return (f" (out of memory under the worker's limit of {self.memory_limit >> 20} MiB; "
+                f"raise it with {limits.WORKER_MEMORY.how_to_raise()})")
 
     def _read_exactly(self, size: int, timeout: float, what: str) -> bytes:
         deadline = time.monotonic() + timeout
@@ -192,9 +244,10 @@ class Worker:
         if process is not None and process.stderr is not None:
             time.sleep(0.05)  # let the drain thread collect the last lines
         cause = _exit_cause(status)
-        detail = _crash_detail(list(self._stderr))
+        lines = list(self._stderr)
+        detail = _crash_detail(lines)
         message = f"{what}: XLA {cause}" + (f": {detail}" if detail else "")
-        return HloRuntimeError(message)
+        return HloRuntimeError(message + self._memory_hint("\n".join(lines[-50:])))
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "stopped"
@@ -241,11 +294,13 @@ _pool_lock = threading.Lock()
 
 def get_worker(backend: str = "cpu", device_count: int = 1,
                timeout: float = DEFAULT_TIMEOUT) -> Worker:
-    """A started worker for ``backend`` with at least ``device_count`` devices, reused
-    from the pool when one exists (its timeout is updated to ``timeout``)."""
+    """A started worker for ``backend`` with at least ``device_count`` devices and the
+    memory limit in force, reused from the pool when one exists (its timeout is
+    updated to ``timeout``)."""
     with _pool_lock:
         for worker in _pool:
-            if worker.backend == backend and worker.device_count >= device_count:
+            if worker.backend == backend and worker.device_count >= device_count \
+                    and worker.memory_limit == memory_limit(backend, worker.device_count):
                 worker.timeout = timeout
                 break
         else:
@@ -261,13 +316,23 @@ def get_worker(backend: str = "cpu", device_count: int = 1,
     return worker
 
 
-def shutdown_workers() -> None:
-    """Stop every pooled worker (also run at interpreter exit)."""
+def _empty_pool() -> list[Worker]:
     with _pool_lock:
         workers = list(_pool)
         _pool.clear()
-    for worker in workers:
+    return workers
+
+
+def shutdown_workers() -> None:
+    """Stop every pooled worker (also run at interpreter exit)."""
+    for worker in _empty_pool():
         worker.close()
+
+
+def kill_workers() -> None:
+    """Kill every pooled worker now, busy or not (Ctrl-C: nobody waits for a result)."""
+    for worker in _empty_pool():
+        worker._kill()
 
 
 atexit.register(shutdown_workers)

@@ -1,0 +1,45 @@
+"""``python -m hlo_shard.jax train.py [args]``: run a training script unchanged with the
+weight-update sharding hook installed (``HLO_SHARD=0`` runs it without; ``HLO_SHARD_ONLY``
+is the ``only=`` module-name regex). One line per sharded module goes to stderr."""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+
+USAGE = "usage: python -m hlo_shard.jax SCRIPT.py [ARGS...]"
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        return 2 if not argv else 0
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"{script}: error: no such script", file=sys.stderr)
+        return 2
+    if os.environ.get("HLO_SHARD", "1") != "0":
+        from hlo_shard.errors import HloShardError
+        from hlo_shard.jax.hook import install
+
+        logger = logging.getLogger("hlo_shard")
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        try:
+            install(only=os.environ.get("HLO_SHARD_ONLY"))
+        except HloShardError as err:
+            print(f"hlo_shard.jax: error: {err}", file=sys.stderr)
+            return 2
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,34 @@
+"""The entry points of :mod:`hlo_shard.jax`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.jax._capture import per_device_hlo
+from hlo_shard.jax._step import ShardedStep
+from hlo_shard.passes.bucketing import STRATEGIES
+from hlo_shard.passes.weight_update_sharding import DEFAULT_PROFILE, STATE_MODES, ShardingOptions
+from hlo_shard.profiles import load_profile
+
+
+def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
+                        profile=None, min_shard_bytes: int = 0,
+                        num_replicas: int | None = None) -> ShardedStep:
+    """``fn`` (a ``jax.jit`` step of a data-parallel program) with its gradient
+    all-reduce replaced by reduce-scatter, a 1/N weight update per device and an
+    all-gather of the weights; ``state="sharded"`` also keeps the optimizer state in
+    per-device shards between steps. ``profile``: the hardware ``strategy="auto"``
+    prices collectives on (a profile name or file, as for ``hlo-shard optimize``)."""
+    if state not in STATE_MODES:
+        raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not {state!r}")
+    if strategy not in STRATEGIES:
+        raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
+                            f"{strategy!r}")
+    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile)  # errors now
+    options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
+                              min_shard_bytes=min_shard_bytes, profile=hardware)
+    return ShardedStep(fn, options)
+
+
+__all__ = ["per_device_hlo", "shard_weight_update"]

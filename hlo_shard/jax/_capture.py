@@ -1,0 +1,107 @@
+"""Capturing the per-device module of a ``jax.jit`` step after SPMD partitioning.
+
+``jitted.lower(*args).as_text()`` is the *global* program: its gradient all-reduces
+only appear during partitioning. So the step is compiled once with per-compile dump
+options (``compiler_options``; process-wide ``XLA_FLAGS`` stay untouched) into a
+private temporary folder, removed right after, and the partitioner's output is read
+back: the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage
+(shard_map bodies inlined), else ``after_spmd-partitioning``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hlo_shard.cli.optimize import pick_dump_file
+from hlo_shard.errors import HloShardError
+from hlo_shard.jax import _xla
+
+#: The dump options one capture compiles with (into the capture's own folder).
+DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning|call-inliner",
+                "xla_dump_large_constants": True}
+
+
+class Unsupported(Exception):
+    """Why the optimized path cannot run this step (``fast`` then runs ``fn`` itself)."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One argument signature of the step, as jit compiled it."""
+
+    #: The per-device module after SPMD partitioning.
+    text: str
+    lowered: Any
+    compiled: Any
+    #: Flat dynamic-argument indices the module takes, in parameter order.
+    kept: tuple[int, ...]
+    #: Per flat dynamic argument: jit's input sharding, whether donated.
+    in_shardings: tuple
+    donated: tuple[bool, ...]
+    #: Per flat output: aval (shape, dtype) and sharding; the outputs' tree.
+    out_avals: tuple
+    out_shardings: tuple
+    out_tree: Any
+    #: jit's device assignment: partition k runs on devices[k].
+    devices: tuple
+    compile_seconds: float
+
+
+def capture(jitted, args: tuple, kwargs: dict) -> Capture:
+    """Lower and compile ``jitted`` for these arguments, reading the partitioned module."""
+    import jax
+
+    lowered = jitted.lower(*args, **kwargs)
+    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
+    try:
+        options = {**DUMP_OPTIONS, "xla_dump_to": folder}
+        started = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options)
+        compile_seconds = time.perf_counter() - started
+        text = _read_stage(Path(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    facts = _xla.lowering_facts(lowered)
+    for fact, reason in (("ordered_effects", "it has ordered side effects"),
+                         ("host_callbacks", "it calls back into Python"),
+                         ("tuple_args", "jit passes its arguments as one tuple"),
+                         ("const_args", "jit hoisted constants into extra arguments")):
+        if facts[fact]:
+            raise Unsupported(f"the step is not supported: {reason}")
+    arg_infos = jax.tree.leaves(lowered.args_info)
+    kept = _xla.kept_argument_indices(lowered)
+    kept = tuple(range(len(arg_infos))) if kept is None else kept
+    out_shardings = jax.tree.leaves(compiled.output_shardings)
+    out_avals, out_tree = jax.tree.flatten(lowered.out_info)
+    return Capture(text, lowered, compiled, kept,
+                   # flatten_up_to: a pruned argument's sharding is None, not a subtree
+                   tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
+                   tuple(info.donated for info in arg_infos), tuple(out_avals),
+                   tuple(out_shardings), out_tree, _xla.device_assignment(lowered),
+                   compile_seconds)
+
+
+def per_device_hlo(fn, *args, **kwargs) -> str:
+    """The per-device module of ``fn`` (jitted, or jitted here) for these arguments, as
+    ``hlo-shard optimize`` reads it. Compiles ``fn`` once (no computation runs)."""
+    import jax
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    try:
+        return capture(jitted, args, kwargs).text
+    except Unsupported as why:
+        raise HloShardError(str(why)) from None
+
+
+def _read_stage(folder: Path) -> str:
+    """The partitioned module in ``folder`` (only this compile dumps there)."""
+    try:
+        return pick_dump_file(folder).read_text()
+    except HloShardError:
+        raise Unsupported("XLA wrote no SPMD-partitioned module for the step (is it "
+                          "compiled for more than one device?)") from None

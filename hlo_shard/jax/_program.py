@@ -1,0 +1,339 @@
+"""One argument signature of a step, optimized and compiled: what ``fast`` runs.
+
+The captured per-device module goes through the pass in-process (the same pass and
+output checks as ``hlo-shard optimize``), is put into replica form with its donation
+aliasing kept, and compiled for jit's own devices in jit's order. In
+``state="sharded"`` the optimizer-state leaves the pass shards become jax Arrays of
+shape ``[N·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hlo_shard.cli.optimize import check_output
+from hlo_shard.errors import HloShardError
+from hlo_shard.jax import _xla
+from hlo_shard.jax._capture import Capture, Unsupported
+from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
+from hlo_shard.printer import to_text
+from hlo_shard.ir import Raw, TupleShape
+from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """A full leaf of ``dims`` flattened as ``ravel(transpose(x, perm))``, zero-padded
+    to ``n·length`` and split over the devices: device ``k`` (jit's order) holds chunk
+    ``k`` — the pass's shard format as a jax Array of shape ``[n·length]``."""
+
+    dims: tuple[int, ...]
+    perm: tuple[int, ...]
+    length: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.n * self.length,)
+
+
+@dataclass
+class Program:
+    capture: Capture
+    report: ShardingReport
+    options: ShardingOptions
+    hlo_text: str
+    executable: Any
+    #: Flat argument index → its layout, for the leaves held as shards (sharded mode).
+    state_args: dict[int, StateLayout]
+    #: Output leaf index → its layout, for the outputs returned as shards.
+    state_outputs: dict[int, StateLayout]
+    #: The sharding of every shard-form leaf (None without any).
+    shard_sharding: Any
+    seconds: float
+    #: (output leaf, entry parameter): the output is the parameter's next value.
+    next_values: list[tuple[int, int]] = field(default_factory=list)
+    #: Whether it ran once (a failing first run falls back to ``fn``).
+    ran: bool = False
+    _cache: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- placement
+    def arg_sharding(self, index: int):
+        """The sharding argument ``index`` must have when handed to the executable."""
+        if index in self.state_args:
+            return self.shard_sharding
+        return self.capture.in_shardings[index]
+
+    @property
+    def out_placements(self) -> list[tuple[tuple[int, ...], Any]]:
+        """(global shape, sharding) of every output leaf as ``fast`` returns it."""
+        found = self._cache.get("out")
+        if found is None:
+            found = [(self.state_outputs[k].shape, self.shard_sharding)
+                     if k in self.state_outputs else (tuple(aval.shape), sharding)
+                     for k, (aval, sharding) in enumerate(zip(self.capture.out_avals,
+                                                              self.capture.out_shardings))]
+            self._cache["out"] = found
+        return found
+
+    def shard_key(self, treedef, static, leaves: list) -> tuple:
+        """The signature of these arguments with the state leaves in shard form."""
+        keys = [(self.state_args[i].shape, str(leaf.dtype), _xla.placement(self.shard_sharding, 1))
+                if i in self.state_args else _xla.leaf_key(leaf)
+                for i, leaf in enumerate(leaves)]
+        return (treedef, static, tuple(keys))
+
+    def returns(self, treedef, leaves: list) -> bool:
+        """Whether ``leaves`` look like this program's outputs (shard forms included)."""
+        return treedef == self.capture.out_tree and len(leaves) == len(self.out_placements) \
+            and all(tuple(getattr(leaf, "shape", ())) == shape
+                    for leaf, (shape, _) in zip(leaves, self.out_placements))
+
+    # --------------------------------------------------------------- converting
+    def to_shards(self, leaves: list, donated: tuple[bool, ...] = ()) -> list:
+        """``leaves`` (this signature's flat arguments) with each state argument cut
+        into its shard form; full leaves that were donated are deleted, as the step
+        itself would consume them."""
+        indices = sorted(self.state_args)
+        shards = convert([leaves[i] for i in indices], [self.state_args[i] for i in indices],
+                         [self.shard_sharding] * len(indices), to_shards=True)
+        out = list(leaves)
+        for index, shard in zip(indices, shards):
+            if donated and donated[index] and hasattr(out[index], "delete"):
+                out[index].delete()
+            out[index] = shard
+        return out
+
+    def state_by_name(self, names: list[str]) -> dict[str, tuple[StateLayout, Any]]:
+        """Argument name → (layout, full sharding) of each state argument."""
+        return {names[i]: (layout, self.capture.in_shardings[i])
+                for i, layout in self.state_args.items()}
+
+    def gather_out_leaves(self, leaves: list) -> list:
+        indices = sorted(self.state_outputs)
+        full = convert([leaves[k] for k in indices], [self.state_outputs[k] for k in indices],
+                       [self.capture.out_shardings[k] for k in indices], to_shards=False)
+        out = list(leaves)
+        for index, value in zip(indices, full):
+            out[index] = value
+        return out
+
+    # ------------------------------------------------------------------ report
+    def report_json(self, names: list[str]) -> dict:
+        """The pass's decisions (``optimize --json``'s content), each entry parameter
+        and output leaf named by its path in the user's pytrees."""
+        import jax
+
+        from hlo_shard.printer import format_shape
+
+        report, cap = self.report, self.capture
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(cap.out_tree, [0] * len(cap.out_avals)))[0]
+        out_names = ["output" + jax.tree_util.keystr(path) for path, _ in paths]
+
+        def entry(record, name: str) -> dict:
+            out = {"name": name, "hlo_name": record.name, "kind": record.kind,
+                   "shape": format_shape(record.shape)}
+            if record.format is not None:
+                out["shard_length"] = record.format.shard_len
+            return out
+
+        param_of_output = {k: names[cap.kept[p]] for k, p in self.next_values}
+        grads = {key: param_of_output[k]
+                 for key, k in _gradient_outputs(cap.text, self.next_values).items()
+                 if k in param_of_output}
+        profile = self.options.profile
+        return {
+            "devices": report.devices, "state": self.options.state,
+            "strategy": self.options.strategy,
+            "profile": getattr(profile, "name", profile),
+            "strategies": [choice.to_json() for choice in report.strategies],
+            "sharded": sum(1 for r in report.explanations if r.sharded),
+            "gradients": len(report.explanations),
+            "explanations": [{**r.to_json(), "gradient_of": grads.get((r.all_reduce, r.index))}
+                             for r in report.explanations],
+            "notes": list(report.notes),
+            "parameters": [entry(p, names[cap.kept[p.index]]) for p in report.parameters],
+            "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
+            "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
+        }
+
+
+def _gradient_outputs(text: str, next_values: list[tuple[int, int]]
+                      ) -> dict[tuple[str, None], int]:
+    """All-reduce → the output leaf that is its weight's next value: of its shape, reached
+    from it, and the next value of a parameter the gradient was computed from (which
+    tells the weight from its optimizer state). Only where exactly one output fits."""
+    import networkx as nx
+
+    from hlo_shard.graph import dataflow_graph
+
+    entry = parse(text, path="<captured step>").entry
+    graph = dataflow_graph(entry)
+    root = entry.root
+    outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+    param_name = {p.parameter_number: p.name for p in entry.parameters()}
+    found = {}
+    for inst in entry.instructions:
+        if inst.opcode != "all-reduce" or isinstance(inst.shape, TupleShape):
+            continue
+        reached, sources = nx.descendants(graph, inst.name), nx.ancestors(graph, inst.name)
+        ks = [k for k, p in next_values
+              if outputs[k] in reached and param_name[p] in sources
+              and sorted(getattr(shapes[k], "dims", ())) == sorted(inst.shape.dims)]
+        if len(ks) == 1:
+            found[(inst.name, None)] = ks[0]
+    return found
+
+
+def _shard(x, layout: StateLayout):
+    import jax.numpy as jnp
+
+    flat = jnp.transpose(x, layout.perm).reshape(-1)
+    return jnp.pad(flat, (0, layout.n * layout.length - flat.size))
+
+
+def _gather(y, layout: StateLayout):
+    import jax.numpy as jnp
+    import numpy as np
+
+    size = int(np.prod(layout.dims))
+    transposed = tuple(layout.dims[p] for p in layout.perm)
+    return jnp.transpose(y[:size].reshape(transposed), tuple(np.argsort(layout.perm)))
+
+
+def convert(leaves: list, layouts: list[StateLayout], shardings: list,
+            to_shards: bool) -> list:
+    """``leaves`` cut into (or gathered from) their shard forms, on the devices, in one
+    dispatch; results placed by ``shardings``."""
+    if not leaves:
+        return []
+    return list(_converter(to_shards, tuple(layouts), tuple(shardings))(tuple(leaves)))
+
+
+@functools.lru_cache(maxsize=None)
+def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
+    import jax
+
+    one = _shard if to_shards else _gather
+    return jax.jit(lambda xs: tuple(one(x, layout) for x, layout in zip(xs, layouts)),
+                   out_shardings=shardings)
+
+
+def build_program(capture: Capture, options: ShardingOptions,
+                  next_values: list[tuple[int, int]]) -> Program:
+    """Optimize and compile ``capture``; :class:`Unsupported` says why not.
+
+    ``next_values``: (output leaf, entry parameter) pairs where the output is the
+    parameter's value for the next step, as the step's pytrees say (``params`` out →
+    ``params`` in). The pass reads them as ``input_output_alias`` to pair optimizer
+    state with its next value; the executable aliases what jit donates
+    (:func:`_executable_aliases`).
+    """
+    started = time.perf_counter()
+    try:
+        module = parse(capture.text, path="<captured step>")
+    except HloShardError as err:
+        raise Unsupported(f"hlo-shard cannot read the captured module: {err}") from None
+    if len(module.entry.parameters()) != len(capture.kept):
+        raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
+                          f"parameters for {len(capture.kept)} arguments")
+    donation = {key: module.header.pop(key) for key in DONATION_ATTRIBUTES
+                if key in module.header}
+    if next_values:
+        module.header["input_output_alias"] = Raw("{ " + ", ".join(
+            f"{{{k}}}: ({p}, {{}}, may-alias)" for k, p in next_values) + " }")
+    else:
+        module.header.update(donation)
+    try:
+        report = WeightUpdateSharding(options).apply(module).report
+        for key in DONATION_ATTRIBUTES:
+            module.header.pop(key, None)
+        module.header.update(_executable_aliases(donation, next_values, module))
+        text = check_output(module)
+        executable_text = to_text(replica_form(module, keep_donation=True))
+    except HloShardError as err:
+        raise Unsupported(f"the pass refused the step: {err}") from None
+    sharded = [row for row in report.explanations if row.sharded]
+    if not sharded:
+        reasons = sorted({row.reason for row in report.explanations if row.reason})
+        raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else
+                                                  "the step has no gradient all-reduce"))
+    state_args, state_outputs = _state_layouts(report, capture)
+    try:
+        executable = _xla.compile_replica_text(executable_text, capture.devices)
+    except Exception as err:  # XLA's errors (JaxRuntimeError) are not importable stably
+        raise Unsupported(f"XLA did not compile the optimized module: "
+                          f"{str(err).splitlines()[0]}") from None
+    shard_sharding = _shard_sharding(capture) if state_args else None
+    return Program(capture, report, options, text, executable, state_args, state_outputs,
+                   shard_sharding, time.perf_counter() - started, list(next_values))
+
+
+def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module) -> dict:
+    """The donation header for the executable: every parameter jit donates
+    (``buffer_donor`` or ``input_output_alias``) aliased to an output of its shape in
+    the optimized module — its next value where the pytrees say which, else the first
+    free one, as jit pairs them. (A bare ``buffer_donor`` does not make the executable
+    consume its inputs through this compile path; an alias does.)"""
+    donors = sorted({int(n) for key in DONATION_ATTRIBUTES if key in donation
+                     for n in re.findall(r"\(\s*(\d+)\s*,\s*\{", donation[key].text)})
+    if not donors:
+        return {}
+    params = {p.parameter_number: p.shape for p in module.entry.parameters()}
+    root = module.entry.root
+    outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+    preferred = {p: k for k, p in next_values}
+    taken: dict[int, int] = {}
+    for number in donors:
+        choices = [preferred[number]] if number in preferred else []
+        choices += [k for k in range(len(outputs)) if k not in choices]
+        k = next((k for k in choices if k not in taken.values()
+                  and _same_array(outputs[k], params[number])), None)
+        if k is not None:
+            taken[number] = k
+    if not taken:
+        return {}
+    return {"input_output_alias": Raw("{ " + ", ".join(
+        f"{{{k}}}: ({number}, {{}}, may-alias)" for number, k in sorted(taken.items(),
+                                                                       key=lambda t: t[1]))
+        + " }")}
+
+
+def _same_array(a, b) -> bool:
+    return getattr(a, "dims", None) == getattr(b, "dims", None) \
+        and getattr(a, "element_type", None) == getattr(b, "element_type", None)
+
+
+def _state_layouts(report: ShardingReport, capture: Capture
+                   ) -> tuple[dict[int, StateLayout], dict[int, StateLayout]]:
+    def layout(entry) -> StateLayout:
+        if entry.groups and entry.groups != (tuple(range(report.devices)),):
+            raise Unsupported("state='sharded' needs the data-parallel axis to span every "
+                              "device of the step")
+        fmt = entry.format
+        return StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
+
+    args = {capture.kept[p.index]: layout(p) for p in report.parameters if p.kind == "sharded"}
+    outs = {o.index: layout(o) for o in report.outputs if o.kind == "sharded"}
+    return args, outs
+
+
+def _shard_sharding(capture: Capture):
+    """Every device holding one chunk, in jit's device order: over the user's mesh when
+    its order is jit's, else over a one-axis mesh of the same devices."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = next((s.mesh for s in capture.in_shardings if isinstance(s, NamedSharding)), None)
+    if mesh is None or tuple(mesh.devices.flat) != tuple(capture.devices):
+        mesh = Mesh(np.array(capture.devices), ("hlo_shard",))
+    axes = tuple(mesh.axis_names)
+    return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))

@@ -1,0 +1,121 @@
+"""Every call into jax's private XLA client API that :mod:`hlo_shard.jax` makes.
+
+Supported: ``jax>=0.10,<0.11`` (the range :mod:`hlo_shard.runtime` is tested against;
+``HLO_SHARD_ALLOW_UNSUPPORTED_JAX=1`` tries another release anyway). Unlike the
+runtime, this compiles and executes in the caller's process: the point is to run on
+the user's own jax Arrays, with no copy to numpy or to a child.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.runtime._child import ALLOW_UNSUPPORTED_ENV, unsupported_version_message
+
+
+def check_version() -> None:
+    import jaxlib.version
+
+    problem = unsupported_version_message(jaxlib.version.__version__)
+    if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+        raise HloShardError(problem)
+
+
+def _client():
+    from jax._src.lib import xla_client as xc  # private API (see the module docstring)
+
+    return xc
+
+
+def compile_replica_text(text: str, devices: Sequence) -> object:
+    """A LoadedExecutable of replica-form ``text``: replica ``k`` runs on ``devices[k]``."""
+    xc = _client()
+    module = xc.hlo.hlo_module_from_text(text)
+    computation = xc.XlaComputation(module.as_serialized_hlo_module_proto())
+    mlir = xc._xla.mlir.xla_computation_to_mlir_module(computation)
+    options = xc.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas = len(devices)
+    build.num_partitions = 1
+    build.device_assignment = xc.DeviceAssignment.create(
+        np.array([[device.id] for device in devices]))
+    client = devices[0].client
+    return client.compile_and_load(mlir, xc.DeviceList(tuple(devices)), options)
+
+
+def execute(executable, arrays: Sequence) -> list[list]:
+    """Run on jax Arrays (one buffer per device each); per output, its per-device
+    single-device arrays in device-assignment order."""
+    return executable.execute_sharded(list(arrays)).disassemble_into_single_device_arrays()
+
+
+def memory_stats(executable) -> dict[str, int]:
+    stats = executable.get_compiled_memory_stats()
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+             "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
+    return {name: int(getattr(stats, name, 0) or 0) for name in names}
+
+
+def kept_argument_indices(lowered) -> tuple[int, ...] | None:
+    """Which flat arguments jit kept in the module (it prunes unused ones unless
+    ``keep_unused``), or None when the lowering does not say."""
+    kept = getattr(lowered, "_lowering", None)
+    kept = getattr(kept, "compile_args", {}).get("kept_var_idx")
+    return None if kept is None else tuple(sorted(kept))
+
+
+def lowering_facts(lowered) -> dict:
+    """Facts of jit's lowering that decide whether the module is runnable as is."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
+    const_args = getattr(lowered._lowering, "const_args", None) or ()
+    return {"ordered_effects": tuple(args.get("ordered_effects", ())),
+            "host_callbacks": tuple(args.get("host_callbacks", ())),
+            "tuple_args": bool(args.get("tuple_args", False)),
+            "const_args": len(const_args)}
+
+
+def device_assignment(lowered) -> tuple:
+    """The devices of jit's executable in partition order (the mesh's order)."""
+    return tuple(lowered._lowering._device_list)
+
+
+def make_array(shape, sharding, arrays):
+    """A global jax Array from its per-device pieces (no copy)."""
+    import jax
+
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+_PLACEMENTS: dict = {}
+
+
+def placement(sharding, ndim: int):
+    """A canonical, hashable form of where ``sharding`` puts an ``ndim`` array: equal
+    for equivalent shardings (``P()`` and ``P(None, None)`` alike), device order kept."""
+    key = (sharding, ndim)
+    found = _PLACEMENTS.get(key)
+    if found is None:
+        found = (tuple(sharding._device_assignment), sharding._to_xla_hlo_sharding(ndim),
+                 sharding.memory_kind)
+        _PLACEMENTS[key] = found
+    return found
+
+
+def leaf_key(x) -> tuple:
+    """What one argument leaf contributes to the signature (jit's cache key, in kind)."""
+    sharding = getattr(x, "sharding", None)
+    shape = tuple(getattr(x, "shape", ()))
+    where = None if sharding is None else placement(sharding, len(shape))
+    return (shape, str(getattr(x, "dtype", type(x).__name__)), where)
+
+
+def same_placement(x, sharding) -> bool:
+    """Whether ``x`` can be handed to the executable as is (else it is device_put)."""
+    own = getattr(x, "sharding", None)
+    if own is None:
+        return False
+    return own is sharding or placement(own, x.ndim) == placement(sharding, x.ndim)

@@ -1,0 +1,233 @@
+"""The pass inside XLA's compilation: ``install()`` and an unmodified ``jax.jit`` step is
+compiled with its weight update sharded.
+
+jax 0.10.2's public hook ``jax.extend.xla.register_hlo_module_transformation`` hands every
+module being compiled (after SPMD partitioning, fusion and copy insertion: the
+``PRE_SCHEDULER`` stage) to a callback as serialized ``HloModuleProto`` bytes; the callback
+returns new bytes or None. Ours parses the module's text, runs
+:class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding` and returns the
+result only when something was sharded and the result passed the project's validation
+(``optimize_module``). The signature of a compiled function cannot change, so the state
+is ``gathered`` (a training ``while`` loop compiled as one module keeps its state sharded in
+the carry, as the pass does). The callback never raises into XLA: any exception or
+refusal returns None with one line on the ``hlo_shard`` logger. Proto ↔ text goes through
+jax's private ``xla_client``, behind the runtime's version check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, ShardingOptions,
+                                                     ShardingReport, WeightUpdateSharding)
+from hlo_shard.profiles import HardwareProfile, load_profile
+
+logger = logging.getLogger("hlo_shard")
+
+#: The name the pass is registered under (one registration per process).
+PASS_NAME = "hlo_shard.weight_update_sharding"
+#: Bytes every serialized module with an all-reduce contains (its opcode string): the
+#: quick check that lets init functions and the like through without parsing.
+_ALL_REDUCE = b"all-reduce"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the hook did with one compiled module."""
+
+    module: str
+    #: The module XLA compiled is the sharded one.
+    changed: bool
+    #: Why it was left as it was ("" when changed).
+    reason: str
+    #: The pass report (None when the pass did not run to the end).
+    report: ShardingReport | None
+    seconds: float
+
+    @property
+    def sharded_bytes(self) -> int:
+        return sum(e.bytes for e in self.report.explanations if e.sharded) if self.report else 0
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(e.bytes for e in self.report.explanations) if self.report else 0
+
+
+@dataclass(frozen=True)
+class _Settings:
+    options: ShardingOptions
+    only: re.Pattern | None
+
+
+class _Hook:
+    """The process-wide registration: at most one, whatever the number of installs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.settings: _Settings | None = None
+        self.registered = False
+        self.decisions: list[Decision] = []
+
+    def transform(self, data: bytes) -> bytes | None:
+        """The callback XLA calls: never raises, None unless the module was sharded."""
+        settings = self.settings
+        if settings is None or _ALL_REDUCE not in data:
+            return None
+        start = time.perf_counter()
+        name = "<module>"
+        try:
+            xc = _xla_client()
+            hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
+            name = hlo.name
+            if settings.only is not None and not settings.only.search(name):
+                return None
+            out, report, reason = _shard(hlo, settings.options)
+            result = None if out is None else \
+                xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
+        except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
+            result, report, reason = None, None, f"{type(err).__name__}: {err}"
+        decision = Decision(name, result is not None, reason, report,
+                            time.perf_counter() - start)
+        with self.lock:
+            self.decisions.append(decision)
+        if result is None:
+            logger.info("hlo_shard: %s left unchanged: %s", name, reason.splitlines()[0])
+        else:
+            logger.info("hlo_shard: %s: sharded %d of %d gradient bytes", name,
+                        decision.sharded_bytes, decision.gradient_bytes)
+        return result
+
+
+_HOOK = _Hook()
+
+
+def _xla_client():
+    from jax._src.lib import xla_client  # private API: behind the version check
+
+    return xla_client
+
+
+def _shard(hlo, options: ShardingOptions) -> tuple[str | None, ShardingReport | None, str]:
+    """(the sharded module's text or None, the report, why not)."""
+    from hlo_shard.cli.optimize import optimize_module
+    from hlo_shard.parser import parse
+
+    xc = _xla_client()
+    print_options = xc.hlo.HloPrintOptions()
+    print_options.print_large_constants = True
+    module = parse(hlo.to_string(print_options), path=f"<{hlo.name}>")
+    try:
+        report, text = optimize_module(module, options)
+    except HloShardError as err:
+        return None, None, str(err)
+    if not any(e.sharded for e in report.explanations):
+        reasons = sorted({e.reason for e in report.explanations if e.reason})
+        return None, report, "nothing sharded (" + ("; ".join(reasons) or
+                                                   "no gradient all-reduce") + ")"
+    return text, report, ""
+
+
+def _check_version() -> None:
+    import jaxlib.version
+
+    from hlo_shard.runtime._child import ALLOW_UNSUPPORTED_ENV, unsupported_version_message
+
+    problem = unsupported_version_message(jaxlib.version.__version__)
+    if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+        raise HloShardError(problem)
+
+
+class Installation:
+    """What :func:`install` returns: ``with install(): ...`` uninstalls at the end."""
+
+    def __enter__(self) -> Installation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        uninstall()
+
+
+def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
+            min_shard_bytes: int = 0, only: str | None = None) -> Installation:
+    """Shard the weight update of every module jax compiles from now on (every backend
+    jax knows); jax's in-memory caches of compiled functions are cleared, so a step
+    jitted before compiles again. Installing again replaces the settings; the pass stays
+    registered once. ``only``: a regex the module name (``jit_step``) must match."""
+    if state != "gathered":
+        raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
+                            "compiled function's signature; shard_weight_update can)")
+    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile) \
+        if not isinstance(profile, HardwareProfile) else profile
+    options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
+                              profile=hardware)
+    WeightUpdateSharding(options)  # rejects bad options here, not inside XLA
+    try:
+        pattern = re.compile(only) if only is not None else None
+    except re.error as err:
+        raise HloShardError(f"install(only={only!r}): not a regular expression ({err})") from None
+    _check_version()
+    from jax.extend import xla as jax_xla
+
+    with _HOOK.lock:
+        changed = _HOOK.settings != _Settings(options, pattern)
+        _HOOK.settings = _Settings(options, pattern)
+        if not _HOOK.registered:
+            try:
+                jax_xla.register_hlo_module_transformation(
+                    _HOOK.transform, name=PASS_NAME,
+                    stage=jax_xla.PipelineStage.PRE_SCHEDULER)
+            except (NotImplementedError, AttributeError) as err:  # jaxlib < 0.10.2
+                _HOOK.settings = None
+                raise HloShardError(f"install() needs jax's pass hook (jaxlib >= 0.10.2): "
+                                    f"{err}") from None
+            _HOOK.registered = True
+    if changed:
+        _forget_executables()
+    return Installation()
+
+
+def _forget_executables() -> None:
+    """jax reuses what it compiled for the same function and arguments: forget it, so the
+    next call of a jitted step compiles (through the hook, or without it) again."""
+    import jax
+
+    jax.clear_caches()
+
+
+def uninstall() -> None:
+    """Stop sharding modules compiled from now on (a no-op when not installed); jax's
+    caches are cleared again, so later calls compile without the pass."""
+    with _HOOK.lock:
+        _HOOK.settings = None
+        if not _HOOK.registered:
+            return
+        from jax.extend import xla as jax_xla
+
+        jax_xla.clear_hlo_module_transformation(PASS_NAME,
+                                                jax_xla.PipelineStage.PRE_SCHEDULER)
+        _HOOK.registered = False
+    _forget_executables()
+
+
+def installed() -> bool:
+    return _HOOK.settings is not None
+
+
+def decisions(*, clear: bool = False) -> list[Decision]:
+    """Per module compiled while installed that had an all-reduce and matched ``only``:
+    what the hook did (``clear``: forget them)."""
+    with _HOOK.lock:
+        out = list(_HOOK.decisions)
+        if clear:
+            _HOOK.decisions.clear()
+    return out
+
+
+__all__ = ["PASS_NAME", "Decision", "Installation", "decisions", "install", "installed",
+           "uninstall"]

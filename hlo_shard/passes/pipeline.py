@@ -1,0 +1,95 @@
+"""Run passes in order, checking the module after each one (torch.fx's
+``run_checks_after_each_pass``, xDSL's ``PassPipeline`` callback).
+
+A pass that leaves a module the check rejects is named in the error, so a slip shows
+where it happened rather than at the end of a long pipeline (or in XLA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
+from hlo_shard.parser import parse
+from hlo_shard.passes.base import Pass, PassResult
+from hlo_shard.printer import to_text
+from hlo_shard.validate import validate
+
+#: Problems with a module (empty: fine); :func:`hlo_shard.validate.validate` is one.
+Check = Callable[[Module], Sequence[object]]
+#: Called after each pass (and its check) with the pass and its result.
+AfterPass = Callable[[Pass, PassResult], None]
+
+T = TypeVar("T")
+
+
+def validate_printed(module: Module) -> list[object]:
+    """The stricter check ``optimize`` makes before writing: the printed module parses
+    back, and what is read back validates."""
+    try:
+        reparsed = parse(to_text(module), path="<pass output>")
+    except HloShardError as err:
+        return [f"its text does not parse back: {err}"]
+    return list(validate(reparsed))
+
+
+class PassCheckError(HloShardError):
+    """A pass left a module that fails the pipeline's check (a bug in that pass)."""
+
+    def __init__(self, pass_name: str, problems: Sequence[object]) -> None:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(f"pass {pass_name} left an invalid module: {problems[0]}{more}")
+        self.pass_name = pass_name
+        self.problems = list(problems)
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """The module after every pass and each pass's result, in order."""
+
+    module: Module
+    results: tuple[PassResult, ...]
+
+    @property
+    def changed(self) -> bool:
+        return any(result.changed for result in self.results)
+
+    def report(self, kind: type[T]) -> T:
+        """The report of the (last) pass whose report is a ``kind``."""
+        for result in reversed(self.results):
+            if isinstance(result.report, kind):
+                return result.report
+        raise KeyError(f"no pass reported a {kind.__name__}")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """``passes`` run in order on a module, in place; ``check`` runs after each pass
+    (None: no check), then ``after_pass``."""
+
+    passes: tuple[Pass[Any], ...]
+    check: Check | None = validate
+    after_pass: AfterPass | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passes", tuple(self.passes))
+
+    def run(self, module: Module) -> PipelineResult:
+        results = []
+        for step in self.passes:
+            result = step.apply(module)
+            if self.check is not None:
+                problems = self.check(module)
+                if problems:
+                    raise PassCheckError(step.name, problems)
+            if self.after_pass is not None:
+                self.after_pass(step, result)
+            results.append(result)
+        return PipelineResult(module, tuple(results))
+
+
+__all__ = ["AfterPass", "Check", "PassCheckError", "Pipeline", "PipelineResult",
+           "validate_printed"]

@@ -1,0 +1,64 @@
+"""Passes by name, and pipelines from a one-line spec (xDSL's pass-pipeline syntax):
+``weight-update-sharding{state=sharded strategy=per-tensor},replica-form``.
+
+What the golden pass tests' ``// RUN:`` lines and, later, a command-line
+``--passes`` read. Option values are ints when they are digits, strings otherwise;
+each pass checks its own options when built.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.passes.adapters import WeightUpdateShardingPass
+from hlo_shard.passes.base import Pass
+from hlo_shard.passes.replica_form import ReplicaForm
+from hlo_shard.passes.retarget import Retarget
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+
+#: Option name → value (an int when the text is digits, else the text).
+Options = dict[str, Any]
+
+#: Pass name → how to build it from its options.
+PASSES: dict[str, Callable[[Options], Pass]] = {
+    WeightUpdateShardingPass.name: lambda o: WeightUpdateShardingPass(ShardingOptions(**o)),
+    ReplicaForm.name: lambda o: ReplicaForm(**o),
+    Retarget.name: lambda o: Retarget(**o),
+}
+
+_STEP = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(spec: str) -> list[Pass]:
+    """The passes of ``spec``, built (so option errors surface here)."""
+    passes: list[Pass] = []
+    position = 0
+    while position < len(spec):
+        match = _STEP.match(spec, position)
+        if match is None or match.end() == position:
+            raise HloShardError(f"bad pass pipeline at column {position + 1}: {spec!r}")
+        name, options = match.group(1), match.group(2) or ""
+        if name not in PASSES:
+            raise HloShardError(f"unknown pass {name!r} (one of {', '.join(sorted(PASSES))})")
+        try:
+            passes.append(PASSES[name](_options(options)))
+        except TypeError as err:
+            raise HloShardError(f"pass {name}: {err}") from None
+        position = match.end()
+    return passes
+
+
+def _options(text: str) -> Options:
+    options: Options = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise HloShardError(f"pass option {item!r} is not key=value")
+        options[key.replace("-", "_")] = int(value) if value.isdigit() else value
+    return options
+
+
+__all__ = ["PASSES", "parse_pipeline"]

@@ -1,0 +1,163 @@
+"""The replica form the runtime executes, as a pass (the module as read → replica form).
+
+With ``num_partitions > 1`` XLA always runs its SPMD partitioner, which would treat a
+per-device module as a global program and partition it again (executing-hlo-with-jax.md
+§5.1). So a per-device SPMD module runs in replica form: shardings stripped,
+``partition-id`` → ``replica-id``, ``replica_count=N`` instead of ``num_partitions=N``.
+Flattened-id collectives keep their meaning since the flattened id equals the replica
+id when there is one partition.
+
+Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
+shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
+``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse).
+Variadic all-reduces XLA:CPU cannot compile become one all-reduce per element (see
+:func:`split_variadic_all_reduces`). ``hlo_shard.runtime.forms.replica_form`` runs this
+pass on a copy after checking the module can be executed at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import Change, Rewriter
+from hlo_shard.ir import AttrValue, Instruction, Module, TupleShape, shape_leaves
+from hlo_shard.opinfo import CHANNEL_PAIRED
+from hlo_shard.passes.base import ModulePass, PassResult
+
+#: Header attributes dropped for execution: donation would delete reused inputs.
+DONATION_ATTRIBUTES = ("input_output_alias", "buffer_donor")
+
+
+@dataclass(frozen=True)
+class ReplicaFormReport:
+    #: Devices the module runs on (its replicas, afterwards).
+    devices: int
+    #: It was an SPMD module (``num_partitions`` became ``replica_count``).
+    from_spmd: bool
+    #: Variadic all-reduces split into one all-reduce per element.
+    split_all_reduces: tuple[str, ...]
+    #: Instructions whose channel id has a new value.
+    renumbered_channels: int
+
+
+@dataclass(frozen=True)
+class ReplicaForm(ModulePass[ReplicaFormReport]):
+    """Turn a per-device module (SPMD or replica form) into replica form, in place."""
+
+    name: ClassVar[str] = "replica-form"
+
+    def apply(self, module: Module) -> PassResult[ReplicaFormReport]:
+        if module.replica_count > 1 and module.num_partitions > 1:
+            raise HloShardError(f"{module.name}: replica form needs replica_count or "
+                                "num_partitions to be 1")
+        spmd = module.num_partitions > 1
+        devices = module.replica_count * module.num_partitions
+        changes = _replica_header(module, spmd, devices)
+        rewriters = {comp.name: Rewriter(comp) for comp in module.computations}
+        split: list[str] = []
+        for comp in module.computations:
+            rw = rewriters[comp.name]
+            for inst in comp.instructions:
+                rw.pop_attr(inst, "sharding")
+                if spmd and inst.opcode == "partition-id":
+                    rw.set_opcode(inst, "replica-id")
+            split += _split_variadic_all_reduces(rw)
+        renumbered = _renumber_channels(module, rewriters)
+        changes += [change for rw in rewriters.values() for change in rw.changes]
+        report = ReplicaFormReport(devices, spmd, tuple(split), renumbered)
+        return PassResult(module, bool(changes), changes, report=report)
+
+
+def _replica_header(module: Module, spmd: bool, devices: int) -> list[Change]:
+    """Drop donation; an SPMD module's ``num_partitions=N`` becomes ``replica_count=N``
+    in its place (the printer keeps header order)."""
+    header: dict[str, AttrValue] = {}
+    for key, value in module.header.items():
+        if key in DONATION_ATTRIBUTES or (key == "replica_count" and spmd):
+            continue
+        if key == "num_partitions":
+            if spmd:
+                header["replica_count"] = devices
+            continue
+        header[key] = value
+    changes = [Change("drop-header", key) for key in module.header if key not in header]
+    changes += [Change("set-header", key, str(value)) for key, value in header.items()
+                if module.header.get(key) != value]
+    module.header = header
+    return changes
+
+
+def renumber_channels(module: Module) -> int:
+    """Give every channel id a fresh value 1, 2, 3 … in program order; instructions
+    paired by a channel (send/recv and their -done) keep sharing one. Returns how many
+    ids changed."""
+    return _renumber_channels(module, {c.name: Rewriter(c) for c in module.computations})
+
+
+def _renumber_channels(module: Module, rewriters: dict[str, Rewriter]) -> int:
+    paired: dict[int, int] = {}
+    next_id = 1
+    renumbered = 0
+    for comp in module.computations:
+        rw = rewriters[comp.name]
+        for inst in comp.instructions:
+            old = inst.attributes.get("channel_id")
+            if not isinstance(old, int) or isinstance(old, bool):
+                continue
+            if inst.opcode in CHANNEL_PAIRED:
+                if old not in paired:
+                    paired[old] = next_id
+                    next_id += 1
+                new = paired[old]
+            else:
+                new, next_id = next_id, next_id + 1
+            renumbered += new != old
+            rw.set_attr(inst, "channel_id", new)
+    return renumbered
+
+
+def split_variadic_all_reduces(comp) -> list[str]:
+    """Rewrite each variadic all-reduce XLA:CPU fails to compile into one all-reduce per
+    element and a ``tuple`` of their results under the original name, so its
+    get-tuple-element users are unchanged; the sums are the same, element by element.
+
+    Two forms fail (jaxlib 0.10): one with a ``channel_id`` ("LogicalBuffer … does not
+    have a layout"), and one with an operand in a non-default layout whose users change
+    layouts ("requires all operands to be defined in the parent region", in the HLO →
+    StableHLO translation). The split parts get fresh channel ids from
+    :func:`renumber_channels`. Returns the names of the split all-reduces.
+    """
+    return _split_variadic_all_reduces(Rewriter(comp))
+
+
+def _split_variadic_all_reduces(rw: Rewriter) -> list[str]:
+    comp = rw.comp
+    split = []
+    for inst in list(comp.instructions):
+        if inst.opcode != "all-reduce" or not isinstance(inst.shape, TupleShape) \
+                or not _fails_as_variadic(rw, inst):
+            continue
+        with rw.inserting_before(inst.name):
+            parts = [rw.add_instruction(Instruction(
+                name=rw.fresh_name(inst.name), opcode="all-reduce", shape=element,
+                operands=[operand], attributes=dict(inst.attributes)))
+                for operand, element in zip(inst.operands, inst.shape.elements)]
+        rw.set_opcode(inst, "tuple")
+        rw.set_operands(inst, [part.name for part in parts])
+        for key in list(inst.attributes):
+            rw.pop_attr(inst, key)
+        split.append(inst.name)
+    return split
+
+
+def _fails_as_variadic(rw: Rewriter, inst: Instruction) -> bool:
+    """Whether ``inst`` (a variadic all-reduce) is one of the forms XLA:CPU refuses."""
+    return "channel_id" in inst.attributes or any(
+        leaf.minor_to_major() != tuple(range(leaf.rank - 1, -1, -1))
+        for operand in rw.operands(inst) for _, leaf in shape_leaves(operand.shape))
+
+
+__all__ = ["DONATION_ATTRIBUTES", "ReplicaForm", "ReplicaFormReport", "renumber_channels",
+           "split_variadic_all_reduces"]

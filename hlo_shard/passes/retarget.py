@@ -1,0 +1,97 @@
+"""The same per-device data-parallel program for another replica count, as a pass.
+
+The per-device program of data parallelism is the same for every replica count except
+the size of the data-parallel group, so ``scale`` projects N devices by retargeting the
+module's one group to N (every collective over it, the header's device count, tiled
+parameter shardings) and re-running the weight-update pass on that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_shard.analysis.collective_model import COLLECTIVE_KINDS, group_size
+from hlo_shard.analysis.collectives import find_gradient_all_reduces
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import Change, Rewriter
+from hlo_shard.ir import Module, Raw, ReplicaGroups
+from hlo_shard.passes.base import ModulePass, PassResult
+
+
+@dataclass(frozen=True)
+class RetargetReport:
+    #: The data-parallel group size before and after.
+    from_devices: int
+    to_devices: int
+
+
+@dataclass(frozen=True)
+class Retarget(ModulePass[RetargetReport]):
+    """Retarget a data-parallel module (one group covering every device) to ``replicas``."""
+
+    name: ClassVar[str] = "retarget"
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise HloShardError(f"retarget needs at least one replica, not {self.replicas}")
+
+    def apply(self, module: Module) -> PassResult[RetargetReport]:
+        n0 = data_parallel_size(module)
+        changes = []
+        counts = {"replica_count": module.replica_count, "num_partitions": module.num_partitions}
+        for key, count in counts.items():
+            if count == n0:
+                if module.header.get(key) != self.replicas:
+                    changes.append(Change("set-header", key, str(self.replicas)))
+                module.header[key] = self.replicas
+        for comp in module.computations:
+            rw = Rewriter(comp)
+            for inst in comp.instructions:
+                if inst.opcode in COLLECTIVE_KINDS:
+                    groups = inst.attr("replica_groups")
+                    if isinstance(groups, ReplicaGroups) and groups.groups:
+                        if len(groups.groups) != 1 or len(groups.groups[0]) != n0:
+                            raise HloShardError(f"{inst.name}: scale supports one "
+                                                "data-parallel group covering every device")
+                        rw.set_attr(inst, "replica_groups",
+                                    ReplicaGroups((tuple(range(self.replicas)),)))
+                sharding = inst.attr("sharding")
+                if isinstance(sharding, Raw) and "devices=" in sharding.text:
+                    rw.set_attr(inst, "sharding",
+                                Raw(_retarget_sharding(sharding.text, n0, self.replicas)))
+            changes += rw.changes
+        report = RetargetReport(n0, self.replicas)
+        return PassResult(module, bool(changes), changes, report=report)
+
+
+def data_parallel_size(module: Module) -> int:
+    """N of the module: the group size of its gradient all-reduces."""
+    sizes = {group_size(module.computation(ar.computation)[ar.name], module)
+             for ar in find_gradient_all_reduces(module)}
+    sizes.discard(1)
+    if len(sizes) != 1:
+        raise HloShardError("scale needs a data-parallel module: gradient all-reduces over one "
+                            f"group size (found {sorted(sizes) or 'none'})")
+    return sizes.pop()
+
+
+def _retarget_sharding(text: str, n0: int, n: int) -> str:
+    """``{devices=[8,1]<=[8]}`` or ``{devices=[8,1]0,1,…,7}`` → the same tiling over n."""
+    match = re.search(r"devices=\[([\d,]+)\]\s*(<=\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)", text)
+    if not match:
+        return text
+    tiles = [int(t) for t in match.group(1).split(",")]
+    if n0 not in tiles:
+        return text
+    tiles[tiles.index(n0)] = n
+    total = 1
+    for t in tiles:
+        total *= t
+    replacement = f"devices=[{','.join(map(str, tiles))}]<=[{total}]"
+    return text[:match.start()] + replacement + text[match.end():]
+
+
+__all__ = ["Retarget", "RetargetReport", "data_parallel_size"]

@@ -1,0 +1,305 @@
+"""Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
+must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
+prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
+``conv:<optimizer>``,
+``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
+``per_tensor``).
+
+Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
+``shard_map`` step run STEPS times without the hook and then, on fresh copies of the same
+inputs, with ``hlo_shard.jax.install()``; the result records the largest difference of
+losses and parameters relative to each tensor's largest magnitude (0.0: bitwise) and what
+the hook did with the step's module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+N = int(sys.argv[1])
+STEPS = int(sys.argv[2])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import hlo_shard.jax as hook  # noqa: E402
+from hlo_shard.jax import hook as hook_module  # noqa: E402
+
+SIZES = (24, 64, 48, 16)
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_clip": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                      optax.adamw(1e-2, weight_decay=1e-2)),
+    "lion": lambda: optax.lion(1e-3),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+def init_params() -> dict:
+    rng = np.random.default_rng(0)
+    params = {}
+    for i in range(len(SIZES) - 1):
+        params[f"w{i}"] = (rng.standard_normal((SIZES[i], SIZES[i + 1])) * 0.3).astype(np.float32)
+        params[f"b{i}"] = np.full((SIZES[i + 1],), 0.01 * (i + 1), np.float32)
+    return params
+
+
+def loss_fn(p, x, y):
+    h = x
+    for i in range(len(SIZES) - 1):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < len(SIZES) - 2:
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def batch():
+    rng = np.random.default_rng(1)
+    return (rng.standard_normal((4 * N, SIZES[0])).astype(np.float32),
+            rng.standard_normal((4 * N, SIZES[-1])).astype(np.float32))
+
+
+def host_state(opt, params) -> dict:
+    """The optimizer's initial state on the host, made before any install (so installs
+    and the caches they clear do not recompile optax's init)."""
+    return jax.tree.map(np.asarray, opt.init(params()))
+
+
+def block_params() -> dict:
+    """A transformer block (one head, layer norms, MLP) on 4 tokens of width 6 per row."""
+    rng = np.random.default_rng(2)
+    d, hidden = 6, 32
+    shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "ln1": (d,), "ln2": (d,),
+              "up": (d, hidden), "up_b": (hidden,), "down": (hidden, d)}
+    return {k: (rng.standard_normal(v) * (0.2 if len(v) == 2 else 1.0)).astype(np.float32)
+            for k, v in shapes.items()}
+
+
+def _norm(x, scale):
+    mean = jnp.mean(x, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * scale
+
+
+def block_loss(p, x, y):
+    x = x.reshape(x.shape[0], 4, 6)
+    h = _norm(x, p["ln1"])
+    scores = jnp.einsum("btd,bsd->bts", h @ p["q"], h @ p["k"]) / 2.0
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), h @ p["v"]) @ p["o"]
+    x = x + jax.nn.gelu(_norm(x, p["ln2"]) @ p["up"] + p["up_b"]) @ p["down"]
+    return jnp.mean((x.reshape(x.shape[0], -1)[:, :y.shape[1]] - y) ** 2)
+
+
+def conv_params() -> dict:
+    rng = np.random.default_rng(3)
+    return {"c1": (rng.standard_normal((3, 3, 1, 8)) * 0.3).astype(np.float32),
+            "c1_b": np.zeros((8,), np.float32),
+            "c2": (rng.standard_normal((3, 3, 8, 4)) * 0.3).astype(np.float32),
+            "dense": (rng.standard_normal((4 * 4 * 4, SIZES[-1])) * 0.1).astype(np.float32)}
+
+
+def conv_loss(p, x, y):
+    image = x[:, :16].reshape(-1, 4, 4, 1)
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.lax.conv_general_dilated(image, p["c1"], (1, 1), "SAME", dimension_numbers=dims)
+    h = jnp.tanh(h + p["c1_b"])
+    h = jax.lax.conv_general_dilated(h, p["c2"], (1, 1), "SAME", dimension_numbers=dims)
+    return jnp.mean((h.reshape(h.shape[0], -1) @ p["dense"] - y) ** 2)
+
+
+MODELS = {"mlp": (init_params, loss_fn), "block": (block_params, block_loss),
+          "conv": (conv_params, conv_loss)}
+
+
+def jit_step(opt, loss_fn=loss_fn):
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+    return step
+
+
+def loop_step(opt, loss_fn=loss_fn):
+    """Three training steps in one ``fori_loop`` (a ``while`` in one module): the pass
+    keeps the state sharded in the loop carry."""
+    one = jit_step(opt, loss_fn)
+
+    def step(p, s, x, y):
+        def body(_, carry):
+            p, s, _ = carry
+            return one(p, s, x, y)
+        return jax.lax.fori_loop(0, 3, body, (p, s, jnp.float32(0)))
+    return step
+
+
+def shard_map_step(opt, mesh, loss_fn=loss_fn):
+    def local(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        g = jax.lax.pmean(g, "d")
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, jax.lax.pmean(loss, "d")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d"), P("d")),
+                         out_specs=(P(), P(), P()), check_vma=False)
+
+
+def run(step, state0, mesh, params=init_params) -> tuple[list[float], dict]:
+    """STEPS steps of a fresh jit of ``step`` from fresh device copies of the inputs."""
+    replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(params(), replicated)
+    state = jax.device_put(state0, replicated)
+    x, y = (jax.device_put(v, batched) for v in batch())
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    losses = []
+    for _ in range(STEPS):
+        params, state, loss = jitted(params, state, x, y)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def relative_difference(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(a))), 1e-30)
+    return float(np.max(np.abs(a - b))) / scale
+
+
+def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
+    opt = OPTIMIZERS[name]()
+    params0, model_loss = MODELS[model]
+    step, state0 = make_step(opt, model_loss), host_state(opt, params0)
+    plain_losses, plain_params = run(step, state0, mesh, params0)
+    hook.decisions(clear=True)
+    with hook.install(**install):
+        losses, params = run(step, state0, mesh, params0)
+    steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
+                                                                              "jit_local"))]
+    return {
+        "loss": relative_difference(plain_losses, losses),
+        "params": max(relative_difference(plain_params[k], params[k]) for k in params),
+        "changed": [d.changed for d in steps],
+        "reasons": [d.reason for d in steps],
+        "notes": [n for d in steps if d.report for n in d.report.notes],
+        "sharded_bytes": sum(d.sharded_bytes for d in steps),
+        "gradient_bytes": sum(d.gradient_bytes for d in steps),
+        "losses": losses,
+    }
+
+
+def idempotence(mesh) -> dict:
+    """install twice / uninstall twice; one registration, one application per module."""
+    opt = OPTIMIZERS["adam"]()
+    step, state0 = jit_step(opt), host_state(opt, init_params)
+    plain, _ = run(step, state0, mesh)
+    hook.decisions(clear=True)
+    hook.install()
+    hook.install()
+    registered_once = hook_module._HOOK.registered
+    losses, _ = run(step, state0, mesh)
+    applied = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+    hook.uninstall()
+    hook.uninstall()
+    after, _ = run(step, state0, mesh)
+    untouched_after = not hook.decisions(clear=True)
+    return {"registered_once": registered_once, "applications": len(applied),
+            "changed": [d.changed for d in applied],
+            "same_losses": losses == plain, "installed_after": hook.installed(),
+            "untouched_after_uninstall": untouched_after, "after_losses_equal": after == plain}
+
+
+def failure(mesh) -> dict:
+    """The pass raising, or producing a module that fails validation: jax compiles the
+    original module, the step runs, one log line says why."""
+    import logging
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hlo_shard").addHandler(Collect())
+    logging.getLogger("hlo_shard").setLevel(logging.INFO)
+    opt = OPTIMIZERS["adam"]()
+    step, state0 = jit_step(opt), host_state(opt, init_params)
+    plain, _ = run(step, state0, mesh)
+    out = {}
+    original_shard = hook_module._shard
+    import hlo_shard.cli.optimize as optimize_cli
+    original_validate = optimize_cli.validate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    for case, patch in (("exception", lambda: setattr(hook_module, "_shard", broken)),
+                        ("invalid", lambda: setattr(optimize_cli, "validate",
+                                                    lambda module: ["injected problem"]))):
+        records.clear()
+        patch()
+        try:
+            hook.decisions(clear=True)
+            with hook.install():
+                losses, _ = run(step, state0, mesh)
+        finally:
+            hook_module._shard = original_shard
+            optimize_cli.validate = original_validate
+        steps = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+        out[case] = {"same_losses": losses == plain, "changed": [d.changed for d in steps],
+                     "reasons": [d.reason for d in steps],
+                     "log": [r for r in records if "jit_step" in r]}
+    return out
+
+
+def no_gradients(mesh) -> dict:
+    """An evaluation function and optax init: nothing changed, init never parsed."""
+    hook.decisions(clear=True)
+    replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(init_params(), replicated)
+    x, y = (jax.device_put(v, batched) for v in batch())
+    with hook.install():
+        evaluated = float(jax.jit(loss_fn)(params, x, y))
+        jax.jit(optax.adam(1e-3).init)(init_params())
+    made = hook.decisions(clear=True)
+    return {"modules": [d.module for d in made], "changed": [d.changed for d in made],
+            "loss": evaluated,
+            "direct": hook_module._HOOK.transform(b"\x0a\x03abc") is None}
+
+
+def mutant(mesh) -> dict:
+    """The checker can fail: collectives on blocks along a minor dimension in a laid-out
+    module (the bug XLA:CPU turned into a transposed update) must show in the comparison."""
+    from hlo_shard.passes import shard_emitter
+
+    original = shard_emitter.ShardEmitter.collective_blocks
+    shard_emitter.ShardEmitter.collective_blocks = \
+        lambda self, fmt, shape: shard_emitter.uses_blocks(fmt, shape)
+    try:
+        return training("adam", jit_step, mesh, strategy="per-tensor")  # one leaf each
+    finally:
+        shard_emitter.ShardEmitter.collective_blocks = original
+
+
+def main(names: list[str]) -> None:
+    mesh = jax.make_mesh((N,), ("d",))
+    scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
+                 "mutant": mutant,
+                 "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),
+                 "shard_map:adam": lambda m: training("adam",
+                                                      lambda o, f: shard_map_step(o, m, f), m),
+                 "loop:adam": lambda m: training("adam", loop_step, m),
+                 "only_other": lambda m: training("adam", jit_step, m, only="^jit_eval"),
+                 **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
+                    for name in OPTIMIZERS},
+                 **{f"{model}:{name}": (lambda m, name=name, model=model:
+                                        training(name, jit_step, m, model))
+                    for model in ("block", "conv") for name in OPTIMIZERS}}
+    print(json.dumps({name: scenarios[name](mesh) for name in names}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[3:])

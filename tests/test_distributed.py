@@ -1,0 +1,261 @@
+"""``verify --processes``: modules run on 2 real jax.distributed processes × 2 CPU
+devices each (gloo collectives, coordinator on 127.0.0.1), compared as in one
+process; a process that dies or hangs ends the run with exit 2 naming it, and no
+process outlives the run or its parent. A few seconds per test (each run starts
+two jax processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hlo_shard import runtime
+from hlo_shard.cli import main
+from hlo_shard.errors import HloRuntimeError, HloShardError
+from hlo_shard.runtime.distributed import DistributedWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+ADAM = ROOT / "fixtures" / "spmd" / "adam.n4.hlo"
+pytestmark = pytest.mark.skipif(not ADAM.exists(), reason=f"{ADAM} not generated")
+TWO_BY_TWO = ("--processes", "2", "--devices", "4")
+
+#: Each device's id, and the all-reduce of a per-device value: shows which device
+#: ran which replica and that values reached the right process.
+WHO = """HloModule who, replica_count=4
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { g = f32[3] parameter(0) s = f32[3] all-reduce(g), replica_groups={}, to_apply=add
+ id = u32[] replica-id() ROOT t = (u32[], f32[3], f32[3]) tuple(id, s, g) }
+"""
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("distributed")
+    out, manifest = folder / "adam.opt.hlo", folder / "adam.opt.json"
+    made = CliRunner().invoke(main, ["optimize", str(ADAM), "-o", str(out), "--state",
+                                     "sharded", "--manifest", str(manifest)])
+    assert made.exit_code == 0, made.output
+    return out, manifest
+
+
+def verify_cli(*args: str):
+    return CliRunner().invoke(main, ["verify", *args])
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in pids if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+# ----------------------------------------------------------------------- verdicts
+
+
+def test_optimized_fixture_matches_on_two_processes(optimized):
+    out, manifest = optimized
+    result = verify_cli(str(ADAM), str(out), "--manifest", str(manifest), "--steps", "2",
+                        "--processes", "2")  # 4 devices: the module's count
+    assert result.exit_code == 0, result.output
+    assert "MATCH: all 14 outputs agree on 4 cpu devices over 2 steps" in result.stdout
+    assert "ran in 2 processes x 2 devices through jax.distributed" in result.stdout
+
+
+def test_mutated_candidate_differs_on_two_processes(optimized, tmp_path):
+    out, manifest = optimized
+    mutant = tmp_path / "mutant.hlo"
+    text = out.read_text()
+    assert text.count("constant(-0.001)") == 1  # Adam's learning rate
+    mutant.write_text(text.replace("constant(-0.001)", "constant(-0.002)"))
+    result = verify_cli(str(ADAM), str(mutant), "--manifest", str(manifest), "-q",
+                        *TWO_BY_TWO)
+    assert result.exit_code == 1, result.output
+    assert "DIFFERENT:" in result.stdout and "on 4 cpu devices" in result.stdout
+
+
+def test_values_reach_the_devices_of_their_process():
+    grads = [np.full(3, 10.0 ** d, np.float32) for d in range(4)]
+    with DistributedWorker(2, 4) as worker:
+        exe = runtime.load(WHO, worker=worker)
+        ids, sums, echoed = exe([g for g in grads])
+        assert worker.info["local_device_ids"][1] != worker.info["local_device_ids"][0]
+    assert [int(i) for i in ids] == [0, 1, 2, 3]
+    for device in range(4):
+        np.testing.assert_array_equal(sums[device], np.full(3, 1111.0, np.float32))
+        np.testing.assert_array_equal(echoed[device], grads[device])
+
+
+def test_devices_must_split_evenly():
+    result = verify_cli(str(ADAM), "--processes", "3", "--devices", "4")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: 4 devices cannot be split evenly over 3 "
+                                     "processes; choose --devices as a multiple of --processes")
+    result = verify_cli(str(ADAM), "--processes", "2", "--backend", "gpu")
+    assert result.exit_code == 2 and result.stderr.startswith(
+        "error: --processes starts local CPU processes; for gpu across hosts")
+    with pytest.raises(HloShardError, match="for 2 devices cannot run on the 4 devices"), \
+            DistributedWorker(2, 4) as worker:
+        runtime.load(WHO.replace("replica_count=4", "replica_count=2"), worker=worker)
+
+
+# ----------------------------------------------------------------------- failures
+
+
+def _start_long_run(tmp_path, timeout: str = "60"):
+    """A CLI run timing forever; returns (process, stderr path, its two children)."""
+    module = tmp_path / "who.hlo"
+    module.write_text(WHO)
+    log = tmp_path / "stderr.txt"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hlo_shard", "verify", str(module), str(module),
+         "--time", "100000000", "--timeout", timeout, *TWO_BY_TWO],
+        stdout=subprocess.PIPE, stderr=log.open("wb"),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # Python keeps SIGINT ignored if it starts ignored (as under a background shell).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while "timing:" not in log.read_text() and process.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    children = children_of(process.pid)
+    assert len(children) == 2, log.read_text()
+    return process, log, sorted(children)
+
+
+def test_killed_process_ends_the_run_with_its_last_line(tmp_path):
+    process, log, children = _start_long_run(tmp_path)
+    os.kill(children[1], signal.SIGKILL)
+    assert process.wait(timeout=60) == 2
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: timing: process 1 of 2 killed by SIGKILL; "
+                           "last stderr line: process 1: time "), last
+    assert last.endswith("(all 2 processes were stopped)")
+    assert wait_gone(children) == []
+
+
+def test_hung_process_is_bounded_by_the_timeout(tmp_path):
+    process, log, children = _start_long_run(tmp_path, timeout="3")
+    os.kill(children[1], signal.SIGSTOP)
+    try:
+        assert process.wait(timeout=60) == 2
+    finally:
+        for child in children:
+            if running(child):
+                os.kill(child, signal.SIGKILL)
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: timing: timed out after 3 s: "), last
+    assert "process 1 of 2 stopped answering; last stderr line: process 1: time" in last
+    assert wait_gone(children) == []
+
+
+def test_processes_die_with_their_parent(tmp_path):
+    process, _, children = _start_long_run(tmp_path)
+    process.kill()  # no cleanup code runs in the parent
+    process.wait()
+    assert wait_gone(children) == []
+
+
+def test_interrupted_run_stops_its_processes_at_once(tmp_path):
+    process, _, children = _start_long_run(tmp_path)
+    os.kill(process.pid, signal.SIGINT)  # Ctrl-C: the processes ignore it, the parent not
+    assert process.wait(timeout=30) != 0
+    assert wait_gone(children, seconds=3) == []
+
+
+def test_a_dead_process_is_reported_to_the_api():
+    with DistributedWorker(2, 4) as worker:
+        exe = runtime.load(WHO, worker=worker)
+        os.kill(worker.pids[0], signal.SIGKILL)
+        pids = worker.pids
+        with pytest.raises(HloRuntimeError, match=r"process 0 of 2 killed by SIGKILL"):
+            exe([np.zeros(3, np.float32)] * 4)
+        assert wait_gone(pids) == [] and not worker.alive
+        # The next call starts a fresh pair of processes and compiles again.
+        ids, _, _ = exe([np.zeros(3, np.float32)] * 4)
+        assert [int(i) for i in ids] == [0, 1, 2, 3] and worker.generation == 2
+
+
+# ------------------------------------------------ hlo_shard.jax across processes
+
+DEMO = ROOT / "scripts" / "demo_distributed.py"
+#: The demo's training loop, small: 10 steps of an MLP + Adam, 2 rows per device.
+LOOP = ["--steps", "10", "--width", "32", "--layers", "3"]
+
+
+def _training(processes: int, devices_per_process: int, *args: str) -> list[dict]:
+    from hlo_shard.runtime.distributed import launch
+
+    sys.path.insert(0, str(DEMO.parent))
+    import demo_distributed
+
+    return demo_distributed.results_of(launch(DEMO, [*LOOP, *args], processes,
+                                              devices_per_process, timeout=300))
+
+
+def test_training_in_two_processes_equals_one_process():
+    """The same 10 steps through shard_weight_update, both state modes, on 2 processes
+    x 2 devices (sharded: with a checkpoint round trip before step 6) and on 1 process
+    x 4 (without): the same losses, parameters and optimizer state (after gather_args)
+    within f32 rounding of sums taken in another order (gloo's across processes, XLA's
+    in one), and every process holding the same full values."""
+    modes = ("--modes", "gathered,sharded")
+    one = {r["mode"]: r for r in _training(1, 4, *modes)}
+    two = _training(2, 2, *modes, "--resume-at", "5")
+    assert sorted((r["mode"], r["process"]) for r in two) == [
+        ("gathered", 0), ("gathered", 1), ("sharded", 0), ("sharded", 1)]
+    for mode, reference in one.items():
+        first, second = (r for r in two if r["mode"] == mode)
+        assert reference["sharded"] and first["sharded"] == reference["sharded"]
+        assert first["leaves"] == second["leaves"] and first["losses"] == second["losses"]
+        np.testing.assert_allclose(first["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        for ours, theirs in zip(first["leaves"], reference["leaves"]):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_processes_that_build_different_programs_are_refused(tmp_path):
+    """Process 1 optimizes with another strategy: both refuse before running a step."""
+    script = tmp_path / "disagree.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed
+args = demo_distributed.parse_args()
+args.strategy = "per-tensor" if args.process_id else "combined"
+demo_distributed.train(args)
+""")
+    from hlo_shard.runtime.distributed import launch
+
+    with pytest.raises(HloRuntimeError) as failed:
+        launch(script, ["--modes", "gathered", "--steps", "1"], 2, 2, timeout=300)
+    message = str(failed.value)  # names the first process to exit (both refuse)
+    assert ("of 2 exited with status 1; last stderr line: hlo_shard.errors.HloShardError: "
+            "hlo_shard.jax: the 2 processes built different programs for this step "
+            "(process 0: optimized module sha256 ") in message, message

@@ -1,0 +1,164 @@
+"""The pass on XLA-optimized (fused, laid-out) modules: what ``optimize`` does with
+``after_optimizations`` dumps and what the ``install()`` hook hands it.
+
+XLA will not compile its own optimized text again, so these tests are structural (the
+result validates, the shard bodies are elementwise on ``[L]``, the explain rows name what
+stops a fusion); the numeric checks of fused rewrites run through the hook
+(tests/test_jax_hook.py: real jax steps compiled with the pass inside XLA).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from hlo_shard.analysis.collectives import recovered_device_counts
+from hlo_shard.cli.optimize import optimize_module
+from hlo_shard.ir import ArrayShape
+from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.validate import validate
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+OPTIMIZED = sorted((FIXTURES / "optimized").glob("*.hlo"))
+
+#: A gradient computed transposed (JAX's weight gradients) and an update fusion whose body
+#: transposes it back into the weight's order (what XLA's fusion makes of m' = m + 0.1 g^T).
+FUSED = """HloModule fused_step, entry_computation_layout={(f32[4,6]{1,0}, f32[6,4]{1,0})->f32[6,4]{1,0}}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%update (p0: f32[6,4], p1: f32[4,6]) -> f32[6,4] {
+  %p1 = f32[4,6]{1,0} parameter(1)
+  %c = f32[] constant(0.1)
+  %b = f32[4,6]{1,0} broadcast(%c), dimensions={}
+  %scaled = f32[4,6]{1,0} multiply(%p1, %b)
+  %t = f32[6,4]{0,1} transpose(%scaled), dimensions={1,0}
+  %copy = f32[6,4]{1,0} copy(%t)
+  %p0 = f32[6,4]{1,0} parameter(0)
+  ROOT %sum = f32[6,4]{1,0} add(%p0, %copy)
+}
+
+ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {
+  %g = f32[4,6]{1,0} parameter(0)
+  %m = f32[6,4]{1,0} parameter(1), sharding={replicated}
+  %ar = f32[4,6]{1,0} all-reduce(%g), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  ROOT %f = f32[6,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update
+}
+"""
+
+
+def _optimize(text: str, **options):
+    module = parse(text)
+    report, out = optimize_module(module, ShardingOptions(**options))
+    return report, parse(out)
+
+
+def test_a_fusion_transposing_the_gradient_runs_on_shards():
+    report, out = _optimize(FUSED)
+    (row,) = report.explanations
+    assert row.sharded and row.ops_moved == 1
+    # the gradient is formatted (one transpose) before the reduce-scatter; m is sliced
+    # in its own order and the result gathered without a transpose
+    assert row.formatting_copies == 1
+    body = out.computation("update.shard")
+    assert {i.opcode for i in body.instructions} == {"parameter", "constant", "broadcast",
+                                                     "multiply", "copy", "add"}
+    assert all(i.shape.dims in ((), (6,)) for i in body.instructions)
+    entry = [i.opcode for i in out.entry.instructions]
+    assert "all-reduce" not in entry and entry.count("transpose") == 1
+    assert not validate(out)
+
+
+def test_lost_device_counts_are_recovered_from_the_groups():
+    report, out = _optimize(FUSED)
+    assert out.num_partitions == 4 and any("num_partitions=4 recovered" in n
+                                           for n in report.notes)
+    # a header that has them is left alone; cross-replica groups name replicas
+    assert recovered_device_counts(parse(FUSED.replace(
+        "entry_computation_layout", "num_partitions=4, entry_computation_layout"))) == {}
+    replicas = FUSED.replace("channel_id=1, replica_groups=[1,4]<=[4], "
+                             "use_global_device_ids=true", "replica_groups={{0,1,2,3}}")
+    assert recovered_device_counts(parse(replicas)) == {"replica_count": 4}
+
+
+@pytest.mark.parametrize("body, stop", [
+    # a reversal is no element order: the op is named
+    ("%copy = f32[6,4]{1,0} reverse(%t), dimensions={0}", "%copy (reverse) is not elementwise"),
+    # a non-scalar constant cannot be sliced inside the body
+    ("%copy = f32[6,4]{1,0} constant({...})", "%copy (constant) is not elementwise"),
+])
+def test_explain_names_the_op_that_stops_a_fusion(body, stop):
+    text = FUSED.replace("%copy = f32[6,4]{1,0} copy(%t)", body)
+    if "constant" in body:
+        text = text.replace("constant({...})", "constant({ {1,2,3,4}, {1,2,3,4}, {1,2,3,4}, "
+                                                 "{1,2,3,4}, {1,2,3,4}, {1,2,3,4} })")
+    report, _ = _optimize(text)
+    (row,) = report.explanations
+    assert not row.sharded
+    assert f"fusion %f: {stop}" in row.reason, row.reason
+
+
+def test_a_body_reading_one_value_in_two_orders_stays_whole():
+    """m + g + g^T has no element order in which both reads of g are the shard's own."""
+    square = FUSED.replace("f32[4,6]", "f32[4,4]").replace("f32[6,4]", "f32[4,4]")
+    square = square[:square.index("%update (")] + """%update (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %t = f32[4,4]{1,0} transpose(%p1), dimensions={1,0}
+  %sum = f32[4,4]{1,0} add(%p0, %p1)
+  ROOT %both = f32[4,4]{1,0} add(%sum, %t)
+}
+""" + square[square.index("ENTRY"):]
+    report, _ = _optimize(square)
+    (row,) = report.explanations
+    assert not row.sharded and "in two element orders" in row.reason, row.reason
+
+
+def test_a_fusion_reading_the_same_gradient_twice():
+    twice = FUSED.replace("%p0 = f32[6,4]{1,0} parameter(0)",
+                          "%p0 = f32[4,6]{1,0} parameter(0)\n  %p0t = f32[6,4]{0,1} "
+                          "transpose(%p0), dimensions={1,0}") \
+        .replace("add(%p0, %copy)", "add(%p0t, %copy)") \
+        .replace("%update (p0: f32[6,4]", "%update (p0: f32[4,6]") \
+        .replace("fusion(%m, %ar)", "fusion(%ar, %ar)")
+    report, out = _optimize(twice)
+    (row,) = report.explanations
+    assert row.sharded and row.ops_moved == 1 and not validate(out)
+    (fusion,) = [i for i in out.entry.instructions if i.opcode == "fusion"]
+    assert fusion.operands[0] == fusion.operands[1]
+
+
+def _sharded_gradients(path: Path) -> Counter:
+    report, out = _optimize(path.read_text())
+    assert not validate(out)
+    # dims, not types: XLA:CPU all-reduces the bf16 gradients of the bf16 steps in f32
+    return Counter((row.shape[row.shape.index("["):].split("{")[0], row.sharded)
+                   for row in report.explanations)
+
+
+@pytest.mark.parametrize("path", OPTIMIZED, ids=lambda p: p.stem)
+def test_optimized_fixture_shards_what_its_spmd_form_shards(path):
+    """The fused form of a step shards the same gradients as its SPMD form (the same
+    shapes, sharded or not), and the result of the scheduled module validates: every
+    instruction after its operands, in the printed (schedule) order."""
+    _, out = _optimize(path.read_text())
+    assert out.is_scheduled and not validate(out)
+    assert _sharded_gradients(path) == _sharded_gradients(FIXTURES / "spmd" / path.name)
+
+
+def test_the_combined_tuple_all_reduce_is_split():
+    """XLA's combiner made one tuple all-reduce of every gradient and the loss: the
+    gradients go to reduce-scatters, the loss keeps an all-reduce of its own."""
+    _, out = _optimize((FIXTURES / "optimized" / "momentum.n4.hlo").read_text(),
+                       strategy="per-tensor")
+    opcodes = Counter(i.opcode for i in out.entry.instructions)
+    assert opcodes["reduce-scatter"] == 4
+    (loss,) = [i for i in out.entry.instructions if i.opcode == "all-reduce"]
+    assert isinstance(loss.shape, ArrayShape) and loss.shape.is_scalar

@@ -1,0 +1,35 @@
+"""``hlo-shard optimize DUMP_DIR``: the per-device stage of the largest step in a real
+XLA dump folder, or one line saying which flags write it."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from jax_train_helpers import make_program, needs_devices
+
+from hlo_shard.cli import main
+
+
+def test_optimize_reads_the_partitioned_step_of_a_dump_folder(request, tmp_path):
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2)
+    params, opt_state = program.init()
+    dump = tmp_path / "dump"
+    options = {"xla_dump_to": str(dump), "xla_dump_large_constants": True,
+               "xla_dump_hlo_pass_re": "spmd-partitioning|call-inliner"}
+    program.step.lower(params, opt_state, program.batch(0)).compile(compiler_options=options)
+    out = tmp_path / "step.hlo"
+    result = CliRunner().invoke(main, ["optimize", str(dump), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "after_call-inliner.before_pipeline-end.txt" in result.output  # says which file
+    assert "reduce-scatter" in out.read_text()
+
+
+def test_optimize_names_the_flags_for_a_folder_without_the_stage(tmp_path):
+    (tmp_path / "module_0001.jit_step.cpu_after_optimizations.txt").write_text("HloModule x\n")
+    result = CliRunner().invoke(main, ["optimize", str(tmp_path), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    line = result.output.strip()
+    assert "\n" not in line and "--xla_dump_hlo_pass_re=spmd-partitioning|call-inliner" in line
+    assert "jit_step" in line and not (tmp_path / "o").exists()

@@ -1,0 +1,147 @@
+"""``hlo_shard.jax.install()``: the pass inside XLA's compilation of unmodified jax steps.
+
+The jax programs run in a child process (tests/jax_hook_scenarios.py: the CPU device
+count must be set before jax starts), one per test module or slow test; each training
+scenario compares an unmodified ``jax.jit`` (or ``shard_map``) loop with and without the
+hook — bitwise, as XLA compiles the same arithmetic for these steps. Numeric checks of
+fused rewrites can only go through this path: XLA will not compile its own optimized
+dumps again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ROOT / "tests" / "jax_hook_scenarios.py"
+
+
+def run_scenarios(devices: int, steps: int, *names: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(SCENARIOS), str(devices), str(steps), *names],
+                         env=env, capture_output=True, text=True, check=False, cwd=ROOT, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def quick():
+    return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
+                         "per_tensor", "loop:adam", "only_other")
+
+
+def test_install_and_uninstall_are_idempotent(quick):
+    result = quick["idempotence"]
+    assert result["registered_once"] and not result["installed_after"]
+    # two installs: the module is sharded once (one decision, not two applications)
+    assert result["applications"] == 1 and result["changed"] == [True]
+    assert result["same_losses"]
+    # after uninstall (twice), steps compile without the pass
+    assert result["untouched_after_uninstall"] and result["after_losses_equal"]
+
+
+@pytest.mark.parametrize("case", ["exception", "invalid"])
+def test_a_failing_pass_never_reaches_jax(quick, case):
+    """The pass raising, or a result the validator rejects: jax compiles the original,
+    the step runs, one log line on the ``hlo_shard`` logger says why."""
+    result = quick["failure"][case]
+    assert result["same_losses"] and result["changed"] == [False]
+    expected = "injected failure" if case == "exception" else "fails validation"
+    assert expected in result["reasons"][0]
+    assert len(result["log"]) == 1 and expected in result["log"][0]
+
+
+def test_modules_without_gradients_are_untouched(quick):
+    result = quick["no_gradients"]
+    # optax init has no all-reduce: skipped by the quick check, never parsed
+    assert result["modules"] == ["jit_loss_fn"] and result["changed"] == [False]
+    assert result["direct"]  # bytes that are no module: None, no exception
+
+
+def test_only_filters_modules_by_name(quick):
+    result = quick["only_other"]  # only="^jit_eval": the step is compiled as it was
+    assert result["changed"] == [] and result["loss"] == 0.0 and result["params"] == 0.0
+
+
+def test_jit_adam_loop_is_bitwise_the_same(quick):
+    result = quick["jit:adam"]
+    assert result["changed"] == [True]
+    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
+
+
+def test_per_tensor_collectives_are_bitwise_the_same(quick):
+    """One reduce-scatter per gradient: the transposed weight gradients go through the
+    flat path (a laid-out module's collectives split the major dimension only)."""
+    result = quick["per_tensor"]
+    assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
+
+
+def test_a_training_loop_keeps_its_state_sharded_in_the_carry(quick):
+    """fori_loop over three steps, compiled as one module: the signature cannot change,
+    but inside the loop the optimizer state stays sharded across iterations."""
+    result = quick["loop:adam"]
+    assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
+    assert any("stay sharded across iterations" in note for note in result["notes"])
+
+
+def test_the_comparison_catches_a_wrong_rewrite(quick):
+    """Mutant: blocks through collectives along a minor dimension of a laid-out module."""
+    result = quick["mutant"]
+    assert result["changed"] == [True] and result["params"] > 1e-3
+
+
+#: Not bitwise: XLA compiles the sharded step's arithmetic differently (ulp-level: 2e-7
+#: of the largest parameter after 50 steps, measured); the bound is a hundred times that.
+NOT_BITWISE = {"block:adafactor": 1e-5}
+
+
+@pytest.mark.slow
+def test_models_optimizers_and_shard_map_over_50_steps():
+    """The MLP, a transformer block and a conv net × adam, adamw + clipping, lion, lamb,
+    adafactor, and a shard_map step: 50 steps with the hook = 50 without."""
+    names = [f"{model}:{opt}" for model in ("jit", "block", "conv")
+             for opt in ("adam", "adamw_clip", "lion", "lamb", "adafactor")] + \
+        ["shard_map:adam", "loop:adam"]
+    results = run_scenarios(4, 50, *names)
+    for name in names:
+        result = results[name]
+        assert result["changed"] == [True], (name, result["reasons"])
+        assert result["sharded_bytes"] == result["gradient_bytes"] - 4, name  # all but loss
+        bound = NOT_BITWISE.get(name, 0.0)
+        assert result["loss"] <= bound and result["params"] <= bound, (name, result)
+
+
+def test_install_rejects_what_the_hook_cannot_do():
+    from hlo_shard.errors import HloShardError
+    from hlo_shard.jax import install, installed
+
+    with pytest.raises(HloShardError, match="gathered"):
+        install(state="sharded")
+    with pytest.raises(HloShardError, match="strategy"):
+        install(strategy="fastest")
+    with pytest.raises(HloShardError):
+        install(profile="no-such-profile")
+    with pytest.raises(HloShardError, match="regular expression"):
+        install(only="(")
+    assert not installed()
+
+
+def test_main_runs_a_script_with_the_hook(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys, hlo_shard.jax as h\nprint(h.installed(), sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for switch, expected in (("1", "True ['--lr', '3']"), ("0", "False ['--lr', '3']")):
+        run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(script), "--lr", "3"],
+                             env=dict(env, HLO_SHARD=switch), capture_output=True, text=True, check=False)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == expected
+    run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(tmp_path / "none.py")],
+                         env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "no such script" in run.stderr

@@ -1,0 +1,179 @@
+"""The pass contract and the pipeline: frozen passes with resolved options, typed
+reports, truthful ``changed``, a check after each pass that names the pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pytest
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import Rewriter
+from hlo_shard.ir import ArrayShape, Module
+from hlo_shard.parser import parse
+from hlo_shard.passes.adapters import WeightUpdateShardingPass
+from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.pipeline import PassCheckError, Pipeline
+from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
+from hlo_shard.printer import to_text
+from hlo_shard.profiles import HardwareProfile
+
+from wus_helpers import ADD
+
+SGD = f"""HloModule sgd, replica_count=2
+{ADD}
+ENTRY e {{ w = f32[8] parameter(0) g = f32[8] parameter(1)
+ ar = f32[8] all-reduce(g), replica_groups={{{{0,1}}}}, to_apply=add
+ ROOT nw = f32[8] subtract(w, ar) }}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Retype(ModulePass[int]):
+    """A toy pass: ``opcode`` → ``to`` in the entry; the report is how many."""
+
+    name: ClassVar[str] = "retype"
+    opcode: str
+    to: str
+
+    def apply(self, module: Module) -> PassResult[int]:
+        rw = Rewriter(module.entry)
+        for inst in list(module.entry.instructions):
+            if inst.opcode == self.opcode:
+                rw.set_opcode(inst, self.to)
+        return PassResult(module, bool(rw.changes), rw.changes, report=len(rw.changes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape(ModulePass[None]):
+    """A broken pass: gives the root a shape its operands do not have."""
+
+    name: ClassVar[str] = "broken-reshape"
+
+    def apply(self, module: Module) -> PassResult[None]:
+        rw = Rewriter(module.entry)
+        rw.set_shape(module.entry.root, ArrayShape("f32", (3,)))
+        return PassResult(module, True, rw.changes)
+
+
+def test_passes_run_in_order_with_typed_reports_and_a_callback():
+    seen = []
+    pipeline = Pipeline([Retype("subtract", "add"), Retype("add", "multiply")],
+                        after_pass=lambda step, result: seen.append((step.name, result.report)))
+    result = pipeline.run(parse(SGD))
+    # the second pass sees the first one's edit (the reducer's add is not in the entry)
+    assert seen == [("retype", 1), ("retype", 1)]
+    assert result.module.entry.root.opcode == "multiply"
+    assert result.changed and result.report(int) == 1
+    with pytest.raises(KeyError):
+        result.report(str)
+
+
+def test_changed_is_false_when_nothing_changed():
+    result = Pipeline([Retype("sine", "cosine")]).run(parse(SGD))
+    assert not result.changed and result.results[0].changes == []
+
+
+def test_a_check_failure_names_the_pass():
+    with pytest.raises(PassCheckError, match=r"pass broken-reshape left an invalid module: "
+                                             r"shape: %nw in %e: operand dims"):
+        Pipeline([Retype("sine", "cosine"), Reshape()]).run(parse(SGD))
+    # without the check the slip goes unseen
+    Pipeline([Reshape()], check=None).run(parse(SGD))
+
+
+def test_passes_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Retype("a", "b").to = "c"
+
+
+def test_the_weight_update_pass_runs_in_a_pipeline_unchanged():
+    direct = parse(SGD)
+    WeightUpdateSharding().apply(direct)
+    result = Pipeline([WeightUpdateShardingPass()]).run(parse(SGD))
+    assert to_text(result.module) == to_text(direct)
+    report = result.report(ShardingReport)
+    assert result.changed and report.explanations[0].sharded
+
+
+def test_the_weight_update_pass_resolves_its_options_when_built():
+    step = WeightUpdateShardingPass(ShardingOptions(profile="h100"))
+    assert isinstance(step.options.profile, HardwareProfile)
+    assert step.options.profile.name == "h100"
+    with pytest.raises(HloShardError, match="state"):
+        WeightUpdateShardingPass(ShardingOptions(state="everywhere"))
+    with pytest.raises(HloShardError, match="unknown profile"):
+        WeightUpdateShardingPass(ShardingOptions(profile="no-such-chip"))
+
+
+def test_a_positional_legacy_result_carries_its_report():
+    module = parse(SGD)
+    assert PassResult(module, False, [], ["report"]).report == "report"
+
+
+SPMD = f"""HloModule spmd, num_partitions=2, input_output_alias={{ {{}}: (0, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[8] parameter(0), sharding={{replicated}}
+ g = f32[2,4] parameter(1)
+ ar = (f32[8], f32[2,4]) all-reduce(w, g), channel_id=7, replica_groups={{{{0,1}}}},
+   use_global_device_ids=true, to_apply=add
+ a = f32[8] get-tuple-element(ar), index=0
+ id = u32[] partition-id()
+ ROOT t = (f32[8], u32[]) tuple(a, id) }}
+"""
+
+
+def test_replica_form_reports_what_it_did():
+    result = Pipeline([ReplicaForm()]).run(parse(SPMD))
+    report = result.report(ReplicaFormReport)
+    assert report == ReplicaFormReport(devices=2, from_spmd=True, split_all_reduces=("ar",),
+                                       renumbered_channels=2)
+    text = to_text(result.module)
+    assert "replica_count=2" in text and "num_partitions" not in text
+    assert "input_output_alias" not in text and "sharding" not in text
+    assert "replica-id()" in text and "partition-id" not in text
+    kinds = {change.kind for change in result.results[0].changes}
+    assert kinds >= {"drop-header", "set-header", "pop-attr", "set-opcode", "insert",
+                     "set-operands", "set-attr"}
+
+
+def test_replica_form_of_a_replica_form_module_changes_nothing():
+    once = Pipeline([ReplicaForm()]).run(parse(SPMD)).module
+    again = Pipeline([ReplicaForm()]).run(parse(to_text(once)))
+    assert not again.changed and to_text(again.module) == to_text(once)
+
+
+def test_replica_form_refuses_replicas_and_partitions_together():
+    module = parse(SGD.replace("replica_count=2", "replica_count=2, num_partitions=2"))
+    with pytest.raises(HloShardError, match="replica_count or num_partitions"):
+        ReplicaForm().apply(module)
+
+
+def test_pipelines_are_read_from_a_spec():
+    from hlo_shard.passes.registry import parse_pipeline
+
+    first, second = parse_pipeline(
+        "weight-update-sharding{state=sharded bucket-bytes=1024}, replica-form")
+    assert first.options.state == "sharded" and first.options.bucket_bytes == 1024
+    assert isinstance(second, ReplicaForm)
+    with pytest.raises(HloShardError, match="unknown pass 'nope'"):
+        parse_pipeline("nope")
+    with pytest.raises(HloShardError, match="not key=value"):
+        parse_pipeline("weight-update-sharding{sharded}")
+    with pytest.raises(HloShardError, match="pass replica-form: .*unexpected keyword"):
+        parse_pipeline("replica-form{x=1}")
+    with pytest.raises(HloShardError, match="bad pass pipeline at column 14"):
+        parse_pipeline("replica-form,{")
+
+
+def test_retarget_reports_the_group_sizes():
+    from hlo_shard.passes.retarget import Retarget, RetargetReport
+
+    result = Pipeline([Retarget(8)]).run(parse(SGD))
+    assert result.report(RetargetReport) == RetargetReport(from_devices=2, to_devices=8)
+    assert result.module.replica_count == 8 and "{0,1,2,3,4,5,6,7}" in to_text(result.module)
+    with pytest.raises(HloShardError, match="at least one replica"):
+        Retarget(0)
