@@ -102,6 +102,6 @@ def test_optimized_fixture_computes_the_same(worker, path, state):
     if state == "sharded" and _has_state(path):
         assert any(p.kind == "sharded" for p in report.parameters)
     result = runtime.verify(parse(text, str(path)), parse(optimized),
-                            runtime.VerifyOptions(steps=3, manifest=manifest))
+                            runtime.VerifyOptions(steps=5, manifest=manifest))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs, leaf.max_rel)
                        for leaf in result.final() if not leaf.ok]

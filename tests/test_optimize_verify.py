@@ -68,7 +68,7 @@ def verify_optimized(text: str, **options) -> runtime.VerifyReport:
     assert any(r.sharded for r in report.explanations)
     manifest = build_manifest(report, module)
     return runtime.verify(parse(text), parse(optimized),
-                          runtime.VerifyOptions(steps=3, manifest=manifest))
+                          runtime.VerifyOptions(steps=5, manifest=manifest))
 
 
 @pytest.mark.parametrize("name, state, strategy", MATRIX)

@@ -275,5 +275,9 @@ def test_unsupported_jaxlib_versions_are_named():
 def test_worker_environment_sets_the_device_count(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_foo=1")
     env = runtime.worker.child_environment("cpu", 8)
-    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=8"]
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=8",
+                                        "--xla_allow_excess_precision=false"]
     assert env["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=true")  # the user's wins
+    assert "--xla_allow_excess_precision=false" not in \
+        runtime.worker.child_environment("cpu", 8)["XLA_FLAGS"]

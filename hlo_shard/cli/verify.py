@@ -47,7 +47,7 @@ def _roles_lines(report) -> list[str]:
 
 
 def _table(report) -> list[str]:
-    rows = [("output", "shape", "max abs", "max rel", "worst dev", "verdict")]
+    rows = [("output", "shape", "max abs", "max rel", "Δ rel", "worst dev", "verdict")]
     for leaf in report.final():
         shape = f"{leaf.shape.element_type}[{','.join(map(str, leaf.shape.dims))}]"
         verdict = leaf.verdict
@@ -56,10 +56,31 @@ def _table(report) -> list[str]:
         if leaf.detail:
             verdict += f": {leaf.detail}"
         rows.append((str(leaf.index), shape, _number(leaf.max_abs), _number(leaf.max_rel),
+                     "-" if leaf.update_rtol is None else _number(leaf.update_max_rel),
                      "-" if leaf.worst_device is None else str(leaf.worst_device), verdict))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[6]
             for row in rows]
+
+
+def _tolerance_line(report) -> str:
+    """Value tolerances per dtype, and those of updates (Δ rel: of the leaf's max|Δ|)."""
+    final = report.final()
+    values = {leaf.shape.element_type: leaf.tolerance for leaf in final}
+    updates = {leaf.shape.element_type: leaf.update_rtol for leaf in final
+               if leaf.update_rtol is not None}
+    text = "tolerances: " + ", ".join(
+        f"{t} rtol {tol.rtol:g} atol {tol.atol:g}" if tol.rtol or tol.atol else f"{t} exact"
+        for t, tol in sorted(values.items()))
+    if updates:
+        from hlo_shard.runtime.compare import UPDATE_ULPS
+
+        text += "; updates Δ: " + ", ".join(f"{t} {rtol:g}·max|Δ| + {UPDATE_ULPS:g} ulp"
+                                             for t, rtol in sorted(updates.items()))
+    padded = sum(leaf.padding_checked for leaf in final)
+    if padded:
+        text += f"; padding lanes must be 0 ({padded} checked at the last step)"
+    return text
 
 
 def _measure_lines(report) -> list[str]:
@@ -90,6 +111,11 @@ def _text_report(report, timed: bool) -> list[str]:
     if report.feedback and report.steps_run > 1:
         lines.append("fed back between steps: " + ", ".join(
             f"output {o} -> parameter {p}" for o, p in report.feedback))
+        if report.resharded:
+            lines.append("re-sharded (candidate output and parameter formats differ): "
+                         + ", ".join(f"output {o} -> parameter {p}" for o, p in report.resharded))
+    if report.regimes:
+        lines.append("input regimes by step: " + ", ".join(report.regimes))
     if report.candidate is None:
         lines.append(f"{report.original.name}: compiled and executed on {devices} ({steps})")
         lines.append("outputs:")
@@ -99,10 +125,7 @@ def _text_report(report, timed: bool) -> list[str]:
             lines.append(f"  {index}  {shape.element_type}[{dims}]{warn}")
     else:
         lines += _table(report)
-        tolerances = {leaf.shape.element_type: leaf.tolerance for leaf in report.final()}
-        lines.append("tolerances: " + ", ".join(
-            f"{t} rtol {tol.rtol:g} atol {tol.atol:g}" if tol.rtol or tol.atol else f"{t} exact"
-            for t, tol in sorted(tolerances.items())))
+        lines.append(_tolerance_line(report))
         bad = [leaf for leaf in report.final() if not leaf.ok]
         if bad:
             step = report.differing[0][0]
@@ -141,8 +164,18 @@ def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Local processes joined by jax.distributed, each with devices/processes "
                    "CPU devices (docs/distributed.md).")
-@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Training steps; outputs that correspond to parameters are fed back.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Training steps; outputs that correspond to parameters are fed back "
+                   "(default: one per input regime with a candidate and --inputs-regime "
+                   "all, else 1).")
+@click.option("--inputs-regime", "regime", default="all", show_default=True,
+              type=click.Choice(["random", "zero-grad", "zero-state", "late-step",
+                                 "wide-range", "all"]),
+              help="Edge inputs: zero gradients, zero state, saturated step counts, wide "
+                   "magnitudes; 'all' takes one per step, in that order, cycling.")
+@click.option("--update-rtol", type=click.FloatRange(min=0), default=None,
+              help="Tolerance of each fed-back leaf's update Δ = out − in, relative to its "
+                   "largest |Δ| (default by dtype).")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None,
               help="Relative tolerance for float outputs (default by dtype).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
@@ -176,15 +209,18 @@ def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @user_errors
-def verify(original: str, candidate: str | None, devices: int | None, processes: int, steps: int,
+def verify(original: str, candidate: str | None, devices: int | None, processes: int,
+           steps: int | None, regime: str, update_rtol: float | None,
            rtol: float | None, atol: float | None, seed: int, backend: str,
            manifest_path: str | None, per_device_params: str | None, inputs_npz: str | None,
            time_runs: int, warmup: int, timeout: float, max_devices: str | None,
            worker_memory: str | None, as_json: bool, quiet: bool) -> None:
     """Run ORIGINAL (and CANDIDATE) on the same inputs and compare every output.
 
-    Each output leaf is compared on every device with dtype-aware tolerances; the
-    verdict is exit status 0 (match), 1 (differ) or 2 (error). With one module,
+    Each output leaf is compared on every device with dtype-aware tolerances, each
+    fed-back leaf also by its update Δ = out − in, and the padding lanes of sharded
+    outputs must stay zero; the verdict is exit status 0 (match), 1 (differ) or 2
+    (error). With one module,
     report that it compiles and runs, and its output shapes.
     """
     from hlo_shard import runtime
@@ -194,6 +230,7 @@ def verify(original: str, candidate: str | None, devices: int | None, processes:
     worker = DistributedWorker(processes, devices, backend, timeout) if processes > 1 else None
     options = runtime.VerifyOptions(
         devices=devices, steps=steps, seed=seed, rtol=rtol, atol=atol, backend=backend,
+        update_rtol=update_rtol, regime=regime,
         manifest=runtime.load_manifest(manifest_path) if manifest_path else None,
         per_device_params=_index_list(per_device_params), inputs_npz=inputs_npz,
         time_runs=time_runs, warmup=warmup, timeout=timeout, worker=worker)

@@ -34,7 +34,7 @@ from hlo_shard.fuzz.steps import FULL, Size, StepSpec, random_step, reductions, 
 STATES = ("gathered", "sharded")
 STRATEGIES = ("auto", "per-tensor", "combined")
 VARIANTS = tuple((state, strategy) for state in STATES for strategy in STRATEGIES)
-STEPS = 2
+STEPS = 5  # one per input regime (runtime.inputs.REGIMES)
 #: Seconds one optimize call may take before it counts as hung.
 TRANSFORM_TIMEOUT = 120
 #: XLA flags of the fuzzing workers (each unless the user's XLA_FLAGS set it). LLVM

@@ -33,8 +33,8 @@ from hlo_shard.runtime.executable import (
 )
 from hlo_shard.runtime.forms import check_executable, device_count, replica_form
 from hlo_shard.runtime.inputs import (
-    PER_DEVICE, REPLICATED, ParameterRole, default_roles, generate_inputs, load_npz,
-    numpy_dtype, parameter_roles, positive_parameters,
+    PER_DEVICE, REGIMES, REPLICATED, ParameterRole, Regime, default_roles, generate_inputs,
+    load_npz, numpy_dtype, parameter_roles, positive_parameters, regime_inputs,
 )
 from hlo_shard.runtime.manifest import (
     ArrayRecord, Manifest, Shard, gather_value, load_manifest, manifest_to_json,
@@ -49,11 +49,12 @@ from hlo_shard.runtime.worker import (
 
 __all__ = [
     "ArrayRecord", "DEFAULT_TOLERANCES", "Executable", "LeafComparison", "Manifest",
-    "MemoryStats", "ModuleReport", "PER_DEVICE", "ParameterRole", "REPLICATED", "Shard",
+    "MemoryStats", "ModuleReport", "PER_DEVICE", "ParameterRole", "REGIMES", "REPLICATED",
+    "Regime", "Shard",
     "Timing", "Tolerance", "VerifyOptions", "VerifyReport", "Worker", "check_executable",
     "compare_leaf", "default_feedback", "default_roles", "device_count", "gather_value",
     "generate_inputs", "get_worker", "load", "load_manifest", "load_npz", "manifest_to_json", "module_cost",
     "numpy_dtype", "parameter_roles", "parse_manifest", "positive_parameters", "read_module",
-    "replica_form", "shard_value", "shutdown_workers", "time_interleaved", "verify",
+    "regime_inputs", "replica_form", "shard_value", "shutdown_workers", "time_interleaved", "verify",
     "kill_workers",
 ]

@@ -5,11 +5,17 @@ A value matches when ``|candidate - original| <= atol + rtol·|original|`` eleme
 and infinities agree exactly. Integer, pred and other non-float leaves must be equal.
 Default tolerances depend on the element type: tight for f32/f64 (a rewrite that sums
 in another order may still differ in the last bits), looser for 16- and 8-bit floats.
+
+An output fed back to a parameter (a weight, an optimizer state) is also compared as
+an *update*, ``Δ = out − in`` of each module (:func:`compare_update`): a weight is
+``w + Δ`` with ``|Δ| ≪ |w|``, so an error in Δ hides under a tolerance relative to w.
+Δ matches when ``|Δb − Δa| ≤ rtol_Δ·max|Δa| + 2·ulp(out)`` elementwise, max over the
+leaf on all devices (docs/verify.md derives the bound from the reduction order).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +38,24 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 }
 EXACT = Tolerance(0.0, 0.0)
 
+#: Update tolerance per element type, relative to the leaf's largest update max|Δa|
+#: (docs/verify.md: reduction order of N ≤ 256 addends, 256·u for f32/f64; 16-bit
+#: and 8-bit state round every update, 4 units of their own roundoff).
+DEFAULT_UPDATE_RTOL: dict[str, float] = {
+    "f64": 256 * 2.0 ** -53, "f32": 256 * 2.0 ** -24, "f16": 4 * 2.0 ** -11,
+    "bf16": 4 * 2.0 ** -8,
+    **{t: 0.25 for t in FLOAT_TYPES if t.startswith("f8") or t.startswith("f4")},
+}
+#: ulps of the stored output each element may differ by: each module rounds its result
+#: once (½ ulp each) and a differently fused last operation may round once more.
+UPDATE_ULPS = 2.0
+
+
+def update_rtol_for(element_type: str, rtol: float | None = None) -> float | None:
+    """The update tolerance of ``element_type`` (None: not a float, no update check)."""
+    default = DEFAULT_UPDATE_RTOL.get(element_type)
+    return None if default is None else (default if rtol is None else rtol)
+
 
 def tolerance_for(element_type: str, rtol: float | None = None,
                   atol: float | None = None) -> Tolerance:
@@ -50,7 +74,9 @@ class LeafComparison:
 
     index: int
     shape: ArrayShape
-    verdict: str  # "match" | "differ" | "nan-mismatch" | "shape-mismatch" | "missing"
+    #: "match" | "differ" | "update-differ" | "padding-nonzero" | "nan-mismatch" |
+    #: "shape-mismatch" | "missing"
+    verdict: str
     max_abs: float = 0.0
     max_rel: float = 0.0
     #: Device with the largest error relative to the tolerance (None: no data).
@@ -60,6 +86,14 @@ class LeafComparison:
     compared: int = 0
     tolerance: Tolerance = EXACT
     detail: str = ""
+    #: The update check (fed-back float leaves): largest |Δb − Δa|, it relative to
+    #: max|Δa|, and the tolerance used (None: no update check on this leaf).
+    update_max_abs: float = 0.0
+    update_max_rel: float = 0.0
+    update_rtol: float | None = None
+    #: Padding lanes of the candidate's sharded output that are not zero, and checked.
+    padding_nonzero: int = 0
+    padding_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -70,7 +104,11 @@ class LeafComparison:
                 "max_abs": self.max_abs, "max_rel": self.max_rel,
                 "worst_device": self.worst_device, "mismatched": self.mismatched,
                 "compared": self.compared, "rtol": self.tolerance.rtol,
-                "atol": self.tolerance.atol, "detail": self.detail}
+                "atol": self.tolerance.atol, "detail": self.detail,
+                "update": None if self.update_rtol is None else {
+                    "max_abs": self.update_max_abs, "max_rel": self.update_max_rel,
+                    "rtol": self.update_rtol, "ulps": UPDATE_ULPS},
+                "padding": {"nonzero": self.padding_nonzero, "checked": self.padding_checked}}
 
 
 def shape_text(shape: ArrayShape) -> str:
@@ -150,3 +188,94 @@ def compare_leaf(index: int, shape: ArrayShape, original: Sequence[np.ndarray],
 
 def missing_leaf(index: int, shape: ArrayShape, why: str) -> LeafComparison:
     return LeafComparison(index, shape, "missing", detail=why)
+
+
+# ------------------------------------------------------------------------- updates
+
+
+def ulp(magnitude: np.ndarray, element_type: str) -> np.ndarray:
+    """The spacing of ``element_type`` at each ``magnitude`` (float64), subnormals
+    included: 2^(exponent − mantissa bits), at least the smallest subnormal."""
+    from hlo_shard.runtime.inputs import numpy_dtype
+    import ml_dtypes
+
+    info = ml_dtypes.finfo(numpy_dtype(element_type))
+    tiny, nmant = float(info.tiny), int(info.nmant)
+    exponent = np.floor(np.log2(np.maximum(magnitude, tiny)))
+    return np.maximum(np.exp2(exponent - nmant), float(info.smallest_subnormal))
+
+
+def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
+                   after_a: Sequence[np.ndarray], before_b: Sequence[np.ndarray],
+                   after_b: Sequence[np.ndarray], rtol: float | None = None) -> LeafComparison:
+    """``leaf`` (the value comparison) with the update check added: Δ = after − before
+    of each module, per device; elements non-finite in either module are left to the
+    value comparison. A failing update turns a matching leaf into "update-differ".
+
+    The value check of a fed-back leaf is judged in the same terms: ``out = in + Δ``,
+    so an element that misses the value tolerance (an output near zero by cancellation,
+    ``w ≈ Δ``) passes when its error is within what each module's own state drift
+    ``|in_b − in_a|`` (accepted at earlier steps) plus the update bound allow."""
+    element_type = leaf.shape.element_type
+    tol = update_rtol_for(element_type, rtol)
+    if tol is None or leaf.verdict in ("shape-mismatch", "missing"):
+        return leaf
+    deltas = []
+    for ba, aa, bb, ab in zip(before_a, after_a, before_b, after_b):
+        a0, a1, b0, b1 = (np.asarray(v).astype(np.float64) for v in (ba, aa, bb, ab))
+        finite = np.isfinite(a0) & np.isfinite(a1) & np.isfinite(b0) & np.isfinite(b1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            da = np.where(finite, a1 - a0, 0.0)
+            db = np.where(finite, b1 - b0, 0.0)
+            drift = np.where(finite, np.abs(b0 - a0), 0.0)
+            value_error = np.where(finite, np.abs(b1 - a1), 0.0)
+        # Non-finite elements the two modules disagree on: never excused here.
+        disagree = int(np.count_nonzero(~finite & (a1 != b1) & ~(np.isnan(a1) & np.isnan(b1))))
+        spacing = ulp(np.maximum(np.abs(np.where(finite, a1, 0.0)),
+                                 np.abs(np.where(finite, b1, 0.0))), element_type)
+        value_allowed = leaf.tolerance.atol + leaf.tolerance.rtol * np.abs(np.where(finite, a1, 0))
+        deltas.append((da, db, spacing, drift, value_error, value_allowed, finite, disagree))
+    scale = max((float(np.max(np.abs(d[0]))) for d in deltas if d[0].size), default=0.0)
+    worst_abs, worst_ratio, worst_device, over, value_over = 0.0, 0.0, leaf.worst_device, 0, 0
+    for device, (da, db, spacing, drift, value_error, value_allowed, finite, disagree) in \
+            enumerate(deltas):
+        value_over += disagree
+        if not da.size:
+            continue
+        error = np.abs(db - da)
+        allowed = tol * scale + UPDATE_ULPS * spacing
+        over += int(np.count_nonzero(error > allowed))
+        value_over += int(np.count_nonzero(finite & (value_error > value_allowed)
+                                           & (value_error > drift + allowed)))
+        ratio = float(np.max(error / allowed))
+        if ratio > worst_ratio:
+            worst_ratio, worst_device = ratio, device
+        worst_abs = max(worst_abs, float(np.max(error)))
+    changes = {"update_max_abs": worst_abs,
+               "update_max_rel": worst_abs / scale if scale else (0.0 if not worst_abs
+                                                                  else float("inf")),
+               "update_rtol": tol}
+    if leaf.verdict == "differ" and not value_over:
+        changes |= {"verdict": "match", "mismatched": 0}
+    if over and changes.get("verdict", leaf.verdict) == "match":
+        changes |= {"verdict": "update-differ", "mismatched": over, "worst_device": worst_device,
+                    "detail": f"update Δ off by {worst_abs:.3g} ({changes['update_max_rel']:.3g}"
+                              f" of max|Δ| {scale:.3g}; allowed {tol:g} of it + "
+                              f"{UPDATE_ULPS:g} ulp)"}
+    return replace(leaf, **changes)
+
+
+def check_padding(leaf: LeafComparison, lanes: Sequence[np.ndarray]) -> LeafComparison:
+    """``leaf`` with the padding check of a sharded output added: ``lanes`` holds the
+    padding lanes of each replica group, which must be zero (neutral) every step."""
+    checked = sum(int(np.size(v)) for v in lanes)
+    bad = [np.asarray(v)[np.asarray(v) != 0] for v in lanes]
+    nonzero = sum(int(b.size) for b in bad)
+    changes = {"padding_nonzero": leaf.padding_nonzero + nonzero,
+               "padding_checked": leaf.padding_checked + checked}
+    if nonzero and leaf.verdict not in ("shape-mismatch", "missing"):
+        example = next(b for b in bad if b.size)[0]
+        changes |= {"verdict": "padding-nonzero",
+                    "detail": f"{nonzero} of {checked} padding lanes of the candidate's "
+                              f"shards are not zero (e.g. {example!r})"}
+    return replace(leaf, **changes)

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -401,6 +401,111 @@ def generate_inputs(module: Module, roles: Sequence[ParameterRole], devices: int
     return [generate_parameter(shape, role.number, role.role, devices, seed, step,
                                role.number in positive)
             for shape, role in zip(parameter_shapes(module), roles)]
+
+
+# --------------------------------------------------------------------- input regimes
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    """Edge inputs of one kind: which parameters a regime sets, and to what. The
+    parameters it sets that hold state (replicated) replace the fed-back state at that
+    step, in both modules alike; everything else is random or fed back as usual."""
+
+    name: str
+    #: (role, element type) → whether the regime sets this parameter.
+    sets: Callable[[str, str], bool]
+    #: (shape, rng, positive) → the value.
+    value: Callable[[ArrayShape, np.random.Generator, bool], np.ndarray]
+    doc: str
+
+
+def _is_float(element_type: str) -> bool:
+    return element_type in FLOAT_TYPES
+
+
+def _is_integer(element_type: str) -> bool:
+    return element_type not in FLOAT_TYPES | COMPLEX_TYPES and element_type != "pred"
+
+
+def _zeros(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> np.ndarray:
+    return np.zeros(shape.dims, numpy_dtype(shape.element_type))
+
+
+def _late_count(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> np.ndarray:
+    """Step counts at their saturation: the type's maximum minus 0…3."""
+    dtype = numpy_dtype(shape.element_type)
+    top = int(np.iinfo(dtype).max) if dtype.kind in "iu" else int(2 ** 31 - 1)
+    return (top - rng.integers(0, 4, size=shape.dims)).astype(dtype)
+
+
+#: Decades of magnitude of wide-range floats: (low, high) exponents of ten; positive
+#: values (second moments) go twice as low, to reach an optimizer's eps.
+_WIDE_DECADES = {"f64": (-8, 2), "f32": (-8, 2), "f16": (-3, 0), "bf16": (-6, 2)}
+_WIDE_DEFAULT = (-1, 0)
+#: Decades the elements of one wide-range value spread around its own decade: values
+#: of one scale per tensor, so that each tensor in turn dominates a global norm, and
+#: elements spread enough that some reach eps.
+_WIDE_SPREAD = 2.0
+
+
+def _wide(shape: ArrayShape, rng: np.random.Generator, positive: bool) -> np.ndarray:
+    low, high = _WIDE_DECADES.get(shape.element_type, _WIDE_DEFAULT)
+    if positive:
+        low = 2 * low
+    exponent = rng.uniform(low, high) + rng.uniform(-_WIDE_SPREAD, _WIDE_SPREAD, size=shape.dims)
+    magnitude = 10.0 ** np.clip(exponent, low, high)
+    sign = 1.0 if positive else np.where(rng.random(shape.dims) < 0.5, -1.0, 1.0)
+    return np.asarray(sign * magnitude, dtype=np.float32).astype(numpy_dtype(shape.element_type))
+
+
+REGIMES: tuple[Regime, ...] = (
+    Regime("random", lambda role, t: False, _zeros, "seeded values as described above"),
+    Regime("zero-grad", lambda role, t: role == PER_DEVICE and _is_float(t), _zeros,
+           "per-device floats (batch, local gradients) zero"),
+    Regime("zero-state", lambda role, t: role == REPLICATED, _zeros,
+           "replicated parameters (weights, state, step counts) zero, as at step 0"),
+    Regime("late-step", lambda role, t: role == REPLICATED and _is_integer(t), _late_count,
+           "replicated integers (step counts) at their type's maximum minus 0…3"),
+    Regime("wide-range", lambda role, t: _is_float(t), _wide,
+           "floats ±10^(d ± 2), one decade d ~ U(-8, 2) per value (f32; 16-bit narrower), "
+           "positive ones down to 10^-16"),
+)
+REGIME_NAMES = tuple(r.name for r in REGIMES)
+#: ``--inputs-regime all``: one regime per step, in this order, cycling.
+ALL = "all"
+
+
+def regime_of(name: str, step: int) -> Regime:
+    """The regime of 0-based ``step`` for ``--inputs-regime name``."""
+    if name == ALL:
+        return REGIMES[step % len(REGIMES)]
+    for regime in REGIMES:
+        if regime.name == name:
+            return regime
+    raise HloShardError(f"unknown input regime {name!r} (one of {', '.join(REGIME_NAMES)}, "
+                        f"{ALL})")
+
+
+def regime_inputs(module: Module, roles: Sequence[ParameterRole], devices: int, seed: int,
+                  step: int, regime: Regime) -> tuple[list[DeviceValues], set[int]]:
+    """Inputs of ``step`` under ``regime`` and the replicated parameters it set (they
+    replace fed-back state). Regime values are seeded apart from the random ones."""
+    values = generate_inputs(module, roles, devices, seed, step)
+    positive = positive_parameters(module)
+    reset = set()
+    for shape, role in zip(parameter_shapes(module), roles):
+        if not regime.sets(role.role, shape.element_type):
+            continue
+        keys = [[seed, step, role.number, 1 + d, 0x5E61] for d in range(devices)]
+        if role.role == REPLICATED:
+            value = regime.value(shape, np.random.default_rng(keys[0]), role.number in positive)
+            values[role.number] = [value] * devices
+            reset.add(role.number)
+        else:
+            values[role.number] = [regime.value(shape, np.random.default_rng(key),
+                                                role.number in positive) for key in keys]
+    return values, reset
 
 
 # ---------------------------------------------------------------------- npz inputs

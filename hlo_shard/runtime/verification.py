@@ -4,15 +4,23 @@ Both modules are driven in the *original's* terms: inputs are generated (or read
 per original parameter, the candidate receives them through the manifest (a shard
 of the value for a sharded parameter) and its outputs are gathered back to the
 original's output leaves before comparing. With ``steps > 1`` each module carries
-its own state: its outputs, in original terms, become its next inputs where an
-output feeds a parameter (the manifest's ``feedback``, else
-:func:`default_feedback`); other parameters (batch data, gradients) get fresh
-seeded values every step.
+its own state as a training loop would, where an output feeds a parameter (the
+manifest's ``feedback``, else :func:`default_feedback`): the original its outputs,
+the candidate its own output arrays — shards with their padding lanes — whenever the
+manifest gives the output and the parameter the same format (else the gathered value
+is re-sharded, and the report says so). Other parameters (batch data, gradients) get
+fresh seeded values every step, drawn by the step's input regime
+(:data:`~hlo_shard.runtime.inputs.REGIMES`), which may also reset state (zero state,
+saturated step counts, wide magnitudes) in both modules alike.
+
+Every step compares each output leaf's values, the update ``Δ = out − in`` of every
+fed-back leaf (:func:`~hlo_shard.runtime.compare.compare_update`), and that the
+padding lanes of every sharded candidate output are zero.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -20,14 +28,18 @@ import numpy as np
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
-from hlo_shard.runtime.compare import LeafComparison, compare_leaf, missing_leaf, shape_text
+from hlo_shard.runtime.compare import (
+    LeafComparison, check_padding, compare_leaf, compare_update, missing_leaf, shape_text,
+)
 from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
 from hlo_shard.runtime.forms import check_executable, device_count
 from hlo_shard.runtime.inputs import (
-    REPLICATED, DeviceValues, ParameterRole, generate_inputs, generate_parameter, load_npz,
-    output_shapes, parameter_roles, parameter_shapes,
+    ALL, REGIMES, REPLICATED, DeviceValues, ParameterRole, generate_parameter, load_npz,
+    output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of,
 )
-from hlo_shard.runtime.manifest import ArrayRecord, Manifest, gather_value, shard_value
+from hlo_shard.runtime.manifest import (
+    ArrayRecord, Manifest, _order, gather_value, physical_flat, shard_value,
+)
 from hlo_shard.runtime.worker import DEFAULT_TIMEOUT
 
 Progress = Callable[[str], None]
@@ -38,10 +50,16 @@ _CANDIDATE_ONLY_SEED = 1_000_003
 @dataclass
 class VerifyOptions:
     devices: int | None = None
-    steps: int = 1
+    #: None: one step per input regime (a cycle) when comparing two modules with
+    #: ``regime`` "all", else 1.
+    steps: int | None = None
     seed: int = 0
     rtol: float | None = None
     atol: float | None = None
+    #: Tolerance of updates relative to the leaf's largest update (default by dtype).
+    update_rtol: float | None = None
+    #: An input regime's name or "all" (cycle through them, one per step).
+    regime: str = ALL
     backend: str = "cpu"
     manifest: Manifest | None = None
     per_device_params: Sequence[int] | None = None
@@ -93,6 +111,11 @@ class VerifyReport:
     steps: list[list[LeafComparison]] = field(default_factory=list)
     #: (original output leaf, original parameter) pairs fed back between steps.
     feedback: list[tuple[int, int]] = field(default_factory=list)
+    #: Of those, the pairs the candidate could not be fed its own arrays for (the
+    #: manifest gives output and parameter different formats): re-sharded instead.
+    resharded: list[tuple[int, int]] = field(default_factory=list)
+    #: The input regime of each step run.
+    regimes: list[str] = field(default_factory=list)
     steps_run: int = 0
 
     @property
@@ -116,6 +139,8 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         data = {"devices": self.devices, "backend": self.backend, "steps": self.steps_run,
+                "regimes": self.regimes,
+                "resharded": [{"output": o, "parameter": p} for o, p in self.resharded],
                 "inputs": [{"parameter": r.number, "name": r.name, "role": r.role,
                             "source": r.source} for r in self.roles],
                 "feedback": [{"output": o, "parameter": p} for o, p in self.feedback],
@@ -236,17 +261,33 @@ def _candidate_inputs(pair: _Pair, values: list[DeviceValues], options: VerifyOp
     return out
 
 
-def _in_original_terms(pair: _Pair, outputs: list[DeviceValues], devices: int
-                       ) -> dict[int, DeviceValues]:
-    """Candidate outputs keyed by the original output leaf they stand for."""
+def _gathered(records: Sequence[ArrayRecord], shapes: Sequence[ArrayShape],
+              arrays: Sequence[DeviceValues], devices: int) -> dict[int, DeviceValues]:
+    """Candidate arrays keyed by the original array they stand for, shards gathered."""
     gathered = {}
-    for record, shape, values in zip(pair.output_records, pair.candidate.outputs, outputs):
-        if record.original is None:
+    for record, shape, values in zip(records, shapes, arrays):
+        if record.original is None or record.original in gathered:
             continue
         if record.kind == "sharded":
             values = [gather_value(values, record, d, shape) for d in range(devices)]
         gathered[record.original] = values
     return gathered
+
+
+def _in_original_terms(pair: _Pair, outputs: list[DeviceValues], devices: int
+                       ) -> dict[int, DeviceValues]:
+    """Candidate outputs keyed by the original output leaf they stand for."""
+    return _gathered(pair.output_records, pair.candidate.outputs, outputs, devices)
+
+
+def _params_in_original_terms(pair: _Pair, inputs: list[DeviceValues], devices: int
+                              ) -> dict[int, DeviceValues]:
+    """The candidate's arguments keyed by the original parameter they stand for."""
+    return _gathered(pair.param_records, pair.candidate.parameters, inputs, devices)
+
+
+def _nonfinite_leaves(outputs: dict[int, DeviceValues], shapes: list[ArrayShape]) -> set[int]:
+    return set(_nonfinite([outputs[i] for i in range(len(shapes))], shapes))
 
 
 def _nonfinite(outputs: list[DeviceValues], shapes: list[ArrayShape]) -> list[int]:
@@ -266,6 +307,10 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
     seeded inputs and compare every output leaf on every device."""
     options = options or VerifyOptions()
     say = progress or (lambda message: None)
+    regime_of(options.regime, 0)  # an unknown name fails before anything compiles
+    if options.steps is None:
+        cycle = candidate is not None and options.regime == ALL
+        options = replace(options, steps=len(REGIMES) if cycle else 1)
     if options.steps < 1:
         raise HloShardError("--steps must be at least 1")
     modules = [read_module(original)] + ([read_module(candidate)] if candidate is not None else [])
@@ -305,6 +350,62 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
     return report
 
 
+@dataclass(frozen=True, slots=True)
+class _Feed:
+    """One fed-back state leaf of the candidate: its output ``output`` becomes its
+    parameter ``parameter`` as is (padding lanes included)."""
+
+    output: int
+    parameter: int
+    original_parameter: int
+
+
+def _same_format(out: ArrayRecord, out_shape: ArrayShape, param: ArrayRecord,
+                 param_shape: ArrayShape, devices: int) -> bool:
+    """Whether the manifest gives a candidate output and parameter one meaning, so the
+    output's arrays can be the parameter's next value as they are."""
+    if not _same_array(out_shape, param_shape) or \
+            out_shape.minor_to_major() != param_shape.minor_to_major():
+        return False
+    if (out.kind == "sharded") != (param.kind == "sharded"):
+        return False
+    if out.kind != "sharded":
+        return True
+    return (out.shard.length, out.shard.padding, out.shard.groups(devices), _order(out)) == \
+        (param.shard.length, param.shard.padding, param.shard.groups(devices), _order(param))
+
+
+def _candidate_feeds(pair: _Pair, feedback: Sequence[tuple[int, int]], devices: int
+                     ) -> tuple[list[_Feed], list[tuple[int, int]]]:
+    """The candidate's own feedback (output → parameter, in its terms), and the
+    original pairs that must be re-sharded instead."""
+    feeds, resharded = [], []
+    for output, parameter in feedback:
+        outs = [i for i, r in enumerate(pair.output_records) if r.original == output]
+        params = [j for j, r in enumerate(pair.param_records) if r.original == parameter]
+        for j in params:
+            i = next((i for i in outs if _same_format(
+                pair.output_records[i], pair.candidate.outputs[i], pair.param_records[j],
+                pair.candidate.parameters[j], devices)), None)
+            if i is None:
+                resharded.append((output, parameter))
+            else:
+                feeds.append(_Feed(i, j, parameter))
+    return feeds, resharded
+
+
+def _padding_lanes(values: DeviceValues, record: ArrayRecord, shape: ArrayShape,
+                   devices: int) -> list[np.ndarray]:
+    """The padding lanes of a sharded output: per replica group, the elements past the
+    original's in the group's chunks concatenated in order."""
+    lanes = []
+    for group in record.shard.groups(devices):
+        flat = np.concatenate([physical_flat(np.asarray(values[d]), shape.minor_to_major())
+                               for d in group])
+        lanes.append(flat[record.shape.num_elements:])
+    return lanes
+
+
 @dataclass
 class _Run:
     """The step loop: each module carries its own state between steps."""
@@ -316,52 +417,90 @@ class _Run:
     devices: int
     say: Progress
 
-    def fresh(self, step: int) -> list[DeviceValues]:
-        """Seeded inputs of ``step`` in original terms, with the user's values."""
-        values = generate_inputs(self.pair.original.source, self.report.roles, self.devices,
-                                 self.options.seed, step)
+    def fresh(self, step: int) -> tuple[list[DeviceValues], set[int]]:
+        """Inputs of 0-based ``step`` in original terms under its regime, with the
+        user's values, and the state parameters the regime resets."""
+        regime = regime_of(self.options.regime, step)
+        values, reset = regime_inputs(self.pair.original.source, self.report.roles,
+                                      self.devices, self.options.seed, step, regime)
         for number, given in self.supplied.items():
             values[number] = given
-        return values
+        self.report.regimes.append(regime.name)
+        return values, reset
 
     def steps(self) -> None:
         pair, options, feedback = self.pair, self.options, self.report.feedback
-        state_a = state_b = self.fresh(0)
-        timed_inputs = None
+        feeds: list[_Feed] = []
+        if pair.candidate is not None:
+            feeds, self.report.resharded = _candidate_feeds(pair, feedback, self.devices)
+        state_a, _ = self.fresh(0)
+        inputs_b = _candidate_inputs(pair, state_a, options, self.devices, 0) \
+            if pair.candidate is not None else None
+        timed_inputs = [state_a] + ([inputs_b] if inputs_b is not None else [])
         for step in range(1, options.steps + 1):
-            self.say(f"step {step}/{options.steps}: running")
+            self.say(f"step {step}/{options.steps} ({self.report.regimes[-1]}): running")
             outputs_a = dict(enumerate(pair.original.run(state_a)))
-            outputs_b: dict[int, DeviceValues] = {}
             if pair.candidate is None:
                 self.report.original.nonfinite_outputs = _nonfinite(
                     list(outputs_a.values()), pair.original.outputs)
-                timed_inputs = timed_inputs or [state_a]
             else:
-                inputs_b = _candidate_inputs(pair, state_b, options, self.devices, step - 1)
-                timed_inputs = timed_inputs or [state_a, inputs_b]
-                outputs_b = _in_original_terms(pair, pair.candidate.run(inputs_b), self.devices)
-                self.compare(step, outputs_a, outputs_b)
+                raw_b = pair.candidate.run(inputs_b)
+                outputs_b = self.compare(step, state_a, outputs_a, inputs_b, raw_b)
             self.report.steps_run = step
-            if step < options.steps:
-                upcoming = self.fresh(step)
-                state_a = _fed(upcoming, outputs_a, feedback)
-                state_b = _fed(upcoming, outputs_b, feedback)
+            if step == options.steps:
+                break
+            upcoming, reset = self.fresh(step)
+            # State the original left NaN/inf would make every later step vacuous:
+            # both modules start it afresh (the step that produced it was compared).
+            broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
+            reset |= {p for o, p in feedback if o in broken}
+            fed = [(o, p) for o, p in feedback if p not in reset]
+            state_a = _fed(upcoming, outputs_a, fed)
+            if pair.candidate is not None:
+                inputs_b = _candidate_inputs(pair, _fed(upcoming, outputs_b, fed), options,
+                                             self.devices, step)
+                for feed in feeds:
+                    if feed.original_parameter not in reset:
+                        inputs_b[feed.parameter] = raw_b[feed.output]
         if options.time_runs:
             self.time(timed_inputs)
 
-    def compare(self, step: int, outputs_a: dict[int, DeviceValues],
-                outputs_b: dict[int, DeviceValues]) -> None:
+    def compare(self, step: int, inputs_a: list[DeviceValues], outputs_a: dict[int, DeviceValues],
+                inputs_b: list[DeviceValues], raw_b: list[DeviceValues]
+                ) -> dict[int, DeviceValues]:
+        """Compare one step (values, updates, padding); the candidate's outputs in
+        original terms."""
+        pair, devices = self.pair, self.devices
+        outputs_b = _in_original_terms(pair, raw_b, devices)
+        before_b = _params_in_original_terms(pair, inputs_b, devices)
+        fed_from = {o: p for o, p in self.report.feedback}
+        broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
         leaves = []
-        for index, shape in enumerate(self.pair.original.outputs):
+        for index, shape in enumerate(pair.original.outputs):
             if index not in outputs_b:
                 leaves.append(missing_leaf(index, shape, "no candidate output stands for it"))
-            else:
-                leaves.append(compare_leaf(index, shape, outputs_a[index], outputs_b[index],
-                                           self.options.rtol, self.options.atol))
+                continue
+            leaf = compare_leaf(index, shape, outputs_a[index], outputs_b[index],
+                                self.options.rtol, self.options.atol)
+            parameter = fed_from.get(index)
+            if parameter is not None and parameter in before_b:
+                leaf = compare_update(leaf, inputs_a[parameter], outputs_a[index],
+                                      before_b[parameter], outputs_b[index],
+                                      self.options.update_rtol)
+            # Where the original's math breaks down (NaN/inf in the leaf), the padding
+            # lanes compute the same expressions on zeros: checked on finite steps only.
+            finite = index not in broken
+            for record, cshape, values in zip(pair.output_records, pair.candidate.outputs,
+                                              raw_b):
+                if finite and record.original == index and record.kind == "sharded" and \
+                        record.shard.padding:
+                    leaf = check_padding(leaf, _padding_lanes(values, record, cshape, devices))
+            leaves.append(leaf)
         self.report.steps.append(leaves)
         bad = sum(not leaf.ok for leaf in leaves)
         self.say(f"step {step}/{self.options.steps}: "
                  + (f"{bad} output(s) differ" if bad else "all outputs match"))
+        return outputs_b
 
     def time(self, inputs: list[list[DeviceValues]]) -> None:
         """Step-0 inputs, both modules interleaved A/B/A/B."""

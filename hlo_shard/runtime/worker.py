@@ -80,6 +80,7 @@ def child_environment(backend: str, device_count: int) -> dict[str, str]:
     else:
         env.pop("JAX_PLATFORMS", None)
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    flags += [] if "--xla_allow_excess_precision" in env.get("XLA_FLAGS", "") else ["--xla_allow_excess_precision=false"]  # 16-bit modules compare as written (issue #16)
     env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONUNBUFFERED"] = "1"
     return env
