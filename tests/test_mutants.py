@@ -73,7 +73,7 @@ def subject(name: str) -> Subject:
         fixture, state = SUBJECTS[name]
         path = FIXTURES / fixture
         module = parse(path.read_text(), str(path))
-        report, text = optimize_module(module, ShardingOptions(state=state))
+        report, text = optimize_module(module, ShardingOptions(state=state), force=True)
         assert any(r.sharded for r in report.explanations), name
         _SUBJECTS[name] = Subject(parse(path.read_text(), str(path)), text,
                                   build_manifest(report, module), runtime.device_count(module))

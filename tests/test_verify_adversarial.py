@@ -44,7 +44,7 @@ TABLE = {
 def optimized():
     worker = runtime.get_worker("cpu", 4)
     module = parse(ADAM.read_text(), str(ADAM))
-    report, text = optimize_module(module, ShardingOptions(state="sharded"))
+    report, text = optimize_module(module, ShardingOptions(state="sharded"), force=True)
     yield parse(ADAM.read_text(), str(ADAM)), text, build_manifest(report, module)
     del worker
     runtime.shutdown_workers()
