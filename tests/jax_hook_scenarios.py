@@ -276,13 +276,15 @@ def mutant(mesh) -> dict:
     module (the bug XLA:CPU turned into a transposed update) must show in the comparison."""
     from hlo_shard.passes import shard_emitter
 
-    original = shard_emitter.ShardEmitter.collective_blocks
-    shard_emitter.ShardEmitter.collective_blocks = \
-        lambda self, fmt, shape: shard_emitter.uses_blocks(fmt, shape)
+    emitter = shard_emitter.ShardEmitter
+    original = emitter.collective_blocks, emitter.scatters_blocks
+    emitter.collective_blocks = lambda self, fmt, shape: shard_emitter.uses_blocks(fmt, shape)
+    emitter.scatters_blocks = lambda self, value, fmt: \
+        shard_emitter.uses_blocks(fmt, self.comp[value].shape)
     try:
         return training("adam", jit_step, mesh, strategy="per-tensor")  # one leaf each
     finally:
-        shard_emitter.ShardEmitter.collective_blocks = original
+        emitter.collective_blocks, emitter.scatters_blocks = original
 
 
 def main(names: list[str]) -> None:
