@@ -354,6 +354,29 @@ def test_cpu_runs_the_adam_update_as_three_loops():
     assert w_loop.read_bytes == pytest.approx(3 * mib) and w_loop.write_bytes == mib
 
 
+def test_a_gradient_computed_transposed_is_flattened_by_a_bitcast():
+    # XLA computes the dot with its operands swapped, so the sharded module's flattening
+    # reshape of the transposed gradient is a bitcast (XLA:CPU: bitcast(dot) feeds the
+    # bucket); the same reshape of a parameter laid out {0,1} is a real copy.
+    module = parse("""
+HloModule t
+
+ENTRY e {
+  a = f32[64,32]{1,0} parameter(0)
+  b = f32[64,16]{1,0} parameter(1)
+  w = f32[16,32]{0,1} parameter(2)
+  d = f32[32,16]{1,0} dot(a, b), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  t = f32[16,32]{0,1} transpose(d), dimensions={1,0}
+  flat = f32[512]{0} reshape(t)
+  wflat = f32[512]{0} reshape(w)
+  ROOT s = f32[512]{0} add(flat, wflat)
+}
+""")
+    plan = plan_kernels(module.entry)
+    assert {"t", "flat"} <= plan.relabels
+    assert "wflat" not in plan.relabels
+
+
 def test_prefused_module_is_not_refused():
     module = parse(OPS2)
     plan = plan_kernels(module.entry, emulate_fusion=False)

@@ -55,6 +55,7 @@ ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {
 
 
 def _optimize(text: str, **options):
+    """The rewrite as told (``force``): these modules are too small to be predicted faster."""
     module = parse(text)
     report, out = optimize_module(module, ShardingOptions(**options), force=True)
     return report, parse(out)

@@ -24,7 +24,7 @@ FULL = [(m, o, n, s) for m in MODELS for o in OPTIMIZERS for n in (2, 4, 8)
 
 def run_against_jit(model: str, optimizer: str, n: int, state: str, steps: int):
     program = make_program(model, optimizer, n)
-    fast = hsj.shard_weight_update(program.step, state=state)
+    fast = hsj.shard_weight_update(program.step, state=state, force=True)
     (p_fast, s_fast), l_fast = train(fast, program, steps)
     assert fast.report is not None and fast.report["sharded"] > 0, "nothing was sharded"
     if state == "sharded":

@@ -128,7 +128,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         # computed inside its kernel readers' fusion, as an extra output.
         kernel_readers = [k for k in readers if k is not None]
         fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(kernel_readers)
-        if emulate_fusion and (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)):
+        if emulate_fusion and (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)
+                               or _reshape_of_absorbed_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
             relabels.add(inst.name)
             continue
@@ -186,6 +187,19 @@ def _absorbed_transpose(comp: Computation, inst: Instruction,
         return False
     operand = inst.operands[0]
     return comp[operand].opcode in ("dot", "convolution") and users[operand] == [inst.name]
+
+
+def _reshape_of_absorbed_transpose(comp: Computation, inst: Instruction,
+                                   users: dict[str, list[str]]) -> bool:
+    """A reshape of such a transpose (a sharded module flattening a gradient that XLA
+    computes transposed): the dot is computed with its operands swapped, writing the
+    transposed result in row-major order, so the reshape is a bitcast too (XLA:CPU's
+    optimized 1024² Adam MLP: ``bitcast(dot)`` feeds the gradient bucket)."""
+    if inst.opcode != "reshape" or not isinstance(inst.shape, ArrayShape):
+        return False
+    operand = comp[inst.operands[0]]
+    return (_absorbed_transpose(comp, operand, users) and users[operand.name] == [inst.name]
+            and inst.shape.minor_to_major() == tuple(range(inst.shape.rank - 1, -1, -1)))
 
 
 def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:

@@ -127,11 +127,11 @@ def blocks_through_collectives(fmt: ShardFormat, shape: ArrayShape, laid_out: bo
         return True
     major, rows = fmt.block
     block = tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
-    return _major_dimension(shape.dims, shape.minor_to_major()) == major == \
-        _major_dimension(block, tuple(range(len(block) - 1, -1, -1)))
+    return major_dimension(shape.dims, shape.minor_to_major()) == major == \
+        major_dimension(block, tuple(range(len(block) - 1, -1, -1)))
 
 
-def _major_dimension(dims: tuple[int, ...], minor_to_major: tuple[int, ...]) -> int | None:
+def major_dimension(dims: tuple[int, ...], minor_to_major: tuple[int, ...]) -> int | None:
     """The physically most-major dimension of size > 1."""
     return next((d for d in reversed(minor_to_major) if dims[d] != 1), None)
 
@@ -980,7 +980,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast",
+    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

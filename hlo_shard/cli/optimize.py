@@ -30,14 +30,13 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision, shard_where_faster
+from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
+from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptions, ShardingReport,
                                                      StrategyChoice)
-from hlo_shard.printer import to_text
 from hlo_shard.report import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
-from hlo_shard.validate import validate
 
 
 def _numbers(text: str | None, flag: str) -> frozenset[int]:
@@ -82,37 +81,6 @@ def pick_dump_file(folder: Path) -> Path:
     raise HloShardError(f"{folder}: no per-device module *{SPMD_STAGES[0]}{listed}; dump "
                         f"the step with XLA_FLAGS=\"{DUMP_FLAGS}\" or "
                         "hlo_shard.jax.per_device_hlo(step, *args)")
-
-
-def optimize_module(module: Module, options: ShardingOptions, force: bool = False
-                    ) -> tuple[ShardingReport, str]:
-    """Run the pass on ``module`` (in place) where the cost model predicts it faster
-    (``force``: everything eligible); the report and the validated text."""
-    report, text, _ = optimize_where_faster(module, options, force)
-    return report, text
-
-
-def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False
-                          ) -> tuple[ShardingReport, str, SpeedDecision]:
-    """:func:`optimize_module` with the speed decision (for ``--explain``)."""
-    result, decision = shard_where_faster(module, options, force)
-    return result.notes[0], check_output(module), decision
-
-
-def check_output(module: Module) -> str:
-    """The module's text, after checking that it parses back and validates."""
-    text = to_text(module)
-    try:
-        reparsed = parse(text, path="<optimized output>")
-    except HloShardError as err:
-        raise HloShardError(f"refusing to write: the optimized module does not parse back "
-                            f"({err})") from None
-    problems = validate(reparsed)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise HloShardError(f"refusing to write: the optimized module fails validation: "
-                            f"{problems[0]}{more}")
-    return text
 
 
 def build_manifest(report: ShardingReport, module: Module):

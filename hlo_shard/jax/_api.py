@@ -14,12 +14,14 @@ from hlo_shard.profiles import load_profile
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
                         profile=None, min_shard_bytes: int = 0,
-                        num_replicas: int | None = None) -> ShardedStep:
+                        num_replicas: int | None = None, force: bool = False) -> ShardedStep:
     """``fn`` (a ``jax.jit`` step of a data-parallel program) with its gradient
     all-reduce replaced by reduce-scatter, a 1/N weight update per device and an
     all-gather of the weights; ``state="sharded"`` also keeps the optimizer state in
     per-device shards between steps. ``profile``: the hardware ``strategy="auto"``
-    prices collectives on (a profile name or file, as for ``hlo-shard optimize``)."""
+    prices collectives on (a profile name or file, as for ``hlo-shard optimize``). A step
+    the cost model does not predict faster sharded runs as ``fn`` (one warning naming both
+    estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
     if state not in STATE_MODES:
         raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not {state!r}")
     if strategy not in STRATEGIES:
@@ -28,7 +30,7 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str 
     hardware = load_profile(DEFAULT_PROFILE if profile is None else profile)  # errors now
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes, profile=hardware)
-    return ShardedStep(fn, options)
+    return ShardedStep(fn, options, force)
 
 
 __all__ = ["per_device_hlo", "shard_weight_update"]

@@ -1,7 +1,8 @@
 """One argument signature of a step, optimized and compiled: what ``fast`` runs.
 
-The captured per-device module goes through the pass in-process (the same pass and
-output checks as ``hlo-shard optimize``), is put into replica form with its donation
+The captured per-device module goes through the pass in-process behind the same
+never-slower gate and output checks as ``hlo-shard optimize`` (a step not predicted
+faster runs as ``fn``), is put into replica form with its donation
 aliasing kept, and compiled for jit's own devices in jit's order. In
 ``state="sharded"`` the optimizer-state leaves the pass shards become jax Arrays of
 shape ``[N·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
@@ -15,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hlo_shard.cli.optimize import check_output
+from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.speed_gate import shard_where_faster
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.report import fmt_seconds
 from hlo_shard.printer import to_text
 from hlo_shard.ir import Raw, TupleShape
 from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
@@ -228,14 +230,15 @@ def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
 
 
 def build_program(capture: Capture, options: ShardingOptions,
-                  next_values: list[tuple[int, int]]) -> Program:
+                  next_values: list[tuple[int, int]], force: bool = False) -> Program:
     """Optimize and compile ``capture``; :class:`Unsupported` says why not.
 
     ``next_values``: (output leaf, entry parameter) pairs where the output is the
     parameter's value for the next step, as the step's pytrees say (``params`` out →
     ``params`` in). The pass reads them as ``input_output_alias`` to pair optimizer
     state with its next value; the executable aliases what jit donates
-    (:func:`_executable_aliases`).
+    (:func:`_executable_aliases`). ``force``: shard every eligible gradient even where
+    the never-slower gate would keep the step whole.
     """
     started = time.perf_counter()
     try:
@@ -253,7 +256,8 @@ def build_program(capture: Capture, options: ShardingOptions,
     else:
         module.header.update(donation)
     try:
-        report = WeightUpdateSharding(options).apply(module).report
+        result, decision = shard_where_faster(module, options, force)
+        report = result.report
         for key in DONATION_ATTRIBUTES:
             module.header.pop(key, None)
         module.header.update(_executable_aliases(donation, next_values, module))
@@ -262,6 +266,11 @@ def build_program(capture: Capture, options: ShardingOptions,
     except HloShardError as err:
         raise Unsupported(f"the pass refused the step: {err}") from None
     sharded = [row for row in report.explanations if row.sharded]
+    if not sharded and any(trial.sharded for trial in decision.trials):
+        fastest = min(trial.seconds for trial in decision.trials)
+        raise Unsupported(f"sharding is not predicted faster on profile {decision.profile}: "
+                          f"{fmt_seconds(fastest)} per step sharded, "
+                          f"{fmt_seconds(decision.before_s)} as it is")
     if not sharded:
         reasons = sorted({row.reason for row in report.explanations if row.reason})
         raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else

@@ -61,7 +61,7 @@ class ShardedStep:
     full leaves and the per-device shards the optimizer state is kept in.
     """
 
-    def __init__(self, fn: Callable, options: ShardingOptions) -> None:
+    def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False) -> None:
         import jax
 
         _xla.check_version()
@@ -72,6 +72,7 @@ class ShardedStep:
         signature = getattr(info, "fun_signature", None)
         self._arg_names = tuple(signature.parameters) if signature is not None else ()
         self.options = options
+        self.force = force
         self._entries: dict[tuple, _Entry | _Fallback] = {}
         self._warned: set[str] = set()
         self._latest: Program | None = None
@@ -229,7 +230,8 @@ class ShardedStep:
             return entry
         try:
             cap = capture(self._jitted, args, kwargs)
-            program = build_program(cap, self.options, self._next_values(call, cap))
+            program = build_program(cap, self.options, self._next_values(call, cap),
+                                    self.force)
         except Unsupported as why:
             _distributed.agree_on_program("fallback to fn", str(why))
             self._warn(str(why))

@@ -63,6 +63,7 @@ class Decision:
 class _Settings:
     options: ShardingOptions
     only: re.Pattern | None
+    force: bool = False
 
 
 class _Hook:
@@ -87,7 +88,7 @@ class _Hook:
             name = hlo.name
             if settings.only is not None and not settings.only.search(name):
                 return None
-            out, report, reason = _shard(hlo, settings.options)
+            out, report, reason = _shard(hlo, settings.options, settings.force)
             result = None if out is None else \
                 xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
@@ -113,9 +114,10 @@ def _xla_client():
     return xla_client
 
 
-def _shard(hlo, options: ShardingOptions) -> tuple[str | None, ShardingReport | None, str]:
+def _shard(hlo, options: ShardingOptions, force: bool = False
+           ) -> tuple[str | None, ShardingReport | None, str]:
     """(the sharded module's text or None, the report, why not)."""
-    from hlo_shard.cli.optimize import optimize_module
+    from hlo_shard.passes.optimize import optimize_module
     from hlo_shard.parser import parse
 
     xc = _xla_client()
@@ -123,7 +125,7 @@ def _shard(hlo, options: ShardingOptions) -> tuple[str | None, ShardingReport | 
     print_options.print_large_constants = True
     module = parse(hlo.to_string(print_options), path=f"<{hlo.name}>")
     try:
-        report, text = optimize_module(module, options)
+        report, text = optimize_module(module, options, force)
     except HloShardError as err:
         return None, None, str(err)
     if not any(e.sharded for e in report.explanations):
@@ -154,11 +156,14 @@ class Installation:
 
 
 def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
-            min_shard_bytes: int = 0, only: str | None = None) -> Installation:
+            min_shard_bytes: int = 0, only: str | None = None,
+            force: bool = False) -> Installation:
     """Shard the weight update of every module jax compiles from now on (every backend
     jax knows); jax's in-memory caches of compiled functions are cleared, so a step
     jitted before compiles again. Installing again replaces the settings; the pass stays
-    registered once. ``only``: a regex the module name (``jit_step``) must match."""
+    registered once. ``only``: a regex the module name (``jit_step``) must match. A
+    module the cost model does not predict faster sharded compiles as it is, unless
+    ``force`` (as ``optimize --force``)."""
     if state != "gathered":
         raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
                             "compiled function's signature; shard_weight_update can)")
@@ -175,8 +180,8 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
     from jax.extend import xla as jax_xla
 
     with _HOOK.lock:
-        changed = _HOOK.settings != _Settings(options, pattern)
-        _HOOK.settings = _Settings(options, pattern)
+        changed = _HOOK.settings != _Settings(options, pattern, force)
+        _HOOK.settings = _Settings(options, pattern, force)
         if not _HOOK.registered:
             try:
                 jax_xla.register_hlo_module_transformation(

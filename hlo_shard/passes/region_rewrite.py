@@ -86,8 +86,7 @@ class RegionRewrite:
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
         element_type = leaves[0].shape.element_type
         with self.rw.inserting_before(anchor):
-            if len(leaves) == 1 and emit.collective_blocks(leaves[0].format,
-                                                           self.comp[leaves[0].operand].shape):
+            if len(leaves) == 1 and emit.scatters_blocks(leaves[0].operand, leaves[0].format):
                 self.scatter_block(leaves[0], to_apply)
                 return
             flats = [emit.flat_padded(leaf.operand, leaf.format) for leaf in leaves]

@@ -1,0 +1,50 @@
+"""The optimizer as every front end runs it: the weight-update pass behind the
+never-slower gate (:func:`~hlo_shard.passes.speed_gate.shard_where_faster`), then the
+output checks (parsed back and validated). ``hlo-shard optimize``, the jax hook and
+``shard_weight_update`` all call this, so none of them writes or compiles a module the
+cost model predicts slower or the validator rejects.
+"""
+
+from __future__ import annotations
+
+from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
+from hlo_shard.parser import parse
+from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.printer import to_text
+from hlo_shard.validate import validate
+
+
+def optimize_module(module: Module, options: ShardingOptions, force: bool = False
+                    ) -> tuple[ShardingReport, str]:
+    """Run the pass on ``module`` (in place) where the cost model predicts it faster
+    (``force``: everything eligible); the report and the validated text."""
+    report, text, _ = optimize_where_faster(module, options, force)
+    return report, text
+
+
+def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False
+                          ) -> tuple[ShardingReport, str, SpeedDecision]:
+    """:func:`optimize_module` with the speed decision (for ``--explain``)."""
+    result, decision = shard_where_faster(module, options, force)
+    return result.notes[0], check_output(module), decision
+
+
+def check_output(module: Module) -> str:
+    """The module's text, after checking that it parses back and validates."""
+    text = to_text(module)
+    try:
+        reparsed = parse(text, path="<optimized output>")
+    except HloShardError as err:
+        raise HloShardError(f"refusing to write: the optimized module does not parse back "
+                            f"({err})") from None
+    problems = validate(reparsed)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise HloShardError(f"refusing to write: the optimized module fails validation: "
+                            f"{problems[0]}{more}")
+    return text
+
+
+__all__ = ["check_output", "optimize_module", "optimize_where_faster"]
