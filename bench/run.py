@@ -12,6 +12,9 @@ in the same run, as a ratio.
 4. The pass inside XLA's compilation (``hlo_shard.jax.install()``): the same model as an
    unmodified ``jax.jit`` step, hooked / plain, same process (``bench/hook_bench.py``).
    Target: ≤ 0.75.
+5. The model zoo (``bench/zoo.py``): predicted and measured ratios optimized ÷ original
+   on models the pass had never seen. Targets: ≤ 1.00 predicted, ≤ 1.05 measured,
+   geometric mean ≤ 0.85 at N = 8.
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -36,6 +39,9 @@ UPDATE_HEAVY = {"adam": ROOT / "fixtures/spmd/mlp_adam.n8.hlo",
 PREDICTION_PROFILES = ("cpu-local", "cpu-generic")
 TARGETS = {"front end": 10.0, "step time, --state gathered": 0.70,
            "step time, --state sharded": 0.70, "memory": 1.3, "step time, install() hook": 0.75}
+import zoo  # noqa: E402  (bench/ is on sys.path)
+
+TARGETS |= zoo.TARGETS
 
 
 def hlo_shard(*args: str) -> str:
@@ -157,6 +163,7 @@ def main() -> None:
     TARGETS.update(JAX_TARGETS)
     results |= jax_training(args.runs, args.rounds)
     distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
+    results |= zoo.run_zoo()  # 5. the model zoo (bench/zoo.py)
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

@@ -22,7 +22,7 @@ from hlo_shard.analysis.estimate import (
 from hlo_shard.analysis.liveness import CATEGORIES as MEMORY_CATEGORIES
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 CATEGORY_LABELS = {
     "forward_backward": "forward/backward", "weight_update": "weight update",
@@ -194,7 +194,7 @@ def figure_png(figure: Figure) -> bytes:
         ax.set_title(figure.title)
         fig.tight_layout()
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
+        fig.savefig(buffer, format="png", bbox_inches="tight")
         return buffer.getvalue()
     finally:
         plt.close(fig)
@@ -304,8 +304,10 @@ def report_document(est: StepEstimate, module: Module, top: int = 10) -> Documen
 def _notes(est: StepEstimate) -> list[str]:
     notes = list(est.notes)
     if est.region_source == "fallback":
-        notes.append("weight-update region: elementwise consumers of the gradient sums "
-                     "(the pass's own analysis did not apply)")
+        notes.append("weight update counted as the elementwise work downstream of the "
+                     "gradient sums: the module has no gradient all-reduce the pass would "
+                     "shard (already sharded, or nothing eligible), so its own region "
+                     "analysis has nothing to plan")
     if est.executed != est.xla:
         notes.append("counts include every loop iteration; XLA's cost analysis counts one "
                      f"(flops {fmt_count(est.xla.flops)})")
@@ -323,7 +325,7 @@ def diff_json(before: StepEstimate, after: StepEstimate, before_module: Module,
     delta = {k: b[k] - a[k] for k in keys}
     delta["seconds_by_category"] = {c: b["seconds_by_category"][c] - a["seconds_by_category"][c]
                                     for c in CATEGORIES}
-    return {"before": a, "after": b, "delta": delta,
+    return {"before": a, "after": b, "delta": delta, "verdict": step_verdict(before, after),
             "ratio": {"estimated_step_seconds": (b["estimated_step_seconds"]
                                                  / a["estimated_step_seconds"])
                       if a["estimated_step_seconds"] else None}}
@@ -341,7 +343,7 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
                   after_module: Module) -> Document:
     doc = Document(f"hlo-shard diff: {before.module} → {after.module}",
                    f"profile {before.profile.name}; {before.devices} → {after.devices} devices; "
-                   "all figures per device")
+                   f"all figures per device\n{step_verdict(before, after)}")
     rows = [(label, a, b, fmt) for (label, a, fmt), (_, b, _) in
             zip(_summary_rows(before), _summary_rows(after))]
     rows.append(("weight-update share", before.weight_update_share, after.weight_update_share,
@@ -381,7 +383,17 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
     return doc
 
 
-def diff_report(before: Module, after: Module, profile: HardwareProfile | str = "cpu-generic",
+def step_verdict(before: StepEstimate, after: StepEstimate) -> str:
+    """One line saying which module is predicted faster, by how much, on which profile."""
+    a, b = before.seconds, after.seconds
+    if not a or abs(b - a) <= 1e-4 * a:
+        return f"verdict: the same predicted step time on profile {before.profile.name}"
+    word = "faster" if b < a else "SLOWER"
+    return (f"verdict: after is predicted {abs(b - a) / a:.1%} {word} per step than before "
+            f"on profile {before.profile.name} ({b / a:.2f}x)")
+
+
+def diff_report(before: Module, after: Module, profile: HardwareProfile | str = DEFAULT_PROFILE,
                 algorithm: str | None = None) -> str:
     """The text diff ``optimize --report`` prints after optimizing."""
     profile = resolve_profile(profile)
@@ -420,7 +432,8 @@ def step_figure(estimates: Sequence[StepEstimate]) -> Figure:
             ax.bar(labels, values, bottom=bottoms, label=CATEGORY_LABELS[category])
             bottoms = [b + v for b, v in zip(bottoms, values)]
         ax.set_ylabel("estimated ms per step")
-        ax.legend()
+        # Beside the axes: inside, the legend of a tall stacked bar covers the bar.
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
     return Figure("Step time by category", draw)
 
@@ -453,7 +466,7 @@ def scale_document(module: str, profile: HardwareProfile, points: Sequence, batc
         f"hlo-shard scale: {module}",
         f"profile {profile.name}; batch per replica {batch_mode}; sharded module with "
         f"--state {state}; {_scale_method(parameters)}; per device")
-    table = Table("Projected step time and peak memory", [
+    table = Table(f"Projected step time and peak memory (profile {profile.name})", [
         "replicas", "original", "update share", "sharded", "update share", "saving",
         "peak original", "peak sharded"], [])
     for p in points:

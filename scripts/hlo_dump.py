@@ -200,8 +200,9 @@ def main(argv: list[str]) -> None:
     name, num_devices, dump_dir = argv[0], int(argv[1]), Path(argv[2])
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fixture_models import ALL_MODELS
+    from zoo_models import ZOO_MODELS
 
-    compile_step, signature = build(ALL_MODELS[name], num_devices)
+    compile_step, signature = build((ALL_MODELS | ZOO_MODELS)[name], num_devices)
     (dump_dir / SIGNATURE).write_text(json.dumps(signature, indent=1))
     compile_step()
 

@@ -508,6 +508,37 @@ def test_bad_profiles_are_user_errors(tmp_path):
         profile_from_dict({"name": "x"}, "x.json")
 
 
+CONV_STEP = """HloModule conv
+ENTRY e { x = f32[2,16,16,8] parameter(0) k = f32[3,3,8,64] parameter(1)
+ ROOT y = f32[2,16,16,64] convolution(x, k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f }
+"""
+
+
+def test_convolutions_have_their_own_rate():
+    import dataclasses
+
+    base = load_profile("cpu-local")
+    assert base.convolution_rate("f32") != base.matrix_rate("f32")  # measured apart
+    slow = dataclasses.replace(base, convolution_flops_per_s={"default": 1e8})
+    fast = dataclasses.replace(base, convolution_flops_per_s={"default": 1e12})
+    module = parse(CONV_STEP)
+    assert estimate_step(module, slow).seconds > 10 * estimate_step(module, fast).seconds
+    # A profile that does not say: the matrix rates.
+    generic = load_profile("cpu-generic")
+    assert generic.convolution_flops_per_s == generic.matrix_flops_per_s
+
+
+def test_step_overhead_is_counted_once_per_step():
+    import dataclasses
+
+    base = load_profile("cpu-generic")
+    assert base.step_overhead_s == 0 and load_profile("cpu-local").step_overhead_s > 0
+    module = parse(ADAM)
+    with_overhead = dataclasses.replace(base, step_overhead_s=1e-3)
+    assert estimate_step(module, with_overhead).seconds == pytest.approx(
+        estimate_step(module, base).seconds + 1e-3)
+
+
 # ------------------------------------------------------------------------ estimate
 
 

@@ -8,14 +8,20 @@ import pytest
 from click.testing import CliRunner
 
 from hlo_shard.cli import main
-from hlo_shard.cli import optimize as optimize_cli
 from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update_sharding import WeightUpdateSharding
 from hlo_shard.runtime.manifest import parse_manifest
 
 from test_pass_weight_update import SGD, SPMD, crossover_bytes, two_gradients
 
 
 def run(*args: str):
+    """The transformation as told (these tests are about what it writes): ``--force``."""
+    return CliRunner().invoke(main, ["optimize", "--force", *args])
+
+
+def run_gated(*args: str):
+    """As a user runs it: only what the cost model predicts faster."""
     return CliRunner().invoke(main, ["optimize", *args])
 
 
@@ -104,7 +110,7 @@ def test_bad_input_exits_2_without_output(tmp_path):
 
 
 def test_refuses_to_write_a_module_that_fails_validation(sgd, tmp_path, monkeypatch):
-    original = optimize_cli.WeightUpdateSharding.apply
+    original = WeightUpdateSharding.apply
 
     def broken(self, module):
         result = original(self, module)
@@ -112,7 +118,7 @@ def test_refuses_to_write_a_module_that_fails_validation(sgd, tmp_path, monkeypa
         rs.shape = rs.shape.with_dims((5,))
         return result
 
-    monkeypatch.setattr(optimize_cli.WeightUpdateSharding, "apply", broken)
+    monkeypatch.setattr(WeightUpdateSharding, "apply", broken)
     out = tmp_path / "o.hlo"
     result = run(str(sgd), "-o", str(out))
     assert result.exit_code == 2
@@ -154,3 +160,76 @@ def test_unknown_profile_exits_2(sgd, tmp_path):
     result = run(str(sgd), "-o", str(tmp_path / "o.hlo"), "--profile", "no-such-chip")
     assert result.exit_code == 2 and "unknown profile" in result.stderr
     assert not (tmp_path / "o.hlo").exists()
+
+
+# ------------------------------------------------------------------- never slower
+
+
+def test_keeps_the_module_whole_when_sharding_is_predicted_slower(sgd, tmp_path):
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(sgd), "-o", str(out), "--explain")
+    assert result.exit_code == 0, result.output
+    assert "reduce-scatter" not in out.read_text() and "all-reduce" in out.read_text()
+    assert "kept whole: sharding is predicted slower on profile cpu-local" in result.stderr
+    (row,) = [line for line in result.stderr.splitlines() if line.startswith("e/ar")]
+    # both estimates and the profile that decided
+    assert "kept whole for speed: sharding it predicted" in row and "whole" in row
+    assert "(profile cpu-local)" in row
+    assert "predicted step on profile cpu-local: input" in result.stderr
+
+
+def test_force_writes_what_is_predicted_slower_and_says_so(sgd, tmp_path):
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(sgd), "-o", str(out), "--force")
+    assert result.exit_code == 0 and "reduce-scatter" in out.read_text()
+    assert "predicted SLOWER, written because of --force" in result.stderr
+
+
+def test_shards_what_is_predicted_faster(tmp_path):
+    path = tmp_path / "two.hlo"
+    path.write_text(two_gradients(8, 1 << 18))
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(path), "-o", str(out), "--json")
+    data = json.loads(result.stdout)
+    assert data["sharded"] == 2 and "reduce-scatter" in out.read_text()
+    speed = data["speed"]
+    assert speed["profile"] == "cpu-local" and not speed["kept_whole"]
+    assert speed["after_seconds"] < speed["before_seconds"]
+    assert "predicted faster on profile cpu-local" in result.stderr
+
+
+def test_parameter_flags_accept_ranges(sgd, tmp_path):
+    out = tmp_path / "o.hlo"
+    assert run(str(sgd), "-o", str(out), "--per-device-params", "1-1").exit_code == 0
+    result = run(str(sgd), "-o", str(out), "--replicated-params", "0-3")
+    assert result.exit_code == 2 and "no parameter 2, 3" in result.stderr
+    bad = run(str(sgd), "-o", str(out), "--replicated-params", "3-1")
+    assert bad.exit_code == 2 and "ranges like 0,3 or 0-24" in bad.stderr
+
+
+def test_pre_partitioning_module_is_named_as_such(tmp_path):
+    path = tmp_path / "global.hlo"
+    path.write_text("""HloModule g, num_partitions=4
+ENTRY e { w = f32[16] parameter(0), sharding={replicated}
+ c = f32[16] custom-call(w), custom_call_target="Sharding", sharding={replicated}
+ ROOT n = f32[16] negate(c) }
+""")
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(path), "-o", str(out))
+    assert result.exit_code == 0
+    assert "NOTHING TO DO: this is the global program before SPMD partitioning" in result.stderr
+    assert "spmd-partitioner" in result.stderr and "written unchanged" in result.stderr
+    assert "custom-call" in out.read_text()
+    # even when it holds psums (shard_map inside jit): never rewritten, said so
+    psum = path.read_text().replace(
+        "ROOT n = f32[16] negate(c) }",
+        "s = f32[16] all-reduce(c), replica_groups={{0,1,2,3}}, to_apply=add\n"
+        " ROOT n = f32[16] negate(s) }").replace(
+        "ENTRY e {", "add { x = f32[] parameter(0) y = f32[] parameter(1) "
+        "ROOT r = f32[] add(x, y) }\nENTRY e {")
+    path.write_text(psum)
+    result = run_gated(str(path), "-o", str(out), "--force")
+    assert result.exit_code == 0 and "NOTHING TO DO" in result.stderr
+    assert "reduce-scatter" not in out.read_text()
+    manifest = run_gated(str(path), "-o", str(out), "--manifest", str(tmp_path / "m.json"))
+    assert manifest.exit_code == 2 and "no manifest for a global program" in manifest.stderr

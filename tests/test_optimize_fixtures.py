@@ -65,7 +65,7 @@ def test_every_gradient_is_sharded_or_explained(path):
     expected = {(ar.computation, ar.name) for ar in find_gradient_all_reduces(original)}
     full_dims = _gradient_dims(original)
     module = parse(path.read_text(), str(path))
-    report, _ = optimize_module(module, ShardingOptions())
+    report, _ = optimize_module(module, ShardingOptions(), force=True)
     rows = report.explanations
     assert {(r.computation, r.all_reduce) for r in rows} == expected
     assert any(r.sharded for r in rows)
@@ -97,7 +97,7 @@ def worker():
 def test_optimized_fixture_computes_the_same(worker, path, state):
     text = path.read_text()
     module = parse(text, str(path))
-    report, optimized = optimize_module(module, ShardingOptions(state=state))
+    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
     manifest = build_manifest(report, module)
     if state == "sharded" and _has_state(path):
         assert any(p.kind == "sharded" for p in report.parameters)

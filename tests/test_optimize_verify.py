@@ -39,6 +39,8 @@ CASES = {
     "layout_padded": cases.LAYOUT.replace("6,4", "5,3"),
     "layout_mixed": cases.LAYOUT.replace("w = f32[6,4]{0,1}", "w = f32[6,4]{1,0}"),
     "clip": cases.CLIP,
+    "levels": cases.LEVELS,
+    "pmap": cases.PMAP,
     "subgroups": cases.SGD.replace("{{0,1,2,3}}", "{{0,2},{1,3}}").replace("1024", "37"),
     "tuple": cases.TUPLE,
     "spmd": cases.SPMD,
@@ -62,7 +64,7 @@ def worker():
 
 def verify_optimized(text: str, **options) -> runtime.VerifyReport:
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(**options))
+    report, optimized = optimize_module(module, ShardingOptions(**options), force=True)
     assert any(r.sharded for r in report.explanations)
     manifest = build_manifest(report, module)
     return runtime.verify(parse(text), parse(optimized),

@@ -148,13 +148,29 @@ def test_global_norm_is_a_masked_local_sum_plus_scalar_all_reduce():
     module, report = optimize(CLIP, strategy="per-tensor")
     ops = opcodes(module)
     assert ops["reduce-scatter"] == 2
-    scalar_ars = [i for i in find(module, "all-reduce") if i.shape.is_scalar]
-    assert len(scalar_ars) == 2
+    # the two partial squared norms share one collective: a [2] all-reduce
+    (sums,) = find(module, "all-reduce")
+    assert sums.shape.dims == (2,)
+    assert module.entry[sums.operands[0]].opcode == "concatenate"
     # 10 and 9 elements over 4 devices are padded: the reductions mask the padding
     masked = [i for i in find(module, "select") if ".masked" in i.name]
     assert len(masked) == 2 and {i.shape.dims for i in masked} == {(3,)}
     assert all(module.entry[i.operands[0]].shape.dims == (3,) for i in find(module, "reduce"))
     assert row(report, "a").sharded and row(report, "b").sharded
+
+
+#: LAMB-like: sa and sb are independent (one collective); sc needs sa's sum first.
+LEVELS = CLIP.replace(
+    " ua = f32[10] multiply(a, sa_b)",
+    " sab = f32[10] broadcast(sa), dimensions={} c = f32[10] multiply(a, sab)"
+    " c2 = f32[10] multiply(c, c) sc = f32[] reduce(c2, z), dimensions={0}, to_apply=add"
+    " scb = f32[10] broadcast(sc), dimensions={} ua = f32[10] multiply(c, scb)")
+
+
+def test_one_element_sums_are_combined_per_dependency_level():
+    module, _ = optimize(LEVELS, strategy="per-tensor")
+    sums = sorted(find(module, "all-reduce"), key=lambda i: i.shape.dims)
+    assert [i.shape.dims for i in sums] == [(), (2,)]
 
 
 def test_max_reduction_masks_padding_with_minus_infinity():
@@ -514,3 +530,72 @@ def test_auto_decides_buckets_on_the_target_profile(n):
         assert choice.profile == profile and choice.strategy == "auto"
         seconds = {e.strategy: e.seconds for e in choice.estimates}
         assert seconds["auto"] == seconds[cheaper] < seconds[dearer]
+
+
+#: After the loop, other work runs before the first use of the carried weight.
+LATE_USE = LOOP.replace(
+    """ROOT nw = f32[8] get-tuple-element(r), index=1 }""",
+    """nw = f32[8] get-tuple-element(r), index=1
+ p1 = f32[8] negate(x) p2 = f32[8] exponential(p1) use = f32[8] multiply(nw, nw)
+ ROOT t = (f32[8], f32[8]) tuple(use, p2) }""")
+
+
+def test_all_gather_is_placed_right_before_the_first_use():
+    module, _ = optimize(LATE_USE)
+    entry = module.entry
+    (gather,) = find(module, "all-gather")
+    order = [i.name for i in entry.instructions]
+    # Before: right after the loop, the full weight live across unrelated work.
+    assert order.index(gather.name) > order.index("p2")
+    assert order.index(gather.name) < order.index("use")
+
+
+#: Adafactor-like: the row statistic r reduces the squared gradient along dimension 1.
+FACTORED = f"""HloModule factored, replica_count=4, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{ w = f32[8,16] parameter(0) r = f32[8] parameter(1) g = f32[8,16] parameter(2)
+ ar = f32[8,16] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ gg = f32[8,16] multiply(ar, ar) z = f32[] constant(0)
+ rs = f32[8] reduce(gg, z), dimensions={{1}}, to_apply=add
+ b = f32[] constant(0.9) bb = f32[8] broadcast(b), dimensions={{}}
+ r1 = f32[8] multiply(r, bb) nr = f32[8] add(r1, rs)
+ lr = f32[] constant(0.01) lrb = f32[8,16] broadcast(lr), dimensions={{}}
+ u = f32[8,16] multiply(ar, lrb) nw = f32[8,16] subtract(w, u)
+ ROOT t = (f32[8,16], f32[8]) tuple(nw, nr) }}
+"""
+
+
+def test_factored_state_kept_whole_is_explained():
+    # Before: the factored statistic stayed whole silently ("notes": []).
+    _, report = optimize(FACTORED, state="sharded")
+    (note,) = [n for n in report.notes if "parameter 1 " in n]
+    assert "stays whole" in note and "factored statistic" in note
+
+
+#: jax 0.10's pmap lowering: every parameter tiled along a leading axis of 1 per device,
+#: the (replicated) weight as much as the batch.
+PMAP = f"""HloModule pm, num_partitions=4
+{ADD}
+ENTRY e {{ w = f32[1,16] parameter(0), sharding={{devices=[4,1]<=[4]}}
+ x = f32[1,2,16] parameter(1), sharding={{devices=[4,1,1]<=[4]}}
+ xs = f32[2,16] reshape(x) ws = f32[16] reshape(w) wb = f32[2,16] broadcast(ws), dimensions={{1}}
+ xw = f32[2,16] multiply(xs, wb) z = f32[] constant(0)
+ g = f32[16] reduce(xw, z), dimensions={{0}}, to_apply=add gw = f32[1,16] reshape(g)
+ ar = f32[1,16] all-reduce(gw), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=add
+ lr = f32[] constant(0.1) lrb = f32[1,16] broadcast(lr), dimensions={{}}
+ u = f32[1,16] multiply(ar, lrb) nw = f32[1,16] subtract(w, u)
+ ROOT t = (f32[1,16]) tuple(nw) }}
+"""
+
+
+def test_pmap_form_infers_which_parameters_are_replicated():
+    from hlo_shard.analysis.replication import is_pmap_form
+    from hlo_shard.parser import parse
+
+    assert is_pmap_form(parse(PMAP)) and not is_pmap_form(parse(SPMD))
+    # Before: the tiled sharding made the weight per-device: its update (the subtract)
+    # stayed whole, 1 op moved instead of 2.
+    module, report = optimize(PMAP)
+    assert row(report, "ar").sharded and opcodes(module)["reduce-scatter"] == 1
+    assert row(report, "ar").ops_moved == 2
+    assert [p.kind for p in report.parameters] == ["replicated", "per-device"]

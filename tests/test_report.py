@@ -180,7 +180,80 @@ def test_diff_report_for_optimize(modules):
     assert text.startswith("hlo-shard diff") and "weight update" in text
 
 
+def test_diff_says_which_module_is_faster_on_which_profile(modules):
+    faster = run("diff", *modules, "--profile", "tpu-v3").output
+    assert "verdict: after is predicted" in faster and "faster per step" in faster
+    assert "on profile tpu-v3" in faster
+    slower = run("diff", modules[1], modules[0], "--profile", "tpu-v3").output
+    assert "SLOWER per step" in slower
+    data = json.loads(run("diff", *modules, "--json", "--profile", "tpu-v3").output)
+    assert data["verdict"].startswith("verdict: after is predicted")
+
+
+def test_diff_notes_say_what_they_mean(modules):
+    # Before: "the pass's own analysis did not apply" for every module, unexplained.
+    text = run("diff", *modules, "--profile", "tpu-v3").output
+    assert "did not apply" not in text
+    assert "after: weight update counted as the elementwise work downstream" in text
+    assert "already sharded" in text
+
+
+def test_commands_default_to_one_profile(modules):
+    from hlo_shard.cli.optimize import optimize as optimize_command
+    from hlo_shard.profiles import DEFAULT_PROFILE
+
+    assert DEFAULT_PROFILE == "cpu-local"
+    assert f"profile {DEFAULT_PROFILE}" in run("report", modules[0]).output
+    assert f"profile {DEFAULT_PROFILE}" in run("diff", *modules).output
+    (option,) = [p for p in optimize_command.params if p.name == "profile"]
+    assert option.default == DEFAULT_PROFILE
+
+
+def test_step_figure_legend_does_not_cover_the_bars(modules):
+    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.profiles import load_profile
+    from hlo_shard.report import pyplot, step_figure
+
+    plt = pyplot()
+    estimates = [estimate_step(parse(open(p).read()), load_profile("tpu-v3")) for p in modules]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    try:
+        step_figure(estimates).draw(ax)
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1  # beside the plot, whatever the bars
+        for bar in ax.patches:
+            box = bar.get_window_extent()
+            if box.width and box.height:
+                assert not legend.overlaps(box), "the legend covers a bar"
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("name", ["spmd/adam.n4.hlo", "spmd/loop_adam.n2.hlo",
+                                  "spmd/transformer.n4.hlo"])
+def test_memory_plot_and_table_come_from_one_computation(name):
+    # Before: the plot (live bytes after each instruction) peaked below the table's
+    # "at most … live at once" (live while it runs, callee transients included).
+    from pathlib import Path
+
+    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.profiles import load_profile
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / name
+    memory = estimate_step(parse(path.read_text()), load_profile("tpu-v3")).memory
+    assert max(v for _, _, v in memory.curve) == memory.high_water_bytes
+
+
 # ---------------------------------------------------------------------------- scale
+
+
+def test_scale_refuses_an_already_sharded_module_and_names_the_profile(modules):
+    # Before: "saving 0.0%" for the module optimize had written.
+    result = CliRunner().invoke(main, ["scale", modules[1], "--replicas", "8"])
+    assert result.exit_code == 2 and "already weight-update sharded" in result.stderr
+    table = run("scale", modules[0], "--replicas", "8").output
+    assert "Projected step time and peak memory (profile tpu-v3)" in table
 
 
 def test_retarget_changes_only_the_group():

@@ -57,6 +57,8 @@ FORMAT_OPCODES = frozenset({
 })
 
 _DEVICE_ID_OPCODES = frozenset({"replica-id", "partition-id"})
+#: The pseudo-instruction carrying the profile's fixed cost per step.
+STEP_OVERHEAD = "(step overhead)"
 _MATRIX_OPCODES = frozenset({"dot", "convolution"})
 
 
@@ -447,8 +449,8 @@ class _Estimator:
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
         element_type = _element_type(comp, inst)
-        rate = (self.profile.matrix_rate(element_type) if inst.opcode in _MATRIX_OPCODES
-                else self.profile.vector_rate(element_type))
+        rate = {"dot": self.profile.matrix_rate, "convolution": self.profile.convolution_rate
+                }.get(inst.opcode, self.profile.vector_rate)(element_type)
         return (max(cost.flops, 0.0) / rate
                 + cost.transcendentals / self.profile.transcendentals_per_s)
 
@@ -490,6 +492,10 @@ def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | 
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     estimator = _Estimator(module, profile, model, algorithm, emulate, dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
+    if profile.step_overhead_s:  # what a step costs even when it computes nothing
+        instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
+                                                "forward_backward", 1,
+                                                profile.step_overhead_s, Cost()))
     kinds = (manifest_parameter_kinds(module)
              or classify_parameters(module, estimator.categories[module.entry.name][0]))
     entry_categories = estimator.categories[module.entry.name][0]

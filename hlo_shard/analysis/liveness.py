@@ -341,7 +341,7 @@ class _Liveness:
         peak, peak_at = self._total(live), "(start)"
         born: dict[str, int] = {}
         transients: list[int] = []
-        curve: list[tuple[int, str, int]] = []
+        curve: list[tuple[int, str, int]] = [(0, peak_at, peak)]
         for inst in self.order:
             pos = self.position[inst.name]
             transient = self._callee_peak(inst)
@@ -359,11 +359,14 @@ class _Liveness:
             for key in dies_at.get(pos, ()):
                 if key in live and not self._persistent(key):
                     del live[key]
-            curve.append((pos, inst.name, self._total(live)))
+            # What is live while the instruction runs: the same figure the peak is the
+            # maximum of, so the plot and the table ("live at once") agree.
+            curve.append((pos, inst.name, level))
         if copied:
             level = self._total(live) + copied
             if level > peak:
                 peak, peak_at = level, self.comp.root_name
+            curve.append((len(self.order), self.comp.root_name, level))
         temp_peak, temp_at, temp_split = self._temp_allocation(born, last_use, transients)
         breakdown = {c: 0 for c in CATEGORIES}
         for key, buffer in self.buffers.items():

@@ -368,6 +368,25 @@ def target_sets(module: Module, groups: DeviceGroups | None) -> list[frozenset[i
     return groups.global_sets(module.replica_count, module.num_partitions)
 
 
+def is_pmap_form(module: Module) -> bool:
+    """A ``jax.pmap`` step (jax 0.10 lowers pmap as SPMD over a stacked leading axis):
+    every entry parameter is tiled over all partitions along a leading dimension of size
+    1 per device, weights included — the sharding says nothing about which are
+    replicated, so the structure decides (:func:`default_parameter_replication`)."""
+    n = module.num_partitions
+    params = module.entry.parameters()
+    if n <= 1 or not params:
+        return False
+    tiled = re.compile(r"\{?devices=\[%d(,1)*\]<=\[%d\]\}?$" % (n, n))
+    for param in params:
+        sharding = param.attr("sharding")
+        text = sharding.text.strip() if isinstance(sharding, Raw) else ""
+        if not isinstance(param.shape, ArrayShape) or not param.shape.dims \
+                or param.shape.dims[0] != 1 or not tiled.match(text):
+            return False
+    return True
+
+
 def entry_parameter_replication(module: Module, target: list[frozenset[int]] | None,
                                 overrides: ParamOverrides,
                                 gradient_sources: dict[str, set[str]]
@@ -377,6 +396,7 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
     entry = module.entry
     default: dict[int, bool] | None = None
     out: list[ParamReplication] = []
+    pmap = is_pmap_form(module)
     for param in entry.parameters():
         n = param.parameter_number
         if n in overrides.replicated or n in overrides.per_device:
@@ -384,7 +404,7 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
             continue
         sharding = param.attr("sharding")
         flags = _sharding_flags(sharding.text, param.shape, target) \
-            if isinstance(sharding, Raw) else None
+            if isinstance(sharding, Raw) and not pmap else None
         if flags is not None:
             out.append(ParamReplication(n, flags, "sharding"))
             continue
@@ -418,5 +438,5 @@ def analyze_replication(module: Module, groups: DeviceGroups | None = None,
 
 __all__ = [
     "Flags", "GroupMode", "ParamOverrides", "ParamReplication", "Replication", "all_true",
-    "analyze_replication", "default_parameter_replication", "meet", "uniform",
+    "analyze_replication", "default_parameter_replication", "is_pmap_form", "meet", "uniform",
 ]

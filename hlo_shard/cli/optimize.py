@@ -1,6 +1,9 @@
 """``hlo-shard optimize``: shard the weight update across the data-parallel replicas.
 
-Reads per-device HLO of a training step, runs the weight-update sharding pass, checks
+Reads per-device HLO of a training step, runs the weight-update sharding pass where the
+cost model predicts it faster on ``--profile`` (default: the calibrated CPU profile;
+:mod:`hlo_shard.passes.speed_gate`) — never writing a module predicted slower than its
+input unless ``--force`` — checks
 the result (parsed back and validated: def-before-use, unique names, shapes of every op
 the pass emits, unique channel ids, replica groups, entry layout) and only then writes
 it atomically. A module the validator rejects is never written.
@@ -27,22 +30,32 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, STATE_MODES, STRATEGIES,
-                                                     Explanation, ShardingOptions,
-                                                     ShardingReport, StrategyChoice,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision, shard_where_faster
+from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
+                                                     ShardingOptions, ShardingReport,
+                                                     StrategyChoice)
 from hlo_shard.printer import to_text
-from hlo_shard.profiles import available_profiles, load_profile
+from hlo_shard.report import fmt_seconds
+from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.validate import validate
 
 
 def _numbers(text: str | None, flag: str) -> frozenset[int]:
+    """Parameter numbers like ``0,3`` or ranges like ``0-24,30`` (inclusive)."""
     if not text:
         return frozenset()
+    numbers: set[int] = set()
     try:
-        return frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
+        for part in filter(None, text.replace(" ", "").split(",")):
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high or low)
+            if last < first:
+                raise ValueError
+            numbers.update(range(first, last + 1))
     except ValueError:
-        raise HloShardError(f"{flag} expects parameter numbers like 0,3, not {text!r}") from None
+        raise HloShardError(f"{flag} expects parameter numbers or ranges like 0,3 or 0-24, "
+                            f"not {text!r}") from None
+    return frozenset(numbers)
 
 
 #: Partitioner stages of an XLA dump holding the per-device module, best first:
@@ -71,10 +84,19 @@ def pick_dump_file(folder: Path) -> Path:
                         "hlo_shard.jax.per_device_hlo(step, *args)")
 
 
-def optimize_module(module: Module, options: ShardingOptions) -> tuple[ShardingReport, str]:
-    """Run the pass on ``module`` (in place); the report and the validated text."""
-    report = WeightUpdateSharding(options).apply(module).notes[0]
-    return report, check_output(module)
+def optimize_module(module: Module, options: ShardingOptions, force: bool = False
+                    ) -> tuple[ShardingReport, str]:
+    """Run the pass on ``module`` (in place) where the cost model predicts it faster
+    (``force``: everything eligible); the report and the validated text."""
+    report, text, _ = optimize_where_faster(module, options, force)
+    return report, text
+
+
+def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False
+                          ) -> tuple[ShardingReport, str, SpeedDecision]:
+    """:func:`optimize_module` with the speed decision (for ``--explain``)."""
+    result, decision = shard_where_faster(module, options, force)
+    return result.notes[0], check_output(module), decision
 
 
 def check_output(module: Module) -> str:
@@ -143,21 +165,69 @@ def _strategy_lines(choices: list[StrategyChoice]) -> list[str]:
     return lines
 
 
-def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> str:
+def _speed_lines(decision: SpeedDecision) -> list[str]:
+    """``--explain``: the predicted step of the input and of every cut-off tried."""
+    lines = [f"predicted step on profile {decision.profile}: input "
+             f"{fmt_seconds(decision.before_s)}"]
+    for trial in decision.trials:
+        chosen = " <- written" if trial == decision.chosen or decision.forced else ""
+        lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
+                     f"{fmt_seconds(trial.seconds)} ({_ratio(trial.seconds, decision)}){chosen}")
+    if decision.kept_whole:
+        lines.append(f"  none predicted faster by {MIN_GAIN:.0%} or more: module kept whole "
+                     "(--force shards anyway)")
+    return lines
+
+
+def _ratio(seconds: float, decision: SpeedDecision) -> str:
+    return f"{seconds / decision.before_s:.2f}x" if decision.before_s else "-"
+
+
+def _speed_summary(decision: SpeedDecision) -> str:
+    before, after = decision.before_s, decision.after_s
+    figures = (f"{fmt_seconds(before)} -> {fmt_seconds(after)} per step, "
+               f"{_ratio(after, decision)}")
+    if decision.kept_whole:
+        best = min(t.seconds for t in decision.trials)
+        verdict = "slower" if best >= before else f"less than {MIN_GAIN:.0%} faster"
+        return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "
+                f"(best {fmt_seconds(best)} per step against {fmt_seconds(before)} as "
+                f"written; --force shards anyway)")
+    if decision.forced:
+        slower = "; predicted SLOWER, written because of --force" if after > before else ""
+        return f"predicted {figures} on profile {decision.profile}{slower}"
+    return f"predicted faster on profile {decision.profile} ({figures})"
+
+
+def _summary(report: ShardingReport, options: ShardingOptions, output: str,
+             decision: SpeedDecision) -> str:
     rows = report.explanations
     done = [r for r in rows if r.sharded]
     moved = sum(r.ops_moved for r in done)
     state = sum(1 for p in report.parameters if p.kind == "sharded")
     where = "stdout" if output in (None, "-") else output
+    if not rows:
+        return f"no gradient all-reduce found; module written unchanged to {where}"
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices; {moved} update ops moved; state {options.state}"
             f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
-            f"strategy {options.strategy} (profile {getattr(options.profile, 'name', options.profile)}); "
-            f"wrote {where}")
-    if not rows:
-        text = f"no gradient all-reduce found; module written unchanged to {where}"
+            f"strategy {options.strategy}; {_speed_summary(decision)}; wrote {where}")
     return text
+
+
+def global_program_note(module: Module) -> str | None:
+    """What to say about a global program (before SPMD partitioning), else None: the
+    pass rewrites per-device modules only."""
+    from hlo_shard.runtime.forms import GLOBAL_PROGRAM_TARGETS
+
+    targets = {getattr(i.attributes.get("custom_call_target"), "value", "")
+               for c in module.computations for i in c.instructions}
+    if not any(t.startswith(GLOBAL_PROGRAM_TARGETS) for t in targets if t):
+        return None
+    return ("NOTHING TO DO: this is the global program before SPMD partitioning (it carries "
+            "sharding custom calls); optimize the per-device module, the "
+            "*.spmd-partitioner.after_call-inliner… or *.after_spmd-partitioning dump")
 
 
 @main.command()
@@ -187,11 +257,14 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str) -> s
 @click.option("--explain", is_flag=True, help="One row per gradient all-reduce (stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
 @click.option("--in-place", is_flag=True, help="Allow -o to be the input file.")
+@click.option("--force", is_flag=True,
+              help="Shard every eligible gradient, even where the cost model predicts the "
+                   "step slower on --profile.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
              min_shard_bytes: int, profile: str, bucket_bytes: int, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
-             as_json: bool, in_place: bool) -> None:
+             as_json: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
 
     Given an XLA dump folder instead, reads the per-device module of its largest step
@@ -218,7 +291,14 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
                               profile=hardware, overrides=overrides)
-    report, text = optimize_module(module, options)
+    if (note := global_program_note(module)) is not None:
+        if manifest_path is not None:
+            raise HloShardError(f"{note} (no manifest for a global program)")
+        write_output(output, check_output(module))
+        click.echo(f"{note}; module written unchanged to "
+                   f"{'stdout' if output == '-' else output}", err=True)
+        return
+    report, text, decision = optimize_where_faster(module, options, force)
     manifest_json = None
     if manifest_path is not None:
         from hlo_shard.runtime.manifest import manifest_to_json
@@ -230,14 +310,17 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         click.echo("\n".join(_explain_lines(report.explanations)), err=True)
         for line in _strategy_lines(report.strategies):
             click.echo(line, err=True)
+        for line in _speed_lines(decision):
+            click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {note}", err=True)
-    click.echo(_summary(report, options, output), err=True)
+    click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(json.dumps({
             "input": input_path, "output": output, "devices": report.devices,
             "state": state, "strategy": strategy, "profile": hardware.name,
             "strategies": [choice.to_json() for choice in report.strategies],
+            "speed": decision.to_json(),
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
             "explanations": [r.to_json() for r in report.explanations],

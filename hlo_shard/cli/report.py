@@ -15,9 +15,7 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
                                user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.profiles import ALGORITHMS, available_profiles
-
-DEFAULT_PROFILE = "cpu-generic"
+from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, available_profiles
 
 
 def report_options(command: Callable) -> Callable:

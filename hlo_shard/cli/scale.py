@@ -60,6 +60,20 @@ def _parameter_count(text: str | None) -> int | None:
     return int(value)
 
 
+def _refuse_sharded(module, path: str) -> None:
+    """A module the pass already rewrote has nothing left to project ("saving 0.0%")."""
+    from hlo_shard.analysis.collectives import find_gradient_all_reduces
+
+    shardable = [ar for ar in find_gradient_all_reduces(module) if ar.is_candidate
+                 and module.computation(ar.computation)[ar.name].shape.byte_size > 4]
+    scattered = any(i.opcode == "reduce-scatter" for c in module.computations
+                    for i in c.instructions)
+    if scattered and not shardable:
+        raise HloShardError(f"{path} is already weight-update sharded (reduce-scatter, no "
+                            "gradient all-reduce left): scale projects the original module, "
+                            "the one optimize was given")
+
+
 @main.command()
 @click.argument("module_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
 @click.option("--replicas", default="8,16,32,64,128,256,512,1024", show_default=True,
@@ -110,6 +124,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
         check_output_path(target, [module_path])
     check_distinct_outputs({"-o": output, "--plot": plot_path, "--html": html_path})
     module = load_module(module_path)
+    _refuse_sharded(module, module_path)
     hardware = fmt.resolve_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
                      strategy=strategy, algorithm=algorithm, parameters=parameter_count)

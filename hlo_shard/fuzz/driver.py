@@ -116,7 +116,7 @@ class Transformation:
 
     def arguments(self, original: Path, out: Path, manifest: Path, state: str,
                   strategy: str) -> list[str]:
-        return ["optimize", str(original), "-o", str(out), "--manifest", str(manifest),
+        return ["optimize", "--force", str(original), "-o", str(out), "--manifest", str(manifest),
                 "--state", state, "--strategy", strategy]
 
 

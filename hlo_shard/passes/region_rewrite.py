@@ -9,13 +9,14 @@
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
   becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
-  right after it; *output shards*: root tuple positions that keep the shard.
+  right before the first of them; *output shards*: root tuple positions that keep the shard.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
@@ -50,6 +51,8 @@ class RegionRewrite:
         self.shard_of: dict[str, str] = {}
         self.collective_of: dict[str, str] = {}
         self._erase: list[str] = []
+        #: The one-element all-reduces of the sharded reductions (combined at the end).
+        self._one_element_sums: list[str] = []
 
     # Operands ---------------------------------------------------------------------------
     def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
@@ -182,6 +185,7 @@ class RegionRewrite:
                              name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
             result = emit.add("all-reduce", emit.shape(out_type, ()), [local],
                               name=f"{name}.sum", **emit.collective_attrs(to_apply=to_apply))
+            self._one_element_sums.append(result)
             if not _is_constant(self.comp[init], op.neutral):
                 result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
             if not inst.shape.is_scalar:
@@ -222,6 +226,7 @@ class RegionRewrite:
         self._rebuild_all_reduces()
         self._erase.extend(reversed(list(plan.ops)))
         self._erase_dead()
+        combine_one_element_sums(self.rw, self.emit, self._one_element_sums)
         order = topological_order(self.comp)
         if [i.name for i in order] != [i.name for i in self.comp.instructions]:
             self.comp.instructions[:] = order
@@ -247,7 +252,8 @@ class RegionRewrite:
                                       self.emit.gathered_shape(inst.shape, fmt, users), name))
             inst.shape = self.emit.shape(inst.shape.element_type, (fmt.shard_len,))
             self.emit.cache[("shard", name, fmt)] = name
-        for item, full in gather_after(self.rw, self.emit, self.bucketing, items).items():
+        for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
+                                            outside).items():
             self._rewire(item.shard, full, outside[item.shard])
 
     def _rewire(self, value: str, replacement: str, users: list[str],
@@ -356,17 +362,81 @@ class RegionRewrite:
                 progress = True
 
 
-def gather_after(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
-                 items: list[Gathered]) -> dict[Gathered, str]:
-    """All-gather shards that already exist (parameters, loop slots): one collective per
-    bucket, right after the last of its shards is defined."""
-    position = {inst.name: i for i, inst in enumerate(rw.comp.instructions)}
+def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
+                      items: list[Gathered], users: dict[str, list[str]]) -> dict[Gathered, str]:
+    """All-gather shards that already exist (parameters, loop slots) right before the
+    first of their ``users`` (``""``: the root) — never earlier, so the full copy is
+    live no longer than needed; shards whose first user is the same share a bucket."""
+    comp = rw.comp
+    position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+    anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
+    for item in sorted(items, key=lambda i: position[i.shard]):
+        readers = [u or comp.root_name for u in users.get(item.shard, [])]
+        readers = [u for u in readers if u != item.shard]
+        # (anchor, before it?): with no other reader (the shard is the root), right after.
+        key = (min(readers, key=position.get), True) if readers else (item.shard, False)
+        anchors[key].append(item)
     out: dict[Gathered, str] = {}
-    for bucket in bucketing.buckets(sorted(items, key=lambda i: position[i.shard]),
-                                    lambda i: i.shape.byte_size, lambda i: i.shape.element_type):
-        with rw.inserting_after(max((i.shard for i in bucket), key=rw.comp.position)):
-            out.update(zip(bucket, emit.gather(bucket)))
+    for (anchor, before), group in anchors.items():
+        for bucket in bucketing.buckets(group, lambda i: i.shape.byte_size,
+                                        lambda i: i.shape.element_type):
+            place = rw.inserting_before if before else rw.inserting_after
+            with place(anchor):
+                out.update(zip(bucket, emit.gather(bucket)))
     return out
+
+
+def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> int:
+    """One all-reduce per dependency level for the one-element all-reduces ``names``
+    (per-tensor squared norms of global-norm clipping, LAMB's trust-ratio norms,
+    Adafactor's statistics, is-finite checks): those with the same reducer, element
+    type and groups, none depending on another, become one ``[k]`` all-reduce of their
+    concatenated values — one collective's latency instead of k. Returns how many
+    collectives were saved."""
+    comp = rw.comp
+    present = [n for n in names if n in comp]
+    if len(present) < 2:
+        return 0
+    # Level: how many of these all-reduces lie upstream (same level: independent).
+    members, level = set(present), {}
+    for inst in topological_order(comp):
+        level[inst.name] = max((level[o] + (o in members) for o in inst.operands), default=0)
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name in present:
+        inst = comp[name]
+        reducer = reducer_opcode(emit.module, getattr(inst.attr("to_apply"), "name", ""))
+        if reducer is None:
+            continue
+        groups[(level[name], inst.shape.element_type, reducer,
+                str(inst.attr("replica_groups")), inst.attr("use_global_device_ids"))
+               ].append(name)
+    saved = 0
+    for key, group in groups.items():
+        if len(group) < 2:
+            continue
+        element_type, first = key[1], comp[group[0]]
+        operands = [comp[n].operands[0] for n in group]
+        anchor = max(operands, key=comp.position)
+        with rw.inserting_after(anchor):
+            pieces = [emit.add("reshape", emit.shape(element_type, (1,)), [o],
+                               name=f"{o}.element") for o in operands]
+            values = emit.add("concatenate", emit.shape(element_type, (len(group),)), pieces,
+                              name="one_element_sums", dimensions=(0,))
+            attributes = {k: v for k, v in first.attributes.items()}
+            if "channel_id" in attributes:
+                attributes["channel_id"] = emit.channels.fresh()
+            summed = rw.add_instruction(Instruction(
+                rw.fresh_name("one_element_sums.sum"), "all-reduce",
+                emit.shape(element_type, (len(group),)), [values], attributes)).name
+            for k, name in enumerate(group):
+                piece = emit.add("slice", emit.shape(element_type, (1,)), [summed],
+                                 name=f"{name}.element",
+                                 slice=SliceRanges(((k, k + 1, 1),)))
+                scalar = emit.add("reshape", comp[name].shape, [piece], name=name)
+                rw.replace_all_uses_with(name, scalar)
+                rw.erase(name)
+        saved += len(group) - 1
+    return saved
 
 
 def _is_constant(inst: Instruction, literal: str) -> bool:
@@ -378,4 +448,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "gather_after"]
+__all__ = ["RegionRewrite", "combine_one_element_sums", "gather_before_use"]

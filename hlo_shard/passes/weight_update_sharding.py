@@ -44,13 +44,11 @@ from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Tupl
 from hlo_shard.passes.base import PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
-from hlo_shard.passes.region_rewrite import RegionRewrite, gather_after
+from hlo_shard.passes.region_rewrite import RegionRewrite, gather_before_use
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
-from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
-#: The profile ``auto`` prices collectives on unless told the target (``report``'s default).
-DEFAULT_PROFILE = "cpu-generic"
 
 
 @dataclass(frozen=True)
@@ -177,8 +175,7 @@ class WeightUpdateSharding:
             else:
                 by_comp[ar.computation].append(ar)
         output_kinds = _output_kinds(module, replication)
-        hardware = self.options.profile if isinstance(self.options.profile, HardwareProfile) \
-            else load_profile(self.options.profile)
+        hardware = resolve_profile(self.options.profile)
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
                               CollectivePricing(hardware, groups.size if groups else 1),
                               self.options.per_tensor_bytes)
@@ -201,6 +198,8 @@ class WeightUpdateSharding:
                     state_plan, kept_whole = _pair_state(module, comp, plan, replication)
                     report.notes += [_state_note(comp, number, why)
                                      for number, why in kept_whole.items()]
+                    report.notes += _unsharded_state(module, comp, plan, set(state_plan) |
+                                                     set(kept_whole))
                     _annotate_state(module, comp, state_plan, plan.groups)
                     inputs = {_param_name(comp, n): p.format for n, p in state_plan.items()}
                     outputs = {p.output: p.value for p in state_plan.values()}
@@ -236,6 +235,10 @@ class WeightUpdateSharding:
 
 
 # ----------------------------------------------------------------- module-level facts
+
+
+def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
+    return profile if isinstance(profile, HardwareProfile) else load_profile(profile)
 
 
 def _data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
@@ -392,6 +395,43 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
     kept_whole.update({number: "no output in its element order is its next value alone "
                                "(no input_output_alias to say which)" for number in remaining})
     return pairs, kept_whole
+
+
+def _unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
+                     explained: set[int]) -> list[str]:
+    """Optimizer state the sharded update does not compute at all, and why: a parameter
+    aliased to an output, not read by the forward/backward pass, whose next value needs
+    the summed gradients outside the region — a factored statistic such as Adafactor's
+    ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
+    graph = dataflow_graph(comp)
+    root = comp.root
+    gradients = {leaf.all_reduce for leaf in plan.leaves}
+    forward: set[str] = set()
+    for name in gradients:
+        forward |= nx.ancestors(graph, name)
+    params = {p.parameter_number: p for p in comp.parameters()}
+    from hlo_shard.printer import format_shape
+
+    sharded = {leaf.all_reduce for leaf in plan.active}
+    found: list[str] = []
+    for k, number in _alias_pairs(module):
+        param = params.get(number)
+        if param is None or number in explained or param.name in forward \
+                or not isinstance(param.shape, ArrayShape) or param.shape.num_elements <= 1 \
+                or root.opcode != "tuple" or k >= len(root.operands):
+            continue
+        value = root.operands[k]
+        upstream = nx.ancestors(graph, value)
+        if value in plan.sharded or not gradients & upstream:
+            continue
+        why = ("its gradient stays all-reduced (see its row)" if not sharded & upstream else
+               "its next value reduces the gradient along a dimension (a factored statistic, "
+               "like Adafactor's v_row/v_col), outside the element-wise update the pass "
+               "shards")
+        found.append(f"optimizer state parameter {number} (%{param.name} "
+                     f"{format_shape(param.shape)}) stays whole, computed in full on every "
+                     f"device: {why}")
+    return found
 
 
 def _order(fmt: ShardFormat) -> str:
@@ -577,7 +617,7 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
              for r in readers if r.attr("index") not in sunk]
     for reader in readers:
         reader.shape = elements[reader.attr("index")]
-    for item, gathered in gather_after(rw, emit, bucketing, items).items():
+    for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
         for user in users[item.shard]:
             inst = parent[user]
             for i, operand in enumerate(inst.operands):
@@ -716,4 +756,5 @@ def _shard_sharding(groups: DeviceGroups) -> str:
 
 __all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptions", "ShardingReport",
            "SignatureEntry", "StrategyChoice", "WeightUpdateSharding", "STATE_MODES",
+           "resolve_profile",
            "STRATEGIES"]

@@ -46,6 +46,9 @@ class HardwareProfile:
     description: str
     #: Dense matrix units (dot, convolution), by element type with a ``default``.
     matrix_flops_per_s: dict[str, float]
+    #: Convolutions, by element type with a ``default`` (XLA CPU runs them through Eigen's
+    #: spatial convolution, far below its dot rate); the matrix rates when not given.
+    convolution_flops_per_s: dict[str, float]
     #: Everything else (elementwise, reductions), by element type with a ``default``.
     vector_flops_per_s: dict[str, float]
     transcendentals_per_s: float
@@ -60,6 +63,9 @@ class HardwareProfile:
     cache_bandwidth_bytes_per_s: float
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
+    #: Fixed cost of one step whatever it computes (XLA CPU: dispatch, the devices'
+    #: threads meeting); 0 when the profile does not say.
+    step_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
     upcasts_16bit_floats: bool
     #: XLA fuses a producer into several readers' loop, or a value also needed in
@@ -79,6 +85,10 @@ class HardwareProfile:
     def matrix_rate(self, element_type: str) -> float:
         return self.matrix_flops_per_s.get(element_type, self.matrix_flops_per_s["default"])
 
+    def convolution_rate(self, element_type: str) -> float:
+        rates = self.convolution_flops_per_s
+        return rates.get(element_type, rates["default"])
+
     def vector_rate(self, element_type: str) -> float:
         return self.vector_flops_per_s.get(element_type, self.vector_flops_per_s["default"])
 
@@ -87,6 +97,11 @@ class HardwareProfile:
 
 
 ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
+
+#: The profile every command prices on unless told the target: the calibrated XLA CPU
+#: devices (CPU being the default backend), so that ``optimize`` decides, and ``report``,
+#: ``diff`` and ``scale`` estimate, on one and the same hardware.
+DEFAULT_PROFILE = "cpu-local"
 
 
 def available_profiles() -> list[str]:
@@ -116,6 +131,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     net_at = at.key("interconnect")
     intra = net_at.read(net, "intra_node", _link)
     bandwidth = at.read(raw, "memory_bandwidth_bytes_per_s", At.number, positive=True)
+    matrix = at.read(raw, "matrix_flops_per_s", _rates)
 
     def rate(name: str, default: float | None = None) -> float:
         return at.read(raw, name, At.number, positive=True,
@@ -127,7 +143,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     return HardwareProfile(
         name=at.read(raw, "name", At.string, default=origin),
         description=at.read(raw, "description", At.string, default=""),
-        matrix_flops_per_s=at.read(raw, "matrix_flops_per_s", _rates),
+        matrix_flops_per_s=matrix,
+        convolution_flops_per_s=at.read(raw, "convolution_flops_per_s", _rates, default=matrix),
         vector_flops_per_s=at.read(raw, "vector_flops_per_s", _rates),
         transcendentals_per_s=rate("transcendentals_per_s"),
         memory_bandwidth_bytes_per_s=bandwidth,
@@ -136,6 +153,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         cache_bytes=count("cache_bytes", 0),
         cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
         kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
+        step_overhead_s=at.read(raw, "step_overhead_s", At.number, low=0, default=0.0),
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),

@@ -11,12 +11,13 @@ run on N devices through the runtime (median of a few runs):
   512 KiB arrays, each reading its predecessor's output and one input and writing its
   own (the shape of a sharded optimizer update), less the same module with one loop;
 * vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
-* matrix rate from a square f32 dot;
+* matrix rate from a square f32 dot, convolution rate from a 3x3 NHWC convolution;
 * collective α from a 4-byte all-reduce (one rendezvous: the ``shared-memory``
   algorithm prices the copies that follow with the memory rates above); β from a
   16 MiB all-reduce in ring accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
-  probes; the per-kernel overhead is not measured and stays at an assumed 2 µs).
+  probes, and the profile's ``step_overhead_s``; the per-kernel overhead is not
+  measured and stays at an assumed 2 µs).
 
 The result is printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json``
 in this package. Nothing here is imported by the cost model.
@@ -44,6 +45,7 @@ ENTRY e {{
 ELEMENTS = 1 << 23          # 32 MiB per f32 array
 CHAIN = 16                  # ops per element in the compute probes
 DOT = 1024
+CONV = (8, 32, 64)          # batch, spatial size, channels of a 3x3 convolution
 COLLECTIVE = 1 << 22        # 16 MiB all-reduce
 CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
 CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
@@ -97,6 +99,11 @@ def _probes(n: int) -> dict[str, str]:
         "matrix": f"x = f32[{DOT},{DOT}] parameter(0)\n  y = f32[{DOT},{DOT}] parameter(1)\n"
                   f"  ROOT d = f32[{DOT},{DOT}] dot(x, y), lhs_contracting_dims={{1}}, "
                   f"rhs_contracting_dims={{0}}",
+        "convolution": f"x = f32[{CONV[0]},{CONV[1]},{CONV[1]},{CONV[2]}] parameter(0)\n"
+                       f"  k = f32[3,3,{CONV[2]},{CONV[2]}] parameter(1)\n"
+                       f"  ROOT y = f32[{CONV[0]},{CONV[1]},{CONV[1]},{CONV[2]}] "
+                       f"convolution(x, k), window={{size=3x3 pad=1_1x1_1}}, "
+                       f"dim_labels=b01f_01io->b01f",
         "small_all_reduce": "x = f32[1] parameter(0)\n"
                             "  ROOT r = f32[1] all-reduce(x), replica_groups={}, to_apply=add",
         "large_all_reduce": f"x = f32[{COLLECTIVE}] parameter(0)\n"
@@ -134,6 +141,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     vector = 2 * CHAIN * e / max(t["vector"] - overhead - streaming, 1e-9)
     transcendental = CHAIN * e / max(t["transcendental"] - overhead - streaming, 1e-9)
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
+    b, hw, c = CONV
+    convolution = 2 * b * hw * hw * c * c * 9 / max(t["convolution"] - overhead, 1e-9)
     cached = (CACHED_CHAIN - 1) * 3 * 4 * CACHED / max(t["cache"] - t["cache_base"], 1e-9)
     alpha = max(t["small_all_reduce"] - overhead, 0.0)
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
@@ -144,6 +153,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "description": f"This machine ({platform.machine()}, {platform.processor() or 'cpu'}) "
                        f"as {n} XLA CPU devices sharing its cores, measured",
         "matrix_flops_per_s": {"f32": matrix, "default": matrix},
+        "convolution_flops_per_s": {"f32": convolution, "default": convolution},
         "vector_flops_per_s": {"f32": vector, "default": vector},
         "transcendentals_per_s": transcendental,
         "memory_bandwidth_bytes_per_s": read,
@@ -155,6 +165,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
         "kernel_overhead_s": 2e-6,
+        "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
         "sources": [

@@ -27,6 +27,13 @@ def device_count(module: Module) -> int:
 def check_executable(module: Module) -> None:
     """Refuse what cannot be executed faithfully, with the reason and the fix."""
     where = module.source_path or module.name
+    if module.is_scheduled:
+        # Before: XLA aborted inside its compiler (Check failed: input_shape.has_layout()).
+        raise HloShardError(
+            f"{where}: this is an XLA-optimized module (is_scheduled=true, an "
+            "*after_optimizations dump); XLA cannot recompile its own optimized CPU modules, "
+            "so it cannot be executed — verify the per-device module optimize reads (the "
+            "*.spmd-partitioner.after_call-inliner… dump)")
     if module.replica_count > 1 and module.num_partitions > 1:
         raise HloShardError(
             f"{where}: modules with both replica_count={module.replica_count} and "

@@ -1,0 +1,130 @@
+"""Never slower: shard only the gradients whose sharding the cost model predicts faster.
+
+The weight-update pass can shard every eligible gradient; whether that pays depends on
+the target: each sharded bucket adds a reduce-scatter and an all-gather (two latencies
+where the combined all-reduce paid one), formatting copies, and the update's loops lose
+their fusion with the forward pass — against the update work divided by N. The benefit
+grows with a gradient's size and the cost is mostly per collective, so the choice is a
+size cut-off: every gradient of at least ``t`` bytes is sharded. The pass runs once per
+candidate cut-off (the distinct sizes of the shardable gradients, at most
+``MAX_TRIALS``) on a copy, :func:`~hlo_shard.analysis.estimate.estimate_step` prices
+every result on the target profile — collectives, copies and kernels as XLA would fuse
+them — and the fastest one is kept, provided it is predicted faster than the input by
+at least ``MIN_GAIN``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from hlo_shard.analysis.estimate import estimate_step
+from hlo_shard.ir import Module
+from hlo_shard.passes.base import PassResult
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding, resolve_profile)
+
+#: Cut-offs tried at most (spread over the distinct gradient sizes).
+MAX_TRIALS = 8
+#: The smallest predicted saving worth a rewrite: below it the prediction is within the
+#: cost model's error on CPU (the model zoo: modules predicted 0.97-1.00x measured
+#: 0.85-1.20x on a shared machine), and a user must never get a slower step.
+MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The pass with every gradient of at least ``min_bytes`` sharded, priced."""
+
+    min_bytes: int
+    sharded: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SpeedDecision:
+    """What ``--explain`` shows: the input's and the written module's predicted step,
+    on which profile, and every cut-off tried."""
+
+    profile: str
+    before_s: float
+    after_s: float
+    trials: tuple[Trial, ...]
+    chosen: Trial | None  #: None: kept whole (nothing predicted faster) or forced
+    forced: bool = False
+
+    @property
+    def kept_whole(self) -> bool:
+        return not self.forced and self.chosen is None
+
+    def to_json(self) -> dict:
+        return {"profile": self.profile, "before_seconds": self.before_s,
+                "after_seconds": self.after_s, "forced": self.forced,
+                "kept_whole": self.kept_whole,
+                "min_shard_bytes": None if self.chosen is None else self.chosen.min_bytes,
+                "trials": [{"min_shard_bytes": t.min_bytes, "sharded": t.sharded,
+                            "seconds": t.seconds} for t in self.trials]}
+
+
+def shard_where_faster(module: Module, options: ShardingOptions, force: bool = False
+                       ) -> tuple[PassResult, SpeedDecision]:
+    """Run the pass on ``module`` (in place) with the cut-off predicted fastest, or not at
+    all when nothing is predicted faster than the input (``force``: as told)."""
+    hardware = resolve_profile(options.profile)
+    options = replace(options, profile=hardware)
+    before = estimate_step(module, hardware).seconds
+
+    def trial(min_bytes: int) -> tuple[Trial, PassResult]:
+        candidate = copy.deepcopy(module)
+        result = WeightUpdateSharding(replace(options, min_shard_bytes=min_bytes)).apply(candidate)
+        report: ShardingReport = result.notes[0]
+        sharded = sum(1 for row in report.explanations if row.sharded)
+        seconds = estimate_step(candidate, hardware).seconds if sharded else before
+        return Trial(min_bytes, sharded, seconds), result
+
+    everything, full = trial(options.min_shard_bytes)
+    if force or not everything.sharded:
+        result = WeightUpdateSharding(options).apply(module)
+        return result, SpeedDecision(hardware.name, before, everything.seconds, (everything,),
+                                     None, forced=force)
+    sizes = sorted({row.bytes for row in full.notes[0].explanations if row.sharded})
+    cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
+    trials = [everything] + [trial(size)[0] for size in cutoffs]
+    best = min(trials, key=lambda t: (t.seconds, -t.sharded))
+    chosen = best if best.seconds <= before * (1 - MIN_GAIN) else None
+    # Kept whole: the pass still runs, sharding nothing (its pure simplifications — fresh
+    # duplicate channel ids, forwarded tuple elements — make the module valid to write).
+    cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
+    result = WeightUpdateSharding(replace(options, min_shard_bytes=cutoff)).apply(module)
+    report = result.notes[0]
+    decision = SpeedDecision(hardware.name, before, before if chosen is None else chosen.seconds,
+                             tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
+    _explain_cost_rows(report, decision, options.min_shard_bytes)
+    return result, decision
+
+
+def _spread(values: list[int], count: int) -> list[int]:
+    """At most ``count`` of the sorted ``values``, evenly spread, the largest included."""
+    if len(values) <= count:
+        return values
+    step = (len(values) - 1) / (count - 1)
+    return sorted({values[round(k * step)] for k in range(count)})
+
+
+def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min: int) -> None:
+    """Gradients kept whole for speed say so, with both predicted step times."""
+    kept = decision.after_s
+    for row in report.explanations:
+        if row.sharded or row.bytes < user_min or not row.reason.startswith("smaller than"):
+            continue
+        # The cheapest way to shard this one too: the best cut-off that includes it.
+        options = [t for t in decision.trials if t.min_bytes <= row.bytes]
+        if not options:
+            continue
+        alternative = min(options, key=lambda t: t.seconds)
+        row.reason = (f"kept whole for speed: sharding it predicted "
+                      f"{alternative.seconds * 1e3:.4g} ms/step, whole "
+                      f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
+
+
+__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "shard_where_faster"]
