@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
-from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
+from test_optimize_verify import verify_optimized
 from wus_helpers import ADD, MAX, find, optimize
 
 ALIAS = "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }"
@@ -52,14 +50,6 @@ NAN_MAX = f"HloModule nanmax, replica_count=2, {ALIAS}\n" + ADD + MAX + """ENTRY
 def worker():
     yield runtime.get_worker("cpu", 2)
     runtime.shutdown_workers()
-
-
-def verify_optimized(text: str, **options) -> runtime.VerifyReport:
-    module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(**options), force=True)
-    assert any(r.sharded for r in report.explanations)
-    return runtime.verify(parse(text), parse(optimized), runtime.VerifyOptions(
-        steps=5, manifest=build_manifest(report, module)))
 
 
 def failures(report: runtime.VerifyReport) -> list:

@@ -4,17 +4,17 @@
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
 * region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
   broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
-  locally and all-reduced;
+  locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
 * sharded values needed whole: all-gathered right before their first such user (values
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
   becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
-  right before the first of them; *output shards*: root tuple positions that keep the shard.
+  right before the first of them; *output shards*: root tuple positions that keep the shard,
+  their padding lanes masked to zero unless :class:`PaddingZeros` proves them zero.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 from hlo_shard.analysis.collectives import reducer_opcode
@@ -345,7 +345,7 @@ class RegionRewrite:
         """The shard of ``value`` a root position keeps, its padding lanes zero (the
         manifest's contract): masked unless the update provably keeps them zero."""
         shard, fmt = self.shard_of[value], self.plan.sharded[value]
-        if not fmt.padding or zero_padded.state(value) == ZERO:
+        if not fmt.padding or zero_padded.state(value) == _ZERO:
             return shard
         element_type = self.comp[value].shape.element_type
         with self.rw.inserting_before(self.comp.root_name):
@@ -488,21 +488,21 @@ _NAN_FLAGS = {"maximum": "1", "minimum": "-1"}
 
 #: What a value holds in the padding lanes of its shard: zero, a finite nonzero
 #: constant (a broadcast literal), or anything (the default).
-ZERO, FINITE, ANY = "zero", "finite", "any"
+_ZERO, _FINITE, _ANY = "zero", "finite", "any"
+#: Literals that stay finite and nonzero in f16/bf16 too (0·c = 0 and 0/c = 0 hold).
+_NORMAL_IN_EVERY_FLOAT = (1e-4, 6e4)
 
 
 def _all_zero(states: list[str]) -> str:
-    return ZERO if states and all(s == ZERO for s in states) else ANY
+    return _ZERO if states and all(s == _ZERO for s in states) else _ANY
 
 
 def _product(states: list[str]) -> str:
-    if ZERO in states and all(s in (ZERO, FINITE) for s in states):
-        return ZERO
-    return FINITE if states and all(s == FINITE for s in states) else ANY
+    return _ZERO if _ZERO in states and all(s in (_ZERO, _FINITE) for s in states) else _ANY
 
 
 def _quotient(states: list[str]) -> str:
-    return ZERO if states[0] == ZERO and states[1] == FINITE else ANY
+    return _ZERO if states[0] == _ZERO and states[1] == _FINITE else _ANY
 
 
 def _selected(states: list[str]) -> str:
@@ -513,7 +513,7 @@ def _same(states: list[str]) -> str:
     return states[0]
 
 
-#: opcode → the padding state of its result from its operands' (default: ANY).
+#: opcode → the padding state of its result from its operands' (default: _ANY).
 _PADDING_RULES = {
     **{op: _all_zero for op in ("add", "subtract", "maximum", "minimum", "negate", "abs",
                                 "sqrt", "sign", "convert", "and", "or", "tanh", "sine",
@@ -538,12 +538,12 @@ class PaddingZeros:
     def state(self, value: str) -> str:
         comp = self.comp
         if value in self.zero:
-            return ZERO
+            return _ZERO
         inst, op = comp[value], self.plan.ops.get(value)
         if op is None or op.kind == "reduce":  # replicated: a broadcast, a scalar, a slice
             if is_scalar_broadcast(comp, value):
                 return _constant_state(comp[inst.operands[0]])
-            return _constant_state(inst) if inst.shape.is_scalar else ZERO
+            return _constant_state(inst) if inst.shape.is_scalar else _ZERO
         operands = [self.state(o) for o in inst.operands]
         if inst.opcode == "reduce":
             return operands[0]  # a region reduce here drops size-1 dimensions only
@@ -570,20 +570,21 @@ class PaddingZeros:
 
 
 def _rule(opcode: str):
-    return _PADDING_RULES.get(opcode, lambda _: ANY)
+    return _PADDING_RULES.get(opcode, lambda _: _ANY)
 
 
 def _constant_state(inst: Instruction) -> str:
     """A scalar constant's padding state as a broadcast operand."""
     if inst.opcode != "constant" or inst.literal is None:
-        return ANY
+        return _ANY
     try:
         number = float(inst.literal)
     except ValueError:
-        return ZERO if inst.literal.strip() == "false" else ANY
+        return _ZERO if inst.literal.strip() == "false" else _ANY
     if number == 0:
-        return ZERO
-    return FINITE if math.isfinite(number) else ANY
+        return _ZERO
+    return _FINITE if _NORMAL_IN_EVERY_FLOAT[0] <= abs(number) <= _NORMAL_IN_EVERY_FLOAT[1] \
+        else _ANY
 
 
 def _is_constant(inst: Instruction, literal: str) -> bool:
