@@ -4,12 +4,13 @@
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
 * region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
   broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
-  locally and all-reduced;
+  locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
 * sharded values needed whole: all-gathered right before their first such user (values
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
   becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
-  right before the first of them; *output shards*: root tuple positions that keep the shard.
+  right before the first of them; *output shards*: root tuple positions that keep the shard,
+  their padding lanes masked to zero unless :class:`PaddingZeros` proves them zero.
 """
 
 from __future__ import annotations
@@ -175,22 +176,51 @@ class RegionRewrite:
         with self.rw.inserting_before(name):
             shard = self.operand_shard(source, fmt)
             if fmt.padding:
-                neutral = emit.add("broadcast", emit.shape(element_type, (fmt.shard_len,)),
-                                   [emit.constant(element_type, op.neutral)], dimensions=())
-                shard = emit.add("select", emit.shape(element_type, (fmt.shard_len,)),
-                                 [self.valid_lanes(fmt), shard, neutral], name=f"{name}.masked")
+                shard = self.mask_padding(shard, fmt, element_type, op.neutral, f"{name}.masked")
             local = emit.add("reduce", emit.shape(out_type, ()),
                              [shard, emit.constant(out_type, op.neutral)],
                              name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
             result = emit.add("all-reduce", emit.shape(out_type, ()), [local],
                               name=f"{name}.sum", **emit.collective_attrs(to_apply=to_apply))
             self._one_element_sums.append(result)
+            if op.reducer in _NAN_FLAGS and out_type.startswith(("f", "bf")):
+                result = self.keep_nan(local, result, op.reducer, out_type, to_apply, name)
             if not _is_constant(self.comp[init], op.neutral):
                 result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
             if not inst.shape.is_scalar:
                 result = emit.add("reshape", inst.shape, [result])
         self.rw.replace_all_uses_with(name, result)
         self._erase.append(name)
+
+    def mask_padding(self, shard: str, fmt: ShardFormat, element_type: str, literal: str,
+                     name: str) -> str:
+        """``shard`` with its padding lanes set to ``literal`` (a reducer's neutral value
+        before a reduction; zero where a shard leaves the computation)."""
+        emit = self.emit
+        fill = emit.add("broadcast", emit.shape(element_type, (fmt.shard_len,)),
+                        [emit.constant(element_type, literal)], dimensions=())
+        return emit.add("select", emit.shape(element_type, (fmt.shard_len,)),
+                        [self.valid_lanes(fmt), shard, fill], name=name)
+
+    def keep_nan(self, local: str, reduced: str, reducer: str, element_type: str, to_apply,
+                 name: str) -> str:
+        """A cross-device min/max that propagates NaN as the whole-tensor reduce does
+        (XLA:CPU's all-reduce(min/max) drops it): each device also all-reduces, with the
+        same reducer, a flag saying its local result is NaN (a one-element sum combined
+        with the others); where any flag is set the result is NaN."""
+        emit = self.emit
+        scalar, pred = emit.shape(element_type, ()), emit.shape("pred", ())
+        flagged, zero = _NAN_FLAGS[reducer], emit.constant(element_type, "0")
+        is_nan = emit.add("compare", pred, [local, local], name=f"{name}.is_nan",
+                          direction=Ident("NE"))
+        flag = emit.add("select", scalar, [is_nan, emit.constant(element_type, flagged), zero],
+                        name=f"{name}.nan_flag")
+        any_flag = emit.add("all-reduce", scalar, [flag], name=f"{name}.any_nan",
+                            **emit.collective_attrs(to_apply=to_apply))
+        self._one_element_sums.append(any_flag)
+        seen = emit.add("compare", pred, [any_flag, zero], direction=Ident("NE"))
+        return emit.add("select", scalar, [seen, emit.constant(element_type, "nan"), reduced],
+                        name=f"{name}.nan_kept")
 
     def valid_lanes(self, fmt: ShardFormat) -> str:
         """pred[L]: which lanes of this device's shard hold real (not padding) elements."""
@@ -301,13 +331,26 @@ class RegionRewrite:
         for value, users in needs.items():
             self._rewire(value, gathered[value], users, kept_shards)
         if root.opcode == "tuple" and self.outputs:
+            zero_padded = PaddingZeros(self.module, comp, self.plan, set(self.inputs))
             for k, value in self.outputs.items():
                 if root.operands[k] == value:
-                    self.rw.set_operand(root, k, self.shard_of[value])
+                    self.rw.set_operand(root, k, self.output_shard(value, zero_padded))
             elements = list(root.shape.elements)
             for k in self.outputs:
                 elements[k] = comp[root.operands[k]].shape
             root.shape = TupleShape(tuple(elements))
+
+    def output_shard(self, value: str, zero_padded: PaddingZeros) -> str:
+        """The shard of ``value`` a root position keeps, its padding lanes zero (the
+        manifest's contract): masked unless the update provably keeps them zero."""
+        shard, fmt = self.shard_of[value], self.plan.sharded[value]
+        if not fmt.padding or zero_padded.state(value) == _ZERO:
+            return shard
+        element_type = self.comp[value].shape.element_type
+        with self.rw.inserting_before(self.comp.root_name):
+            return self.mask_padding(shard, fmt, element_type,
+                                     "false" if element_type == "pred" else "0",
+                                     f"{value}.zero_padded")
 
     def _rebuild_all_reduces(self) -> None:
         """Keep the unsharded elements of partly sharded tuple all-reduces."""
@@ -436,6 +479,111 @@ def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str])
                 rw.erase(name)
         saved += len(group) - 1
     return saved
+
+
+#: min/max reducers → the value of the is-NaN flag all-reduced with the same reducer
+#: (max of {0, 1}, min of {0, -1}: set where any device saw NaN).
+_NAN_FLAGS = {"maximum": "1", "minimum": "-1"}
+
+#: What a value holds in the padding lanes of its shard: zero, a finite nonzero
+#: constant (a broadcast literal), or anything (the default).
+_ZERO, _FINITE, _ANY = "zero", "finite", "any"
+#: Literals that stay finite and nonzero in f16/bf16 too (0·c = 0 and 0/c = 0 hold).
+_NORMAL_IN_EVERY_FLOAT = (1e-4, 6e4)
+
+
+def _all_zero(states: list[str]) -> str:
+    return _ZERO if states and all(s == _ZERO for s in states) else _ANY
+
+
+def _product(states: list[str]) -> str:
+    return _ZERO if _ZERO in states and all(s in (_ZERO, _FINITE) for s in states) else _ANY
+
+
+def _quotient(states: list[str]) -> str:
+    return _ZERO if states[0] == _ZERO and states[1] == _FINITE else _ANY
+
+
+def _selected(states: list[str]) -> str:
+    return _all_zero(states[1:])
+
+
+def _same(states: list[str]) -> str:
+    return states[0]
+
+
+#: opcode → the padding state of its result from its operands' (default: _ANY).
+_PADDING_RULES = {
+    **{op: _all_zero for op in ("add", "subtract", "maximum", "minimum", "negate", "abs",
+                                "sqrt", "sign", "convert", "and", "or", "tanh", "sine",
+                                "bitcast-convert")},
+    **{op: _same for op in ("copy", "reshape", "bitcast", "transpose")},
+    "multiply": _product, "divide": _quotient, "select": _selected,
+}
+
+
+class PaddingZeros:
+    """Which region values keep zeros in their shards' padding lanes: gradients (the
+    reduce-scatter of a zero-padded vector), state and carried shards (zero by contract),
+    slices of replicated values (zero-padded), and what the rules of
+    :data:`_PADDING_RULES` derive from those (fusion bodies included)."""
+
+    def __init__(self, module: Module, comp: Computation, plan: RegionPlan,
+                 input_shards: set[str]) -> None:
+        self.module, self.comp, self.plan = module, comp, plan
+        self.zero = input_shards | {v for leaf in plan.active for v in leaf.values}
+        self._memo: dict[tuple[str, str], str] = {}
+
+    def state(self, value: str) -> str:
+        comp = self.comp
+        if value in self.zero:
+            return _ZERO
+        inst, op = comp[value], self.plan.ops.get(value)
+        if op is None or op.kind == "reduce":  # replicated: a broadcast, a scalar, a slice
+            if is_scalar_broadcast(comp, value):
+                return _constant_state(comp[inst.operands[0]])
+            return _constant_state(inst) if inst.shape.is_scalar else _ZERO
+        operands = [self.state(o) for o in inst.operands]
+        if inst.opcode == "reduce":
+            return operands[0]  # a region reduce here drops size-1 dimensions only
+        if inst.opcode == "fusion":
+            return self._body(inst.attr("calls").name, tuple(operands))
+        return _rule(inst.opcode)(operands)
+
+    def _body(self, name: str, params: tuple[str, ...]) -> str:
+        key = (name, params)
+        if key not in self._memo:
+            body = self.module.computation(name)
+            states: dict[str, str] = {}
+            for inst in body.instructions:
+                if inst.opcode == "parameter":
+                    states[inst.name] = params[inst.parameter_number]
+                elif inst.opcode == "constant":
+                    states[inst.name] = _constant_state(inst)
+                elif inst.opcode == "broadcast" and body[inst.operands[0]].shape.is_scalar:
+                    states[inst.name] = states[inst.operands[0]]
+                else:
+                    states[inst.name] = _rule(inst.opcode)([states[o] for o in inst.operands])
+            self._memo[key] = states[body.root_name]
+        return self._memo[key]
+
+
+def _rule(opcode: str):
+    return _PADDING_RULES.get(opcode, lambda _: _ANY)
+
+
+def _constant_state(inst: Instruction) -> str:
+    """A scalar constant's padding state as a broadcast operand."""
+    if inst.opcode != "constant" or inst.literal is None:
+        return _ANY
+    try:
+        number = float(inst.literal)
+    except ValueError:
+        return _ZERO if inst.literal.strip() == "false" else _ANY
+    if number == 0:
+        return _ZERO
+    return _FINITE if _NORMAL_IN_EVERY_FLOAT[0] <= abs(number) <= _NORMAL_IN_EVERY_FLOAT[1] \
+        else _ANY
 
 
 def _is_constant(inst: Instruction, literal: str) -> bool:
