@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default="jit,sharded",
                         help=f"training loops to run, from {', '.join(MODES)}")
     parser.add_argument("--strategy", default="auto", help="shard_weight_update's strategy")
+    parser.add_argument("--force", action=argparse.BooleanOptionalAction, default=True,
+                        help="shard_weight_update(force=...): the demo's MLP is far too small "
+                             "for sharding to pay on CPU, so the never-slower gate would run "
+                             "plain jit; --no-force shows that fallback")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--resume-at", type=int, default=None, metavar="K",
                         help="sharded mode: before step K, checkpoint round trip (gather_args"
@@ -110,7 +114,8 @@ def train(args: argparse.Namespace) -> list[dict]:
     for mode in args.modes.split(","):
         step = jax.jit(train_step, donate_argnums=(0, 1))
         if mode != "jit":
-            step = hsj.shard_weight_update(step, state=mode, strategy=args.strategy)
+            step = hsj.shard_weight_update(step, state=mode, strategy=args.strategy,
+                                            force=args.force)
         params = place(start, replicated)
         opt_state = place(jax.tree.map(np.asarray, optimizer.init(start)), replicated)
         losses, seconds = [], []
