@@ -14,16 +14,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# The CI suite: everything but the tests marked `slow` (one XLA compile per fixture
-# for the cost model's accuracy, the 1024-wide models): minutes on two cores.
-test: install
+# The CI suite: lint, the type check of the typed modules, and every test but those
+# marked `slow` (one XLA compile per fixture for the cost model's accuracy, the
+# 1024-wide models, the whole mutant set): minutes on two cores.
+test: lint typecheck
 	$(PY) -m pytest -q -m "not slow"
 
 # Everything, including the slow accuracy and whole-fixture sweeps.
 test-all: install
 	HLO_SHARD_ALL_FIXTURES=1 $(PY) -m pytest -q
 
-# ruff (rules in pyproject.toml). Not yet part of `make test`: see CONTRIBUTING.md.
+# ruff (rules in pyproject.toml); part of `make test`.
 lint: install
 	$(PY) -m ruff check .
 

@@ -33,7 +33,8 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Union, cast
+from typing import cast
+from collections.abc import Callable, Iterable
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -199,7 +200,7 @@ def grammar_path() -> Path:
 # ------------------------------------------------------------------------ locations
 
 #: A lark token, or ``(token, offset)`` into the text of a coarse token.
-Loc = Union[Token, tuple]
+Loc = Token | tuple
 
 
 def _position(loc: Loc) -> tuple[int, int]:
@@ -222,7 +223,7 @@ class _Located(Exception):
         self.line, self.column = _position(loc)
 
 
-def _fail(message: str, loc: Loc) -> "NoReturn":  # noqa: F821 - typing only
+def _fail(message: str, loc: Loc) -> NoReturn:  # noqa: F821 - typing only
     raise _Located(message, loc)
 
 
@@ -533,7 +534,7 @@ _TOKEN = ArrayShape("token", ())
 #: A shape rule: (operands, attributes, computations defined so far) → the result shape,
 #: or None where the operands do not give one.
 ShapeRule = Callable[[list[Instruction], dict[str, AttrValue], dict[str, Computation]],
-                     Union[Shape, None]]
+                     Shape | None]
 
 
 def _first_array(operands, attrs, computations) -> Shape | None:
@@ -644,7 +645,7 @@ def _recv_done_shape(operands: list[Instruction]) -> Shape | None:
 
 #: Opcodes whose result shape XLA derives from the operands whatever the text declares
 #: (its ``CreateSend``, ``CreateSendDone``, ``CreateRecvDone`` take no shape).
-_DERIVED_SHAPES: dict[str, Callable[[list[Instruction]], Union[Shape, None]]] = {
+_DERIVED_SHAPES: dict[str, Callable[[list[Instruction]], Shape | None]] = {
     "send": _send_shape,
     "send-done": lambda operands: _TOKEN,
     "recv-done": _recv_done_shape,
@@ -828,7 +829,7 @@ class _Builder(Transformer):
         if name.type == "NAME_COLON" and name.value[0] == "%":
             _fail("expects name", name)  # XLA takes `HloModule m:`, not `%m:`
         header: dict[str, AttrValue] = {}
-        for key, key_loc, kind, text, loc in attributes:
+        for key, key_loc, _kind, text, loc in attributes:
             if key not in HEADER_ATTRIBUTES:
                 _fail(_unexpected_attribute(key, HEADER_ATTRIBUTES), key_loc)
             if key in header:

@@ -10,7 +10,7 @@ verbatim, so printing a parsed module twice gives the same text.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from hlo_shard.graph import callees_first, topological_order
 from hlo_shard.ir import (

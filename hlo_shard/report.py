@@ -111,16 +111,20 @@ class Document:
     notes: list[str] = field(default_factory=list)
 
 
+def _table_line(cells, widths: list[int]) -> str:
+    """One row: the first column left-aligned, the figures right-aligned."""
+    return ("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
+
+
 def render_text(doc: Document) -> str:
     out = [doc.title, doc.subtitle, ""]
     for table in doc.tables:
         out.append(table.title)
         widths = [max(len(str(c)), *(len(r[i]) for r in table.rows)) if table.rows else len(c)
                   for i, c in enumerate(table.columns)]
-        line = lambda cells: "  " + "  ".join(  # noqa: E731
-            (c.ljust(w) if i == 0 else c.rjust(w)) for i, (c, w) in enumerate(zip(cells, widths)))
-        out.append(line(table.columns).rstrip())
-        out.extend(line(row).rstrip() for row in table.rows)
+        out.append(_table_line(table.columns, widths))
+        out.extend(_table_line(row, widths) for row in table.rows)
         if table.note:
             out.append(f"  ({table.note})")
         out.append("")

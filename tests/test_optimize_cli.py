@@ -146,7 +146,7 @@ def test_profile_decides_auto_and_explain_names_it(tmp_path, profile):
     out = tmp_path / "o.hlo"
     result = run(str(source), "-o", str(out), "--profile", profile, "--explain")
     assert result.exit_code == 0, result.output
-    (line,) = [l for l in result.stderr.splitlines() if l.startswith("strategy auto")]
+    (line,) = [text for text in result.stderr.splitlines() if text.startswith("strategy auto")]
     assert line.startswith(f"strategy auto on profile {profile} (8 devices), e: auto {pairs} pair")
     figures = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
     assert set(figures) == {"auto", "per-tensor", "combined"}

@@ -142,7 +142,7 @@ def test_reshapes_keep_the_order_only_when_it_exists():
 
 
 def test_shard_lengths_and_padding():
-    fmt = ShardFormat.of(parse(f"HloModule m\nENTRY e {{ ROOT p = f32[10,3] parameter(0) }}\n")
+    fmt = ShardFormat.of(parse("HloModule m\nENTRY e { ROOT p = f32[10,3] parameter(0) }\n")
                          .entry.root.shape, 4)
     assert (fmt.shard_len, fmt.padded, fmt.padding) == (8, 32, 2)
 

@@ -169,7 +169,8 @@ def test_diff_shows_the_pass_effect(modules):
 def test_diff_text_rows_have_absolute_and_relative_deltas(modules):
     result = run("diff", *modules, "--profile", "tpu-v3")
     assert result.exit_code == 0
-    row = next(l for l in result.output.splitlines() if l.strip().startswith("w: update flops"))
+    row = next(text for text in result.output.splitlines()
+               if text.strip().startswith("w: update flops"))
     assert "−" in row and "%" in row
     assert "reduce-scatter: count" in result.output
 

@@ -23,7 +23,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from hlo_shard.ir import (
     ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
@@ -427,7 +427,7 @@ def fusion_bytes(analysis: CostAnalysis, caller: Computation, fusion: Instructio
         for index, leaf in enumerate(fusion.shape.elements):
             producer = fused[root.operands[index]] if root.opcode == "tuple" else None
             if isinstance(leaf, TupleShape):
-                total += sum(l.byte_size for _, l in leaf.leaves())
+                total += sum(part.byte_size for _, part in leaf.leaves())
             elif producer is not None and producer.opcode == "dynamic-update-slice":
                 total += xla_shape_size(fused[producer.operands[1]].shape)
             else:

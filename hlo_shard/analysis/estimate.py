@@ -39,7 +39,7 @@ from hlo_shard.analysis.kernels import (
 )
 from hlo_shard.analysis.liveness import MemoryProfile, memory_profile
 from hlo_shard.graph import users_map
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
+from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 
 CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
@@ -462,8 +462,8 @@ class _Estimator:
             if trips is None:
                 trips = 1
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            body = self.module.computation(getattr(inst.attr("body"), "name"))
-            condition = self.module.computation(getattr(inst.attr("condition"), "name"))
+            body = self.module.computation(inst.attr("body").name)
+            condition = self.module.computation(inst.attr("condition").name)
             return (self.computation(body, runs * trips)
                     + self.computation(condition, runs * (trips + 1)))
         if inst.opcode == "call":

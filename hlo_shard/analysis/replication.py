@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Union
 
 import networkx as nx
 
@@ -32,7 +31,7 @@ from hlo_shard.graph import dataflow_graph
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Shape, TupleShape
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
-Flags = Union[bool, tuple]
+Flags = bool | tuple
 
 
 def uniform(shape: Shape, flag: bool) -> Flags:

@@ -7,7 +7,7 @@ per kernel, buffer liveness for memory). Exit status 0, or 2 on bad input.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import click
 

@@ -130,7 +130,7 @@ def _text_report(report, timed: bool) -> list[str]:
         if bad:
             step = report.differing[0][0]
             lines.append(f"DIFFERENT: {len(bad)} of {len(report.final())} outputs differ "
-                         f"(output {', '.join(str(l.index) for l in bad)}; first at step {step} "
+                         f"(output {', '.join(str(leaf.index) for leaf in bad)}; first at step {step} "
                          f"of {report.steps_run}) on {devices}")
         else:
             lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax._capture import per_device_hlo

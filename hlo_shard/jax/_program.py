@@ -14,7 +14,8 @@ import functools
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
@@ -220,7 +221,7 @@ def convert(leaves: list, layouts: list[StateLayout], shardings: list,
     return list(_converter(to_shards, tuple(layouts), tuple(shardings))(tuple(leaves)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
     import jax
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from hlo_shard.jax import _distributed, _xla
 from hlo_shard.jax._capture import Unsupported, capture

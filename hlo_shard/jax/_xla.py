@@ -9,7 +9,7 @@ the user's own jax Arrays, with no copy to numpy or to a child.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,7 +19,8 @@ torus hop) ≈ 0.9 MB at N = 8 and ≈ 14 MB at N = 1024.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
+from collections.abc import Callable, Sequence
 
 from hlo_shard.analysis.collective_model import collective_cost
 from hlo_shard.profiles import HardwareProfile

@@ -36,8 +36,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
-                                              collect_leaves, flattenable, natural_perm,
-                                              plan_region, region_only_parameters)
+                                              collect_leaves, flattenable, plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape

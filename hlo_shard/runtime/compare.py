@@ -16,7 +16,7 @@ leaf on all devices (docs/verify.md derives the bound from the reduction order).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

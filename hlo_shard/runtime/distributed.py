@@ -39,7 +39,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
 
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.runtime import _child

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -318,7 +318,7 @@ def positive_parameters(module: Module) -> set[int]:
     """Entry parameters whose values should be positive (see the module docstring)."""
     comps = {c.name: c for c in module.computations}
 
-    @lru_cache(maxsize=None)
+    @cache
     def demanded_params(name: str, root_demanded: bool) -> frozenset[int]:
         return frozenset(_demanded_parameters(comps[name], root_demanded, comps,
                                               demanded_params))
