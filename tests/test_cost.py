@@ -580,3 +580,21 @@ def test_adam_step_split_and_update_share():
 def test_predicted_ratio_of_a_module_with_itself_is_one():
     module = parse(ADAM)
     assert predicted_step_ratio(module, parse(ADAM), load_profile("cpu-generic")) == 1.0
+
+
+def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
+    """α is what each further all-reduce adds to a step (issue #12): one all-reduce less
+    an empty step measured a third of it, and the gate saw gathered mode's extra
+    collectives as nearly free. The chain probe is dependent all-reduces, parsed as
+    HLO."""
+    from hlo_shard.profiles import calibrate
+
+    seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {
+        "overhead": 0.3e-3, "small_all_reduce": 0.35e-3,
+        "all_reduce_chain": 0.35e-3 + (calibrate.ALL_REDUCE_CHAIN - 1) * 0.12e-3,
+        "cache_base": 0.5, "large_all_reduce": 2.0}
+    link = calibrate.profile_from_measurements(8, seconds)["interconnect"]["intra_node"]
+    assert link["alpha_s"] == pytest.approx(0.12e-3)
+    chain = parse(calibrate._module(8, calibrate._probes(8)["all_reduce_chain"]))
+    opcodes = [i.opcode for i in chain.entry.instructions]
+    assert opcodes.count("all-reduce") == calibrate.ALL_REDUCE_CHAIN

@@ -12,9 +12,12 @@ run on N devices through the runtime (median of a few runs):
   own (the shape of a sharded optimizer update), less the same module with one loop;
 * vector and transcendental rates from long elementwise chains (multiply-add, sqrt);
 * matrix rate from a square f32 dot, convolution rate from a 3x3 NHWC convolution;
-* collective α from a 4-byte all-reduce (one rendezvous: the ``shared-memory``
-  algorithm prices the copies that follow with the memory rates above); β from a
-  16 MiB all-reduce in ring accounting, used only if another algorithm is chosen;
+* collective α as the slope of a chain of dependent 4-byte all-reduces (one
+  rendezvous each: the ``shared-memory`` algorithm prices the copies that follow with
+  the memory rates above). One all-reduce less an empty step priced α at 39-47 µs
+  where a chain measures 116-140 µs, so the gate saw the extra collectives of
+  ``--state gathered`` as nearly free (issue #12); β from a 16 MiB all-reduce in ring
+  accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
   probes, and the profile's ``step_overhead_s``; the per-kernel overhead is not
   measured and stays at an assumed 2 µs).
@@ -47,6 +50,7 @@ CHAIN = 16                  # ops per element in the compute probes
 DOT = 1024
 CONV = (8, 32, 64)          # batch, spatial size, channels of a 3x3 convolution
 COLLECTIVE = 1 << 22        # 16 MiB all-reduce
+ALL_REDUCE_CHAIN = 17       # dependent all-reduces in the α probe (one more than the slope's)
 CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
 CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
 
@@ -80,6 +84,15 @@ def last_level_cache_bytes() -> int:
     return 0
 
 
+def _all_reduce_chain(length: int) -> str:
+    """``length`` 4-byte all-reduces, each of its predecessor's result."""
+    lines = ["x0 = f32[1] parameter(0)"] + [
+        f"x{i} = f32[1] all-reduce(x{i - 1}), replica_groups={{}}, to_apply=add"
+        for i in range(1, length + 1)]
+    lines[-1] = "ROOT " + lines[-1]
+    return "\n  ".join(lines)
+
+
 def _probes(n: int) -> dict[str, str]:
     e = ELEMENTS
     chain_fma = "\n  ".join(
@@ -106,6 +119,7 @@ def _probes(n: int) -> dict[str, str]:
                        f"dim_labels=b01f_01io->b01f",
         "small_all_reduce": "x = f32[1] parameter(0)\n"
                             "  ROOT r = f32[1] all-reduce(x), replica_groups={}, to_apply=add",
+        "all_reduce_chain": _all_reduce_chain(ALL_REDUCE_CHAIN),
         "large_all_reduce": f"x = f32[{COLLECTIVE}] parameter(0)\n"
                             f"  ROOT r = f32[{COLLECTIVE}] all-reduce(x), replica_groups={{}}, "
                             f"to_apply=add",
@@ -144,7 +158,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     b, hw, c = CONV
     convolution = 2 * b * hw * hw * c * c * 9 / max(t["convolution"] - overhead, 1e-9)
     cached = (CACHED_CHAIN - 1) * 3 * 4 * CACHED / max(t["cache"] - t["cache_base"], 1e-9)
-    alpha = max(t["small_all_reduce"] - overhead, 0.0)
+    alpha = max(t["all_reduce_chain"] - t["small_all_reduce"], 0.0) / (ALL_REDUCE_CHAIN - 1)
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
     beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
     link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
