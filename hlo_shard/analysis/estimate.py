@@ -376,22 +376,22 @@ def gradient_values(module: Module, comp: Computation) -> set[str]:
     return found
 
 
-def donated_writers(module: Module, comp: Computation) -> set[str]:
-    """The entry's instructions that write a donated parameter's buffer (an
-    ``input_output_alias`` output, looking through bitcasts): a training step's new
-    weights and state. Their pages stay mapped from step to step."""
-    aliases = output_parameter_aliases(module)
-    if comp is not module.entry or not aliases:
+def fresh_writers(module: Module, comp: Computation) -> set[str]:
+    """The entry's instructions that write a new buffer each step: its outputs not
+    aliased to a donated parameter (``input_output_alias``), looking through bitcasts.
+    The step's temporaries and donated outputs reuse pages mapped by earlier steps."""
+    if comp is not module.entry:
         return set()
+    aliases = output_parameter_aliases(module)
     root = comp.root
     outputs = root.operands if root.opcode == "tuple" else [root.name]
     found: set[str] = set()
-    for index in aliases:
-        if index < len(outputs):
-            name = outputs[index]
-            while comp[name].opcode == "bitcast":
-                name = comp[name].operands[0]
-            found.add(name)
+    for index, name in enumerate(outputs):
+        if index in aliases:
+            continue
+        while comp[name].opcode == "bitcast":
+            name = comp[name].operands[0]
+        found.add(name)
     return found
 
 
@@ -414,11 +414,11 @@ class _Estimator:
             self.categories[comp.name] = categorize(self.module, comp)
         categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
-        resident = donated_writers(self.module, comp)
+        fresh = fresh_writers(self.module, comp)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
             out.extend(self._kernel(comp, kernel, categories, runs,
-                                    kernel.members[-1].name in resident))
+                                    kernel.members[-1].name not in fresh))
         self._combine_collectives(comp, out)
         for inst in comp.instructions:
             if inst.opcode in CONTROL_FLOW_OPCODES:
@@ -427,7 +427,7 @@ class _Estimator:
 
     def _kernel(self, comp: Computation, kernel: Kernel, categories: dict[str, str],
                 runs: int, resident: bool = False) -> list[InstructionEstimate]:
-        """``resident``: the kernel writes a donated parameter's buffer."""
+        """``resident``: the kernel writes pages mapped already (:func:`fresh_writers`)."""
         members = kernel.members
         costs = [self.analysis.instruction_cost(comp, m) for m in members]
         if len(members) == 1 and members[0].opcode in COLLECTIVE_DONE_OPCODES:
