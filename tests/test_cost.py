@@ -580,3 +580,29 @@ def test_adam_step_split_and_update_share():
 def test_predicted_ratio_of_a_module_with_itself_is_one():
     module = parse(ADAM)
     assert predicted_step_ratio(module, parse(ADAM), load_profile("cpu-generic")) == 1.0
+
+
+_DONATION = """HloModule step, input_output_alias={ {0}: (0, {}, may-alias) }
+
+ENTRY main {
+  w = f32[1048576]{0} parameter(0)
+  x = f32[1048576]{0} parameter(1)
+  neww = f32[1048576]{0} negate(w)
+  out = f32[1048576]{0} negate(x)
+  ROOT t = (f32[1048576]{0}, f32[1048576]{0}) tuple(neww, out)
+}
+"""
+
+
+def test_only_non_donated_outputs_pay_the_fresh_buffer_write_rate():
+    # cpu-local's write rate is a fresh buffer's (page faults): a donated output reuses
+    # its parameter's pages, so the same loop writing it is priced at the read rate.
+    profile = load_profile("cpu-local")
+    assert profile.memory_write_bandwidth_bytes_per_s < profile.memory_bandwidth_bytes_per_s
+    seconds = {e.name: e.seconds for e in estimate_step(parse(_DONATION), profile).instructions}
+    nbytes = 4 << 20
+    assert seconds["neww"] == pytest.approx(profile.memory_seconds(nbytes, nbytes, True)
+                                            + profile.kernel_overhead_s)
+    assert seconds["out"] == pytest.approx(profile.memory_seconds(nbytes, nbytes)
+                                           + profile.kernel_overhead_s)
+    assert seconds["out"] > 2 * seconds["neww"]
