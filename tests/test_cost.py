@@ -598,3 +598,29 @@ def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
     chain = parse(calibrate._module(8, calibrate._probes(8)["all_reduce_chain"]))
     opcodes = [i.opcode for i in chain.entry.instructions]
     assert opcodes.count("all-reduce") == calibrate.ALL_REDUCE_CHAIN
+
+
+_DONATION = """HloModule step, input_output_alias={ {0}: (0, {}, may-alias) }
+
+ENTRY main {
+  w = f32[1048576]{0} parameter(0)
+  x = f32[1048576]{0} parameter(1)
+  neww = f32[1048576]{0} negate(w)
+  out = f32[1048576]{0} negate(x)
+  ROOT t = (f32[1048576]{0}, f32[1048576]{0}) tuple(neww, out)
+}
+"""
+
+
+def test_only_non_donated_outputs_pay_the_fresh_buffer_write_rate():
+    # cpu-local's write rate is a fresh buffer's (page faults): a donated output reuses
+    # its parameter's pages, so the same loop writing it is priced at the read rate.
+    profile = load_profile("cpu-local")
+    assert profile.memory_write_bandwidth_bytes_per_s < profile.memory_bandwidth_bytes_per_s
+    seconds = {e.name: e.seconds for e in estimate_step(parse(_DONATION), profile).instructions}
+    nbytes = 4 << 20
+    assert seconds["neww"] == pytest.approx(profile.memory_seconds(nbytes, nbytes, True)
+                                            + profile.kernel_overhead_s)
+    assert seconds["out"] == pytest.approx(profile.memory_seconds(nbytes, nbytes)
+                                           + profile.kernel_overhead_s)
+    assert seconds["out"] > 2 * seconds["neww"]

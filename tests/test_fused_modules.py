@@ -163,3 +163,14 @@ def test_the_combined_tuple_all_reduce_is_split():
     assert opcodes["reduce-scatter"] == 4
     (loss,) = [i for i in out.entry.instructions if i.opcode == "all-reduce"]
     assert isinstance(loss.shape, ArrayShape) and loss.shape.is_scalar
+
+
+def test_a_laid_out_module_flattens_with_bitcasts():
+    # No layout pass runs after the rewrite of a fused module and XLA:CPU runs a
+    # top-level reshape as a copy kernel: a row-major → row-major flattening is a bitcast.
+    _, out = _optimize(FUSED)
+    entry = out.entry
+    flattening = [i for i in entry.instructions if i.opcode in ("reshape", "bitcast")
+                  and entry[i.operands[0]].shape.minor_to_major() == tuple(
+                      range(entry[i.operands[0]].shape.rank - 1, -1, -1))]
+    assert flattening and all(i.opcode == "bitcast" for i in flattening)

@@ -148,13 +148,15 @@ def memory_traffic(kind: str, n: int, payload: int) -> tuple[float, float]:
 
 
 def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
-                    algorithm: str | None = None) -> CollectiveCost:
+                    algorithm: str | None = None, resident: bool = False) -> CollectiveCost:
+    """``resident``: the output is a donated parameter's buffer (see
+    :meth:`~hlo_shard.profiles.HardwareProfile.memory_seconds`)."""
     algorithm = algorithm or profile.interconnect.algorithm
     link = profile.interconnect.link_for(n)
     steps = algorithm_steps(kind, n, algorithm)
     sent = wire_bytes(kind, n, payload)
     latency = steps * link.alpha_s
-    transfer = (profile.memory_seconds(*memory_traffic(kind, n, payload))
+    transfer = (profile.memory_seconds(*memory_traffic(kind, n, payload), resident)
                 if algorithm == "shared-memory" else sent / link.beta_bytes_per_s)
     return CollectiveCost(kind, n, payload, sent, sent, steps, latency + transfer, algorithm,
                           latency)
@@ -207,9 +209,10 @@ def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int
 
 
 def instruction_collective_cost(inst: Instruction, module: Module, operand_shapes: list,
-                                profile: HardwareProfile, *,
-                                algorithm: str | None = None) -> CollectiveCost:
+                                profile: HardwareProfile, *, algorithm: str | None = None,
+                                resident: bool = False) -> CollectiveCost:
     """The network cost of one collective instruction."""
     kind = COLLECTIVE_KINDS[inst.opcode]
     n = group_size(inst, module)
-    return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm)
+    return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm,
+                           resident)

@@ -37,7 +37,7 @@ from hlo_shard.analysis.cost import (
 from hlo_shard.analysis.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
-from hlo_shard.analysis.liveness import MemoryProfile, memory_profile
+from hlo_shard.analysis.liveness import MemoryProfile, memory_profile, output_parameter_aliases
 from hlo_shard.graph import users_map
 from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile
@@ -376,6 +376,25 @@ def gradient_values(module: Module, comp: Computation) -> set[str]:
     return found
 
 
+def fresh_writers(module: Module, comp: Computation) -> set[str]:
+    """The entry's instructions that write a new buffer each step: its outputs not
+    aliased to a donated parameter (``input_output_alias``), looking through bitcasts.
+    The step's temporaries and donated outputs reuse pages mapped by earlier steps."""
+    if comp is not module.entry:
+        return set()
+    aliases = output_parameter_aliases(module)
+    root = comp.root
+    outputs = root.operands if root.opcode == "tuple" else [root.name]
+    found: set[str] = set()
+    for index, name in enumerate(outputs):
+        if index in aliases:
+            continue
+        while comp[name].opcode == "bitcast":
+            name = comp[name].operands[0]
+        found.add(name)
+    return found
+
+
 # ---------------------------------------------------------------------------- time
 
 
@@ -395,9 +414,11 @@ class _Estimator:
             self.categories[comp.name] = categorize(self.module, comp)
         categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
+        fresh = fresh_writers(self.module, comp)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
-            out.extend(self._kernel(comp, kernel, categories, runs))
+            out.extend(self._kernel(comp, kernel, categories, runs,
+                                    kernel.members[-1].name not in fresh))
         self._combine_collectives(comp, out)
         for inst in comp.instructions:
             if inst.opcode in CONTROL_FLOW_OPCODES:
@@ -405,7 +426,8 @@ class _Estimator:
         return out
 
     def _kernel(self, comp: Computation, kernel: Kernel, categories: dict[str, str],
-                runs: int) -> list[InstructionEstimate]:
+                runs: int, resident: bool = False) -> list[InstructionEstimate]:
+        """``resident``: the kernel writes pages mapped already (:func:`fresh_writers`)."""
         members = kernel.members
         costs = [self.analysis.instruction_cost(comp, m) for m in members]
         if len(members) == 1 and members[0].opcode in COLLECTIVE_DONE_OPCODES:
@@ -415,7 +437,7 @@ class _Estimator:
             inst = members[0]
             shapes = [comp[o].shape for o in inst.operands]
             network = instruction_collective_cost(inst, self.module, shapes, self.profile,
-                                                  algorithm=self.algorithm)
+                                                  algorithm=self.algorithm, resident=resident)
             return [InstructionEstimate(comp.name, inst.name, inst.opcode, "communication",
                                         runs, network.seconds * runs, costs[0], network)]
         compute = [self._compute_seconds(comp, m, c) for m, c in zip(members, costs)]
@@ -427,7 +449,7 @@ class _Estimator:
             read = max(costs[0].bytes_accessed, 0.0) - written
         else:
             read, written = kernel.read_bytes, kernel.write_bytes
-        memory = self.profile.memory_seconds(read, written)
+        memory = self.profile.memory_seconds(read, written, resident)
         seconds = max(sum(compute), memory) + self.profile.kernel_overhead_s
         weights = [max(c, self.profile.memory_seconds(max(cost.bytes_accessed, 0.0), 0.0))
                    for c, cost in zip(compute, costs)]

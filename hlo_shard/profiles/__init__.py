@@ -76,11 +76,16 @@ class HardwareProfile:
     interconnect: Interconnect
     sources: tuple[str, ...]
 
-    def memory_seconds(self, read_bytes: float, written_bytes: float) -> float:
+    def memory_seconds(self, read_bytes: float, written_bytes: float,
+                       resident: bool = False) -> float:
+        """``resident``: the written buffer is a donated parameter's, whose pages are
+        mapped already, so its stores stream at the read rate; the write rate is that of
+        a fresh buffer (calibrate fills a new one: page faults on every page)."""
         if 0 < read_bytes + written_bytes <= self.cache_bytes:
             return (read_bytes + written_bytes) / self.cache_bandwidth_bytes_per_s
-        return (read_bytes / self.memory_bandwidth_bytes_per_s
-                + written_bytes / self.memory_write_bandwidth_bytes_per_s)
+        write_rate = (self.memory_bandwidth_bytes_per_s if resident
+                      else self.memory_write_bandwidth_bytes_per_s)
+        return read_bytes / self.memory_bandwidth_bytes_per_s + written_bytes / write_rate
 
     def matrix_rate(self, element_type: str) -> float:
         return self.matrix_flops_per_s.get(element_type, self.matrix_flops_per_s["default"])
