@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "spmd" / "adam.n8.hlo"
-MODES = ("jit", "gathered", "sharded")
+MODES = ("jit", "gathered", "sharded", "hook")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,8 +112,11 @@ def train(args: argparse.Namespace) -> list[dict]:
                  (jax.process_index() + 1) * rows // jax.process_count())
     results = []
     for mode in args.modes.split(","):
+        if mode == "hook":  # no code change: the pass inside XLA's compilation of jit
+            hsj.decisions(clear=True)
+            hsj.install(strategy=args.strategy, force=args.force)
         step = jax.jit(train_step, donate_argnums=(0, 1))
-        if mode != "jit":
+        if mode in ("gathered", "sharded"):
             step = hsj.shard_weight_update(step, state=mode, strategy=args.strategy,
                                             force=args.force)
         params = place(start, replicated)
@@ -140,7 +143,12 @@ def train(args: argparse.Namespace) -> list[dict]:
                         "losses": losses, "first_step_s": seconds[0],
                         "step_s": statistics.median(seconds[1:]) if args.steps > 1 else None,
                         "leaves": [leaf.tolist() for leaf in local],
-                        "sharded": (getattr(step, "report", None) or {}).get("sharded")})
+                        "sharded": (getattr(step, "report", None) or {}).get("sharded")
+                        if mode != "hook" else sum(d.changed for d in hsj.decisions()),
+                        "hook_reasons": [d.reason for d in hsj.decisions()]
+                        if mode == "hook" else []})
+        if mode == "hook":
+            hsj.uninstall()
     if args.num_processes > 1:
         jax.distributed.shutdown()
     return results

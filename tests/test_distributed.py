@@ -259,3 +259,48 @@ demo_distributed.train(args)
     assert ("of 2 exited with status 1; last stderr line: hlo_shard.errors.HloShardError: "
             "hlo_shard.jax: the 2 processes built different programs for this step "
             "(process 0: optimized module sha256 ") in message, message
+
+
+def test_the_hook_in_two_processes_equals_one_process():
+    """install() under jax.distributed: every process compiles the same step, agrees on
+    the same sharded module by hash, and the 10 steps give one process x 4's losses and
+    values (within the reordered sums of gloo), every process holding the same."""
+    one = _training(1, 4, "--modes", "jit,hook")
+    two = _training(2, 2, "--modes", "hook")
+    reference = next(r for r in one if r["mode"] == "hook")
+    plain = next(r for r in one if r["mode"] == "jit")
+    assert reference["sharded"] >= 1 and all(r["sharded"] == reference["sharded"] for r in two)
+    np.testing.assert_allclose(reference["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+    first, second = two
+    assert first["leaves"] == second["leaves"] and first["losses"] == second["losses"]
+    np.testing.assert_allclose(first["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(first["leaves"], reference["leaves"]):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+
+
+def test_processes_whose_hooks_disagree_all_compile_the_original(tmp_path):
+    """install() with another strategy in process 1: the two sharded modules differ, so
+    both callbacks return the original (none waits in the other's collectives) and the
+    loop trains as plain jit does."""
+    script = tmp_path / "disagree_hook.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed
+args = demo_distributed.parse_args()
+args.strategy = "per-tensor" if args.process_id else "combined"
+for result in demo_distributed.train(args):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    from hlo_shard.runtime.distributed import launch
+
+    sys.path.insert(0, str(DEMO.parent))
+    import demo_distributed
+
+    results = demo_distributed.results_of(
+        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=300))
+    plain = [r for r in results if r["mode"] == "jit"]
+    hooked = [r for r in results if r["mode"] == "hook"]
+    assert len(hooked) == 2 and all(r["sharded"] == 0 for r in hooked)
+    assert all(any("processes built different programs" in why for why in r["hook_reasons"])
+               for r in hooked)
+    assert all(h["losses"] == p["losses"] for h, p in zip(hooked, plain))

@@ -92,7 +92,9 @@ class _Hook:
             result = None if out is None else \
                 xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
-            result, report, reason = None, None, f"{type(err).__name__}: {err}"
+            out, result, report, reason = None, None, None, f"{type(err).__name__}: {err}"
+        if result is not None or report is not None or reason:
+            result, reason = _agree_across_processes(out, result, reason)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start)
         with self.lock:
@@ -133,6 +135,24 @@ def _shard(hlo, options: ShardingOptions, force: bool = False
         return None, report, "nothing sharded (" + ("; ".join(reasons) or
                                                    "no gradient all-reduce") + ")"
     return text, report, ""
+
+
+def _agree_across_processes(out: str | None, result: bytes | None, reason: str
+                            ) -> tuple[bytes | None, str]:
+    """Under ``jax.distributed`` every process compiles the step and runs this callback:
+    all must return the same module, or all the original (a process running another
+    program would wait in collectives forever). Compared by hash through the
+    coordination service, as :mod:`._distributed` does for ``shard_weight_update``."""
+    from hlo_shard.jax import _distributed
+
+    if not _distributed.multi_process():
+        return result, reason
+    try:
+        _distributed.agree_on_program("sharded module" if out is not None else "kept whole",
+                                      out if out is not None else reason)
+    except HloShardError as err:
+        return None, str(err)
+    return result, reason
 
 
 def _check_version() -> None:
