@@ -93,8 +93,7 @@ class _Hook:
                 xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
             out, result, report, reason = None, None, None, f"{type(err).__name__}: {err}"
-        if result is not None or report is not None or reason:
-            result, reason = _agree_across_processes(out, result, reason)
+        result, reason = _agree_across_processes(out, result, reason)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start)
         with self.lock:
