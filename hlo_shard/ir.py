@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 # --------------------------------------------------------------------------- shapes
 
@@ -189,6 +189,8 @@ class ReplicaGroups:
 AttrValue = (int | bool | float | tuple | Raw | Ident | Str | ComputationRef | ComputationList
              | SliceRanges | ReplicaGroups)
 
+_A = TypeVar("_A")
+
 
 # --------------------------------------------------------------------- instructions
 
@@ -224,6 +226,32 @@ class Instruction:
 
     def attr(self, name: str, default: AttrValue | None = None) -> AttrValue | None:
         return self.attributes.get(name, default)
+
+    def attr_as(self, name: str, kind: type[_A]) -> _A | None:
+        """The attribute ``name`` as a ``kind``, or None when it is not set.
+
+        The parser reads each attribute name into one type (``attributes.py``), so a value
+        of another type is a bug in whoever built the instruction: raised, not guessed."""
+        value = self.attributes.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"%{self.name}: {name}= holds a {type(value).__name__}, "
+                            f"not a {kind.__name__}")
+        return value
+
+    def int_attr(self, name: str) -> int | None:
+        """An integer attribute (``channel_id``, ``dimension``, ``index``), or None."""
+        return self.attr_as(name, int)
+
+    def ints_attr(self, name: str) -> tuple[int, ...]:
+        """A list-of-integers attribute (``dimensions``, ``slice_sizes``), () when unset."""
+        value = self.attr_as(name, tuple)
+        if value is None:
+            return ()
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"%{self.name}: {name}= is not a list of integers")
+        return cast(tuple[int, ...], value)
 
     def called_computations(self) -> list[str]:
         """Names of the computations this instruction calls, in attribute order."""
