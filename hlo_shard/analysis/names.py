@@ -1,0 +1,222 @@
+"""The user's names for a module's entry parameters and gradients.
+
+jax writes each argument's pytree path into its entry parameter's ``op_name`` metadata
+(``p['l0_w']``, ``s[0].mu['l0_w']``, ``b['x']``); ``--explain``, ``report``, ``diff``
+and the manifest print it next to the HLO name, so that a user recognises their own
+arrays. Instructions' ``op_name`` are jax call stacks (``jit(step)/…/dot_general``),
+never names, and an ``op_name`` that does not read as a path is ignored: a module
+without such metadata prints as it always did. ``hlo_shard.jax`` passes the names of
+its own signature instead (``override``), which survive jit's argument pruning.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hlo_shard.analysis.liveness import output_parameter_aliases
+from hlo_shard.graph import users_map
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
+from hlo_shard.values import c_unescape
+
+#: Longer ``op_name`` are not taken for names (they would swamp every table).
+MAX_NAME = 200
+
+_QUOTED = r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
+#: One ``key=value`` of a metadata value, or a quoted string skipped whole (so that an
+#: ``op_name=`` inside another field's string is never read as the field).
+_METADATA_FIELD_RE = re.compile(rf"(?P<key>[A-Za-z_][\w.\-]*)=(?P<value>{_QUOTED})|{_QUOTED}",
+                                re.S)
+#: A pytree path as ``jax.tree_util.keystr`` writes it: an identifier, then ``[0]``,
+#: ``['key']`` or ``.attr`` steps.
+_PATH_RE = re.compile(r"""[^\W\d]\w*(?:\[(?:\d+|'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]"""
+                      r"""|\.[^\W\d]\w*)*""")
+
+#: A gradient all-reduce leaf: (all-reduce name, tuple index or None).
+GradientKey = tuple[str, int | None]
+
+
+def op_name(inst: Instruction) -> str | None:
+    """The unescaped ``op_name`` of ``inst``'s metadata, if it has one."""
+    metadata = inst.attr_as("metadata", Raw)
+    if metadata is None or "op_name" not in metadata.text:
+        return None
+    for match in _METADATA_FIELD_RE.finditer(metadata.text):
+        if match.group("key") == "op_name":
+            return _utf8(c_unescape(match.group("value")))
+    return None
+
+
+def _utf8(text: str) -> str:
+    """``text`` with octal-escaped UTF-8 bytes (absl::CEscape's ``\\303\\251``) decoded."""
+    try:
+        return text.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return text
+
+
+def as_path(text: str | None) -> str | None:
+    """``text`` when it reads as a pytree path short and printable enough to show."""
+    if text is None or len(text) > MAX_NAME or not text.isprintable():
+        return None
+    return text if _PATH_RE.fullmatch(text) else None
+
+
+def parameter_names(module: Module, override: Mapping[int, str] | None = None
+                    ) -> dict[int, str]:
+    """Entry parameter number → the user's name for it: ``override``'s where given,
+    else the parameter's ``op_name`` where it reads as a path."""
+    found = {}
+    for param in module.entry.parameters():
+        number = param.parameter_number
+        assert number is not None
+        name = override.get(number) if override is not None else None
+        name = name or as_path(op_name(param))
+        if name:
+            found[number] = name
+    return found
+
+
+def instruction_names(module: Module) -> dict[str, str]:
+    """Entry parameter instruction name (``param.16``) → the user's name for it."""
+    names = parameter_names(module)
+    return {p.name: names[p.parameter_number] for p in module.entry.parameters()
+            if p.parameter_number in names}
+
+
+def gradient_weights(comp: Computation, next_values: Sequence[tuple[int, int]]
+                     ) -> dict[GradientKey, int]:
+    """Gradient all-reduce → the weight parameter it updates: the parameter whose next
+    value (an output of ``next_values``, pairs of output leaf and parameter) has the
+    all-reduce's shape, is reached from it, and whose parameter the gradient was
+    computed from (which tells the weight from its optimizer state). Only where exactly
+    one output fits."""
+    flow = _ElementFlow(comp)
+    root = comp.root
+    outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+    param_name = {p.parameter_number: p.name for p in comp.parameters()}
+    pairs = [(k, p) for k, p in next_values if k < len(outputs) and p in param_name]
+    found: dict[GradientKey, int] = {}
+    for inst in comp.instructions:
+        if inst.opcode != "all-reduce" or not isinstance(inst.shape, ArrayShape):
+            continue
+        reached, sources = flow.reached(inst.name), flow.sources(inst.name)
+        dims = _sorted_dims(inst.shape)
+        fits = [p for k, p in pairs if outputs[k] in reached and param_name[p] in sources
+                and _sorted_dims(shapes[k]) == dims]
+        if len(fits) == 1:
+            found[(inst.name, None)] = fits[0]
+    return found
+
+
+class _ElementFlow:
+    """Reachability that follows each element of a tuple through its
+    ``get-tuple-element``: a shard_map body returns all its results in one tuple, which
+    would otherwise join every gradient to every output."""
+
+    def __init__(self, comp: Computation) -> None:
+        self.comp = comp
+        self.users = users_map(comp)
+
+    def _element(self, name: str) -> int | None:
+        inst = self.comp[name]
+        return inst.int_attr("index") if inst.opcode == "get-tuple-element" else None
+
+    def _next(self, name: str) -> list[str]:
+        out = []
+        for user in self.users[name]:
+            inst = self.comp[user]
+            readers = self.users[user]
+            if inst.opcode == "tuple" and readers and all(
+                    self._element(r) is not None for r in readers):
+                positions = {i for i, o in enumerate(inst.operands) if o == name}
+                out += [r for r in readers if self._element(r) in positions]
+            else:
+                out.append(user)
+        return out
+
+    def _previous(self, name: str) -> list[str]:
+        inst = self.comp[name]
+        index = self._element(name)
+        if index is not None and self.comp[inst.operands[0]].opcode == "tuple":
+            return [self.comp[inst.operands[0]].operands[index]]
+        return list(inst.operands)
+
+    def reached(self, name: str) -> set[str]:
+        return _closure(name, self._next)
+
+    def sources(self, name: str) -> set[str]:
+        return _closure(name, self._previous)
+
+
+def _closure(start: str, step: Callable[[str], list[str]]) -> set[str]:
+    seen: set[str] = set()
+    stack = step(start)
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(step(name))
+    return seen
+
+
+def _sorted_dims(shape: ArrayShape | TupleShape) -> list[int] | None:
+    return sorted(shape.dims) if isinstance(shape, ArrayShape) else None
+
+
+@dataclass(frozen=True)
+class UserNames:
+    """The user's names of one module: its entry parameters, and the weight each
+    gradient all-reduce leaf is the gradient of."""
+
+    parameters: dict[int, str] = field(default_factory=dict)
+    gradients: dict[GradientKey, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.parameters)
+
+    def gradient_of(self, all_reduce: str, index: int | None) -> str | None:
+        weight = self.gradients.get((all_reduce, index))
+        return None if weight is None else self.parameters.get(weight)
+
+    def explained(self, row: dict) -> dict:
+        """An ``--explain`` row's JSON with the weight it is the gradient of
+        (``gradient_of``, null where unknown)."""
+        return {**row, "gradient_of": self.gradient_of(row["all_reduce"], row["index"])}
+
+    def note(self, text: str) -> str:
+        """A pass note naming an optimizer state parameter (``optimizer state parameter
+        5 (%param.3 f32[13]{0})``) with the user's name added in its parentheses."""
+        match = _STATE_NOTE_RE.match(text)
+        name = self.parameters.get(int(match.group("number"))) if match else None
+        if match is None or name is None:
+            return text
+        return f"{text[:match.end('inside')]}, {name}{text[match.end('inside'):]}"
+
+
+_STATE_NOTE_RE = re.compile(r"optimizer state parameter (?P<number>\d+) \((?P<inside>%[^)]*)\)")
+
+
+def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = None,
+               override: Mapping[int, str] | None = None) -> UserNames:
+    """The user's names of ``module``, read before the pass rewrites it. ``next_values``:
+    its (output leaf, parameter) pairs, by default its ``input_output_alias`` (jit's
+    donation pairs each parameter with its next value); ``hlo_shard.jax`` passes the
+    pairs its pytrees say."""
+    parameters = parameter_names(module, override)
+    if next_values is None:
+        next_values = list(output_parameter_aliases(module).items())
+    if not parameters or not next_values:
+        return UserNames(parameters)
+    return UserNames(parameters, gradient_weights(module.entry, next_values))
+
+
+def labelled(hlo_name: str, name: str | None) -> str:
+    """``param.16 (p['l0_w'])``, or the HLO name alone where the user's is unknown."""
+    return f"{hlo_name} ({name})" if name else hlo_name
+
+
+__all__ = ["MAX_NAME", "UserNames", "as_path", "gradient_weights", "instruction_names",
+           "labelled", "op_name", "parameter_names", "user_names"]
