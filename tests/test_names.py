@@ -222,3 +222,33 @@ def test_override_names_win_and_need_no_metadata():
     assert names.gradient_of("psum.36", None) == "params['l0']['w']"
     assert not UserNames() and UserNames().note("optimizer state parameter 1 (%r f32[8])") \
         == "optimizer state parameter 1 (%r f32[8])"
+
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("fixture", ["spmd/clip_adam.n2", "spmd/transformer.n2",
+                                     "optimized/adam.n4", "replica/adam.n4"])
+def test_every_gradient_is_named_by_its_own_weight(fixture):
+    """Global-norm clipping couples every gradient to every update, XLA's combiner puts
+    them in one tuple all-reduce, shard_map returns one tuple: each array gradient is
+    still the gradient of exactly one weight (``p[...]``, never its optimizer state), of
+    its shape, a different one each."""
+    module = parse((FIXTURES / f"{fixture}.hlo").read_text())
+    names = user_names(module)
+    params = {p.parameter_number: p for p in module.entry.parameters()}
+    leaves = []
+    for inst in module.entry.instructions:
+        if inst.opcode == "all-reduce":
+            shapes = getattr(inst.shape, "elements", None) or [inst.shape]
+            leaves += [((inst.name, None if len(shapes) == 1 and shapes[0] is inst.shape
+                         else i), shape) for i, shape in enumerate(shapes)]
+    weights = []
+    for key, shape in leaves:
+        if shape.num_elements <= 1:
+            continue
+        weight = names.gradients[key]
+        assert names.parameters[weight].startswith("p[")
+        assert sorted(params[weight].shape.dims) == sorted(shape.dims)
+        weights.append(weight)
+    assert weights and len(set(weights)) == len(weights)

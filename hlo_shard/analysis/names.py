@@ -12,7 +12,7 @@ its own signature instead (``override``), which survive jit's argument pruning.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.liveness import output_parameter_aliases
@@ -99,15 +99,12 @@ def gradient_weights(comp: Computation, next_values: Sequence[tuple[int, int]]
     param_name = {p.parameter_number: p.name for p in comp.parameters()}
     pairs = [(k, p) for k, p in next_values if k < len(outputs) and p in param_name]
     found: dict[GradientKey, int] = {}
-    for inst in comp.instructions:
-        if inst.opcode != "all-reduce" or not isinstance(inst.shape, ArrayShape):
-            continue
-        reached, sources = flow.reached(inst.name), flow.sources(inst.name)
-        dims = _sorted_dims(inst.shape)
+    for key, reached, sources, shape in flow.gradient_leaves():
+        dims = _sorted_dims(shape)
         fits = [p for k, p in pairs if outputs[k] in reached and param_name[p] in sources
                 and _sorted_dims(shapes[k]) == dims]
         if len(fits) == 1:
-            found[(inst.name, None)] = fits[0]
+            found[key] = fits[0]
     return found
 
 
@@ -149,6 +146,25 @@ class _ElementFlow:
 
     def sources(self, name: str) -> set[str]:
         return _closure(name, self._previous)
+
+    def gradient_leaves(self) -> Iterator[tuple[GradientKey, set[str], set[str],
+                                                ArrayShape | TupleShape]]:
+        """Each all-reduce leaf (an array one, or each element of a tuple one, as XLA's
+        combiner leaves them): its key, what it reaches, what it was computed from, and
+        its shape."""
+        for inst in self.comp.instructions:
+            if inst.opcode != "all-reduce":
+                continue
+            if isinstance(inst.shape, ArrayShape):
+                yield (inst.name, None), self.reached(inst.name), self.sources(inst.name), \
+                    inst.shape
+                continue
+            if len(inst.operands) != len(inst.shape.elements):
+                continue
+            for index, (operand, shape) in enumerate(zip(inst.operands, inst.shape.elements)):
+                getters = [r for r in self.users[inst.name] if self._element(r) == index]
+                reached = set(getters).union(*(self.reached(g) for g in getters))
+                yield (inst.name, index), reached, {operand} | self.sources(operand), shape
 
 
 def _closure(start: str, step: Callable[[str], list[str]]) -> set[str]:
