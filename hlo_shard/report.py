@@ -301,8 +301,9 @@ def report_document(est: StepEstimate, module: Module, top: int = 10) -> Documen
     if weights:
         doc.tables.append(Table("Per weight tensor", [
             "weight", "bytes", "update time", "update flops", "gradient sent"],
-            [[labelled(name, names.get(name)), fmt_bytes(r["bytes"]), fmt_seconds(r["update_seconds"]),
-              fmt_count(r["update_flops"]), fmt_bytes(r["collective_bytes"])]
+            [[labelled(name, names.get(name)), fmt_bytes(r["bytes"]),
+              fmt_seconds(r["update_seconds"]), fmt_count(r["update_flops"]),
+              fmt_bytes(r["collective_bytes"])]
              for name, r in weights.items()]))
     doc.figures += [memory_figure([est]), step_figure([est])]
     doc.notes += _notes(est)
