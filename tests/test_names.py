@@ -228,17 +228,21 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
 @pytest.mark.parametrize("fixture", ["spmd/clip_adam.n2", "spmd/transformer.n2",
-                                     "optimized/adam.n4", "replica/adam.n4"])
+                                     "optimized/adam.n4", "replica/adam.n4",
+                                     "spmd/loop_adam.n2", "spmd/momentum.n2",
+                                     "optimized/sgd.n4"])
 def test_every_gradient_is_named_by_its_own_weight(fixture):
     """Global-norm clipping couples every gradient to every update, XLA's combiner puts
-    them in one tuple all-reduce, shard_map returns one tuple: each array gradient is
+    them in one tuple all-reduce, shard_map returns one tuple, a training loop carries the
+    weights in a while body, a step without donation has no input_output_alias to pair
+    parameters with their next values (momentum, sgd): each array gradient is
     still the gradient of exactly one weight (``p[...]``, never its optimizer state), of
     its shape, a different one each."""
     module = parse((FIXTURES / f"{fixture}.hlo").read_text())
     names = user_names(module)
     params = {p.parameter_number: p for p in module.entry.parameters()}
     leaves = []
-    for inst in module.entry.instructions:
+    for inst in (i for c in module.computations for i in c.instructions):
         if inst.opcode == "all-reduce":
             shapes = getattr(inst.shape, "elements", None) or [inst.shape]
             leaves += [((inst.name, None if len(shapes) == 1 and shapes[0] is inst.shape

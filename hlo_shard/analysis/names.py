@@ -12,12 +12,14 @@ its own signature instead (``override``), which survive jit's argument pruning.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.liveness import output_parameter_aliases
 from hlo_shard.graph import users_map
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
+                          TupleShape)
 from hlo_shard.values import c_unescape
 
 #: Longer ``op_name`` are not taken for names (they would swamp every table).
@@ -85,27 +87,69 @@ def instruction_names(module: Module) -> dict[str, str]:
             if p.parameter_number in names}
 
 
-def gradient_weights(comp: Computation, next_values: Sequence[tuple[int, int]]
+def gradient_weights(comp: Computation, next_values: Sequence[tuple[int, int]],
+                     values: Mapping[int, set[str]] | None = None
                      ) -> dict[GradientKey, int]:
-    """Gradient all-reduce → the weight parameter it updates: the parameter whose next
-    value (an output of ``next_values``, pairs of output leaf and parameter) has the
-    all-reduce's shape, is reached from it, and whose parameter the gradient was
-    computed from (which tells the weight from its optimizer state). Only where exactly
-    one output fits."""
+    """Gradient all-reduce → the weight it updates: the ``p`` of the one pair of
+    ``next_values`` (output leaf ``k`` is the next value of ``p``) whose output has the
+    all-reduce's shape and is reached from it, and whose ``p`` the gradient was computed
+    from (which tells the weight from its optimizer state) — where all such pairs name
+    one ``p``. ``values``: the
+    instructions that stand for each ``p`` (default: the entry parameter numbered
+    ``p``; in a loop body, the ``get-tuple-element`` instructions of carried slot ``p``)."""
     flow = _ElementFlow(comp)
     root = comp.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
     shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
-    param_name = {p.parameter_number: p.name for p in comp.parameters()}
-    pairs = [(k, p) for k, p in next_values if k < len(outputs) and p in param_name]
+    if values is None:
+        values = {p.parameter_number: {p.name} for p in comp.parameters()
+                  if p.parameter_number is not None}
+    pairs = [(k, p) for k, p in next_values if k < len(outputs) and values.get(p)]
     found: dict[GradientKey, int] = {}
     for key, reached, sources, shape in flow.gradient_leaves():
         dims = _sorted_dims(shape)
-        fits = [p for k, p in pairs if outputs[k] in reached and param_name[p] in sources
+        fits = [p for k, p in pairs if outputs[k] in reached and values[p] & sources
                 and _sorted_dims(shapes[k]) == dims]
-        if len(fits) == 1:
+        if len(set(fits)) == 1:
             found[key] = fits[0]
     return found
+
+
+def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
+    """The gradients of the entry's training loops (``while`` bodies carrying the
+    weights, as a ``lax.fori_loop`` over steps does) → entry parameter: the body's
+    output ``i`` is carried slot ``i``'s next value, and a slot stands for the entry
+    parameter the loop starts it from (through copies), where it starts no other."""
+    entry = module.entry
+    params = {p.name: p.parameter_number for p in entry.parameters()}
+    found: dict[GradientKey, int] = {}
+    for loop in entry.instructions:
+        body_ref = loop.attr_as("body", ComputationRef)
+        init = entry[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
+        if body_ref is None or init is None or init.opcode != "tuple":
+            continue
+        start = {i: params.get(_through_copies(entry, operand))
+                 for i, operand in enumerate(init.operands)}
+        body = module.computation(body_ref.name)
+        carried = body.parameters()
+        if len(carried) != 1:
+            continue
+        slots: dict[int, set[str]] = {}
+        for inst in body.instructions:
+            index = inst.int_attr("index") if inst.opcode == "get-tuple-element" else None
+            if index is not None and inst.operands[0] == carried[0].name:
+                slots.setdefault(index, set()).add(inst.name)
+        starts = Counter(start.values())
+        weights = gradient_weights(body, [(i, i) for i in slots], slots)
+        found.update({key: p for key, i in weights.items()
+                      if (p := start.get(i)) is not None and starts[p] == 1})
+    return found
+
+
+def _through_copies(comp: Computation, name: str) -> str:
+    while comp[name].opcode == "copy":
+        name = comp[name].operands[0]
+    return name
 
 
 class _ElementFlow:
@@ -219,14 +263,31 @@ def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = N
                override: Mapping[int, str] | None = None) -> UserNames:
     """The user's names of ``module``, read before the pass rewrites it. ``next_values``:
     its (output leaf, parameter) pairs, by default its ``input_output_alias`` (jit's
-    donation pairs each parameter with its next value); ``hlo_shard.jax`` passes the
-    pairs its pytrees say."""
+    donation pairs each parameter with its next value), else every output with every
+    parameter of its shape (the one-fit rule of :func:`gradient_weights` then names
+    only what the graph tells apart); ``hlo_shard.jax`` passes the pairs its pytrees
+    say."""
     parameters = parameter_names(module, override)
-    if next_values is None:
-        next_values = list(output_parameter_aliases(module).items())
-    if not parameters or not next_values:
+    if not parameters:
         return UserNames(parameters)
-    return UserNames(parameters, gradient_weights(module.entry, next_values))
+    if next_values is None:
+        next_values = list(output_parameter_aliases(module).items()) or _same_shapes(module)
+    return UserNames(parameters, {**gradient_weights(module.entry, next_values),
+                                  **loop_gradient_weights(module)})
+
+
+def _same_shapes(module: Module) -> list[tuple[int, int]]:
+    """(output leaf, parameter) of every output and entry parameter of one array type."""
+    root = module.entry.root
+    outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
+
+    def kind(shape: ArrayShape | TupleShape) -> tuple | None:
+        return (shape.element_type, shape.dims) if isinstance(shape, ArrayShape) else None
+
+    return [(k, p.parameter_number) for k, out in enumerate(outputs)
+            for p in module.entry.parameters()
+            if p.parameter_number is not None and kind(out) is not None
+            and kind(out) == kind(p.shape)]
 
 
 def labelled(hlo_name: str, name: str | None) -> str:
