@@ -34,7 +34,18 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/passes/pipeline.py hlo_shard/passes/adapters.py hlo_shard/passes/registry.py \
 	hlo_shard/passes/replica_form.py hlo_shard/runtime/forms.py \
 	hlo_shard/outputs.py hlo_shard/limits.py hlo_shard/schema.py hlo_shard/source.py \
-	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py
+	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py \
+	hlo_shard/printer.py hlo_shard/values.py hlo_shard/attributes.py \
+	hlo_shard/analysis/replication.py hlo_shard/analysis/collectives.py hlo_shard/analysis/opcodes.py \
+	hlo_shard/runtime/verification.py hlo_shard/runtime/inputs.py hlo_shard/runtime/compare.py \
+	hlo_shard/runtime/distributed.py hlo_shard/runtime/worker.py hlo_shard/runtime/_child.py \
+	hlo_shard/runtime/executable.py hlo_shard/fuzz/*.py \
+	hlo_shard/cli/verify.py hlo_shard/cli/fmt.py hlo_shard/cli/scale.py \
+	hlo_shard/jax/_step.py hlo_shard/jax/_distributed.py hlo_shard/jax/hook.py \
+	hlo_shard/jax/_api.py hlo_shard/jax/_capture.py hlo_shard/jax/_xla.py \
+	hlo_shard/jax/__init__.py hlo_shard/jax/__main__.py hlo_shard/errors.py \
+	hlo_shard/runtime/__init__.py hlo_shard/runtime/_lifeline.py hlo_shard/runtime/_launched.py \
+	hlo_shard/runtime/_distributed_child.py
 TYPED += hlo_shard/analysis/names.py
 typecheck: install
 	$(PY) -m mypy --follow-imports=silent $(TYPED)
