@@ -1,0 +1,45 @@
+"""Give every collective that shares its channel id with an earlier one a fresh id.
+
+XLA requires unique channel ids; jax's output can repeat them (the module kept whole is
+then still valid to write). Run after the passes that emit collectives: the fresh ids
+continue after the largest id in use, as XLA numbers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_shard.ir import Module
+from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.shard_emitter import ChannelIds
+
+
+@dataclass(frozen=True)
+class RenumberedChannels:
+    """How many collectives got a fresh channel id."""
+
+    renumbered: int
+
+    @property
+    def notes(self) -> list[str]:
+        """What ``--explain`` and ``--json`` say."""
+        if not self.renumbered:
+            return []
+        return [f"renumbered {self.renumbered} duplicate collective channel id(s)"]
+
+
+@dataclass(frozen=True)
+class ChannelIdDedupe(ModulePass[RenumberedChannels]):
+    """Renumber duplicate collective channel ids (the first user of an id keeps it)."""
+
+    name: ClassVar[str] = "channel-id-dedupe"
+    #: The check this pass makes pass: a pipeline does not fail the passes before it on it.
+    repairs: ClassVar[frozenset[str]] = frozenset({"unique-channel-ids"})
+
+    def apply(self, module: Module) -> PassResult[RenumberedChannels]:
+        renumbered = ChannelIds(module).dedupe()
+        return PassResult(module, bool(renumbered), report=RenumberedChannels(renumbered))
+
+
+__all__ = ["ChannelIdDedupe", "RenumberedChannels"]
