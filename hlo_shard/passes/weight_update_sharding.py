@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import networkx as nx
 
@@ -41,7 +41,7 @@ from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, S
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Change, Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
-                          TupleShape)
+                          Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
@@ -107,7 +107,9 @@ class SignatureEntry:
 
     index: int
     kind: str  # "replicated" | "per-device" | "sharded"
-    shape: ArrayShape  # original
+    #: The original shape (a tuple only for an output that is a nested tuple, which no
+    #: manifest describes).
+    shape: Shape
     name: str = ""
     format: ShardFormat | None = None
     groups: tuple[tuple[int, ...], ...] = ()
@@ -336,6 +338,25 @@ def rewritten_computations(module: Module) -> list[str]:
     return list(candidates) + [name for name in dict.fromkeys(callers) if name not in candidates]
 
 
+def _tuple_index(inst: Instruction) -> int:
+    """The element a ``get-tuple-element`` reads."""
+    index = inst.int_attr("index")
+    if index is None:
+        raise HloShardError(f"%{inst.name}: get-tuple-element without index=")
+    return index
+
+
+def _array(shape: Shape) -> ArrayShape:
+    """``shape``, which the analysis has proved an array (a leaf of the update)."""
+    return cast(ArrayShape, shape)
+
+
+def _element(shape: Shape, index: int) -> ArrayShape:
+    """Element ``index`` of ``shape``, which the analysis has proved a tuple of arrays
+    there (a root or loop carry holding update values)."""
+    return _array(cast(TupleShape, shape).elements[index])
+
+
 def _called(inst: Instruction, role: str) -> str:
     """The name of the computation ``inst`` calls as ``role`` (``body``, ``condition``)."""
     ref = inst.attr_as(role, ComputationRef)
@@ -357,7 +378,7 @@ def _data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Dev
         first.setdefault(ar.groups.key(), ar.groups)
     if not weight:
         return None
-    return first[max(weight, key=weight.get)]
+    return first[max(weight, key=lambda key: weight[key])]
 
 
 def _region_computations(module: Module) -> set[str]:
@@ -368,7 +389,7 @@ def _region_computations(module: Module) -> set[str]:
         comp = stack.pop()
         for inst in comp.instructions:
             if inst.opcode == "while":
-                body = inst.attr("body").name
+                body = _called(inst, "body")
                 if body not in names:
                     names.add(body)
                     stack.append(module.computation(body))
@@ -433,26 +454,26 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
         fmt = next(iter(formats))
         if len(formats) != 1:
             kept_whole[number] = f"the update reads it in {len(formats)} element orders"
-        elif not flattenable(fmt, params[number].shape):
+        elif not flattenable(fmt, _array(params[number].shape)):
             kept_whole[number] = f"the update runs in element order {_order(fmt)}, " \
-                                 f"{_not_flattenable(params[number].shape)}"
+                                 f"{_not_flattenable(_array(params[number].shape))}"
         else:
             candidates[number] = fmt
     outputs: dict[int, str] = {}
     for k, value in enumerate(root.operands):
-        fmt = plan.sharded.get(value)
-        if fmt is not None and flattenable(fmt, root.shape.elements[k]):
+        out = plan.sharded.get(value)
+        if out is not None and flattenable(out, _element(root.shape, k)):
             outputs[k] = value
     pairs: dict[int, StatePair] = {}
 
     def pair(number: int, k: int) -> None:
-        pairs[number] = StatePair(k, outputs[k], candidates[number], params[number].shape,
-                                  root.shape.elements[k])
+        pairs[number] = StatePair(k, outputs[k], candidates[number],
+                                  _array(params[number].shape), _element(root.shape, k))
 
     def fits(number: int, k: int) -> bool:
         param = params[number]
         return plan.sharded[outputs[k]] == candidates[number] and \
-            root.shape.elements[k].element_type == param.shape.element_type
+            _element(root.shape, k).element_type == _array(param.shape).element_type
 
     aliases = _alias_pairs(module)
     if aliases:
@@ -532,9 +553,9 @@ def _not_flattenable(shape: ArrayShape) -> str:
 
 def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardFormat) -> str:
     """Why the output aliased to a state parameter cannot be its sharded next value."""
-    shape = root.shape.elements[k] if k < len(root.operands) else None
+    shape = _element(root.shape, k) if k < len(root.operands) else None
     out = plan.sharded.get(root.operands[k]) if shape is not None else None
-    if out is None:
+    if out is None or shape is None:
         return f"its next value (output {k}) is not computed by the sharded update"
     if not flattenable(out, shape):
         return f"its next value (output {k}) is in element order {_order(out)}, " \
@@ -595,20 +616,22 @@ def _loop_slots(module: Module, body: Computation, plan: RegionPlan,
     value is replicated."""
     callers = [(c, i) for c in module.computations for i in c.instructions
                if body.name in i.called_computations()]
-    if len(callers) != 1 or callers[0][1].opcode != "while" or             callers[0][1].attr("body").name != body.name:
+    if len(callers) != 1 or callers[0][1].opcode != "while" or \
+            _called(callers[0][1], "body") != body.name:
         return None
     parent, loop = callers[0]
-    cond = module.computation(loop.attr("condition").name)
+    cond = module.computation(_called(loop, "condition"))
     init = parent[loop.operands[0]]
     params, root = body.parameters(), body.root
-    if len(params) != 1 or not isinstance(params[0].shape, TupleShape) or             root.opcode != "tuple" or init.opcode != "tuple" or parent.root_name == loop.name:
+    if len(params) != 1 or not isinstance(params[0].shape, TupleShape) or \
+            root.opcode != "tuple" or init.opcode != "tuple" or parent.root_name == loop.name:
         return None
     graph, parent_graph = dataflow_graph(body), dataflow_graph(parent)
     slot_readers: dict[int, list[str]] = defaultdict(list)
     for user in graph.successors(params[0].name):
         if body[user].opcode != "get-tuple-element":
             return None
-        slot_readers[body[user].attr("index")].append(user)
+        slot_readers[_tuple_index(body[user])].append(user)
     if any(parent[u].opcode != "get-tuple-element" for u in parent_graph.successors(loop.name)):
         return None
     read_by_condition = _condition_slots(cond)
@@ -637,15 +660,16 @@ def _loop_slots(module: Module, body: Computation, plan: RegionPlan,
 
 def _condition_slots(cond: Computation) -> set[int] | None:
     """Slots the loop condition reads (None: it uses the carry whole)."""
-    (param,) = cond.parameters() or [None]
-    if param is None:
+    params = cond.parameters()
+    if not params:
         return set()
+    (param,) = params
     used: set[int] = set()
     for inst in cond.instructions:
         if param.name in inst.operands:
             if inst.opcode != "get-tuple-element":
                 return None
-            used.add(inst.attr("index"))
+            used.add(_tuple_index(inst))
     return used
 
 
@@ -663,22 +687,22 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     rw = Rewriter(parent)
     emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
     old = parent[loop.operands[0]]
-    full = loop.shape.elements
-    elements = list(full)
+    elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
     for index, fmt in carry.slots.items():
-        elements[index] = emit.shape(full[index].element_type, (fmt.shard_len,))
+        elements[index] = emit.shape(_element(loop.shape, index).element_type, (fmt.shard_len,))
     carried = TupleShape(tuple(elements))
     sunk = _sinkable_slots(parent, rw, carry, old) if sink_state and parent.is_entry else {}
     state: dict[int, StatePair] = {}
     root = parent.root
     for index, (upward, downward, k) in sunk.items():
         fmt, param = carry.slots[index], parent[upward[0]]
-        state[param.parameter_number] = StatePair(k, downward[-1], fmt, param.shape,
-                                                  root.shape.elements[k])
+        state[cast(int, param.parameter_number)] = StatePair(
+            k, downward[-1], fmt, _array(param.shape), _element(root.shape, k))
         for name in upward + downward:
             parent[name].shape = elements[index]
         root.shape = TupleShape(tuple(elements[index] if i == k else e
-                                      for i, e in enumerate(root.shape.elements)))
+                                      for i, e in enumerate(cast(TupleShape,
+                                                                 root.shape).elements)))
     _annotate_state(module, parent, state, carry.groups)
     operands = list(old.operands)
     with rw.inserting_before(loop.name):
@@ -692,14 +716,15 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     loop.shape = carried
     for comp in (body, module.computation(carry.condition)):
         comp.parameters()[0].shape = carried
-    readers = [r for r in rw.users(loop.name) if r.attr("index") in carry.slots]
+    readers = [r for r in rw.users(loop.name) if _tuple_index(r) in carry.slots]
     users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
-    items = [Gathered(r.name, carry.slots[r.attr("index")],
-                      emit.gathered_shape(r.shape, carry.slots[r.attr("index")], users[r.name]),
+    items = [Gathered(r.name, carry.slots[_tuple_index(r)],
+                      emit.gathered_shape(_array(r.shape), carry.slots[_tuple_index(r)],
+                                          users[r.name]),
                       r.name)
-             for r in readers if r.attr("index") not in sunk]
+             for r in readers if _tuple_index(r) not in sunk]
     for reader in readers:
-        reader.shape = elements[reader.attr("index")]
+        reader.shape = elements[_tuple_index(reader)]
     for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
         for user in users[item.shard]:
             inst = parent[user]
@@ -726,7 +751,7 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
     out: dict[int, tuple[list[str], list[str], int]] = {}
     readers: dict[int, list[Instruction]] = defaultdict(list)
     for reader in rw.users(carry.loop):
-        readers[reader.attr("index")].append(reader)
+        readers[_tuple_index(reader)].append(reader)
     for index, fmt in carry.slots.items():
         upward = [init.operands[index]]
         while parent[upward[0]].opcode == "copy" and only_user(parent[upward[0]].operands[0]):
@@ -740,8 +765,8 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
         if only_user(downward[-1]) is not root or root.operands.count(downward[-1]) != 1:
             continue
         k = root.operands.index(downward[-1])
-        if flattenable(fmt, parent[upward[0]].shape) and \
-                flattenable(fmt, root.shape.elements[k]):
+        if flattenable(fmt, _array(parent[upward[0]].shape)) and \
+                flattenable(fmt, _element(root.shape, k)):
             out[index] = (upward, downward, k)
     return out
 
@@ -753,7 +778,7 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
     sharded_outputs = {pair.output: pair for pair in state.values()}
     explicit_groups = () if groups is None or groups.is_trivial else groups.groups
     for param in entry.parameters():
-        number = param.parameter_number
+        number = cast(int, param.parameter_number)
         if number in state:
             pair = state[number]
             report.parameters.append(SignatureEntry(number, "sharded", pair.shape, param.name,
@@ -761,7 +786,7 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
             continue
         flags = next((p.flags for p in replication.params if p.number == number), False)
         kind = "replicated" if all_true(flags) else "per-device"
-        for _, leaf in _leaves(param.shape):
+        for _, leaf in shape_leaves(param.shape):
             report.parameters.append(SignatureEntry(number, kind, leaf, param.name))
     root = entry.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
@@ -784,12 +809,6 @@ def _output_kinds(module: Module, replication: Replication) -> list[str]:
         leaf_flags = flags if isinstance(flags, tuple) else (flags,) * len(root.shape.elements)
         return ["replicated" if all_true(f) else "per-device" for f in leaf_flags]
     return ["replicated" if all_true(flags) else "per-device"]
-
-
-def _leaves(shape):
-    if isinstance(shape, TupleShape):
-        return list(shape.leaves())
-    return [((), shape)]
 
 
 # --------------------------------------------------------------------- explanations
