@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hlo_shard.graph import Change, Rewriter
 from hlo_shard.ir import Module
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
@@ -38,8 +39,22 @@ class ChannelIdDedupe(ModulePass[RenumberedChannels]):
     repairs: ClassVar[frozenset[str]] = frozenset({"unique-channel-ids"})
 
     def apply(self, module: Module) -> PassResult[RenumberedChannels]:
-        renumbered = ChannelIds(module).dedupe()
-        return PassResult(module, bool(renumbered), report=RenumberedChannels(renumbered))
+        channels = ChannelIds(module)
+        seen: set[int] = set()
+        changes: list[Change] = []
+        for comp in module.computations:
+            rw = Rewriter(comp)
+            for inst in comp.instructions:
+                channel = inst.int_attr("channel_id")
+                if channel is None or inst.opcode not in ChannelIds.COLLECTIVES:
+                    continue
+                if channel in seen:
+                    rw.set_attr(inst, "channel_id", channels.fresh())
+                else:
+                    seen.add(channel)
+            changes += rw.changes
+        return PassResult(module, bool(changes), changes,
+                          report=RenumberedChannels(len(changes)))
 
 
 __all__ = ["ChannelIdDedupe", "RenumberedChannels"]
