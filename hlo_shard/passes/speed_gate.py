@@ -86,8 +86,8 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     user_min = sharding.options.min_shard_bytes
     everything, full = trial(user_min)
     if force or not everything.sharded:
-        return run_sharding(module, sharding), SpeedDecision(hardware.name, before, everything.seconds, (everything,),
-                                     None, forced=force)
+        return run_sharding(module, sharding), SpeedDecision(
+            hardware.name, before, everything.seconds, (everything,), None, forced=force)
     sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything] + [trial(size)[0] for size in cutoffs]

@@ -774,6 +774,8 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
 def _fill_signature(module: Module, report: ShardingReport, replication: Replication,
                     state: dict[int, StatePair], groups: DeviceGroups | None,
                     output_kinds: list[str]) -> None:
+    """The rewritten entry's signature for the manifest: each parameter and output leaf
+    replicated, per-device, or a shard (with its format and groups)."""
     entry = module.entry
     sharded_outputs = {pair.output: pair for pair in state.values()}
     explicit_groups = () if groups is None or groups.is_trivial else groups.groups
