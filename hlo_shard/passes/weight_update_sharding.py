@@ -173,7 +173,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if self.options.strategy not in STRATEGIES:
             raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                                 f"{self.options.strategy!r}")
-        object.__setattr__(self, "profile", resolve_profile(self.options.profile))
+        profile = self.options.profile
+        object.__setattr__(self, "profile", profile if isinstance(profile, HardwareProfile)
+                           else load_profile(profile))
 
     def apply(self, module: Module) -> PassResult[ShardingReport]:
         """Read the module's facts, rewrite each computation's update region, then keep the
@@ -298,10 +300,6 @@ class _Run:
 
 
 # ----------------------------------------------------------------- module-level facts
-
-
-def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
-    return profile if isinstance(profile, HardwareProfile) else load_profile(profile)
 
 
 def _triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups | None
@@ -847,7 +845,6 @@ def _shard_sharding(groups: DeviceGroups) -> str:
         n, len(groups.groups), ",".join(map(str, order)))
 
 
-__all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptions", "ShardingReport",
-           "SignatureEntry", "StrategyChoice", "WeightUpdateSharding", "STATE_MODES",
-           "resolve_profile",
-           "STRATEGIES"]
+__all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptionError",
+           "ShardingOptions", "ShardingReport", "SignatureEntry", "StrategyChoice",
+           "WeightUpdateSharding", "STATE_MODES", "STRATEGIES", "rewritten_computations"]
