@@ -34,8 +34,8 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
 from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
-                                                     ShardingOptions, ShardingReport,
-                                                     StrategyChoice)
+                                                     ShardingOptionError, ShardingOptions,
+                                                     ShardingReport, StrategyChoice)
 from hlo_shard.report import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 
@@ -277,7 +277,11 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                    f"{'stdout' if output == '-' else output}", err=True)
         return
     names = user_names(module) if explain or as_json or manifest_path else UserNames()
-    report, text, decision = optimize_where_faster(module, options, force)
+    try:
+        report, text, decision = optimize_where_faster(module, options, force)
+    except ShardingOptionError as err:  # the library's words → this command's flag
+        raise HloShardError(f"--{err.option.replace('_', '-')} {err.value} {err.problem}"
+                            ) from None
     manifest_json = None
     if manifest_path is not None:
         from hlo_shard.runtime.manifest import manifest_to_json

@@ -24,7 +24,8 @@ from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
 from hlo_shard.passes.speed_gate import shard_where_faster
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
 from hlo_shard.report import fmt_seconds
 from hlo_shard.printer import to_text
 from hlo_shard.ir import Raw, TupleShape
@@ -228,8 +229,7 @@ def build_program(capture: Capture, options: ShardingOptions,
     else:
         module.header.update(donation)
     try:
-        result, decision = shard_where_faster(module, options, force)
-        report = result.report
+        report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
         for key in DONATION_ATTRIBUTES:
             module.header.pop(key, None)
         module.header.update(_executable_aliases(donation, next_values, module))
