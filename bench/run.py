@@ -90,7 +90,7 @@ def step_time(work: Path, runs: int, rounds: int) -> dict[str, float]:
     from statistics import median
 
     from hlo_shard import parse_file, runtime
-    from hlo_shard.analysis.estimate import predicted_step_ratio
+    from hlo_shard.costmodel.step_time import predicted_step_ratio
     from hlo_shard.profiles import load_profile
     from hlo_shard.runtime.inputs import generate_inputs, parameter_roles
 

@@ -32,7 +32,7 @@ import copy
 import math
 from dataclasses import dataclass
 
-from hlo_shard.analysis.estimate import StepEstimate, estimate_step
+from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.passes.retarget import Retarget, data_parallel_size
@@ -124,7 +124,7 @@ def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
 
 
 #: Memory categories that grow with the parameters (the rest: batch and activations):
-#: liveness's categories (:data:`~hlo_shard.analysis.liveness.CATEGORIES`) — temporaries
+#: liveness's categories (:data:`~hlo_shard.costmodel.memory.CATEGORIES`) — temporaries
 #: are the update's and formatting's, outputs not donated are new weights and state.
 _PARAMETER_MEMORY = ("weights", "optimizer_state", "gradients", "temporaries", "outputs")
 

@@ -11,16 +11,16 @@ import math
 
 import pytest
 
-from hlo_shard.analysis.collective_model import (
+from hlo_shard.costmodel.network import (
     algorithm_steps, collective_cost, combiner_buckets, group_size, share_latency, torus_dims,
     wire_bytes,
 )
-from hlo_shard.analysis.cost import CostAnalysis, module_cost, parse_window
-from hlo_shard.analysis.estimate import (
+from hlo_shard.costmodel.flops import CostAnalysis, module_cost, parse_window
+from hlo_shard.costmodel.step_time import (
     classify_parameters, categorize, estimate_step, predicted_step_ratio,
 )
-from hlo_shard.analysis.kernels import plan_kernels
-from hlo_shard.analysis.liveness import memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.kernels import plan_kernels
+from hlo_shard.costmodel.memory import memory_profile, output_parameter_aliases
 from hlo_shard.errors import HloShardError
 from hlo_shard.parser import parse
 from hlo_shard.profiles import available_profiles, load_profile, profile_from_dict

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from hlo_shard.analysis.cost import CostAnalysis
-from hlo_shard.analysis.liveness import memory_profile
+from hlo_shard.costmodel.flops import CostAnalysis
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.errors import HloRuntimeError
 from hlo_shard.parser import parse
 
@@ -100,7 +100,7 @@ def test_memory_matches_xla(compiled, name):
 
 
 def test_manifest_roles_become_parameter_kinds():
-    from hlo_shard.analysis.estimate import manifest_parameter_kinds
+    from hlo_shard.costmodel.step_time import manifest_parameter_kinds
 
     manifest = json.loads((FIXTURES / "MANIFEST.json").read_text())
     name = next(n for n, entry in manifest.items() if entry.get("optimizer_state_params"))

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from hlo_shard.cli import main
 from hlo_shard.parser import parse
-from hlo_shard.report import (
+from hlo_shard.reports.content import (
     PLOT_HINT, diff_report, fmt_bytes, fmt_delta, fmt_seconds, render_html, report_document,
 )
 from hlo_shard.scaling import data_parallel_size, retarget
@@ -80,7 +80,7 @@ def test_report_markdown_and_html(modules, tmp_path):
 
 
 def test_html_without_matplotlib_says_how_to_get_plots(modules, monkeypatch):
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.profiles import load_profile
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -133,7 +133,7 @@ def test_per_weight_rows_of_a_combined_bucket():
     # update (≈ 1/N of its update flops) and a share of the bucket, not its neighbours'.
     from pathlib import Path
 
-    from hlo_shard.analysis.estimate import estimate_step, per_weight_rows
+    from hlo_shard.costmodel.step_time import estimate_step, per_weight_rows
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
     from hlo_shard.profiles import load_profile
 
@@ -211,9 +211,9 @@ def test_commands_default_to_one_profile(modules):
 
 
 def test_step_figure_legend_does_not_cover_the_bars(modules):
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.profiles import load_profile
-    from hlo_shard.report import pyplot, step_figure
+    from hlo_shard.reports.content import pyplot, step_figure
 
     plt = pyplot()
     estimates = [estimate_step(parse(open(p).read()), load_profile("tpu-v3")) for p in modules]
@@ -238,7 +238,7 @@ def test_memory_plot_and_table_come_from_one_computation(name):
     # "at most … live at once" (live while it runs, callee transients included).
     from pathlib import Path
 
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.profiles import load_profile
 
     path = Path(__file__).resolve().parents[1] / "fixtures" / name
@@ -319,7 +319,7 @@ ENTRY e { w = f32[1023] parameter(0) x = f32[64,1023] parameter(1), parameter_re
 def test_a_reduce_scattered_gradient_stays_gradient_memory():
     # Padded before its reduce-scatter, the per-device gradient is still the gradient
     # (memory that grows with the weights, not with the batch), as when all-reduced.
-    from hlo_shard.analysis.estimate import gradient_values
+    from hlo_shard.costmodel.step_time import gradient_values
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
     sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).apply(
@@ -341,7 +341,7 @@ def test_sharding_does_not_raise_the_projected_peak_of_a_fixed_global_batch():
 
 
 def test_scaled_memory_categories_are_liveness_categories():
-    from hlo_shard.analysis.liveness import CATEGORIES
+    from hlo_shard.costmodel.memory import CATEGORIES
     from hlo_shard.scaling import _PARAMETER_MEMORY
 
     assert set(_PARAMETER_MEMORY) <= set(CATEGORIES)

@@ -21,8 +21,8 @@ from hlo_shard.cli.report import emit, load_module, report_options
 def diff(before_path: str, after_path: str, profile: str, algorithm: str | None, as_json: bool,
          markdown: bool, html_path: str | None, output: str | None) -> None:
     """Compare the estimated cost of BEFORE.hlo and AFTER.hlo per device."""
-    from hlo_shard import report as fmt
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.reports import content as fmt
+    from hlo_shard.costmodel.step_time import estimate_step
 
     hardware = fmt.resolve_profile(profile)
     before, after = load_module(before_path), load_module(after_path)

@@ -48,7 +48,7 @@ def load_module(path: str) -> Module:
 def emit(document, data: dict, *, as_json: bool, markdown: bool, html_path: str | None,
          output: str | None, inputs: list[str]) -> None:
     """Write the report in the chosen format(s)."""
-    from hlo_shard import report as fmt
+    from hlo_shard.reports import content as fmt
 
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
@@ -72,8 +72,8 @@ def report(module_path: str, profile: str, algorithm: str | None, as_json: bool,
     """Estimated cost of one step of IN.hlo per device: step time split into
     forward/backward, weight update, communication and formatting; collectives by
     kind; peak memory by category; the most expensive instructions."""
-    from hlo_shard import report as fmt
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.reports import content as fmt
+    from hlo_shard.costmodel.step_time import estimate_step
 
     module = load_module(module_path)
     est = estimate_step(module, fmt.resolve_profile(profile), algorithm=algorithm)

@@ -112,7 +112,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
           max_replicas: str | None) -> None:
     """Project the step time and peak memory of IN.hlo (the original, unsharded
     module) and of its weight-update-sharded form across replica counts."""
-    from hlo_shard import report as fmt
+    from hlo_shard.reports import content as fmt
     from hlo_shard.scaling import project
 
     counts = _replica_list(replicas, max_replicas)

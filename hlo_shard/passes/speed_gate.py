@@ -7,7 +7,7 @@ their fusion with the forward pass — against the update work divided by N. The
 grows with a gradient's size and the cost is mostly per collective, so the choice is a
 size cut-off: every gradient of at least ``t`` bytes is sharded. The pass runs once per
 candidate cut-off (the distinct sizes of the shardable gradients, at most
-``MAX_TRIALS``) on a copy, :func:`~hlo_shard.analysis.estimate.estimate_step` prices
+``MAX_TRIALS``) on a copy, :func:`~hlo_shard.costmodel.step_time.estimate_step` prices
 every result on the target profile — collectives, copies and kernels as XLA would fuse
 them — and the fastest one is kept, provided it is predicted faster than the input by
 at least ``MIN_GAIN``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
-from hlo_shard.analysis.estimate import estimate_step
+from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
 from hlo_shard.passes.base import PassResult
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,

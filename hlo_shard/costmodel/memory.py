@@ -36,9 +36,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collective_model import combiner_buckets
-from hlo_shard.analysis.cost import POINTER_BYTES, leaf_bytes
-from hlo_shard.analysis.kernels import (
+from hlo_shard.costmodel.network import combiner_buckets
+from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
+from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
 )
 from hlo_shard.graph import stable_topological_sort, topological_order

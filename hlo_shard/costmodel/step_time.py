@@ -27,17 +27,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hlo_shard.analysis.collective_model import (
+from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
     instruction_collective_cost, share_latency,
 )
-from hlo_shard.analysis.cost import (
+from hlo_shard.costmodel.flops import (
     ELEMENTWISE_OPCODES, Cost, CostAnalysis, elements, known_trip_count, leaf_bytes,
 )
-from hlo_shard.analysis.kernels import (
+from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
-from hlo_shard.analysis.liveness import MemoryProfile, memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.memory import MemoryProfile, memory_profile, output_parameter_aliases
 from hlo_shard.graph import users_map
 from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile

@@ -16,10 +16,10 @@ import html
 import io
 import json
 
-from hlo_shard.analysis.estimate import (
+from hlo_shard.costmodel.step_time import (
     CATEGORIES, StepEstimate, estimate_step, per_weight_rows,
 )
-from hlo_shard.analysis.liveness import CATEGORIES as MEMORY_CATEGORIES
+from hlo_shard.costmodel.memory import CATEGORIES as MEMORY_CATEGORIES
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
