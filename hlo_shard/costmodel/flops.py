@@ -9,7 +9,7 @@ users already get from jax. Conventions worth knowing:
   get-tuple-element and bitcasts touch nothing;
 * collectives are priced as XLA does (all-reduce: one flop per output element; others:
   default bytes, no flops). The network is *not* modelled here — XLA does not model
-  it either; :mod:`hlo_shard.analysis.collective_model` does;
+  it either; :mod:`hlo_shard.costmodel.network` does;
 * XLA prices a ``while`` as one iteration of its body plus its condition. With
   ``count_loop_iterations=True`` (the time model) the body is multiplied by the trip
   count when it is a known constant; with ``False`` the totals are XLA's.

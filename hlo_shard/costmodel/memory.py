@@ -4,7 +4,7 @@ The schedule is the entry computation's order when the module ``is_scheduled``, 
 topological order in which the collectives XLA would combine run as one (reading all
 their operands and writing all their results at once). Only values that reach memory
 get buffers — for an unfused module those are the outputs of the kernels
-:mod:`hlo_shard.analysis.kernels` emulates — and each buffer lives from the kernel that
+:mod:`hlo_shard.costmodel.kernels` emulates — and each buffer lives from the kernel that
 writes it to the last kernel that reads it.
 Like XLA's buffer assignment:
 

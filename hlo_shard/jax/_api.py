@@ -8,8 +8,8 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.jax._capture import per_device_hlo
 from hlo_shard.jax._step import ShardedStep
 from hlo_shard.passes.bucketing import STRATEGIES
-from hlo_shard.passes.weight_update_sharding import DEFAULT_PROFILE, STATE_MODES, ShardingOptions
-from hlo_shard.profiles import load_profile
+from hlo_shard.passes.weight_update_sharding import STATE_MODES, ShardingOptions
+from hlo_shard.profiles import resolve_profile
 
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
@@ -27,7 +27,7 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str 
     if strategy not in STRATEGIES:
         raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                             f"{strategy!r}")
-    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile)  # errors now
+    hardware = resolve_profile(profile)  # errors now
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes, profile=hardware)
     return ShardedStep(fn, options, force)

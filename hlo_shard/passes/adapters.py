@@ -13,7 +13,7 @@ from hlo_shard.ir import Module
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
-from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.profiles import resolve_profile
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,8 @@ class WeightUpdateShardingPass(ModulePass[ShardingReport]):
     options: ShardingOptions = ShardingOptions()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.options.profile, HardwareProfile):
-            object.__setattr__(self, "options", replace(
-                self.options, profile=load_profile(self.options.profile)))
+        object.__setattr__(self, "options", replace(
+            self.options, profile=resolve_profile(self.options.profile)))
         WeightUpdateSharding(self.options)  # raises on a bad state or strategy
 
     def apply(self, module: Module) -> PassResult[ShardingReport]:

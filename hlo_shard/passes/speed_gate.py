@@ -18,11 +18,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
+from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
 from hlo_shard.passes.base import PassResult
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding, resolve_profile)
+                                                     WeightUpdateSharding)
+from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
 MAX_TRIALS = 8
@@ -72,14 +74,14 @@ def shard_where_faster(module: Module, options: ShardingOptions, force: bool = F
     all when nothing is predicted faster than the input (``force``: as told)."""
     hardware = resolve_profile(options.profile)
     options = replace(options, profile=hardware)
-    before = estimate_step(module, hardware).seconds
+    before = predicted_step_seconds(module, hardware)
 
     def trial(min_bytes: int) -> tuple[Trial, PassResult]:
         candidate = copy.deepcopy(module)
         result = WeightUpdateSharding(replace(options, min_shard_bytes=min_bytes)).apply(candidate)
         report: ShardingReport = result.notes[0]
         sharded = sum(1 for row in report.explanations if row.sharded)
-        seconds = estimate_step(candidate, hardware).seconds if sharded else before
+        seconds = predicted_step_seconds(candidate, hardware) if sharded else before
         return Trial(min_bytes, sharded, seconds), result
 
     everything, full = trial(options.min_shard_bytes)
@@ -101,6 +103,12 @@ def shard_where_faster(module: Module, options: ShardingOptions, force: bool = F
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
     _explain_cost_rows(report, decision, options.min_shard_bytes)
     return result, decision
+
+
+def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
+    """The cost model's step time of ``module``, its weight update being the region the
+    pass plans in it."""
+    return estimate_step(module, hardware, planned_update_regions(module)).seconds
 
 
 def _spread(values: list[int], count: int) -> list[int]:
@@ -127,4 +135,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
                       f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
 
 
-__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "shard_where_faster"]
+__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "predicted_step_seconds",
+           "shard_where_faster"]
