@@ -44,13 +44,6 @@ FACT_SETS = [
      {"+mulhi": "a pure function of its operands, missing from the module's list"}),
     ("hlo_shard.analysis.opcodes", "DEVICE_DEPENDENT",
      opcodes_where(lambda i: i.values == opinfo.PER_DEVICE), {}),
-    ("hlo_shard.costmodel.flops", "TRANSCENDENTAL_OPCODES",
-     opcodes_where(lambda i: i.transcendental), {}),
-    ("hlo_shard.costmodel.flops", "ELEMENTWISE_OPCODES", opinfo.PER_ELEMENT_COST, {}),
-    ("hlo_shard.costmodel.flops", "FREE_OPCODES",
-     opcodes_where(lambda i: i.cost == opinfo.FREE), {}),
-    ("hlo_shard.costmodel.flops", "ALL_REDUCE_OPCODES",
-     opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE), {}),
     ("hlo_shard.runtime.inputs", "SUMMING_COLLECTIVES", opinfo.SUMMING_COLLECTIVES, {}),
     ("hlo_shard.passes.region_rewrite", "_KEEP", opinfo.IMPURE | {"parameter"}, {
         # RegionRewrite._erase_dead keeps fewer ops than Rewriter.remove_dead: the rewrite
@@ -87,6 +80,26 @@ REPLACED = [
      frozenset({"all-reduce-done", "all-gather-done", "collective-permute-done"}), {}),
     ("runtime.forms.PAIRED_CHANNEL_OPS", opinfo.CHANNEL_PAIRED,
      frozenset({"send", "recv", "send-done", "recv-done"}), {}),
+    # The cost model's sets (analysis/cost.py, now costmodel/flops.py reads the table's
+    # ``cost`` class).
+    ("cost.TRANSCENDENTAL_OPCODES", opcodes_where(lambda i: i.transcendental), frozenset({
+        "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
+        "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan"}), {}),
+    ("cost.ELEMENTWISE_OPCODES", opinfo.PER_ELEMENT_COST, frozenset({
+        "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
+        "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan",
+        "abs", "add", "and", "atan", "acos", "acosh", "asin", "asinh", "atanh", "cosh", "sinh",
+        "bitcast-convert", "ceil", "clamp", "compare", "complex", "convert",
+        "count-leading-zeros", "divide", "floor", "imag", "is-finite", "maximum", "minimum",
+        "mulhi", "multiply", "negate", "not", "or", "popcnt", "real", "reduce-precision",
+        "remainder", "round-nearest-afz", "round-nearest-even", "select", "shift-left",
+        "shift-right-arithmetic", "shift-right-logical", "sign", "stochastic-convert",
+        "subtract", "xor"}), {}),
+    ("cost.FREE_OPCODES", opinfo.NO_COST, frozenset({
+        "parameter", "constant", "get-tuple-element", "domain", "bitcast", "after-all",
+        "add-dependency"}), {}),
+    ("cost.ALL_REDUCE_OPCODES", opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE),
+     frozenset({"all-reduce", "all-reduce-start"}), {}),
 ]
 
 #: Policy sets of the modules: only their names are checked. {opcode: what it should be}.

@@ -29,36 +29,10 @@ from hlo_shard.ir import (
     ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
+from hlo_shard.opinfo import ALL_REDUCE, NO_COST, OPINFO, PER_ELEMENT_COST, opcodes_where
 
 #: Size of one tuple index-table entry (XLA CPU: ``sizeof(void*)``).
 POINTER_BYTES = 8
-
-#: Elementwise opcodes XLA counts as transcendentals rather than flops.
-TRANSCENDENTAL_OPCODES = frozenset({
-    "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
-    "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan",
-})
-
-#: Opcodes XLA handles as elementwise (flops = output elements).
-ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
-    "abs", "add", "and", "atan", "acos", "acosh", "asin", "asinh", "atanh", "cosh", "sinh",
-    "bitcast-convert", "ceil", "clamp", "compare", "complex", "convert",
-    "count-leading-zeros", "divide", "floor", "imag", "is-finite", "maximum", "minimum",
-    "mulhi", "multiply", "negate", "not", "or", "popcnt", "real", "reduce-precision",
-    "remainder", "round-nearest-afz", "round-nearest-even", "select", "shift-left",
-    "shift-right-arithmetic", "shift-right-logical", "sign", "stochastic-convert",
-    "subtract", "xor",
-})
-
-#: Opcodes that move pointers or order execution only: no flops, no bytes.
-FREE_OPCODES = frozenset({
-    "parameter", "constant", "get-tuple-element", "domain", "bitcast", "after-all",
-    "add-dependency",
-})
-
-#: All-reduce-like: XLA counts one flop per output element (it assumes 2 replicas).
-ALL_REDUCE_OPCODES = frozenset({"all-reduce", "all-reduce-start"})
-
 
 # ------------------------------------------------------------------------ the record
 
@@ -171,10 +145,7 @@ class CostAnalysis:
         return self._computations[name]
 
     def instruction_cost(self, comp: Computation, inst: Instruction) -> Cost:
-        rule = RULES.get(inst.opcode, _default_rule)
-        if inst.opcode in ELEMENTWISE_OPCODES:
-            rule = _elementwise
-        return rule(Site(self, comp, inst))
+        return RULES.get(inst.opcode, _default_rule)(Site(self, comp, inst))
 
     def computation_cost(self, name: str) -> Cost:
         """Sum over every instruction of a computation, dead code included (XLA's
@@ -213,7 +184,7 @@ def _free(site: Site) -> Cost:
 
 def _elementwise(site: Site) -> Cost:
     count = elements(site.inst.shape)
-    if site.inst.opcode in TRANSCENDENTAL_OPCODES:
+    if OPINFO[site.inst.opcode].transcendental:
         return site.default(transcendentals=count)
     return site.default(flops=count)
 
@@ -382,9 +353,12 @@ def _fusion(site: Site) -> Cost:
     return compute + Cost(bytes_accessed=fusion_bytes(site.analysis, site.comp, site.inst, fused))
 
 
+#: XLA's rule per opcode; the cost class of :data:`~hlo_shard.opinfo.OPINFO` (``cost``)
+#: decides the pointer-only, all-reduce-like and elementwise ones (listed last: an
+#: elementwise opcode is priced per element whatever else it is).
 RULES: dict[str, Rule] = {
-    **{opcode: _free for opcode in FREE_OPCODES},
-    **{opcode: _all_reduce for opcode in ALL_REDUCE_OPCODES},
+    **{opcode: _free for opcode in NO_COST},
+    **{opcode: _all_reduce for opcode in opcodes_where(lambda i: i.cost == ALL_REDUCE)},
     "tuple": _tuple,
     "slice": _slice,
     "dynamic-slice": _dynamic_slice,
@@ -410,6 +384,7 @@ RULES: dict[str, Rule] = {
     "while": _while,
     "custom-call": _custom_call,
     "fusion": _fusion,
+    **{opcode: _elementwise for opcode in PER_ELEMENT_COST},
 }
 
 

@@ -31,15 +31,14 @@ from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
     instruction_collective_cost, share_latency,
 )
-from hlo_shard.costmodel.flops import (
-    ELEMENTWISE_OPCODES, Cost, CostAnalysis, elements, known_trip_count, leaf_bytes,
-)
+from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
 from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile, output_parameter_aliases
 from hlo_shard.graph import users_map
 from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
+from hlo_shard.opinfo import PER_ELEMENT_COST
 from hlo_shard.profiles import HardwareProfile
 
 #: Computation name → the instructions of the weight-update region the sharding pass
@@ -49,7 +48,7 @@ PlannedRegions = Mapping[str, frozenset[str]]
 CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
 
 #: Ops the weight update is made of (besides the collectives that bound it).
-UPDATE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
+UPDATE_OPCODES = PER_ELEMENT_COST | frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "copy", "reduce", "slice",
     "dynamic-slice", "concatenate", "pad", "get-tuple-element",
 })
