@@ -240,6 +240,14 @@ class Instruction:
                             f"not a {kind.__name__}")
         return value
 
+    def required_attr(self, name: str, kind: type[_A]) -> _A:
+        """An attribute the opcode cannot go without (``index``, ``body``: the parser
+        refuses an instruction without it, ``attributes.REQUIRED_ATTRIBUTES``)."""
+        value = self.attr_as(name, kind)
+        if value is None:
+            raise KeyError(f"%{self.name}: no {name}= attribute")
+        return value
+
     def int_attr(self, name: str) -> int | None:
         """An integer attribute (``channel_id``, ``dimension``, ``index``), or None."""
         return self.attr_as(name, int)

@@ -100,9 +100,8 @@ def per_replica_batch(estimate: StepEstimate, module: Module) -> int:
 
 def weight_parameters(estimate: StepEstimate, module: Module) -> int:
     """W₀: the elements of the module's weight parameters (replicated, per device)."""
-    return sum(module.entry[name].shape.num_elements
-               for name, kind in estimate.parameter_kinds.items()
-               if kind == "weights" and isinstance(module.entry[name].shape, ArrayShape))
+    return sum(shape.num_elements for name, kind in estimate.parameter_kinds.items()
+               if kind == "weights" and isinstance(shape := module.entry[name].shape, ArrayShape))
 
 
 def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
@@ -138,7 +137,7 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     seconds["weight_update"] *= weight_factor
     seconds["formatting"] *= weight_factor
     seconds["communication"] = _communication_seconds(est, weight_factor)
-    breakdown = dict(est.memory.peak_breakdown)
+    breakdown: dict[str, float] = dict(est.memory.peak_breakdown)
     factors = {"batch": batch_factor, "activations": batch_factor * weight_factor,
                **{category: weight_factor for category in _PARAMETER_MEMORY}}
     for category, factor in factors.items():
@@ -178,7 +177,7 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
     for n in replicas:
         if n < 2:
             raise HloShardError(f"--replicas must be at least 2 (got {n})")
-        factor = 1.0 if global_batch is None else (global_batch / n) / b0
+        factor = 1.0 if global_batch is None or b0 is None else (global_batch / n) / b0
         target = retarget(module, n) if n != n0 else copy.deepcopy(module)
         # The retargeted copy has the module's instructions: its regions and categories.
         original = _projection(estimate_step(target, profile, regions, algorithm=algorithm,

@@ -70,7 +70,7 @@ def manifest_roles(manifest_path: str | None, module_path: str) -> dict[int, str
     if not isinstance(entry, dict) or not isinstance(entry.get("parameters"), list):
         raise HloShardError(f"fixtures manifest {manifest_path}: no entry {key!r} listing "
                             "its parameters")
-    return {p["index"]: _MANIFEST_ROLES.get(p.get("role"), "other_parameters")
+    return {p["index"]: _MANIFEST_ROLES.get(str(p.get("role")), "other_parameters")
             for p in entry["parameters"]
             if isinstance(p, dict) and isinstance(p.get("index"), int)}
 

@@ -275,8 +275,7 @@ def _sort(site: Site) -> Cost:
 
 
 def _fft(site: Site) -> Cost:
-    lengths = site.inst.attr("fft_length", ()) or ()
-    log_factors = math.prod(int(math.log2(n)) for n in lengths)  # type: ignore[union-attr]
+    log_factors = math.prod(int(math.log2(n)) for n in site.inst.ints_attr("fft_length"))
     return site.default(flops=2 * 4 * log_factors * elements(site.operand_shape(0)))
 
 
@@ -417,8 +416,9 @@ def fusion_bytes(analysis: CostAnalysis, caller: Computation, fusion: Instructio
     users = _users(fused)
     for param in fused.parameters():
         if isinstance(param.shape, TupleShape):
-            for index, _ in param.shape.leaves():
-                total += _parameter_read_bytes(analysis, fused, _follow_gtes(fused, users, param, index), users)
+            for leaf_index, _ in param.shape.leaves():
+                total += _parameter_read_bytes(
+                    analysis, fused, _follow_gtes(fused, users, param, leaf_index), users)
         else:
             total += _parameter_read_bytes(analysis, fused, param, users)
     return total
@@ -597,8 +597,8 @@ def convolution_flops(site: Site) -> int:
                     continue
                 count += 1
         valid.append(count)
-    feature_groups = int(inst.attr("feature_group_count", 1) or 1)
-    batch_groups = int(inst.attr("batch_group_count", 1) or 1)
+    feature_groups = inst.int_attr("feature_group_count") or 1
+    batch_groups = inst.int_attr("batch_group_count") or 1
     fmas = ((lhs.dims[dims.input_feature] // feature_groups)  # type: ignore[union-attr]
             * out.dims[dims.output_feature]  # type: ignore[union-attr]
             * (lhs.dims[dims.input_batch] // batch_groups)  # type: ignore[union-attr]
@@ -638,7 +638,7 @@ def known_trip_count(analysis: CostAnalysis, comp: Computation, loop: Instructio
         counter, limit, direction = limit, counter, "LT"
     if direction != "LT" or counter.opcode != "get-tuple-element" or limit.opcode != "constant":
         return None
-    start = _constant_tuple_element(comp, comp[loop.operands[0]], int(counter.attr("index")))
+    start = _constant_tuple_element(comp, comp[loop.operands[0]], counter.required_attr("index", int))
     stop = _scalar_literal(limit)
     if start is None or stop is None:
         return None

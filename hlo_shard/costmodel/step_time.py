@@ -37,7 +37,7 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile, output_parameter_aliases
 from hlo_shard.graph import users_map
-from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
+from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
 from hlo_shard.opinfo import PER_ELEMENT_COST
 from hlo_shard.profiles import HardwareProfile
 
@@ -425,7 +425,8 @@ class _Estimator:
         by_name = {e.name: e for e in estimates if e.collective is not None}
         for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes):
             members = [by_name[name] for name in bucket if name in by_name]
-            for member, value in zip(members, share_latency([m.collective for m in members])):
+            for member, value in zip(members, share_latency(
+                    [m.collective for m in members if m.collective is not None])):
                 member.seconds = value * member.runs
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
@@ -443,8 +444,9 @@ class _Estimator:
             if trips is None:
                 trips = 1
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            body = self.module.computation(inst.attr("body").name)
-            condition = self.module.computation(inst.attr("condition").name)
+            body = self.module.computation(inst.required_attr("body", ComputationRef).name)
+            condition = self.module.computation(
+                inst.required_attr("condition", ComputationRef).name)
             return (self.computation(body, runs * trips)
                     + self.computation(condition, runs * (trips + 1)))
         if inst.opcode == "call":

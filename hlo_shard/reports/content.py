@@ -175,12 +175,13 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
     kinds = sorted(set(before.collectives()) | set(after.collectives()))
     coll_rows = []
     for kind in kinds:
-        a, b = before.collectives().get(kind), after.collectives().get(kind)
+        was, now = before.collectives().get(kind), after.collectives().get(kind)
         coll_rows += [
-            (f"{kind}: count", a.count if a else 0, b.count if b else 0, lambda v: f"{v:.0f}"),
-            (f"{kind}: sent per device", a.bytes_sent if a else 0, b.bytes_sent if b else 0,
-             fmt_bytes),
-            (f"{kind}: time", a.seconds if a else 0, b.seconds if b else 0, fmt_seconds)]
+            (f"{kind}: count", was.count if was else 0, now.count if now else 0,
+             lambda v: f"{v:.0f}"),
+            (f"{kind}: sent per device", was.bytes_sent if was else 0,
+             now.bytes_sent if now else 0, fmt_bytes),
+            (f"{kind}: time", was.seconds if was else 0, now.seconds if now else 0, fmt_seconds)]
     doc.tables.append(_diff_table("Collectives", coll_rows,
                                   "an all-reduce moves the bytes of a reduce-scatter plus an "
                                   "all-gather: sharding changes latency, not wire bytes"))
