@@ -55,7 +55,7 @@ def _replica_form(text: str, path: str) -> str:
 
 
 def _report_json(text: str, path: str) -> str:
-    """What ``hlo-shard report IN.hlo --json --manifest fixtures/MANIFEST.json`` prints
+    """What ``hlo-shard report IN.hlo --json --fixtures-manifest fixtures/MANIFEST.json`` prints
     (the fixtures' parameter roles from their manifest; through the command, so the cost
     model's modules may move without this script changing)."""
     from click.testing import CliRunner
@@ -67,7 +67,7 @@ def _report_json(text: str, path: str) -> str:
     os.chdir(ROOT)
     try:
         result = CliRunner().invoke(cli, ["report", os.path.relpath(path, ROOT), "--json",
-                                          "--manifest", "fixtures/MANIFEST.json"])
+                                          "--fixtures-manifest", "fixtures/MANIFEST.json"])
     finally:
         os.chdir(previous)
     if result.exit_code != 0:

@@ -108,7 +108,7 @@ def test_manifest_roles_become_parameter_kinds():
     manifest = json.loads((FIXTURES / "MANIFEST.json").read_text())
     name = next(n for n, entry in manifest.items() if entry.get("optimizer_state_params"))
     module = parse((FIXTURES / name).read_text(), path=str(FIXTURES / name))
-    roles = manifest_roles(str(FIXTURES / "MANIFEST.json"), str(FIXTURES / name))
+    (roles,) = manifest_roles(str(FIXTURES / "MANIFEST.json"), [str(FIXTURES / name)])
     kinds = estimate_step(module, load_profile("cpu-generic"), planned_update_regions(module),
                           roles=roles).parameter_kinds
     params = {p.parameter_number: p.name for p in module.entry.parameters()}

@@ -282,10 +282,19 @@ def test_parameter_roles_come_from_a_named_manifest_only():
     # Before: the report read fixtures/MANIFEST.json two folders above its input.
     fixture = FIXTURES / "spmd" / "adam.n4.hlo"
     inferred = json.loads(run("report", str(fixture), "--json").output)["parameters"]
-    named = json.loads(run("report", str(fixture), "--json", "--manifest",
+    named = json.loads(run("report", str(fixture), "--json", "--fixtures-manifest",
                            str(FIXTURES / "MANIFEST.json")).output)["parameters"]
     assert inferred["param.19"] == "other_parameters"  # the step count: read by nothing else
     assert named["param.19"] == "optimizer_state"
+
+
+def test_diff_takes_roles_for_the_inputs_the_manifest_describes(modules):
+    fixture = FIXTURES / "spmd" / "adam.n4.hlo"
+    data = json.loads(run("diff", str(fixture), modules[0], "--json", "--fixtures-manifest",
+                          str(FIXTURES / "MANIFEST.json")).output)
+    assert data["before"]["parameters"]["param.19"] == "optimizer_state"
+    inferred = json.loads(run("report", modules[0], "--json").output)["parameters"]
+    assert data["after"]["parameters"] == inferred
 
 
 @pytest.mark.parametrize("text, message", [
@@ -294,7 +303,7 @@ def test_bad_manifest_is_one_line_and_exit_2(tmp_path, text, message):
     manifest = tmp_path / "MANIFEST.json"
     manifest.write_text(text)
     result = CliRunner().invoke(main, ["report", str(FIXTURES / "spmd" / "adam.n4.hlo"),
-                                       "--manifest", str(manifest)])
+                                       "--fixtures-manifest", str(manifest)])
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output
 

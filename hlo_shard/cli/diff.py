@@ -30,8 +30,9 @@ def diff(before_path: str, after_path: str, profile: str, algorithm: str | None,
     hardware = load_profile(profile)
     before, after = load_module(before_path), load_module(after_path)
     a, b = (estimate_step(module, hardware, planned_update_regions(module), algorithm=algorithm,
-                          roles=manifest_roles(manifest_path, path))
-            for module, path in ((before, before_path), (after, after_path)))
+                          roles=roles)
+            for module, roles in zip((before, after),
+                                     manifest_roles(manifest_path, [before_path, after_path])))
     emit(diff_document(a, b, before, after), diff_json(a, b, before, after),
          as_json=as_json, markdown=markdown, html_path=html_path, output=output,
          inputs=[before_path, after_path])

@@ -24,10 +24,11 @@ from hlo_shard.schema import load_json
 _MANIFEST_ROLES = {"weight": "weights", "optimizer_state": "optimizer_state", "batch": "batch"}
 
 manifest_option = click.option(
-    "--manifest", "manifest_path", metavar="MANIFEST.json", default=None,
+    "--fixtures-manifest", "manifest_path", metavar="MANIFEST.json", default=None,
     type=click.Path(dir_okay=False),
     help="Take the roles of the entry parameters (weights, optimizer state, batch) from a "
-         "fixtures manifest (make fixtures), keyed FOLDER/FILE.hlo, instead of inferring them.")
+         "fixtures manifest (make fixtures), keyed FOLDER/FILE.hlo, instead of inferring "
+         "them (an input it has no entry for is inferred; it must describe one).")
 
 
 def report_options(command: Callable) -> Callable:
@@ -58,21 +59,26 @@ def load_module(path: str) -> Module:
     return parse(read_text(path), path=path)
 
 
-def manifest_roles(manifest_path: str | None, module_path: str) -> dict[int, str] | None:
-    """Entry parameter number → kind from the fixtures manifest given with ``--manifest``:
-    its entry for ``module_path``, keyed ``<folder>/<file>`` as ``make fixtures`` writes."""
+def manifest_roles(manifest_path: str | None, module_paths: list[str]
+                   ) -> list[dict[int, str] | None]:
+    """Per input, entry parameter number → kind from the fixtures manifest given with
+    ``--fixtures-manifest``: its entry keyed ``<folder>/<file>`` (as ``make fixtures``
+    writes them), or None (inferred) for an input it has no entry for — ``diff`` of a
+    fixture and its optimized copy. A manifest that describes no input is an error."""
     if manifest_path is None:
-        return None
+        return [None] * len(module_paths)
     manifest = load_json(manifest_path, "fixtures manifest")
-    path = Path(module_path)
-    key = f"{path.parent.name}/{path.name}"
-    entry = manifest.get(key) if isinstance(manifest, dict) else None
-    if not isinstance(entry, dict) or not isinstance(entry.get("parameters"), list):
-        raise HloShardError(f"fixtures manifest {manifest_path}: no entry {key!r} listing "
-                            "its parameters")
-    return {p["index"]: _MANIFEST_ROLES.get(str(p.get("role")), "other_parameters")
-            for p in entry["parameters"]
-            if isinstance(p, dict) and isinstance(p.get("index"), int)}
+    keys = [f"{Path(p).parent.name}/{Path(p).name}" for p in module_paths]
+    entries = [manifest.get(key) if isinstance(manifest, dict) else None for key in keys]
+    roles = [{p["index"]: _MANIFEST_ROLES.get(str(p.get("role")), "other_parameters")
+              for p in entry["parameters"]
+              if isinstance(p, dict) and isinstance(p.get("index"), int)}
+             if isinstance(entry, dict) and isinstance(entry.get("parameters"), list) else None
+             for entry in entries]
+    if all(r is None for r in roles):
+        raise HloShardError(f"fixtures manifest {manifest_path}: no entry "
+                            f"{' or '.join(map(repr, keys))} listing its parameters")
+    return roles
 
 
 def emit(document: Document, data: dict, *, as_json: bool, markdown: bool, html_path: str | None,
@@ -110,7 +116,7 @@ def report(module_path: str, profile: str, algorithm: str | None, manifest_path:
 
     module = load_module(module_path)
     est = estimate_step(module, load_profile(profile), planned_update_regions(module),
-                        algorithm=algorithm, roles=manifest_roles(manifest_path, module_path))
+                        algorithm=algorithm, roles=manifest_roles(manifest_path, [module_path])[0])
     emit(report_document(est, module, top), report_json(est, module, top),
          as_json=as_json, markdown=markdown, html_path=html_path, output=output,
          inputs=[module_path])

@@ -132,7 +132,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
     hardware = load_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
                      strategy=strategy, algorithm=algorithm, parameters=parameter_count,
-                     roles=manifest_roles(manifest_path, module_path))
+                     roles=manifest_roles(manifest_path, [module_path])[0])
     document = scale_document(module_path, hardware, points, batch_mode, state, parameter_count)
     png = figure_png(document.figures[0]) if plot_path is not None else None
     html = render_html(document) if html_path is not None else None
