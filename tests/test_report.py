@@ -215,6 +215,15 @@ def test_commands_default_to_one_profile(modules):
     assert option.default == DEFAULT_PROFILE
 
 
+def test_one_profile_resolution():
+    from hlo_shard.profiles import DEFAULT_PROFILE, load_profile, resolve_profile
+
+    assert resolve_profile().name == DEFAULT_PROFILE
+    assert resolve_profile("tpu-v3") == load_profile("tpu-v3")
+    profile = load_profile("h100")
+    assert resolve_profile(profile) is profile
+
+
 def test_step_figure_legend_does_not_cover_the_bars(modules):
     from hlo_shard.profiles import load_profile
     from hlo_shard.reports.content import step_figure
