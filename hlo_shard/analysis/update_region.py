@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -34,7 +35,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neu
 from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
-from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module
+from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, TupleShape
 
 # ------------------------------------------------------------------------ the format
 
@@ -512,9 +513,10 @@ def _operand_format_for(inst: Instruction, comp: Computation,
 # ------------------------------------------------------------------------- the plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Leaf:
-    """One gradient: an array all-reduce or one element of a tuple all-reduce."""
+    """One gradient: an array all-reduce or one element of a tuple all-reduce. What the
+    planner is given; what it decides is a :class:`PlannedLeaf`."""
 
     all_reduce: str
     index: int | None
@@ -524,12 +526,6 @@ class Leaf:
     operand: str
     shape: ArrayShape
     groups: DeviceGroups
-    format: ShardFormat | None = None
-    sharded: bool = False
-    reason: str = ""
-    ops_moved: int = 0
-    formatting_copies: int = 0
-    saved_flops: float = 0.0
 
     @property
     def byte_size(self) -> int:
@@ -540,7 +536,27 @@ class Leaf:
         return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
 
 
-@dataclass
+@dataclass(frozen=True)
+class PlannedLeaf(Leaf):
+    """A leaf and the planner's decision: sharded in ``format``, or kept all-reduced for
+    ``reason``; and what its region moves."""
+
+    #: The element order of its shard (for a leaf kept whole: the last one planned).
+    format: ShardFormat
+    sharded: bool
+    reason: str = ""
+    ops_moved: int = 0
+    formatting_copies: int = 0
+    saved_flops: float = 0.0
+
+    @staticmethod
+    def of(leaf: Leaf, fmt: ShardFormat, reason: str) -> PlannedLeaf:
+        """``leaf`` sharded in ``fmt`` (no ``reason``) or kept whole, before accounting."""
+        return PlannedLeaf(leaf.all_reduce, leaf.index, leaf.values, leaf.operand, leaf.shape,
+                           leaf.groups, fmt, not reason, reason)
+
+
+@dataclass(frozen=True)
 class RegionPlan:
     """Everything the rewrite of one computation needs."""
 
@@ -548,19 +564,19 @@ class RegionPlan:
     groups: DeviceGroups
     #: An all-reduce whose collective attributes the new collectives copy.
     template: str
-    leaves: list[Leaf]
+    leaves: tuple[PlannedLeaf, ...]
     #: Region value → format of its shard (leaf values included).
-    sharded: dict[str, ShardFormat] = field(default_factory=dict)
+    sharded: Mapping[str, ShardFormat]
     #: Region instructions (leaves excluded) in program order.
-    ops: dict[str, RegionOp] = field(default_factory=dict)
+    ops: Mapping[str, RegionOp]
     #: Sharded value → its users that need the full value (``""`` for the root).
-    boundary: dict[str, list[str]] = field(default_factory=dict)
+    boundary: Mapping[str, tuple[str, ...]]
     formatting_copies: int = 0
     #: Elements the formatting transposes move (what the element-order choice minimises).
     formatting_cost: float = 0.0
 
     @property
-    def active(self) -> list[Leaf]:
+    def active(self) -> list[PlannedLeaf]:
         return [leaf for leaf in self.leaves if leaf.sharded]
 
 
@@ -635,74 +651,81 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
     return ""
 
 
-def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
+def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
                 replication: Replication, options: RegionOptions = RegionOptions()
                 ) -> RegionPlan:
     """Grow the region from the eligible ``leaves`` (same groups), drop leaves that move
-    no work, and choose leaf formats that minimise formatting copies.
+    no work, and choose leaf formats that minimise formatting copies. The inputs are not
+    changed: the plan's :class:`PlannedLeaf` records hold the decisions.
 
     Element orders are tried per leaf on its *component* only (the leaves whose region
     can meet its own), so choosing the orders costs the size of the region, not
     leaves × computation."""
     groups = leaves[0].groups
-    for leaf in leaves:
-        leaf.reason = _leaf_filter(leaf, options)
-        leaf.sharded = not leaf.reason
-        leaf.format = ShardFormat.of(leaf.shape, groups.size)
-    planner = _Planner(module, comp, replication, groups, leaves, options)
-    plan = planner.grow(leaves)
+    # The trial state, leaf index → its element order and why it stays whole ("": sharded).
+    reasons = {i: _leaf_filter(leaf, options) for i, leaf in enumerate(leaves)}
+    formats = {i: ShardFormat.of(leaf.shape, groups.size) for i, leaf in enumerate(leaves)}
+    planner = _Planner(module, comp, replication, groups, leaves, options,
+                       [leaf for i, leaf in enumerate(leaves) if not reasons[i]])
+    plan = planner.grow(formats, reasons)
     # A leaf whose region is empty in its stored order may have one in another order
     # (a reshape that keeps only the row-major order).
-    idle = [leaf for leaf in leaves if leaf.sharded and leaf.ops_moved == 0]
-    scopes = planner.components() if idle else {}
-    for leaf in idle:
-        stored = leaf.format
-        for perm in _candidate_orders(leaf.shape):
-            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            planner.grow(*scopes[id(leaf)])
-            if leaf.ops_moved > 0:
+    idle = [i for i, leaf in enumerate(plan.leaves) if leaf.sharded and leaf.ops_moved == 0]
+    scopes = planner.components(_sharded(reasons)) if idle else {}
+    for i in idle:
+        stored = formats[i]
+        for perm in _candidate_orders(leaves[i].shape):
+            formats[i] = ShardFormat.of(leaves[i].shape, groups.size, perm)
+            if scopes[i].planned(planner.grow(formats, reasons, scopes[i]), i).ops_moved > 0:
                 break
         else:
-            leaf.format = stored
+            formats[i] = stored
     if idle:
-        plan = planner.grow(leaves)
+        plan = planner.grow(formats, reasons)
     # Leaves whose region is still empty gain nothing (reduce-scatter + all-gather is the
     # all-reduce again).
-    while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
-        for leaf in leaves:
+    while any(leaf.sharded and leaf.ops_moved == 0 for leaf in plan.leaves):
+        for i, leaf in enumerate(plan.leaves):
             if leaf.sharded and leaf.ops_moved == 0:
-                leaf.sharded, leaf.reason = False, _idle_reason(planner, plan, leaf)
-        plan = planner.grow(leaves)
+                reasons[i] = _idle_reason(planner, plan, leaf)
+        plan = planner.grow(formats, reasons)
     # Leaves whose region needs transposes: try the other element orders, keep the best.
-    scopes = planner.components()
+    # A leaf's copies are those of its latest plan: the whole computation's, then (once a
+    # leaf of its component chose) the component's in the orders chosen so far.
+    scopes = planner.components(_sharded(reasons))
+    copies = {i: leaf.formatting_copies for i, leaf in enumerate(plan.leaves)}
     changed = False
-    for leaf in leaves:
-        if not leaf.sharded or leaf.formatting_copies == 0:
+    for i, leaf in enumerate(leaves):
+        if reasons[i] or copies[i] == 0:
             continue
-        scope = scopes[id(leaf)]
-        stored = best = grown = leaf.format
-        best_cost = planner.cost(planner.grow(*scope))
+        scope = scopes[i]
+        stored = best = formats[i]
+        best_plan = planner.grow(formats, reasons, scope)
+        best_cost = planner.cost(best_plan)
         for perm in _candidate_orders(leaf.shape):
-            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            if leaf.format == stored:
+            formats[i] = ShardFormat.of(leaf.shape, groups.size, perm)
+            if formats[i] == stored:
                 continue
-            other, grown = planner.grow(*scope), leaf.format
+            other = planner.grow(formats, reasons, scope)
             other_cost = planner.cost(other)
             if other_cost < best_cost and \
                     all(active.ops_moved > 0 for active in other.active):
-                best, best_cost = leaf.format, other_cost
-        leaf.format = best
-        if grown != best:
-            planner.grow(*scope)  # the component's leaves describe the chosen order again
+                best, best_cost, best_plan = formats[i], other_cost, other
+        formats[i] = best
+        copies.update(zip(scope.members, (p.formatting_copies for p in best_plan.leaves)))
         changed |= best != stored
-    return planner.grow(leaves) if changed else plan
+    return planner.grow(formats, reasons) if changed else plan
 
 
-def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: Leaf) -> str:
+def _sharded(reasons: dict[int, str]) -> list[int]:
+    return [i for i, reason in reasons.items() if not reason]
+
+
+def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> str:
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
-                   plan.sharded)
+                   dict(plan.sharded))
     stops = [f"fusion %{user}: {why}" for value in leaf.values
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
@@ -721,13 +744,28 @@ def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
     return [tuple(range(shape.rank)), tuple(reversed(shape.minor_to_major()))]
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """Where a trial of one leaf's element order is grown: the sharded leaves whose
+    regions can meet its own (indices into the planner's leaves), and the instructions
+    those regions can reach, in order."""
+
+    members: tuple[int, ...]
+    order: tuple[Instruction, ...]
+
+    def planned(self, plan: RegionPlan, index: int) -> PlannedLeaf:
+        """Leaf ``index`` in ``plan``, a plan grown over this scope."""
+        return plan.leaves[self.members.index(index)]
+
+
 class _Planner:
     """Grows region plans over one computation. What does not change between trials —
     the dataflow graph, the topological order, the ancestors of the gradients — is
     computed once."""
 
     def __init__(self, module: Module, comp: Computation, replication: Replication,
-                 groups: DeviceGroups, leaves: list[Leaf], options: RegionOptions) -> None:
+                 groups: DeviceGroups, leaves: Sequence[Leaf], options: RegionOptions,
+                 candidates: list[Leaf]) -> None:
         self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
         self.leaves, self.options = leaves, options
         self.params = comp.parameters() if options.keep_state_orders else []
@@ -735,12 +773,12 @@ class _Planner:
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
-        #: Trials (a component's leaves) stop at the ancestors of every candidate
-        #: gradient; full plans at those of exactly their active leaves.
-        self.all_ancestors = self.ancestors_of_gradients(
-            [leaf for leaf in leaves if leaf.sharded])
+        #: Trials (a component's leaves) stop at the ancestors of every ``candidates``
+        #: gradient (those the size filter let through); full plans at those of exactly
+        #: their sharded leaves.
+        self.all_ancestors = self.ancestors_of_gradients(candidates)
 
-    def ancestors_of_gradients(self, active: list[Leaf]) -> set[str]:
+    def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
         key = tuple(leaf.operand for leaf in active)
         if key not in self._ancestors:
@@ -765,27 +803,34 @@ class _Planner:
         lost = 0
         for number, formats in read.items():
             fmt = next(iter(formats))
-            lost += len(formats) != 1 or not flattenable(fmt, by_number[number].shape)
+            param_shape = by_number[number].shape
+            lost += len(formats) != 1 or not (isinstance(param_shape, ArrayShape)
+                                              and flattenable(fmt, param_shape))
         for number, k in self.options.state_outputs:
-            value = root.operands[k] if number in read and root.opcode == "tuple" and \
-                k < len(root.operands) else None
-            if value in plan.sharded:
-                lost += not flattenable(plan.sharded[value], root.shape.elements[k])
+            value = root.operands[k] if number in read and isinstance(root.shape, TupleShape) \
+                and root.opcode == "tuple" and k < len(root.operands) else None
+            if value is not None and value in plan.sharded:
+                out_shape = root.shape.elements[k]
+                lost += not (isinstance(out_shape, ArrayShape)
+                             and flattenable(plan.sharded[value], out_shape))
         return lost
 
-    def grow(self, leaves: list[Leaf], order: list[Instruction] | None = None) -> RegionPlan:
-        """The plan for ``leaves`` over ``order`` (default: the whole computation)."""
-        if order is None:
+    def grow(self, formats: dict[int, ShardFormat], reasons: dict[int, str],
+             scope: _Scope | None = None) -> RegionPlan:
+        """The plan for the leaves in ``formats`` / ``reasons`` (index → element order,
+        why it stays whole or ``""``), over ``scope`` (default: the whole computation)."""
+        indices = range(len(self.leaves)) if scope is None else scope.members
+        leaves = [PlannedLeaf.of(self.leaves[i], formats[i], reasons[i]) for i in indices]
+        if scope is None:
             return _grow(self, leaves, self.order, self.ancestors_of_gradients(
                 [leaf for leaf in leaves if leaf.sharded]))
-        return _grow(self, leaves, order, self.all_ancestors)
+        return _grow(self, leaves, scope.order, self.all_ancestors)
 
-    def components(self) -> dict[int, tuple[list[Leaf], list[Instruction]]]:
-        """id(leaf) → (the sharded leaves whose regions can meet its own, the instructions
-        those regions can reach in order). Reach follows users whose opcode has a region
-        rule, so what ends the region (the root tuple, a dot) couples nothing."""
-        active = [leaf for leaf in self.leaves if leaf.sharded]
-        parent = list(range(len(active)))
+    def components(self, sharded: list[int]) -> dict[int, _Scope]:
+        """Leaf index → its scope, for the ``sharded`` leaves. Reach follows users whose
+        opcode has a region rule, so what ends the region (the root tuple, a dot) couples
+        nothing."""
+        parent = list(range(len(sharded)))
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -794,8 +839,8 @@ class _Planner:
             return i
 
         owner: dict[str, int] = {}
-        for i, leaf in enumerate(active):
-            stack = list(leaf.values)
+        for i, index in enumerate(sharded):
+            stack = list(self.leaves[index].values)
             while stack:
                 name = stack.pop()
                 if name in owner:
@@ -805,63 +850,66 @@ class _Planner:
                 stack.extend(user for user in self.graph.successors(name)
                              if self.comp[user].opcode in RULES)
         orders: dict[int, list[Instruction]] = {}
-        members: dict[int, list[Leaf]] = {}
-        for i, leaf in enumerate(active):
-            members.setdefault(find(i), []).append(leaf)
+        members: dict[int, list[int]] = {}
+        for i, index in enumerate(sharded):
+            members.setdefault(find(i), []).append(index)
         for inst in self.order:
             if inst.name in owner:
                 orders.setdefault(find(owner[inst.name]), []).append(inst)
-        return {id(leaf): (members[find(i)], orders[find(i)]) for i, leaf in enumerate(active)}
+        return {index: _Scope(tuple(members[find(i)]), tuple(orders[find(i)]))
+                for i, index in enumerate(sharded)}
 
 
-def _grow(planner: _Planner, leaves: list[Leaf], order: list[Instruction],
+def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruction],
           upstream_of_gradients: set[str]) -> RegionPlan:
     comp, graph = planner.comp, planner.graph
     active = [leaf for leaf in leaves if leaf.sharded]
-    plan = RegionPlan(comp.name, planner.groups,
-                      active[0].all_reduce if active else leaves[0].all_reduce, leaves)
-    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, plan.sharded)
+    sharded: dict[str, ShardFormat] = {}
+    ops: dict[str, RegionOp] = {}
+    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded)
     for leaf in active:
         for value in leaf.values:
-            plan.sharded[value] = leaf.format
-    leaf_values = set(plan.sharded)
+            sharded[value] = leaf.format
+    leaf_values = set(sharded)
     for inst in order:
-        if inst.name in leaf_values or not any(o in plan.sharded for o in inst.operands):
+        if inst.name in leaf_values or not any(o in sharded for o in inst.operands):
             continue
         op = classify(ctx, inst)
         if op is not None:
-            plan.ops[inst.name] = op
+            ops[inst.name] = op
             if op.result_format is not None:
-                plan.sharded[inst.name] = op.result_format
+                sharded[inst.name] = op.result_format
     if active:
-        _pull_reductions(ctx, plan, graph, upstream_of_gradients, planner.index)
-        _pull_producers(ctx, plan, graph)
-        plan.ops = {name: plan.ops[name] for name in sorted(plan.ops, key=planner.index.get)}
-    _boundaries(comp, graph, plan)
-    _account(comp, graph, plan, active, ctx)
-    return plan
+        _pull_reductions(ctx, ops, graph, upstream_of_gradients, planner.index)
+        _pull_producers(ctx, ops, graph)
+        ops = {name: ops[name] for name in sorted(ops, key=planner.index.__getitem__)}
+    plan = RegionPlan(comp.name, planner.groups,
+                      active[0].all_reduce if active else leaves[0].all_reduce, tuple(leaves),
+                      sharded, ops, _boundaries(comp, graph, sharded, ops))
+    return _account(comp, graph, plan, ctx)
 
 
-def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
+def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph,
                      upstream_of_gradients: set[str], index: dict[str, int]) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
     weight norm) become masked local reductions of a slice. The search for what feeds
     the region stops at the gradients' ancestors: a reduction behind one of them is one
     too, and never pulled."""
-    feeds = upstream(graph, plan.ops, upstream_of_gradients)
-    for name in sorted(feeds, key=index.get):
+    feeds = upstream(graph, ops, upstream_of_gradients)
+    for name in sorted(feeds, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in plan.ops or not ctx.replicated(name):
+        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
             continue
         op = classify(ctx, inst)
         if op is not None:
-            plan.ops[name] = replace(op, pulled=True)
+            ops[name] = replace(op, pulled=True)
 
 
-def upstream(graph: nx.MultiDiGraph, starts, stop: set[str] = frozenset()) -> set[str]:
+def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
+             stop: AbstractSet[str] = frozenset()) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
     searching past (nor including) the names in ``stop``."""
     seen: set[str] = set()
@@ -874,17 +922,17 @@ def upstream(graph: nx.MultiDiGraph, starts, stop: set[str] = frozenset()) -> se
     return seen
 
 
-def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> None:
+def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph) -> None:
     """Replicated producers whose every user consumes them in the region, in one format,
     run on shards too (AdamW's ``w * weight_decay``). A worklist: a producer is looked at
     again only when one of its users joins the region."""
-    comp = ctx.comp
-    work = list(plan.ops)
+    comp, sharded = ctx.comp, ctx.sharded
+    work = list(ops)
     while work:
         name = work.pop()
-        op = plan.ops[name]
+        op = ops[name]
         for index, operand in enumerate(comp[name].operands):
-            if operand in plan.sharded or operand in plan.ops:
+            if operand in sharded or operand in ops:
                 continue
             producer = comp[operand]
             shape = _array(producer.shape)
@@ -893,35 +941,41 @@ def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> 
                     or shape.dims != read_as.dims or operand == comp.root_name \
                     or not ctx.replicated(operand):
                 continue
-            if any(u not in plan.ops or plan.ops[u].formats_reading(comp[u], operand) != {read_as}
+            if any(u not in ops or ops[u].formats_reading(comp[u], operand) != {read_as}
                    for u in graph.successors(operand)):
                 continue
             operand_format = _operand_format_for(producer, comp, read_as)
             if operand_format is None or not _operands_fit(ctx, producer, operand_format):
                 continue
-            plan.ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
-            plan.sharded[operand] = read_as
+            ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
+            sharded[operand] = read_as
             work.append(operand)
 
 
-def _boundaries(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan) -> None:
-    for name in plan.sharded:
-        outside = [u for u in dict.fromkeys(graph.successors(name)) if u not in plan.ops]
+def _boundaries(comp: Computation, graph: nx.MultiDiGraph, sharded: Mapping[str, ShardFormat],
+                ops: Mapping[str, RegionOp]) -> dict[str, tuple[str, ...]]:
+    boundary: dict[str, tuple[str, ...]] = {}
+    for name in sharded:
+        outside = tuple(u for u in dict.fromkeys(graph.successors(name)) if u not in ops)
         if comp.root_name == name:
-            outside.append("")
+            outside += ("",)
         if outside:
-            plan.boundary[name] = outside
+            boundary[name] = outside
+    return boundary
 
 
 def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
-             active: list[Leaf], ctx: _Context) -> None:
-    """Per leaf: region ops it reaches (plus pulled producers feeding them), formatting
-    copies, and the elementwise work saved on the other N-1 shards' behalf."""
+             ctx: _Context) -> RegionPlan:
+    """``plan`` with, per sharded leaf, the region ops it reaches (plus pulled producers
+    feeding them), its formatting copies, and the elementwise work saved on the other
+    N-1 shards' behalf."""
     region = set(plan.ops)
     copies_of = _formatting_copies(comp, plan, ctx)
-    plan.formatting_copies = sum(count for count, _ in copies_of.values())
-    plan.formatting_cost = sum(moved for _, moved in copies_of.values())
-    for leaf in active:
+    leaves: list[PlannedLeaf] = []
+    for leaf in plan.leaves:
+        if not leaf.sharded:
+            leaves.append(leaf)
+            continue
         reached: set[str] = set()
         stack = list(leaf.values)
         while stack:
@@ -935,11 +989,15 @@ def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
                 if producer in region and producer not in reached and plan.ops[producer].pulled:
                     reached.add(producer)
                     frontier.append(producer)
-        leaf.ops_moved = len(reached)
-        leaf.formatting_copies = sum(copies_of.get(n, (0, 0.0))[0]
-                                     for n in reached | set(leaf.values))
-        leaf.saved_flops = sum(plan.ops[n].operand_format.elements for n in reached) * \
-            (1 - 1 / ctx.n)
+        leaves.append(replace(
+            leaf, ops_moved=len(reached),
+            formatting_copies=sum(copies_of.get(n, (0, 0.0))[0]
+                                  for n in reached | set(leaf.values)),
+            saved_flops=sum(plan.ops[n].operand_format.elements for n in reached) *
+            (1 - 1 / ctx.n)))
+    return replace(plan, leaves=tuple(leaves),
+                   formatting_copies=sum(count for count, _ in copies_of.values()),
+                   formatting_cost=sum(moved for _, moved in copies_of.values()))
 
 
 def _formatting_copies(comp: Computation, plan: RegionPlan,
@@ -979,7 +1037,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 
 __all__ = [
-    "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
+    "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
     "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hlo_shard.analysis.collectives import reducer_opcode
-from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
+from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
@@ -79,7 +79,7 @@ class RegionRewrite:
         return self.replicated_shard(operand, fmt)
 
     # Reduce-scatter side ------------------------------------------------------------------
-    def scatter(self, leaves: list[Leaf]) -> None:
+    def scatter(self, leaves: list[PlannedLeaf]) -> None:
         """One reduce-scatter for ``leaves`` (one element type), placed before the last of
         their all-reduces; records each leaf's ``[L]`` shard."""
         emit = self.emit
@@ -117,7 +117,7 @@ class RegionRewrite:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
 
-    def scatter_block(self, leaf: Leaf, to_apply) -> None:
+    def scatter_block(self, leaf: PlannedLeaf, to_apply) -> None:
         """Reduce-scatter the gradient along its format's major dimension (each device
         gets its block) and transpose only that block into the shard order."""
         emit = self.emit
@@ -354,7 +354,7 @@ class RegionRewrite:
 
     def _rebuild_all_reduces(self) -> None:
         """Keep the unsharded elements of partly sharded tuple all-reduces."""
-        by_ar: dict[str, list[Leaf]] = defaultdict(list)
+        by_ar: dict[str, list[PlannedLeaf]] = defaultdict(list)
         for leaf in self.plan.leaves:
             by_ar[leaf.all_reduce].append(leaf)
         for name, leaves in by_ar.items():

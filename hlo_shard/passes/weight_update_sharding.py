@@ -35,7 +35,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
                                             find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
-from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
+from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
                                               collect_leaves, flattenable, plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
@@ -212,7 +212,7 @@ class WeightUpdateSharding:
                 rewrite = RegionRewrite(module, comp, plan, bucketing, channels, inputs, outputs)
                 collectives = rewrite.run()
                 changes += rewrite.rw.changes
-            for leaf in leaves:
+            for leaf in plan.leaves:
                 report.explanations.append(_explain(comp_name, leaf, collectives))
         for carry in carries:
             edits, sunk = _shard_loop_carry(module, carry, channels, bucketing,
@@ -730,7 +730,7 @@ def _rejected(module: Module, ar: GradientAllReduce, reason: str) -> Explanation
                        inst.shape.byte_size, False, reason)
 
 
-def _explain(comp_name: str, leaf: Leaf, collectives: dict[str, str]) -> Explanation:
+def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> Explanation:
     from hlo_shard.printer import format_shape
 
     if not leaf.sharded:
