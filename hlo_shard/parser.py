@@ -45,6 +45,7 @@ from hlo_shard.attributes import (
     REQUIRED_ATTRIBUTES,
 )
 from hlo_shard.errors import HloParseError
+from hlo_shard.opinfo import OPCODES, OPERAND, OPINFO, PRED, SECOND
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
     COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, ArrayShape, AttrValue, Computation,
@@ -60,26 +61,6 @@ __all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", 
 
 # ----------------------------------------------------------------------------- tables
 
-#: ``HLO_OPCODE_LIST`` of xla/hlo/ir/hlo_opcode.h.
-OPCODES = frozenset("""
-abs acos acosh add add-dependency after-all all-gather all-gather-done all-gather-start
-all-reduce all-reduce-done all-reduce-start all-to-all and asin asinh async-done async-start
-async-update atan atan2 atanh batch-norm-grad batch-norm-inference batch-norm-training
-bitcast bitcast-convert broadcast call cbrt ceil cholesky clamp count-leading-zeros
-collective-broadcast collective-permute collective-permute-done collective-permute-start
-collective-reduce compare complex concatenate conditional constant convert convolution copy
-copy-done copy-start cosine cosh custom-call divide domain dot dynamic-reshape dynamic-slice
-dynamic-update-slice erf exponential exponential-minus-one fft floor fusion gather
-get-dimension-size get-tuple-element imag infeed iota is-finite log log-plus-one logistic map
-maximum minimum mulhi multiply negate not opt-barrier or outfeed pad parameter partition-id
-popcnt power ragged-all-to-all ragged-dot real recv recv-done reduce reduce-precision
-reduce-scatter reduce-window remainder replica-id reshape reverse rng rng-bit-generator
-rng-get-and-update-state round-nearest-afz round-nearest-even rsqrt scaled-dot scan scatter
-select select-and-scatter send send-done set-dimension-size shift-left shift-right-arithmetic
-shift-right-logical shuffle sign sine sinh slice sort sqrt stochastic-convert subtract tan
-tanh topk transpose triangular-solve tuple while xor
-""".split())
-
 #: Historical opcode names read as their current ones.
 _RENAMED_OPCODES = {"cross-replica-sum": "all-reduce"}
 _ASYNC_SUFFIXES = ("-start", "-update", "-done")
@@ -92,34 +73,9 @@ def is_known_opcode(opcode: str) -> bool:
         for suffix in _ASYNC_SUFFIXES)
 
 
-_UNARY_ELEMENTWISE = frozenset("""abs acos acosh asin asinh atan atanh cbrt ceil copy cosh
-cosine count-leading-zeros erf exponential exponential-minus-one floor is-finite log
-log-plus-one logistic negate not popcnt reduce-precision round-nearest-afz
-round-nearest-even rsqrt sign sine sinh sqrt tan tanh""".split())
-_BINARY_ELEMENTWISE = frozenset("""add and atan2 divide maximum minimum mulhi multiply or
-power remainder shift-left shift-right-arithmetic shift-right-logical subtract xor""".split())
-_UNARY = _UNARY_ELEMENTWISE | frozenset("""bitcast bitcast-convert broadcast convert
-get-tuple-element imag real reshape reverse slice transpose all-reduce-done all-gather-done
-collective-permute-done copy-done copy-start recv-done send-done cholesky
-get-dimension-size""".split())
-_BINARY = _BINARY_ELEMENTWISE | frozenset("""complex compare dot pad triangular-solve
-add-dependency stochastic-convert set-dimension-size""".split())
-
-#: (min, max) operand counts; max None = unbounded. Opcodes not listed are unchecked.
+#: (min, max) operand counts; max None = unbounded. Opcodes without one are unchecked.
 _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
-    **{op: (1, 1) for op in _UNARY},
-    **{op: (2, 2) for op in _BINARY},
-    "select": (3, 3), "clamp": (3, 3), "scaled-dot": (4, 4), "ragged-dot": (3, 3),
-    "iota": (0, 0), "replica-id": (0, 0), "partition-id": (0, 0),
-    "dynamic-slice": (2, None), "dynamic-update-slice": (3, None),
-    "concatenate": (1, None), "all-reduce": (1, None), "all-gather": (1, None),
-    "reduce-scatter": (1, None), "all-reduce-start": (1, None),
-    "all-gather-start": (1, None), "collective-permute": (1, None), "reduce": (2, None),
-    "reduce-window": (2, None), "while": (1, 1), "conditional": (1, None),
-    "gather": (2, 2), "scatter": (3, None), "sort": (1, None), "map": (1, None),
-    "select-and-scatter": (3, 3), "batch-norm-training": (3, 3),
-    "batch-norm-inference": (5, 5), "batch-norm-grad": (5, 5),
-}
+    name: info.arity for name, info in OPINFO.items() if info.arity is not None}
 
 #: Every attribute name each opcode takes (XLA's async sugar ``<op>-start`` etc. included);
 #: an opcode missing here is not XLA's and is reported as such.
@@ -542,12 +498,12 @@ def _first_array(operands, attrs, computations) -> Shape | None:
     return first if isinstance(first, ArrayShape) else None
 
 
-def _compare_shape(operands, attrs, computations) -> Shape | None:
+def _predicate_shape(operands, attrs, computations) -> Shape | None:
     first = _first_array(operands, attrs, computations)
     return ArrayShape("pred", first.dims, first.dynamic) if first is not None else None
 
 
-def _select_shape(operands, attrs, computations) -> Shape | None:
+def _second_operand_shape(operands, attrs, computations) -> Shape | None:
     return operands[1].shape if len(operands) > 1 else None
 
 
@@ -603,18 +559,20 @@ def _conditional_shape(operands, attrs, computations) -> Shape | None:
     return callee.root.shape if callee is not None else None
 
 
+#: The inference rule of each :attr:`~hlo_shard.opinfo.OpInfo.shape_from`.
+_SHAPE_FROM: dict[str, ShapeRule] = {
+    OPERAND: _first_array, SECOND: _second_operand_shape, PRED: _predicate_shape}
+
 #: Result shapes for the opcodes whose shape the text may leave out (a subset of
 #: XLA's ``CanInferShape``); an opcode not listed needs its shape written.
 _SHAPE_RULES: dict[str, ShapeRule] = {
-    **{op: _first_array for op in _UNARY_ELEMENTWISE | _BINARY_ELEMENTWISE | {"clamp"}},
+    **{name: _SHAPE_FROM[info.shape_from] for name, info in OPINFO.items() if info.shape_from},
     "replica-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
     "partition-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
     "after-all": lambda operands, attrs, computations: _TOKEN,
     "tuple": lambda operands, attrs, computations: TupleShape(
         tuple(o.shape for o in operands)),
     "get-tuple-element": _tuple_element_shape,
-    "compare": _compare_shape,
-    "select": _select_shape,
     "dot": _dot_shape,
     "conditional": _conditional_shape,
 }

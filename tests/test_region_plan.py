@@ -15,6 +15,8 @@ from hlo_shard.analysis.update_region import Leaf, RegionOptions, collect_leaves
 from hlo_shard.parser import parse
 from hlo_shard.printer import to_text
 
+from wus_helpers import ADD, find, optimize, row
+
 FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures").glob("*/*.hlo"))
 
 
@@ -66,3 +68,48 @@ def test_leaves_and_plans_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.ops = {}  # type: ignore[misc]
     assert isinstance(plan.leaves[0], Leaf)
+
+
+def _update(user: str) -> str:
+    """An SGD step whose update goes through ``user`` (an op of ``ar``, the gradient)."""
+    return f"""HloModule m, replica_count=4
+{ADD}
+sq {{ x = f32[] parameter(0) ROOT y = f32[] multiply(x, x) }}
+ENTRY e {{ w = f32[1024] parameter(0) g = f32[1024] parameter(1) bits = u32[1024] parameter(2)
+ ar = f32[1024] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ {user}
+ ROOT nw = f32[1024] subtract(w, v) }}
+"""
+
+
+#: XLA:CPU converts stochastically from floats to integers only.
+STOCHASTIC = _update("h = s32[1024] stochastic-convert(ar, bits) v = f32[1024] convert(h)")
+
+
+def test_the_table_s_elementwise_ops_run_on_shards_but_map():
+    """stochastic-convert is elementwise in the table (the region analysis' own list
+    lacked it); map is too, but its dimensions= name the full value's, so it ends the
+    region and its operand is gathered."""
+    module, report = optimize(STOCHASTIC)
+    assert row(report, "ar").sharded and row(report, "ar").ops_moved == 3
+    (sc,) = find(module, "stochastic-convert")
+    assert sc.shape.dims == (256,)
+    module, report = optimize(_update(
+        "v = f32[1024] map(ar), dimensions={0}, to_apply=sq"))
+    assert not row(report, "ar").sharded
+    assert find(module, "map")[0].shape.dims == (1024,)
+
+
+def test_a_stochastic_convert_on_shards_computes_what_it_did_whole(tmp_path):
+    """Through real XLA on 4 CPU devices (random bits per step: the same on both sides)."""
+    from click.testing import CliRunner
+
+    from hlo_shard.cli.app import main
+
+    original, optimized = tmp_path / "sc.hlo", tmp_path / "sc.opt.hlo"
+    original.write_text(STOCHASTIC)
+    runner = CliRunner()
+    result = runner.invoke(main, ["optimize", str(original), "-o", str(optimized), "--force"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["verify", str(original), str(optimized), "-q"])
+    assert result.exit_code == 0 and "MATCH" in result.output, result.output

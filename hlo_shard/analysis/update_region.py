@@ -32,10 +32,10 @@ import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
 from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, TupleShape
+from hlo_shard.opinfo import ELEMENTWISE
 
 # ------------------------------------------------------------------------ the format
 
@@ -232,6 +232,11 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
     return True
 
 
+#: The elementwise ops that run unchanged on a 1-D shard: all but ``map``, whose
+#: ``dimensions=`` name the full value's dimensions (the rewrite re-emits an op on shards
+#: with its attributes as they are).
+_SHARDABLE = ELEMENTWISE - {"map"}
+
 #: Opcodes that accept scalar operands next to arrays (fusions: :func:`fusion_access`).
 _SCALAR_OK = frozenset({"clamp", "select"})
 
@@ -370,9 +375,11 @@ def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardF
     return ShardFormat.of(source, fmt.n)
 
 
-_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
+#: Fusion-body ops that only move elements (their element order is the body analysis's
+#: concern; on shards the rewrite drops them).
+VIEW_OPCODES = frozenset({"transpose", "reshape", "bitcast"})
 #: Scalar body ops that may compute the broadcast scalars (bias corrections, steps).
-_SCALAR_BODY = ELEMENTWISE | frozenset({"parameter", "constant", "bitcast-convert"})
+_SCALAR_BODY = _SHARDABLE | frozenset({"parameter", "constant", "bitcast-convert"})
 
 
 def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAccess | str:
@@ -399,13 +406,13 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
         if is_scalar_broadcast(body, inst.name):
             continue
         known = {formats[o] for o in inst.operands if o in formats}
-        if inst.opcode in _VIEWS:
+        if inst.opcode in VIEW_OPCODES:
             if known:
                 result = _view_forward(body, inst, known.pop())
                 if result is None:
                     return f"%{inst.name} ({inst.opcode}) changes the element order"
                 formats[inst.name] = result
-        elif inst.opcode in ELEMENTWISE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
+        elif inst.opcode in _SHARDABLE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
                 body[inst.operands[0]].shape.element_type] == ELEMENT_BITS[shape.element_type]):
             if len(known) > 1:
                 return f"%{inst.name} ({inst.opcode}) reads its operands in two element orders"
@@ -425,7 +432,7 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
             if _free(body, body[name]):
                 continue
             have = formats.get(name)
-            if inst.opcode in _VIEWS:
+            if inst.opcode in VIEW_OPCODES:
                 fits = have is not None and _view_forward(body, inst, have) == fmt
                 want = None if have is not None else _view_back(body, inst, fmt)
             else:
@@ -471,7 +478,7 @@ Rule = Callable[[_Context, Instruction], "RegionOp | None"]
 
 #: Opcode → rule deciding whether (and how) a user of a sharded value joins the region.
 RULES: dict[str, Rule] = {
-    **{opcode: _elementwise for opcode in ELEMENTWISE},
+    **{opcode: _elementwise for opcode in _SHARDABLE},
     "bitcast-convert": _bitcast_convert,
     "reshape": _reshape,
     "bitcast": _bitcast,
@@ -490,7 +497,7 @@ def classify(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 
 #: Producers that may be pulled into the region when all their users are in it.
-_PULLABLE = ELEMENTWISE | frozenset({"transpose", "reshape", "bitcast-convert"})
+_PULLABLE = _SHARDABLE | frozenset({"transpose", "reshape", "bitcast-convert"})
 
 
 def _operand_format_for(inst: Instruction, comp: Computation,
@@ -1038,7 +1045,8 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
+    "VIEW_OPCODES", "blocks_through_collectives", "canonical_perm", "classify",
+    "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

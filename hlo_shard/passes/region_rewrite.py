@@ -27,10 +27,6 @@ from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            shard_body)
 
-#: Never erased as a side effect of the rewrite.
-_KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
-                   "send-done", "recv-done", "after-all", "rng-get-and-update-state"})
-
 
 class RegionRewrite:
     """Rewrites ``comp`` by ``plan``. ``inputs``: instruction → format of the shard its
@@ -254,7 +250,8 @@ class RegionRewrite:
         self._gather_boundaries()
         self._rebuild_all_reduces()
         self._erase.extend(reversed(list(plan.ops)))
-        self._erase_dead()
+        # The replaced instructions, then operands of theirs left unused.
+        self.rw.remove_dead(among=self._erase)
         combine_one_element_sums(self.rw, self.emit, self._one_element_sums)
         order = topological_order(self.comp)
         if [i.name for i in order] != [i.name for i in self.comp.instructions]:
@@ -384,24 +381,6 @@ class RegionRewrite:
                         else:
                             self.comp[value].attributes["index"] = position
                             self.rw.set_operand(self.comp[value], 0, new.name)
-
-    def _erase_dead(self) -> None:
-        """Erase the replaced instructions, then operands of theirs left unused (users
-        before producers, until nothing more goes)."""
-        pending = set(self._erase)
-        progress = True
-        while progress:
-            progress = False
-            position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
-            for name in sorted((n for n in pending if n in position), key=position.get,
-                               reverse=True):
-                inst = self.comp[name]
-                if name == self.comp.root_name or self.rw.users(name) or inst.opcode in _KEEP:
-                    continue
-                self.rw.erase(name)
-                pending.discard(name)
-                pending.update(inst.operands)
-                progress = True
 
 
 def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,

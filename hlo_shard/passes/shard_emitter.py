@@ -15,22 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.analysis.update_region import (ShardFormat, blocks_through_collectives,
-                                              is_laid_out, major_dimension, natural_perm)
+from hlo_shard.analysis.update_region import (VIEW_OPCODES, ShardFormat,
+                                              blocks_through_collectives, is_laid_out,
+                                              major_dimension, natural_perm)
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           SliceRanges, TupleShape)
+from hlo_shard.opinfo import CHANNEL_UNIQUE
 
 
 class ChannelIds:
     """Fresh channel ids for a module that uses them (``max + 1``, as XLA does)."""
-
-    #: Opcodes whose ``channel_id`` must be unique (send/recv pairs share theirs).
-    COLLECTIVES = frozenset({
-        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-        "collective-permute", "collective-broadcast", "all-reduce-start", "all-gather-start",
-        "collective-permute-start",
-    })
 
     def __init__(self, module: Module) -> None:
         self.module = module
@@ -43,13 +38,14 @@ class ChannelIds:
         return value
 
     def dedupe(self) -> int:
-        """Give every collective after the first with a shared id a fresh one."""
+        """Give every collective after the first with a shared id a fresh one (those
+        whose id must be unique: send/recv pairs share theirs)."""
         seen: set[int] = set()
         renumbered = 0
         for comp in self.module.computations:
             for inst in comp.instructions:
                 channel = inst.attr("channel_id")
-                if channel is None or inst.opcode not in self.COLLECTIVES:
+                if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
                     inst.attributes["channel_id"] = self.fresh()
@@ -307,11 +303,6 @@ def _row_major(shape) -> bool:
             and not any(shape.dynamic) and shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1)))
 
 
-#: Fusion-body ops that only move elements: on shards in one element order they are the
-#: identity (the body analysis proved the order of their result is their operand's).
-_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
-
-
 def shard_body(body: Computation, name: str,
                shard_shape: Callable[[str], ArrayShape]) -> Computation:
     """A fusion body on ``[L]`` shards: every array value becomes ``shard_shape(type)``,
@@ -320,7 +311,9 @@ def shard_body(body: Computation, name: str,
     out: list[Instruction] = []
     for inst in body.instructions:
         operands = [alias.get(o, o) for o in inst.operands]
-        if inst.opcode in _VIEWS and not inst.shape.is_scalar:
+        # On shards in one element order a view is the identity (the body analysis
+        # proved the order of its result is its operand's).
+        if inst.opcode in VIEW_OPCODES and not inst.shape.is_scalar:
             alias[inst.name] = operands[0]
             continue
         shape = inst.shape if inst.shape.is_scalar else shard_shape(inst.shape.element_type)
