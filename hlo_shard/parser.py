@@ -33,7 +33,7 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 from collections.abc import Callable, Iterable
 
 from lark import Lark, Token, Transformer
@@ -160,14 +160,15 @@ Loc = Token | tuple
 
 
 def _position(loc: Loc) -> tuple[int, int]:
-    if not isinstance(loc, tuple):
-        return loc.line, loc.column
+    if not isinstance(loc, tuple):  # lexed tokens have positions (1-based)
+        return loc.line or 1, loc.column or 1
     token, offset = loc
     text = token.value
     newline = text.rfind("\n", 0, offset)
+    line, column = _position(token)
     if newline < 0:
-        return token.line, token.column + offset
-    return token.line + text.count("\n", 0, offset), offset - newline
+        return line, column + offset
+    return line + text.count("\n", 0, offset), offset - newline
 
 
 class _Located(Exception):
@@ -179,8 +180,16 @@ class _Located(Exception):
         self.line, self.column = _position(loc)
 
 
-def _fail(message: str, loc: Loc) -> NoReturn:  # noqa: F821 - typing only
+def _fail(message: str, loc: Loc) -> NoReturn:
     raise _Located(message, loc)
+
+
+def _matched(match: re.Match[str] | None) -> re.Match[str]:
+    """A match the text is known to have: the lexer matched it already, or every part of
+    the pattern is optional."""
+    if match is None:
+        raise RuntimeError("a pattern that always matches here did not")
+    return match
 
 
 def _bare(name: str) -> str:
@@ -312,7 +321,7 @@ def _name_value(text: str) -> AttrValue:
 
 
 #: Value readers by the kind of the value's token (the default).
-_KIND_READERS = {
+_KIND_READERS: dict[str, Callable[[str], AttrValue]] = {
     "INT": int,
     "NAME": _name_value,
     "STRING": lambda text: Str(c_unescape(text)),
@@ -399,7 +408,7 @@ def _check_metadata(text: str, loc: Loc) -> None:
     seen: set[str] = set()
     position, end = 1, len(text) - 1
     while True:
-        field = _METADATA_FIELD_RE.match(text, position)
+        field = _matched(_METADATA_FIELD_RE.match(text, position))
         key = field.group("key")
         if key is None:
             if field.end() == end and field.group("comma") is None:
@@ -423,7 +432,7 @@ def _check_metadata(text: str, loc: Loc) -> None:
 
 def _check_shaped_literal(text: str, loc: Loc) -> None:
     """``literal=s32[2]{0} {1, 2}`` (custom-call): the literal against its shape."""
-    shape_end = _patterns()["shape"].match(text).end()
+    shape_end = _matched(_patterns()["shape"].match(text)).end()
     _check_literal(_array_shape(text[:shape_end], loc), text[shape_end:],
                    _within(loc, shape_end))
 
@@ -493,7 +502,7 @@ ShapeRule = Callable[[list[Instruction], dict[str, AttrValue], dict[str, Computa
                      Shape | None]
 
 
-def _first_array(operands, attrs, computations) -> Shape | None:
+def _first_array(operands, attrs, computations) -> ArrayShape | None:
     first = operands[0].shape if operands else None
     return first if isinstance(first, ArrayShape) else None
 
@@ -690,7 +699,7 @@ def _constant_call(token: Token, start: int, end: int) -> tuple:
 
 
 def _parameter_call(token: Token, start: int, end: int) -> tuple:
-    digits = _INT_RE.search(token.value, start, end)
+    digits = _matched(_INT_RE.search(token.value, start, end))
     return ("parameter", "parameter", (token, start),
             (int(digits.group(0)), (token, digits.start())))
 
@@ -873,9 +882,12 @@ class _Builder(Transformer):
         own, named as XLA names it (``_``), placed before its caller."""
         line, column = _position(loc)
         padding = "\n" * (line - 1) + " " * column  # keeps positions exact
+        if self.lark is None:
+            raise RuntimeError("the builder is not bound to a parser")
         outer, self.scope = self.scope, _Scope()
         try:
-            scope = self.lark.parse(padding + text[1:-1], start="inline_body")
+            # The transformer turns the tree into the body's scope.
+            scope = cast(_Scope, self.lark.parse(padding + text[1:-1], start="inline_body"))
         finally:
             self.scope = outer
         name = _unique("_", self.computations)
@@ -898,7 +910,7 @@ class _Builder(Transformer):
     def line(self, children: list) -> Instruction:
         """``LINE``: a whole instruction in the common form, cut into its parts."""
         token, *attributes = children
-        match = _patterns()["line"].match(token.value)
+        match = _matched(_patterns()["line"].match(token.value))
         root, name, shape_text, parameter, constant, call, attrs = match.group(
             "root", "name", "shape", "parameter", "constant", "call", "attrs")
         kind = "call" if call is not None else "parameter" if parameter is not None else "constant"
@@ -915,7 +927,7 @@ class _Builder(Transformer):
     def headed(self, children: list) -> Instruction:
         """``HEAD`` (``[ROOT] name = [array shape]``), then the rest in finer tokens."""
         head, shape, rhs, attrs, *attributes = children
-        match = _patterns()["head"].match(head.value)
+        match = _matched(_patterns()["head"].match(head.value))
         if match.group("shape") is not None:
             shape = _array_shape(match.group("shape"), (head, match.start("shape")))
         if attrs is not None:
@@ -988,7 +1000,9 @@ class _Builder(Transformer):
                 _fail(f"duplicate attribute '{key}'", key_loc)
             attrs[key] = self._attribute(key, value_kind, text, loc)
         line, column = _position(name_loc)
-        inst = Instruction(name, opcode, shape, [], attrs, loc=SourceLoc(line, column))
+        # An omitted shape (None) is derived or inferred below, once operands are known.
+        inst = Instruction(name, opcode, cast(Shape, shape), [], attrs,
+                           loc=SourceLoc(line, column))
         if kind == "constant":
             if shape is None:
                 _fail("a constant needs its shape before the opcode", opcode_loc)

@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
+from typing import cast
 
 import networkx as nx
 
@@ -34,7 +35,8 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neu
                                             reducer_opcode)
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
-from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, TupleShape
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
+                          Module, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
 
 # ------------------------------------------------------------------------ the format
@@ -96,6 +98,13 @@ class ShardFormat:
             return None
         slab = math.prod(self.dims[d] for d in self.perm[self.perm.index(major) + 1:])
         return (major, self.shard_len // slab) if self.shard_len % slab == 0 else None
+
+    @property
+    def known_block(self) -> tuple[int, int]:
+        """:attr:`block`, where the caller has established that the shards are blocks."""
+        if self.block is None:
+            raise ValueError(f"{self} does not cut its value in blocks")
+        return self.block
 
     def minor_to_major(self) -> tuple[int, ...]:
         """The layout whose physical order is this format's flat order."""
@@ -187,6 +196,13 @@ class RegionOp:
     #: body transposes, reshapes or bitcasts one; None for scalars); empty: all
     #: in ``operand_format``.
     operand_formats: tuple[ShardFormat | None, ...] = ()
+
+    @property
+    def result_shard(self) -> ShardFormat:
+        """The result's format, for a ``"shard"`` op (a reduction's result is replicated)."""
+        if self.result_format is None:
+            raise ValueError("a reduction's result is not sharded")
+        return self.result_format
 
     def format_of(self, index: int) -> ShardFormat:
         """The format operand ``index`` is read in."""
@@ -282,7 +298,7 @@ def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 def _transpose(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
-    return RegionOp("shard", fmt, transpose_result(fmt, tuple(inst.attr("dimensions"))))
+    return RegionOp("shard", fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
 
 
 def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -302,11 +318,17 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
         fmt = ShardFormat.of(source_shape, ctx.n)
     else:
         return None
-    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    reducer = _reducer(ctx, inst)
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
-    if neutral is None or init in ctx.sharded or not ctx.replicated(init):
+    if reducer is None or neutral is None or init in ctx.sharded or not ctx.replicated(init):
         return None
     return RegionOp("reduce", fmt, None, reducer, neutral)
+
+
+def _reducer(ctx: _Context, inst: Instruction) -> str | None:
+    """The opcode of the reduction's ``to_apply`` (add, maximum, …), or None."""
+    to_apply = inst.attr_as("to_apply", ComputationRef)
+    return reducer_opcode(ctx.module, to_apply.name if to_apply is not None else "")
 
 
 def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -332,9 +354,10 @@ class FusionAccess:
 def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     """How ``inst`` (a fusion with sharded operands) runs on shards, or why it cannot:
     the op of its body that stops it."""
-    calls, kind, shape = inst.attr("calls"), inst.attr("kind"), _array(inst.shape)
-    if getattr(kind, "name", "") != "kLoop" or calls is None:
-        return f"a {getattr(kind, 'name', '?')} fusion (only loop fusions run on shards)"
+    calls, kind = inst.attr_as("calls", ComputationRef), inst.attr_as("kind", Ident)
+    shape = _array(inst.shape)
+    if kind is None or kind.name != "kLoop" or calls is None:
+        return f"a {kind.name if kind else '?'} fusion (only loop fusions run on shards)"
     if shape is None:
         return "a multi-output fusion"
     body = ctx.module.computation(calls.name)
@@ -350,27 +373,27 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
 
 def _free(body: Computation, inst: Instruction) -> bool:
     """A scalar, or a broadcast of one: any element order."""
-    return inst.shape.is_scalar or is_scalar_broadcast(body, inst.name)
+    return inst.array_shape.is_scalar or is_scalar_broadcast(body, inst.name)
 
 
 #: Body ops that move elements without changing them: the result's format from the
 #: operand's (forward) and the operand's from the result's (back); None: no such order.
 def _view_forward(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
-    source = body[inst.operands[0]].shape
+    source, shape = body[inst.operands[0]].array_shape, inst.array_shape
     if inst.opcode == "transpose":
-        return transpose_result(fmt, tuple(inst.attr("dimensions")))
+        return transpose_result(fmt, inst.ints_attr("dimensions"))
     if inst.opcode == "reshape":
-        return reshape_format(fmt, inst.shape.dims)
-    if source.element_type != inst.shape.element_type or fmt.perm != natural_perm(source):
+        return reshape_format(fmt, shape.dims)
+    if source.element_type != shape.element_type or fmt.perm != natural_perm(source):
         return None  # a bitcast keeps the physical order
-    return ShardFormat.of(inst.shape, fmt.n)
+    return ShardFormat.of(shape, fmt.n)
 
 
 def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
-    source = body[inst.operands[0]].shape
+    source, shape = body[inst.operands[0]].array_shape, inst.array_shape
     if inst.opcode in ("transpose", "reshape"):
         return _operand_format_for(inst, body, fmt)
-    if source.element_type != inst.shape.element_type or fmt != ShardFormat.of(inst.shape, fmt.n):
+    if source.element_type != shape.element_type or fmt != ShardFormat.of(shape, fmt.n):
         return None
     return ShardFormat.of(source, fmt.n)
 
@@ -394,13 +417,13 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
         if shape is None:
             return f"%{inst.name} ({inst.opcode}) is not an array"
         if inst.opcode == "parameter":
-            seed = seeds.get(inst.parameter_number)
+            seed = seeds.get(inst.parameter_index)
             if seed is not None:
                 formats[inst.name] = seed
             continue
         if shape.is_scalar:
             if inst.opcode not in _SCALAR_BODY or any(
-                    not body[o].shape.is_scalar for o in inst.operands):
+                    not body[o].array_shape.is_scalar for o in inst.operands):
                 return f"%{inst.name} ({inst.opcode}) computes a scalar from the body"
             continue
         if is_scalar_broadcast(body, inst.name):
@@ -413,7 +436,8 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
                     return f"%{inst.name} ({inst.opcode}) changes the element order"
                 formats[inst.name] = result
         elif inst.opcode in _SHARDABLE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
-                body[inst.operands[0]].shape.element_type] == ELEMENT_BITS[shape.element_type]):
+                body[inst.operands[0]].array_shape.element_type] ==
+                ELEMENT_BITS[shape.element_type]):
             if len(known) > 1:
                 return f"%{inst.name} ({inst.opcode}) reads its operands in two element orders"
             if known:
@@ -442,7 +466,7 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
             elif not fits:
                 return f"%{inst.name} ({inst.opcode}) reads %{name} in another element order"
     operands: list[ShardFormat | None] = []
-    for param in sorted(body.parameters(), key=lambda p: p.parameter_number):
+    for param in sorted(body.parameters(), key=lambda p: p.parameter_index):
         if not _free(body, param) and param.name not in formats:
             return f"parameter %{param.name} is unused"
         operands.append(None if _free(body, param) else formats[param.name])
@@ -454,9 +478,10 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
     """A reduction over size-1 dimensions only, from the reducer's neutral value, is a
     reshape (jit's bias gradients: ``reduce(f32[1,16]) -> f32[16]``)."""
     source_name, init = inst.operands
-    if source_name not in ctx.sharded or any(source.dims[d] != 1 for d in inst.attr("dimensions")):
+    if source_name not in ctx.sharded or \
+            any(source.dims[d] != 1 for d in inst.ints_attr("dimensions")):
         return None
-    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    reducer = _reducer(ctx, inst)
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
     init_inst = ctx.inst(init)
     if neutral is None or init_inst.opcode != "constant" or not _same_number(init_inst.literal,
@@ -468,8 +493,10 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
 
 
 def _same_number(literal: str | None, value: str) -> bool:
+    if literal is None:
+        return False
     try:
-        return literal is not None and float(literal) == float(value)
+        return float(literal) == float(value)
     except ValueError:
         return literal.strip() == value
 
@@ -505,8 +532,8 @@ def _operand_format_for(inst: Instruction, comp: Computation,
     """For pulling: the format ``inst``'s operand must have for its result to be in
     ``result``."""
     if inst.opcode == "transpose":
-        operand_dims = tuple(comp[inst.operands[0]].shape.dims)
-        return transpose_operand(result, tuple(inst.attr("dimensions")), operand_dims)
+        operand_dims = comp[inst.operands[0]].array_shape.dims
+        return transpose_operand(result, inst.ints_attr("dimensions"), operand_dims)
     if inst.opcode == "reshape":
         operand = _array(comp[inst.operands[0]].shape)
         if operand is None:
@@ -613,7 +640,7 @@ def region_only_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
     for param in params:
         users = set(graph.successors(param.name))
         if isinstance(param.shape, ArrayShape) and users and users <= plan.ops.keys():
-            read[param.parameter_number] = set().union(*(
+            read[param.parameter_index] = set().union(*(
                 plan.ops[u].formats_reading(graph.nodes[u]["inst"], param.name) for u in users))
     return read
 
@@ -626,10 +653,11 @@ def collect_leaves(module: Module, comp: Computation, candidates: list[GradientA
     leaves: list[Leaf] = []
     rejected: list[tuple[GradientAllReduce, str]] = []
     for ar in candidates:
-        inst = comp[ar.name]
+        inst, groups = comp[ar.name], ar.groups
+        if groups is None:
+            raise ValueError(f"%{ar.name} is not a candidate: {ar.reason}")
         if isinstance(inst.shape, ArrayShape):
-            leaves.append(Leaf(ar.name, None, (ar.name,), inst.operands[0], inst.shape,
-                               ar.groups))
+            leaves.append(Leaf(ar.name, None, (ar.name,), inst.operands[0], inst.shape, groups))
             continue
         user_insts = [comp[u] for u in users[ar.name]]
         if any(u.opcode != "get-tuple-element" for u in user_insts) or \
@@ -637,11 +665,20 @@ def collect_leaves(module: Module, comp: Computation, candidates: list[GradientA
             rejected.append((ar, "the tuple result is used whole (not through "
                                  "get-tuple-element)"))
             continue
-        for index, operand in enumerate(inst.operands):
-            values = tuple(u.name for u in user_insts if u.attr("index") == index)
-            leaves.append(Leaf(ar.name, index, values, operand, inst.shape.elements[index],
-                               ar.groups))
+        for index, (operand, shape) in enumerate(zip(inst.operands, shape_elements(inst))):
+            values = tuple(u.name for u in user_insts if u.int_attr("index") == index)
+            leaves.append(Leaf(ar.name, index, values, operand, shape, groups))
     return leaves, rejected
+
+
+def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
+    """The array elements of a tuple-shaped ``inst`` (a candidate all-reduce, a root
+    tuple of arrays: a nested tuple there is a bug, raised)."""
+    shape = inst.shape
+    if not isinstance(shape, TupleShape) or \
+            not all(isinstance(e, ArrayShape) for e in shape.elements):
+        raise TypeError(f"%{inst.name} is not a tuple of arrays")
+    return cast(tuple[ArrayShape, ...], shape.elements)
 
 
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
@@ -702,15 +739,15 @@ def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
     scopes = planner.components(_sharded(reasons))
     copies = {i: leaf.formatting_copies for i, leaf in enumerate(plan.leaves)}
     changed = False
-    for i, leaf in enumerate(leaves):
+    for i, candidate in enumerate(leaves):
         if reasons[i] or copies[i] == 0:
             continue
         scope = scopes[i]
         stored = best = formats[i]
         best_plan = planner.grow(formats, reasons, scope)
         best_cost = planner.cost(best_plan)
-        for perm in _candidate_orders(leaf.shape):
-            formats[i] = ShardFormat.of(leaf.shape, groups.size, perm)
+        for perm in _candidate_orders(candidate.shape):
+            formats[i] = ShardFormat.of(candidate.shape, groups.size, perm)
             if formats[i] == stored:
                 continue
             other = planner.grow(formats, reasons, scope)
@@ -805,7 +842,7 @@ class _Planner:
         if not self.options.keep_state_orders:
             return 0
         read = region_only_parameters(self.params, self.graph, plan)
-        by_number = {p.parameter_number: p for p in self.params}
+        by_number = {p.parameter_index: p for p in self.params}
         root = self.comp.root
         lost = 0
         for number, formats in read.items():
@@ -813,11 +850,12 @@ class _Planner:
             param_shape = by_number[number].shape
             lost += len(formats) != 1 or not (isinstance(param_shape, ArrayShape)
                                               and flattenable(fmt, param_shape))
+        outputs = root.shape.elements if root.opcode == "tuple" and \
+            isinstance(root.shape, TupleShape) else ()
         for number, k in self.options.state_outputs:
-            value = root.operands[k] if number in read and isinstance(root.shape, TupleShape) \
-                and root.opcode == "tuple" and k < len(root.operands) else None
+            value = root.operands[k] if number in read and k < len(outputs) else None
             if value is not None and value in plan.sharded:
-                out_shape = root.shape.elements[k]
+                out_shape = outputs[k]
                 lost += not (isinstance(out_shape, ArrayShape)
                              and flattenable(plan.sharded[value], out_shape))
         return lost
@@ -1039,8 +1077,8 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
 def is_scalar_broadcast(comp: Computation, name: str) -> bool:
     """``broadcast`` of a scalar: formatted as a ``[shard_len]`` broadcast, no slicing."""
     inst = comp[name]
-    return inst.opcode == "broadcast" and isinstance(comp[inst.operands[0]].shape, ArrayShape) \
-        and comp[inst.operands[0]].shape.is_scalar
+    operand = comp[inst.operands[0]].shape if inst.opcode == "broadcast" else None
+    return isinstance(operand, ArrayShape) and operand.is_scalar
 
 
 __all__ = [

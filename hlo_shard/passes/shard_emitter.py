@@ -29,8 +29,8 @@ class ChannelIds:
 
     def __init__(self, module: Module) -> None:
         self.module = module
-        ids = [i.attr("channel_id") for c in module.computations for i in c.instructions
-               if i.attr("channel_id") is not None]
+        ids = [channel for c in module.computations for i in c.instructions
+               if (channel := i.int_attr("channel_id")) is not None]
         self.next = max(ids, default=0) + 1
 
     def fresh(self) -> int:
@@ -44,7 +44,7 @@ class ChannelIds:
         renumbered = 0
         for comp in self.module.computations:
             for inst in comp.instructions:
-                channel = inst.attr("channel_id")
+                channel = inst.int_attr("channel_id")
                 if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
@@ -85,7 +85,7 @@ class ShardEmitter:
             isinstance(shape, ArrayShape) and shape.layout is not None)
         self.laid_out = is_laid_out(self.module)
         body = [i.name for i in self.comp.instructions if i.opcode != "parameter"]
-        self.first = body[0] if body else self.comp.root_name
+        self.first = body[0] if body else self.comp.root.name
 
     # Shapes and small pieces -----------------------------------------------------------
     def shape(self, element_type: str, dims: tuple[int, ...]) -> ArrayShape:
@@ -178,22 +178,22 @@ class ShardEmitter:
         (a plain ``dot`` where the flat path gets a ``ynn_fusion``: the jit-captured 1024²
         Adam MLP at N = 8 ran 0.90x of its step sharded per tensor in blocks, 0.16x with
         the flat transpose, which XLA absorbs by computing the dot with swapped operands)."""
-        inst = self.comp[value]
-        if not self.collective_blocks(fmt, inst.shape):
+        inst, shape = self.comp[value], self.comp[value].array_shape
+        if not self.collective_blocks(fmt, shape):
             return False
         return inst.opcode not in ("dot", "convolution") or \
-            major_dimension(inst.shape.dims, inst.shape.minor_to_major()) == fmt.block[0]
+            major_dimension(shape.dims, shape.minor_to_major()) == fmt.known_block[0]
 
     # Formatting -------------------------------------------------------------------------
     def flat_padded(self, value: str, fmt: ShardFormat) -> str:
         """``value`` (full) in ``fmt``'s order, flat and zero-padded: ``[N·L]``."""
-        inst = self.comp[value]
-        element_type = inst.shape.element_type
+        shape = self.comp[value].array_shape
+        element_type = shape.element_type
         current = value
         if fmt.perm != tuple(range(len(fmt.dims))):
             current = self.add("transpose", self.shape(element_type, fmt.transposed_dims),
                                [current], name=f"{value}.formatted", dimensions=fmt.perm)
-        if inst.shape.dims != (fmt.elements,) or current != value:
+        if shape.dims != (fmt.elements,) or current != value:
             current = self.add("reshape", self.shape(element_type, (fmt.elements,)), [current],
                                name=f"{value}.flat")
         if fmt.padding:
@@ -206,9 +206,10 @@ class ShardEmitter:
         """This device's ``[L]`` shard of a full value it holds (no communication). A
         transposed order whose shards are blocks slices the block first, so only the
         shard is transposed."""
-        element_type = self.comp[value].shape.element_type
-        if uses_blocks(fmt, self.comp[value].shape):
-            major, rows = fmt.block
+        shape = self.comp[value].array_shape
+        element_type = shape.element_type
+        if uses_blocks(fmt, shape):
+            major, rows = fmt.known_block
             starts = [self.constant("u32", "0")] * len(fmt.dims)
             starts[major] = self.offset(rows)
             block = self.add("dynamic-slice", self.shape(element_type, block_dims(fmt)),
@@ -257,7 +258,7 @@ class ShardEmitter:
             item = items[0]
             block = self.shard_to_block(item.shard, item.format, element_type)
             return [self.add("all-gather", item.shape, [block], name=f"{item.label}.gathered",
-                             **self.collective_attrs(dimensions=(item.format.block[0],)))]
+                             **self.collective_attrs(dimensions=(item.format.known_block[0],)))]
         total = sum(item.format.shard_len for item in items)
         operand = items[0].shard if len(items) == 1 else self.add(
             "concatenate", self.shape(element_type, (total,)), [i.shard for i in items],
@@ -313,13 +314,15 @@ def shard_body(body: Computation, name: str,
         operands = [alias.get(o, o) for o in inst.operands]
         # On shards in one element order a view is the identity (the body analysis
         # proved the order of its result is its operand's).
-        if inst.opcode in VIEW_OPCODES and not inst.shape.is_scalar:
+        full = inst.array_shape
+        if inst.opcode in VIEW_OPCODES and not full.is_scalar:
             alias[inst.name] = operands[0]
             continue
-        shape = inst.shape if inst.shape.is_scalar else shard_shape(inst.shape.element_type)
+        shape = full if full.is_scalar else shard_shape(full.element_type)
         out.append(Instruction(inst.name, inst.opcode, shape, operands, dict(inst.attributes),
                                inst.parameter_number, inst.literal))
-    return Computation(name, out, alias.get(body.root_name, body.root_name))
+    root = body.root.name
+    return Computation(name, out, alias.get(root, root))
 
 
 def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
@@ -329,7 +332,7 @@ def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
 
 
 def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
-    major, rows = fmt.block
+    major, rows = fmt.known_block
     return tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
 
 
