@@ -132,6 +132,8 @@ POLICY_SETS = [
     ("hlo_shard.analysis.estimate", "_DEVICE_ID_OPCODES", {}),
     ("hlo_shard.analysis.estimate", "_MATRIX_OPCODES", {}),
     ("hlo_shard.analysis.update_region", "_SCALAR_OK", {}),
+    ("hlo_shard.analysis.update_region", "_SCALAR_BODY", {}),
+    ("hlo_shard.analysis.update_region", "VIEW_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_BODY_EXTRA", {}),
     # Rule tables keyed by opcode.
     ("hlo_shard.analysis.cost", "RULES", {}),
