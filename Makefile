@@ -40,7 +40,7 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/outputs.py hlo_shard/limits.py hlo_shard/schema.py hlo_shard/source.py \
 	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py \
 	hlo_shard/printer.py hlo_shard/values.py hlo_shard/attributes.py \
-	hlo_shard/analysis/replication.py hlo_shard/analysis/collectives.py hlo_shard/analysis/opcodes.py \
+	hlo_shard/analysis/replication.py hlo_shard/analysis/collectives.py \
 	hlo_shard/runtime/verification.py hlo_shard/runtime/inputs.py hlo_shard/runtime/compare.py \
 	hlo_shard/runtime/distributed.py hlo_shard/runtime/worker.py hlo_shard/runtime/_child.py \
 	hlo_shard/runtime/executable.py hlo_shard/fuzz/*.py \
@@ -51,7 +51,9 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/runtime/__init__.py hlo_shard/runtime/_lifeline.py hlo_shard/runtime/_launched.py \
 	hlo_shard/runtime/_distributed_child.py \
 	hlo_shard/costmodel hlo_shard/reports hlo_shard/scaling.py hlo_shard/analysis/planned_regions.py \
-	hlo_shard/cli/report.py hlo_shard/cli/diff.py hlo_shard/cli/scale.py hlo_shard/passes/speed_gate.py
+	hlo_shard/cli/report.py hlo_shard/cli/diff.py hlo_shard/cli/scale.py hlo_shard/passes/speed_gate.py \
+	hlo_shard/parser.py hlo_shard/analysis/update_region.py \
+	hlo_shard/passes/region_rewrite.py hlo_shard/passes/shard_emitter.py
 TYPED += hlo_shard/analysis/names.py
 typecheck: install
 	$(PY) -m mypy --follow-imports=silent $(sort $(TYPED))

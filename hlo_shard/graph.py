@@ -364,17 +364,27 @@ class Rewriter:
         self.changes.append(Change("erase", name, inst.opcode))
 
     def remove_dead(self, keep: Iterable[str] = (), *,
-                    is_impure: Callable[[Instruction], bool] = is_impure) -> int:
+                    is_impure: Callable[[Instruction], bool] = is_impure,
+                    among: Iterable[str] | None = None) -> int:
         """Erase every instruction whose value is never used, users first, except the
         root, control predecessors, ``keep`` and what ``is_impure`` says must stay (by
-        default :func:`is_impure`). Returns how many were erased."""
+        default :func:`is_impure`). ``among``: only these and the operands their erasure
+        leaves unused (a rewrite clearing what it replaced, not what the input left
+        dead). Sweeps until nothing more goes, so an order that is not yet def-before-use
+        loses its dead values too. Returns how many were erased."""
         protected = set(keep) | {self.comp.root_name}
         for inst in self.comp.instructions:
             protected.update(control_predecessors(inst))
+        pending = {inst.name for inst in self.comp.instructions} if among is None else \
+            set(among)
         removed = 0
-        for inst in reversed(list(self.comp.instructions)):
-            if inst.name in protected or self._users[inst.name] or is_impure(inst):
-                continue
-            self.erase(inst.name)
-            removed += 1
+        while pending:
+            sweep = [inst for inst in reversed(self.comp.instructions) if inst.name in pending]
+            pending = set()
+            for inst in sweep:
+                if inst.name in protected or self._users[inst.name] or is_impure(inst):
+                    continue
+                self.erase(inst.name)
+                removed += 1
+                pending.update(inst.operands)
         return removed

@@ -227,6 +227,14 @@ class Instruction:
     def attr(self, name: str, default: AttrValue | None = None) -> AttrValue | None:
         return self.attributes.get(name, default)
 
+    @property
+    def array_shape(self) -> ArrayShape:
+        """The shape, where the caller has established that it is an array (an operand of
+        an elementwise op, a value of a fusion body): a tuple there is a bug, raised."""
+        if not isinstance(self.shape, ArrayShape):
+            raise TypeError(f"%{self.name} is a tuple, not an array")
+        return self.shape
+
     def attr_as(self, name: str, kind: type[_A]) -> _A | None:
         """The attribute ``name`` as a ``kind``, or None when it is not set.
 

@@ -33,7 +33,7 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 from collections.abc import Callable, Iterable
 
 from lark import Lark, Token, Transformer
@@ -45,6 +45,7 @@ from hlo_shard.attributes import (
     REQUIRED_ATTRIBUTES,
 )
 from hlo_shard.errors import HloParseError
+from hlo_shard.opinfo import OPCODES, OPERAND, OPINFO, PRED, SECOND
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
     COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, ArrayShape, AttrValue, Computation,
@@ -60,26 +61,6 @@ __all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", 
 
 # ----------------------------------------------------------------------------- tables
 
-#: ``HLO_OPCODE_LIST`` of xla/hlo/ir/hlo_opcode.h.
-OPCODES = frozenset("""
-abs acos acosh add add-dependency after-all all-gather all-gather-done all-gather-start
-all-reduce all-reduce-done all-reduce-start all-to-all and asin asinh async-done async-start
-async-update atan atan2 atanh batch-norm-grad batch-norm-inference batch-norm-training
-bitcast bitcast-convert broadcast call cbrt ceil cholesky clamp count-leading-zeros
-collective-broadcast collective-permute collective-permute-done collective-permute-start
-collective-reduce compare complex concatenate conditional constant convert convolution copy
-copy-done copy-start cosine cosh custom-call divide domain dot dynamic-reshape dynamic-slice
-dynamic-update-slice erf exponential exponential-minus-one fft floor fusion gather
-get-dimension-size get-tuple-element imag infeed iota is-finite log log-plus-one logistic map
-maximum minimum mulhi multiply negate not opt-barrier or outfeed pad parameter partition-id
-popcnt power ragged-all-to-all ragged-dot real recv recv-done reduce reduce-precision
-reduce-scatter reduce-window remainder replica-id reshape reverse rng rng-bit-generator
-rng-get-and-update-state round-nearest-afz round-nearest-even rsqrt scaled-dot scan scatter
-select select-and-scatter send send-done set-dimension-size shift-left shift-right-arithmetic
-shift-right-logical shuffle sign sine sinh slice sort sqrt stochastic-convert subtract tan
-tanh topk transpose triangular-solve tuple while xor
-""".split())
-
 #: Historical opcode names read as their current ones.
 _RENAMED_OPCODES = {"cross-replica-sum": "all-reduce"}
 _ASYNC_SUFFIXES = ("-start", "-update", "-done")
@@ -92,34 +73,9 @@ def is_known_opcode(opcode: str) -> bool:
         for suffix in _ASYNC_SUFFIXES)
 
 
-_UNARY_ELEMENTWISE = frozenset("""abs acos acosh asin asinh atan atanh cbrt ceil copy cosh
-cosine count-leading-zeros erf exponential exponential-minus-one floor is-finite log
-log-plus-one logistic negate not popcnt reduce-precision round-nearest-afz
-round-nearest-even rsqrt sign sine sinh sqrt tan tanh""".split())
-_BINARY_ELEMENTWISE = frozenset("""add and atan2 divide maximum minimum mulhi multiply or
-power remainder shift-left shift-right-arithmetic shift-right-logical subtract xor""".split())
-_UNARY = _UNARY_ELEMENTWISE | frozenset("""bitcast bitcast-convert broadcast convert
-get-tuple-element imag real reshape reverse slice transpose all-reduce-done all-gather-done
-collective-permute-done copy-done copy-start recv-done send-done cholesky
-get-dimension-size""".split())
-_BINARY = _BINARY_ELEMENTWISE | frozenset("""complex compare dot pad triangular-solve
-add-dependency stochastic-convert set-dimension-size""".split())
-
-#: (min, max) operand counts; max None = unbounded. Opcodes not listed are unchecked.
+#: (min, max) operand counts; max None = unbounded. Opcodes without one are unchecked.
 _OPERAND_COUNTS: dict[str, tuple[int, int | None]] = {
-    **{op: (1, 1) for op in _UNARY},
-    **{op: (2, 2) for op in _BINARY},
-    "select": (3, 3), "clamp": (3, 3), "scaled-dot": (4, 4), "ragged-dot": (3, 3),
-    "iota": (0, 0), "replica-id": (0, 0), "partition-id": (0, 0),
-    "dynamic-slice": (2, None), "dynamic-update-slice": (3, None),
-    "concatenate": (1, None), "all-reduce": (1, None), "all-gather": (1, None),
-    "reduce-scatter": (1, None), "all-reduce-start": (1, None),
-    "all-gather-start": (1, None), "collective-permute": (1, None), "reduce": (2, None),
-    "reduce-window": (2, None), "while": (1, 1), "conditional": (1, None),
-    "gather": (2, 2), "scatter": (3, None), "sort": (1, None), "map": (1, None),
-    "select-and-scatter": (3, 3), "batch-norm-training": (3, 3),
-    "batch-norm-inference": (5, 5), "batch-norm-grad": (5, 5),
-}
+    name: info.arity for name, info in OPINFO.items() if info.arity is not None}
 
 #: Every attribute name each opcode takes (XLA's async sugar ``<op>-start`` etc. included);
 #: an opcode missing here is not XLA's and is reported as such.
@@ -204,14 +160,15 @@ Loc = Token | tuple
 
 
 def _position(loc: Loc) -> tuple[int, int]:
-    if not isinstance(loc, tuple):
-        return loc.line, loc.column
+    if not isinstance(loc, tuple):  # lexed tokens have positions (1-based)
+        return loc.line or 1, loc.column or 1
     token, offset = loc
     text = token.value
     newline = text.rfind("\n", 0, offset)
+    line, column = _position(token)
     if newline < 0:
-        return token.line, token.column + offset
-    return token.line + text.count("\n", 0, offset), offset - newline
+        return line, column + offset
+    return line + text.count("\n", 0, offset), offset - newline
 
 
 class _Located(Exception):
@@ -223,8 +180,16 @@ class _Located(Exception):
         self.line, self.column = _position(loc)
 
 
-def _fail(message: str, loc: Loc) -> NoReturn:  # noqa: F821 - typing only
+def _fail(message: str, loc: Loc) -> NoReturn:
     raise _Located(message, loc)
+
+
+def _matched(match: re.Match[str] | None) -> re.Match[str]:
+    """A match the text is known to have: the lexer matched it already, or every part of
+    the pattern is optional."""
+    if match is None:
+        raise RuntimeError("a pattern that always matches here did not")
+    return match
 
 
 def _bare(name: str) -> str:
@@ -356,7 +321,7 @@ def _name_value(text: str) -> AttrValue:
 
 
 #: Value readers by the kind of the value's token (the default).
-_KIND_READERS = {
+_KIND_READERS: dict[str, Callable[[str], AttrValue]] = {
     "INT": int,
     "NAME": _name_value,
     "STRING": lambda text: Str(c_unescape(text)),
@@ -443,7 +408,7 @@ def _check_metadata(text: str, loc: Loc) -> None:
     seen: set[str] = set()
     position, end = 1, len(text) - 1
     while True:
-        field = _METADATA_FIELD_RE.match(text, position)
+        field = _matched(_METADATA_FIELD_RE.match(text, position))
         key = field.group("key")
         if key is None:
             if field.end() == end and field.group("comma") is None:
@@ -467,7 +432,7 @@ def _check_metadata(text: str, loc: Loc) -> None:
 
 def _check_shaped_literal(text: str, loc: Loc) -> None:
     """``literal=s32[2]{0} {1, 2}`` (custom-call): the literal against its shape."""
-    shape_end = _patterns()["shape"].match(text).end()
+    shape_end = _matched(_patterns()["shape"].match(text)).end()
     _check_literal(_array_shape(text[:shape_end], loc), text[shape_end:],
                    _within(loc, shape_end))
 
@@ -537,17 +502,17 @@ ShapeRule = Callable[[list[Instruction], dict[str, AttrValue], dict[str, Computa
                      Shape | None]
 
 
-def _first_array(operands, attrs, computations) -> Shape | None:
+def _first_array(operands, attrs, computations) -> ArrayShape | None:
     first = operands[0].shape if operands else None
     return first if isinstance(first, ArrayShape) else None
 
 
-def _compare_shape(operands, attrs, computations) -> Shape | None:
+def _predicate_shape(operands, attrs, computations) -> Shape | None:
     first = _first_array(operands, attrs, computations)
     return ArrayShape("pred", first.dims, first.dynamic) if first is not None else None
 
 
-def _select_shape(operands, attrs, computations) -> Shape | None:
+def _second_operand_shape(operands, attrs, computations) -> Shape | None:
     return operands[1].shape if len(operands) > 1 else None
 
 
@@ -603,18 +568,20 @@ def _conditional_shape(operands, attrs, computations) -> Shape | None:
     return callee.root.shape if callee is not None else None
 
 
+#: The inference rule of each :attr:`~hlo_shard.opinfo.OpInfo.shape_from`.
+_SHAPE_FROM: dict[str, ShapeRule] = {
+    OPERAND: _first_array, SECOND: _second_operand_shape, PRED: _predicate_shape}
+
 #: Result shapes for the opcodes whose shape the text may leave out (a subset of
 #: XLA's ``CanInferShape``); an opcode not listed needs its shape written.
 _SHAPE_RULES: dict[str, ShapeRule] = {
-    **{op: _first_array for op in _UNARY_ELEMENTWISE | _BINARY_ELEMENTWISE | {"clamp"}},
+    **{name: _SHAPE_FROM[info.shape_from] for name, info in OPINFO.items() if info.shape_from},
     "replica-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
     "partition-id": lambda operands, attrs, computations: ArrayShape("u32", ()),
     "after-all": lambda operands, attrs, computations: _TOKEN,
     "tuple": lambda operands, attrs, computations: TupleShape(
         tuple(o.shape for o in operands)),
     "get-tuple-element": _tuple_element_shape,
-    "compare": _compare_shape,
-    "select": _select_shape,
     "dot": _dot_shape,
     "conditional": _conditional_shape,
 }
@@ -732,7 +699,7 @@ def _constant_call(token: Token, start: int, end: int) -> tuple:
 
 
 def _parameter_call(token: Token, start: int, end: int) -> tuple:
-    digits = _INT_RE.search(token.value, start, end)
+    digits = _matched(_INT_RE.search(token.value, start, end))
     return ("parameter", "parameter", (token, start),
             (int(digits.group(0)), (token, digits.start())))
 
@@ -915,9 +882,12 @@ class _Builder(Transformer):
         own, named as XLA names it (``_``), placed before its caller."""
         line, column = _position(loc)
         padding = "\n" * (line - 1) + " " * column  # keeps positions exact
+        if self.lark is None:
+            raise RuntimeError("the builder is not bound to a parser")
         outer, self.scope = self.scope, _Scope()
         try:
-            scope = self.lark.parse(padding + text[1:-1], start="inline_body")
+            # The transformer turns the tree into the body's scope.
+            scope = cast(_Scope, self.lark.parse(padding + text[1:-1], start="inline_body"))
         finally:
             self.scope = outer
         name = _unique("_", self.computations)
@@ -940,7 +910,7 @@ class _Builder(Transformer):
     def line(self, children: list) -> Instruction:
         """``LINE``: a whole instruction in the common form, cut into its parts."""
         token, *attributes = children
-        match = _patterns()["line"].match(token.value)
+        match = _matched(_patterns()["line"].match(token.value))
         root, name, shape_text, parameter, constant, call, attrs = match.group(
             "root", "name", "shape", "parameter", "constant", "call", "attrs")
         kind = "call" if call is not None else "parameter" if parameter is not None else "constant"
@@ -957,7 +927,7 @@ class _Builder(Transformer):
     def headed(self, children: list) -> Instruction:
         """``HEAD`` (``[ROOT] name = [array shape]``), then the rest in finer tokens."""
         head, shape, rhs, attrs, *attributes = children
-        match = _patterns()["head"].match(head.value)
+        match = _matched(_patterns()["head"].match(head.value))
         if match.group("shape") is not None:
             shape = _array_shape(match.group("shape"), (head, match.start("shape")))
         if attrs is not None:
@@ -1030,7 +1000,9 @@ class _Builder(Transformer):
                 _fail(f"duplicate attribute '{key}'", key_loc)
             attrs[key] = self._attribute(key, value_kind, text, loc)
         line, column = _position(name_loc)
-        inst = Instruction(name, opcode, shape, [], attrs, loc=SourceLoc(line, column))
+        # An omitted shape (None) is derived or inferred below, once operands are known.
+        inst = Instruction(name, opcode, cast(Shape, shape), [], attrs,
+                           loc=SourceLoc(line, column))
         if kind == "constant":
             if shape is None:
                 _fail("a constant needs its shape before the opcode", opcode_loc)

@@ -129,3 +129,43 @@ def test_remove_dead_takes_a_predicate_and_keeps_control_predecessors():
     comp = _with_dead("exponential", "sine")
     assert Rewriter(comp).remove_dead(keep=["d0"]) == 1
     assert "d0" in comp and "d1" not in comp
+
+
+ASYNC_COPY = """HloModule m
+ENTRY e {
+  p = f32[4] parameter(0)
+  cs = (f32[4], f32[4], u32[]) copy-start(p)
+  cd = f32[4] copy-done(cs)
+  n = f32[4] negate(cd)
+  t = (f32[4]) tuple(n)
+  ob = (f32[4]) opt-barrier(t)
+  g = f32[4] get-tuple-element(ob), index=0
+  after = token[] after-all()
+  dep = f32[4] add-dependency(g, after)
+  m = f32[4] multiply(dep, n)
+  unused = f32[4] exponential(p)
+  ROOT r = f32[4] add(p, p)
+}
+"""
+
+
+def test_remove_dead_among_erases_what_a_rewrite_replaced_and_keeps_async_halves():
+    """The region rewrite's clean-up (``among``: what it replaced): operands left unused
+    go too, a copy-done, opt-barrier or add-dependency stays (erasing a -done leaves its
+    -start unmatched), and values the input already left dead are not its business."""
+    from hlo_shard.parser import parse
+    from hlo_shard.printer import to_text
+    from hlo_shard.validate import validate
+
+    module = parse(ASYNC_COPY)
+    comp = module.entry
+    assert Rewriter(comp).remove_dead(among=["m"]) == 1
+    assert [i.name for i in comp.instructions] == [
+        "p", "cs", "cd", "n", "t", "ob", "g", "after", "dep", "unused", "r"]
+    assert not validate(parse(to_text(module)))
+    # The rewrite's own list before opinfo (RegionRewrite._KEEP) erased all of them.
+    old_keep = {"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
+                "send-done", "recv-done", "after-all", "rng-get-and-update-state"}
+    comp = parse(ASYNC_COPY).entry
+    Rewriter(comp).remove_dead(among=["m"], is_impure=lambda inst: inst.opcode in old_keep)
+    assert [i.name for i in comp.instructions] == ["p", "after", "unused", "r"]

@@ -8,54 +8,14 @@ are not HLO opcodes at all.
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
 from hlo_shard import opinfo
 from hlo_shard.opinfo import OPINFO, opcodes_where
-
-#: (module, attribute, derived from the table, {opcode: why it differs}).
-#: A ``+`` opcode is in the table's set but not the module's, ``-`` the other way round.
-FACT_SETS = [
-    ("hlo_shard.parser", "OPCODES", opinfo.OPCODES, {}),
-    ("hlo_shard.parser", "_UNARY", opcodes_where(lambda i: i.arity == (1, 1)),
-     {"+while": "one operand; the parser lists its count apart"}),
-    ("hlo_shard.parser", "_BINARY", opcodes_where(lambda i: i.arity == (2, 2)),
-     {"+gather": "two operands; the parser lists its count apart"}),
-    # The parser's two "elementwise" lists only build its arity table.
-    ("hlo_shard.parser", "_UNARY_ELEMENTWISE",
-     opcodes_where(lambda i: i.elementwise and i.arity == (1, 1)), {
-         "+convert": "elementwise in XLA; the parser lists it with the other unary ops",
-         "+imag": "idem", "+real": "idem"}),
-    ("hlo_shard.parser", "_BINARY_ELEMENTWISE",
-     opcodes_where(lambda i: i.elementwise and i.arity == (2, 2)), {
-         "+compare": "elementwise in XLA; the parser lists it with the other binary ops",
-         "+complex": "idem", "+stochastic-convert": "idem"}),
-    ("hlo_shard.analysis.opcodes", "ELEMENTWISE", opinfo.ELEMENTWISE, {
-        "+mulhi": "elementwise (XLA's IsOpElementwise); jax never emits it, so the region "
-                  "analysis never met it",
-        "+stochastic-convert": "elementwise (operand and random bits element by element)",
-        "+map": "elementwise in XLA (its computation applied per element); the region "
-                "analysis has no rule to re-emit a map on shards yet",
-    }),
-    ("hlo_shard.analysis.opcodes", "DETERMINISTIC",
-     opcodes_where(lambda i: i.values == opinfo.DETERMINISTIC),
-     {"+mulhi": "a pure function of its operands, missing from the module's list"}),
-    ("hlo_shard.analysis.opcodes", "DEVICE_DEPENDENT",
-     opcodes_where(lambda i: i.values == opinfo.PER_DEVICE), {}),
-    ("hlo_shard.passes.region_rewrite", "_KEEP", opinfo.IMPURE | {"parameter"}, {
-        # RegionRewrite._erase_dead keeps fewer ops than Rewriter.remove_dead: the rewrite
-        # never makes these dead today, but a dead -start without its -done is invalid.
-        "+all-reduce-start": "async: erasing one half leaves the other unmatched",
-        "+all-reduce-done": "idem", "+all-gather-start": "idem", "+all-gather-done": "idem",
-        "+collective-permute-start": "idem", "+collective-permute-done": "idem",
-        "+async-start": "idem", "+async-update": "idem", "+async-done": "idem",
-        "+copy-start": "idem", "+copy-done": "idem",
-        "+add-dependency": "orders execution: its value is not why it is there",
-        "+opt-barrier": "a scheduling barrier XLA keeps by design",
-    }),
-]
 
 #: Sets that ``hlo_shard`` modules replaced by the table in this change, as they were;
 #: kept so the replacement is checked against what it replaced.
@@ -74,7 +34,7 @@ REPLACED = [
         "all-reduce-start", "all-gather-start", "collective-permute-start",
         "ragged-all-to-all", "collective-broadcast"}), {}),
     # validate's elementwise shape rule (operand dims = result dims) read
-    # analysis.opcodes.ELEMENTWISE (see its row above for the three opcodes added).
+    # analysis.opcodes.ELEMENTWISE (see its row below for the three opcodes added).
     ("collective_model.COLLECTIVE_DONE_OPCODES", opinfo.COLLECTIVE_DONE,
      frozenset({"all-reduce-done", "all-gather-done", "collective-permute-done"}), {}),
     ("runtime.forms.PAIRED_CHANNEL_OPS", opinfo.CHANNEL_PAIRED,
@@ -99,6 +59,72 @@ REPLACED = [
         "add-dependency"}), {}),
     ("cost.ALL_REDUCE_OPCODES", opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE),
      frozenset({"all-reduce", "all-reduce-start"}), {}),
+    ("shard_emitter.ChannelIds.COLLECTIVES", opinfo.CHANNEL_UNIQUE, frozenset({
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+        "collective-permute", "collective-broadcast", "all-reduce-start", "all-gather-start",
+        "collective-permute-start"}), {}),
+    # RegionRewrite._erase_dead kept fewer ops than Rewriter.remove_dead, which it uses now
+    # (graph.is_impure: parameters and the table's impure ops).
+    ("region_rewrite._KEEP", opinfo.IMPURE | {"parameter"}, frozenset({
+        "parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng", "send-done",
+        "recv-done", "after-all", "rng-get-and-update-state"}), {
+        "+all-reduce-start": "async: erasing one half leaves the other unmatched",
+        "+all-reduce-done": "idem", "+all-gather-start": "idem", "+all-gather-done": "idem",
+        "+collective-permute-start": "idem", "+collective-permute-done": "idem",
+        "+async-start": "idem", "+async-update": "idem", "+async-done": "idem",
+        "+copy-start": "idem", "+copy-done": "idem",
+        "+add-dependency": "orders execution: its value is not why it is there",
+        "+opt-barrier": "a scheduling barrier XLA keeps by design"}),
+    # The parser's arity lists built its operand counts (equal to the table's arity), its
+    # two elementwise lists the rule that infers an omitted shape as the first operand's.
+    ("parser._UNARY_ELEMENTWISE | _BINARY_ELEMENTWISE | {clamp}",
+     opcodes_where(lambda i: i.shape_from != ""), frozenset("""abs acos acosh asin asinh atan
+        atanh cbrt ceil copy cosh cosine count-leading-zeros erf exponential
+        exponential-minus-one floor is-finite log log-plus-one logistic negate not popcnt
+        reduce-precision round-nearest-afz round-nearest-even rsqrt sign sine sinh sqrt tan
+        tanh add and atan2 divide maximum minimum mulhi multiply or power remainder
+        shift-left shift-right-arithmetic shift-right-logical subtract xor clamp""".split()), {
+        "+compare": "had a rule of its own (pred), now shape_from=PRED",
+        "+select": "had a rule of its own (the second operand's), now shape_from=SECOND"}),
+    # analysis/opcodes.py (deleted): the region analysis and the replication analysis
+    # read these; both derive theirs from the table now.
+    ("analysis.opcodes.ELEMENTWISE", opinfo.ELEMENTWISE, frozenset({
+        "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cbrt", "ceil", "cosine",
+        "cosh", "count-leading-zeros", "erf", "exponential", "exponential-minus-one", "floor",
+        "imag", "is-finite", "log", "log-plus-one", "logistic", "negate", "not", "popcnt",
+        "real", "reduce-precision", "round-nearest-afz", "round-nearest-even", "rsqrt", "sign",
+        "sine", "sinh", "sqrt", "tan", "tanh", "convert", "copy", "add", "atan2", "complex",
+        "divide", "maximum", "minimum", "multiply", "power", "remainder", "shift-left",
+        "shift-right-arithmetic", "shift-right-logical", "subtract", "and", "or", "xor",
+        "compare", "select", "clamp"}), {
+        "+mulhi": "elementwise (XLA's IsOpElementwise); jax never emits it",
+        "+stochastic-convert": "elementwise (operand and random bits element by element)",
+        "+map": "elementwise in XLA; the region analysis leaves it out (update_region."
+                "_SHARDABLE: its dimensions= name the full value's)"}),
+    ("analysis.opcodes.DETERMINISTIC", opcodes_where(lambda i: i.values == opinfo.DETERMINISTIC),
+     frozenset({"abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cbrt", "ceil",
+                "cosine", "cosh", "count-leading-zeros", "erf", "exponential",
+                "exponential-minus-one", "floor", "imag", "is-finite", "log", "log-plus-one",
+                "logistic", "negate", "not", "popcnt", "real", "reduce-precision",
+                "round-nearest-afz", "round-nearest-even", "rsqrt", "sign", "sine", "sinh",
+                "sqrt", "tan", "tanh", "convert", "copy", "add", "atan2", "complex", "divide",
+                "maximum", "minimum", "multiply", "power", "remainder", "shift-left",
+                "shift-right-arithmetic", "shift-right-logical", "subtract", "and", "or",
+                "xor", "compare", "select", "clamp", "bitcast-convert", "stochastic-convert",
+                "broadcast", "reshape", "bitcast", "transpose", "slice", "dynamic-slice",
+                "dynamic-update-slice", "concatenate", "pad", "reverse", "iota", "constant",
+                "dot", "convolution", "reduce", "reduce-window", "map", "sort", "gather",
+                "scatter", "select-and-scatter", "cholesky", "triangular-solve", "fft",
+                "get-dimension-size", "set-dimension-size", "dynamic-reshape", "topk",
+                "batch-norm-training", "batch-norm-inference", "batch-norm-grad", "domain",
+                "ragged-dot", "scaled-dot"}),
+     {"+mulhi": "a pure function of its operands, missing from the module's list"}),
+    ("analysis.opcodes.DEVICE_DEPENDENT", opcodes_where(lambda i: i.values == opinfo.PER_DEVICE),
+     frozenset({"replica-id", "partition-id", "rng", "rng-bit-generator",
+                "rng-get-and-update-state", "infeed", "recv", "recv-done", "custom-call",
+                "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+                "collective-permute-start", "collective-permute-done",
+                "collective-broadcast"}), {}),
 ]
 
 #: Policy sets of the modules: only their names are checked. {opcode: what it should be}.
@@ -115,13 +141,25 @@ POLICY_SETS = [
     ("hlo_shard.costmodel.step_time", "_DEVICE_ID_OPCODES", {}),
     ("hlo_shard.costmodel.step_time", "_MATRIX_OPCODES", {}),
     ("hlo_shard.analysis.update_region", "_SCALAR_OK", {}),
-    ("hlo_shard.analysis.opcodes", "_BODY_EXTRA", {}),
+    ("hlo_shard.analysis.update_region", "_SCALAR_BODY", {}),
+    ("hlo_shard.analysis.update_region", "VIEW_OPCODES", {}),
+    ("hlo_shard.analysis.replication", "_BODY_EXTRA", {}),
     # Rule tables keyed by opcode.
     ("hlo_shard.costmodel.flops", "RULES", {}),
     ("hlo_shard.analysis.update_region", "RULES", {}),
     ("hlo_shard.validate", "_SHAPE_RULES", {}),
     ("hlo_shard.attributes", "REQUIRED_ATTRIBUTES", {}),
     ("hlo_shard.attributes", "OPCODE_ATTRIBUTES", {}),
+    # Choices of the fuzzer and mutant generator (what they emit or mutate), and the
+    # attribute table's own list (which ops take result_accuracy=).
+    ("hlo_shard.fuzz.frontend", "_OPS_UNARY", {}),
+    ("hlo_shard.fuzz.frontend", "_OPS_BINARY", {}),
+    ("hlo_shard.fuzz.mutants", "GRADIENT_COLLECTIVES", {}),
+    ("hlo_shard.fuzz.mutants", "NON_COMMUTATIVE", {}),
+    ("hlo_shard.attributes", "_UNARY_WITH_ACCURACY", {}),
+    # Which collectives' groups name the module's devices (collective-permute's pairs
+    # do not): a policy of the device-count recovery.
+    ("hlo_shard.analysis.collectives", "_GROUPED", {}),
     # These held jax primitive names (exp, log1p, optimization-barrier …) once.
     ("hlo_shard.runtime.inputs", "PASS_THROUGH", {}),
     ("hlo_shard.runtime.inputs", "POSITIVE_OPERANDS", {}),
@@ -143,27 +181,62 @@ def _differences(table: frozenset[str], current) -> set[str]:
     return {f"+{op}" for op in table - set(current)} | {f"-{op}" for op in set(current) - table}
 
 
-@pytest.mark.parametrize("module, attribute, table, documented", FACT_SETS,
-                         ids=[f"{m.rsplit('.', 1)[1]}.{a}" for m, a, _, _ in FACT_SETS])
-def test_module_set_differs_from_the_table_only_where_documented(module, attribute, table,
-                                                                 documented):
-    assert _differences(table, _module_set(module, attribute)) == set(documented)
+def _literal_strings(node: ast.expr) -> frozenset[str]:
+    """The strings of a literal set/list/tuple, ``frozenset(...)`` of one, or of
+    ``"a b c".split()``; empty for anything else."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id in ("frozenset", "set") and len(node.args) == 1:
+        return _literal_strings(node.args[0])
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr == "split" and isinstance(node.func.value, ast.Constant) \
+            and isinstance(node.func.value.value, str):
+        return frozenset(node.func.value.value.split())
+    if isinstance(node, (ast.Set, ast.List, ast.Tuple)) and node.elts and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return frozenset(e.value for e in node.elts)  # type: ignore[attr-defined]
+    return frozenset()
+
+
+def _literal_opcode_sets() -> set[tuple[str, str]]:
+    """(module, name) of every module-level literal set of two or more opcode names in
+    the package, opinfo itself aside."""
+    root = Path(opinfo.__file__).parent
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("hlo_shard", *path.relative_to(root).with_suffix("").parts))
+        if module == "hlo_shard.opinfo":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            target = (node.targets[0] if isinstance(node, ast.Assign) else
+                      node.target if isinstance(node, ast.AnnAssign) else None)
+            if not isinstance(target, ast.Name) or node.value is None:
+                continue
+            names = _literal_strings(node.value)
+            if len(names) >= 2 and names <= opinfo.OPCODES:
+                found.add((module, target.id))
+    return found
+
+
+def test_opcode_facts_come_from_the_table():
+    """A module keeping its own list of opcodes is either a policy (listed below, names
+    checked) or a fact that belongs in ``OPINFO``: a new literal list fails here."""
+    policies = {(module, attribute) for module, attribute, _ in POLICY_SETS}
+    assert _literal_opcode_sets() - policies == set()
+
+
+def test_the_literal_set_finder_finds_a_literal_set(tmp_path):
+    tree = ast.parse('A = frozenset({"add", "multiply"})\nB = frozenset("add copy".split())\n'
+                     'C = {"add"}\nD = ("add", "not-an-opcode")')
+    found = {n.targets[0].id for n in tree.body  # type: ignore[attr-defined]
+             if len(names := _literal_strings(n.value)) >= 2  # type: ignore[attr-defined]
+             and names <= opinfo.OPCODES}
+    assert found == {"A", "B"}
 
 
 @pytest.mark.parametrize("name, table, old, documented", REPLACED,
                          ids=[name for name, *_ in REPLACED])
 def test_replaced_set_differs_only_where_documented(name, table, old, documented):
     assert _differences(table, old) == set(documented)
-
-
-def test_operand_counts_are_the_parsers():
-    counts = _module_set("hlo_shard.parser", "_OPERAND_COUNTS")
-    assert {n: i.arity for n, i in OPINFO.items() if i.arity is not None} == counts
-
-
-def test_channel_ids_of_the_shard_emitter_are_the_validators():
-    assert _module_set("hlo_shard.passes.shard_emitter", "ChannelIds.COLLECTIVES") \
-        == opinfo.CHANNEL_UNIQUE
 
 
 def test_collective_kinds_are_those_the_cost_model_had():

@@ -17,7 +17,7 @@ import pytest
 
 from hlo_shard import runtime
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
-from hlo_shard.analysis.opcodes import ELEMENTWISE
+from hlo_shard.opinfo import ELEMENTWISE
 from hlo_shard.cli.optimize import build_manifest, optimize_module
 from hlo_shard.graph import dataflow_graph
 from hlo_shard.ir import ArrayShape, TupleShape

@@ -198,6 +198,16 @@ def test_omitted_result_shapes_are_inferred_where_xla_allows():
                                           ArrayShape("u32", ())))
 
 
+def test_inferred_shapes_follow_the_opcode_table():
+    """is-finite gives ``pred`` and clamp its middle operand's shape (scalar bounds), as
+    in XLA: the parser read them as the first operand's before it used ``OpInfo``."""
+    _, comp = entry_of("p = f32[4] parameter(0)\nlo = f32[] constant(0)\n"
+                       "f = is-finite(p)\nk = clamp(lo, p, lo)\nn = negate(p)\n"
+                       "ROOT t = tuple(f, k, n)")
+    assert comp["f"].shape == ArrayShape("pred", (4,))
+    assert comp["k"].shape == ArrayShape("f32", (4,)) == comp["n"].shape
+
+
 def test_async_sugar_and_historical_opcode():
     _, comp = entry_of("p = f32[8] parameter(0)\n"
                        "s = ((f32[8]), f32[4]) reduce-scatter-start(p), replica_groups={{0,1}}, "

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.analysis.opcodes import (DETERMINISTIC, DEVICE_DEPENDENT, ELEMENTWISE,
-                                        is_elementwise_body)
 from hlo_shard.graph import dataflow_graph
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
+from hlo_shard.opinfo import DETERMINISTIC, ELEMENTWISE, PER_DEVICE, opcodes_where
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
 Flags = bool | tuple
@@ -188,6 +187,12 @@ def _rebuild(shape: Shape, it) -> Flags:
     return next(it)
 
 
+#: Ops whose value differs per device or is not a function of the operands.
+DEVICE_DEPENDENT = opcodes_where(lambda info: info.values == PER_DEVICE)
+#: Ops whose result is a function of their operands' values alone: identical operands on
+#: every device give identical results.
+DETERMINISTIC_OPS = opcodes_where(lambda info: info.values == DETERMINISTIC)
+
 #: Ops a parameter's value flows through "elementwise" in the default analysis.
 _FLOW_THROUGH = ELEMENTWISE | frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "slice", "concatenate", "pad",
@@ -245,6 +250,29 @@ def _meets_gradient(module: Module, comp: Computation, starts: set[str],
                 reach.add(user)
                 stack.append(user)
     return any(set(graph.predecessors(n)) & downstream for n in reach)
+
+
+#: Inside an elementwise fusion body: opcodes allowed besides the elementwise ones.
+_BODY_EXTRA = frozenset({"parameter", "constant", "broadcast"})
+
+
+def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
+    """Every value is ``dims``-shaped or a scalar, every array op elementwise; constants
+    are scalars and broadcasts spread scalars — so the body computes element i of its
+    result from element i of its operands."""
+    for inst in comp.instructions:
+        shape = inst.shape
+        if not isinstance(shape, ArrayShape) or shape.dynamic or (
+                shape.dims != dims and not shape.is_scalar):
+            return False
+        if inst.opcode not in ELEMENTWISE and inst.opcode not in _BODY_EXTRA:
+            return False
+        if inst.opcode == "constant" and not shape.is_scalar:
+            return False
+        operand = comp[inst.operands[0]].shape if inst.opcode == "broadcast" else None
+        if operand is not None and not (isinstance(operand, ArrayShape) and operand.is_scalar):
+            return False
+    return isinstance(comp.root.shape, ArrayShape) and comp.root.shape.dims == dims
 
 
 def _flows_through(module: Module, inst: Instruction) -> bool:
@@ -325,7 +353,7 @@ class _Analyzer:
                 else uniform(inst.shape, all_true(root))
         if opcode == "conditional":
             return self._conditional(inst, ops)
-        if opcode in DETERMINISTIC:
+        if opcode in DETERMINISTIC_OPS:
             return uniform(inst.shape, all(all_true(f) for f in ops))
         return uniform(inst.shape, False)
 

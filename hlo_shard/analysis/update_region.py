@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
+from typing import cast
 
 import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.opcodes import ELEMENTWISE
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
-from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Computation, Instruction, Module
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
+                          Module, TupleShape)
+from hlo_shard.opinfo import ELEMENTWISE
 
 # ------------------------------------------------------------------------ the format
 
@@ -95,6 +98,13 @@ class ShardFormat:
             return None
         slab = math.prod(self.dims[d] for d in self.perm[self.perm.index(major) + 1:])
         return (major, self.shard_len // slab) if self.shard_len % slab == 0 else None
+
+    @property
+    def known_block(self) -> tuple[int, int]:
+        """:attr:`block`, where the caller has established that the shards are blocks."""
+        if self.block is None:
+            raise ValueError(f"{self} does not cut its value in blocks")
+        return self.block
 
     def minor_to_major(self) -> tuple[int, ...]:
         """The layout whose physical order is this format's flat order."""
@@ -187,6 +197,13 @@ class RegionOp:
     #: in ``operand_format``.
     operand_formats: tuple[ShardFormat | None, ...] = ()
 
+    @property
+    def result_shard(self) -> ShardFormat:
+        """The result's format, for a ``"shard"`` op (a reduction's result is replicated)."""
+        if self.result_format is None:
+            raise ValueError("a reduction's result is not sharded")
+        return self.result_format
+
     def format_of(self, index: int) -> ShardFormat:
         """The format operand ``index`` is read in."""
         fmt = self.operand_formats[index] if self.operand_formats else None
@@ -230,6 +247,11 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
             return False
     return True
 
+
+#: The elementwise ops that run unchanged on a 1-D shard: all but ``map``, whose
+#: ``dimensions=`` name the full value's dimensions (the rewrite re-emits an op on shards
+#: with its attributes as they are).
+_SHARDABLE = ELEMENTWISE - {"map"}
 
 #: Opcodes that accept scalar operands next to arrays (fusions: :func:`fusion_access`).
 _SCALAR_OK = frozenset({"clamp", "select"})
@@ -276,7 +298,7 @@ def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 def _transpose(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
-    return RegionOp("shard", fmt, transpose_result(fmt, tuple(inst.attr("dimensions"))))
+    return RegionOp("shard", fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
 
 
 def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -296,11 +318,17 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
         fmt = ShardFormat.of(source_shape, ctx.n)
     else:
         return None
-    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    reducer = _reducer(ctx, inst)
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
-    if neutral is None or init in ctx.sharded or not ctx.replicated(init):
+    if reducer is None or neutral is None or init in ctx.sharded or not ctx.replicated(init):
         return None
     return RegionOp("reduce", fmt, None, reducer, neutral)
+
+
+def _reducer(ctx: _Context, inst: Instruction) -> str | None:
+    """The opcode of the reduction's ``to_apply`` (add, maximum, …), or None."""
+    to_apply = inst.attr_as("to_apply", ComputationRef)
+    return reducer_opcode(ctx.module, to_apply.name if to_apply is not None else "")
 
 
 def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -326,9 +354,10 @@ class FusionAccess:
 def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     """How ``inst`` (a fusion with sharded operands) runs on shards, or why it cannot:
     the op of its body that stops it."""
-    calls, kind, shape = inst.attr("calls"), inst.attr("kind"), _array(inst.shape)
-    if getattr(kind, "name", "") != "kLoop" or calls is None:
-        return f"a {getattr(kind, 'name', '?')} fusion (only loop fusions run on shards)"
+    calls, kind = inst.attr_as("calls", ComputationRef), inst.attr_as("kind", Ident)
+    shape = _array(inst.shape)
+    if kind is None or kind.name != "kLoop" or calls is None:
+        return f"a {kind.name if kind else '?'} fusion (only loop fusions run on shards)"
     if shape is None:
         return "a multi-output fusion"
     body = ctx.module.computation(calls.name)
@@ -344,34 +373,36 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
 
 def _free(body: Computation, inst: Instruction) -> bool:
     """A scalar, or a broadcast of one: any element order."""
-    return inst.shape.is_scalar or is_scalar_broadcast(body, inst.name)
+    return inst.array_shape.is_scalar or is_scalar_broadcast(body, inst.name)
 
 
 #: Body ops that move elements without changing them: the result's format from the
 #: operand's (forward) and the operand's from the result's (back); None: no such order.
 def _view_forward(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
-    source = body[inst.operands[0]].shape
+    source, shape = body[inst.operands[0]].array_shape, inst.array_shape
     if inst.opcode == "transpose":
-        return transpose_result(fmt, tuple(inst.attr("dimensions")))
+        return transpose_result(fmt, inst.ints_attr("dimensions"))
     if inst.opcode == "reshape":
-        return reshape_format(fmt, inst.shape.dims)
-    if source.element_type != inst.shape.element_type or fmt.perm != natural_perm(source):
+        return reshape_format(fmt, shape.dims)
+    if source.element_type != shape.element_type or fmt.perm != natural_perm(source):
         return None  # a bitcast keeps the physical order
-    return ShardFormat.of(inst.shape, fmt.n)
+    return ShardFormat.of(shape, fmt.n)
 
 
 def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
-    source = body[inst.operands[0]].shape
+    source, shape = body[inst.operands[0]].array_shape, inst.array_shape
     if inst.opcode in ("transpose", "reshape"):
         return _operand_format_for(inst, body, fmt)
-    if source.element_type != inst.shape.element_type or fmt != ShardFormat.of(inst.shape, fmt.n):
+    if source.element_type != shape.element_type or fmt != ShardFormat.of(shape, fmt.n):
         return None
     return ShardFormat.of(source, fmt.n)
 
 
-_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
+#: Fusion-body ops that only move elements (their element order is the body analysis's
+#: concern; on shards the rewrite drops them).
+VIEW_OPCODES = frozenset({"transpose", "reshape", "bitcast"})
 #: Scalar body ops that may compute the broadcast scalars (bias corrections, steps).
-_SCALAR_BODY = ELEMENTWISE | frozenset({"parameter", "constant", "bitcast-convert"})
+_SCALAR_BODY = _SHARDABLE | frozenset({"parameter", "constant", "bitcast-convert"})
 
 
 def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAccess | str:
@@ -386,26 +417,27 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
         if shape is None:
             return f"%{inst.name} ({inst.opcode}) is not an array"
         if inst.opcode == "parameter":
-            seed = seeds.get(inst.parameter_number)
+            seed = seeds.get(inst.param_number)
             if seed is not None:
                 formats[inst.name] = seed
             continue
         if shape.is_scalar:
             if inst.opcode not in _SCALAR_BODY or any(
-                    not body[o].shape.is_scalar for o in inst.operands):
+                    not body[o].array_shape.is_scalar for o in inst.operands):
                 return f"%{inst.name} ({inst.opcode}) computes a scalar from the body"
             continue
         if is_scalar_broadcast(body, inst.name):
             continue
         known = {formats[o] for o in inst.operands if o in formats}
-        if inst.opcode in _VIEWS:
+        if inst.opcode in VIEW_OPCODES:
             if known:
                 result = _view_forward(body, inst, known.pop())
                 if result is None:
                     return f"%{inst.name} ({inst.opcode}) changes the element order"
                 formats[inst.name] = result
-        elif inst.opcode in ELEMENTWISE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
-                body[inst.operands[0]].shape.element_type] == ELEMENT_BITS[shape.element_type]):
+        elif inst.opcode in _SHARDABLE or (inst.opcode == "bitcast-convert" and ELEMENT_BITS[
+                body[inst.operands[0]].array_shape.element_type] ==
+                ELEMENT_BITS[shape.element_type]):
             if len(known) > 1:
                 return f"%{inst.name} ({inst.opcode}) reads its operands in two element orders"
             if known:
@@ -424,7 +456,7 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
             if _free(body, body[name]):
                 continue
             have = formats.get(name)
-            if inst.opcode in _VIEWS:
+            if inst.opcode in VIEW_OPCODES:
                 fits = have is not None and _view_forward(body, inst, have) == fmt
                 want = None if have is not None else _view_back(body, inst, fmt)
             else:
@@ -434,7 +466,7 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
             elif not fits:
                 return f"%{inst.name} ({inst.opcode}) reads %{name} in another element order"
     operands: list[ShardFormat | None] = []
-    for param in sorted(body.parameters(), key=lambda p: p.parameter_number):
+    for param in sorted(body.parameters(), key=lambda p: p.param_number):
         if not _free(body, param) and param.name not in formats:
             return f"parameter %{param.name} is unused"
         operands.append(None if _free(body, param) else formats[param.name])
@@ -446,9 +478,10 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
     """A reduction over size-1 dimensions only, from the reducer's neutral value, is a
     reshape (jit's bias gradients: ``reduce(f32[1,16]) -> f32[16]``)."""
     source_name, init = inst.operands
-    if source_name not in ctx.sharded or any(source.dims[d] != 1 for d in inst.attr("dimensions")):
+    if source_name not in ctx.sharded or \
+            any(source.dims[d] != 1 for d in inst.ints_attr("dimensions")):
         return None
-    reducer = reducer_opcode(ctx.module, getattr(inst.attr("to_apply"), "name", ""))
+    reducer = _reducer(ctx, inst)
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
     init_inst = ctx.inst(init)
     if neutral is None or init_inst.opcode != "constant" or not _same_number(init_inst.literal,
@@ -460,8 +493,10 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
 
 
 def _same_number(literal: str | None, value: str) -> bool:
+    if literal is None:
+        return False
     try:
-        return literal is not None and float(literal) == float(value)
+        return float(literal) == float(value)
     except ValueError:
         return literal.strip() == value
 
@@ -470,7 +505,7 @@ Rule = Callable[[_Context, Instruction], "RegionOp | None"]
 
 #: Opcode → rule deciding whether (and how) a user of a sharded value joins the region.
 RULES: dict[str, Rule] = {
-    **{opcode: _elementwise for opcode in ELEMENTWISE},
+    **{opcode: _elementwise for opcode in _SHARDABLE},
     "bitcast-convert": _bitcast_convert,
     "reshape": _reshape,
     "bitcast": _bitcast,
@@ -489,7 +524,7 @@ def classify(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 
 #: Producers that may be pulled into the region when all their users are in it.
-_PULLABLE = ELEMENTWISE | frozenset({"transpose", "reshape", "bitcast-convert"})
+_PULLABLE = _SHARDABLE | frozenset({"transpose", "reshape", "bitcast-convert"})
 
 
 def _operand_format_for(inst: Instruction, comp: Computation,
@@ -497,8 +532,8 @@ def _operand_format_for(inst: Instruction, comp: Computation,
     """For pulling: the format ``inst``'s operand must have for its result to be in
     ``result``."""
     if inst.opcode == "transpose":
-        operand_dims = tuple(comp[inst.operands[0]].shape.dims)
-        return transpose_operand(result, tuple(inst.attr("dimensions")), operand_dims)
+        operand_dims = comp[inst.operands[0]].array_shape.dims
+        return transpose_operand(result, inst.ints_attr("dimensions"), operand_dims)
     if inst.opcode == "reshape":
         operand = _array(comp[inst.operands[0]].shape)
         if operand is None:
@@ -512,9 +547,10 @@ def _operand_format_for(inst: Instruction, comp: Computation,
 # ------------------------------------------------------------------------- the plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Leaf:
-    """One gradient: an array all-reduce or one element of a tuple all-reduce."""
+    """One gradient: an array all-reduce or one element of a tuple all-reduce. What the
+    planner is given; what it decides is a :class:`PlannedLeaf`."""
 
     all_reduce: str
     index: int | None
@@ -524,12 +560,6 @@ class Leaf:
     operand: str
     shape: ArrayShape
     groups: DeviceGroups
-    format: ShardFormat | None = None
-    sharded: bool = False
-    reason: str = ""
-    ops_moved: int = 0
-    formatting_copies: int = 0
-    saved_flops: float = 0.0
 
     @property
     def byte_size(self) -> int:
@@ -540,7 +570,27 @@ class Leaf:
         return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
 
 
-@dataclass
+@dataclass(frozen=True)
+class PlannedLeaf(Leaf):
+    """A leaf and the planner's decision: sharded in ``format``, or kept all-reduced for
+    ``reason``; and what its region moves."""
+
+    #: The element order of its shard (for a leaf kept whole: the last one planned).
+    format: ShardFormat
+    sharded: bool
+    reason: str = ""
+    ops_moved: int = 0
+    formatting_copies: int = 0
+    saved_flops: float = 0.0
+
+    @staticmethod
+    def of(leaf: Leaf, fmt: ShardFormat, reason: str) -> PlannedLeaf:
+        """``leaf`` sharded in ``fmt`` (no ``reason``) or kept whole, before accounting."""
+        return PlannedLeaf(leaf.all_reduce, leaf.index, leaf.values, leaf.operand, leaf.shape,
+                           leaf.groups, fmt, not reason, reason)
+
+
+@dataclass(frozen=True)
 class RegionPlan:
     """Everything the rewrite of one computation needs."""
 
@@ -548,19 +598,19 @@ class RegionPlan:
     groups: DeviceGroups
     #: An all-reduce whose collective attributes the new collectives copy.
     template: str
-    leaves: list[Leaf]
+    leaves: tuple[PlannedLeaf, ...]
     #: Region value → format of its shard (leaf values included).
-    sharded: dict[str, ShardFormat] = field(default_factory=dict)
+    sharded: Mapping[str, ShardFormat]
     #: Region instructions (leaves excluded) in program order.
-    ops: dict[str, RegionOp] = field(default_factory=dict)
+    ops: Mapping[str, RegionOp]
     #: Sharded value → its users that need the full value (``""`` for the root).
-    boundary: dict[str, list[str]] = field(default_factory=dict)
+    boundary: Mapping[str, tuple[str, ...]]
     formatting_copies: int = 0
     #: Elements the formatting transposes move (what the element-order choice minimises).
     formatting_cost: float = 0.0
 
     @property
-    def active(self) -> list[Leaf]:
+    def active(self) -> list[PlannedLeaf]:
         return [leaf for leaf in self.leaves if leaf.sharded]
 
 
@@ -590,7 +640,7 @@ def region_only_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
     for param in params:
         users = set(graph.successors(param.name))
         if isinstance(param.shape, ArrayShape) and users and users <= plan.ops.keys():
-            read[param.parameter_number] = set().union(*(
+            read[param.param_number] = set().union(*(
                 plan.ops[u].formats_reading(graph.nodes[u]["inst"], param.name) for u in users))
     return read
 
@@ -603,10 +653,11 @@ def collect_leaves(module: Module, comp: Computation, candidates: list[GradientA
     leaves: list[Leaf] = []
     rejected: list[tuple[GradientAllReduce, str]] = []
     for ar in candidates:
-        inst = comp[ar.name]
+        inst, groups = comp[ar.name], ar.groups
+        if groups is None:
+            raise ValueError(f"%{ar.name} is not a candidate: {ar.reason}")
         if isinstance(inst.shape, ArrayShape):
-            leaves.append(Leaf(ar.name, None, (ar.name,), inst.operands[0], inst.shape,
-                               ar.groups))
+            leaves.append(Leaf(ar.name, None, (ar.name,), inst.operands[0], inst.shape, groups))
             continue
         user_insts = [comp[u] for u in users[ar.name]]
         if any(u.opcode != "get-tuple-element" for u in user_insts) or \
@@ -614,11 +665,20 @@ def collect_leaves(module: Module, comp: Computation, candidates: list[GradientA
             rejected.append((ar, "the tuple result is used whole (not through "
                                  "get-tuple-element)"))
             continue
-        for index, operand in enumerate(inst.operands):
-            values = tuple(u.name for u in user_insts if u.attr("index") == index)
-            leaves.append(Leaf(ar.name, index, values, operand, inst.shape.elements[index],
-                               ar.groups))
+        for index, (operand, shape) in enumerate(zip(inst.operands, shape_elements(inst))):
+            values = tuple(u.name for u in user_insts if u.int_attr("index") == index)
+            leaves.append(Leaf(ar.name, index, values, operand, shape, groups))
     return leaves, rejected
+
+
+def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
+    """The array elements of a tuple-shaped ``inst`` (a candidate all-reduce, a root
+    tuple of arrays: a nested tuple there is a bug, raised)."""
+    shape = inst.shape
+    if not isinstance(shape, TupleShape) or \
+            not all(isinstance(e, ArrayShape) for e in shape.elements):
+        raise TypeError(f"%{inst.name} is not a tuple of arrays")
+    return cast(tuple[ArrayShape, ...], shape.elements)
 
 
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
@@ -635,74 +695,81 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
     return ""
 
 
-def plan_region(module: Module, comp: Computation, leaves: list[Leaf],
+def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
                 replication: Replication, options: RegionOptions = RegionOptions()
                 ) -> RegionPlan:
     """Grow the region from the eligible ``leaves`` (same groups), drop leaves that move
-    no work, and choose leaf formats that minimise formatting copies.
+    no work, and choose leaf formats that minimise formatting copies. The inputs are not
+    changed: the plan's :class:`PlannedLeaf` records hold the decisions.
 
     Element orders are tried per leaf on its *component* only (the leaves whose region
     can meet its own), so choosing the orders costs the size of the region, not
     leaves × computation."""
     groups = leaves[0].groups
-    for leaf in leaves:
-        leaf.reason = _leaf_filter(leaf, options)
-        leaf.sharded = not leaf.reason
-        leaf.format = ShardFormat.of(leaf.shape, groups.size)
-    planner = _Planner(module, comp, replication, groups, leaves, options)
-    plan = planner.grow(leaves)
+    # The trial state, leaf index → its element order and why it stays whole ("": sharded).
+    reasons = {i: _leaf_filter(leaf, options) for i, leaf in enumerate(leaves)}
+    formats = {i: ShardFormat.of(leaf.shape, groups.size) for i, leaf in enumerate(leaves)}
+    planner = _Planner(module, comp, replication, groups, leaves, options,
+                       [leaf for i, leaf in enumerate(leaves) if not reasons[i]])
+    plan = planner.grow(formats, reasons)
     # A leaf whose region is empty in its stored order may have one in another order
     # (a reshape that keeps only the row-major order).
-    idle = [leaf for leaf in leaves if leaf.sharded and leaf.ops_moved == 0]
-    scopes = planner.components() if idle else {}
-    for leaf in idle:
-        stored = leaf.format
-        for perm in _candidate_orders(leaf.shape):
-            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            planner.grow(*scopes[id(leaf)])
-            if leaf.ops_moved > 0:
+    idle = [i for i, leaf in enumerate(plan.leaves) if leaf.sharded and leaf.ops_moved == 0]
+    scopes = planner.components(_sharded(reasons)) if idle else {}
+    for i in idle:
+        stored = formats[i]
+        for perm in _candidate_orders(leaves[i].shape):
+            formats[i] = ShardFormat.of(leaves[i].shape, groups.size, perm)
+            if scopes[i].planned(planner.grow(formats, reasons, scopes[i]), i).ops_moved > 0:
                 break
         else:
-            leaf.format = stored
+            formats[i] = stored
     if idle:
-        plan = planner.grow(leaves)
+        plan = planner.grow(formats, reasons)
     # Leaves whose region is still empty gain nothing (reduce-scatter + all-gather is the
     # all-reduce again).
-    while any(leaf.sharded and leaf.ops_moved == 0 for leaf in leaves):
-        for leaf in leaves:
+    while any(leaf.sharded and leaf.ops_moved == 0 for leaf in plan.leaves):
+        for i, leaf in enumerate(plan.leaves):
             if leaf.sharded and leaf.ops_moved == 0:
-                leaf.sharded, leaf.reason = False, _idle_reason(planner, plan, leaf)
-        plan = planner.grow(leaves)
+                reasons[i] = _idle_reason(planner, plan, leaf)
+        plan = planner.grow(formats, reasons)
     # Leaves whose region needs transposes: try the other element orders, keep the best.
-    scopes = planner.components()
+    # A leaf's copies are those of its latest plan: the whole computation's, then (once a
+    # leaf of its component chose) the component's in the orders chosen so far.
+    scopes = planner.components(_sharded(reasons))
+    copies = {i: leaf.formatting_copies for i, leaf in enumerate(plan.leaves)}
     changed = False
-    for leaf in leaves:
-        if not leaf.sharded or leaf.formatting_copies == 0:
+    for i, candidate in enumerate(leaves):
+        if reasons[i] or copies[i] == 0:
             continue
-        scope = scopes[id(leaf)]
-        stored = best = grown = leaf.format
-        best_cost = planner.cost(planner.grow(*scope))
-        for perm in _candidate_orders(leaf.shape):
-            leaf.format = ShardFormat.of(leaf.shape, groups.size, perm)
-            if leaf.format == stored:
+        scope = scopes[i]
+        stored = best = formats[i]
+        best_plan = planner.grow(formats, reasons, scope)
+        best_cost = planner.cost(best_plan)
+        for perm in _candidate_orders(candidate.shape):
+            formats[i] = ShardFormat.of(candidate.shape, groups.size, perm)
+            if formats[i] == stored:
                 continue
-            other, grown = planner.grow(*scope), leaf.format
+            other = planner.grow(formats, reasons, scope)
             other_cost = planner.cost(other)
             if other_cost < best_cost and \
                     all(active.ops_moved > 0 for active in other.active):
-                best, best_cost = leaf.format, other_cost
-        leaf.format = best
-        if grown != best:
-            planner.grow(*scope)  # the component's leaves describe the chosen order again
+                best, best_cost, best_plan = formats[i], other_cost, other
+        formats[i] = best
+        copies.update(zip(scope.members, (p.formatting_copies for p in best_plan.leaves)))
         changed |= best != stored
-    return planner.grow(leaves) if changed else plan
+    return planner.grow(formats, reasons) if changed else plan
 
 
-def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: Leaf) -> str:
+def _sharded(reasons: dict[int, str]) -> list[int]:
+    return [i for i, reason in reasons.items() if not reason]
+
+
+def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> str:
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
-                   plan.sharded)
+                   dict(plan.sharded))
     stops = [f"fusion %{user}: {why}" for value in leaf.values
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
@@ -721,13 +788,28 @@ def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
     return [tuple(range(shape.rank)), tuple(reversed(shape.minor_to_major()))]
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """Where a trial of one leaf's element order is grown: the sharded leaves whose
+    regions can meet its own (indices into the planner's leaves), and the instructions
+    those regions can reach, in order."""
+
+    members: tuple[int, ...]
+    order: tuple[Instruction, ...]
+
+    def planned(self, plan: RegionPlan, index: int) -> PlannedLeaf:
+        """Leaf ``index`` in ``plan``, a plan grown over this scope."""
+        return plan.leaves[self.members.index(index)]
+
+
 class _Planner:
     """Grows region plans over one computation. What does not change between trials —
     the dataflow graph, the topological order, the ancestors of the gradients — is
     computed once."""
 
     def __init__(self, module: Module, comp: Computation, replication: Replication,
-                 groups: DeviceGroups, leaves: list[Leaf], options: RegionOptions) -> None:
+                 groups: DeviceGroups, leaves: Sequence[Leaf], options: RegionOptions,
+                 candidates: list[Leaf]) -> None:
         self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
         self.leaves, self.options = leaves, options
         self.params = comp.parameters() if options.keep_state_orders else []
@@ -735,12 +817,12 @@ class _Planner:
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
-        #: Trials (a component's leaves) stop at the ancestors of every candidate
-        #: gradient; full plans at those of exactly their active leaves.
-        self.all_ancestors = self.ancestors_of_gradients(
-            [leaf for leaf in leaves if leaf.sharded])
+        #: Trials (a component's leaves) stop at the ancestors of every ``candidates``
+        #: gradient (those the size filter let through); full plans at those of exactly
+        #: their sharded leaves.
+        self.all_ancestors = self.ancestors_of_gradients(candidates)
 
-    def ancestors_of_gradients(self, active: list[Leaf]) -> set[str]:
+    def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
         key = tuple(leaf.operand for leaf in active)
         if key not in self._ancestors:
@@ -760,32 +842,40 @@ class _Planner:
         if not self.options.keep_state_orders:
             return 0
         read = region_only_parameters(self.params, self.graph, plan)
-        by_number = {p.parameter_number: p for p in self.params}
+        by_number = {p.param_number: p for p in self.params}
         root = self.comp.root
         lost = 0
         for number, formats in read.items():
             fmt = next(iter(formats))
-            lost += len(formats) != 1 or not flattenable(fmt, by_number[number].shape)
+            param_shape = by_number[number].shape
+            lost += len(formats) != 1 or not (isinstance(param_shape, ArrayShape)
+                                              and flattenable(fmt, param_shape))
+        outputs = root.shape.elements if root.opcode == "tuple" and \
+            isinstance(root.shape, TupleShape) else ()
         for number, k in self.options.state_outputs:
-            value = root.operands[k] if number in read and root.opcode == "tuple" and \
-                k < len(root.operands) else None
-            if value in plan.sharded:
-                lost += not flattenable(plan.sharded[value], root.shape.elements[k])
+            value = root.operands[k] if number in read and k < len(outputs) else None
+            if value is not None and value in plan.sharded:
+                out_shape = outputs[k]
+                lost += not (isinstance(out_shape, ArrayShape)
+                             and flattenable(plan.sharded[value], out_shape))
         return lost
 
-    def grow(self, leaves: list[Leaf], order: list[Instruction] | None = None) -> RegionPlan:
-        """The plan for ``leaves`` over ``order`` (default: the whole computation)."""
-        if order is None:
+    def grow(self, formats: dict[int, ShardFormat], reasons: dict[int, str],
+             scope: _Scope | None = None) -> RegionPlan:
+        """The plan for the leaves in ``formats`` / ``reasons`` (index → element order,
+        why it stays whole or ``""``), over ``scope`` (default: the whole computation)."""
+        indices = range(len(self.leaves)) if scope is None else scope.members
+        leaves = [PlannedLeaf.of(self.leaves[i], formats[i], reasons[i]) for i in indices]
+        if scope is None:
             return _grow(self, leaves, self.order, self.ancestors_of_gradients(
                 [leaf for leaf in leaves if leaf.sharded]))
-        return _grow(self, leaves, order, self.all_ancestors)
+        return _grow(self, leaves, scope.order, self.all_ancestors)
 
-    def components(self) -> dict[int, tuple[list[Leaf], list[Instruction]]]:
-        """id(leaf) → (the sharded leaves whose regions can meet its own, the instructions
-        those regions can reach in order). Reach follows users whose opcode has a region
-        rule, so what ends the region (the root tuple, a dot) couples nothing."""
-        active = [leaf for leaf in self.leaves if leaf.sharded]
-        parent = list(range(len(active)))
+    def components(self, sharded: list[int]) -> dict[int, _Scope]:
+        """Leaf index → its scope, for the ``sharded`` leaves. Reach follows users whose
+        opcode has a region rule, so what ends the region (the root tuple, a dot) couples
+        nothing."""
+        parent = list(range(len(sharded)))
 
         def find(i: int) -> int:
             while parent[i] != i:
@@ -794,8 +884,8 @@ class _Planner:
             return i
 
         owner: dict[str, int] = {}
-        for i, leaf in enumerate(active):
-            stack = list(leaf.values)
+        for i, index in enumerate(sharded):
+            stack = list(self.leaves[index].values)
             while stack:
                 name = stack.pop()
                 if name in owner:
@@ -805,63 +895,66 @@ class _Planner:
                 stack.extend(user for user in self.graph.successors(name)
                              if self.comp[user].opcode in RULES)
         orders: dict[int, list[Instruction]] = {}
-        members: dict[int, list[Leaf]] = {}
-        for i, leaf in enumerate(active):
-            members.setdefault(find(i), []).append(leaf)
+        members: dict[int, list[int]] = {}
+        for i, index in enumerate(sharded):
+            members.setdefault(find(i), []).append(index)
         for inst in self.order:
             if inst.name in owner:
                 orders.setdefault(find(owner[inst.name]), []).append(inst)
-        return {id(leaf): (members[find(i)], orders[find(i)]) for i, leaf in enumerate(active)}
+        return {index: _Scope(tuple(members[find(i)]), tuple(orders[find(i)]))
+                for i, index in enumerate(sharded)}
 
 
-def _grow(planner: _Planner, leaves: list[Leaf], order: list[Instruction],
+def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruction],
           upstream_of_gradients: set[str]) -> RegionPlan:
     comp, graph = planner.comp, planner.graph
     active = [leaf for leaf in leaves if leaf.sharded]
-    plan = RegionPlan(comp.name, planner.groups,
-                      active[0].all_reduce if active else leaves[0].all_reduce, leaves)
-    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, plan.sharded)
+    sharded: dict[str, ShardFormat] = {}
+    ops: dict[str, RegionOp] = {}
+    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded)
     for leaf in active:
         for value in leaf.values:
-            plan.sharded[value] = leaf.format
-    leaf_values = set(plan.sharded)
+            sharded[value] = leaf.format
+    leaf_values = set(sharded)
     for inst in order:
-        if inst.name in leaf_values or not any(o in plan.sharded for o in inst.operands):
+        if inst.name in leaf_values or not any(o in sharded for o in inst.operands):
             continue
         op = classify(ctx, inst)
         if op is not None:
-            plan.ops[inst.name] = op
+            ops[inst.name] = op
             if op.result_format is not None:
-                plan.sharded[inst.name] = op.result_format
+                sharded[inst.name] = op.result_format
     if active:
-        _pull_reductions(ctx, plan, graph, upstream_of_gradients, planner.index)
-        _pull_producers(ctx, plan, graph)
-        plan.ops = {name: plan.ops[name] for name in sorted(plan.ops, key=planner.index.get)}
-    _boundaries(comp, graph, plan)
-    _account(comp, graph, plan, active, ctx)
-    return plan
+        _pull_reductions(ctx, ops, graph, upstream_of_gradients, planner.index)
+        _pull_producers(ctx, ops, graph)
+        ops = {name: ops[name] for name in sorted(ops, key=planner.index.__getitem__)}
+    plan = RegionPlan(comp.name, planner.groups,
+                      active[0].all_reduce if active else leaves[0].all_reduce, tuple(leaves),
+                      sharded, ops, _boundaries(comp, graph, sharded, ops))
+    return _account(comp, graph, plan, ctx)
 
 
-def _pull_reductions(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph,
+def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph,
                      upstream_of_gradients: set[str], index: dict[str, int]) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
     weight norm) become masked local reductions of a slice. The search for what feeds
     the region stops at the gradients' ancestors: a reduction behind one of them is one
     too, and never pulled."""
-    feeds = upstream(graph, plan.ops, upstream_of_gradients)
-    for name in sorted(feeds, key=index.get):
+    feeds = upstream(graph, ops, upstream_of_gradients)
+    for name in sorted(feeds, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in plan.ops or not ctx.replicated(name):
+        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
             continue
         op = classify(ctx, inst)
         if op is not None:
-            plan.ops[name] = replace(op, pulled=True)
+            ops[name] = replace(op, pulled=True)
 
 
-def upstream(graph: nx.MultiDiGraph, starts, stop: set[str] = frozenset()) -> set[str]:
+def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
+             stop: AbstractSet[str] = frozenset()) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
     searching past (nor including) the names in ``stop``."""
     seen: set[str] = set()
@@ -874,17 +967,17 @@ def upstream(graph: nx.MultiDiGraph, starts, stop: set[str] = frozenset()) -> se
     return seen
 
 
-def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> None:
+def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph) -> None:
     """Replicated producers whose every user consumes them in the region, in one format,
     run on shards too (AdamW's ``w * weight_decay``). A worklist: a producer is looked at
     again only when one of its users joins the region."""
-    comp = ctx.comp
-    work = list(plan.ops)
+    comp, sharded = ctx.comp, ctx.sharded
+    work = list(ops)
     while work:
         name = work.pop()
-        op = plan.ops[name]
+        op = ops[name]
         for index, operand in enumerate(comp[name].operands):
-            if operand in plan.sharded or operand in plan.ops:
+            if operand in sharded or operand in ops:
                 continue
             producer = comp[operand]
             shape = _array(producer.shape)
@@ -893,35 +986,41 @@ def _pull_producers(ctx: _Context, plan: RegionPlan, graph: nx.MultiDiGraph) -> 
                     or shape.dims != read_as.dims or operand == comp.root_name \
                     or not ctx.replicated(operand):
                 continue
-            if any(u not in plan.ops or plan.ops[u].formats_reading(comp[u], operand) != {read_as}
+            if any(u not in ops or ops[u].formats_reading(comp[u], operand) != {read_as}
                    for u in graph.successors(operand)):
                 continue
             operand_format = _operand_format_for(producer, comp, read_as)
             if operand_format is None or not _operands_fit(ctx, producer, operand_format):
                 continue
-            plan.ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
-            plan.sharded[operand] = read_as
+            ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
+            sharded[operand] = read_as
             work.append(operand)
 
 
-def _boundaries(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan) -> None:
-    for name in plan.sharded:
-        outside = [u for u in dict.fromkeys(graph.successors(name)) if u not in plan.ops]
+def _boundaries(comp: Computation, graph: nx.MultiDiGraph, sharded: Mapping[str, ShardFormat],
+                ops: Mapping[str, RegionOp]) -> dict[str, tuple[str, ...]]:
+    boundary: dict[str, tuple[str, ...]] = {}
+    for name in sharded:
+        outside = tuple(u for u in dict.fromkeys(graph.successors(name)) if u not in ops)
         if comp.root_name == name:
-            outside.append("")
+            outside += ("",)
         if outside:
-            plan.boundary[name] = outside
+            boundary[name] = outside
+    return boundary
 
 
 def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
-             active: list[Leaf], ctx: _Context) -> None:
-    """Per leaf: region ops it reaches (plus pulled producers feeding them), formatting
-    copies, and the elementwise work saved on the other N-1 shards' behalf."""
+             ctx: _Context) -> RegionPlan:
+    """``plan`` with, per sharded leaf, the region ops it reaches (plus pulled producers
+    feeding them), its formatting copies, and the elementwise work saved on the other
+    N-1 shards' behalf."""
     region = set(plan.ops)
     copies_of = _formatting_copies(comp, plan, ctx)
-    plan.formatting_copies = sum(count for count, _ in copies_of.values())
-    plan.formatting_cost = sum(moved for _, moved in copies_of.values())
-    for leaf in active:
+    leaves: list[PlannedLeaf] = []
+    for leaf in plan.leaves:
+        if not leaf.sharded:
+            leaves.append(leaf)
+            continue
         reached: set[str] = set()
         stack = list(leaf.values)
         while stack:
@@ -935,11 +1034,15 @@ def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
                 if producer in region and producer not in reached and plan.ops[producer].pulled:
                     reached.add(producer)
                     frontier.append(producer)
-        leaf.ops_moved = len(reached)
-        leaf.formatting_copies = sum(copies_of.get(n, (0, 0.0))[0]
-                                     for n in reached | set(leaf.values))
-        leaf.saved_flops = sum(plan.ops[n].operand_format.elements for n in reached) * \
-            (1 - 1 / ctx.n)
+        leaves.append(replace(
+            leaf, ops_moved=len(reached),
+            formatting_copies=sum(copies_of.get(n, (0, 0.0))[0]
+                                  for n in reached | set(leaf.values)),
+            saved_flops=sum(plan.ops[n].operand_format.elements for n in reached) *
+            (1 - 1 / ctx.n)))
+    return replace(plan, leaves=tuple(leaves),
+                   formatting_copies=sum(count for count, _ in copies_of.values()),
+                   formatting_cost=sum(moved for _, moved in copies_of.values()))
 
 
 def _formatting_copies(comp: Computation, plan: RegionPlan,
@@ -974,13 +1077,14 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
 def is_scalar_broadcast(comp: Computation, name: str) -> bool:
     """``broadcast`` of a scalar: formatted as a ``[shard_len]`` broadcast, no slicing."""
     inst = comp[name]
-    return inst.opcode == "broadcast" and isinstance(comp[inst.operands[0]].shape, ArrayShape) \
-        and comp[inst.operands[0]].shape.is_scalar
+    operand = comp[inst.operands[0]].shape if inst.opcode == "broadcast" else None
+    return isinstance(operand, ArrayShape) and operand.is_scalar
 
 
 __all__ = [
-    "Leaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "blocks_through_collectives", "canonical_perm", "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
+    "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
+    "VIEW_OPCODES", "blocks_through_collectives", "canonical_perm", "classify",
+    "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

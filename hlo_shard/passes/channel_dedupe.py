@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from hlo_shard.graph import Change, Rewriter
 from hlo_shard.ir import Module
+from hlo_shard.opinfo import CHANNEL_UNIQUE
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
 
@@ -46,7 +47,7 @@ class ChannelIdDedupe(ModulePass[RenumberedChannels]):
             rw = Rewriter(comp)
             for inst in comp.instructions:
                 channel = inst.int_attr("channel_id")
-                if channel is None or inst.opcode not in ChannelIds.COLLECTIVES:
+                if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
                     rw.set_attr(inst, "channel_id", channels.fresh())

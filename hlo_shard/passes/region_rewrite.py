@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hlo_shard.analysis.collectives import reducer_opcode
-from hlo_shard.analysis.update_region import (Leaf, RegionOp, RegionPlan, ShardFormat,
+from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
@@ -26,10 +26,6 @@ from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instru
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            shard_body)
-
-#: Never erased as a side effect of the rewrite.
-_KEEP = frozenset({"parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng",
-                   "send-done", "recv-done", "after-all", "rng-get-and-update-state"})
 
 
 class RegionRewrite:
@@ -64,7 +60,7 @@ class RegionRewrite:
             inst = self.comp[value]
             if is_scalar_broadcast(self.comp, value):
                 cache[key] = self.emit.add(
-                    "broadcast", self.emit.shape(inst.shape.element_type, (fmt.shard_len,)),
+                    "broadcast", self.emit.shape(inst.array_shape.element_type, (fmt.shard_len,)),
                     [inst.operands[0]], name=f"{value}.shard", dimensions=())
             else:
                 cache[key] = self.emit.local_slice(value, fmt)
@@ -79,7 +75,7 @@ class RegionRewrite:
         return self.replicated_shard(operand, fmt)
 
     # Reduce-scatter side ------------------------------------------------------------------
-    def scatter(self, leaves: list[Leaf]) -> None:
+    def scatter(self, leaves: list[PlannedLeaf]) -> None:
         """One reduce-scatter for ``leaves`` (one element type), placed before the last of
         their all-reduces; records each leaf's ``[L]`` shard."""
         emit = self.emit
@@ -117,14 +113,14 @@ class RegionRewrite:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
 
-    def scatter_block(self, leaf: Leaf, to_apply) -> None:
+    def scatter_block(self, leaf: PlannedLeaf, to_apply) -> None:
         """Reduce-scatter the gradient along its format's major dimension (each device
         gets its block) and transpose only that block into the shard order."""
         emit = self.emit
         element_type = leaf.shape.element_type
         scattered = emit.add("reduce-scatter", emit.shape(element_type, block_dims(leaf.format)),
                              [leaf.operand], name="reduce-scatter",
-                             **emit.collective_attrs(dimensions=(leaf.format.block[0],),
+                             **emit.collective_attrs(dimensions=(leaf.format.known_block[0],),
                                                      to_apply=to_apply))
         shard = emit.block_to_shard(scattered, leaf.format, element_type)
         for value in leaf.values:
@@ -142,12 +138,13 @@ class RegionRewrite:
                 self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
-            if inst.opcode == "fusion":
-                attributes["calls"] = ComputationRef(self.sharded_body(
-                    attributes["calls"].name, op.result_format))
+            calls = inst.attr_as("calls", ComputationRef)
+            if inst.opcode == "fusion" and calls is not None:
+                attributes["calls"] = ComputationRef(self.sharded_body(calls.name,
+                                                                       op.result_shard))
             new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
-                              self.emit.shape(inst.shape.element_type,
-                                              (op.result_format.shard_len,)),
+                              self.emit.shape(inst.array_shape.element_type,
+                                              (op.result_shard.shard_len,)),
                               operands, attributes)
             self.shard_of[name] = self.rw.add_instruction(new).name
 
@@ -170,8 +167,8 @@ class RegionRewrite:
         inst = self.comp[name]
         fmt = op.operand_format
         source, init = inst.operands
-        element_type = self.comp[source].shape.element_type
-        out_type = inst.shape.element_type
+        element_type = self.comp[source].array_shape.element_type
+        out_type = inst.array_shape.element_type
         to_apply = inst.attr("to_apply")
         with self.rw.inserting_before(name):
             shard = self.operand_shard(source, fmt)
@@ -187,7 +184,7 @@ class RegionRewrite:
                 result = self.keep_nan(local, result, op.reducer, out_type, to_apply, name)
             if not _is_constant(self.comp[init], op.neutral):
                 result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
-            if not inst.shape.is_scalar:
+            if not inst.array_shape.is_scalar:
                 result = emit.add("reshape", inst.shape, [result])
         self.rw.replace_all_uses_with(name, result)
         self._erase.append(name)
@@ -254,13 +251,14 @@ class RegionRewrite:
         self._gather_boundaries()
         self._rebuild_all_reduces()
         self._erase.extend(reversed(list(plan.ops)))
-        self._erase_dead()
+        # The replaced instructions, then operands of theirs left unused.
+        self.rw.remove_dead(among=self._erase)
         combine_one_element_sums(self.rw, self.emit, self._one_element_sums)
         order = topological_order(self.comp)
         if [i.name for i in order] != [i.name for i in self.comp.instructions]:
             self.comp.instructions[:] = order
             self.comp.reindex()
-        shared = defaultdict(int)
+        shared: defaultdict[str, int] = defaultdict(int)
         for name in self.collective_of.values():
             shared[name] += 1
         return {label: f"{name} (combined, {shared[name]} tensors)" if shared[name] > 1 else name
@@ -278,8 +276,9 @@ class RegionRewrite:
             if users:
                 outside[name] = users
                 items.append(Gathered(name, fmt,
-                                      self.emit.gathered_shape(inst.shape, fmt, users), name))
-            inst.shape = self.emit.shape(inst.shape.element_type, (fmt.shard_len,))
+                                      self.emit.gathered_shape(inst.array_shape, fmt, users),
+                                      name))
+            inst.shape = self.emit.shape(inst.array_shape.element_type, (fmt.shard_len,))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
                                             outside).items():
@@ -306,8 +305,8 @@ class RegionRewrite:
         position = {inst.name: i for i, inst in enumerate(comp.instructions)}
         anchors: dict[str, list[str]] = defaultdict(list)
         needs: dict[str, list[str]] = {}
-        for value, users in self.plan.boundary.items():
-            users = list(users)
+        for value, boundary in self.plan.boundary.items():
+            users = list(boundary)
             if root.name in users and root.opcode == "tuple" and all(
                     self.outputs.get(k) == value for k, o in enumerate(root.operands)
                     if o == value):
@@ -321,16 +320,17 @@ class RegionRewrite:
         for anchor, values in anchors.items():
             values.sort(key=lambda v: position[v])
             for bucket in self.bucketing.buckets(values, lambda v: comp[v].shape.byte_size,
-                                                 lambda v: comp[v].shape.element_type):
+                                                 lambda v: comp[v].array_shape.element_type):
                 items = [Gathered(self.shard_of[v], self.plan.sharded[v],
-                                  self.emit.gathered_shape(comp[v].shape, self.plan.sharded[v],
+                                  self.emit.gathered_shape(comp[v].array_shape,
+                                                           self.plan.sharded[v],
                                                            needs[v]), v)
                          for v in bucket]
                 with self.rw.inserting_before(anchor):
                     gathered.update(zip(bucket, self.emit.gather(items)))
         for value, users in needs.items():
             self._rewire(value, gathered[value], users, kept_shards)
-        if root.opcode == "tuple" and self.outputs:
+        if root.opcode == "tuple" and isinstance(root.shape, TupleShape) and self.outputs:
             zero_padded = PaddingZeros(self.module, comp, self.plan, set(self.inputs))
             for k, value in self.outputs.items():
                 if root.operands[k] == value:
@@ -346,15 +346,15 @@ class RegionRewrite:
         shard, fmt = self.shard_of[value], self.plan.sharded[value]
         if not fmt.padding or zero_padded.state(value) == _ZERO:
             return shard
-        element_type = self.comp[value].shape.element_type
-        with self.rw.inserting_before(self.comp.root_name):
+        element_type = self.comp[value].array_shape.element_type
+        with self.rw.inserting_before(self.comp.root.name):
             return self.mask_padding(shard, fmt, element_type,
                                      "false" if element_type == "pred" else "0",
                                      f"{value}.zero_padded")
 
     def _rebuild_all_reduces(self) -> None:
         """Keep the unsharded elements of partly sharded tuple all-reduces."""
-        by_ar: dict[str, list[Leaf]] = defaultdict(list)
+        by_ar: dict[str, list[PlannedLeaf]] = defaultdict(list)
         for leaf in self.plan.leaves:
             by_ar[leaf.all_reduce].append(leaf)
         for name, leaves in by_ar.items():
@@ -385,24 +385,6 @@ class RegionRewrite:
                             self.comp[value].attributes["index"] = position
                             self.rw.set_operand(self.comp[value], 0, new.name)
 
-    def _erase_dead(self) -> None:
-        """Erase the replaced instructions, then operands of theirs left unused (users
-        before producers, until nothing more goes)."""
-        pending = set(self._erase)
-        progress = True
-        while progress:
-            progress = False
-            position = {inst.name: i for i, inst in enumerate(self.comp.instructions)}
-            for name in sorted((n for n in pending if n in position), key=position.get,
-                               reverse=True):
-                inst = self.comp[name]
-                if name == self.comp.root_name or self.rw.users(name) or inst.opcode in _KEEP:
-                    continue
-                self.rw.erase(name)
-                pending.discard(name)
-                pending.update(inst.operands)
-                progress = True
-
 
 def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
                       items: list[Gathered], users: dict[str, list[str]]) -> dict[Gathered, str]:
@@ -413,10 +395,10 @@ def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
     position = {inst.name: i for i, inst in enumerate(comp.instructions)}
     anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
     for item in sorted(items, key=lambda i: position[i.shard]):
-        readers = [u or comp.root_name for u in users.get(item.shard, [])]
+        readers = [u or comp.root.name for u in users.get(item.shard, [])]
         readers = [u for u in readers if u != item.shard]
         # (anchor, before it?): with no other reader (the shard is the root), right after.
-        key = (min(readers, key=position.get), True) if readers else (item.shard, False)
+        key = (min(readers, key=position.__getitem__), True) if readers else (item.shard, False)
         anchors[key].append(item)
     out: dict[Gathered, str] = {}
     for (anchor, before), group in anchors.items():
@@ -440,7 +422,8 @@ def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str])
     if len(present) < 2:
         return 0
     # Level: how many of these all-reduces lie upstream (same level: independent).
-    members, level = set(present), {}
+    members = set(present)
+    level: dict[str, int] = {}
     for inst in topological_order(comp):
         level[inst.name] = max((level[o] + (o in members) for o in inst.operands), default=0)
     groups: dict[tuple, list[str]] = defaultdict(list)
@@ -449,7 +432,7 @@ def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str])
         reducer = reducer_opcode(emit.module, getattr(inst.attr("to_apply"), "name", ""))
         if reducer is None:
             continue
-        groups[(level[name], inst.shape.element_type, reducer,
+        groups[(level[name], inst.array_shape.element_type, reducer,
                 str(inst.attr("replica_groups")), inst.attr("use_global_device_ids"))
                ].append(name)
     saved = 0
@@ -532,7 +515,7 @@ class PaddingZeros:
                  input_shards: set[str]) -> None:
         self.module, self.comp, self.plan = module, comp, plan
         self.zero = input_shards | {v for leaf in plan.active for v in leaf.values}
-        self._memo: dict[tuple[str, str], str] = {}
+        self._memo: dict[tuple[str, tuple[str, ...]], str] = {}
 
     def state(self, value: str) -> str:
         comp = self.comp
@@ -542,12 +525,13 @@ class PaddingZeros:
         if op is None or op.kind == "reduce":  # replicated: a broadcast, a scalar, a slice
             if is_scalar_broadcast(comp, value):
                 return _constant_state(comp[inst.operands[0]])
-            return _constant_state(inst) if inst.shape.is_scalar else _ZERO
+            return _constant_state(inst) if inst.array_shape.is_scalar else _ZERO
         operands = [self.state(o) for o in inst.operands]
         if inst.opcode == "reduce":
             return operands[0]  # a region reduce here drops size-1 dimensions only
-        if inst.opcode == "fusion":
-            return self._body(inst.attr("calls").name, tuple(operands))
+        calls = inst.attr_as("calls", ComputationRef)
+        if inst.opcode == "fusion" and calls is not None:
+            return self._body(calls.name, tuple(operands))
         return _rule(inst.opcode)(operands)
 
     def _body(self, name: str, params: tuple[str, ...]) -> str:
@@ -557,14 +541,14 @@ class PaddingZeros:
             states: dict[str, str] = {}
             for inst in body.instructions:
                 if inst.opcode == "parameter":
-                    states[inst.name] = params[inst.parameter_number]
+                    states[inst.name] = params[inst.param_number]
                 elif inst.opcode == "constant":
                     states[inst.name] = _constant_state(inst)
-                elif inst.opcode == "broadcast" and body[inst.operands[0]].shape.is_scalar:
+                elif inst.opcode == "broadcast" and body[inst.operands[0]].array_shape.is_scalar:
                     states[inst.name] = states[inst.operands[0]]
                 else:
                     states[inst.name] = _rule(inst.opcode)([states[o] for o in inst.operands])
-            self._memo[key] = states[body.root_name]
+            self._memo[key] = states[body.root.name]
         return self._memo[key]
 
 

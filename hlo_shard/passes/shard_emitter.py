@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.analysis.update_region import (ShardFormat, blocks_through_collectives,
-                                              is_laid_out, major_dimension, natural_perm)
+from hlo_shard.analysis.update_region import (VIEW_OPCODES, ShardFormat,
+                                              blocks_through_collectives, is_laid_out,
+                                              major_dimension, natural_perm)
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           SliceRanges, TupleShape)
@@ -25,17 +26,10 @@ from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, 
 class ChannelIds:
     """Fresh channel ids for a module that uses them (``max + 1``, as XLA does)."""
 
-    #: Opcodes whose ``channel_id`` must be unique (send/recv pairs share theirs).
-    COLLECTIVES = frozenset({
-        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-        "collective-permute", "collective-broadcast", "all-reduce-start", "all-gather-start",
-        "collective-permute-start",
-    })
-
     def __init__(self, module: Module) -> None:
         self.module = module
-        ids = [i.attr("channel_id") for c in module.computations for i in c.instructions
-               if i.attr("channel_id") is not None]
+        ids = [channel for c in module.computations for i in c.instructions
+               if (channel := i.int_attr("channel_id")) is not None]
         self.next = max(ids, default=0) + 1
 
     def fresh(self) -> int:
@@ -73,7 +67,7 @@ class ShardEmitter:
             isinstance(shape, ArrayShape) and shape.layout is not None)
         self.laid_out = is_laid_out(self.module)
         body = [i.name for i in self.comp.instructions if i.opcode != "parameter"]
-        self.first = body[0] if body else self.comp.root_name
+        self.first = body[0] if body else self.comp.root.name
 
     # Shapes and small pieces -----------------------------------------------------------
     def shape(self, element_type: str, dims: tuple[int, ...]) -> ArrayShape:
@@ -166,22 +160,22 @@ class ShardEmitter:
         (a plain ``dot`` where the flat path gets a ``ynn_fusion``: the jit-captured 1024²
         Adam MLP at N = 8 ran 0.90x of its step sharded per tensor in blocks, 0.16x with
         the flat transpose, which XLA absorbs by computing the dot with swapped operands)."""
-        inst = self.comp[value]
-        if not self.collective_blocks(fmt, inst.shape):
+        inst, shape = self.comp[value], self.comp[value].array_shape
+        if not self.collective_blocks(fmt, shape):
             return False
         return inst.opcode not in ("dot", "convolution") or \
-            major_dimension(inst.shape.dims, inst.shape.minor_to_major()) == fmt.block[0]
+            major_dimension(shape.dims, shape.minor_to_major()) == fmt.known_block[0]
 
     # Formatting -------------------------------------------------------------------------
     def flat_padded(self, value: str, fmt: ShardFormat) -> str:
         """``value`` (full) in ``fmt``'s order, flat and zero-padded: ``[N·L]``."""
-        inst = self.comp[value]
-        element_type = inst.shape.element_type
+        shape = self.comp[value].array_shape
+        element_type = shape.element_type
         current = value
         if fmt.perm != tuple(range(len(fmt.dims))):
             current = self.add("transpose", self.shape(element_type, fmt.transposed_dims),
                                [current], name=f"{value}.formatted", dimensions=fmt.perm)
-        if inst.shape.dims != (fmt.elements,) or current != value:
+        if shape.dims != (fmt.elements,) or current != value:
             current = self.add("reshape", self.shape(element_type, (fmt.elements,)), [current],
                                name=f"{value}.flat")
         if fmt.padding:
@@ -194,9 +188,10 @@ class ShardEmitter:
         """This device's ``[L]`` shard of a full value it holds (no communication). A
         transposed order whose shards are blocks slices the block first, so only the
         shard is transposed."""
-        element_type = self.comp[value].shape.element_type
-        if uses_blocks(fmt, self.comp[value].shape):
-            major, rows = fmt.block
+        shape = self.comp[value].array_shape
+        element_type = shape.element_type
+        if uses_blocks(fmt, shape):
+            major, rows = fmt.known_block
             starts = [self.constant("u32", "0")] * len(fmt.dims)
             starts[major] = self.offset(rows)
             block = self.add("dynamic-slice", self.shape(element_type, block_dims(fmt)),
@@ -245,7 +240,7 @@ class ShardEmitter:
             item = items[0]
             block = self.shard_to_block(item.shard, item.format, element_type)
             return [self.add("all-gather", item.shape, [block], name=f"{item.label}.gathered",
-                             **self.collective_attrs(dimensions=(item.format.block[0],)))]
+                             **self.collective_attrs(dimensions=(item.format.known_block[0],)))]
         total = sum(item.format.shard_len for item in items)
         operand = items[0].shard if len(items) == 1 else self.add(
             "concatenate", self.shape(element_type, (total,)), [i.shard for i in items],
@@ -291,11 +286,6 @@ def _row_major(shape) -> bool:
             and not any(shape.dynamic) and shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1)))
 
 
-#: Fusion-body ops that only move elements: on shards in one element order they are the
-#: identity (the body analysis proved the order of their result is their operand's).
-_VIEWS = frozenset({"transpose", "reshape", "bitcast"})
-
-
 def shard_body(body: Computation, name: str,
                shard_shape: Callable[[str], ArrayShape]) -> Computation:
     """A fusion body on ``[L]`` shards: every array value becomes ``shard_shape(type)``,
@@ -304,13 +294,17 @@ def shard_body(body: Computation, name: str,
     out: list[Instruction] = []
     for inst in body.instructions:
         operands = [alias.get(o, o) for o in inst.operands]
-        if inst.opcode in _VIEWS and not inst.shape.is_scalar:
+        # On shards in one element order a view is the identity (the body analysis
+        # proved the order of its result is its operand's).
+        full = inst.array_shape
+        if inst.opcode in VIEW_OPCODES and not full.is_scalar:
             alias[inst.name] = operands[0]
             continue
-        shape = inst.shape if inst.shape.is_scalar else shard_shape(inst.shape.element_type)
+        shape = full if full.is_scalar else shard_shape(full.element_type)
         out.append(Instruction(inst.name, inst.opcode, shape, operands, dict(inst.attributes),
                                inst.parameter_number, inst.literal))
-    return Computation(name, out, alias.get(body.root_name, body.root_name))
+    root = body.root.name
+    return Computation(name, out, alias.get(root, root))
 
 
 def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
@@ -320,7 +314,7 @@ def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
 
 
 def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
-    major, rows = fmt.block
+    major, rows = fmt.known_block
     return tuple(rows if d == major else size for d, size in enumerate(fmt.dims))
 
 

@@ -36,7 +36,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
                                             find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
-from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
+from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
                                               collect_leaves, flattenable, plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Change, Rewriter, call_graph, dataflow_graph
@@ -242,7 +242,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                                     outputs)
             collectives = rewrite.run()
             run.changes += rewrite.rw.changes
-        run.report.explanations += [_explain(comp.name, leaf, collectives) for leaf in leaves]
+        run.report.explanations += [_explain(comp.name, leaf, collectives)
+                                     for leaf in plan.leaves]
 
     def _region_boundary(self, run: _Run, comp: Computation, plan: RegionPlan,
                          state_entry: bool) -> tuple[dict[str, ShardFormat], dict[int, str]]:
@@ -822,7 +823,7 @@ def _rejected(module: Module, ar: GradientAllReduce, reason: str) -> Explanation
                        inst.shape.byte_size, False, reason)
 
 
-def _explain(comp_name: str, leaf: Leaf, collectives: dict[str, str]) -> Explanation:
+def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> Explanation:
     from hlo_shard.printer import format_shape
 
     if not leaf.sharded:
