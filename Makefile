@@ -34,7 +34,8 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/passes/pipeline.py hlo_shard/passes/adapters.py hlo_shard/passes/registry.py \
 	hlo_shard/passes/replica_form.py hlo_shard/runtime/forms.py \
 	hlo_shard/outputs.py hlo_shard/limits.py hlo_shard/schema.py hlo_shard/source.py \
-	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py
+	hlo_shard/profiles/__init__.py hlo_shard/cli/app.py \
+	bench/jax_models_bench.py
 typecheck: install
 	$(PY) -m mypy --follow-imports=silent $(TYPED)
 

@@ -35,11 +35,15 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
+from collections.abc import Sequence
 
 from zoo import geomean  # bench/ is on sys.path (this file's folder, or run.py's)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"  # the model definitions (fixture_models, zoo_models, hlo_dump)
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
 MODES = ("gathered", "sharded")
 #: The update-heavy MLP's width here (the step-time rows use 1024: 4x1024² with six
 #: optimizers would take most of the table's few minutes on two cores).
@@ -48,8 +52,6 @@ MLP_WIDTH = 512
 
 def bench_models(mlp_width: int = MLP_WIDTH) -> dict:
     """Model name → the ModelSpec of its body (the optimizer is set per row)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
     from fixture_models import LARGE_MODELS, UPDATE_HEAVY_MLP, _mlp_spec
     from zoo_models import ZOO_MODELS
 
@@ -83,7 +85,7 @@ def describe(spec) -> str:
 class Variant:
     """One way to run a row's step, with its own (donated) arguments."""
 
-    step: object
+    step: Any  # the jit step or a ShardedStep (jax is imported in the child only)
     args: tuple
     first_call_s: float = 0.0
     per_round: list[float] = dataclasses.field(default_factory=list)
@@ -182,8 +184,9 @@ def measure_row(spec, devices: int, runs: int, rounds: int) -> dict:
             if timed:
                 v.per_round.append(statistics.median(times[name]))
     jit = variants["jit"]
-    row = {"jit_ms": statistics.median(jit.per_round) * 1e3, "jit_first_s": jit.first_call_s,
-           "jit_compile_s": jit_compile_s, "modes": {}}
+    row: dict[str, Any] = {"jit_ms": statistics.median(jit.per_round) * 1e3,
+                           "jit_first_s": jit.first_call_s, "jit_compile_s": jit_compile_s,
+                           "modes": {}}
     for mode in MODES:
         v, fast = variants[mode], variants[mode].step
         report = fast.report
@@ -251,21 +254,31 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from zoo_models import OPTIMIZERS
+
+    models = bench_models()
+    parser = argparse.ArgumentParser(description="hlo_shard.jax against plain jax.jit per "
+                                     "bench model x optimizer x state mode")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (N)")
     parser.add_argument("--runs", type=int, default=8, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--models", type=lambda s: s.split(","),
-                        default=["mlp", "conv", "block", "ln_mlp"], help="comma-separated")
-    parser.add_argument("--optimizers", type=lambda s: s.split(","),
-                        default=["adam", "adamw_clip", "lion", "lamb", "adafactor", "momentum"],
-                        help="comma-separated")
-    parser.add_argument("--mlp-width", type=int, default=MLP_WIDTH)
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(models),
+                        help=f"comma-separated, of {','.join(models)}")
+    parser.add_argument("--optimizers", type=lambda s: s.split(","), default=list(OPTIMIZERS),
+                        help=f"comma-separated, of {','.join(OPTIMIZERS)}")
+    parser.add_argument("--mlp-width", type=int, default=MLP_WIDTH,
+                        help="width of the update-heavy MLP's 4 layers")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag, chosen, known in (("--models", args.models, models),
+                                ("--optimizers", args.optimizers, OPTIMIZERS)):
+        unknown = [name for name in chosen if name not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return args
 
 
-def jax_models(argv: list[str] = ()) -> dict:
+def jax_models(argv: Sequence[str] = ()) -> dict:
     """Run the table in a child process with N CPU devices (XLA reads the device count
     when its CPU backend starts), print it, return its geometric means."""
     args = parse_args(list(argv))
@@ -279,6 +292,7 @@ def jax_models(argv: list[str] = ()) -> dict:
         child = subprocess.Popen([sys.executable, __file__, "--child", *argv], env=env,
                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
         last = ""
+        assert child.stdout is not None
         for line in child.stdout:  # the rows as they are measured
             if last:
                 print(last, end="", flush=True)
