@@ -240,6 +240,23 @@ class Instruction:
                             f"not a {kind.__name__}")
         return value
 
+    def required_attr(self, name: str, kind: type[_A]) -> _A:
+        """An attribute XLA requires of this opcode (``body=`` of a while, ``index=`` of a
+        get-tuple-element: ``attributes.REQUIRED_ATTRIBUTES``, which the parser enforces),
+        as a ``kind``; its absence is a bug in whoever built the instruction: raised."""
+        value = self.attr_as(name, kind)
+        if value is None:
+            raise KeyError(f"%{self.name}: a {self.opcode} needs {name}=")
+        return value
+
+    @property
+    def param_number(self) -> int:
+        """N of ``parameter(N)``, for an instruction known to be a parameter (the parser
+        numbers every one); any other instruction raises."""
+        if self.parameter_number is None:
+            raise TypeError(f"%{self.name}: a {self.opcode} is not a parameter")
+        return self.parameter_number
+
     def int_attr(self, name: str) -> int | None:
         """An integer attribute (``channel_id``, ``dimension``, ``index``), or None."""
         return self.attr_as(name, int)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TypeVar, cast
 
 from hlo_shard.graph import callees_first, topological_order
 from hlo_shard.ir import (
@@ -51,22 +52,35 @@ def _format_float(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
+_V = TypeVar("_V")
+ValuePrinter = Callable[[AttrValue], str]
+
+
+def _printer(kind: type[_V], print_value: Callable[[_V], str]) -> tuple[type, ValuePrinter]:
+    """A table entry: the checker sees that ``print_value`` takes a ``kind``.
+
+    The table forgets that pairing (no mypy type maps each key to its own value type);
+    the lookup by the value's exact type restores it, so the cast cannot lie."""
+    return kind, cast(ValuePrinter, print_value)
+
+
 #: Value type → printer. bool is listed before int (bool is an int subclass) and the
 #: lookup goes by exact type.
-_VALUE_FORMATS: dict[type, Callable[[AttrValue], str]] = {
-    bool: lambda v: "true" if v else "false",
-    int: str,
-    float: _format_float,
-    tuple: _format_int_list,
-    Raw: lambda v: v.text,
-    Ident: lambda v: v.name,
-    Str: lambda v: c_quote(v.value),
-    ComputationRef: lambda v: f"%{v.name}",
-    ComputationList: lambda v: "{" + ", ".join(f"%{n}" for n in v.names) + "}",
-    SliceRanges: lambda v: "{" + ", ".join(
-        f"[{a}:{b}]" if c == 1 else f"[{a}:{b}:{c}]" for a, b, c in v.ranges) + "}",
-    ReplicaGroups: lambda v: v.text if v.text is not None else _format_int_list(v.groups),
-}
+_VALUE_FORMATS: dict[type, ValuePrinter] = dict([
+    _printer(bool, lambda v: "true" if v else "false"),
+    _printer(int, str),
+    _printer(float, _format_float),
+    _printer(tuple, _format_int_list),
+    _printer(Raw, lambda v: v.text),
+    _printer(Ident, lambda v: v.name),
+    _printer(Str, lambda v: c_quote(v.value)),
+    _printer(ComputationRef, lambda v: f"%{v.name}"),
+    _printer(ComputationList, lambda v: "{" + ", ".join(f"%{n}" for n in v.names) + "}"),
+    _printer(SliceRanges, lambda v: "{" + ", ".join(
+        f"[{a}:{b}]" if c == 1 else f"[{a}:{b}:{c}]" for a, b, c in v.ranges) + "}"),
+    _printer(ReplicaGroups,
+             lambda v: v.text if v.text is not None else _format_int_list(v.groups)),
+])
 
 
 def format_value(value: AttrValue) -> str:

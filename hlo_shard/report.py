@@ -20,6 +20,7 @@ from hlo_shard.analysis.estimate import (
     CATEGORIES, StepEstimate, estimate_step, per_weight_rows,
 )
 from hlo_shard.analysis.liveness import CATEGORIES as MEMORY_CATEGORIES
+from hlo_shard.analysis.names import instruction_names, labelled
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
@@ -215,6 +216,7 @@ def report_json(est: StepEstimate, module: Module, top: int = 10) -> dict:
     """The machine-readable report (all figures per device)."""
     memory = est.memory
     by_category = est.seconds_by_category()
+    names = instruction_names(module)
     return {
         "module": est.module,
         "profile": est.profile.name,
@@ -234,7 +236,8 @@ def report_json(est: StepEstimate, module: Module, top: int = 10) -> dict:
                         for kind, s in sorted(est.collectives().items())},
         "memory": memory.to_json(),
         "parameters": est.parameter_kinds,
-        "weights": per_weight_rows(est, module),
+        **({"parameter_names": names} if names else {}),
+        "weights": _named_weights(per_weight_rows(est, module), names),
         "top_instructions": [i.to_json() for i in est.top(top)],
         "region_source": est.region_source,
         "notes": est.notes,
@@ -294,15 +297,23 @@ def report_document(est: StepEstimate, module: Module, top: int = 10) -> Documen
         [[i.name, i.opcode, CATEGORY_LABELS[i.category], str(i.runs), fmt_seconds(i.seconds),
           fmt_count(i.cost.flops), fmt_bytes(i.cost.bytes_accessed)] for i in est.top(top)]))
     weights = per_weight_rows(est, module)
+    names = instruction_names(module)
     if weights:
         doc.tables.append(Table("Per weight tensor", [
             "weight", "bytes", "update time", "update flops", "gradient sent"],
-            [[name, fmt_bytes(r["bytes"]), fmt_seconds(r["update_seconds"]),
-              fmt_count(r["update_flops"]), fmt_bytes(r["collective_bytes"])]
+            [[labelled(name, names.get(name)), fmt_bytes(r["bytes"]),
+              fmt_seconds(r["update_seconds"]), fmt_count(r["update_flops"]),
+              fmt_bytes(r["collective_bytes"])]
              for name, r in weights.items()]))
     doc.figures += [memory_figure([est]), step_figure([est])]
     doc.notes += _notes(est)
     return doc
+
+
+def _named_weights(rows: dict[str, dict], names: dict[str, str]) -> dict[str, dict]:
+    """``per_weight_rows`` with the user's ``name`` of each weight where the module has it."""
+    return {hlo: {**row, "name": names[hlo]} if hlo in names else row
+            for hlo, row in rows.items()}
 
 
 def _notes(est: StepEstimate) -> list[str]:
@@ -371,15 +382,17 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
          zip(_memory_rows(before), _memory_rows(after))]))
     weights_a = per_weight_rows(before, before_module)
     weights_b = per_weight_rows(after, after_module)
+    names = instruction_names(before_module)
     weight_rows = []
     for name in weights_a:
         a, b = weights_a[name], weights_b.get(name)
         if b is None:
             continue
+        label = labelled(name, names.get(name))
         weight_rows += [
-            (f"{name}: update time", a["update_seconds"], b["update_seconds"], fmt_seconds),
-            (f"{name}: update flops", a["update_flops"], b["update_flops"], fmt_count),
-            (f"{name}: gradient sent", a["collective_bytes"], b["collective_bytes"], fmt_bytes)]
+            (f"{label}: update time", a["update_seconds"], b["update_seconds"], fmt_seconds),
+            (f"{label}: update flops", a["update_flops"], b["update_flops"], fmt_count),
+            (f"{label}: gradient sent", a["collective_bytes"], b["collective_bytes"], fmt_bytes)]
     if weight_rows:
         doc.tables.append(_diff_table("Per weight tensor", weight_rows))
     doc.figures += [step_figure([before, after]), memory_figure([before, after])]

@@ -146,11 +146,13 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
 
 
 def sharding_pass(state: str, strategy: str, profile: HardwareProfile):
-    """The weight-update sharding pass with the given options; ``auto`` buckets the
+    """The weight-update sharding pipeline with the given options; ``auto`` buckets the
     collectives for ``profile``, the hardware projected on."""
+    from hlo_shard.passes.sharding_pipeline import sharding_pipeline
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
-    return WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy, profile=profile))
+    return sharding_pipeline(WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy,
+                                                                  profile=profile)))
 
 
 def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
@@ -177,7 +179,7 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
         original = _projection(estimate_step(target, profile, algorithm=algorithm,
                                              categories=base.categories), factor, weight_factor)
         try:
-            sharded_module = sharding_pass(state, strategy, hardware).apply(
+            sharded_module = sharding_pass(state, strategy, hardware).run(
                 copy.deepcopy(target)).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))

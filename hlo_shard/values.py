@@ -10,8 +10,12 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from typing import TYPE_CHECKING
 
 from hlo_shard.ir import COMPLEX_TYPES, INTEGER_TYPES, ReplicaGroups, SliceRanges
+
+if TYPE_CHECKING:  # numpy is imported where constants are read, not with the parser
+    import numpy as np
 
 _INT_RE = re.compile(r"-?\d+")
 _INT_LIST_RE = re.compile(r"\{\s*(?:-?\d+(?:\s*,\s*-?\d+)*)?\s*\}\Z")
@@ -261,7 +265,9 @@ def _read_elements(dims: tuple[int, ...], literal: str,
         if found:
             elements += found
             if len(open_counts) != rank:
-                where = element_re.search(literal, position, end).start()
+                first = element_re.search(literal, position, end)
+                assert first is not None, "findall found elements there"
+                where = first.start()
                 errors.append(LiteralError(
                     f"expects nested array in rank {rank}, but sees {len(open_counts)}"
                     if brace is not None else "expects ')' after constant literal", where))
@@ -410,7 +416,7 @@ def _out_of_range(element_type: str, finite: dict[float, str]) -> list[str]:
     return [finite[float(value)] for value in values[_overflows(element_type, values)]]
 
 
-def _overflows(element_type: str, values) -> np.ndarray:  # noqa: F821 - numpy, lazily
+def _overflows(element_type: str, values: np.ndarray) -> np.ndarray:
     """Which finite float64 ``values`` the type turns into inf or NaN (f8e8m0fnu has no
     zero and no sign: values ≤ 0 are out of its range too)."""
     import numpy as np

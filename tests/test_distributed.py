@@ -127,6 +127,13 @@ def test_devices_must_split_evenly():
         runtime.load(WHO.replace("replica_count=4", "replica_count=2"), worker=worker)
 
 
+def test_local_device_count_needs_the_device_count():
+    """Before the first compile says the count: the user error, once a TypeError."""
+    with DistributedWorker(2) as worker, pytest.raises(HloShardError, match="pass --devices"):
+        worker.local_device_count  # noqa: B018 - the property raises
+    assert DistributedWorker(2, 4).local_device_count == 2
+
+
 # ----------------------------------------------------------------------- failures
 
 

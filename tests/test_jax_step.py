@@ -173,12 +173,14 @@ def test_a_gradient_from_a_dot_is_scattered_flat_not_in_minor_blocks(request):
     tensor, 0.13x flat), so each is flattened (transpose + reshape, absorbed by XLA)."""
     if not needs_devices(request):
         return
+    from hlo_shard.passes.sharding_pipeline import run_sharding
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
     program = make_program("mlp", "adam", 2, donate=False)
     params, opt_state = program.init()
     module = parse(hsj.per_device_hlo(program.step, params, opt_state, program.batch(0)))
-    WeightUpdateSharding(ShardingOptions(state="sharded", strategy="per-tensor")).apply(module)
+    run_sharding(module, WeightUpdateSharding(ShardingOptions(state="sharded",
+                                                              strategy="per-tensor")))
     scattered = [module.entry[inst.operands[0]] for inst in module.entry.instructions
                  if inst.opcode == "reduce-scatter"]
     assert len(scattered) >= 4 and not [o.name for o in scattered if o.opcode == "dot"]

@@ -51,7 +51,6 @@ FACT_SETS = [
      opcodes_where(lambda i: i.cost == opinfo.FREE), {}),
     ("hlo_shard.analysis.cost", "ALL_REDUCE_OPCODES",
      opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE), {}),
-    ("hlo_shard.runtime.inputs", "SUMMING_COLLECTIVES", opinfo.SUMMING_COLLECTIVES, {}),
     ("hlo_shard.passes.region_rewrite", "_KEEP", opinfo.IMPURE | {"parameter"}, {
         # RegionRewrite._erase_dead keeps fewer ops than Rewriter.remove_dead: the rewrite
         # never makes these dead today, but a dead -start without its -done is invalid.
@@ -110,12 +109,10 @@ POLICY_SETS = [
     ("hlo_shard.validate", "_SHAPE_RULES", {}),
     ("hlo_shard.attributes", "REQUIRED_ATTRIBUTES", {}),
     ("hlo_shard.attributes", "OPCODE_ATTRIBUTES", {}),
-    # jax primitive names where HLO opcodes were meant: these entries never match.
-    ("hlo_shard.runtime.inputs", "PASS_THROUGH", {
-        "clz": "count-leading-zeros", "exp": "exponential", "expm1": "exponential-minus-one",
-        "log1p": "log-plus-one", "optimization-barrier": "opt-barrier"}),
-    ("hlo_shard.runtime.inputs", "POSITIVE_OPERANDS", {"log1p": "log-plus-one"}),
-    ("hlo_shard.runtime.inputs", "POSITIVE_IF", {"optimization-barrier": "opt-barrier"}),
+    # These held jax primitive names (exp, log1p, optimization-barrier …) once.
+    ("hlo_shard.runtime.inputs", "PASS_THROUGH", {}),
+    ("hlo_shard.runtime.inputs", "POSITIVE_OPERANDS", {}),
+    ("hlo_shard.runtime.inputs", "POSITIVE_IF", {}),
 ]
 
 

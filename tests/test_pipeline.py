@@ -12,12 +12,11 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.adapters import WeightUpdateShardingPass
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.pipeline import PassCheckError, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.weight_update_sharding import (ShardingOptionError, ShardingOptions,
+                                                     ShardingReport, WeightUpdateSharding)
 from hlo_shard.printer import to_text
 from hlo_shard.profiles import HardwareProfile
 
@@ -92,26 +91,30 @@ def test_passes_are_frozen():
 
 def test_the_weight_update_pass_runs_in_a_pipeline_unchanged():
     direct = parse(SGD)
-    WeightUpdateSharding().apply(direct)
-    result = Pipeline([WeightUpdateShardingPass()]).run(parse(SGD))
+    alone = WeightUpdateSharding().apply(direct)
+    result = Pipeline([WeightUpdateSharding()]).run(parse(SGD))
     assert to_text(result.module) == to_text(direct)
     report = result.report(ShardingReport)
-    assert result.changed and report.explanations[0].sharded
+    assert result.changed and alone.changed and report.explanations[0].sharded
+    assert alone.report == report
 
 
 def test_the_weight_update_pass_resolves_its_options_when_built():
-    step = WeightUpdateShardingPass(ShardingOptions(profile="h100"))
-    assert isinstance(step.options.profile, HardwareProfile)
-    assert step.options.profile.name == "h100"
-    with pytest.raises(HloShardError, match="state"):
-        WeightUpdateShardingPass(ShardingOptions(state="everywhere"))
+    step = WeightUpdateSharding(ShardingOptions(profile="h100"))
+    assert isinstance(step.profile, HardwareProfile) and step.profile.name == "h100"
+    with pytest.raises(HloShardError, match="^state must be one of gathered, sharded, not "
+                                            "'everywhere'$"):
+        WeightUpdateSharding(ShardingOptions(state="everywhere"))
+    with pytest.raises(HloShardError, match="^strategy must be one of"):
+        WeightUpdateSharding(ShardingOptions(strategy="some"))
     with pytest.raises(HloShardError, match="unknown profile"):
-        WeightUpdateShardingPass(ShardingOptions(profile="no-such-chip"))
+        WeightUpdateSharding(ShardingOptions(profile="no-such-chip"))
 
 
-def test_a_positional_legacy_result_carries_its_report():
-    module = parse(SGD)
-    assert PassResult(module, False, [], ["report"]).report == "report"
+def test_a_contradicted_option_is_named_as_the_library_names_it():
+    with pytest.raises(ShardingOptionError, match="^num_replicas=4 does not match the "
+                                                  "module's data-parallel group size 2$"):
+        WeightUpdateSharding(ShardingOptions(num_replicas=4)).apply(parse(SGD))
 
 
 SPMD = f"""HloModule spmd, num_partitions=2, input_output_alias={{ {{}}: (0, {{}}, may-alias) }}

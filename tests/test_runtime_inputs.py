@@ -80,6 +80,41 @@ def test_default_roles_follow_tuple_elements_through_loops():
     assert runtime.default_roles(parse(LOOP)) == {0: "replicated", 1: "per-device"}
 
 
+#: Weights w and batch x go through one opt-barrier (jax.lax.optimization_barrier); w
+#: reaches the output through exponential as well (HLO names, not jax's exp).
+BARRIER = "HloModule barrier, replica_count=2\n" + ADD + """ENTRY e {
+ w = f32[4,3] parameter(0) x = f32[5,4] parameter(1) v = f32[4,3] parameter(2)
+ t = (f32[4,3], f32[5,4]) tuple(w, x)
+ o = (f32[4,3], f32[5,4]) opt-barrier(t)
+ wb = f32[4,3] get-tuple-element(o), index=0 xb = f32[5,4] get-tuple-element(o), index=1
+ y = f32[5,3] dot(xb, wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+ yv = f32[5,3] dot(xb, v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+ s = f32[5,3] add(y, yv)
+ gw = f32[4,3] dot(xb, s), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+ g = f32[4,3] all-reduce(gw), replica_groups={{0,1}}, to_apply=add
+ w2 = f32[4,3] subtract(wb, g) ev = f32[4,3] exponential(v) v2 = f32[4,3] subtract(ev, g)
+ ROOT r = (f32[4,3], f32[4,3]) tuple(w2, v2) }
+"""
+
+
+def test_default_roles_keep_leaves_apart_through_opt_barrier_and_know_hlo_names():
+    """Weights through an opt-barrier (and state through exponential) are state updated
+    in place; the batch carried through the same barrier stays per-device. The table
+    once named jax primitives (optimization-barrier, exp), which never matched, so w and
+    v were per-device; merged barrier leaves would make x replicated."""
+    assert runtime.default_roles(parse(BARRIER)) == {
+        0: "replicated", 1: "per-device", 2: "replicated"}
+
+
+def test_positive_demand_crosses_opt_barrier_and_log_plus_one():
+    module = parse("HloModule m\nENTRY e {\n"
+                   " a = f32[4] parameter(0) b = f32[4] parameter(1) c = f32[4] parameter(2)\n"
+                   " t = (f32[4], f32[4]) tuple(a, b) o = (f32[4], f32[4]) opt-barrier(t)\n"
+                   " ob = f32[4] get-tuple-element(o), index=1 s = f32[4] sqrt(ob)\n"
+                   " l = f32[4] log-plus-one(c) ROOT r = f32[4] add(s, l) }")
+    assert runtime.positive_parameters(module) == {1, 2}
+
+
 def test_explicit_list_then_manifest_then_sharding_then_replication():
     module = parse("HloModule m, num_partitions=2\nENTRY e {\n"
                    " a = f32[2] parameter(0), sharding={replicated}\n"
@@ -157,6 +192,11 @@ def test_npz_inputs(tmp_path):
     np.savez(path, nope=np.ones(3))
     with pytest.raises(HloShardError, match="names no entry parameter"):
         runtime.load_npz(path, module, 2)
+    tupled = parse("HloModule m\nENTRY e { p = (f32[2], f32[]) parameter(0)\n"
+                   " ROOT r = f32[2] get-tuple-element(p), index=0 }")
+    np.savez(path, p0=np.ones(2))
+    with pytest.raises(HloShardError, match="tuple-shaped entry parameters"):
+        runtime.load_npz(path, tupled, 2)  # once an AttributeError on .element_type
 
 
 # ------------------------------------------------------------------------ manifest

@@ -7,6 +7,7 @@ from collections import Counter
 
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
+from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
 from hlo_shard.printer import to_text
@@ -17,14 +18,15 @@ MAX = "mx { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] maximum
 
 
 def optimize(text: str, **options) -> tuple[Module, ShardingReport]:
-    """Parse, run the pass, check it validates (printed and parsed back), return both."""
+    """Parse, run the sharding pipeline (no speed gate), check it validates (printed and
+    parsed back), return both."""
     module = parse(text)
-    result = WeightUpdateSharding(ShardingOptions(**options)).apply(module)
+    report = run_sharding(module, WeightUpdateSharding(ShardingOptions(**options)))
     problems = validate(module)
     assert not problems, problems
     reparsed = parse(to_text(module))
     assert not validate(reparsed)
-    return module, result.notes[0]
+    return module, report
 
 
 def opcodes(module: Module, comp: str | None = None) -> Counter:

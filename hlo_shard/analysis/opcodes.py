@@ -58,6 +58,8 @@ def is_elementwise_body(comp: Computation, dims: tuple[int, ...]) -> bool:
             return False
         if inst.opcode == "constant" and not shape.is_scalar:
             return False
-        if inst.opcode == "broadcast" and not comp[inst.operands[0]].shape.is_scalar:
-            return False
+        if inst.opcode == "broadcast":
+            operand = comp[inst.operands[0]].shape
+            if not (isinstance(operand, ArrayShape) and operand.is_scalar):
+                return False
     return isinstance(comp.root.shape, ArrayShape) and comp.root.shape.dims == dims

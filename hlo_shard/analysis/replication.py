@@ -28,7 +28,8 @@ from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_group
 from hlo_shard.analysis.opcodes import (DETERMINISTIC, DEVICE_DEPENDENT, ELEMENTWISE,
                                         is_elementwise_body)
 from hlo_shard.graph import dataflow_graph
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, Shape, TupleShape
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
+                          Shape, TupleShape)
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
 Flags = bool | tuple
@@ -212,7 +213,7 @@ def default_parameter_replication(module: Module, sources: dict[str, set[str]]
     upstream: set[str] = set()
     for source in sources.get(entry.name, ()):
         upstream |= nx.ancestors(graph, source)
-    return {p.parameter_number: p.name not in upstream or
+    return {p.param_number: p.name not in upstream or
             _meets_gradient(module, entry, {p.name}, sources, graph)
             for p in entry.parameters()}
 
@@ -248,19 +249,18 @@ def _meets_gradient(module: Module, comp: Computation, starts: set[str],
 
 def _flows_through(module: Module, inst: Instruction) -> bool:
     if inst.opcode == "fusion":
-        calls = inst.attr("calls")
-        return isinstance(inst.shape, ArrayShape) and calls is not None and \
-            is_elementwise_body(module.computation(calls.name), inst.shape.dims)
+        return isinstance(inst.shape, ArrayShape) and is_elementwise_body(
+            module.computation(inst.required_attr("calls", ComputationRef).name), inst.shape.dims)
     return inst.opcode in _FLOW_THROUGH
 
 
 def _meets_in_body(module: Module, loop: Instruction, init: Instruction, reach: set[str],
                    sources: dict[str, set[str]], depth: int) -> bool:
     """The carried slots of ``init`` that hold reached values, followed into the body."""
-    body = module.computation(loop.attr("body").name)
+    body = module.computation(loop.required_attr("body", ComputationRef).name)
     slots = {i for i, o in enumerate(init.operands) if o in reach}
     inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
-              and body[i.operands[0]].opcode == "parameter" and i.attr("index") in slots}
+              and body[i.operands[0]].opcode == "parameter" and i.int_attr("index") in slots}
     return bool(inside) and _meets_gradient(module, body, inside, sources, None, depth + 1)
 
 
@@ -277,13 +277,14 @@ class _Analyzer:
     def computation(self, comp: Computation, params: list[Flags]) -> Flags:
         """Analyse ``comp`` with the given parameter flags; returns the root's flags."""
         key = (comp.name, tuple(params))
-        if key in self._memo:
-            values, root = self._memo[key]
+        memo = self._memo.get(key)
+        if memo is not None:
+            values, root = memo
         else:
-            values: dict[str, Flags] = {}
+            values = {}
             for inst in comp.instructions:
                 values[inst.name] = self.instruction(comp, inst, values, params)
-            root = values[comp.root_name]
+            root = values[comp.root.name]
             self._memo[key] = (values, root)
         merged = self.result.values.setdefault(comp.name, {})
         for name, flags in values.items():
@@ -295,7 +296,7 @@ class _Analyzer:
         ops = [values[o] for o in inst.operands]
         opcode = inst.opcode
         if opcode == "parameter":
-            n = inst.parameter_number
+            n = inst.param_number
             return params[n] if n < len(params) else uniform(inst.shape, False)
         if opcode in ("constant", "iota", "after-all"):
             return uniform(inst.shape, True)
@@ -311,7 +312,8 @@ class _Analyzer:
             return tuple(ops)
         if opcode == "get-tuple-element":
             source = ops[0]
-            return source[inst.attr("index")] if isinstance(source, tuple) else source
+            return source[inst.required_attr("index", int)] if isinstance(source, tuple) \
+                else source
         if opcode == "while":
             return self._while(inst, ops[0])
         if opcode in ("call", "fusion", "async-start"):
@@ -338,8 +340,8 @@ class _Analyzer:
         return all(any(g <= s for s in sets) for g in self.target)
 
     def _while(self, inst: Instruction, init: Flags) -> Flags:
-        body = self.module.computation(inst.attr("body").name)
-        cond = self.module.computation(inst.attr("condition").name)
+        body = self.module.computation(inst.required_attr("body", ComputationRef).name)
+        cond = self.module.computation(inst.required_attr("condition", ComputationRef).name)
         carry = init
         while True:
             out = self.computation(body, [carry])
@@ -397,7 +399,7 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
     out: list[ParamReplication] = []
     pmap = is_pmap_form(module)
     for param in entry.parameters():
-        n = param.parameter_number
+        n = param.param_number
         if n in overrides.replicated or n in overrides.per_device:
             out.append(ParamReplication(n, uniform(param.shape, n in overrides.replicated), "flag"))
             continue

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from hlo_shard.analysis.names import UserNames, labelled, user_names
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.analysis.update_region import natural_perm
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
@@ -33,8 +34,8 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
 from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
-                                                     ShardingOptions, ShardingReport,
-                                                     StrategyChoice)
+                                                     ShardingOptionError, ShardingOptions,
+                                                     ShardingReport, StrategyChoice)
 from hlo_shard.report import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 
@@ -83,11 +84,15 @@ def pick_dump_file(folder: Path) -> Path:
                         "hlo_shard.jax.per_device_hlo(step, *args)")
 
 
-def build_manifest(report: ShardingReport, module: Module):
-    """The runtime's manifest record for the rewritten signature."""
+def build_manifest(report: ShardingReport, module: Module, names: UserNames | None = None):
+    """The runtime's manifest record for the rewritten signature; ``names``: the user's
+    names of the original (an output is named by the parameter it is the next value of)."""
     from hlo_shard.runtime.manifest import ArrayRecord, Manifest, Shard
 
-    def record(entry) -> ArrayRecord:
+    by_param = names.parameters if names is not None else {}
+    by_output = {k: by_param[p] for k, p in report.feedback or () if p in by_param}
+
+    def record(entry, user_name: str) -> ArrayRecord:
         shard = None
         if entry.kind == "sharded":
             fmt = entry.format
@@ -96,15 +101,18 @@ def build_manifest(report: ShardingReport, module: Module):
         if not hasattr(entry.shape, "dims"):
             raise HloShardError(f"cannot describe tuple-shaped entry value {entry.name!r} "
                                 "in a manifest")
-        return ArrayRecord(entry.index, entry.index, entry.kind, entry.shape, entry.name, shard)
+        return ArrayRecord(entry.index, entry.index, entry.kind, entry.shape, entry.name, shard,
+                           user_name)
 
     form = "spmd" if module.num_partitions > 1 else "replica"
     feedback = tuple(report.feedback) if report.feedback else None
-    return Manifest(report.devices, tuple(record(p) for p in report.parameters),
-                    tuple(record(o) for o in report.outputs), feedback, form=form)
+    return Manifest(report.devices,
+                    tuple(record(p, by_param.get(p.index, "")) for p in report.parameters),
+                    tuple(record(o, by_output.get(o.index, "")) for o in report.outputs),
+                    feedback, form=form)
 
 
-def _explain_lines(rows: list[Explanation]) -> list[str]:
+def _explain_lines(rows: list[Explanation], names: UserNames) -> list[str]:
     header = ("all-reduce", "shape", "bytes", "sharded", "ops moved", "copies", "saved flops",
               "collective / reason")
     table = [header]
@@ -112,6 +120,8 @@ def _explain_lines(rows: list[Explanation]) -> list[str]:
         where = row.all_reduce if row.index is None else f"{row.all_reduce}[{row.index}]"
         if row.computation:
             where = f"{row.computation}/{where}"
+        weight = names.gradient_of(row.all_reduce, row.index)
+        where = labelled(where, weight and f"gradient of {weight}")
         table.append((where, row.shape, str(row.bytes), "yes" if row.sharded else "no",
                       str(row.ops_moved), str(row.formatting_copies), f"{row.saved_flops:.3g}",
                       row.collective if row.sharded else row.reason))
@@ -266,22 +276,28 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         click.echo(f"{note}; module written unchanged to "
                    f"{'stdout' if output == '-' else output}", err=True)
         return
-    report, text, decision = optimize_where_faster(module, options, force)
+    names = user_names(module) if explain or as_json or manifest_path else UserNames()
+    try:
+        report, text, decision = optimize_where_faster(module, options, force)
+    except ShardingOptionError as err:  # the library's words → this command's flag
+        raise HloShardError(f"--{err.option.replace('_', '-')} {err.value} {err.problem}"
+                            ) from None
     manifest_json = None
     if manifest_path is not None:
         from hlo_shard.runtime.manifest import manifest_to_json
 
-        manifest_json = json.dumps(manifest_to_json(build_manifest(report, module)), indent=2)
+        manifest_json = json.dumps(manifest_to_json(build_manifest(report, module, names)),
+                                   indent=2)
     write_outputs([(output, text),
                    (manifest_path, None if manifest_json is None else manifest_json + "\n")])
     if explain:
-        click.echo("\n".join(_explain_lines(report.explanations)), err=True)
+        click.echo("\n".join(_explain_lines(report.explanations, names)), err=True)
         for line in _strategy_lines(report.strategies):
             click.echo(line, err=True)
         for line in _speed_lines(decision):
             click.echo(line, err=True)
         for note in report.notes:
-            click.echo(f"note: {note}", err=True)
+            click.echo(f"note: {names.note(note)}", err=True)
     click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(json.dumps({
@@ -291,8 +307,9 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             "speed": decision.to_json(),
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
-            "explanations": [r.to_json() for r in report.explanations],
-            "notes": report.notes,
+            "explanations": [names.explained(r.to_json()) if names else r.to_json()
+                             for r in report.explanations],
+            "notes": [names.note(note) for note in report.notes],
             "manifest": manifest_path,
         }, indent=2))
 

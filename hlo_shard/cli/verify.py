@@ -147,7 +147,8 @@ def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
     if not 1 <= timeout <= MAX_TIMEOUT:  # also refuses nan
         raise HloShardError(f"--timeout must be between 1 and {MAX_TIMEOUT:.0f} seconds, "
                             f"not {timeout}")
-    flags = {limits.DEVICES: max_devices, limits.WORKER_MEMORY: worker_memory}
+    flags: dict[limits.Limit, str | int | None] = {
+        limits.DEVICES: max_devices, limits.WORKER_MEMORY: worker_memory}
     for limit, value in flags.items():
         limit.value(value)
     click.get_current_context().with_resource(limits.given_limits(flags))
@@ -246,7 +247,7 @@ def verify(original: str, candidate: str | None, devices: int | None, processes:
         click.echo(json.dumps({**report.to_json(), **where}, indent=2))
     else:
         click.echo("\n".join(_text_report(report, bool(time_runs))))
-        if where:
+        if worker is not None:
             click.echo(f"ran in {processes} processes x {report.devices // processes} devices "
                        f"through jax.distributed (coordinator {worker.coordinator})")
     if not report.ok:

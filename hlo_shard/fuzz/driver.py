@@ -234,6 +234,7 @@ def run_variant(spec: StepSpec, transform: Transformation, workdir: Path, state:
     candidate = transform(original, workdir, state, strategy)
     if candidate.error is not None:
         return Outcome(CRASH if candidate.crashed else REFUSED, candidate.error)
+    assert candidate.text is not None, "a candidate without an error has its text"
     key = (candidate.text, candidate.manifest)
     if cache is not None and key in cache:
         return cache[key]

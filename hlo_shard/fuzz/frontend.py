@@ -20,6 +20,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hlo_shard.fuzz.emit import Names
 
@@ -74,6 +75,17 @@ class Value:
 
 
 @dataclass
+class ArrayValue(Value):
+    """A value of array type: its element type and dims are known."""
+
+    dtype: str
+    dims: tuple[int, ...]
+
+
+_V = TypeVar("_V", bound=Value)
+
+
+@dataclass
 class Inst:
     name: str
     shape: str
@@ -115,35 +127,47 @@ class ModuleGenerator(Names):
                      comments=r.choice((0.0, 0.0, 0.1, 0.3)), one_line=r.random() < 0.1,
                      root_keyword=r.random() < 0.9)
 
-    def add(self, inst: Inst, dtype: str | None = None, dims=None) -> Value:
+    def add(self, inst: Inst, dtype: str | None = None, dims: tuple[int, ...] | None = None
+            ) -> Value:
+        if dtype is not None and dims is not None:
+            return self.add_array(inst, dtype, dims)
+        return self._keep(inst, Value(inst.name, inst.shape, dtype, dims))
+
+    def add_array(self, inst: Inst, dtype: str, dims: tuple[int, ...]) -> ArrayValue:
+        return self._keep(inst, ArrayValue(inst.name, inst.shape, dtype, dims))
+
+    def _keep(self, inst: Inst, value: _V) -> _V:
         self.insts.append(inst)
-        value = Value(inst.name, inst.shape, dtype, dims)
         self.values.append(value)
         return value
 
     def op(self, opcode: str, dtype: str, dims: tuple[int, ...], operands=(), attrs=(),
-           shape: str | None = None) -> Value:
+           shape: str | None = None) -> ArrayValue:
         """A new instruction ``opcode`` of array type ``dtype[dims]`` (or ``shape``)."""
         inst = Inst(self.fresh(opcode), shape or _shape(dtype, dims), opcode, list(operands),
                     list(attrs))
-        return self.add(inst, dtype, dims)
+        return self.add_array(inst, dtype, dims)
 
-    def constant(self, dtype: str, literal: str, base: str = "constant") -> Value:
+    def constant(self, dtype: str, literal: str, base: str = "constant") -> ArrayValue:
         inst = Inst(self.fresh(base), f"{dtype}[]", "constant", payload=literal)
-        return self.add(inst, dtype, ())
+        return self.add_array(inst, dtype, ())
 
-    def param(self, shape: str, dtype=None, dims=None, attrs=None) -> Value:
+    def _parameter(self, shape: str, attrs: list[tuple[str, str]] | None = None) -> Inst:
         inst = Inst(self.fresh(self.rng.choice(("p", "arg", "Arg_0", "x", "param"))), shape,
                     "parameter", payload=str(self.params), attrs=attrs or [])
         self.params += 1
-        return self.add(inst, dtype, dims)
+        return inst
 
-    def array(self, dtype: str, dims: tuple[int, ...]) -> Value:
+    def param(self, shape: str, attrs: list[tuple[str, str]] | None = None) -> Value:
+        return self.add(self._parameter(shape, attrs))
+
+    def array(self, dtype: str, dims: tuple[int, ...]) -> ArrayValue:
         """An existing value of exactly this type and dims, or a new parameter."""
-        matches = [v for v in self.values if v.dtype == dtype and v.dims == dims]
+        matches = [v for v in self.values
+                   if isinstance(v, ArrayValue) and v.dtype == dtype and v.dims == dims]
         if matches and self.rng.random() < 0.7:
             return self.rng.choice(matches)
-        return self.param(_shape(dtype, dims), dtype, dims)
+        return self.add_array(self._parameter(_shape(dtype, dims)), dtype, dims)
 
     def helper(self, kind: str, dtype: str = "f32") -> str:
         """A called computation, emitted once (callees precede callers)."""
@@ -349,7 +373,7 @@ class ModuleGenerator(Names):
         self.add(Inst(self.fresh(base), _shape(dtype, dims) + layout, "constant",
                       payload=literal), dtype, dims)
 
-    def _float_array(self) -> Value:
+    def _float_array(self) -> ArrayValue:
         dtype = self.rng.choice(WIDE_FLOATS)
         return self.array(dtype, self.random_dims(3, False))
 
@@ -362,7 +386,7 @@ class ModuleGenerator(Names):
         else:
             b = self.array(a.dtype, a.dims)
             opcode = r.choice(_OPS_BINARY)
-            operand = b
+            operand: Value | Inst = b
             if r.random() < 0.15:  # a nested anonymous operand: add(p, f32[4] negate(p))
                 operand = Inst("", a.shape, "negate", [b])
             inst = Inst(self.fresh(opcode), a.shape, opcode, [a, operand])
@@ -500,7 +524,7 @@ class ModuleGenerator(Names):
             init = self.add(Inst(self.fresh("init"), "f32[]", "constant", payload="-inf"), f32, ())
             window = r.choice(("{size=2x3 stride=2x3}", "{size=3x3 pad=1_1x1_1}",
                                "{size=2x2 stride=1x1 pad=0_1x0_1 lhs_dilate=1x1 rhs_dilate=1x1}"))
-            out = (2, 2) if window == "{size=2x3 stride=2x3}" else (4, 6)
+            out: tuple[int, ...] = (2, 2) if window == "{size=2x3 stride=2x3}" else (4, 6)
             self.op(kind, f32, out, [a, init],
                     [("window", window), ("to_apply", "%" + self.helper("max"))])
         elif kind == "sort":
@@ -728,12 +752,14 @@ class ModuleGenerator(Names):
     def text(self) -> str:
         if not self.insts:
             self.t_parameter()
-        used = set()
+        used: set[str] = set()
         for inst in self.insts:
             used.update(o.name for o in inst.operands if isinstance(o, Value))
         leaves = [v for v in self.values if v.name not in used]
         root = Inst(self.fresh("tuple"), _tuple(leaves), "tuple", leaves)
         self.insts.append(root)
+        params = sorted((i for i in self.insts if i.opcode == "parameter"),
+                        key=_parameter_number)
         header = ""
         if self.style.header:
             attrs = []
@@ -744,16 +770,12 @@ class ModuleGenerator(Names):
             if self.rng.random() < 0.15:
                 attrs.append(("frontend_attributes",
                               '{xla.sdy.meshes={mesh = #sdy.mesh<["dp"=4]>}}'))
-            params = sorted((i for i in self.insts if i.opcode == "parameter"),
-                            key=lambda p: int(p.payload))
             layout = _entry_layout([p.shape for p in params], [v.shape for v in leaves])
             if layout and self.rng.random() < 0.3:
                 attrs.insert(0, ("entry_computation_layout", layout))
             header = f"HloModule fe_{self.seed}" + "".join(f", {k}={v}" for k, v in attrs)
             if self.stack_frames:
                 header += STACK_FRAMES
-        params = [i for i in self.insts if i.opcode == "parameter"]
-        params.sort(key=lambda p: int(p.payload))
         signature = ", ".join(f"{p.name}: {p.shape}" for p in params)
         blocks = [self.computation_text(name, sig, body, root_shape)
                   for name, sig, body, root_shape in self.callees]
@@ -796,11 +818,16 @@ def _entry_layout(params: list[str], results: list[str]) -> str | None:
             return shape
         return shape + "{" + ",".join(map(str, range(rank - 1, -1, -1))) + "}"
 
-    texts = [with_layout(s) for s in params + results]
-    if None in texts:
+    texts = [text for text in map(with_layout, params + results) if text is not None]
+    if len(texts) != len(params) + len(results):
         return None
     ins, outs = texts[:len(params)], texts[len(params):]
     return "{(" + ", ".join(ins) + ")->(" + ", ".join(outs) + ")}"
+
+
+def _parameter_number(inst: Inst) -> int:
+    assert inst.payload is not None, "a parameter's payload is its number"
+    return int(inst.payload)
 
 
 def _tuple(values: list[Value]) -> str:

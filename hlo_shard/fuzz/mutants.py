@@ -88,7 +88,8 @@ def _scaled_literal(inst: Instruction, sign: int) -> str | None:
     from hlo_shard.runtime.inputs import numpy_dtype
 
     shape = inst.shape
-    if not isinstance(shape, ArrayShape) or not shape.is_scalar or shape.element_type == "pred":
+    if not isinstance(shape, ArrayShape) or not shape.is_scalar or shape.element_type == "pred" \
+            or inst.literal is None:
         return None
     try:
         value = float(inst.literal)
@@ -153,7 +154,10 @@ def _slices(comp: Computation, region: set[str]) -> Iterator[Edit]:
         ranges = inst.attributes.get("slice")
         if inst.opcode != "slice" or not isinstance(ranges, SliceRanges):
             continue
-        dims = comp[inst.operands[0]].shape.dims
+        operand = comp[inst.operands[0]].shape
+        if not isinstance(operand, ArrayShape):
+            continue  # not valid HLO: no slice to move
+        dims = operand.dims
         for axis, (start, limit, stride) in enumerate(ranges.ranges):
             if (start, limit) == (0, dims[axis]):
                 continue
@@ -174,22 +178,24 @@ def _set_attribute(comp_name: str, name: str, key: str, value) -> Callable[[Modu
 
 def _paddings(comp: Computation, region: set[str]) -> Iterator[Edit]:
     for inst in comp.instructions:
-        if inst.opcode == "pad" and inst.shape.element_type in _FLOATS:
+        shape = inst.shape
+        if inst.opcode == "pad" and isinstance(shape, ArrayShape) and shape.element_type in _FLOATS:
             for poison in POISONS:
-                yield f"%{inst.name} pads with {poison}", _poison(comp.name, inst.name, poison)
+                yield (f"%{inst.name} pads with {poison}",
+                       _poison(comp.name, inst.name, poison, shape.element_type))
 
 
 _FLOATS = frozenset(t for t in ELEMENT_BITS if t.startswith(("f", "bf")))
 
 
-def _poison(comp_name: str, name: str, poison: str) -> Callable[[Module], None]:
+def _poison(comp_name: str, name: str, poison: str, element_type: str
+            ) -> Callable[[Module], None]:
     def edit(module: Module) -> None:
         comp = module.computation(comp_name)
         pad = comp[name]
         rewriter = Rewriter(comp)
         with rewriter.inserting_before(name):
-            value = rewriter.add("constant", ArrayShape(pad.shape.element_type, ()),
-                                 name="poison")
+            value = rewriter.add("constant", ArrayShape(element_type, ()), name="poison")
         value.literal = poison
         rewriter.set_operand(pad, 1, value.name)
     return edit

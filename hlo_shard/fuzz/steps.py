@@ -365,7 +365,7 @@ def render(spec: StepSpec) -> str:
     for number, param in enumerate(params):
         values[param.key] = entry.param(param.key if param.key != "x" else "batch",
                                         param.shape, number, _param_attrs(spec, param))
-    computations = []
+    computations: list[str] = []
     if spec.loop_trips:
         outputs = _render_loop(spec, params, values, entry, reducers, computations)
     else:
@@ -466,7 +466,7 @@ class _StepBody:
         if not spec.tuple_all_reduce:
             return [em.emit("all_reduce", g.shape, "all-reduce", [g],
                             self._collective_attrs(spec.groups, g.shape.dtype)) for g in grads]
-        out: list[Val | None] = [None] * len(grads)
+        out: dict[int, Val] = {}
         for dtype in dict.fromkeys(g.shape.dtype for g in grads):
             members = [i for i, g in enumerate(grads) if g.shape.dtype == dtype]
             shape = "(" + ", ".join(grads[i].shape.text() for i in members) + ")"
@@ -475,7 +475,7 @@ class _StepBody:
             for index, i in enumerate(members):
                 out[i] = em.emit("grad", grads[i].shape, "get-tuple-element", [ar],
                                  f", index={index}")
-        return out
+        return [out[i] for i in range(len(grads))]
 
     def _device_id(self) -> Val:
         opcode = "partition-id" if self.spec.form == "spmd" else "replica-id"
@@ -504,16 +504,16 @@ class _StepBody:
         processed = [self._prepare(t, g) for t, g in zip(spec.tensors, reduced)]
         norm = self._global_norm(processed) if spec.global_clip or spec.norm_output else None
         clip = None
-        if spec.global_clip:
+        if norm is not None and spec.global_clip:
             bound = em.binary("divide", em.constant(spec.global_clip),
                               em.binary("add", norm, em.constant(1e-6)))
             clip = em.binary("minimum", bound, em.constant(1.0))
         finite = self._all_finite(processed) if spec.skip_nonfinite else None
         lr = ins["lr"] if spec.lr_param else em.constant(0.05)
         step = ins.get("step")
-        if spec.lr_schedule:
+        if spec.lr_schedule:  # normalized() gives such a step its counter
             lr = em.binary("multiply", lr, em.unary("rsqrt", em.binary(
-                "add", em.convert(step, "f32"), em.constant(1.0))))
+                "add", em.convert(ins["step"], "f32"), em.constant(1.0))))
         out: dict[str, Val] = {}
         for i, (tensor, g) in enumerate(zip(spec.tensors, processed)):
             states = {name: ins[f"{name}{i}"] for name, _ in tensor.state_shapes()}
@@ -525,7 +525,7 @@ class _StepBody:
                 out[f"extra_use{i}"] = self._post_use(new_w)
         if step is not None:
             out["step"] = em.binary("add", step, em.constant(1, "s32"))
-        if spec.norm_output:
+        if norm is not None and spec.norm_output:
             out["extra_norm"] = norm
         if spec.loss_output:
             out["extra_loss"] = scale
@@ -580,10 +580,9 @@ class _StepBody:
 
     def _all_finite(self, grads: list[Val]) -> Val:
         em = self.em
-        result = None
-        for g in grads:
-            ok = em.reduce(em.is_finite(g), "and")
-            result = ok if result is None else em.binary("and", result, ok)
+        result = em.reduce(em.is_finite(grads[0]), "and")
+        for g in grads[1:]:
+            result = em.binary("and", result, em.reduce(em.is_finite(g), "and"))
         return result
 
     def _post_use(self, w: Val) -> Val:
@@ -708,8 +707,9 @@ class _Update:
 
     def correction(self, beta: float) -> Val:
         """``1 / (1 - beta^step)`` as a scalar of the compute type (step ≥ 1)."""
-        em = self.em
-        power = em.binary("power", em.constant(beta), em.convert(self.step, "f32"))
+        em, step = self.em, self.step
+        assert step is not None, "normalized() gives bias correction its step counter"
+        power = em.binary("power", em.constant(beta), em.convert(step, "f32"))
         scale = em.binary("divide", em.constant(1.0), em.binary("subtract", em.constant(1.0),
                                                                power))
         return em.convert(scale, self.tensor.compute)
@@ -793,12 +793,14 @@ def reductions(spec: StepSpec):
     if len(spec.tensors) > 1:
         for i in range(len(spec.tensors)):
             yield variant(lambda s, i=i: s.tensors.pop(i))
-    for name, off in (("loop_trips", 0), ("global_clip", None), ("skip_nonfinite", False),
+    switches: tuple[tuple[str, object], ...] = (
+                      ("loop_trips", 0), ("global_clip", None), ("skip_nonfinite", False),
                       ("tuple_all_reduce", False), ("loss_output", False),
                       ("norm_output", False), ("metric_all_reduce", False),
                       ("lr_schedule", False), ("bias_correction", False), ("lr_param", False),
                       ("alias", False), ("mean", False), ("device_noise", False),
-                      ("shared_channel_ids", False), ("replication_attr", False)):
+                      ("shared_channel_ids", False), ("replication_attr", False))
+    for name, off in switches:
         if getattr(spec, name) != off:
             yield variant(lambda s, name=name, off=off: setattr(s, name, off))
     if spec.step_counter and not (spec.lr_schedule or spec.bias_correction):
@@ -808,20 +810,25 @@ def reductions(spec: StepSpec):
             yield variant(lambda s, i=i: setattr(s.tensors[i], "optimizer", "sgd"))
         for k in range(len(tensor.mutations)):
             yield variant(lambda s, i=i, k=k: s.tensors[i].mutations.pop(k))
-        for name, off in (("view", None), ("layout", None), ("lamb", False),
-                          ("clip_value", None), ("sanitize", False), ("weight_decay", 0.0),
-                          ("nesterov", False), ("extremum", None), ("post_use", False)):
+        tensor_switches: tuple[tuple[str, object], ...] = (
+            ("view", None), ("layout", None), ("lamb", False), ("clip_value", None),
+            ("sanitize", False), ("weight_decay", 0.0), ("nesterov", False), ("extremum", None),
+            ("post_use", False))
+        for name, off in tensor_switches:
             if getattr(tensor, name) != off:
                 yield variant(lambda s, i=i, name=name, off=off:
                               setattr(s.tensors[i], name, off))
         if tensor.compute != tensor.dtype:
             yield variant(lambda s, i=i: setattr(s.tensors[i], "compute", s.tensors[i].dtype))
         if tensor.dtype != "f32":
-            yield variant(lambda s, i=i: (setattr(s.tensors[i], "dtype", "f32"),
-                                          setattr(s.tensors[i], "compute", "f32")))
+            yield variant(lambda s, i=i: _to_f32(s.tensors[i]))
         smaller = [d if d <= 4 else (d + 1) // 2 for d in tensor.dims]
         if smaller != tensor.dims:
             yield variant(lambda s, i=i, dims=smaller: _resize(s.tensors[i], dims))
+
+
+def _to_f32(tensor: TensorSpec) -> None:
+    tensor.dtype = tensor.compute = "f32"
 
 
 def _resize(tensor: TensorSpec, dims: list[int]) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from hlo_shard.errors import HloShardError
 from hlo_shard.jax._capture import per_device_hlo
 from hlo_shard.jax._step import ShardedStep
-from hlo_shard.passes.bucketing import STRATEGIES
-from hlo_shard.passes.weight_update_sharding import DEFAULT_PROFILE, STATE_MODES, ShardingOptions
-from hlo_shard.profiles import load_profile
+from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, ShardingOptions,
+                                                     WeightUpdateSharding)
 
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
@@ -22,15 +21,11 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str 
     prices collectives on (a profile name or file, as for ``hlo-shard optimize``). A step
     the cost model does not predict faster sharded runs as ``fn`` (one warning naming both
     estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
-    if state not in STATE_MODES:
-        raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not {state!r}")
-    if strategy not in STRATEGIES:
-        raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
-                            f"{strategy!r}")
-    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile)  # errors now
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
-                              min_shard_bytes=min_shard_bytes, profile=hardware)
-    return ShardedStep(fn, options, force)
+                              min_shard_bytes=min_shard_bytes,
+                              profile=DEFAULT_PROFILE if profile is None else profile)
+    sharding = WeightUpdateSharding(options)  # a bad option is an error now, not at a step
+    return ShardedStep(fn, replace(options, profile=sharding.profile), force)
 
 
 __all__ = ["per_device_hlo", "shard_weight_update"]

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable
 
+from hlo_shard.analysis.names import user_names
 from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
 from hlo_shard.passes.speed_gate import MIN_GAIN, shard_where_faster
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
 from hlo_shard.report import fmt_seconds
 from hlo_shard.printer import to_text
 from hlo_shard.ir import Raw, TupleShape
@@ -147,10 +149,9 @@ class Program:
                 out["shard_length"] = record.format.shard_len
             return out
 
-        param_of_output = {k: names[cap.kept[p]] for k, p in self.next_values}
-        grads = {key: param_of_output[k]
-                 for key, k in _gradient_outputs(cap.text, self.next_values).items()
-                 if k in param_of_output}
+        module = parse(cap.text, path="<captured step>")
+        users = user_names(module, self.next_values,
+                           {p: names[arg] for p, arg in enumerate(cap.kept)})
         profile = self.options.profile
         return {
             "devices": report.devices, "state": self.options.state,
@@ -159,41 +160,12 @@ class Program:
             "strategies": [choice.to_json() for choice in report.strategies],
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
-            "explanations": [{**r.to_json(), "gradient_of": grads.get((r.all_reduce, r.index))}
-                             for r in report.explanations],
-            "notes": list(report.notes),
-            "parameters": [entry(p, names[cap.kept[p.index]]) for p in report.parameters],
+            "explanations": [users.explained(r.to_json()) for r in report.explanations],
+            "notes": [users.note(note) for note in report.notes],
+            "parameters": [entry(p, users.parameters.get(p.index, "")) for p in report.parameters],
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
             "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
         }
-
-
-def _gradient_outputs(text: str, next_values: list[tuple[int, int]]
-                      ) -> dict[tuple[str, None], int]:
-    """All-reduce → the output leaf that is its weight's next value: of its shape, reached
-    from it, and the next value of a parameter the gradient was computed from (which
-    tells the weight from its optimizer state). Only where exactly one output fits."""
-    import networkx as nx
-
-    from hlo_shard.graph import dataflow_graph
-
-    entry = parse(text, path="<captured step>").entry
-    graph = dataflow_graph(entry)
-    root = entry.root
-    outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
-    shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
-    param_name = {p.parameter_number: p.name for p in entry.parameters()}
-    found = {}
-    for inst in entry.instructions:
-        if inst.opcode != "all-reduce" or isinstance(inst.shape, TupleShape):
-            continue
-        reached, sources = nx.descendants(graph, inst.name), nx.ancestors(graph, inst.name)
-        ks = [k for k, p in next_values
-              if outputs[k] in reached and param_name[p] in sources
-              and sorted(getattr(shapes[k], "dims", ())) == sorted(inst.shape.dims)]
-        if len(ks) == 1:
-            found[(inst.name, None)] = ks[0]
-    return found
 
 
 def _shard(x, layout: StateLayout):
@@ -257,8 +229,7 @@ def build_program(capture: Capture, options: ShardingOptions,
     else:
         module.header.update(donation)
     try:
-        result, decision = shard_where_faster(module, options, force)
-        report = result.report
+        report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
         for key in DONATION_ATTRIBUTES:
             module.header.pop(key, None)
         module.header.update(_executable_aliases(donation, next_values, module))

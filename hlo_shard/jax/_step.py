@@ -179,7 +179,7 @@ class ShardedStep:
     @property
     def report(self) -> dict | None:
         """The pass's decisions for the latest signature, leaves named by their paths."""
-        if self._latest is None:
+        if self._latest is None or self._latest_call is None:  # (set together)
             return None
         return self._latest.report_json(self._latest_call.names)
 
@@ -289,7 +289,7 @@ class ShardedStep:
             if not path or not isinstance(getattr(path[0], "idx", None), int):
                 continue
             index = by_path.get((path[0].idx, jax.tree_util.keystr(path[1:])))
-            if index in parameter and _same_aval(call.leaves[index], cap.out_avals[k]):
+            if index is not None and index in parameter and _same_aval(call.leaves[index], cap.out_avals[k]):
                 pairs.append((k, parameter[index]))
         return pairs
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from hlo_shard.graph import Change
 from hlo_shard.ir import Module
@@ -23,28 +23,22 @@ ReportT = TypeVar("ReportT")
 @dataclass
 class PassResult(Generic[ReportT]):
     """The (edited in place) module, whether anything changed, the Rewriter's log of the
-    edits, and the pass's report (what ``--explain`` and tests read).
-
-    ``notes`` is the old untyped form of the report, still written positionally by
-    ``WeightUpdateSharding.apply`` (``notes[0]`` is its report); a result made that way
-    gets ``report = notes[0]``. It goes once that pass returns ``report=`` itself.
-    """
+    edits, and the pass's report (what ``--explain`` and tests read)."""
 
     module: Module
     changed: bool
     changes: list[Change] = field(default_factory=list)
-    notes: list[Any] = field(default_factory=list)
     report: ReportT | None = None
-
-    def __post_init__(self) -> None:
-        if self.report is None and self.notes:
-            self.report = self.notes[0]
 
 
 class Pass(Protocol[ReportT]):
     """What a pipeline needs of a pass (anything with a name and ``apply``)."""
 
     name: ClassVar[str]
+    #: Validator checks (:class:`hlo_shard.validate.Problem` ``check`` names) this pass
+    #: makes pass: a pipeline defers them for the passes before it (XLA's layout
+    #: assignment after the passes that change shapes).
+    repairs: ClassVar[frozenset[str]]
 
     def apply(self, module: Module) -> PassResult[ReportT]: ...
 
@@ -55,6 +49,7 @@ class ModulePass(ABC, Generic[ReportT]):
     ``HloShardError`` worded for the library, not for one command line)."""
 
     name: ClassVar[str]
+    repairs: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def apply(self, module: Module) -> PassResult[ReportT]:

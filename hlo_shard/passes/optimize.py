@@ -1,6 +1,7 @@
-"""The optimizer as every front end runs it: the weight-update pass behind the
-never-slower gate (:func:`~hlo_shard.passes.speed_gate.shard_where_faster`), then the
-output checks (parsed back and validated). ``hlo-shard optimize``, the jax hook and
+"""The optimizer as every front end runs it: the sharding pipeline
+(:mod:`~hlo_shard.passes.sharding_pipeline`) behind the never-slower gate
+(:func:`~hlo_shard.passes.speed_gate.shard_where_faster`), then the output checks
+(parsed back and validated). ``hlo-shard optimize``, the jax hook and
 ``shard_weight_update`` all call this, so none of them writes or compiles a module the
 cost model predicts slower or the validator rejects.
 """
@@ -11,7 +12,8 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
 from hlo_shard.printer import to_text
 from hlo_shard.validate import validate
 
@@ -26,9 +28,10 @@ def optimize_module(module: Module, options: ShardingOptions, force: bool = Fals
 
 def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False
                           ) -> tuple[ShardingReport, str, SpeedDecision]:
-    """:func:`optimize_module` with the speed decision (for ``--explain``)."""
-    result, decision = shard_where_faster(module, options, force)
-    return result.notes[0], check_output(module), decision
+    """:func:`optimize_module` with the speed decision (for ``--explain``); the options
+    are checked (and the profile loaded) before the module is touched."""
+    report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
+    return report, check_output(module), decision
 
 
 def check_output(module: Module) -> str:

@@ -13,21 +13,34 @@ from collections.abc import Callable
 from typing import Any
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.passes.adapters import WeightUpdateShardingPass
 from hlo_shard.passes.base import Pass
+from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
+from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.tuple_forwarding import TupleForwarding
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
 #: Option name → value (an int when the text is digits, else the text).
 Options = dict[str, Any]
 
 #: Pass name → how to build it from its options.
 PASSES: dict[str, Callable[[Options], Pass]] = {
-    WeightUpdateShardingPass.name: lambda o: WeightUpdateShardingPass(ShardingOptions(**o)),
+    TupleForwarding.name: lambda o: _tuple_forwarding(**o),
+    WeightUpdateSharding.name: lambda o: WeightUpdateSharding(ShardingOptions(**o)),
+    ChannelIdDedupe.name: lambda o: ChannelIdDedupe(**o),
+    EntryLayoutUpdate.name: lambda o: EntryLayoutUpdate(**o),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
     Retarget.name: lambda o: Retarget(**o),
 }
+
+
+
+def _tuple_forwarding(computations: str | None = None, **options: Any) -> TupleForwarding:
+    """``tuple-forwarding{computations=body,e}``: the names, comma-separated."""
+    names = None if computations is None else tuple(str(computations).split(","))
+    return TupleForwarding(names, **options)
+
 
 _STEP = re.compile(r"\s*([\w-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
 

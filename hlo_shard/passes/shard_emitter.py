@@ -42,22 +42,6 @@ class ChannelIds:
         value, self.next = self.next, self.next + 1
         return value
 
-    def dedupe(self) -> int:
-        """Give every collective after the first with a shared id a fresh one."""
-        seen: set[int] = set()
-        renumbered = 0
-        for comp in self.module.computations:
-            for inst in comp.instructions:
-                channel = inst.attr("channel_id")
-                if channel is None or inst.opcode not in self.COLLECTIVES:
-                    continue
-                if channel in seen:
-                    inst.attributes["channel_id"] = self.fresh()
-                    renumbered += 1
-                else:
-                    seen.add(channel)
-        return renumbered
-
 
 @dataclass(frozen=True)
 class Gathered:

@@ -20,9 +20,8 @@ from dataclasses import dataclass, replace
 
 from hlo_shard.analysis.estimate import estimate_step
 from hlo_shard.ir import Module
-from hlo_shard.passes.base import PassResult
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding, resolve_profile)
+from hlo_shard.passes.sharding_pipeline import run_sharding
+from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
 MAX_TRIALS = 8
@@ -66,41 +65,42 @@ class SpeedDecision:
                             "seconds": t.seconds} for t in self.trials]}
 
 
-def shard_where_faster(module: Module, options: ShardingOptions, force: bool = False
-                       ) -> tuple[PassResult, SpeedDecision]:
-    """Run the pass on ``module`` (in place) with the cut-off predicted fastest, or not at
-    all when nothing is predicted faster than the input (``force``: as told)."""
-    hardware = resolve_profile(options.profile)
-    options = replace(options, profile=hardware)
+def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False
+                       ) -> tuple[ShardingReport, SpeedDecision]:
+    """Run the sharding pipeline on ``module`` (in place) with the cut-off predicted
+    fastest, or sharding nothing when nothing is predicted faster than the input
+    (``force``: as told)."""
+    hardware = sharding.profile
     before = estimate_step(module, hardware).seconds
 
-    def trial(min_bytes: int) -> tuple[Trial, PassResult]:
+    def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
+        return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
+
+    def trial(min_bytes: int) -> tuple[Trial, ShardingReport]:
         candidate = copy.deepcopy(module)
-        result = WeightUpdateSharding(replace(options, min_shard_bytes=min_bytes)).apply(candidate)
-        report: ShardingReport = result.notes[0]
+        report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
         seconds = estimate_step(candidate, hardware).seconds if sharded else before
-        return Trial(min_bytes, sharded, seconds), result
+        return Trial(min_bytes, sharded, seconds), report
 
-    everything, full = trial(options.min_shard_bytes)
+    user_min = sharding.options.min_shard_bytes
+    everything, full = trial(user_min)
     if force or not everything.sharded:
-        result = WeightUpdateSharding(options).apply(module)
-        return result, SpeedDecision(hardware.name, before, everything.seconds, (everything,),
-                                     None, forced=force)
-    sizes = sorted({row.bytes for row in full.notes[0].explanations if row.sharded})
+        return run_sharding(module, sharding), SpeedDecision(
+            hardware.name, before, everything.seconds, (everything,), None, forced=force)
+    sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything] + [trial(size)[0] for size in cutoffs]
     best = min(trials, key=lambda t: (t.seconds, -t.sharded))
     chosen = best if best.seconds <= before * (1 - MIN_GAIN) else None
-    # Kept whole: the pass still runs, sharding nothing (its pure simplifications — fresh
-    # duplicate channel ids, forwarded tuple elements — make the module valid to write).
+    # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
+    # fresh duplicate channel ids, forwarded tuple elements — make the module valid to write).
     cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
-    result = WeightUpdateSharding(replace(options, min_shard_bytes=cutoff)).apply(module)
-    report = result.notes[0]
+    report = run_sharding(module, at_cutoff(cutoff))
     decision = SpeedDecision(hardware.name, before, before if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
-    _explain_cost_rows(report, decision, options.min_shard_bytes)
-    return result, decision
+    _explain_cost_rows(report, decision, user_min)
+    return report, decision
 
 
 def _spread(values: list[int], count: int) -> list[int]:

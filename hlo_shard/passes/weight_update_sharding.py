@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, cast
 
 import networkx as nx
 
@@ -38,9 +39,10 @@ from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_tru
 from hlo_shard.analysis.update_region import (Leaf, RegionOptions, RegionPlan, ShardFormat,
                                               collect_leaves, flattenable, plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Rewriter, call_graph, dataflow_graph
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw, TupleShape
-from hlo_shard.passes.base import PassResult
+from hlo_shard.graph import Change, Rewriter, call_graph, dataflow_graph
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
+                          Shape, TupleShape, shape_leaves)
+from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
 from hlo_shard.passes.region_rewrite import RegionRewrite, gather_before_use
@@ -52,6 +54,9 @@ STATE_MODES = ("gathered", "sharded")
 
 @dataclass(frozen=True)
 class ShardingOptions:
+    """What the user asks of the pass (a front end's record: ``profile`` may still be a
+    name or file); :class:`WeightUpdateSharding` checks and resolves it."""
+
     num_replicas: int | None = None
     state: str = "gathered"
     strategy: str = "auto"
@@ -65,6 +70,15 @@ class ShardingOptions:
     #: on ``profile``).
     per_tensor_bytes: int | None = None
     overrides: ParamOverrides = ParamOverrides()
+
+
+class ShardingOptionError(HloShardError):
+    """An option the module contradicts, worded for the library (``num_replicas=8``);
+    the command line rewords it for its flag (``--num-replicas 8``)."""
+
+    def __init__(self, option: str, value: object, problem: str) -> None:
+        super().__init__(f"{option}={value} {problem}")
+        self.option, self.value, self.problem = option, value, problem
 
 
 @dataclass
@@ -93,7 +107,9 @@ class SignatureEntry:
 
     index: int
     kind: str  # "replicated" | "per-device" | "sharded"
-    shape: ArrayShape  # original
+    #: The original shape (a tuple only for an output that is a nested tuple, which no
+    #: manifest describes).
+    shape: Shape
     name: str = ""
     format: ShardFormat | None = None
     groups: tuple[tuple[int, ...], ...] = ()
@@ -134,110 +150,217 @@ class StrategyChoice:
 # ------------------------------------------------------------------------ the pass
 
 
-class WeightUpdateSharding:
-    name = "weight-update-sharding"
+@dataclass(frozen=True)
+class WeightUpdateSharding(ModulePass[ShardingReport]):
+    """Shard the weight update of every computation holding gradient all-reduces it can
+    prove safe to rewrite, and explain every gradient all-reduce (sharded or why not).
 
-    def __init__(self, options: ShardingOptions = ShardingOptions()) -> None:
-        if options.state not in STATE_MODES:
-            raise HloShardError(f"--state must be one of {', '.join(STATE_MODES)}")
-        if options.strategy not in STRATEGIES:
-            raise HloShardError(f"--strategy must be one of {', '.join(STRATEGIES)}")
-        self.options = options
+    It runs after :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` (the
+    region flows through the tuples jax wraps around shard_map outputs only once they are
+    forwarded) and before the passes that make its output valid to write: duplicate
+    channel ids renumbered, the entry layout updated to a sharded signature
+    (:func:`~hlo_shard.passes.sharding_pipeline.sharding_pipeline` runs all four)."""
 
-    def apply(self, module: Module) -> PassResult:
+    name: ClassVar[str] = "weight-update-sharding"
+    options: ShardingOptions = ShardingOptions()
+    #: ``options.profile`` loaded (a name or file becomes the profile it names).
+    profile: HardwareProfile = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.options.state not in STATE_MODES:
+            raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not "
+                                f"{self.options.state!r}")
+        if self.options.strategy not in STRATEGIES:
+            raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
+                                f"{self.options.strategy!r}")
+        profile = self.options.profile
+        object.__setattr__(self, "profile", profile if isinstance(profile, HardwareProfile)
+                           else load_profile(profile))
+
+    def apply(self, module: Module) -> PassResult[ShardingReport]:
+        """Read the module's facts, rewrite each computation's update region, then keep the
+        training loops' carried shards across iterations; the report says what and why."""
+        run = self._read_facts(module)
+        for comp_name, candidates in run.candidates.items():
+            self._shard_computation(run, module.computation(comp_name), candidates)
+        for carry in run.carries:
+            self._shard_carry(run, carry)
+        _fill_signature(module, run.report, run.replication, run.state_plan, run.groups,
+                        run.output_kinds)
+        run.report.feedback = _alias_pairs(module) or None
+        return PassResult(module, bool(run.changes), run.changes, report=run.report)
+
+    def _read_facts(self, module: Module) -> _Run:
+        """What the rewrite needs, read before any edit: the device counts a header lost
+        (written back: the rewritten module names devices), the gradient all-reduces and
+        the data-parallel group, which values are replicated, and the all-reduces left
+        alone with why."""
         recovered = recovered_device_counts(module)
         module.header.update(recovered)
         found = find_gradient_all_reduces(module)
         groups = _data_parallel_groups(module, found)
-        if self.options.num_replicas is not None and groups is not None \
-                and self.options.num_replicas != groups.size:
-            raise HloShardError(f"--num-replicas {self.options.num_replicas} does not match "
-                                f"the module's data-parallel group size {groups.size}")
+        wanted = self.options.num_replicas
+        if wanted is not None and groups is not None and wanted != groups.size:
+            raise ShardingOptionError("num_replicas", wanted, f"does not match the module's "
+                                      f"data-parallel group size {groups.size}")
         report = ShardingReport(module.replica_count * module.num_partitions)
         report.notes += [f"{key}={value} recovered from the collectives' device groups "
                          f"(the header had none)" for key, value in recovered.items()]
-        regions = _region_computations(module)
-        sources = _gradient_sources(module, found)
-        replication = analyze_replication(module, groups, self.options.overrides, sources)
-        channels = ChannelIds(module)
-        changes = []
-        state_plan: dict[int, StatePair] = {}
-        by_comp: dict[str, list[GradientAllReduce]] = defaultdict(list)
-        for ar in found:
-            reason = ar.reason
-            if not reason and ar.computation not in regions:
-                reason = "inside a called computation (fusion/call/conditional): not supported"
-            if not reason and ar.groups.key() != groups.key():
-                reason = "its groups differ from the data-parallel group of the module"
-            if reason:
-                report.explanations.append(_rejected(module, ar, reason))
-            else:
-                by_comp[ar.computation].append(ar)
-        output_kinds = _output_kinds(module, replication)
-        hardware = resolve_profile(self.options.profile)
+        replication = analyze_replication(module, groups, self.options.overrides,
+                                          _gradient_sources(module, found))
+        candidates, rejected = _triage(module, found, groups)
+        report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
+        group_size = groups.size if groups is not None else 1
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
-                              CollectivePricing(hardware, groups.size if groups else 1),
+                              CollectivePricing(self.profile, group_size),
                               self.options.per_tensor_bytes)
-        carries: list[_LoopCarry] = []
-        for comp_name, ars in by_comp.items():
-            comp = module.computation(comp_name)
-            changes += _forward_tuple_elements(comp)
-            leaves, rejected = collect_leaves(module, comp, ars)
-            report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
-            if not leaves:
-                continue
-            state_entry = comp.is_entry and self.options.state == "sharded"
-            plan = plan_region(module, comp, leaves, replication, RegionOptions(
-                self.options.min_shard_bytes, state_entry,
-                tuple((number, k) for k, number in _alias_pairs(module)) if state_entry else ()))
-            collectives: dict[str, str] = {}
-            if plan.active:
-                inputs, outputs = {}, {}
-                if state_entry:
-                    state_plan, kept_whole = _pair_state(module, comp, plan, replication)
-                    report.notes += [_state_note(comp, number, why)
-                                     for number, why in kept_whole.items()]
-                    report.notes += _unsharded_state(module, comp, plan, set(state_plan) |
-                                                     set(kept_whole))
-                    _annotate_state(module, comp, state_plan, plan.groups)
-                    inputs = {_param_name(comp, n): p.format for n, p in state_plan.items()}
-                    outputs = {p.output: p.value for p in state_plan.values()}
-                elif (carry := _loop_slots(module, comp, plan, replication)) is not None:
-                    carries.append(carry)
-                    inputs, outputs = carry.inputs, carry.outputs
-                sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
-                report.strategies.append(StrategyChoice(
-                    comp_name, hardware.name, groups.size, self.options.strategy,
-                    bucketing.estimates(sizes)))
-                rewrite = RegionRewrite(module, comp, plan, bucketing, channels, inputs, outputs)
-                collectives = rewrite.run()
-                changes += rewrite.rw.changes
-            for leaf in leaves:
-                report.explanations.append(_explain(comp_name, leaf, collectives))
-        for carry in carries:
-            edits, sunk = _shard_loop_carry(module, carry, channels, bucketing,
-                                            self.options.state == "sharded")
-            changes += edits
-            state_plan.update(sunk)
-            report.notes.append(
-                f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
-                f"stay sharded across iterations (sliced before the loop, gathered after)")
-        renumbered = channels.dedupe()
-        if renumbered:
-            report.notes.append(f"renumbered {renumbered} duplicate collective channel id(s)")
-        if state_plan:
-            _update_entry_layout(module)
-        _fill_signature(module, report, replication, state_plan, groups, output_kinds)
-        report.feedback = _alias_pairs(module) or None
-        changed = bool(changes) or bool(renumbered)
-        return PassResult(module, changed, changes, [report])
+        return _Run(module, report, groups, replication, _output_kinds(module, replication),
+                    candidates, bucketing, ChannelIds(module))
+
+    def _shard_computation(self, run: _Run, comp: Computation,
+                           candidates: list[GradientAllReduce]) -> None:
+        """Plan the update region of ``comp`` from its gradients and rewrite it on shards;
+        the entry's optimizer state (``state="sharded"``) or a loop body's carried slots
+        become shards too (the carries are rewritten outside the body later)."""
+        module = run.module
+        leaves, rejected = collect_leaves(module, comp, candidates)
+        run.report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
+        if not leaves:
+            return
+        state_entry = comp.is_entry and self.options.state == "sharded"
+        plan = plan_region(module, comp, leaves, run.replication, RegionOptions(
+            self.options.min_shard_bytes, state_entry,
+            tuple((number, k) for k, number in _alias_pairs(module)) if state_entry else ()))
+        collectives: dict[str, str] = {}
+        if plan.active:
+            inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
+            sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
+            run.report.strategies.append(StrategyChoice(
+                comp.name, self.profile.name, plan.groups.size, self.options.strategy,
+                run.bucketing.estimates(sizes)))
+            rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels, inputs,
+                                    outputs)
+            collectives = rewrite.run()
+            run.changes += rewrite.rw.changes
+        run.report.explanations += [_explain(comp.name, leaf, collectives) for leaf in leaves]
+
+    def _region_boundary(self, run: _Run, comp: Computation, plan: RegionPlan,
+                         state_entry: bool) -> tuple[dict[str, ShardFormat], dict[int, str]]:
+        """Values entering and leaving the region as shards rather than whole: sharded
+        optimizer state of the entry (paired with its next value, annotated; the state
+        kept whole is noted), or the slots a training loop carries as shards."""
+        module = run.module
+        if state_entry:
+            state_plan, kept_whole = _pair_state(module, comp, plan, run.replication)
+            run.state_plan = state_plan
+            run.report.notes += [_state_note(comp, number, why)
+                                 for number, why in kept_whole.items()]
+            run.report.notes += _unsharded_state(module, comp, plan,
+                                                 set(state_plan) | set(kept_whole))
+            _annotate_state(module, comp, state_plan, plan.groups)
+            return ({_param_name(comp, n): p.format for n, p in state_plan.items()},
+                    {p.output: p.value for p in state_plan.values()})
+        carry = _loop_slots(module, comp, plan, run.replication)
+        if carry is None:
+            return {}, {}
+        run.carries.append(carry)
+        return carry.inputs, carry.outputs
+
+    def _shard_carry(self, run: _Run, carry: _LoopCarry) -> None:
+        """Outside a loop whose body keeps shards: slice before it, gather after it (or,
+        with sharded state, let entry parameter and output be the shard)."""
+        edits, sunk = _shard_loop_carry(run.module, carry, run.channels, run.bucketing,
+                                        self.options.state == "sharded")
+        run.changes += edits
+        run.state_plan.update(sunk)
+        run.report.notes.append(
+            f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
+            f"stay sharded across iterations (sliced before the loop, gathered after)")
+
+
+@dataclass
+class _Run:
+    """The working state of one :meth:`WeightUpdateSharding.apply`: the module's facts,
+    then what the steps add (the report, the edits, the state and carries sharded)."""
+
+    module: Module
+    report: ShardingReport
+    groups: DeviceGroups | None
+    replication: Replication
+    #: Per output of the original entry: replicated or per-device.
+    output_kinds: list[str]
+    #: Computation → its gradient all-reduces the rewrite may shard, in module order.
+    candidates: dict[str, list[GradientAllReduce]]
+    bucketing: Bucketing
+    channels: ChannelIds
+    changes: list[Change] = field(default_factory=list)
+    #: Entry parameter number → the sharded optimizer state it became.
+    state_plan: dict[int, StatePair] = field(default_factory=dict)
+    carries: list[_LoopCarry] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------- module-level facts
 
 
-def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
-    return profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+def _triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups | None
+            ) -> tuple[dict[str, list[GradientAllReduce]], list[tuple[GradientAllReduce, str]]]:
+    """The candidate all-reduces per computation the rewrite can reach (the entry and
+    training-loop bodies, over the data-parallel group), and the others with why not."""
+    regions = _region_computations(module)
+    candidates: dict[str, list[GradientAllReduce]] = defaultdict(list)
+    rejected: list[tuple[GradientAllReduce, str]] = []
+    for ar in found:
+        reason = ar.reason
+        if not reason and ar.computation not in regions:
+            reason = "inside a called computation (fusion/call/conditional): not supported"
+        if not reason and (ar.groups is None or groups is None
+                           or ar.groups.key() != groups.key()):
+            reason = "its groups differ from the data-parallel group of the module"
+        if reason:
+            rejected.append((ar, reason))
+        else:
+            candidates[ar.computation].append(ar)
+    return dict(candidates), rejected
+
+
+def rewritten_computations(module: Module) -> list[str]:
+    """The computations :class:`WeightUpdateSharding` may edit: those holding candidate
+    gradient all-reduces, and the callers of the training loops among them (where a
+    loop's carry is sliced and gathered). Read on the module as the pass reads it (with
+    the device counts a header lost); the module is not changed."""
+    view = replace(module, header={**module.header, **recovered_device_counts(module)})
+    found = find_gradient_all_reduces(view)
+    candidates, _ = _triage(view, found, _data_parallel_groups(view, found))
+    callers = [comp.name for comp in module.computations for inst in comp.instructions
+               if inst.opcode == "while" and _called(inst, "body") in candidates]
+    return list(candidates) + [name for name in dict.fromkeys(callers) if name not in candidates]
+
+
+def _tuple_index(inst: Instruction) -> int:
+    """The element a ``get-tuple-element`` reads."""
+    index = inst.int_attr("index")
+    if index is None:
+        raise HloShardError(f"%{inst.name}: get-tuple-element without index=")
+    return index
+
+
+def _array(shape: Shape) -> ArrayShape:
+    """``shape``, which the analysis has proved an array (a leaf of the update)."""
+    return cast(ArrayShape, shape)
+
+
+def _element(shape: Shape, index: int) -> ArrayShape:
+    """Element ``index`` of ``shape``, which the analysis has proved a tuple of arrays
+    there (a root or loop carry holding update values)."""
+    return _array(cast(TupleShape, shape).elements[index])
+
+
+def _called(inst: Instruction, role: str) -> str:
+    """The name of the computation ``inst`` calls as ``role`` (``body``, ``condition``)."""
+    ref = inst.attr_as(role, ComputationRef)
+    if ref is None:
+        raise HloShardError(f"%{inst.name}: {inst.opcode} without {role}=")
+    return ref.name
 
 
 def _data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
@@ -253,7 +376,7 @@ def _data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Dev
         first.setdefault(ar.groups.key(), ar.groups)
     if not weight:
         return None
-    return first[max(weight, key=weight.get)]
+    return first[max(weight, key=lambda key: weight[key])]
 
 
 def _region_computations(module: Module) -> set[str]:
@@ -264,7 +387,7 @@ def _region_computations(module: Module) -> set[str]:
         comp = stack.pop()
         for inst in comp.instructions:
             if inst.opcode == "while":
-                body = inst.attr("body").name
+                body = _called(inst, "body")
                 if body not in names:
                     names.add(body)
                     stack.append(module.computation(body))
@@ -285,25 +408,6 @@ def _gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[st
                 if (nx.descendants(graph, callee) | {callee}) & holders:
                     sources[comp.name].add(inst.name)
     return sources
-
-
-def _forward_tuple_elements(comp: Computation) -> list:
-    """``get-tuple-element(tuple(a, b, …), i)`` → the ``i``-th operand, so that the region
-    flows through the tuples jax wraps around shard_map outputs. Pure simplification."""
-    rw = Rewriter(comp)
-    forwarded = False
-    for inst in list(comp.instructions):
-        if inst.opcode != "get-tuple-element" or inst.name == comp.root_name:
-            continue
-        source = comp[inst.operands[0]]
-        if source.opcode != "tuple":
-            continue
-        rw.replace_all_uses_with(inst.name, source.operands[inst.attr("index")])
-        rw.erase(inst.name)
-        forwarded = True
-        if not rw.users(source.name) and source.name != comp.root_name:
-            rw.erase(source.name)
-    return rw.changes if forwarded else []
 
 
 # --------------------------------------------------------------------- optimizer state
@@ -348,26 +452,26 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
         fmt = next(iter(formats))
         if len(formats) != 1:
             kept_whole[number] = f"the update reads it in {len(formats)} element orders"
-        elif not flattenable(fmt, params[number].shape):
+        elif not flattenable(fmt, _array(params[number].shape)):
             kept_whole[number] = f"the update runs in element order {_order(fmt)}, " \
-                                 f"{_not_flattenable(params[number].shape)}"
+                                 f"{_not_flattenable(_array(params[number].shape))}"
         else:
             candidates[number] = fmt
     outputs: dict[int, str] = {}
     for k, value in enumerate(root.operands):
-        fmt = plan.sharded.get(value)
-        if fmt is not None and flattenable(fmt, root.shape.elements[k]):
+        out = plan.sharded.get(value)
+        if out is not None and flattenable(out, _element(root.shape, k)):
             outputs[k] = value
     pairs: dict[int, StatePair] = {}
 
     def pair(number: int, k: int) -> None:
-        pairs[number] = StatePair(k, outputs[k], candidates[number], params[number].shape,
-                                  root.shape.elements[k])
+        pairs[number] = StatePair(k, outputs[k], candidates[number],
+                                  _array(params[number].shape), _element(root.shape, k))
 
     def fits(number: int, k: int) -> bool:
         param = params[number]
         return plan.sharded[outputs[k]] == candidates[number] and \
-            root.shape.elements[k].element_type == param.shape.element_type
+            _element(root.shape, k).element_type == _array(param.shape).element_type
 
     aliases = _alias_pairs(module)
     if aliases:
@@ -447,9 +551,9 @@ def _not_flattenable(shape: ArrayShape) -> str:
 
 def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardFormat) -> str:
     """Why the output aliased to a state parameter cannot be its sharded next value."""
-    shape = root.shape.elements[k] if k < len(root.operands) else None
+    shape = _element(root.shape, k) if k < len(root.operands) else None
     out = plan.sharded.get(root.operands[k]) if shape is not None else None
-    if out is None:
+    if out is None or shape is None:
         return f"its next value (output {k}) is not computed by the sharded update"
     if not flattenable(out, shape):
         return f"its next value (output {k}) is in element order {_order(out)}, " \
@@ -510,20 +614,22 @@ def _loop_slots(module: Module, body: Computation, plan: RegionPlan,
     value is replicated."""
     callers = [(c, i) for c in module.computations for i in c.instructions
                if body.name in i.called_computations()]
-    if len(callers) != 1 or callers[0][1].opcode != "while" or             callers[0][1].attr("body").name != body.name:
+    if len(callers) != 1 or callers[0][1].opcode != "while" or \
+            _called(callers[0][1], "body") != body.name:
         return None
     parent, loop = callers[0]
-    cond = module.computation(loop.attr("condition").name)
+    cond = module.computation(_called(loop, "condition"))
     init = parent[loop.operands[0]]
     params, root = body.parameters(), body.root
-    if len(params) != 1 or not isinstance(params[0].shape, TupleShape) or             root.opcode != "tuple" or init.opcode != "tuple" or parent.root_name == loop.name:
+    if len(params) != 1 or not isinstance(params[0].shape, TupleShape) or \
+            root.opcode != "tuple" or init.opcode != "tuple" or parent.root_name == loop.name:
         return None
     graph, parent_graph = dataflow_graph(body), dataflow_graph(parent)
     slot_readers: dict[int, list[str]] = defaultdict(list)
     for user in graph.successors(params[0].name):
         if body[user].opcode != "get-tuple-element":
             return None
-        slot_readers[body[user].attr("index")].append(user)
+        slot_readers[_tuple_index(body[user])].append(user)
     if any(parent[u].opcode != "get-tuple-element" for u in parent_graph.successors(loop.name)):
         return None
     read_by_condition = _condition_slots(cond)
@@ -552,15 +658,16 @@ def _loop_slots(module: Module, body: Computation, plan: RegionPlan,
 
 def _condition_slots(cond: Computation) -> set[int] | None:
     """Slots the loop condition reads (None: it uses the carry whole)."""
-    (param,) = cond.parameters() or [None]
-    if param is None:
+    params = cond.parameters()
+    if not params:
         return set()
+    (param,) = params
     used: set[int] = set()
     for inst in cond.instructions:
         if param.name in inst.operands:
             if inst.opcode != "get-tuple-element":
                 return None
-            used.add(inst.attr("index"))
+            used.add(_tuple_index(inst))
     return used
 
 
@@ -575,26 +682,25 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     parent = module.computation(carry.parent)
     body = module.computation(carry.body)
     loop = parent[carry.loop]
-    forwarded = _forward_tuple_elements(parent)
     rw = Rewriter(parent)
     emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
     old = parent[loop.operands[0]]
-    full = loop.shape.elements
-    elements = list(full)
+    elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
     for index, fmt in carry.slots.items():
-        elements[index] = emit.shape(full[index].element_type, (fmt.shard_len,))
+        elements[index] = emit.shape(_element(loop.shape, index).element_type, (fmt.shard_len,))
     carried = TupleShape(tuple(elements))
     sunk = _sinkable_slots(parent, rw, carry, old) if sink_state and parent.is_entry else {}
     state: dict[int, StatePair] = {}
     root = parent.root
     for index, (upward, downward, k) in sunk.items():
         fmt, param = carry.slots[index], parent[upward[0]]
-        state[param.parameter_number] = StatePair(k, downward[-1], fmt, param.shape,
-                                                  root.shape.elements[k])
+        state[cast(int, param.parameter_number)] = StatePair(
+            k, downward[-1], fmt, _array(param.shape), _element(root.shape, k))
         for name in upward + downward:
             parent[name].shape = elements[index]
         root.shape = TupleShape(tuple(elements[index] if i == k else e
-                                      for i, e in enumerate(root.shape.elements)))
+                                      for i, e in enumerate(cast(TupleShape,
+                                                                 root.shape).elements)))
     _annotate_state(module, parent, state, carry.groups)
     operands = list(old.operands)
     with rw.inserting_before(loop.name):
@@ -608,14 +714,15 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     loop.shape = carried
     for comp in (body, module.computation(carry.condition)):
         comp.parameters()[0].shape = carried
-    readers = [r for r in rw.users(loop.name) if r.attr("index") in carry.slots]
+    readers = [r for r in rw.users(loop.name) if _tuple_index(r) in carry.slots]
     users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
-    items = [Gathered(r.name, carry.slots[r.attr("index")],
-                      emit.gathered_shape(r.shape, carry.slots[r.attr("index")], users[r.name]),
+    items = [Gathered(r.name, carry.slots[_tuple_index(r)],
+                      emit.gathered_shape(_array(r.shape), carry.slots[_tuple_index(r)],
+                                          users[r.name]),
                       r.name)
-             for r in readers if r.attr("index") not in sunk]
+             for r in readers if _tuple_index(r) not in sunk]
     for reader in readers:
-        reader.shape = elements[reader.attr("index")]
+        reader.shape = elements[_tuple_index(reader)]
     for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
         for user in users[item.shard]:
             inst = parent[user]
@@ -624,7 +731,7 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
                     rw.set_operand(inst, i, gathered)
         if parent.root_name == item.shard:
             rw.set_root(gathered)
-    return forwarded + rw.changes, state
+    return rw.changes, state
 
 
 def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
@@ -642,7 +749,7 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
     out: dict[int, tuple[list[str], list[str], int]] = {}
     readers: dict[int, list[Instruction]] = defaultdict(list)
     for reader in rw.users(carry.loop):
-        readers[reader.attr("index")].append(reader)
+        readers[_tuple_index(reader)].append(reader)
     for index, fmt in carry.slots.items():
         upward = [init.operands[index]]
         while parent[upward[0]].opcode == "copy" and only_user(parent[upward[0]].operands[0]):
@@ -656,31 +763,22 @@ def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,
         if only_user(downward[-1]) is not root or root.operands.count(downward[-1]) != 1:
             continue
         k = root.operands.index(downward[-1])
-        if flattenable(fmt, parent[upward[0]].shape) and \
-                flattenable(fmt, root.shape.elements[k]):
+        if flattenable(fmt, _array(parent[upward[0]].shape)) and \
+                flattenable(fmt, _element(root.shape, k)):
             out[index] = (upward, downward, k)
     return out
-
-
-def _update_entry_layout(module: Module) -> None:
-    from hlo_shard.printer import format_shape
-
-    entry = module.entry
-    if "entry_computation_layout" not in module.header:
-        return
-    params = ", ".join(format_shape(p.shape) for p in entry.parameters())
-    module.header["entry_computation_layout"] = Raw(
-        f"{{({params})->{format_shape(entry.root.shape)}}}")
 
 
 def _fill_signature(module: Module, report: ShardingReport, replication: Replication,
                     state: dict[int, StatePair], groups: DeviceGroups | None,
                     output_kinds: list[str]) -> None:
+    """The rewritten entry's signature for the manifest: each parameter and output leaf
+    replicated, per-device, or a shard (with its format and groups)."""
     entry = module.entry
     sharded_outputs = {pair.output: pair for pair in state.values()}
     explicit_groups = () if groups is None or groups.is_trivial else groups.groups
     for param in entry.parameters():
-        number = param.parameter_number
+        number = cast(int, param.parameter_number)
         if number in state:
             pair = state[number]
             report.parameters.append(SignatureEntry(number, "sharded", pair.shape, param.name,
@@ -688,7 +786,7 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
             continue
         flags = next((p.flags for p in replication.params if p.number == number), False)
         kind = "replicated" if all_true(flags) else "per-device"
-        for _, leaf in _leaves(param.shape):
+        for _, leaf in shape_leaves(param.shape):
             report.parameters.append(SignatureEntry(number, kind, leaf, param.name))
     root = entry.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
@@ -711,12 +809,6 @@ def _output_kinds(module: Module, replication: Replication) -> list[str]:
         leaf_flags = flags if isinstance(flags, tuple) else (flags,) * len(root.shape.elements)
         return ["replicated" if all_true(f) else "per-device" for f in leaf_flags]
     return ["replicated" if all_true(flags) else "per-device"]
-
-
-def _leaves(shape):
-    if isinstance(shape, TupleShape):
-        return list(shape.leaves())
-    return [((), shape)]
 
 
 # --------------------------------------------------------------------- explanations
@@ -753,7 +845,6 @@ def _shard_sharding(groups: DeviceGroups) -> str:
         n, len(groups.groups), ",".join(map(str, order)))
 
 
-__all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptions", "ShardingReport",
-           "SignatureEntry", "StrategyChoice", "WeightUpdateSharding", "STATE_MODES",
-           "resolve_profile",
-           "STRATEGIES"]
+__all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptionError",
+           "ShardingOptions", "ShardingReport", "SignatureEntry", "StrategyChoice",
+           "WeightUpdateSharding", "STATE_MODES", "STRATEGIES", "rewritten_computations"]

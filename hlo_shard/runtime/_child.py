@@ -26,6 +26,7 @@ import signal
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 #: jax/jaxlib releases this runtime was written and tested against ([low, high)).
@@ -271,7 +272,8 @@ def serve(requests: BinaryIO, replies: BinaryIO, backend: str, device_count: int
         write_message(replies, _error_reply(err))
         return
     write_message(replies, {"ok": True, "result": runtime.describe()})
-    handlers = {"compile": runtime.compile, "execute": runtime.execute, "cost": runtime.cost,
+    #: The request's fields are the handler's keyword arguments; its result is pickled.
+    handlers: dict[str, Callable[..., object]] = {"compile": runtime.compile, "execute": runtime.execute, "cost": runtime.cost,
                 "time": runtime.time, "release": runtime.release,
                 "ping": lambda: "pong"}
     while (request := read_message(requests)) is not None:

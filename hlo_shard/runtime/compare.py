@@ -251,18 +251,15 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
         if ratio > worst_ratio:
             worst_ratio, worst_device = ratio, device
         worst_abs = max(worst_abs, float(np.max(error)))
-    changes = {"update_max_abs": worst_abs,
-               "update_max_rel": worst_abs / scale if scale else (0.0 if not worst_abs
-                                                                  else float("inf")),
-               "update_rtol": tol}
+    relative = worst_abs / scale if scale else (0.0 if not worst_abs else float("inf"))
+    leaf = replace(leaf, update_max_abs=worst_abs, update_max_rel=relative, update_rtol=tol)
     if leaf.verdict == "differ" and not value_over:
-        changes |= {"verdict": "match", "mismatched": 0}
-    if over and changes.get("verdict", leaf.verdict) == "match":
-        changes |= {"verdict": "update-differ", "mismatched": over, "worst_device": worst_device,
-                    "detail": f"update Δ off by {worst_abs:.3g} ({changes['update_max_rel']:.3g}"
-                              f" of max|Δ| {scale:.3g}; allowed {tol:g} of it + "
-                              f"{UPDATE_ULPS:g} ulp)"}
-    return replace(leaf, **changes)
+        leaf = replace(leaf, verdict="match", mismatched=0)
+    if over and leaf.verdict == "match":
+        leaf = replace(leaf, verdict="update-differ", mismatched=over, worst_device=worst_device,
+                       detail=f"update Δ off by {worst_abs:.3g} ({relative:.3g} of max|Δ| "
+                              f"{scale:.3g}; allowed {tol:g} of it + {UPDATE_ULPS:g} ulp)")
+    return leaf
 
 
 def check_padding(leaf: LeafComparison, lanes: Sequence[np.ndarray]) -> LeafComparison:
@@ -271,11 +268,11 @@ def check_padding(leaf: LeafComparison, lanes: Sequence[np.ndarray]) -> LeafComp
     checked = sum(int(np.size(v)) for v in lanes)
     bad = [np.asarray(v)[np.asarray(v) != 0] for v in lanes]
     nonzero = sum(int(b.size) for b in bad)
-    changes = {"padding_nonzero": leaf.padding_nonzero + nonzero,
-               "padding_checked": leaf.padding_checked + checked}
+    leaf = replace(leaf, padding_nonzero=leaf.padding_nonzero + nonzero,
+                   padding_checked=leaf.padding_checked + checked)
     if nonzero and leaf.verdict not in ("shape-mismatch", "missing"):
         example = next(b for b in bad if b.size)[0]
-        changes |= {"verdict": "padding-nonzero",
-                    "detail": f"{nonzero} of {checked} padding lanes of the candidate's "
-                              f"shards are not zero (e.g. {example!r})"}
-    return replace(leaf, **changes)
+        leaf = replace(leaf, verdict="padding-nonzero",
+                       detail=f"{nonzero} of {checked} padding lanes of the candidate's "
+                              f"shards are not zero (e.g. {example!r})")
+    return leaf

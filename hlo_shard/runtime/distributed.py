@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import os
 import pickle
 import select
@@ -135,9 +136,11 @@ def _spawn(index: int, arguments: list[str], env: dict[str, str], pass_fds: tupl
 
 
 def _drain(child: _Process) -> None:
-    for raw in iter(child.popen.stderr.readline, b""):
+    stream = child.popen.stderr
+    assert stream is not None, "_spawn pipes every child's stderr"
+    for raw in iter(stream.readline, b""):
         child.stderr.append(raw.decode("utf-8", "replace").rstrip("\n"))
-    child.popen.stderr.close()
+    stream.close()
 
 
 def _blame(children: list[_Process], suspects: list[int], errors: dict[int, str]) -> str:
@@ -235,7 +238,13 @@ class DistributedWorker:
 
     @property
     def local_device_count(self) -> int:
-        return split_devices(self.device_count, self.processes)
+        return split_devices(self._known_device_count(), self.processes)
+
+    def _known_device_count(self) -> int:
+        if self.device_count is None:
+            raise HloShardError("the device count of a multi-process run is not known "
+                                "yet; pass --devices")
+        return self.device_count
 
     @property
     def alive(self) -> bool:
@@ -251,9 +260,7 @@ class DistributedWorker:
         with self._lock:
             if self.alive:
                 return
-            if self.device_count is None:
-                raise HloShardError("the device count of a multi-process run is not known "
-                                    "yet; pass --devices")
+            self._known_device_count()
             self._stop()
             self.info = {}
             self.coordinator = f"127.0.0.1:{free_port()}"
@@ -317,12 +324,13 @@ class DistributedWorker:
                 self._check_replicas(fields["replicas"])
             self.start()
             self._busy = True
-            key, split = _SPLIT_FIELD.get(op, (None, None))
+            split = _SPLIT_FIELD.get(op)
             local = self.local_device_count
             for child in self._children:
                 message = {"op": op, **fields}
-                if key is not None:
-                    message[key] = split(fields[key], child.index, local)
+                if split is not None:
+                    key, cut = split
+                    message[key] = cut(fields[key], child.index, local)
                 try:
                     _child.write_message(child.requests, message)
                 except (BrokenPipeError, OSError):
@@ -416,7 +424,7 @@ def _kill_all(children: list[_Process]) -> None:
             _close_quietly(child.requests.close)
         for fd in (child.replies_fd, child.lifeline_fd):
             if fd >= 0:
-                _close_quietly(lambda fd=fd: os.close(fd))
+                _close_quietly(functools.partial(os.close, fd))
 
 
 # ------------------------------------------------------------------- scripts
@@ -440,6 +448,7 @@ def launch(script: str | Path, args: Sequence[str] = (), processes: int = 2,
     readers: list[threading.Thread] = []
 
     def read_stdout(child: _Process) -> None:
+        assert child.popen.stdout is not None, "spawned with stdout=PIPE"
         with child.popen.stdout as stream:
             outputs[child.index] = stream.read()
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, reduce
+from operator import or_
 from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 
@@ -39,9 +40,10 @@ import numpy as np
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import (
-    COMPLEX_TYPES, FLOAT_TYPES, ArrayShape, Computation, Instruction, Module, Raw,
-    TupleShape, shape_leaves,
+    COMPLEX_TYPES, FLOAT_TYPES, ArrayShape, Computation, ComputationRef, Instruction, Module,
+    Raw, Shape, TupleShape, shape_leaves,
 )
+from hlo_shard.opinfo import ELEMENTWISE, SUMMING_COLLECTIVES
 from hlo_shard.runtime.manifest import Manifest
 
 REPLICATED = "replicated"
@@ -98,26 +100,26 @@ def parameter_roles(module: Module, per_device: Iterable[int] | None = None,
     params = module.entry.parameters()
     if per_device is not None:
         chosen = set(per_device)
-        unknown = chosen - {p.parameter_number for p in params}
+        unknown = chosen - {p.param_number for p in params}
         if unknown:
             raise HloShardError(f"--per-device-params: module has no parameter "
                                 f"{', '.join(map(str, sorted(unknown)))}")
-        return [ParameterRole(p.parameter_number, p.name,
-                              PER_DEVICE if p.parameter_number in chosen else REPLICATED,
+        return [ParameterRole(p.param_number, p.name,
+                              PER_DEVICE if p.param_number in chosen else REPLICATED,
                               "--per-device-params") for p in params]
-    from_manifest = {}
+    from_manifest: dict[int, str] = {}
     if manifest is not None:
         from_manifest = {r.original: PER_DEVICE if r.kind == PER_DEVICE else REPLICATED
                          for r in manifest.parameters if r.original is not None}
     analysis = default_roles(module)
     roles = []
     for p in params:
-        for source, role in (("manifest", from_manifest.get(p.parameter_number)),
+        for source, role in (("manifest", from_manifest.get(p.param_number)),
                              ("sharding", _sharding_role(module, p)),
                              ("parameter_replication", _replication_role(p)),
-                             ("analysis", analysis[p.parameter_number])):
+                             ("analysis", analysis[p.param_number])):
             if role is not None:
-                roles.append(ParameterRole(p.parameter_number, p.name, role, source))
+                roles.append(ParameterRole(p.param_number, p.name, role, source))
                 break
     return roles
 
@@ -158,22 +160,15 @@ def _replication_role(param: Instruction) -> str | None:
 
 #: Ops through which a value keeps its identity (elementwise and data movement):
 #: a parameter reaching an output through these only is state updated in place.
-PASS_THROUGH = frozenset({
-    "abs", "add", "and", "atan2", "bitcast", "bitcast-convert", "broadcast", "cbrt",
-    "ceil", "clamp", "clz", "compare", "complex", "concatenate", "convert", "copy",
-    "copy-done", "copy-start", "cosine", "divide", "dynamic-slice",
-    "dynamic-update-slice", "erf", "exp", "expm1", "floor", "get-tuple-element", "imag",
-    "is-finite", "log", "log1p", "logistic", "maximum", "minimum", "multiply", "negate",
-    "not", "optimization-barrier", "or", "pad", "popcnt", "power", "real",
-    "reduce-precision", "remainder", "reshape", "reverse", "round-nearest-afz",
-    "round-nearest-even", "rsqrt", "select", "shift-left", "shift-right-arithmetic",
-    "shift-right-logical", "sign", "sine", "slice", "sqrt", "stochastic-convert",
-    "subtract", "tan", "tanh", "transpose", "tuple", "xor",
+#: (``tuple``, ``get-tuple-element`` and ``opt-barrier`` keep their leaves apart: they
+#: have handlers of their own in :class:`_ParameterFlow`.)
+PASS_THROUGH = ELEMENTWISE | frozenset({
+    "bitcast", "bitcast-convert", "broadcast", "concatenate", "copy-done", "copy-start",
+    "dynamic-slice", "dynamic-update-slice", "pad", "reshape", "reverse", "slice",
+    "transpose",
     # Gathers the shards of replicated state back: still the same state.
     "all-gather", "all-gather-start", "all-gather-done",
 })
-#: Collectives that sum values across devices: what batch data and gradients feed.
-SUMMING_COLLECTIVES = frozenset({"all-reduce", "all-reduce-start", "reduce-scatter"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +184,11 @@ class _Bits:
 
 #: One _Bits per array leaf of a value, depth first.
 _Leaves = tuple[_Bits, ...]
+#: How one opcode's result leaves follow from its operands' (comp, inst, operands).
+_Transfer = Callable[[Computation, Instruction, list[_Leaves]], _Leaves]
 
 
-def _leaf_count(shape) -> int:
+def _leaf_count(shape: Shape) -> int:
     return sum(1 for _ in shape_leaves(shape))
 
 
@@ -204,38 +201,42 @@ class _ParameterFlow:
         self.comps = {c.name: c for c in module.computations}
         self.summed = 0  # parameters that reach a summing collective
         self._summing: dict[str, bool] = {}
-        self.handlers = {"parameter": None, "tuple": self._tuple,
-                         "get-tuple-element": self._get_tuple_element, "while": self._while,
-                         "call": self._call, "fusion": self._call,
-                         "conditional": self._conditional}
+        # opt-barrier returns its operand as it is: leaf for leaf, like a tuple of one.
+        self.handlers: dict[str, _Transfer] = {
+            "tuple": self._tuple, "opt-barrier": self._tuple,
+            "get-tuple-element": self._get_tuple_element, "while": self._while,
+            "call": self._call, "fusion": self._call, "conditional": self._conditional}
 
     def run(self, comp: Computation, params: Sequence[_Leaves]) -> _Leaves:
         values: dict[str, _Leaves] = {}
         for inst in topological_order(comp):
             if inst.opcode == "parameter":
-                values[inst.name] = params[inst.parameter_number]
+                values[inst.name] = params[inst.param_number]
                 continue
             operands = [values[name] for name in inst.operands]
             handler = self.handlers.get(inst.opcode, self._default)
             values[inst.name] = handler(comp, inst, operands)
-        return values[comp.root_name]
+        return values[comp.root.name]
 
-    def _tuple(self, comp, inst, operands) -> _Leaves:
+    def _tuple(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
         return tuple(bits for leaves in operands for bits in leaves)
 
-    def _get_tuple_element(self, comp, inst, operands) -> _Leaves:
-        elements = comp[inst.operands[0]].shape.elements
-        index = inst.attributes.get("index", 0)
+    def _get_tuple_element(self, comp: Computation, inst: Instruction,
+                           operands: list[_Leaves]) -> _Leaves:
+        source = comp[inst.operands[0]].shape
+        assert isinstance(source, TupleShape), f"%{inst.name} reads a non-tuple"
+        elements = source.elements
+        index = inst.required_attr("index", int)
         start = sum(_leaf_count(e) for e in elements[:index])
         return operands[0][start:start + _leaf_count(elements[index])]
 
-    def _call(self, comp, inst, operands) -> _Leaves:
+    def _call(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
         callee = inst.called_computations()[0]
         return self.run(self.comps[callee], operands)
 
-    def _while(self, comp, inst, operands) -> _Leaves:
-        body = self.comps[inst.attributes["body"].name]
-        condition = self.comps[inst.attributes["condition"].name]
+    def _while(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
+        body = self.comps[inst.required_attr("body", ComputationRef).name]
+        condition = self.comps[inst.required_attr("condition", ComputationRef).name]
         state = operands[0]
         while True:
             self.run(condition, [state])
@@ -244,17 +245,17 @@ class _ParameterFlow:
                 return state
             state = grown
 
-    def _conditional(self, comp, inst, operands) -> _Leaves:
+    def _conditional(self, comp: Computation, inst: Instruction,
+                     operands: list[_Leaves]) -> _Leaves:
         predicate = _Bits(0, 0)
         for bits in operands[0]:
             predicate |= _Bits(bits.reach, 0)
-        result = None
-        for k, branch in enumerate(inst.called_computations()):
-            out = self.run(self.comps[branch], [operands[k + 1]])
-            result = out if result is None else tuple(a | b for a, b in zip(result, out))
-        return tuple(bits | predicate for bits in result)
+        branches = [self.run(self.comps[branch], [operands[k + 1]])
+                    for k, branch in enumerate(inst.called_computations())]
+        return tuple(reduce(or_, leaf, predicate) for leaf in zip(*branches))
 
-    def _default(self, comp, inst, operands) -> _Leaves:
+    def _default(self, comp: Computation, inst: Instruction, operands: list[_Leaves]
+                 ) -> _Leaves:
         flat = [bits for leaves in operands for bits in leaves]
         reach = 0
         for bits in flat:
@@ -283,16 +284,16 @@ def default_roles(module: Module) -> dict[int, str]:
     flow = _ParameterFlow(module)
     params = module.entry.parameters()
     outputs = flow.run(module.entry, [
-        (_Bits(1 << p.parameter_number, 1 << p.parameter_number),) * _leaf_count(p.shape)
+        (_Bits(1 << p.param_number, 1 << p.param_number),) * _leaf_count(p.shape)
         for p in params])
     to_output = 0
     for bits in outputs:
         to_output |= bits.through
     roles = {}
     for param in params:
-        bit = 1 << param.parameter_number
+        bit = 1 << param.param_number
         per_device = not (to_output & bit) and bool(flow.summed & bit)
-        roles[param.parameter_number] = PER_DEVICE if per_device else REPLICATED
+        roles[param.param_number] = PER_DEVICE if per_device else REPLICATED
     return roles
 
 
@@ -300,7 +301,8 @@ def default_roles(module: Module) -> dict[int, str]:
 
 #: Operands that must be positive for finite results: opcode → operand indices.
 POSITIVE_OPERANDS: dict[str, tuple[int, ...]] = {
-    "sqrt": (0,), "rsqrt": (0,), "log": (0,), "log1p": (0,), "power": (0,), "divide": (1,),
+    "sqrt": (0,), "rsqrt": (0,), "log": (0,), "log-plus-one": (0,), "power": (0,),
+    "divide": (1,),
 }
 #: How a demand for a positive result passes to operands: opcode → operand indices
 #: (None: all operands). Ops not listed stop the demand (exp, abs, subtract …).
@@ -310,7 +312,7 @@ POSITIVE_IF: dict[str, tuple[int, ...] | None] = {
     "bitcast": None, "transpose": None, "slice": None, "reverse": None,
     "concatenate": None, "pad": None, "dynamic-slice": (0,), "dynamic-update-slice": (0, 1),
     "all-reduce": None, "all-gather": None, "reduce-scatter": None, "reduce": (0,),
-    "select": (1, 2), "clamp": (1,), "tuple": None, "optimization-barrier": None,
+    "select": (1, 2), "clamp": (1,), "tuple": None, "opt-barrier": None,
 }
 
 
@@ -326,9 +328,10 @@ def positive_parameters(module: Module) -> set[int]:
     return set(demanded_params(module.entry.name, False))
 
 
-def _demanded_parameters(comp: Computation, root_demanded: bool, comps: dict,
-                         callee_demands) -> set[int]:
-    demanded: set[str] = {comp.root_name} if root_demanded else set()
+def _demanded_parameters(comp: Computation, root_demanded: bool,
+                         comps: dict[str, Computation],
+                         callee_demands: Callable[[str, bool], frozenset[int]]) -> set[int]:
+    demanded: set[str] = {comp.root.name} if root_demanded else set()
     for inst in reversed(topological_order(comp)):
         wanted = inst.name in demanded
         if inst.opcode == "multiply" and len(set(inst.operands)) == 1:
@@ -339,14 +342,16 @@ def _demanded_parameters(comp: Computation, root_demanded: bool, comps: dict,
             indices |= set(range(len(inst.operands)) if chosen is None else chosen)
         if wanted and inst.opcode == "get-tuple-element":
             producer = comp.get(inst.operands[0])
+            while producer is not None and producer.opcode == "opt-barrier":
+                producer = comp.get(producer.operands[0])  # its operand, as it is
             if producer is not None and producer.opcode in ("tuple", "all-reduce"):
-                demanded.add(producer.operands[inst.attributes.get("index", 0)])
+                demanded.add(producer.operands[inst.required_attr("index", int)])
         if inst.opcode in ("fusion", "call"):
             for callee in inst.called_computations():
                 if callee in comps:
                     indices |= set(callee_demands(callee, wanted))
         demanded.update(inst.operands[i] for i in indices if i < len(inst.operands))
-    return {p.parameter_number for p in comp.parameters() if p.name in demanded}
+    return {p.param_number for p in comp.parameters() if p.name in demanded}
 
 
 # ----------------------------------------------------------------------- generation
@@ -369,14 +374,15 @@ def random_value(shape: ArrayShape, rng: np.random.Generator, positive: bool = F
     return rng.integers(1, 5, size=dims).astype(dtype)
 
 
+def _array_parameter(param: Instruction) -> ArrayShape:
+    if isinstance(param.shape, TupleShape):
+        raise HloShardError(f"entry parameter %{param.name} is a tuple; tuple-shaped "
+                            "entry parameters are not supported")
+    return param.shape
+
+
 def parameter_shapes(module: Module) -> list[ArrayShape]:
-    shapes = []
-    for param in module.entry.parameters():
-        if isinstance(param.shape, TupleShape):
-            raise HloShardError(f"entry parameter %{param.name} is a tuple; tuple-shaped "
-                                "entry parameters are not supported")
-        shapes.append(param.shape)
-    return shapes
+    return [_array_parameter(param) for param in module.entry.parameters()]
 
 
 def output_shapes(module: Module) -> list[ArrayShape]:
@@ -519,7 +525,7 @@ def load_npz(path: str | Path, module: Module, devices: int) -> dict[int, Device
     value per device. Parameters absent from the file are generated.
     """
     params = module.entry.parameters()
-    by_key = {f"p{p.parameter_number}": p for p in params} | {p.name: p for p in params}
+    by_key = {f"p{p.param_number}": p for p in params} | {p.name: p for p in params}
     values: dict[int, DeviceValues] = {}
     try:
         archive = np.load(path, allow_pickle=False)
@@ -531,13 +537,13 @@ def load_npz(path: str | Path, module: Module, devices: int) -> dict[int, Device
             if param is None:
                 raise HloShardError(f"{path}: {key!r} names no entry parameter "
                                     "(use p<number> or the parameter's name)")
-            shape = param.shape
+            shape = _array_parameter(param)
             array = archive[key]
             dtype = numpy_dtype(shape.element_type)
             if tuple(array.shape) == shape.dims:
-                values[param.parameter_number] = [array.astype(dtype)] * devices
+                values[param.param_number] = [array.astype(dtype)] * devices
             elif tuple(array.shape) == (devices, *shape.dims):
-                values[param.parameter_number] = [array[d].astype(dtype) for d in range(devices)]
+                values[param.param_number] = [array[d].astype(dtype) for d in range(devices)]
             else:
                 raise HloShardError(
                     f"{path}: {key!r} has shape {tuple(array.shape)}; parameter "

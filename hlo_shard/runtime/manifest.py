@@ -17,7 +17,10 @@ Schema (JSON, version 1)::
           "index": 0,               # candidate parameter number
           "original": 0,            # original parameter number it stands for,
                                     #   or null for a parameter the original lacks
-          "name": "w",              # optional, for messages
+          "name": "w",              # optional, for messages: the HLO name
+          "user_name": "p['w']",    # optional: the name in the user's program (its
+                                    #   pytree path, from the op_name metadata); an
+                                    #   output's is its parameter's (feedback)
           "kind": "sharded",        # "replicated" | "per-device" | "sharded"
           "shape": [16, 8],         # ORIGINAL (full, per-device) logical dims
           "element_type": "f32",
@@ -110,10 +113,13 @@ class ArrayRecord:
     shape: ArrayShape
     name: str = ""
     shard: Shard | None = None
+    #: The name in the user's program (``params['w']``), "" where unknown.
+    user_name: str = ""
 
     @property
     def label(self) -> str:
-        return self.name or str(self.index)
+        base = self.name or str(self.index)
+        return f"{base} ({self.user_name})" if self.user_name else base
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +163,7 @@ def _record(raw, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
     elif "shard" in raw:
         at.key("shard").fail(f"only a sharded record has a shard, not a {kind} one")
     return ArrayRecord(index, original, kind, shape, at.read(raw, "name", At.string, default=""),
-                       shard)
+                       shard, at.read(raw, "user_name", At.string, default=""))
 
 
 def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayShape) -> Shard:
@@ -227,6 +233,8 @@ def manifest_to_json(manifest: Manifest) -> dict:
                "layout": list(r.shape.minor_to_major())}
         if r.name:
             out["name"] = r.name
+        if r.user_name:
+            out["user_name"] = r.user_name
         if r.shard is not None:
             out["shard"] = {"length": r.shard.length, "padding": r.shard.padding}
             if r.shard.replica_groups:

@@ -39,7 +39,7 @@ from hlo_shard.runtime.inputs import (
     output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of,
 )
 from hlo_shard.runtime.manifest import (
-    ArrayRecord, Manifest, _order, gather_value, physical_flat, shard_value,
+    ArrayRecord, Manifest, Shard, _order, gather_value, physical_flat, shard_value,
 )
 from hlo_shard.runtime.worker import DEFAULT_TIMEOUT
 
@@ -221,7 +221,7 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
                         f"{where}: candidate {what} {index} records original shape "
                         f"{shape_text(record.shape)}, but original {what} {record.original} "
                         f"is {shape_text(ours[record.original])}")
-            if record.kind == "sharded":
+            if record.shard is not None:  # a "sharded" record
                 if shape.num_elements != record.shard.length or \
                         shape.element_type != record.shape.element_type:
                     raise HloShardError(
@@ -240,8 +240,10 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
 
 @dataclass
 class _Pair:
+    """Two modules compared, and how the candidate's arrays stand for the original's."""
+
     original: Executable
-    candidate: Executable | None
+    candidate: Executable
     param_records: list[ArrayRecord]
     output_records: list[ArrayRecord]
 
@@ -265,7 +267,7 @@ def _candidate_inputs(pair: _Pair, values: list[DeviceValues], options: VerifyOp
 def _gathered(records: Sequence[ArrayRecord], shapes: Sequence[ArrayShape],
               arrays: Sequence[DeviceValues], devices: int) -> dict[int, DeviceValues]:
     """Candidate arrays keyed by the original array they stand for, shards gathered."""
-    gathered = {}
+    gathered: dict[int, DeviceValues] = {}
     for record, shape, values in zip(records, shapes, arrays):
         if record.original is None or record.original in gathered:
             continue
@@ -309,10 +311,12 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
     options = options or VerifyOptions()
     say = progress or (lambda message: None)
     regime_of(options.regime, 0)  # an unknown name fails before anything compiles
-    if options.steps is None:
+    steps = options.steps
+    if steps is None:
         cycle = candidate is not None and options.regime == ALL
-        options = replace(options, steps=len(REGIMES) if cycle else 1)
-    if options.steps < 1:
+        steps = len(REGIMES) if cycle else 1
+        options = replace(options, steps=steps)
+    if steps < 1:
         raise HloShardError("--steps must be at least 1")
     modules = [read_module(original)] + ([read_module(candidate)] if candidate is not None else [])
     for module in modules:
@@ -340,11 +344,12 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
                 f"{options.backend} device{'s' if devices > 1 else ''}")
             executables.append(load(module, devices, options.backend, worker=options.worker,
                                     timeout=options.timeout))
-        pair = _Pair(executables[0], executables[1] if len(executables) == 2 else None, *records)
-        report = VerifyReport(devices, options.backend, roles, ModuleReport.of(pair.original),
-                              ModuleReport.of(pair.candidate) if pair.candidate else None,
+        original_exe = executables[0]
+        pair = _Pair(original_exe, executables[1], *records) if len(executables) == 2 else None
+        report = VerifyReport(devices, options.backend, roles, ModuleReport.of(original_exe),
+                              ModuleReport.of(pair.candidate) if pair else None,
                               feedback=feedback)
-        _Run(pair, report, options, supplied, devices, say).steps()
+        _Run(original_exe, pair, report, options, steps, supplied, devices, say).steps()
     finally:
         for exe in executables:
             exe.close()
@@ -368,10 +373,8 @@ def _same_format(out: ArrayRecord, out_shape: ArrayShape, param: ArrayRecord,
     if not _same_array(out_shape, param_shape) or \
             out_shape.minor_to_major() != param_shape.minor_to_major():
         return False
-    if (out.kind == "sharded") != (param.kind == "sharded"):
-        return False
-    if out.kind != "sharded":
-        return True
+    if out.shard is None or param.shard is None:  # not both "sharded"
+        return out.shard is None and param.shard is None
     return (out.shard.length, out.shard.padding, out.shard.groups(devices), _order(out)) == \
         (param.shard.length, param.shard.padding, param.shard.groups(devices), _order(param))
 
@@ -380,7 +383,8 @@ def _candidate_feeds(pair: _Pair, feedback: Sequence[tuple[int, int]], devices: 
                      ) -> tuple[list[_Feed], list[tuple[int, int]]]:
     """The candidate's own feedback (output → parameter, in its terms), and the
     original pairs that must be re-sharded instead."""
-    feeds, resharded = [], []
+    feeds: list[_Feed] = []
+    resharded: list[tuple[int, int]] = []
     for output, parameter in feedback:
         outs = [i for i, r in enumerate(pair.output_records) if r.original == output]
         params = [j for j, r in enumerate(pair.param_records) if r.original == parameter]
@@ -395,15 +399,15 @@ def _candidate_feeds(pair: _Pair, feedback: Sequence[tuple[int, int]], devices: 
     return feeds, resharded
 
 
-def _padding_lanes(values: DeviceValues, record: ArrayRecord, shape: ArrayShape,
-                   devices: int) -> list[np.ndarray]:
-    """The padding lanes of a sharded output: per replica group, the elements past the
-    original's in the group's chunks concatenated in order."""
+def _padding_lanes(values: DeviceValues, shard: Shard, original: ArrayShape,
+                   shape: ArrayShape, devices: int) -> list[np.ndarray]:
+    """The padding lanes of an output sharded as ``shard``: per replica group, the
+    elements past the ``original``'s in the group's chunks concatenated in order."""
     lanes = []
-    for group in record.shard.groups(devices):
+    for group in shard.groups(devices):
         flat = np.concatenate([physical_flat(np.asarray(values[d]), shape.minor_to_major())
                                for d in group])
-        lanes.append(flat[record.shape.num_elements:])
+        lanes.append(flat[original.num_elements:])
     return lanes
 
 
@@ -411,9 +415,13 @@ def _padding_lanes(values: DeviceValues, record: ArrayRecord, shape: ArrayShape,
 class _Run:
     """The step loop: each module carries its own state between steps."""
 
-    pair: _Pair
+    original: Executable
+    #: None: the original runs alone.
+    pair: _Pair | None
     report: VerifyReport
     options: VerifyOptions
+    #: ``options.steps`` resolved.
+    step_count: int
     supplied: dict[int, DeviceValues]
     devices: int
     say: Progress
@@ -422,7 +430,7 @@ class _Run:
         """Inputs of 0-based ``step`` in original terms under its regime, with the
         user's values, and the state parameters the regime resets."""
         regime = regime_of(self.options.regime, step)
-        values, reset = regime_inputs(self.pair.original.source, self.report.roles,
+        values, reset = regime_inputs(self.original.source, self.report.roles,
                                       self.devices, self.options.seed, step, regime)
         for number, given in self.supplied.items():
             values[number] = given
@@ -430,34 +438,35 @@ class _Run:
         return values, reset
 
     def steps(self) -> None:
-        pair, options, feedback = self.pair, self.options, self.report.feedback
+        pair, original, options, feedback = self.pair, self.original, self.options, \
+            self.report.feedback
         feeds: list[_Feed] = []
-        if pair.candidate is not None:
+        if pair is not None:
             feeds, self.report.resharded = _candidate_feeds(pair, feedback, self.devices)
         state_a, _ = self.fresh(0)
         inputs_b = _candidate_inputs(pair, state_a, options, self.devices, 0) \
-            if pair.candidate is not None else None
-        timed_inputs = [state_a] + ([inputs_b] if inputs_b is not None else [])
-        for step in range(1, options.steps + 1):
-            self.say(f"step {step}/{options.steps} ({self.report.regimes[-1]}): running")
-            outputs_a = dict(enumerate(pair.original.run(state_a)))
-            if pair.candidate is None:
+            if pair is not None else []
+        timed_inputs = [state_a] + ([inputs_b] if pair is not None else [])
+        for step in range(1, self.step_count + 1):
+            self.say(f"step {step}/{self.step_count} ({self.report.regimes[-1]}): running")
+            outputs_a = dict(enumerate(original.run(state_a)))
+            if pair is None:
                 self.report.original.nonfinite_outputs = _nonfinite(
-                    list(outputs_a.values()), pair.original.outputs)
+                    list(outputs_a.values()), original.outputs)
             else:
                 raw_b = pair.candidate.run(inputs_b)
-                outputs_b = self.compare(step, state_a, outputs_a, inputs_b, raw_b)
+                outputs_b = self.compare(pair, step, state_a, outputs_a, inputs_b, raw_b)
             self.report.steps_run = step
-            if step == options.steps:
+            if step == self.step_count:
                 break
             upcoming, reset = self.fresh(step)
             # State the original left NaN/inf would make every later step vacuous:
             # both modules start it afresh (the step that produced it was compared).
-            broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
+            broken = _nonfinite_leaves(outputs_a, original.outputs)
             reset |= {p for o, p in feedback if o in broken}
             fed = [(o, p) for o, p in feedback if p not in reset]
             state_a = _fed(upcoming, outputs_a, fed)
-            if pair.candidate is not None:
+            if pair is not None:
                 inputs_b = _candidate_inputs(pair, _fed(upcoming, outputs_b, fed), options,
                                              self.devices, step)
                 for feed in feeds:
@@ -466,12 +475,12 @@ class _Run:
         if options.time_runs:
             self.time(timed_inputs)
 
-    def compare(self, step: int, inputs_a: list[DeviceValues], outputs_a: dict[int, DeviceValues],
-                inputs_b: list[DeviceValues], raw_b: list[DeviceValues]
-                ) -> dict[int, DeviceValues]:
+    def compare(self, pair: _Pair, step: int, inputs_a: list[DeviceValues],
+                outputs_a: dict[int, DeviceValues], inputs_b: list[DeviceValues],
+                raw_b: list[DeviceValues]) -> dict[int, DeviceValues]:
         """Compare one step (values, updates, padding); the candidate's outputs in
         original terms."""
-        pair, devices = self.pair, self.devices
+        devices = self.devices
         outputs_b = _in_original_terms(pair, raw_b, devices)
         before_b = _params_in_original_terms(pair, inputs_b, devices)
         fed_from = {o: p for o, p in self.report.feedback}
@@ -493,13 +502,14 @@ class _Run:
             finite = index not in broken
             for record, cshape, values in zip(pair.output_records, pair.candidate.outputs,
                                               raw_b):
-                if finite and record.original == index and record.kind == "sharded" and \
+                if finite and record.original == index and record.shard is not None and \
                         record.shard.padding:
-                    leaf = check_padding(leaf, _padding_lanes(values, record, cshape, devices))
+                    leaf = check_padding(leaf, _padding_lanes(values, record.shard, record.shape,
+                                                              cshape, devices))
             leaves.append(leaf)
         self.report.steps.append(leaves)
         bad = sum(not leaf.ok for leaf in leaves)
-        self.say(f"step {step}/{self.options.steps}: "
+        self.say(f"step {step}/{self.step_count}: "
                  + (f"{bad} output(s) differ" if bad else "all outputs match"))
         return outputs_b
 
@@ -507,9 +517,11 @@ class _Run:
         """Step-0 inputs, both modules interleaved A/B/A/B."""
         self.say(f"timing: {self.options.time_runs} runs per module after "
                  f"{self.options.warmup} warm-up, interleaved")
-        timed = [e for e in (self.pair.original, self.pair.candidate) if e is not None]
+        timed = [self.original] + ([self.pair.candidate] if self.pair is not None else [])
+        reports = [self.report.original] + ([self.report.candidate]
+                                            if self.report.candidate is not None else [])
         timings = time_interleaved(timed, inputs, self.options.time_runs, self.options.warmup)
-        for module_report, timing in zip((self.report.original, self.report.candidate), timings):
+        for module_report, timing in zip(reports, timings):
             module_report.timing = timing
 
 

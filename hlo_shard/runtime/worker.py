@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hlo_shard import limits
 from hlo_shard.errors import HloRuntimeError, HloShardError
@@ -103,7 +103,7 @@ class Worker:
         self.generation = 0
         self.info: dict[str, Any] = {}
         self._process: subprocess.Popen | None = None
-        self._requests = None
+        self._requests: BinaryIO | None = None
         self._replies_fd = -1
         self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)
         self._lock = threading.RLock()
@@ -177,6 +177,7 @@ class Worker:
         """Send one request and return its result; ``what`` names it in errors."""
         with self._lock:
             self.start()
+            assert self._requests is not None, "start() opened the request pipe"
             try:
                 _child.write_message(self._requests, {"op": op, **fields})
             except (BrokenPipeError, OSError):

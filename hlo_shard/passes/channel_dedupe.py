@@ -1,0 +1,60 @@
+"""Give every collective that shares its channel id with an earlier one a fresh id.
+
+XLA requires unique channel ids; jax's output can repeat them (the module kept whole is
+then still valid to write). Run after the passes that emit collectives: the fresh ids
+continue after the largest id in use, as XLA numbers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_shard.graph import Change, Rewriter
+from hlo_shard.ir import Module
+from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.shard_emitter import ChannelIds
+
+
+@dataclass(frozen=True)
+class RenumberedChannels:
+    """How many collectives got a fresh channel id."""
+
+    renumbered: int
+
+    @property
+    def notes(self) -> list[str]:
+        """What ``--explain`` and ``--json`` say."""
+        if not self.renumbered:
+            return []
+        return [f"renumbered {self.renumbered} duplicate collective channel id(s)"]
+
+
+@dataclass(frozen=True)
+class ChannelIdDedupe(ModulePass[RenumberedChannels]):
+    """Renumber duplicate collective channel ids (the first user of an id keeps it)."""
+
+    name: ClassVar[str] = "channel-id-dedupe"
+    #: The check this pass makes pass: a pipeline does not fail the passes before it on it.
+    repairs: ClassVar[frozenset[str]] = frozenset({"unique-channel-ids"})
+
+    def apply(self, module: Module) -> PassResult[RenumberedChannels]:
+        channels = ChannelIds(module)
+        seen: set[int] = set()
+        changes: list[Change] = []
+        for comp in module.computations:
+            rw = Rewriter(comp)
+            for inst in comp.instructions:
+                channel = inst.int_attr("channel_id")
+                if channel is None or inst.opcode not in ChannelIds.COLLECTIVES:
+                    continue
+                if channel in seen:
+                    rw.set_attr(inst, "channel_id", channels.fresh())
+                else:
+                    seen.add(channel)
+            changes += rw.changes
+        return PassResult(module, bool(changes), changes,
+                          report=RenumberedChannels(len(changes)))
+
+
+__all__ = ["ChannelIdDedupe", "RenumberedChannels"]

@@ -1,0 +1,39 @@
+"""The weight-update sharding as the optimizer runs it: four passes in order.
+
+1. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
+   sharding may edit (so the region flows through jax's shard_map tuples);
+2. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
+3. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
+4. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature).
+
+The front ends check the final module before writing or compiling it
+(:func:`hlo_shard.passes.optimize.check_output`), so the pipeline runs without a check
+between passes: the never-slower gate runs it once per cut-off it prices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hlo_shard.ir import Module
+from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
+from hlo_shard.passes.entry_layout import EntryLayoutUpdate
+from hlo_shard.passes.pipeline import Pipeline
+from hlo_shard.passes.tuple_forwarding import TupleForwarding
+from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
+
+
+def sharding_pipeline(sharding: WeightUpdateSharding) -> Pipeline:
+    """The four passes around ``sharding``, unchecked between them."""
+    return Pipeline((TupleForwarding(), sharding, ChannelIdDedupe(), EntryLayoutUpdate()),
+                    check=None)
+
+
+def run_sharding(module: Module, sharding: WeightUpdateSharding) -> ShardingReport:
+    """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
+    every pass's notes (what ``--explain`` and ``--json`` show), in pass order."""
+    result = sharding_pipeline(sharding).run(module)
+    return replace(result.report(ShardingReport), notes=result.notes)
+
+
+__all__ = ["run_sharding", "sharding_pipeline"]
