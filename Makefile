@@ -49,7 +49,9 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/jax/_api.py hlo_shard/jax/_capture.py hlo_shard/jax/_xla.py \
 	hlo_shard/jax/__init__.py hlo_shard/jax/__main__.py hlo_shard/errors.py \
 	hlo_shard/runtime/__init__.py hlo_shard/runtime/_lifeline.py hlo_shard/runtime/_launched.py \
-	hlo_shard/runtime/_distributed_child.py
+	hlo_shard/runtime/_distributed_child.py \
+	hlo_shard/costmodel hlo_shard/reports hlo_shard/scaling.py hlo_shard/analysis/planned_regions.py \
+	hlo_shard/cli/report.py hlo_shard/cli/diff.py hlo_shard/cli/scale.py hlo_shard/passes/speed_gate.py
 TYPED += hlo_shard/analysis/names.py
 TYPED += bench/jax_models_bench.py
 typecheck: install

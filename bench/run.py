@@ -93,7 +93,7 @@ def step_time(work: Path, runs: int, rounds: int) -> dict[str, float]:
     from statistics import median
 
     from hlo_shard import parse_file, runtime
-    from hlo_shard.analysis.estimate import predicted_step_ratio
+    from hlo_shard.passes.speed_gate import predicted_step_seconds
     from hlo_shard.profiles import load_profile
     from hlo_shard.runtime.inputs import generate_inputs, parameter_roles
 
@@ -116,8 +116,8 @@ def step_time(work: Path, runs: int, rounds: int) -> dict[str, float]:
     measured = {}
     for state in ("gathered", "sharded"):
         ratios = [after / before for after, before in zip(per_round[state], per_round["original"])]
-        predicted = {name: predicted_step_ratio(parse_file(original), parse_file(modules[state]),
-                                                load_profile(name))
+        predicted = {name: predicted_step_seconds(parse_file(modules[state]), load_profile(name))
+                     / predicted_step_seconds(parse_file(original), load_profile(name))
                      for name in PREDICTION_PROFILES}
         print(f"--state {state:8s} original {median(per_round['original']) * 1e3:8.1f} ms   "
               f"optimized {median(per_round[state]) * 1e3:8.1f} ms   measured "

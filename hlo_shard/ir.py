@@ -390,5 +390,10 @@ class Module:
         return int(cast(int, self.header.get("num_partitions", 1)))
 
     @property
+    def device_count(self) -> int:
+        """The devices one run of the module takes: replicas × partitions."""
+        return self.replica_count * self.num_partitions
+
+    @property
     def is_scheduled(self) -> bool:
         return bool(self.header.get("is_scheduled", False))

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hlo_shard.analysis.estimate import StepEstimate, estimate_step
+from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.passes.retarget import Retarget, data_parallel_size
@@ -98,9 +100,8 @@ def per_replica_batch(estimate: StepEstimate, module: Module) -> int:
 
 def weight_parameters(estimate: StepEstimate, module: Module) -> int:
     """W₀: the elements of the module's weight parameters (replicated, per device)."""
-    return sum(module.entry[name].shape.num_elements
-               for name, kind in estimate.parameter_kinds.items()
-               if kind == "weights" and isinstance(module.entry[name].shape, ArrayShape))
+    return sum(shape.num_elements for name, kind in estimate.parameter_kinds.items()
+               if kind == "weights" and isinstance(shape := module.entry[name].shape, ArrayShape))
 
 
 def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
@@ -124,7 +125,7 @@ def _communication_seconds(est: StepEstimate, weight_factor: float) -> float:
 
 
 #: Memory categories that grow with the parameters (the rest: batch and activations):
-#: liveness's categories (:data:`~hlo_shard.analysis.liveness.CATEGORIES`) — temporaries
+#: liveness's categories (:data:`~hlo_shard.costmodel.memory.CATEGORIES`) — temporaries
 #: are the update's and formatting's, outputs not donated are new weights and state.
 _PARAMETER_MEMORY = ("weights", "optimizer_state", "gradients", "temporaries", "outputs")
 
@@ -136,7 +137,7 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     seconds["weight_update"] *= weight_factor
     seconds["formatting"] *= weight_factor
     seconds["communication"] = _communication_seconds(est, weight_factor)
-    breakdown = dict(est.memory.peak_breakdown)
+    breakdown: dict[str, float] = dict(est.memory.peak_breakdown)
     factors = {"batch": batch_factor, "activations": batch_factor * weight_factor,
                **{category: weight_factor for category in _PARAMETER_MEMORY}}
     for category, factor in factors.items():
@@ -157,11 +158,15 @@ def sharding_pass(state: str, strategy: str, profile: HardwareProfile):
 
 def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
             global_batch: int | None = None, state: str = "sharded", strategy: str = "auto",
-            algorithm: str | None = None, parameters: int | None = None) -> list[ScalePoint]:
+            algorithm: str | None = None, parameters: int | None = None,
+            roles: Mapping[int, str] | None = None) -> list[ScalePoint]:
     """Step time and peak memory of ``module`` and of its sharded form at each N;
-    ``parameters``: of a model of that many weights, scaled analytically."""
+    ``parameters``: of a model of that many weights, scaled analytically; ``roles``: the
+    kinds of the entry parameters by number (see :func:`~hlo_shard.costmodel.step_time.
+    estimate_step`), for every module projected."""
     n0 = data_parallel_size(module)
-    base = estimate_step(module, profile, algorithm=algorithm)
+    regions = planned_update_regions(module)
+    base = estimate_step(module, profile, regions, algorithm=algorithm, roles=roles)
     b0 = per_replica_batch(base, module) if global_batch is not None else None
     weight_factor = 1.0
     if parameters is not None:
@@ -174,18 +179,22 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
     for n in replicas:
         if n < 2:
             raise HloShardError(f"--replicas must be at least 2 (got {n})")
-        factor = 1.0 if global_batch is None else (global_batch / n) / b0
+        factor = 1.0 if global_batch is None or b0 is None else (global_batch / n) / b0
         target = retarget(module, n) if n != n0 else copy.deepcopy(module)
-        original = _projection(estimate_step(target, profile, algorithm=algorithm,
-                                             categories=base.categories), factor, weight_factor)
+        # The retargeted copy has the module's instructions: its regions and categories.
+        original = _projection(estimate_step(target, profile, regions, algorithm=algorithm,
+                                             categories=base.categories, roles=roles),
+                               factor, weight_factor)
         try:
             sharded_module = sharding_pass(state, strategy, hardware).run(
                 copy.deepcopy(target)).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))
             continue
-        sharded = _projection(estimate_step(sharded_module, profile, algorithm=algorithm), factor,
-                              weight_factor)
+        sharded = _projection(estimate_step(sharded_module, profile,
+                                            planned_update_regions(sharded_module),
+                                            algorithm=algorithm, roles=roles),
+                              factor, weight_factor)
         points.append(ScalePoint(n, original, sharded))
     return points
 

@@ -55,7 +55,8 @@ def _replica_form(text: str, path: str) -> str:
 
 
 def _report_json(text: str, path: str) -> str:
-    """What ``hlo-shard report IN.hlo --json`` prints (through the command, so the cost
+    """What ``hlo-shard report IN.hlo --json --fixtures-manifest fixtures/MANIFEST.json`` prints
+    (the fixtures' parameter roles from their manifest; through the command, so the cost
     model's modules may move without this script changing)."""
     from click.testing import CliRunner
 
@@ -65,7 +66,8 @@ def _report_json(text: str, path: str) -> str:
     previous = os.getcwd()
     os.chdir(ROOT)
     try:
-        result = CliRunner().invoke(cli, ["report", os.path.relpath(path, ROOT), "--json"])
+        result = CliRunner().invoke(cli, ["report", os.path.relpath(path, ROOT), "--json",
+                                          "--fixtures-manifest", "fixtures/MANIFEST.json"])
     finally:
         os.chdir(previous)
     if result.exit_code != 0:

@@ -11,19 +11,28 @@ import math
 
 import pytest
 
-from hlo_shard.analysis.collective_model import (
+from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.costmodel.network import (
     algorithm_steps, collective_cost, combiner_buckets, group_size, share_latency, torus_dims,
     wire_bytes,
 )
-from hlo_shard.analysis.cost import CostAnalysis, module_cost, parse_window
-from hlo_shard.analysis.estimate import (
-    classify_parameters, categorize, estimate_step, predicted_step_ratio,
+from hlo_shard.costmodel.flops import CostAnalysis, module_cost, parse_window
+from hlo_shard.costmodel.step_time import (
+    StepEstimate, classify_parameters, categorize, estimate_step,
 )
-from hlo_shard.analysis.kernels import plan_kernels
-from hlo_shard.analysis.liveness import memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.kernels import plan_kernels
+from hlo_shard.costmodel.memory import memory_profile, output_parameter_aliases
 from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.profiles import available_profiles, load_profile, profile_from_dict
+from hlo_shard.passes.speed_gate import predicted_step_seconds
+from hlo_shard.profiles import (HardwareProfile, available_profiles, load_profile,
+                                profile_from_dict)
+
+
+def estimate(module: Module, profile: HardwareProfile) -> StepEstimate:
+    """The estimate ``report`` prints: the update region the pass plans handed in."""
+    return estimate_step(module, profile, planned_update_regions(module))
 
 #: Most opcodes with a rule of their own (dot, convolutions, reduce, reduce-window, sort,
 #: slices, transposes that are and are not bitcasts, transcendentals, …).
@@ -408,7 +417,7 @@ def test_donated_outputs_share_their_parameter():
 
 def test_parameter_kinds():
     module = parse(ADAM)
-    categories, _ = categorize(module, module.entry)
+    categories, _ = categorize(module, module.entry, planned_update_regions(module))
     kinds = classify_parameters(module, categories)
     assert kinds == {"w": "weights", "m": "optimizer_state", "v": "optimizer_state",
                      "x": "batch", "step": "other_parameters"}
@@ -545,7 +554,7 @@ def test_convolutions_have_their_own_rate():
     slow = dataclasses.replace(base, convolution_flops_per_s={"default": 1e8})
     fast = dataclasses.replace(base, convolution_flops_per_s={"default": 1e12})
     module = parse(CONV_STEP)
-    assert estimate_step(module, slow).seconds > 10 * estimate_step(module, fast).seconds
+    assert estimate(module, slow).seconds > 10 * estimate(module, fast).seconds
     # A profile that does not say: the matrix rates.
     generic = load_profile("cpu-generic")
     assert generic.convolution_flops_per_s == generic.matrix_flops_per_s
@@ -558,8 +567,8 @@ def test_step_overhead_is_counted_once_per_step():
     assert base.step_overhead_s == 0 and load_profile("cpu-local").step_overhead_s > 0
     module = parse(ADAM)
     with_overhead = dataclasses.replace(base, step_overhead_s=1e-3)
-    assert estimate_step(module, with_overhead).seconds == pytest.approx(
-        estimate_step(module, base).seconds + 1e-3)
+    assert estimate(module, with_overhead).seconds == pytest.approx(
+        estimate(module, base).seconds + 1e-3)
 
 
 # ------------------------------------------------------------------------ estimate
@@ -567,7 +576,7 @@ def test_step_overhead_is_counted_once_per_step():
 
 def test_adam_step_split_and_update_share():
     module = parse(ADAM)
-    est = estimate_step(module, load_profile("tpu-v3"))
+    est = estimate(module, load_profile("tpu-v3"))
     by = est.seconds_by_category()
     assert est.seconds == pytest.approx(sum(by.values()))
     assert by["weight_update"] > by["forward_backward"] > 0
@@ -577,9 +586,10 @@ def test_adam_step_split_and_update_share():
     assert by["weight_update"] == pytest.approx(28 * 2 ** 20 / 450e9, rel=0.05)
 
 
-def test_predicted_ratio_of_a_module_with_itself_is_one():
+def test_predicted_step_of_a_module_and_its_copy_are_equal():
     module = parse(ADAM)
-    assert predicted_step_ratio(module, parse(ADAM), load_profile("cpu-generic")) == 1.0
+    profile = load_profile("cpu-generic")
+    assert predicted_step_seconds(parse(ADAM), profile) == predicted_step_seconds(module, profile)
 
 
 def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
@@ -617,7 +627,7 @@ def test_only_non_donated_outputs_pay_the_fresh_buffer_write_rate():
     # its parameter's pages, so the same loop writing it is priced at the read rate.
     profile = load_profile("cpu-local")
     assert profile.memory_write_bandwidth_bytes_per_s < profile.memory_bandwidth_bytes_per_s
-    seconds = {e.name: e.seconds for e in estimate_step(parse(_DONATION), profile).instructions}
+    seconds = {e.name: e.seconds for e in estimate(parse(_DONATION), profile).instructions}
     nbytes = 4 << 20
     assert seconds["neww"] == pytest.approx(profile.memory_seconds(nbytes, nbytes, True)
                                             + profile.kernel_overhead_s)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from hlo_shard.analysis.cost import CostAnalysis
-from hlo_shard.analysis.liveness import memory_profile
+from hlo_shard.costmodel.flops import CostAnalysis
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.errors import HloRuntimeError
 from hlo_shard.parser import parse
 
@@ -100,12 +100,17 @@ def test_memory_matches_xla(compiled, name):
 
 
 def test_manifest_roles_become_parameter_kinds():
-    from hlo_shard.analysis.estimate import manifest_parameter_kinds
+    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.cli.report import manifest_roles
+    from hlo_shard.costmodel.step_time import estimate_step
+    from hlo_shard.profiles import load_profile
 
     manifest = json.loads((FIXTURES / "MANIFEST.json").read_text())
     name = next(n for n, entry in manifest.items() if entry.get("optimizer_state_params"))
     module = parse((FIXTURES / name).read_text(), path=str(FIXTURES / name))
-    kinds = manifest_parameter_kinds(module)
+    (roles,) = manifest_roles(str(FIXTURES / "MANIFEST.json"), [str(FIXTURES / name)])
+    kinds = estimate_step(module, load_profile("cpu-generic"), planned_update_regions(module),
+                          roles=roles).parameter_kinds
     params = {p.parameter_number: p.name for p in module.entry.parameters()}
     for index in manifest[name]["optimizer_state_params"]:
         assert kinds[params[index]] == "optimizer_state"

@@ -3,7 +3,7 @@ the fixtures against XLA itself are in test_memory_optimized.py and test_cost_xl
 
 from __future__ import annotations
 
-from hlo_shard.analysis.liveness import memory_profile
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.parser import parse
 
 ADD = """

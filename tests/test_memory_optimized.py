@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hlo_shard.analysis.liveness import memory_profile
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.ir import shape_leaves
 from hlo_shard.parser import parse
 

@@ -76,7 +76,7 @@ def subject(name: str) -> Subject:
         report, text = optimize_module(module, ShardingOptions(state=state), force=True)
         assert any(r.sharded for r in report.explanations), name
         _SUBJECTS[name] = Subject(parse(path.read_text(), str(path)), text,
-                                  build_manifest(report, module), runtime.device_count(module))
+                                  build_manifest(report, module), module.device_count)
     return _SUBJECTS[name]
 
 

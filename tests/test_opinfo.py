@@ -44,13 +44,6 @@ FACT_SETS = [
      {"+mulhi": "a pure function of its operands, missing from the module's list"}),
     ("hlo_shard.analysis.opcodes", "DEVICE_DEPENDENT",
      opcodes_where(lambda i: i.values == opinfo.PER_DEVICE), {}),
-    ("hlo_shard.analysis.cost", "TRANSCENDENTAL_OPCODES",
-     opcodes_where(lambda i: i.transcendental), {}),
-    ("hlo_shard.analysis.cost", "ELEMENTWISE_OPCODES", opinfo.PER_ELEMENT_COST, {}),
-    ("hlo_shard.analysis.cost", "FREE_OPCODES",
-     opcodes_where(lambda i: i.cost == opinfo.FREE), {}),
-    ("hlo_shard.analysis.cost", "ALL_REDUCE_OPCODES",
-     opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE), {}),
     ("hlo_shard.passes.region_rewrite", "_KEEP", opinfo.IMPURE | {"parameter"}, {
         # RegionRewrite._erase_dead keeps fewer ops than Rewriter.remove_dead: the rewrite
         # never makes these dead today, but a dead -start without its -done is invalid.
@@ -86,25 +79,45 @@ REPLACED = [
      frozenset({"all-reduce-done", "all-gather-done", "collective-permute-done"}), {}),
     ("runtime.forms.PAIRED_CHANNEL_OPS", opinfo.CHANNEL_PAIRED,
      frozenset({"send", "recv", "send-done", "recv-done"}), {}),
+    # The cost model's sets (analysis/cost.py, now costmodel/flops.py reads the table's
+    # ``cost`` class).
+    ("cost.TRANSCENDENTAL_OPCODES", opcodes_where(lambda i: i.transcendental), frozenset({
+        "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
+        "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan"}), {}),
+    ("cost.ELEMENTWISE_OPCODES", opinfo.PER_ELEMENT_COST, frozenset({
+        "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
+        "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan",
+        "abs", "add", "and", "atan", "acos", "acosh", "asin", "asinh", "atanh", "cosh", "sinh",
+        "bitcast-convert", "ceil", "clamp", "compare", "complex", "convert",
+        "count-leading-zeros", "divide", "floor", "imag", "is-finite", "maximum", "minimum",
+        "mulhi", "multiply", "negate", "not", "or", "popcnt", "real", "reduce-precision",
+        "remainder", "round-nearest-afz", "round-nearest-even", "select", "shift-left",
+        "shift-right-arithmetic", "shift-right-logical", "sign", "stochastic-convert",
+        "subtract", "xor"}), {}),
+    ("cost.FREE_OPCODES", opinfo.NO_COST, frozenset({
+        "parameter", "constant", "get-tuple-element", "domain", "bitcast", "after-all",
+        "add-dependency"}), {}),
+    ("cost.ALL_REDUCE_OPCODES", opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE),
+     frozenset({"all-reduce", "all-reduce-start"}), {}),
 ]
 
 #: Policy sets of the modules: only their names are checked. {opcode: what it should be}.
 POLICY_SETS = [
-    ("hlo_shard.analysis.kernels", "FUSIBLE_OPCODES", {}),
-    ("hlo_shard.analysis.kernels", "POINTER_OPCODES", {}),
-    ("hlo_shard.analysis.kernels", "CONTROL_FLOW_OPCODES", {}),
-    ("hlo_shard.analysis.estimate", "UPDATE_OPCODES", {}),
-    ("hlo_shard.analysis.estimate", "FORMAT_OPCODES", {}),
-    ("hlo_shard.analysis.liveness", "_IN_PLACE_OPCODES", {}),
+    ("hlo_shard.costmodel.kernels", "FUSIBLE_OPCODES", {}),
+    ("hlo_shard.costmodel.kernels", "POINTER_OPCODES", {}),
+    ("hlo_shard.costmodel.kernels", "CONTROL_FLOW_OPCODES", {}),
+    ("hlo_shard.costmodel.step_time", "UPDATE_OPCODES", {}),
+    ("hlo_shard.costmodel.step_time", "FORMAT_OPCODES", {}),
+    ("hlo_shard.costmodel.memory", "_IN_PLACE_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_FLOW_THROUGH", {}),
     ("hlo_shard.analysis.update_region", "_PULLABLE", {}),
-    ("hlo_shard.analysis.kernels", "_KERNEL_ROOTS", {}),
-    ("hlo_shard.analysis.estimate", "_DEVICE_ID_OPCODES", {}),
-    ("hlo_shard.analysis.estimate", "_MATRIX_OPCODES", {}),
+    ("hlo_shard.costmodel.kernels", "_KERNEL_ROOTS", {}),
+    ("hlo_shard.costmodel.step_time", "_DEVICE_ID_OPCODES", {}),
+    ("hlo_shard.costmodel.step_time", "_MATRIX_OPCODES", {}),
     ("hlo_shard.analysis.update_region", "_SCALAR_OK", {}),
     ("hlo_shard.analysis.opcodes", "_BODY_EXTRA", {}),
     # Rule tables keyed by opcode.
-    ("hlo_shard.analysis.cost", "RULES", {}),
+    ("hlo_shard.costmodel.flops", "RULES", {}),
     ("hlo_shard.analysis.update_region", "RULES", {}),
     ("hlo_shard.validate", "_SHAPE_RULES", {}),
     ("hlo_shard.attributes", "REQUIRED_ATTRIBUTES", {}),

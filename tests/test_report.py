@@ -8,19 +8,21 @@ import json
 import re
 import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from hlo_shard.cli import main
 from hlo_shard.parser import parse
-from hlo_shard.report import (
-    PLOT_HINT, diff_report, fmt_bytes, fmt_delta, fmt_seconds, render_html, report_document,
-)
+from hlo_shard.reports.content import diff_document, report_document
+from hlo_shard.reports.document import PLOT_HINT, fmt_bytes, fmt_delta, fmt_seconds
+from hlo_shard.reports.render import render_html, render_text
 from hlo_shard.scaling import data_parallel_size, retarget
 
-from test_cost import ADAM
+from test_cost import ADAM, estimate
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 REQUIRED_KEYS = {"flops", "transcendentals", "bytes_accessed", "collective_bytes",
                  "peak_memory_bytes", "estimated_step_seconds"}
 
@@ -80,12 +82,11 @@ def test_report_markdown_and_html(modules, tmp_path):
 
 
 def test_html_without_matplotlib_says_how_to_get_plots(modules, monkeypatch):
-    from hlo_shard.analysis.estimate import estimate_step
     from hlo_shard.profiles import load_profile
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     module = parse(ADAM)
-    html = render_html(report_document(estimate_step(module, load_profile("tpu-v3")), module))
+    html = render_html(report_document(estimate(module, load_profile("tpu-v3")), module))
     assert html_escape(PLOT_HINT) in html and "<table>" in html
 
 
@@ -133,7 +134,7 @@ def test_per_weight_rows_of_a_combined_bucket():
     # update (≈ 1/N of its update flops) and a share of the bucket, not its neighbours'.
     from pathlib import Path
 
-    from hlo_shard.analysis.estimate import estimate_step, per_weight_rows
+    from hlo_shard.costmodel.step_time import per_weight_rows
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
     from hlo_shard.profiles import load_profile
 
@@ -141,8 +142,8 @@ def test_per_weight_rows_of_a_combined_bucket():
     combined = WeightUpdateSharding(ShardingOptions(strategy="combined")).apply(
         parse(Path("fixtures/spmd/adam.n8.hlo").read_text())).module
     profile = load_profile("cpu-generic")
-    before = per_weight_rows(estimate_step(original, profile), original)
-    after = per_weight_rows(estimate_step(combined, profile), combined)
+    before = per_weight_rows(estimate(original, profile), original)
+    after = per_weight_rows(estimate(combined, profile), combined)
     for name, row in before.items():
         elements = row["bytes"] / 4
         shard = -(-elements // 8)  # padded to a multiple of 8 devices
@@ -175,9 +176,13 @@ def test_diff_text_rows_have_absolute_and_relative_deltas(modules):
     assert "reduce-scatter: count" in result.output
 
 
-def test_diff_report_for_optimize(modules):
+def test_diff_document_as_text(modules):
+    from hlo_shard.profiles import load_profile
+
     before, after = (parse(open(p).read()) for p in modules)
-    text = diff_report(before, after, "tpu-v3")
+    profile = load_profile("tpu-v3")
+    text = render_text(diff_document(estimate(before, profile), estimate(after, profile),
+                                     before, after))
     assert text.startswith("hlo-shard diff") and "weight update" in text
 
 
@@ -210,13 +215,22 @@ def test_commands_default_to_one_profile(modules):
     assert option.default == DEFAULT_PROFILE
 
 
+def test_one_profile_resolution():
+    from hlo_shard.profiles import DEFAULT_PROFILE, load_profile, resolve_profile
+
+    assert resolve_profile().name == DEFAULT_PROFILE
+    assert resolve_profile("tpu-v3") == load_profile("tpu-v3")
+    profile = load_profile("h100")
+    assert resolve_profile(profile) is profile
+
+
 def test_step_figure_legend_does_not_cover_the_bars(modules):
-    from hlo_shard.analysis.estimate import estimate_step
     from hlo_shard.profiles import load_profile
-    from hlo_shard.report import pyplot, step_figure
+    from hlo_shard.reports.content import step_figure
+    from hlo_shard.reports.render import pyplot
 
     plt = pyplot()
-    estimates = [estimate_step(parse(open(p).read()), load_profile("tpu-v3")) for p in modules]
+    estimates = [estimate(parse(open(p).read()), load_profile("tpu-v3")) for p in modules]
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
     try:
         step_figure(estimates).draw(ax)
@@ -238,12 +252,75 @@ def test_memory_plot_and_table_come_from_one_computation(name):
     # "at most … live at once" (live while it runs, callee transients included).
     from pathlib import Path
 
-    from hlo_shard.analysis.estimate import estimate_step
     from hlo_shard.profiles import load_profile
 
     path = Path(__file__).resolve().parents[1] / "fixtures" / name
-    memory = estimate_step(parse(path.read_text()), load_profile("tpu-v3")).memory
+    memory = estimate(parse(path.read_text()), load_profile("tpu-v3")).memory
     assert max(v for _, _, v in memory.curve) == memory.high_water_bytes
+
+
+# ------------------------------------------------------------ inputs of the estimate
+
+
+def test_a_planner_error_surfaces_instead_of_the_fallback(monkeypatch):
+    # Before: estimate.py swallowed AttributeError/TypeError/ValueError/KeyError from the
+    # pass's planner, and a regression of the pass silently turned the report to fallback.
+    from hlo_shard.analysis import planned_regions
+
+    def broken(*args, **kwargs):
+        raise KeyError("a regression in the planner")
+
+    monkeypatch.setattr(planned_regions, "plan_region", broken)
+    with pytest.raises(KeyError, match="regression"):
+        planned_regions.planned_update_regions(parse(ADAM))
+
+
+def test_the_region_plan_is_what_the_caller_hands_in():
+    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.costmodel.step_time import estimate_step
+    from hlo_shard.profiles import load_profile
+
+    module, profile = parse(ADAM), load_profile("tpu-v3")
+    assert set(planned_update_regions(module)) == {module.entry.name}
+    assert estimate_step(module, profile, planned_update_regions(module)).region_source \
+        == "update_region"
+    assert estimate_step(module, profile, {}).region_source == "fallback"
+
+
+def test_parameter_roles_come_from_a_named_manifest_only():
+    # Before: the report read fixtures/MANIFEST.json two folders above its input.
+    fixture = FIXTURES / "spmd" / "adam.n4.hlo"
+    inferred = json.loads(run("report", str(fixture), "--json").output)["parameters"]
+    named = json.loads(run("report", str(fixture), "--json", "--fixtures-manifest",
+                           str(FIXTURES / "MANIFEST.json")).output)["parameters"]
+    assert inferred["param.19"] == "other_parameters"  # the step count: read by nothing else
+    assert named["param.19"] == "optimizer_state"
+
+
+def test_diff_takes_roles_for_the_inputs_the_manifest_describes(modules):
+    fixture = FIXTURES / "spmd" / "adam.n4.hlo"
+    data = json.loads(run("diff", str(fixture), modules[0], "--json", "--fixtures-manifest",
+                          str(FIXTURES / "MANIFEST.json")).output)
+    assert data["before"]["parameters"]["param.19"] == "optimizer_state"
+    inferred = json.loads(run("report", modules[0], "--json").output)["parameters"]
+    assert data["after"]["parameters"] == inferred
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"), ("{}", "no entry 'spmd/adam.n4.hlo'")])
+def test_bad_manifest_is_one_line_and_exit_2(tmp_path, text, message):
+    manifest = tmp_path / "MANIFEST.json"
+    manifest.write_text(text)
+    result = CliRunner().invoke(main, ["report", str(FIXTURES / "spmd" / "adam.n4.hlo"),
+                                       "--fixtures-manifest", str(manifest)])
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_device_count_is_replicas_times_partitions():
+    module = parse(ADAM)
+    module.header["replica_count"], module.header["num_partitions"] = 2, 4
+    assert module.device_count == 8
 
 
 # ---------------------------------------------------------------------------- scale
@@ -319,7 +396,7 @@ ENTRY e { w = f32[1023] parameter(0) x = f32[64,1023] parameter(1), parameter_re
 def test_a_reduce_scattered_gradient_stays_gradient_memory():
     # Padded before its reduce-scatter, the per-device gradient is still the gradient
     # (memory that grows with the weights, not with the batch), as when all-reduced.
-    from hlo_shard.analysis.estimate import gradient_values
+    from hlo_shard.costmodel.step_time import gradient_values
     from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 
     sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).apply(
@@ -341,7 +418,7 @@ def test_sharding_does_not_raise_the_projected_peak_of_a_fixed_global_batch():
 
 
 def test_scaled_memory_categories_are_liveness_categories():
-    from hlo_shard.analysis.liveness import CATEGORIES
+    from hlo_shard.costmodel.memory import CATEGORIES
     from hlo_shard.scaling import _PARAMETER_MEMORY
 
     assert set(_PARAMETER_MEMORY) <= set(CATEGORIES)

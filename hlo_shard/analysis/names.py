@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.liveness import output_parameter_aliases
+from hlo_shard.costmodel.memory import output_parameter_aliases
 from hlo_shard.graph import users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           TupleShape)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from hlo_shard.cli.app import main, user_errors
-from hlo_shard.cli.report import emit, load_module, report_options
+from hlo_shard.cli.report import emit, load_module, manifest_roles, report_options
 
 
 @main.command()
@@ -18,16 +18,21 @@ from hlo_shard.cli.report import emit, load_module, report_options
 @click.argument("after_path", metavar="AFTER.hlo", type=click.Path(dir_okay=False))
 @report_options
 @user_errors
-def diff(before_path: str, after_path: str, profile: str, algorithm: str | None, as_json: bool,
-         markdown: bool, html_path: str | None, output: str | None) -> None:
+def diff(before_path: str, after_path: str, profile: str, algorithm: str | None,
+         manifest_path: str | None, as_json: bool, markdown: bool, html_path: str | None,
+         output: str | None) -> None:
     """Compare the estimated cost of BEFORE.hlo and AFTER.hlo per device."""
-    from hlo_shard import report as fmt
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.costmodel.step_time import estimate_step
+    from hlo_shard.profiles import load_profile
+    from hlo_shard.reports.content import diff_document, diff_json
 
-    hardware = fmt.resolve_profile(profile)
+    hardware = load_profile(profile)
     before, after = load_module(before_path), load_module(after_path)
-    a = estimate_step(before, hardware, algorithm=algorithm)
-    b = estimate_step(after, hardware, algorithm=algorithm)
-    emit(fmt.diff_document(a, b, before, after), fmt.diff_json(a, b, before, after),
+    a, b = (estimate_step(module, hardware, planned_update_regions(module), algorithm=algorithm,
+                          roles=roles)
+            for module, roles in zip((before, after),
+                                     manifest_roles(manifest_path, [before_path, after_path])))
+    emit(diff_document(a, b, before, after), diff_json(a, b, before, after),
          as_json=as_json, markdown=markdown, html_path=html_path, output=output,
          inputs=[before_path, after_path])

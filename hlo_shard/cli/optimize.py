@@ -36,7 +36,7 @@ from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice)
-from hlo_shard.report import fmt_seconds
+from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 
 

@@ -8,6 +8,7 @@ per kernel, buffer liveness for memory). Exit status 0, or 2 on bad input.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -16,6 +17,18 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, available_profiles
+from hlo_shard.reports.document import Document
+from hlo_shard.schema import load_json
+
+#: Roles in a fixtures manifest (``make fixtures``'s ``MANIFEST.json``) → parameter kinds.
+_MANIFEST_ROLES = {"weight": "weights", "optimizer_state": "optimizer_state", "batch": "batch"}
+
+manifest_option = click.option(
+    "--fixtures-manifest", "manifest_path", metavar="MANIFEST.json", default=None,
+    type=click.Path(dir_okay=False),
+    help="Take the roles of the entry parameters (weights, optimizer state, batch) from a "
+         "fixtures manifest (make fixtures), keyed FOLDER/FILE.hlo, instead of inferring "
+         "them (an input it has no entry for is inferred; it must describe one).")
 
 
 def report_options(command: Callable) -> Callable:
@@ -25,6 +38,7 @@ def report_options(command: Callable) -> Callable:
                      help=f"Hardware profile: {', '.join(available_profiles())}, or a JSON file."),
         click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
                      help="Collective algorithm (default: the profile's)."),
+        manifest_option,
         click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON."),
         click.option("--markdown", is_flag=True, help="Markdown instead of a text table."),
         click.option("--html", "html_path", metavar="FILE", default=None,
@@ -45,19 +59,41 @@ def load_module(path: str) -> Module:
     return parse(read_text(path), path=path)
 
 
-def emit(document, data: dict, *, as_json: bool, markdown: bool, html_path: str | None,
+def manifest_roles(manifest_path: str | None, module_paths: list[str]
+                   ) -> list[dict[int, str] | None]:
+    """Per input, entry parameter number → kind from the fixtures manifest given with
+    ``--fixtures-manifest``: its entry keyed ``<folder>/<file>`` (as ``make fixtures``
+    writes them), or None (inferred) for an input it has no entry for — ``diff`` of a
+    fixture and its optimized copy. A manifest that describes no input is an error."""
+    if manifest_path is None:
+        return [None] * len(module_paths)
+    manifest = load_json(manifest_path, "fixtures manifest")
+    keys = [f"{Path(p).parent.name}/{Path(p).name}" for p in module_paths]
+    entries = [manifest.get(key) if isinstance(manifest, dict) else None for key in keys]
+    roles = [{p["index"]: _MANIFEST_ROLES.get(str(p.get("role")), "other_parameters")
+              for p in entry["parameters"]
+              if isinstance(p, dict) and isinstance(p.get("index"), int)}
+             if isinstance(entry, dict) and isinstance(entry.get("parameters"), list) else None
+             for entry in entries]
+    if all(r is None for r in roles):
+        raise HloShardError(f"fixtures manifest {manifest_path}: no entry "
+                            f"{' or '.join(map(repr, keys))} listing its parameters")
+    return roles
+
+
+def emit(document: Document, data: dict, *, as_json: bool, markdown: bool, html_path: str | None,
          output: str | None, inputs: list[str]) -> None:
     """Write the report in the chosen format(s)."""
-    from hlo_shard import report as fmt
+    from hlo_shard.reports.render import render_html, render_markdown, render_text, to_json_text
 
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
     for target in (output, html_path):
         check_output_path(target, inputs)
     check_distinct_outputs({"-o": output, "--html": html_path})
-    html = fmt.render_html(document) if html_path is not None else None
-    text = (fmt.to_json_text(data) if as_json else fmt.render_markdown(document) if markdown
-            else fmt.render_text(document))
+    html = render_html(document) if html_path is not None else None
+    text = (to_json_text(data) if as_json else render_markdown(document) if markdown
+            else render_text(document))
     write_outputs([(html_path, html), (output, text)])
 
 
@@ -67,16 +103,20 @@ def emit(document, data: dict, *, as_json: bool, markdown: bool, html_path: str 
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
               help="Instructions listed by estimated time.")
 @user_errors
-def report(module_path: str, profile: str, algorithm: str | None, as_json: bool, markdown: bool,
-           html_path: str | None, output: str | None, top: int) -> None:
+def report(module_path: str, profile: str, algorithm: str | None, manifest_path: str | None,
+           as_json: bool, markdown: bool, html_path: str | None, output: str | None,
+           top: int) -> None:
     """Estimated cost of one step of IN.hlo per device: step time split into
     forward/backward, weight update, communication and formatting; collectives by
     kind; peak memory by category; the most expensive instructions."""
-    from hlo_shard import report as fmt
-    from hlo_shard.analysis.estimate import estimate_step
+    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.costmodel.step_time import estimate_step
+    from hlo_shard.profiles import load_profile
+    from hlo_shard.reports.content import report_document, report_json
 
     module = load_module(module_path)
-    est = estimate_step(module, fmt.resolve_profile(profile), algorithm=algorithm)
-    emit(fmt.report_document(est, module, top), fmt.report_json(est, module, top),
+    est = estimate_step(module, load_profile(profile), planned_update_regions(module),
+                        algorithm=algorithm, roles=manifest_roles(manifest_path, [module_path])[0])
+    emit(report_document(est, module, top), report_json(est, module, top),
          as_json=as_json, markdown=markdown, html_path=html_path, output=output,
          inputs=[module_path])

@@ -12,7 +12,7 @@ import click
 from hlo_shard import limits
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, user_errors,
                                write_outputs)
-from hlo_shard.cli.report import load_module
+from hlo_shard.cli.report import load_module, manifest_option, manifest_roles
 from hlo_shard.errors import HloShardError
 from hlo_shard.profiles import ALGORITHMS, available_profiles
 
@@ -94,6 +94,7 @@ def _refuse_sharded(module, path: str) -> None:
               show_default=True, help="Optimizer state of the sharded module.")
 @click.option("--strategy", type=click.Choice(["auto", "per-tensor", "combined"]),
               default="auto", show_default=True, help="The pass's collective strategy.")
+@manifest_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON.")
 @click.option("--markdown", is_flag=True, help="Markdown instead of a text table.")
 @click.option("--plot", "plot_path", metavar="FILE.png", default=None,
@@ -107,12 +108,15 @@ def _refuse_sharded(module, path: str) -> None:
                    f"or {limits.REPLICAS.env}).")
 @user_errors
 def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, batch_mode: str,
-          parameters: str | None, state: str, strategy: str, as_json: bool, markdown: bool,
-          plot_path: str | None, html_path: str | None, output: str | None,
-          max_replicas: str | None) -> None:
+          parameters: str | None, state: str, strategy: str, manifest_path: str | None,
+          as_json: bool, markdown: bool, plot_path: str | None, html_path: str | None,
+          output: str | None, max_replicas: str | None) -> None:
     """Project the step time and peak memory of IN.hlo (the original, unsharded
     module) and of its weight-update-sharded form across replica counts."""
-    from hlo_shard import report as fmt
+    from hlo_shard.profiles import load_profile
+    from hlo_shard.reports.content import scale_document, scale_json
+    from hlo_shard.reports.render import (figure_png, render_html, render_markdown,
+                                          render_text, to_json_text)
     from hlo_shard.scaling import project
 
     counts = _replica_list(replicas, max_replicas)
@@ -125,14 +129,14 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
     check_distinct_outputs({"-o": output, "--plot": plot_path, "--html": html_path})
     module = load_module(module_path)
     _refuse_sharded(module, module_path)
-    hardware = fmt.resolve_profile(profile)
+    hardware = load_profile(profile)
     points = project(module, counts, hardware, global_batch=global_batch, state=state,
-                     strategy=strategy, algorithm=algorithm, parameters=parameter_count)
-    document = fmt.scale_document(module_path, hardware, points, batch_mode, state,
-                                  parameter_count)
-    png = fmt.figure_png(document.figures[0]) if plot_path is not None else None
-    html = fmt.render_html(document) if html_path is not None else None
-    text = (fmt.to_json_text(fmt.scale_json(module_path, hardware, points, batch_mode, state,
-                                            parameter_count))
-            if as_json else fmt.render_markdown(document) if markdown else fmt.render_text(document))
+                     strategy=strategy, algorithm=algorithm, parameters=parameter_count,
+                     roles=manifest_roles(manifest_path, [module_path])[0])
+    document = scale_document(module_path, hardware, points, batch_mode, state, parameter_count)
+    png = figure_png(document.figures[0]) if plot_path is not None else None
+    html = render_html(document) if html_path is not None else None
+    text = (to_json_text(scale_json(module_path, hardware, points, batch_mode, state,
+                                    parameter_count))
+            if as_json else render_markdown(document) if markdown else render_text(document))
     write_outputs([(plot_path, png), (html_path, html), (output, text)])

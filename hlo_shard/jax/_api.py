@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from hlo_shard.jax._capture import per_device_hlo
 from hlo_shard.jax._step import ShardedStep
-from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, ShardingOptions,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+from hlo_shard.profiles import resolve_profile
 
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
@@ -23,7 +23,7 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str 
     estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes,
-                              profile=DEFAULT_PROFILE if profile is None else profile)
+                              profile=resolve_profile(profile))
     sharding = WeightUpdateSharding(options)  # a bad option is an error now, not at a step
     return ShardedStep(fn, replace(options, profile=sharding.profile), force)
 

@@ -26,7 +26,7 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.speed_gate import MIN_GAIN, shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
-from hlo_shard.report import fmt_seconds
+from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.printer import to_text
 from hlo_shard.ir import Raw, TupleShape
 from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form

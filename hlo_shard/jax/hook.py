@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.passes.weight_update_sharding import (DEFAULT_PROFILE, ShardingOptions,
-                                                     ShardingReport, WeightUpdateSharding)
-from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
+                                                     WeightUpdateSharding)
+from hlo_shard.profiles import resolve_profile
 
 logger = logging.getLogger("hlo_shard")
 
@@ -186,8 +186,7 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
     if state != "gathered":
         raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
                             "compiled function's signature; shard_weight_update can)")
-    hardware = load_profile(DEFAULT_PROFILE if profile is None else profile) \
-        if not isinstance(profile, HardwareProfile) else profile
+    hardware = resolve_profile(profile)
     options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
                               profile=hardware)
     WeightUpdateSharding(options)  # rejects bad options here, not inside XLA

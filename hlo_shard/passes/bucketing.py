@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 from collections.abc import Callable, Sequence
 
-from hlo_shard.analysis.collective_model import collective_cost
+from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.profiles import HardwareProfile
 
 Item = TypeVar("Item")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hlo_shard.analysis.collective_model import COLLECTIVE_KINDS, group_size
+from hlo_shard.costmodel.network import COLLECTIVE_KINDS, group_size
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Change, Rewriter

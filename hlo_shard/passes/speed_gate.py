@@ -7,7 +7,7 @@ their fusion with the forward pass — against the update work divided by N. The
 grows with a gradient's size and the cost is mostly per collective, so the choice is a
 size cut-off: every gradient of at least ``t`` bytes is sharded. The pass runs once per
 candidate cut-off (the distinct sizes of the shardable gradients, at most
-``MAX_TRIALS``) on a copy, :func:`~hlo_shard.analysis.estimate.estimate_step` prices
+``MAX_TRIALS``) on a copy, :func:`~hlo_shard.costmodel.step_time.estimate_step` prices
 every result on the target profile — collectives, copies and kernels as XLA would fuse
 them — and the fastest one is kept, provided it is predicted faster than the input by
 at least ``MIN_GAIN``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
@@ -18,10 +18,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
-from hlo_shard.analysis.estimate import estimate_step
+from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
+from hlo_shard.profiles import HardwareProfile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
 MAX_TRIALS = 8
@@ -71,7 +73,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     fastest, or sharding nothing when nothing is predicted faster than the input
     (``force``: as told)."""
     hardware = sharding.profile
-    before = estimate_step(module, hardware).seconds
+    before = predicted_step_seconds(module, hardware)
 
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
@@ -80,7 +82,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         candidate = copy.deepcopy(module)
         report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
-        seconds = estimate_step(candidate, hardware).seconds if sharded else before
+        seconds = predicted_step_seconds(candidate, hardware) if sharded else before
         return Trial(min_bytes, sharded, seconds), report
 
     user_min = sharding.options.min_shard_bytes
@@ -101,6 +103,12 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
     _explain_cost_rows(report, decision, user_min)
     return report, decision
+
+
+def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
+    """The cost model's step time of ``module``, its weight update being the region the
+    pass plans in it."""
+    return estimate_step(module, hardware, planned_update_regions(module)).seconds
 
 
 def _spread(values: list[int], count: int) -> list[int]:
@@ -127,4 +135,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
                       f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
 
 
-__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "shard_where_faster"]
+__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "predicted_step_seconds",
+           "shard_where_faster"]

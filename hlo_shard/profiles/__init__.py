@@ -115,6 +115,14 @@ def available_profiles() -> list[str]:
                   if p.name.endswith(".json"))
 
 
+def resolve_profile(profile: HardwareProfile | str | None = None) -> HardwareProfile:
+    """The profile to price on: ``profile`` itself, the one of that name or file
+    (:func:`load_profile`), or :data:`DEFAULT_PROFILE` when none is given."""
+    if isinstance(profile, HardwareProfile):
+        return profile
+    return load_profile(DEFAULT_PROFILE if profile is None else profile)
+
+
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name (``tpu-v3``), or a user profile from a JSON file."""
     shipped = resources.files(__name__) / f"{name_or_path}.json"

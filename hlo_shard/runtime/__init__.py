@@ -31,7 +31,7 @@ from hlo_shard.runtime.compare import DEFAULT_TOLERANCES, LeafComparison, Tolera
 from hlo_shard.runtime.executable import (
     Executable, MemoryStats, Timing, load, module_cost, read_module, time_interleaved,
 )
-from hlo_shard.runtime.forms import check_executable, device_count, replica_form
+from hlo_shard.runtime.forms import check_executable, replica_form
 from hlo_shard.runtime.inputs import (
     PER_DEVICE, REGIMES, REPLICATED, ParameterRole, Regime, default_roles, generate_inputs,
     load_npz, numpy_dtype, parameter_roles, positive_parameters, regime_inputs,
@@ -52,7 +52,7 @@ __all__ = [
     "MemoryStats", "ModuleReport", "PER_DEVICE", "ParameterRole", "REGIMES", "REPLICATED",
     "Regime", "Shard",
     "Timing", "Tolerance", "VerifyOptions", "VerifyReport", "Worker", "check_executable",
-    "compare_leaf", "default_feedback", "default_roles", "device_count", "gather_value",
+    "compare_leaf", "default_feedback", "default_roles", "gather_value",
     "generate_inputs", "get_worker", "load", "load_manifest", "load_npz", "manifest_to_json", "module_cost",
     "numpy_dtype", "parameter_roles", "parse_manifest", "positive_parameters", "read_module",
     "regime_inputs", "replica_form", "shard_value", "shutdown_workers", "time_interleaved", "verify",

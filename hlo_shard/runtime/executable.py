@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
-from hlo_shard.runtime.forms import device_count, replica_form
+from hlo_shard.runtime.forms import replica_form
 from hlo_shard.runtime.inputs import DeviceValues, coerce_argument, output_shapes, parameter_shapes
 from hlo_shard.runtime.worker import DEFAULT_TIMEOUT, Worker, get_worker
 
@@ -163,8 +163,8 @@ def load(source: str | Path | Module, devices: int | None = None, backend: str |
     (default: ``worker``'s, else CPU). A module written for one device may run on
     several (as replicas); one written for N runs on exactly N."""
     module = read_module(source)
-    devices = devices or device_count(module)
-    written_for = device_count(module)
+    devices = devices or module.device_count
+    written_for = module.device_count
     if written_for > 1 and devices != written_for:
         raise HloShardError(f"{module.source_path or module.name} is written for "
                             f"{written_for} devices, not {devices}")

@@ -19,11 +19,6 @@ GLOBAL_PROGRAM_TARGETS = ("xla.sdy.", "Sharding", "SPMDFullToShardShape",
                           "SPMDShardToFullShape")
 
 
-def device_count(module: Module) -> int:
-    """How many devices the module is written for."""
-    return max(module.replica_count, module.num_partitions)
-
-
 def check_executable(module: Module) -> None:
     """Refuse what cannot be executed faithfully, with the reason and the fix."""
     where = module.source_path or module.name

@@ -33,7 +33,7 @@ from hlo_shard.runtime.compare import (
     LeafComparison, check_padding, compare_leaf, compare_update, missing_leaf, shape_text,
 )
 from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
-from hlo_shard.runtime.forms import check_executable, device_count
+from hlo_shard.runtime.forms import check_executable
 from hlo_shard.runtime.inputs import (
     ALL, REGIMES, REPLICATED, DeviceValues, ParameterRole, generate_parameter, load_npz,
     output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of,
@@ -321,7 +321,7 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
     modules = [read_module(original)] + ([read_module(candidate)] if candidate is not None else [])
     for module in modules:
         check_executable(module)
-    counts = {device_count(m) for m in modules} - {1}
+    counts = {m.device_count for m in modules} - {1}
     if len(counts) > 1:
         raise HloShardError(f"original and candidate are written for different device counts "
                             f"({' and '.join(map(str, sorted(counts)))})")

@@ -2,7 +2,7 @@
 
 Every instruction gets a category and a time:
 
-* ``communication`` — collectives, priced by :mod:`.collective_model` (α-β);
+* ``communication`` — collectives, priced by :mod:`.network` (α-β);
 * ``formatting`` — data movement around the gradient collectives: transposing,
   padding, reshaping and concatenating gradients before an all-reduce or
   reduce-scatter, slicing replicated weights and state at the device's shard offset
@@ -12,7 +12,8 @@ Every instruction gets a category and a time:
 * ``weight_update`` — the optimizer's work after the gradient all-reduce (or
   reduce-scatter): :func:`update_region_fallback` (the elementwise work downstream of
   the gradient sums, which also finds the update of an already sharded module)
-  together with the region :mod:`hlo_shard.analysis.update_region` plans for the pass;
+  together with the region the pass plans (:data:`PlannedRegions`, which the caller
+  computes with :func:`hlo_shard.analysis.planned_regions.planned_update_regions`);
 * ``forward_backward`` — everything else.
 
 Compute time is a roofline per kernel, max(flops / peak, bytes read / read
@@ -23,29 +24,31 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from hlo_shard.analysis.collective_model import (
+from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
     instruction_collective_cost, share_latency,
 )
-from hlo_shard.analysis.cost import (
-    ELEMENTWISE_OPCODES, Cost, CostAnalysis, elements, known_trip_count, leaf_bytes,
-)
-from hlo_shard.analysis.kernels import (
+from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
+from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
-from hlo_shard.analysis.liveness import MemoryProfile, memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.memory import MemoryProfile, memory_profile, output_parameter_aliases
 from hlo_shard.graph import users_map
-from hlo_shard.ir import Computation, Instruction, Module, shape_leaves
+from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
+from hlo_shard.opinfo import PER_ELEMENT_COST
 from hlo_shard.profiles import HardwareProfile
+
+#: Computation name → the instructions of the weight-update region the sharding pass
+#: plans there; a computation the pass does not apply to has no entry.
+PlannedRegions = Mapping[str, frozenset[str]]
 
 CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
 
 #: Ops the weight update is made of (besides the collectives that bound it).
-UPDATE_OPCODES = ELEMENTWISE_OPCODES | frozenset({
+UPDATE_OPCODES = PER_ELEMENT_COST | frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "copy", "reduce", "slice",
     "dynamic-slice", "concatenate", "pad", "get-tuple-element",
 })
@@ -246,33 +249,11 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     return region
 
 
-def _planned_region(module: Module, comp: Computation) -> set[str] | None:
-    """The region the sharding pass's own analysis plans, or None when it does not
-    apply (no candidate all-reduce here, or the analysis is unavailable)."""
-    try:
-        from hlo_shard.analysis import collectives, replication, update_region
-    except ImportError:
-        return None
-    candidates = [c for c in collectives.find_gradient_all_reduces(module)
-                  if c.computation == comp.name and c.is_candidate]
-    if not candidates:
-        return None
-    try:
-        leaves, _ = update_region.collect_leaves(module, comp, candidates)
-        if not leaves:
-            return None
-        facts = replication.analyze_replication(module, leaves[0].groups)
-        plan = update_region.plan_region(module, comp, leaves, facts)
-    except (AttributeError, TypeError, ValueError, KeyError):
-        return None  # the pass's analysis changed shape or refused: use the fallback
-    pulled_norms = {n for n, op in plan.ops.items() if comp[n].opcode == "reduce"}
-    return set(plan.ops) | pulled_norms
-
-
-def categorize(module: Module, comp: Computation) -> tuple[dict[str, str], str]:
+def categorize(module: Module, comp: Computation, regions: PlannedRegions
+               ) -> tuple[dict[str, str], str]:
     """Category of every instruction of ``comp`` and where the region came from."""
     formatting = formatting_ops(module, comp)
-    planned = _planned_region(module, comp)
+    planned = regions.get(comp.name)
     # The fallback also finds the update of an already sharded module (downstream of
     # its reduce-scatters), which the pass's analysis does not look for.
     region = update_region_fallback(module, comp) | (planned or set())
@@ -312,29 +293,6 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
         else:
             kinds[param.name] = "other_parameters"
     return kinds
-
-
-#: Roles of ``fixtures/MANIFEST.json`` → parameter kinds.
-_MANIFEST_ROLES = {"weight": "weights", "optimizer_state": "optimizer_state", "batch": "batch"}
-
-
-def manifest_parameter_kinds(module: Module) -> dict[str, str] | None:
-    """Parameter kinds from the ``MANIFEST.json`` next to a fixture (``<dir>/<form>/
-    <file>.hlo`` described under the key ``<form>/<file>.hlo``), when there is one."""
-    if not module.source_path:
-        return None
-    path = Path(module.source_path)
-    manifest = path.parent.parent / "MANIFEST.json"
-    try:
-        entry = json.loads(manifest.read_text(encoding="utf-8")).get(
-            f"{path.parent.name}/{path.name}")
-    except (OSError, ValueError):
-        return None
-    if not isinstance(entry, dict) or "parameters" not in entry:
-        return None
-    params = {p.parameter_number: p.name for p in module.entry.parameters()}
-    return {params[p["index"]]: _MANIFEST_ROLES.get(p.get("role"), "other_parameters")
-            for p in entry["parameters"] if p.get("index") in params}
 
 
 def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:
@@ -405,13 +363,14 @@ class _Estimator:
     analysis: CostAnalysis
     algorithm: str | None
     emulate: bool
+    regions: PlannedRegions
     #: Computation → (instruction categories, region source), computed on first use.
     categories: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def computation(self, comp: Computation, runs: int) -> list[InstructionEstimate]:
         if comp.name not in self.categories:
-            self.categories[comp.name] = categorize(self.module, comp)
+            self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
         fresh = fresh_writers(self.module, comp)
@@ -466,7 +425,8 @@ class _Estimator:
         by_name = {e.name: e for e in estimates if e.collective is not None}
         for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes):
             members = [by_name[name] for name in bucket if name in by_name]
-            for member, value in zip(members, share_latency([m.collective for m in members])):
+            for member, value in zip(members, share_latency(
+                    [m.collective for m in members if m.collective is not None])):
                 member.seconds = value * member.runs
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
@@ -484,8 +444,9 @@ class _Estimator:
             if trips is None:
                 trips = 1
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            body = self.module.computation(inst.attr("body").name)
-            condition = self.module.computation(inst.attr("condition").name)
+            body = self.module.computation(inst.required_attr("body", ComputationRef).name)
+            condition = self.module.computation(
+                inst.required_attr("condition", ComputationRef).name)
             return (self.computation(body, runs * trips)
                     + self.computation(condition, runs * (trips + 1)))
         if inst.opcode == "call":
@@ -500,25 +461,25 @@ def _element_type(comp: Computation, inst: Instruction) -> str:
     return leaves[0][1].element_type if leaves else "f32"
 
 
-def device_count(module: Module) -> int:
-    return max(module.replica_count * module.num_partitions, 1)
-
-
-def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | None = None,
-                  categories: dict[str, tuple[dict[str, str], str]] | None = None
-                  ) -> StepEstimate:
-    """Time and memory of one step of ``module`` per device on ``profile``.
-    ``categories`` (computation → what :func:`categorize` returns) reuses the
-    categories of a module with the same instructions (a retargeted copy)."""
+def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegions, *,
+                  algorithm: str | None = None,
+                  categories: dict[str, tuple[dict[str, str], str]] | None = None,
+                  roles: Mapping[int, str] | None = None) -> StepEstimate:
+    """Time and memory of one step of ``module`` per device on ``profile``, with the
+    weight-update ``regions`` the pass plans in it. ``categories`` (computation → what
+    :func:`categorize` returns) reuses the categories of a module with the same
+    instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
+    a fixtures manifest) replaces :func:`classify_parameters`."""
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
-    estimator = _Estimator(module, profile, model, algorithm, emulate, dict(categories or {}))
+    estimator = _Estimator(module, profile, model, algorithm, emulate, regions,
+                           dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
     if profile.step_overhead_s:  # what a step costs even when it computes nothing
         instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
                                                 "forward_backward", 1,
                                                 profile.step_overhead_s, Cost()))
-    kinds = (manifest_parameter_kinds(module)
+    kinds = (_kinds_of_roles(module, roles or {})
              or classify_parameters(module, estimator.categories[module.entry.name][0]))
     entry_categories = estimator.categories[module.entry.name][0]
     activations = {n for n, c in entry_categories.items() if c == "forward_backward"}
@@ -528,17 +489,16 @@ def estimate_step(module: Module, profile: HardwareProfile, *, algorithm: str | 
     sources = {source for _, source in estimator.categories.values()}
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,
-        devices=device_count(module), instructions=instructions,
+        devices=module.device_count, instructions=instructions,
         executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
 
 
-def predicted_step_ratio(original: Module, optimized: Module, profile: HardwareProfile) -> float:
-    """Predicted step time of ``optimized`` over that of ``original`` (for the benchmark)."""
-    before = estimate_step(original, profile).seconds
-    after = estimate_step(optimized, profile).seconds
-    return after / before if before else 1.0
+def _kinds_of_roles(module: Module, roles: Mapping[int, str]) -> dict[str, str]:
+    """Parameter kinds by name from kinds by parameter number."""
+    params = {p.parameter_number: p.name for p in module.entry.parameters()}
+    return {params[index]: kind for index, kind in roles.items() if index in params}
 
 
 def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[str, float]]:

@@ -1,29 +1,20 @@
-"""Cost reports: one module (``report``), two side by side (``diff``), a projection
-over replica counts (``scale``); as text, Markdown, JSON or a self-contained HTML page.
-
-A report is a :class:`Document` — tables and figures — built once and rendered by
-each format, so every format shows the same numbers. Figures need matplotlib (the
-``plot`` extra); without it the HTML page says so where the figure would be.
-All figures are per device.
+"""What each cost report says: one module (``report``), two side by side (``diff``), a
+projection over replica counts (``scale``), each as a
+:class:`~hlo_shard.reports.document.Document` (rendered by :mod:`hlo_shard.reports.render`)
+and as JSON data. All figures are per device.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-import html
-import io
-import json
 
-from hlo_shard.analysis.estimate import (
-    CATEGORIES, StepEstimate, estimate_step, per_weight_rows,
-)
-from hlo_shard.analysis.liveness import CATEGORIES as MEMORY_CATEGORIES
 from hlo_shard.analysis.names import instruction_names, labelled
-from hlo_shard.errors import HloShardError
+from hlo_shard.costmodel.memory import CATEGORIES as MEMORY_CATEGORIES
+from hlo_shard.costmodel.step_time import CATEGORIES, StepEstimate, per_weight_rows
 from hlo_shard.ir import Module
-from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
+from hlo_shard.profiles import HardwareProfile
+from hlo_shard.reports.document import (Document, Figure, Table, fmt_bytes, fmt_count,
+                                        fmt_delta, fmt_seconds, fmt_share)
 
 CATEGORY_LABELS = {
     "forward_backward": "forward/backward", "weight_update": "weight update",
@@ -36,180 +27,8 @@ MEMORY_LABELS = {
     "activations": "activations", "temporaries": "other temporaries", "outputs": "outputs",
 }
 
-PLOT_HINT = "plots need matplotlib: pip install 'hlo-shard[plot]'"
-
-
-class PlotUnavailable(HloShardError):
-    """matplotlib is not installed."""
-
-
-# --------------------------------------------------------------------------- units
-
-
-def fmt_seconds(value: float) -> str:
-    magnitude = abs(value)
-    if 0 < magnitude < 1e-9:
-        return "<1 ns"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-9:.3g} ns" if value else "0"
-
-
-def fmt_bytes(value: float) -> str:
-    magnitude = abs(value)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f} B"
-
-
-def fmt_count(value: float) -> str:
-    magnitude = abs(value)
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f}"
-
-
-def fmt_share(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "–"
-
-
-def fmt_delta(before: float, after: float, fmt: Callable[[float], str]) -> tuple[str, str]:
-    delta = after - before
-    if abs(delta) <= 1e-6 * max(abs(before), abs(after)):
-        delta = 0.0  # float noise of sums taken in another order
-    sign = "+" if delta > 0 else "−" if delta < 0 else ""
-    relative = f"{sign}{abs(100 * delta / before):.1f}%" if before else ("–" if not delta else "new")
-    return f"{sign}{fmt(abs(delta))}" if delta else "0", relative
-
-
-# ------------------------------------------------------------------------ document
-
-
-@dataclass
-class Table:
-    title: str
-    columns: list[str]
-    rows: list[list[str]]
-    note: str = ""
-
-
-@dataclass
-class Figure:
-    title: str
-    #: Draws the figure with matplotlib's pyplot; called only when rendering HTML/PNG.
-    draw: Callable[[object], None]
-
-
-@dataclass
-class Document:
-    title: str
-    subtitle: str
-    tables: list[Table] = field(default_factory=list)
-    figures: list[Figure] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def _table_line(cells, widths: list[int]) -> str:
-    """One row: the first column left-aligned, the figures right-aligned."""
-    return ("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
-
-
-def render_text(doc: Document) -> str:
-    out = [doc.title, doc.subtitle, ""]
-    for table in doc.tables:
-        out.append(table.title)
-        widths = [max(len(str(c)), *(len(r[i]) for r in table.rows)) if table.rows else len(c)
-                  for i, c in enumerate(table.columns)]
-        out.append(_table_line(table.columns, widths))
-        out.extend(_table_line(row, widths) for row in table.rows)
-        if table.note:
-            out.append(f"  ({table.note})")
-        out.append("")
-    out.extend(f"note: {n}" for n in doc.notes)
-    return "\n".join(out).rstrip() + "\n"
-
-
-def render_markdown(doc: Document) -> str:
-    out = [f"# {doc.title}", "", doc.subtitle, ""]
-    for table in doc.tables:
-        out += [f"## {table.title}", ""]
-        out.append("| " + " | ".join(table.columns) + " |")
-        out.append("|" + "|".join(["---"] + ["---:"] * (len(table.columns) - 1)) + "|")
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table.rows]
-        if table.note:
-            out += ["", f"_{table.note}_"]
-        out.append("")
-    out += [f"- {n}" for n in doc.notes]
-    return "\n".join(out).rstrip() + "\n"
-
-
-def render_html(doc: Document) -> str:
-    """A self-contained page: inline CSS, figures as base64 PNG."""
-    esc = html.escape
-    parts = [
-        "<!DOCTYPE html>", "<html><head><meta charset='utf-8'>", f"<title>{esc(doc.title)}</title>",
-        "<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}"
-        "table{border-collapse:collapse;margin:.5em 0 1.5em}"
-        "td,th{border-bottom:1px solid #ddd;padding:.2em .8em;text-align:right}"
-        "td:first-child,th:first-child{text-align:left}th{background:#f4f4f4}"
-        "img{max-width:100%}.note{color:#666}</style></head><body>",
-        f"<h1>{esc(doc.title)}</h1>", f"<p>{esc(doc.subtitle)}</p>",
-    ]
-    for figure in doc.figures:
-        parts.append(f"<h2>{esc(figure.title)}</h2>")
-        try:
-            png = base64.b64encode(figure_png(figure)).decode("ascii")
-            parts.append(f"<img alt='{esc(figure.title)}' src='data:image/png;base64,{png}'>")
-        except PlotUnavailable as err:
-            parts.append(f"<p class='note'>{esc(str(err))}</p>")
-    for table in doc.tables:
-        parts.append(f"<h2>{esc(table.title)}</h2><table><tr>"
-                     + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
-                  for row in table.rows]
-        parts.append("</table>")
-        if table.note:
-            parts.append(f"<p class='note'>{esc(table.note)}</p>")
-    parts += [f"<p class='note'>{esc(n)}</p>" for n in doc.notes]
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or a clear error."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotUnavailable(PLOT_HINT) from None
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def figure_png(figure: Figure) -> bytes:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
-    try:
-        figure.draw(ax)
-        ax.set_title(figure.title)
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", bbox_inches="tight")
-        return buffer.getvalue()
-    finally:
-        plt.close(fig)
-
 
 # ---------------------------------------------------------------- single report
-
-
-def resolve_profile(profile: HardwareProfile | str) -> HardwareProfile:
-    return load_profile(profile) if isinstance(profile, str) else profile
 
 
 def report_json(est: StepEstimate, module: Module, top: int = 10) -> dict:
@@ -367,12 +186,13 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
     kinds = sorted(set(before.collectives()) | set(after.collectives()))
     coll_rows = []
     for kind in kinds:
-        a, b = before.collectives().get(kind), after.collectives().get(kind)
+        was, now = before.collectives().get(kind), after.collectives().get(kind)
         coll_rows += [
-            (f"{kind}: count", a.count if a else 0, b.count if b else 0, lambda v: f"{v:.0f}"),
-            (f"{kind}: sent per device", a.bytes_sent if a else 0, b.bytes_sent if b else 0,
-             fmt_bytes),
-            (f"{kind}: time", a.seconds if a else 0, b.seconds if b else 0, fmt_seconds)]
+            (f"{kind}: count", was.count if was else 0, now.count if now else 0,
+             lambda v: f"{v:.0f}"),
+            (f"{kind}: sent per device", was.bytes_sent if was else 0,
+             now.bytes_sent if now else 0, fmt_bytes),
+            (f"{kind}: time", was.seconds if was else 0, now.seconds if now else 0, fmt_seconds)]
     doc.tables.append(_diff_table("Collectives", coll_rows,
                                   "an all-reduce moves the bytes of a reduce-scatter plus an "
                                   "all-gather: sharding changes latency, not wire bytes"))
@@ -410,15 +230,6 @@ def step_verdict(before: StepEstimate, after: StepEstimate) -> str:
             f"on profile {before.profile.name} ({b / a:.2f}x)")
 
 
-def diff_report(before: Module, after: Module, profile: HardwareProfile | str = DEFAULT_PROFILE,
-                algorithm: str | None = None) -> str:
-    """The text diff ``optimize --report`` prints after optimizing."""
-    profile = resolve_profile(profile)
-    a = estimate_step(before, profile, algorithm=algorithm)
-    b = estimate_step(after, profile, algorithm=algorithm)
-    return render_text(diff_document(a, b, before, after))
-
-
 # ---------------------------------------------------------------------- figures
 
 
@@ -453,10 +264,6 @@ def step_figure(estimates: Sequence[StepEstimate]) -> Figure:
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
     return Figure("Step time by category", draw)
-
-
-def to_json_text(data: dict) -> str:
-    return json.dumps(data, indent=2, sort_keys=False, default=float) + "\n"
 
 
 # ------------------------------------------------------------------------- scale

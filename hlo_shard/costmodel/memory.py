@@ -4,7 +4,7 @@ The schedule is the entry computation's order when the module ``is_scheduled``, 
 topological order in which the collectives XLA would combine run as one (reading all
 their operands and writing all their results at once). Only values that reach memory
 get buffers — for an unfused module those are the outputs of the kernels
-:mod:`hlo_shard.analysis.kernels` emulates — and each buffer lives from the kernel that
+:mod:`hlo_shard.costmodel.kernels` emulates — and each buffer lives from the kernel that
 writes it to the last kernel that reads it.
 Like XLA's buffer assignment:
 
@@ -36,14 +36,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collective_model import combiner_buckets
-from hlo_shard.analysis.cost import POINTER_BYTES, leaf_bytes
-from hlo_shard.analysis.kernels import (
+from hlo_shard.costmodel.network import combiner_buckets
+from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
+from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
 )
 from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
-    ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
+    ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
 from hlo_shard.opinfo import PER_ELEMENT_COST
@@ -189,7 +189,7 @@ class _Liveness:
 
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
                  gradients: set[str], emulate: bool, nested: bool = False,
-                 upcast: bool = False, activations: set[str] = frozenset(),
+                 upcast: bool = False, activations: frozenset[str] | set[str] = frozenset(),
                  combine: int = 0) -> None:
         self.module = module
         self.upcast = upcast
@@ -252,7 +252,7 @@ class _Liveness:
                     inst.name, "other_parameters"))
             elif inst.opcode == "get-tuple-element":
                 source = self.elements.get(inst.operands[0], [])
-                index = int(inst.attr("index"))
+                index = inst.required_attr("index", int)
                 self.elements[inst.name] = ([source[index]] if index < len(source)
                                             else [self.owners(inst.operands[0])])
             elif inst.opcode == "tuple":
@@ -269,7 +269,7 @@ class _Liveness:
                 self.elements[inst.name] = []  # constants, fused and recomputed values
         if self.nested:
             return  # a callee's results are its caller's buffers (a loop's carry)
-        for key in self.owners(self.comp.root_name):
+        for key in self.owners(self.comp.root.name):
             buffer = self.buffers[key]
             if buffer.category in ("activations", "temporaries") and not self._is_parameter(key):
                 shape = self._shape_of(key)
@@ -278,7 +278,7 @@ class _Liveness:
     def _pass_through_carry(self, loop: Instruction) -> None:
         """Carry elements the body returns unchanged stay in their initial buffer
         (XLA copies only what the loop writes), even a caller's parameter."""
-        body = self.module.computation(loop.attr("body").name)
+        body = self.module.computation(loop.required_attr("body", ComputationRef).name)
         init = self.elements.get(loop.operands[0], [])
         carry = body.parameters()[0].name if body.parameters() else None
         if body.root.opcode != "tuple":
@@ -286,7 +286,8 @@ class _Liveness:
         for index, name in enumerate(body.root.operands):
             value = body[name]
             if (index < len(init) and value.opcode == "get-tuple-element"
-                    and value.operands[0] == carry and int(value.attr("index")) == index):
+                    and value.operands[0] == carry
+                    and value.required_attr("index", int) == index):
                 for key in self.elements[loop.name][index]:
                     del self.buffers[key], self.definer[key]
                 self.elements[loop.name][index] = init[index]
@@ -324,7 +325,7 @@ class _Liveness:
             for name in self._reads(inst):
                 for key in self.owners(name):
                     last_use[key] = max(last_use.get(key, -1), at)
-        for key in self.owners(self.comp.root_name):
+        for key in self.owners(self.comp.root.name):
             last_use[key] = end
         argument_bytes = sum(b.size for k, b in self.buffers.items() if self._is_parameter(k))
         aliases = output_parameter_aliases(self.module) if not self.nested else {}
@@ -365,8 +366,8 @@ class _Liveness:
         if copied:
             level = self._total(live) + copied
             if level > peak:
-                peak, peak_at = level, self.comp.root_name
-            curve.append((len(self.order), self.comp.root_name, level))
+                peak, peak_at = level, self.comp.root.name
+            curve.append((len(self.order), self.comp.root.name, level))
         temp_peak, temp_at, temp_split = self._temp_allocation(born, last_use, transients)
         breakdown = {c: 0 for c in CATEGORIES}
         for key, buffer in self.buffers.items():

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.cost import elements, leaf_bytes
+from hlo_shard.costmodel.flops import elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module
 from hlo_shard.opinfo import NO_COST, PER_ELEMENT_COST

@@ -9,7 +9,7 @@ users already get from jax. Conventions worth knowing:
   get-tuple-element and bitcasts touch nothing;
 * collectives are priced as XLA does (all-reduce: one flop per output element; others:
   default bytes, no flops). The network is *not* modelled here — XLA does not model
-  it either; :mod:`hlo_shard.analysis.collective_model` does;
+  it either; :mod:`hlo_shard.costmodel.network` does;
 * XLA prices a ``while`` as one iteration of its body plus its condition. With
   ``count_loop_iterations=True`` (the time model) the body is multiplied by the trip
   count when it is a known constant; with ``False`` the totals are XLA's.
@@ -29,36 +29,10 @@ from hlo_shard.ir import (
     ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
+from hlo_shard.opinfo import ALL_REDUCE, NO_COST, OPINFO, PER_ELEMENT_COST, opcodes_where
 
 #: Size of one tuple index-table entry (XLA CPU: ``sizeof(void*)``).
 POINTER_BYTES = 8
-
-#: Elementwise opcodes XLA counts as transcendentals rather than flops.
-TRANSCENDENTAL_OPCODES = frozenset({
-    "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh",
-    "sine", "cosine", "exponential-minus-one", "log-plus-one", "atan2", "tan",
-})
-
-#: Opcodes XLA handles as elementwise (flops = output elements).
-ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
-    "abs", "add", "and", "atan", "acos", "acosh", "asin", "asinh", "atanh", "cosh", "sinh",
-    "bitcast-convert", "ceil", "clamp", "compare", "complex", "convert",
-    "count-leading-zeros", "divide", "floor", "imag", "is-finite", "maximum", "minimum",
-    "mulhi", "multiply", "negate", "not", "or", "popcnt", "real", "reduce-precision",
-    "remainder", "round-nearest-afz", "round-nearest-even", "select", "shift-left",
-    "shift-right-arithmetic", "shift-right-logical", "sign", "stochastic-convert",
-    "subtract", "xor",
-})
-
-#: Opcodes that move pointers or order execution only: no flops, no bytes.
-FREE_OPCODES = frozenset({
-    "parameter", "constant", "get-tuple-element", "domain", "bitcast", "after-all",
-    "add-dependency",
-})
-
-#: All-reduce-like: XLA counts one flop per output element (it assumes 2 replicas).
-ALL_REDUCE_OPCODES = frozenset({"all-reduce", "all-reduce-start"})
-
 
 # ------------------------------------------------------------------------ the record
 
@@ -171,10 +145,7 @@ class CostAnalysis:
         return self._computations[name]
 
     def instruction_cost(self, comp: Computation, inst: Instruction) -> Cost:
-        rule = RULES.get(inst.opcode, _default_rule)
-        if inst.opcode in ELEMENTWISE_OPCODES:
-            rule = _elementwise
-        return rule(Site(self, comp, inst))
+        return RULES.get(inst.opcode, _default_rule)(Site(self, comp, inst))
 
     def computation_cost(self, name: str) -> Cost:
         """Sum over every instruction of a computation, dead code included (XLA's
@@ -213,7 +184,7 @@ def _free(site: Site) -> Cost:
 
 def _elementwise(site: Site) -> Cost:
     count = elements(site.inst.shape)
-    if site.inst.opcode in TRANSCENDENTAL_OPCODES:
+    if OPINFO[site.inst.opcode].transcendental:
         return site.default(transcendentals=count)
     return site.default(flops=count)
 
@@ -304,8 +275,7 @@ def _sort(site: Site) -> Cost:
 
 
 def _fft(site: Site) -> Cost:
-    lengths = site.inst.attr("fft_length", ()) or ()
-    log_factors = math.prod(int(math.log2(n)) for n in lengths)  # type: ignore[union-attr]
+    log_factors = math.prod(int(math.log2(n)) for n in site.inst.ints_attr("fft_length"))
     return site.default(flops=2 * 4 * log_factors * elements(site.operand_shape(0)))
 
 
@@ -382,9 +352,12 @@ def _fusion(site: Site) -> Cost:
     return compute + Cost(bytes_accessed=fusion_bytes(site.analysis, site.comp, site.inst, fused))
 
 
+#: XLA's rule per opcode; the cost class of :data:`~hlo_shard.opinfo.OPINFO` (``cost``)
+#: decides the pointer-only, all-reduce-like and elementwise ones (listed last: an
+#: elementwise opcode is priced per element whatever else it is).
 RULES: dict[str, Rule] = {
-    **{opcode: _free for opcode in FREE_OPCODES},
-    **{opcode: _all_reduce for opcode in ALL_REDUCE_OPCODES},
+    **{opcode: _free for opcode in NO_COST},
+    **{opcode: _all_reduce for opcode in opcodes_where(lambda i: i.cost == ALL_REDUCE)},
     "tuple": _tuple,
     "slice": _slice,
     "dynamic-slice": _dynamic_slice,
@@ -410,6 +383,7 @@ RULES: dict[str, Rule] = {
     "while": _while,
     "custom-call": _custom_call,
     "fusion": _fusion,
+    **{opcode: _elementwise for opcode in PER_ELEMENT_COST},
 }
 
 
@@ -442,8 +416,9 @@ def fusion_bytes(analysis: CostAnalysis, caller: Computation, fusion: Instructio
     users = _users(fused)
     for param in fused.parameters():
         if isinstance(param.shape, TupleShape):
-            for index, _ in param.shape.leaves():
-                total += _parameter_read_bytes(analysis, fused, _follow_gtes(fused, users, param, index), users)
+            for leaf_index, _ in param.shape.leaves():
+                total += _parameter_read_bytes(
+                    analysis, fused, _follow_gtes(fused, users, param, leaf_index), users)
         else:
             total += _parameter_read_bytes(analysis, fused, param, users)
     return total
@@ -622,8 +597,8 @@ def convolution_flops(site: Site) -> int:
                     continue
                 count += 1
         valid.append(count)
-    feature_groups = int(inst.attr("feature_group_count", 1) or 1)
-    batch_groups = int(inst.attr("batch_group_count", 1) or 1)
+    feature_groups = inst.int_attr("feature_group_count") or 1
+    batch_groups = inst.int_attr("batch_group_count") or 1
     fmas = ((lhs.dims[dims.input_feature] // feature_groups)  # type: ignore[union-attr]
             * out.dims[dims.output_feature]  # type: ignore[union-attr]
             * (lhs.dims[dims.input_batch] // batch_groups)  # type: ignore[union-attr]
@@ -663,7 +638,7 @@ def known_trip_count(analysis: CostAnalysis, comp: Computation, loop: Instructio
         counter, limit, direction = limit, counter, "LT"
     if direction != "LT" or counter.opcode != "get-tuple-element" or limit.opcode != "constant":
         return None
-    start = _constant_tuple_element(comp, comp[loop.operands[0]], int(counter.attr("index")))
+    start = _constant_tuple_element(comp, comp[loop.operands[0]], counter.required_attr("index", int))
     stop = _scalar_literal(limit)
     if start is None or stop is None:
         return None

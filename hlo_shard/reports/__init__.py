@@ -1,0 +1,1 @@
+"""Cost reports: the documents ``report``, ``diff`` and ``scale`` print, and their formats."""
