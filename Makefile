@@ -55,6 +55,7 @@ TYPED := hlo_shard/opinfo.py hlo_shard/graph.py hlo_shard/ir.py hlo_shard/valida
 	hlo_shard/parser.py hlo_shard/analysis/update_region.py \
 	hlo_shard/passes/region_rewrite.py hlo_shard/passes/shard_emitter.py
 TYPED += hlo_shard/analysis/names.py
+TYPED += bench/jax_models_bench.py
 typecheck: install
 	$(PY) -m mypy --follow-imports=silent $(sort $(TYPED))
 

@@ -15,6 +15,9 @@ in the same run, as a ratio.
 5. The model zoo (``bench/zoo.py``): predicted and measured ratios optimized ÷ original
    on models the pass had never seen. Targets: ≤ 1.00 predicted, ≤ 1.05 measured,
    geometric mean ≤ 0.85 at N = 8.
+6. ``hlo_shard.jax`` on the bench's models (``bench/jax_models_bench.py``): fast / plain
+   jit per model × optimizer × state mode, with a geometric mean per mode (no target;
+   ``--only jax-models`` runs just this table).
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -148,7 +151,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the large front-end files")
     parser.add_argument("--runs", type=int, default=10, help="timed steps per module per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--only", choices=("jax-models",), help="run just this table")
     args = parser.parse_args()
+    from jax_models_bench import jax_models
+
+    if args.only == "jax-models":
+        jax_models()
+        return
     results = {}
     if not args.quick:
         results["front end"] = front_end()
@@ -164,10 +173,13 @@ def main() -> None:
     results |= jax_training(args.runs, args.rounds)
     distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
     results |= zoo.run_zoo()  # 5. the model zoo (bench/zoo.py)
+    informative = jax_models()  # 6. hlo_shard.jax per model x optimizer x mode
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"
         print(f"{name:27s} {value:6.2f}x   target <= {TARGETS[name]:.2f}x   {verdict}")
+    for name, value in informative.items():
+        print(f"{name:27s} {value:6.2f}x   (no target)")
 
 
 if __name__ == "__main__":

@@ -97,8 +97,12 @@ def _describe(leaf, per_device_shape=None) -> dict:
     return {"shape": list(shape), "dtype": str(leaf.dtype)}
 
 
-def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
-    """(a thunk that lowers + compiles the step, dumping it; the step's signature)."""
+def train_step(spec, num_devices: int) -> tuple[Callable, tuple]:
+    """``spec``'s data-parallel step on a 1-D mesh of ``num_devices`` (the first ones):
+    the ``jax.jit`` function (params, opt_state, batch, rng) -> (params, opt_state,
+    loss), and those four arguments as abstract arrays with their shardings (params and
+    state replicated, the batch split on the mesh axis). Shared by the dumps and the
+    ``hlo_shard.jax`` bench (``bench/jax_models_bench.py``), so both run one program."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -106,8 +110,6 @@ def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
 
     from fixture_models import AXIS
 
-    jax.config.update("jax_hlo_source_file_canonicalization_regex",
-                      "^" + re.escape(str(REPO)) + "/")
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     replicated = NamedSharding(mesh, P())
     loop = spec.loop_steps > 1
@@ -165,6 +167,18 @@ def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
         jitted = jax.jit(step, donate_argnums=donate, keep_unused=True)
     else:
         jitted = jax.jit(step, out_shardings=replicated, donate_argnums=donate, keep_unused=True)
+    return jitted, (params, state, batch, rng)
+
+
+def build(spec, num_devices: int) -> tuple[Callable[[], object], dict]:
+    """(a thunk that lowers + compiles the step, dumping it; the step's signature)."""
+    import jax
+    import optax
+
+    jax.config.update("jax_hlo_source_file_canonicalization_regex",
+                      "^" + re.escape(str(REPO)) + "/")
+    jitted, (params, state, batch, rng) = train_step(spec, num_devices)
+    loop = spec.loop_steps > 1
 
     per_device_batch = dict(spec.batch())
 
