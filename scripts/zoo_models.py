@@ -2,16 +2,24 @@
 the optimizers users train them with, dumped from real JAX + optax steps like the
 fixtures (:mod:`fixture_models`, :mod:`hlo_dump`), never committed.
 
-Three bodies — a small conv net, one pre-LN transformer block, a LayerNorm MLP — times
-six optimizers (Adam, AdamW + global-norm clipping, Lion, LAMB, Adafactor, SGD with
-momentum). Sizes are small enough that the whole zoo dumps, optimizes and times in a
-few minutes on two cores, and large enough (≥ 128 rows: Adafactor factors its state)
-that some of it is worth sharding.
+Three bodies — a conv net, one pre-LN transformer block, a LayerNorm MLP — times six
+optimizers (Adam, AdamW + global-norm clipping, Lion, LAMB, Adafactor, SGD with
+momentum), each in two sizes:
+
+* ``zoo_<body>_<opt>``: 0.1–0.4 M parameters (≥ 128 rows: Adafactor factors its state).
+  Collective latency outweighs the whole update at this size, so these mostly test the
+  other half of the rule: that the pass keeps a module whole when sharding does not pay.
+* ``zoo_<body>_wide_<opt>``: 0.4–2 M parameters, the size where a data-parallel job
+  starts to spend real time in its optimizer, and where sharding has to pay off.
+
+Both tiers dump, optimize and time in a few minutes on two cores.
 
 Importing this file does not import jax.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from fixture_models import (ModelSpec, TransformerShape, _layer_norm, _optax,
                             _transformer_loss, _transformer_params)
@@ -29,17 +37,32 @@ OPTIMIZERS = {
     "momentum": _optax("sgd(0.05, momentum=0.9)", lambda o: o.sgd(0.05, momentum=0.9)),
 }
 
-BLOCK = TransformerShape(vocab=256, d_model=128, heads=4, d_ff=512, layers=1, seq=32)
-LN_MLP = (128, 256, 256, 64)
-CONV_CHANNELS = (8, 64, 128)
+@dataclass(frozen=True)
+class ZooSize:
+    """One size tier of the three bodies."""
+
+    suffix: str                     # "" or "_wide", inserted after the body's name
+    block: TransformerShape
+    ln_mlp: tuple[int, ...]         # layer widths, input first
+    conv_channels: tuple[int, int, int]
+
+
+SIZES = (
+    ZooSize("", TransformerShape(vocab=256, d_model=128, heads=4, d_ff=512, layers=1, seq=32),
+            (128, 256, 256, 64), (8, 64, 128)),
+    ZooSize("_wide", TransformerShape(vocab=1024, d_model=256, heads=4, d_ff=1024, layers=1,
+                                      seq=32),
+            (512, 1024, 1024, 256), (16, 128, 256)),
+)
 CONV_CLASSES = 10
 
 
-def _conv_params():
-    c0, c1, c2 = CONV_CHANNELS
-    return {"conv0_w": ((3, 3, c0, c1), "float32"), "conv0_b": ((c1,), "float32"),
-            "conv1_w": ((3, 3, c1, c2), "float32"), "conv1_b": ((c2,), "float32"),
-            "head_w": ((c2, CONV_CLASSES), "float32"), "head_b": ((CONV_CLASSES,), "float32")}
+def _conv_params(channels: tuple[int, int, int]):
+    c0, c1, c2 = channels
+    return lambda: {
+        "conv0_w": ((3, 3, c0, c1), "float32"), "conv0_b": ((c1,), "float32"),
+        "conv1_w": ((3, 3, c1, c2), "float32"), "conv1_b": ((c2,), "float32"),
+        "head_w": ((c2, CONV_CLASSES), "float32"), "head_b": ((CONV_CLASSES,), "float32")}
 
 
 def _conv_loss(p, batch):
@@ -57,13 +80,16 @@ def _conv_loss(p, batch):
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * target, axis=-1))
 
 
-def _ln_mlp_params():
-    out = {}
-    for i, (a, b) in enumerate(zip(LN_MLP, LN_MLP[1:])):
-        out |= {f"l{i}_w": ((a, b), "float32"), f"l{i}_b": ((b,), "float32")}
-        if i < len(LN_MLP) - 2:
-            out |= {f"l{i}_ln_scale": ((b,), "float32"), f"l{i}_ln_bias": ((b,), "float32")}
-    return out
+def _ln_mlp_params(widths: tuple[int, ...]):
+    def params():
+        out = {}
+        for i, (a, b) in enumerate(zip(widths, widths[1:])):
+            out |= {f"l{i}_w": ((a, b), "float32"), f"l{i}_b": ((b,), "float32")}
+            if i < len(widths) - 2:
+                out |= {f"l{i}_ln_scale": ((b,), "float32"),
+                        f"l{i}_ln_bias": ((b,), "float32")}
+        return out
+    return params
 
 
 def _ln_mlp_loss(p, batch):
@@ -72,7 +98,7 @@ def _ln_mlp_loss(p, batch):
     import jax.numpy as jnp
 
     h = batch["x"]
-    layers = len(LN_MLP) - 1
+    layers = sum(1 for name in p if name.endswith("_w"))
     for i in range(layers):
         h = h @ p[f"l{i}_w"] + p[f"l{i}_b"]
         if i < layers - 1:
@@ -80,28 +106,30 @@ def _ln_mlp_loss(p, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def _bodies() -> dict[str, dict]:
+def _bodies(size: ZooSize) -> dict[str, dict]:
     """Model body → the ModelSpec fields that do not depend on the optimizer."""
+    block, widths = size.block, size.ln_mlp
     return {
-        "conv": dict(params=_conv_params,
-                     batch=lambda: {"images": ((2, 16, 16, CONV_CHANNELS[0]), "float32"),
+        "conv": dict(params=_conv_params(size.conv_channels),
+                     batch=lambda: {"images": ((2, 16, 16, size.conv_channels[0]), "float32"),
                                     "labels": ((2,), "int32")},
                      loss=_conv_loss, batch_int_high={"labels": CONV_CLASSES}),
-        "block": dict(params=_transformer_params(BLOCK),
-                      batch=lambda: {"tokens": ((2, BLOCK.seq), "int32"),
-                                     "targets": ((2, BLOCK.seq), "int32")},
-                      loss=_transformer_loss(BLOCK, 0.0),
-                      batch_int_high={"tokens": BLOCK.vocab, "targets": BLOCK.vocab}),
-        "ln_mlp": dict(params=_ln_mlp_params,
-                       batch=lambda: {"x": ((4, LN_MLP[0]), "float32"),
-                                      "y": ((4, LN_MLP[-1]), "float32")},
+        "block": dict(params=_transformer_params(block),
+                      batch=lambda: {"tokens": ((2, block.seq), "int32"),
+                                     "targets": ((2, block.seq), "int32")},
+                      loss=_transformer_loss(block, 0.0),
+                      batch_int_high={"tokens": block.vocab, "targets": block.vocab}),
+        "ln_mlp": dict(params=_ln_mlp_params(widths),
+                       batch=lambda: {"x": ((4, widths[0]), "float32"),
+                                      "y": ((4, widths[-1]), "float32")},
                        loss=_ln_mlp_loss),
     }
 
 
 ZOO_MODELS: dict[str, ModelSpec] = {
-    f"zoo_{body}_{opt}": ModelSpec(name=f"zoo_{body}_{opt}", optimizer=OPTIMIZERS[opt][0],
-                                   make_optimizer=OPTIMIZERS[opt][1], devices=ZOO_DEVICES,
-                                   notes=f"model zoo: {body} x {opt}", **fields)
-    for body, fields in _bodies().items() for opt in OPTIMIZERS
+    name: ModelSpec(name=name, optimizer=OPTIMIZERS[opt][0], make_optimizer=OPTIMIZERS[opt][1],
+                    devices=ZOO_DEVICES, notes=f"model zoo: {body}{size.suffix} x {opt}",
+                    **fields)
+    for size in SIZES for body, fields in _bodies(size).items() for opt in OPTIMIZERS
+    for name in [f"zoo_{body}{size.suffix}_{opt}"]
 }
