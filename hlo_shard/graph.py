@@ -269,7 +269,7 @@ class Rewriter:
     def set_operand(self, user: Instruction, index: int, new: str) -> None:
         """Point operand ``index`` of ``user`` at ``new``."""
         old = self._retarget(user, index, new)
-        self._record("set-operand", user.name, f"{index}: {old} -> {new}")
+        self._record("set-operand", user.name, f"{index}: %{old} -> %{new}")
 
     def set_operands(self, user: Instruction, names: Iterable[str]) -> None:
         """Replace the whole operand list of ``user`` (any length)."""
@@ -279,7 +279,7 @@ class Rewriter:
         user.operands = names
         for operand in dict.fromkeys(names):
             self._users[operand].append(user.name)
-        self._record("set-operands", user.name, ", ".join(names))
+        self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
 
     def _retarget(self, user: Instruction, index: int, new: str) -> str:
         old = user.operands[index]
