@@ -97,7 +97,7 @@ def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) 
         candidates[state] = candidate
     if candidates:
         paths = [path, *candidates.values()]
-        executables = [runtime.load(p) for p in paths]
+        executables = [runtime.load(p, donate=True) for p in paths]  # a training loop
         inputs = [generate_inputs(e.module, parameter_roles(e.module), e.devices)
                   for e in executables]
         per_round: list[list[float]] = []

@@ -13,6 +13,7 @@ verbatim, so nothing XLA adds in a new release is ever dropped.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
@@ -388,6 +389,15 @@ class Module:
             if comp.name == name:
                 return comp
         raise KeyError(name)
+
+    def output_aliases(self) -> dict[int, int]:
+        """``input_output_alias`` as {top-level output index: parameter number}, for
+        aliases of whole (array) parameters, in the header's order; a module whose root
+        is not a tuple aliases output ``{}``, read as 0."""
+        raw = self.header.get("input_output_alias")
+        text = raw.text if isinstance(raw, Raw) else ""
+        return {int(out or 0): int(param) for out, param in re.findall(
+            r"\{\s*(\d*)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}", text)}
 
     @property
     def replica_count(self) -> int:

@@ -21,7 +21,7 @@ from hlo_shard.costmodel.step_time import (
     StepEstimate, classify_parameters, categorize, estimate_step,
 )
 from hlo_shard.costmodel.kernels import plan_kernels
-from hlo_shard.costmodel.memory import memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -409,7 +409,7 @@ def test_donated_outputs_share_their_parameter():
                         "HloModule adam, replica_count=4, input_output_alias={ {0}: (0, {}, "
                         "may-alias), {1}: (1, {}, may-alias), {2}: (2, {}, may-alias) }")
     module = parse(text)
-    assert output_parameter_aliases(module) == {0: 0, 1: 1, 2: 2}
+    assert module.output_aliases() == {0: 0, 1: 1, 2: 2}
     profile = memory_profile(module)
     assert profile.alias_bytes == 3 * 4 * 2 ** 20
     assert profile.peak_bytes < memory_profile(parse(ADAM)).peak_bytes

@@ -107,6 +107,20 @@ def test_memory_cost_and_timing_are_reported(worker):
     assert len(timing.seconds) == 3 and 0 < timing.median < 5
 
 
+def test_a_donating_module_is_timed_as_a_training_loop(worker):
+    """With ``donate``, every run consumes ``w``: timing must feed the output back as the
+    next run's ``w`` (run twice on the first inputs, XLA refuses the deleted buffer)."""
+    donating = SGD.replace("HloModule sgd,", "HloModule sgd, input_output_alias={ {}: (0, {}, may-alias) },")
+    exe = runtime.load(donating, donate=True)
+    assert exe.module.output_aliases() == {0: 0}
+    timing = exe.time(np.zeros(1024, np.float32), np.ones(1024, np.float32), runs=4, warmup=1)
+    assert len(timing.seconds) == 4
+    kept = runtime.load(donating)  # without donate: the aliasing is dropped, inputs reused
+    assert kept.module.output_aliases() == {}
+    assert len(kept.time(np.zeros(1024, np.float32), np.ones(1024, np.float32), runs=2,
+                         warmup=1).seconds) == 2
+
+
 def test_module_cost_without_compiling(worker):
     assert runtime.module_cost(SGD)["flops"] == 3 * 1024
     # XLA would abort compiling this one; its cost analysis still works.

@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.costmodel.memory import output_parameter_aliases
 from hlo_shard.graph import users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           TupleShape)
@@ -271,7 +270,7 @@ def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = N
     if not parameters:
         return UserNames(parameters)
     if next_values is None:
-        next_values = list(output_parameter_aliases(module).items()) or _same_shapes(module)
+        next_values = list(module.output_aliases().items()) or _same_shapes(module)
     return UserNames(parameters, {**gradient_weights(module.entry, next_values),
                                   **loop_gradient_weights(module)})
 

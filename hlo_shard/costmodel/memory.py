@@ -33,7 +33,6 @@ and the curve plotted over the schedule.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from hlo_shard.costmodel.network import combiner_buckets
@@ -132,18 +131,6 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
     order = [comp[name] for head in stable_topological_sort(heads, deps)
              for name in bucket_of.get(head, [head])]
     return order, [bucket for bucket in buckets if len(bucket) > 1]
-
-
-def output_parameter_aliases(module: Module) -> dict[int, int]:
-    """``input_output_alias``: top-level output index → parameter number."""
-    raw = module.header.get("input_output_alias")
-    if raw is None:
-        return {}
-    text = getattr(raw, "text", str(raw))
-    aliases: dict[int, int] = {}
-    for out_index, param in re.findall(r"\{\s*(\d*)\s*\}\s*:\s*\(\s*(\d+)", text):
-        aliases[int(out_index or 0)] = int(param)
-    return aliases
 
 
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
@@ -328,7 +315,7 @@ class _Liveness:
         for key in self.owners(self.comp.root.name):
             last_use[key] = end
         argument_bytes = sum(b.size for k, b in self.buffers.items() if self._is_parameter(k))
-        aliases = output_parameter_aliases(self.module) if not self.nested else {}
+        aliases = self.module.output_aliases() if not self.nested else {}
         output_bytes, alias_bytes, copied = self._output_accounting(aliases)
         self._donate(aliases)
 

@@ -35,7 +35,7 @@ from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_c
 from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
-from hlo_shard.costmodel.memory import MemoryProfile, memory_profile, output_parameter_aliases
+from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import users_map
 from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
 from hlo_shard.opinfo import PER_ELEMENT_COST
@@ -340,7 +340,7 @@ def fresh_writers(module: Module, comp: Computation) -> set[str]:
     The step's temporaries and donated outputs reuse pages mapped by earlier steps."""
     if comp is not module.entry:
         return set()
-    aliases = output_parameter_aliases(module)
+    aliases = module.output_aliases()
     root = comp.root
     outputs = root.operands if root.opcode == "tuple" else [root.name]
     found: set[str] = set()

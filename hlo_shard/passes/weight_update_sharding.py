@@ -25,7 +25,6 @@ Whatever the analysis cannot prove safe is left as it was, and explained.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
@@ -187,7 +186,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             self._shard_carry(run, carry)
         _fill_signature(module, run.report, run.replication, run.state_plan, run.groups,
                         run.output_kinds)
-        run.report.feedback = _alias_pairs(module) or None
+        run.report.feedback = list(module.output_aliases().items()) or None
         return PassResult(module, bool(run.changes), run.changes, report=run.report)
 
     def _read_facts(self, module: Module) -> _Run:
@@ -232,7 +231,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         state_entry = comp.is_entry and self.options.state == "sharded"
         plan = plan_region(module, comp, leaves, run.replication, RegionOptions(
             self.options.min_shard_bytes, state_entry,
-            tuple((number, k) for k, number in _alias_pairs(module)) if state_entry else ()))
+            tuple((number, k) for k, number in module.output_aliases().items()) if state_entry else ()))
         collectives: dict[str, str] = {}
         if plan.active:
             inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
@@ -416,14 +415,6 @@ def _gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[st
 # --------------------------------------------------------------------- optimizer state
 
 
-def _alias_pairs(module: Module) -> list[tuple[int, int]]:
-    """(output index, parameter number) from ``input_output_alias`` (top-level arrays)."""
-    raw = module.header.get("input_output_alias")
-    text = raw.text if isinstance(raw, Raw) else ""
-    return [(int(o), int(p)) for o, p in
-            re.findall(r"\{\s*(\d+)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}", text)]
-
-
 @dataclass(frozen=True)
 class StatePair:
     """Optimizer state kept sharded: its parameter's next value is output ``output``."""
@@ -476,7 +467,7 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
         return plan.sharded[outputs[k]] == candidates[number] and \
             _element(root.shape, k).element_type == _array(param.shape).element_type
 
-    aliases = _alias_pairs(module)
+    aliases = list(module.output_aliases().items())
     if aliases:
         for k, number in aliases:
             if number in candidates and k in outputs and fits(number, k):
@@ -520,7 +511,7 @@ def _unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
 
     sharded = {leaf.all_reduce for leaf in plan.active}
     found: list[str] = []
-    for k, number in _alias_pairs(module):
+    for k, number in module.output_aliases().items():
         param = params.get(number)
         if param is None or number in explained or param.name in forward \
                 or not isinstance(param.shape, ArrayShape) or param.shape.num_elements <= 1 \

@@ -216,23 +216,34 @@ class Runtime:
                 for leaf in result.disassemble_into_single_device_arrays()]
 
     def time(self, handles: list[int], arguments: list[list[list]], runs: int,
-             warmup: int) -> list[list[float]]:
+             warmup: int, feedback: list[list[tuple[int, int]]] | None = None
+             ) -> list[list[float]]:
         """Wall seconds per run of each executable, interleaved A, B, A, B … so that
         machine noise hits all of them alike; the first ``warmup`` rounds are dropped.
-        Inputs are placed once (modules run without donation, so they stay valid)."""
+        Inputs are placed once. ``feedback[slot]``: (output, parameter) pairs of an
+        executable compiled with donation; each run consumes those parameters, and the
+        outputs become the next run's (a training loop, timed as a user runs it)."""
+        feedback = feedback or [[] for _ in handles]
         prepared = []
         for handle, args in zip(handles, arguments):
             executable, devices = self._executable(handle)
             prepared.append((executable, self._arrays(devices, args)))
+        #: (shape, sharding) of each parameter: a donated array is gone after its run.
+        layouts = [[(a.shape, a.sharding) for a in arrays] for _, arrays in prepared]
         times: list[list[float]] = [[] for _ in handles]
         for round_number in range(warmup + runs):
             for slot, (executable, arrays) in enumerate(prepared):
                 started = time.perf_counter()
                 result = executable.execute_sharded(arrays)
-                self.jax.block_until_ready(result.disassemble_into_single_device_arrays())
+                outputs = result.disassemble_into_single_device_arrays()
+                self.jax.block_until_ready(outputs)
                 elapsed = time.perf_counter() - started
                 if round_number >= warmup:
                     times[slot].append(elapsed)
+                for output, parameter in feedback[slot]:
+                    shape, sharding = layouts[slot][parameter]
+                    arrays[parameter] = self.jax.make_array_from_single_device_arrays(
+                        shape, sharding, outputs[output])
         return times
 
     def release(self, handle: int) -> None:

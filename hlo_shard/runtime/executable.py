@@ -158,18 +158,24 @@ class Executable:
 
 
 def load(source: str | Path | Module, devices: int | None = None, backend: str | None = None, *,
-         worker: Worker | None = None, timeout: float = DEFAULT_TIMEOUT) -> Executable:
+         worker: Worker | None = None, timeout: float = DEFAULT_TIMEOUT,
+         donate: bool = False) -> Executable:
     """Parse, convert to replica form and compile ``source`` for ``devices`` devices
     (default: the module's ``replica_count``/``num_partitions``) on ``backend``
     (default: ``worker``'s, else CPU). A module written for one device may run on
-    several (as replicas); one written for N runs on exactly N."""
+    several (as replicas); one written for N runs on exactly N.
+
+    ``donate`` keeps the module's ``input_output_alias``: each run then consumes its
+    donated inputs, as a training step does, and :func:`time_interleaved` feeds every
+    aliased output back as the next run's parameter (a training loop). Without it,
+    inputs stay valid and every run computes the same step."""
     module = read_module(source)
     devices = devices or module.device_count
     written_for = module.device_count
     if written_for > 1 and devices != written_for:
         raise HloShardError(f"{module.source_path or module.name} is written for "
                             f"{written_for} devices, not {devices}")
-    executable_form = replica_form(module)
+    executable_form = replica_form(module, keep_donation=donate)
     if devices > 1 and written_for == 1:
         ModuleRewriter(executable_form).set_header("replica_count", devices)
     if worker is None:
@@ -196,7 +202,8 @@ def module_cost(source: str | Path | Module, backend: str = "cpu", *,
 def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequence[DeviceValues]],
                      runs: int = 10, warmup: int = 2) -> list[Timing]:
     """Median-ready step times of several executables sharing one worker, run
-    interleaved A, B, A, B … after ``warmup`` untimed rounds."""
+    interleaved A, B, A, B … after ``warmup`` untimed rounds; an executable loaded with
+    ``donate=True`` runs as a training loop (its aliased outputs fed back)."""
     if runs < 1:
         raise HloShardError("timing needs at least one run")
     worker = executables[0].worker
@@ -205,7 +212,9 @@ def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequenc
     handles = [e._ensure_compiled() for e in executables]
     reply = worker.request("time", max(e.timeout for e in executables), "timing",
                            handles=handles, arguments=[[list(v) for v in i] for i in inputs],
-                           runs=runs, warmup=warmup)
+                           runs=runs, warmup=warmup,
+                           feedback=[list(e.module.output_aliases().items())
+                                     for e in executables])
     return [Timing(tuple(seconds)) for seconds in reply]
 
 

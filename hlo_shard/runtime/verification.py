@@ -514,13 +514,25 @@ class _Run:
         return outputs_b
 
     def time(self, inputs: list[list[DeviceValues]]) -> None:
-        """Step-0 inputs, both modules interleaved A/B/A/B."""
+        """From step-0 inputs, both modules interleaved A/B/A/B, each as a training loop
+        with its donation (the compared executables run without it, so their inputs
+        stay valid; a module that donates is compiled again for timing)."""
         self.say(f"timing: {self.options.time_runs} runs per module after "
                  f"{self.options.warmup} warm-up, interleaved")
-        timed = [self.original] + ([self.pair.candidate] if self.pair is not None else [])
+        compared = [self.original] + ([self.pair.candidate] if self.pair is not None else [])
         reports = [self.report.original] + ([self.report.candidate]
                                             if self.report.candidate is not None else [])
-        timings = time_interleaved(timed, inputs, self.options.time_runs, self.options.warmup)
+        donating = [exe.source.output_aliases() != {} for exe in compared]
+        timed = [load(exe.source, exe.devices, worker=exe.worker, timeout=exe.timeout,
+                      donate=True) if donates else exe
+                 for exe, donates in zip(compared, donating)]
+        try:
+            timings = time_interleaved(timed, inputs, self.options.time_runs,
+                                       self.options.warmup)
+        finally:
+            for exe, donates in zip(timed, donating):
+                if donates:
+                    exe.close()
         for module_report, timing in zip(reports, timings):
             module_report.timing = timing
 
