@@ -157,11 +157,11 @@ class RegionRewrite:
         emit = self.emit
         source_type = self.comp[inst.operands[0]].array_shape.element_type
         element_type = inst.array_shape.element_type
-        block = emit.shard_to_block(operands[0], op.operand_format, source_type)
+        block = emit.block_of(operands[0], op.operand_format, source_type)
         attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
         result = emit.add(inst.opcode, emit.shape(element_type, block_dims(op.result_shard)),
                           [block, *operands[1:]], name=f"{inst.name}.block", **attributes)
-        return emit.block_to_shard(result, op.result_shard, element_type)
+        return emit.shard_of_block(result, op.result_shard, element_type)
 
     def sharded_body(self, name: str, fmt: ShardFormat) -> str:
         """A copy of a fusion body computing ``[L]`` shards (see :func:`shard_body`)."""
@@ -194,7 +194,7 @@ class RegionRewrite:
                 shard = self.mask_padding(shard, fmt, element_type, op.neutral, f"{name}.masked")
             neutral = emit.constant(out_type, op.neutral)
             if partial:  # along the block dimension: this device's block, reduced
-                block = emit.shard_to_block(shard, fmt, element_type)
+                block = emit.block_of(shard, fmt, element_type)
                 local = emit.add("reduce", inst.shape, [block, neutral], name=f"{name}.local",
                                  dimensions=inst.ints_attr("dimensions"), to_apply=to_apply)
             else:
@@ -470,7 +470,8 @@ def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> in
         operands = [comp[n].operands[0] for n in group]
         anchor = max(operands, key=comp.position)
         with rw.inserting_after(anchor):
-            pieces = [emit.add("reshape", emit.shape(element_type, (size,)), [o],
+            pieces = [o if comp[o].array_shape.dims == (size,) != (1,) else
+                      emit.add("reshape", emit.shape(element_type, (size,)), [o],
                                name=f"{o}.element" if size == 1 else f"{o}.flat")
                       for o, size in zip(operands, sizes)]
             values = emit.add("concatenate", emit.shape(element_type, (sum(sizes),)), pieces,
