@@ -10,8 +10,12 @@ Starting from the all-reduced gradients, every user is classified by a rule tabl
   dimensions move; bitcast when the shard is in physical order), else the region ends;
 * reductions to one element (norms, global-norm clipping, is-finite checks, max/min) → a
   masked local reduction plus a small all-reduce of the same reducer over the group;
-* anything else (dot, gather, partial reductions, tuple, custom-call, …) ends the region:
-  the sharded operand is all-gathered right before that user.
+* on shards that are blocks of the value (:attr:`ShardFormat.block`), ops on the block
+  (kind ``"block"``): a reduction keeping the block dimension (its result sharded in
+  blocks: Adafactor's statistic along the other dimension), a broadcast; and a sum along
+  the block dimension as the block's partial sums all-reduced (a replicated result);
+* anything else (dot, gather, other partial reductions, tuple, custom-call, …) ends the
+  region: the sharded operand is all-gathered right before that user.
 
 Two extensions pull replicated work into the region so that no update op runs on a
 full-size weight: producers whose every user is in the region (AdamW's ``w * wd``), and

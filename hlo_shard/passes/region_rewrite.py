@@ -5,6 +5,8 @@
 * region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
   broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
   locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
+  ops on blocks (factored statistics) applied to the shard reshaped into its block, sums
+  along the block dimension all-reduced from the blocks' partial sums;
 * sharded values needed whole: all-gathered right before their first such user (values
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
