@@ -4,9 +4,10 @@ Analyses read :func:`dataflow_graph` (a ``MultiDiGraph`` per computation, operan
 user edges keyed by operand index, so ``multiply(x, x)`` has two edges) and
 :func:`call_graph`. Passes edit through a :class:`Rewriter`, which keeps the
 computation's ordered instruction list (the source of truth), its users index and a
-log of every edit in step. The log is what a pass's ``PassResult.changed`` and
-``changes`` come from and what tests read (``optimize --explain`` prints the pass's
-report, not this log).
+log of every edit in step; a :class:`ModuleRewriter` adds the module's header and
+computation list and shares one log between the computations a pass edits. The log is
+what a pass's ``PassResult.changed`` and ``changes`` come from, what tests read and what
+``optimize --explain --verbose`` prints, pass by pass.
 """
 
 from __future__ import annotations
@@ -140,14 +141,22 @@ _RESERVED_NAMES = frozenset(ELEMENT_BITS) | {
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One edit of a :class:`Rewriter`: ``kind`` is the name of the method that made it
-    (``insert``, ``erase``, ``replace-uses``, ``set-root``, ``set-operand``,
-    ``set-operands``, ``set-opcode``, ``set-shape``, ``set-attr``, ``pop-attr``,
-    ``reorder``), ``name`` the instruction."""
+    """One edit of a :class:`Rewriter` or :class:`ModuleRewriter`: ``kind`` is the name
+    of the method that made it (``insert``, ``erase``, ``replace-uses``, ``set-root``,
+    ``set-operand``, ``set-operands``, ``set-opcode``, ``set-shape``, ``set-attr``,
+    ``pop-attr``, ``reorder``; ``set-header``, ``pop-header``, ``insert-computation``),
+    ``name`` the instruction (the computation for ``reorder`` and
+    ``insert-computation``, the key for a header edit), ``computation`` where it
+    happened ("" for the module's header and computation list). ``before``/``after``
+    keep the values a ``set-*``/``pop-*`` edit replaced and wrote, for a reader to
+    print (``hlo_shard.printer`` formats them; this layer does not print)."""
 
     kind: str
     name: str
     detail: str = ""
+    computation: str = ""
+    before: Shape | AttrValue | None = None
+    after: Shape | AttrValue | None = None
 
 
 def is_impure(inst: Instruction) -> bool:
@@ -176,6 +185,11 @@ class Rewriter:
     def __post_init__(self) -> None:
         self._users = users_map(self.comp)
         self._taken = {inst.name for inst in self.comp.instructions}
+
+    def _record(self, kind: str, name: str, detail: str = "", *,
+                before: Shape | AttrValue | None = None,
+                after: Shape | AttrValue | None = None) -> None:
+        self.changes.append(Change(kind, name, detail, self.comp.name, before, after))
 
     # Queries -------------------------------------------------------------------------
     def users(self, name: str) -> list[Instruction]:
@@ -248,14 +262,14 @@ class Rewriter:
             self._cursor += 1
         # An enclosing block continues after whatever was inserted at or before it.
         self._saved = [c + 1 if c is not None and position <= c else c for c in self._saved]
-        self.changes.append(Change("insert", inst.name, inst.opcode))
+        self._record("insert", inst.name, inst.opcode)
         return inst
 
     # Use replacement ----------------------------------------------------------------
     def set_operand(self, user: Instruction, index: int, new: str) -> None:
         """Point operand ``index`` of ``user`` at ``new``."""
         old = self._retarget(user, index, new)
-        self.changes.append(Change("set-operand", user.name, f"{index}: {old} -> {new}"))
+        self._record("set-operand", user.name, f"{index}: %{old} -> %{new}")
 
     def set_operands(self, user: Instruction, names: Iterable[str]) -> None:
         """Replace the whole operand list of ``user`` (any length)."""
@@ -265,7 +279,7 @@ class Rewriter:
         user.operands = names
         for operand in dict.fromkeys(names):
             self._users[operand].append(user.name)
-        self.changes.append(Change("set-operands", user.name, ", ".join(names)))
+        self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
 
     def _retarget(self, user: Instruction, index: int, new: str) -> str:
         old = user.operands[index]
@@ -289,23 +303,23 @@ class Rewriter:
                     self._retarget(user, i, new)
         if self.comp.root_name == old and self.comp.root_name not in set(exclude):
             self.set_root(new)
-        self.changes.append(Change("replace-uses", old, new))
+        self._record("replace-uses", old, new)
 
     def set_root(self, name: str) -> None:
         self.comp.root_name = name
-        self.changes.append(Change("set-root", name))
+        self._record("set-root", name)
 
     # Instruction edits ---------------------------------------------------------------
     def set_opcode(self, inst: Instruction, opcode: str) -> None:
         """Turn ``inst`` into another op under the same name (its users are unchanged)."""
         if opcode != inst.opcode:
-            self.changes.append(Change("set-opcode", inst.name, f"{inst.opcode} -> {opcode}"))
+            self._record("set-opcode", inst.name, f"{inst.opcode} -> {opcode}")
             inst.opcode = opcode
 
     def set_shape(self, inst: Instruction, shape: Shape) -> None:
         if shape != inst.shape:
+            self._record("set-shape", inst.name, before=inst.shape, after=shape)
             inst.shape = shape
-            self.changes.append(Change("set-shape", inst.name))
 
     def set_attr(self, inst: Instruction, key: str, value: AttrValue) -> None:
         """Set attribute ``key`` (a new key prints last, as XLA's printer adds it);
@@ -314,15 +328,16 @@ class Rewriter:
         if key in inst.attributes and type(old) is type(value) and old == value:
             return
         inst.attributes[key] = value
-        self.changes.append(Change("set-attr", inst.name, key))
+        self._record("set-attr", inst.name, key, before=old, after=value)
 
     def pop_attr(self, inst: Instruction, key: str,
                  default: AttrValue | None = None) -> AttrValue | None:
         """Remove attribute ``key``; recorded only when it was there."""
         if key not in inst.attributes:
             return default
-        self.changes.append(Change("pop-attr", inst.name, key))
-        return inst.attributes.pop(key)
+        value = inst.attributes.pop(key)
+        self._record("pop-attr", inst.name, key, before=value)
+        return value
 
     def reorder(self, order: Iterable[Instruction]) -> None:
         """Put the instructions in ``order`` (the same instructions, e.g. a topological
@@ -337,7 +352,7 @@ class Rewriter:
         if all(a is b for a, b in zip(order, self.comp.instructions)):
             return
         self.comp.instructions[:] = order
-        self.changes.append(Change("reorder", self.comp.name))
+        self._record("reorder", self.comp.name)
 
     def sort_topologically(self) -> None:
         """Restore def-before-use after edits that broke it (see
@@ -361,7 +376,7 @@ class Rewriter:
         for operand in dict.fromkeys(inst.operands):
             self._users[operand].remove(name)
         del self._users[name]
-        self.changes.append(Change("erase", name, inst.opcode))
+        self._record("erase", name, inst.opcode)
 
     def remove_dead(self, keep: Iterable[str] = (), *,
                     is_impure: Callable[[Instruction], bool] = is_impure,
@@ -388,3 +403,61 @@ class Rewriter:
                 removed += 1
                 pending.update(inst.operands)
         return removed
+
+
+@dataclass
+class ModuleRewriter:
+    """Edits one module: its header and computation list here, each computation
+    through the one :class:`Rewriter` :meth:`rewriter` makes for it, all recorded in
+    the one log :attr:`changes` in edit order (what a pass that edits several
+    computations, or the header, returns as its ``PassResult.changes``)."""
+
+    module: Module
+    changes: list[Change] = field(default_factory=list)
+    _rewriters: dict[str, Rewriter] = field(init=False, default_factory=dict)
+
+    def rewriter(self, comp: Computation) -> Rewriter:
+        """The Rewriter of ``comp`` (one per computation, so users indexes agree),
+        logging into :attr:`changes`."""
+        rw = self._rewriters.get(comp.name)
+        if rw is None or rw.comp is not comp:
+            rw = self._rewriters[comp.name] = Rewriter(comp, self.changes)
+        return rw
+
+    def set_header(self, key: str, value: AttrValue, *, replacing: str | None = None) -> None:
+        """Set header attribute ``key``, recorded when its value changes. A new key
+        prints last; with ``replacing`` (a key that is there) it takes that key's place
+        in print order instead, and that key goes."""
+        header = self.module.header
+        if replacing is not None and replacing != key and replacing in header:
+            self.pop_header(key)
+            replaced = header[replacing]
+            items = [(key, value) if k == replacing else (k, v) for k, v in header.items()]
+            header.clear()
+            header.update(items)
+            self.changes.append(Change("pop-header", replacing, before=replaced))
+            self.changes.append(Change("set-header", key, after=value))
+            return
+        old = header.get(key)
+        if key in header and type(old) is type(value) and old == value:
+            return
+        header[key] = value
+        self.changes.append(Change("set-header", key, before=old, after=value))
+
+    def pop_header(self, key: str) -> AttrValue | None:
+        """Remove header attribute ``key`` (None when absent); recorded when it was there."""
+        if key not in self.module.header:
+            return None
+        value = self.module.header.pop(key)
+        self.changes.append(Change("pop-header", key, before=value))
+        return value
+
+    def insert_computation(self, comp: Computation, *, after: str) -> None:
+        """Add ``comp`` (a new computation, e.g. a fusion body's sharded copy) right
+        after the computation named ``after``."""
+        computations = self.module.computations
+        if any(c.name == comp.name for c in computations):
+            raise ValueError(f"duplicate computation name {comp.name!r}")
+        position = computations.index(self.module.computation(after)) + 1
+        computations.insert(position, comp)
+        self.changes.append(Change("insert-computation", comp.name, f"after {after}"))

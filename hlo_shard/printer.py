@@ -13,14 +13,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import TypeVar, cast
 
-from hlo_shard.graph import callees_first, topological_order
+from hlo_shard.graph import Change, callees_first, topological_order
 from hlo_shard.ir import (
     ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident, Instruction,
-    Module, Raw, ReplicaGroups, Shape, SliceRanges, Str,
+    Module, Raw, ReplicaGroups, Shape, SliceRanges, Str, TupleShape,
 )
 from hlo_shard.values import c_quote
 
-__all__ = ["format_shape", "format_value", "to_text"]
+__all__ = ["format_change", "format_shape", "format_value", "to_text"]
 
 
 def format_shape(shape: Shape) -> str:
@@ -142,3 +142,70 @@ class _Printer:
 def to_text(module: Module) -> str:
     """The module as HLO text (long form)."""
     return _Printer().module(module)
+
+
+# ------------------------------------------------------------------ the change log
+
+#: How each kind of :class:`~hlo_shard.graph.Change` reads, after where it happened
+#: (``{name}``, ``{detail}``, ``{before}``, ``{after}``); another kind prints its
+#: fields as they are.
+_CHANGE_TEXTS: dict[str, str] = {
+    "insert": "inserts %{name} ({detail})",
+    "erase": "erases %{name} ({detail})",
+    "replace-uses": "points the users of %{name} at %{detail}",
+    "set-root": "makes %{name} the root",
+    "set-operand": "%{name} operand {detail}",
+    "set-operands": "%{name} operands ({detail})",
+    "set-opcode": "%{name} opcode {detail}",
+    "set-shape": "%{name} shape {before} -> {after}",
+    "set-attr": "%{name} {detail}: {before} -> {after}",
+    "pop-attr": "%{name} {detail}: {before} -> unset",
+    "reorder": "instructions reordered (def before use)",
+    "set-header": "header {name}: {before} -> {after}",
+    "pop-header": "header {name}: {before} -> unset",
+    "insert-computation": "adds computation %{name} ({detail})",
+}
+_CHANGE_DEFAULT = "{kind} {name} {detail}"
+#: Longest value a change line shows in full (layouts and tuple shapes run long):
+#: beyond it, what the old and new value share at either end is elided.
+_CHANGE_VALUE_CHARS = 60
+
+
+def format_change(change: Change) -> str:
+    """One line for a :class:`~hlo_shard.graph.Change`: where, which instruction, what
+    edit (``%main: %p shape f32[8] -> f32[2]``); what ``optimize --explain --verbose``
+    prints."""
+    where = f"%{change.computation}" if change.computation else "module"
+    before, after = _differing(_change_value(change.before), _change_value(change.after))
+    text = _CHANGE_TEXTS.get(change.kind, _CHANGE_DEFAULT).format(
+        kind=change.kind, name=change.name, detail=change.detail, before=before, after=after)
+    return f"{where}: {text.rstrip()}"
+
+
+def _change_value(value: Shape | AttrValue | None) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, (ArrayShape, TupleShape)):
+        return format_shape(value)
+    return format_value(value)
+
+
+def _differing(before: str, after: str) -> tuple[str, str]:
+    """Long ``before``/``after`` texts with the ``, ``-separated items they share at
+    either end elided, so the line shows what changed."""
+    if max(len(before), len(after)) <= _CHANGE_VALUE_CHARS:
+        return before, after
+    old, new = before.split(", "), after.split(", ")
+    shortest = min(len(old), len(new))
+    head = 0
+    while head < shortest - 1 and old[head] == new[head]:
+        head += 1
+    tail = 0
+    while tail < shortest - 1 - head and old[-1 - tail] == new[-1 - tail]:
+        tail += 1
+
+    def shown(items: list[str]) -> str:
+        kept = items[head:len(items) - tail]
+        return ", ".join(["…"] * bool(head) + kept + ["…"] * bool(tail))
+
+    return shown(old), shown(new)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from hlo_shard.graph import Rewriter, dataflow_graph, topological_order
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Raw
+from hlo_shard.graph import Change, ModuleRewriter, Rewriter, dataflow_graph, topological_order
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Raw
+from hlo_shard.printer import format_change
 
 F4 = ArrayShape("f32", (4,))
 
@@ -66,6 +67,42 @@ def test_every_edit_is_in_the_change_log():
     assert comp["r"].operands == ["n"] and comp["n"].opcode == "abs"
     assert [u.name for u in rw.users("p")] == ["n"]
     assert [u.name for u in rw.users("n")] == ["r"]
+
+
+def test_a_change_reads_as_where_which_instruction_what_edit():
+    comp = _comp()
+    rw = Rewriter(comp)
+    rw.set_shape(comp["n"], ArrayShape("f32", (2,)))
+    rw.set_attr(comp["n"], "sharding", Raw("{replicated}"))
+    rw.set_operand(comp["r"], 1, "p")
+    assert [format_change(c) for c in rw.changes] == [
+        "%e: %n shape f32[4] -> f32[2]", "%e: %n sharding: unset -> {replicated}",
+        "%e: %r operand 1: %n -> %p"]
+    assert rw.changes[0] == Change("set-shape", "n", "", "e", F4, ArrayShape("f32", (2,)))
+
+
+def test_module_rewriter_records_header_edits_and_shares_one_log():
+    module = Module("m", [_comp()], {"num_partitions": 2, "is_scheduled": True,
+                                     "buffer_donor": Raw("{ (0, {}) }")})
+    edits = ModuleRewriter(module)
+    edits.set_header("is_scheduled", True)  # unchanged: not recorded
+    assert edits.pop_header("input_output_alias") is None and edits.changes == []
+    edits.set_header("replica_count", 2, replacing="num_partitions")
+    edits.pop_header("buffer_donor")
+    rw = edits.rewriter(module.entry)
+    assert edits.rewriter(module.entry) is rw
+    rw.set_opcode(module.entry["n"], "abs")
+    edits.insert_computation(Computation("c", [Instruction("x", "parameter", F4,
+                                                           parameter_number=0)]), after="e")
+    assert module.header == {"replica_count": 2, "is_scheduled": True}
+    assert list(module.header) == ["replica_count", "is_scheduled"]  # in num_partitions' place
+    assert [(c.kind, c.computation, c.name) for c in edits.changes] == [
+        ("pop-header", "", "num_partitions"), ("set-header", "", "replica_count"),
+        ("pop-header", "", "buffer_donor"), ("set-opcode", "e", "n"),
+        ("insert-computation", "", "c")]
+    assert [c.name for c in module.computations] == ["e", "c"]
+    with pytest.raises(ValueError, match="duplicate computation"):
+        edits.insert_computation(Computation("c"), after="e")
 
 
 def test_set_operand_keeps_the_users_index():

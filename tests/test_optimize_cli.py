@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -53,6 +56,59 @@ def test_json_report_on_stdout(sgd, tmp_path):
     data = json.loads(result.stdout)
     assert data["sharded"] == 1 and data["explanations"][0]["all_reduce"] == "ar"
     assert run(str(sgd), "-o", "-", "--json").exit_code == 2
+
+
+ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
+#: ``--explain --verbose``'s change log for ADAM with sharded state (regenerate with
+#: HLO_SHARD_REGENERATE_GOLDEN=1 after a deliberate change to a pass, and review the diff).
+VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
+PIPELINE = ["tuple-forwarding", "weight-update-sharding", "channel-id-dedupe",
+            "entry-layout-update"]
+
+
+def test_explain_verbose_prints_each_pass_edits_after_the_explanation(tmp_path):
+    out = str(tmp_path / "o.hlo")
+    verbose = run(str(ADAM), "-o", out, "--state", "sharded", "--explain", "--verbose")
+    assert verbose.exit_code == 0, verbose.output
+    lines = verbose.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("changes of pass "))
+    assert lines[0].startswith("all-reduce") and lines[-1].startswith("sharded 4 of 5")
+    log = "\n".join(lines[first:-1]) + "\n"
+    assert [line.split(":")[0].removeprefix("changes of pass ") for line in lines[first:-1]
+            if line.startswith("changes of pass ")] == PIPELINE
+    if os.environ.get("HLO_SHARD_REGENERATE_GOLDEN") == "1" or not VERBOSE_GOLDEN.exists():
+        written = VERBOSE_GOLDEN.exists()
+        VERBOSE_GOLDEN.write_text(log)
+        if not written:
+            pytest.fail(f"wrote {VERBOSE_GOLDEN.name}: review it and commit it")
+    expected = VERBOSE_GOLDEN.read_text()
+    assert log == expected, "\n".join(difflib.unified_diff(
+        expected.splitlines(), log.splitlines(), VERBOSE_GOLDEN.name, "actual", lineterm=""))
+    # Without --verbose: today's explanation and summary, no change log.
+    plain = run(str(ADAM), "-o", out, "--state", "sharded", "--explain")
+    assert plain.stderr.splitlines() == lines[:first] + lines[-1:]
+    assert plain.stdout == verbose.stdout == ""
+
+
+def test_json_carries_the_changes_only_with_verbose(tmp_path):
+    out = str(tmp_path / "o.hlo")
+    plain = json.loads(run(str(ADAM), "-o", out, "--json").stdout)
+    assert "changes" not in plain
+    data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
+    assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
+        PIPELINE, [True, True, False, False]))
+    sharding = data["changes"][1]["edits"]
+    assert {"kind", "computation", "name", "text"} <= set(sharding[0])
+    assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")
+               for e in sharding)
+    assert data["changes"][2]["edits"] == []
+
+
+def test_verbose_needs_explain_or_json(sgd, tmp_path):
+    result = run(str(sgd), "-o", str(tmp_path / "o.hlo"), "--verbose")
+    assert result.exit_code == 2 and "--verbose" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.hlo").exists()
 
 
 def test_module_to_stdout(sgd):

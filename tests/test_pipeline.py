@@ -139,7 +139,7 @@ def test_replica_form_reports_what_it_did():
     assert "input_output_alias" not in text and "sharding" not in text
     assert "replica-id()" in text and "partition-id" not in text
     kinds = {change.kind for change in result.results[0].changes}
-    assert kinds >= {"drop-header", "set-header", "pop-attr", "set-opcode", "insert",
+    assert kinds >= {"pop-header", "set-header", "pop-attr", "set-opcode", "insert",
                      "set-operands", "set-attr"}
 
 

@@ -52,6 +52,9 @@ ENTRY e { z = s32[] constant(0) ROOT w = s32[] while(z), condition=cond, body=bo
 
 @pytest.fixture(scope="module")
 def worker():
+    # A clean pool: a smaller worker left by an earlier test module would serve the
+    # 4-device loads below instead of this one.
+    runtime.shutdown_workers()
     shared = runtime.get_worker("cpu", 8)
     yield shared
     runtime.shutdown_workers()

@@ -11,6 +11,7 @@ it atomically. A module the validator rejects is never written.
 Output streams: the module goes to ``-o`` (``-`` for stdout); a one-line summary and,
 with ``--explain``, one row per gradient all-reduce go to **stderr**; ``--json`` prints
 the machine-readable report to **stdout** (so it cannot be combined with ``-o -``).
+``--verbose`` adds every pass's recorded edits (the Rewriter's change log) to both.
 
 Exit status: 0 when the module was written (whether or not anything was sharded —
 ``--explain`` says why), 2 on bad input or flags.
@@ -31,11 +32,13 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
+from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
 from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice)
+from hlo_shard.printer import format_change
 from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 
@@ -194,6 +197,22 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     return text
 
 
+def _change_lines(passes: list[tuple[str, PassResult]]) -> list[str]:
+    """``--explain --verbose``: each pass of the pipeline and the edits it recorded."""
+    lines = []
+    for name, result in passes:
+        lines.append(f"changes of pass {name}: {len(result.changes) or 'none'}")
+        lines += [f"  {format_change(change)}" for change in result.changes]
+    return lines
+
+
+def _changes_json(passes: list[tuple[str, PassResult]]) -> list[dict]:
+    return [{"pass": name, "changed": result.changed,
+             "edits": [{"kind": c.kind, "computation": c.computation, "name": c.name,
+                        "text": format_change(c)} for c in result.changes]}
+            for name, result in passes]
+
+
 def global_program_note(module: Module) -> str | None:
     """What to say about a global program (before SPMD partitioning), else None: the
     pass rewrites per-device modules only."""
@@ -234,6 +253,8 @@ def global_program_note(module: Module) -> str | None:
               help="Write the signature manifest (for verify --manifest).")
 @click.option("--explain", is_flag=True, help="One row per gradient all-reduce (stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+@click.option("--verbose", is_flag=True,
+              help="With --explain or --json: every pass's recorded edits, one per line.")
 @click.option("--in-place", is_flag=True, help="Allow -o to be the input file.")
 @click.option("--force", is_flag=True,
               help="Shard every eligible gradient, even where the cost model predicts the "
@@ -242,7 +263,7 @@ def global_program_note(module: Module) -> str | None:
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
              min_shard_bytes: int, profile: str, bucket_bytes: int, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
-             as_json: bool, in_place: bool, force: bool) -> None:
+             as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
 
     Given an XLA dump folder instead, reads the per-device module of its largest step
@@ -252,6 +273,9 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         click.echo(f"reading {input_path}", err=True)
     if as_json and output == "-":
         raise HloShardError("--json prints to stdout; write the module to a file with -o")
+    if verbose and not (explain or as_json):
+        raise HloShardError("--verbose adds the passes' edits to --explain or --json; "
+                            "give one of them")
     check_output_path(output, [input_path], in_place)
     check_output_path(manifest_path, [input_path])
     check_distinct_outputs({"-o": output, "--manifest": manifest_path})
@@ -277,8 +301,14 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                    f"{'stdout' if output == '-' else output}", err=True)
         return
     names = user_names(module) if explain or as_json or manifest_path else UserNames()
+    passes: list[tuple[str, PassResult]] = []
+
+    def record(step: Pass, result: PassResult) -> None:
+        passes.append((step.name, result))
+
     try:
-        report, text, decision = optimize_where_faster(module, options, force)
+        report, text, decision = optimize_where_faster(module, options, force,
+                                                       record if verbose else None)
     except ShardingOptionError as err:  # the library's words → this command's flag
         raise HloShardError(f"--{err.option.replace('_', '-')} {err.value} {err.problem}"
                             ) from None
@@ -298,6 +328,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {names.note(note)}", err=True)
+        for line in _change_lines(passes):
+            click.echo(line, err=True)
     click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(json.dumps({
@@ -311,6 +343,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                              for r in report.explanations],
             "notes": [names.note(note) for note in report.notes],
             "manifest": manifest_path,
+            **({"changes": _changes_json(passes)} if verbose else {}),
         }, indent=2))
 
 

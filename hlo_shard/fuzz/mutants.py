@@ -171,6 +171,9 @@ def _slices(comp: Computation, region: set[str]) -> Iterator[Edit]:
 
 
 def _set_attribute(comp_name: str, name: str, key: str, value) -> Callable[[Module], None]:
+    # A mutant edits its copy of the module directly, not through a Rewriter: it is no
+    # pass (no PassResult whose change log must be complete), and it must be able to
+    # make the edits a Rewriter refuses or lacks (literals, operands swapped).
     def edit(module: Module) -> None:
         module.computation(comp_name)[name].attributes[key] = value
     return edit

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from hlo_shard.analysis.names import user_names
 from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
@@ -221,18 +222,22 @@ def build_program(capture: Capture, options: ShardingOptions,
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
                           f"parameters for {len(capture.kept)} arguments")
-    donation = {key: module.header.pop(key) for key in DONATION_ATTRIBUTES
-                if key in module.header}
+    header = ModuleRewriter(module)
+    donation = {key: module.header[key] for key in DONATION_ATTRIBUTES if key in module.header}
+    for key in donation:
+        header.pop_header(key)
     if next_values:
-        module.header["input_output_alias"] = Raw("{ " + ", ".join(
-            f"{{{k}}}: ({p}, {{}}, may-alias)" for k, p in next_values) + " }")
+        header.set_header("input_output_alias", Raw("{ " + ", ".join(
+            f"{{{k}}}: ({p}, {{}}, may-alias)" for k, p in next_values) + " }"))
     else:
-        module.header.update(donation)
+        for key, value in donation.items():
+            header.set_header(key, value)
     try:
         report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
         for key in DONATION_ATTRIBUTES:
-            module.header.pop(key, None)
-        module.header.update(_executable_aliases(donation, next_values, module))
+            header.pop_header(key)
+        for key, value in _executable_aliases(donation, next_values, module).items():
+            header.set_header(key, value)
         text = check_output(module)
         executable_text = to_text(replica_form(module, keep_donation=True))
     except HloShardError as err:

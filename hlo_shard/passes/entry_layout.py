@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.printer import format_shape
@@ -46,8 +47,10 @@ class EntryLayoutUpdate(ModulePass[EntryLayoutReport]):
                                          .removesuffix("}")):
             return PassResult(module, False, report=EntryLayoutReport(None))
         layout = f"{{{signature}}}"
-        module.header["entry_computation_layout"] = Raw(layout)
-        return PassResult(module, True, report=EntryLayoutReport(layout))
+        edits = ModuleRewriter(module)
+        edits.set_header("entry_computation_layout", Raw(layout))
+        return PassResult(module, bool(edits.changes), edits.changes,
+                          report=EntryLayoutReport(layout))
 
 
 def _shapes(signature: str) -> str:

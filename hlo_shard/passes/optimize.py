@@ -11,6 +11,7 @@ from __future__ import annotations
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
+from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
@@ -26,11 +27,14 @@ def optimize_module(module: Module, options: ShardingOptions, force: bool = Fals
     return report, text
 
 
-def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False
+def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False,
+                          after_pass: AfterPass | None = None
                           ) -> tuple[ShardingReport, str, SpeedDecision]:
     """:func:`optimize_module` with the speed decision (for ``--explain``); the options
-    are checked (and the profile loaded) before the module is touched."""
-    report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
+    are checked (and the profile loaded) before the module is touched. ``after_pass``
+    sees each pass of the pipeline that edits ``module`` (for ``--verbose``)."""
+    report, decision = shard_where_faster(module, WeightUpdateSharding(options), force,
+                                          after_pass)
     return report, check_output(module), decision
 
 

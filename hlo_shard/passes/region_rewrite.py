@@ -22,7 +22,7 @@ from collections import defaultdict
 from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
-from hlo_shard.graph import Rewriter, topological_order
+from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
                           SliceRanges, TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
@@ -43,7 +43,9 @@ class RegionRewrite:
         self.channels = channels
         self.inputs = inputs or {}
         self.outputs = outputs or {}
-        self.rw = Rewriter(comp)
+        #: The module's edits (a fusion body's sharded copy) and ``comp``'s, one log.
+        self.edits = ModuleRewriter(module)
+        self.rw = self.edits.rewriter(comp)
         self.emit = ShardEmitter(module, comp, self.rw, plan.groups, comp[plan.template],
                                  channels)
         self.n = plan.groups.size
@@ -174,7 +176,7 @@ class RegionRewrite:
             new_name = next(f"{name}.shard{'' if k == 0 else f'.{k}'}" for k in range(len(taken) + 1)
                             if f"{name}.shard{'' if k == 0 else f'.{k}'}" not in taken)
             clone = shard_body(body, new_name, lambda t: self.emit.shape(t, (fmt.shard_len,)))
-            self.module.computations.insert(self.module.computations.index(body) + 1, clone)
+            self.edits.insert_computation(clone, after=name)
             self.emit.cache[key] = new_name
         return self.emit.cache[key]
 
@@ -281,10 +283,7 @@ class RegionRewrite:
         # The replaced instructions, then operands of theirs left unused.
         self.rw.remove_dead(among=self._erase)
         combine_small_sums(self.rw, self.emit, self._small_sums)
-        order = topological_order(self.comp)
-        if [i.name for i in order] != [i.name for i in self.comp.instructions]:
-            self.comp.instructions[:] = order
-            self.comp.reindex()
+        self.rw.sort_topologically()
         shared: defaultdict[str, int] = defaultdict(int)
         for name in self.collective_of.values():
             shared[name] += 1
@@ -305,7 +304,8 @@ class RegionRewrite:
                 items.append(Gathered(name, fmt,
                                       self.emit.gathered_shape(inst.array_shape, fmt, users),
                                       name))
-            inst.shape = self.emit.shape(inst.array_shape.element_type, (fmt.shard_len,))
+            self.rw.set_shape(inst, self.emit.shape(inst.array_shape.element_type,
+                                                    (fmt.shard_len,)))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
                                             outside).items():
@@ -365,7 +365,7 @@ class RegionRewrite:
             elements = list(root.shape.elements)
             for k in self.outputs:
                 elements[k] = comp[root.operands[k]].shape
-            root.shape = TupleShape(tuple(elements))
+            self.rw.set_shape(root, TupleShape(tuple(elements)))
 
     def output_shard(self, value: str, zero_padded: PaddingZeros) -> str:
         """The shard of ``value`` a root position keeps, its padding lanes zero (the
@@ -409,7 +409,7 @@ class RegionRewrite:
                             self.rw.replace_all_uses_with(value, new.name)
                             self._erase.append(value)
                         else:
-                            self.comp[value].attributes["index"] = position
+                            self.rw.set_attr(self.comp[value], "index", position)
                             self.rw.set_operand(self.comp[value], 0, new.name)
 
 

@@ -9,7 +9,8 @@ id when there is one partition.
 
 Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
 shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
-``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse).
+``input_output_alias``/``buffer_donor`` (donation deletes the inputs we reuse) unless
+``keep_donation`` (an executable that consumes its donated inputs, as jit's does).
 Variadic all-reduces XLA:CPU cannot compile become one all-reduce per element (see
 :func:`split_variadic_all_reduces`). ``hlo_shard.runtime.forms.replica_form`` runs this
 pass on a copy after checking the module can be executed at all.
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, Rewriter
-from hlo_shard.ir import AttrValue, Instruction, Module, TupleShape, shape_leaves
+from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.ir import Instruction, Module, TupleShape, shape_leaves
 from hlo_shard.opinfo import CHANNEL_PAIRED
 from hlo_shard.passes.base import ModulePass, PassResult
 
@@ -44,9 +45,11 @@ class ReplicaFormReport:
 
 @dataclass(frozen=True)
 class ReplicaForm(ModulePass[ReplicaFormReport]):
-    """Turn a per-device module (SPMD or replica form) into replica form, in place."""
+    """Turn a per-device module (SPMD or replica form) into replica form, in place;
+    ``keep_donation`` keeps its input/output aliasing."""
 
     name: ClassVar[str] = "replica-form"
+    keep_donation: bool = False
 
     def apply(self, module: Module) -> PassResult[ReplicaFormReport]:
         if module.replica_count > 1 and module.num_partitions > 1:
@@ -54,8 +57,9 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
                                 "num_partitions to be 1")
         spmd = module.num_partitions > 1
         devices = module.replica_count * module.num_partitions
-        changes = _replica_header(module, spmd, devices)
-        rewriters = {comp.name: Rewriter(comp) for comp in module.computations}
+        edits = ModuleRewriter(module)
+        _replica_header(edits, spmd, devices, self.keep_donation)
+        rewriters = {comp.name: edits.rewriter(comp) for comp in module.computations}
         split: list[str] = []
         for comp in module.computations:
             rw = rewriters[comp.name]
@@ -65,28 +69,21 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
                     rw.set_opcode(inst, "replica-id")
             split += _split_variadic_all_reduces(rw)
         renumbered = _renumber_channels(module, rewriters)
-        changes += [change for rw in rewriters.values() for change in rw.changes]
         report = ReplicaFormReport(devices, spmd, tuple(split), renumbered)
-        return PassResult(module, bool(changes), changes, report=report)
+        return PassResult(module, bool(edits.changes), edits.changes, report=report)
 
 
-def _replica_header(module: Module, spmd: bool, devices: int) -> list[Change]:
-    """Drop donation; an SPMD module's ``num_partitions=N`` becomes ``replica_count=N``
-    in its place (the printer keeps header order)."""
-    header: dict[str, AttrValue] = {}
-    for key, value in module.header.items():
-        if key in DONATION_ATTRIBUTES or (key == "replica_count" and spmd):
-            continue
-        if key == "num_partitions":
-            if spmd:
-                header["replica_count"] = devices
-            continue
-        header[key] = value
-    changes = [Change("drop-header", key) for key in module.header if key not in header]
-    changes += [Change("set-header", key, str(value)) for key, value in header.items()
-                if module.header.get(key) != value]
-    module.header = header
-    return changes
+def _replica_header(edits: ModuleRewriter, spmd: bool, devices: int,
+                    keep_donation: bool) -> None:
+    """Drop donation (unless kept) and ``num_partitions``; an SPMD module's
+    ``num_partitions=N`` becomes ``replica_count=N`` in its place (the printer keeps
+    header order)."""
+    for key in () if keep_donation else DONATION_ATTRIBUTES:
+        edits.pop_header(key)
+    if spmd:
+        edits.set_header("replica_count", devices, replacing="num_partitions")
+    else:
+        edits.pop_header("num_partitions")
 
 
 def renumber_channels(module: Module) -> int:

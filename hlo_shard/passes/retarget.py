@@ -15,7 +15,7 @@ from typing import ClassVar
 from hlo_shard.costmodel.network import COLLECTIVE_KINDS, group_size
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, Rewriter
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw, ReplicaGroups
 from hlo_shard.passes.base import ModulePass, PassResult
 
@@ -40,15 +40,13 @@ class Retarget(ModulePass[RetargetReport]):
 
     def apply(self, module: Module) -> PassResult[RetargetReport]:
         n0 = data_parallel_size(module)
-        changes = []
+        edits = ModuleRewriter(module)
         counts = {"replica_count": module.replica_count, "num_partitions": module.num_partitions}
         for key, count in counts.items():
             if count == n0:
-                if module.header.get(key) != self.replicas:
-                    changes.append(Change("set-header", key, str(self.replicas)))
-                module.header[key] = self.replicas
+                edits.set_header(key, self.replicas)
         for comp in module.computations:
-            rw = Rewriter(comp)
+            rw = edits.rewriter(comp)
             for inst in comp.instructions:
                 if inst.opcode in COLLECTIVE_KINDS:
                     groups = inst.attr("replica_groups")
@@ -62,9 +60,8 @@ class Retarget(ModulePass[RetargetReport]):
                 if isinstance(sharding, Raw) and "devices=" in sharding.text:
                     rw.set_attr(inst, "sharding",
                                 Raw(_retarget_sharding(sharding.text, n0, self.replicas)))
-            changes += rw.changes
         report = RetargetReport(n0, self.replicas)
-        return PassResult(module, bool(changes), changes, report=report)
+        return PassResult(module, bool(edits.changes), edits.changes, report=report)
 
 
 def data_parallel_size(module: Module) -> int:

@@ -18,21 +18,24 @@ from dataclasses import replace
 from hlo_shard.ir import Module
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
-from hlo_shard.passes.pipeline import Pipeline
+from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
 
 
-def sharding_pipeline(sharding: WeightUpdateSharding) -> Pipeline:
-    """The four passes around ``sharding``, unchecked between them."""
+def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None
+                      ) -> Pipeline:
+    """The four passes around ``sharding``, unchecked between them; ``after_pass`` sees
+    each pass's result (``optimize --explain --verbose`` collects their changes)."""
     return Pipeline((TupleForwarding(), sharding, ChannelIdDedupe(), EntryLayoutUpdate()),
-                    check=None)
+                    check=None, after_pass=after_pass)
 
 
-def run_sharding(module: Module, sharding: WeightUpdateSharding) -> ShardingReport:
+def run_sharding(module: Module, sharding: WeightUpdateSharding,
+                 after_pass: AfterPass | None = None) -> ShardingReport:
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
     every pass's notes (what ``--explain`` and ``--json`` show), in pass order."""
-    result = sharding_pipeline(sharding).run(module)
+    result = sharding_pipeline(sharding, after_pass).run(module)
     return replace(result.report(ShardingReport), notes=result.notes)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
+from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
 from hlo_shard.profiles import HardwareProfile
@@ -67,11 +68,13 @@ class SpeedDecision:
                             "seconds": t.seconds} for t in self.trials]}
 
 
-def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False
+def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False,
+                       after_pass: AfterPass | None = None
                        ) -> tuple[ShardingReport, SpeedDecision]:
     """Run the sharding pipeline on ``module`` (in place) with the cut-off predicted
     fastest, or sharding nothing when nothing is predicted faster than the input
-    (``force``: as told)."""
+    (``force``: as told). ``after_pass`` sees the passes of the run that edits
+    ``module``, not the trials on copies."""
     hardware = sharding.profile
     before = predicted_step_seconds(module, hardware)
 
@@ -88,7 +91,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     user_min = sharding.options.min_shard_bytes
     everything, full = trial(user_min)
     if force or not everything.sharded:
-        return run_sharding(module, sharding), SpeedDecision(
+        return run_sharding(module, sharding, after_pass), SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None, forced=force)
     sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
@@ -98,7 +101,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
     # fresh duplicate channel ids, forwarded tuple elements — make the module valid to write).
     cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
-    report = run_sharding(module, at_cutoff(cutoff))
+    report = run_sharding(module, at_cutoff(cutoff), after_pass)
     decision = SpeedDecision(hardware.name, before, before if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
     _explain_cost_rows(report, decision, user_min)

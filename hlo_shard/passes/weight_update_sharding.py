@@ -39,7 +39,7 @@ from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_tru
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
                                               collect_leaves, flattenable, plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, Rewriter, call_graph, dataflow_graph
+from hlo_shard.graph import Change, ModuleRewriter, Rewriter, call_graph, dataflow_graph
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
@@ -196,7 +196,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         the data-parallel group, which values are replicated, and the all-reduces left
         alone with why."""
         recovered = recovered_device_counts(module)
-        module.header.update(recovered)
+        header = ModuleRewriter(module)
+        for key, count in recovered.items():
+            header.set_header(key, count)
         found = find_gradient_all_reduces(module)
         groups = _data_parallel_groups(module, found)
         wanted = self.options.num_replicas
@@ -215,7 +217,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                               CollectivePricing(self.profile, group_size),
                               self.options.per_tensor_bytes)
         return _Run(module, report, groups, replication, _output_kinds(module, replication),
-                    candidates, bucketing, ChannelIds(module))
+                    candidates, bucketing, ChannelIds(module), header.changes)
 
     def _shard_computation(self, run: _Run, comp: Computation,
                            candidates: list[GradientAllReduce]) -> None:
@@ -258,7 +260,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                                  for number, why in kept_whole.items()]
             run.report.notes += _unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
-            _annotate_state(module, comp, state_plan, plan.groups)
+            run.changes += _annotate_state(module, Rewriter(comp), state_plan, plan.groups)
             return ({_param_name(comp, n): p.format for n, p in state_plan.items()},
                     {p.output: p.value for p in state_plan.values()})
         carry = _loop_slots(module, comp, plan, run.replication)
@@ -603,13 +605,15 @@ def _param_name(comp: Computation, number: int) -> str:
     return next(p.name for p in comp.parameters() if p.parameter_number == number)
 
 
-def _annotate_state(module: Module, comp: Computation, state: dict[int, StatePair],
-                    groups: DeviceGroups) -> None:
+def _annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
+                    groups: DeviceGroups) -> list[Change]:
     """SPMD form: a sharded state parameter's global value is the padded flat vector."""
+    comp = rw.comp
     for number in state:
         param = comp[_param_name(comp, number)]
         if "sharding" in param.attributes or module.num_partitions > 1:
-            param.attributes["sharding"] = Raw(_shard_sharding(groups))
+            rw.set_attr(param, "sharding", Raw(_shard_sharding(groups)))
+    return rw.changes
 
 
 # ------------------------------------------------------------------------ training loops
@@ -709,7 +713,8 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     parent = module.computation(carry.parent)
     body = module.computation(carry.body)
     loop = parent[carry.loop]
-    rw = Rewriter(parent)
+    edits = ModuleRewriter(module)
+    rw = edits.rewriter(parent)
     emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
     old = parent[loop.operands[0]]
     elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
@@ -724,11 +729,11 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
         state[cast(int, param.parameter_number)] = StatePair(
             k, downward[-1], fmt, _array(param.shape), _element(root.shape, k))
         for name in upward + downward:
-            parent[name].shape = elements[index]
-        root.shape = TupleShape(tuple(elements[index] if i == k else e
-                                      for i, e in enumerate(cast(TupleShape,
-                                                                 root.shape).elements)))
-    _annotate_state(module, parent, state, carry.groups)
+            rw.set_shape(parent[name], elements[index])
+        rw.set_shape(root, TupleShape(tuple(elements[index] if i == k else e
+                                            for i, e in enumerate(cast(TupleShape,
+                                                                       root.shape).elements))))
+    _annotate_state(module, rw, state, carry.groups)
     operands = list(old.operands)
     with rw.inserting_before(loop.name):
         for index, fmt in carry.slots.items():
@@ -738,9 +743,9 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
     rw.set_operand(loop, 0, init.name)
     if not rw.users(old.name) and parent.root_name != old.name:
         rw.erase(old.name)
-    loop.shape = carried
+    rw.set_shape(loop, carried)
     for comp in (body, module.computation(carry.condition)):
-        comp.parameters()[0].shape = carried
+        edits.rewriter(comp).set_shape(comp.parameters()[0], carried)
     readers = [r for r in rw.users(loop.name) if _tuple_index(r) in carry.slots]
     users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
     items = [Gathered(r.name, carry.slots[_tuple_index(r)],
@@ -749,7 +754,7 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
                       r.name)
              for r in readers if _tuple_index(r) not in sunk]
     for reader in readers:
-        reader.shape = elements[_tuple_index(reader)]
+        rw.set_shape(reader, elements[_tuple_index(reader)])
     for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
         for user in users[item.shard]:
             inst = parent[user]
@@ -758,7 +763,7 @@ def _shard_loop_carry(module: Module, carry: _LoopCarry, channels: ChannelIds,
                     rw.set_operand(inst, i, gathered)
         if parent.root_name == item.shard:
             rw.set_root(gathered)
-    return rw.changes, state
+    return edits.changes, state
 
 
 def _sinkable_slots(parent: Computation, rw: Rewriter, carry: _LoopCarry,

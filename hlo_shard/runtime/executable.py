@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.runtime.forms import replica_form
 from hlo_shard.runtime.inputs import DeviceValues, coerce_argument, output_shapes, parameter_shapes
@@ -170,7 +171,7 @@ def load(source: str | Path | Module, devices: int | None = None, backend: str |
                             f"{written_for} devices, not {devices}")
     executable_form = replica_form(module)
     if devices > 1 and written_for == 1:
-        executable_form.header["replica_count"] = devices
+        ModuleRewriter(executable_form).set_header("replica_count", devices)
     if worker is None:
         worker = get_worker(backend or "cpu", devices, timeout)
     elif backend not in (None, worker.backend):

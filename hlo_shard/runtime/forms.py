@@ -58,8 +58,5 @@ def replica_form(module: Module, *, keep_donation: bool = False) -> Module:
     its donated inputs (:mod:`hlo_shard.jax` donates as the user's jit step does)."""
     check_executable(module)
     out = copy.deepcopy(module)
-    ReplicaForm().apply(out)
-    if keep_donation:
-        out.header.update({key: module.header[key] for key in DONATION_ATTRIBUTES
-                           if key in module.header})
+    ReplicaForm(keep_donation=keep_donation).apply(out)
     return out

@@ -121,6 +121,13 @@ class ArrayRecord:
         base = self.name or str(self.index)
         return f"{base} ({self.user_name})" if self.user_name else base
 
+    def require_shard(self) -> Shard:
+        """The shard of a ``sharded`` record (asking another kind for one is a bug in
+        the caller, not bad input: the reader gives every sharded record a shard)."""
+        if self.shard is None:
+            raise ValueError(f"manifest record {self.label} is {self.kind}, not sharded")
+        return self.shard
+
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
@@ -227,8 +234,8 @@ def load_manifest(path: str | Path) -> Manifest:
 def manifest_to_json(manifest: Manifest) -> dict:
     """The JSON object for ``manifest`` (what ``optimize --manifest`` writes)."""
 
-    def record(r: ArrayRecord) -> dict:
-        out = {"index": r.index, "original": r.original, "kind": r.kind,
+    def record(r: ArrayRecord) -> dict[str, object]:
+        out: dict[str, object] = {"index": r.index, "original": r.original, "kind": r.kind,
                "shape": list(r.shape.dims), "element_type": r.shape.element_type,
                "layout": list(r.shape.minor_to_major())}
         if r.name:
@@ -236,11 +243,12 @@ def manifest_to_json(manifest: Manifest) -> dict:
         if r.user_name:
             out["user_name"] = r.user_name
         if r.shard is not None:
-            out["shard"] = {"length": r.shard.length, "padding": r.shard.padding}
+            shard: dict[str, object] = {"length": r.shard.length, "padding": r.shard.padding}
             if r.shard.replica_groups:
-                out["shard"]["replica_groups"] = [list(g) for g in r.shard.replica_groups]
+                shard["replica_groups"] = [list(g) for g in r.shard.replica_groups]
             if r.shard.flatten != "physical":
-                out["shard"]["flatten"] = r.shard.flatten
+                shard["flatten"] = r.shard.flatten
+            out["shard"] = shard
         return out
 
     data = {"format": FORMAT, "version": VERSION, "devices": manifest.devices,
@@ -270,7 +278,7 @@ def from_physical_flat(flat: np.ndarray, dims: Sequence[int],
 def shard_value(full: np.ndarray, record: ArrayRecord, device: int, devices: int,
                 candidate: ArrayShape) -> np.ndarray:
     """Device ``device``'s chunk of the original value, in the candidate's shape."""
-    shard = record.shard
+    shard = record.require_shard()
     flat = physical_flat(np.asarray(full), _order(record))
     if shard.padding:
         flat = np.concatenate([flat, np.zeros(shard.padding, flat.dtype)])
@@ -282,7 +290,7 @@ def shard_value(full: np.ndarray, record: ArrayRecord, device: int, devices: int
 def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: int,
                  candidate: ArrayShape) -> np.ndarray:
     """The full original-shaped value on ``device`` from its group's chunks."""
-    shard = record.shard
+    shard = record.require_shard()
     group, _ = shard.position(device, len(per_device))
     flat = np.concatenate([physical_flat(np.asarray(per_device[d]), candidate.minor_to_major())
                            for d in group])
@@ -292,6 +300,6 @@ def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: 
 
 def _order(record: ArrayRecord) -> tuple[int, ...]:
     """The minor_to_major order the original value is flattened in."""
-    if record.shard.flatten == "logical":
+    if record.require_shard().flatten == "logical":
         return tuple(range(record.shape.rank - 1, -1, -1))
     return record.shape.minor_to_major()
