@@ -24,6 +24,7 @@ from hlo_shard.passes.sharding_pipeline import sharding_pipeline
 from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 from hlo_shard.printer import format_shape, format_value, to_text
 
+from test_factored_state import ADAFACTOR, COLUMNS
 from test_fused_modules import FUSED
 from wus_helpers import ADD
 
@@ -36,6 +37,8 @@ SHARDING_CASES = {
     "loop-carry": ("spmd/loop_adam.n2.hlo", {"state": "sharded"}),
     "replica-loop": ("replica/loop_adam.n2.hlo", {}),
     "fused-no-device-counts": (FUSED, {}),
+    "factored-sharded-state": (ADAFACTOR, {"state": "sharded"}),
+    "factored-columns": (COLUMNS, {}),
 }
 
 NOTHING_TO_SHARD = f"""HloModule nothing, replica_count=2

@@ -568,10 +568,17 @@ ENTRY e {{ w = f32[8,16] parameter(0) r = f32[8] parameter(1) g = f32[8,16] para
 
 
 def test_factored_state_kept_whole_is_explained():
-    # Before: the factored statistic stayed whole silently ("notes": []).
-    _, report = optimize(FACTORED, state="sharded")
+    # Before: the factored statistic stayed whole silently ("notes": []). Stored
+    # column-major, the gradient's shards are blocks of columns: the row statistic sums
+    # along them (test_factored_state.py: the other cases).
+    _, report = optimize(FACTORED.replace("f32[8,16]", "f32[8,16]{0,1}"), state="sharded")
     (note,) = [n for n in report.notes if "parameter 1 " in n]
     assert "stays whole" in note and "factored statistic" in note
+    assert "the dimension whose blocks the devices hold" in note
+    # Stored row-major, the row statistic is a shard of whole rows: kept sharded.
+    _, report = optimize(FACTORED, state="sharded")
+    assert not [n for n in report.notes if "parameter 1 " in n]
+    assert [p.kind for p in report.parameters][:2] == ["sharded", "sharded"]
 
 
 #: jax 0.10's pmap lowering: every parameter tiled along a leading axis of 1 per device,

@@ -10,8 +10,12 @@ Starting from the all-reduced gradients, every user is classified by a rule tabl
   dimensions move; bitcast when the shard is in physical order), else the region ends;
 * reductions to one element (norms, global-norm clipping, is-finite checks, max/min) → a
   masked local reduction plus a small all-reduce of the same reducer over the group;
-* anything else (dot, gather, partial reductions, tuple, custom-call, …) ends the region:
-  the sharded operand is all-gathered right before that user.
+* on shards that are blocks of the value (:attr:`ShardFormat.block`), ops on the block
+  (kind ``"block"``): a reduction keeping the block dimension (its result sharded in
+  blocks: Adafactor's statistic along the other dimension), a broadcast; and a sum along
+  the block dimension as the block's partial sums all-reduced (a replicated result);
+* anything else (dot, gather, other partial reductions, tuple, custom-call, …) ends the
+  region: the sharded operand is all-gathered right before that user.
 
 Two extensions pull replicated work into the region so that no update op runs on a
 full-size weight: producers whose every user is in the region (AdamW's ``w * wd``), and
@@ -185,7 +189,10 @@ class RegionOp:
     (``operand_format``) and what it yields (``result_format``; None for a reduction,
     whose result is a replicated value)."""
 
-    kind: str  # "shard" | "reduce"
+    #: "shard": elementwise on the flat shard; "block": on the shard's block of the value
+    #: (a reduction along other dimensions, a broadcast), the result in blocks too;
+    #: "reduce": to one element, all-reduced.
+    kind: str
     operand_format: ShardFormat
     result_format: ShardFormat | None
     #: For reductions: the reducer opcode (add, maximum, …) and its neutral literal.
@@ -311,7 +318,8 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     if source_shape is None or shape is None:
         return None
     if shape.num_elements != 1:
-        return _degenerate_reduce(ctx, inst, source_shape, shape)
+        return _degenerate_reduce(ctx, inst, source_shape, shape) or \
+            _block_reduce(ctx, inst, shape) or _partial_reduce(ctx, inst)
     if source in ctx.sharded:
         fmt = ctx.sharded[source]
     elif ctx.replicated(source):
@@ -492,6 +500,63 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
     return RegionOp("shard", fmt, result) if result is not None else None
 
 
+def _block_format(dims: tuple[int, ...], perm: tuple[int, ...], major: int, rows: int,
+                  n: int) -> ShardFormat | None:
+    """The format of ``dims`` in order ``perm`` when its shards are the blocks ``rows`` of
+    dimension ``major`` (what a block op's result must be), else None."""
+    fmt = ShardFormat(dims, canonical_perm(perm, dims), n)
+    return fmt if fmt.block == (major, rows) else None
+
+
+def _block_reduce(ctx: _Context, inst: Instruction, shape: ArrayShape) -> RegionOp | None:
+    """A reduction along dimensions the shard's block does not cut (Adafactor's statistic
+    along the other dimension of a gradient sharded in blocks): each result element is
+    reduced from one device's block alone, from the same elements and initial value, so
+    the result is sharded in blocks of the kept dimension — the factored state's 1/N."""
+    source, init = inst.operands
+    fmt = ctx.sharded.get(source)
+    if fmt is None or fmt.block is None or init in ctx.sharded or not ctx.replicated(init):
+        return None
+    major, rows = fmt.block
+    reduced = set(inst.ints_attr("dimensions"))
+    if major in reduced:
+        return None
+    kept = [d for d in range(len(fmt.dims)) if d not in reduced]
+    result = _block_format(shape.dims, tuple(kept.index(d) for d in fmt.perm if d in kept),
+                           kept.index(major), rows, fmt.n)
+    return RegionOp("block", fmt, result) if result is not None else None
+
+
+def _partial_reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A sum along the shard's block dimension (Adafactor's statistic along the dimension
+    the gradient is cut in): each device sums its block from zero and an all-reduce of
+    the partial sums — as small as the result — adds them up; the result is replicated.
+    Sums only: XLA:CPU's all-reduce drops NaN for max/min, which the one-element path's
+    is-NaN flag repairs for one value, not per element."""
+    source, init = inst.operands
+    fmt = ctx.sharded.get(source)
+    if fmt is None or fmt.block is None or fmt.block[0] not in inst.ints_attr("dimensions") \
+            or init in ctx.sharded or not ctx.replicated(init) or _reducer(ctx, inst) != "add":
+        return None
+    element_type = inst.array_shape.element_type
+    neutral = neutral_literal("add", element_type)
+    return RegionOp("reduce", fmt, None, "add", neutral) if neutral is not None else None
+
+
+def _broadcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A broadcast of a shard in blocks (Adafactor's factor spread back over the weight)
+    is the broadcast of the block into the result's block along the same dimension."""
+    fmt = ctx.sharded[inst.operands[0]]
+    shape = _array(inst.shape)
+    if fmt.block is None or shape is None:
+        return None
+    major, rows = fmt.block
+    target = inst.ints_attr("dimensions")[major]
+    rest = tuple(d for d in natural_perm(shape) if d != target)
+    result = _block_format(shape.dims, (target, *rest), target, rows, fmt.n)
+    return RegionOp("block", fmt, result) if result is not None else None
+
+
 def _same_number(literal: str | None, value: str) -> bool:
     if literal is None:
         return False
@@ -511,6 +576,7 @@ RULES: dict[str, Rule] = {
     "bitcast": _bitcast,
     "transpose": _transpose,
     "reduce": _reduce,
+    "broadcast": _broadcast,
     "fusion": _fusion,
 }
 

@@ -5,6 +5,8 @@
 * region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
   broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
   locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
+  ops on blocks (factored statistics) applied to the shard reshaped into its block, sums
+  along the block dimension all-reduced from the blocks' partial sums;
 * sharded values needed whole: all-gathered right before their first such user (values
   sharing that user share one all-gather when the strategy combines);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
@@ -50,8 +52,8 @@ class RegionRewrite:
         self.shard_of: dict[str, str] = {}
         self.collective_of: dict[str, str] = {}
         self._erase: list[str] = []
-        #: The one-element all-reduces of the sharded reductions (combined at the end).
-        self._one_element_sums: list[str] = []
+        #: The all-reduces of the sharded reductions' partial results (combined at the end).
+        self._small_sums: list[str] = []
 
     # Operands ---------------------------------------------------------------------------
     def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
@@ -135,6 +137,9 @@ class RegionRewrite:
         with self.rw.inserting_before(name):
             operands = [self.operand_shard(o, op.format_of(i))
                         for i, o in enumerate(inst.operands)]
+            if op.kind == "block":
+                self.shard_of[name] = self.block_op(inst, op, operands)
+                return
             if inst.opcode in ("reshape", "bitcast", "transpose", "reduce"):
                 # same flat order (a reduce here only drops size-1 dimensions)
                 self.shard_of[name] = operands[0]
@@ -150,6 +155,18 @@ class RegionRewrite:
                               operands, attributes)
             self.shard_of[name] = self.rw.add_instruction(new).name
 
+    def block_op(self, inst: Instruction, op: RegionOp, operands: list[str]) -> str:
+        """``inst`` on this device's block of its operand (unflattened from the shard), its
+        result block flattened into the result's shard."""
+        emit = self.emit
+        source_type = self.comp[inst.operands[0]].array_shape.element_type
+        element_type = inst.array_shape.element_type
+        block = emit.block_of(operands[0], op.operand_format, source_type)
+        attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
+        result = emit.add(inst.opcode, emit.shape(element_type, block_dims(op.result_shard)),
+                          [block, *operands[1:]], name=f"{inst.name}.block", **attributes)
+        return emit.shard_of_block(result, op.result_shard, element_type)
+
     def sharded_body(self, name: str, fmt: ShardFormat) -> str:
         """A copy of a fusion body computing ``[L]`` shards (see :func:`shard_body`)."""
         key = ("body", name, fmt.shard_len)
@@ -164,7 +181,9 @@ class RegionRewrite:
         return self.emit.cache[key]
 
     def reduce_op(self, name: str, op: RegionOp) -> None:
-        """Masked local reduction + one-element all-reduce over the group."""
+        """Masked local reduction + all-reduce over the group: to one element, or (a
+        reduction along the shard's block dimension) of this device's block, the
+        all-reduce then as small as the result."""
         emit = self.emit
         inst = self.comp[name]
         fmt = op.operand_format
@@ -172,21 +191,29 @@ class RegionRewrite:
         element_type = self.comp[source].array_shape.element_type
         out_type = inst.array_shape.element_type
         to_apply = inst.attr("to_apply")
+        partial = inst.array_shape.num_elements != 1
         with self.rw.inserting_before(name):
             shard = self.operand_shard(source, fmt)
             if fmt.padding:
                 shard = self.mask_padding(shard, fmt, element_type, op.neutral, f"{name}.masked")
-            local = emit.add("reduce", emit.shape(out_type, ()),
-                             [shard, emit.constant(out_type, op.neutral)],
-                             name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
-            result = emit.add("all-reduce", emit.shape(out_type, ()), [local],
+            neutral = emit.constant(out_type, op.neutral)
+            if partial:  # along the block dimension: this device's block, reduced
+                block = emit.block_of(shard, fmt, element_type)
+                local = emit.add("reduce", inst.shape, [block, neutral], name=f"{name}.local",
+                                 dimensions=inst.ints_attr("dimensions"), to_apply=to_apply)
+            else:
+                local = emit.add("reduce", emit.shape(out_type, ()), [shard, neutral],
+                                 name=f"{name}.local", dimensions=(0,), to_apply=to_apply)
+            result = emit.add("all-reduce", self.comp[local].shape, [local],
                               name=f"{name}.sum", **emit.collective_attrs(to_apply=to_apply))
-            self._one_element_sums.append(result)
+            self._small_sums.append(result)
             if op.reducer in _NAN_FLAGS and out_type.startswith(("f", "bf")):
                 result = self.keep_nan(local, result, op.reducer, out_type, to_apply, name)
             if not _is_constant(self.comp[init], op.neutral):
-                result = emit.add(op.reducer, emit.shape(out_type, ()), [result, init])
-            if not inst.array_shape.is_scalar:
+                if partial:
+                    init = emit.add("broadcast", inst.shape, [init], dimensions=())
+                result = emit.add(op.reducer, self.comp[result].shape, [result, init])
+            if not partial and not inst.array_shape.is_scalar:
                 result = emit.add("reshape", inst.shape, [result])
         self.rw.replace_all_uses_with(name, result)
         self._erase.append(name)
@@ -216,7 +243,7 @@ class RegionRewrite:
                         name=f"{name}.nan_flag")
         any_flag = emit.add("all-reduce", scalar, [flag], name=f"{name}.any_nan",
                             **emit.collective_attrs(to_apply=to_apply))
-        self._one_element_sums.append(any_flag)
+        self._small_sums.append(any_flag)
         seen = emit.add("compare", pred, [any_flag, zero], direction=Ident("NE"))
         return emit.add("select", scalar, [seen, emit.constant(element_type, "nan"), reduced],
                         name=f"{name}.nan_kept")
@@ -255,7 +282,7 @@ class RegionRewrite:
         self._erase.extend(reversed(list(plan.ops)))
         # The replaced instructions, then operands of theirs left unused.
         self.rw.remove_dead(among=self._erase)
-        combine_one_element_sums(self.rw, self.emit, self._one_element_sums)
+        combine_small_sums(self.rw, self.emit, self._small_sums)
         self.rw.sort_topologically()
         shared: defaultdict[str, int] = defaultdict(int)
         for name in self.collective_of.values():
@@ -410,13 +437,13 @@ def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
     return out
 
 
-def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> int:
-    """One all-reduce per dependency level for the one-element all-reduces ``names``
-    (per-tensor squared norms of global-norm clipping, LAMB's trust-ratio norms,
-    Adafactor's statistics, is-finite checks): those with the same reducer, element
-    type and groups, none depending on another, become one ``[k]`` all-reduce of their
-    concatenated values — one collective's latency instead of k. Returns how many
-    collectives were saved."""
+def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> int:
+    """One all-reduce per dependency level for the all-reduces of partial results
+    ``names`` (per-tensor squared norms of global-norm clipping, LAMB's trust-ratio
+    norms, Adafactor's statistics, is-finite checks): those with the same reducer,
+    element type and groups, none depending on another, become one ``[k]`` all-reduce of
+    their flattened, concatenated values — one collective's latency instead of k.
+    Returns how many collectives were saved."""
     comp = rw.comp
     present = [n for n in names if n in comp]
     if len(present) < 2:
@@ -440,23 +467,29 @@ def combine_one_element_sums(rw: Rewriter, emit: ShardEmitter, names: list[str])
         if len(group) < 2:
             continue
         element_type, first = key[1], comp[group[0]]
+        sizes = [comp[n].array_shape.num_elements for n in group]
+        label = "one_element_sums" if set(sizes) == {1} else "small_sums"
         operands = [comp[n].operands[0] for n in group]
         anchor = max(operands, key=comp.position)
         with rw.inserting_after(anchor):
-            pieces = [emit.add("reshape", emit.shape(element_type, (1,)), [o],
-                               name=f"{o}.element") for o in operands]
-            values = emit.add("concatenate", emit.shape(element_type, (len(group),)), pieces,
-                              name="one_element_sums", dimensions=(0,))
+            pieces = [o if comp[o].array_shape.dims == (size,) != (1,) else
+                      emit.add("reshape", emit.shape(element_type, (size,)), [o],
+                               name=f"{o}.element" if size == 1 else f"{o}.flat")
+                      for o, size in zip(operands, sizes)]
+            values = emit.add("concatenate", emit.shape(element_type, (sum(sizes),)), pieces,
+                              name=label, dimensions=(0,))
             attributes = {k: v for k, v in first.attributes.items()}
             if "channel_id" in attributes:
                 attributes["channel_id"] = emit.channels.fresh()
             summed = rw.add_instruction(Instruction(
-                rw.fresh_name("one_element_sums.sum"), "all-reduce",
-                emit.shape(element_type, (len(group),)), [values], attributes)).name
-            for k, name in enumerate(group):
-                piece = emit.add("slice", emit.shape(element_type, (1,)), [summed],
-                                 name=f"{name}.element",
-                                 slice=SliceRanges(((k, k + 1, 1),)))
+                rw.fresh_name(f"{label}.sum"), "all-reduce",
+                emit.shape(element_type, (sum(sizes),)), [values], attributes)).name
+            start = 0
+            for name, size in zip(group, sizes):
+                piece = emit.add("slice", emit.shape(element_type, (size,)), [summed],
+                                 name=f"{name}.element" if size == 1 else f"{name}.piece",
+                                 slice=SliceRanges(((start, start + size, 1),)))
+                start += size
                 scalar = emit.add("reshape", comp[name].shape, [piece], name=name)
                 rw.replace_all_uses_with(name, scalar)
                 rw.erase(name)
@@ -579,4 +612,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "combine_one_element_sums", "gather_before_use"]
+__all__ = ["RegionRewrite", "combine_small_sums", "gather_before_use"]

@@ -219,6 +219,28 @@ class ShardEmitter:
         return self.add("transpose", self.shape(element_type, dims), [ordered],
                         name=f"{shard}.block", dimensions=inverse)
 
+    def block_of(self, shard: str, fmt: ShardFormat, element_type: str) -> str:
+        """The block ``shard`` holds, for ops on blocks (Adafactor's statistics): once per
+        shard, a plain reshape where the format's order is the block's own."""
+        key = ("block", shard, fmt)
+        if len(fmt.dims) == 1:
+            return shard
+        if key not in self.cache:
+            self.cache[key] = self.shard_to_block(shard, fmt, element_type) \
+                if fmt.perm != tuple(range(len(fmt.dims))) else self.add(
+                    "reshape", self.shape(element_type, block_dims(fmt)), [shard],
+                    name=f"{shard}.block")
+        return self.cache[key]
+
+    def shard_of_block(self, block: str, fmt: ShardFormat, element_type: str) -> str:
+        """:meth:`block_to_shard` without the identity transpose and no-op reshape."""
+        if fmt.perm != tuple(range(len(fmt.dims))):
+            return self.block_to_shard(block, fmt, element_type)
+        if len(fmt.dims) == 1:
+            return block
+        return self.add("reshape", self.shape(element_type, (fmt.shard_len,)), [block],
+                        name=f"{block}.shard")
+
     # All-gather ---------------------------------------------------------------------------
     def gathered_shape(self, shape: ArrayShape, fmt: ShardFormat, users: list[str]) -> ArrayShape:
         """The full shape a gathered value takes: laid out in the format's order, so that

@@ -521,14 +521,40 @@ def _unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
         upstream = nx.ancestors(graph, value)
         if value in plan.sharded or not gradients & upstream:
             continue
-        why = ("its gradient stays all-reduced (see its row)" if not sharded & upstream else
-               "its next value reduces the gradient along a dimension (a factored statistic, "
-               "like Adafactor's v_row/v_col), outside the element-wise update the pass "
-               "shards")
+        why = "its gradient stays all-reduced (see its row)" if not sharded & upstream else \
+            _factored_reason(comp, plan, upstream)
         found.append(f"optimizer state parameter {number} (%{param.name} "
                      f"{format_shape(param.shape)}) stays whole, computed in full on every "
                      f"device: {why}")
     return found
+
+
+def _factored_reason(comp: Computation, plan: RegionPlan, upstream: set[str]) -> str:
+    """Why a state computed from a reduction of a sharded gradient along some dimensions
+    (a factored statistic, like Adafactor's v_row/v_col) is not itself a shard: its
+    reduction cuts the shard's block (summed from partial sums, whole on every device),
+    or the shard is no block of the gradient, or the reduction is not one the region
+    runs."""
+    for name in sorted(upstream, key=comp.position):
+        inst = comp[name]
+        fmt = plan.sharded.get(inst.operands[0]) if inst.opcode == "reduce" else None
+        if fmt is None or inst.array_shape.num_elements == 1:
+            continue
+        dims = ",".join(map(str, inst.ints_attr("dimensions")))
+        what = f"its next value reduces the gradient along dimension {dims} (%{name}, a " \
+               f"factored statistic, like Adafactor's v_row/v_col)"
+        if fmt.block is None:
+            return f"{what}, and the gradient's shards are not blocks along one dimension " \
+                   f"({fmt.elements} elements in {_order(fmt)} order over {fmt.n} devices" \
+                   f"{f', {fmt.padding} padding' if fmt.padding else ''})"
+        major = fmt.known_block[0]
+        if name in plan.ops:
+            return f"{what}, the dimension whose blocks the devices hold: each sums its " \
+                   f"block and an all-reduce of the partial sums gives the whole statistic"
+        return f"{what}: the devices hold blocks along dimension {major}, and a reduction " \
+               f"cutting them runs on shards only as a sum"
+    return "its next value reduces the gradient along a dimension (a factored statistic, " \
+           "like Adafactor's v_row/v_col), outside the element-wise update the pass shards"
 
 
 def _order(fmt: ShardFormat) -> str:
