@@ -141,9 +141,11 @@ def test_diff_names_each_weight(modules):
     assert "(p[" not in invoke("diff", str(plain["source"]), str(plain["optimized"]))
 
 
-#: FACTORED with names: the weight, its factored statistic (kept whole, with a note).
-NAMED_FACTORED = FACTORED.replace(
-    "w = f32[8,16] parameter(0)", "w = f32[8,16] parameter(0), metadata={op_name=\"p['w']\"}"
+#: FACTORED with names, stored column-major: the weight, its factored statistic (kept
+#: whole, with a note: the row statistic sums along the blocks the devices hold).
+NAMED_FACTORED = FACTORED.replace("f32[8,16]", "f32[8,16]{0,1}").replace(
+    "w = f32[8,16]{0,1} parameter(0)",
+    "w = f32[8,16]{0,1} parameter(0), metadata={op_name=\"p['w']\"}"
 ).replace("r = f32[8] parameter(1)",
           "r = f32[8] parameter(1), metadata={op_name=\"s[0].v_row[\\'w\\']\"}")
 
