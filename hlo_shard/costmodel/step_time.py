@@ -62,6 +62,9 @@ FORMAT_OPCODES = frozenset({
 _DEVICE_ID_OPCODES = frozenset({"replica-id", "partition-id"})
 #: The pseudo-instruction carrying the profile's fixed cost per step.
 STEP_OVERHEAD = "(step overhead)"
+#: The pseudo-instruction carrying the page faults of a temp allocation mapped afresh
+#: every step (:meth:`~hlo_shard.profiles.HardwareProfile.fresh_pages_seconds`).
+FRESH_TEMP_PAGES = "(fresh temp pages)"
 _MATRIX_OPCODES = frozenset({"dot", "convolution"})
 
 
@@ -486,6 +489,10 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     memory = memory_profile(module, kinds, gradient_values(module, module.entry), activations,
                             upcast_16bit_floats=profile.upcasts_16bit_floats,
                             combine_threshold_bytes=profile.combine_threshold_bytes)
+    fresh_pages = profile.fresh_pages_seconds(memory.temp_bytes)
+    if fresh_pages:
+        instructions.append(InstructionEstimate(module.entry.name, FRESH_TEMP_PAGES, "step",
+                                                "forward_backward", 1, fresh_pages, Cost()))
     sources = {source for _, source in estimator.categories.values()}
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,

@@ -73,6 +73,12 @@ class HardwareProfile:
     multi_output_fusion: bool
     #: XLA's collective combiners pack independent collectives into buckets this large.
     combine_threshold_bytes: int
+    #: A step's temporary allocation larger than this is mapped afresh every step, its
+    #: pages faulting in at the fresh-buffer write rate (XLA CPU allocates it with
+    #: malloc per execution, and glibc serves blocks above its largest mmap threshold,
+    #: 32 MiB, with mmap and unmaps them on free); 0: the allocator keeps its pages
+    #: (the BFC allocators of GPU and TPU).
+    fresh_temp_threshold_bytes: int
     interconnect: Interconnect
     sources: tuple[str, ...]
 
@@ -86,6 +92,14 @@ class HardwareProfile:
         write_rate = (self.memory_bandwidth_bytes_per_s if resident
                       else self.memory_write_bandwidth_bytes_per_s)
         return read_bytes / self.memory_bandwidth_bytes_per_s + written_bytes / write_rate
+
+    def fresh_pages_seconds(self, temp_bytes: int) -> float:
+        """What a temporary allocation of ``temp_bytes`` adds to a step by being mapped
+        afresh (its writes were priced at the resident rate by the kernels)."""
+        if not self.fresh_temp_threshold_bytes or temp_bytes <= self.fresh_temp_threshold_bytes:
+            return 0.0
+        return max(self.memory_seconds(0.0, temp_bytes) - self.memory_seconds(0.0, temp_bytes,
+                                                                              True), 0.0)
 
     def matrix_rate(self, element_type: str) -> float:
         return self.matrix_flops_per_s.get(element_type, self.matrix_flops_per_s["default"])
@@ -170,6 +184,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
+        fresh_temp_threshold_bytes=count("fresh_temp_threshold_bytes", 0),
         interconnect=Interconnect(
             algorithm=net_at.read(net, "algorithm", At.string, ALGORITHMS, default="ring"),
             devices_per_node=net_at.read(net, "devices_per_node", At.integer, 1,

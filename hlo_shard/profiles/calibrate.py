@@ -178,6 +178,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "upcasts_16bit_floats": True,
         "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
+        "fresh_temp_threshold_bytes": 32 << 20,
         "kernel_overhead_s": 2e-6,
         "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
@@ -190,6 +191,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "cache_bytes: the last-level cache (sysfs) over the devices",
             "XLA CPU runs no multi-output fusion (its pipeline has loop fusion only; Adam "
             "compiles to separate m, v and w loops)",
+            "fresh_temp_threshold_bytes: glibc's largest mmap threshold (32 MiB): a larger "
+            "temp allocation is mapped afresh every step",
             "assumed: 2 us per kernel launch (the 'overhead' probe is a whole step's fixed cost)",
         ],
     }
