@@ -7,7 +7,9 @@ the fixtures against the live XLA through the runtime.
 
 from __future__ import annotations
 
+import json
 import math
+from importlib import resources
 
 import pytest
 
@@ -523,6 +525,49 @@ def test_a_temp_allocation_over_the_mmap_threshold_pays_its_page_faults_every_st
     assert load_profile("h100").fresh_pages_seconds(1 << 40) == 0.0
 
 
+GATHERS = """
+HloModule gathers, num_partitions=8
+
+ENTRY e {
+  a = f32[1024] parameter(0)
+  b = f32[1024] parameter(1)
+  c = f32[1024] parameter(2)
+  ga = f32[8192] all-gather(a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  gb = f32[8192] all-gather(b), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  gc = f32[8192] all-gather(c), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  ROOT t = (f32[8192], f32[8192], f32[8192]) tuple(ga, gb, gc)
+}
+"""
+
+
+def test_only_the_backends_combined_kinds_share_a_bucket():
+    module = parse(GATHERS)
+    assert combiner_buckets(module, module.entry, 1 << 20) == [["ga", "gb", "gc"]]
+    assert combiner_buckets(module, module.entry, 1 << 20, {"all-reduce"}) == [
+        ["ga"], ["gb"], ["gc"]]
+    grads = parse(MLP_GRADIENTS)
+    assert combiner_buckets(grads, grads.entry, 1 << 20, {"all-reduce"}) == [
+        ["ar0", "ar1", "ar2"], ["norm"]]
+
+
+def test_xla_cpu_pays_one_latency_per_all_gather():
+    """XLA CPU has no all-gather combiner: three independent all-gathers run as three
+    rendezvous (measured: about one all-reduce latency each), where GPU and TPU
+    profiles keep one latency per bucket."""
+    import dataclasses
+
+    module = parse(GATHERS)
+    cpu = load_profile("cpu-local")
+    assert cpu.combined_collectives == {"all-reduce"}
+    alpha = cpu.interconnect.intra_node.alpha_s
+    alone = estimate_step(module, cpu, {}).seconds_by_category()["communication"]
+    pooled = estimate_step(module, dataclasses.replace(
+        cpu, combined_collectives=frozenset({"all-reduce", "all-gather"})), {})
+    assert alone - pooled.seconds_by_category()["communication"] == pytest.approx(2 * alpha)
+    assert load_profile("a100").combined_collectives == {
+        "all-reduce", "all-gather", "reduce-scatter"}
+
+
 def test_combined_gradients_are_live_together():
     module = parse(MLP_GRADIENTS)
     alone = memory_profile(module, combine_threshold_bytes=0)
@@ -572,6 +617,9 @@ def test_bad_profiles_are_user_errors(tmp_path):
         load_profile(str(bad))
     with pytest.raises(HloShardError, match="missing field"):
         profile_from_dict({"name": "x"}, "x.json")
+    good = json.loads((resources.files("hlo_shard.profiles") / "cpu-local.json").read_text())
+    with pytest.raises(HloShardError, match="combined_collectives"):
+        profile_from_dict({**good, "combined_collectives": ["all-to-al"]}, "x.json")
 
 
 CONV_STEP = """HloModule conv

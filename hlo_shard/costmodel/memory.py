@@ -33,6 +33,7 @@ and the curve plotted over the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from hlo_shard.costmodel.network import combiner_buckets
@@ -106,7 +107,8 @@ class MemoryProfile:
         }
 
 
-def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
+def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0,
+             combined_collectives: Collection[str] | None = None
              ) -> tuple[list[Instruction], list[list[str]]]:
     """The order instructions run in: as written when the module is scheduled, else a
     topological order in which the collectives XLA would combine run together; and
@@ -115,7 +117,7 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
         return list(comp.instructions), []
     if not combine_threshold_bytes:
         return topological_order(comp), []
-    buckets = combiner_buckets(module, comp, combine_threshold_bytes)
+    buckets = combiner_buckets(module, comp, combine_threshold_bytes, combined_collectives)
     bucket_of: dict[str, list[str]] = {}
     for bucket in buckets:
         for name in bucket:
@@ -136,20 +138,23 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
                    gradients: set[str] | None = None, activations: set[str] | None = None,
                    *, upcast_16bit_floats: bool = False,
-                   combine_threshold_bytes: int = 30 << 20) -> MemoryProfile:
+                   combine_threshold_bytes: int = 30 << 20,
+                   combined_collectives: Collection[str] | None = None) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);
     ``gradients`` names the values holding gradients (collective inputs and results),
     ``activations`` the forward/backward values (their size follows the batch).
     ``upcast_16bit_floats``: the backend computes bf16/f16 in f32 (XLA CPU's float
     normalization), so temporaries of those types take 4 bytes per element;
-    ``combine_threshold_bytes``: the collective combiner's bucket size (0: none)."""
+    ``combine_threshold_bytes``: the collective combiner's bucket size (0: none);
+    ``combined_collectives``: the kinds it combines (all when None)."""
     entry = module.entry
     kinds = parameter_kinds or {}
     emulate = not is_prefused(module)
     return _Liveness(module, entry, kinds, gradients or set(), emulate,
                      upcast=upcast_16bit_floats, activations=activations or set(),
-                     combine=combine_threshold_bytes).run()
+                     combine=combine_threshold_bytes,
+                     combined_kinds=combined_collectives).run()
 
 
 def _same_array(a: Buffer, b: Buffer) -> bool:
@@ -177,17 +182,18 @@ class _Liveness:
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
                  gradients: set[str], emulate: bool, nested: bool = False,
                  upcast: bool = False, activations: frozenset[str] | set[str] = frozenset(),
-                 combine: int = 0) -> None:
+                 combine: int = 0, combined_kinds: Collection[str] | None = None) -> None:
         self.module = module
         self.upcast = upcast
         self.activations = activations
         self.combine = combine
+        self.combined_kinds = combined_kinds
         self.comp = comp
         self.kinds = kinds
         self.gradients = gradients
         self.emulate = emulate
         self.nested = nested
-        self.order, buckets = schedule(module, comp, combine)
+        self.order, buckets = schedule(module, comp, combine, combined_kinds)
         self.position = {inst.name: i for i, inst in enumerate(self.order)}
         #: A combined collective reads all its members' operands and writes all their
         #: results at once: reads count at its last member, writes at its first.
@@ -513,7 +519,8 @@ class _Liveness:
                 continue
             callee = self.module.computation(name)
             nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
-                               nested=True, upcast=self.upcast, combine=self.combine)
+                               nested=True, upcast=self.upcast, combine=self.combine,
+                               combined_kinds=self.combined_kinds)
             # What the callee adds on top of the buffers it was passed.
             peaks.append(nested.run().temp_bytes)
         return max(peaks, default=0)

@@ -32,6 +32,7 @@ reports compare across profiles.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import GroupMode, group_mode
@@ -182,11 +183,13 @@ def collective_depth(comp: Computation) -> dict[str, int]:
     return depth
 
 
-def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int
-                     ) -> list[list[str]]:
+def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int,
+                     combined_kinds: Collection[str] | None = None) -> list[list[str]]:
     """The collectives XLA's combiners merge into one: of one kind and group size, not
     depending on each other (same collective depth), in program order, up to
-    ``threshold_bytes`` per bucket. Single collectives are buckets of one."""
+    ``threshold_bytes`` per bucket. Single collectives are buckets of one, and so is
+    every collective of a kind outside ``combined_kinds`` (the kinds the backend has a
+    combiner for; all when None)."""
     depth = collective_depth(comp)
     groups: dict[tuple, list[Instruction]] = {}
     for inst in topological_order(comp):
@@ -194,12 +197,13 @@ def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int
             key = (COLLECTIVE_KINDS[inst.opcode], group_size(inst, module), depth[inst.name])
             groups.setdefault(key, []).append(inst)
     buckets: list[list[str]] = []
-    for (_, size, _), members in groups.items():
+    for (kind, size, _), members in groups.items():
+        alone = size < 2 or (combined_kinds is not None and kind not in combined_kinds)
         bucket: list[str] = []
         total = 0
         for inst in members:
             payload = payload_bytes(inst, [comp[o].shape for o in inst.operands])
-            if bucket and (size < 2 or total + payload > threshold_bytes):
+            if bucket and (alone or total + payload > threshold_bytes):
                 buckets.append(bucket)
                 bucket, total = [], 0
             bucket.append(inst.name)

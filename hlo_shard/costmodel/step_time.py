@@ -426,7 +426,8 @@ class _Estimator:
                              ) -> None:
         """Price collectives as XLA runs them after its combiners: one latency per bucket."""
         by_name = {e.name: e for e in estimates if e.collective is not None}
-        for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes):
+        for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes,
+                                       self.profile.combined_collectives):
             members = [by_name[name] for name in bucket if name in by_name]
             for member, value in zip(members, share_latency(
                     [m.collective for m in members if m.collective is not None])):
@@ -488,7 +489,8 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     activations = {n for n, c in entry_categories.items() if c == "forward_backward"}
     memory = memory_profile(module, kinds, gradient_values(module, module.entry), activations,
                             upcast_16bit_floats=profile.upcasts_16bit_floats,
-                            combine_threshold_bytes=profile.combine_threshold_bytes)
+                            combine_threshold_bytes=profile.combine_threshold_bytes,
+                            combined_collectives=profile.combined_collectives)
     fresh_pages = profile.fresh_pages_seconds(memory.temp_bytes)
     if fresh_pages:
         instructions.append(InstructionEstimate(module.entry.name, FRESH_TEMP_PAGES, "step",

@@ -79,6 +79,10 @@ class HardwareProfile:
     #: 32 MiB, with mmap and unmaps them on free); 0: the allocator keeps its pages
     #: (the BFC allocators of GPU and TPU).
     fresh_temp_threshold_bytes: int
+    #: The collective kinds a combiner exists for on this backend (XLA GPU and TPU:
+    #: all-reduce, all-gather, reduce-scatter; XLA CPU: all-reduce only); the others run
+    #: one collective, one latency, each.
+    combined_collectives: frozenset[str]
     interconnect: Interconnect
     sources: tuple[str, ...]
 
@@ -116,6 +120,9 @@ class HardwareProfile:
 
 
 ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
+#: The collective kinds XLA has a combiner pass for (a profile's ``combined_collectives``
+#: is a subset; all of them when it does not say).
+COMBINABLE_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 
 #: The profile every command prices on unless told the target: the calibrated XLA CPU
 #: devices (CPU being the default backend), so that ``optimize`` decides, and ``report``,
@@ -185,6 +192,10 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
         fresh_temp_threshold_bytes=count("fresh_temp_threshold_bytes", 0),
+        combined_collectives=frozenset(
+            at.key("combined_collectives").index(i).string(kind, COMBINABLE_COLLECTIVES)
+            for i, kind in enumerate(at.read(raw, "combined_collectives", At.array,
+                                             default=list(COMBINABLE_COLLECTIVES)))),
         interconnect=Interconnect(
             algorithm=net_at.read(net, "algorithm", At.string, ALGORITHMS, default="ring"),
             devices_per_node=net_at.read(net, "devices_per_node", At.integer, 1,

@@ -179,6 +179,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "multi_output_fusion": False,
         "combine_threshold_bytes": 30 << 20,
         "fresh_temp_threshold_bytes": 32 << 20,
+        "combined_collectives": ["all-reduce"],
         "kernel_overhead_s": 2e-6,
         "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
@@ -193,6 +194,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "compiles to separate m, v and w loops)",
             "fresh_temp_threshold_bytes: glibc's largest mmap threshold (32 MiB): a larger "
             "temp allocation is mapped afresh every step",
+            "XLA CPU combines all-reduces only (no all-gather or reduce-scatter combiner in "
+            "its pipeline): each all-gather and reduce-scatter pays its own latency",
             "assumed: 2 us per kernel launch (the 'overhead' probe is a whole step's fixed cost)",
         ],
     }
