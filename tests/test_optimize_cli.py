@@ -242,12 +242,15 @@ def test_force_writes_what_is_predicted_slower_and_says_so(sgd, tmp_path):
 
 
 def test_shards_what_is_predicted_faster(tmp_path):
+    # Measured (donated, n=8): the 4 MiB gradient's step 5.35 ms whole, 5.06 ms
+    # sharded; at 1 MiB both were 1.26-1.30 ms. The 64-element gradient stays whole:
+    # on XLA CPU its own reduce-scatter and all-gather pay a rendezvous each.
     path = tmp_path / "two.hlo"
-    path.write_text(two_gradients(8, 1 << 18))
+    path.write_text(two_gradients(8, 1 << 20))
     out = tmp_path / "o.hlo"
     result = run_gated(str(path), "-o", str(out), "--json")
     data = json.loads(result.stdout)
-    assert data["sharded"] == 2 and "reduce-scatter" in out.read_text()
+    assert data["sharded"] == 1 and "reduce-scatter" in out.read_text()
     speed = data["speed"]
     assert speed["profile"] == "cpu-local" and not speed["kept_whole"]
     assert speed["after_seconds"] < speed["before_seconds"]

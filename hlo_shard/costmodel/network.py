@@ -24,9 +24,13 @@ chunk of every input (S) and writes it into every output (S); reduce-scatter rea
 and writes S/n; all-gather reads every input (S) and writes its output (S);
 all-to-all and collective-permute read and write their buffer. Those bytes are
 priced like a kernel's, at the profile's read and write bandwidths (the outputs are
-buffers of the step like any other; the cache-resident accumulator chunk is not
-counted). The wire bytes reported stay those of the nccl accounting above, so
-reports compare across profiles.
+buffers of the step like any other). A reduction also pays its accumulator: each
+device fills its chunk of S/n with the identity, then adds every participant's share
+into it one participant at a time, reading and writing the whole chunk n times: S read
+and S + S/n written per device, at the cache rate while the chunk fits the device's
+cache share, at the memory rates otherwise (:func:`accumulator_seconds`). The wire
+bytes reported stay those of the nccl accounting above, so reports compare across
+profiles.
 """
 
 from __future__ import annotations
@@ -148,6 +152,24 @@ def memory_traffic(kind: str, n: int, payload: int) -> tuple[float, float]:
     return read * payload, written * payload + shard
 
 
+#: The kinds whose shared-memory algorithm reduces into an accumulator chunk.
+_REDUCING_KINDS = frozenset({"all-reduce", "reduce-scatter"})
+
+
+def accumulator_seconds(kind: str, n: int, payload: int, profile: HardwareProfile,
+                        resident: bool = False) -> float:
+    """The accumulator traffic of a shared-memory reduction: the device's chunk (S/n)
+    written once with the identity, then read and written once per participant
+    (``in_process_communicator.cc``: ``ReduceScatter``/``ReduceHelper``)."""
+    if kind not in _REDUCING_KINDS or n <= 1:
+        return 0.0
+    chunk = payload / n
+    read, written = n * chunk, (n + 1) * chunk
+    if chunk <= profile.cache_bytes:
+        return (read + written) / profile.cache_bandwidth_bytes_per_s
+    return profile.memory_seconds(read, written, resident)
+
+
 def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
                     algorithm: str | None = None, resident: bool = False) -> CollectiveCost:
     """``resident``: the output is a donated parameter's buffer (see
@@ -158,6 +180,7 @@ def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
     sent = wire_bytes(kind, n, payload)
     latency = steps * link.alpha_s
     transfer = (profile.memory_seconds(*memory_traffic(kind, n, payload), resident)
+                + accumulator_seconds(kind, n, payload, profile, resident)
                 if algorithm == "shared-memory" else sent / link.beta_bytes_per_s)
     return CollectiveCost(kind, n, payload, sent, sent, steps, latency + transfer, algorithm,
                           latency)
