@@ -160,6 +160,9 @@ POLICY_SETS = [
     # Which collectives' groups name the module's devices (collective-permute's pairs
     # do not): a policy of the device-count recovery.
     ("hlo_shard.analysis.collectives", "_GROUPED", {}),
+    # The values a profile's ``combined_collectives`` may name (the kinds XLA has a
+    # combiner pass for): the profile schema's choice list.
+    ("hlo_shard.profiles", "COMBINABLE_COLLECTIVES", {}),
     # These held jax primitive names (exp, log1p, optimization-barrier …) once.
     ("hlo_shard.runtime.inputs", "PASS_THROUGH", {}),
     ("hlo_shard.runtime.inputs", "POSITIVE_OPERANDS", {}),
@@ -203,7 +206,8 @@ def _literal_opcode_sets() -> set[tuple[str, str]]:
     root = Path(opinfo.__file__).parent
     found = set()
     for path in sorted(root.rglob("*.py")):
-        module = ".".join(("hlo_shard", *path.relative_to(root).with_suffix("").parts))
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(("hlo_shard", *(parts[:-1] if parts[-1] == "__init__" else parts)))
         if module == "hlo_shard.opinfo":
             continue
         for node in ast.parse(path.read_text()).body:

@@ -153,7 +153,7 @@ def memory_traffic(kind: str, n: int, payload: int) -> tuple[float, float]:
 
 
 #: The kinds whose shared-memory algorithm reduces into an accumulator chunk.
-_REDUCING_KINDS = frozenset({"all-reduce", "reduce-scatter"})
+_REDUCING_KINDS = frozenset(opinfo.COLLECTIVE_KINDS[op] for op in opinfo.SUMMING_COLLECTIVES)
 
 
 def accumulator_seconds(kind: str, n: int, payload: int, profile: HardwareProfile,
