@@ -200,24 +200,30 @@ def _literal_strings(node: ast.expr) -> frozenset[str]:
     return frozenset()
 
 
+def _opcode_lists(source: str) -> set[str]:
+    """Names of the module-level literal sets of two or more opcode names in ``source``."""
+    found = set()
+    for node in ast.parse(source).body:
+        target = (node.targets[0] if isinstance(node, ast.Assign) else
+                  node.target if isinstance(node, ast.AnnAssign) else None)
+        if not isinstance(target, ast.Name) or node.value is None:
+            continue
+        names = _literal_strings(node.value)
+        if len(names) >= 2 and names <= opinfo.OPCODES:
+            found.add(target.id)
+    return found
+
+
 def _literal_opcode_sets() -> set[tuple[str, str]]:
-    """(module, name) of every module-level literal set of two or more opcode names in
-    the package, opinfo itself aside."""
+    """(module, name) of every module-level literal opcode set in the package, opinfo
+    itself aside."""
     root = Path(opinfo.__file__).parent
     found = set()
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         module = ".".join(("hlo_shard", *(parts[:-1] if parts[-1] == "__init__" else parts)))
-        if module == "hlo_shard.opinfo":
-            continue
-        for node in ast.parse(path.read_text()).body:
-            target = (node.targets[0] if isinstance(node, ast.Assign) else
-                      node.target if isinstance(node, ast.AnnAssign) else None)
-            if not isinstance(target, ast.Name) or node.value is None:
-                continue
-            names = _literal_strings(node.value)
-            if len(names) >= 2 and names <= opinfo.OPCODES:
-                found.add((module, target.id))
+        if module != "hlo_shard.opinfo":
+            found |= {(module, name) for name in _opcode_lists(path.read_text())}
     return found
 
 
@@ -228,13 +234,9 @@ def test_opcode_facts_come_from_the_table():
     assert _literal_opcode_sets() - policies == set()
 
 
-def test_the_literal_set_finder_finds_a_literal_set(tmp_path):
-    tree = ast.parse('A = frozenset({"add", "multiply"})\nB = frozenset("add copy".split())\n'
-                     'C = {"add"}\nD = ("add", "not-an-opcode")')
-    found = {n.targets[0].id for n in tree.body  # type: ignore[attr-defined]
-             if len(names := _literal_strings(n.value)) >= 2  # type: ignore[attr-defined]
-             and names <= opinfo.OPCODES}
-    assert found == {"A", "B"}
+def test_the_literal_set_finder_finds_a_literal_set():
+    assert _opcode_lists('A = frozenset({"add", "multiply"})\nB = frozenset("add copy".split())\n'
+                         'C = {"add"}\nD = ("add", "not-an-opcode")') == {"A", "B"}
 
 
 @pytest.mark.parametrize("name, table, old, documented", REPLACED,
