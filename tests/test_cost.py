@@ -7,6 +7,7 @@ the fixtures against the live XLA through the runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from importlib import resources
@@ -716,24 +717,89 @@ def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
 _DONATION = """HloModule step, input_output_alias={ {0}: (0, {}, may-alias) }
 
 ENTRY main {
-  w = f32[1048576]{0} parameter(0)
-  x = f32[1048576]{0} parameter(1)
-  neww = f32[1048576]{0} negate(w)
-  out = f32[1048576]{0} negate(x)
-  ROOT t = (f32[1048576]{0}, f32[1048576]{0}) tuple(neww, out)
+  w = f32[16777216]{0} parameter(0)
+  x = f32[16777216]{0} parameter(1)
+  neww = f32[16777216]{0} negate(w)
+  out = f32[16777216]{0} negate(x)
+  small = f32[1024]{0} slice(x), slice={[0:1024]}
+  ROOT t = (f32[16777216]{0}, f32[16777216]{0}, f32[1024]{0}) tuple(neww, out, small)
 }
 """
 
 
 def test_only_non_donated_outputs_pay_the_fresh_buffer_write_rate():
     # cpu-local's write rate is a fresh buffer's (page faults): a donated output reuses
-    # its parameter's pages, so the same loop writing it is priced at the read rate.
+    # its parameter's pages, so the same loop writing it is priced at the read rate; so
+    # is an output below the allocator's mmap threshold (64 MiB here, 4 KiB ``small``).
     profile = load_profile("cpu-local")
     assert profile.memory_write_bandwidth_bytes_per_s < profile.memory_bandwidth_bytes_per_s
     seconds = {e.name: e.seconds for e in estimate(parse(_DONATION), profile).instructions}
-    nbytes = 4 << 20
-    assert seconds["neww"] == pytest.approx(profile.memory_seconds(nbytes, nbytes, True)
-                                            + profile.kernel_overhead_s)
-    assert seconds["out"] == pytest.approx(profile.memory_seconds(nbytes, nbytes)
-                                           + profile.kernel_overhead_s)
+    nbytes = 64 << 20
+    assert nbytes > profile.fresh_temp_threshold_bytes > 4096
+    # XLA CPU's loops stream and compute in turn: one negation per element adds up.
+    assert not profile.overlaps_compute_and_memory
+    fixed = (1 << 24) / profile.vector_rate("f32") + profile.kernel_overhead_s
+    assert seconds["neww"] == pytest.approx(profile.memory_seconds(nbytes, nbytes, True) + fixed)
+    assert seconds["out"] == pytest.approx(profile.memory_seconds(nbytes, nbytes) + fixed)
     assert seconds["out"] > 2 * seconds["neww"]
+    assert seconds["small"] == pytest.approx(profile.memory_seconds(4096, 4096, True)
+                                             + profile.kernel_overhead_s)
+
+
+def test_a_slice_of_a_bitcast_reads_only_its_window():
+    # The gathered bucket is reshaped (a bitcast) and sliced per tensor: each slice
+    # reads its own 512 bytes, not the bucket (it was priced as reading all of it, so
+    # every bucketed all-gather looked 15 times as expensive to unpack as it is).
+    plan = plan_kernels(parse("""HloModule m
+ENTRY e {
+  b = f32[65536]{0} parameter(0)
+  r = f32[8,8192]{1,0} reshape(b)
+  s = f32[8,16]{1,0} slice(r), slice={[0:8], [4096:4112]}
+  ROOT o = f32[128]{0} reshape(s)
+}
+""").entry, True, False)
+    kernel = plan.kernel_of["s"]
+    assert kernel.read_bytes == 512 and kernel.write_bytes == 512
+
+
+def test_reduces_run_at_the_reduction_rate_and_cpu_loops_add_compute_to_memory():
+    profile = load_profile("cpu-local")
+    assert profile.reduction_elements_per_s < profile.vector_rate("f32")
+    assert not profile.overlaps_compute_and_memory and load_profile("h100").overlaps_compute_and_memory
+    module = parse("""HloModule m
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT s = f32[] add(a, b) }
+ENTRY e {
+  x = f32[1048576]{0} parameter(0)
+  z = f32[] constant(0)
+  ROOT r = f32[] reduce(x, z), dimensions={0}, to_apply=add
+}
+""")
+    seconds = {e.name: e.seconds for e in estimate(module, profile).instructions}
+    streaming = profile.memory_seconds(4 << 20, 4)
+    assert seconds["r"] == pytest.approx((1 << 20) / profile.reduction_elements_per_s
+                                         + streaming + profile.kernel_overhead_s, rel=1e-4)
+    overlapping = dataclasses.replace(profile, overlaps_compute_and_memory=True)
+    seconds = {e.name: e.seconds for e in estimate(module, overlapping).instructions}
+    assert seconds["r"] == pytest.approx(max((1 << 20) / profile.reduction_elements_per_s,
+                                             streaming) + profile.kernel_overhead_s, rel=1e-4)
+
+
+def test_calibration_derives_streaming_reduction_and_kernel_rates():
+    from hlo_shard.profiles import calibrate
+
+    stream_bytes = 3 * 4 * calibrate.STREAM
+    seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {
+        "overhead": 1e-4, "stream": 1e-4 + stream_bytes / 8e9,
+        "cache_base": 0.5, "large_all_reduce": 2.0,
+        "kernels_base": 2e-4,
+        "kernels": 2e-4 + (calibrate.KERNELS - 1) * (30e-6 + 2 * 4 * calibrate.SMALL / 8e9)}
+    seconds["reduction"] = 1e-4 + 4 * calibrate.ELEMENTS / 8e9 + calibrate.ELEMENTS / 2e9
+    profile = calibrate.profile_from_measurements(8, seconds)
+    assert profile["memory_bandwidth_bytes_per_s"] == pytest.approx(8e9)
+    assert profile["reduction_elements_per_s"] == pytest.approx(2e9)
+    assert profile["kernel_overhead_s"] == pytest.approx(30e-6)
+    assert profile["cache_bandwidth_bytes_per_s"] >= profile["memory_bandwidth_bytes_per_s"]
+    assert profile_from_dict(profile, "calibrated").overlaps_compute_and_memory is False
+    probes = {name: parse(calibrate._module(8, body)) for name, body in calibrate._probes(8).items()}
+    loops = [i for i in probes["kernels"].entry.instructions if i.opcode == "multiply"]
+    assert len(loops) == calibrate.KERNELS

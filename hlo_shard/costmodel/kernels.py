@@ -158,7 +158,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
     kernels.sort(key=lambda k: position[k.members[-1].name])
     for index, kernel in enumerate(kernels):
         kernel.index = index
-    materialized = _account(comp, kernels, kernel_of, duplicated, users)
+    materialized = _account(comp, kernels, duplicated, relabels, users)
     return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion,
                       relabels)
 
@@ -221,8 +221,8 @@ def _is_cheap(comp: Computation, inst: Instruction) -> bool:
     return False
 
 
-def _account(comp: Computation, kernels: list[Kernel], kernel_of: dict[str, Kernel],
-             duplicated: set[str], users: dict[str, list[str]]) -> set[str]:
+def _account(comp: Computation, kernels: list[Kernel], duplicated: set[str],
+             relabels: set[str], users: dict[str, list[str]]) -> set[str]:
     """Fill each kernel's read and write bytes; return the materialised values."""
     materialized: set[str] = set()
     for kernel in kernels:
@@ -234,7 +234,7 @@ def _account(comp: Computation, kernels: list[Kernel], kernel_of: dict[str, Kern
                 if value.opcode == "constant" and leaf_bytes(value.shape) <= 8:
                     continue
                 reads[operand] = max(reads.get(operand, 0.0),
-                                     _read_size(comp, member, value, member_names))
+                                     _read_size(comp, member, value, relabels))
         kernel.read_bytes = sum(reads.values())
         for member in kernel.members:
             outside = [u for u in users[member.name] if u not in member_names]
@@ -263,13 +263,24 @@ def kernel_inputs(comp: Computation, operands: Iterable[str], members: set[str],
     return found
 
 
-def _read_size(comp: Computation, reader: Instruction, value: Instruction, members: set[str]) -> float:
-    """A slice reads only its window; an in-place update does not read its target."""
-    if reader.opcode in ("slice", "dynamic-slice") and reader.operands[0] == value.name:
+def _read_size(comp: Computation, reader: Instruction, value: Instruction,
+               relabels: set[str]) -> float:
+    """A slice reads only its window, also of a value it sees through bitcasts (a
+    bucket's piece sliced out of the reshaped all-gather result); an in-place update
+    does not read its target."""
+    if reader.opcode in ("slice", "dynamic-slice") and \
+            _through_relabels(comp, reader.operands[0], relabels) == value.name:
         return leaf_bytes(reader.shape)
     if reader.opcode == "dynamic-update-slice" and reader.operands[0] == value.name:
         return 0.0
     return leaf_bytes(value.shape)
+
+
+def _through_relabels(comp: Computation, name: str, relabels: set[str]) -> str:
+    """The value whose buffer ``name`` is (following bitcast-like reshapes and copies)."""
+    while name in relabels:
+        name = comp[name].operands[0]
+    return name
 
 
 def _write_size(comp: Computation, inst: Instruction) -> float:

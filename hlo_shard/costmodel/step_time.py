@@ -17,8 +17,10 @@ Every instruction gets a category and a time:
 * ``forward_backward`` — everything else.
 
 Compute time is a roofline per kernel, max(flops / peak, bytes read / read
-bandwidth + bytes written / write bandwidth) plus the profile's launch overhead, over the kernels XLA would run
-(:mod:`.kernels`); a kernel's time is shared among its instructions by their own
+bandwidth + bytes written / write bandwidth) — their sum where the profile says
+compute and memory do not overlap (XLA CPU) — plus the profile's launch overhead, over
+the kernels XLA would run (:mod:`.kernels`); a reduce runs at the profile's reduction
+rate; a kernel's time is shared among its instructions by their own
 roofline weight. Loop bodies count once per iteration when the trip count is known.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hlo_shard.costmodel.aliasing import donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
     instruction_collective_cost, share_latency,
@@ -65,6 +68,9 @@ STEP_OVERHEAD = "(step overhead)"
 #: The pseudo-instruction carrying the page faults of a temp allocation mapped afresh
 #: every step (:meth:`~hlo_shard.profiles.HardwareProfile.fresh_pages_seconds`).
 FRESH_TEMP_PAGES = "(fresh temp pages)"
+#: The pseudo-instruction carrying XLA's copy of a donated parameter read after its
+#: aliased output may be written (:mod:`.aliasing`), followed by the parameter's name.
+DONATED_COPY = "(copy of donated) "
 _MATRIX_OPCODES = frozenset({"dot", "convolution"})
 
 
@@ -337,10 +343,13 @@ def gradient_values(module: Module, comp: Computation) -> set[str]:
     return found
 
 
-def fresh_writers(module: Module, comp: Computation) -> set[str]:
+def fresh_writers(module: Module, comp: Computation, threshold_bytes: int = 0) -> set[str]:
     """The entry's instructions that write a new buffer each step: its outputs not
-    aliased to a donated parameter (``input_output_alias``), looking through bitcasts.
-    The step's temporaries and donated outputs reuse pages mapped by earlier steps."""
+    aliased to a donated parameter (``input_output_alias``), looking through bitcasts,
+    and larger than ``threshold_bytes`` when it is not 0 (the profile's
+    ``fresh_temp_threshold_bytes``: a host allocator serves smaller blocks from the pages
+    of those freed by earlier steps). The step's temporaries and donated outputs reuse
+    pages mapped by earlier steps."""
     if comp is not module.entry:
         return set()
     aliases = module.output_aliases()
@@ -352,7 +361,8 @@ def fresh_writers(module: Module, comp: Computation) -> set[str]:
             continue
         while comp[name].opcode == "bitcast":
             name = comp[name].operands[0]
-        found.add(name)
+        if not threshold_bytes or leaf_bytes(comp[name].shape) > threshold_bytes:
+            found.add(name)
     return found
 
 
@@ -376,7 +386,7 @@ class _Estimator:
             self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
-        fresh = fresh_writers(self.module, comp)
+        fresh = fresh_writers(self.module, comp, self.profile.fresh_temp_threshold_bytes)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
             out.extend(self._kernel(comp, kernel, categories, runs,
@@ -412,7 +422,8 @@ class _Estimator:
         else:
             read, written = kernel.read_bytes, kernel.write_bytes
         memory = self.profile.memory_seconds(read, written, resident)
-        seconds = max(sum(compute), memory) + self.profile.kernel_overhead_s
+        seconds = ((max(sum(compute), memory) if self.profile.overlaps_compute_and_memory
+                    else sum(compute) + memory) + self.profile.kernel_overhead_s)
         weights = [max(c, self.profile.memory_seconds(max(cost.bytes_accessed, 0.0), 0.0))
                    for c, cost in zip(compute, costs)]
         total_weight = sum(weights)
@@ -435,8 +446,11 @@ class _Estimator:
 
     def _compute_seconds(self, comp: Computation, inst: Instruction, cost: Cost) -> float:
         element_type = _element_type(comp, inst)
-        rate = {"dot": self.profile.matrix_rate, "convolution": self.profile.convolution_rate
-                }.get(inst.opcode, self.profile.vector_rate)(element_type)
+        if inst.opcode == "reduce":
+            rate = min(self.profile.reduction_elements_per_s, self.profile.vector_rate(element_type))
+        else:
+            rate = {"dot": self.profile.matrix_rate, "convolution": self.profile.convolution_rate
+                    }.get(inst.opcode, self.profile.vector_rate)(element_type)
         return (max(cost.flops, 0.0) / rate
                 + cost.transcendentals / self.profile.transcendentals_per_s)
 
@@ -483,6 +497,13 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
         instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
                                                 "forward_backward", 1,
                                                 profile.step_overhead_s, Cost()))
+    combined = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
+                                profile.combined_collectives)
+    for copy in donated_parameter_copies(module, combined):
+        instructions.append(InstructionEstimate(
+            module.entry.name, f"{DONATED_COPY}{copy.parameter}", "copy", "formatting", 1,
+            profile.memory_seconds(copy.bytes, copy.bytes, resident=True)
+            + profile.kernel_overhead_s, Cost(bytes_accessed=2.0 * copy.bytes)))
     kinds = (_kinds_of_roles(module, roles or {})
              or classify_parameters(module, estimator.categories[module.entry.name][0]))
     entry_categories = estimator.categories[module.entry.name][0]

@@ -18,6 +18,7 @@ from typing import Any
 from collections.abc import Callable
 
 from hlo_shard.analysis.names import user_names
+from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter
@@ -233,11 +234,14 @@ def build_program(capture: Capture, options: ShardingOptions,
         for key, value in donation.items():
             header.set_header(key, value)
     try:
-        report, decision = shard_where_faster(module, WeightUpdateSharding(options), force)
+        sharding = WeightUpdateSharding(options)
+        report, decision = shard_where_faster(module, sharding, force)
         for key in DONATION_ATTRIBUTES:
             header.pop_header(key)
         for key, value in _executable_aliases(donation, next_values, module).items():
             header.set_header(key, value)
+        # The aliases of what jit donates, less those that would make XLA copy a weight.
+        CopyFreeDonation(sharding.profile).apply(module)
         text = check_output(module)
         executable_text = to_text(replica_form(module, keep_donation=True))
     except HloShardError as err:

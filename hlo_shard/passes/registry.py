@@ -15,6 +15,7 @@ from typing import Any
 from hlo_shard.errors import HloShardError
 from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
+from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
@@ -30,6 +31,7 @@ PASSES: dict[str, Callable[[Options], Pass]] = {
     WeightUpdateSharding.name: lambda o: WeightUpdateSharding(ShardingOptions(**o)),
     ChannelIdDedupe.name: lambda o: ChannelIdDedupe(**o),
     EntryLayoutUpdate.name: lambda o: EntryLayoutUpdate(**o),
+    CopyFreeDonation.name: lambda o: CopyFreeDonation(**o),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
     Retarget.name: lambda o: Retarget(**o),
 }

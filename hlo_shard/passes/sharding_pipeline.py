@@ -1,10 +1,12 @@
-"""The weight-update sharding as the optimizer runs it: four passes in order.
+"""The weight-update sharding as the optimizer runs it: five passes in order.
 
 1. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
 2. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
 3. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
-4. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature).
+4. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
+5. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
+   would make XLA copy a donated weight every step, on the sharding's profile).
 
 The front ends check the final module before writing or compiling it
 (:func:`hlo_shard.passes.optimize.check_output`), so the pipeline runs without a check
@@ -17,6 +19,7 @@ from dataclasses import replace
 
 from hlo_shard.ir import Module
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
+from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
@@ -25,10 +28,10 @@ from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdate
 
 def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None
                       ) -> Pipeline:
-    """The four passes around ``sharding``, unchecked between them; ``after_pass`` sees
-    each pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((TupleForwarding(), sharding, ChannelIdDedupe(), EntryLayoutUpdate()),
-                    check=None, after_pass=after_pass)
+    """The passes around ``sharding``, unchecked between them; ``after_pass`` sees each
+    pass's result (``optimize --explain --verbose`` collects their changes)."""
+    return Pipeline((TupleForwarding(), sharding, ChannelIdDedupe(), EntryLayoutUpdate(),
+                     CopyFreeDonation(sharding.profile)), check=None, after_pass=after_pass)
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,

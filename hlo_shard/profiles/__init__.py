@@ -52,6 +52,11 @@ class HardwareProfile:
     #: Everything else (elementwise, reductions), by element type with a ``default``.
     vector_flops_per_s: dict[str, float]
     transcendentals_per_s: float
+    #: Elements per second a reduce consumes (XLA CPU keeps the order of floating-point
+    #: sums, so its reductions do not vectorise: ~2 G elements/s against tens of GFLOP/s
+    #: for elementwise loops, whichever dimensions they reduce); the vector rate when
+    #: the profile does not say.
+    reduction_elements_per_s: float
     memory_bandwidth_bytes_per_s: float
     #: Writes into freshly allocated buffers where they cost more than reads (a host's
     #: page faults); the memory bandwidth when the profile does not say.
@@ -71,6 +76,11 @@ class HardwareProfile:
     #: XLA fuses a producer into several readers' loop, or a value also needed in
     #: memory into its reader (multi-output fusion): GPU and TPU yes, CPU no.
     multi_output_fusion: bool
+    #: A kernel's arithmetic hides behind its memory traffic (or the reverse), so it
+    #: takes the larger of the two (the roofline of a GPU or TPU); False: they add up
+    #: (XLA CPU's N devices share the host's few cores, which issue both: a Adam loop
+    #: measures the sum of its streaming and its arithmetic time).
+    overlaps_compute_and_memory: bool
     #: XLA's collective combiners pack independent collectives into buckets this large.
     combine_threshold_bytes: int
     #: A step's temporary allocation larger than this is mapped afresh every step, its
@@ -166,6 +176,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     intra = net_at.read(net, "intra_node", _link)
     bandwidth = at.read(raw, "memory_bandwidth_bytes_per_s", At.number, positive=True)
     matrix = at.read(raw, "matrix_flops_per_s", _rates)
+    vector = at.read(raw, "vector_flops_per_s", _rates)
 
     def rate(name: str, default: float | None = None) -> float:
         return at.read(raw, name, At.number, positive=True,
@@ -179,8 +190,9 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         description=at.read(raw, "description", At.string, default=""),
         matrix_flops_per_s=matrix,
         convolution_flops_per_s=at.read(raw, "convolution_flops_per_s", _rates, default=matrix),
-        vector_flops_per_s=at.read(raw, "vector_flops_per_s", _rates),
+        vector_flops_per_s=vector,
         transcendentals_per_s=rate("transcendentals_per_s"),
+        reduction_elements_per_s=rate("reduction_elements_per_s", vector["default"]),
         memory_bandwidth_bytes_per_s=bandwidth,
         memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
         memory_capacity_bytes=int(rate("memory_capacity_bytes")),
@@ -190,6 +202,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         step_overhead_s=at.read(raw, "step_overhead_s", At.number, low=0, default=0.0),
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
+        overlaps_compute_and_memory=at.read(raw, "overlaps_compute_and_memory", At.boolean,
+                                            default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
         fresh_temp_threshold_bytes=count("fresh_temp_threshold_bytes", 0),
         combined_collectives=frozenset(

@@ -4,8 +4,14 @@ XLA's CPU devices of one process share the host's cores, so the rates a step see
 per device are those of N devices running at once. Each probe is a tiny HLO module
 run on N devices through the runtime (median of a few runs):
 
-* read bandwidth from a sum over an array far larger than the caches, write
-  bandwidth from filling a fresh one (a host pays page faults on every new buffer);
+* read bandwidth from a donated elementwise loop over arrays past the cache
+  (``w = w * c + g`` in place, as an optimizer's update runs), write bandwidth from
+  filling a fresh array (a host pays page faults on every new buffer);
+* the reduction rate from a sum over an array far larger than the caches, less its
+  streaming time: XLA CPU keeps the order of the additions, so it does not vectorise
+  (the sum reads 4-5 GB/s against 7-11 for an elementwise loop; priced as memory
+  bandwidth, it made every full-size update a third too slow and the gain of
+  sharding it too large);
 * the device's share of the last-level cache (its size over N devices, from sysfs)
   and the bandwidth of kernels that stay in it: a chain of elementwise loops over
   512 KiB arrays, each reading its predecessor's output and one input and writing its
@@ -19,8 +25,12 @@ run on N devices through the runtime (median of a few runs):
   ``--state gathered`` as nearly free (issue #12); β from a 16 MiB all-reduce in ring
   accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
-  probes, and the profile's ``step_overhead_s``; the per-kernel overhead is not
-  measured and stays at an assumed 2 µs).
+  probes, and the profile's ``step_overhead_s``);
+* the fixed cost of a kernel from 16 donated 4 KiB arrays each scaled in place by a
+  loop of its own, less one such loop and less their streaming (tens of µs on XLA
+  CPU's 8 devices of 2 cores, where 2 µs was assumed: a small tensor's update loops,
+  and the slices a bucketed all-gather writes its outputs with, cost far more than
+  their bytes).
 
 The result is printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json``
 in this package. Nothing here is imported by the cost model.
@@ -34,7 +44,7 @@ import platform
 import time
 from pathlib import Path
 
-_ADD = """HloModule add, replica_count={n}
+_ADD = """HloModule add, replica_count={n}{header}
 add {{
   a = f32[] parameter(0)
   b = f32[] parameter(1)
@@ -46,6 +56,7 @@ ENTRY e {{
 """
 
 ELEMENTS = 1 << 23          # 32 MiB per f32 array
+STREAM = 1 << 21            # 8 MiB per f32 array: past the cache, a large weight's size
 CHAIN = 16                  # ops per element in the compute probes
 DOT = 1024
 CONV = (8, 32, 64)          # batch, spatial size, channels of a 3x3 convolution
@@ -53,10 +64,19 @@ COLLECTIVE = 1 << 22        # 16 MiB all-reduce
 ALL_REDUCE_CHAIN = 17       # dependent all-reduces in the α probe (one more than the slope's)
 CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
 CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
+KERNELS = 16                # donated in-place loops in the "kernels" probe ("kernels_base": 1)
+SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 
 
-def _module(n: int, body: str) -> str:
-    return _ADD.format(n=n, body=body)
+
+
+#: Probes that run as a training loop does: their first outputs overwrite as many
+#: parameters in place.
+DONATED_PROBES = {"stream": 1, "kernels": KERNELS, "kernels_base": 1}
+
+
+def _module(n: int, body: str, header: str = "") -> str:
+    return _ADD.format(n=n, body=body, header=header)
 
 
 def _cache_chain(loops: int) -> str:
@@ -69,6 +89,23 @@ def _cache_chain(loops: int) -> str:
     shapes = ", ".join([f"f32[{e}]"] * loops)
     outputs = ", ".join(f"y{i}" for i in range(loops))
     return "\n  ".join(lines + [f"ROOT t = ({shapes}) tuple({outputs})"])
+
+
+def _in_place_loops(count: int) -> str:
+    """``count`` donated arrays, each scaled in place by a loop of its own (XLA CPU runs
+    no multi-output fusion): the kernels of a small tensor's optimizer update."""
+    e = SMALL
+    lines = ["k = f32[] constant(0.9)", f"c = f32[{e}] broadcast(k), dimensions={{}}"]
+    for i in range(count):
+        lines += [f"w{i} = f32[{e}] parameter({i})", f"y{i} = f32[{e}] multiply(w{i}, c)"]
+    shapes = ", ".join([f"f32[{e}]"] * count)
+    outputs = ", ".join(f"y{i}" for i in range(count))
+    return "\n  ".join(lines + [f"ROOT t = ({shapes}, f32[]) tuple({outputs}, k)"])
+
+
+def _aliases(count: int) -> str:
+    pairs = ", ".join(f"{{{i}}}: ({i}, {{}}, may-alias)" for i in range(count))
+    return f", input_output_alias={{ {pairs} }}"
 
 
 def last_level_cache_bytes() -> int:
@@ -101,8 +138,13 @@ def _probes(n: int) -> dict[str, str]:
     chain_sqrt = "\n  ".join(
         f"q{i} = f32[{e}] sqrt({'x' if i == 0 else f'q{i - 1}'})" for i in range(CHAIN))
     return {
-        "read": f"x = f32[{e}] parameter(0)\n  z = f32[] constant(0)\n"
-                f"  ROOT r = f32[] reduce(x, z), dimensions={{0}}, to_apply=add",
+        "stream": f"w = f32[{STREAM}] parameter(0)\n  g = f32[{STREAM}] parameter(1)\n"
+                  f"  k = f32[] constant(0.999)\n"
+                  f"  c = f32[{STREAM}] broadcast(k), dimensions={{}}\n"
+                  f"  m = f32[{STREAM}] multiply(w, c)\n  a = f32[{STREAM}] add(m, g)\n"
+                  f"  z = f32[] constant(0)\n  ROOT t = (f32[{STREAM}], f32[]) tuple(a, z)",
+        "reduction": f"x = f32[{e}] parameter(0)\n  z = f32[] constant(0)\n"
+                     f"  ROOT r = f32[] reduce(x, z), dimensions={{0}}, to_apply=add",
         "write": f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}",
         "vector": f"x = f32[{e}] parameter(0)\n  k = f32[] constant(0.999)\n"
                   f"  c = f32[{e}] broadcast(k), dimensions={{}}\n  {chain_fma}\n"
@@ -125,30 +167,47 @@ def _probes(n: int) -> dict[str, str]:
                             f"to_apply=add",
         "cache": _cache_chain(CACHED_CHAIN),
         "cache_base": _cache_chain(1),
+        "kernels": _in_place_loops(KERNELS),
+        "kernels_base": _in_place_loops(1),
         "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
     }
 
 
-def measure(n: int, runs: int = 5) -> dict[str, float]:
-    """Median seconds per step of each probe on ``n`` CPU devices."""
+def measure(n: int, runs: int = 5, rounds: int = 3) -> dict[str, float]:
+    """Seconds per step of each probe on ``n`` CPU devices: the median over ``rounds``
+    rounds, each timing every probe in turn (median of ``runs``), so that a burst of
+    load on a shared host moves one round of each probe rather than some probes."""
+    from statistics import median
+
     import numpy as np
 
     from hlo_shard import runtime
 
-    seconds: dict[str, float] = {}
+    executables = {}
     for name, body in _probes(n).items():
-        executable = runtime.load(_module(n, body), n)
-        args = [np.ones(shape.dims, np.float32) for shape in executable.parameters]
-        seconds[name] = executable.time(*args, runs=runs, warmup=1).median
-        executable.close()
-    return seconds
+        donated = DONATED_PROBES.get(name, 0)
+        executables[name] = runtime.load(_module(n, body, _aliases(donated) if donated else ""),
+                                         n, donate=bool(donated))
+    per_round: dict[str, list[float]] = {name: [] for name in executables}
+    try:
+        for _ in range(rounds):
+            for name, executable in executables.items():
+                args = [np.ones(shape.dims, np.float32) for shape in executable.parameters]
+                per_round[name].append(executable.time(*args, runs=runs, warmup=1).median)
+    finally:
+        for executable in executables.values():
+            executable.close()
+    return {name: median(times) for name, times in per_round.items()}
 
 
 def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     """Per-device rates implied by the probe times on ``n`` devices."""
     overhead = t["overhead"]
     e = ELEMENTS
-    read = 4 * e / max(t["read"] - overhead, 1e-9)
+    # A donated elementwise loop reads two arrays and writes the first in place.
+    read = 3 * 4 * STREAM / max(t["stream"] - overhead, 1e-9)
+    # The sum streams its input and adds (``overlaps_compute_and_memory`` is false).
+    reduction = e / max(t["reduction"] - overhead - 4 * e / read, 1e-9)
     write = 4 * e / max(t["write"] - overhead, 1e-9)
     # The chains read x and write one result; the rest is arithmetic.
     streaming = 4 * e / read + 4 * e / write
@@ -157,6 +216,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
     b, hw, c = CONV
     convolution = 2 * b * hw * hw * c * c * 9 / max(t["convolution"] - overhead, 1e-9)
+    # Each extra loop of the kernels probe streams 16 KiB in and out at the read rate.
+    kernel = max((t["kernels"] - t["kernels_base"]) / (KERNELS - 1) - 2 * 4 * SMALL / read, 0.0)
     cached = (CACHED_CHAIN - 1) * 3 * 4 * CACHED / max(t["cache"] - t["cache_base"], 1e-9)
     alpha = max(t["all_reduce_chain"] - t["small_all_reduce"], 0.0) / (ALL_REDUCE_CHAIN - 1)
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
@@ -170,17 +231,21 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "convolution_flops_per_s": {"f32": convolution, "default": convolution},
         "vector_flops_per_s": {"f32": vector, "default": vector},
         "transcendentals_per_s": transcendental,
+        "reduction_elements_per_s": reduction,
         "memory_bandwidth_bytes_per_s": read,
         "memory_write_bandwidth_bytes_per_s": write,
         "memory_capacity_bytes": 16 << 30,
         "cache_bytes": last_level_cache_bytes() // n,
-        "cache_bandwidth_bytes_per_s": cached,
+        # Below the streaming rate, the probe measured its kernels' fixed costs rather
+        # than the cache: kernels that fit run no slower than those that stream.
+        "cache_bandwidth_bytes_per_s": max(cached, read),
         "upcasts_16bit_floats": True,
         "multi_output_fusion": False,
+        "overlaps_compute_and_memory": False,
         "combine_threshold_bytes": 30 << 20,
         "fresh_temp_threshold_bytes": 32 << 20,
         "combined_collectives": ["all-reduce"],
-        "kernel_overhead_s": 2e-6,
+        "kernel_overhead_s": kernel,
         "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
@@ -192,11 +257,17 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "cache_bytes: the last-level cache (sysfs) over the devices",
             "XLA CPU runs no multi-output fusion (its pipeline has loop fusion only; Adam "
             "compiles to separate m, v and w loops)",
+            "memory_bandwidth_bytes_per_s from the donated elementwise loop, "
+            "reduction_elements_per_s from the sum (one chain of additions per output)",
+            "overlaps_compute_and_memory false: the N devices share the host's cores, so a "
+            "loop's streaming and arithmetic add up (the Adam update measures their sum)",
             "fresh_temp_threshold_bytes: glibc's largest mmap threshold (32 MiB): a larger "
             "temp allocation is mapped afresh every step",
             "XLA CPU combines all-reduces only (no all-gather or reduce-scatter combiner in "
             "its pipeline): each all-gather and reduce-scatter pays its own latency",
-            "assumed: 2 us per kernel launch (the 'overhead' probe is a whole step's fixed cost)",
+            "kernel_overhead_s: the cost of one more donated in-place loop over 4 KiB beyond "
+            "its streaming (once assumed to be 2 us: the zoo's originals measured 17-48 us "
+            "per kernel above their estimate at N = 8)",
         ],
     }
 
@@ -205,9 +276,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="store as cpu-local.json")
     options = parser.parse_args()
-    profile = profile_from_measurements(options.devices, measure(options.devices, options.runs))
+    profile = profile_from_measurements(options.devices, measure(options.devices, options.runs,
+                                                                          options.rounds))
     text = json.dumps(profile, indent=2) + "\n"
     if options.write:
         (Path(__file__).parent / "cpu-local.json").write_text(text)
