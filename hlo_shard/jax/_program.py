@@ -91,7 +91,8 @@ class Program:
 
     def shard_key(self, treedef, static, leaves: list) -> tuple:
         """The signature of these arguments with the state leaves in shard form."""
-        keys = [(self.state_args[i].shape, str(leaf.dtype), _xla.placement(self.shard_sharding, 1))
+        keys = [(self.state_args[i].shape, _xla.dtype_key(leaf),
+                 _xla.placement(self.shard_sharding, 1))
                 if i in self.state_args else _xla.leaf_key(leaf)
                 for i, leaf in enumerate(leaves)]
         return (treedef, static, tuple(keys))

@@ -5,9 +5,14 @@ the backward product that reads the old weight (for layer ``k - 1``'s gradient) 
 not have run: XLA then copies the donated weight at the top of the step so that it may
 write the all-gather into the aliased buffer
 (:mod:`hlo_shard.costmodel.aliasing`). Without the alias the all-gather writes a buffer
-of its own and nothing is copied; the memory is the same (the old weight lives until
-the step ends either way, as the copy would). The wide LayerNorm MLP + Adam, sharded at
-N = 8: 0.78× the original's step with the 4 + 1 MiB copies, 0.69× without them.
+of its own and nothing is copied, but the parameter's buffer is no longer reused: the
+step's peak memory grows by the weights unaliased (XLA's copy lived only until its
+last reader). The wide LayerNorm MLP + Adam, sharded at N = 8: 0.78× the original's
+step with the 4 + 1 MiB copies, 0.69× without them, peak 8.8 → 13.8 MiB (the
+original's 21.1). So memory is traded for time only where the copies are a real part
+of the step: at least ``MIN_STEP_SHARE`` of it on the target profile (XLA:CPU, where
+a copy streams at a few GB/s; on a GPU or TPU a weight's copy is microseconds of HBM
+traffic and the aliases stay).
 
 Only ``may-alias`` entries are dropped (``must-alias`` is the producer's demand), and
 only where the new output buffer costs nothing extra on the target: a profile whose
@@ -23,11 +28,14 @@ from typing import ClassVar
 
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
+from hlo_shard.costmodel.step_time import DONATED_COPY, estimate_step
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 
+#: The share of the predicted step the copies must take for their aliases to go.
+MIN_STEP_SHARE = 0.02
 #: One ``{output}: (parameter, {index}, kind)`` entry of ``input_output_alias``.
 _ENTRY = re.compile(r"\{\s*(\d*)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{[^{}]*\}\s*(?:,\s*([\w-]+)\s*)?\)")
 
@@ -77,7 +85,7 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
                 dropped.append(copy)
             else:
                 kept.append(entry.group(0))
-        if not dropped:
+        if not dropped or not _copies_pay(module, profile, dropped):
             return PassResult(module, False, report=UnaliasedDonations(()))
         edits = ModuleRewriter(module)
         if kept:
@@ -87,4 +95,12 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
         return PassResult(module, True, edits.changes, report=UnaliasedDonations(tuple(dropped)))
 
 
-__all__ = ["CopyFreeDonation", "UnaliasedDonations"]
+def _copies_pay(module: Module, profile: HardwareProfile, copies: list[DonatedCopy]) -> bool:
+    """Whether the copies take at least ``MIN_STEP_SHARE`` of the predicted step."""
+    estimate = estimate_step(module, profile, {})
+    names = {DONATED_COPY + copy.parameter for copy in copies}
+    copying = sum(e.seconds for e in estimate.instructions if e.name in names)
+    return copying >= MIN_STEP_SHARE * estimate.seconds
+
+
+__all__ = ["CopyFreeDonation", "MIN_STEP_SHARE", "UnaliasedDonations"]
