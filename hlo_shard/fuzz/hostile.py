@@ -145,20 +145,35 @@ def _child(args: list[str], out_path: str, err_path: str, memory_limit: int | No
     os._exit(code)
 
 
+#: Fresh tries of a run whose child the forkserver lost before it started.
+LOST_CHILD_RETRIES = 2
+
+
+def _run_child(args: list[str], out_path: str, err_path: str, timeout: float,
+               memory_limit: int | None) -> int | None:
+    """One forkserver child running the CLI: its exit status (None: killed at timeout)."""
+    process = _context().Process(target=_child, args=(args, out_path, err_path, memory_limit))
+    process.start()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        return None
+    return process.exitcode
+
+
 def run_cli(args: list[str], timeout: float = 60, memory_limit: int | None = None) -> CliRun:
     """``hlo-shard ARGS`` in an isolated child process (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="hlo-shard-cli-") as scratch:
         out_path, err_path = os.path.join(scratch, "out"), os.path.join(scratch, "err")
         started = time.monotonic()
-        process = _context().Process(target=_child, args=(args, out_path, err_path,
-                                                          memory_limit))
-        process.start()
-        process.join(timeout)
-        returncode = process.exitcode
-        if process.is_alive():
-            process.kill()
-            process.join()
-            returncode = None
+        for _ in range(LOST_CHILD_RETRIES + 1):
+            returncode = _run_child(args, out_path, err_path, timeout, memory_limit)
+            # 255 with no stderr file: multiprocessing could not read the forkserver's
+            # report of a child that never ran our code (which opens that file first);
+            # the CLI itself never exits 255 (under load, once in some thousand runs).
+            if returncode != 255 or os.path.exists(err_path):
+                break
         elapsed = time.monotonic() - started
         read = lambda path: open(path, encoding="utf-8", errors="replace").read() \
             if os.path.exists(path) else ""  # noqa: E731

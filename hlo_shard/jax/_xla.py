@@ -84,10 +84,19 @@ def device_assignment(lowered) -> tuple:
 
 
 def make_array(shape, sharding, arrays):
-    """A global jax Array from its per-device pieces (no copy)."""
-    import jax
+    """A global jax Array from its per-device pieces (no copy). The executable's own
+    outputs need none of ``jax.make_array_from_single_device_arrays``'s checks, which
+    took 10 µs an output on every step (0.5 ms for a transformer block's 50 leaves); the
+    private constructor without them takes 2.6 (its aval as the public path builds it)."""
+    try:
+        from jax._src import core
+        from jax._src.array import ArrayImpl  # private API (see the module docstring)
+    except ImportError:
+        import jax
 
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    aval = core.ShapedArray(tuple(shape), arrays[0].dtype)
+    return ArrayImpl(aval, sharding, list(arrays), committed=True, _skip_checks=True)
 
 
 _PLACEMENTS: dict = {}
