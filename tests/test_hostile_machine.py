@@ -291,6 +291,14 @@ def spin(tmp_path_factory) -> Path:
     return path
 
 
+def _default_terminations() -> None:
+    """In the child: the signals' default actions, whatever the suite was started
+    under (``nohup`` ignores SIGHUP, and verify rightly leaves an ignored signal
+    ignored, so the SIGHUP case would wait forever)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.fixture
 def busy_verify(spin):
     """Starts ``verify`` of a minutes-long module and returns once its worker is
@@ -300,7 +308,8 @@ def busy_verify(spin):
     def start() -> tuple[subprocess.Popen, int]:
         proc = subprocess.Popen(PYTHON + ["verify", str(spin), "--timeout", "600"], cwd=REPO,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_terminations)
         for line in proc.stderr:
             if line.startswith("step 1/1"):
                 break
