@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hlo_shard.costmodel.aliasing import donated_parameter_copies
+from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
     instruction_collective_cost, share_latency,
@@ -502,8 +502,7 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     for copy in donated_parameter_copies(module, combined):
         instructions.append(InstructionEstimate(
             module.entry.name, f"{DONATED_COPY}{copy.parameter}", "copy", "formatting", 1,
-            profile.memory_seconds(copy.bytes, copy.bytes, resident=True)
-            + profile.kernel_overhead_s, Cost(bytes_accessed=2.0 * copy.bytes)))
+            donated_copy_seconds(copy, profile), Cost(bytes_accessed=2.0 * copy.bytes)))
     kinds = (_kinds_of_roles(module, roles or {})
              or classify_parameters(module, estimator.categories[module.entry.name][0]))
     entry_categories = estimator.categories[module.entry.name][0]
@@ -523,6 +522,12 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
         executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
+
+
+def donated_copy_seconds(copy: DonatedCopy, profile: HardwareProfile) -> float:
+    """One step's copy of a donated parameter: read, and written to a temporary, in one
+    kernel."""
+    return profile.memory_seconds(copy.bytes, copy.bytes, resident=True) + profile.kernel_overhead_s
 
 
 def _kinds_of_roles(module: Module, roles: Mapping[int, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ the user's own jax Arrays, with no copy to numpy or to a child.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -88,15 +89,26 @@ def make_array(shape, sharding, arrays):
     outputs need none of ``jax.make_array_from_single_device_arrays``'s checks, which
     took 10 µs an output on every step (0.5 ms for a transformer block's 50 leaves); the
     private constructor without them takes 2.6 (its aval as the public path builds it)."""
+    unchecked = _unchecked_array_constructor()
+    if unchecked is None:
+        import jax
+
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    array_type, shaped_array = unchecked
+    return array_type(shaped_array(tuple(shape), arrays[0].dtype), sharding, list(arrays),
+                      committed=True, _skip_checks=True)
+
+
+@functools.cache
+def _unchecked_array_constructor():
+    """(ArrayImpl, ShapedArray) when this jax has them, else None: looked up once, not
+    on every output of every step."""
     try:
         from jax._src import core
         from jax._src.array import ArrayImpl  # private API (see the module docstring)
     except ImportError:
-        import jax
-
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    aval = core.ShapedArray(tuple(shape), arrays[0].dtype)
-    return ArrayImpl(aval, sharding, list(arrays), committed=True, _skip_checks=True)
+        return None
+    return ArrayImpl, core.ShapedArray
 
 
 _PLACEMENTS: dict = {}

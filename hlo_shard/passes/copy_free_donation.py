@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
-from hlo_shard.costmodel.step_time import DONATED_COPY, estimate_step
+from hlo_shard.costmodel.step_time import donated_copy_seconds, estimate_step
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw
 from hlo_shard.passes.base import ModulePass, PassResult
@@ -97,10 +97,8 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
 
 def _copies_pay(module: Module, profile: HardwareProfile, copies: list[DonatedCopy]) -> bool:
     """Whether the copies take at least ``MIN_STEP_SHARE`` of the predicted step."""
-    estimate = estimate_step(module, profile, {})
-    names = {DONATED_COPY + copy.parameter for copy in copies}
-    copying = sum(e.seconds for e in estimate.instructions if e.name in names)
-    return copying >= MIN_STEP_SHARE * estimate.seconds
+    copying = sum(donated_copy_seconds(copy, profile) for copy in copies)
+    return copying >= MIN_STEP_SHARE * estimate_step(module, profile, {}).seconds
 
 
 __all__ = ["CopyFreeDonation", "MIN_STEP_SHARE", "UnaliasedDonations"]
