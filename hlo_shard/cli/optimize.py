@@ -34,7 +34,7 @@ from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
-from hlo_shard.passes.speed_gate import MIN_GAIN, SpeedDecision
+from hlo_shard.passes.speed_gate import SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice)
@@ -155,7 +155,7 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
                      f"{fmt_seconds(trial.seconds)} ({_ratio(trial.seconds, decision)}){chosen}")
     if decision.kept_whole:
-        lines.append(f"  none predicted faster by {MIN_GAIN:.0%} or more: module kept whole "
+        lines.append(f"  none predicted faster by {decision.min_gain:.0%} or more: module kept whole "
                      "(--force shards anyway)")
     return lines
 
@@ -170,7 +170,7 @@ def _speed_summary(decision: SpeedDecision) -> str:
                f"{_ratio(after, decision)}")
     if decision.kept_whole:
         best = min(t.seconds for t in decision.trials)
-        verdict = "slower" if best >= before else f"less than {MIN_GAIN:.0%} faster"
+        verdict = "slower" if best >= before else f"less than {decision.min_gain:.0%} faster"
         return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "
                 f"(best {fmt_seconds(best)} per step against {fmt_seconds(before)} as "
                 f"written; --force shards anyway)")

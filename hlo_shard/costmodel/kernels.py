@@ -89,11 +89,12 @@ def is_prefused(module: Module) -> bool:
 
 
 def plan_kernels(comp: Computation, emulate_fusion: bool = True,
-                 multi_output: bool = True) -> KernelPlan:
+                 multi_output: bool = True, concatenate_operands: int = 0) -> KernelPlan:
     """``multi_output``: whether the backend fuses one producer into several kernels'
     loop, or computes a value that is also needed in memory inside its reader's kernel
     (XLA GPU/TPU multi-output fusion). XLA CPU does neither: such a producer is a kernel
-    of its own whose output the readers load again."""
+    of its own whose output the readers load again. ``concatenate_operands``: the most
+    operands of a concatenate that takes its producers in (0: any number)."""
     users = users_map(comp)
     order = topological_order(comp)
     kernel_of: dict[str, Kernel] = {}
@@ -116,7 +117,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                 continue
             kernel = kernel_of.get(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
-            found.append(kernel if kernel and kernel.members[0].opcode in FUSIBLE_OPCODES
+            found.append(kernel if kernel and _takes_producers(kernel.members[0],
+                                                               concatenate_operands)
                          else None)
         return found
 
@@ -161,6 +163,17 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
     materialized = _account(comp, kernels, duplicated, relabels, users)
     return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion,
                       relabels)
+
+
+def _takes_producers(root: Instruction, concatenate_operands: int) -> bool:
+    """Whether the kernel ``root`` opened fuses its operands' producers into its loop. A
+    concatenate of many operands does not on XLA:CPU (``cpu_instruction_fusion.cc``,
+    ``kMaxConcatenateArguments`` = 8: its fused loop would select among them per
+    element); it copies them from memory, each producer a kernel of its own."""
+    if root.opcode not in FUSIBLE_OPCODES:
+        return False
+    return not (root.opcode == "concatenate" and concatenate_operands
+                and len(root.operands) > concatenate_operands)
 
 
 def is_relabel(comp: Computation, inst: Instruction) -> bool:

@@ -385,7 +385,8 @@ class _Estimator:
         if comp.name not in self.categories:
             self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
-        plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion)
+        plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion,
+                            self.profile.fused_concatenate_operands)
         fresh = fresh_writers(self.module, comp, self.profile.fresh_temp_threshold_bytes)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:

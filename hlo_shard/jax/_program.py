@@ -25,7 +25,7 @@ from hlo_shard.graph import ModuleRewriter
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Unsupported
 from hlo_shard.parser import parse
-from hlo_shard.passes.speed_gate import MIN_GAIN, shard_where_faster
+from hlo_shard.passes.speed_gate import shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
 from hlo_shard.reports.content import fmt_seconds
@@ -250,7 +250,7 @@ def build_program(capture: Capture, options: ShardingOptions,
     sharded = [row for row in report.explanations if row.sharded]
     if not sharded and any(trial.sharded for trial in decision.trials):
         fastest = min(trial.seconds for trial in decision.trials)
-        raise Unsupported(f"sharding is not predicted at least {MIN_GAIN:.0%} faster on profile "
+        raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} faster on profile "
                           f"{decision.profile}: "
                           f"{fmt_seconds(fastest)} per step sharded, "
                           f"{fmt_seconds(decision.before_s)} as it is")

@@ -6,10 +6,11 @@ and an all-gather on the target's interconnect) and pays the bucketing copies XL
 the gradient concatenated into the bucket before the reduce-scatter (a copy: it does not
 fuse into the dot or reduce producing the gradient) and its piece sliced out of the
 gathered bucket (a copy), each reading and writing the tensor once. The concatenation of
-the updated shards before the all-gather is free: XLA:CPU fuses it into the update's loop
-(``add_concatenate_fusion`` in the optimized module of the 1024² Adam MLP at N = 8), which
-writes its shard into the bucket instead of a buffer of its own; the reshapes around the
-bucket are bitcasts after layout assignment. ``auto`` combines exactly the tensors whose
+the updated shards before the all-gather is free up to 8 shards: XLA:CPU fuses it into the
+update's loop (``add_concatenate_fusion`` in the optimized module of the 1024² Adam MLP at
+N = 8), which writes its shard into the bucket instead of a buffer of its own (the step's
+cost model prices the copy of a wider bucket); the reshapes around the bucket are bitcasts
+after layout assignment. ``auto`` combines exactly the tensors whose
 latency saved exceeds their copies, so under this model it is never worse than either
 fixed strategy. The crossover moves with the hardware (profiles as shipped): ≈ 250 KB on
 ``cpu-generic`` at any N (one 10 µs rendezvous per collective); on ``tpu-v3`` (1 µs per

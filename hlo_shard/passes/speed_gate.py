@@ -10,7 +10,7 @@ candidate cut-off (the distinct sizes of the shardable gradients, at most
 ``MAX_TRIALS``) on a copy, :func:`~hlo_shard.costmodel.step_time.estimate_step` prices
 every result on the target profile — collectives, copies and kernels as XLA would fuse
 them — and the fastest one is kept, provided it is predicted faster than the input by
-at least ``MIN_GAIN``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
+at least the profile's ``min_predicted_gain``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
 """
 
 from __future__ import annotations
@@ -28,10 +28,6 @@ from hlo_shard.profiles import HardwareProfile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
 MAX_TRIALS = 8
-#: The smallest predicted saving worth a rewrite: below it the prediction is within the
-#: cost model's error on CPU (the model zoo: modules predicted 0.97-1.00x measured
-#: 0.85-1.20x on a shared machine), and a user must never get a slower step.
-MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -53,6 +49,8 @@ class SpeedDecision:
     after_s: float
     trials: tuple[Trial, ...]
     chosen: Trial | None  #: None: kept whole (nothing predicted faster) or forced
+    #: The smallest predicted saving acted on: the profile's ``min_predicted_gain``.
+    min_gain: float = 0.0
     forced: bool = False
 
     @property
@@ -61,7 +59,7 @@ class SpeedDecision:
 
     def to_json(self) -> dict:
         return {"profile": self.profile, "before_seconds": self.before_s,
-                "after_seconds": self.after_s, "forced": self.forced,
+                "after_seconds": self.after_s, "min_gain": self.min_gain, "forced": self.forced,
                 "kept_whole": self.kept_whole,
                 "min_shard_bytes": None if self.chosen is None else self.chosen.min_bytes,
                 "trials": [{"min_shard_bytes": t.min_bytes, "sharded": t.sharded,
@@ -92,18 +90,20 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     everything, full = trial(user_min)
     if force or not everything.sharded:
         return run_sharding(module, sharding, after_pass), SpeedDecision(
-            hardware.name, before, everything.seconds, (everything,), None, forced=force)
+            hardware.name, before, everything.seconds, (everything,), None,
+            hardware.min_predicted_gain, forced=force)
     sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything] + [trial(size)[0] for size in cutoffs]
     best = min(trials, key=lambda t: (t.seconds, -t.sharded))
-    chosen = best if best.seconds <= before * (1 - MIN_GAIN) else None
+    chosen = best if best.seconds <= before * (1 - hardware.min_predicted_gain) else None
     # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
     # fresh duplicate channel ids, forwarded tuple elements — make the module valid to write).
     cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
     report = run_sharding(module, at_cutoff(cutoff), after_pass)
     decision = SpeedDecision(hardware.name, before, before if chosen is None else chosen.seconds,
-                             tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen)
+                             tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
+                             hardware.min_predicted_gain)
     _explain_cost_rows(report, decision, user_min)
     return report, decision
 
@@ -138,5 +138,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
                       f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
 
 
-__all__ = ["MAX_TRIALS", "MIN_GAIN", "SpeedDecision", "Trial", "predicted_step_seconds",
+__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "predicted_step_seconds",
            "shard_where_faster"]

@@ -76,6 +76,13 @@ class HardwareProfile:
     #: XLA fuses a producer into several readers' loop, or a value also needed in
     #: memory into its reader (multi-output fusion): GPU and TPU yes, CPU no.
     multi_output_fusion: bool
+    #: The smallest predicted saving the pass acts on: below it a prediction is within
+    #: the cost model's measured error on this hardware, and a user must never get a
+    #: slower step.
+    min_predicted_gain: float
+    #: The most operands of a concatenate XLA fuses its producers into (XLA CPU: 8, a
+    #: wider one copies them from memory); 0: no limit.
+    fused_concatenate_operands: int
     #: A kernel's arithmetic hides behind its memory traffic (or the reverse), so it
     #: takes the larger of the two (the roofline of a GPU or TPU); False: they add up
     #: (XLA CPU's N devices share the host's few cores, which issue both: a Adam loop
@@ -130,6 +137,8 @@ class HardwareProfile:
 
 
 ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
+#: ``min_predicted_gain`` where a profile does not give its own.
+DEFAULT_MIN_PREDICTED_GAIN = 0.05
 #: The collective kinds XLA has a combiner pass for (a profile's ``combined_collectives``
 #: is a subset; all of them when it does not say).
 COMBINABLE_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
@@ -202,6 +211,9 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         step_overhead_s=at.read(raw, "step_overhead_s", At.number, low=0, default=0.0),
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
+        fused_concatenate_operands=count("fused_concatenate_operands", 0),
+        min_predicted_gain=at.read(raw, "min_predicted_gain", At.number, low=0,
+                                   default=DEFAULT_MIN_PREDICTED_GAIN),
         overlaps_compute_and_memory=at.read(raw, "overlaps_compute_and_memory", At.boolean,
                                             default=True),
         combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
