@@ -654,6 +654,41 @@ def test_bad_profiles_are_user_errors(tmp_path):
         profile_from_dict({**good, "combined_collectives": ["all-to-al"]}, "x.json")
 
 
+def test_a_module_is_priced_on_the_profile_measured_at_its_device_count():
+    """The N devices of XLA CPU share the host's cores: measured here, a device at N = 4
+    runs kernels about twice as fast as at N = 8 and meets in a rendezvous in 66 µs, not
+    148 µs. The 4-device zoo step of the transformer block was predicted 14.2 ms from the
+    8-device rates and measured 6.1 ms; from its own, 6.7 ms."""
+    cpu = load_profile("cpu-local")
+    assert cpu.calibrated_devices == 8
+    four = cpu.for_devices(4)
+    assert four.calibrated_devices == 4
+    assert four.kernel_overhead_s < cpu.kernel_overhead_s
+    assert four.interconnect.intra_node.alpha_s < cpu.interconnect.intra_node.alpha_s
+    assert four.combined_collectives == cpu.combined_collectives  # the host's own facts
+    assert four.min_predicted_gain == cpu.min_predicted_gain
+    assert [cpu.for_devices(n).calibrated_devices for n in (1, 2, 5, 7, 8, 64)] == [
+        4, 4, 4, 8, 8, 8]
+    a100 = load_profile("a100")
+    assert a100.for_devices(4) is a100  # measured once: the same on any count
+    module = parse(ADAM)  # replica_count=4
+    assert estimate(module, cpu).seconds == pytest.approx(estimate(module, four).seconds)
+    eight_only = dataclasses.replace(cpu, at_device_counts=())
+    assert estimate(module, cpu).seconds < 0.8 * estimate(module, eight_only).seconds
+
+
+def test_a_profile_section_at_a_device_count_is_checked(tmp_path):
+    good = json.loads((resources.files("hlo_shard.profiles") / "cpu-local.json").read_text())
+    with pytest.raises(HloShardError, match=r"at_device_counts.*expected a device count"):
+        profile_from_dict({**good, "at_device_counts": {"four": {}}}, "x.json")
+    with pytest.raises(HloShardError, match=r"at_device_counts.*kernel_overhead_s"):
+        profile_from_dict({**good, "at_device_counts": {"4": {"kernel_overhead_s": -1}}},
+                          "x.json")
+    without = {k: v for k, v in good.items() if k != "calibrated_devices"}
+    with pytest.raises(HloShardError, match="calibrated_devices"):
+        profile_from_dict(without, "x.json")
+
+
 CONV_STEP = """HloModule conv
 ENTRY e { x = f32[2,16,16,8] parameter(0) k = f32[3,3,8,64] parameter(1)
  ROOT y = f32[2,16,16,64] convolution(x, k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f }
@@ -663,7 +698,7 @@ ENTRY e { x = f32[2,16,16,8] parameter(0) k = f32[3,3,8,64] parameter(1)
 def test_convolutions_have_their_own_rate():
     import dataclasses
 
-    base = load_profile("cpu-local")
+    base = load_profile("cpu-local").for_devices(1)  # the one-device module's section
     assert base.convolution_rate("f32") != base.matrix_rate("f32")  # measured apart
     slow = dataclasses.replace(base, convolution_flops_per_s={"default": 1e8})
     fast = dataclasses.replace(base, convolution_flops_per_s={"default": 1e12})
@@ -741,7 +776,7 @@ def test_only_non_donated_outputs_pay_the_fresh_buffer_write_rate():
     # cpu-local's write rate is a fresh buffer's (page faults): a donated output reuses
     # its parameter's pages, so the same loop writing it is priced at the read rate; so
     # is an output below the allocator's mmap threshold (64 MiB here, 4 KiB ``small``).
-    profile = load_profile("cpu-local")
+    profile = load_profile("cpu-local").for_devices(1)  # the section the module gets
     assert profile.memory_write_bandwidth_bytes_per_s < profile.memory_bandwidth_bytes_per_s
     seconds = {e.name: e.seconds for e in estimate(parse(_DONATION), profile).instructions}
     nbytes = 64 << 20
@@ -773,7 +808,7 @@ ENTRY e {
 
 
 def test_reduces_run_at_the_reduction_rate_and_cpu_loops_add_compute_to_memory():
-    profile = load_profile("cpu-local")
+    profile = load_profile("cpu-local").for_devices(1)  # the section the module gets
     assert profile.reduction_elements_per_s < profile.vector_rate("f32")
     assert not profile.overlaps_compute_and_memory and load_profile("h100").overlaps_compute_and_memory
     module = parse("""HloModule m

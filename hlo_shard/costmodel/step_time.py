@@ -489,6 +489,7 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     :func:`categorize` returns) reuses the categories of a module with the same
     instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
     a fixtures manifest) replaces :func:`classify_parameters`."""
+    profile = profile.for_devices(module.device_count)
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     estimator = _Estimator(module, profile, model, algorithm, emulate, regions,

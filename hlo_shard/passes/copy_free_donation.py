@@ -70,7 +70,7 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
         if not isinstance(raw, Raw) or _ENTRY.sub("", raw.text).strip("{}, \n"):
             # None, or entries this pass does not read (tuple-shaped outputs): untouched.
             return PassResult(module, False, report=UnaliasedDonations(()))
-        profile = resolve_profile(self.profile)
+        profile = resolve_profile(self.profile).for_devices(module.device_count)
         buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
                                    profile.combined_collectives)
         limit = profile.fresh_temp_threshold_bytes

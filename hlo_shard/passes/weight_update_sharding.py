@@ -213,7 +213,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
         group_size = groups.size if groups is not None else 1
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
-                              CollectivePricing(self.profile, group_size),
+                              CollectivePricing(self.profile.for_devices(module.device_count),
+                                                group_size),
                               self.options.per_tensor_bytes)
         return _Run(module, report, groups, replication, _output_kinds(module, replication),
                     candidates, bucketing, ChannelIds(module), header.changes)

@@ -102,6 +102,23 @@ class HardwareProfile:
     combined_collectives: frozenset[str]
     interconnect: Interconnect
     sources: tuple[str, ...]
+    #: The device count the rates were measured at, where N devices share one host's
+    #: cores and every rate is a share of it (XLA CPU); 0: the same on any count.
+    calibrated_devices: int = 0
+    #: The same host measured at other device counts (the rates above at
+    #: ``calibrated_devices``): a module's estimate takes the one nearest its own count.
+    #: ``dataclasses.replace`` of a rate changes the top level only; clear this to price
+    #: every device count with it.
+    at_device_counts: tuple[HardwareProfile, ...] = ()
+
+    def for_devices(self, devices: int) -> HardwareProfile:
+        """This profile as measured at the device count nearest ``devices`` (itself where
+        it was measured at one count only): at N = 4 on two cores a device runs about
+        twice as fast as at N = 8, and a rendezvous costs a third."""
+        if not self.at_device_counts:
+            return self
+        return min((self, *self.at_device_counts),
+                   key=lambda p: (abs(p.calibrated_devices - devices), p.calibrated_devices))
 
     def memory_seconds(self, read_bytes: float, written_bytes: float,
                        resident: bool = False) -> float:
@@ -133,7 +150,9 @@ class HardwareProfile:
         return self.vector_flops_per_s.get(element_type, self.vector_flops_per_s["default"])
 
     def with_algorithm(self, algorithm: str) -> HardwareProfile:
-        return replace(self, interconnect=replace(self.interconnect, algorithm=algorithm))
+        return replace(self, interconnect=replace(self.interconnect, algorithm=algorithm),
+                       at_device_counts=tuple(p.with_algorithm(algorithm)
+                                              for p in self.at_device_counts))
 
 
 ALGORITHMS = ("ring", "tree", "torus2d", "torus3d", "shared-memory")
@@ -177,9 +196,28 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
-    """Validate and build a profile; a bad field is one error naming its place."""
+    """Validate and build a profile; a bad field is one error naming its place.
+    ``at_device_counts`` maps a device count to the fields measured there, which
+    replace the top level's in the profile :meth:`HardwareProfile.for_devices` returns."""
     at = At(f"profile {origin}")
     raw = at.object(data)
+    sections = at.read(raw, "at_device_counts", At.object, default={})
+    base = _profile_fields(at, {k: v for k, v in raw.items() if k != "at_device_counts"},
+                           origin)
+    others = []
+    for key, fields in sections.items():
+        where = at.key("at_device_counts").key(key)
+        if not key.isdigit() or int(key) < 1:
+            where.fail(f"expected a device count, got {key!r}")
+        merged = {**raw, **where.object(fields), "calibrated_devices": int(key)}
+        del merged["at_device_counts"]
+        others.append(_profile_fields(where, merged, origin))
+    if others and not base.calibrated_devices:
+        at.key("calibrated_devices").fail("needed with at_device_counts")
+    return replace(base, at_device_counts=tuple(others))
+
+
+def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
     net = at.read(raw, "interconnect", At.object)
     net_at = at.key("interconnect")
     intra = net_at.read(net, "intra_node", _link)
@@ -231,6 +269,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
         ),
         sources=tuple(at.key("sources").index(i).string(source) for i, source in
                       enumerate(at.read(raw, "sources", At.array, default=[]))),
+        calibrated_devices=count("calibrated_devices", 0),
     )
 
 
