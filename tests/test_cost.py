@@ -852,17 +852,9 @@ def test_calibration_derives_streaming_reduction_and_kernel_rates():
 
 TUPLE_ALL_REDUCE = """
 HloModule tuple_all_reduce, num_partitions=8
-
-add {
-  x = f32[] parameter(0)
-  y = f32[] parameter(1)
-  ROOT s = f32[] add(x, y)
-}
-
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT s = f32[] add(x, y) }
 ENTRY e {
-  a = f32[256] parameter(0)
-  b = f32[256] parameter(1)
-  c = f32[256] parameter(2)
+  a = f32[256] parameter(0) b = f32[256] parameter(1) c = f32[256] parameter(2)
   d = f32[768] parameter(3)
   t = (f32[256], f32[256], f32[256]) all-reduce(a, b, c), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=add
   one = f32[768] all-reduce(d), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=add
