@@ -202,16 +202,15 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     at = At(f"profile {origin}")
     raw = at.object(data)
     sections = at.read(raw, "at_device_counts", At.object, default={})
-    base = _profile_fields(at, {k: v for k, v in raw.items() if k != "at_device_counts"},
-                           origin)
+    top = {k: v for k, v in raw.items() if k != "at_device_counts"}
+    base = _profile_fields(at, top, origin)
     others = []
     for key, fields in sections.items():
         where = at.key("at_device_counts").key(key)
         if not key.isdigit() or int(key) < 1:
             where.fail(f"expected a device count, got {key!r}")
-        merged = {**raw, **where.object(fields), "calibrated_devices": int(key)}
-        del merged["at_device_counts"]
-        others.append(_profile_fields(where, merged, origin))
+        others.append(_profile_fields(
+            where, {**top, **where.object(fields), "calibrated_devices": int(key)}, origin))
     if others and not base.calibrated_devices:
         at.key("calibrated_devices").fail("needed with at_device_counts")
     return replace(base, at_device_counts=tuple(others))

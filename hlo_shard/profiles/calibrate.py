@@ -71,9 +71,6 @@ CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than
 KERNELS = 16                # donated in-place loops in the "kernels" probe ("kernels_base": 1)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 
-
-
-
 #: Probes that run as a training loop does: their first outputs overwrite as many
 #: parameters in place.
 DONATED_PROBES = {"stream": 1, "kernels": KERNELS, "kernels_base": 1}
