@@ -720,6 +720,31 @@ def test_step_overhead_is_counted_once_per_step():
         estimate(module, base).seconds + 1e-3)
 
 
+def test_each_output_leaf_after_the_first_pays_the_output_overhead():
+    """XLA CPU's runtime hands back a buffer per output leaf and device: 13 us a leaf at
+    N = 8 where a kernel costs 16 (measured apart by calibrate's probes). The step
+    overhead was measured with one output, so a one-leaf module pays nothing more."""
+    import dataclasses
+
+    base = load_profile("cpu-generic")
+    assert base.output_overhead_s == 0 and load_profile("cpu-local").output_overhead_s > 0
+    module = parse(ADAM)
+    leaves = len(module.entry.root.operands)
+    assert leaves > 1
+    with_outputs = dataclasses.replace(base, output_overhead_s=1e-3)
+    assert estimate(module, with_outputs).seconds == pytest.approx(
+        estimate(module, base).seconds + (leaves - 1) * 1e-3)
+    one_leaf = parse("""
+HloModule one
+ENTRY e {
+  x = f32[8] parameter(0)
+  ROOT y = f32[8] add(x, x)
+}
+""")
+    assert estimate(one_leaf, with_outputs).seconds == pytest.approx(
+        estimate(one_leaf, base).seconds)
+
+
 # ------------------------------------------------------------------------ estimate
 
 
@@ -836,18 +861,27 @@ def test_calibration_derives_streaming_reduction_and_kernel_rates():
     seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {
         "overhead": 1e-4, "stream": 1e-4 + stream_bytes / 8e9,
         "cache_base": 0.5, "large_all_reduce": 2.0,
-        "kernels_base": 2e-4,
-        "kernels": 2e-4 + (calibrate.KERNELS - 1) * (30e-6 + 2 * 4 * calibrate.SMALL / 8e9)}
+        "kernels_base": 2e-4, "loops_base": 2e-4,
+        # Each extra loop: a kernel (16 us) that streams 4 KiB in and out, copied again
+        # into the concatenate; each extra returned in-place loop also an output (13 us).
+        "loops": 2e-4 + (calibrate.LOOPS - 9) * (16e-6 + 4 * 4 * calibrate.SMALL / 8e9),
+        "kernels": 2e-4 + (calibrate.KERNELS - 1) * (29e-6 + 2 * 4 * calibrate.SMALL / 8e9)}
     seconds["reduction"] = 1e-4 + 4 * calibrate.ELEMENTS / 8e9 + calibrate.ELEMENTS / 2e9
     profile = calibrate.profile_from_measurements(8, seconds)
     assert profile["memory_bandwidth_bytes_per_s"] == pytest.approx(8e9)
     assert profile["reduction_elements_per_s"] == pytest.approx(2e9)
-    assert profile["kernel_overhead_s"] == pytest.approx(30e-6)
+    assert profile["kernel_overhead_s"] == pytest.approx(16e-6)
+    assert profile["output_overhead_s"] == pytest.approx(13e-6)
     assert profile["cache_bandwidth_bytes_per_s"] >= profile["memory_bandwidth_bytes_per_s"]
     assert profile_from_dict(profile, "calibrated").overlaps_compute_and_memory is False
     probes = {name: parse(calibrate._module(8, body)) for name, body in calibrate._probes(8).items()}
     loops = [i for i in probes["kernels"].entry.instructions if i.opcode == "multiply"]
     assert len(loops) == calibrate.KERNELS
+    # The loops probe's concatenate is too wide for XLA CPU to fuse its operands into.
+    (concatenate,) = [i for i in probes["loops"].entry.instructions
+                      if i.opcode == "concatenate"]
+    assert len(concatenate.operands) == calibrate.LOOPS
+    assert min(calibrate.LOOPS, 9) > load_profile("cpu-local").fused_concatenate_operands
 
 
 TUPLE_ALL_REDUCE = """

@@ -150,7 +150,7 @@ def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     on cpu-local) runs ``fn``, one warning naming both estimates; ``force`` shards it."""
     if not needs_devices(request):
         return
-    program = make_program("mlp", "sgd_momentum", 2, donate=False)
+    program = make_program("mlp", "adam", 2, donate=False)
     fast = hsj.shard_weight_update(program.step)
     params, opt_state = program.init()
     with warnings.catch_warnings(record=True) as caught:

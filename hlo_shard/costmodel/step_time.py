@@ -65,6 +65,8 @@ FORMAT_OPCODES = frozenset({
 _DEVICE_ID_OPCODES = frozenset({"replica-id", "partition-id"})
 #: The pseudo-instruction carrying the profile's fixed cost per step.
 STEP_OVERHEAD = "(step overhead)"
+#: The pseudo-instruction carrying the fixed cost of the step's output buffers.
+OUTPUT_BUFFERS = "(output buffers)"
 #: The pseudo-instruction carrying the page faults of a temp allocation mapped afresh
 #: every step (:meth:`~hlo_shard.profiles.HardwareProfile.fresh_pages_seconds`).
 FRESH_TEMP_PAGES = "(fresh temp pages)"
@@ -499,6 +501,13 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
         instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
                                                 "forward_backward", 1,
                                                 profile.step_overhead_s, Cost()))
+    # The step overhead was measured with one output: each further leaf adds a buffer.
+    extra_outputs = sum(1 for _ in shape_leaves(module.entry.root.shape)) - 1
+    if profile.output_overhead_s and extra_outputs > 0:
+        instructions.append(InstructionEstimate(module.entry.name, OUTPUT_BUFFERS, "step",
+                                                "forward_backward", 1,
+                                                extra_outputs * profile.output_overhead_s,
+                                                Cost()))
     combined = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
                                 profile.combined_collectives)
     for copy in donated_parameter_copies(module, combined):

@@ -71,6 +71,10 @@ class HardwareProfile:
     #: Fixed cost of one step whatever it computes (XLA CPU: dispatch, the devices'
     #: threads meeting); 0 when the profile does not say.
     step_overhead_s: float
+    #: Fixed cost per leaf of the step's outputs (XLA CPU: a buffer per device, its
+    #: event and array handed back — 30 us a leaf at N = 8, ten times a kernel's
+    #: dispatch); 0 when the profile does not say.
+    output_overhead_s: float
     #: bf16/f16 arithmetic runs in f32 (XLA CPU), so such temporaries take 4 bytes.
     upcasts_16bit_floats: bool
     #: XLA fuses a producer into several readers' loop, or a value also needed in
@@ -246,6 +250,7 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
         kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
         step_overhead_s=at.read(raw, "step_overhead_s", At.number, low=0, default=0.0),
+        output_overhead_s=at.read(raw, "output_overhead_s", At.number, low=0, default=0.0),
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         fused_concatenate_operands=count("fused_concatenate_operands", 0),

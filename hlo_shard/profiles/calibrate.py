@@ -26,16 +26,22 @@ run on N devices through the runtime (median of a few runs):
   accounting, used only if another algorithm is chosen;
 * the fixed cost of a step from a module of one scalar add (subtracted from the
   probes, and the profile's ``step_overhead_s``);
-* the fixed cost of a kernel from 16 donated 4 KiB arrays each scaled in place by a
-  loop of its own, less one such loop and less their streaming (tens of µs on XLA
-  CPU's 8 devices of 2 cores, where 2 µs was assumed: a small tensor's update loops,
-  and the slices a bucketed all-gather writes its outputs with, cost far more than
-  their bytes).
+* the fixed cost of a kernel from 24 loops over 4 KiB arrays that a concatenate of
+  more than 8 operands copies into the one output (XLA CPU fuses nothing into it, so
+  the module runs exactly one loop per operand), less the same with 9 loops and less
+  their streaming;
+* the fixed cost of an output leaf from 16 donated 4 KiB arrays each scaled in place by
+  a loop of its own and returned, less one such loop, its streaming and a kernel (on
+  XLA CPU's 8 devices of 2 cores a loop and its output cost 33 µs, where 2 µs was
+  assumed; the zoo's originals, counted per kernel, measured 17-48 µs above their
+  estimate). A step's buffers are a third of that: a model that priced every kernel
+  as a returned one had a kernel-heavy module such as Adafactor's 1.5x too slow and
+  hid the gain of sharding it.
 
 Every probe runs at each count of ``--devices`` (default 8 and 4): the largest is the
 profile's top level, the others its ``at_device_counts`` sections, since a device's
 share of the cores and a rendezvous's cost change with N (measured: at N = 4 a kernel's
-fixed cost 14 µs and a rendezvous 66 µs, against 33 and 148 µs at N = 8). The result is
+fixed cost 10 µs and a rendezvous 66 µs, against 21 and 148 µs at N = 8). The result is
 printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json`` in this
 package. Nothing here is imported by the cost model.
 """
@@ -69,6 +75,7 @@ ALL_REDUCE_CHAIN = 17       # dependent all-reduces in the α probe (one more th
 CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
 CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
 KERNELS = 16                # donated in-place loops in the "kernels" probe ("kernels_base": 1)
+LOOPS = 24                  # loops in the "loops" probe ("loops_base": 9), one concatenate's operands
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 
 #: Probes that run as a training loop does: their first outputs overwrite as many
@@ -102,6 +109,19 @@ def _in_place_loops(count: int) -> str:
     shapes = ", ".join([f"f32[{e}]"] * count)
     outputs = ", ".join(f"y{i}" for i in range(count))
     return "\n  ".join(lines + [f"ROOT t = ({shapes}, f32[]) tuple({outputs}, k)"])
+
+
+def _concatenated_loops(count: int) -> str:
+    """``count`` loops, each scaling a 4 KiB parameter into a temporary, and the
+    concatenate of them all: with more than 8 operands XLA CPU fuses none of the loops
+    into it, so each is a kernel of its own and only the concatenate is returned."""
+    e = SMALL
+    lines = ["k = f32[] constant(0.9)", f"c = f32[{e}] broadcast(k), dimensions={{}}"]
+    for i in range(count):
+        lines += [f"w{i} = f32[{e}] parameter({i})", f"y{i} = f32[{e}] multiply(w{i}, c)"]
+    loops = ", ".join(f"y{i}" for i in range(count))
+    return "\n  ".join(lines + [f"ROOT t = f32[{e * count}] concatenate({loops}), "
+                                f"dimensions={{0}}"])
 
 
 def _aliases(count: int) -> str:
@@ -170,6 +190,8 @@ def _probes(n: int) -> dict[str, str]:
         "cache_base": _cache_chain(1),
         "kernels": _in_place_loops(KERNELS),
         "kernels_base": _in_place_loops(1),
+        "loops": _concatenated_loops(LOOPS),
+        "loops_base": _concatenated_loops(9),
         "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
     }
 
@@ -217,8 +239,11 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     matrix = 2 * DOT ** 3 / max(t["matrix"] - overhead, 1e-9)
     b, hw, c = CONV
     convolution = 2 * b * hw * hw * c * c * 9 / max(t["convolution"] - overhead, 1e-9)
-    # Each extra loop of the kernels probe streams 16 KiB in and out at the read rate.
-    kernel = max((t["kernels"] - t["kernels_base"]) / (KERNELS - 1) - 2 * 4 * SMALL / read, 0.0)
+    # Each extra loop streams its 4 KiB in and out, and the concatenate copies it again.
+    kernel = max((t["loops"] - t["loops_base"]) / (LOOPS - 9) - 4 * 4 * SMALL / read, 0.0)
+    # Each extra in-place loop of the kernels probe is a kernel, its streaming and an output.
+    output = max((t["kernels"] - t["kernels_base"]) / (KERNELS - 1) - 2 * 4 * SMALL / read
+                 - kernel, 0.0)
     cached = (CACHED_CHAIN - 1) * 3 * 4 * CACHED / max(t["cache"] - t["cache_base"], 1e-9)
     alpha = max(t["all_reduce_chain"] - t["small_all_reduce"], 0.0) / (ALL_REDUCE_CHAIN - 1)
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
@@ -249,6 +274,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "fresh_temp_threshold_bytes": 32 << 20,
         "combined_collectives": ["all-reduce"],
         "kernel_overhead_s": kernel,
+        "output_overhead_s": output,
         "step_overhead_s": overhead,
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
@@ -275,9 +301,11 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "temp allocation is mapped afresh every step",
             "XLA CPU combines all-reduces only (no all-gather or reduce-scatter combiner in "
             "its pipeline): each all-gather and reduce-scatter pays its own latency",
-            "kernel_overhead_s: the cost of one more donated in-place loop over 4 KiB beyond "
-            "its streaming (once assumed to be 2 us: the zoo's originals measured 17-48 us "
-            "per kernel above their estimate at N = 8)",
+            "kernel_overhead_s: the cost of one more loop over 4 KiB beyond its streaming, "
+            "among the operands of a concatenate too wide to fuse (once assumed to be 2 us)",
+            "output_overhead_s: one more donated in-place loop over 4 KiB, returned, beyond "
+            "its streaming and its kernel (priced as a kernel, the zoo's Adafactor modules "
+            "were predicted 1.5x their measured step and their sharding's gain hidden)",
         ],
     }
 
@@ -288,7 +316,7 @@ MEASURED_FIELDS = ("description", "matrix_flops_per_s", "convolution_flops_per_s
                    "vector_flops_per_s", "transcendentals_per_s", "reduction_elements_per_s",
                    "memory_bandwidth_bytes_per_s", "memory_write_bandwidth_bytes_per_s",
                    "cache_bytes", "cache_bandwidth_bytes_per_s", "kernel_overhead_s",
-                   "step_overhead_s", "interconnect")
+                   "output_overhead_s", "step_overhead_s", "interconnect")
 
 
 def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3) -> dict:
