@@ -89,6 +89,17 @@ class Program:
             self._cache["out"] = found
         return found
 
+    @property
+    def out_handlers(self) -> list:
+        """What makes each output's global Array of the executable's buffers."""
+        found = self._cache.get("handlers")
+        if found is None:
+            found = _xla.result_handlers(
+                [(shape, aval.dtype, sharding) for (shape, sharding), aval
+                 in zip(self.out_placements, self.capture.out_avals)])
+            self._cache["handlers"] = found
+        return found
+
     def shard_key(self, treedef, static, leaves: list) -> tuple:
         """The signature of these arguments with the state leaves in shard form."""
         keys = [(self.state_args[i].shape, _xla.dtype_key(leaf),

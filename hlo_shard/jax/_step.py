@@ -118,9 +118,7 @@ class ShardedStep:
             if not _xla.same_placement(leaf, expected):
                 leaf = jax.device_put(leaf, expected)
             arrays.append(leaf)
-        per_output = _xla.execute(program.executable, arrays)
-        outs = [_xla.make_array(shape, sharding, pieces) for (shape, sharding), pieces
-                in zip(program.out_placements, per_output)]
+        outs = _xla.execute(program.executable, arrays, program.out_handlers)
         return jax.tree.unflatten(cap.out_tree, outs)
 
     # ------------------------------------------------ converting state leaves
