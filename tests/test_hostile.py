@@ -357,3 +357,19 @@ def test_truncation_points_are_spread_and_never_whole():
     assert len(cuts) >= 20 and "" in cuts
     assert all(len(c) < text.rstrip().rfind("}") for c in cuts)
     assert len({len(c) * 10 // len(text) for c in cuts}) >= 8  # spread over the text
+
+
+def test_a_lost_exit_report_reads_the_status_the_child_wrote(monkeypatch, tmp_path):
+    """multiprocessing reports 255 when it cannot read the forkserver's report of a
+    child (seen once in CI: the right error printed, exit 255); the child's own status
+    file gives the real one, and a child that ran is not run again."""
+    real, runs = hostile._run_child, []
+
+    def lost_report(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return 255
+
+    monkeypatch.setattr(hostile, "_run_child", lost_report)
+    run = run_cli(["optimize", str(tmp_path / "missing.hlo"), "-o", str(tmp_path / "o.hlo")])
+    assert runs == [2] and run.returncode == 2
+    assert "error" in run.stderr and not (tmp_path / "o.hlo").exists()

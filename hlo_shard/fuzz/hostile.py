@@ -119,8 +119,10 @@ def _context():
     return _CONTEXT
 
 
-def _child(args: list[str], out_path: str, err_path: str, memory_limit: int | None) -> None:
-    """The CLI as ``python -m hlo_shard`` runs it, with stdout/stderr in files."""
+def _child(args: list[str], out_path: str, err_path: str, status_path: str,
+           memory_limit: int | None) -> None:
+    """The CLI as ``python -m hlo_shard`` runs it, with stdout/stderr in files and its
+    exit status written to ``status_path`` as it exits."""
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -142,6 +144,9 @@ def _child(args: list[str], out_path: str, err_path: str, memory_limit: int | No
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    status = os.open(status_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(status, str(code).encode())
+    os.close(status)
     os._exit(code)
 
 
@@ -149,10 +154,11 @@ def _child(args: list[str], out_path: str, err_path: str, memory_limit: int | No
 LOST_CHILD_RETRIES = 2
 
 
-def _run_child(args: list[str], out_path: str, err_path: str, timeout: float,
-               memory_limit: int | None) -> int | None:
+def _run_child(args: list[str], out_path: str, err_path: str, status_path: str,
+               timeout: float, memory_limit: int | None) -> int | None:
     """One forkserver child running the CLI: its exit status (None: killed at timeout)."""
-    process = _context().Process(target=_child, args=(args, out_path, err_path, memory_limit))
+    process = _context().Process(target=_child,
+                                 args=(args, out_path, err_path, status_path, memory_limit))
     process.start()
     process.join(timeout)
     if process.is_alive():
@@ -166,15 +172,20 @@ def run_cli(args: list[str], timeout: float = 60, memory_limit: int | None = Non
     """``hlo-shard ARGS`` in an isolated child process (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="hlo-shard-cli-") as scratch:
         out_path, err_path = os.path.join(scratch, "out"), os.path.join(scratch, "err")
+        status_path = os.path.join(scratch, "status")
+        read = lambda path: open(path, encoding="utf-8", errors="replace").read() \
+            if os.path.exists(path) else ""  # noqa: E731
         started = time.monotonic()
         for _ in range(LOST_CHILD_RETRIES + 1):
-            returncode = _run_child(args, out_path, err_path, timeout, memory_limit)
-            # 255 with no stderr file: multiprocessing could not read the forkserver's
-            # report of a child that never ran our code (which opens that file first);
-            # the CLI itself never exits 255 (under load, once in some thousand runs).
+            returncode = _run_child(args, out_path, err_path, status_path, timeout,
+                                    memory_limit)
+            # 255: multiprocessing could not read the forkserver's report of the child
+            # (the CLI itself never exits 255; under load, once in some thousand runs).
+            # A child that ran wrote its own status; one that never ran our code (which
+            # opens the stderr file first) runs afresh.
+            if returncode == 255 and os.path.exists(status_path):
+                returncode = int(read(status_path))
             if returncode != 255 or os.path.exists(err_path):
                 break
         elapsed = time.monotonic() - started
-        read = lambda path: open(path, encoding="utf-8", errors="replace").read() \
-            if os.path.exists(path) else ""  # noqa: E731
         return CliRun(list(args), returncode, read(out_path), read(err_path), elapsed)
