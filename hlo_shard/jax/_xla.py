@@ -48,10 +48,10 @@ def compile_replica_text(text: str, devices: Sequence) -> object:
     return client.compile_and_load(mlir, xc.DeviceList(tuple(devices)), options)
 
 
-def execute(executable, arrays: Sequence, handlers: Sequence) -> list:
+def execute(executable, arrays: list, handlers: list) -> list:
     """Run on jax Arrays (one buffer per device each); the outputs as global Arrays,
     built by ``handlers`` (:func:`result_handlers`)."""
-    return executable.execute_sharded(list(arrays)).consume_with_handlers(list(handlers))
+    return executable.execute_sharded(arrays).consume_with_handlers(handlers)
 
 
 def result_handlers(outputs: Sequence[tuple[tuple[int, ...], Any, Any]]) -> list:

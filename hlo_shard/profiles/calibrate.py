@@ -29,19 +29,19 @@ run on N devices through the runtime (median of a few runs):
 * the fixed cost of a kernel from 24 loops over 4 KiB arrays that a concatenate of
   more than 8 operands copies into the one output (XLA CPU fuses nothing into it, so
   the module runs exactly one loop per operand), less the same with 9 loops and less
-  their streaming;
+  their streaming (16 µs at N = 8);
 * the fixed cost of an output leaf from 16 donated 4 KiB arrays each scaled in place by
   a loop of its own and returned, less one such loop, its streaming and a kernel (on
   XLA CPU's 8 devices of 2 cores a loop and its output cost 33 µs, where 2 µs was
   assumed; the zoo's originals, counted per kernel, measured 17-48 µs above their
-  estimate). A step's buffers are a third of that: a model that priced every kernel
-  as a returned one had a kernel-heavy module such as Adafactor's 1.5x too slow and
-  hid the gain of sharding it.
+  estimate); an output leaf is 13 of those µs. A model that priced every kernel as a
+  returned one had a kernel-heavy module such as Adafactor's 1.5x too slow and hid
+  the gain of sharding it.
 
 Every probe runs at each count of ``--devices`` (default 8 and 4): the largest is the
 profile's top level, the others its ``at_device_counts`` sections, since a device's
 share of the cores and a rendezvous's cost change with N (measured: at N = 4 a kernel's
-fixed cost 10 µs and a rendezvous 66 µs, against 21 and 148 µs at N = 8). The result is
+fixed cost 10 µs and a rendezvous 66 µs, against 16 and 148 µs at N = 8). The result is
 printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json`` in this
 package. Nothing here is imported by the cost model.
 """
@@ -75,7 +75,8 @@ ALL_REDUCE_CHAIN = 17       # dependent all-reduces in the α probe (one more th
 CACHED = 1 << 17            # 512 KiB per f32 array: a shard that stays in cache
 CACHED_CHAIN = 9            # loops in the cache probe (one more in "cache" than "cache_base")
 KERNELS = 16                # donated in-place loops in the "kernels" probe ("kernels_base": 1)
-LOOPS = 24                  # loops in the "loops" probe ("loops_base": 9), one concatenate's operands
+LOOPS = 24                  # loops in the "loops" probe, one concatenate's operands
+LOOPS_BASE = 9              # loops in "loops_base": still more than XLA CPU fuses (8)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 
 #: Probes that run as a training loop does: their first outputs overwrite as many
@@ -191,7 +192,7 @@ def _probes(n: int) -> dict[str, str]:
         "kernels": _in_place_loops(KERNELS),
         "kernels_base": _in_place_loops(1),
         "loops": _concatenated_loops(LOOPS),
-        "loops_base": _concatenated_loops(9),
+        "loops_base": _concatenated_loops(LOOPS_BASE),
         "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
     }
 
@@ -240,7 +241,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     b, hw, c = CONV
     convolution = 2 * b * hw * hw * c * c * 9 / max(t["convolution"] - overhead, 1e-9)
     # Each extra loop streams its 4 KiB in and out, and the concatenate copies it again.
-    kernel = max((t["loops"] - t["loops_base"]) / (LOOPS - 9) - 4 * 4 * SMALL / read, 0.0)
+    kernel = max((t["loops"] - t["loops_base"]) / (LOOPS - LOOPS_BASE) - 4 * 4 * SMALL / read, 0.0)
     # Each extra in-place loop of the kernels probe is a kernel, its streaming and an output.
     output = max((t["kernels"] - t["kernels_base"]) / (KERNELS - 1) - 2 * 4 * SMALL / read
                  - kernel, 0.0)
