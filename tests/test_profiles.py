@@ -49,10 +49,10 @@ def test_tpu_v5e_is_the_cloud_tpu_figures_per_chip():
 
 def _measured(n: int) -> dict[str, float]:
     """Probe times as a GPU at ``n`` devices might measure them (seconds)."""
-    times = {"overhead": 10e-6, "stream": 10e-6 + 3 * 4 * calibrate.STREAM / 4e12,
-             "write": 10e-6 + 4 * calibrate.ELEMENTS / 3e12,
-             "matrix_f32": 10e-6 + 2 * calibrate.GPU_DOT ** 3 / 400e12,
-             "matrix_bf16": 10e-6 + 2 * calibrate.GPU_DOT ** 3 / 800e12}
+    times = {"overhead": 10e-6, "stream": 10e-6 + 3 * 4 * calibrate.GPU_SIZES.stream / 4e12,
+             "write": 10e-6 + 4 * calibrate.GPU_SIZES.stream / 3e12,
+             "matrix_f32": 10e-6 + 2 * calibrate.GPU_SIZES.dot ** 3 / 400e12,
+             "matrix_bf16": 10e-6 + 2 * calibrate.GPU_SIZES.dot ** 3 / 800e12}
     if n > 1:
         times |= {"small_all_reduce": 30e-6,
                   "all_reduce_chain": 30e-6 + (calibrate.ALL_REDUCE_CHAIN - 1) * 5e-6,
@@ -130,7 +130,8 @@ def test_calibrate_cpu_still_measures_a_cpu_profile(tmp_path):
 def test_the_gpu_probes_run_on_real_xla():
     """The GPU path end to end, on the CPU backend with a small dot: every probe it
     builds compiles and runs (bf16 inputs included), and the result is a valid profile."""
-    data = calibrate.gpu_profile(2, "h100", runs=1, rounds=1, backend="cpu", dot=256)
+    data = calibrate.gpu_profile(2, "h100", runs=1, rounds=1, backend="cpu",
+                                 sizes=calibrate.GpuSizes(dot=256, stream=1 << 16))
     profile = profile_from_dict(data, "gpu-local")
     assert profile.interconnect.intra_node.alpha_s >= 0
     assert set(calibrate._gpu_probes(2)) <= set(data["sources"][0].replace(",", "").split())

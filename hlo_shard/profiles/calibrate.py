@@ -94,7 +94,19 @@ KERNELS = 16                # donated in-place loops in the "kernels" probe ("ke
 LOOPS = 24                  # loops in the "loops" probe, one concatenate's operands
 LOOPS_BASE = 9              # loops in "loops_base": still more than XLA CPU fuses (8)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
-GPU_DOT = 8192              # a GPU's square dot: ~1 TFLOP, milliseconds past its launch
+
+
+
+@dataclass(frozen=True)
+class GpuSizes:
+    """The GPU probes' sizes: large enough that a step's fixed cost (~10 us) is a few
+    percent of it on a GPU streaming terabytes a second."""
+
+    dot: int = 8192             # square dot: ~1 TFLOP, milliseconds past its launch
+    stream: int = 1 << 26       # f32 elements per array of the loop and the fill: 256 MiB
+
+
+GPU_SIZES = GpuSizes()
 
 #: Probes that run as a training loop does: their first outputs overwrite as many
 #: parameters in place.
@@ -176,6 +188,18 @@ def _dot(element_type: str, size: int) -> str:
             f"rhs_contracting_dims={{0}}")
 
 
+def _stream(e: int) -> str:
+    """``w = w * c + g`` on ``e`` elements, w donated: an optimizer's in-place update."""
+    return (f"w = f32[{e}] parameter(0)\n  g = f32[{e}] parameter(1)\n"
+            f"  k = f32[] constant(0.999)\n  c = f32[{e}] broadcast(k), dimensions={{}}\n"
+            f"  m = f32[{e}] multiply(w, c)\n  a = f32[{e}] add(m, g)\n"
+            f"  z = f32[] constant(0)\n  ROOT t = (f32[{e}], f32[]) tuple(a, z)")
+
+
+def _fill(e: int) -> str:
+    return f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}"
+
+
 def _probes(n: int) -> dict[str, str]:
     e = ELEMENTS
     chain_fma = "\n  ".join(
@@ -184,14 +208,10 @@ def _probes(n: int) -> dict[str, str]:
     chain_sqrt = "\n  ".join(
         f"q{i} = f32[{e}] sqrt({'x' if i == 0 else f'q{i - 1}'})" for i in range(CHAIN))
     return {
-        "stream": f"w = f32[{STREAM}] parameter(0)\n  g = f32[{STREAM}] parameter(1)\n"
-                  f"  k = f32[] constant(0.999)\n"
-                  f"  c = f32[{STREAM}] broadcast(k), dimensions={{}}\n"
-                  f"  m = f32[{STREAM}] multiply(w, c)\n  a = f32[{STREAM}] add(m, g)\n"
-                  f"  z = f32[] constant(0)\n  ROOT t = (f32[{STREAM}], f32[]) tuple(a, z)",
+        "stream": _stream(STREAM),
         "reduction": f"x = f32[{e}] parameter(0)\n  z = f32[] constant(0)\n"
                      f"  ROOT r = f32[] reduce(x, z), dimensions={{0}}, to_apply=add",
-        "write": f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}",
+        "write": _fill(e),
         "vector": f"x = f32[{e}] parameter(0)\n  k = f32[] constant(0.999)\n"
                   f"  c = f32[{e}] broadcast(k), dimensions={{}}\n  {chain_fma}\n"
                   f"  ROOT r = f32[{e}] copy(a{CHAIN - 1})",
@@ -219,16 +239,15 @@ def _probes(n: int) -> dict[str, str]:
     }
 
 
-#: The probes that separate a rate on a GPU (see the module's docstring), and those
-#: that need more than one device.
-GPU_PROBES = ("stream", "write", "overhead")
+#: The probes that need more than one device.
 COLLECTIVE_PROBES = ("small_all_reduce", "all_reduce_chain", "large_all_reduce")
 
 
-def _gpu_probes(n: int, dot: int = GPU_DOT) -> dict[str, str]:
+def _gpu_probes(n: int, sizes: GpuSizes = GPU_SIZES) -> dict[str, str]:
     common = _probes(n)
-    probes = {name: common[name] for name in GPU_PROBES}
-    probes |= {f"matrix_{t}": _dot(t, dot) for t in ("f32", "bf16")}
+    probes = {"stream": _stream(sizes.stream), "write": _fill(sizes.stream),
+              "overhead": common["overhead"]}
+    probes |= {f"matrix_{t}": _dot(t, sizes.dot) for t in ("f32", "bf16")}
     if n > 1:
         probes |= {name: common[name] for name in COLLECTIVE_PROBES}
     return probes
@@ -362,14 +381,14 @@ MEASURED_FIELDS = ("description", "matrix_flops_per_s", "convolution_flops_per_s
 
 
 def gpu_profile_from_measurements(n: int, t: dict[str, float], base: dict,
-                                  dot: int = GPU_DOT) -> dict:
+                                  sizes: GpuSizes = GPU_SIZES) -> dict:
     """A GPU profile: the rates the GPU probes on ``n`` devices measured (square dots
-    of ``dot``), every other field from ``base`` (the published profile of that GPU,
-    as a dict)."""
+    and loops of ``sizes``), every other field from ``base`` (the published profile of
+    that GPU, as a dict)."""
     overhead = t["overhead"]
-    read = 3 * 4 * STREAM / max(t["stream"] - overhead, 1e-9)
-    write = 4 * ELEMENTS / max(t["write"] - overhead, 1e-9)
-    dots = {kind: 2 * dot ** 3 / max(t[f"matrix_{kind}"] - overhead, 1e-9)
+    read = 3 * 4 * sizes.stream / max(t["stream"] - overhead, 1e-9)
+    write = 4 * sizes.stream / max(t["write"] - overhead, 1e-9)
+    dots = {kind: 2 * sizes.dot ** 3 / max(t[f"matrix_{kind}"] - overhead, 1e-9)
             for kind in ("f32", "bf16")}
     measured = ["memory_bandwidth_bytes_per_s", "memory_write_bandwidth_bytes_per_s",
                 "matrix_flops_per_s f32 and bf16", "step_overhead_s"]
@@ -401,16 +420,17 @@ def gpu_profile_from_measurements(n: int, t: dict[str, float], base: dict,
 
 
 def gpu_profile(devices: int, base_name: str, runs: int = 5, rounds: int = 3,
-                backend: str = "gpu", dot: int = GPU_DOT) -> dict:
+                backend: str = "gpu", sizes: GpuSizes = GPU_SIZES) -> dict:
     """Measure ``devices`` GPUs; ``base_name``: the profile (name or file) of the rest.
-    (``backend`` and ``dot``: the same probes elsewhere, as the tests run them on CPU.)"""
+    (``backend`` and ``sizes``: the same probes elsewhere, as the tests run them on CPU.)"""
     from hlo_shard.profiles import load_profile, profile_json
 
     load_profile(base_name)  # a bad base is one error before anything runs
     base, _ = profile_json(base_name)
     assert isinstance(base, dict)
     return gpu_profile_from_measurements(
-        devices, measure(devices, runs, rounds, backend, _gpu_probes(devices, dot)), base, dot)
+        devices, measure(devices, runs, rounds, backend, _gpu_probes(devices, sizes)), base,
+        sizes)
 
 
 #: A GPU's name (as ``nvidia-smi`` prints it) → the published profile of it.
