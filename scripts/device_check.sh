@@ -3,7 +3,7 @@
 #
 #   scripts/device_check.sh [--backend gpu|cpu] [--quick] [--out DIR] [--python PY]
 #
-# From the repository root of a checkout. Writes DIR/report.md (DIR: --out, else $OUT,
+# Runs in the checkout it belongs to. Writes DIR/report.md (DIR: --out, else $OUT,
 # else ./device_check_out) with every step's figures or the reason it has none, and
 # each step's log beside it. Steps (each under its own time limit; a step that fails
 # or runs out is a row of the report, the others still run):
