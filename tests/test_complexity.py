@@ -194,6 +194,7 @@ ANALYSES: dict[str, Callable[[Module], object]] = {
     "donated_parameter_copies": donated_parameter_copies,
     "estimate_step": lambda m: estimate_step(m, load_profile("cpu-local"), {}),
     "optimize": lambda m: optimize_module(m, ShardingOptions()),
+    "optimize_sharded": lambda m: optimize_module(m, ShardingOptions(state="sharded")),
 }
 
 
@@ -224,7 +225,8 @@ def _growth(generator: str, analysis: str, n: int) -> float:
 #: of squares (XLA duplicates cheap scalar producers into each consumer), so the plan
 #: lists gradients x gradients reads.
 OUTPUT_SIZED = {("clipped", analysis) for analysis in
-                ("plan_kernels", "memory_profile", "estimate_step", "optimize")}
+                ("plan_kernels", "memory_profile", "estimate_step", "optimize",
+                 "optimize_sharded")}
 
 
 def _cases(analyses: list[str], output_sized: bool = True) -> list:
@@ -237,12 +239,14 @@ def _cases(analyses: list[str], output_sized: bool = True) -> list:
 
 
 @pytest.mark.parametrize("generator,analysis",
-                         _cases([a for a in ANALYSES if a != "optimize"], output_sized=False))
+                         _cases([a for a in ANALYSES if not a.startswith("optimize")],
+                                output_sized=False))
 def test_analysis_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 5_000) <= MAX_GROWTH
 
 
-@pytest.mark.parametrize("generator,analysis", _cases(["optimize"], output_sized=False))
+@pytest.mark.parametrize("generator,analysis",
+                         _cases(["optimize", "optimize_sharded"], output_sized=False))
 def test_optimize_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
