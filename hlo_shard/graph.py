@@ -54,6 +54,19 @@ def call_graph(module: Module) -> nx.DiGraph:
     return graph
 
 
+def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> set[str]:
+    """Every node one or more ``step``s from any of ``starts`` (``graph.predecessors``:
+    their ancestors), in one traversal for all of them."""
+    seen: set[str] = set()
+    stack = [node for start in starts for node in step(start)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(step(node))
+    return seen
+
+
 def users_map(comp: Computation) -> dict[str, list[str]]:
     """Name → names of its users, each user once, in program order."""
     users: dict[str, list[str]] = {inst.name: [] for inst in comp.instructions}
@@ -176,14 +189,18 @@ class Rewriter:
 
     comp: Computation
     changes: list[Change] = field(default_factory=list)
-    _users: dict[str, list[str]] = field(init=False)
+    #: Name → its users, in program order (dicts: a user leaves in constant time).
+    _users: dict[str, dict[str, None]] = field(init=False)
+    #: Where the last position lookup found its instruction (see :meth:`_position`).
+    _hint: int = field(init=False, default=0)
     _cursor: int | None = field(init=False, default=None)
     #: Cursors of the enclosing ``inserting_*`` blocks, kept in step with every edit.
     _saved: list[int | None] = field(init=False, default_factory=list)
     _taken: set[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._users = users_map(self.comp)
+        self._users = {name: dict.fromkeys(users)
+                       for name, users in users_map(self.comp).items()}
         self._taken = {inst.name for inst in self.comp.instructions}
 
     def _record(self, kind: str, name: str, detail: str = "", *,
@@ -197,6 +214,24 @@ class Rewriter:
 
     def operands(self, inst: Instruction) -> list[Instruction]:
         return self.comp.operands_of(inst)
+
+    def _position(self, name: str) -> int:
+        """Where ``name`` is in the instruction list, searched from where the last
+        lookup found its instruction, then before it: a pass edits mostly in program
+        order, so its lookups together scan the list about once, not once each."""
+        inst = self.comp[name]
+        instructions = self.comp.instructions
+        if instructions and instructions[-1] is inst:  # the root, usually
+            return len(instructions) - 1
+        try:
+            found = instructions.index(inst, self._hint)
+        except ValueError:
+            try:
+                found = instructions.index(inst, 0, self._hint)
+            except ValueError:
+                return self.comp.position(name)  # a list edited without reindex()
+        self._hint = found
+        return found
 
     def fresh_name(self, base: str) -> str:
         """A name unused in this computation, derived from ``base`` (``base.N``)."""
@@ -213,17 +248,17 @@ class Rewriter:
 
     # Insertion -----------------------------------------------------------------------
     def insert_before(self, anchor: str, inst: Instruction) -> Instruction:
-        return self._insert(self.comp.position(anchor), inst)
+        return self._insert(self._position(anchor), inst)
 
     def insert_after(self, anchor: str, inst: Instruction) -> Instruction:
-        return self._insert(self.comp.position(anchor) + 1, inst)
+        return self._insert(self._position(anchor) + 1, inst)
 
     def inserting_after(self, anchor: str) -> contextlib.AbstractContextManager[None]:
         """Within the block, :meth:`add` inserts in sequence right after ``anchor``."""
-        return self._inserting_at(self.comp.position(anchor) + 1)
+        return self._inserting_at(self._position(anchor) + 1)
 
     def inserting_before(self, anchor: str) -> contextlib.AbstractContextManager[None]:
-        return self._inserting_at(self.comp.position(anchor))
+        return self._inserting_at(self._position(anchor))
 
     @contextlib.contextmanager
     def _inserting_at(self, position: int) -> Iterator[None]:
@@ -247,7 +282,7 @@ class Rewriter:
     def add_instruction(self, inst: Instruction) -> Instruction:
         self._taken.add(inst.name)
         if self._cursor is None:
-            return self._insert(self.comp.position(self.comp.root.name), inst)
+            return self._insert(self._position(self.comp.root.name), inst)
         inserted = self._insert(self._cursor, inst)
         self._cursor += 1
         return inserted
@@ -255,9 +290,9 @@ class Rewriter:
     def _insert(self, position: int, inst: Instruction) -> Instruction:
         self.comp.insert(position, inst)
         self._taken.add(inst.name)
-        self._users[inst.name] = []
+        self._users[inst.name] = {}
         for operand in dict.fromkeys(inst.operands):
-            self._users[operand].append(inst.name)
+            self._users[operand][inst.name] = None
         if self._cursor is not None and position < self._cursor:
             self._cursor += 1
         # An enclosing block continues after whatever was inserted at or before it.
@@ -275,19 +310,18 @@ class Rewriter:
         """Replace the whole operand list of ``user`` (any length)."""
         names = list(names)
         for operand in dict.fromkeys(user.operands):
-            self._users[operand].remove(user.name)
+            del self._users[operand][user.name]
         user.operands = names
         for operand in dict.fromkeys(names):
-            self._users[operand].append(user.name)
+            self._users[operand][user.name] = None
         self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
 
     def _retarget(self, user: Instruction, index: int, new: str) -> str:
         old = user.operands[index]
         user.operands[index] = new
-        if old not in user.operands and user.name in self._users[old]:
-            self._users[old].remove(user.name)
-        if user.name not in self._users[new]:
-            self._users[new].append(user.name)
+        if old not in user.operands:
+            self._users[old].pop(user.name, None)
+        self._users[new].setdefault(user.name)
         return old
 
     def replace_all_uses_with(self, old: str, new: str, *, exclude: Iterable[str] = ()) -> None:
@@ -364,19 +398,29 @@ class Rewriter:
         """Remove an instruction that has no users and is not the root (torch.fx's
         ``erase_node``: erasing a used value is a bug in the pass, not a request)."""
         if self._users[name]:
-            raise ValueError(f"cannot erase {name}: still used by {self._users[name]}")
+            raise ValueError(f"cannot erase {name}: still used by {list(self._users[name])}")
         if name == self.comp.root_name:
             raise ValueError(f"cannot erase the root {name}")
+        position = self._position(name)
+        self._unlink(name)
+        self.comp.remove(name, position)
+        self._shift_cursors([position])
+
+    def _unlink(self, name: str) -> None:
+        """Erase ``name`` from the users index and record it; the caller takes it out of
+        the instruction list."""
         inst = self.comp[name]
-        position = self.comp.position(name)
-        self.comp.remove(name)
-        if self._cursor is not None and position < self._cursor:
-            self._cursor -= 1
-        self._saved = [c - 1 if c is not None and position < c else c for c in self._saved]
         for operand in dict.fromkeys(inst.operands):
-            self._users[operand].remove(name)
+            del self._users[operand][name]
         del self._users[name]
         self._record("erase", name, inst.opcode)
+
+    def _shift_cursors(self, erased: list[int]) -> None:
+        """Move the insertion points past the erased positions (of the list before)."""
+        def shifted(cursor: int | None) -> int | None:
+            return None if cursor is None else cursor - sum(1 for p in erased if p < cursor)
+        self._cursor = shifted(self._cursor)
+        self._saved = [shifted(c) for c in self._saved]
 
     def remove_dead(self, keep: Iterable[str] = (), *,
                     is_impure: Callable[[Instruction], bool] = is_impure,
@@ -396,12 +440,22 @@ class Rewriter:
         while pending:
             sweep = [inst for inst in reversed(self.comp.instructions) if inst.name in pending]
             pending = set()
+            erased: set[str] = set()
             for inst in sweep:
                 if inst.name in protected or self._users[inst.name] or is_impure(inst):
                     continue
-                self.erase(inst.name)
-                removed += 1
+                self._unlink(inst.name)
+                erased.add(inst.name)
                 pending.update(inst.operands)
+            if not erased:
+                break
+            # The sweep's instructions leave the list at once (one pass, not one each).
+            instructions = self.comp.instructions
+            self._shift_cursors([i for i, inst in enumerate(instructions) if inst.name in erased]
+                                if self._cursor is not None or self._saved else [])
+            instructions[:] = [inst for inst in instructions if inst.name not in erased]
+            self.comp.reindex()
+            removed += len(erased)
         return removed
 
 

@@ -356,9 +356,13 @@ class Computation:
                 return i
         raise KeyError(name)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, position: int | None = None) -> None:
+        """Remove ``name`` (at ``position`` in the list, when the caller knows it)."""
         inst = self._index.pop(name)
-        self.instructions.remove(inst)
+        if position is not None and self.instructions[position] is inst:
+            del self.instructions[position]
+        else:
+            self.instructions.remove(inst)
 
     def reindex(self) -> None:
         """Rebuild the name index after editing ``instructions`` directly."""
@@ -376,6 +380,9 @@ class Module:
     stack_frames: str | None = None
     #: Path the module was read from, for messages.
     source_path: str | None = None
+    #: Computation name → its position in ``computations`` when last looked up (checked
+    #: on every lookup and rebuilt when the list changed).
+    _positions: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def entry(self) -> Computation:
@@ -385,10 +392,15 @@ class Module:
         return self.computations[-1]
 
     def computation(self, name: str) -> Computation:
-        for comp in self.computations:
-            if comp.name == name:
-                return comp
-        raise KeyError(name)
+        position = self._positions.get(name)
+        computations = self.computations
+        if position is None or position >= len(computations) or \
+                computations[position].name != name:
+            self._positions = {comp.name: i for i, comp in reversed(list(enumerate(computations)))}
+            position = self._positions.get(name)
+            if position is None:
+                raise KeyError(name)
+        return computations[position]
 
     def output_aliases(self) -> dict[int, int]:
         """``input_output_alias`` as {top-level output index: parameter number}, for

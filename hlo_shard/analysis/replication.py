@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.graph import dataflow_graph
+from hlo_shard.graph import dataflow_graph, reachable
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
 from hlo_shard.opinfo import DETERMINISTIC, ELEMENTWISE, PER_DEVICE, opcodes_where
@@ -214,42 +214,60 @@ def default_parameter_replication(module: Module, sources: dict[str, set[str]]
     gradient elementwise in the update; step counters; unused inputs) is replicated.
     """
     entry = module.entry
-    graph = dataflow_graph(entry)
-    upstream: set[str] = set()
-    for source in sources.get(entry.name, ()):
-        upstream |= nx.ancestors(graph, source)
-    return {p.param_number: p.name not in upstream or
-            _meets_gradient(module, entry, {p.name}, sources, graph)
+    meeting = _GradientMeeting(module, sources)
+    graph, _ = meeting.view(entry)
+    upstream = reachable(sources.get(entry.name, ()), graph.predecessors)
+    return {p.param_number: p.name not in upstream or meeting.meets(entry, {p.name})
             for p in entry.parameters()}
 
 
-def _meets_gradient(module: Module, comp: Computation, starts: set[str],
-                    sources: dict[str, set[str]], graph: nx.MultiDiGraph | None = None,
-                    depth: int = 0) -> bool:
-    """Whether values flowing elementwise from ``starts`` meet an all-reduced gradient
-    in ``comp`` or, through a while loop's carry, in its body."""
-    graph = graph if graph is not None else dataflow_graph(comp)
-    downstream: set[str] = set(sources.get(comp.name, ()))
-    for source in list(downstream):
-        downstream |= nx.descendants(graph, source)
-    reach, stack = set(starts), list(starts)
-    tuples: set[str] = set()  # carry only values, never combine them: followed into loops
-    while stack:
-        node = stack.pop()
-        for user in graph.successors(node):
-            inst = graph.nodes[user]["inst"]
-            if node in tuples:
-                if inst.opcode == "while" and depth < 8 and \
-                        _meets_in_body(module, inst, graph.nodes[node]["inst"], reach, sources,
-                                       depth):
-                    return True
-            elif inst.opcode == "tuple" and user not in tuples:
-                tuples.add(user)
-                stack.append(user)
-            elif user not in reach and _flows_through(module, inst):
-                reach.add(user)
-                stack.append(user)
-    return any(set(graph.predecessors(n)) & downstream for n in reach)
+@dataclass
+class _GradientMeeting:
+    """Whether values flowing elementwise from some starts meet an all-reduced gradient
+    (``sources``), in a computation or, through a while loop's carry, in its body. Each
+    computation's graph and the values downstream of its gradients are found once, not
+    once per parameter asked about."""
+
+    module: Module
+    sources: dict[str, set[str]]
+    _views: dict[str, tuple[nx.MultiDiGraph, set[str]]] = field(default_factory=dict)
+
+    def view(self, comp: Computation) -> tuple[nx.MultiDiGraph, set[str]]:
+        """``comp``'s dataflow graph, and its gradient sources with all they reach."""
+        if comp.name not in self._views:
+            graph = dataflow_graph(comp)
+            starts = self.sources.get(comp.name, set())
+            self._views[comp.name] = (graph, set(starts) | reachable(starts, graph.successors))
+        return self._views[comp.name]
+
+    def meets(self, comp: Computation, starts: set[str], depth: int = 0) -> bool:
+        graph, downstream = self.view(comp)
+        reach, stack = set(starts), list(starts)
+        tuples: set[str] = set()  # carry only values, never combine them: followed into loops
+        while stack:
+            node = stack.pop()
+            for user in graph.successors(node):
+                inst = graph.nodes[user]["inst"]
+                if node in tuples:
+                    if inst.opcode == "while" and depth < 8 and \
+                            self._meets_in_body(inst, graph.nodes[node]["inst"], reach, depth):
+                        return True
+                elif inst.opcode == "tuple" and user not in tuples:
+                    tuples.add(user)
+                    stack.append(user)
+                elif user not in reach and _flows_through(self.module, inst):
+                    reach.add(user)
+                    stack.append(user)
+        return any(set(graph.predecessors(n)) & downstream for n in reach)
+
+    def _meets_in_body(self, loop: Instruction, init: Instruction, reach: set[str],
+                       depth: int) -> bool:
+        """The carried slots of ``init`` that hold reached values, followed into the body."""
+        body = self.module.computation(loop.required_attr("body", ComputationRef).name)
+        slots = {i for i, o in enumerate(init.operands) if o in reach}
+        inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
+                  and body[i.operands[0]].opcode == "parameter" and i.int_attr("index") in slots}
+        return bool(inside) and self.meets(body, inside, depth + 1)
 
 
 #: Inside an elementwise fusion body: opcodes allowed besides the elementwise ones.
@@ -280,16 +298,6 @@ def _flows_through(module: Module, inst: Instruction) -> bool:
         return isinstance(inst.shape, ArrayShape) and is_elementwise_body(
             module.computation(inst.required_attr("calls", ComputationRef).name), inst.shape.dims)
     return inst.opcode in _FLOW_THROUGH
-
-
-def _meets_in_body(module: Module, loop: Instruction, init: Instruction, reach: set[str],
-                   sources: dict[str, set[str]], depth: int) -> bool:
-    """The carried slots of ``init`` that hold reached values, followed into the body."""
-    body = module.computation(loop.required_attr("body", ComputationRef).name)
-    slots = {i for i, o in enumerate(init.operands) if o in reach}
-    inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
-              and body[i.operands[0]].opcode == "parameter" and i.int_attr("index") in slots}
-    return bool(inside) and _meets_gradient(module, body, inside, sources, None, depth + 1)
 
 
 # ----------------------------------------------------------------------- the analysis

@@ -228,6 +228,8 @@ class _Context:
     replication: Replication
     n: int
     sharded: dict[str, ShardFormat]
+    #: :func:`is_laid_out` of the module (a scan of it: looked at once per planner).
+    laid_out: bool
 
     def replicated(self, name: str) -> bool:
         return self.replication.is_replicated(self.comp.name, name)
@@ -835,7 +837,7 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> str:
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
-                   dict(plan.sharded))
+                   dict(plan.sharded), planner.laid_out)
     stops = [f"fusion %{user}: {why}" for value in leaf.values
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
@@ -880,6 +882,7 @@ class _Planner:
         self.leaves, self.options = leaves, options
         self.params = comp.parameters() if options.keep_state_orders else []
         self.graph = dataflow_graph(comp)
+        self.laid_out = is_laid_out(module)
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
@@ -977,7 +980,8 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
     active = [leaf for leaf in leaves if leaf.sharded]
     sharded: dict[str, ShardFormat] = {}
     ops: dict[str, RegionOp] = {}
-    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded)
+    ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded,
+                   planner.laid_out)
     for leaf in active:
         for value in leaf.values:
             sharded[value] = leaf.format
@@ -1119,7 +1123,7 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
     transpose before a dynamic-slice too (measured: slicing three transposed 1024² Adam
     tensors per step made the N=8 step 2.5× slower than one transposed gradient)."""
     copies: dict[str, tuple[int, float]] = {}
-    laid_out = is_laid_out(ctx.module)
+    laid_out = ctx.laid_out
 
     def add(name: str, shape, fmt: ShardFormat, collective: bool) -> None:
         if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:

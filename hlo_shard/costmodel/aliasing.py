@@ -15,12 +15,12 @@ MiB, read and written every step, on the wide LayerNorm MLP) is priced here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hlo_shard.costmodel.flops import leaf_bytes
 from hlo_shard.costmodel.kernels import is_relabel
-from hlo_shard.graph import users_map
+from hlo_shard.graph import stable_topological_sort, users_map
 from hlo_shard.ir import Computation, Instruction, Module
 
 
@@ -48,19 +48,22 @@ def donated_parameter_copies(module: Module, combined: Sequence[Sequence[str]] =
     root = comp.root
     outputs = root.operands if root.opcode == "tuple" else [root.name]
     parameters = {p.parameter_number: p for p in comp.parameters()}
+    donated = [(parameters[number], _buffer_source(comp, outputs[output]))
+               for output, number in aliases.items()
+               if number in parameters and output < len(outputs)]
+    # A parameter passed through unchanged is not written.
+    donated = [(parameter, writer) for parameter, writer in donated if writer != parameter.name]
+    if not donated:
+        return []
     users = users_map(comp)
-    bucket_of = {name: bucket for bucket in combined for name in bucket}
+    readers = {parameter.name: _readers(comp, users, parameter.name)
+               for parameter, _ in donated}
+    order = _DataOrder(comp, [writer for _, writer in donated], combined,
+                       {r for found in readers.values() for r in found})
     copies: list[DonatedCopy] = []
-    for output, number in aliases.items():
-        parameter = parameters.get(number)
-        if parameter is None or output >= len(outputs):
-            continue
-        writer = _buffer_source(comp, outputs[output])
-        if writer == parameter.name:
-            continue  # passed through unchanged
-        before = _ancestors(comp, writer, bucket_of)
-        late = [r for r in _readers(comp, users, parameter.name)
-                if r != writer and r not in before]
+    for parameter, writer in donated:
+        late = [r for r in readers[parameter.name]
+                if r != writer and not order.precedes(r, writer)]
         if late:
             copies.append(DonatedCopy(parameter.name, int(leaf_bytes(parameter.shape)),
                                       late[0], writer))
@@ -89,23 +92,45 @@ def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[
     return found
 
 
-def _ancestors(comp: Computation, name: str,
-               bucket_of: Mapping[str, Sequence[str]]) -> set[str]:
-    """The instructions ``name`` depends on through data: an element taken out of an
-    optimization barrier depends on that element only (XLA expands the barrier before
-    copy insertion), a combined collective on all its bucket's operands, and control
-    predecessors do not count (StableHLO, through which jax and the runtime compile
-    HLO, has none)."""
-    found: set[str] = set()
-    stack = [name]
-    while stack:
-        inst = comp[stack.pop()]
-        merged = [o for member in bucket_of.get(inst.name, ()) for o in comp[member].operands]
-        for before in (*_data_operands(comp, inst), *merged):
-            if before not in found:
-                found.add(before)
-                stack.append(before)
-    return found
+class _DataOrder:
+    """Which of the ``writers`` each instruction of ``asked`` precedes through data. An
+    element taken out of an optimization barrier depends on that element only (XLA
+    expands the barrier before copy insertion), a combined collective on all its
+    bucket's operands, and control predecessors do not count (StableHLO, through which
+    jax and the runtime compile HLO, has none).
+
+    One pass over the dependencies from the last instruction to the first: each hands
+    the writers that follow it (a bitset, one bit per writer) on to what it depends on,
+    instead of a walk over the ancestors of every writer."""
+
+    def __init__(self, comp: Computation, writers: Sequence[str],
+                 combined: Sequence[Sequence[str]], asked: set[str]) -> None:
+        self.bit = {writer: 1 << index for index, writer in enumerate(dict.fromkeys(writers))}
+        deps: dict[str, list[str]] = {inst.name: _data_operands(comp, inst)
+                                      for inst in comp.instructions}
+        for index, bucket in enumerate(combined):
+            # A bucket waits for all its members' operands: one node between them and it.
+            joint = f"\0bucket {index}"  # no instruction is named so
+            deps[joint] = [o for member in bucket for o in comp[member].operands]
+            for member in bucket:
+                deps[member] = [*deps[member], joint]
+        order = stable_topological_sort(list(deps), {name: set(d) for name, d in deps.items()})
+        if len(order) != len(deps):
+            raise ValueError(f"computation {comp.name}: combined collectives depend on "
+                             f"each other")
+        pending: dict[str, int] = {}
+        self.followers: dict[str, int] = {}
+        for name in reversed(order):
+            bits = pending.pop(name, 0) | self.bit.get(name, 0)
+            if name in asked:
+                self.followers[name] = bits
+            if bits:
+                for dep in deps[name]:
+                    pending[dep] = pending.get(dep, 0) | bits
+
+    def precedes(self, name: str, writer: str) -> bool:
+        """Whether ``writer`` depends on ``name`` (``name`` one of ``asked``)."""
+        return name != writer and bool(self.followers[name] & self.bit[writer])
 
 
 def _data_operands(comp: Computation, inst: Instruction) -> list[str]:

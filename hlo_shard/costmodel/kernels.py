@@ -81,6 +81,18 @@ class KernelPlan:
     emulated: bool
     #: The duplicated values that are their operand's buffer relabelled (bitcasts).
     relabels: set[str] = field(default_factory=set)
+    #: Duplicated value → the values it is recomputed from (see :meth:`inputs`).
+    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def inputs(self, operands: Iterable[str], members: set[str]) -> list[str]:
+        """The values a kernel reads from memory for ``operands`` of its ``members``:
+        outside the kernel, looking through producers it recomputes (duplicated), each
+        once, last operand's first (the order a depth-first walk finds them in). Scalar
+        constants are immediates in the kernel's code, not reads."""
+        found = _ordered_union([self.sources[name] if name in self.duplicated else
+                                () if _is_immediate(self.comp[name]) else (name,)
+                                for name in reversed(list(operands))])
+        return [name for name in found if name not in members]
 
 
 def is_prefused(module: Module) -> bool:
@@ -102,30 +114,42 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
     relabels: set[str] = set()
     kernels: list[Kernel] = []
 
+    merged: set[int] = set()  # ids of kernels merged into another (dropped at the end)
+    # Per duplicated value: whether the root reads it, and the instructions that read it
+    # from a kernel of their own (each once, in first-found order), looking through the
+    # duplicated values that read it. Users come first in reverse order, so each value's
+    # readers are built from its users' once: no walk per path.
+    reached: dict[str, _Readers] = {}
+
     def new_kernel(inst: Instruction) -> None:
         kernel = Kernel(len(kernels), [inst])
         kernels.append(kernel)
         kernel_of[inst.name] = kernel
 
-    def consumers(name: str) -> list[Kernel | None]:
-        """Kernels that read ``name`` (looking through duplicated producers); None for
+    def readers_of(name: str) -> _Readers:
+        parts = [reached[user] if user in duplicated else _Readers(False, (user,))
+                 for user in users[name]]
+        if name == comp.root_name:
+            parts.append(_Readers(True, ()))
+        return _Readers.union(parts)
+
+    def consumers(found: _Readers) -> list[Kernel | None]:
+        """Kernels that read the value (looking through duplicated producers); None for
         a reader that needs it in memory (a tuple, a control-flow op, the root)."""
-        found: list[Kernel | None] = [None] if name == comp.root_name else []
-        for user in users[name]:
-            if user in duplicated:
-                found.extend(consumers(user))
-                continue
+        kernels_found: list[Kernel | None] = [None] if found.root else []
+        for user in found.users:
             kernel = kernel_of.get(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
-            found.append(kernel if kernel and _takes_producers(kernel.members[0],
-                                                               concatenate_operands)
-                         else None)
-        return found
+            kernels_found.append(kernel if kernel and _takes_producers(kernel.members[0],
+                                                                       concatenate_operands)
+                                 else None)
+        return kernels_found
 
     for inst in reversed(order):
         if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
             continue
-        readers = consumers(inst.name)
+        found = readers_of(inst.name)
+        readers = consumers(found)
         # A value also needed in memory (read by a tuple, a loop, the root) can still be
         # computed inside its kernel readers' fusion, as an extra output.
         kernel_readers = [k for k in readers if k is not None]
@@ -134,10 +158,12 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                                or _reshape_of_absorbed_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
             relabels.add(inst.name)
+            reached[inst.name] = found
             continue
         if (fusible and None not in readers and inst.opcode not in _KERNEL_ROOTS
                 and _is_cheap(comp, inst)):
             duplicated.add(inst.name)
+            reached[inst.name] = found
             continue
         targets = list({id(k): k for k in kernel_readers}.values())
         joins = fusible and inst.opcode not in _KERNEL_ROOTS and (
@@ -149,20 +175,75 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                 kernel.members.extend(other.members)
                 for member in other.members:
                     kernel_of[member.name] = kernel
-                kernels.remove(other)
+                merged.add(id(other))
             kernel.members.append(inst)
             kernel_of[inst.name] = kernel
         else:
             new_kernel(inst)
+    kernels = [k for k in kernels if id(k) not in merged]
     position = {inst.name: i for i, inst in enumerate(order)}
     for kernel in kernels:
         kernel.members.sort(key=lambda m: position[m.name])
     kernels.sort(key=lambda k: position[k.members[-1].name])
     for index, kernel in enumerate(kernels):
         kernel.index = index
-    materialized = _account(comp, kernels, duplicated, relabels, users)
-    return KernelPlan(comp, kernels, kernel_of, materialized, duplicated, emulate_fusion,
-                      relabels)
+    plan = KernelPlan(comp, kernels, kernel_of, set(), duplicated, emulate_fusion, relabels,
+                      _sources(comp, order, duplicated))
+    _account(plan, users)
+    return plan
+
+
+@dataclass(frozen=True)
+class _Readers:
+    """Who reads a value, looking through the duplicated producers between: whether
+    the root does, and the other readers (instructions that are not duplicated)."""
+
+    root: bool
+    users: tuple[str, ...]
+
+    @staticmethod
+    def union(parts: list[_Readers]) -> _Readers:
+        """All of ``parts``' readers, each once, in order (a chain's links, a ladder's
+        two rungs, share one record: see :func:`_ordered_union`)."""
+        if parts and all(part is parts[0] for part in parts):
+            return parts[0]
+        return _Readers(any(part.root for part in parts),
+                        _ordered_union([part.users for part in parts]))
+
+
+def _ordered_union(parts: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The names of ``parts`` in order, each once. A single non-empty part (or several
+    that are the same tuple) comes back as it is, not copied: along a chain of
+    duplicated scalars every link shares its neighbour's tuple, so building them all
+    costs the chain's length, not its length times the tuple's."""
+    filled = [part for part in parts if part]
+    if not filled:
+        return ()
+    if all(part is filled[0] for part in filled):
+        return filled[0]
+    return tuple(dict.fromkeys(name for part in filled for name in part))
+
+
+def _sources(comp: Computation, order: list[Instruction], duplicated: set[str]
+             ) -> dict[str, tuple[str, ...]]:
+    """Duplicated value → the values that are not duplicated it is recomputed from, in
+    the order a depth-first walk from it finds them (last operand first). Built in
+    def-before-use order from the operands' own, so each value is looked at once."""
+    sources: dict[str, tuple[str, ...]] = {}
+    alone: dict[str, tuple[str, ...]] = {}  # one tuple per value: unions see it is shared
+    for inst in order:
+        if inst.name in duplicated:
+            sources[inst.name] = _ordered_union(
+                [sources[name] if name in duplicated else
+                 () if _is_immediate(comp[name]) else alone.setdefault(name, (name,))
+                 for name in reversed(inst.operands)])
+    return sources
+
+
+def _is_immediate(inst: Instruction) -> bool:
+    """A scalar constant: compiled into the code of the kernels that use it (a
+    schedule's boundaries), never read from memory."""
+    return inst.opcode == "constant" and leaf_bytes(inst.shape) <= 8
 
 
 def _takes_producers(root: Instruction, concatenate_operands: int) -> bool:
@@ -234,46 +315,23 @@ def _is_cheap(comp: Computation, inst: Instruction) -> bool:
     return False
 
 
-def _account(comp: Computation, kernels: list[Kernel], duplicated: set[str],
-             relabels: set[str], users: dict[str, list[str]]) -> set[str]:
-    """Fill each kernel's read and write bytes; return the materialised values."""
-    materialized: set[str] = set()
-    for kernel in kernels:
+def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
+    """Fill each kernel's read and write bytes, and the plan's materialised values."""
+    comp = plan.comp
+    for kernel in plan.kernels:
         member_names = {m.name for m in kernel.members}
         reads: dict[str, float] = {}
         for member in kernel.members:
-            for operand in kernel_inputs(comp, member.operands, member_names, duplicated):
+            for operand in plan.inputs(member.operands, member_names):
                 value = comp[operand]
-                if value.opcode == "constant" and leaf_bytes(value.shape) <= 8:
-                    continue
                 reads[operand] = max(reads.get(operand, 0.0),
-                                     _read_size(comp, member, value, relabels))
+                                     _read_size(comp, member, value, plan.relabels))
         kernel.read_bytes = sum(reads.values())
         for member in kernel.members:
             outside = [u for u in users[member.name] if u not in member_names]
             if outside or member.name == comp.root_name:
-                materialized.add(member.name)
+                plan.materialized.add(member.name)
                 kernel.write_bytes += _write_size(comp, member)
-    return materialized
-
-
-def kernel_inputs(comp: Computation, operands: Iterable[str], members: set[str],
-                  duplicated: set[str]) -> list[str]:
-    """The values a kernel reads from memory for ``operands`` of its ``members``:
-    outside the kernel, looking through producers it recomputes (duplicated)."""
-    found: list[str] = []
-    stack = list(operands)
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in members or name in seen:
-            continue
-        seen.add(name)
-        if name in duplicated:
-            stack.extend(comp[name].operands)
-        else:
-            found.append(name)
-    return found
 
 
 def _read_size(comp: Computation, reader: Instruction, value: Instruction,

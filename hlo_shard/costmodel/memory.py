@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+import itertools
 
 from hlo_shard.costmodel.network import combiner_buckets
 from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
 from hlo_shard.costmodel.kernels import (
-    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, kernel_inputs, plan_kernels,
+    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, plan_kernels,
 )
 from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
@@ -302,8 +303,8 @@ class _Liveness:
             return list(inst.operands)
         if kernel.members[-1] is not inst:
             return []
-        return kernel_inputs(self.comp, [o for m in kernel.members for o in m.operands],
-                             {m.name for m in kernel.members}, self.plan.duplicated)
+        return self.plan.inputs([o for m in kernel.members for o in m.operands],
+                                {m.name for m in kernel.members})
 
     def run(self) -> MemoryProfile:
         self._define()
@@ -332,7 +333,8 @@ class _Liveness:
         for key in self.buffers:  # defined, never read: dies at once
             if key not in last_use and not self._persistent(key):
                 dies_at.setdefault(self.position[self.definer[key]], []).append(key)
-        peak, peak_at = self._total(live), "(start)"
+        live_bytes = sum(b.size for b in live.values())  # kept up to date below
+        peak, peak_at = live_bytes, "(start)"
         born: dict[str, int] = {}
         transients: list[int] = []
         curve: list[tuple[int, str, int]] = [(0, peak_at, peak)]
@@ -344,20 +346,22 @@ class _Liveness:
                      and not self._persistent(k)]
             shared = self._in_place_bytes(inst, written, dying)
             for buffer in written:
+                replaced = live.get(buffer.owner)
+                live_bytes += buffer.size - (replaced.size if replaced is not None else 0)
                 live[buffer.owner] = buffer
                 born[buffer.owner] = self.write_at.get(inst.name, pos)
-            level = self._total(live) + transient - shared
+            level = live_bytes + transient - shared
             if level > peak:
                 peak, peak_at = level, inst.name
             transients.append(transient)
             for key in dies_at.get(pos, ()):
                 if key in live and not self._persistent(key):
-                    del live[key]
+                    live_bytes -= live.pop(key).size
             # What is live while the instruction runs: the same figure the peak is the
             # maximum of, so the plot and the table ("live at once") agree.
             curve.append((pos, inst.name, level))
         if copied:
-            level = self._total(live) + copied
+            level = live_bytes + copied
             if level > peak:
                 peak, peak_at = level, self.comp.root.name
             curve.append((len(self.order), self.comp.root.name, level))
@@ -413,7 +417,9 @@ class _Liveness:
             else:
                 held[home].append(key)
         steps = len(self.order)
-        level = {c: [0] * steps for c in _TEMPORARY}
+        # Each buffer adds its size where it is live: changes at its ends, summed up
+        # once (a long-lived buffer costs two entries, not one per step it spans).
+        change = {c: [0] * (steps + 1) for c in _TEMPORARY}
         in_heap = set(heap)
         for key in heap:
             buffer = self.buffers[key]
@@ -421,8 +427,11 @@ class _Liveness:
             start, end = interval(key)
             if self.reuses.get(key) in in_heap:
                 start += 1  # written into the operand buffer that dies there
-            for pos in range(start, min(end, steps - 1) + 1):
-                level[buffer.category][pos] += size
+            end = min(end, steps - 1)
+            if start <= end:
+                change[buffer.category][start] += size
+                change[buffer.category][end + 1] -= size
+        level = {c: list(itertools.accumulate(change[c][:steps])) for c in _TEMPORARY}
         totals = [sum(level[c][i] for c in _TEMPORARY) + transients[i] for i in range(steps)]
         if not totals:
             return 0, 0, {}
@@ -524,8 +533,3 @@ class _Liveness:
             # What the callee adds on top of the buffers it was passed.
             peaks.append(nested.run().temp_bytes)
         return max(peaks, default=0)
-
-    @staticmethod
-    def _total(live: dict[str, Buffer]) -> int:
-        return sum(b.size for b in live.values())
-

@@ -247,16 +247,25 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
                 continue
             region.add(user)
             stack.append(user)
-    changed = True
-    while changed:
-        changed = False
-        for inst in comp.instructions:
-            if (inst.name in region or inst.opcode not in UPDATE_OPCODES
-                    or not users[inst.name] or inst.name == comp.root_name):
+    # A producer joins once its last user has: count the users outside the region, so
+    # that each value is looked at once per user (a chain joins link by link).
+    outside = {name: sum(1 for u in names if u not in region) for name, names in users.items()}
+    ready = [name for name, count in outside.items() if count == 0]
+    joined: list[str] = []
+    while joined or ready:
+        if ready:
+            name = ready.pop()
+            inst = comp[name]
+            if (name in region or inst.opcode not in UPDATE_OPCODES or not users[name]
+                    or name == comp.root_name):
                 continue
-            if all(u in region for u in users[inst.name]):
-                region.add(inst.name)
-                changed = True
+            region.add(name)
+            joined.append(name)
+            continue
+        for operand in dict.fromkeys(comp[joined.pop()].operands):
+            outside[operand] -= 1
+            if outside[operand] == 0:
+                ready.append(operand)
     return region
 
 

@@ -549,8 +549,34 @@ class PaddingZeros:
         self.module, self.comp, self.plan = module, comp, plan
         self.zero = input_shards | {v for leaf in plan.active for v in leaf.values}
         self._memo: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._states: dict[str, str] = {}
 
     def state(self, value: str) -> str:
+        """``value``'s padding state. Operands first, from an explicit stack, each value
+        once: a long update does not recurse, and a value the update reaches along many
+        paths is not derived once per path."""
+        stack = [value]
+        expanded: set[str] = set()
+        while stack:
+            name = stack[-1]
+            if name in self._states:
+                stack.pop()
+                continue
+            known = self._given_state(name)
+            missing = [] if known is not None else \
+                [o for o in self.comp[name].operands if o not in self._states]
+            if missing:
+                if name in expanded:
+                    raise ValueError(f"{self.comp.name}: {name} depends on itself")
+                expanded.add(name)
+                stack.extend(missing)
+                continue
+            stack.pop()
+            self._states[name] = known if known is not None else self._derived_state(name)
+        return self._states[value]
+
+    def _given_state(self, value: str) -> str | None:
+        """The state of a value that does not follow from its operands', or None."""
         comp = self.comp
         if value in self.zero:
             return _ZERO
@@ -559,7 +585,11 @@ class PaddingZeros:
             if is_scalar_broadcast(comp, value):
                 return _constant_state(comp[inst.operands[0]])
             return _constant_state(inst) if inst.array_shape.is_scalar else _ZERO
-        operands = [self.state(o) for o in inst.operands]
+        return None
+
+    def _derived_state(self, value: str) -> str:
+        inst = self.comp[value]
+        operands = [self._states[o] for o in inst.operands]
         if inst.opcode == "reduce":
             return operands[0]  # a region reduce here drops size-1 dimensions only
         calls = inst.attr_as("calls", ComputationRef)

@@ -256,12 +256,13 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if state_entry:
             state_plan, kept_whole = _pair_state(module, comp, plan, run.replication)
             run.state_plan = state_plan
-            run.report.notes += [_state_note(comp, number, why)
+            names = _parameter_names(comp)
+            run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
             run.report.notes += _unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
             run.changes += _annotate_state(module, Rewriter(comp), state_plan, plan.groups)
-            return ({_param_name(comp, n): p.format for n, p in state_plan.items()},
+            return ({names[n]: p.format for n, p in state_plan.items()},
                     {p.output: p.value for p in state_plan.values()})
         carry = _loop_slots(module, comp, plan, run.replication)
         if carry is None:
@@ -585,24 +586,26 @@ def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardForm
     return f"its next value (output {k}) has another element type"
 
 
-def _state_note(comp: Computation, number: int, why: str) -> str:
+def _state_note(param: Instruction, number: int, why: str) -> str:
     from hlo_shard.printer import format_shape
 
-    param = comp[_param_name(comp, number)]
     return f"optimizer state parameter {number} (%{param.name} {format_shape(param.shape)}) " \
            f"stays whole (sliced and all-gathered every step): {why}"
 
 
-def _param_name(comp: Computation, number: int) -> str:
-    return next(p.name for p in comp.parameters() if p.parameter_number == number)
+def _parameter_names(comp: Computation) -> dict[int, str]:
+    """Parameter number → name (one scan, for callers that look up many)."""
+    return {p.parameter_number: p.name for p in comp.parameters()
+            if p.parameter_number is not None}
 
 
 def _annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
                     groups: DeviceGroups) -> list[Change]:
     """SPMD form: a sharded state parameter's global value is the padded flat vector."""
     comp = rw.comp
+    names = _parameter_names(comp)
     for number in state:
-        param = comp[_param_name(comp, number)]
+        param = comp[names[number]]
         if "sharding" in param.attributes or module.num_partitions > 1:
             rw.set_attr(param, "sharding", Raw(_shard_sharding(groups)))
     return rw.changes
