@@ -237,6 +237,7 @@ def _read_array_shape(text: str) -> ArrayShape:
             raise ValueError(f"dimension {item[len(kind):]} is beyond int64")
         dims.append(size)
         dynamic.append(kind)
+    _check_byte_size(element_type, dims)
     layout = None
     layout_text = layout_text.strip()
     if layout_text:
@@ -248,6 +249,21 @@ def _read_array_shape(text: str) -> ArrayShape:
         layout = Layout(order, tail.strip())
     return ArrayShape(element_type, tuple(dims), tuple(dynamic) if any(dynamic) else (),
                       layout)
+
+
+def _check_byte_size(element_type: str, dims: list[int]) -> None:
+    """Refuse what XLA's ``ValidateShapeSize`` refuses at compile time: an element count
+    (bounded dimensions at their bound, unbounded ``?`` left out), multiplied dimension by
+    dimension in order, or its size in bytes, beyond int64. (A zero dimension first keeps
+    the running product at 0; XLA's product is order-dependent in the same way.)"""
+    product = 1
+    for size in dims:
+        if size >= 0:
+            product *= size
+            if product > _INT64_MAX:
+                raise ValueError("its element count overflows int64")
+    if product * max(1, ELEMENT_BITS[element_type] // 8) > _INT64_MAX:
+        raise ValueError("its size in bytes overflows int64")
 
 
 _ARRAY_SHAPE_PATTERN = r"[a-z][a-z0-9_]*\[[^\]]*\](?:\s*\{(?=\s*[0-9:])[^{}]*\})?"
