@@ -94,7 +94,8 @@ class _Printer:
 
     def __init__(self, explicit_mesh_groups: bool = False) -> None:
         self._shapes: dict[int, str] = {}
-        self._explicit_mesh_groups = explicit_mesh_groups
+        self._formats = _VALUE_FORMATS if not explicit_mesh_groups else {
+            **_VALUE_FORMATS, ReplicaGroups: _explicit_if_mesh}
 
     def shape(self, shape: Shape) -> str:
         text = self._shapes.get(id(shape))
@@ -136,18 +137,20 @@ class _Printer:
         attrs = inst.attributes
         text = f"  {'ROOT ' if is_root else ''}%{inst.name} = {self.shape(inst.shape)} {body}"
         if attrs:
-            text += "".join(f", {key}={self.value(value)}" for key, value in attrs.items())
+            formats = self._formats
+            text += "".join(f", {key}={formats[type(value)](value)}"
+                            for key, value in attrs.items())
         return text
-
-    def value(self, value: AttrValue) -> str:
-        if self._explicit_mesh_groups and isinstance(value, ReplicaGroups) and \
-                _is_mesh_form(value):
-            return _format_int_list(value.groups)
-        return _VALUE_FORMATS[type(value)](value)
 
 
 def _is_mesh_form(groups: ReplicaGroups) -> bool:
     return groups.text is not None and groups.text.startswith("mesh")
+
+
+def _explicit_if_mesh(value: AttrValue) -> str:
+    groups = cast(ReplicaGroups, value)
+    return _format_int_list(groups.groups) if _is_mesh_form(groups) else \
+        _VALUE_FORMATS[ReplicaGroups](groups)
 
 
 def _mesh_forms(module: Module) -> list[ReplicaGroups]:
