@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -199,7 +200,18 @@ def test_xla_runs_the_groups_we_read_from_text_for_xla():
     texts = [to_text(parse(chain(forms)), for_xla=True) for forms in cases]
     run = subprocess.run([sys.executable, "-c", _RUN_ON_8], input=json.dumps(texts), text=True,
                          capture_output=True, timeout=300, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == [pytest.approx(_expected(chain(forms)), rel=1e-6) for forms in cases]
+
+
+def test_verify_runs_a_module_with_two_meshes(tmp_path):
+    """The runtime compiles the text for XLA: before, "Unknown axis axis_1" (exit 2)."""
+    path = tmp_path / "mixed.hlo"
+    path.write_text(chain(MIXED))
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "verify", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "compiled and executed on 8 cpu devices" in run.stdout
