@@ -102,5 +102,43 @@ def test_fresh_capture_optimizes_and_verifies(tmp_path, mesh_shape, batch_axis):
     assert run.returncode == 0 and "MATCH" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+#: The step through ``shard_weight_update`` (forced) for 3 steps against plain jit: the
+#: executable's text prints the mesh as explicit groups, or XLA would run the iota
+#: order's groups ({0,2,4,6},{1,3,5,7}) instead of the mesh's ({0,1,2,3},{4,5,6,7}).
+_JAX_PATH = _CAPTURE.split("sys.stdout.write(")[0] + r"""
+import warnings
+import hlo_shard.jax as hsj
+key = jax.random.PRNGKey(0)
+start = {"w1": jax.random.normal(key, (16, 32)) / 4, "b1": jnp.zeros(32),
+         "w2": jax.random.normal(key, (32, 4)) / 8}
+microbatches = jax.device_put(jax.random.normal(key, (4, 64, 16)),
+                              NamedSharding(mesh, P(None, batch_axis)))
+def run(step_fn):
+    params = jax.device_put(start, replicated)
+    opt_state = jax.device_put(optimizer.init(params), replicated)
+    for _ in range(3):
+        params, opt_state = step_fn(params, opt_state, microbatches)
+    return params
+expected = run(jax.jit(step))
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fast = hsj.shard_weight_update(jax.jit(step), state=sys.argv[3], force=True)
+    got = run(fast)
+assert fast.report["sharded"] == fast.report["gradients"] == 3, fast.report
+for name in start:
+    np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]), rtol=1e-5,
+                               atol=1e-6)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_jax_path_shards_the_step_on_a_permuted_mesh(state):
+    run = subprocess.run([sys.executable, "-c", _JAX_PATH, "2,4", "1", state],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
+
+
 if __name__ == "__main__":
     CAPTURED.write_text(capture("2,4", 1))
