@@ -75,8 +75,17 @@ def read_replica_groups(text: str) -> ReplicaGroups:
         raise ValueError(f"bad replica_groups {show(text)}: {err}") from None
 
 
+#: The most devices an iota or mesh form may denote: each is expanded to the list of
+#: all of them, so a few characters (``[1,100000000]<=[100000000]``) would otherwise
+#: take seconds and gigabytes. Far above any machine's device count.
+MAX_GROUP_DEVICES = 1 << 20
+
+
 def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
     """``iota(prod(dims)).reshape(dims).transpose(perm).flatten()``."""
+    if math.prod(dims) > MAX_GROUP_DEVICES:
+        raise ValueError(f"{math.prod(dims)} devices is more than the {MAX_GROUP_DEVICES} "
+                         "a replica-group form may denote")
     if sorted(perm) != list(range(len(dims))):
         raise ValueError(f"T{tuple(perm)} is not a permutation of {len(dims)} dimensions")
     strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
@@ -166,6 +175,9 @@ def read_mesh_axes(text: str) -> MeshAxes:
     if min(sizes) < 1:
         raise ValueError("mesh axis sizes must be positive")
     total = math.prod(sizes)
+    if total > MAX_GROUP_DEVICES:
+        raise ValueError(f"{total} devices is more than the {MAX_GROUP_DEVICES} a "
+                         "replica-group form may denote")
     devices, iota = _mesh_devices(form.group("ids"), total)
     listed = tuple(_listed_axis(m, names, sizes)
                    for m in _items(_LISTED_AXIS_RE, form.group("listed"), "'axis'"))

@@ -215,3 +215,15 @@ def test_verify_runs_a_module_with_two_meshes(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "compiled and executed on 8 cpu devices" in run.stdout
+
+
+@pytest.mark.parametrize("form", [
+    "[1,100000000]<=[100000000]", "mesh['a'=100000,'b'=100000] {'a'}",
+    "mesh['a'=2,'b'=2], device_ids=([100000,100000]T(1,0)) {'a'}",
+])
+def test_forms_of_more_devices_than_any_machine_are_refused_at_once(form):
+    """Each is expanded to a list of all its devices: 25 characters took minutes and
+    gigabytes (a hostile or mistaken module)."""
+    with pytest.raises(HloParseError) as caught:
+        parse(chain([form]))
+    assert "devices" in caught.value.message
