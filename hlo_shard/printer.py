@@ -168,11 +168,12 @@ def mesh_forms_compile(module: Module) -> bool:
     in one module, collectives are bound to the wrong one (an unknown-axis error, or,
     worse, a program that compiles and reduces over the wrong groups), and a mesh's
     ``device_ids`` are dropped (the groups of the iota order run instead). One mesh in
-    iota order, however many collectives and axes use it, compiles right."""
+    iota order, however many collectives and axes use it, compiles right. (Unquoted axis
+    names, an older printer's, XLA's parser refuses.)"""
     meshes = set()
     for groups in _mesh_forms(module):
         mesh = read_mesh_axes(cast(str, groups.text))
-        if not mesh.iota:
+        if not mesh.iota or not mesh.quoted:
             return False
         meshes.add(mesh.mesh)
     return len(meshes) <= 1

@@ -142,13 +142,15 @@ class MeshAxes:
     """A ``mesh[...] {axes}`` replica-group form as XLA's ``MeshAxesReplicaGroupList``
     reads it: the mesh (axis names and sizes, the device at each mesh position in
     row-major order, ``iota`` when no ``device_ids`` reorder them) and the listed axes
-    as ``(mesh axis index, (pre_size, size))``; a whole axis is ``(1, axis size)``."""
+    as ``(mesh axis index, (pre_size, size))``; a whole axis is ``(1, axis size)``.
+    ``quoted``: every name is quoted, as XLA's parser requires."""
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     devices: tuple[int, ...]
     iota: bool
     listed: tuple[tuple[int, tuple[int, int]], ...]
+    quoted: bool
 
     @property
     def mesh(self) -> tuple:
@@ -164,8 +166,8 @@ def read_mesh_axes(text: str) -> MeshAxes:
     form = _MESH_FORM_RE.match(text.strip())
     if form is None:
         raise ValueError("expected mesh['x'=N,...](, device_ids=(...))? {'x',...}")
-    axes = [(_axis_name(m), int(m.group("size")))
-            for m in _items(_MESH_AXIS_RE, form.group("axes"), "'name'=size")]
+    axis_matches = _items(_MESH_AXIS_RE, form.group("axes"), "'name'=size")
+    axes = [(_axis_name(m), int(m.group("size"))) for m in axis_matches]
     if not axes:
         raise ValueError("the mesh has no axes")
     names = tuple(name for name, _ in axes)
@@ -179,12 +181,13 @@ def read_mesh_axes(text: str) -> MeshAxes:
         raise ValueError(f"{total} devices is more than the {MAX_GROUP_DEVICES} a "
                          "replica-group form may denote")
     devices, iota = _mesh_devices(form.group("ids"), total)
-    listed = tuple(_listed_axis(m, names, sizes)
-                   for m in _items(_LISTED_AXIS_RE, form.group("listed"), "'axis'"))
+    listed_matches = _items(_LISTED_AXIS_RE, form.group("listed"), "'axis'")
+    listed = tuple(_listed_axis(m, names, sizes) for m in listed_matches)
     _check_listed_axes(listed, names)
     if math.prod(size for _, (_, size) in listed) < 2:
         raise ValueError("the groups must have more than one device")
-    return MeshAxes(names, sizes, devices, iota, listed)
+    quoted = all(m.group("bare") is None for m in axis_matches + listed_matches)
+    return MeshAxes(names, sizes, devices, iota, listed, quoted)
 
 
 def _mesh_devices(ids: str | None, total: int) -> tuple[tuple[int, ...], bool]:

@@ -160,6 +160,13 @@ def test_for_xla_prints_explicit_groups_where_the_mesh_form_would_be_misread():
     assert "replica_groups={{0,1,2,3,4,5,6,7}}," in to_text(parse(chain(MIXED)), for_xla=True)
 
 
+def test_for_xla_prints_unquoted_mesh_axes_explicitly():
+    """An older printer's form, which XLA's parser refuses ("expects string")."""
+    module = parse(chain(["mesh[x=4,y=2] {x}"]))
+    assert "mesh[x=4,y=2] {x}" in to_text(module)
+    assert "replica_groups={{0,2,4,6},{1,3,5,7}}," in to_text(module, for_xla=True)
+
+
 def test_for_xla_keeps_one_mesh_in_iota_order():
     module = parse(chain(ONE_MESH))
     assert mesh_forms_compile(module)
