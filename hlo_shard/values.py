@@ -126,7 +126,10 @@ def _axis_name(match: re.Match[str]) -> str:
 
 
 def _items(pattern: re.Pattern[str], text: str, what: str) -> list[re.Match[str]]:
-    """Every comma-separated item of ``text`` as a match of ``pattern``, covering it."""
+    """Every comma-separated item of ``text`` as a match of ``pattern``, covering it
+    (no trailing comma, as in XLA's lists)."""
+    if text.rstrip().endswith(","):
+        raise ValueError(f"expected {what} after the last ','")
     items, position = [], 0
     while position < len(text):
         match = pattern.match(text, position)

@@ -116,6 +116,8 @@ MESH_REFUSALS = [
     ("mesh['a'=2,'b'=4] {'b':(1)4}", "does not fit"),
     ("mesh['a'=2,'b'=4] {'b':(1)1}", "size > 1"),
     ("mesh['x'=8] {'x':(1)2,'x':(2)2}", "can be merged"),
+    ("mesh['a'=2,'b'=4,] {'a'}", "after the last ','"),
+    ("mesh['a'=2,'b'=4] {'a',}", "after the last ','"),
 ]
 
 
