@@ -1177,11 +1177,8 @@ def serialized_tables(lark: Lark) -> dict:
 
 
 def grammar_digest() -> str:
-    """The SHA-256 of the grammar text and the lark version the tables are valid for."""
-    import lark
-
-    text = grammar_path().read_bytes()
-    return hashlib.sha256(text + b"\0lark " + lark.__version__.encode()).hexdigest()
+    """The SHA-256 of the grammar text, which the shipped tables were made from."""
+    return hashlib.sha256(grammar_path().read_bytes()).hexdigest()
 
 
 _TABLES: dict | None = None
@@ -1192,7 +1189,8 @@ def _grammar_tables() -> dict:
     """The grammar's tables, once per process: the ones shipped in
     :mod:`hlo_shard._grammar_tables` (Python source of this package, so loading them runs
     nothing but our own code) when they were made from this grammar with this lark
-    version, else built here from the grammar text. Nothing is read from or written to
+    version (its serialized form may change between versions), else built here from
+    the grammar text. Nothing is read from or written to
     any cache file: lark's own cache (``cache=True``) unpickles a predictable file in the
     shared temp folder, which any local user could plant."""
     global _TABLES
@@ -1200,7 +1198,9 @@ def _grammar_tables() -> dict:
         if _TABLES is None:
             from hlo_shard import _grammar_tables as shipped
 
-            if shipped.DIGEST == grammar_digest():
+            import lark
+
+            if (shipped.DIGEST, shipped.LARK_VERSION) == (grammar_digest(), lark.__version__):
                 _TABLES = shipped.TABLES
             else:
                 _TABLES = serialized_tables(_make_parser())

@@ -65,8 +65,20 @@ def test_a_file_planted_under_lark_cache_name_is_never_loaded(tmp_path):
 
 def test_shipped_grammar_tables_are_current():
     """Else every process builds the tables from the grammar text (a large part of a
-    second): run ``python scripts/grammar_tables.py``."""
+    second): run ``python scripts/grammar_tables.py``. (A lark version other than the
+    one they were made with also makes the parser build them: only slower.)"""
     from hlo_shard import _grammar_tables
     from hlo_shard.parser import grammar_digest
 
     assert _grammar_tables.DIGEST == grammar_digest()
+
+
+def test_tables_of_another_lark_version_are_not_loaded(monkeypatch):
+    from hlo_shard import _grammar_tables, parser
+
+    monkeypatch.setattr(_grammar_tables, "LARK_VERSION", "0.0-other")
+    monkeypatch.setattr(parser, "_TABLES", None)
+    assert parser._grammar_tables() is not _grammar_tables.TABLES
+    monkeypatch.setattr(_grammar_tables, "LARK_VERSION", __import__("lark").__version__)
+    monkeypatch.setattr(parser, "_TABLES", None)
+    assert parser._grammar_tables() is _grammar_tables.TABLES
