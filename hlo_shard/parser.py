@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import itertools
 import re
 import threading
@@ -236,6 +237,7 @@ def _read_array_shape(text: str) -> ArrayShape:
             raise ValueError(f"dimension {item[len(kind):]} is beyond int64")
         dims.append(size)
         dynamic.append(kind)
+    _check_byte_size(element_type, dims)
     layout = None
     layout_text = layout_text.strip()
     if layout_text:
@@ -247,6 +249,21 @@ def _read_array_shape(text: str) -> ArrayShape:
         layout = Layout(order, tail.strip())
     return ArrayShape(element_type, tuple(dims), tuple(dynamic) if any(dynamic) else (),
                       layout)
+
+
+def _check_byte_size(element_type: str, dims: list[int]) -> None:
+    """Refuse what XLA's ``ValidateShapeSize`` refuses at compile time: an element count
+    (bounded dimensions at their bound, unbounded ``?`` left out), multiplied dimension by
+    dimension in order, or its size in bytes, beyond int64. (A zero dimension first keeps
+    the running product at 0; XLA's product is order-dependent in the same way.)"""
+    product = 1
+    for size in dims:
+        if size >= 0:
+            product *= size
+            if product > _INT64_MAX:
+                raise ValueError("its element count overflows int64")
+    if product * max(1, ELEMENT_BITS[element_type] // 8) > _INT64_MAX:
+        raise ValueError("its size in bytes overflows int64")
 
 
 _ARRAY_SHAPE_PATTERN = r"[a-z][a-z0-9_]*\[[^\]]*\](?:\s*\{(?=\s*[0-9:])[^{}]*\})?"
@@ -1131,20 +1148,73 @@ def _name_nested(scope: _Scope) -> None:
 _PER_THREAD = threading.local()
 
 
+#: lark's options for the grammar (the builder is bound per parser, as ``transformer``).
+_LARK_OPTIONS = {"parser": "lalr", "lexer": "contextual", "start": ["start", "inline_body"],
+                 "maybe_placeholders": True}
+
+
 def _make_parser(**options) -> Lark:
-    """A lark parser with a builder of its own (``options`` go to lark, for tests)."""
+    """A lark parser built from the grammar text, with a builder of its own (``options``
+    go to lark, for tests). Building takes lark's grammar analysis (a large part of a
+    second); :func:`_parser` loads the tables instead."""
     builder = _Builder()
-    lark = Lark(grammar_path().read_text(encoding="utf-8"), parser="lalr",
-                lexer="contextual", transformer=builder, start=["start", "inline_body"],
-                maybe_placeholders=True, **options)
+    lark = Lark(grammar_path().read_text(encoding="utf-8"), transformer=builder,
+                **_LARK_OPTIONS, **options)
     builder.lark = lark
     return lark
+
+
+def serialized_tables(lark: Lark) -> dict:
+    """A parser's LALR and lexer tables as plain data (dicts, lists, strings, numbers),
+    without its builder: what :func:`_parser` loads, and what
+    ``scripts/grammar_tables.py`` writes to :mod:`hlo_shard._grammar_tables`."""
+    from lark.grammar import Rule
+    from lark.lexer import TerminalDef
+
+    data, memo = lark.memo_serialize([TerminalDef, Rule])
+    data["options"] = {k: v for k, v in data["options"].items() if k != "transformer"}
+    return {"data": data, "memo": memo}
+
+
+def grammar_digest() -> str:
+    """The SHA-256 of the grammar text, which the shipped tables were made from."""
+    return hashlib.sha256(grammar_path().read_bytes()).hexdigest()
+
+
+_TABLES: dict | None = None
+_TABLES_LOCK = threading.Lock()
+
+
+def _grammar_tables() -> dict:
+    """The grammar's tables, once per process: the ones shipped in
+    :mod:`hlo_shard._grammar_tables` (Python source of this package, so loading them runs
+    nothing but our own code) when they were made from this grammar with this lark
+    version (its serialized form may change between versions), else built here from
+    the grammar text. Nothing is read from or written to
+    any cache file: lark's own cache (``cache=True``) unpickles a predictable file in the
+    shared temp folder, which any local user could plant."""
+    global _TABLES
+    with _TABLES_LOCK:
+        if _TABLES is None:
+            from hlo_shard import _grammar_tables as shipped
+
+            import lark
+
+            if (shipped.DIGEST, shipped.LARK_VERSION) == (grammar_digest(), lark.__version__):
+                _TABLES = shipped.TABLES
+            else:
+                _TABLES = serialized_tables(_make_parser())
+        return _TABLES
 
 
 def _parser() -> Lark:
     lark = getattr(_PER_THREAD, "lark", None)
     if lark is None:
-        lark = _PER_THREAD.lark = _make_parser(cache=True)
+        tables = _grammar_tables()
+        builder = _Builder()
+        lark = _PER_THREAD.lark = Lark._load_from_dict(tables["data"], tables["memo"],
+                                                        transformer=builder)
+        builder.lark = lark
     return lark
 
 

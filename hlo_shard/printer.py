@@ -18,9 +18,9 @@ from hlo_shard.ir import (
     ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident, Instruction,
     Module, Raw, ReplicaGroups, Shape, SliceRanges, Str, TupleShape,
 )
-from hlo_shard.values import c_quote
+from hlo_shard.values import c_quote, read_mesh_axes
 
-__all__ = ["format_change", "format_shape", "format_value", "to_text"]
+__all__ = ["format_change", "format_shape", "format_value", "mesh_forms_compile", "to_text"]
 
 
 def format_shape(shape: Shape) -> str:
@@ -89,10 +89,13 @@ def format_value(value: AttrValue) -> str:
 
 
 class _Printer:
-    """Formats one module; caches shape texts (most shapes repeat many times)."""
+    """Formats one module; caches shape texts (most shapes repeat many times).
+    ``explicit_mesh_groups`` prints mesh replica groups as their explicit groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, explicit_mesh_groups: bool = False) -> None:
         self._shapes: dict[int, str] = {}
+        self._formats = _VALUE_FORMATS if not explicit_mesh_groups else {
+            **_VALUE_FORMATS, ReplicaGroups: _explicit_if_mesh}
 
     def shape(self, shape: Shape) -> str:
         text = self._shapes.get(id(shape))
@@ -134,14 +137,54 @@ class _Printer:
         attrs = inst.attributes
         text = f"  {'ROOT ' if is_root else ''}%{inst.name} = {self.shape(inst.shape)} {body}"
         if attrs:
-            text += "".join(f", {key}={_VALUE_FORMATS[type(value)](value)}"
+            formats = self._formats
+            text += "".join(f", {key}={formats[type(value)](value)}"
                             for key, value in attrs.items())
         return text
 
 
-def to_text(module: Module) -> str:
-    """The module as HLO text (long form)."""
-    return _Printer().module(module)
+def _is_mesh_form(groups: ReplicaGroups) -> bool:
+    return groups.text is not None and groups.text.startswith("mesh")
+
+
+def _explicit_if_mesh(value: AttrValue) -> str:
+    groups = cast(ReplicaGroups, value)
+    return _format_int_list(groups.groups) if _is_mesh_form(groups) else \
+        _VALUE_FORMATS[ReplicaGroups](groups)
+
+
+def _mesh_forms(module: Module) -> list[ReplicaGroups]:
+    return [groups for comp in module.computations for inst in comp.instructions
+            if isinstance(groups := inst.attributes.get("replica_groups"), ReplicaGroups)
+            and _is_mesh_form(groups)]
+
+
+def mesh_forms_compile(module: Module) -> bool:
+    """Whether XLA compiles the module's mesh replica groups as they read.
+
+    jax compiles HLO text through MLIR (``xla_computation_to_mlir_module``), whose
+    import turns each mesh into a module-level ``sdy.mesh`` matched by axis names and
+    sizes alone. Checked with jaxlib 0.10.2 on 8 CPU devices: with two different meshes
+    in one module, collectives are bound to the wrong one (an unknown-axis error, or,
+    worse, a program that compiles and reduces over the wrong groups), and a mesh's
+    ``device_ids`` are dropped (the groups of the iota order run instead). One mesh in
+    iota order, however many collectives and axes use it, compiles right. (Unquoted axis
+    names, an older printer's, XLA's parser refuses.)"""
+    meshes = set()
+    for groups in _mesh_forms(module):
+        mesh = read_mesh_axes(cast(str, groups.text))
+        if not mesh.iota or not mesh.quoted:
+            return False
+        meshes.add(mesh.mesh)
+    return len(meshes) <= 1
+
+
+def to_text(module: Module, *, for_xla: bool = False) -> str:
+    """The module as HLO text (long form). ``for_xla``: the text is for XLA to compile,
+    so mesh replica groups it would misread (:func:`mesh_forms_compile`) are printed as
+    their explicit groups, which mean the same devices; otherwise every value prints as
+    it was read."""
+    return _Printer(for_xla and not mesh_forms_compile(module)).module(module)
 
 
 # ------------------------------------------------------------------ the change log

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hlo_shard.ir import COMPLEX_TYPES, INTEGER_TYPES, ReplicaGroups, SliceRanges
@@ -74,8 +75,17 @@ def read_replica_groups(text: str) -> ReplicaGroups:
         raise ValueError(f"bad replica_groups {show(text)}: {err}") from None
 
 
+#: The most devices an iota or mesh form may denote: each is expanded to the list of
+#: all of them, so a few characters (``[1,100000000]<=[100000000]``) would otherwise
+#: take seconds and gigabytes. Far above any machine's device count.
+MAX_GROUP_DEVICES = 1 << 20
+
+
 def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
     """``iota(prod(dims)).reshape(dims).transpose(perm).flatten()``."""
+    if math.prod(dims) > MAX_GROUP_DEVICES:
+        raise ValueError(f"{math.prod(dims)} devices is more than the {MAX_GROUP_DEVICES} "
+                         "a replica-group form may denote")
     if sorted(perm) != list(range(len(dims))):
         raise ValueError(f"T{tuple(perm)} is not a permutation of {len(dims)} dimensions")
     strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
@@ -100,53 +110,180 @@ def _iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
     return _chunk(_transposed_iota(dims, perm), group_size)
 
 
-_MESH_AXIS_RE = re.compile(r"""['"]?([A-Za-z_][\w.\-]*)['"]?\s*=\s*(\d+)""")
+_MESH_FORM_RE = re.compile(
+    r"mesh\s*\[(?P<axes>[^\]]*)\]\s*"
+    r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\)\s*)?"
+    r"\{(?P<listed>[^{}]*)\}\Z")
+_AXIS_NAME = r"""'(?P<sq>[^'\\]*)'|"(?P<dq>[^"\\]*)"|(?P<bare>[A-Za-z_][\w.\-]*)"""
+_MESH_AXIS_RE = re.compile(rf"\s*(?:{_AXIS_NAME})\s*=\s*(?P<size>-?\d+)\s*(?:,|\Z)")
 _LISTED_AXIS_RE = re.compile(
-    r"""['"]?([A-Za-z_][\w.\-]*)['"]?(?:\s*:\s*\(\s*(\d+)\s*\)\s*(\d+))?""")
+    rf"\s*(?:{_AXIS_NAME})\s*(?::\s*\(\s*(?P<pre>-?\d+)\s*\)\s*(?P<sub>-?\d+))?\s*(?:,|\Z)")
+_IOTA_IDS_RE = re.compile(r"\s*\[(?P<dims>[\d,\s]*)\]\s*(?:T\((?P<perm>[\d,\s]*)\))?\s*\Z")
+
+
+def _axis_name(match: re.Match[str]) -> str:
+    return next(v for v in match.group("sq", "dq", "bare") if v is not None)
+
+
+def _items(pattern: re.Pattern[str], text: str, what: str) -> list[re.Match[str]]:
+    """Every comma-separated item of ``text`` as a match of ``pattern``, covering it
+    (no trailing comma, as in XLA's lists)."""
+    if text.rstrip().endswith(","):
+        raise ValueError(f"expected {what} after the last ','")
+    items, position = [], 0
+    while position < len(text):
+        match = pattern.match(text, position)
+        if match is None or match.end() == position:
+            raise ValueError(f"expected {what} at {show(text[position:], 20)}")
+        items.append(match)
+        position = match.end()
+    return items
+
+
+@dataclass(frozen=True)
+class MeshAxes:
+    """A ``mesh[...] {axes}`` replica-group form as XLA's ``MeshAxesReplicaGroupList``
+    reads it: the mesh (axis names and sizes, the device at each mesh position in
+    row-major order, ``iota`` when no ``device_ids`` reorder them) and the listed axes
+    as ``(mesh axis index, (pre_size, size))``; a whole axis is ``(1, axis size)``.
+    ``quoted``: every name is quoted, as XLA's parser requires."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    devices: tuple[int, ...]
+    iota: bool
+    listed: tuple[tuple[int, tuple[int, int]], ...]
+    quoted: bool
+
+    @property
+    def mesh(self) -> tuple:
+        """What identifies the mesh itself (names, sizes, device order)."""
+        return self.names, self.sizes, None if self.iota else self.devices
+
+
+def read_mesh_axes(text: str) -> MeshAxes:
+    """Read and check a mesh form as XLA's parser and ``MeshAxesReplicaGroupList`` do
+    (each refusal here is one XLA makes, most of them by aborting the process).
+    Axis names are quoted in XLA's text; unquoted ones (an older printer) are read too.
+    A listed axis is a name of the mesh, else an index into its axes (as XLA reads it)."""
+    form = _MESH_FORM_RE.match(text.strip())
+    if form is None:
+        raise ValueError("expected mesh['x'=N,...](, device_ids=(...))? {'x',...}")
+    axis_matches = _items(_MESH_AXIS_RE, form.group("axes"), "'name'=size")
+    axes = [(_axis_name(m), int(m.group("size"))) for m in axis_matches]
+    if not axes:
+        raise ValueError("the mesh has no axes")
+    names = tuple(name for name, _ in axes)
+    sizes = tuple(size for _, size in axes)
+    if len(set(names)) != len(names):
+        raise ValueError("the mesh has duplicate axis names")
+    if min(sizes) < 1:
+        raise ValueError("mesh axis sizes must be positive")
+    total = math.prod(sizes)
+    if total > MAX_GROUP_DEVICES:
+        raise ValueError(f"{total} devices is more than the {MAX_GROUP_DEVICES} a "
+                         "replica-group form may denote")
+    devices, iota = _mesh_devices(form.group("ids"), total)
+    listed_matches = _items(_LISTED_AXIS_RE, form.group("listed"), "'axis'")
+    listed = tuple(_listed_axis(m, names, sizes) for m in listed_matches)
+    _check_listed_axes(listed, names)
+    if math.prod(size for _, (_, size) in listed) < 2:
+        raise ValueError("the groups must have more than one device")
+    quoted = all(m.group("bare") is None for m in axis_matches + listed_matches)
+    return MeshAxes(names, sizes, devices, iota, listed, quoted)
+
+
+def _mesh_devices(ids: str | None, total: int) -> tuple[tuple[int, ...], bool]:
+    """``device_ids=(...)``: an iota ``[dims]T(perm)`` (``[n]`` alone is plain iota) or
+    an explicit permutation of the devices other than the identity."""
+    if ids is None:
+        return tuple(range(total)), True
+    iota = _IOTA_IDS_RE.match(ids)
+    if iota is not None:
+        dims = [int(v) for v in _INT_RE.findall(iota.group("dims"))]
+        perm_text = iota.group("perm")
+        perm = [int(v) for v in _INT_RE.findall(perm_text)] if perm_text is not None else None
+        if perm is None and len(dims) != 1 or perm is not None and len(dims) < 2:
+            raise ValueError("device_ids=([dims]T(perm)) needs T(perm) exactly when it "
+                             "has more than one dimension")
+        if math.prod(dims) != total:
+            raise ValueError(f"device_ids holds {math.prod(dims)} devices, the mesh {total}")
+        order = _transposed_iota(dims, perm if perm is not None else [0])
+        return tuple(order), order == list(range(total))
+    if not _only_separators(_INT_RE.sub("", ids)):
+        raise ValueError(f"bad device_ids ({show(ids)})")
+    devices = tuple(int(v) for v in _INT_RE.findall(ids))
+    if len(devices) != total:
+        raise ValueError(f"expected {total} device_ids based on mesh axes, got {len(devices)}")
+    if sorted(devices) != list(range(total)):
+        raise ValueError("device_ids must be a permutation of 0..N-1")
+    if devices == tuple(range(total)):
+        raise ValueError("device_ids in iota order must be left out")
+    return devices, False
+
+
+def _listed_axis(match: re.Match[str], names: tuple[str, ...],
+                 sizes: tuple[int, ...]) -> tuple[int, tuple[int, int]]:
+    name = _axis_name(match)
+    if name in names:
+        axis = names.index(name)
+    elif name.isdigit() and int(name) < len(names):
+        axis = int(name)
+    else:
+        raise ValueError(f"axis {name!r} is not a name or index of the mesh")
+    if match.group("pre") is None:
+        return axis, (1, sizes[axis])
+    pre, size = int(match.group("pre")), int(match.group("sub"))
+    if pre < 1 or size < 2:
+        raise ValueError(f"sub-axis {name!r}:({pre}){size} needs pre-size >= 1 and size > 1")
+    if sizes[axis] % (pre * size) or size >= sizes[axis]:
+        raise ValueError(f"sub-axis {name!r}:({pre}){size} does not fit in its axis of "
+                         f"size {sizes[axis]}")
+    return axis, (pre, size)
+
+
+def _check_listed_axes(listed: tuple[tuple[int, tuple[int, int]], ...],
+                       names: tuple[str, ...]) -> None:
+    """XLA's ``ValidateSpanOfAxes``: two references to one axis must be disjoint
+    sub-axes, one nested in the other's period; neighbours that XLA would merge into
+    one sub-axis are refused."""
+    for i, (axis, (pre, size)) in enumerate(listed):
+        for other, (other_pre, other_size) in listed[i + 1:]:
+            if other != axis:
+                continue
+            # (pre-size, next pre-size) of each; a whole axis is (1, its size)
+            low, high = sorted(((pre, pre * size), (other_pre, other_pre * other_size)))
+            if low[1] > high[0] or high[0] % low[1]:
+                raise ValueError(f"mesh axes overlap or cannot coexist ({names[axis]!r} "
+                                 "listed twice)")
+    for (axis, (pre, size)), (other, (other_pre, _)) in zip(listed, listed[1:]):
+        if axis == other and pre * size == other_pre:
+            raise ValueError(f"adjacent sub-axes of {names[axis]!r} can be merged into one")
 
 
 def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
-    """``mesh[axes](, device_ids=(...))? {listed axes}``: the devices varying along the
-    listed (sub-)axes, the others fixed, as XLA's MeshAxesReplicaGroupList does: each
-    axis is reshaped into the factors its sub-axes ``'x':(pre)size`` need (row major),
-    the listed factors are moved last in listed order, and the result is cut in groups."""
-    axes = [(name, int(size)) for name, size in
-            _MESH_AXIS_RE.findall(text[text.index("[") + 1: text.index("]")])]
-    names = [name for name, _ in axes]
-    total = math.prod(size for _, size in axes)
-    ids = re.search(r"device_ids=\(([^)]*)\)", text)
-    devices = [int(v) for v in _INT_RE.findall(ids.group(1))] if ids else list(range(total))
-    if len(devices) != total:
-        raise ValueError(f"device_ids has {len(devices)} entries for {total} devices")
-    listed = []
-    for match in _LISTED_AXIS_RE.finditer(text[text.rindex("{") + 1: text.rindex("}")]):
-        name, pre, size = match.groups()
-        if name not in names:
-            raise ValueError(f"axis {name!r} is not in the mesh")
-        axis = names.index(name)
-        listed.append((axis, (int(pre), int(size)) if pre else (1, axes[axis][1])))
-    if not listed:
-        raise ValueError("no mesh axes listed")
+    """The groups of a mesh form, as XLA's ``MeshAxesReplicaGroupList`` computes them:
+    each listed axis is reshaped into the factors its sub-axes ``'x':(pre)size`` need
+    (row major), the listed factors are moved last in listed order, and the mesh's
+    device order, so permuted, is cut in groups."""
+    mesh = read_mesh_axes(text)
     factors: list[int] = []
     factor_index: dict[tuple[int, tuple[int, int]], int] = {}
-    for axis, (name, full) in enumerate(axes):
+    for axis, full in enumerate(mesh.sizes):
         product = 1
-        for pre, size in sorted(sub for a, sub in listed if a == axis):
-            if pre % product:
-                raise ValueError(f"overlapping sub-axes of {name!r}")
+        for pre, size in sorted(sub for a, sub in mesh.listed if a == axis):
             if pre != product:
                 factors.append(pre // product)
             factor_index[(axis, (pre, size))] = len(factors)
             factors.append(size)
             product = pre * size
-        if full % product:
-            raise ValueError(f"sub-axes do not divide axis {name!r}")
         if product != full:
             factors.append(full // product)
-    grouped = [factor_index[key] for key in listed]
+    grouped = [factor_index[key] for key in mesh.listed]
     order = _transposed_iota(factors, [i for i in range(len(factors)) if i not in grouped]
                              + grouped)
-    return _chunk([devices[i] for i in order], math.prod(factors[i] for i in grouped))
+    return _chunk([mesh.devices[i] for i in order],
+                  math.prod(factors[i] for i in grouped))
 
 
 # ------------------------------------------------------------------------- literals

@@ -47,6 +47,10 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     ("HloModule m\nENTRY e {\n  ROOT c = f32[3,2]{0} parameter(0)\n}\n", 3, 12,
      "not a permutation of 2 dimensions"),
     ("HloModule m\nENTRY e {\n  ROOT c = f33[3] parameter(0)\n}\n", 3, 12, "unknown element type 'f33'"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f32[9223372036854775807,9223372036854775807] "
+     "parameter(0)\n}\n", 3, 12, "its element count overflows int64"),
+    ("HloModule m\nENTRY e {\n  ROOT c = f32[2305843009213693952] parameter(0)\n}\n", 3, 12,
+     "its size in bytes overflows int64"),
     ("HloModule m /* open\nENTRY e {\n}\n", 1, 13, "unterminated /* comment"),
     (OK_HEAD + '  ROOT n = f32[4] negate(p), metadata={op_name="x}\n}\n', 4, 39,
      "'{' has no matching '}'"),
@@ -167,3 +171,27 @@ def test_deeply_nested_operands_are_fine_and_deep_braces_are_an_error():
     with pytest.raises(HloParseError):
         parse("HloModule m\nENTRY e {\n  ROOT c = f32[] parameter(0), metadata="
               + "{" * 100000 + "\n}\n")
+
+
+@pytest.mark.parametrize("shape", [
+    "f32[2305843009213693951]",  # 2^63 - 4 bytes
+    "f32[0,9223372036854775807,9223372036854775807]",  # the product stays 0, as in XLA
+    "s4[9223372036854775807]", "f32[?,2305843009213693951]",
+])
+def test_shapes_xla_compiles_at_the_int64_edge_parse(shape):
+    """XLA's ValidateShapeSize (checked: jaxlib 0.10.2 compiles a parameter of each)."""
+    parse(f"HloModule m\nENTRY e {{\n  ROOT c = {shape} parameter(0)\n}}\n")
+
+
+def test_cli_refuses_a_shape_whose_byte_size_overflows(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "huge.hlo"
+    path.write_text("HloModule m\nENTRY e {\n  ROOT p = f32[9223372036854775807,"
+                    "9223372036854775807] parameter(0)\n}\n")
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "report", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"{path}:3:12: error: ")
+    assert "overflows int64" in run.stderr.splitlines()[0]

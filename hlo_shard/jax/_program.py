@@ -255,7 +255,7 @@ def build_program(capture: Capture, options: ShardingOptions,
         # The aliases of what jit donates, less those that would make XLA copy a weight.
         CopyFreeDonation(sharding.profile).apply(module)
         text = check_output(module)
-        executable_text = to_text(replica_form(module, keep_donation=True))
+        executable_text = to_text(replica_form(module, keep_donation=True), for_xla=True)
     except HloShardError as err:
         raise Unsupported(f"the pass refused the step: {err}") from None
     sharded = [row for row in report.explanations if row.sharded]

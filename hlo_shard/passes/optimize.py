@@ -39,8 +39,9 @@ def optimize_where_faster(module: Module, options: ShardingOptions, force: bool 
 
 
 def check_output(module: Module) -> str:
-    """The module's text, after checking that it parses back and validates."""
-    text = to_text(module)
+    """The module's text for XLA (:func:`~hlo_shard.printer.to_text` ``for_xla``), after
+    checking that it parses back and validates."""
+    text = to_text(module, for_xla=True)
     try:
         reparsed = parse(text, path="<optimized output>")
     except HloShardError as err:

@@ -116,7 +116,8 @@ class Executable:
         from hlo_shard.printer import to_text
 
         reply = self.worker.request("compile", self.timeout, f"compiling {self.name}",
-                                    text=to_text(self.module), replicas=self.devices)
+                                    text=to_text(self.module, for_xla=True),
+                                    replicas=self.devices)
         self._handle = reply["handle"]
         self._generation = self.worker.generation
         self.memory = MemoryStats.from_worker(reply["memory"])
