@@ -26,6 +26,7 @@ are chosen to minimise formatting copies (transposes) over the region.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -636,37 +637,39 @@ class Leaf:
         return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
 
 
-#: Why a gradient stays all-reduced, as a code a program matches (the text, which says it
-#: to a person, may change): code → what it means.
-WHOLE_CODES = {
-    "not-static": "not a static array",
-    "nothing-to-shard": "at most one element",
-    "below-min-shard-bytes": "smaller than the minimum the caller set",
-    "unused": "the all-reduced value is never used",
-    "no-update-work": "no update op runs on it: every user needs the full value",
-    "feeds-gradients": "other all-reduced values are computed from it (a batch statistic "
-                       "of the forward or backward pass, such as BatchNorm's mean)",
-    "region-cycle": "the rewritten computation had a dependency cycle: the region refused",
-}
+class WholeCode(str, enum.Enum):
+    """Why the planner keeps a gradient all-reduced, for programs to match (``--json``'s
+    ``reason_code``); the words for people are the reason text next to it."""
+
+    #: Not a static array (token, opaque, dynamic shape).
+    NOT_STATIC = "not_static"
+    #: At most one element.
+    NOTHING_TO_SHARD = "nothing_to_shard"
+    #: Smaller than the minimum the caller set (``min_shard_bytes``).
+    BELOW_MIN_SHARD_BYTES = "below_min_shard_bytes"
+    #: The all-reduced value is never used.
+    UNUSED = "unused"
+    #: No update op runs on it: every user needs the full value.
+    NO_UPDATE_WORK = "no_update_work"
+    #: Other all-reduced values are computed from it: a batch statistic of the forward
+    #: or backward pass (BatchNorm's mean and variance), not a weight update.
+    FEEDS_GRADIENTS = "feeds_gradients"
+    #: The rewrite of its region made a dependency cycle: undone, the region refused.
+    REGION_CYCLE = "region_cycle"
 
 
 @dataclass(frozen=True)
 class Whole:
-    """Why a gradient stays all-reduced: ``code`` (a key of :data:`WHOLE_CODES`) for
-    programs, ``text`` for people."""
+    """Why a gradient stays all-reduced: ``code`` for programs, ``text`` for people."""
 
-    code: str
+    code: WholeCode
     text: str
-
-    def __post_init__(self) -> None:
-        if self.code not in WHOLE_CODES:
-            raise ValueError(f"unknown reason code {self.code!r}")
 
 
 @dataclass(frozen=True)
 class PlannedLeaf(Leaf):
     """A leaf and the planner's decision: sharded in ``format``, or kept all-reduced for
-    ``reason`` (``code``: :data:`WHOLE_CODES`); and what its region moves."""
+    ``reason`` (``code``); and what its region moves."""
 
     #: The element order of its shard (for a leaf kept whole: the last one planned).
     format: ShardFormat
@@ -675,14 +678,14 @@ class PlannedLeaf(Leaf):
     ops_moved: int = 0
     formatting_copies: int = 0
     saved_flops: float = 0.0
-    code: str = ""
+    code: WholeCode | None = None
 
     @staticmethod
     def of(leaf: Leaf, fmt: ShardFormat, whole: Whole | None) -> PlannedLeaf:
         """``leaf`` sharded in ``fmt`` (``whole`` None) or kept whole, before accounting."""
         return PlannedLeaf(leaf.all_reduce, leaf.index, leaf.values, leaf.operand, leaf.shape,
                            leaf.groups, fmt, whole is None, whole.text if whole else "",
-                           code=whole.code if whole else "")
+                           code=whole.code if whole else None)
 
 
 @dataclass(frozen=True)
@@ -788,16 +791,16 @@ def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     shape = leaf.shape
     if shape.element_type in ("token", "opaque") or shape.dynamic:
-        return Whole("not-static", "not a static array")
+        return Whole(WholeCode.NOT_STATIC, "not a static array")
     if shape.num_elements <= 1:
-        return Whole("nothing-to-shard", "scalar: nothing to shard" if shape.is_scalar else
+        return Whole(WholeCode.NOTHING_TO_SHARD, "scalar: nothing to shard" if shape.is_scalar else
                      f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}: "
                      f"nothing to shard")
     if shape.byte_size < options.min_shard_bytes:
-        return Whole("below-min-shard-bytes", f"smaller than --min-shard-bytes "
+        return Whole(WholeCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
                                               f"({shape.byte_size} < {options.min_shard_bytes})")
     if not leaf.values:
-        return Whole("unused", "result unused")
+        return Whole(WholeCode.UNUSED, "result unused")
     return None
 
 
@@ -883,9 +886,9 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
              if planner.comp[user].opcode == "fusion"
              and isinstance(why := fusion_access(ctx, planner.comp[user]), str)]
     if stops:
-        return Whole("no-update-work", "no update work downstream (" + "; ".join(stops[:2]) +
+        return Whole(WholeCode.NO_UPDATE_WORK, "no update work downstream (" + "; ".join(stops[:2]) +
                      (f"; {len(stops) - 2} more" if len(stops) > 2 else "") + ")")
-    return Whole("no-update-work", "no update work downstream (all users need the full "
+    return Whole(WholeCode.NO_UPDATE_WORK, "no update work downstream (all users need the full "
                                    "gradient)")
 
 
@@ -957,7 +960,7 @@ class _Planner:
         for i, leaf in enumerate(self.leaves):
             fed = next((label[v] for v in leaf.values if v in label), None)
             if fed is not None:
-                out[i] = Whole("feeds-gradients", f"feeds the forward/backward pass "
+                out[i] = Whole(WholeCode.FEEDS_GRADIENTS, f"feeds the forward/backward pass "
                                f"(%{fed} is computed from it): a batch statistic, not a "
                                f"weight update; kept all-reduced, the update region ends here")
         return out
@@ -1223,7 +1226,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "VIEW_OPCODES", "WHOLE_CODES", "Whole", "blocks_through_collectives", "canonical_perm", "classify",
+    "VIEW_OPCODES", "Whole", "WholeCode", "blocks_through_collectives", "canonical_perm", "classify",
     "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",

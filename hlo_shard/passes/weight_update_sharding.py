@@ -36,7 +36,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
-                                              Whole, collect_leaves, flattenable, plan_region,
+                                              Whole, WholeCode, collect_leaves, flattenable, plan_region,
                                               region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
@@ -97,9 +97,10 @@ class Explanation:
     formatting_copies: int = 0
     saved_flops: float = 0.0
     collective: str = ""
-    #: Why kept whole, as a code (:data:`~hlo_shard.analysis.update_region.WHOLE_CODES`;
-    #: "" where the reason has none yet: an all-reduce rejected as a whole, the speed gate).
-    code: str = ""
+    #: Why it is not sharded, for machines (``""`` when sharded or not coded yet: an
+    #: all-reduce rejected as a whole, the speed gate); ``reason`` in words. The
+    #: planner's codes: :class:`~hlo_shard.analysis.update_region.WholeCode`.
+    reason_code: str = ""
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -255,9 +256,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 snapshot.restore()
                 run.rewind(mark)
                 stuck = ", ".join(f"%{name}" for name in cycle.stuck[:3])
-                plan = plan.refused(Whole("region-cycle", f"the rewrite of this region made "
-                                                          f"a dependency cycle (through {stuck}"
-                                                          f"…): the region is left as it was"))
+                plan = plan.refused(Whole(WholeCode.REGION_CYCLE,
+                                          f"the rewrite of this region made a dependency "
+                                          f"cycle (through {stuck}…): left as it was"))
         run.report.explanations += [_explain(comp.name, leaf, collectives)
                                      for leaf in plan.leaves]
 
@@ -877,7 +878,8 @@ def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> 
 
     if not leaf.sharded:
         return Explanation(comp_name, leaf.all_reduce, leaf.index, format_shape(leaf.shape),
-                           leaf.byte_size, False, leaf.reason, code=leaf.code)
+                           leaf.byte_size, False, leaf.reason,
+                           reason_code=leaf.code.value if leaf.code else "")
     return Explanation(comp_name, leaf.all_reduce, leaf.index, format_shape(leaf.shape),
                        leaf.byte_size, True, "", leaf.ops_moved, leaf.formatting_copies,
                        leaf.saved_flops, collectives.get(leaf.label, ""))
