@@ -960,9 +960,10 @@ class _Planner:
         for i, leaf in enumerate(self.leaves):
             fed = next((label[v] for v in leaf.values if v in label), None)
             if fed is not None:
-                out[i] = Whole(WholeCode.FEEDS_GRADIENTS, f"feeds the forward/backward pass "
-                               f"(%{fed} is computed from it): a batch statistic, not a "
-                               f"weight update; kept all-reduced, the update region ends here")
+                out[i] = Whole(WholeCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
+                               f"value of the forward/backward pass (a batch statistic, a "
+                               f"sum summed again), not an update's; kept all-reduced, the "
+                               f"update region ends here")
         return out
 
     def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
