@@ -12,7 +12,9 @@ returning a :class:`Program`: the data-parallel step (``jax.jit`` over a one-axi
   global batch: the SPMD partitioner all-reduces its statistics);
 * :mod:`bench.ecosystem.resnet_linen` — flax's ImageNet ResNet (linen, BatchNorm with
   cross-device ``axis_name`` statistics, ``pmean`` of the gradients), its ``pmap`` step
-  run as ``jax.jit`` of a ``shard_map``.
+  run as ``jax.jit`` of a ``shard_map``;
+* :mod:`bench.ecosystem.nanolm` — optax's nanoLM example (a flax linen character
+  transformer, AdamW), its batch an argument sharded over the data axis.
 """
 
 from __future__ import annotations
