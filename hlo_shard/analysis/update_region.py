@@ -793,12 +793,12 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     if shape.element_type in ("token", "opaque") or shape.dynamic:
         return Whole(WholeCode.NOT_STATIC, "not a static array")
     if shape.num_elements <= 1:
-        return Whole(WholeCode.NOTHING_TO_SHARD, "scalar: nothing to shard" if shape.is_scalar else
-                     f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}: "
-                     f"nothing to shard")
+        count = f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}"
+        return Whole(WholeCode.NOTHING_TO_SHARD,
+                     f"{'scalar' if shape.is_scalar else count}: nothing to shard")
     if shape.byte_size < options.min_shard_bytes:
         return Whole(WholeCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
-                                              f"({shape.byte_size} < {options.min_shard_bytes})")
+                     f"({shape.byte_size} < {options.min_shard_bytes})")
     if not leaf.values:
         return Whole(WholeCode.UNUSED, "result unused")
     return None
@@ -885,11 +885,10 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
              and isinstance(why := fusion_access(ctx, planner.comp[user]), str)]
+    why = "all users need the full gradient"
     if stops:
-        return Whole(WholeCode.NO_UPDATE_WORK, "no update work downstream (" + "; ".join(stops[:2]) +
-                     (f"; {len(stops) - 2} more" if len(stops) > 2 else "") + ")")
-    return Whole(WholeCode.NO_UPDATE_WORK, "no update work downstream (all users need the full "
-                                   "gradient)")
+        why = "; ".join(stops[:2]) + (f"; {len(stops) - 2} more" if len(stops) > 2 else "")
+    return Whole(WholeCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -1227,8 +1226,8 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "VIEW_OPCODES", "Whole", "WholeCode", "blocks_through_collectives", "canonical_perm", "classify",
-    "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
+    "VIEW_OPCODES", "Whole", "WholeCode", "blocks_through_collectives", "canonical_perm",
+    "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

@@ -36,8 +36,8 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
-                                              Whole, WholeCode, collect_leaves, flattenable, plan_region,
-                                              region_only_parameters)
+                                              Whole, WholeCode, collect_leaves, flattenable,
+                                              plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
                              dataflow_graph)
