@@ -316,17 +316,28 @@ class _Run:
     state_plan: dict[int, StatePair] = field(default_factory=dict)
     carries: list[_LoopCarry] = field(default_factory=list)
 
-    def mark(self) -> tuple[int, int, int, int, dict[int, StatePair]]:
+    def mark(self) -> _Mark:
         """Where the steps stand, for :meth:`rewind` after a region refused."""
-        return (len(self.changes), len(self.report.notes), len(self.report.strategies),
-                len(self.carries), dict(self.state_plan))
+        return _Mark(len(self.changes), len(self.report.notes), len(self.report.strategies),
+                     len(self.carries), dict(self.state_plan))
 
-    def rewind(self, mark: tuple[int, int, int, int, dict[int, StatePair]]) -> None:
+    def rewind(self, mark: _Mark) -> None:
         """Forget what the steps added since ``mark`` (its edits are undone separately,
         by the computation's :class:`RegionSnapshot`)."""
-        changes, notes, strategies, carries, self.state_plan = mark
-        del self.changes[changes:], self.report.notes[notes:]
-        del self.report.strategies[strategies:], self.carries[carries:]
+        del self.changes[mark.changes:], self.report.notes[mark.notes:]
+        del self.report.strategies[mark.strategies:], self.carries[mark.carries:]
+        self.state_plan = dict(mark.state_plan)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """How long the lists of a :class:`_Run` were, and its state plan, at one point."""
+
+    changes: int
+    notes: int
+    strategies: int
+    carries: int
+    state_plan: dict[int, StatePair]
 
 
 # ----------------------------------------------------------------- module-level facts
