@@ -107,8 +107,20 @@ def topological_order(comp: Computation) -> list[Instruction]:
             for inst in comp.instructions}
     names = stable_topological_sort([inst.name for inst in comp.instructions], deps)
     if len(names) != len(comp.instructions):
-        raise ValueError(f"computation {comp.name} has a dependency cycle")
+        placed = set(names)
+        raise DependencyCycle(comp.name, [i.name for i in comp.instructions
+                                          if i.name not in placed])
     return [comp[name] for name in names]
+
+
+class DependencyCycle(ValueError):
+    """A computation whose instructions depend on each other in a cycle (a rewrite's
+    bug: a parsed module has none). ``stuck``: the instructions on a cycle or after one,
+    in list order."""
+
+    def __init__(self, computation: str, stuck: list[str]) -> None:
+        super().__init__(f"computation {computation} has a dependency cycle")
+        self.computation, self.stuck = computation, stuck
 
 
 def stable_topological_sort(order: list[str], deps: dict[str, set[str]]) -> list[str]:

@@ -26,6 +26,7 @@ are chosen to minimise formatting copies (transposes) over the region.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -638,10 +639,39 @@ class Leaf:
         return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
 
 
+class WholeCode(str, enum.Enum):
+    """Why the planner keeps a gradient all-reduced, for programs to match (``--json``'s
+    ``reason_code``); the words for people are the reason text next to it."""
+
+    #: Not a static array (token, opaque, dynamic shape).
+    NOT_STATIC = "not_static"
+    #: At most one element.
+    NOTHING_TO_SHARD = "nothing_to_shard"
+    #: Smaller than the minimum the caller set (``min_shard_bytes``).
+    BELOW_MIN_SHARD_BYTES = "below_min_shard_bytes"
+    #: The all-reduced value is never used.
+    UNUSED = "unused"
+    #: No update op runs on it: every user needs the full value.
+    NO_UPDATE_WORK = "no_update_work"
+    #: Other all-reduced values are computed from it: a batch statistic of the forward
+    #: or backward pass (BatchNorm's mean and variance), not a weight update.
+    FEEDS_GRADIENTS = "feeds_gradients"
+    #: The rewrite of its region made a dependency cycle: undone, the region refused.
+    REGION_CYCLE = "region_cycle"
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Why a gradient stays all-reduced: ``code`` for programs, ``text`` for people."""
+
+    code: WholeCode
+    text: str
+
+
 @dataclass(frozen=True)
 class PlannedLeaf(Leaf):
     """A leaf and the planner's decision: sharded in ``format``, or kept all-reduced for
-    ``reason``; and what its region moves."""
+    ``reason`` (``code``); and what its region moves."""
 
     #: The element order of its shard (for a leaf kept whole: the last one planned).
     format: ShardFormat
@@ -650,12 +680,14 @@ class PlannedLeaf(Leaf):
     ops_moved: int = 0
     formatting_copies: int = 0
     saved_flops: float = 0.0
+    code: WholeCode | None = None
 
     @staticmethod
-    def of(leaf: Leaf, fmt: ShardFormat, reason: str) -> PlannedLeaf:
-        """``leaf`` sharded in ``fmt`` (no ``reason``) or kept whole, before accounting."""
+    def of(leaf: Leaf, fmt: ShardFormat, whole: Whole | None) -> PlannedLeaf:
+        """``leaf`` sharded in ``fmt`` (``whole`` None) or kept whole, before accounting."""
         return PlannedLeaf(leaf.all_reduce, leaf.index, leaf.values, leaf.operand, leaf.shape,
-                           leaf.groups, fmt, not reason, reason)
+                           leaf.groups, fmt, whole is None, whole.text if whole else "",
+                           code=whole.code if whole else None)
 
 
 @dataclass(frozen=True)
@@ -680,6 +712,15 @@ class RegionPlan:
     @property
     def active(self) -> list[PlannedLeaf]:
         return [leaf for leaf in self.leaves if leaf.sharded]
+
+    def refused(self, whole: Whole) -> RegionPlan:
+        """This plan with every sharded leaf kept whole for ``whole`` (a region the
+        rewrite could not carry out): nothing is sharded, each gradient says why."""
+        kept = tuple(leaf if not leaf.sharded else replace(
+            leaf, sharded=False, reason=whole.text, code=whole.code, ops_moved=0,
+            formatting_copies=0, saved_flops=0.0) for leaf in self.leaves)
+        return replace(self, leaves=kept, sharded={}, ops={}, boundary={},
+                       formatting_copies=0, formatting_cost=0.0)
 
 
 @dataclass(frozen=True)
@@ -749,18 +790,20 @@ def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
     return cast(tuple[ArrayShape, ...], shape.elements)
 
 
-def _leaf_filter(leaf: Leaf, options: RegionOptions) -> str:
+def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     shape = leaf.shape
     if shape.element_type in ("token", "opaque") or shape.dynamic:
-        return "not a static array"
+        return Whole(WholeCode.NOT_STATIC, "not a static array")
     if shape.num_elements <= 1:
-        return "scalar: nothing to shard" if shape.is_scalar else \
-            f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}: nothing to shard"
+        count = f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}"
+        return Whole(WholeCode.NOTHING_TO_SHARD,
+                     f"{'scalar' if shape.is_scalar else count}: nothing to shard")
     if shape.byte_size < options.min_shard_bytes:
-        return f"smaller than --min-shard-bytes ({shape.byte_size} < {options.min_shard_bytes})"
+        return Whole(WholeCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
+                     f"({shape.byte_size} < {options.min_shard_bytes})")
     if not leaf.values:
-        return "result unused"
-    return ""
+        return Whole(WholeCode.UNUSED, "result unused")
+    return None
 
 
 def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
@@ -774,11 +817,13 @@ def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
     can meet its own), so choosing the orders costs the size of the region, not
     leaves × computation."""
     groups = leaves[0].groups
-    # The trial state, leaf index → its element order and why it stays whole ("": sharded).
+    # The trial state, leaf index → its element order and why it stays whole (None: sharded).
     reasons = {i: _leaf_filter(leaf, options) for i, leaf in enumerate(leaves)}
     formats = {i: ShardFormat.of(leaf.shape, groups.size) for i, leaf in enumerate(leaves)}
-    planner = _Planner(module, comp, replication, groups, leaves, options,
-                       [leaf for i, leaf in enumerate(leaves) if not reasons[i]])
+    planner = _Planner(module, comp, replication, groups, leaves, options)
+    for i, why in planner.statistics().items():
+        reasons[i] = reasons[i] or why
+    planner.stop_at([leaf for i, leaf in enumerate(leaves) if not reasons[i]])
     plan = planner.grow(formats, reasons)
     # A leaf whose region is empty in its stored order may have one in another order
     # (a reshape that keeps only the row-major order).
@@ -829,11 +874,11 @@ def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
     return planner.grow(formats, reasons) if changed else plan
 
 
-def _sharded(reasons: dict[int, str]) -> list[int]:
+def _sharded(reasons: dict[int, Whole | None]) -> list[int]:
     return [i for i, reason in reasons.items() if not reason]
 
 
-def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> str:
+def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whole:
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
@@ -842,10 +887,10 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> str:
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
              and isinstance(why := fusion_access(ctx, planner.comp[user]), str)]
+    why = "all users need the full gradient"
     if stops:
-        return "no update work downstream (" + "; ".join(stops[:2]) + \
-            (f"; {len(stops) - 2} more" if len(stops) > 2 else "") + ")"
-    return "no update work downstream (all users need the full gradient)"
+        why = "; ".join(stops[:2]) + (f"; {len(stops) - 2} more" if len(stops) > 2 else "")
+    return Whole(WholeCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -876,8 +921,7 @@ class _Planner:
     computed once."""
 
     def __init__(self, module: Module, comp: Computation, replication: Replication,
-                 groups: DeviceGroups, leaves: Sequence[Leaf], options: RegionOptions,
-                 candidates: list[Leaf]) -> None:
+                 groups: DeviceGroups, leaves: Sequence[Leaf], options: RegionOptions) -> None:
         self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
         self.leaves, self.options = leaves, options
         self.params = comp.parameters() if options.keep_state_orders else []
@@ -886,10 +930,43 @@ class _Planner:
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
-        #: Trials (a component's leaves) stop at the ancestors of every ``candidates``
-        #: gradient (those the size filter let through); full plans at those of exactly
-        #: their sharded leaves.
+        #: Trials (a component's leaves) stop at the ancestors of every candidate
+        #: gradient (:meth:`stop_at`: those the filters let through); full plans at those
+        #: of exactly their sharded leaves.
+        self.all_ancestors: set[str] = set()
+
+    def stop_at(self, candidates: Sequence[Leaf]) -> None:
+        """Let trials stop at the ancestors of ``candidates``."""
         self.all_ancestors = self.ancestors_of_gradients(candidates)
+
+    def statistics(self) -> dict[int, Whole]:
+        """Leaf index → why it stays whole, for the leaves another leaf's per-device value
+        is computed from: batch statistics (BatchNorm's mean and variance over the data
+        axis, their gradients' sums in the backward pass), not weight updates. Sharding
+        one would put its all-gather — and so everything downstream of it, the forward
+        and backward pass — after its reduce-scatter, which a bucket shares with the
+        gradients computed from it: a dependency cycle. The update region ends there.
+
+        One walk up from every leaf's operand, each node labelled with the first
+        all-reduce that reached it (linear in the computation)."""
+        label: dict[str, str] = {}
+        stack = [(leaf.operand, leaf.label) for leaf in self.leaves]
+        while stack:
+            name, reached_from = stack.pop()
+            if name in label:
+                continue
+            label[name] = reached_from
+            stack.extend((p, reached_from) for p in self.graph.predecessors(name)
+                         if p not in label)
+        out: dict[int, Whole] = {}
+        for i, leaf in enumerate(self.leaves):
+            fed = next((label[v] for v in leaf.values if v in label), None)
+            if fed is not None:
+                out[i] = Whole(WholeCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
+                               f"value of the forward/backward pass (a batch statistic, a "
+                               f"sum summed again), not an update's; kept all-reduced, the "
+                               f"update region ends here")
+        return out
 
     def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
@@ -929,10 +1006,10 @@ class _Planner:
                              and flattenable(plan.sharded[value], out_shape))
         return lost
 
-    def grow(self, formats: dict[int, ShardFormat], reasons: dict[int, str],
+    def grow(self, formats: dict[int, ShardFormat], reasons: dict[int, Whole | None],
              scope: _Scope | None = None) -> RegionPlan:
         """The plan for the leaves in ``formats`` / ``reasons`` (index → element order,
-        why it stays whole or ``""``), over ``scope`` (default: the whole computation)."""
+        why it stays whole or None), over ``scope`` (default: the whole computation)."""
         indices = range(len(self.leaves)) if scope is None else scope.members
         leaves = [PlannedLeaf.of(self.leaves[i], formats[i], reasons[i]) for i in indices]
         if scope is None:
@@ -1153,8 +1230,8 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "VIEW_OPCODES", "blocks_through_collectives", "canonical_perm", "classify",
-    "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
+    "VIEW_OPCODES", "Whole", "WholeCode", "blocks_through_collectives", "canonical_perm",
+    "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

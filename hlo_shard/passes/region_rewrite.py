@@ -18,16 +18,53 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
-                          SliceRanges, TupleShape)
+                          Shape, SliceRanges, TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            shard_body)
+
+
+@dataclass
+class RegionSnapshot:
+    """What rewriting one computation's region may change — its instructions (list,
+    operands, shapes, attributes, opcodes), its root, the module's computation list (a
+    fusion body's sharded copy) and the next fresh channel id — kept so that a rewrite
+    found wrong after the fact (a dependency cycle) is undone as if never tried. Taking
+    it copies the computation's records once (linear in its size)."""
+
+    module: Module
+    comp: Computation
+    channels: ChannelIds
+    instructions: list[Instruction]
+    records: list[tuple[str, Shape, list[str], dict]]
+    root_name: str | None
+    computations: list[Computation]
+    next_channel: int
+
+    @staticmethod
+    def take(module: Module, comp: Computation, channels: ChannelIds) -> RegionSnapshot:
+        return RegionSnapshot(module, comp, channels, list(comp.instructions),
+                              [(i.opcode, i.shape, list(i.operands), dict(i.attributes))
+                               for i in comp.instructions],
+                              comp.root_name, list(module.computations), channels.next)
+
+    def restore(self) -> None:
+        for inst, (opcode, shape, operands, attributes) in zip(self.instructions,
+                                                                self.records):
+            inst.opcode, inst.shape, inst.operands, inst.attributes = \
+                opcode, shape, operands, attributes
+        self.comp.instructions[:] = self.instructions
+        self.comp.root_name = self.root_name
+        self.comp.reindex()
+        self.module.computations[:] = self.computations
+        self.channels.next = self.next_channel
 
 
 class RegionRewrite:
@@ -266,7 +303,10 @@ class RegionRewrite:
 
     # Driver -------------------------------------------------------------------------------
     def run(self) -> dict[str, str]:
-        """Rewrite; returns leaf label → the collective that now carries it."""
+        """Rewrite; returns leaf label → the collective that now carries it. A rewrite
+        whose result has a dependency cycle raises :class:`~hlo_shard.graph.DependencyCycle`
+        with the computation half-edited: the caller restores its
+        :class:`RegionSnapshot` and keeps the region whole."""
         plan = self.plan
         self._seed_inputs()
         for bucket in self.bucketing.buckets(plan.active, lambda leaf: leaf.byte_size,
@@ -642,4 +682,4 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "combine_small_sums", "gather_before_use"]
+__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use"]

@@ -36,15 +36,17 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
-                                              collect_leaves, flattenable, plan_region, region_only_parameters)
+                                              Whole, WholeCode, collect_leaves, flattenable,
+                                              plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, ModuleRewriter, Rewriter, call_graph, dataflow_graph
+from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
+                             dataflow_graph)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
-from hlo_shard.passes.region_rewrite import RegionRewrite, gather_before_use
+from hlo_shard.passes.region_rewrite import RegionRewrite, RegionSnapshot, gather_before_use
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
@@ -95,6 +97,10 @@ class Explanation:
     formatting_copies: int = 0
     saved_flops: float = 0.0
     collective: str = ""
+    #: Why it is not sharded, for machines (``""`` when sharded or not coded yet: an
+    #: all-reduce rejected as a whole, the speed gate); ``reason`` in words. The
+    #: planner's codes: :class:`~hlo_shard.analysis.update_region.WholeCode`.
+    reason_code: str = ""
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -235,15 +241,24 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             tuple((number, k) for k, number in module.output_aliases().items()) if state_entry else ()))
         collectives: dict[str, str] = {}
         if plan.active:
-            inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
-            sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
-            run.report.strategies.append(StrategyChoice(
-                comp.name, self.profile.name, plan.groups.size, self.options.strategy,
-                run.bucketing.estimates(sizes)))
-            rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels, inputs,
-                                    outputs)
-            collectives = rewrite.run()
-            run.changes += rewrite.rw.changes
+            snapshot, mark = RegionSnapshot.take(module, comp, run.channels), run.mark()
+            try:
+                inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
+                sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
+                run.report.strategies.append(StrategyChoice(
+                    comp.name, self.profile.name, plan.groups.size, self.options.strategy,
+                    run.bucketing.estimates(sizes)))
+                rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels,
+                                        inputs, outputs)
+                collectives = rewrite.run()
+                run.changes += rewrite.rw.changes
+            except DependencyCycle as cycle:  # a planning bug: refused, never raised
+                snapshot.restore()
+                run.rewind(mark)
+                stuck = ", ".join(f"%{name}" for name in cycle.stuck[:3])
+                plan = plan.refused(Whole(WholeCode.REGION_CYCLE,
+                                          f"the rewrite of this region made a dependency "
+                                          f"cycle (through {stuck}…): left as it was"))
         run.report.explanations += [_explain(comp.name, leaf, collectives)
                                      for leaf in plan.leaves]
 
@@ -301,6 +316,29 @@ class _Run:
     #: Entry parameter number → the sharded optimizer state it became.
     state_plan: dict[int, StatePair] = field(default_factory=dict)
     carries: list[_LoopCarry] = field(default_factory=list)
+
+    def mark(self) -> _Mark:
+        """Where the steps stand, for :meth:`rewind` after a region refused."""
+        return _Mark(len(self.changes), len(self.report.notes), len(self.report.strategies),
+                     len(self.carries), dict(self.state_plan))
+
+    def rewind(self, mark: _Mark) -> None:
+        """Forget what the steps added since ``mark`` (its edits are undone separately,
+        by the computation's :class:`RegionSnapshot`)."""
+        del self.changes[mark.changes:], self.report.notes[mark.notes:]
+        del self.report.strategies[mark.strategies:], self.carries[mark.carries:]
+        self.state_plan = dict(mark.state_plan)
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """How long the lists of a :class:`_Run` were, and its state plan, at one point."""
+
+    changes: int
+    notes: int
+    strategies: int
+    carries: int
+    state_plan: dict[int, StatePair]
 
 
 # ----------------------------------------------------------------- module-level facts
@@ -854,7 +892,8 @@ def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> 
 
     if not leaf.sharded:
         return Explanation(comp_name, leaf.all_reduce, leaf.index, format_shape(leaf.shape),
-                           leaf.byte_size, False, leaf.reason)
+                           leaf.byte_size, False, leaf.reason,
+                           reason_code=leaf.code.value if leaf.code else "")
     return Explanation(comp_name, leaf.all_reduce, leaf.index, format_shape(leaf.shape),
                        leaf.byte_size, True, "", leaf.ops_moved, leaf.formatting_copies,
                        leaf.saved_flops, collectives.get(leaf.label, ""))
