@@ -18,7 +18,6 @@ same mesh shape with the devices in another order have different shard placement
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -80,11 +79,11 @@ class _StateLeaf:
 
 
 def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None, Any]:
-    """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to make
-    a copy of the wrapper that calls another function where it calls its ``jax.jit``
-    (its own pre- and post-processing of the arguments kept): flax's ``nnx.jit``
-    (``jitted_fn``), equinox's ``filter_jit`` (``_cached``). A plain function is jitted
-    here; anything else with a ``lower`` is refused now, not at the first step."""
+    """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
+    the wrapper with another function where it calls its ``jax.jit`` (its own pre- and
+    post-processing of the arguments kept): flax's ``nnx.jit`` (``jitted_fn``), equinox's
+    ``filter_jit`` (``_cached``). A plain function is jitted here; anything else with a
+    ``lower`` is refused now, not at the first step."""
     import jax
 
     if _xla.is_jax_jit(fn):
@@ -92,7 +91,7 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     for attribute in ("jitted_fn", "_cached"):
         inner = getattr(fn, attribute, None)
         if inner is not None and _xla.is_jax_jit(inner):
-            return (lambda step, attribute=attribute: _with_attribute(fn, attribute, step)), inner
+            return (lambda step, attribute=attribute: _calling(fn, attribute, step)), inner
     if hasattr(fn, "lower"):
         raise HloShardError(f"shard_weight_update needs a jax.jit-wrapped function (or "
                             f"flax's nnx.jit, equinox's filter_jit, or the plain function); "
@@ -102,14 +101,23 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     return None, jax.jit(fn)
 
 
-def _with_attribute(wrapper, attribute: str, value):
-    """A shallow copy of ``wrapper`` (the user's stays as it is) with ``attribute`` set,
-    frozen dataclasses (equinox modules) included."""
-    if hasattr(wrapper, "__dataclass_fields__") and attribute in wrapper.__dataclass_fields__:
-        return replace(wrapper, **{attribute: value})
-    twin = copy.copy(wrapper)
-    object.__setattr__(twin, attribute, value)
-    return twin
+def _calling(wrapper, attribute: str, step: Callable) -> Callable:
+    """``wrapper`` calling ``step`` where it calls its ``attribute``. Equinox's wrapper is
+    a frozen dataclass: a copy with the field replaced. Flax's tags its graph contexts
+    with the wrapper object itself (its inner function looks them up by it), so a copy
+    would not find them: the attribute is swapped for the duration of each call (a
+    concurrent call of the user's own step from another thread would take ``step``)."""
+    if attribute in getattr(wrapper, "__dataclass_fields__", {}):
+        return replace(wrapper, **{attribute: step})
+
+    def call(*args, **kwargs):
+        original = getattr(wrapper, attribute)
+        setattr(wrapper, attribute, step)
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            setattr(wrapper, attribute, original)
+    return call
 
 
 class ShardedStep:
