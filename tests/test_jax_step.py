@@ -291,10 +291,11 @@ def test_a_typed_prng_key_is_passed_as_the_array_it_is(request, state):
 
 @pytest.mark.parametrize("state", ["gathered", "sharded"])
 def test_keyword_arguments_are_normalised_like_positional_ones(request, state):
-    """``fast(p, s, batch=b, scale=…)`` with the outputs fed back, then a new batch size
-    and a new static keyword: shard-form state given by keyword is gathered for the new
-    signature as it is given by position (was ``Incompatible shapes for broadcasting:
-    (32, 64), (2048,)``)."""
+    """``fast(p, opt_state=s, batch=b, scale=…)`` with the outputs fed back, then a new
+    batch size and a new static keyword: a keyword argument is the parameter it names
+    (``opt_state=`` is argument 1, its next value output [1]: sharded as given by
+    position), and shard-form state given by keyword is gathered for the new signature
+    (was ``Incompatible shapes for broadcasting: (32, 64), (2048,)``)."""
     if not needs_devices(request):
         return
     program = make_program("mlp", "adam", 4)
@@ -310,11 +311,13 @@ def test_keyword_arguments_are_normalised_like_positional_ones(request, state):
         losses = []
         for i, (rows, scale) in enumerate([(8, 1.0), (8, 1.0), (16, 1.0), (16, 2.0),
                                            (8, 1.0)]):
-            batch = jax.tree.map(lambda v, rows=rows: v[:rows], program.batch(i))
-            batch = jax.device_put(batch, NamedSharding(program.mesh, P(AXIS)))
+            batch = jax.device_put(program.model.batch(jax.random.PRNGKey(i), rows),
+                                   NamedSharding(program.mesh, P(AXIS)))
             params, opt_state, loss = fn(params, opt_state=opt_state, batch=batch,
                                          scale=scale)
             losses.append(float(loss))
+            if fn is fast and state == "sharded":
+                assert opt_state[0].mu["l0"]["w"].shape == (32 * 64,)
         return (params, opt_state), losses
 
     (params, opt_state), losses = run(fast)

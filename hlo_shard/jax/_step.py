@@ -399,15 +399,20 @@ class ShardedStep:
         return fallback
 
     def _paths(self, call: _Call) -> list[tuple[int | str, str]]:
-        """Each dynamic leaf as (argument number or keyword, path inside it)."""
+        """Each dynamic leaf as (argument number, path inside it): a keyword argument
+        by the number of the parameter it names (``opt_state=`` is argument 1 of
+        ``step(params, opt_state, batch)``, whose next value is output ``[1]``), only a
+        keyword the signature does not list (``**kwargs``) by its name."""
         import jax
 
         static = {n for n, _ in call.static[0]}
         positions = [i for i in range(len(self._arg_names) + len(call.leaves))
                      if i not in static]
+        numbers = {name: number for number, name in enumerate(self._arg_names)}
         paths = jax.tree_util.tree_flatten_with_path(
             jax.tree.unflatten(call.treedef, [0] * len(call.leaves)))[0]
-        return [(positions[path[1].idx] if path[0].idx == 0 else path[1].key,
+        return [(positions[path[1].idx] if path[0].idx == 0
+                 else numbers.get(path[1].key, path[1].key),
                  jax.tree_util.keystr(path[2:])) for path, _ in paths]
 
     def _names(self, call: _Call) -> list[str]:
