@@ -2,7 +2,8 @@
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
 ``conv:<optimizer>``,
-``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``failure``, ``no_gradients``, ``mutant``,
+``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``failure``, ``interrupt``,
+``no_gradients``, ``mutant``,
 ``per_tensor``).
 
 Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
@@ -256,6 +257,47 @@ def failure(mesh) -> dict:
     return out
 
 
+def interrupt(mesh) -> dict:
+    """Ctrl-C while the pass runs inside XLA's compile: a KeyboardInterrupt raised in the
+    callback (``raise``: as Python's SIGINT handler raises it there; ``signal``: a real
+    SIGINT) comes out of the jit call as KeyboardInterrupt, not XLA's INTERNAL error, and
+    the next compile runs the hook as before."""
+    import signal
+
+    opt = OPTIMIZERS["adam"]()
+    step, state0 = jit_step(opt), host_state(opt, init_params)
+    plain, _ = run(step, state0, mesh)
+    original_shard = hook_module._shard
+
+    def by_raise(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def by_signal(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return original_shard(*args, **kwargs)
+
+    out = {}
+    for case, interrupted in (("raise", by_raise), ("signal", by_signal)):
+        raised = ""
+        hook_module._shard = interrupted
+        try:
+            with hook.install(force=True):
+                try:
+                    run(step, state0, mesh)
+                except BaseException as err:  # noqa: BLE001 - what came out is the result
+                    raised = type(err).__name__
+        finally:
+            hook_module._shard = original_shard
+        hook.decisions(clear=True)
+        with hook.install(force=True):
+            losses, _ = run(step, state0, mesh)
+        changed = [d.changed for d in hook.decisions(clear=True)
+                   if d.module.startswith("jit_step")]
+        out[case] = {"raised": raised, "pending": hook_module._HOOK.pending is not None,
+                     "after_changed": changed, "after_same_losses": losses == plain}
+    return out
+
+
 def no_gradients(mesh) -> dict:
     """An evaluation function and optax init: nothing changed, init never parsed."""
     hook.decisions(clear=True)
@@ -290,6 +332,7 @@ def mutant(mesh) -> dict:
 def main(names: list[str]) -> None:
     mesh = jax.make_mesh((N,), ("d",))
     scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
+                 "interrupt": interrupt,
                  "mutant": mutant,
                  "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),
                  "shard_map:adam": lambda m: training("adam",

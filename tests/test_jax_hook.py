@@ -33,7 +33,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 @pytest.fixture(scope="module")
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
-                         "per_tensor", "loop:adam", "only_other")
+                         "per_tensor", "loop:adam", "only_other", "interrupt")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -55,6 +55,17 @@ def test_a_failing_pass_never_reaches_jax(quick, case):
     expected = "injected failure" if case == "exception" else "fails validation"
     assert expected in result["reasons"][0]
     assert len(result["log"]) == 1 and expected in result["log"][0]
+
+
+@pytest.mark.parametrize("case", ["raise", "signal"])
+def test_ctrl_c_in_the_callback_stops_the_program_as_a_keyboard_interrupt(quick, case):
+    """The callback keeps the KeyboardInterrupt (XLA would report it as INTERNAL) and
+    raises it again once XLA's compile returned; nothing is left pending, and the next
+    compile goes through the hook as before."""
+    result = quick["interrupt"][case]
+    assert result["raised"] == "KeyboardInterrupt" and not result["pending"]
+    assert result["after_changed"] and all(result["after_changed"])
+    assert result["after_same_losses"]
 
 
 def test_modules_without_gradients_are_untouched(quick):
@@ -130,6 +141,8 @@ def test_install_rejects_what_the_hook_cannot_do():
         install(profile="no-such-profile")
     with pytest.raises(HloShardError, match="regular expression"):
         install(only="(")
+    with pytest.raises(HloShardError, match="min_shard_bytes=-1 must be at least 0"):
+        install(min_shard_bytes=-1)  # as the CLI refuses --min-shard-bytes -1
     assert not installed()
 
 

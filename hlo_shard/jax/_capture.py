@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,44 @@ DUMP_OPTIONS = {"xla_dump_hlo_pass_re": "spmd-partitioning|call-inliner",
                 "xla_dump_large_constants": True}
 
 
+class Reason(str, Enum):
+    """Why ``fast`` runs the original step: the code ``fast.report["fallback"]`` names
+    (the warning's text says the details)."""
+
+    #: The never-slower gate kept the step whole (the report has both estimates).
+    NOT_FASTER = "not_faster"
+    #: No data-parallel gradient all-reduce, or the pass refused every one.
+    NOTHING_TO_SHARD = "nothing_to_shard"
+    #: The step has a feature the path cannot run (effects, host callbacks, a mesh that
+    #: does not span every device for ``state="sharded"``...).
+    UNSUPPORTED_STEP = "unsupported_step"
+    #: Capturing the per-device module failed (jax's lowering itself succeeded).
+    CAPTURE_FAILED = "capture_failed"
+    #: hlo-shard could not read the captured module.
+    PARSE_FAILED = "parse_failed"
+    #: The pass, its never-slower gate or its output checks failed.
+    PASS_FAILED = "pass_failed"
+    #: XLA did not compile the optimized module.
+    COMPILE_FAILED = "compile_failed"
+    #: The optimized step's first run failed.
+    RUN_FAILED = "run_failed"
+
+
 class Unsupported(Exception):
-    """Why the optimized path cannot run this step (``fast`` then runs ``fn`` itself)."""
+    """Why the optimized path cannot run this step (``fast`` then runs ``fn`` itself):
+    a :class:`Reason` and the words; ``report``/``decision``: what the pass and its gate
+    said, when they ran."""
+
+    def __init__(self, message: str, code: Reason = Reason.UNSUPPORTED_STEP,
+                 report: Any = None, decision: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.report, self.decision = code, report, decision
+
+
+def describe(err: BaseException) -> str:
+    """One line for a warning: the exception's type and its message's first line."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 @dataclass(frozen=True)
@@ -40,9 +77,11 @@ class Capture:
     compiled: Any
     #: Flat dynamic-argument indices the module takes, in parameter order.
     kept: tuple[int, ...]
-    #: Per flat dynamic argument: jit's input sharding, whether donated.
+    #: Per flat dynamic argument: jit's input sharding, whether donated, whether an
+    #: extended dtype (a typed PRNG key: the executable takes its base array).
     in_shardings: tuple
     donated: tuple[bool, ...]
+    opaque: tuple[bool, ...]
     #: Per flat output: aval (shape, dtype) and sharding; the outputs' tree.
     out_avals: tuple
     out_shardings: tuple
@@ -53,10 +92,22 @@ class Capture:
 
 
 def capture(jitted, args: tuple, kwargs: dict) -> Capture:
-    """Lower and compile ``jitted`` for these arguments, reading the partitioned module."""
+    """Lower and compile ``jitted`` for these arguments, reading the partitioned module.
+    jax's errors in lowering (the user's function traced) propagate as jit raises them;
+    anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``)."""
+    lowered = jitted.lower(*args, **kwargs)
+    try:
+        return _compile_and_read(lowered)
+    except Unsupported:
+        raise
+    except Exception as err:  # noqa: BLE001 - our capture never breaks the loop
+        raise Unsupported(f"capturing the per-device module failed: {describe(err)}",
+                          Reason.CAPTURE_FAILED) from err
+
+
+def _compile_and_read(lowered) -> Capture:
     import jax
 
-    lowered = jitted.lower(*args, **kwargs)
     folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
     try:
         options = {**DUMP_OPTIONS, "xla_dump_to": folder}
@@ -72,7 +123,8 @@ def capture(jitted, args: tuple, kwargs: dict) -> Capture:
                          ("tuple_args", "jit passes its arguments as one tuple"),
                          ("const_args", "jit hoisted constants into extra arguments")):
         if facts[fact]:
-            raise Unsupported(f"the step is not supported: {reason}")
+            raise Unsupported(f"the step is not supported: {reason}",
+                              Reason.UNSUPPORTED_STEP)
     arg_infos = jax.tree.leaves(lowered.args_info)
     kept = _xla.kept_argument_indices(lowered)
     kept = tuple(range(len(arg_infos))) if kept is None else kept
@@ -81,7 +133,9 @@ def capture(jitted, args: tuple, kwargs: dict) -> Capture:
     return Capture(text, lowered, compiled, kept,
                    # flatten_up_to: a pruned argument's sharding is None, not a subtree
                    tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
-                   tuple(info.donated for info in arg_infos), tuple(out_avals),
+                   tuple(info.donated for info in arg_infos),
+                   tuple(jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)
+                         for info in arg_infos), tuple(out_avals),
                    tuple(out_shardings), out_tree, _xla.device_assignment(lowered),
                    compile_seconds)
 
@@ -104,4 +158,4 @@ def _read_stage(folder: Path) -> str:
         return pick_dump_file(folder).read_text()
     except HloShardError:
         raise Unsupported("XLA wrote no SPMD-partitioned module for the step (is it "
-                          "compiled for more than one device?)") from None
+                          "compiled for more than one device?)", Reason.UNSUPPORTED_STEP) from None

@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 from hlo_shard.analysis.names import user_names
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
@@ -23,12 +24,11 @@ from hlo_shard.passes.optimize import check_output
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.jax import _xla
-from hlo_shard.jax._capture import Capture, Unsupported
+from hlo_shard.jax._capture import Capture, Reason, Unsupported, describe
 from hlo_shard.parser import parse
-from hlo_shard.passes.speed_gate import shard_where_faster
+from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
-from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.printer import to_text
 from hlo_shard.ir import Raw, TupleShape
 from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
@@ -64,6 +64,8 @@ class Program:
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
     seconds: float
+    #: The never-slower gate's decision (its estimates go into the report).
+    decision: SpeedDecision
     #: (output leaf, entry parameter): the output is the parameter's next value.
     next_values: list[tuple[int, int]] = field(default_factory=list)
     #: Whether it ran once (a failing first run falls back to ``fn``).
@@ -108,26 +110,34 @@ class Program:
                 for i, leaf in enumerate(leaves)]
         return (treedef, static, tuple(keys))
 
-    def returns(self, treedef, leaves: list) -> bool:
-        """Whether ``leaves`` look like this program's outputs (shard forms included)."""
-        return treedef == self.capture.out_tree and len(leaves) == len(self.out_placements) \
-            and all(tuple(getattr(leaf, "shape", ())) == shape
-                    for leaf, (shape, _) in zip(leaves, self.out_placements))
+    def returns(self, treedef, leaves: list, placed: bool) -> bool:
+        """Whether ``leaves`` look like this program's outputs (shard forms included);
+        ``placed``: and every shard-form leaf is placed as this program places shards."""
+        if treedef != self.capture.out_tree or len(leaves) != len(self.out_placements):
+            return False
+        if any(tuple(getattr(leaf, "shape", ())) != shape
+               for leaf, (shape, _) in zip(leaves, self.out_placements)):
+            return False
+        return not placed or all(_xla.same_placement(leaves[k], self.shard_sharding)
+                                 for k in self.state_outputs)
 
     # --------------------------------------------------------------- converting
-    def to_shards(self, leaves: list, donated: tuple[bool, ...] = ()) -> list:
+    def to_shards(self, leaves: list) -> list:
         """``leaves`` (this signature's flat arguments) with each state argument cut
-        into its shard form; full leaves that were donated are deleted, as the step
-        itself would consume them."""
+        into its shard form."""
         indices = sorted(self.state_args)
         shards = convert([leaves[i] for i in indices], [self.state_args[i] for i in indices],
                          [self.shard_sharding] * len(indices), to_shards=True)
         out = list(leaves)
         for index, shard in zip(indices, shards):
-            if donated and donated[index] and hasattr(out[index], "delete"):
-                out[index].delete()
             out[index] = shard
         return out
+
+    def delete_donated_state(self, leaves: list) -> None:
+        """Delete the full state leaves jit would have consumed (their shards were)."""
+        for index in self.state_args:
+            if self.capture.donated[index] and hasattr(leaves[index], "delete"):
+                leaves[index].delete()
 
     def state_by_name(self, names: list[str]) -> dict[str, tuple[StateLayout, Any]]:
         """Argument name → (layout, full sharding) of each state argument."""
@@ -166,11 +176,9 @@ class Program:
         module = parse(cap.text, path="<captured step>")
         users = user_names(module, self.next_values,
                            {p: names[arg] for p, arg in enumerate(cap.kept)})
-        profile = self.options.profile
         return {
-            "devices": report.devices, "state": self.options.state,
-            "strategy": self.options.strategy,
-            "profile": getattr(profile, "name", profile),
+            **_options_json(self.options), "devices": report.devices,
+            "fallback": None, "reason": "", "gate": gate_json(self.decision),
             "strategies": [choice.to_json() for choice in report.strategies],
             "sharded": sum(1 for r in report.explanations if r.sharded),
             "gradients": len(report.explanations),
@@ -180,6 +188,32 @@ class Program:
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
             "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
         }
+
+
+def _options_json(options: ShardingOptions) -> dict:
+    return {"state": options.state, "strategy": options.strategy,
+            "profile": getattr(options.profile, "name", options.profile)}
+
+
+def gate_json(decision: SpeedDecision) -> dict:
+    """The never-slower gate's estimates (``decision.to_json()``) and the predicted
+    ratio they imply: the written step's over the step as it is, or, where the step was
+    kept whole, the fastest sharded candidate's. Predictions, not measurements."""
+    sharded = [t.seconds for t in decision.trials if t.sharded]
+    after = min(sharded) if decision.kept_whole and sharded else decision.after_s
+    ratio = after / decision.before_s if decision.before_s > 0 else None
+    return {**decision.to_json(), "predicted_ratio": ratio}
+
+
+def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
+    """``fast.report`` where ``fast`` runs ``fn``: the reason code and words, and what
+    the pass and its gate said where they ran (``gate`` None before that)."""
+    report = why.report
+    return {**_options_json(options), "devices": None if report is None else report.devices,
+            "fallback": why.code.value, "reason": str(why),
+            "gate": None if why.decision is None else gate_json(why.decision),
+            "sharded": 0, "gradients": None if report is None else len(report.explanations),
+            "explanations": [] if report is None else [r.to_json() for r in report.explanations]}
 
 
 def _shard(x, layout: StateLayout):
@@ -218,7 +252,8 @@ def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
 
 def build_program(capture: Capture, options: ShardingOptions,
                   next_values: list[tuple[int, int]], force: bool = False) -> Program:
-    """Optimize and compile ``capture``; :class:`Unsupported` says why not.
+    """Optimize and compile ``capture``; :class:`Unsupported` says why not (any exception
+    of the parser, the pass or XLA's compile becomes one, with its :class:`Reason`).
 
     ``next_values``: (output leaf, entry parameter) pairs where the output is the
     parameter's value for the next step, as the step's pytrees say (``params`` out →
@@ -228,13 +263,39 @@ def build_program(capture: Capture, options: ShardingOptions,
     the never-slower gate would keep the step whole.
     """
     started = time.perf_counter()
-    try:
+    with _stage(Reason.PARSE_FAILED, "hlo-shard cannot read the captured module"):
         module = parse(capture.text, path="<captured step>")
-    except HloShardError as err:
-        raise Unsupported(f"hlo-shard cannot read the captured module: {err}") from None
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
-                          f"parameters for {len(capture.kept)} arguments")
+                          f"parameters for {len(capture.kept)} arguments", Reason.PASS_FAILED)
+    with _stage(Reason.PASS_FAILED, "the pass refused the step"):
+        report, decision, text, executable_text = _optimize(module, options, next_values,
+                                                            force)
+    sharded = [row for row in report.explanations if row.sharded]
+    if not sharded and any(trial.sharded for trial in decision.trials):
+        raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} "
+                          f"faster on profile {decision.profile} (predicted "
+                          f"{_fastest_ratio(decision):.2f}x the step as it is)",
+                          Reason.NOT_FASTER, report, decision)
+    if not sharded:
+        reasons = sorted({row.reason for row in report.explanations if row.reason})
+        raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else
+                                                  "the step has no gradient all-reduce"),
+                          Reason.NOTHING_TO_SHARD, report, decision)
+    with _stage(Reason.PASS_FAILED, "the pass refused the step"):
+        state_args, state_outputs = _state_layouts(report, capture)
+    with _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
+        executable = _xla.compile_replica_text(executable_text, capture.devices)
+        shard_sharding = _shard_sharding(capture) if state_args else None
+    return Program(capture, report, options, text, executable, state_args, state_outputs,
+                   shard_sharding, time.perf_counter() - started, decision,
+                   list(next_values))
+
+
+def _optimize(module, options: ShardingOptions, next_values: list[tuple[int, int]],
+              force: bool) -> tuple[ShardingReport, SpeedDecision, str, str]:
+    """The pass behind its gate on ``module`` (in place): the report, the gate's decision,
+    the optimized module's text and its replica form with the executable's aliases."""
     header = ModuleRewriter(module)
     donation = {key: module.header[key] for key in DONATION_ATTRIBUTES if key in module.header}
     for key in donation:
@@ -245,39 +306,36 @@ def build_program(capture: Capture, options: ShardingOptions,
     else:
         for key, value in donation.items():
             header.set_header(key, value)
+    sharding = WeightUpdateSharding(options)
+    report, decision = shard_where_faster(module, sharding, force)
+    for key in DONATION_ATTRIBUTES:
+        header.pop_header(key)
+    for key, value in _executable_aliases(donation, next_values, module).items():
+        header.set_header(key, value)
+    # The aliases of what jit donates, less those that would make XLA copy a weight.
+    CopyFreeDonation(sharding.profile).apply(module)
+    text = check_output(module)
+    return report, decision, text, to_text(replica_form(module, keep_donation=True), for_xla=True)
+
+
+def _fastest_ratio(decision: SpeedDecision) -> float:
+    """The gate's best predicted step over its prediction for the step as it is."""
+    fastest = min(trial.seconds for trial in decision.trials)
+    return fastest / decision.before_s if decision.before_s > 0 else float("inf")
+
+
+@contextmanager
+def _stage(code: Reason, what: str) -> Iterator[None]:
+    """Any exception of this stage (ours or XLA's; RecursionError included) as
+    :class:`Unsupported`: ``fast`` then runs ``fn``, the loop never breaks."""
     try:
-        sharding = WeightUpdateSharding(options)
-        report, decision = shard_where_faster(module, sharding, force)
-        for key in DONATION_ATTRIBUTES:
-            header.pop_header(key)
-        for key, value in _executable_aliases(donation, next_values, module).items():
-            header.set_header(key, value)
-        # The aliases of what jit donates, less those that would make XLA copy a weight.
-        CopyFreeDonation(sharding.profile).apply(module)
-        text = check_output(module)
-        executable_text = to_text(replica_form(module, keep_donation=True), for_xla=True)
+        yield
+    except Unsupported:
+        raise
     except HloShardError as err:
-        raise Unsupported(f"the pass refused the step: {err}") from None
-    sharded = [row for row in report.explanations if row.sharded]
-    if not sharded and any(trial.sharded for trial in decision.trials):
-        fastest = min(trial.seconds for trial in decision.trials)
-        raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} faster on profile "
-                          f"{decision.profile}: "
-                          f"{fmt_seconds(fastest)} per step sharded, "
-                          f"{fmt_seconds(decision.before_s)} as it is")
-    if not sharded:
-        reasons = sorted({row.reason for row in report.explanations if row.reason})
-        raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else
-                                                  "the step has no gradient all-reduce"))
-    state_args, state_outputs = _state_layouts(report, capture)
-    try:
-        executable = _xla.compile_replica_text(executable_text, capture.devices)
-    except Exception as err:  # XLA's errors (JaxRuntimeError) are not importable stably
-        raise Unsupported(f"XLA did not compile the optimized module: "
-                          f"{str(err).splitlines()[0]}") from None
-    shard_sharding = _shard_sharding(capture) if state_args else None
-    return Program(capture, report, options, text, executable, state_args, state_outputs,
-                   shard_sharding, time.perf_counter() - started, list(next_values))
+        raise Unsupported(f"{what}: {err}", code) from None
+    except Exception as err:  # noqa: BLE001 - XLA's errors are not importable stably
+        raise Unsupported(f"{what}: {describe(err)}", code) from err
 
 
 def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module) -> dict:
@@ -320,7 +378,7 @@ def _state_layouts(report: ShardingReport, capture: Capture
     def layout(entry) -> StateLayout:
         if entry.groups and entry.groups != (tuple(range(report.devices)),):
             raise Unsupported("state='sharded' needs the data-parallel axis to span every "
-                              "device of the step")
+                              "device of the step", Reason.UNSUPPORTED_STEP)
         fmt = entry.format
         return StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
 

@@ -1,36 +1,47 @@
 """``ShardedStep``: the user's jit step, run through its optimized per-device module.
 
-Like jit, one compiled program per argument signature (tree structure; each leaf's
-shape, dtype and sharding; the static arguments' values). The first call of a
-signature captures, optimizes and compiles (:mod:`._capture`, :mod:`._program`);
-later calls hand the caller's jax Arrays straight to the executable. Whatever cannot
-take that path runs ``fn`` itself, after one warning naming the reason.
+Like jit, one compiled program per argument signature (tree structure of the positional
+and keyword arguments; each leaf's shape, dtype and sharding — device order included;
+the static arguments' values). The first call of a signature captures, optimizes and
+compiles (:mod:`._capture`, :mod:`._program`); later calls hand the caller's jax Arrays
+straight to the executable. Whatever cannot take that path runs ``fn`` itself, after
+one warning naming the reason: no exception of hlo-shard's own machinery (capture, pass,
+compile, the first run, the outputs) reaches the loop; jax's errors in tracing the
+user's function do, as jit raises them.
 
 In ``state="sharded"`` a program answers two signatures: the full one (state leaves
 as ``fn`` takes them, converted on the way in) and the shard form its outputs come
-back in, so a loop written for ``fn`` runs unchanged after its first step.
+back in, so a loop written for ``fn`` runs unchanged after its first step. Which
+program a shard-form leaf belongs to is read from the leaf's own sharding (steps on the
+same mesh shape with the devices in another order have different shard placements).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _distributed, _xla
-from hlo_shard.jax._capture import Unsupported, capture
-from hlo_shard.jax._program import Program, build_program, convert
+from hlo_shard.jax._capture import Reason, Unsupported, capture, describe
+from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
 
 class FallbackWarning(UserWarning):
-    """``fast`` runs the original step (the message says why)."""
+    """``fast`` runs the original step: the message says why, :attr:`code` is the
+    :class:`~hlo_shard.jax._capture.Reason` (as ``fast.report["fallback"]``)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
 class _Fallback:
-    reason: str
+    why: Unsupported
 
 
 @dataclass
@@ -43,7 +54,8 @@ class _Entry:
 
 @dataclass
 class _Call:
-    """One call's arguments, split as jit splits them: dynamic leaves and static values."""
+    """One call's arguments, split as jit splits them: dynamic leaves (positional, then
+    keyword) and static values."""
 
     leaves: list
     treedef: Any
@@ -53,20 +65,76 @@ class _Call:
     key: tuple | None = None
 
 
+@dataclass(frozen=True)
+class _StateLeaf:
+    """Where one optimizer-state leaf of one program lives, in both forms."""
+
+    layout: StateLayout
+    full: Any
+    shards: Any
+
+    def identity(self) -> tuple:
+        return (self.layout, _xla.placement(self.full, len(self.layout.dims)),
+                _xla.placement(self.shards, 1))
+
+
+def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None, Any]:
+    """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
+    the wrapper with another function where it calls its ``jax.jit`` (its own pre- and
+    post-processing of the arguments kept): flax's ``nnx.jit`` (``jitted_fn``), equinox's
+    ``filter_jit`` (``_cached``). A plain function is jitted here; anything else with a
+    ``lower`` is refused now, not at the first step."""
+    import jax
+
+    if _xla.is_jax_jit(fn):
+        return None, fn
+    for attribute in ("jitted_fn", "_cached"):
+        inner = getattr(fn, attribute, None)
+        if inner is not None and _xla.is_jax_jit(inner):
+            return (lambda step, attribute=attribute: _calling(fn, attribute, step)), inner
+    if hasattr(fn, "lower"):
+        raise HloShardError(f"shard_weight_update needs a jax.jit-wrapped function (or "
+                            f"flax's nnx.jit, equinox's filter_jit, or the plain function); "
+                            f"got {type(fn).__module__}.{type(fn).__qualname__}")
+    if not callable(fn):
+        raise HloShardError(f"shard_weight_update needs a function, got {type(fn).__name__}")
+    return None, jax.jit(fn)
+
+
+def _calling(wrapper, attribute: str, step: Callable) -> Callable:
+    """``wrapper`` calling ``step`` where it calls its ``attribute``. Equinox's wrapper is
+    a frozen dataclass: a copy with the field replaced. Flax's tags its graph contexts
+    with the wrapper object itself (its inner function looks them up by it), so a copy
+    would not find them: the attribute is swapped for the duration of each call (a
+    concurrent call of the user's own step from another thread would take ``step``)."""
+    if attribute in getattr(wrapper, "__dataclass_fields__", {}):
+        return replace(wrapper, **{attribute: step})
+
+    def call(*args, **kwargs):
+        original = getattr(wrapper, attribute)
+        setattr(wrapper, attribute, step)
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            setattr(wrapper, attribute, original)
+    return call
+
+
 class ShardedStep:
     """``fn`` with its weight update sharded across the data-parallel devices.
 
     Call it as ``fn``. :attr:`report`, :attr:`hlo_text` and :attr:`original_hlo_text`
-    describe the program of the latest new signature; in ``state="sharded"``
+    describe the program of the latest new signature (:attr:`report` also where it
+    runs ``fn``: the reason code and the gate's estimates); in ``state="sharded"``
     :meth:`shard_args`, :meth:`gather_args` and :meth:`gather_outputs` convert between
     full leaves and the per-device shards the optimizer state is kept in.
     """
 
     def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False) -> None:
-        import jax
-
         _xla.check_version()
-        self._jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        front, self._jitted = _front_and_jit(fn)
+        #: A library wrapper's copy calling :meth:`_step` where it called its jax.jit.
+        self._front = None if front is None else front(self._step)
         info = getattr(self._jitted, "_jit_info", None)
         self._static_argnums = tuple(getattr(info, "static_argnums", ()) or ())
         self._static_argnames = tuple(getattr(info, "static_argnames", ()) or ())
@@ -76,30 +144,36 @@ class ShardedStep:
         self.force = force
         self._entries: dict[tuple, _Entry | _Fallback] = {}
         self._warned: set[str] = set()
-        self._latest: Program | None = None
+        self._latest: Program | Unsupported | None = None
         self._latest_call: _Call | None = None
-        #: Sharded mode: state argument name → (layout, full sharding); where shards live.
-        self._state: dict = {}
-        self._shard_sharding = None
+        #: Sharded mode: per program keeping state in shards, state leaf name → where.
+        self._states: list[tuple[Program, dict[str, _StateLeaf]]] = []
 
     # --------------------------------------------------------------- the step
     def __call__(self, *args, **kwargs):
+        if self._front is not None:
+            return self._front(*args, **kwargs)
+        return self._step(*args, **kwargs)
+
+    def _step(self, *args, **kwargs):
         call = self._split(args, kwargs)
-        if self._state and not kwargs and self._key(call) not in self._entries:
-            full = self.gather_args(*args)  # shards of a signature seen before
-            if full is not args:
-                args, call = full, self._split(full, {})
+        if self._states and self._key(call) not in self._entries:
+            full = self._convert(call, to_shards=False)  # shards of a signature seen before
+            if full is not None:
+                call = full
+                args, kwargs = self._rebuild(call, args, kwargs)
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
             return self._jitted(*args, **kwargs)
-        if entry.program.ran or entry.program.state_args or _distributed.multi_process():
+        if entry.program.ran or _distributed.multi_process():
             return self._run(entry, call)
         try:  # a first run that fails leaves the inputs intact: fn can still run them
             outs = self._run(entry, call)
-        except Exception as err:
-            reason = f"the optimized step failed to run: {str(err).splitlines()[0]}"
-            self._warn(reason)
-            self._entries[self._key(call)] = _Fallback(reason)
+        except Exception as err:  # noqa: BLE001 - never into the loop
+            program = entry.program
+            self._fall_back(self._key(call), Unsupported(
+                f"the optimized step failed to run: {describe(err)}", Reason.RUN_FAILED,
+                program.report, program.decision), program)
             return self._jitted(*args, **kwargs)
         entry.program.ran = True
         return outs
@@ -109,16 +183,21 @@ class ShardedStep:
 
         program, cap = entry.program, entry.program.capture
         leaves = call.leaves
-        if program.state_args and not entry.shards:
-            leaves = program.to_shards(leaves, donated=cap.donated)
+        convert_state = bool(program.state_args) and not entry.shards
+        if convert_state:
+            leaves = program.to_shards(leaves)
         arrays = []
         for index in cap.kept:
             leaf = leaves[index]
             expected = program.arg_sharding(index)
             if not _xla.same_placement(leaf, expected):
                 leaf = jax.device_put(leaf, expected)
+            if cap.opaque[index]:
+                leaf = _xla.base_array(leaf)
             arrays.append(leaf)
         outs = _xla.execute(program.executable, arrays, program.out_handlers)
+        if convert_state:  # the step consumed their shards; jit would consume them
+            program.delete_donated_state(call.leaves)
         return jax.tree.unflatten(cap.out_tree, outs)
 
     # ------------------------------------------------ converting state leaves
@@ -128,71 +207,117 @@ class ShardedStep:
         position and path, so a prefix such as ``(params, opt_state)`` works once the
         step has run or been sharded once with all its arguments. Identity in
         gathered mode and where ``fast`` runs ``fn`` itself."""
+        if not self._states and self.options.state == "sharded":
+            self._entry(self._split(args, {}), args, {})  # the first signature: capture it
         return self._convert_args(args, to_shards=True)
 
     def gather_args(self, *args):
         """``args`` with every shard-form state leaf gathered back to the full leaf
         (same shape, dtype and sharding as ``fn`` takes it); the inverse of
-        :meth:`shard_args`, e.g. for checkpoints or to switch back to ``fn``."""
+        :meth:`shard_args`, e.g. for checkpoints or to switch back to ``fn``. A leaf in
+        the shard form of a state leaf but placed as no program places its shards is
+        refused (ValueError), never returned as if it were the leaf."""
         return self._convert_args(args, to_shards=False)
 
     def gather_outputs(self, outs):
-        """``fast``'s outputs with every shard-form leaf gathered back to the full leaf."""
+        """``fast``'s outputs with every shard-form leaf gathered back to the full leaf,
+        by the program whose outputs they are (shapes and shard placement)."""
         import jax
 
         leaves, treedef = jax.tree.flatten(outs)
-        for entry in self._entries.values():
-            if isinstance(entry, _Entry) and entry.program.returns(treedef, leaves):
-                return jax.tree.unflatten(treedef, entry.program.gather_out_leaves(leaves))
+        for program, _ in self._states:
+            if program.returns(treedef, leaves, placed=True):
+                return jax.tree.unflatten(treedef, program.gather_out_leaves(leaves))
+        if any(program.returns(treedef, leaves, placed=False) for program, _ in self._states):
+            raise ValueError("hlo_shard.jax: these outputs have the shapes of a sharded step's "
+                             "outputs but their shards are on devices (or in an order) no "
+                             "program of this step uses; refusing to return shards as leaves")
         return outs
 
     def _convert_args(self, args: tuple, to_shards: bool) -> tuple:
         call = self._split(args, {})
-        if not self._state:
-            if not to_shards or self.options.state != "sharded":
-                return args
-            self._entry(call, args, {})  # the first signature: capture it now
-        names = self._names(call)
+        converted = self._convert(call, to_shards)
+        return args if converted is None else self._rebuild(converted, args, {})[0]
+
+    def _convert(self, call: _Call, to_shards: bool) -> _Call | None:
+        """``call`` with every state leaf in the other form (None: none to convert)."""
         chosen = []
-        for index, (name, leaf) in enumerate(zip(names, call.leaves)):
-            found = self._state.get(name)
-            if found is None:
-                continue
-            layout, sharding = found
-            shard = _is_shard(leaf, layout, self._shard_sharding)
-            full = not shard and tuple(getattr(leaf, "shape", ())) == tuple(layout.dims)
-            if (full if to_shards else shard):
-                chosen.append((index, layout, sharding))
+        for index, (name, leaf) in enumerate(zip(self._names(call), call.leaves)):
+            where = self._state_leaf(name, leaf, to_shards)
+            if where is not None:
+                chosen.append((index, where))
         if not chosen:
-            return args
-        targets = [self._shard_sharding if to_shards else sharding for _, _, sharding in chosen]
-        values = convert([call.leaves[i] for i, _, _ in chosen], [layout for _, layout, _ in chosen],
-                         targets, to_shards)
+            return None
+        values = convert([call.leaves[i] for i, _ in chosen], [w.layout for _, w in chosen],
+                         [w.shards if to_shards else w.full for _, w in chosen], to_shards)
         leaves = list(call.leaves)
-        for (index, _, _), value in zip(chosen, values):
+        for (index, _), value in zip(chosen, values):
             leaves[index] = value
-        return self._rebuild(call, leaves, args)
+        return _Call(leaves, call.treedef, call.static)
+
+    def _state_leaf(self, name: str, leaf, to_shards: bool) -> _StateLeaf | None:
+        """The state leaf ``leaf`` is (by name and shape) in the form to convert from: a
+        full leaf by its shape (its placement decides between programs that differ), a
+        shard by its shape and placement."""
+        shape = tuple(getattr(leaf, "shape", ()))
+        candidates = {}
+        misplaced = False
+        for _, names in self._states:
+            where = names.get(name)
+            if where is None:
+                continue
+            if to_shards and shape == where.layout.dims:
+                candidates[where.identity()] = where
+            elif not to_shards and shape == where.layout.shape:
+                if _xla.same_placement(leaf, where.shards):
+                    candidates[where.identity()] = where
+                else:  # a 1-D leaf's full and shard shapes can be equal
+                    misplaced |= shape != where.layout.dims
+        if len(candidates) > 1:
+            placed = [w for w in candidates.values() if _xla.same_placement(leaf, w.full)]
+            if len(placed) == 1:
+                return placed[0]
+            raise ValueError(f"hlo_shard.jax: {name} could be the state leaf of programs on "
+                             f"different devices; put it on the devices of the one it is "
+                             f"for (jax.device_put) first")
+        if not candidates and misplaced and not _fully_replicated(leaf):
+            raise ValueError(f"hlo_shard.jax: {name} {list(shape)} has the shape of a state "
+                             f"leaf's shards but is placed as no program of this step places "
+                             f"them (devices or their order differ); refusing to treat shards "
+                             f"as the leaf")
+        return next(iter(candidates.values()), None)
 
     # ----------------------------------------------------- what it ran
     @property
     def report(self) -> dict | None:
-        """The pass's decisions for the latest signature, leaves named by their paths."""
+        """The pass's decisions for the latest new signature, leaves named by their paths;
+        where it runs ``fn``: ``fallback`` (the reason code), ``reason`` and the gate's
+        estimates (``gate``: predictions, not measurements). None before the first call."""
+        if isinstance(self._latest, Unsupported):
+            return fallback_json(self._latest, self.options)
         if self._latest is None or self._latest_call is None:  # (set together)
             return None
         return self._latest.report_json(self._latest_call.names)
 
     @property
+    def _program(self) -> Program | None:
+        return self._latest if isinstance(self._latest, Program) else None
+
+    @property
     def memory_stats(self) -> dict[str, int] | None:
         """XLA's compiled memory figures (bytes per device) of the latest program."""
-        return None if self._latest is None else _xla.memory_stats(self._latest.executable)
+        program = self._program
+        return None if program is None else _xla.memory_stats(program.executable)
 
     @property
     def hlo_text(self) -> str | None:
-        return None if self._latest is None else self._latest.hlo_text
+        program = self._program
+        return None if program is None else program.hlo_text
 
     @property
     def original_hlo_text(self) -> str | None:
-        return None if self._latest is None else self._latest.capture.text
+        program = self._program
+        return None if program is None else program.capture.text
 
     # ------------------------------------------------------------ signatures
     def _split(self, args: tuple, kwargs: dict) -> _Call:
@@ -208,13 +333,15 @@ class ShardedStep:
         leaves, treedef = jax.tree.flatten((dynamic, dyn_kwargs))
         return _Call(leaves, treedef, static)
 
-    def _rebuild(self, call: _Call, leaves: list, args: tuple) -> tuple:
+    def _rebuild(self, call: _Call, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with their dynamic leaves those of ``call``."""
         import jax
 
-        dynamic, _ = jax.tree.unflatten(call.treedef, leaves)
+        dynamic, dyn_kwargs = jax.tree.unflatten(call.treedef, call.leaves)
         dynamic = iter(dynamic)
         static = dict(call.static[0])
-        return tuple(static[i] if i in static else next(dynamic) for i in range(len(args)))
+        return (tuple(static[i] if i in static else next(dynamic) for i in range(len(args))),
+                {k: dyn_kwargs.get(k, v) for k, v in kwargs.items()})
 
     def _key(self, call: _Call) -> tuple:
         if call.key is None:
@@ -229,37 +356,63 @@ class ShardedStep:
             return entry
         try:
             cap = capture(self._jitted, args, kwargs)
-            program = build_program(cap, self.options, self._next_values(call, cap),
-                                    self.force)
         except Unsupported as why:
-            _distributed.agree_on_program("fallback to fn", str(why))
-            self._warn(str(why))
-            self._entries[key] = _Fallback(str(why))
-            return self._entries[key]
-        except Exception as err:
+            return self._fall_back(key, why)
+        except Exception as err:  # jax's, tracing the user's function: as jit raises it
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
+        try:
+            program = build_program(cap, self.options, self._next_values(call, cap),
+                                    self.force)
+            call.names = self._names(call)
+            state = {name: _StateLeaf(layout, full, program.shard_sharding)
+                     for name, (layout, full) in program.state_by_name(call.names).items()}
+            shard_key = program.shard_key(call.treedef, call.static, call.leaves) \
+                if program.state_args else None
+        except Unsupported as why:
+            return self._fall_back(key, why)
+        except Exception as err:  # noqa: BLE001 - ours: never into the loop
+            return self._fall_back(key, Unsupported(
+                f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED))
         _distributed.agree_on_program("optimized module", program.hlo_text)
-        call.names = self._names(call)
         self._entries[key] = _Entry(program, shards=False)
-        if program.state_args:
-            self._entries[program.shard_key(call.treedef, call.static, call.leaves)] = \
-                _Entry(program, shards=True)
-            self._state.update(program.state_by_name(call.names))
-            self._shard_sharding = program.shard_sharding
+        if shard_key is not None:
+            self._entries[shard_key] = _Entry(program, shards=True)
+            self._states.append((program, state))
         self._latest, self._latest_call = program, call
         return self._entries[key]
 
+    def _fall_back(self, key: tuple, why: Unsupported,
+                   program: Program | None = None) -> _Fallback:
+        """Run ``fn`` for this signature (and, for a program that failed its first run,
+        for every signature it answered) from now on, after one warning."""
+        if program is None:
+            _distributed.agree_on_program("fallback to fn", str(why))
+        fallback = _Fallback(why)
+        keys = [key] if program is None else \
+            [k for k, e in self._entries.items() if isinstance(e, _Entry) and e.program is program]
+        for k in keys or [key]:
+            self._entries[k] = fallback
+        self._states = [(p, names) for p, names in self._states if p is not program]
+        self._latest = why
+        self._warn(why)
+        return fallback
+
     def _paths(self, call: _Call) -> list[tuple[int | str, str]]:
-        """Each dynamic leaf as (argument number or keyword, path inside it)."""
+        """Each dynamic leaf as (argument number, path inside it): a keyword argument
+        by the number of the parameter it names (``opt_state=`` is argument 1 of
+        ``step(params, opt_state, batch)``, whose next value is output ``[1]``), only a
+        keyword the signature does not list (``**kwargs``) by its name."""
         import jax
 
         static = {n for n, _ in call.static[0]}
         positions = [i for i in range(len(self._arg_names) + len(call.leaves))
                      if i not in static]
+        numbers = {name: number for number, name in enumerate(self._arg_names)}
         paths = jax.tree_util.tree_flatten_with_path(
             jax.tree.unflatten(call.treedef, [0] * len(call.leaves)))[0]
-        return [(positions[path[1].idx] if path[0].idx == 0 else path[1].key,
+        return [(positions[path[1].idx] if path[0].idx == 0
+                 else numbers.get(path[1].key, path[1].key),
                  jax.tree_util.keystr(path[2:])) for path, _ in paths]
 
     def _names(self, call: _Call) -> list[str]:
@@ -291,11 +444,12 @@ class ShardedStep:
                 pairs.append((k, parameter[index]))
         return pairs
 
-    def _warn(self, reason: str) -> None:
+    def _warn(self, why: Unsupported) -> None:
+        reason = str(why)
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"hlo_shard.jax: running the original step: {reason}",
-                          FallbackWarning, stacklevel=4)
+            warnings.warn(FallbackWarning(f"hlo_shard.jax: running the original step: "
+                                          f"{reason}", why.code.value), stacklevel=5)
 
 
 def _same_aval(leaf, aval) -> bool:
@@ -303,11 +457,9 @@ def _same_aval(leaf, aval) -> bool:
         and str(getattr(leaf, "dtype", "")) == str(aval.dtype)
 
 
-def _is_shard(leaf, layout, shard_sharding) -> bool:
-    """Whether ``leaf`` is in shard form (a 1-D full leaf can have the shard's shape;
-    the sharding tells them apart)."""
-    return tuple(getattr(leaf, "shape", ())) == layout.shape \
-        and _xla.same_placement(leaf, shard_sharding)
+def _fully_replicated(leaf) -> bool:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is None or bool(getattr(sharding, "is_fully_replicated", False))
 
 
 def _name_the_argument(err: Exception, call: _Call, before: _Call | None,

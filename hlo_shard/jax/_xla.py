@@ -69,6 +69,17 @@ def result_handlers(outputs: Sequence[tuple[tuple[int, ...], Any, Any]]) -> list
             for shape, dtype, sharding in outputs]
 
 
+def is_jax_jit(fn) -> bool:
+    """Whether ``fn`` is what ``jax.jit`` returns (its lowering is jax's ``Lowered``)."""
+    return hasattr(fn, "_jit_info") and hasattr(fn, "lower")
+
+
+def base_array(x):
+    """A typed PRNG key array's underlying integer array (what the executable takes for
+    an extended-dtype argument), without a dispatch."""
+    return x._base_array
+
+
 def memory_stats(executable) -> dict[str, int]:
     stats = executable.get_compiled_memory_stats()
     names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",

@@ -11,8 +11,13 @@ result only when something was sharded and the result passed the project's valid
 (``optimize_module``). The signature of a compiled function cannot change, so the state
 is ``gathered`` (a training ``while`` loop compiled as one module keeps its state sharded in
 the carry, as the pass does). The callback never raises into XLA: any exception or
-refusal returns None with one line on the ``hlo_shard`` logger. Proto ↔ text goes through
-jax's private ``xla_client``, behind the runtime's version check.
+refusal returns None with one line on the ``hlo_shard`` logger. A ``KeyboardInterrupt``
+(Ctrl-C while the pass runs) or ``SystemExit`` would come out of XLA as an ``INTERNAL``
+error, so the callback keeps it, returns None, and it is raised again on the Python side
+once XLA has returned: by a ``jax.monitoring`` listener of jax's end-of-compile event
+(``/jax/core/compile/backend_compile_duration``, recorded right after the backend compile
+returns, in the thread that compiled). Proto ↔ text goes through jax's private
+``xla_client``, behind the runtime's version check.
 """
 
 from __future__ import annotations
@@ -117,6 +122,10 @@ class _Hook:
         #: The stage the pass is registered at (None: not registered).
         self.registered: str | None = None
         self.decisions: list[Decision] = []
+        #: A KeyboardInterrupt or SystemExit the callback caught, raised again once XLA
+        #: has returned (:func:`_raise_pending`).
+        self.pending: BaseException | None = None
+        self.listening = False
 
     def transform(self, data: bytes) -> bytes | None:
         """The callback XLA calls: never raises, None unless the module was sharded."""
@@ -136,6 +145,10 @@ class _Hook:
                 xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
             out, result, report, reason = None, None, None, f"{type(err).__name__}: {err}"
+        except BaseException as stop:  # Ctrl-C: XLA would turn it into INTERNAL
+            with self.lock:
+                self.pending = stop
+            return None
         result, reason = _agree_across_processes(out, result, reason)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start)
@@ -150,6 +163,20 @@ class _Hook:
 
 
 _HOOK = _Hook()
+
+#: jax's event recorded when a backend compile has returned (jax/_src/dispatch.py).
+_COMPILE_DONE = "/jax/core/compile/backend_compile_duration"
+
+
+def _raise_pending(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    """A ``jax.monitoring`` listener: the interrupt the callback kept, raised in Python
+    right after XLA's compile returned (it propagates out of the ``jit`` call)."""
+    if event != _COMPILE_DONE or _HOOK.pending is None:
+        return
+    with _HOOK.lock:
+        stop, _HOOK.pending = _HOOK.pending, None
+    if stop is not None:
+        raise stop
 
 
 def _xla_client():
@@ -261,6 +288,11 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
     platform_hook = _platform_hook()
     from jax.extend import xla as jax_xla
 
+    if not _HOOK.listening:  # once per process (jax keeps its listeners)
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_raise_pending)
+        _HOOK.listening = True
     with _HOOK.lock:
         changed = _HOOK.settings != _Settings(options, pattern, force)
         _HOOK.settings = _Settings(options, pattern, force)

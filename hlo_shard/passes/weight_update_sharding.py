@@ -51,6 +51,9 @@ from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
+#: The smallest value of each integer option (None allowed where it has no default);
+#: every front end (the CLI, ``shard_weight_update``, ``install()``) gets the same check.
+OPTION_MINIMUMS = {"num_replicas": 1, "min_shard_bytes": 0, "bucket_bytes": 1}
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if self.options.strategy not in STRATEGIES:
             raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                                 f"{self.options.strategy!r}")
+        for option, least in OPTION_MINIMUMS.items():
+            value = getattr(self.options, option)
+            if value is not None and value < least:
+                raise ShardingOptionError(option, value, f"must be at least {least}")
         profile = self.options.profile
         object.__setattr__(self, "profile", profile if isinstance(profile, HardwareProfile)
                            else load_profile(profile))

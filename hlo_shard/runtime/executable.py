@@ -197,7 +197,7 @@ def module_cost(source: str | Path | Module, backend: str = "cpu", *,
     module = read_module(source)
     worker = worker or get_worker(backend, 1, timeout)
     return worker.request("cost", timeout, f"cost analysis of {module.source_path or module.name}",
-                          text=to_text(module))
+                          text=to_text(module, for_xla=True))
 
 
 def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequence[DeviceValues]],

@@ -1,0 +1,187 @@
+"""``shard_weight_update`` on steps written with the ecosystem's own jit wrappers: flax's
+``nnx.jit`` and equinox's ``filter_jit`` (which crashed with ``'Lowered' object has no
+attribute '_lowering'``). Their wrappers keep their own argument handling (nnx's graph
+state, equinox's array/static partition) and call the optimized step where they called
+their ``jax.jit``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from jax_train_helpers import AXIS, jax, needs_devices, optax
+
+import hlo_shard.jax as hsj
+
+eqx = pytest.importorskip("equinox")
+nnx = pytest.importorskip("flax.nnx")
+jnp = jax.numpy
+P = jax.sharding.PartitionSpec
+NamedSharding = jax.sharding.NamedSharding
+
+
+def _mesh(n: int = 4):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+
+
+def _batches(by_data, steps: int):
+    key = jax.random.PRNGKey(7)
+    return [jax.device_put((jax.random.normal(jax.random.fold_in(key, i), (8, 32)),
+                            jax.random.normal(jax.random.fold_in(key, 100 + i), (8, 8))),
+                           by_data) for i in range(steps)]
+
+
+def _no_fallback(fast, caught) -> None:
+    fallbacks = [str(c.message) for c in caught if issubclass(c.category, hsj.FallbackWarning)]
+    assert not fallbacks, fallbacks
+    assert fast.report["fallback"] is None and fast.report["sharded"] >= 1
+
+
+# Model and step in the style of flax's NNX data-parallel guide (an nnx.Module, an
+# nnx.Optimizer over its Params, state replicated with jax.device_put + nnx.update, the
+# step mutating both in place under @nnx.jit), small sizes.
+class _MLP(nnx.Module):
+    def __init__(self, din: int, dmid: int, dout: int, *, rngs: nnx.Rngs) -> None:
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear2 = nnx.Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+@nnx.jit
+def _nnx_train_step(model, optimizer, x, y):
+    def loss_fn(model):
+        return ((model(x) - y) ** 2).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_a_flax_nnx_jit_step(request, state):
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    batches = _batches(by_data, 3)
+
+    def run(step):
+        model = _MLP(32, 64, 8, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        nnx.update((model, optimizer),
+                   jax.device_put(nnx.state((model, optimizer)), replicated))
+        return [float(step(model, optimizer, x, y)) for x, y in batches], model
+
+    fast = hsj.shard_weight_update(_nnx_train_step, state=state, force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, model = run(fast)
+    _no_fallback(fast, caught)
+    reference, model_jit = run(_nnx_train_step)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.linear1.kernel[...]),
+                               np.asarray(model_jit.linear1.kernel[...]), rtol=1e-5, atol=1e-6)
+    assert fast.report["gradients"] >= 4  # both layers' kernel and bias
+
+
+# Model and step in the style of equinox's parallelism example (examples/parallelism:
+# eqx.nn.MLP, optax state over the inexact arrays, @eqx.filter_jit(donate="all") with
+# eqx.filter_shard of model, state and batch), small sizes.
+def _eqx_step(optim):
+    @eqx.filter_jit(donate="all")
+    def train_step(model, opt_state, x, y, sharding):
+        replicated = NamedSharding(sharding.mesh, P())  # the example: sharding.replicate()
+        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+        x, y = eqx.filter_shard((x, y), sharding)
+
+        @eqx.filter_value_and_grad
+        def compute_loss(model, x, y):
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+        loss, grads = compute_loss(model, x, y)
+        updates, opt_state = optim.update(grads, opt_state)
+        model = eqx.apply_updates(model, updates)
+        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+        return model, opt_state, loss
+    return train_step
+
+
+#: The pass's module of this step computes something else where it shards (``hlo-shard
+#: verify`` of the captured module against ``optimize --force``'s: DIFFERENT, 18 of 21
+#: outputs at the first step): a defect of the pass, not of this path. Gathered, the gate
+#: keeps this step whole; sharded, it shards it.
+PASS_DEFECT = pytest.mark.xfail(reason="the pass shards this equinox MLP + Adam module "
+                                       "into a different computation", strict=False)
+
+
+@pytest.mark.parametrize("state", ["gathered", pytest.param("sharded", marks=PASS_DEFECT)])
+def test_an_equinox_filter_jit_step(request, state):
+    """Through the optimized path without a crash (was ``'Lowered' object has no
+    attribute '_lowering'``), with jit's numbers; not forced."""
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    batches = _batches(by_data, 3)
+    optim = optax.adam(1e-2)
+    step = _eqx_step(optim)
+
+    def run(fn):
+        model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
+        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+        losses = []
+        for x, y in batches:
+            model, opt_state, loss = fn(model, opt_state, x, y, by_data)
+            losses.append(float(loss))
+        return losses, model
+
+    fast = hsj.shard_weight_update(step, state=state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = run(fast)
+    assert fast.report is not None and fast.report["gate"] is not None  # captured, priced
+    if fast.report["fallback"] is not None:
+        assert fast.report["fallback"] == "not_faster"
+        assert len([c for c in caught if issubclass(c.category, hsj.FallbackWarning)]) == 1
+    reference, _ = run(step)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_a_jax_jit_of_a_shard_map_step(request):
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    mesh = replicated.mesh
+    opt = optax.sgd(1e-2, momentum=0.9)
+    key = jax.random.PRNGKey(0)
+    params = jax.device_put({"w": jax.random.normal(key, (32, 64)) * 0.1,
+                             "v": jax.random.normal(key, (64, 8)) * 0.1}, replicated)
+    opt_state = jax.device_put(opt.init(params), replicated)
+
+    def local(params, opt_state, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                                 out_specs=(P(), P(), P())))
+    fast = hsj.shard_weight_update(step, state="sharded", force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p, s = params, opt_state
+        for x, y in _batches(by_data, 3):
+            p, s, loss = fast(p, s, x, y)
+    _no_fallback(fast, caught)
+    pj, sj = params, opt_state
+    for x, y in _batches(by_data, 3):
+        pj, sj, loss_jit = step(pj, sj, x, y)
+    np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(fast.gather_args(p, s)), jax.tree.leaves((pj, sj))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
