@@ -189,9 +189,14 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     where = "stdout" if output in (None, "-") else output
     if not rows:
         return f"no gradient all-reduce found; module written unchanged to {where}"
+    already = sum(1 for r in rows if r.already_sharded)
+    # Gradients the program already reduce-scatters are counted apart from those kept
+    # whole: they are not a missed opportunity.
+    apart = (f"; {already} already sharded (reduce-scatter form), "
+             f"{len(rows) - len(done) - already} kept whole") if already else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
-            f"{report.devices} devices; {moved} update ops moved; state {options.state}"
+            f"{report.devices} devices{apart}; {moved} update ops moved; state {options.state}"
             f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
             f"strategy {options.strategy}; {_speed_summary(decision)}; wrote {where}")
     return text
