@@ -127,3 +127,58 @@ def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_cha
         sum(s for key, s in seconds_after.items() if key not in seconds_before)
     assert abs(after.seconds - before.seconds) <= changed
     assert before.devices == after.devices == 8
+
+
+GPU_STEP = """\
+HloModule gpu_step
+
+ENTRY %step (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
+  %a = bf16[64,64]{1,0} parameter(0)
+  %b = bf16[64,64]{1,0} parameter(1)
+  ROOT %gemm = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm"
+}
+"""
+
+
+def _groups_step(devices: int) -> str:
+    group = ",".join(map(str, range(devices)))
+    return f"""\
+HloModule pod_step, num_partitions={devices}
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}}
+
+ENTRY %step (g: f32[1024]) -> f32[1024] {{
+  %g = f32[1024]{{0}} parameter(0)
+  ROOT %r = f32[1024]{{0}} all-reduce(%g), channel_id=1, replica_groups={{{{{group}}}}}, use_global_device_ids=true, to_apply=%add
+}}
+"""
+
+
+def test_the_default_profile_of_an_accelerator_program_is_not_the_cpu_one():
+    from hlo_shard.profiles import DEFAULT_PROFILE
+    from hlo_shard.profiles.detect import profile_for_module
+
+    gpu, note = profile_for_module(None, parse(GPU_STEP))
+    assert gpu.name == "h100" and "GPU program (custom-call __cublas$gemm)" in note
+    pod, note = profile_for_module(None, parse(_groups_step(128)))
+    assert pod.name == DEFAULT_PROFILE
+    assert note.startswith(f"{DEFAULT_PROFILE} prices are being applied to a GPU/TPU program "
+                           "(collective groups of 128 devices)")
+    host, note = profile_for_module(None, parse(_groups_step(8)))
+    assert host.name == DEFAULT_PROFILE and note is None
+    asked, note = profile_for_module("a100", parse(GPU_STEP))
+    assert asked.name == "a100" and note is None
+
+
+def test_report_says_which_profile_an_accelerator_program_is_priced_on(tmp_path):
+    source = tmp_path / "gpu_step.hlo"
+    source.write_text(GPU_STEP)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "report", str(source), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("note: profile h100")
+    assert json.loads(run.stdout)["profile"] == "h100"
