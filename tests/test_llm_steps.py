@@ -182,3 +182,21 @@ def test_report_says_which_profile_an_accelerator_program_is_priced_on(tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("note: profile h100")
     assert json.loads(run.stdout)["profile"] == "h100"
+
+
+@pytest.mark.slow
+def test_generated_fsdp_step_marks_the_fsdp_gradients_already_sharded(tmp_path):
+    """scripts/llm_step.py's MaxText-style FSDP step: every matrix gradient is the
+    partitioner's reduce-scatter form; the replicated norm scales are candidates."""
+    from llm_step import generate, param_shapes, LlamaShape
+
+    path = generate(tmp_path / "fsdp.hlo", "data2_fsdp4", layers=1)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(path), "-o",
+                          str(tmp_path / "out.hlo"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["explanations"]
+    already = [row for row in rows if row["reason_code"] == "already_sharded"]
+    matrices = [n for n, shape in param_shapes(LlamaShape(layers=1)).items() if len(shape) == 2]
+    assert len(already) == len(matrices)
+    assert all(row["bytes"] >= 64 * 64 * 2 for row in already)  # bf16 whole gradients
