@@ -71,8 +71,8 @@ def verdicts(report: dict) -> str:
     common = f"; most frequent reason kept whole: {words.most_common(1)[0][0]!r}" if words else ""
     by_code = ", ".join(f"{code} {count}" for code, count in sorted(codes.items()))
     return (f"{report['sharded']} of {report['gradients']} sharded, "
-            f"{codes.get('already_sharded', 0)} already sharded, "
-            f"{len(rows) - report['sharded'] - codes.get('already_sharded', 0)} kept whole "
+            f"{report['already_sharded']} already sharded, "
+            f"{len(rows) - report['sharded'] - report['already_sharded']} kept whole "
             f"({by_code}){common}")
 
 

@@ -102,8 +102,9 @@ def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "1 already sharded (reduce-scatter form), 0 kept whole" in run.stderr
-    codes = {row["all_reduce"]: row["reason_code"]
-             for row in json.loads(run.stdout)["explanations"]}
+    report = json.loads(run.stdout)
+    assert (report["sharded"], report["already_sharded"], report["gradients"]) == (1, 1, 2)
+    codes = {row["all_reduce"]: row["reason_code"] for row in report["explanations"]}
     assert codes == {"gw.sum": "already_sharded", "gs.sum": ""}
 
 

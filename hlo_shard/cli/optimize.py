@@ -348,6 +348,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             "strategies": [choice.to_json() for choice in report.strategies],
             "speed": decision.to_json(),
             "sharded": sum(1 for r in report.explanations if r.sharded),
+            "already_sharded": sum(1 for r in report.explanations if r.already_sharded),
             "gradients": len(report.explanations),
             "explanations": [names.explained(r.to_json()) if names else r.to_json()
                              for r in report.explanations],
