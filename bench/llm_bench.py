@@ -4,7 +4,8 @@ masters, global-norm clipping + AdamW; 8 CPU devices), as a user runs it.
 
 1. Time: ``optimize`` on the largest step (``--size large``, mesh ``data8``: ~4 MB of
    HLO, every gradient a candidate) against its own parse + print (``hlo-shard fmt``),
-   both through the command line, best of ``--repeats``. Target: ≤ 5× (issue 23).
+   both through the command line, best of ``--repeats``. Target: ≤ 5× (issue 23). A run
+   past 50× its parse + print is stopped and reported at that time.
 2. Verdicts: what the pass did on each mesh (``data8``, ``data2_fsdp4`` with
    MaxText-style FSDP, ``data4_model2`` with tensor-parallel weights): gradients
    sharded, already sharded (the partitioner's reduce-scatter form), kept whole, with
@@ -52,11 +53,20 @@ def llm_modules() -> dict[tuple[str, str], Path]:
     return paths
 
 
-def _cli(*args: str) -> tuple[float, str]:
-    """Wall seconds and stdout of one ``hlo-shard`` command (a failure stops the bench)."""
+#: How long one ``optimize`` may run, in parse+print times of its module (ten times the
+#: target): a pass still quadratic in the module would otherwise hold the bench for hours.
+TIMEOUT_PARSE_PRINTS = 50
+
+
+def _cli(*args: str, timeout: float | None = None) -> tuple[float, str | None]:
+    """Wall seconds and stdout of one ``hlo-shard`` command (None: it ran past
+    ``timeout``, the seconds are the timeout; a failure stops the bench)."""
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "hlo_shard", *args], cwd=ROOT,
-                         capture_output=True, text=True)
+    try:
+        run = subprocess.run([sys.executable, "-m", "hlo_shard", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - started, None
     seconds = time.perf_counter() - started
     if run.returncode != 0:
         sys.exit(f"hlo-shard {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
@@ -85,17 +95,19 @@ def llm_steps(repeats: int = 2) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-llm-") as folder:
         for index, ((mesh, size), path) in enumerate(paths.items()):
             out = Path(folder) / path.name
-            optimize = [_cli("optimize", str(path), "-o", str(out), "--json")
+            parse_print = min(_cli("fmt", str(path), "-o", str(out))[0]
+                              for _ in range(repeats if index == 0 else 1))
+            optimize = [_cli("optimize", str(path), "-o", str(out), "--json",
+                             timeout=TIMEOUT_PARSE_PRINTS * parse_print)
                         for _ in range(repeats if index == 0 else 1)]
-            seconds, stdout = min(optimize)
-            line = (f"{mesh:13s} {size:8s} {path.stat().st_size / 1e6:5.2f} MB  optimize "
-                    f"{seconds:6.1f} s")
+            seconds, stdout = min(optimize, key=lambda run: run[0])
             if index == 0:
-                parse_print = min(_cli("fmt", str(path), "-o", str(out))[0]
-                                  for _ in range(repeats))
                 ratio = seconds / parse_print
-                line += f" / parse+print {parse_print:5.1f} s = {ratio:.1f}x"
-            print(f"{line}\n    {verdicts(json.loads(stdout))}", flush=True)
+            verdict = verdicts(json.loads(stdout)) if stdout is not None else \
+                f"optimize timed out after {seconds:.0f} s"
+            print(f"{mesh:13s} {size:8s} {path.stat().st_size / 1e6:5.2f} MB  optimize "
+                  f"{seconds:6.1f} s / parse+print {parse_print:5.1f} s = "
+                  f"{seconds / parse_print:.1f}x\n    {verdict}", flush=True)
     return {"LLM step, optimize / parse+print": ratio}
 
 
