@@ -94,6 +94,23 @@ def test_an_already_reduce_scattered_gradient_is_reported_already_sharded(form):
     assert rows["gs.sum"].sharded and rows["gs.sum"].reason_code == ""
 
 
+@pytest.mark.parametrize("change", [
+    # The offset is data, not the device's id: a gather of rows, not a shard.
+    ("%pid = u32[] partition-id()", "%pid = u32[] constant(3)"),
+    # The whole gradient is needed too (here: summed), beside the slice.
+    ("%gw.mine = f32[128,1024]{1,0} copy(%gw.slice)",
+     "%gw.mine = f32[128,1024]{1,0} copy(%gw.slice)\n"
+     "  %gw.whole = f32[1024,1024]{1,0} negate(%gw.sum)"),
+], ids=["offset-not-by-device", "whole-gradient-used"])
+def test_a_slice_that_is_not_this_devices_shard_is_not_already_sharded(change):
+    from hlo_shard.analysis.collectives import find_gradient_all_reduces
+
+    module = _module(PARTITIONER_FORM.replace(*change))
+    module.header["num_partitions"] = 8  # as the pass recovers it
+    (big,) = [ar for ar in find_gradient_all_reduces(module) if ar.name == "gw.sum"]
+    assert big.code is None and not big.reason
+
+
 def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):
     source = tmp_path / "fsdp_step.hlo"
     source.write_text(FSDP_STEP.replace("{ds}", PARTITIONER_FORM))
