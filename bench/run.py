@@ -18,6 +18,10 @@ in the same run, as a ratio.
 6. ``hlo_shard.jax`` on the bench's models (``bench/jax_models_bench.py``): fast / plain
    jit per model × optimizer × state mode, with a geometric mean per mode (no target;
    ``--only jax-models`` runs just this table).
+7. LLM-sized steps (``bench/llm_bench.py``): ``optimize`` on a ~4 MB Llama-style step
+   against its own parse + print (target ≤ 5×), and what the pass did on each mesh
+   (data-parallel, FSDP, tensor-parallel): sharded, already sharded, kept whole and why
+   (``--only llm`` runs just this part).
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -151,12 +155,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the large front-end files")
     parser.add_argument("--runs", type=int, default=10, help="timed steps per module per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--only", choices=("jax-models",), help="run just this table")
+    parser.add_argument("--only", choices=("jax-models", "llm"), help="run just this part")
     args = parser.parse_args()
     from jax_models_bench import jax_models
+    from llm_bench import TARGETS as LLM_TARGETS, llm_steps
 
+    TARGETS.update(LLM_TARGETS)
     if args.only == "jax-models":
         jax_models()
+        return
+    if args.only == "llm":
+        for name, value in llm_steps().items():
+            print(f"{name:27s} {value:6.2f}x   target <= {TARGETS[name]:.2f}x")
         return
     results = {}
     if not args.quick:
@@ -174,6 +184,7 @@ def main() -> None:
     distributed_report(args.runs)  # 2 processes x 4 devices vs 1 x 8: informative
     results |= zoo.run_zoo()  # 5. the model zoo (bench/zoo.py)
     informative = jax_models()  # 6. hlo_shard.jax per model x optimizer x mode
+    results |= llm_steps()  # 7. LLM-sized steps (bench/llm_bench.py)
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

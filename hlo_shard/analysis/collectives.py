@@ -13,7 +13,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from hlo_shard.ir import ArrayShape, Instruction, Module, ReplicaGroups, TupleShape
+from hlo_shard.graph import topological_order, users_map
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups,
+                          TupleShape)
 
 
 class GroupMode(enum.Enum):
@@ -192,6 +194,45 @@ def _is_scalar(shape) -> bool:
 # ------------------------------------------------------------------- gradient search
 
 
+class ReasonCode(str, enum.Enum):
+    """Why a gradient collective is left as it is, for machines (``--json``'s
+    ``reason_code``): the one table of such reasons, from the collective's form, the
+    planner and the speed gate; the words for people are the reason text next to it."""
+
+    #: Reduced and then sliced by the device's id (the SPMD partitioner's form of a
+    #: reduce-scatter), or a reduce-scatter: the update already runs on the 1/N slice.
+    ALREADY_SHARDED = "already_sharded"
+    #: An asynchronous all-reduce (XLA's scheduled form, :data:`ASYNC_REASONS`).
+    ASYNCHRONOUS = "asynchronous"
+    #: Groups the rewrite cannot use (uneven, repeated devices, unsupported mode).
+    UNSUPPORTED_GROUPS = "unsupported_groups"
+    #: A shape the rewrite does not handle (dynamic, nested, constrained layout).
+    UNSUPPORTED_SHAPE = "unsupported_shape"
+    #: Inside a fusion/call/conditional body the rewrite does not reach.
+    CALLED_COMPUTATION = "called_computation"
+    #: Over other groups than the data-parallel ones (tensor/model-parallel sums).
+    OTHER_GROUPS = "other_groups"
+    #: The tuple result is used whole.
+    TUPLE_USED_WHOLE = "tuple_used_whole"
+    #: The planner's: not a static array (token, opaque, dynamic shape).
+    NOT_STATIC = "not_static"
+    #: The planner's: at most one element.
+    NOTHING_TO_SHARD = "nothing_to_shard"
+    #: The planner's: smaller than the minimum the caller set (``min_shard_bytes``).
+    BELOW_MIN_SHARD_BYTES = "below_min_shard_bytes"
+    #: The planner's: the all-reduced value is never used.
+    UNUSED = "unused"
+    #: The planner's: no update op runs on it, every user needs the full value.
+    NO_UPDATE_WORK = "no_update_work"
+    #: The planner's: other all-reduced values are computed from it, a batch statistic
+    #: of the forward or backward pass (BatchNorm's mean and variance), not an update.
+    FEEDS_GRADIENTS = "feeds_gradients"
+    #: The rewrite of its region made a dependency cycle: undone, the region refused.
+    REGION_CYCLE = "region_cycle"
+    #: The speed gate kept it whole: sharding it is predicted slower.
+    KEPT_FOR_SPEED = "kept_for_speed"
+
+
 @dataclass(frozen=True)
 class GradientAllReduce:
     """A sum all-reduce over groups of N > 1 (or why it cannot be sharded)."""
@@ -201,6 +242,7 @@ class GradientAllReduce:
     groups: DeviceGroups | None
     #: Why the rewrite must leave it alone ("" when it is a candidate).
     reason: str = ""
+    code: ReasonCode | None = None
 
     @property
     def is_candidate(self) -> bool:
@@ -231,24 +273,36 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     wrapped = _async_wrapped(module)
     found: list[GradientAllReduce] = []
     for comp in module.computations:
+        scattered = _ScatterForm(comp)
         for inst in comp.instructions:
-            if inst.opcode not in ("all-reduce", "all-reduce-start"):
-                continue
-            to_apply = inst.attr("to_apply")
-            reducer = reducer_opcode(module, getattr(to_apply, "name", ""))
-            if reducer != "add":
+            if inst.opcode not in ("all-reduce", "all-reduce-start") or not _sums(module, inst):
                 continue
             try:
                 groups = device_groups(inst, module)
             except SingleDeviceGroups:
                 continue
             except UnsupportedGroups as err:
-                found.append(GradientAllReduce(comp.name, inst.name, None, str(err)))
+                found.append(GradientAllReduce(comp.name, inst.name, None, str(err),
+                                               ReasonCode.UNSUPPORTED_GROUPS))
                 continue
-            reason = (ASYNC_REASONS["all-reduce-start"] if inst.opcode == "all-reduce-start"
-                      else ASYNC_REASONS["async-start"].format(start=wrapped[comp.name])
-                      if comp.name in wrapped else _shape_reason(inst))
-            found.append(GradientAllReduce(comp.name, inst.name, groups, reason))
+            asynchronous = (ASYNC_REASONS["all-reduce-start"] if inst.opcode == "all-reduce-start"
+                            else ASYNC_REASONS["async-start"].format(start=wrapped[comp.name])
+                            if comp.name in wrapped else "")
+            reason = _shape_reason(inst)
+            if asynchronous:
+                found.append(GradientAllReduce(comp.name, inst.name, groups, asynchronous,
+                                               ReasonCode.ASYNCHRONOUS))
+            elif reason:
+                found.append(GradientAllReduce(comp.name, inst.name, groups, reason,
+                                               ReasonCode.UNSUPPORTED_SHAPE))
+            elif scattered.sliced_by_device(inst):
+                found.append(GradientAllReduce(
+                    comp.name, inst.name, groups, "already sharded: every user takes this "
+                    "device's slice (dynamic-slice by partition/replica id, the SPMD "
+                    "partitioner's reduce-scatter form), the update runs on the slice",
+                    ReasonCode.ALREADY_SHARDED))
+            else:
+                found.append(GradientAllReduce(comp.name, inst.name, groups))
     return found
 
 
@@ -257,6 +311,103 @@ def _async_wrapped(module: Module) -> dict[str, str]:
     return {getattr(inst.attr("calls"), "name", ""): inst.name
             for comp in module.computations for inst in comp.instructions
             if inst.opcode == "async-start"}
+
+
+def find_reduce_scatters(module: Module) -> list[GradientAllReduce]:
+    """Sum reduce-scatters over groups of more than one device: gradients already
+    reduce-scattered (by the program or a previous pass), the update on the slice."""
+    found: list[GradientAllReduce] = []
+    for comp in module.computations:
+        for inst in comp.instructions:
+            if inst.opcode != "reduce-scatter" or not _sums(module, inst):
+                continue
+            try:
+                groups: DeviceGroups | None = device_groups(inst, module)
+            except SingleDeviceGroups:
+                continue
+            except UnsupportedGroups:
+                groups = None
+            found.append(GradientAllReduce(
+                comp.name, inst.name, groups, "already sharded: reduce-scattered, the "
+                "update runs on the slice", ReasonCode.ALREADY_SHARDED))
+    return found
+
+
+def _sums(module: Module, inst: Instruction) -> bool:
+    to_apply = inst.attr("to_apply")
+    return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
+
+
+#: Ops that only re-lay a gradient out on its way to the slice (XLA writes the
+#: partitioner's transposes and copies between the all-reduce and its dynamic-slice).
+_LAYOUT_ONLY = frozenset({"copy", "transpose", "bitcast", "reshape", "convert",
+                          "get-tuple-element"})
+#: Index arithmetic: what the partitioner computes a device's slice offset with (a
+#: table lookup of the partition id, a multiply, a reshape to a scalar).
+_INDEX_ARITHMETIC = frozenset({"dynamic-slice", "reshape", "bitcast", "convert", "copy",
+                               "multiply", "add", "subtract", "divide", "remainder",
+                               "clamp", "select", "compare", "minimum", "maximum", "slice",
+                               "broadcast"})
+_DEVICE_IDS = frozenset({"partition-id", "replica-id"})
+
+
+class _ScatterForm:
+    """Recognises the SPMD partitioner's reduce-scatter form in one computation: an
+    all-reduce whose users all ``dynamic-slice`` a strict part of it at offsets computed
+    from the device's id. The computation's users and id-derived values are read once,
+    on the first all-reduce asked about."""
+
+    def __init__(self, comp: Computation) -> None:
+        self.comp = comp
+        self._users: dict[str, list[str]] | None = None
+        self._by_id: set[str] = set()
+        self._constant: set[str] = set()
+
+    def _read(self) -> dict[str, list[str]]:
+        if self._users is None:
+            self._users = users_map(self.comp)
+            for inst in topological_order(self.comp):
+                if inst.opcode in _DEVICE_IDS:
+                    self._by_id.add(inst.name)
+                elif inst.opcode in ("constant", "iota"):
+                    self._constant.add(inst.name)
+                elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
+                    if all(o in self._constant for o in inst.operands):
+                        self._constant.add(inst.name)
+                    elif all(o in self._constant or o in self._by_id for o in inst.operands):
+                        self._by_id.add(inst.name)
+        return self._users
+
+    def sliced_by_device(self, all_reduce: Instruction) -> bool:
+        """Every use of the reduced value (through layout-only ops) is a dynamic-slice of
+        a strict part of it at offsets that depend on the device's id and nothing else."""
+        users = self._read()
+        pending, slices = [all_reduce.name], 0
+        while pending:
+            name = pending.pop()
+            if name == self.comp.root_name or not users[name]:
+                return False
+            for user_name in users[name]:
+                user = self.comp[user_name]
+                if user.opcode in _LAYOUT_ONLY:
+                    pending.append(user_name)
+                elif self._device_slice(user, name):
+                    slices += 1
+                else:
+                    return False
+        return slices > 0
+
+    def _device_slice(self, user: Instruction, value: str) -> bool:
+        if user.opcode != "dynamic-slice" or user.operands[0] != value or value in \
+                user.operands[1:]:
+            return False
+        whole, part = self.comp[value].shape, user.shape
+        if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
+                part.num_elements >= whole.num_elements:
+            return False
+        offsets = user.operands[1:]
+        return all(o in self._by_id or o in self._constant for o in offsets) and \
+            any(o in self._by_id for o in offsets)
 
 
 def _shape_reason(inst: Instruction) -> str:

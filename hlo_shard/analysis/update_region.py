@@ -26,7 +26,6 @@ are chosen to minimise formatting copies (transposes) over the region.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,7 +35,7 @@ from typing import cast
 
 import networkx as nx
 
-from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, neutral_literal,
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode, neutral_literal,
                                             reducer_opcode)
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
@@ -639,32 +638,11 @@ class Leaf:
         return self.all_reduce if self.index is None else f"{self.all_reduce}[{self.index}]"
 
 
-class WholeCode(str, enum.Enum):
-    """Why the planner keeps a gradient all-reduced, for programs to match (``--json``'s
-    ``reason_code``); the words for people are the reason text next to it."""
-
-    #: Not a static array (token, opaque, dynamic shape).
-    NOT_STATIC = "not_static"
-    #: At most one element.
-    NOTHING_TO_SHARD = "nothing_to_shard"
-    #: Smaller than the minimum the caller set (``min_shard_bytes``).
-    BELOW_MIN_SHARD_BYTES = "below_min_shard_bytes"
-    #: The all-reduced value is never used.
-    UNUSED = "unused"
-    #: No update op runs on it: every user needs the full value.
-    NO_UPDATE_WORK = "no_update_work"
-    #: Other all-reduced values are computed from it: a batch statistic of the forward
-    #: or backward pass (BatchNorm's mean and variance), not a weight update.
-    FEEDS_GRADIENTS = "feeds_gradients"
-    #: The rewrite of its region made a dependency cycle: undone, the region refused.
-    REGION_CYCLE = "region_cycle"
-
-
 @dataclass(frozen=True)
 class Whole:
     """Why a gradient stays all-reduced: ``code`` for programs, ``text`` for people."""
 
-    code: WholeCode
+    code: ReasonCode
     text: str
 
 
@@ -680,7 +658,7 @@ class PlannedLeaf(Leaf):
     ops_moved: int = 0
     formatting_copies: int = 0
     saved_flops: float = 0.0
-    code: WholeCode | None = None
+    code: ReasonCode | None = None
 
     @staticmethod
     def of(leaf: Leaf, fmt: ShardFormat, whole: Whole | None) -> PlannedLeaf:
@@ -793,16 +771,16 @@ def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     shape = leaf.shape
     if shape.element_type in ("token", "opaque") or shape.dynamic:
-        return Whole(WholeCode.NOT_STATIC, "not a static array")
+        return Whole(ReasonCode.NOT_STATIC, "not a static array")
     if shape.num_elements <= 1:
         count = f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}"
-        return Whole(WholeCode.NOTHING_TO_SHARD,
+        return Whole(ReasonCode.NOTHING_TO_SHARD,
                      f"{'scalar' if shape.is_scalar else count}: nothing to shard")
     if shape.byte_size < options.min_shard_bytes:
-        return Whole(WholeCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
+        return Whole(ReasonCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
                      f"({shape.byte_size} < {options.min_shard_bytes})")
     if not leaf.values:
-        return Whole(WholeCode.UNUSED, "result unused")
+        return Whole(ReasonCode.UNUSED, "result unused")
     return None
 
 
@@ -890,7 +868,7 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
     why = "all users need the full gradient"
     if stops:
         why = "; ".join(stops[:2]) + (f"; {len(stops) - 2} more" if len(stops) > 2 else "")
-    return Whole(WholeCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
+    return Whole(ReasonCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -962,7 +940,7 @@ class _Planner:
         for i, leaf in enumerate(self.leaves):
             fed = next((label[v] for v in leaf.values if v in label), None)
             if fed is not None:
-                out[i] = Whole(WholeCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
+                out[i] = Whole(ReasonCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
                                f"value of the forward/backward pass (a batch statistic, a "
                                f"sum summed again), not an update's; kept all-reduced, the "
                                f"update region ends here")
@@ -1230,7 +1208,7 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
 
 __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "VIEW_OPCODES", "Whole", "WholeCode", "blocks_through_collectives", "canonical_perm",
+    "VIEW_OPCODES", "Whole", "blocks_through_collectives", "canonical_perm",
     "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
     "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
     "transpose_operand", "transpose_result",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from hlo_shard.cli.app import main, user_errors
-from hlo_shard.cli.report import emit, load_module, manifest_roles, report_options
+from hlo_shard.cli.report import emit, load_module, manifest_roles, module_profile, report_options
 
 
 @main.command()
@@ -18,17 +18,16 @@ from hlo_shard.cli.report import emit, load_module, manifest_roles, report_optio
 @click.argument("after_path", metavar="AFTER.hlo", type=click.Path(dir_okay=False))
 @report_options
 @user_errors
-def diff(before_path: str, after_path: str, profile: str, algorithm: str | None,
+def diff(before_path: str, after_path: str, profile: str | None, algorithm: str | None,
          manifest_path: str | None, as_json: bool, markdown: bool, html_path: str | None,
          output: str | None) -> None:
     """Compare the estimated cost of BEFORE.hlo and AFTER.hlo per device."""
     from hlo_shard.analysis.planned_regions import planned_update_regions
     from hlo_shard.costmodel.step_time import estimate_step
-    from hlo_shard.profiles import load_profile
     from hlo_shard.reports.content import diff_document, diff_json
 
-    hardware = load_profile(profile)
     before, after = load_module(before_path), load_module(after_path)
+    hardware = module_profile(profile, before)
     a, b = (estimate_step(module, hardware, planned_update_regions(module), algorithm=algorithm,
                           roles=roles)
             for module, roles in zip((before, after),

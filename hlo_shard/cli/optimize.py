@@ -41,6 +41,7 @@ from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Ex
 from hlo_shard.printer import format_change
 from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
+from hlo_shard.profiles.detect import profile_for_module
 
 
 def _numbers(text: str | None, flag: str) -> frozenset[int]:
@@ -189,9 +190,14 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     where = "stdout" if output in (None, "-") else output
     if not rows:
         return f"no gradient all-reduce found; module written unchanged to {where}"
+    already = sum(1 for r in rows if r.already_sharded)
+    # Gradients the program already reduce-scatters are counted apart from those kept
+    # whole: they are not a missed opportunity.
+    apart = (f"; {already} already sharded (reduce-scatter form), "
+             f"{len(rows) - len(done) - already} kept whole") if already else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
-            f"{report.devices} devices; {moved} update ops moved; state {options.state}"
+            f"{report.devices} devices{apart}; {moved} update ops moved; state {options.state}"
             f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
             f"strategy {options.strategy}; {_speed_summary(decision)}; wrote {where}")
     return text
@@ -239,9 +245,10 @@ def global_program_note(module: Module) -> str | None:
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave gradients smaller than this all-reduced.")
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, metavar="NAME|FILE",
+@click.option("--profile", default=None, metavar="NAME|FILE",
               help=f"Target hardware auto decides on: {', '.join(available_profiles())}, "
-                   "or a JSON file (as for report).")
+                   f"or a JSON file (as for report). Default: the accelerator's profile where "
+                   f"the module's custom-calls name one, else {DEFAULT_PROFILE}.")
 @click.option("--bucket-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
               help="Largest combined reduce-scatter/all-gather.")
 @click.option("--replicated-params", default=None, metavar="LIST",
@@ -261,7 +268,7 @@ def global_program_note(module: Module) -> str | None:
                    "step slower on --profile.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
-             min_shard_bytes: int, profile: str, bucket_bytes: int, replicated_params: str | None,
+             min_shard_bytes: int, profile: str | None, bucket_bytes: int, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
@@ -284,8 +291,11 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if overrides.replicated & overrides.per_device:
         raise HloShardError("a parameter cannot be both --replicated-params and "
                             "--per-device-params")
-    hardware = load_profile(profile)
+    requested = None if profile is None else load_profile(profile)  # a bad name: before parsing
     module = parse(read_text(input_path), path=input_path)
+    hardware, platform_note = profile_for_module(requested, module)
+    if platform_note is not None:
+        click.echo(f"note: {platform_note}", err=True)
     params = {p.parameter_number for p in module.entry.parameters()}
     unknown = (overrides.replicated | overrides.per_device) - params
     if unknown:
@@ -338,6 +348,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             "strategies": [choice.to_json() for choice in report.strategies],
             "speed": decision.to_json(),
             "sharded": sum(1 for r in report.explanations if r.sharded),
+            "already_sharded": sum(1 for r in report.explanations if r.already_sharded),
             "gradients": len(report.explanations),
             "explanations": [names.explained(r.to_json()) if names else r.to_json()
                              for r in report.explanations],

@@ -16,7 +16,7 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
                                user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, available_profiles
+from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, HardwareProfile, available_profiles
 from hlo_shard.reports.document import Document
 from hlo_shard.schema import load_json
 
@@ -34,8 +34,10 @@ manifest_option = click.option(
 def report_options(command: Callable) -> Callable:
     """Options shared by ``report`` and ``diff``."""
     decorators = [
-        click.option("--profile", default=DEFAULT_PROFILE, show_default=True, metavar="NAME|FILE",
-                     help=f"Hardware profile: {', '.join(available_profiles())}, or a JSON file."),
+        click.option("--profile", default=None, metavar="NAME|FILE",
+                     help=f"Hardware profile: {', '.join(available_profiles())}, or a JSON file. "
+                          f"Default: the accelerator's profile where the module's custom-calls "
+                          f"name one, else {DEFAULT_PROFILE}."),
         click.option("--algorithm", type=click.Choice(ALGORITHMS), default=None,
                      help="Collective algorithm (default: the profile's)."),
         manifest_option,
@@ -51,6 +53,17 @@ def report_options(command: Callable) -> Callable:
     for decorator in reversed(decorators):
         command = decorator(command)
     return command
+
+
+def module_profile(profile: str | None, module: Module) -> HardwareProfile:
+    """``--profile``, or the one the module's platform calls for (a note on stderr says
+    which, or that the default prices an accelerator's program)."""
+    from hlo_shard.profiles.detect import profile_for_module
+
+    hardware, note = profile_for_module(profile, module)
+    if note is not None:
+        click.echo(f"note: {note}", err=True)
+    return hardware
 
 
 def load_module(path: str) -> Module:
@@ -103,7 +116,7 @@ def emit(document: Document, data: dict, *, as_json: bool, markdown: bool, html_
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
               help="Instructions listed by estimated time.")
 @user_errors
-def report(module_path: str, profile: str, algorithm: str | None, manifest_path: str | None,
+def report(module_path: str, profile: str | None, algorithm: str | None, manifest_path: str | None,
            as_json: bool, markdown: bool, html_path: str | None, output: str | None,
            top: int) -> None:
     """Estimated cost of one step of IN.hlo per device: step time split into
@@ -111,11 +124,10 @@ def report(module_path: str, profile: str, algorithm: str | None, manifest_path:
     kind; peak memory by category; the most expensive instructions."""
     from hlo_shard.analysis.planned_regions import planned_update_regions
     from hlo_shard.costmodel.step_time import estimate_step
-    from hlo_shard.profiles import load_profile
     from hlo_shard.reports.content import report_document, report_json
 
     module = load_module(module_path)
-    est = estimate_step(module, load_profile(profile), planned_update_regions(module),
+    est = estimate_step(module, module_profile(profile, module), planned_update_regions(module),
                         algorithm=algorithm, roles=manifest_roles(manifest_path, [module_path])[0])
     emit(report_document(est, module, top), report_json(est, module, top),
          as_json=as_json, markdown=markdown, html_path=html_path, output=output,

@@ -27,8 +27,9 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hlo_shard.analysis.collectives import recovered_device_counts
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
@@ -500,6 +501,7 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     :func:`categorize` returns) reuses the categories of a module with the same
     instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
     a fixtures manifest) replaces :func:`classify_parameters`."""
+    module = with_device_counts(module)
     profile = profile.for_devices(module.device_count)
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
@@ -542,6 +544,20 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
         executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
+
+
+def with_device_counts(module: Module) -> Module:
+    """``module`` with the device counts its header lost (a module taken from XLA's
+    pass hook, or dumped before the header was filled in) recovered from its
+    collectives' groups, as the sharding pass writes them into its output's header.
+
+    Every rate of a profile measured at several device counts depends on the count
+    (N devices share one host's cores), and so do the group sizes of collectives
+    without explicit groups: an original priced at the header's count of one device
+    and its rewrite at the recovered eight would differ by the whole step, whatever
+    the rewrite changed."""
+    recovered = recovered_device_counts(module)
+    return replace(module, header={**module.header, **recovered}) if recovered else module
 
 
 def donated_copy_seconds(copy: DonatedCopy, profile: HardwareProfile) -> float:

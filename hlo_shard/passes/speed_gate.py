@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
+from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
@@ -136,6 +137,7 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason = (f"kept whole for speed: sharding it predicted "
                       f"{alternative.seconds * 1e3:.4g} ms/step, whole "
                       f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
+        row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
 __all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "predicted_step_seconds",

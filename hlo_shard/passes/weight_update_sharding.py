@@ -31,12 +31,13 @@ from typing import ClassVar, cast
 
 import networkx as nx
 
-from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce,
-                                            find_gradient_all_reduces, recovered_device_counts)
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
+                                            find_gradient_all_reduces, find_reduce_scatters,
+                                            recovered_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
-                                              Whole, WholeCode, collect_leaves, flattenable,
+                                              Whole, collect_leaves, flattenable,
                                               plan_region, region_only_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
@@ -100,10 +101,13 @@ class Explanation:
     formatting_copies: int = 0
     saved_flops: float = 0.0
     collective: str = ""
-    #: Why it is not sharded, for machines (``""`` when sharded or not coded yet: an
-    #: all-reduce rejected as a whole, the speed gate); ``reason`` in words. The
-    #: planner's codes: :class:`~hlo_shard.analysis.update_region.WholeCode`.
+    #: Why it is not sharded, for machines (``""`` when sharded): a
+    #: :class:`~hlo_shard.analysis.collectives.ReasonCode` value; ``reason`` in words.
     reason_code: str = ""
+
+    @property
+    def already_sharded(self) -> bool:
+        return self.reason_code == ReasonCode.ALREADY_SHARDED.value
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -223,7 +227,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         replication = analyze_replication(module, groups, self.options.overrides,
                                           _gradient_sources(module, found))
         candidates, rejected = _triage(module, found, groups)
-        report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
+        report.explanations += [_rejected(module, ar, why, code) for ar, why, code in rejected]
+        report.explanations += [_rejected(module, rs, rs.reason, rs.code)
+                                for rs in find_reduce_scatters(module)]
         group_size = groups.size if groups is not None else 1
         bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
                               CollectivePricing(self.profile.for_devices(module.device_count),
@@ -239,7 +245,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         become shards too (the carries are rewritten outside the body later)."""
         module = run.module
         leaves, rejected = collect_leaves(module, comp, candidates)
-        run.report.explanations += [_rejected(module, ar, why) for ar, why in rejected]
+        run.report.explanations += [_rejected(module, ar, why, ReasonCode.TUPLE_USED_WHOLE)
+                                    for ar, why in rejected]
         if not leaves:
             return
         state_entry = comp.is_entry and self.options.state == "sharded"
@@ -263,7 +270,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 snapshot.restore()
                 run.rewind(mark)
                 stuck = ", ".join(f"%{name}" for name in cycle.stuck[:3])
-                plan = plan.refused(Whole(WholeCode.REGION_CYCLE,
+                plan = plan.refused(Whole(ReasonCode.REGION_CYCLE,
                                           f"the rewrite of this region made a dependency "
                                           f"cycle (through {stuck}…): left as it was"))
         run.report.explanations += [_explain(comp.name, leaf, collectives)
@@ -352,21 +359,24 @@ class _Mark:
 
 
 def _triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups | None
-            ) -> tuple[dict[str, list[GradientAllReduce]], list[tuple[GradientAllReduce, str]]]:
+            ) -> tuple[dict[str, list[GradientAllReduce]],
+                       list[tuple[GradientAllReduce, str, ReasonCode | None]]]:
     """The candidate all-reduces per computation the rewrite can reach (the entry and
     training-loop bodies, over the data-parallel group), and the others with why not."""
     regions = _region_computations(module)
     candidates: dict[str, list[GradientAllReduce]] = defaultdict(list)
-    rejected: list[tuple[GradientAllReduce, str]] = []
+    rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]] = []
     for ar in found:
-        reason = ar.reason
+        reason, code = ar.reason, ar.code
         if not reason and ar.computation not in regions:
             reason = "inside a called computation (fusion/call/conditional): not supported"
+            code = ReasonCode.CALLED_COMPUTATION
         if not reason and (ar.groups is None or groups is None
                            or ar.groups.key() != groups.key()):
             reason = "its groups differ from the data-parallel group of the module"
+            code = ReasonCode.OTHER_GROUPS
         if reason:
-            rejected.append((ar, reason))
+            rejected.append((ar, reason, code))
         else:
             candidates[ar.computation].append(ar)
     return dict(candidates), rejected
@@ -886,12 +896,17 @@ def _output_kinds(module: Module, replication: Replication) -> list[str]:
 # --------------------------------------------------------------------- explanations
 
 
-def _rejected(module: Module, ar: GradientAllReduce, reason: str) -> Explanation:
+def _rejected(module: Module, ar: GradientAllReduce, reason: str,
+              code: ReasonCode | None) -> Explanation:
+    """The row of a collective left alone as a whole; a reduce-scatter's row describes
+    the gradient it reduces (its operand), like an all-reduce's."""
     from hlo_shard.printer import format_shape
 
     inst = module.computation(ar.computation)[ar.name]
-    return Explanation(ar.computation, ar.name, None, format_shape(inst.shape),
-                       inst.shape.byte_size, False, reason)
+    shape = module.computation(ar.computation)[inst.operands[0]].shape \
+        if inst.opcode == "reduce-scatter" and len(inst.operands) == 1 else inst.shape
+    return Explanation(ar.computation, ar.name, None, format_shape(shape), shape.byte_size,
+                       False, reason, reason_code=code.value if code else "")
 
 
 def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> Explanation:

@@ -1,0 +1,124 @@
+"""LLM-sized steps (issue 23): ``hlo-shard optimize`` on Llama-style training steps of
+``scripts/llm_step.py`` (RMSNorm, rotary attention, SwiGLU, bf16 compute from fp32
+masters, global-norm clipping + AdamW; 8 CPU devices), as a user runs it.
+
+1. Time: ``optimize`` on the largest step (``--size large``, mesh ``data8``: ~4 MB of
+   HLO, every gradient a candidate) against its own parse + print (``hlo-shard fmt``),
+   both through the command line, best of ``--repeats``. Target: ≤ 5× (issue 23). A run
+   past 50× its parse + print is stopped and reported at that time.
+2. Verdicts: what the pass did on each mesh (``data8``, ``data2_fsdp4`` with
+   MaxText-style FSDP, ``data4_model2`` with tensor-parallel weights): gradients
+   sharded, already sharded (the partitioner's reduce-scatter form), kept whole, with
+   the reasons (``--json``'s reason codes and the words of the most frequent one).
+
+The modules are dumped once into ``bench/out`` (git-ignored) and reused: delete them
+to regenerate (the large one takes a few minutes of CPU, the others under a minute).
+
+Run by ``bench/run.py``; alone: ``python bench/llm_bench.py [--repeats R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+#: (mesh, size) of the modules this part reads; the first is the one timed.
+MODULES = (("data8", "large"), ("data8", "default"), ("data2_fsdp4", "default"),
+           ("data4_model2", "default"))
+TARGETS = {"LLM step, optimize / parse+print": 5.0}
+
+
+def llm_modules() -> dict[tuple[str, str], Path]:
+    """Dump (or reuse) every module of :data:`MODULES`."""
+    from llm_step import generate
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for mesh, size in MODULES:
+        path = OUT / f"llm_{mesh}_{size}.n8.hlo"
+        if not (path.is_file() and path.stat().st_size):
+            print(f"dumping {path.name} ...", flush=True)
+            generate(path, mesh, size)
+        paths[mesh, size] = path
+    return paths
+
+
+#: How long one ``optimize`` may run, in parse+print times of its module (ten times the
+#: target): a pass still quadratic in the module would otherwise hold the bench for hours.
+TIMEOUT_PARSE_PRINTS = 50
+
+
+def _cli(*args: str, timeout: float | None = None) -> tuple[float, str | None]:
+    """Wall seconds and stdout of one ``hlo-shard`` command (None: it ran past
+    ``timeout``, the seconds are the timeout; a failure stops the bench)."""
+    started = time.perf_counter()
+    try:
+        run = subprocess.run([sys.executable, "-m", "hlo_shard", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - started, None
+    seconds = time.perf_counter() - started
+    if run.returncode != 0:
+        sys.exit(f"hlo-shard {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
+    return seconds, run.stdout
+
+
+def verdicts(report: dict) -> str:
+    """One line of what ``optimize --json`` did: counts by outcome, reasons by code."""
+    rows = report["explanations"]
+    codes = Counter(row["reason_code"] or "sharded" for row in rows)
+    words = Counter(row["reason"] for row in rows if row["reason_code"] not in ("", "already_sharded"))
+    common = f"; most frequent reason kept whole: {words.most_common(1)[0][0]!r}" if words else ""
+    by_code = ", ".join(f"{code} {count}" for code, count in sorted(codes.items()))
+    return (f"{report['sharded']} of {report['gradients']} sharded, "
+            f"{report['already_sharded']} already sharded, "
+            f"{len(rows) - report['sharded'] - report['already_sharded']} kept whole "
+            f"({by_code}){common}")
+
+
+def llm_steps(repeats: int = 2) -> dict[str, float]:
+    """Print the table; return the optimize / parse+print ratio of the largest module."""
+    print("\n== LLM-sized steps: Llama-style decoder, AdamW, 8 CPU devices "
+          "(scripts/llm_step.py)", flush=True)
+    paths = llm_modules()
+    ratio = 0.0
+    with tempfile.TemporaryDirectory(prefix="hlo-shard-bench-llm-") as folder:
+        for index, ((mesh, size), path) in enumerate(paths.items()):
+            out = Path(folder) / path.name
+            parse_print = min(_cli("fmt", str(path), "-o", str(out))[0]
+                              for _ in range(repeats if index == 0 else 1))
+            optimize = [_cli("optimize", str(path), "-o", str(out), "--json",
+                             timeout=TIMEOUT_PARSE_PRINTS * parse_print)
+                        for _ in range(repeats if index == 0 else 1)]
+            seconds, stdout = min(optimize, key=lambda run: run[0])
+            if index == 0:
+                ratio = seconds / parse_print
+            verdict = verdicts(json.loads(stdout)) if stdout is not None else \
+                f"optimize timed out after {seconds:.0f} s"
+            print(f"{mesh:13s} {size:8s} {path.stat().st_size / 1e6:5.2f} MB  optimize "
+                  f"{seconds:6.1f} s / parse+print {parse_print:5.1f} s = "
+                  f"{seconds / parse_print:.1f}x\n    {verdict}", flush=True)
+    return {"LLM step, optimize / parse+print": ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs of the largest module (the best counts)")
+    args = parser.parse_args()
+    for name, value in llm_steps(args.repeats).items():
+        print(f"{name}: {value:.2f}x (target <= {TARGETS[name]:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""LLM-sized training steps (issue 23): the already-sharded verdict, prices at scale,
+and the generator of Llama-style steps (``scripts/llm_step.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hlo_shard import parse
+from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.costmodel.step_time import estimate_step
+from hlo_shard.passes.optimize import optimize_where_faster
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.profiles import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+#: A data-parallel step over 8 partitions whose header lost its device counts (as XLA's
+#: pass hook hands modules over): one large matrix whose gradient the SPMD partitioner
+#: already reduce-scatters (all-reduce, then this device's rows by partition id) and
+#: updates on the slice, and one tiny vector (a norm scale) with a replicated update.
+#: ``{ds}`` is the large gradient's use: the partitioner's dynamic-slice, or a
+#: reduce-scatter written out.
+FSDP_STEP = """\
+HloModule fsdp_step, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias), {2}: (2, {}, may-alias), {3}: (3, {}, may-alias) }
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %step (w: f32[128,1024], mw: f32[128,1024], s: f32[1024], ms: f32[1024], x: f32[64,1024]) -> (f32[128,1024], f32[128,1024], f32[1024], f32[1024]) {
+  %w = f32[128,1024]{1,0} parameter(0)
+  %mw = f32[128,1024]{1,0} parameter(1)
+  %s = f32[1024]{0} parameter(2)
+  %ms = f32[1024]{0} parameter(3)
+  %x = f32[64,1024]{1,0} parameter(4)
+  %w.all = f32[1024,1024]{1,0} all-gather(%w), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %sb = f32[64,1024]{1,0} broadcast(%s), dimensions={1}
+  %xs = f32[64,1024]{1,0} multiply(%x, %sb)
+  %h = f32[64,1024]{1,0} dot(%xs, %w.all), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %gw = f32[1024,1024]{1,0} dot(%xs, %h), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+{ds}
+  %lr = f32[] constant(0.01)
+  %lrw = f32[128,1024]{1,0} broadcast(%lr), dimensions={}
+  %mw.new = f32[128,1024]{1,0} add(%mw, %gw.mine)
+  %stepw = f32[128,1024]{1,0} multiply(%lrw, %mw.new)
+  %w.new = f32[128,1024]{1,0} subtract(%w, %stepw)
+  %xh = f32[64,1024]{1,0} multiply(%x, %h)
+  %zero = f32[] constant(0)
+  %gs = f32[1024]{0} reduce(%xh, %zero), dimensions={0}, to_apply=%add
+  %gs.sum = f32[1024]{0} all-reduce(%gs), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %lrs = f32[1024]{0} broadcast(%lr), dimensions={}
+  %ms.new = f32[1024]{0} add(%ms, %gs.sum)
+  %steps = f32[1024]{0} multiply(%lrs, %ms.new)
+  %s.new = f32[1024]{0} subtract(%s, %steps)
+  ROOT %out = (f32[128,1024]{1,0}, f32[128,1024]{1,0}, f32[1024]{0}, f32[1024]{0}) tuple(%w.new, %mw.new, %s.new, %ms.new)
+}
+"""
+PARTITIONER_FORM = """\
+  %gw.sum = f32[1024,1024]{1,0} all-reduce(%gw), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %offsets = s32[8]{0} constant({0, 128, 256, 384, 512, 640, 768, 896})
+  %pid = u32[] partition-id()
+  %offset.1 = s32[1]{0} dynamic-slice(%offsets, %pid), dynamic_slice_sizes={1}
+  %offset = s32[] reshape(%offset.1)
+  %c0 = s32[] constant(0)
+  %gw.t = f32[1024,1024]{0,1} copy(%gw.sum)
+  %gw.slice = f32[128,1024]{0,1} dynamic-slice(%gw.t, %offset, %c0), dynamic_slice_sizes={128,1024}
+  %gw.mine = f32[128,1024]{1,0} copy(%gw.slice)"""
+REDUCE_SCATTER_FORM = """\
+  %gw.mine = f32[128,1024]{1,0} reduce-scatter(%gw), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add"""
+
+
+def _module(form: str):
+    return parse(FSDP_STEP.replace("{ds}", form), path="fsdp_step.hlo")
+
+
+@pytest.mark.parametrize("form", [PARTITIONER_FORM, REDUCE_SCATTER_FORM],
+                         ids=["partitioner-dynamic-slice", "reduce-scatter"])
+def test_an_already_reduce_scattered_gradient_is_reported_already_sharded(form):
+    report, _, _ = optimize_where_faster(_module(form), ShardingOptions(), force=True)
+    rows = {row.all_reduce: row for row in report.explanations}
+    big = rows["gw.sum" if "all-reduce(%gw)" in form else "gw.mine"]
+    assert not big.sharded
+    assert big.to_json()["reason_code"] == "already_sharded"
+    assert big.reason.startswith("already sharded")
+    assert big.bytes == 1024 * 1024 * 4  # the gradient it reduces, not the slice
+    assert rows["gs.sum"].sharded and rows["gs.sum"].reason_code == ""
+
+
+@pytest.mark.parametrize("change", [
+    # The offset is data, not the device's id: a gather of rows, not a shard.
+    ("%pid = u32[] partition-id()", "%pid = u32[] constant(3)"),
+    # The whole gradient is needed too (here: summed), beside the slice.
+    ("%gw.mine = f32[128,1024]{1,0} copy(%gw.slice)",
+     "%gw.mine = f32[128,1024]{1,0} copy(%gw.slice)\n"
+     "  %gw.whole = f32[1024,1024]{1,0} negate(%gw.sum)"),
+], ids=["offset-not-by-device", "whole-gradient-used"])
+def test_a_slice_that_is_not_this_devices_shard_is_not_already_sharded(change):
+    from hlo_shard.analysis.collectives import find_gradient_all_reduces
+
+    module = _module(PARTITIONER_FORM.replace(*change))
+    module.header["num_partitions"] = 8  # as the pass recovers it
+    (big,) = [ar for ar in find_gradient_all_reduces(module) if ar.name == "gw.sum"]
+    assert big.code is None and not big.reason
+
+
+def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):
+    source = tmp_path / "fsdp_step.hlo"
+    source.write_text(FSDP_STEP.replace("{ds}", PARTITIONER_FORM))
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(source), "-o",
+                          str(tmp_path / "out.hlo"), "--force", "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "1 already sharded (reduce-scatter form), 0 kept whole" in run.stderr
+    report = json.loads(run.stdout)
+    assert (report["sharded"], report["already_sharded"], report["gradients"]) == (1, 1, 2)
+    codes = {row["all_reduce"]: row["reason_code"] for row in report["explanations"]}
+    assert codes == {"gw.sum": "already_sharded", "gs.sum": ""}
+
+
+def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_changes():
+    """A plan changing < 1 % of the gradient bytes: the predicted step moves by at most
+    the price of the instructions the rewrite added or removed. (The header of such a
+    module names no devices: the rewrite writes the recovered 8 into its output's, and
+    both must be priced at 8 devices, not the original at 1.)"""
+    module = _module(PARTITIONER_FORM)
+    assert "num_partitions" not in module.header
+    profile = load_profile("cpu-local")
+    before = estimate_step(module, profile, planned_update_regions(module))
+    report, text, _ = optimize_where_faster(module, ShardingOptions(), force=True)
+    sharded = [row for row in report.explanations if row.sharded]
+    assert sum(r.bytes for r in sharded) < 0.01 * sum(r.bytes for r in report.explanations)
+    rewritten = parse(text)
+    after = estimate_step(rewritten, profile, planned_update_regions(rewritten))
+    seconds_before = {(i.computation, i.name): i.seconds for i in before.instructions}
+    seconds_after = {(i.computation, i.name): i.seconds for i in after.instructions}
+    changed = sum(s for key, s in seconds_before.items() if key not in seconds_after) + \
+        sum(s for key, s in seconds_after.items() if key not in seconds_before)
+    assert abs(after.seconds - before.seconds) <= changed
+    assert before.devices == after.devices == 8
+
+
+GPU_STEP = """\
+HloModule gpu_step
+
+ENTRY %step (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
+  %a = bf16[64,64]{1,0} parameter(0)
+  %b = bf16[64,64]{1,0} parameter(1)
+  ROOT %gemm = bf16[64,64]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm"
+}
+"""
+
+
+def _groups_step(devices: int) -> str:
+    group = ",".join(map(str, range(devices)))
+    return f"""\
+HloModule pod_step, num_partitions={devices}
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}}
+
+ENTRY %step (g: f32[1024]) -> f32[1024] {{
+  %g = f32[1024]{{0}} parameter(0)
+  ROOT %r = f32[1024]{{0}} all-reduce(%g), channel_id=1, replica_groups={{{{{group}}}}}, use_global_device_ids=true, to_apply=%add
+}}
+"""
+
+
+def test_the_default_profile_of_an_accelerator_program_is_not_the_cpu_one():
+    from hlo_shard.profiles import DEFAULT_PROFILE
+    from hlo_shard.profiles.detect import profile_for_module
+
+    gpu, note = profile_for_module(None, parse(GPU_STEP))
+    assert gpu.name == "h100" and "GPU program (custom-call __cublas$gemm)" in note
+    pod, note = profile_for_module(None, parse(_groups_step(128)))
+    assert pod.name == DEFAULT_PROFILE
+    assert note.startswith(f"{DEFAULT_PROFILE} prices are being applied to a GPU/TPU program "
+                           "(collective groups of 128 devices)")
+    host, note = profile_for_module(None, parse(_groups_step(8)))
+    assert host.name == DEFAULT_PROFILE and note is None
+    asked, note = profile_for_module("a100", parse(GPU_STEP))
+    assert asked.name == "a100" and note is None
+
+
+def test_report_says_which_profile_an_accelerator_program_is_priced_on(tmp_path):
+    source = tmp_path / "gpu_step.hlo"
+    source.write_text(GPU_STEP)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "report", str(source), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("note: profile h100")
+    assert json.loads(run.stdout)["profile"] == "h100"
+
+
+@pytest.mark.slow
+def test_generated_fsdp_step_marks_the_fsdp_gradients_already_sharded(tmp_path):
+    """scripts/llm_step.py's MaxText-style FSDP step: every matrix gradient is the
+    partitioner's reduce-scatter form; the replicated norm scales are candidates."""
+    from llm_step import generate, param_shapes, LlamaShape
+
+    path = generate(tmp_path / "fsdp.hlo", "data2_fsdp4", layers=1)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(path), "-o",
+                          str(tmp_path / "out.hlo"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["explanations"]
+    already = [row for row in rows if row["reason_code"] == "already_sharded"]
+    matrices = [n for n, shape in param_shapes(LlamaShape(layers=1)).items() if len(shape) == 2]
+    assert len(already) == len(matrices)
+    assert all(row["bytes"] >= 64 * 64 * 2 for row in already)  # bf16 whole gradients
