@@ -120,7 +120,7 @@ class MovedAllReduce:
     loop: str
     all_reduce: str
     slots: tuple[int, ...]
-    #: The all-reduce now after the loop.
+    #: The all-reduce now after the loop ("" when nothing reads the sums after it).
     after: str
     #: The last instruction added after the loop (the next move's insertion point).
     last: str
@@ -128,8 +128,10 @@ class MovedAllReduce:
 
 @dataclass(frozen=True)
 class KeptAllReduce:
-    """An all-reduce left in the body of ``loop``, and why (a :data:`REASONS` code)."""
+    """An all-reduce left in the body of ``loop`` (a while in ``computation``), and why
+    (a :data:`REASONS` code)."""
 
+    computation: str
     loop: str
     all_reduce: str
     reason: str
@@ -143,16 +145,16 @@ class AccumulationReport:
     @property
     def notes(self) -> list[str]:
         """What ``--explain`` says: each loop's moved all-reduces, and the kept ones."""
-        by_loop: dict[str, list[MovedAllReduce]] = defaultdict(list)
+        by_loop: dict[tuple[str, str], list[MovedAllReduce]] = defaultdict(list)
         for move in self.moved:
-            by_loop[move.loop].append(move)
-        notes = [f"while %{loop}: {len(moves)} accumulated all-reduce(s) moved after the "
-                 f"loop ({', '.join('%' + m.all_reduce for m in moves)}; slots "
+            by_loop[move.computation, move.loop].append(move)
+        notes = [f"{comp}/while %{loop}: {len(moves)} accumulated all-reduce(s) moved after "
+                 f"the loop ({', '.join('%' + m.all_reduce for m in moves)}; slots "
                  f"{', '.join(str(s) for m in moves for s in m.slots)}): one collective "
                  f"per step instead of one per iteration"
-                 for loop, moves in by_loop.items()]
-        notes += [f"while %{k.loop}: all-reduce %{k.all_reduce} stays in the loop "
-                  f"({REASONS[k.reason]})" for k in self.kept]
+                 for (comp, loop), moves in by_loop.items()]
+        notes += [f"{k.computation}/while %{k.loop}: all-reduce %{k.all_reduce} stays in "
+                  f"the loop ({REASONS[k.reason]})" for k in self.kept]
         return notes
 
 
@@ -184,9 +186,10 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
             pass
-        kept = {(k.loop, k.all_reduce): k for k in sinking.kept}
+        # a later sweep sees the loops it left alone again: one entry per all-reduce
+        kept = {(k.computation, k.loop, k.all_reduce): k for k in sinking.kept}
         for move in sinking.moved:
-            kept.pop((move.loop, move.all_reduce), None)
+            kept.pop((move.computation, move.loop, move.all_reduce), None)
         report = AccumulationReport(sinking.moved, list(kept.values()))
         changes = sinking.edits.changes
         return PassResult(module, bool(changes), changes, report=report)
@@ -225,7 +228,7 @@ class _Sinking:
         try:
             _check_loop(outer, loop, body_callers)
         except _Refusal as why:
-            self.kept.extend(KeptAllReduce(loop.name, c.name, why.reason) for c in candidates)
+            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason) for c in candidates)
             return False
         reads = _slots_read(inner), _slots_read(self.edits.rewriter(condition))
         claimed: set[int] = set()
@@ -237,7 +240,7 @@ class _Sinking:
                 if len(slots) < len(elements) or slots & claimed:
                     raise _Refusal("slot-not-carried")
             except _Refusal as why:
-                self.kept.append(KeptAllReduce(loop.name, candidate.name, why.reason))
+                self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name, why.reason))
                 continue
             claimed |= slots
             plans.append((candidate, elements))
@@ -367,6 +370,11 @@ def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
         for element, shape, add in zip(elements, shapes, added):
             if add:
                 outer.set_operand(init, element.slot, _zeros(outer, shape))
+    readers = [[u.name for u in outer.users(loop.name) if u.int_attr("index") == e.slot]
+               for e in elements]
+    if not any(readers):  # nothing reads the sums after the loop: no all-reduce needed
+        return MovedAllReduce(comp.name, loop.name, all_reduce.name,
+                              tuple(e.slot for e in elements), after="", last=anchor)
     attributes = dict(all_reduce.attributes)
     if "channel_id" in attributes:
         attributes["channel_id"] = channels.fresh()
@@ -385,9 +393,8 @@ def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
             reduced = [after]
         totals = [outer.add("add", shape, [start, value]).name if add else value
                   for value, start, shape, add in zip(reduced, starts, shapes, added)]
-    for element, total, fresh in zip(elements, totals, accumulated):
-        for old in [u.name for u in outer.users(loop.name)
-                    if u.name != fresh and u.int_attr("index") == element.slot]:
+    for olds, total in zip(readers, totals):
+        for old in olds:
             outer.replace_all_uses_with(old, total)
             outer.erase(old)
     return MovedAllReduce(comp.name, loop.name, all_reduce.name,
