@@ -19,7 +19,7 @@ from hlo_shard.graph import Rewriter
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, AccumulationReport
-from hlo_shard.passes.optimize import optimize_module
+from hlo_shard.passes.optimize import optimize_module, optimize_where_faster
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.printer import to_text
@@ -381,3 +381,16 @@ def test_multisteps_accumulation_is_sharded_in_the_optimizer_state(request, work
     result = runtime.verify(parse(text), parse(optimized), runtime.VerifyOptions(
         steps=5, manifest=build_manifest(report, parse(text))))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_the_speed_gate_prices_the_moved_loop():
+    """The cost model prices one collective per step below one per microbatch; where
+    sharding after the loop is not predicted cheaper than that, the module written is
+    the moved one, kept whole, and the decision says what it costs."""
+    module = parse(LOOP)
+    report, text, decision = optimize_where_faster(module, ShardingOptions())
+    assert decision.kept_whole and not any(r.sharded for r in report.explanations)
+    assert decision.unsharded_s is not None and decision.unsharded_s < decision.before_s
+    assert decision.after_s == decision.unsharded_s
+    assert body_collectives(parse(text)) == [] and "all-reduce" in text
+    assert decision.to_json()["unsharded_seconds"] == decision.unsharded_s

@@ -252,6 +252,15 @@ class _Sinking:
         return bool(plans)
 
 
+def loops_all_reduce(module: Module) -> bool:
+    """Whether some while body all-reduces (anything for this pass to look at)."""
+    bodies = {ref.name for comp in module.computations for inst in comp.instructions
+              if inst.opcode == "while"
+              and isinstance(ref := inst.attr("body"), ComputationRef)}
+    return any(inst.opcode == "all-reduce" for comp in module.computations
+               if comp.name in bodies for inst in comp.instructions)
+
+
 def _check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
     """What must hold of the loop itself for any of its all-reduces to move."""
     if body_callers != 1:
@@ -417,4 +426,4 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
 
 
 __all__ = ["COMMUTING", "REASONS", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
-           "KeptAllReduce", "MovedAllReduce", "SlotReads", "is_zero"]
+           "KeptAllReduce", "MovedAllReduce", "SlotReads", "is_zero", "loops_all_reduce"]
