@@ -2,8 +2,8 @@
 
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
-   one all-reduce per gradient feeding the update, and one collective per step is
-   never more communication than one per microbatch);
+   one all-reduce per gradient feeding the update, and a microbatch's gradient bytes
+   cross the network once per step instead of once per microbatch);
 2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
 3. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
