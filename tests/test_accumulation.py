@@ -18,7 +18,8 @@ from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.accumulation_motion import AccumulationMotion, AccumulationReport
+from hlo_shard.passes.accumulation_motion import (AccumulationMotion, AccumulationReport,
+                                                   is_zero)
 from hlo_shard.passes.optimize import optimize_module, optimize_where_faster
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
@@ -174,6 +175,20 @@ def test_a_moved_all_reduce_gets_a_fresh_channel_id():
     ids = [i.int_attr("channel_id") for c in module.computations for i in c.instructions
            if i.opcode == "all-reduce"]
     assert 5 not in ids and 6 in ids and ids.count(None) == 1
+    # the original's other attributes, in their order
+    (moved,) = [i for i in find(module, "all-reduce") if i.int_attr("channel_id") == 6]
+    assert list(moved.attributes) == ["channel_id", "replica_groups", "use_global_device_ids",
+                                      "to_apply"]
+    assert moved.attr("use_global_device_ids") is True
+
+
+@pytest.mark.parametrize("kind, literal, zero", [
+    ("f32", "0", True), ("f32", "-0", True), ("f32", "0.0", True), ("s32", "0", True),
+    ("f32", "1e-30", False), ("pred", "false", False), ("f32", "nan", False)])
+def test_only_a_numeric_zero_is_a_zero_start(kind, literal, zero):
+    comp = parse(f"HloModule z\nENTRY e {{ c = {kind}[] constant({literal}) "
+                 f"ROOT b = {kind}[4] broadcast(c), dimensions={{}} }}").entry
+    assert is_zero(comp, comp.root) is zero
 
 
 def test_nested_loops_sink_through_both():

@@ -94,9 +94,10 @@ def is_zero(comp: Computation, inst: Instruction) -> bool:
             or not inst.shape.is_scalar or inst.literal is None:
         return False
     try:
-        return float(json.loads(inst.literal)) == 0.0
-    except (ValueError, TypeError):
+        value = json.loads(inst.literal)
+    except ValueError:
         return False
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
 
 
 #: Why an all-reduce in a loop body stays there (reason code → what ``--explain`` says).
