@@ -120,6 +120,33 @@ def test_an_accumulator_read_in_the_body_stays():
     assert [m.all_reduce for m in report.moved] == ["arw"]
 
 
+#: jax's mean over microbatches: each gradient divided by their count, then accumulated.
+MEAN = LOOP.replace("tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw)",
+                    "four = f32[] constant(4) fw = f32[16,32] broadcast(four), dimensions={} "
+                    "tw = f32[16,32] divide(arw, fw) naccw = f32[16,32] add(accw, tw)").replace(
+    "naccb = f32[32] add(arb, accb)",
+    "q = f32[] constant(0.25) qb = f32[32] broadcast(q), dimensions={} "
+    "sb = f32[32] multiply(qb, arb) naccb = f32[32] add(sb, accb)")
+
+
+def test_a_mean_over_microbatches_moves_too():
+    assert MEAN.count("divide(arw, fw)") == 1 and MEAN.count("multiply(qb, arb)") == 1
+    module, report = motion(MEAN)
+    assert body_collectives(module) == [] and len(report.moved) == 2
+
+
+@pytest.mark.parametrize("edit", [
+    ("divide(arw, fw)", "divide(fw, arw)"),  # not linear in the sum
+    ("four = f32[] constant(4)", "four = f32[] constant(0)"),  # a zero divisor
+    ("fw = f32[16,32] broadcast(four), dimensions={}",
+     "fw = f32[16,32] transpose(w), dimensions={1,0}"),  # not a constant
+])
+def test_a_scale_that_is_not_a_constant_factor_stays(edit):
+    module, report = motion(MEAN.replace(*edit))
+    assert body_collectives(module) == ["arw"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arw", "not-accumulated")]
+
+
 @pytest.mark.parametrize("edit, reason", [
     # the condition reads the accumulator: the trip count would see partial sums
     (("ROOT lt = pred[] compare(i, n), direction=LT",
@@ -241,10 +268,11 @@ def verify(original: str, candidate: Module, manifest=None) -> runtime.VerifyRep
                           runtime.VerifyOptions(steps=3, manifest=manifest))
 
 
-def test_the_moved_loop_computes_the_same(worker):
-    module, report = motion(LOOP)
+@pytest.mark.parametrize("text", [LOOP, MEAN], ids=["sum", "mean"])
+def test_the_moved_loop_computes_the_same(worker, text):
+    module, report = motion(text)
     assert len(report.moved) == 2
-    result = verify(LOOP, module)
+    result = verify(text, module)
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
 
@@ -274,24 +302,39 @@ def test_the_optimized_loop_computes_the_same(worker):
 MICRO = 4
 
 
-def _scan_program():
-    """An MLP + adam step summing the gradients of 4 microbatches in a ``lax.scan``
-    (each device holds 2 rows of each microbatch), one update after the scan."""
+def _scan_program(form: str = "scan-sum"):
+    """An MLP + adam step accumulating the gradients of 4 microbatches (each device holds
+    2 rows of each), one update after the loop: ``scan-sum`` sums them in a ``lax.scan``
+    (and returns the mean loss), ``fori-mean`` averages them in a ``fori_loop``."""
     from jax_train_helpers import (AXIS, NamedSharding, P, jax, jnp, mlp_batch, mlp_loss,
                                    mlp_params, np, optax)
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
     opt = optax.adam(1e-2)
 
-    def step(params, opt_state, microbatches):
+    def scan_sum(params, microbatches):
         def accumulate(total, batch):
             loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
             return jax.tree.map(jnp.add, total, grads), loss
 
+        grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
+                                     microbatches)
+        return grads, losses.mean()
+
+    def fori_mean(params, microbatches):
+        def accumulate(i, total):
+            grads = jax.grad(mlp_loss)(params, jax.tree.map(lambda a: a[i], microbatches))
+            return jax.tree.map(lambda t, g: t + g / MICRO, total, grads)
+
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, losses = jax.lax.scan(accumulate, zeros, microbatches)
+        return jax.lax.fori_loop(0, MICRO, accumulate, zeros), jnp.float32(0)
+
+    gradients = {"scan-sum": scan_sum, "fori-mean": fori_mean}[form]
+
+    def step(params, opt_state, microbatches):
+        grads, loss = gradients(params, microbatches)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, losses.mean()
+        return optax.apply_updates(params, updates), opt_state, loss
 
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(mlp_params(jax.random.PRNGKey(0)), replicated)
@@ -311,8 +354,9 @@ def _loop_body(module: Module) -> str:
 
 
 @pytest.mark.slow
-def test_scan_accumulation_is_reduce_scattered_once_after_the_loop(request, worker):
-    """A real jax step (captured on 8 CPU devices, collectives inside the scan written
+@pytest.mark.parametrize("form, staying", [("scan-sum", 1), ("fori-mean", 0)])
+def test_accumulation_is_reduce_scattered_once_after_the_loop(request, worker, form, staying):
+    """A real jax step (captured on 8 CPU devices, collectives inside the loop written
     with mesh replica groups): optimized by default, no gradient collective inside the
     loop body, one reduce-scatter of the gradient bucket after it, MATCH."""
     from jax_train_helpers import needs_devices
@@ -321,16 +365,17 @@ def test_scan_accumulation_is_reduce_scattered_once_after_the_loop(request, work
 
     if not needs_devices(request):
         return
-    step, params, opt_state, batch = _scan_program()
+    step, params, opt_state, batch = _scan_program(form)
     text = hsj.per_device_hlo(step, params, opt_state, batch(0))
     original = parse(text)
     body = _loop_body(original)
-    assert sum(i.opcode == "all-reduce" for i in original.computation(body).instructions) == 7
+    assert sum(i.opcode == "all-reduce" for i in original.computation(body).instructions) \
+        == 6 + staying
     report, optimized = optimize_module(parse(text), ShardingOptions())
     module = parse(optimized)
     left = [i for i in module.computation(body).instructions if i.opcode in COLLECTIVES]
     # only the loss's scalar sum (divided and written into the losses) stays
-    assert [i.shape.dims for i in left] == [()]  # type: ignore[union-attr]
+    assert [i.shape.dims for i in left] == [()] * staying  # type: ignore[union-attr]
     scattered = [i for i in module.entry.instructions if i.opcode == "reduce-scatter"]
     assert scattered and sum(r.sharded for r in report.explanations) == 6
     assert len(scattered) <= 6

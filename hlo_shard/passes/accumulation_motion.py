@@ -55,14 +55,19 @@ SUMMABLE = frozenset({"bf16", "f16", "f32", "f64", "s8", "s16", "s32", "s64",
                       "u8", "u16", "u32", "u64"})
 
 
-def _always(module: Module, comp: Computation, inst: Instruction) -> bool:
-    return True
+#: Where the followed value is among an op's operands (its index), and the op.
+Rule = Callable[[Module, Computation, Instruction, int], bool]
 
 
-def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction) -> bool:
+def _relabel(module: Module, comp: Computation, inst: Instruction, position: int) -> bool:
+    return position == 0
+
+
+def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction,
+                       position: int) -> bool:
     """``reduce(x, 0)`` with an add over dimensions of size 1 only: a reshape (jax emits
     it to sum a bias gradient's broadcast dimension of size 1)."""
-    if len(inst.operands) != 2:
+    if position != 0 or len(inst.operands) != 2:
         return False
     source, init = comp[inst.operands[0]], comp[inst.operands[1]]
     reducer = inst.attr("to_apply")
@@ -73,31 +78,59 @@ def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction) -> 
             and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
 
 
-#: Ops an all-reduced value may pass through on its way to the accumulation: each maps
-#: the elements of its operand one to one (or sums groups of one), the same map on every
-#: device, so applying it before or after the sum over devices gives the same value.
-#: A ``convert`` is not one: the sum would be rounded in another type.
-COMMUTING: dict[str, Callable[[Module, Computation, Instruction], bool]] = {
-    "reshape": _always,
-    "bitcast": _always,
-    "transpose": _always,
-    "copy": _always,
+def _scaled_by_constant(module: Module, comp: Computation, inst: Instruction,
+                        position: int) -> bool:
+    """``x * c`` or ``c * x`` with ``c`` a finite non-zero scalar constant (or its
+    broadcast): the same factor on every device and every iteration."""
+    other = inst.operands[1 - position] if len(inst.operands) == 2 else None
+    return other is not None and other != inst.operands[position] \
+        and bool(scalar_literal(comp, comp[other]))
+
+
+def _divided_by_constant(module: Module, comp: Computation, inst: Instruction,
+                         position: int) -> bool:
+    """``x / c`` in a floating type (an integer quotient truncates: not linear), ``c`` as
+    for :func:`_scaled_by_constant` (jax's mean over microbatches)."""
+    shape = inst.shape
+    return position == 0 and isinstance(shape, ArrayShape) \
+        and shape.element_type.startswith(("f", "bf")) \
+        and _scaled_by_constant(module, comp, inst, position)
+
+
+#: Ops an all-reduced value may pass through on its way to the accumulation: each is
+#: linear and the same map on every device and every iteration, so applying it before
+#: or after the sum over devices and iterations gives the same value (up to the order
+#: of the sum). A ``convert`` is not one: the sum would be rounded in another type.
+COMMUTING: dict[str, Rule] = {
+    "reshape": _relabel,
+    "bitcast": _relabel,
+    "transpose": _relabel,
+    "copy": _relabel,
     "reduce": _is_degenerate_sum,
+    "multiply": _scaled_by_constant,
+    "divide": _divided_by_constant,
 }
 
 
-def is_zero(comp: Computation, inst: Instruction) -> bool:
-    """A scalar constant zero, or a broadcast of one."""
+def scalar_literal(comp: Computation, inst: Instruction) -> int | float | None:
+    """The value of a numeric scalar constant, or of a broadcast of one (None: anything
+    else, a non-finite value included)."""
     if inst.opcode == "broadcast" and len(inst.operands) == 1:
         inst = comp[inst.operands[0]]
     if inst.opcode != "constant" or not isinstance(inst.shape, ArrayShape) \
             or not inst.shape.is_scalar or inst.literal is None:
-        return False
+        return None
     try:
         value = json.loads(inst.literal)
     except ValueError:
-        return False
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+        return None
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def is_zero(comp: Computation, inst: Instruction) -> bool:
+    """A scalar constant zero, or a broadcast of one."""
+    value = scalar_literal(comp, inst)
+    return value is not None and value == 0
 
 
 #: Why an all-reduce in a loop body stays there (reason code → what ``--explain`` says).
@@ -343,7 +376,7 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
             raise _Refusal("not-accumulated")
         user = following[0]
         rule = COMMUTING.get(user.opcode)
-        if rule is None or user.operands[0] != value or not rule(module, comp, user):
+        if rule is None or not rule(module, comp, user, user.operands.index(value)):
             break
         value = user.name
     if user.opcode != "add" or user.operands.count(value) != 1:
@@ -428,4 +461,5 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
 
 
 __all__ = ["COMMUTING", "REASONS", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
-           "KeptAllReduce", "MovedAllReduce", "SlotReads", "is_zero", "loops_all_reduce"]
+           "KeptAllReduce", "MovedAllReduce", "Rule", "SlotReads", "is_zero", "loops_all_reduce",
+           "scalar_literal"]
