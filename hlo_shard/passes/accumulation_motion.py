@@ -263,7 +263,8 @@ class _Sinking:
         try:
             _check_loop(outer, loop, body_callers)
         except _Refusal as why:
-            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason) for c in candidates)
+            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason)
+                             for c in candidates)
             return False
         reads = _slots_read(inner), _slots_read(self.edits.rewriter(condition))
         claimed: set[int] = set()
@@ -275,7 +276,8 @@ class _Sinking:
                 if len(slots) < len(elements) or slots & claimed:
                     raise _Refusal("slot-not-carried")
             except _Refusal as why:
-                self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name, why.reason))
+                self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
+                                               why.reason))
                 continue
             claimed |= slots
             plans.append((candidate, elements))
