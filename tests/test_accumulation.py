@@ -157,7 +157,7 @@ def test_a_scale_that_is_not_a_constant_factor_stays(edit):
     # a convert between the sum and the accumulation rounds the sum in another type
     (("naccb = f32[32] add(arb, accb)",
       "h = f16[32] convert(arb) hf = f32[32] convert(h) naccb = f32[32] add(hf, accb)"),
-     "not-accumulated"),
+     "converted"),
     # the accumulation is also used in the body
     (("one = s32[] constant(1)", "dead = f32[32] negate(naccb) one = s32[] constant(1)"),
      "slot-not-carried"),

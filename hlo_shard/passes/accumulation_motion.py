@@ -139,6 +139,8 @@ REASONS: dict[str, str] = {
     "constrain-layout": "constrain_layout=true",
     "layout-change": "its operand has another shape or layout than its result",
     "not-accumulated": "its result is not only added into a carried slot",
+    "converted": "its result is converted to another type before it is accumulated (moved, "
+                 "the sum would be rounded in another type)",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -381,6 +383,8 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
         if rule is None or not rule(module, comp, user, user.operands.index(value)):
             break
         value = user.name
+    if user.opcode == "convert":
+        raise _Refusal("converted")
     if user.opcode != "add" or user.operands.count(value) != 1:
         raise _Refusal("not-accumulated")
     buffer = comp[user.operands[1 - user.operands.index(value)]]
