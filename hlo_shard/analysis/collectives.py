@@ -207,13 +207,32 @@ class GradientAllReduce:
         return not self.reason
 
 
+#: Why the rewrite leaves a gradient all-reduce XLA made asynchronous, by the opcode
+#: that starts it (``{start}``: that instruction's name). Both are the form of a module
+#: XLA has scheduled (GPU's POST_SCHEDULER stage, a GPU run's dump): the rewrite edits
+#: the synchronous all-reduces of the stage before, where the combiners, the async
+#: conversion and the scheduler still run on what it emits.
+ASYNC_REASONS: dict[str, str] = {
+    "all-reduce-start": "asynchronous all-reduce (all-reduce-start/all-reduce-done, XLA's "
+                        "scheduled form): not rewritten; the pass shards the synchronous "
+                        "all-reduces of the PRE_SCHEDULER stage (install()'s default)",
+    "async-start": "asynchronous all-reduce (wrapped by async-start %{start}, XLA's scheduled "
+                   "form): not rewritten; the pass shards the synchronous all-reduces of the "
+                   "PRE_SCHEDULER stage (install()'s default)",
+}
+
+
 def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     """Every sum all-reduce over groups of more than one device, in every computation
-    that is not a reducer/fusion body, with the reason when it is not a candidate."""
+    that is not a reducer/fusion body, with the reason when it is not a candidate. The
+    asynchronous forms count too, each with its :data:`ASYNC_REASONS` entry: an
+    ``all-reduce-start`` (under its own name), and the all-reduce an ``async-start``
+    wraps (under the all-reduce's name, in the computation the start calls)."""
+    wrapped = _async_wrapped(module)
     found: list[GradientAllReduce] = []
     for comp in module.computations:
         for inst in comp.instructions:
-            if inst.opcode != "all-reduce":
+            if inst.opcode not in ("all-reduce", "all-reduce-start"):
                 continue
             to_apply = inst.attr("to_apply")
             reducer = reducer_opcode(module, getattr(to_apply, "name", ""))
@@ -226,9 +245,18 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
             except UnsupportedGroups as err:
                 found.append(GradientAllReduce(comp.name, inst.name, None, str(err)))
                 continue
-            found.append(GradientAllReduce(comp.name, inst.name, groups,
-                                           _shape_reason(inst)))
+            reason = (ASYNC_REASONS["all-reduce-start"] if inst.opcode == "all-reduce-start"
+                      else ASYNC_REASONS["async-start"].format(start=wrapped[comp.name])
+                      if comp.name in wrapped else _shape_reason(inst))
+            found.append(GradientAllReduce(comp.name, inst.name, groups, reason))
     return found
+
+
+def _async_wrapped(module: Module) -> dict[str, str]:
+    """Computation an ``async-start`` runs asynchronously → that start's name."""
+    return {getattr(inst.attr("calls"), "name", ""): inst.name
+            for comp in module.computations for inst in comp.instructions
+            if inst.opcode == "async-start"}
 
 
 def _shape_reason(inst: Instruction) -> str:

@@ -2,8 +2,9 @@
 compiled with its weight update sharded.
 
 jax 0.10.2's public hook ``jax.extend.xla.register_hlo_module_transformation`` hands every
-module being compiled (after SPMD partitioning, fusion and copy insertion: the
-``PRE_SCHEDULER`` stage) to a callback as serialized ``HloModuleProto`` bytes; the callback
+module being compiled (at the stage :data:`PLATFORM_HOOKS` names for the platform:
+``PRE_SCHEDULER``, on CPU after SPMD partitioning, fusion and copy insertion, on GPU after
+partitioning and simplification only) to a callback as serialized ``HloModuleProto`` bytes; the callback
 returns new bytes or None. Ours parses the module's text, runs
 :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding` and returns the
 result only when something was sharded and the result passed the project's validation
@@ -21,6 +22,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 from hlo_shard.errors import HloShardError
@@ -35,6 +37,46 @@ PASS_NAME = "hlo_shard.weight_update_sharding"
 #: Bytes every serialized module with an all-reduce contains (its opcode string): the
 #: quick check that lets init functions and the like through without parsing.
 _ALL_REDUCE = b"all-reduce"
+
+
+class PlatformWarning(UserWarning):
+    """``install()`` on a platform where the hook has not been seen to run: XLA may
+    ignore it without a word, and every step then compiles as it was."""
+
+
+@dataclass(frozen=True)
+class PlatformHook:
+    """Where the pass runs on one platform (jax's ``default_backend()`` name)."""
+
+    #: The ``jax.extend.xla.PipelineStage`` it registers at.
+    stage: str
+    #: The jaxlib release the hook was seen to run with there (None: never run by us).
+    seen_running_with: str | None
+    #: What ``install()`` warns when it was not (why the hook may be ignored).
+    untested: str = ""
+
+
+_UNTESTED = ("install(): the pass hook has not been run on {platform} with jaxlib {jaxlib}: "
+             "{why}; if it is ignored, hlo_shard.jax.decisions() stays empty after the first "
+             "step compiles and every step runs unsharded (scripts/device_check.sh checks it)")
+#: The stage per platform. Each platform's PRE_SCHEDULER module is the form the pass
+#: handles: XLA CPU's, fused and with the gradients combined, after copy insertion; XLA
+#: GPU's, the partitioner's (plain all-reduces, no layouts, loops intact) at the end of
+#: RunOptimizationPasses, before the combiners, async conversion and scheduler run on
+#: what the pass emits; POST_SCHEDULER has async collectives the pass leaves alone.
+PLATFORM_HOOKS: dict[str, PlatformHook] = {
+    "cpu": PlatformHook("PRE_SCHEDULER", "0.10.2"),
+    "gpu": PlatformHook("PRE_SCHEDULER", None,
+                        "XLA GPU runs registered passes only since openxla/xla PR #43630 "
+                        "(June 2026; the GPU plugin's transform extension with it), older "
+                        "jaxlibs and CUDA plugins ignore the hook silently"),
+    "tpu": PlatformHook("PRE_SCHEDULER", None,
+                        "the hook runs through the TPU plugin's transform extension, which "
+                        "only recent libtpu releases provide"),
+}
+#: A platform not in the table (another PJRT plugin).
+OTHER_PLATFORM = PlatformHook("PRE_SCHEDULER", None,
+                              "no XLA backend but CPU, GPU and TPU is known to run it")
 
 
 @dataclass(frozen=True)
@@ -72,7 +114,8 @@ class _Hook:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.settings: _Settings | None = None
-        self.registered = False
+        #: The stage the pass is registered at (None: not registered).
+        self.registered: str | None = None
         self.decisions: list[Decision] = []
 
     def transform(self, data: bytes) -> bytes | None:
@@ -154,6 +197,26 @@ def _agree_across_processes(out: str | None, result: bytes | None, reason: str
     return result, reason
 
 
+def platform_hook(platform: str, jaxlib: str) -> tuple[PlatformHook, str]:
+    """The stage the pass registers at on ``platform`` (jax's ``default_backend()``)
+    with ``jaxlib``, and the warning ``install()`` gives there ("" where the hook was
+    seen to run with that jaxlib, or where the version check decides)."""
+    hook = PLATFORM_HOOKS.get(platform, OTHER_PLATFORM)
+    if hook.seen_running_with == jaxlib or not hook.untested:
+        return hook, ""
+    return hook, _UNTESTED.format(platform=platform, jaxlib=jaxlib, why=hook.untested)
+
+
+def _platform_hook() -> PlatformHook:
+    import jax
+    import jaxlib.version
+
+    hook, warning = platform_hook(jax.default_backend(), jaxlib.version.__version__)
+    if warning:
+        warnings.warn(warning, PlatformWarning, stacklevel=3)
+    return hook
+
+
 def _check_version() -> None:
     import jaxlib.version
 
@@ -195,6 +258,7 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
     except re.error as err:
         raise HloShardError(f"install(only={only!r}): not a regular expression ({err})") from None
     _check_version()
+    platform_hook = _platform_hook()
     from jax.extend import xla as jax_xla
 
     with _HOOK.lock:
@@ -204,12 +268,12 @@ def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
             try:
                 jax_xla.register_hlo_module_transformation(
                     _HOOK.transform, name=PASS_NAME,
-                    stage=jax_xla.PipelineStage.PRE_SCHEDULER)
+                    stage=jax_xla.PipelineStage[platform_hook.stage])
             except (NotImplementedError, AttributeError) as err:  # jaxlib < 0.10.2
                 _HOOK.settings = None
                 raise HloShardError(f"install() needs jax's pass hook (jaxlib >= 0.10.2): "
                                     f"{err}") from None
-            _HOOK.registered = True
+            _HOOK.registered = platform_hook.stage
     if changed:
         _forget_executables()
     return Installation()
@@ -233,8 +297,8 @@ def uninstall() -> None:
         from jax.extend import xla as jax_xla
 
         jax_xla.clear_hlo_module_transformation(PASS_NAME,
-                                                jax_xla.PipelineStage.PRE_SCHEDULER)
-        _HOOK.registered = False
+                                                jax_xla.PipelineStage[_HOOK.registered])
+        _HOOK.registered = None
     _forget_executables()
 
 
@@ -252,5 +316,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["PASS_NAME", "Decision", "Installation", "decisions", "install", "installed",
-           "uninstall"]
+__all__ = ["PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
+           "installed", "uninstall"]

@@ -188,15 +188,21 @@ def resolve_profile(profile: HardwareProfile | str | None = None) -> HardwarePro
 
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name (``tpu-v3``), or a user profile from a JSON file."""
+    return profile_from_dict(*profile_json(name_or_path))
+
+
+def profile_json(name_or_path: str) -> tuple[object, str]:
+    """The JSON of a shipped profile by name, or of a user's file, unchecked (what
+    :func:`profile_from_dict` builds from), and where it came from."""
     shipped = resources.files(__name__) / f"{name_or_path}.json"
     if shipped.is_file():
-        return profile_from_dict(json.loads(shipped.read_text(encoding="utf-8")), name_or_path)
+        return json.loads(shipped.read_text(encoding="utf-8")), name_or_path
     path = Path(name_or_path)
     if not path.is_file():
         raise HloShardError(
             f"unknown profile {name_or_path!r}: not a file, and not one of "
             f"{', '.join(available_profiles())}")
-    return profile_from_dict(load_json(path, "profile"), str(path))
+    return load_json(path, "profile"), str(path)
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:

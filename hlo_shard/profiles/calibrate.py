@@ -44,6 +44,17 @@ share of the cores and a rendezvous's cost change with N (measured: at N = 4 a k
 fixed cost 10 µs and a rendezvous 66 µs, against 16 and 148 µs at N = 8). The result is
 printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json`` in this
 package. Nothing here is imported by the cost model.
+
+``--backend gpu`` measures one or more GPUs of this machine the same way (the probes
+run through the runtime's worker on jax's GPU backend), but only what a probe there can
+separate: read and write bandwidth (a 32 MiB loop is memory-bound on any GPU), the f32
+and bf16 dot rates (large enough to leave the launch cost behind), the fixed cost of a
+step and, with more than one GPU, the collective α and β. The rest — the vector,
+transcendental and reduction rates that a GPU kernel hides behind its memory traffic,
+the kernel launch cost (XLA GPU fuses every probe built to count kernels on CPU) and,
+on one GPU, the interconnect — is taken from the published profile of that GPU
+(``--base``, by default the one ``nvidia-smi`` names), and the profile's ``sources``
+say which field came from where. ``--write`` stores it as ``gpu-local.json``.
 """
 
 from __future__ import annotations
@@ -51,7 +62,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 _ADD = """HloModule add, replica_count={n}{header}
@@ -78,6 +94,19 @@ KERNELS = 16                # donated in-place loops in the "kernels" probe ("ke
 LOOPS = 24                  # loops in the "loops" probe, one concatenate's operands
 LOOPS_BASE = 9              # loops in "loops_base": still more than XLA CPU fuses (8)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
+
+
+
+@dataclass(frozen=True)
+class GpuSizes:
+    """The GPU probes' sizes: large enough that a step's fixed cost (~10 us) is a few
+    percent of it on a GPU streaming terabytes a second."""
+
+    dot: int = 8192             # square dot: ~1 TFLOP, milliseconds past its launch
+    stream: int = 1 << 26       # f32 elements per array of the loop and the fill: 256 MiB
+
+
+GPU_SIZES = GpuSizes()
 
 #: Probes that run as a training loop does: their first outputs overwrite as many
 #: parameters in place.
@@ -152,6 +181,25 @@ def _all_reduce_chain(length: int) -> str:
     return "\n  ".join(lines)
 
 
+def _dot(element_type: str, size: int) -> str:
+    t, d = element_type, size
+    return (f"x = {t}[{d},{d}] parameter(0)\n  y = {t}[{d},{d}] parameter(1)\n"
+            f"  ROOT d = {t}[{d},{d}] dot(x, y), lhs_contracting_dims={{1}}, "
+            f"rhs_contracting_dims={{0}}")
+
+
+def _stream(e: int) -> str:
+    """``w = w * c + g`` on ``e`` elements, w donated: an optimizer's in-place update."""
+    return (f"w = f32[{e}] parameter(0)\n  g = f32[{e}] parameter(1)\n"
+            f"  k = f32[] constant(0.999)\n  c = f32[{e}] broadcast(k), dimensions={{}}\n"
+            f"  m = f32[{e}] multiply(w, c)\n  a = f32[{e}] add(m, g)\n"
+            f"  z = f32[] constant(0)\n  ROOT t = (f32[{e}], f32[]) tuple(a, z)")
+
+
+def _fill(e: int) -> str:
+    return f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}"
+
+
 def _probes(n: int) -> dict[str, str]:
     e = ELEMENTS
     chain_fma = "\n  ".join(
@@ -160,22 +208,16 @@ def _probes(n: int) -> dict[str, str]:
     chain_sqrt = "\n  ".join(
         f"q{i} = f32[{e}] sqrt({'x' if i == 0 else f'q{i - 1}'})" for i in range(CHAIN))
     return {
-        "stream": f"w = f32[{STREAM}] parameter(0)\n  g = f32[{STREAM}] parameter(1)\n"
-                  f"  k = f32[] constant(0.999)\n"
-                  f"  c = f32[{STREAM}] broadcast(k), dimensions={{}}\n"
-                  f"  m = f32[{STREAM}] multiply(w, c)\n  a = f32[{STREAM}] add(m, g)\n"
-                  f"  z = f32[] constant(0)\n  ROOT t = (f32[{STREAM}], f32[]) tuple(a, z)",
+        "stream": _stream(STREAM),
         "reduction": f"x = f32[{e}] parameter(0)\n  z = f32[] constant(0)\n"
                      f"  ROOT r = f32[] reduce(x, z), dimensions={{0}}, to_apply=add",
-        "write": f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}",
+        "write": _fill(e),
         "vector": f"x = f32[{e}] parameter(0)\n  k = f32[] constant(0.999)\n"
                   f"  c = f32[{e}] broadcast(k), dimensions={{}}\n  {chain_fma}\n"
                   f"  ROOT r = f32[{e}] copy(a{CHAIN - 1})",
         "transcendental": f"x = f32[{e}] parameter(0)\n  {chain_sqrt}\n"
                           f"  ROOT r = f32[{e}] copy(q{CHAIN - 1})",
-        "matrix": f"x = f32[{DOT},{DOT}] parameter(0)\n  y = f32[{DOT},{DOT}] parameter(1)\n"
-                  f"  ROOT d = f32[{DOT},{DOT}] dot(x, y), lhs_contracting_dims={{1}}, "
-                  f"rhs_contracting_dims={{0}}",
+        "matrix": _dot("f32", DOT),
         "convolution": f"x = f32[{CONV[0]},{CONV[1]},{CONV[1]},{CONV[2]}] parameter(0)\n"
                        f"  k = f32[3,3,{CONV[2]},{CONV[2]}] parameter(1)\n"
                        f"  ROOT y = f32[{CONV[0]},{CONV[1]},{CONV[1]},{CONV[2]}] "
@@ -197,26 +239,44 @@ def _probes(n: int) -> dict[str, str]:
     }
 
 
-def measure(n: int, runs: int = 5, rounds: int = 3) -> dict[str, float]:
-    """Seconds per step of each probe on ``n`` CPU devices: the median over ``rounds``
-    rounds, each timing every probe in turn (median of ``runs``), so that a burst of
-    load on a shared host moves one round of each probe rather than some probes."""
+#: The probes that need more than one device.
+COLLECTIVE_PROBES = ("small_all_reduce", "all_reduce_chain", "large_all_reduce")
+
+
+def _gpu_probes(n: int, sizes: GpuSizes = GPU_SIZES) -> dict[str, str]:
+    common = _probes(n)
+    probes = {"stream": _stream(sizes.stream), "write": _fill(sizes.stream),
+              "overhead": common["overhead"]}
+    probes |= {f"matrix_{t}": _dot(t, sizes.dot) for t in ("f32", "bf16")}
+    if n > 1:
+        probes |= {name: common[name] for name in COLLECTIVE_PROBES}
+    return probes
+
+
+def measure(n: int, runs: int = 5, rounds: int = 3, backend: str = "cpu",
+            probes: dict[str, str] | None = None) -> dict[str, float]:
+    """Seconds per step of each probe (default: the CPU set) on ``n`` devices of
+    ``backend``: the median over ``rounds`` rounds, each timing every probe in turn
+    (median of ``runs``), so that a burst of load on a shared host moves one round of
+    each probe rather than some probes."""
     from statistics import median
 
     import numpy as np
 
     from hlo_shard import runtime
+    from hlo_shard.runtime.inputs import numpy_dtype
 
     executables = {}
-    for name, body in _probes(n).items():
+    for name, body in (_probes(n) if probes is None else probes).items():
         donated = DONATED_PROBES.get(name, 0)
         executables[name] = runtime.load(_module(n, body, _aliases(donated) if donated else ""),
-                                         n, donate=bool(donated))
+                                         n, backend, donate=bool(donated))
     per_round: dict[str, list[float]] = {name: [] for name in executables}
     try:
         for _ in range(rounds):
             for name, executable in executables.items():
-                args = [np.ones(shape.dims, np.float32) for shape in executable.parameters]
+                args = [np.ones(shape.dims, numpy_dtype(shape.element_type))
+                        for shape in executable.parameters]
                 per_round[name].append(executable.time(*args, runs=runs, warmup=1).median)
     finally:
         for executable in executables.values():
@@ -320,6 +380,85 @@ MEASURED_FIELDS = ("description", "matrix_flops_per_s", "convolution_flops_per_s
                    "output_overhead_s", "step_overhead_s", "interconnect")
 
 
+def gpu_profile_from_measurements(n: int, t: dict[str, float], base: dict,
+                                  sizes: GpuSizes = GPU_SIZES) -> dict:
+    """A GPU profile: the rates the GPU probes on ``n`` devices measured (square dots
+    and loops of ``sizes``), every other field from ``base`` (the published profile of
+    that GPU, as a dict)."""
+    overhead = t["overhead"]
+    read = 3 * 4 * sizes.stream / max(t["stream"] - overhead, 1e-9)
+    write = 4 * sizes.stream / max(t["write"] - overhead, 1e-9)
+    dots = {kind: 2 * sizes.dot ** 3 / max(t[f"matrix_{kind}"] - overhead, 1e-9)
+            for kind in ("f32", "bf16")}
+    measured = ["memory_bandwidth_bytes_per_s", "memory_write_bandwidth_bytes_per_s",
+                "matrix_flops_per_s f32 and bf16", "step_overhead_s"]
+    profile = {**base, "name": "gpu-local",
+               "description": f"This machine's GPU ({n} device{'s' if n > 1 else ''}), measured "
+                              f"where a probe separates the rate; the rest from {base['name']}",
+               "matrix_flops_per_s": {**base["matrix_flops_per_s"], **dots},
+               "memory_bandwidth_bytes_per_s": read,
+               "memory_write_bandwidth_bytes_per_s": write,
+               "step_overhead_s": overhead}
+    if n > 1:
+        alpha = max(t["all_reduce_chain"] - t["small_all_reduce"], 0.0) / (ALL_REDUCE_CHAIN - 1)
+        wire = 2 * (n - 1) / n * 4 * COLLECTIVE
+        beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
+        profile["interconnect"] = {**base["interconnect"],
+                                   "intra_node": {"alpha_s": alpha, "beta_bytes_per_s": beta}}
+        measured.append("interconnect intra_node (ring accounting)")
+    profile["sources"] = [
+        f"measured by hlo_shard.profiles.calibrate --backend gpu on {time.strftime('%Y-%m-%d')} "
+        f"with {n} GPU device{'s' if n > 1 else ''} (probe medians, seconds): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
+        "measured: " + ", ".join(measured),
+        f"every other field from the {base['name']} profile (published figures and its "
+        f"assumptions, below): the vector, transcendental and reduction rates hide behind "
+        f"memory traffic in a GPU kernel, XLA GPU fuses the probes that count kernels on "
+        f"CPU" + ("" if n > 1 else ", and one GPU has no interconnect to measure"),
+        *base.get("sources", [])]
+    return profile
+
+
+def gpu_profile(devices: int, base_name: str, runs: int = 5, rounds: int = 3,
+                backend: str = "gpu", sizes: GpuSizes = GPU_SIZES) -> dict:
+    """Measure ``devices`` GPUs; ``base_name``: the profile (name or file) of the rest.
+    (``backend`` and ``sizes``: the same probes elsewhere, as the tests run them on CPU.)"""
+    from hlo_shard.profiles import load_profile, profile_json
+
+    load_profile(base_name)  # a bad base is one error before anything runs
+    base, _ = profile_json(base_name)
+    assert isinstance(base, dict)
+    return gpu_profile_from_measurements(
+        devices, measure(devices, runs, rounds, backend, _gpu_probes(devices, sizes)), base,
+        sizes)
+
+
+#: A GPU's name (as ``nvidia-smi`` prints it) → the published profile of it.
+GPU_BASES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+DEFAULT_GPU_BASE = "h100"
+
+
+def nvidia_gpus() -> list[str]:
+    """The GPU names ``nvidia-smi`` lists (none where it is absent or fails)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listed = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+
+
+def gpu_base(names: list[str]) -> str:
+    """The published profile for the first of ``names`` (the default one when none)."""
+    for marker, profile in GPU_BASES:
+        if names and marker in names[0]:
+            return profile
+    return DEFAULT_GPU_BASE
+
+
 def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3) -> dict:
     """The profile measured at the largest of ``counts``, with the measured fields at
     each other count under ``at_device_counts`` (N devices share the host's cores, so a
@@ -336,25 +475,67 @@ def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3) -> dic
     return profile
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Backend:
+    """How ``calibrate`` measures one backend."""
+
+    #: The profile file ``--write`` stores.
+    output: str
+    #: ``--devices`` when not given (None: as many as the machine has).
+    default_devices: str | None
+    measure: Callable[[list[int], str | None, int, int], dict]
+
+
+BACKENDS = {
+    "cpu": Backend("cpu-local.json", "8,4",
+                   lambda counts, base, runs, rounds: calibrated_profile(counts, runs, rounds)),
+    "gpu": Backend("gpu-local.json", None,
+                   lambda counts, base, runs, rounds: gpu_profile(
+                       max(counts), base or gpu_base(nvidia_gpus()), runs, rounds)),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", default="8,4",
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="cpu",
+                        help="the devices to measure (gpu: through jax's GPU backend)")
+    parser.add_argument("--devices", default=None,
                         help="device counts to measure at (comma-separated; the largest is "
-                             "the profile's top level)")
+                             "the profile's top level); cpu: 8,4, gpu: every GPU nvidia-smi "
+                             "lists (the largest count only)")
+    parser.add_argument("--base", default=None,
+                        help="gpu: the published profile whose unmeasured fields are kept "
+                             "(default: from the GPU's name, else h100)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--write", action="store_true", help="store as cpu-local.json")
-    options = parser.parse_args()
+    parser.add_argument("--write", action="store_true",
+                        help="store in this package as cpu-local.json / gpu-local.json")
+    parser.add_argument("--output", type=Path, default=None, help="also write the profile here")
+    options = parser.parse_args(argv)
+    backend = BACKENDS[options.backend]
+    devices = options.devices or backend.default_devices or str(max(len(nvidia_gpus()), 1))
     try:
-        counts = [int(n) for n in options.devices.split(",")]
+        counts = [int(n) for n in devices.split(",")]
     except ValueError:
-        parser.error(f"--devices: expected counts such as 8,4, got {options.devices!r}")
+        parser.error(f"--devices: expected counts such as 8,4, got {devices!r}")
     if min(counts) < 1:
         parser.error("--devices: a device count is at least 1")
-    profile = calibrated_profile(counts, options.runs, options.rounds)
+    if options.runs < 1 or options.rounds < 1:
+        parser.error("--runs and --rounds are at least 1")
+    if options.base is not None and options.backend != "gpu":
+        parser.error("--base: only with --backend gpu (a CPU profile is all measured)")
+    from hlo_shard.errors import HloShardError
+
+    try:
+        profile = backend.measure(counts, options.base, options.runs, options.rounds)
+    except HloShardError as err:
+        print(f"calibrate: {str(err).splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
     text = json.dumps(profile, indent=2) + "\n"
     if options.write:
-        (Path(__file__).parent / "cpu-local.json").write_text(text)
+        (Path(__file__).parent / backend.output).write_text(text)
+    if options.output is not None:
+        options.output.write_text(text)
     print(text, end="")
 
 

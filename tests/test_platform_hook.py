@@ -1,0 +1,88 @@
+"""``install()`` per platform: the stage it registers at, the warning where the hook has
+not been seen to run, and the module XLA GPU hands over at PRE_SCHEDULER (the
+partitioner's form: plain all-reduces, loops intact, GPU custom calls of the step itself,
+no header device counts after the proto) going through the pass."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hlo_shard.jax import hook
+from hlo_shard.parser import parse
+from hlo_shard.passes.optimize import optimize_module
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOP_ADAM = ROOT / "fixtures" / "spmd" / "loop_adam.n2.hlo"
+#: A custom call jax emits for the GPU itself before XLA's GEMM rewriting (its threefry
+#: kernel), in the entry: the pass must leave it, and decide as without it.
+GPU_CUSTOM_CALL = (
+    '  %rng_key = u32[4]{0} constant({0, 1, 2, 3})\n'
+    '  %cu_threefry2x32.1 = (u32[4]{0}, u32[4]{0}) custom-call(%rng_key, %rng_key, %rng_key, '
+    '%rng_key), custom_call_target="cu_threefry2x32", '
+    'api_version=API_VERSION_STATUS_RETURNING\n')
+
+
+def gpu_pre_scheduler_form(text: str) -> str:
+    """The partitioner's module as XLA GPU's hook prints it: no ``num_partitions`` in the
+    header (the proto's text has none), a GPU custom call among the step's instructions."""
+    text = re.sub(r", num_partitions=\d+", "", text, count=1)
+    entry = text.index("\nENTRY ")
+    body = text.index("{\n", entry) + 2
+    return text[:body] + GPU_CUSTOM_CALL + text[body:]
+
+
+def test_every_platform_runs_the_pass_at_pre_scheduler():
+    assert {name: h.stage for name, h in hook.PLATFORM_HOOKS.items()} == {
+        "cpu": "PRE_SCHEDULER", "gpu": "PRE_SCHEDULER", "tpu": "PRE_SCHEDULER"}
+    assert hook.OTHER_PLATFORM.stage == "PRE_SCHEDULER"
+
+
+def test_cpu_with_the_jaxlib_it_ran_on_gives_no_warning():
+    assert hook.platform_hook("cpu", "0.10.2")[1] == ""
+
+
+@pytest.mark.parametrize("platform, says", [
+    ("gpu", "openxla/xla PR #43630"), ("tpu", "libtpu"), ("METAL", "no XLA backend but")])
+def test_an_untested_platform_gets_one_clear_warning(platform, says):
+    stage, warning = hook.platform_hook(platform, "0.10.2")
+    assert stage.stage == "PRE_SCHEDULER"
+    assert f"not been run on {platform} with jaxlib 0.10.2" in warning and says in warning
+    assert "decisions()" in warning and "\n" not in warning
+
+
+def test_install_on_cpu_registers_at_pre_scheduler_without_a_platform_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hook.PlatformWarning)
+        with hook.install(force=True):
+            assert hook._HOOK.registered == "PRE_SCHEDULER"
+    assert hook._HOOK.registered is None and not hook.installed()
+
+
+def test_the_gpu_pre_scheduler_form_shards_as_the_partitioners_module():
+    plain = LOOP_ADAM.read_text()
+    gpu = gpu_pre_scheduler_form(plain)
+    options = ShardingOptions(state="gathered")
+    plain_report, _ = optimize_module(parse(plain), options, force=True)
+    gpu_report, gpu_text = optimize_module(parse(gpu), options, force=True)
+    sharded = [(e.all_reduce, e.index) for e in gpu_report.explanations if e.sharded]
+    assert sharded and sharded == [(e.all_reduce, e.index)
+                                   for e in plain_report.explanations if e.sharded]
+    assert 'custom_call_target="cu_threefry2x32"' in gpu_text
+    assert "num_partitions=2" in gpu_text  # recovered from the collectives' groups
+    assert "reduce-scatter(" in gpu_text and "while(" in gpu_text
+
+
+def test_the_hook_shards_the_gpu_form_through_xlas_own_text():
+    """The hook's path: XLA parses the module (as it hands the proto over), prints it,
+    and the pass's result is accepted back by XLA's parser."""
+    xc = hook._xla_client()
+    hlo = xc.hlo.hlo_module_from_text(gpu_pre_scheduler_form(LOOP_ADAM.read_text()))
+    text, report, reason = hook._shard(hlo, ShardingOptions(state="gathered"), force=True)
+    assert text is not None, reason
+    assert report is not None and any(e.sharded for e in report.explanations)
+    assert "cu_threefry2x32" in xc.hlo.hlo_module_from_text(text).to_string()
