@@ -3,7 +3,7 @@ and computation whose text a pass changes is named by one of its recorded change
 ``changed`` is true exactly when the module's text changed, and a pass that edits
 nothing records nothing. Checked pass by pass on fixtures that reach every edit site:
 sharded optimizer state (shapes, shardings, the entry layout), a training loop's
-carried shards, a fused update (a sharded copy of its body) and a header without device
+carried shards, a gradient accumulation loop's all-reduces moved after it, a fused update (a sharded copy of its body) and a header without device
 counts, replica form and retargeting."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from hlo_shard.passes.sharding_pipeline import sharding_pipeline
 from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
 from hlo_shard.printer import format_shape, format_value, to_text
 
+from test_accumulation import LOOP as ACCUMULATION
 from test_factored_state import ADAFACTOR, COLUMNS
 from test_fused_modules import FUSED
 from wus_helpers import ADD
@@ -39,6 +40,7 @@ SHARDING_CASES = {
     "fused-no-device-counts": (FUSED, {}),
     "factored-sharded-state": (ADAFACTOR, {"state": "sharded"}),
     "factored-columns": (COLUMNS, {}),
+    "gradient-accumulation": (ACCUMULATION, {"state": "sharded"}),
 }
 
 NOTHING_TO_SHARD = f"""HloModule nothing, replica_count=2

@@ -62,8 +62,8 @@ ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
 #: ``--explain --verbose``'s change log for ADAM with sharded state (regenerate with
 #: HLO_SHARD_REGENERATE_GOLDEN=1 after a deliberate change to a pass, and review the diff).
 VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
-PIPELINE = ["tuple-forwarding", "weight-update-sharding", "channel-id-dedupe",
-            "entry-layout-update", "copy-free-donation"]
+PIPELINE = ["accumulation-motion", "tuple-forwarding", "weight-update-sharding",
+            "channel-id-dedupe", "entry-layout-update", "copy-free-donation"]
 
 
 def test_explain_verbose_prints_each_pass_edits_after_the_explanation(tmp_path):
@@ -96,12 +96,12 @@ def test_json_carries_the_changes_only_with_verbose(tmp_path):
     assert "changes" not in plain
     data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
     assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
-        PIPELINE, [True, True, False, False, False]))
-    sharding = data["changes"][1]["edits"]
+        PIPELINE, [False, True, True, False, False, False]))
+    sharding = data["changes"][2]["edits"]
     assert {"kind", "computation", "name", "text"} <= set(sharding[0])
     assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")
                for e in sharding)
-    assert data["changes"][2]["edits"] == []
+    assert data["changes"][3]["edits"] == []
 
 
 def test_verbose_needs_explain_or_json(sgd, tmp_path):

@@ -151,6 +151,10 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
     """``--explain``: the predicted step of the input and of every cut-off tried."""
     lines = [f"predicted step on profile {decision.profile}: input "
              f"{fmt_seconds(decision.before_s)}"]
+    if decision.unsharded_s is not None:
+        lines.append(f"  accumulated all-reduces moved after their loops, nothing sharded: "
+                     f"{fmt_seconds(decision.unsharded_s)} "
+                     f"({_ratio(decision.unsharded_s, decision)})")
     for trial in decision.trials:
         chosen = " <- written" if trial == decision.chosen or decision.forced else ""
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
@@ -171,9 +175,10 @@ def _speed_summary(decision: SpeedDecision) -> str:
                f"{_ratio(after, decision)}")
     if decision.kept_whole:
         best = min(t.seconds for t in decision.trials)
-        verdict = "slower" if best >= before else f"less than {decision.min_gain:.0%} faster"
+        verdict = "slower" if best >= after else \
+            f"less than {decision.min_gain:.0%} faster than the input"
         return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "
-                f"(best {fmt_seconds(best)} per step against {fmt_seconds(before)} as "
+                f"(best {fmt_seconds(best)} per step against {fmt_seconds(after)} as "
                 f"written; --force shards anyway)")
     if decision.forced:
         slower = "; predicted SLOWER, written because of --force" if after > before else ""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
@@ -27,6 +28,7 @@ Options = dict[str, Any]
 
 #: Pass name → how to build it from its options.
 PASSES: dict[str, Callable[[Options], Pass]] = {
+    AccumulationMotion.name: lambda o: AccumulationMotion(**o),
     TupleForwarding.name: lambda o: _tuple_forwarding(**o),
     WeightUpdateSharding.name: lambda o: WeightUpdateSharding(ShardingOptions(**o)),
     ChannelIdDedupe.name: lambda o: ChannelIdDedupe(**o),

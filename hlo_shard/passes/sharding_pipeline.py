@@ -1,11 +1,15 @@
-"""The weight-update sharding as the optimizer runs it: five passes in order.
+"""The weight-update sharding as the optimizer runs it: six passes in order.
 
-1. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
+1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
+   over microbatches in a loop are all-reduced once, after it: the sharding then sees
+   one all-reduce per gradient feeding the update, and a microbatch's gradient bytes
+   cross the network once per step instead of once per microbatch);
+2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
-2. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
-3. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
-4. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
-5. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
+3. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
+4. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
+5. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
+6. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
 The front ends check the final module before writing or compiling it
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hlo_shard.ir import Module
+from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
@@ -30,8 +35,9 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                       ) -> Pipeline:
     """The passes around ``sharding``, unchecked between them; ``after_pass`` sees each
     pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((TupleForwarding(), sharding, ChannelIdDedupe(), EntryLayoutUpdate(),
-                     CopyFreeDonation(sharding.profile)), check=None, after_pass=after_pass)
+    return Pipeline((AccumulationMotion(), TupleForwarding(), sharding, ChannelIdDedupe(),
+                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)), check=None,
+                    after_pass=after_pass)
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,

@@ -11,6 +11,13 @@ candidate cut-off (the distinct sizes of the shardable gradients, at most
 every result on the target profile — collectives, copies and kernels as XLA would fuse
 them — and the fastest one is kept, provided it is predicted faster than the input by
 at least the profile's ``min_predicted_gain``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
+
+The pipeline first moves accumulated gradients' all-reduces out of their loops
+(:mod:`~hlo_shard.passes.accumulation_motion`), whether or not anything is sharded after:
+where it moves something, the module kept whole is that one and is priced too. A
+sharded trial is then kept only when it is also cheaper than that module; the margin
+stays against the input, which is what the front ends run when nothing is sharded
+(``hlo_shard.jax`` falls back to the caller's jit).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
+from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
@@ -53,6 +61,9 @@ class SpeedDecision:
     #: The smallest predicted saving acted on: the profile's ``min_predicted_gain``.
     min_gain: float = 0.0
     forced: bool = False
+    #: The module kept whole, when the pipeline changes it without sharding anything
+    #: (gradient all-reduces moved out of an accumulation loop); None: the input's.
+    unsharded_s: float | None = None
 
     @property
     def kept_whole(self) -> bool:
@@ -61,7 +72,7 @@ class SpeedDecision:
     def to_json(self) -> dict:
         return {"profile": self.profile, "before_seconds": self.before_s,
                 "after_seconds": self.after_s, "min_gain": self.min_gain, "forced": self.forced,
-                "kept_whole": self.kept_whole,
+                "kept_whole": self.kept_whole, "unsharded_seconds": self.unsharded_s,
                 "min_shard_bytes": None if self.chosen is None else self.chosen.min_bytes,
                 "trials": [{"min_shard_bytes": t.min_bytes, "sharded": t.sharded,
                             "seconds": t.seconds} for t in self.trials]}
@@ -76,6 +87,8 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     ``module``, not the trials on copies."""
     hardware = sharding.profile
     before = predicted_step_seconds(module, hardware)
+    unsharded = _unsharded_seconds(module, hardware)
+    baseline = before if unsharded is None else unsharded
 
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
@@ -84,7 +97,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         candidate = copy.deepcopy(module)
         report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
-        seconds = predicted_step_seconds(candidate, hardware) if sharded else before
+        seconds = predicted_step_seconds(candidate, hardware) if sharded else baseline
         return Trial(min_bytes, sharded, seconds), report
 
     user_min = sharding.options.min_shard_bytes
@@ -92,19 +105,20 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     if force or not everything.sharded:
         return run_sharding(module, sharding, after_pass), SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
-            hardware.min_predicted_gain, forced=force)
+            hardware.min_predicted_gain, forced=force, unsharded_s=unsharded)
     sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything] + [trial(size)[0] for size in cutoffs]
     best = min(trials, key=lambda t: (t.seconds, -t.sharded))
-    chosen = best if best.seconds <= before * (1 - hardware.min_predicted_gain) else None
+    beats_input = best.seconds <= before * (1 - hardware.min_predicted_gain)
+    chosen = best if beats_input and best.seconds < baseline else None
     # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
     # fresh duplicate channel ids, forwarded tuple elements — make the module valid to write).
     cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
     report = run_sharding(module, at_cutoff(cutoff), after_pass)
-    decision = SpeedDecision(hardware.name, before, before if chosen is None else chosen.seconds,
+    decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
-                             hardware.min_predicted_gain)
+                             hardware.min_predicted_gain, unsharded_s=unsharded)
     _explain_cost_rows(report, decision, user_min)
     return report, decision
 
@@ -113,6 +127,17 @@ def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
     """The cost model's step time of ``module``, its weight update being the region the
     pass plans in it."""
     return estimate_step(module, hardware, planned_update_regions(module)).seconds
+
+
+def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | None:
+    """The price of ``module`` with its accumulated all-reduces moved out of their loops
+    (what the pipeline writes when it shards nothing), or None when none moves."""
+    if not loops_all_reduce(module):
+        return None
+    candidate = copy.deepcopy(module)
+    if not AccumulationMotion().apply(candidate).changed:
+        return None
+    return predicted_step_seconds(candidate, hardware)
 
 
 def _spread(values: list[int], count: int) -> list[int]:

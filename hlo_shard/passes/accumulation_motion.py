@@ -1,0 +1,471 @@
+"""Gradient accumulation: sink the all-reduce of each microbatch's gradient out of the loop.
+
+A step that accumulates gradients over microbatches (a ``lax.scan``, ``fori_loop`` or
+while over the microbatches) all-reduces every microbatch's gradient inside the loop body
+and only adds it into a carried accumulator; the optimizer reads the accumulator once,
+after the loop. The sum is linear, so ``init + Σᵢ all-reduce(gᵢ)`` equals
+``init + all-reduce(Σᵢ gᵢ)``: the body can accumulate the local gradient and one
+all-reduce after the loop replaces one per microbatch (XLA's
+``WhileLoopAllReduceCodeMotion``). The weight-update sharding that runs next then turns
+that post-loop all-reduce into a reduce-scatter and a sharded update, which it cannot do
+while the gradient is reduced inside the loop.
+
+The accumulator starts the loop at zero and its initial value is added after the
+all-reduce, on each device: no replication of the initial value is needed, and a zero
+initial value (the usual ``zeros_like``) is not added at all.
+
+What is proven before an all-reduce moves (anything else stays, with a reason code):
+
+* it sums (``to_apply`` an add), over array elements of a numeric type, without
+  ``constrain_layout``, and its operand has its result's shape and layout;
+* its result (each element's, for the tuple form) reaches an ``add`` with a
+  ``get-tuple-element`` of the body's parameter only through ops that commute with a sum
+  over devices (:data:`COMMUTING`), each used once;
+* that add is used only by the body's root tuple, at the same slot it reads, once;
+* the slot is read by nothing else in the body or the condition (the parameter is only
+  taken apart by ``get-tuple-element``), so no iteration sees the partial sums;
+* the body belongs to this one loop, the loop's initial tuple to this loop, and the loop's
+  result is only taken apart by ``get-tuple-element`` (whose users are rewired).
+
+The alternative, reduce-scattering inside the loop into a sharded accumulator (less
+accumulator memory, one collective per microbatch), is what the weight-update sharding
+already does when this pass leaves the all-reduce in the body; this pass always moves
+what it can prove: the gradient's bytes then cross the network once per step rather
+than once per microbatch, and the update after the loop can be sharded, which the
+in-loop form leaves whole. The speed gate prices the moved module as the one kept whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hlo_shard.analysis.collectives import reducer_opcode
+from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
+from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.shard_emitter import ChannelIds
+
+#: Element types a summing all-reduce is moved for (numeric: the sum is exact in
+#: integers and a reordering of the same sum in floats).
+SUMMABLE = frozenset({"bf16", "f16", "f32", "f64", "s8", "s16", "s32", "s64",
+                      "u8", "u16", "u32", "u64"})
+
+
+#: Where the followed value is among an op's operands (its index), and the op.
+Rule = Callable[[Module, Computation, Instruction, int], bool]
+
+
+def _relabel(module: Module, comp: Computation, inst: Instruction, position: int) -> bool:
+    return position == 0
+
+
+def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction,
+                       position: int) -> bool:
+    """``reduce(x, 0)`` with an add over dimensions of size 1 only: a reshape (jax emits
+    it to sum a bias gradient's broadcast dimension of size 1)."""
+    if position != 0 or len(inst.operands) != 2:
+        return False
+    source, init = comp[inst.operands[0]], comp[inst.operands[1]]
+    reducer = inst.attr("to_apply")
+    return (isinstance(source.shape, ArrayShape)
+            and isinstance(reducer, ComputationRef)
+            and reducer_opcode(module, reducer.name) == "add"
+            and is_zero(comp, init)
+            and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
+
+
+def _scaled_by_constant(module: Module, comp: Computation, inst: Instruction,
+                        position: int) -> bool:
+    """``x * c`` or ``c * x`` with ``c`` a finite non-zero scalar constant (or its
+    broadcast): the same factor on every device and every iteration."""
+    other = inst.operands[1 - position] if len(inst.operands) == 2 else None
+    return other is not None and other != inst.operands[position] \
+        and bool(scalar_literal(comp, comp[other]))
+
+
+def _divided_by_constant(module: Module, comp: Computation, inst: Instruction,
+                         position: int) -> bool:
+    """``x / c`` in a floating type (an integer quotient truncates: not linear), ``c`` as
+    for :func:`_scaled_by_constant` (jax's mean over microbatches)."""
+    shape = inst.shape
+    return position == 0 and isinstance(shape, ArrayShape) \
+        and shape.element_type.startswith(("f", "bf")) \
+        and _scaled_by_constant(module, comp, inst, position)
+
+
+#: Ops an all-reduced value may pass through on its way to the accumulation: each is
+#: linear and the same map on every device and every iteration, so applying it before
+#: or after the sum over devices and iterations gives the same value (up to the order
+#: of the sum). A ``convert`` is not one: the sum would be rounded in another type.
+COMMUTING: dict[str, Rule] = {
+    "reshape": _relabel,
+    "bitcast": _relabel,
+    "transpose": _relabel,
+    "copy": _relabel,
+    "reduce": _is_degenerate_sum,
+    "multiply": _scaled_by_constant,
+    "divide": _divided_by_constant,
+}
+
+
+def scalar_literal(comp: Computation, inst: Instruction) -> int | float | None:
+    """The value of a numeric scalar constant, or of a broadcast of one (None: anything
+    else, a non-finite value included)."""
+    if inst.opcode == "broadcast" and len(inst.operands) == 1:
+        inst = comp[inst.operands[0]]
+    if inst.opcode != "constant" or not isinstance(inst.shape, ArrayShape) \
+            or not inst.shape.is_scalar or inst.literal is None:
+        return None
+    try:
+        value = json.loads(inst.literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def is_zero(comp: Computation, inst: Instruction) -> bool:
+    """A scalar constant zero, or a broadcast of one."""
+    value = scalar_literal(comp, inst)
+    return value is not None and value == 0
+
+
+#: Why an all-reduce in a loop body stays there (reason code → what ``--explain`` says).
+REASONS: dict[str, str] = {
+    "not-summing": "it does not sum numeric arrays",
+    "constrain-layout": "constrain_layout=true",
+    "layout-change": "its operand has another shape or layout than its result",
+    "not-accumulated": "its result is not only added into a carried slot",
+    "converted": "its result is converted to another type before it is accumulated (moved, "
+                 "the sum would be rounded in another type)",
+    "accumulator-read": "the accumulator is read elsewhere in the loop",
+    "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
+    "shared-body": "the body is called by more than one instruction",
+    "shared-init": "the loop's initial tuple is not a tuple used by this loop alone",
+    "result-whole": "the loop's result is used other than by get-tuple-element",
+}
+
+
+@dataclass(frozen=True)
+class MovedAllReduce:
+    """An all-reduce sunk out of ``loop`` (a while in ``computation``): its slots."""
+
+    computation: str
+    loop: str
+    all_reduce: str
+    slots: tuple[int, ...]
+    #: The all-reduce now after the loop ("" when nothing reads the sums after it).
+    after: str
+    #: The last instruction added after the loop (the next move's insertion point).
+    last: str
+
+
+@dataclass(frozen=True)
+class KeptAllReduce:
+    """An all-reduce left in the body of ``loop`` (a while in ``computation``), and why
+    (a :data:`REASONS` code)."""
+
+    computation: str
+    loop: str
+    all_reduce: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccumulationReport:
+    moved: list[MovedAllReduce] = field(default_factory=list)
+    kept: list[KeptAllReduce] = field(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        """What ``--explain`` says: each loop's moved all-reduces, and the kept ones."""
+        by_loop: dict[tuple[str, str], list[MovedAllReduce]] = defaultdict(list)
+        for move in self.moved:
+            by_loop[move.computation, move.loop].append(move)
+        notes = [f"{comp}/while %{loop}: {len(moves)} accumulated all-reduce(s) moved after "
+                 f"the loop ({', '.join('%' + m.all_reduce for m in moves)}; slots "
+                 f"{', '.join(str(s) for m in moves for s in m.slots)}): one collective "
+                 f"per step instead of one per iteration"
+                 for (comp, loop), moves in by_loop.items()]
+        notes += [f"{k.computation}/while %{k.loop}: all-reduce %{k.all_reduce} stays in "
+                  f"the loop ({REASONS[k.reason]})" for k in self.kept]
+        return notes
+
+
+@dataclass(frozen=True)
+class _Element:
+    """One array of an all-reduce (the whole of an array all-reduce, one element of the
+    tuple form): the local value, the body's name for its reduced value, its slot."""
+
+    local: str
+    reduced: str
+    slot: int
+
+
+class _Refusal(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class AccumulationMotion(ModulePass[AccumulationReport]):
+    """Move the all-reduces of accumulated gradients out of while loops."""
+
+    name: ClassVar[str] = "accumulation-motion"
+
+    def apply(self, module: Module) -> PassResult[AccumulationReport]:
+        sinking = _Sinking(module, ModuleRewriter(module), ChannelIds(module))
+        # A moved all-reduce lands in the loop's computation, which may itself be an
+        # outer loop's body: sweep again until nothing moves (at most the nesting depth).
+        while sinking.sweep():
+            pass
+        # a later sweep sees the loops it left alone again: one entry per all-reduce
+        kept = {(k.computation, k.loop, k.all_reduce): k for k in sinking.kept}
+        for move in sinking.moved:
+            kept.pop((move.computation, move.loop, move.all_reduce), None)
+        report = AccumulationReport(sinking.moved, list(kept.values()))
+        changes = sinking.edits.changes
+        return PassResult(module, bool(changes), changes, report=report)
+
+
+@dataclass
+class _Sinking:
+    module: Module
+    edits: ModuleRewriter
+    channels: ChannelIds
+    moved: list[MovedAllReduce] = field(default_factory=list)
+    kept: list[KeptAllReduce] = field(default_factory=list)
+
+    def sweep(self) -> bool:
+        """One pass over every loop of the module; whether anything moved."""
+        computations = {c.name: c for c in self.module.computations}
+        callers: dict[str, int] = defaultdict(int)
+        for comp in computations.values():
+            for inst in comp.instructions:
+                for name in inst.called_computations():
+                    callers[name] += 1
+        moved = False
+        for comp in list(computations.values()):
+            for loop in [i for i in comp.instructions if i.opcode == "while"]:
+                body = computations[loop.required_attr("body", ComputationRef).name]
+                condition = computations[loop.required_attr("condition", ComputationRef).name]
+                moved |= self.sink(comp, loop, body, condition, callers[body.name])
+        return moved
+
+    def sink(self, comp: Computation, loop: Instruction, body: Computation,
+             condition: Computation, body_callers: int) -> bool:
+        candidates = [i for i in body.instructions if i.opcode == "all-reduce"]
+        if not candidates:
+            return False
+        outer, inner = self.edits.rewriter(comp), self.edits.rewriter(body)
+        try:
+            _check_loop(outer, loop, body_callers)
+        except _Refusal as why:
+            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason)
+                             for c in candidates)
+            return False
+        reads = _slots_read(inner), _slots_read(self.edits.rewriter(condition))
+        claimed: set[int] = set()
+        plans: list[tuple[Instruction, list[_Element]]] = []
+        for candidate in candidates:
+            try:
+                elements = _accumulation(self.module, inner, reads, candidate)
+                slots = {e.slot for e in elements}
+                if len(slots) < len(elements) or slots & claimed:
+                    raise _Refusal("slot-not-carried")
+            except _Refusal as why:
+                self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
+                                               why.reason))
+                continue
+            claimed |= slots
+            plans.append((candidate, elements))
+        anchor = loop.name
+        for candidate, elements in plans:
+            move = _move(outer, inner, loop, anchor, candidate, elements, self.channels)
+            self.moved.append(move)
+            anchor = move.last
+        return bool(plans)
+
+
+def loops_all_reduce(module: Module) -> bool:
+    """Whether some while body all-reduces (anything for this pass to look at)."""
+    bodies = {ref.name for comp in module.computations for inst in comp.instructions
+              if inst.opcode == "while"
+              and isinstance(ref := inst.attr("body"), ComputationRef)}
+    return any(inst.opcode == "all-reduce" for comp in module.computations
+               if comp.name in bodies for inst in comp.instructions)
+
+
+def _check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
+    """What must hold of the loop itself for any of its all-reduces to move."""
+    if body_callers != 1:
+        raise _Refusal("shared-body")
+    init = outer.comp[loop.operands[0]]
+    if init.opcode != "tuple" or [u.name for u in outer.users(init.name)] != [loop.name]:
+        raise _Refusal("shared-init")
+    if loop.name == outer.comp.root_name or any(
+            u.opcode != "get-tuple-element" for u in outer.users(loop.name)):
+        raise _Refusal("result-whole")
+
+
+#: Slot of a computation's tuple parameter → how many uses read it; None: the parameter
+#: is used whole (every slot is read).
+SlotReads = dict[int, int] | None
+
+
+def _slots_read(rw: Rewriter) -> SlotReads:
+    reads: dict[int, int] = defaultdict(int)
+    for param in rw.comp.parameters():
+        for user in rw.users(param.name):
+            if user.opcode != "get-tuple-element":
+                return None
+            reads[user.required_attr("index", int)] += len(rw.users(user.name))
+    return reads
+
+
+def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
+                  all_reduce: Instruction) -> list[_Element]:
+    """The elements of ``all_reduce`` and the slot each accumulates into, or the reason
+    it cannot move (raised). ``reads``: the body's and the condition's slot reads."""
+    reducer = all_reduce.attr("to_apply")
+    shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
+        else (all_reduce.shape,)
+    if not isinstance(reducer, ComputationRef) or reducer_opcode(module, reducer.name) != "add" \
+            or any(not isinstance(s, ArrayShape) or s.dynamic or s.element_type not in SUMMABLE
+                   for s in shapes):
+        raise _Refusal("not-summing")
+    if all_reduce.attr("constrain_layout"):
+        raise _Refusal("constrain-layout")
+    if len(all_reduce.operands) != len(shapes) or any(
+            body.comp[o].shape != s for o, s in zip(all_reduce.operands, shapes)):
+        raise _Refusal("layout-change")
+    reduced = _tuple_elements(body, all_reduce) if isinstance(all_reduce.shape, TupleShape) \
+        else [all_reduce.name]
+    in_body, in_condition = reads
+    elements = []
+    for operand, value in zip(all_reduce.operands, reduced):
+        slot = _accumulated_slot(module, body, value)
+        # the add's own read, and nothing else (in the condition: nothing at all)
+        if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
+                or in_condition.get(slot, 0):
+            raise _Refusal("accumulator-read")
+        elements.append(_Element(operand, value, slot))
+    return elements
+
+
+def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
+    """The one get-tuple-element of each element of a tuple all-reduce."""
+    by_index: dict[int, list[str]] = defaultdict(list)
+    for user in body.users(all_reduce.name):
+        if user.opcode != "get-tuple-element":
+            raise _Refusal("not-accumulated")
+        by_index[user.required_attr("index", int)].append(user.name)
+    count = len(all_reduce.operands)
+    if sorted(by_index) != list(range(count)) or any(len(v) != 1 for v in by_index.values()):
+        raise _Refusal("not-accumulated")
+    return [by_index[i][0] for i in range(count)]
+
+
+def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
+    """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` whose
+    only use is slot ``k`` of the body's root tuple: ``k``."""
+    comp = body.comp
+    while True:
+        following = body.users(value)
+        if len(following) != 1:
+            raise _Refusal("not-accumulated")
+        user = following[0]
+        rule = COMMUTING.get(user.opcode)
+        if rule is None or not rule(module, comp, user, user.operands.index(value)):
+            break
+        value = user.name
+    if user.opcode == "convert":
+        raise _Refusal("converted")
+    if user.opcode != "add" or user.operands.count(value) != 1:
+        raise _Refusal("not-accumulated")
+    buffer = comp[user.operands[1 - user.operands.index(value)]]
+    if buffer.opcode != "get-tuple-element" or comp[buffer.operands[0]].opcode != "parameter":
+        raise _Refusal("not-accumulated")
+    slot = buffer.required_attr("index", int)
+    root = comp.root
+    if [u.name for u in body.users(user.name)] != [root.name] or root.opcode != "tuple" \
+            or root.operands.count(user.name) != 1 or root.operands.index(user.name) != slot \
+            or user.shape != buffer.shape:
+        raise _Refusal("slot-not-carried")
+    return slot
+
+
+def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
+          all_reduce: Instruction, elements: list[_Element], channels: ChannelIds
+          ) -> MovedAllReduce:
+    """Accumulate the local values in the body, start the slots at zero, and all-reduce
+    (then add the initial values) after the loop, after ``anchor`` (the loop or what an
+    earlier move added after it)."""
+    for element in elements:
+        inner.replace_all_uses_with(element.reduced, element.local)
+        if element.reduced != all_reduce.name:
+            inner.erase(element.reduced)
+    inner.erase(all_reduce.name)
+
+    comp = outer.comp
+    init = comp[loop.operands[0]]
+    shapes = [_slot_shape(loop, e.slot) for e in elements]
+    starts = [init.operands[e.slot] for e in elements]
+    added = [not is_zero(comp, comp[start]) for start in starts]
+    with outer.inserting_before(init.name):
+        for element, shape, add in zip(elements, shapes, added):
+            if add:
+                outer.set_operand(init, element.slot, _zeros(outer, shape))
+    readers = [[u.name for u in outer.users(loop.name) if u.int_attr("index") == e.slot]
+               for e in elements]
+    if not any(readers):  # nothing reads the sums after the loop: no all-reduce needed
+        return MovedAllReduce(comp.name, loop.name, all_reduce.name,
+                              tuple(e.slot for e in elements), after="", last=anchor)
+    attributes = dict(all_reduce.attributes)
+    if "channel_id" in attributes:
+        attributes["channel_id"] = channels.fresh()
+    with outer.inserting_after(anchor):
+        accumulated = [outer.add("get-tuple-element", shape, [loop.name], index=e.slot,
+                                 name=f"accumulated_{e.slot}").name
+                       for e, shape in zip(elements, shapes)]
+        if isinstance(all_reduce.shape, TupleShape):
+            after = outer.add("all-reduce", TupleShape(tuple(shapes)), accumulated,
+                              name=all_reduce.name, **attributes).name
+            reduced = [outer.add("get-tuple-element", shape, [after], index=i).name
+                       for i, shape in enumerate(shapes)]
+        else:
+            after = outer.add("all-reduce", shapes[0], accumulated, name=all_reduce.name,
+                              **attributes).name
+            reduced = [after]
+        totals = [outer.add("add", shape, [start, value]).name if add else value
+                  for value, start, shape, add in zip(reduced, starts, shapes, added)]
+    for olds, total in zip(readers, totals):
+        for old in olds:
+            outer.replace_all_uses_with(old, total)
+            outer.erase(old)
+    return MovedAllReduce(comp.name, loop.name, all_reduce.name,
+                          tuple(e.slot for e in elements), after, last=totals[-1])
+
+
+def _slot_shape(loop: Instruction, slot: int) -> ArrayShape:
+    shape = loop.shape
+    assert isinstance(shape, TupleShape)
+    element = shape.elements[slot]
+    assert isinstance(element, ArrayShape)
+    return element
+
+
+def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
+    zero = rw.add_instruction(Instruction(rw.fresh_name("zero"), "constant",
+                                          ArrayShape(shape.element_type, ()), literal="0"))
+    return rw.add("broadcast", shape, [zero.name], name="accumulator_zeros",
+                  dimensions=()).name
+
+
+__all__ = ["COMMUTING", "REASONS", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
+           "KeptAllReduce", "MovedAllReduce", "Rule", "SlotReads", "is_zero", "loops_all_reduce",
+           "scalar_literal"]

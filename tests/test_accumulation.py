@@ -1,0 +1,488 @@
+"""Gradient accumulation: the all-reduce of each microbatch's gradient leaves the loop
+(``accumulation-motion``), and the weight-update sharding then reduce-scatters the
+accumulated gradient once per step, after the loop.
+
+Structure on small hand-written loops (fast), numbers through real XLA on 8 CPU devices
+(the original against the pass's output, and a mutant the check must call DIFFER), and
+real jax steps: a ``lax.scan`` over 4 microbatches and ``optax.MultiSteps`` (slow).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from hlo_shard import runtime
+from hlo_shard.cli.optimize import build_manifest
+from hlo_shard.graph import Rewriter
+from hlo_shard.ir import Module
+from hlo_shard.parser import parse
+from hlo_shard.passes.accumulation_motion import (AccumulationMotion, AccumulationReport,
+                                                   is_zero)
+from hlo_shard.passes.optimize import optimize_module, optimize_where_faster
+from hlo_shard.passes.pipeline import Pipeline, validate_printed
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.printer import to_text
+
+from wus_helpers import ADD, MAX, find, optimize
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+
+#: A data-parallel step accumulating 4 microbatches: per-device data %x, gradients
+#: %gw (through a transpose) and %gb summed into slots 1 and 2, one SGD update after.
+LOOP = f"""HloModule accumulate, replica_count=8
+{ADD}
+cond {{ p = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0 n = s32[] constant(4)
+ ROOT lt = pred[] compare(i, n), direction=LT }}
+body {{ p = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0
+ accw = f32[16,32] get-tuple-element(p), index=1 accb = f32[32] get-tuple-element(p), index=2
+ w = f32[32,16] get-tuple-element(p), index=3 xs = f32[4,2,32] get-tuple-element(p), index=4
+ z = s32[] constant(0) xi = f32[1,2,32] dynamic-slice(xs, i, z, z), dynamic_slice_sizes={{1,2,32}}
+ x = f32[2,32] reshape(xi)
+ y = f32[2,16] dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+ t = f32[2,16] tanh(y)
+ gw = f32[16,32] dot(t, x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ arw = f32[16,32] all-reduce(gw), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=add
+ tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw)
+ f0 = f32[] constant(0)
+ gb = f32[32] reduce(x, f0), dimensions={{0}}, to_apply=add
+ arb = f32[32] all-reduce(gb), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=add
+ naccb = f32[32] add(arb, accb)
+ one = s32[] constant(1) ni = s32[] add(i, one)
+ ROOT r = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) tuple(ni, naccw, naccb, w, xs) }}
+ENTRY e {{ w = f32[32,16] parameter(0) b = f32[32] parameter(1)
+ xs = f32[4,2,32] parameter(2), parameter_replication={{false}}
+ z = s32[] constant(0) f0 = f32[] constant(0)
+ zw = f32[16,32] broadcast(f0), dimensions={{}}
+ init = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) tuple(z, zw, b, w, xs)
+ loop = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) while(init), condition=cond, body=body
+ gw = f32[16,32] get-tuple-element(loop), index=1 gb = f32[32] get-tuple-element(loop), index=2
+ gwt = f32[32,16] transpose(gw), dimensions={{1,0}}
+ lr = f32[] constant(0.01) lrw = f32[32,16] broadcast(lr), dimensions={{}}
+ lrb = f32[32] broadcast(lr), dimensions={{}}
+ uw = f32[32,16] multiply(gwt, lrw) nw = f32[32,16] subtract(w, uw)
+ ub = f32[32] multiply(gb, lrb) nb = f32[32] subtract(b, ub)
+ ROOT out = (f32[32,16], f32[32]) tuple(nw, nb) }}
+"""
+
+
+def motion(text: str) -> tuple[Module, AccumulationReport]:
+    module = parse(text)
+    result = Pipeline((AccumulationMotion(),), check=validate_printed).run(module)
+    report = result.report(AccumulationReport)
+    return module, report
+
+
+def body_collectives(module: Module) -> list[str]:
+    return [i.name for i in module.computation("body").instructions if i.opcode in COLLECTIVES]
+
+
+# ------------------------------------------------------------------- structure (fast)
+
+
+def test_accumulated_all_reduces_leave_the_loop():
+    module, report = motion(LOOP)
+    assert body_collectives(module) == []
+    after = find(module, "all-reduce")
+    assert [module.entry[a.operands[0]].int_attr("index") for a in after] == [1, 2]
+    assert {m.all_reduce for m in report.moved} == {"arw", "arb"} and not report.kept
+    # slot 2 started at %b: the loop now starts it at zero and adds %b after the sum
+    init = module.entry["init"]
+    assert module.entry[init.operands[2]].opcode == "broadcast"
+    (added,) = [i for i in find(module, "add") if "b" in i.operands]
+    assert module.entry[added.operands[1]].opcode == "all-reduce"
+    assert "one collective per step instead of one per iteration" in report.notes[0]
+
+
+def test_the_sharding_pipeline_reduce_scatters_once_after_the_loop():
+    """The optimizer's pipeline (motion first): no collective left in the loop body, one
+    reduce-scatter after it (the two gradients in one bucket) and a sharded update."""
+    module, report = optimize(LOOP)
+    assert body_collectives(module) == []
+    assert [r for r in report.explanations if r.sharded]
+    assert len(find(module, "reduce-scatter")) == 1 and not find(module, "all-reduce")
+    assert any("moved after the loop" in note for note in report.notes)
+
+
+def test_an_accumulator_read_in_the_body_stays():
+    # the microbatch's gradient depends on the partial sum: each iteration must see
+    # the all-reduced partial sums
+    text = LOOP.replace("gb = f32[32] reduce(x, f0), dimensions={0}, to_apply=add",
+                        "gx = f32[32] reduce(x, f0), dimensions={0}, to_apply=add "
+                        "gb = f32[32] multiply(gx, accb)")
+    assert text != LOOP
+    module, report = motion(text)
+    assert body_collectives(module) == ["arb"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "accumulator-read")]
+    assert [m.all_reduce for m in report.moved] == ["arw"]
+
+
+#: jax's mean over microbatches: each gradient divided by their count, then accumulated.
+MEAN = LOOP.replace("tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw)",
+                    "four = f32[] constant(4) fw = f32[16,32] broadcast(four), dimensions={} "
+                    "tw = f32[16,32] divide(arw, fw) naccw = f32[16,32] add(accw, tw)").replace(
+    "naccb = f32[32] add(arb, accb)",
+    "q = f32[] constant(0.25) qb = f32[32] broadcast(q), dimensions={} "
+    "sb = f32[32] multiply(qb, arb) naccb = f32[32] add(sb, accb)")
+
+
+def test_a_mean_over_microbatches_moves_too():
+    assert MEAN.count("divide(arw, fw)") == 1 and MEAN.count("multiply(qb, arb)") == 1
+    module, report = motion(MEAN)
+    assert body_collectives(module) == [] and len(report.moved) == 2
+
+
+@pytest.mark.parametrize("edit", [
+    ("divide(arw, fw)", "divide(fw, arw)"),  # not linear in the sum
+    ("four = f32[] constant(4)", "four = f32[] constant(0)"),  # a zero divisor
+    ("fw = f32[16,32] broadcast(four), dimensions={}",
+     "fw = f32[16,32] transpose(w), dimensions={1,0}"),  # not a constant
+])
+def test_a_scale_that_is_not_a_constant_factor_stays(edit):
+    module, report = motion(MEAN.replace(*edit))
+    assert body_collectives(module) == ["arw"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arw", "not-accumulated")]
+
+
+@pytest.mark.parametrize("edit, reason", [
+    # the condition reads the accumulator: the trip count would see partial sums
+    (("ROOT lt = pred[] compare(i, n), direction=LT",
+      "ab = f32[32] get-tuple-element(p), index=2 a0 = f32[1] slice(ab), slice={[0:1]} "
+      "a = f32[] reshape(a0) big = f32[] constant(1e30) "
+      "small = pred[] compare(a, big), direction=LT c = pred[] compare(i, n), direction=LT "
+      "ROOT lt = pred[] and(c, small)"), "accumulator-read"),
+    # a convert between the sum and the accumulation rounds the sum in another type
+    (("naccb = f32[32] add(arb, accb)",
+      "h = f16[32] convert(arb) hf = f32[32] convert(h) naccb = f32[32] add(hf, accb)"),
+     "converted"),
+    # the accumulation is also used in the body
+    (("one = s32[] constant(1)", "dead = f32[32] negate(naccb) one = s32[] constant(1)"),
+     "slot-not-carried"),
+    # accumulated into another slot than the one it reads
+    (("tuple(ni, naccw, naccb, w, xs)", "tuple(ni, naccw, accb, w, xs)"),
+     "slot-not-carried"),
+    # not a sum
+    (("arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add",
+      "arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=mx"),
+     "not-summing"),
+])
+def test_what_cannot_be_proven_stays(edit, reason):
+    text = LOOP.replace(f"{ADD}\n", f"{ADD}\n{MAX}\n").replace(*edit)
+    assert edit[1] in text
+    module, report = motion(text)
+    assert "arb" in body_collectives(module)
+    assert ("arb", reason) in [(k.all_reduce, k.reason) for k in report.kept]
+    assert any("%arb stays in the loop" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (("ROOT out = (f32[32,16], f32[32]) tuple(nw, nb)",
+      "ROOT out = ((s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]), f32[32,16]) "
+      "tuple(loop, nw)"), "result-whole"),
+    (("ROOT out = (f32[32,16], f32[32]) tuple(nw, nb)",
+      "ROOT out = ((s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]), f32[32,16]) "
+      "tuple(init, nw)"), "shared-init"),
+])
+def test_a_loop_that_cannot_be_rewired_is_left_alone(edit, reason):
+    text = LOOP.replace(*edit)
+    module, report = motion(text)
+    assert to_text(module) == to_text(parse(text))
+    assert {(k.all_reduce, k.reason) for k in report.kept} == {("arw", reason), ("arb", reason)}
+
+
+def test_a_moved_all_reduce_gets_a_fresh_channel_id():
+    text = LOOP.replace("replica_count=8", "replica_count=1, num_partitions=8").replace(
+        "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add",
+        "channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, "
+        "to_apply=add", 1)
+    module, _ = motion(text)
+    ids = [i.int_attr("channel_id") for c in module.computations for i in c.instructions
+           if i.opcode == "all-reduce"]
+    assert 5 not in ids and 6 in ids and ids.count(None) == 1
+    # the original's other attributes, in their order
+    (moved,) = [i for i in find(module, "all-reduce") if i.int_attr("channel_id") == 6]
+    assert list(moved.attributes) == ["channel_id", "replica_groups", "use_global_device_ids",
+                                      "to_apply"]
+    assert moved.attr("use_global_device_ids") is True
+
+
+@pytest.mark.parametrize("kind, literal, zero", [
+    ("f32", "0", True), ("f32", "-0", True), ("f32", "0.0", True), ("s32", "0", True),
+    ("f32", "1e-30", False), ("pred", "false", False), ("f32", "nan", False)])
+def test_only_a_numeric_zero_is_a_zero_start(kind, literal, zero):
+    comp = parse(f"HloModule z\nENTRY e {{ c = {kind}[] constant({literal}) "
+                 f"ROOT b = {kind}[4] broadcast(c), dimensions={{}} }}").entry
+    assert is_zero(comp, comp.root) is zero
+
+
+def test_nested_loops_sink_through_both():
+    """An accumulation loop inside an outer loop that accumulates its result: the
+    all-reduce leaves both loops (a second sweep moves it out of the outer body)."""
+    inner_entry = LOOP.split("ENTRY e {")[1]
+    outer = LOOP.split("ENTRY e {")[0].replace("cond {", "cond_in {").replace(
+        "body {", "body_in {") + """
+cond { q = (s32[], f32[32], f32[32,16], f32[4,2,32]) parameter(0)
+ j = s32[] get-tuple-element(q), index=0 m = s32[] constant(2)
+ ROOT lt = pred[] compare(j, m), direction=LT }
+body { q = (s32[], f32[32], f32[32,16], f32[4,2,32]) parameter(0)
+ j = s32[] get-tuple-element(q), index=0 acc = f32[32] get-tuple-element(q), index=1
+ w = f32[32,16] get-tuple-element(q), index=2 xs = f32[4,2,32] get-tuple-element(q), index=3
+ z = s32[] constant(0) f0 = f32[] constant(0)
+ zw = f32[16,32] broadcast(f0), dimensions={} zb = f32[32] broadcast(f0), dimensions={}
+ init = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) tuple(z, zw, zb, w, xs)
+ loop = (s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32]) while(init), condition=cond_in, body=body_in
+ gb = f32[32] get-tuple-element(loop), index=2 nacc = f32[32] add(acc, gb)
+ one = s32[] constant(1) nj = s32[] add(j, one)
+ ROOT r = (s32[], f32[32], f32[32,16], f32[4,2,32]) tuple(nj, nacc, w, xs) }
+ENTRY e { w = f32[32,16] parameter(0) b = f32[32] parameter(1)
+ xs = f32[4,2,32] parameter(2), parameter_replication={false}
+ z = s32[] constant(0)
+ init = (s32[], f32[32], f32[32,16], f32[4,2,32]) tuple(z, b, w, xs)
+ loop = (s32[], f32[32], f32[32,16], f32[4,2,32]) while(init), condition=cond, body=body
+ ROOT g = f32[32] get-tuple-element(loop), index=1 }
+"""
+    assert inner_entry  # the inner loop's body and condition are LOOP's
+    module, report = motion(outer)
+    assert [i.opcode for i in module.computation("body_in").instructions
+            if i.opcode in COLLECTIVES] == []
+    assert [i.opcode for i in module.computation("body").instructions
+            if i.opcode in COLLECTIVES] == []
+    assert len(find(module, "all-reduce")) == 1
+    assert len(report.moved) == 3, report.notes  # arw, arb out of body_in; arb's sum out of body
+
+
+# ---------------------------------------------------------- numbers through real XLA
+
+
+@pytest.fixture(scope="module")
+def worker():
+    yield runtime.get_worker("cpu", 8)
+    runtime.shutdown_workers()
+
+
+def verify(original: str, candidate: Module, manifest=None) -> runtime.VerifyReport:
+    return runtime.verify(parse(original), parse(to_text(candidate)),
+                          runtime.VerifyOptions(steps=3, manifest=manifest))
+
+
+@pytest.mark.parametrize("text", [LOOP, MEAN], ids=["sum", "mean"])
+def test_the_moved_loop_computes_the_same(worker, text):
+    module, report = motion(text)
+    assert len(report.moved) == 2
+    result = verify(text, module)
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_dropping_the_initial_value_is_caught(worker):
+    """A mutant: the post-loop sum without the accumulator's initial value (what moving
+    the all-reduce without adding %b back computes) must DIFFER."""
+    module, _ = motion(LOOP)
+    (added,) = [i for i in find(module, "add") if "b" in i.operands]
+    Rewriter(module.entry).replace_all_uses_with(added.name, added.operands[1])
+    result = runtime.verify(parse(LOOP), parse(to_text(module)),
+                            runtime.VerifyOptions(steps=1))
+    assert not result.ok
+
+
+def test_the_optimized_loop_computes_the_same(worker):
+    module = parse(LOOP)
+    report, text = optimize_module(module, ShardingOptions(state="sharded"), force=True)
+    assert any(r.sharded for r in report.explanations)
+    assert "reduce-scatter" in text and body_collectives(parse(text)) == []
+    result = runtime.verify(parse(LOOP), parse(text), runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(report, module)))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+# ------------------------------------------------------------------- real jax steps
+
+MICRO = 4
+
+
+def _scan_program(form: str = "scan-sum"):
+    """An MLP + adam step accumulating the gradients of 4 microbatches (each device holds
+    2 rows of each), one update after the loop: ``scan-sum`` sums them in a ``lax.scan``
+    (and returns the mean loss), ``fori-mean`` averages them in a ``fori_loop``."""
+    from jax_train_helpers import (AXIS, NamedSharding, P, jax, jnp, mlp_batch, mlp_loss,
+                                   mlp_params, np, optax)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    opt = optax.adam(1e-2)
+
+    def scan_sum(params, microbatches):
+        def accumulate(total, batch):
+            loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+            return jax.tree.map(jnp.add, total, grads), loss
+
+        grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
+                                     microbatches)
+        return grads, losses.mean()
+
+    def fori_mean(params, microbatches, loss=mlp_loss):
+        def accumulate(i, total):
+            grads = jax.grad(loss)(params, jax.tree.map(lambda a: a[i], microbatches))
+            return jax.tree.map(lambda t, g: t + g / MICRO, total, grads)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return jax.lax.fori_loop(0, MICRO, accumulate, zeros), jnp.float32(0)
+
+    def bf16_loss(params, batch):
+        def bf16(tree):
+            return jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
+
+        return mlp_loss(bf16(params), bf16(batch)).astype(jnp.float32)
+
+    gradients = {"scan-sum": scan_sum, "fori-mean": fori_mean,
+                 "fori-mean-bf16": lambda p, m: fori_mean(p, m, bf16_loss)}[form]
+
+    def step(params, opt_state, microbatches):
+        grads, loss = gradients(params, microbatches)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(mlp_params(jax.random.PRNGKey(0)), replicated)
+    opt_state = jax.device_put(opt.init(params), replicated)
+
+    def batch(i):
+        rows = mlp_batch(jax.random.PRNGKey(100 + i), MICRO * 16)
+        split = jax.tree.map(lambda a: a.reshape(MICRO, 16, *a.shape[1:]), rows)
+        return jax.device_put(split, NamedSharding(mesh, P(None, AXIS)))
+
+    return jax.jit(step), params, opt_state, batch
+
+
+def _loop_body(module: Module) -> str:
+    (loop,) = [i for i in module.entry.instructions if i.opcode == "while"]
+    return loop.attr("body").name  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form, staying", [("scan-sum", 1), ("fori-mean", 0)])
+def test_accumulation_is_reduce_scattered_once_after_the_loop(request, worker, form, staying):
+    """A real jax step (captured on 8 CPU devices, collectives inside the loop written
+    with mesh replica groups): optimized by default, no gradient collective inside the
+    loop body, one reduce-scatter of the gradient bucket after it, MATCH."""
+    from jax_train_helpers import needs_devices
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program(form)
+    text = hsj.per_device_hlo(step, params, opt_state, batch(0))
+    original = parse(text)
+    body = _loop_body(original)
+    assert sum(i.opcode == "all-reduce" for i in original.computation(body).instructions) \
+        == 6 + staying
+    report, optimized = optimize_module(parse(text), ShardingOptions())
+    module = parse(optimized)
+    left = [i for i in module.computation(body).instructions if i.opcode in COLLECTIVES]
+    # only the loss's scalar sum (divided and written into the losses) stays
+    assert [i.shape.dims for i in left] == [()] * staying  # type: ignore[union-attr]
+    scattered = [i for i in module.entry.instructions if i.opcode == "reduce-scatter"]
+    assert scattered and sum(r.sharded for r in report.explanations) == 6
+    assert len(scattered) <= 6
+    result = runtime.verify(parse(text), module, runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(report, parse(text))))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+@pytest.mark.slow
+def test_a_bf16_gradient_converted_before_accumulation_stays_in_the_loop(request, worker):
+    """bf16 compute: the gradient is all-reduced in bf16 and converted to f32 before it is
+    accumulated. Moving it would round the sum in another type, so it stays (and says
+    why); the weight-update pass reduce-scatters it inside the loop into a sharded
+    accumulator instead, and the result computes the same."""
+    from jax_train_helpers import needs_devices
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program("fori-mean-bf16")
+    text = hsj.per_device_hlo(step, params, opt_state, batch(0))
+    body = _loop_body(parse(text))
+    report, optimized = optimize_module(parse(text), ShardingOptions(), force=True)
+    assert sum("(its result is converted" in note for note in report.notes) == 6
+    module = parse(optimized)
+    assert [i.opcode for i in module.computation(body).instructions
+            if i.opcode in COLLECTIVES] == ["reduce-scatter"]
+    result = runtime.verify(parse(text), module, runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(report, parse(text))))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+@pytest.mark.slow
+def test_scan_accumulation_trains_sharded_like_jit(request):
+    """Through ``shard_weight_update(state="sharded")``: no fallback, the gradients
+    sharded, the same parameters and state as ``jax.jit`` after 5 steps."""
+    from jax_train_helpers import assert_close, needs_devices
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program()
+    fast = hsj.shard_weight_update(step, state="sharded")
+    state_fast, state_jit = (params, opt_state), (params, opt_state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        for i in range(5):
+            *state_fast, _ = fast(*state_fast, batch(i))
+    assert fast.report is not None and fast.report["sharded"] == 6
+    for i in range(5):
+        *state_jit, _ = step(*state_jit, batch(i))
+    assert_close(tuple(fast.gather_args(*state_fast)), tuple(state_jit))
+
+
+@pytest.mark.slow
+def test_multisteps_accumulation_is_sharded_in_the_optimizer_state(request, worker):
+    """``optax.MultiSteps`` accumulates across calls, in the optimizer state: there is no
+    loop (the all-reduce of each call's gradient is needed for the state each call
+    returns), so the motion moves nothing; the weight-update sharding reduce-scatters
+    the gradient and, with the state sharded, keeps the accumulator as a shard too."""
+    from jax_train_helpers import make_program, needs_devices, optax
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 8, donate=False)
+    program.optimizer = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=4)
+    opt = program.optimizer
+    from jax_train_helpers import jax
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(program.model.loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, loss
+
+    params, opt_state = program.init()
+    text = hsj.per_device_hlo(jax.jit(train_step), params, opt_state, program.batch(0))
+    module = parse(text)
+    assert not [i for i in module.entry.instructions if i.opcode == "while"]
+    report, optimized = optimize_module(module, ShardingOptions(state="sharded"), force=True)
+    assert not any("moved after the loop" in note for note in report.notes)
+    assert sum(r.sharded for r in report.explanations) == 6
+    # mu, nu and MultiSteps' accumulated gradients of the 6 leaves are kept as shards
+    assert sum(p.kind == "sharded" for p in report.parameters) == 18
+    result = runtime.verify(parse(text), parse(optimized), runtime.VerifyOptions(
+        steps=5, manifest=build_manifest(report, parse(text))))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_the_speed_gate_prices_the_moved_loop():
+    """The cost model prices one collective per step below one per microbatch; where
+    sharding after the loop is not predicted cheaper than that, the module written is
+    the moved one, kept whole, and the decision says what it costs."""
+    module = parse(LOOP)
+    report, text, decision = optimize_where_faster(module, ShardingOptions())
+    assert decision.kept_whole and not any(r.sharded for r in report.explanations)
+    assert decision.unsharded_s is not None and decision.unsharded_s < decision.before_s
+    assert decision.after_s == decision.unsharded_s
+    assert body_collectives(parse(text)) == [] and "all-reduce" in text
+    assert decision.to_json()["unsharded_seconds"] == decision.unsharded_s
