@@ -110,15 +110,7 @@ def _eqx_step(optim):
     return train_step
 
 
-#: The pass's module of this step computes something else where it shards (``hlo-shard
-#: verify`` of the captured module against ``optimize --force``'s: DIFFERENT, 18 of 21
-#: outputs at the first step): a defect of the pass, not of this path. Gathered, the gate
-#: keeps this step whole; sharded, it shards it.
-PASS_DEFECT = pytest.mark.xfail(reason="the pass shards this equinox MLP + Adam module "
-                                       "into a different computation", strict=False)
-
-
-@pytest.mark.parametrize("state", ["gathered", pytest.param("sharded", marks=PASS_DEFECT)])
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
 def test_an_equinox_filter_jit_step(request, state):
     """Through the optimized path without a crash (was ``'Lowered' object has no
     attribute '_lowering'``), with jit's numbers; not forced."""
