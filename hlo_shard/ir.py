@@ -289,6 +289,12 @@ class Instruction:
                 names.extend(value.names)
         return names
 
+    def clone(self) -> Instruction:
+        """A copy to edit apart from this one (its shape and attribute values are
+        immutable, so they are shared)."""
+        return Instruction(self.name, self.opcode, self.shape, list(self.operands),
+                           dict(self.attributes), self.parameter_number, self.literal, self.loc)
+
     def __repr__(self) -> str:  # short: full dumps belong to the printer
         return f"<{self.name} = {self.opcode}({', '.join(self.operands)})>"
 
@@ -307,6 +313,11 @@ class Computation:
         self._index = {inst.name: inst for inst in self.instructions}
         if self.root_name is None and self.instructions:
             self.root_name = self.instructions[-1].name
+
+    def clone(self) -> Computation:
+        """A copy whose instructions can be edited apart from this one's."""
+        return Computation(self.name, [inst.clone() for inst in self.instructions],
+                           self.root_name, self.is_entry, self.execution_thread, self.loc)
 
     # Lookups -------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -383,6 +394,20 @@ class Module:
     #: Computation name → its position in ``computations`` when last looked up (checked
     #: on every lookup and rebuilt when the list changed).
     _positions: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def clone(self) -> Module:
+        """A copy to edit apart from this one (the speed gate's trials, a retargeted
+        module): new computations and instructions; shapes, layouts and attribute values
+        are immutable and shared. ``copy.deepcopy``'s result without its per-object
+        bookkeeping, which costs more than the pass on a large module."""
+        return Module(self.name, [comp.clone() for comp in self.computations],
+                      dict(self.header), self.stack_frames, self.source_path)
+
+    def take_contents(self, other: Module) -> None:
+        """Become ``other`` (whose computations then belong to this module alone): the
+        speed gate keeps the trial it chose instead of rewriting the input again."""
+        self.name, self.computations, self.header = other.name, other.computations, other.header
+        self.stack_frames, self._positions = other.stack_frames, {}
 
     @property
     def entry(self) -> Computation:

@@ -28,7 +28,6 @@ of parameters is not an option (its HLO text is the same program with bigger sha
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,7 +82,7 @@ class ScalePoint:
 def retarget(module: Module, replicas: int) -> Module:
     """A copy of the per-device data-parallel ``module`` for ``replicas`` devices (see
     :class:`~hlo_shard.passes.retarget.Retarget`)."""
-    result = copy.deepcopy(module)
+    result = module.clone()
     Retarget(replicas).apply(result)
     return result
 
@@ -180,14 +179,14 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
         if n < 2:
             raise HloShardError(f"--replicas must be at least 2 (got {n})")
         factor = 1.0 if global_batch is None or b0 is None else (global_batch / n) / b0
-        target = retarget(module, n) if n != n0 else copy.deepcopy(module)
+        target = retarget(module, n) if n != n0 else module.clone()
         # The retargeted copy has the module's instructions: its regions and categories.
         original = _projection(estimate_step(target, profile, regions, algorithm=algorithm,
                                              categories=base.categories, roles=roles),
                                factor, weight_factor)
         try:
             sharded_module = sharding_pass(state, strategy, hardware).run(
-                copy.deepcopy(target)).module
+                target.clone()).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))
             continue

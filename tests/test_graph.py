@@ -206,3 +206,26 @@ def test_remove_dead_among_erases_what_a_rewrite_replaced_and_keeps_async_halves
     comp = parse(ASYNC_COPY).entry
     Rewriter(comp).remove_dead(among=["m"], is_impure=lambda inst: inst.opcode in old_keep)
     assert [i.name for i in comp.instructions] == ["p", "after", "unused", "r"]
+
+
+def test_a_clone_prints_the_same_and_edits_apart():
+    """``Module.clone`` (the speed gate's trials) is a deep copy in effect: the same text,
+    and no edit of the clone — operands, attributes, instructions, header — reaches the
+    original."""
+    from hlo_shard.parser import parse
+    from hlo_shard.printer import to_text
+
+    text = ("HloModule m, replica_count=2\n\nENTRY main {\n"
+            "  p = f32[4]{0} parameter(0)\n"
+            "  n = f32[4]{0} negate(p), metadata={op_name=\"x\"}\n"
+            "  ROOT a = f32[4]{0} add(n, p)\n}\n")
+    module = parse(text)
+    clone = module.clone()
+    assert to_text(clone) == to_text(module)
+    entry = clone.entry
+    entry["a"].operands[0] = "p"
+    entry["n"].attributes.clear()
+    entry.append(Instruction("extra", "negate", ArrayShape("f32", (4,)), ["p"]))
+    clone.header["replica_count"] = 4
+    assert to_text(module) == to_text(parse(text))
+    assert "extra" not in module.entry and module.entry["a"] is not entry["a"]

@@ -348,7 +348,8 @@ _INDEX_ARITHMETIC = frozenset({"dynamic-slice", "reshape", "bitcast", "convert",
                                "multiply", "add", "subtract", "divide", "remainder",
                                "clamp", "select", "compare", "minimum", "maximum", "slice",
                                "broadcast"})
-_DEVICE_IDS = frozenset({"partition-id", "replica-id"})
+#: What a device reads its own id from (an index computed from these differs per device).
+DEVICE_ID_OPCODES = frozenset({"partition-id", "replica-id"})
 
 
 class _ScatterForm:
@@ -367,7 +368,7 @@ class _ScatterForm:
         if self._users is None:
             self._users = users_map(self.comp)
             for inst in topological_order(self.comp):
-                if inst.opcode in _DEVICE_IDS:
+                if inst.opcode in DEVICE_ID_OPCODES:
                     self._by_id.add(inst.name)
                 elif inst.opcode in ("constant", "iota"):
                     self._constant.add(inst.name)

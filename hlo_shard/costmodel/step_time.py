@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from hlo_shard.analysis.collectives import recovered_device_counts
+from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, recovered_device_counts
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
@@ -63,7 +63,6 @@ FORMAT_OPCODES = frozenset({
     "concatenate",
 })
 
-_DEVICE_ID_OPCODES = frozenset({"replica-id", "partition-id"})
 #: The pseudo-instruction carrying the profile's fixed cost per step.
 STEP_OVERHEAD = "(step overhead)"
 #: The pseudo-instruction carrying the fixed cost of the step's output buffers.
@@ -178,7 +177,7 @@ def device_index_values(comp: Computation) -> set[str]:
     table lookups): values that differ per device only through its index."""
     found: set[str] = set()
     for inst in comp.instructions:
-        derived = inst.opcode in _DEVICE_ID_OPCODES or (
+        derived = inst.opcode in DEVICE_ID_OPCODES or (
             any(o in found for o in inst.operands)
             and all(o in found or comp[o].opcode == "constant" for o in inst.operands)
             and all(leaf.num_elements <= 64 for _, leaf in shape_leaves(inst.shape)))

@@ -20,7 +20,6 @@ Mutants are texts, so a failing one can be written out and rerun with ``verify``
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
@@ -240,7 +239,7 @@ def mutants(module: Module, kinds: tuple[str, ...] = tuple(KINDS)) -> list[Mutan
     out = []
     for kind in kinds:
         for description, edit in KINDS[kind](comp, region):
-            mutated = copy.deepcopy(module)
+            mutated = module.clone()
             edit(mutated)
             out.append(Mutant(kind, description, to_text(mutated)))
     return out

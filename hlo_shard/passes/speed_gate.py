@@ -22,7 +22,6 @@ stays against the input, which is what the front ends run when nothing is sharde
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 from hlo_shard.analysis.collectives import ReasonCode
@@ -93,34 +92,66 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
 
+    #: The cheapest sharded trial so far and its module: what the gate writes when it
+    #: chooses that cut-off, without running the pipeline on the input again.
+    kept: dict[str, tuple[Trial, Module, ShardingReport]] = {}
+
     def trial(min_bytes: int) -> tuple[Trial, ShardingReport]:
-        candidate = copy.deepcopy(module)
+        candidate = module.clone()
         report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
         seconds = predicted_step_seconds(candidate, hardware) if sharded else baseline
-        return Trial(min_bytes, sharded, seconds), report
+        result = Trial(min_bytes, sharded, seconds)
+        if sharded and ("best" not in kept or _faster(result, kept["best"][0])):
+            kept["best"] = (result, candidate, report)
+        return result, report
+
+    def written(chosen: Trial, report: ShardingReport) -> ShardingReport:
+        """``module`` as the pipeline writes it at ``chosen``'s cut-off: the trial's own
+        module, unless ``after_pass`` must watch the passes run on the input."""
+        best, candidate, _ = kept["best"]
+        if after_pass is not None or best is not chosen:
+            return run_sharding(module, at_cutoff(chosen.min_bytes), after_pass)
+        module.take_contents(candidate)
+        return report
 
     user_min = sharding.options.min_shard_bytes
     everything, full = trial(user_min)
     if force or not everything.sharded:
-        return run_sharding(module, sharding, after_pass), SpeedDecision(
+        report = written(everything, full) if everything.sharded else \
+            run_sharding(module, sharding, after_pass)
+        return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
             hardware.min_predicted_gain, forced=force, unsharded_s=unsharded)
     sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything] + [trial(size)[0] for size in cutoffs]
-    best = min(trials, key=lambda t: (t.seconds, -t.sharded))
+    best = min(trials, key=_rank)
     beats_input = best.seconds <= before * (1 - hardware.min_predicted_gain)
     chosen = best if beats_input and best.seconds < baseline else None
-    # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
-    # fresh duplicate channel ids, forwarded tuple elements — make the module valid to write).
-    cutoff = sizes[-1] + 1 if chosen is None else chosen.min_bytes
-    report = run_sharding(module, at_cutoff(cutoff), after_pass)
+    if chosen is None:
+        # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
+        # fresh duplicate channel ids, forwarded tuple elements — make the module valid
+        # to write).
+        report = run_sharding(module, at_cutoff(sizes[-1] + 1), after_pass)
+    else:
+        report = written(chosen, kept["best"][2])
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
                              hardware.min_predicted_gain, unsharded_s=unsharded)
     _explain_cost_rows(report, decision, user_min)
     return report, decision
+
+
+def _rank(trial: Trial) -> tuple[float, int]:
+    """Cheapest first; between equal prices, the one that shards more."""
+    return trial.seconds, -trial.sharded
+
+
+def _faster(trial: Trial, other: Trial) -> bool:
+    """``trial`` ranks before ``other`` (:func:`_rank`; the earlier trial wins a tie, as
+    ``min`` keeps the first of equals)."""
+    return _rank(trial) < _rank(other)
 
 
 def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
@@ -134,7 +165,7 @@ def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | Non
     (what the pipeline writes when it shards nothing), or None when none moves."""
     if not loops_all_reduce(module):
         return None
-    candidate = copy.deepcopy(module)
+    candidate = module.clone()
     if not AccumulationMotion().apply(candidate).changed:
         return None
     return predicted_step_seconds(candidate, hardware)

@@ -7,7 +7,6 @@ here :func:`replica_form` first refuses what cannot be executed faithfully
 
 from __future__ import annotations
 
-import copy
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module, Str, TupleShape
@@ -57,6 +56,6 @@ def replica_form(module: Module, *, keep_donation: bool = False) -> Module:
     ``keep_donation`` puts its input/output aliasing back, so the executable consumes
     its donated inputs (:mod:`hlo_shard.jax` donates as the user's jit step does)."""
     check_executable(module)
-    out = copy.deepcopy(module)
+    out = module.clone()
     ReplicaForm(keep_donation=keep_donation).apply(out)
     return out
