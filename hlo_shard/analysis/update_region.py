@@ -40,7 +40,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
 from hlo_shard.analysis.replication import Replication
 from hlo_shard.graph import dataflow_graph, topological_order, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
-                          Module, TupleShape)
+                          Module, Shape, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
 
 # ------------------------------------------------------------------------ the format
@@ -998,7 +998,11 @@ class _Planner:
     def components(self, sharded: list[int]) -> dict[int, _Scope]:
         """Leaf index → its scope, for the ``sharded`` leaves. Reach follows users whose
         opcode has a region rule, so what ends the region (the root tuple, a dot) couples
-        nothing."""
+        nothing; nor does a value of at most one element (a global norm's partial sums,
+        a loss scale), which no element order can change: it joins the scope of every
+        leaf that reaches it and reach stops there. Otherwise one clip-by-global-norm
+        would make every gradient one scope, and choosing each leaf's order would cost
+        leaves × region."""
         parent = list(range(len(sharded)))
 
         def find(i: int) -> int:
@@ -1008,6 +1012,7 @@ class _Planner:
             return i
 
         owner: dict[str, int] = {}
+        scalars: dict[str, list[int]] = {}
         for i, index in enumerate(sharded):
             stack = list(self.leaves[index].values)
             while stack:
@@ -1016,8 +1021,14 @@ class _Planner:
                     parent[find(owner[name])] = find(i)
                     continue
                 owner[name] = i
-                stack.extend(user for user in self.graph.successors(name)
-                             if self.comp[user].opcode in RULES)
+                for user in self.graph.successors(name):
+                    inst = self.comp[user]
+                    if inst.opcode not in RULES:
+                        continue
+                    if _at_most_one_element(inst.shape):
+                        scalars.setdefault(user, []).append(i)
+                    else:
+                        stack.append(user)
         orders: dict[int, list[Instruction]] = {}
         members: dict[int, list[int]] = {}
         for i, index in enumerate(sharded):
@@ -1025,8 +1036,15 @@ class _Planner:
         for inst in self.order:
             if inst.name in owner:
                 orders.setdefault(find(owner[inst.name]), []).append(inst)
+            elif inst.name in scalars:
+                for root in dict.fromkeys(find(i) for i in scalars[inst.name]):
+                    orders.setdefault(root, []).append(inst)
         return {index: _Scope(tuple(members[find(i)]), tuple(orders[find(i)]))
                 for i, index in enumerate(sharded)}
+
+
+def _at_most_one_element(shape: Shape) -> bool:
+    return isinstance(shape, ArrayShape) and shape.num_elements <= 1
 
 
 def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruction],
