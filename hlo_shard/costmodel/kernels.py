@@ -59,10 +59,6 @@ class Kernel:
     #: Bytes written (values used outside the kernel; in-place updates by their update).
     write_bytes: float = 0.0
 
-    @property
-    def traffic_bytes(self) -> float:
-        return self.read_bytes + self.write_bytes
-
 
 @dataclass
 class KernelPlan:

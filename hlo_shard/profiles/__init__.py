@@ -61,7 +61,6 @@ class HardwareProfile:
     #: Writes into freshly allocated buffers where they cost more than reads (a host's
     #: page faults); the memory bandwidth when the profile does not say.
     memory_write_bandwidth_bytes_per_s: float
-    memory_capacity_bytes: int
     #: A device's share of the last-level cache (0: none modelled): a kernel whose
     #: reads and writes together fit moves them at ``cache_bandwidth_bytes_per_s``.
     cache_bytes: int
@@ -251,7 +250,6 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         reduction_elements_per_s=rate("reduction_elements_per_s", vector["default"]),
         memory_bandwidth_bytes_per_s=bandwidth,
         memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
-        memory_capacity_bytes=int(rate("memory_capacity_bytes")),
         cache_bytes=count("cache_bytes", 0),
         cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
         kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),

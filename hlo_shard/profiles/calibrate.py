@@ -321,7 +321,6 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "reduction_elements_per_s": reduction,
         "memory_bandwidth_bytes_per_s": read,
         "memory_write_bandwidth_bytes_per_s": write,
-        "memory_capacity_bytes": 16 << 30,
         "cache_bytes": last_level_cache_bytes() // n,
         # Below the streaming rate, the probe measured its kernels' fixed costs rather
         # than the cache: kernels that fit run no slower than those that stream.
