@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hlo_shard.profiles import available_profiles, load_profile, profile_from_dict, profile_json
-from hlo_shard.profiles import calibrate
+from hlo_shard.runtime import calibrate
 
 ACCELERATORS = ("a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e")
 #: The fields of an accelerator profile a vendor publishes: each is named by a source.
@@ -100,7 +100,7 @@ def test_the_gpu_base_is_the_profile_of_the_gpu_nvidia_smi_names():
 
 
 def _calibrate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hlo_shard.profiles.calibrate", *args],
+    return subprocess.run([sys.executable, "-m", "hlo_shard.runtime.calibrate", *args],
                           capture_output=True, text=True, timeout=600)
 
 
