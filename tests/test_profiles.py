@@ -143,3 +143,13 @@ def test_the_gpu_probes_run_on_real_xla():
     profile = profile_from_dict(data, "gpu-local")
     assert profile.interconnect.intra_node.alpha_s >= 0
     assert set(calibrate._gpu_probes(2)) <= set(data["sources"][0].replace(",", "").split())
+
+
+def test_one_combine_threshold_where_a_profile_does_not_say():
+    from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
+
+    data, origin = profile_json("cpu-generic")
+    assert isinstance(data, dict)
+    del data["combine_threshold_bytes"]
+    assert profile_from_dict(data, origin).combine_threshold_bytes == \
+        DEFAULT_COMBINE_THRESHOLD_BYTES

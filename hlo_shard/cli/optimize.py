@@ -20,6 +20,7 @@ Exit status: 0 when the module was written (whether or not anything was sharded 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -229,8 +230,9 @@ def global_program_note(module: Module) -> str | None:
               help=f"Target hardware auto decides on: {', '.join(available_profiles())}, "
                    f"or a JSON file (as for report). Default: the accelerator's profile where "
                    f"the module's custom-calls name one, else {DEFAULT_PROFILE}.")
-@click.option("--bucket-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
-              help="Largest combined reduce-scatter/all-gather.")
+@click.option("--bucket-bytes", type=click.IntRange(min=1), default=None,
+              help="Largest combined reduce-scatter/all-gather (default: the sharding "
+                   "pass's bucket_bytes).")
 @click.option("--replicated-params", default=None, metavar="LIST",
               help="Entry parameters to treat as replicated (e.g. 0,1,2).")
 @click.option("--per-device-params", default=None, metavar="LIST",
@@ -248,7 +250,7 @@ def global_program_note(module: Module) -> str | None:
                    "step slower on --profile.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
-             min_shard_bytes: int, profile: str | None, bucket_bytes: int, replicated_params: str | None,
+             min_shard_bytes: int, profile: str | None, bucket_bytes: int | None, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
@@ -281,8 +283,10 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if unknown:
         raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
-                              min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
-                              profile=hardware, overrides=overrides)
+                              min_shard_bytes=min_shard_bytes, profile=hardware,
+                              overrides=overrides)
+    if bucket_bytes is not None:  # else the pass's own default: the bucket size is stated once
+        options = replace(options, bucket_bytes=bucket_bytes)
     if (note := global_program_note(module)) is not None:
         if manifest_path is not None:
             raise HloShardError(f"{note} (no manifest for a global program)")

@@ -73,7 +73,7 @@ from pathlib import Path
 
 from hlo_shard import profiles
 from hlo_shard.errors import HloShardError
-from hlo_shard.profiles import load_profile, profile_json
+from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES, load_profile, profile_json
 from hlo_shard.runtime.executable import load
 from hlo_shard.runtime.inputs import numpy_dtype
 
@@ -334,7 +334,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "fused_concatenate_operands": 8,
         "min_predicted_gain": 0.1,
         "overlaps_compute_and_memory": False,
-        "combine_threshold_bytes": 30 << 20,
+        "combine_threshold_bytes": DEFAULT_COMBINE_THRESHOLD_BYTES,
         "fresh_temp_threshold_bytes": 32 << 20,
         "combined_collectives": ["all-reduce"],
         "kernel_overhead_s": kernel,
