@@ -26,9 +26,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hlo_shard",),
     ("analysis",),
     ("costmodel",),
-    ("passes", "reports"),
+    ("passes",),
     ("runtime", "scaling"),
-    ("jax", "cli"),
+    # The library's front end and the cost reports of the CLI's commands: neither uses
+    # the other (jax/_program once imported the reports' fmt_seconds: now units).
+    ("jax", "reports"),
+    ("cli",),
     ("fuzz", "__main__"),
 )
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
@@ -100,13 +103,15 @@ def test_the_check_sees_the_imports_it_forbids():
     """The imports this test was written to remove, as they were: each is reported."""
     assert layering_violations("hlo_shard.jax._capture",
                                "from hlo_shard.cli.optimize import pick_dump_file\n") == [
-        "hlo_shard.jax._capture:1: imports hlo_shard.cli.optimize (jax -> cli, sideways)"]
+        "hlo_shard.jax._capture:1: imports hlo_shard.cli.optimize (jax -> cli, upward)"]
     lazy = "def measure():\n    from hlo_shard import runtime\n"
     assert layering_violations("hlo_shard.profiles.calibrate", lazy) == [
         "hlo_shard.profiles.calibrate:2: imports hlo_shard.runtime (profiles -> runtime, upward)"]
     relative = "from ..reports.content import fmt_seconds\n"
+    assert layering_violations("hlo_shard.jax._program", relative) == [
+        "hlo_shard.jax._program:1: imports hlo_shard.reports.content (jax -> reports, sideways)"]
     assert layering_violations("hlo_shard.passes.speed_gate", relative) == [
         "hlo_shard.passes.speed_gate:1: imports hlo_shard.reports.content "
-        "(passes -> reports, sideways)"]
+        "(passes -> reports, upward)"]
     assert layering_violations("hlo_shard.cli.optimize", "from hlo_shard.units import fmt_seconds\n"
                                "from . import app\n") == []
