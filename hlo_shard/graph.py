@@ -262,9 +262,6 @@ class Rewriter:
     def insert_before(self, anchor: str, inst: Instruction) -> Instruction:
         return self._insert(self._position(anchor), inst)
 
-    def insert_after(self, anchor: str, inst: Instruction) -> Instruction:
-        return self._insert(self._position(anchor) + 1, inst)
-
     def inserting_after(self, anchor: str) -> contextlib.AbstractContextManager[None]:
         """Within the block, :meth:`add` inserts in sequence right after ``anchor``."""
         return self._inserting_at(self._position(anchor) + 1)

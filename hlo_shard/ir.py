@@ -86,9 +86,6 @@ class ArrayShape:
     def with_dims(self, dims: tuple[int, ...], layout: Layout | None = None) -> ArrayShape:
         return ArrayShape(self.element_type, tuple(dims), (), layout)
 
-    def with_element_type(self, element_type: str) -> ArrayShape:
-        return ArrayShape(element_type, self.dims, self.dynamic, self.layout)
-
 
 @dataclass(frozen=True, slots=True)
 class TupleShape:

@@ -22,7 +22,7 @@
 #    Adam and the zoo's LayerNorm MLP + clip/AdamW: the train API
 #    (shard_weight_update, state gathered and sharded) and install(), each against
 #    plain jax.jit measured interleaved step by step on all local devices;
-# 4. calibrate: `python -m hlo_shard.profiles.calibrate --backend B` (the GPU profile:
+# 4. calibrate: `python -m hlo_shard.runtime.calibrate --backend B` (the GPU profile:
 #    measured rates next to the published profile of that GPU in the report);
 # 5. the report.
 #
@@ -128,7 +128,7 @@ else
   CALIBRATE="--backend gpu --devices $DEVICES"
 fi
 [ $QUICK = 1 ] && CALIBRATE="$CALIBRATE --runs 1 --rounds 1" || CALIBRATE="$CALIBRATE --runs 5 --rounds 2"
-timeout $T_CALIBRATE "$PY" -m hlo_shard.profiles.calibrate $CALIBRATE --output "$DIR/profile.json" \
+timeout $T_CALIBRATE "$PY" -m hlo_shard.runtime.calibrate $CALIBRATE --output "$DIR/profile.json" \
   > "$DIR/calibrate.log" 2>&1 || note "calibrate: exit $? (calibrate.log)"
 
 # 5. report --------------------------------------------------------------------------

@@ -771,7 +771,7 @@ def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
     an empty step measured a third of it, and the gate saw gathered mode's extra
     collectives as nearly free. The chain probe is dependent all-reduces, parsed as
     HLO."""
-    from hlo_shard.profiles import calibrate
+    from hlo_shard.runtime import calibrate
 
     seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {
         "overhead": 0.3e-3, "small_all_reduce": 0.35e-3,
@@ -855,7 +855,7 @@ ENTRY e {
 
 
 def test_calibration_derives_streaming_reduction_and_kernel_rates():
-    from hlo_shard.profiles import calibrate
+    from hlo_shard.runtime import calibrate
 
     stream_bytes = 3 * 4 * calibrate.STREAM
     seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {

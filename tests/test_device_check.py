@@ -17,7 +17,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import device_check  # noqa: E402
 
-from hlo_shard.profiles import calibrate, profile_json  # noqa: E402
+from hlo_shard.profiles import profile_json  # noqa: E402
+from hlo_shard.runtime import calibrate  # noqa: E402
 
 
 def test_one_gpu_fits_no_fixture_and_n_devices_fit_those_of_n_replicas_or_fewer():

@@ -563,9 +563,9 @@ def _profile() -> dict:
 _BAD_PROFILES = [
     (lambda p: p.update(memory_bandwidth_bytes_per_s="fast"),
      r"memory_bandwidth_bytes_per_s: expected a finite number, got \"fast\""),
-    (lambda p: p.update(memory_capacity_bytes="68719476736"),
-     r"memory_capacity_bytes: expected a finite number"),
-    (lambda p: p.update(memory_capacity_bytes=1e400), r"memory_capacity_bytes: expected a finite"),
+    (lambda p: p.update(transcendentals_per_s="68719476736"),
+     r"transcendentals_per_s: expected a finite number"),
+    (lambda p: p.update(transcendentals_per_s=1e400), r"transcendentals_per_s: expected a finite"),
     (lambda p: p["interconnect"].update(intra_node={"alpha_s": "1us", "beta_bytes_per_s": 1}),
      r"interconnect\.intra_node\.alpha_s: expected a finite number"),
     (lambda p: p.update(interconnect=[]), r"interconnect: expected an object"),

@@ -292,3 +292,12 @@ ENTRY e { w = f32[16] parameter(0), sharding={replicated}
     assert "reduce-scatter" not in out.read_text()
     manifest = run_gated(str(path), "-o", str(out), "--manifest", str(tmp_path / "m.json"))
     assert manifest.exit_code == 2 and "no manifest for a global program" in manifest.stderr
+
+
+def test_the_cli_states_no_bucket_size_of_its_own():
+    """The bucket size is stated once (#25): without --bucket-bytes the command hands the
+    pass its own default instead of a number of its own."""
+    from hlo_shard.cli.optimize import optimize
+
+    option = next(p for p in optimize.params if p.name == "bucket_bytes")
+    assert option.default is None

@@ -180,3 +180,24 @@ def test_retarget_reports_the_group_sizes():
     assert result.module.replica_count == 8 and "{0,1,2,3,4,5,6,7}" in to_text(result.module)
     with pytest.raises(HloShardError, match="at least one replica"):
         Retarget(0)
+
+
+def test_the_docs_list_the_optimizer_passes_as_the_pipeline_runs_them():
+    """README, CONTRIBUTING and docs/optimize.md name the optimizer's passes in order; a
+    pass added to ``sharding_pipeline`` (accumulation motion was) must reach them."""
+    from pathlib import Path
+
+    from hlo_shard.passes.sharding_pipeline import sharding_pipeline
+    from hlo_shard.passes.weight_update_sharding import WeightUpdateSharding
+
+    def words(text: str) -> str:
+        return " ".join(text.lower().replace("-", " ").split())
+
+    names = [words(p.name) for p in sharding_pipeline(WeightUpdateSharding()).passes]
+    root = Path(__file__).resolve().parents[1]
+    listings = {"README.md": " → ", "CONTRIBUTING.md": " → ", "docs/optimize.md": ", "}
+    for doc, separator in listings.items():
+        text = words((root / doc).read_text())
+        assert words(separator.join(names)) in text, f"{doc} does not list {names}"
+    count = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight")[len(names)]
+    assert f"the optimizer is {count} passes" in words((root / "README.md").read_text())

@@ -86,3 +86,18 @@ def test_the_hook_shards_the_gpu_form_through_xlas_own_text():
     assert text is not None, reason
     assert report is not None and any(e.sharded for e in report.explanations)
     assert "cu_threefry2x32" in xc.hlo.hlo_module_from_text(text).to_string()
+
+
+def test_the_hook_keeps_a_bounded_record_of_its_decisions():
+    """A process that compiles without end (a server, a sweep) must not grow the record
+    without bound: the latest MAX_DECISIONS are kept, oldest first."""
+    hook.decisions(clear=True)
+    try:
+        for i in range(hook.MAX_DECISIONS + 5):
+            hook._HOOK.record(hook.Decision(f"m{i}", False, "kept", None, 0.0))
+        kept = hook.decisions()
+        assert len(kept) == hook.MAX_DECISIONS
+        assert kept[0].module == "m5" and kept[-1].module == f"m{hook.MAX_DECISIONS + 4}"
+    finally:
+        hook.decisions(clear=True)
+    assert hook.decisions() == []

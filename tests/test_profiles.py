@@ -11,12 +11,11 @@ import sys
 import pytest
 
 from hlo_shard.profiles import available_profiles, load_profile, profile_from_dict, profile_json
-from hlo_shard.profiles import calibrate
+from hlo_shard.runtime import calibrate
 
 ACCELERATORS = ("a100", "h100", "h200", "tpu-v3", "tpu-v4", "tpu-v5e")
 #: The fields of an accelerator profile a vendor publishes: each is named by a source.
-PUBLISHED = ("matrix_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_capacity_bytes",
-             "interconnect")
+PUBLISHED = ("matrix_flops_per_s", "memory_bandwidth_bytes_per_s", "interconnect")
 
 
 def test_the_gpu_and_tpu_profiles_users_train_on_are_shipped():
@@ -39,10 +38,19 @@ def test_every_shipped_profile_loads(name):
 def test_tpu_v5e_is_the_cloud_tpu_figures_per_chip():
     v5e = load_profile("tpu-v5e")
     assert v5e.matrix_rate("bf16") == 197e12 and v5e.memory_bandwidth_bytes_per_s == 819e9
-    assert v5e.memory_capacity_bytes == 16 << 30
     assert v5e.interconnect.algorithm == "torus2d" and v5e.interconnect.devices_per_node == 256
     # 51.2 TB/s all-reduce bandwidth over a 256-chip pod
     assert v5e.interconnect.intra_node.beta_bytes_per_s == 51.2e12 / 256
+
+
+def test_memory_capacity_is_neither_needed_nor_refused():
+    """Nothing prices a device's memory capacity, so a profile need not state it; one
+    written before it was dropped (it names the field) still loads."""
+    data, origin = profile_json("cpu-generic")
+    assert "memory_capacity_bytes" not in data
+    assert profile_from_dict(data, origin) == load_profile("cpu-generic")
+    assert profile_from_dict({**data, "memory_capacity_bytes": 1 << 36}, origin) == \
+        load_profile("cpu-generic")
 
 
 # ------------------------------------------------------------------------- calibrate
@@ -92,7 +100,7 @@ def test_the_gpu_base_is_the_profile_of_the_gpu_nvidia_smi_names():
 
 
 def _calibrate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hlo_shard.profiles.calibrate", *args],
+    return subprocess.run([sys.executable, "-m", "hlo_shard.runtime.calibrate", *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -135,3 +143,13 @@ def test_the_gpu_probes_run_on_real_xla():
     profile = profile_from_dict(data, "gpu-local")
     assert profile.interconnect.intra_node.alpha_s >= 0
     assert set(calibrate._gpu_probes(2)) <= set(data["sources"][0].replace(",", "").split())
+
+
+def test_one_combine_threshold_where_a_profile_does_not_say():
+    from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
+
+    data, origin = profile_json("cpu-generic")
+    assert isinstance(data, dict)
+    del data["combine_threshold_bytes"]
+    assert profile_from_dict(data, origin).combine_threshold_bytes == \
+        DEFAULT_COMBINE_THRESHOLD_BYTES

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from hlo_shard.cli import main
 from hlo_shard.parser import parse
 from hlo_shard.reports.content import diff_document, report_document
-from hlo_shard.reports.document import PLOT_HINT, fmt_bytes, fmt_delta, fmt_seconds
+from hlo_shard.reports.document import PLOT_HINT
+from hlo_shard.units import fmt_bytes, fmt_delta, fmt_seconds
 from hlo_shard.reports.render import render_html, render_text
 from hlo_shard.scaling import data_parallel_size, retarget
 

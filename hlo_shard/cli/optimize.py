@@ -20,6 +20,7 @@ Exit status: 0 when the module was written (whether or not anything was sharded 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -29,6 +30,7 @@ from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.analysis.update_region import natural_perm
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
                                user_errors, write_outputs)
+from hlo_shard.dumps import pick_dump_file
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -39,9 +41,9 @@ from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Ex
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice)
 from hlo_shard.printer import format_change
-from hlo_shard.reports.content import fmt_seconds
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.profiles.detect import profile_for_module
+from hlo_shard.units import fmt_seconds
 
 
 def _numbers(text: str | None, flag: str) -> frozenset[int]:
@@ -60,32 +62,6 @@ def _numbers(text: str | None, flag: str) -> frozenset[int]:
         raise HloShardError(f"{flag} expects parameter numbers or ranges like 0,3 or 0-24, "
                             f"not {text!r}") from None
     return frozenset(numbers)
-
-
-#: Partitioner stages of an XLA dump holding the per-device module, best first:
-#: shard_map bodies inlined, else right after partitioning.
-SPMD_STAGES = (".spmd-partitioner.after_call-inliner.before_pipeline-end.txt",
-               ".spmd-partitioner.after_spmd-partitioning.before_control-dep-rewriter.txt")
-#: The XLA flags that write those stages.
-DUMP_FLAGS = ("--xla_dump_to=DIR --xla_dump_hlo_pass_re=spmd-partitioning|call-inliner "
-              "--xla_dump_large_constants")
-
-
-def pick_dump_file(folder: Path) -> Path:
-    """The per-device module of the largest step in an XLA dump folder: the best
-    partitioner stage present, the largest module of it (a training step, not the
-    optimizer's ``init``); or an error listing what is there and how to dump it."""
-    for stage in SPMD_STAGES:
-        found = [p for p in folder.glob(f"module_*{stage}") if p.is_file()]
-        if found:
-            return max(found, key=lambda p: (p.stat().st_size, p.name))
-    modules = sorted({p.name.split(".")[1] for p in folder.glob("module_*.*.txt")
-                      if p.name.count(".") >= 2})
-    listed = f" (it has modules {', '.join(modules[:5])}{' …' if len(modules) > 5 else ''}" \
-             f" but no partitioner stage)" if modules else " (no XLA dump files in it)"
-    raise HloShardError(f"{folder}: no per-device module *{SPMD_STAGES[0]}{listed}; dump "
-                        f"the step with XLA_FLAGS=\"{DUMP_FLAGS}\" or "
-                        "hlo_shard.jax.per_device_hlo(step, *args)")
 
 
 def build_manifest(report: ShardingReport, module: Module, names: UserNames | None = None):
@@ -254,8 +230,9 @@ def global_program_note(module: Module) -> str | None:
               help=f"Target hardware auto decides on: {', '.join(available_profiles())}, "
                    f"or a JSON file (as for report). Default: the accelerator's profile where "
                    f"the module's custom-calls name one, else {DEFAULT_PROFILE}.")
-@click.option("--bucket-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
-              help="Largest combined reduce-scatter/all-gather.")
+@click.option("--bucket-bytes", type=click.IntRange(min=1), default=None,
+              help="Largest combined reduce-scatter/all-gather (default: the sharding "
+                   "pass's bucket_bytes).")
 @click.option("--replicated-params", default=None, metavar="LIST",
               help="Entry parameters to treat as replicated (e.g. 0,1,2).")
 @click.option("--per-device-params", default=None, metavar="LIST",
@@ -273,7 +250,7 @@ def global_program_note(module: Module) -> str | None:
                    "step slower on --profile.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
-             min_shard_bytes: int, profile: str | None, bucket_bytes: int, replicated_params: str | None,
+             min_shard_bytes: int, profile: str | None, bucket_bytes: int | None, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
@@ -306,8 +283,10 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if unknown:
         raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
-                              min_shard_bytes=min_shard_bytes, bucket_bytes=bucket_bytes,
-                              profile=hardware, overrides=overrides)
+                              min_shard_bytes=min_shard_bytes, profile=hardware,
+                              overrides=overrides)
+    if bucket_bytes is not None:  # else the pass's own default: the bucket size is stated once
+        options = replace(options, bucket_bytes=bucket_bytes)
     if (note := global_program_note(module)) is not None:
         if manifest_path is not None:
             raise HloShardError(f"{note} (no manifest for a global program)")
@@ -363,5 +342,4 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         }, indent=2))
 
 
-__all__ = ["DUMP_FLAGS", "SPMD_STAGES", "build_manifest", "check_output", "optimize",
-           "optimize_module", "pick_dump_file"]
+__all__ = ["build_manifest", "check_output", "optimize", "optimize_module"]

@@ -59,10 +59,6 @@ class Kernel:
     #: Bytes written (values used outside the kernel; in-place updates by their update).
     write_bytes: float = 0.0
 
-    @property
-    def traffic_bytes(self) -> float:
-        return self.read_bytes + self.write_bytes
-
 
 @dataclass
 class KernelPlan:
@@ -77,8 +73,6 @@ class KernelPlan:
     #: Cheap producers recomputed inside each consumer kernel, and reshapes that are
     #: bitcasts of their operand: values with no buffer of their own.
     duplicated: set[str]
-    #: Whether the plan emulates fusion (False for a module XLA already fused).
-    emulated: bool
     #: The duplicated values that are their operand's buffer relabelled (bitcasts).
     relabels: set[str] = field(default_factory=set)
     #: Duplicated value → the values it is recomputed from (see :meth:`inputs`).
@@ -187,7 +181,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
     kernels.sort(key=lambda k: position[k.members[-1].name])
     for index, kernel in enumerate(kernels):
         kernel.index = index
-    plan = KernelPlan(comp, kernels, kernel_of, set(), duplicated, emulate_fusion, relabels,
+    plan = KernelPlan(comp, kernels, kernel_of, set(), duplicated, relabels,
                       _sources(comp, order, duplicated))
     _account(plan, users)
     return plan

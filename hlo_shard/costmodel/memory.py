@@ -48,6 +48,7 @@ from hlo_shard.ir import (
     shape_leaves,
 )
 from hlo_shard.opinfo import PER_ELEMENT_COST
+from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
 
 #: Ops that may write their result into an operand buffer that dies at them (XLA's
 #: ``CanShareOperandBufferWithUser``: elementwise loops, fusions of them, in-place
@@ -139,7 +140,7 @@ def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0
 def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None,
                    gradients: set[str] | None = None, activations: set[str] | None = None,
                    *, upcast_16bit_floats: bool = False,
-                   combine_threshold_bytes: int = 30 << 20,
+                   combine_threshold_bytes: int = DEFAULT_COMBINE_THRESHOLD_BYTES,
                    combined_collectives: Collection[str] | None = None) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);

@@ -67,7 +67,6 @@ class CollectiveCost:
     #: The payload S: the full (unsharded) buffer a device contributes or receives.
     payload_bytes: int
     bytes_sent: float
-    bytes_received: float
     steps: int
     seconds: float
     algorithm: str
@@ -191,7 +190,7 @@ def collective_cost(kind: str, n: int, payload: int, profile: HardwareProfile,
     transfer = (profile.memory_seconds(*memory_traffic(kind, n, payload), resident)
                 + accumulator_seconds(kind, n, payload, profile, resident)
                 if algorithm == "shared-memory" else sent / link.beta_bytes_per_s)
-    return CollectiveCost(kind, n, payload, sent, sent, steps, latency + transfer, algorithm,
+    return CollectiveCost(kind, n, payload, sent, steps, latency + transfer, algorithm,
                           latency)
 
 

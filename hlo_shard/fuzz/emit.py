@@ -40,10 +40,6 @@ class Sh:
     def of(self, dtype: str) -> Sh:
         return Sh(dtype, self.dims, self.layout)
 
-    def plain(self) -> Sh:
-        """The same shape with XLA's default layout."""
-        return Sh(self.dtype, self.dims)
-
 
 @dataclass(frozen=True, slots=True)
 class Val:

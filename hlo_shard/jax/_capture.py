@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hlo_shard.cli.optimize import pick_dump_file
+from hlo_shard.dumps import pick_dump_file
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 

@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 from hlo_shard.errors import HloShardError
@@ -39,6 +40,9 @@ logger = logging.getLogger("hlo_shard")
 
 #: The name the pass is registered under (one registration per process).
 PASS_NAME = "hlo_shard.weight_update_sharding"
+#: How many decisions :func:`decisions` keeps, the latest: a long-running process that
+#: compiles without end (a server, a sweep) keeps a bounded record, not one per compile.
+MAX_DECISIONS = 1000
 #: Bytes every serialized module with an all-reduce contains (its opcode string): the
 #: quick check that lets init functions and the like through without parsing.
 _ALL_REDUCE = b"all-reduce"
@@ -121,7 +125,7 @@ class _Hook:
         self.settings: _Settings | None = None
         #: The stage the pass is registered at (None: not registered).
         self.registered: str | None = None
-        self.decisions: list[Decision] = []
+        self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
         #: A KeyboardInterrupt or SystemExit the callback caught, raised again once XLA
         #: has returned (:func:`_raise_pending`).
         self.pending: BaseException | None = None
@@ -152,14 +156,18 @@ class _Hook:
         result, reason = _agree_across_processes(out, result, reason)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start)
-        with self.lock:
-            self.decisions.append(decision)
+        self.record(decision)
         if result is None:
             logger.info("hlo_shard: %s left unchanged: %s", name, reason.splitlines()[0])
         else:
             logger.info("hlo_shard: %s: sharded %d of %d gradient bytes", name,
                         decision.sharded_bytes, decision.gradient_bytes)
         return result
+
+    def record(self, decision: Decision) -> None:
+        """Keep ``decision`` (the oldest goes once :data:`MAX_DECISIONS` are kept)."""
+        with self.lock:
+            self.decisions.append(decision)
 
 
 _HOOK = _Hook()
@@ -340,7 +348,8 @@ def installed() -> bool:
 
 def decisions(*, clear: bool = False) -> list[Decision]:
     """Per module compiled while installed that had an all-reduce and matched ``only``:
-    what the hook did (``clear``: forget them)."""
+    what the hook did, the latest :data:`MAX_DECISIONS`, oldest first (``clear``: forget
+    them)."""
     with _HOOK.lock:
         out = list(_HOOK.decisions)
         if clear:
@@ -348,5 +357,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
+__all__ = ["MAX_DECISIONS", "PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
            "installed", "uninstall"]

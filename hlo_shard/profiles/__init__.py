@@ -61,7 +61,6 @@ class HardwareProfile:
     #: Writes into freshly allocated buffers where they cost more than reads (a host's
     #: page faults); the memory bandwidth when the profile does not say.
     memory_write_bandwidth_bytes_per_s: float
-    memory_capacity_bytes: int
     #: A device's share of the last-level cache (0: none modelled): a kernel whose
     #: reads and writes together fit moves them at ``cache_bandwidth_bytes_per_s``.
     cache_bytes: int
@@ -165,6 +164,10 @@ DEFAULT_MIN_PREDICTED_GAIN = 0.05
 #: The collective kinds XLA has a combiner pass for (a profile's ``combined_collectives``
 #: is a subset; all of them when it does not say).
 COMBINABLE_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
+#: ``combine_threshold_bytes`` where a profile does not give its own: XLA GPU's default
+#: all-reduce combine threshold (``xla_gpu_all_reduce_combine_threshold_bytes``), the one
+#: bucket size the cost model and the sharding pass's combined collectives agree on.
+DEFAULT_COMBINE_THRESHOLD_BYTES = 30 << 20
 
 #: The profile every command prices on unless told the target: the calibrated XLA CPU
 #: devices (CPU being the default backend), so that ``optimize`` decides, and ``report``,
@@ -251,7 +254,6 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         reduction_elements_per_s=rate("reduction_elements_per_s", vector["default"]),
         memory_bandwidth_bytes_per_s=bandwidth,
         memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
-        memory_capacity_bytes=int(rate("memory_capacity_bytes")),
         cache_bytes=count("cache_bytes", 0),
         cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
         kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
@@ -264,7 +266,7 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
                                    default=DEFAULT_MIN_PREDICTED_GAIN),
         overlaps_compute_and_memory=at.read(raw, "overlaps_compute_and_memory", At.boolean,
                                             default=True),
-        combine_threshold_bytes=count("combine_threshold_bytes", 30 << 20),
+        combine_threshold_bytes=count("combine_threshold_bytes", DEFAULT_COMBINE_THRESHOLD_BYTES),
         fresh_temp_threshold_bytes=count("fresh_temp_threshold_bytes", 0),
         combined_collectives=frozenset(
             at.key("combined_collectives").index(i).string(kind, COMBINABLE_COLLECTIVES)

@@ -13,8 +13,8 @@ from hlo_shard.costmodel.memory import CATEGORIES as MEMORY_CATEGORIES
 from hlo_shard.costmodel.step_time import CATEGORIES, StepEstimate, per_weight_rows
 from hlo_shard.ir import Module
 from hlo_shard.profiles import HardwareProfile
-from hlo_shard.reports.document import (Document, Figure, Table, fmt_bytes, fmt_count,
-                                        fmt_delta, fmt_seconds, fmt_share)
+from hlo_shard.reports.document import Document, Figure, Table
+from hlo_shard.units import fmt_bytes, fmt_count, fmt_delta, fmt_seconds, fmt_share
 
 CATEGORY_LABELS = {
     "forward_backward": "forward/backward", "weight_update": "weight update",

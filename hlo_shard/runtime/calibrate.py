@@ -1,4 +1,4 @@
-"""Measure a CPU profile on this machine: ``python3 -m hlo_shard.profiles.calibrate``.
+"""Measure a CPU profile on this machine: ``python3 -m hlo_shard.runtime.calibrate``.
 
 XLA's CPU devices of one process share the host's cores, so the rates a step sees
 per device are those of N devices running at once. Each probe is a tiny HLO module
@@ -42,8 +42,9 @@ Every probe runs at each count of ``--devices`` (default 8 and 4): the largest i
 profile's top level, the others its ``at_device_counts`` sections, since a device's
 share of the cores and a rendezvous's cost change with N (measured: at N = 4 a kernel's
 fixed cost 10 µs and a rendezvous 66 µs, against 16 and 148 µs at N = 8). The result is
-printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json`` in this
-package. Nothing here is imported by the cost model.
+printed as a profile (JSON); ``--write`` stores it as ``cpu-local.json`` in
+:mod:`hlo_shard.profiles`. Nothing here is imported by the cost model: it runs modules
+on XLA, so it lives with the runtime, above the profiles it writes.
 
 ``--backend gpu`` measures one or more GPUs of this machine the same way (the probes
 run through the runtime's worker on jax's GPU backend), but only what a probe there can
@@ -69,6 +70,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from hlo_shard import profiles
+from hlo_shard.errors import HloShardError
+from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES, load_profile, profile_json
+from hlo_shard.runtime.executable import load
+from hlo_shard.runtime.inputs import numpy_dtype
 
 _ADD = """HloModule add, replica_count={n}{header}
 add {{
@@ -263,13 +270,10 @@ def measure(n: int, runs: int = 5, rounds: int = 3, backend: str = "cpu",
 
     import numpy as np
 
-    from hlo_shard import runtime
-    from hlo_shard.runtime.inputs import numpy_dtype
-
     executables = {}
     for name, body in (_probes(n) if probes is None else probes).items():
         donated = DONATED_PROBES.get(name, 0)
-        executables[name] = runtime.load(_module(n, body, _aliases(donated) if donated else ""),
+        executables[name] = load(_module(n, body, _aliases(donated) if donated else ""),
                                          n, backend, donate=bool(donated))
     per_round: dict[str, list[float]] = {name: [] for name in executables}
     try:
@@ -321,7 +325,6 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "reduction_elements_per_s": reduction,
         "memory_bandwidth_bytes_per_s": read,
         "memory_write_bandwidth_bytes_per_s": write,
-        "memory_capacity_bytes": 16 << 30,
         "cache_bytes": last_level_cache_bytes() // n,
         # Below the streaming rate, the probe measured its kernels' fixed costs rather
         # than the cache: kernels that fit run no slower than those that stream.
@@ -331,7 +334,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "fused_concatenate_operands": 8,
         "min_predicted_gain": 0.1,
         "overlaps_compute_and_memory": False,
-        "combine_threshold_bytes": 30 << 20,
+        "combine_threshold_bytes": DEFAULT_COMBINE_THRESHOLD_BYTES,
         "fresh_temp_threshold_bytes": 32 << 20,
         "combined_collectives": ["all-reduce"],
         "kernel_overhead_s": kernel,
@@ -340,7 +343,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "interconnect": {"algorithm": "shared-memory", "devices_per_node": 1 << 20,
                          "intra_node": link, "inter_node": link},
         "sources": [
-            f"measured by hlo_shard.profiles.calibrate on {time.strftime('%Y-%m-%d')} with "
+            f"measured by hlo_shard.runtime.calibrate on {time.strftime('%Y-%m-%d')} with "
             f"{n} CPU devices (probe medians, seconds): "
             + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
             "rates are per device while all devices run at once; valid for this device count "
@@ -407,7 +410,7 @@ def gpu_profile_from_measurements(n: int, t: dict[str, float], base: dict,
                                    "intra_node": {"alpha_s": alpha, "beta_bytes_per_s": beta}}
         measured.append("interconnect intra_node (ring accounting)")
     profile["sources"] = [
-        f"measured by hlo_shard.profiles.calibrate --backend gpu on {time.strftime('%Y-%m-%d')} "
+        f"measured by hlo_shard.runtime.calibrate --backend gpu on {time.strftime('%Y-%m-%d')} "
         f"with {n} GPU device{'s' if n > 1 else ''} (probe medians, seconds): "
         + ", ".join(f"{k} {v:.3g}" for k, v in t.items()),
         "measured: " + ", ".join(measured),
@@ -423,8 +426,6 @@ def gpu_profile(devices: int, base_name: str, runs: int = 5, rounds: int = 3,
                 backend: str = "gpu", sizes: GpuSizes = GPU_SIZES) -> dict:
     """Measure ``devices`` GPUs; ``base_name``: the profile (name or file) of the rest.
     (``backend`` and ``sizes``: the same probes elsewhere, as the tests run them on CPU.)"""
-    from hlo_shard.profiles import load_profile, profile_json
-
     load_profile(base_name)  # a bad base is one error before anything runs
     base, _ = profile_json(base_name)
     assert isinstance(base, dict)
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true",
-                        help="store in this package as cpu-local.json / gpu-local.json")
+                        help="store in hlo_shard/profiles as cpu-local.json / gpu-local.json")
     parser.add_argument("--output", type=Path, default=None, help="also write the profile here")
     options = parser.parse_args(argv)
     backend = BACKENDS[options.backend]
@@ -524,8 +525,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--runs and --rounds are at least 1")
     if options.base is not None and options.backend != "gpu":
         parser.error("--base: only with --backend gpu (a CPU profile is all measured)")
-    from hlo_shard.errors import HloShardError
-
     try:
         profile = backend.measure(counts, options.base, options.runs, options.rounds)
     except HloShardError as err:
@@ -533,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     text = json.dumps(profile, indent=2) + "\n"
     if options.write:
-        (Path(__file__).parent / backend.output).write_text(text)
+        (Path(profiles.__file__).parent / backend.output).write_text(text)
     if options.output is not None:
         options.output.write_text(text)
     print(text, end="")
