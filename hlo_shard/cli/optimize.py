@@ -231,8 +231,8 @@ def global_program_note(module: Module) -> str | None:
                    f"or a JSON file (as for report). Default: the accelerator's profile where "
                    f"the module's custom-calls name one, else {DEFAULT_PROFILE}.")
 @click.option("--bucket-bytes", type=click.IntRange(min=1), default=None,
-              help="Largest combined reduce-scatter/all-gather (default: the sharding "
-                   "pass's bucket_bytes).")
+              help="Largest combined reduce-scatter/all-gather (default: the profile's "
+                   "combine threshold, what XLA's combiners use).")
 @click.option("--replicated-params", default=None, metavar="LIST",
               help="Entry parameters to treat as replicated (e.g. 0,1,2).")
 @click.option("--per-device-params", default=None, metavar="LIST",

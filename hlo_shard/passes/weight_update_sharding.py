@@ -66,8 +66,9 @@ class ShardingOptions:
     state: str = "gathered"
     strategy: str = "auto"
     min_shard_bytes: int = 0
-    #: Largest combined reduce-scatter / all-gather (XLA's combiners default to ~30 MiB).
-    bucket_bytes: int = 32 << 20
+    #: Largest combined reduce-scatter / all-gather (None: the profile's
+    #: ``combine_threshold_bytes``, what XLA's combiners use on it).
+    bucket_bytes: int | None = None
     #: The hardware the module will run on (a profile or its name/file): ``auto`` weighs
     #: collective latency against bucketing copies on it.
     profile: HardwareProfile | str = DEFAULT_PROFILE
@@ -171,7 +172,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
     region flows through the tuples jax wraps around shard_map outputs only once they are
     forwarded) and before the passes that make its output valid to write: duplicate
     channel ids renumbered, the entry layout updated to a sharded signature
-    (:func:`~hlo_shard.passes.sharding_pipeline.sharding_pipeline` runs all four)."""
+    (:func:`~hlo_shard.passes.sharding_pipeline.sharding_pipeline` runs all six)."""
 
     name: ClassVar[str] = "weight-update-sharding"
     options: ShardingOptions = ShardingOptions()
@@ -231,7 +232,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         report.explanations += [_rejected(module, rs, rs.reason, rs.code)
                                 for rs in find_reduce_scatters(module)]
         group_size = groups.size if groups is not None else 1
-        bucketing = Bucketing(self.options.strategy, self.options.bucket_bytes,
+        bucket_bytes = self.options.bucket_bytes
+        bucketing = Bucketing(self.options.strategy,
+                              self.profile.combine_threshold_bytes if bucket_bytes is None
+                              else bucket_bytes,
                               CollectivePricing(self.profile.for_devices(module.device_count),
                                                 group_size),
                               self.options.per_tensor_bytes)
