@@ -7,6 +7,7 @@ reduce_scatter_creation.hlo``, shows the text)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -139,13 +140,29 @@ def test_the_golden_case_computes_what_the_pairs_computed(worker):
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
 
+#: The FSDP step's collectives in each mode (§8.3 of the HLO reference): global ids
+#: (as written), cross-partition (a channel, no global ids) and cross-replica (no
+#: channel: 8 replicas, the offset by replica-id).
+MODES = {
+    "flattened-id": lambda text: text,
+    "cross-partition": lambda text: text.replace(", use_global_device_ids=true", ""),
+    "cross-replica": lambda text: re.sub(r"channel_id=\d+, ", "", text)
+    .replace(", use_global_device_ids=true", "").replace("partition-id", "replica-id")
+    .replace("HloModule fsdp_step,", "HloModule fsdp_step, replica_count=8,"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("table", [TABLE, "%offsets = s32[8]{0} constant("
                                           "{896, 768, 640, 512, 384, 256, 128, 0})"],
                          ids=["in-group-order", "permuted"])
-def test_the_fsdp_step_computes_the_same(worker, table):
-    module = fsdp_step(table)
+def test_the_fsdp_step_computes_the_same(worker, table, mode):
+    module = parse(MODES[mode](FSDP_STEP.replace("{ds}", PARTITIONER_FORM.replace(TABLE, table))))
+    if mode != "cross-replica":
+        module.header["num_partitions"] = 8
     original = to_text(module)
     assert run_pass(module).created
+    assert "reduce-scatter(%gw)" in to_text(module)
     result = _verify(original, to_text(module, for_xla=True))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 

@@ -209,6 +209,15 @@ _INDEX_RULES: dict[str, Callable[[Instruction, list[IndexValue]], IndexValue | N
 }
 
 
+def _apply(inst: Instruction, args: list[IndexValue]) -> IndexValue | None:
+    """The rule of ``inst``'s opcode; None where its attributes do not fit its operands
+    (an index past an end, a missing attribute): refused, not guessed."""
+    try:
+        return _INDEX_RULES[inst.opcode](inst, args)
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
 class IndexEvaluator:
     """Evaluates index arithmetic (constants, iotas, device ids and the ops of
     :data:`_INDEX_RULES` on integers) of one computation for a given device, each value
@@ -265,8 +274,7 @@ class IndexEvaluator:
                 values[step] = IndexValue((), (_IDS[inst.opcode](replica, partition),))
                 continue
             args = [a for o in inst.operands if (a := values[o]) is not None]
-            result = None if len(args) != len(inst.operands) else \
-                _INDEX_RULES[inst.opcode](inst, args)
+            result = None if len(args) != len(inst.operands) else _apply(inst, args)
             element_type = inst.array_shape.element_type
             values[step] = None if result is None else \
                 IndexValue(result.dims, tuple(_wrap(v, element_type) for v in result.values))
