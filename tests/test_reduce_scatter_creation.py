@@ -96,6 +96,12 @@ def test_a_split_that_the_profile_prices_slower_is_kept_and_says_why():
     assert "gb" in {i.name for i in module.entry.instructions}
 
 
+def test_every_edit_is_logged():
+    from test_change_log import check_pass
+
+    assert check_pass(ReduceScatterCreation("h100"), parse(GOLDEN.read_text()))
+
+
 def test_offsets_are_evaluated_per_device():
     comp = parse(GOLDEN.read_text()).entry
     assert [evaluate_index(comp, "offset.b", 0, p) for p in range(8)] == [0, 0, 8, 8, 16, 16,
