@@ -17,7 +17,7 @@ from hlo_shard import parse, runtime, to_text
 from hlo_shard.ir import Module
 from hlo_shard.passes.optimize import optimize_where_faster
 from hlo_shard.passes.reduce_scatter_creation import (ReduceScatterCreation,
-                                                      ReduceScatterReport, evaluate_index)
+                                                      ReduceScatterReport, IndexEvaluator)
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
 from test_llm_steps import FSDP_STEP, PARTITIONER_FORM
@@ -103,12 +103,10 @@ def test_every_edit_is_logged():
 
 
 def test_offsets_are_evaluated_per_device():
-    comp = parse(GOLDEN.read_text()).entry
-    assert [evaluate_index(comp, "offset.b", 0, p) for p in range(8)] == [0, 0, 8, 8, 16, 16,
-                                                                           24, 24]
-    assert [evaluate_index(comp, "shift", 0, p) for p in range(8)] == [16 * (p + 1)
-                                                                       for p in range(8)]
-    assert evaluate_index(comp, "ga", 0, 0) is None  # not index arithmetic
+    index = IndexEvaluator(parse(GOLDEN.read_text()).entry)
+    assert [index.scalar("offset.b", 0, p) for p in range(8)] == [0, 0, 8, 8, 16, 16, 24, 24]
+    assert [index.scalar("shift", 0, p) for p in range(8)] == [16 * (p + 1) for p in range(8)]
+    assert index.scalar("ga", 0, 0) is None  # not index arithmetic
 
 
 def test_explain_says_the_pair_became_a_reduce_scatter():

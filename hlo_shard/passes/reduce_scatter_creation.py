@@ -10,25 +10,28 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
 ``xla/service/collective_opt_utils.cc``), run where we can price it:
 
 * :func:`match_reduce_scatter` returns a :class:`ReduceScatterSpec` (the all-reduce, the
-  layout-only ops between it and the slice, the slice, the split dimension and the
-  groups) or the reason it refuses. The offset is *evaluated* for every device (the
-  index arithmetic on constants and ids, :func:`evaluate_index`), and the block each
-  device keeps must tile its group: every block held by the same number of devices. When
-  the block is the device's position in its group (a block per device, in group order)
-  the reduce-scatter keeps the all-reduce's ``replica_groups`` as written; otherwise
-  (FSDP over a sub-axis of the all-reduce's group: 4 blocks among 8 devices) it is a
-  reduce-scatter over one device per block, in block order, then an all-reduce of the
-  block among the devices holding the same one (XLA's ``BuildDSSplitReplicaGroups``),
-  both with explicit groups. The mode (``channel_id``, ``use_global_device_ids``) and
-  the reducer stay the all-reduce's.
+  ops between it and the slice, the slice, the split dimension and the groups) or the
+  reason it refuses. The offset is *evaluated* on every device (:class:`IndexEvaluator`:
+  the index arithmetic of constants, iotas and device ids, clamped as XLA clamps), and
+  the blocks must tile each group: every block held by the same number of devices.
+  A block per device in the group's order keeps the all-reduce's ``replica_groups`` as
+  written; any other tiling is written with explicit groups listing the devices in block
+  order (a reduce-scatter gives position j of a group the j-th block); fewer blocks than
+  devices (FSDP over a sub-axis of the all-reduce's group: 4 blocks among 8 devices)
+  becomes a reduce-scatter over one device per block, then an all-reduce of the block
+  among the devices holding it (XLA's ``BuildDSSplitReplicaGroups``). The mode
+  (``channel_id``, ``use_global_device_ids``), the reducer and the metadata stay the
+  all-reduce's; channel ids are fresh, as XLA gives them.
 * The ops between the all-reduce and the slice (copies, transposes, converts, reshapes
   that keep the block dimension: they commute with taking a block) stay after the
   collective and run on the block; the reduce-scatter splits the dimension of the
   all-reduce's shape the slice's dimension comes from.
 * The pair is rewritten only where :func:`~hlo_shard.costmodel.network.collective_cost`
   on the pass's profile predicts the collectives it becomes faster than the all-reduce
-  (on shared-memory CPU devices, a split pays one more rendezvous than it saves in
-  bytes when the gradient is small); the report says why each pair was kept.
+  (a split pays a second collective's latency for the bytes it saves, which loses for
+  small gradients on shared-memory CPU devices); the report says why each pair was kept.
+  A split sums in another association (partial sums, then theirs): it rounds
+  differently, as the all-reduce's own order is XLA's to choose.
 """
 
 from __future__ import annotations
@@ -280,12 +283,6 @@ class IndexEvaluator:
                 IndexValue(result.dims, tuple(_wrap(v, element_type) for v in result.values))
         value = values[name]
         return value.values[0] if value is not None and len(value.values) == 1 else None
-
-
-def evaluate_index(comp: Computation, name: str, replica: int, partition: int) -> int | None:
-    """Scalar index value ``name`` of ``comp`` on one device (None: not index arithmetic
-    of constants and device ids)."""
-    return IndexEvaluator(comp).scalar(name, replica, partition)
 
 
 # ---------------------------------------------------------------------------- matching
@@ -624,4 +621,4 @@ def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str
 
 
 __all__ = ["IndexEvaluator", "ReduceScatterCreation", "ReduceScatterReport",
-           "ReduceScatterSpec", "ScatterDecision", "evaluate_index", "match_reduce_scatter"]
+           "ReduceScatterSpec", "ScatterDecision", "match_reduce_scatter"]
