@@ -123,15 +123,7 @@ def _elementwise(inst: Instruction, args: list[IndexValue],
     if any(a.dims != dims and a.dims for a in args):
         return None
     columns = [a.values if a.dims else a.values * size for a in args]
-    try:
-        return IndexValue(dims, tuple(fn(*row) for row in zip(*columns)))
-    except ZeroDivisionError:  # XLA's result for it is not what an offset table means
-        return None
-
-
-def _binary(inst: Instruction, args: list[IndexValue], fn: Callable[[int, int], int]
-            ) -> IndexValue | None:
-    return _elementwise(inst, args, fn)
+    return IndexValue(dims, tuple(fn(*row) for row in zip(*columns)))
 
 
 def _literal(inst: Instruction) -> IndexValue | None:
@@ -205,7 +197,7 @@ _INDEX_RULES: dict[str, Callable[[Instruction, list[IndexValue]], IndexValue | N
     "compare": _compare,
     "select": lambda inst, args: _elementwise(inst, args, lambda p, a, b: a if p else b),
     "clamp": lambda inst, args: _elementwise(inst, args, lambda lo, x, hi: min(max(x, lo), hi)),
-    **{op: partial(_binary, fn=fn) for op, fn in _BINARY.items()},
+    **{op: partial(_elementwise, fn=fn) for op, fn in _BINARY.items()},
     # Row-major values as they are (a bitcast only where no layout reorders them).
     **{op: lambda inst, args: IndexValue(inst.array_shape.dims, args[0].values)
        for op in ("reshape", "copy", "convert", "bitcast")},
@@ -214,10 +206,11 @@ _INDEX_RULES: dict[str, Callable[[Instruction, list[IndexValue]], IndexValue | N
 
 def _apply(inst: Instruction, args: list[IndexValue]) -> IndexValue | None:
     """The rule of ``inst``'s opcode; None where its attributes do not fit its operands
-    (an index past an end, a missing attribute): refused, not guessed."""
+    (an index past an end, a missing attribute) or it divides by zero (XLA's value for
+    that is no offset table's): refused, not guessed."""
     try:
         return _INDEX_RULES[inst.opcode](inst, args)
-    except (IndexError, KeyError, TypeError, ValueError):
+    except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
 
 
