@@ -499,10 +499,10 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
     def apply(self, module: Module) -> PassResult[ReduceScatterReport]:
         view = replace(module, header={**module.header, **recovered_device_counts(module)})
         hardware = resolve_profile(self.profile).for_devices(view.device_count)
-        formed: dict[str, list] = {}
+        formed: dict[str, list[tuple[str, DeviceGroups]]] = {}
         for found in find_gradient_all_reduces(view):
             if found.code is ReasonCode.ALREADY_SHARDED and found.groups is not None:
-                formed.setdefault(found.computation, []).append(found)
+                formed.setdefault(found.computation, []).append((found.name, found.groups))
         rewriter = ModuleRewriter(module)
         channels = ChannelIds(module)
         decisions: list[ScatterDecision] = []
@@ -510,27 +510,25 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
             comp = module.computation(comp_name)
             users, index = users_map(comp), IndexEvaluator(comp)
             specs = []
-            for found in gradients:
-                inst = comp[found.name]
-                if inst.opcode != "all-reduce":
+            for name, groups in gradients:
+                if comp[name].opcode != "all-reduce":
                     continue
-                spec = match_reduce_scatter(view, comp, inst, found.groups, users, index)
+                spec = match_reduce_scatter(view, comp, comp[name], groups, users, index)
                 if isinstance(spec, str):
-                    decisions.append(ScatterDecision(comp_name, found.name, kept_because=spec))
+                    decisions.append(ScatterDecision(comp_name, name, kept_because=spec))
                     continue
                 before, after = _price(spec, hardware)
                 if after >= before:
                     decisions.append(ScatterDecision(
-                        comp_name, found.name, before_s=before, after_s=after,
+                        comp_name, name, before_s=before, after_s=after,
                         blocks=spec.blocks, holders=_holders(spec),
                         kept_because=f"{_collectives(spec)} predicted {after * 1e6:.4g} us "
                         f"against the all-reduce's {before * 1e6:.4g} us (profile "
                         f"{hardware.name})"))
                     continue
                 specs.append((spec, before, after))
-            rw = rewriter.rewriter(comp)
             for spec, before, after in specs:
-                created = _rewrite(rw, spec, channels)
+                created = _rewrite(rewriter.rewriter(comp), spec, channels)
                 decisions.append(ScatterDecision(comp_name, spec.all_reduce, created, before,
                                                  after, spec.blocks, _holders(spec)))
         changes: list[Change] = rewriter.changes
