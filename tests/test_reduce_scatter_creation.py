@@ -145,10 +145,13 @@ def test_the_golden_case_computes_what_the_pairs_computed(worker):
 
 
 #: The FSDP step's collectives in each mode (§8.3 of the HLO reference): global ids
-#: (as written), cross-partition (a channel, no global ids) and cross-replica (no
+#: (as written, and with the groups in mesh form, which the reduce-scatter keeps),
+#: cross-partition (a channel, no global ids) and cross-replica (no
 #: channel: 8 replicas, the offset by replica-id).
 MODES = {
     "flattened-id": lambda text: text,
+    "flattened-id-mesh": lambda text: text.replace("replica_groups={{0,1,2,3,4,5,6,7}}",
+                                                   "replica_groups=mesh['data'=8] {'data'}"),
     "cross-partition": lambda text: text.replace(", use_global_device_ids=true", ""),
     "cross-replica": lambda text: re.sub(r"channel_id=\d+, ", "", text)
     .replace(", use_global_device_ids=true", "").replace("partition-id", "replica-id")
@@ -167,6 +170,9 @@ def test_the_fsdp_step_computes_the_same(worker, table, mode):
     original = to_text(module)
     assert run_pass(module).created
     assert "reduce-scatter(%gw)" in to_text(module)
+    if mode == "flattened-id-mesh" and table == TABLE:
+        assert "reduce-scatter(%gw), channel_id=4, replica_groups=mesh['data'=8] {'data'}" \
+            in to_text(module)
     result = _verify(original, to_text(module, for_xla=True))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
