@@ -18,6 +18,7 @@ from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
+from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
@@ -35,6 +36,7 @@ PASSES: dict[str, Callable[[Options], Pass]] = {
     EntryLayoutUpdate.name: lambda o: EntryLayoutUpdate(**o),
     CopyFreeDonation.name: lambda o: CopyFreeDonation(**o),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
+    ReduceScatterCreation.name: lambda o: ReduceScatterCreation(**o),
     Retarget.name: lambda o: Retarget(**o),
 }
 

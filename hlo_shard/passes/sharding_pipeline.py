@@ -1,4 +1,4 @@
-"""The weight-update sharding as the optimizer runs it: six passes in order.
+"""The weight-update sharding as the optimizer runs it: seven passes in order.
 
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
@@ -7,9 +7,13 @@
 2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
 3. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
-4. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
-5. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
-6. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
+4. :class:`~hlo_shard.passes.reduce_scatter_creation.ReduceScatterCreation` (the
+   gradients it found already sharded in the partitioner's all-reduce + dynamic-slice
+   form become reduce-scatters where the profile predicts that faster; after the
+   sharding, so their rows keep the all-reduce's name and gain the words of the rewrite);
+5. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
+6. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
+7. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
 The front ends check the final module before writing or compiling it
@@ -27,6 +31,7 @@ from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import AfterPass, Pipeline
+from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation, ReduceScatterReport
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
 
@@ -35,7 +40,8 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                       ) -> Pipeline:
     """The passes around ``sharding``, unchecked between them; ``after_pass`` sees each
     pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((AccumulationMotion(), TupleForwarding(), sharding, ChannelIdDedupe(),
+    return Pipeline((AccumulationMotion(), TupleForwarding(), sharding,
+                     ReduceScatterCreation(sharding.profile), ChannelIdDedupe(),
                      EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)), check=None,
                     after_pass=after_pass)
 
@@ -45,7 +51,9 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
     every pass's notes (what ``--explain`` and ``--json`` show), in pass order."""
     result = sharding_pipeline(sharding, after_pass).run(module)
-    return replace(result.report(ShardingReport), notes=result.notes)
+    report = replace(result.report(ShardingReport), notes=result.notes)
+    result.report(ReduceScatterReport).annotate(report)
+    return report
 
 
 __all__ = ["run_sharding", "sharding_pipeline"]

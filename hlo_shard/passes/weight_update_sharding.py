@@ -172,7 +172,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
     region flows through the tuples jax wraps around shard_map outputs only once they are
     forwarded) and before the passes that make its output valid to write: duplicate
     channel ids renumbered, the entry layout updated to a sharded signature
-    (:func:`~hlo_shard.passes.sharding_pipeline.sharding_pipeline` runs all six)."""
+    (:func:`~hlo_shard.passes.sharding_pipeline.sharding_pipeline` runs all seven)."""
 
     name: ClassVar[str] = "weight-update-sharding"
     options: ShardingOptions = ShardingOptions()

@@ -1,0 +1,197 @@
+"""The partitioner's all-reduce + dynamic-slice pairs as reduce-scatters (issue 23, item 2):
+the pass (:mod:`hlo_shard.passes.reduce_scatter_creation`) rewrites a pair only where the
+slice each device keeps, evaluated device by device, tiles its group into blocks, and
+where the collective pricing predicts the rewrite faster; what it writes computes what the
+pair computed on 8 CPU devices (the golden case, ``tests/golden_pass/
+reduce_scatter_creation.hlo``, shows the text)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from hlo_shard import parse, runtime, to_text
+from hlo_shard.ir import Module
+from hlo_shard.passes.optimize import optimize_where_faster
+from hlo_shard.passes.reduce_scatter_creation import (ReduceScatterCreation,
+                                                      ReduceScatterReport, IndexEvaluator)
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+
+from test_llm_steps import FSDP_STEP, PARTITIONER_FORM
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden_pass" / "reduce_scatter_creation.hlo"
+TABLE = "%offsets = s32[8]{0} constant({0, 128, 256, 384, 512, 640, 768, 896})"
+
+
+def fsdp_step(table: str = TABLE) -> Module:
+    module = parse(FSDP_STEP.replace("{ds}", PARTITIONER_FORM.replace(TABLE, table)))
+    module.header["num_partitions"] = 8
+    return module
+
+
+def opcodes(module: Module) -> list[str]:
+    return [inst.opcode for inst in module.entry.instructions]
+
+
+def run_pass(module: Module, profile: str = "cpu-local") -> ReduceScatterReport:
+    result = ReduceScatterCreation(profile).apply(module)
+    assert result.report is not None
+    return result.report
+
+
+def test_the_partitioner_form_becomes_a_reduce_scatter_of_the_devices_rows():
+    module = fsdp_step()
+    report = run_pass(module)
+    (decision,) = report.decisions
+    assert decision.reduce_scatter and decision.after_s < decision.before_s
+    assert "dynamic-slice" not in opcodes(module) and "partition-id" not in opcodes(module)
+    scatter = module.entry[decision.reduce_scatter]
+    assert to_text(module).count("reduce-scatter(%gw)") == 1
+    assert scatter.shape.dims == (128, 1024) and scatter.attr("dimensions") == (0,)
+    assert scatter.attr("replica_groups").groups == (tuple(range(8)),)
+    assert scatter.attr("use_global_device_ids") is True and scatter.attr("channel_id") == 4
+    assert module.entry["gw.t"].shape.dims == (128, 1024)  # the copy runs on the block
+
+
+@pytest.mark.parametrize("table, why", [
+    # Shifted by one block: device 7 clamps to block 7 again, no device keeps block 0.
+    ("{128, 256, 384, 512, 640, 768, 896, 1024}", "do not hold every block"),
+    # Two devices keep the same block: not a tiling of the group.
+    ("{0, 128, 256, 384, 512, 640, 768, 768}", "do not hold every block"),
+    # Between blocks.
+    ("{0, 129, 256, 384, 512, 640, 768, 896}", "not at a block"),
+], ids=["shifted", "repeated", "unaligned"])
+def test_a_slice_that_is_not_a_block_per_device_is_left_alone(table, why):
+    module = fsdp_step(f"%offsets = s32[8]{{0}} constant({table})")
+    before = to_text(module)
+    report = run_pass(module)
+    (decision,) = report.decisions
+    assert not decision.reduce_scatter and why in decision.kept_because
+    assert to_text(module) == before
+
+
+def test_a_permuted_table_scatters_over_the_groups_in_block_order():
+    """Device d keeps block 7 - d: a reduce-scatter whose group lists the devices in the
+    order of their blocks (XLA gives position j of a group the j-th block)."""
+    module = fsdp_step("%offsets = s32[8]{0} constant({896, 768, 640, 512, 384, 256, 128, 0})")
+    (decision,) = run_pass(module).decisions
+    groups = module.entry[decision.reduce_scatter].attr("replica_groups")
+    assert groups.groups == ((7, 6, 5, 4, 3, 2, 1, 0),) and groups.text is None
+
+
+def test_a_split_that_the_profile_prices_slower_is_kept_and_says_why():
+    """4 blocks among 8 devices on shared-memory CPU devices: the second collective's
+    rendezvous costs more than the bytes it saves on a small gradient."""
+    module = parse(GOLDEN.read_text())
+    decisions = {d.all_reduce: d for d in run_pass(module, "cpu-local").decisions}
+    assert decisions["ga"].reduce_scatter
+    assert not decisions["gb"].reduce_scatter
+    assert decisions["gb"].kept_because.startswith(
+        "a reduce-scatter over 4 and an all-reduce of the block over 2 predicted")
+    assert "profile cpu-local" in decisions["gb"].kept_because
+    assert "gb" in {i.name for i in module.entry.instructions}
+
+
+def test_every_edit_is_logged():
+    from test_change_log import check_pass
+
+    assert check_pass(ReduceScatterCreation("h100"), parse(GOLDEN.read_text()))
+
+
+def test_offsets_are_evaluated_per_device():
+    index = IndexEvaluator(parse(GOLDEN.read_text()).entry)
+    assert [index.scalar("offset.b", 0, p) for p in range(8)] == [0, 0, 8, 8, 16, 16, 24, 24]
+    assert [index.scalar("shift", 0, p) for p in range(8)] == [16 * (p + 1) for p in range(8)]
+    assert index.scalar("ga", 0, 0) is None  # not index arithmetic
+
+
+def test_explain_says_the_pair_became_a_reduce_scatter():
+    report, text, _ = optimize_where_faster(parse(FSDP_STEP.replace("{ds}", PARTITIONER_FORM)),
+                                            ShardingOptions())
+    row = {r.all_reduce: r for r in report.explanations}["gw.sum"]
+    assert row.reason_code == "already_sharded" and not row.sharded
+    assert "the all-reduce and its dynamic-slice became reduce-scatter %gw.sum.scatter" in \
+        row.reason
+    assert any("pair(s) of the partitioner's reduce-scatter form became reduce-scatters" in n
+               for n in report.notes)
+    assert "reduce-scatter(%gw)" in text
+
+
+# ------------------------------------------------------------- on 8 CPU devices
+
+
+@pytest.fixture(scope="module")
+def worker():
+    yield runtime.get_worker("cpu", 8)
+    runtime.shutdown_workers()
+
+
+def _verify(original: str, candidate: str, **options) -> runtime.VerifyReport:
+    return runtime.verify(parse(original), parse(candidate),
+                          runtime.VerifyOptions(steps=1, regime="random", **options))
+
+
+def test_the_golden_case_computes_what_the_pairs_computed(worker):
+    original = GOLDEN.read_text()
+    module = parse(original)
+    run_pass(module, "h100")
+    assert "dynamic-slice(%gb" not in to_text(module)  # the split is rewritten too
+    result = _verify(original, to_text(module, for_xla=True))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+#: The FSDP step's collectives in each mode (§8.3 of the HLO reference): global ids
+#: (as written, and with the groups in mesh form, which the reduce-scatter keeps),
+#: cross-partition (a channel, no global ids) and cross-replica (no
+#: channel: 8 replicas, the offset by replica-id).
+MODES = {
+    "flattened-id": lambda text: text,
+    "flattened-id-mesh": lambda text: text.replace("replica_groups={{0,1,2,3,4,5,6,7}}",
+                                                   "replica_groups=mesh['data'=8] {'data'}"),
+    "cross-partition": lambda text: text.replace(", use_global_device_ids=true", ""),
+    "cross-replica": lambda text: re.sub(r"channel_id=\d+, ", "", text)
+    .replace(", use_global_device_ids=true", "").replace("partition-id", "replica-id")
+    .replace("HloModule fsdp_step,", "HloModule fsdp_step, replica_count=8,"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("table", [TABLE, "%offsets = s32[8]{0} constant("
+                                          "{896, 768, 640, 512, 384, 256, 128, 0})"],
+                         ids=["in-group-order", "permuted"])
+def test_the_fsdp_step_computes_the_same(worker, table, mode):
+    module = parse(MODES[mode](FSDP_STEP.replace("{ds}", PARTITIONER_FORM.replace(TABLE, table))))
+    if mode != "cross-replica":
+        module.header["num_partitions"] = 8
+    original = to_text(module)
+    assert run_pass(module).created
+    assert "reduce-scatter(%gw)" in to_text(module)
+    if mode == "flattened-id-mesh" and table == TABLE:
+        assert "reduce-scatter(%gw), channel_id=4, replica_groups=mesh['data'=8] {'data'}" \
+            in to_text(module)
+    result = _verify(original, to_text(module, for_xla=True))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+@pytest.mark.slow
+def test_the_generated_fsdp_llm_step_computes_the_same(worker, tmp_path):
+    """scripts/llm_step.py's data2_fsdp4 step: every matrix gradient is all-reduced over
+    the 8 devices and sliced into the 4 blocks of the fsdp axis; on h100 prices each
+    becomes a reduce-scatter over 4 and an all-reduce of the block over 2. The sums are
+    in bf16 and now associate differently (two partial sums of four, then their sum), so
+    outputs are compared at bf16's precision: a wrong group or block is off by whole
+    gradients, far outside it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from llm_step import generate
+
+    path = generate(tmp_path / "fsdp.hlo", "data2_fsdp4", layers=1)
+    original = path.read_text()
+    module = parse(original)
+    report = run_pass(module, "h100")
+    assert len(report.created) == len(report.decisions) >= 8
+    result = _verify(original, to_text(module, for_xla=True), rtol=2e-2, atol=1e-4)
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]

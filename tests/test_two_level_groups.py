@@ -1,0 +1,93 @@
+"""Two-level replica groups of a data x model mesh (issue 23, item 4): the gradient
+all-reduce over the data-axis groups (``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)``) beside a
+tensor-parallel sum over the model-axis groups is recognised, its update sharded over the
+data groups in both state modes, and the result computes what the original computes on
+8 CPU devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlo_shard import parse, runtime
+from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
+
+from wus_helpers import ADD
+
+#: (data groups, model groups): each the other's complement on the 2 x 4 device grid.
+MESHES = {
+    "data4-iota": ("[2,4]<=[8]", "[4,2]<=[2,4]T(1,0)"),
+    "data2-transposed": ("[4,2]<=[2,4]T(1,0)", "[2,4]<=[8]"),
+}
+
+#: One Megatron-style layer on a device's model shard of the weight: the activation is
+#: summed over the model axis, the weight gradient over the data axis (then Adam).
+STEP = f"""HloModule data_model, num_partitions=8, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias), {{2}}: (2, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{
+  w = f32[24,6]{{1,0}} parameter(0)
+  m = f32[24,6]{{1,0}} parameter(1)
+  v = f32[24,6]{{1,0}} parameter(2)
+  x = f32[3,24]{{1,0}} parameter(3), parameter_replication={{false}}
+  h = f32[3,6]{{1,0}} dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  hs = f32[3,6]{{1,0}} all-reduce(h), channel_id=1, replica_groups=MODEL, use_global_device_ids=true, to_apply=add
+  g = f32[24,6]{{1,0}} dot(x, hs), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+  ar = f32[24,6]{{1,0}} all-reduce(g), channel_id=2, replica_groups=DATA, use_global_device_ids=true, to_apply=add
+  b1 = f32[] constant(0.9)
+  b1b = f32[24,6]{{1,0}} broadcast(b1), dimensions={{}}
+  c1 = f32[] constant(0.1)
+  c1b = f32[24,6]{{1,0}} broadcast(c1), dimensions={{}}
+  m1 = f32[24,6]{{1,0}} multiply(m, b1b)
+  m2 = f32[24,6]{{1,0}} multiply(ar, c1b)
+  nm = f32[24,6]{{1,0}} add(m1, m2)
+  gg = f32[24,6]{{1,0}} multiply(ar, ar)
+  v1 = f32[24,6]{{1,0}} multiply(v, b1b)
+  v2 = f32[24,6]{{1,0}} multiply(gg, c1b)
+  nv = f32[24,6]{{1,0}} add(v1, v2)
+  eps = f32[] constant(1e-3)
+  epsb = f32[24,6]{{1,0}} broadcast(eps), dimensions={{}}
+  nve = f32[24,6]{{1,0}} add(nv, epsb)
+  r = f32[24,6]{{1,0}} rsqrt(nve)
+  u = f32[24,6]{{1,0}} multiply(nm, r)
+  lr = f32[] constant(0.01)
+  lrb = f32[24,6]{{1,0}} broadcast(lr), dimensions={{}}
+  s = f32[24,6]{{1,0}} multiply(u, lrb)
+  nw = f32[24,6]{{1,0}} subtract(w, s)
+  ROOT t = (f32[24,6]{{1,0}}, f32[24,6]{{1,0}}, f32[24,6]{{1,0}}) tuple(nw, nm, nv)
+}}
+"""
+
+
+def step(mesh: str) -> str:
+    data, model = MESHES[mesh]
+    return STEP.replace("DATA", data).replace("MODEL", model)
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_the_data_axis_gradient_is_sharded_over_the_data_groups(mesh):
+    module = parse(step(mesh))
+    report, text = optimize_module(module, ShardingOptions(), force=True)
+    rows = {row.all_reduce: row for row in report.explanations}
+    assert rows["ar"].sharded, rows["ar"].reason
+    assert rows["hs"].reason_code == "other_groups"  # the tensor-parallel sum stays
+    data = parse(step(mesh)).entry["ar"].attr("replica_groups").groups
+    scatters = [i for i in parse(text).entry.instructions if i.opcode == "reduce-scatter"]
+    assert scatters and all(i.attr("replica_groups").groups == data for i in scatters)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    yield runtime.get_worker("cpu", 8)
+    runtime.shutdown_workers()
+
+
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_sharded_over_the_data_groups_it_computes_the_same(worker, mesh, state):
+    module = parse(step(mesh))
+    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
+    assert {r.all_reduce: r for r in report.explanations}["ar"].sharded
+    result = runtime.verify(parse(step(mesh)), parse(optimized),
+                            runtime.VerifyOptions(steps=3, manifest=build_manifest(report,
+                                                                                   module)))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
