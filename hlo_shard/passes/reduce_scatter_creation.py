@@ -31,7 +31,9 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
   (a split pays a second collective's latency for the bytes it saves, which loses for
   small gradients on shared-memory CPU devices); the report says why each pair was kept.
   A split sums in another association (partial sums, then theirs): it rounds
-  differently, as the all-reduce's own order is XLA's to choose.
+  differently, as the all-reduce's own order is XLA's to choose. In a floating type
+  narrower than 32 bits (bf16 gradients) that difference is as large as the type's
+  precision and ``verify`` sees it, so a split is written only for wider types.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
                                             find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import Change, ModuleRewriter, Rewriter, control_predecessors, users_map
-from hlo_shard.ir import (ArrayShape, Computation, Ident, Instruction, Module, ReplicaGroups,
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction, Module, ReplicaGroups,
                           SliceRanges)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
@@ -517,6 +519,13 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
                 if isinstance(spec, str):
                     decisions.append(ScatterDecision(comp_name, name, kept_because=spec))
                     continue
+                narrow = _narrow_float(comp[name].array_shape.element_type)
+                if spec.block_groups and narrow:
+                    decisions.append(ScatterDecision(
+                        comp_name, name, kept_because=f"{_collectives(spec)} would sum "
+                        f"{narrow} partial sums in another order than the all-reduce: "
+                        "rounded differently at the type's precision"))
+                    continue
                 before, after = _price(spec, hardware)
                 if after >= before:
                     decisions.append(ScatterDecision(
@@ -534,6 +543,12 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
         changes: list[Change] = rewriter.changes
         return PassResult(module, bool(changes), changes,
                           report=ReduceScatterReport(tuple(decisions)))
+
+
+def _narrow_float(element_type: str) -> str:
+    """``element_type`` when it is a floating type of fewer than 32 bits, else ``""``."""
+    floating = element_type.startswith(("f", "bf"))
+    return element_type if floating and ELEMENT_BITS.get(element_type, 32) < 32 else ""
 
 
 def _collectives(spec: ReduceScatterSpec) -> str:
