@@ -207,3 +207,16 @@ def test_the_generated_fsdp_llm_step_computes_the_same(worker, tmp_path):
     assert len(split) >= 8 and not any(d.reduce_scatter for d in split)
     result = _verify(original, to_text(module, for_xla=True))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_the_gate_prices_the_module_it_writes_when_nothing_is_sharded():
+    """Nothing to shard, but the pipeline still writes reduce-scatters: the gate's module
+    kept whole is that one, priced (``unsharded_s``), not the input."""
+    from hlo_shard.passes.speed_gate import shard_where_faster
+    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+
+    module = parse(GOLDEN.read_text())
+    report, decision = shard_where_faster(module, WeightUpdateSharding(ShardingOptions()))
+    assert not any(row.sharded for row in report.explanations)
+    assert " reduce-scatter(" in to_text(module)
+    assert decision.unsharded_s is not None and decision.unsharded_s != decision.before_s

@@ -9,12 +9,16 @@ size cut-off: every gradient of at least ``t`` bytes is sharded. The pass runs o
 candidate cut-off (the distinct sizes of the shardable gradients, at most
 ``MAX_TRIALS``) on a copy, :func:`~hlo_shard.costmodel.step_time.estimate_step` prices
 every result on the target profile — collectives, copies and kernels as XLA would fuse
-them — and the fastest one is kept, provided it is predicted faster than the input by
-at least the profile's ``min_predicted_gain``. Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
+them — and the fastest one is kept (that copy becomes the module), provided it is
+predicted faster than the input by at least the profile's ``min_predicted_gain``.
+Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
 
-The pipeline first moves accumulated gradients' all-reduces out of their loops
-(:mod:`~hlo_shard.passes.accumulation_motion`), whether or not anything is sharded after:
-where it moves something, the module kept whole is that one and is priced too. A
+Two passes of the pipeline change the module whether or not anything is sharded: the
+accumulated gradients' all-reduces move out of their loops
+(:mod:`~hlo_shard.passes.accumulation_motion`) and the partitioner's all-reduce + slice
+pairs become reduce-scatters where priced faster
+(:mod:`~hlo_shard.passes.reduce_scatter_creation`); where they change something, the
+module kept whole is that one and is priced too. A
 sharded trial is then kept only when it is also cheaper than that module; the margin
 stays against the input, which is what the front ends run when nothing is sharded
 (``hlo_shard.jax`` falls back to the caller's jit).
@@ -24,12 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hlo_shard.analysis.collectives import ReasonCode
+from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.pipeline import AfterPass
+from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
 from hlo_shard.profiles import HardwareProfile
@@ -161,14 +166,19 @@ def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
 
 
 def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | None:
-    """The price of ``module`` with its accumulated all-reduces moved out of their loops
-    (what the pipeline writes when it shards nothing), or None when none moves."""
-    if not loops_all_reduce(module):
+    """The price of what the pipeline writes when it shards nothing — ``module`` with its
+    accumulated all-reduces moved out of their loops and the partitioner's all-reduce +
+    slice pairs made reduce-scatters where priced faster — or None when neither
+    changes it."""
+    moves = bool(loops_all_reduce(module))
+    scatters = any(found.code is ReasonCode.ALREADY_SHARDED
+                   for found in find_gradient_all_reduces(module))
+    if not (moves or scatters):
         return None
     candidate = module.clone()
-    if not AccumulationMotion().apply(candidate).changed:
-        return None
-    return predicted_step_seconds(candidate, hardware)
+    changed = moves and AccumulationMotion().apply(candidate).changed
+    changed = (scatters and ReduceScatterCreation(hardware).apply(candidate).changed) or changed
+    return predicted_step_seconds(candidate, hardware) if changed else None
 
 
 def _spread(values: list[int], count: int) -> list[int]:
