@@ -887,10 +887,26 @@ class _Scope:
 
     members: tuple[int, ...]
     order: tuple[Instruction, ...]
+    #: Value → the component whose sharded leaves it is computed from
+    #: (:data:`_SEVERAL`: more than one), shared by every scope of one
+    #: :meth:`_Planner.components` call; this scope's component is ``component``.
+    computed_from: Mapping[str, int]
+    component: int
 
     def planned(self, plan: RegionPlan, index: int) -> PlannedLeaf:
         """Leaf ``index`` in ``plan``, a plan grown over this scope."""
         return plan.leaves[self.members.index(index)]
+
+    def foreign(self, name: str) -> bool:
+        """``name`` is computed from sharded leaves of another scope: a trial of this
+        one, where those leaves are not sharded, must not pull it in as a replicated
+        value (it would be a masked reduction of a gradient another scope shards, the
+        same in every trial of this scope: a global norm's other terms)."""
+        return self.computed_from.get(name, self.component) != self.component
+
+
+#: A value computed from the sharded leaves of more than one scope.
+_SEVERAL = -1
 
 
 class _Planner:
@@ -993,7 +1009,7 @@ class _Planner:
         if scope is None:
             return _grow(self, leaves, self.order, self.ancestors_of_gradients(
                 [leaf for leaf in leaves if leaf.sharded]))
-        return _grow(self, leaves, scope.order, self.all_ancestors)
+        return _grow(self, leaves, scope.order, self.all_ancestors, scope.foreign)
 
     def components(self, sharded: list[int]) -> dict[int, _Scope]:
         """Leaf index → its scope, for the ``sharded`` leaves. Reach follows users whose
@@ -1039,8 +1055,26 @@ class _Planner:
             elif inst.name in scalars:
                 for root in dict.fromkeys(find(i) for i in scalars[inst.name]):
                     orders.setdefault(root, []).append(inst)
-        return {index: _Scope(tuple(members[find(i)]), tuple(orders[find(i)]))
+        computed_from = self._computed_from(
+            {value: find(i) for i, index in enumerate(sharded)
+             for value in self.leaves[index].values})
+        return {index: _Scope(tuple(members[find(i)]), tuple(orders[find(i)]), computed_from,
+                              find(i))
                 for i, index in enumerate(sharded)}
+
+    def _computed_from(self, seeds: dict[str, int]) -> dict[str, int]:
+        """Value → the one component among ``seeds`` (leaf value → component) it is
+        computed from, or :data:`_SEVERAL`; values computed from none are absent. One
+        walk in program order."""
+        label: dict[str, int] = {}
+        for inst in self.order:
+            own = seeds.get(inst.name)
+            if own is None:
+                found = {label[o] for o in inst.operands if o in label}
+                own = found.pop() if len(found) == 1 else (_SEVERAL if found else None)
+            if own is not None:
+                label[inst.name] = own
+        return label
 
 
 def _at_most_one_element(shape: Shape) -> bool:
@@ -1048,7 +1082,8 @@ def _at_most_one_element(shape: Shape) -> bool:
 
 
 def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruction],
-          upstream_of_gradients: set[str]) -> RegionPlan:
+          upstream_of_gradients: set[str],
+          foreign: Callable[[str], bool] | None = None) -> RegionPlan:
     comp, graph = planner.comp, planner.graph
     active = [leaf for leaf in leaves if leaf.sharded]
     sharded: dict[str, ShardFormat] = {}
@@ -1068,7 +1103,7 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
             if op.result_format is not None:
                 sharded[inst.name] = op.result_format
     if active:
-        _pull_reductions(ctx, ops, graph, upstream_of_gradients, planner.index)
+        _pull_reductions(ctx, ops, graph, upstream_of_gradients, planner.index, foreign)
         _pull_producers(ctx, ops, graph)
         ops = {name: ops[name] for name in sorted(ops, key=planner.index.__getitem__)}
     plan = RegionPlan(comp.name, planner.groups,
@@ -1078,7 +1113,8 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
 
 
 def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph,
-                     upstream_of_gradients: set[str], index: dict[str, int]) -> None:
+                     upstream_of_gradients: set[str], index: dict[str, int],
+                     foreign: Callable[[str], bool] | None = None) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
     weight norm) become masked local reductions of a slice. The search for what feeds
     the region stops at the gradients' ancestors: a reduction behind one of them is one
@@ -1086,7 +1122,8 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiG
     feeds = upstream(graph, ops, upstream_of_gradients)
     for name in sorted(feeds, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
+        if inst.opcode != "reduce" or name in ops or (foreign and foreign(name)) or \
+                not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
