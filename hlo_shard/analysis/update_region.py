@@ -898,10 +898,11 @@ class _Scope:
         return plan.leaves[self.members.index(index)]
 
     def foreign(self, name: str) -> bool:
-        """``name`` is computed from sharded leaves of another scope: a trial of this
-        one, where those leaves are not sharded, must not pull it in as a replicated
-        value (it would be a masked reduction of a gradient another scope shards, the
-        same in every trial of this scope: a global norm's other terms)."""
+        """``name`` is computed from sharded leaves of another scope (a global norm's
+        other terms): a trial of this scope, where those leaves are not sharded, does
+        not search behind it for replicated reductions to pull in — what it would find
+        is the same in every trial of this scope, and searching it costs leaves ×
+        region."""
         return self.computed_from.get(name, self.component) != self.component
 
 
@@ -1118,12 +1119,13 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiG
     """One-element reductions of replicated values whose result feeds the region (LAMB's
     weight norm) become masked local reductions of a slice. The search for what feeds
     the region stops at the gradients' ancestors: a reduction behind one of them is one
-    too, and never pulled."""
-    feeds = upstream(graph, ops, upstream_of_gradients)
+    too, and never pulled; in a scope's trial also at what ``foreign`` says is computed
+    from other scopes' gradients (what lies behind it is the same in every trial of the
+    scope)."""
+    feeds = upstream(graph, ops, upstream_of_gradients, foreign)
     for name in sorted(feeds, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in ops or (foreign and foreign(name)) or \
-                not ctx.replicated(name):
+        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
@@ -1134,16 +1136,20 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiG
 
 
 def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
-             stop: AbstractSet[str] = frozenset()) -> set[str]:
+             stop: AbstractSet[str] = frozenset(),
+             stops: Callable[[str], bool] | None = None) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
-    searching past (nor including) the names in ``stop``."""
+    searching past (nor including) the names in ``stop`` or those ``stops`` says."""
+    def through(name: str) -> bool:
+        return name not in stop and not (stops and stops(name))
+
     seen: set[str] = set()
-    stack = [p for s in starts for p in graph.predecessors(s) if p not in stop]
+    stack = [p for s in starts for p in graph.predecessors(s) if through(p)]
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(p for p in graph.predecessors(node) if p not in stop)
+            stack.extend(p for p in graph.predecessors(node) if through(p))
     return seen
 
 
