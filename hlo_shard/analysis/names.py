@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.graph import users_map
+from hlo_shard.graph import reachable, users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           TupleShape)
 from hlo_shard.values import c_unescape
@@ -185,10 +185,10 @@ class _ElementFlow:
         return list(inst.operands)
 
     def reached(self, name: str) -> set[str]:
-        return _closure(name, self._next)
+        return reachable([name], self._next)
 
     def sources(self, name: str) -> set[str]:
-        return _closure(name, self._previous)
+        return reachable([name], self._previous)
 
     def gradient_leaves(self) -> Iterator[tuple[GradientKey, set[str], set[str],
                                                 ArrayShape | TupleShape]]:
@@ -208,17 +208,6 @@ class _ElementFlow:
                 getters = [r for r in self.users[inst.name] if self._element(r) == index]
                 reached = set(getters).union(*(self.reached(g) for g in getters))
                 yield (inst.name, index), reached, {operand} | self.sources(operand), shape
-
-
-def _closure(start: str, step: Callable[[str], list[str]]) -> set[str]:
-    seen: set[str] = set()
-    stack = step(start)
-    while stack:
-        name = stack.pop()
-        if name not in seen:
-            seen.add(name)
-            stack.extend(step(name))
-    return seen
 
 
 def _sorted_dims(shape: ArrayShape | TupleShape) -> list[int] | None:

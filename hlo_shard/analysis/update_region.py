@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import cast
@@ -38,7 +38,7 @@ import networkx as nx
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode, neutral_literal,
                                             reducer_opcode)
 from hlo_shard.analysis.replication import Replication
-from hlo_shard.graph import dataflow_graph, topological_order, users_map
+from hlo_shard.graph import dataflow_graph, reachable, topological_order, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
@@ -1140,17 +1140,11 @@ def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
              stops: Callable[[str], bool] | None = None) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
     searching past (nor including) the names in ``stop`` or those ``stops`` says."""
-    def through(name: str) -> bool:
-        return name not in stop and not (stops and stops(name))
+    def parents(name: str) -> Iterator[str]:
+        return (p for p in graph.predecessors(name)
+                if p not in stop and not (stops and stops(p)))
 
-    seen: set[str] = set()
-    stack = [p for s in starts for p in graph.predecessors(s) if through(p)]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(p for p in graph.predecessors(node) if through(p))
-    return seen
+    return reachable(starts, parents)
 
 
 def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph) -> None:
