@@ -46,6 +46,11 @@ class Program:
     init: Callable[[], tuple[Any, ...]]
     #: The i-th batch, sharded over the mesh's data axis.
     batch: Callable[[int], Any]
+    #: The optimizer state's leaves: the prefix of their paths in the state tuple
+    #: (``jax.tree_util.keystr``), for the bench's reference that shards them by
+    #: ``NamedSharding``; "" where that is not straightforward (a ``shard_map`` step
+    #: takes its state replicated).
+    opt_state_prefix: str = ""
 
     def run(self, step: Callable, steps: int, state: tuple[Any, ...] | None = None
             ) -> tuple[tuple[Any, ...], list[Any]]:

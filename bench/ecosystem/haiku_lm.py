@@ -258,4 +258,5 @@ def build(n: int, per_device: int = 4) -> Program:
         rng = jax.random.PRNGKey(SEED)
         return (replicated(mesh, init(rng, batch(0))),)
 
-    return Program("haiku transformer LM", mesh, step, init_state, batch)
+    return Program("haiku transformer LM", mesh, step, init_state, batch,
+                   opt_state_prefix="[0].opt_state")

@@ -302,4 +302,5 @@ def build(n: int, per_device: int = 2, **cut: int) -> Program:
         subkeys = jnp.array(subkeys)
         return eqx.filter_shard((images, labels, subkeys), data_sharding)
 
+    # no opt_state_prefix: train_step pins its state replicated (eqx.filter_shard)
     return Program("equinox ViT", mesh, train_step, init, batch)
