@@ -20,10 +20,10 @@ programs donate theirs) and its ratio to jit's (median of the rounds' ratios, th
 min-max); the live bytes per device of the state the step carries (parameters,
 optimizer state, the rest of the loop's state) over jit's; the first call (capture,
 pass with its gate, compile and one step) over jit's (lowering, compile and one step),
-with its split; the decision (gradients sharded of all, or the fallback's reason code;
-the hook: gradient bytes sharded, or its gradients' reason codes); and the first step's metrics
-against jit's (max relative difference). Never asserted: ``tests/test_ecosystem.py``
-checks the numbers.
+with its split; the first step's metrics against jit's (max relative difference); the
+decision (gradients sharded of all, or the fallback's reason code; the hook: gradient
+bytes sharded, or its gradients' reason codes). Never asserted:
+``tests/test_ecosystem.py`` checks the numbers.
 
 ``python bench/run.py --only ecosystem``, or ``python bench/ecosystem_bench.py
 [--programs a,b] [--runs R] [--rounds K] [--force]``; ``HLO_SHARD_ECOSYSTEM_RUNS`` and
