@@ -22,6 +22,11 @@ in the same run, as a ratio.
    against its own parse + print (target ≤ 5×), and what the pass did on each mesh
    (data-parallel, FSDP, tensor-parallel): sharded, already sharded, kept whole and why
    (``--only llm`` runs just this part).
+8. Programs written by others (``bench/ecosystem_bench.py``: flax, optax, equinox and
+   haiku examples, model code unchanged): per program × mode (``gathered``, ``sharded``,
+   the ``install()`` hook, optimizer state by ``NamedSharding``) the step ratio to plain
+   jit with its range, memory per device, first call with its split, the decision (no
+   target; ``--only ecosystem`` runs just this table).
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
@@ -155,8 +160,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the large front-end files")
     parser.add_argument("--runs", type=int, default=10, help="timed steps per module per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--only", choices=("jax-models", "llm"), help="run just this part")
+    parser.add_argument("--only", choices=("jax-models", "llm", "ecosystem"),
+                        help="run just this part")
     args = parser.parse_args()
+    from ecosystem_bench import ecosystem
     from jax_models_bench import jax_models
     from llm_bench import TARGETS as LLM_TARGETS, llm_steps
 
@@ -167,6 +174,9 @@ def main() -> None:
     if args.only == "llm":
         for name, value in llm_steps().items():
             print(f"{name:27s} {value:6.2f}x   target <= {TARGETS[name]:.2f}x")
+        return
+    if args.only == "ecosystem":
+        ecosystem()
         return
     results = {}
     if not args.quick:
@@ -185,6 +195,7 @@ def main() -> None:
     results |= zoo.run_zoo()  # 5. the model zoo (bench/zoo.py)
     informative = jax_models()  # 6. hlo_shard.jax per model x optimizer x mode
     results |= llm_steps()  # 7. LLM-sized steps (bench/llm_bench.py)
+    ecosystem()  # 8. programs written by others (bench/ecosystem_bench.py): informative
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

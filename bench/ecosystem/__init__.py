@@ -14,7 +14,13 @@ returning a :class:`Program`: the data-parallel step (``jax.jit`` over a one-axi
   cross-device ``axis_name`` statistics, ``pmean`` of the gradients), its ``pmap`` step
   run as ``jax.jit`` of a ``shard_map``;
 * :mod:`bench.ecosystem.nanolm` — optax's nanoLM example (a flax linen character
-  transformer, AdamW), its batch an argument sharded over the data axis.
+  transformer, AdamW), its batch an argument sharded over the data axis;
+* :mod:`bench.ecosystem.vit_equinox` — equinox's Vision Transformer example (AdamW),
+  stepped as equinox's parallelism example steps (``eqx.filter_jit(donate="all")``,
+  ``eqx.filter_shard``): its vmapped ``Linear`` gradients are all-reduced over mixed
+  mesh forms;
+* :mod:`bench.ecosystem.haiku_lm` — haiku's transformer language model example
+  (global-norm clipping + Adam, its ``TrainingState`` one donated argument).
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ class Program:
     init: Callable[[], tuple[Any, ...]]
     #: The i-th batch, sharded over the mesh's data axis.
     batch: Callable[[int], Any]
+    #: The optimizer state's leaves: the prefix of their paths in the state tuple
+    #: (``jax.tree_util.keystr``), for the bench's reference that shards them by
+    #: ``NamedSharding``; "" where that is not straightforward (a ``shard_map`` step
+    #: takes its state replicated).
+    opt_state_prefix: str = ""
 
     def run(self, step: Callable, steps: int, state: tuple[Any, ...] | None = None
             ) -> tuple[tuple[Any, ...], list[Any]]:

@@ -113,4 +113,5 @@ def build(n: int, per_device: int = 2) -> Program:
         labels = jax.random.randint(jax.random.fold_in(key, 1), (rows,), 0, 10)
         return sharded_batch(mesh, {'image': images, 'label': labels})
 
-    return Program("flax nnx MNIST CNN", mesh, jax_train_step, init, batch)
+    return Program("flax nnx MNIST CNN", mesh, jax_train_step, init, batch,
+                   opt_state_prefix="[0][1]['opt_state']")

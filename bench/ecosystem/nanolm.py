@@ -132,4 +132,5 @@ def build(n: int, per_device: int = 2) -> Program:
                                     (n * per_device, BLOCK_SIZE + 1), 0, VOCAB_SIZE)
         return sharded_batch(mesh, (tokens[:, :-1], tokens[:, 1:]))
 
-    return Program("optax nanoLM (flax linen)", mesh, step, init, batch)
+    return Program("optax nanoLM (flax linen)", mesh, step, init, batch,
+                   opt_state_prefix="[2]")

@@ -1,0 +1,399 @@
+"""``make bench`` part 8: the ecosystem table. Training programs written by others
+(``bench/ecosystem``: flax nnx's MNIST CNN, flax's ImageNet ResNet-18, optax's nanoLM,
+equinox's ViT, haiku's transformer LM; model code unchanged, sizes cut, synthetic data)
+run every way a user can run them with hlo-shard, next to plain ``jax.jit`` in the same
+process, one row per program × mode:
+
+* ``jit``: the program's own step (ahead-of-time lowered and compiled, so its first call
+  splits into lowering and compile; the same executable is timed);
+* ``gathered`` / ``sharded``: ``hlo_shard.jax.shard_weight_update(step, state=...)``
+  with its never-slower gate (``--force`` adds the forced rows);
+* ``install()``: the step compiled while the XLA hook is installed;
+* ``NamedSharding``: the reference users have without hlo-shard: jit's step with every
+  optimizer-state leaf placed ``P(axis)`` on its first dimension divisible by N (as
+  MaxText's ``shard_optimizer_over_data``), where the program takes its optimizer state
+  as it is given (not for a ``shard_map`` step or one that pins its state replicated).
+
+Columns: the median step (interleaved with every other mode of the program, step by
+step, in ``rounds`` rounds of ``runs`` steps; each step gets a fresh batch, as the
+programs donate theirs) and its ratio to jit's (median of the rounds' ratios, their
+min-max); the live bytes per device of the state the step carries (parameters,
+optimizer state, the rest of the loop's state) over jit's; the first call (capture,
+pass with its gate, compile and one step) over jit's (lowering, compile and one step),
+with its split; the first step's metrics against jit's (max relative difference); the
+decision (gradients sharded of all, or the fallback's reason code; the hook: gradient
+bytes sharded, or its gradients' reason codes). Never asserted:
+``tests/test_ecosystem.py`` checks the numbers.
+
+``python bench/run.py --only ecosystem``, or ``python bench/ecosystem_bench.py
+[--programs a,b] [--runs R] [--rounds K] [--force]``; ``HLO_SHARD_ECOSYSTEM_RUNS`` and
+``HLO_SHARD_ECOSYSTEM_ROUNDS`` set the defaults (more runs for steadier ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = 8
+#: Program name → (module of bench/ecosystem, build's keyword arguments).
+PROGRAMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mnist": ("mnist_nnx", {}),
+    "resnet18": ("resnet_linen", {"model": "ResNet18"}),
+    "nanolm": ("nanolm", {}),
+    "vit": ("vit_equinox", {}),
+    "haiku": ("haiku_lm", {}),
+}
+RUNS_ENV, ROUNDS_ENV = "HLO_SHARD_ECOSYSTEM_RUNS", "HLO_SHARD_ECOSYSTEM_ROUNDS"
+#: Relative difference of the first step's metrics that counts as jit's numbers.
+SAME_METRICS = 1e-5
+
+
+# ------------------------------------------------------------------ the child
+
+
+class Stopwatch:
+    """Seconds spent in the stages of ``shard_weight_update``'s first call: the capture
+    (``capture``), the pass with its gate (``build_program`` less the compile) and XLA's
+    compile of the result (``compile_replica_text``). ``fast.report`` carries capture
+    and optimize seconds only where the step was sharded; these wrappers time the
+    stages where it fell back too (bench-only instrumentation, the functions unchanged)."""
+
+    STAGES = (("_step", "capture", "capture"), ("_step", "build_program", "pass"),
+              ("_xla", "compile_replica_text", "compile"))
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.seconds: dict[str, float] = {}
+        for module_name, function, stage in self.STAGES:
+            module = importlib.import_module(f"hlo_shard.jax.{module_name}")
+            setattr(module, function, self._timed(getattr(module, function), stage))
+
+    def _timed(self, fn: Callable, stage: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + \
+                    time.perf_counter() - started
+        return timed
+
+    def split(self) -> str:
+        """"capture + pass + compile" of what ran since the last call."""
+        seconds, self.seconds = self.seconds, {}
+        compile_s = seconds.get("compile", 0.0)
+        parts = [seconds.get("capture", 0.0), seconds.get("pass", 0.0) - compile_s, compile_s]
+        return " + ".join(f"{s:.1f}" for s in parts)
+
+
+@dataclass
+class Variant:
+    """One way to run a program's step, with its own (donated) state."""
+
+    mode: str
+    call: Callable
+    state: tuple
+    first_s: float
+    split: str
+    decision: str
+    first_metrics: Any
+    per_round: list[float] = field(default_factory=list)
+
+
+def block(tree: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(tree)
+
+
+def first_call(call: Callable, state: tuple, batch: Any) -> tuple[tuple, Any, float, str]:
+    """One step from ``state``: the next state, the metrics, the seconds, and the
+    FallbackWarnings' text."""
+    import hlo_shard.jax as hsj
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", hsj.FallbackWarning)
+        started = time.perf_counter()
+        out = block(call(*state, batch))
+        seconds = time.perf_counter() - started
+    said = "; ".join(str(w.message) for w in caught if issubclass(w.category, hsj.FallbackWarning))
+    return tuple(out[:len(state)]), out[len(state):], seconds, said
+
+
+def jit_variant(prog) -> Variant:
+    """The program's own step, lowered and compiled ahead of time (its split)."""
+    state, batch = prog.init(), prog.batch(0)
+    started = time.perf_counter()
+    lowered = prog.step.lower(*state, batch)
+    lowered_s = time.perf_counter() - started
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - started - lowered_s
+    state, metrics, run_s, _ = first_call(compiled, state, batch)
+    return Variant("jit", compiled, state, lowered_s + compile_s + run_s,
+                   f"lower {lowered_s:.1f} + compile {compile_s:.1f}", "", metrics)
+
+
+def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
+    import hlo_shard.jax as hsj
+
+    fast = hsj.shard_weight_update(prog.step, state=mode, force=force)
+    stopwatch.split()  # forget the previous variant's stages
+    state, metrics, seconds, _ = first_call(fast, prog.init(), prog.batch(0))
+    report = fast.report or {}
+    if report.get("fallback") is None:
+        decision = f"sharded {report.get('sharded')} of {report.get('gradients')}"
+    else:
+        gate = report.get("gate") or {}
+        predicted = gate.get("predicted_ratio")
+        decision = f"fell back: {report['fallback']}" + \
+            (f" (predicted {predicted:.2f}x)" if predicted is not None else "")
+    return Variant(mode + (", forced" if force else ""), fast, state, seconds,
+                   stopwatch.split(), decision, metrics)
+
+
+def hook_variant(prog) -> Variant:
+    """The step compiled under ``install()`` (the gate on), run after uninstalling."""
+    import hlo_shard.jax as hsj
+
+    state, batch = prog.init(), prog.batch(0)
+    hsj.decisions(clear=True)
+    with hsj.install():
+        started = time.perf_counter()
+        compiled = prog.step.lower(*state, batch).compile()
+        compile_s = time.perf_counter() - started
+    made = [d for d in hsj.decisions(clear=True) if d.report is not None or d.reason]
+    state, metrics, run_s, _ = first_call(compiled, state, batch)
+    changed = [d for d in made if d.changed]
+    if changed:
+        sharded = sum(d.sharded_bytes for d in changed)
+        total = sum(d.gradient_bytes for d in changed)
+        decision = f"sharded {sharded / max(total, 1):.0%} of gradient bytes"
+    else:
+        codes = Counter(row.reason_code or "?" for d in made if d.report is not None
+                        for row in d.report.explanations if not row.sharded)
+        failures = sorted({d.reason.splitlines()[0][:60] for d in made if d.report is None})
+        decision = "kept whole: " + (", ".join(f"{count} {code}" for code, count
+                                               in codes.most_common())
+                                     or "; ".join(failures) or "no module with an all-reduce")
+    hook_s = sum(d.seconds for d in made)
+    return Variant("install()", compiled, state, compile_s + run_s,
+                   f"compile {compile_s:.1f} (hook {hook_s:.1f})", decision, metrics)
+
+
+def named_sharding_variant(prog) -> Variant | None:
+    """jit's step with the optimizer state sharded by NamedSharding (None where the
+    program has no such form)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if not prog.opt_state_prefix:
+        return None
+    axis = prog.mesh.axis_names[0]
+    n = prog.mesh.shape[axis]
+    placed = [0, 0]
+
+    def place(path, leaf):
+        if not jax.tree_util.keystr(path).startswith(prog.opt_state_prefix) \
+                or not isinstance(leaf, jax.Array):
+            return leaf
+        placed[1] += 1
+        dims = [d for d in range(leaf.ndim) if leaf.shape[d] % n == 0]
+        if not dims:
+            return leaf
+        placed[0] += 1
+        spec = [None] * leaf.ndim
+        spec[max(dims, key=lambda d: leaf.shape[d])] = axis
+        return jax.device_put(leaf, NamedSharding(prog.mesh, P(*spec)))
+
+    state = jax.tree_util.tree_map_with_path(place, prog.init())
+    state, metrics, seconds, _ = first_call(prog.step, state, prog.batch(0))
+    return Variant("NamedSharding", prog.step, state, seconds, "",
+                   f"{placed[0]} of {placed[1]} opt-state leaves P({axis!r})", metrics)
+
+
+def live_bytes(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays on the first device."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += getattr(leaf.addressable_shards[0].data, "nbytes", 0)
+    return total
+
+
+def worst_relative(a: Any, b: Any) -> float:
+    import jax
+    import numpy as np
+
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = max(float(np.max(np.abs(y), initial=0.0)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)) / scale)
+    return worst
+
+
+def time_interleaved(prog, variants: list[Variant], runs: int, rounds: int) -> None:
+    """One untimed step each, then ``rounds`` rounds of ``runs`` steps, the variants
+    interleaved step by step (a fresh batch each: the programs donate theirs)."""
+    for timed in [False] + [True] * rounds:
+        samples: dict[str, list[float]] = {v.mode: [] for v in variants}
+        for i in range(runs if timed else 1):
+            for v in variants:
+                batch = block(prog.batch(1 + i))
+                started = time.perf_counter()
+                out = block(v.call(*v.state, batch))
+                samples[v.mode].append(time.perf_counter() - started)
+                v.state = tuple(out[:len(v.state)])
+        if timed:
+            for v in variants:
+                v.per_round.append(statistics.median(samples[v.mode]))
+
+
+def build(name: str):
+    import importlib
+
+    module_name, kwargs = PROGRAMS[name]
+    module = importlib.import_module(f"bench.ecosystem.{module_name}")
+    return module.build(DEVICES, **kwargs)
+
+
+def measure(name: str, runs: int, rounds: int, force: bool, stopwatch: Stopwatch
+            ) -> list[Variant]:
+    prog = build(name)
+    variants = [jit_variant(prog)]
+    for mode in ("gathered", "sharded"):
+        for forced in (False, True) if force else (False,):
+            variants.append(fast_variant(prog, mode, forced, stopwatch))
+    variants.append(hook_variant(prog))
+    named = named_sharding_variant(prog)
+    if named is not None:
+        variants.append(named)
+    time_interleaved(prog, variants, runs, rounds)
+    return variants
+
+
+#: The table's columns: width and alignment (the last, free text, unpadded).
+COLUMNS = ((8, "<"), (17, "<"), (7, ">"), (5, ">"), (9, ">"), (7, ">"), (11, ">"),
+           (22, "<"), (8, ">"), (0, "<"))
+
+
+def cells(*values: str) -> str:
+    return " ".join(f"{value:{align}{width}}" if width else value
+                    for value, (width, align) in zip(values, COLUMNS)).rstrip()
+
+
+def rows(name: str, variants: list[Variant]) -> list[str]:
+    jit = variants[0]
+    jit_bytes = live_bytes(jit.state)
+    out = []
+    for v in variants:
+        ratios = [a / b for a, b in zip(v.per_round, jit.per_round)]
+        first = f"{v.first_s:.1f}" + ("" if v is jit else f" ({v.first_s / jit.first_s:.1f}x)")
+        memory = f"{jit_bytes / 2**20:.1f}M" if v is jit else \
+            f"{live_bytes(v.state) / jit_bytes:.2f}"
+        same = "" if v is jit else worst_relative(v.first_metrics, jit.first_metrics)
+        out.append(cells(name, v.mode, f"{statistics.median(v.per_round) * 1e3:.1f}",
+                         f"{statistics.median(ratios):.2f}",
+                         f"{min(ratios):.2f}-{max(ratios):.2f}", memory, first, v.split,
+                         same if isinstance(same, str) else
+                         ("same" if same <= SAME_METRICS else f"{same:.1e}"), v.decision))
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """Measure and print the table (this process has the devices); the last line is
+    the JSON summary for ``bench/run.py``."""
+    stopwatch = Stopwatch()
+    print(cells("program", "mode", "step ms", "/jit", "rounds", "mem/dev", "1st call s",
+                "capture + pass + comp", "metrics", "decision"))
+    print(cells("", "", "", "", "min-max", "/jit", "(/jit)", "s (jit: its own split)",
+                "vs jit", ""), flush=True)
+    summary: dict[str, dict[str, float]] = {}
+    failed = []
+    for name in args.programs:
+        try:
+            variants = measure(name, args.runs, args.rounds, args.force, stopwatch)
+        except Exception as err:  # reported on its row and in the summary, never hidden
+            print(f"{name:8s} FAILED: {type(err).__name__}: "
+                  f"{str(err).splitlines()[0] if str(err) else ''}", flush=True)
+            failed.append(name)
+            continue
+        print("\n".join(rows(name, variants)), flush=True)
+        summary[name] = {v.mode: statistics.median(
+            a / b for a, b in zip(v.per_round, variants[0].per_round)) for v in variants[1:]}
+    if failed:
+        print(f"FAILED programs: {', '.join(failed)}")
+    print(json.dumps(summary))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="programs written by others: every "
+                                     "hlo-shard mode against plain jax.jit")
+    parser.add_argument("--programs", type=lambda s: s.split(","), default=list(PROGRAMS),
+                        help=f"comma-separated, of {','.join(PROGRAMS)}")
+    parser.add_argument("--runs", type=int, default=int(os.environ.get(RUNS_ENV, 4)),
+                        help=f"timed steps per mode per round (default ${RUNS_ENV} or 4)")
+    parser.add_argument("--rounds", type=int, default=int(os.environ.get(ROUNDS_ENV, 3)),
+                        help=f"interleaved rounds (default ${ROUNDS_ENV} or 3)")
+    parser.add_argument("--force", action="store_true",
+                        help="also shard_weight_update(force=True) in both modes")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.programs if name not in PROGRAMS]
+    if unknown:
+        parser.error(f"--programs: unknown {', '.join(unknown)} (known: {', '.join(PROGRAMS)})")
+    return args
+
+
+def ecosystem(argv: Sequence[str] = ()) -> dict:
+    """Run the table in a child process with 8 CPU devices (XLA reads the device count
+    when its CPU backend starts), print it, return its ratios per program and mode."""
+    args = parse_args(list(argv))
+    started = time.perf_counter()
+    print(f"\n== programs written by others (bench/ecosystem): each mode / plain jax.jit, "
+          f"N={DEVICES} CPU devices, median of {args.rounds} interleaved rounds of "
+          f"{args.runs} steps", flush=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+    with tempfile.TemporaryFile("w+") as errors:
+        run = subprocess.Popen([sys.executable, __file__, "--child", *argv], env=env,
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+        last = ""
+        assert run.stdout is not None
+        for line in run.stdout:  # the rows as they are measured
+            if last:
+                print(last, end="", flush=True)
+            last = line
+        if run.wait() != 0:
+            errors.seek(0)
+            sys.exit(f"bench/ecosystem_bench.py failed ({run.returncode}):\n"
+                     f"{errors.read()[-4000:]}")
+    print(f"(table measured in {time.perf_counter() - started:.0f} s)")
+    return json.loads(last)
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv[1:]:
+        sys.path.insert(0, str(ROOT))
+        child(parse_args(sys.argv[1:]))
+    else:
+        ecosystem(sys.argv[1:])
