@@ -143,6 +143,37 @@ def test_an_equinox_filter_jit_step(request, state):
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
+def test_an_equinox_step_gathers_its_sharded_state_back_to_leaves(request):
+    """``eqx.filter_jit`` hands the step its arguments under its own names
+    (``dynamic_donate[...]``), so the user's paths name no state leaf: ``gather_args``
+    and ``gather_outputs`` still return full leaves (by the shard form's shape and
+    placement), never the flat shards as if they were the leaves (a checkpoint of
+    them would be lost), and the round trip resumes jit's run."""
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    (x, y), = _batches(by_data, 1)
+    optim = optax.adam(1e-2)
+    step = _eqx_step(optim)
+
+    def start():
+        model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
+        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+        return eqx.filter_shard((model, opt_state), replicated)
+
+    fast = hsj.shard_weight_update(step, state="sharded", force=True)
+    model, opt_state, _ = fast(*start(), x, y, by_data)
+    assert fast.report["fallback"] is None and fast.report["sharded"] > 0
+    model_jit, opt_state_jit, _ = step(*start(), x, y, by_data)
+    for gathered in (fast.gather_args(model, opt_state, x, y, by_data)[1],
+                     fast.gather_outputs((model, opt_state, 0.0))[1]):
+        mu, mu_jit = gathered[0].mu, opt_state_jit[0].mu
+        assert mu.layers[0].weight.shape == mu_jit.layers[0].weight.shape == (64, 32)
+        for leaf, leaf_jit in zip(jax.tree.leaves(gathered), jax.tree.leaves(opt_state_jit)):
+            np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
+                                       atol=1e-6)
+
+
 def test_a_jax_jit_of_a_shard_map_step(request):
     if not needs_devices(request):
         return

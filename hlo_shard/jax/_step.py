@@ -78,6 +78,16 @@ class _StateLeaf:
                 _xla.placement(self.shards, 1))
 
 
+def _converted(leaves: list, chosen: list[tuple[int, _StateLeaf]], to_shards: bool) -> list:
+    """``leaves`` with each chosen ``(index, state leaf)`` in its other form."""
+    values = convert([leaves[i] for i, _ in chosen], [w.layout for _, w in chosen],
+                     [w.shards if to_shards else w.full for _, w in chosen], to_shards)
+    out = list(leaves)
+    for (index, _), value in zip(chosen, values):
+        out[index] = value
+    return out
+
+
 def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None, Any]:
     """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
     the wrapper with another function where it calls its ``jax.jit`` (its own pre- and
@@ -232,7 +242,12 @@ class ShardedStep:
             raise ValueError("hlo_shard.jax: these outputs have the shapes of a sharded step's "
                              "outputs but their shards are on devices (or in an order) no "
                              "program of this step uses; refusing to return shards as leaves")
-        return outs
+        # A library's jit wrapper returns the step's outputs in a pytree of its own: each
+        # leaf by its form alone.
+        chosen = [(k, where) for k, leaf in enumerate(leaves)
+                  if (where := self._shards_by_form(f"output leaf {k}", leaf,
+                                                    tuple(getattr(leaf, "shape", ()))))]
+        return jax.tree.unflatten(treedef, _converted(leaves, chosen, to_shards=False))
 
     def _convert_args(self, args: tuple, to_shards: bool) -> tuple:
         call = self._split(args, {})
@@ -248,18 +263,15 @@ class ShardedStep:
                 chosen.append((index, where))
         if not chosen:
             return None
-        values = convert([call.leaves[i] for i, _ in chosen], [w.layout for _, w in chosen],
-                         [w.shards if to_shards else w.full for _, w in chosen], to_shards)
-        leaves = list(call.leaves)
-        for (index, _), value in zip(chosen, values):
-            leaves[index] = value
-        return _Call(leaves, call.treedef, call.static)
+        return _Call(_converted(call.leaves, chosen, to_shards), call.treedef, call.static)
 
     def _state_leaf(self, name: str, leaf, to_shards: bool) -> _StateLeaf | None:
         """The state leaf ``leaf`` is (by name and shape) in the form to convert from: a
         full leaf by its shape (its placement decides between programs that differ), a
         shard by its shape and placement."""
         shape = tuple(getattr(leaf, "shape", ()))
+        if not to_shards and not any(name in names for _, names in self._states):
+            return self._shards_by_form(name, leaf, shape)
         candidates = {}
         misplaced = False
         for _, names in self._states:
@@ -286,6 +298,22 @@ class ShardedStep:
                              f"them (devices or their order differ); refusing to treat shards "
                              f"as the leaf")
         return next(iter(candidates.values()), None)
+
+    def _shards_by_form(self, name: str, leaf, shape: tuple) -> _StateLeaf | None:
+        """A leaf no program knows by name (a library's jit wrapper, e.g.
+        ``eqx.filter_jit``, hands the step its arguments under its own names) that is in
+        the shard form of state leaves, by shape and placement: gathered when every state
+        leaf it can be the shards of gathers the same way, refused when they differ —
+        never returned as if it were the leaf."""
+        forms = {where.identity(): where for _, names in self._states
+                 for where in names.values()
+                 if shape == where.layout.shape and _xla.same_placement(leaf, where.shards)}
+        if len(forms) > 1:
+            raise ValueError(f"hlo_shard.jax: {name} {list(shape)} is in the shard form of "
+                             f"state leaves of different shapes, and this step names its "
+                             f"arguments otherwise; gather fast's outputs with "
+                             f"gather_outputs instead")
+        return next(iter(forms.values()), None)
 
     # ----------------------------------------------------- what it ran
     @property
