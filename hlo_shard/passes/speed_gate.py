@@ -193,7 +193,8 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
     """Gradients kept whole for speed say so, with both predicted step times."""
     kept = decision.after_s
     for row in report.explanations:
-        if row.sharded or row.bytes < user_min or not row.reason.startswith("smaller than"):
+        if row.sharded or row.bytes < user_min or \
+                row.reason_code != ReasonCode.BELOW_MIN_SHARD_BYTES.value:
             continue
         # The cheapest way to shard this one too: the best cut-off that includes it.
         options = [t for t in decision.trials if t.min_bytes <= row.bytes]
