@@ -35,8 +35,8 @@ class Reason(str, Enum):
     NOT_FASTER = "not_faster"
     #: No data-parallel gradient all-reduce, or the pass refused every one.
     NOTHING_TO_SHARD = "nothing_to_shard"
-    #: The step has a feature the path cannot run (effects, host callbacks, a mesh that
-    #: does not span every device for ``state="sharded"``...).
+    #: The step has a feature the path cannot run (effects, host callbacks, for
+    #: ``state="sharded"`` a state leaf whose blocks do not follow its gradient's groups...).
     UNSUPPORTED_STEP = "unsupported_step"
     #: Capturing the per-device module failed (jax's lowering itself succeeded).
     CAPTURE_FAILED = "capture_failed"
@@ -80,6 +80,8 @@ class Capture:
     #: Per flat dynamic argument: jit's input sharding, whether donated, whether an
     #: extended dtype (a typed PRNG key: the executable takes its base array).
     in_shardings: tuple
+    #: Per flat dynamic argument: its global shape, as ``fn`` takes it.
+    in_shapes: tuple[tuple[int, ...], ...]
     donated: tuple[bool, ...]
     opaque: tuple[bool, ...]
     #: Per flat output: aval (shape, dtype) and sharding; the outputs' tree.
@@ -133,6 +135,7 @@ def _compile_and_read(lowered) -> Capture:
     return Capture(text, lowered, compiled, kept,
                    # flatten_up_to: a pruned argument's sharding is None, not a subtree
                    tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
+                   tuple(tuple(info.shape) for info in arg_infos),
                    tuple(info.donated for info in arg_infos),
                    tuple(jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)
                          for info in arg_infos), tuple(out_avals),

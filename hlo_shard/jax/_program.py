@@ -5,7 +5,7 @@ never-slower gate and output checks as ``hlo-shard optimize`` (a step not predic
 faster runs as ``fn``), is put into replica form with its donation
 aliasing kept, and compiled for jit's own devices in jit's order. In
 ``state="sharded"`` the optimizer-state leaves the pass shards become jax Arrays of
-shape ``[N·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
+shape ``[D·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
 """
 
 from __future__ import annotations
@@ -36,18 +36,34 @@ from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
 
 @dataclass(frozen=True)
 class StateLayout:
-    """A full leaf of ``dims`` flattened as ``ravel(transpose(x, perm))``, zero-padded
-    to ``n·length`` and split over the devices: device ``k`` (jit's order) holds chunk
-    ``k`` — the pass's shard format as a jax Array of shape ``[n·length]``."""
+    """A state leaf in the pass's shard format as a jax Array of shape ``[D·length]``
+    (``D`` devices), one ``[length]`` chunk per device in jit's order: a device's full
+    value of the leaf (``dims``), flattened as ``ravel(transpose(x, perm))`` and
+    zero-padded to ``n·length``, is cut into the ``n`` chunks of its replica group.
+
+    With ``ranks`` None one group holds every device and device ``k`` holds chunk ``k``
+    (``D = n``). Otherwise device ``k`` holds chunk ``ranks[k]`` (its place in its
+    group: the data-axis groups of a mesh with more axes), of its block ``blocks[k]``
+    (``(start, stop)`` per dimension) of the leaf as ``fn`` takes it, ``leaf_dims``
+    (a tensor-parallel leaf's block differs along the model axis; None: every device
+    holds the whole leaf)."""
 
     dims: tuple[int, ...]
     perm: tuple[int, ...]
     length: int
     n: int
+    ranks: tuple[int, ...] | None = None
+    leaf_dims: tuple[int, ...] | None = None
+    blocks: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.n * self.length,)
+        return ((self.n if self.ranks is None else len(self.ranks)) * self.length,)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The leaf's shape as ``fn`` takes it."""
+        return self.dims if self.leaf_dims is None else self.leaf_dims
 
 
 @dataclass
@@ -219,17 +235,49 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
 def _shard(x, layout: StateLayout):
     import jax.numpy as jnp
 
-    flat = jnp.transpose(x, layout.perm).reshape(-1)
-    return jnp.pad(flat, (0, layout.n * layout.length - flat.size))
+    def padded(local):
+        flat = jnp.transpose(local, layout.perm).reshape(-1)
+        return jnp.pad(flat, (0, layout.n * layout.length - flat.size))
+
+    if layout.ranks is None:
+        return padded(x)
+    flats: dict = {}
+    chunks = []
+    for k, rank in enumerate(layout.ranks):
+        block = layout.blocks[k] if layout.blocks else None
+        if block not in flats:
+            flats[block] = padded(x if block is None else x[_slices(block)])
+        chunks.append(flats[block][rank * layout.length:(rank + 1) * layout.length])
+    return jnp.concatenate(chunks)
 
 
 def _gather(y, layout: StateLayout):
     import jax.numpy as jnp
     import numpy as np
 
-    size = int(np.prod(layout.dims))
-    transposed = tuple(layout.dims[p] for p in layout.perm)
-    return jnp.transpose(y[:size].reshape(transposed), tuple(np.argsort(layout.perm)))
+    def unpadded(flat):
+        size = int(np.prod(layout.dims))
+        transposed = tuple(layout.dims[p] for p in layout.perm)
+        return jnp.transpose(flat[:size].reshape(transposed), tuple(np.argsort(layout.perm)))
+
+    if layout.ranks is None:
+        return unpadded(y)
+    chunks = y.reshape(len(layout.ranks), layout.length)
+    holders: dict = {}  # block → rank → the first device holding that chunk of it
+    for k, rank in enumerate(layout.ranks):
+        holders.setdefault(layout.blocks[k] if layout.blocks else None, {}).setdefault(rank, k)
+    out = None
+    for block, by_rank in holders.items():
+        local = unpadded(jnp.concatenate([chunks[by_rank[r]] for r in range(layout.n)]))
+        if block is None:
+            return local
+        out = jnp.zeros(layout.full_shape, local.dtype) if out is None else out
+        out = out.at[_slices(block)].set(local)
+    return out
+
+
+def _slices(block: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in block)
 
 
 def convert(leaves: list, layouts: list[StateLayout], shardings: list,
@@ -375,16 +423,50 @@ def _same_array(a, b) -> bool:
 
 def _state_layouts(report: ShardingReport, capture: Capture
                    ) -> tuple[dict[int, StateLayout], dict[int, StateLayout]]:
-    def layout(entry) -> StateLayout:
-        if entry.groups and entry.groups != (tuple(range(report.devices)),):
-            raise Unsupported("state='sharded' needs the data-parallel axis to span every "
-                              "device of the step", Reason.UNSUPPORTED_STEP)
-        fmt = entry.format
-        return StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
+    devices = len(capture.devices)
 
-    args = {capture.kept[p.index]: layout(p) for p in report.parameters if p.kind == "sharded"}
-    outs = {o.index: layout(o) for o in report.outputs if o.kind == "sharded"}
+    def layout(entry, full_shape: tuple[int, ...], full_sharding) -> StateLayout:
+        fmt = entry.format
+        plain = StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
+        if not entry.groups or entry.groups == (tuple(range(devices)),):
+            return plain
+        return _grouped(plain, entry.groups, devices, full_shape, full_sharding, capture)
+
+    args = {capture.kept[p.index]: layout(p, capture.in_shapes[capture.kept[p.index]],
+                                          capture.in_shardings[capture.kept[p.index]])
+            for p in report.parameters if p.kind == "sharded"}
+    outs = {o.index: layout(o, tuple(capture.out_avals[o.index].shape),
+                            capture.out_shardings[o.index])
+            for o in report.outputs if o.kind == "sharded"}
     return args, outs
+
+
+def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: int,
+             full_shape: tuple[int, ...], full_sharding, capture: Capture) -> StateLayout:
+    """``plain`` sharded over replica ``groups`` (device ids: jit's order) that are not
+    one group of every device. Each device's value of the leaf is its block of the
+    leaf ``fn`` takes (``full_sharding``); every device of a group must hold the same
+    block, and every block its group's every chunk, or the step is refused."""
+    ranks = [-1] * devices
+    for group in groups:
+        if len(group) != plain.n:
+            raise Unsupported("state='sharded': replica groups of unequal sizes",
+                              Reason.UNSUPPORTED_STEP)
+        for rank, device in enumerate(group):
+            ranks[device] = rank
+    if -1 in ranks:
+        raise Unsupported("state='sharded': replica groups that leave out devices",
+                          Reason.UNSUPPORTED_STEP)
+    indices = full_sharding.devices_indices_map(full_shape)
+    blocks = tuple(tuple(index.indices(size)[:2] for index, size in zip(indices[d], full_shape))
+                   for d in capture.devices)
+    if any(tuple(stop - start for start, stop in block) != plain.dims for block in blocks) \
+            or any(len({blocks[d] for d in group}) != 1 for group in groups):
+        raise Unsupported("state='sharded': an optimizer-state leaf's blocks do not follow "
+                          "the gradient's replica groups", Reason.UNSUPPORTED_STEP)
+    whole = all(block == tuple((0, size) for size in full_shape) for block in blocks)
+    return StateLayout(plain.dims, plain.perm, plain.length, plain.n, tuple(ranks),
+                       None if whole else full_shape, None if whole else blocks)
 
 
 def _shard_sharding(capture: Capture):

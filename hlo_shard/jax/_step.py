@@ -74,7 +74,7 @@ class _StateLeaf:
     shards: Any
 
     def identity(self) -> tuple:
-        return (self.layout, _xla.placement(self.full, len(self.layout.dims)),
+        return (self.layout, _xla.placement(self.full, len(self.layout.full_shape)),
                 _xla.placement(self.shards, 1))
 
 
@@ -278,13 +278,13 @@ class ShardedStep:
             where = names.get(name)
             if where is None:
                 continue
-            if to_shards and shape == where.layout.dims:
+            if to_shards and shape == where.layout.full_shape:
                 candidates[where.identity()] = where
             elif not to_shards and shape == where.layout.shape:
                 if _xla.same_placement(leaf, where.shards):
                     candidates[where.identity()] = where
                 else:  # a 1-D leaf's full and shard shapes can be equal
-                    misplaced |= shape != where.layout.dims
+                    misplaced |= shape != where.layout.full_shape
         if len(candidates) > 1:
             placed = [w for w in candidates.values() if _xla.same_placement(leaf, w.full)]
             if len(placed) == 1:
