@@ -87,9 +87,10 @@ def control_predecessors(inst: Instruction) -> list[str]:
 def is_def_before_use(comp: Computation) -> bool:
     seen: set[str] = set()
     for inst in comp.instructions:
-        if any(op not in seen for op in inst.operands):
+        if not seen.issuperset(inst.operands):
             return False
-        if any(p not in seen for p in control_predecessors(inst)):
+        if "control-predecessors" in inst.attributes and \
+                not seen.issuperset(control_predecessors(inst)):
             return False
         seen.add(inst.name)
     return True
