@@ -84,10 +84,14 @@ def elements(shape: Shape) -> int:
 
 
 def leaf_elements(shape: Shape) -> int:
+    if isinstance(shape, ArrayShape):  # the common case, asked per operand per kernel
+        return shape.num_elements
     return sum(leaf.num_elements for _, leaf in shape_leaves(shape))
 
 
 def leaf_bytes(shape: Shape) -> int:
+    if isinstance(shape, ArrayShape):
+        return shape.byte_size
     return sum(leaf.byte_size for _, leaf in shape_leaves(shape))
 
 
