@@ -252,9 +252,18 @@ def test_optimize_is_linear(generator: str, analysis: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator,analysis", _cases(list(ANALYSES)))
+@pytest.mark.parametrize("generator,analysis", _cases(list(ANALYSES), output_sized=False))
 def test_analysis_is_linear_at_scale(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 25_000) <= MAX_GROWTH
+
+
+@pytest.mark.parametrize("generator,analysis", [
+    pytest.param(*case, marks=pytest.mark.xfail(
+        reason="the plan's reads grow as gradients x gradients", strict=True))
+    for case in sorted(OUTPUT_SIZED)])
+def test_the_output_sized_cases_are_still_quadratic(generator: str, analysis: str) -> None:
+    """Kept small: at scale a quadratic case runs for hours (``make test-all``)."""
+    assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
 
 @pytest.mark.parametrize("state", ["gathered", "sharded"])
