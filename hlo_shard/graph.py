@@ -279,8 +279,8 @@ class Rewriter:
         finally:
             self._cursor = self._saved.pop()
 
-    def add(self, opcode: str, shape, operands: Iterable[str] = (), *, name: str | None = None,
-            **attributes) -> Instruction:
+    def add(self, opcode: str, shape: Shape, operands: Iterable[str] = (), *, name: str | None = None,
+            **attributes: AttrValue) -> Instruction:
         """Create an instruction (fresh name from ``name`` or the opcode) at the current
         insertion point (end of the computation, before the root, when none is set)."""
         inst = Instruction(

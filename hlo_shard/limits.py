@@ -10,6 +10,7 @@ it) a flag; the error names both.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 import os
 import re
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ _given: dict[str, str | int] = {}
 
 
 @contextlib.contextmanager
-def given_limits(values: dict[Limit, str | int | None]):
+def given_limits(values: dict[Limit, str | int | None]) -> Iterator[None]:
     """Within the block, ``values`` (a command's flags; None: not given) take the
     place of the environment's limits."""
     saved = dict(_given)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 #: How XLA's ``HloCostAnalysis`` prices the op (``""``: by a rule of its own: dots,
 #: reductions, data movement, control flow …).
@@ -87,7 +87,7 @@ class OpInfo:
         return self.async_start is not None and self.async_done is None
 
 
-def _op(name: str, arity: int | tuple[int, int | None] | None, **facts) -> OpInfo:
+def _op(name: str, arity: int | tuple[int, int | None] | None, **facts: Any) -> OpInfo:
     counts = (arity, arity) if isinstance(arity, int) else arity
     return OpInfo(name, counts, **facts)
 

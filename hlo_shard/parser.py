@@ -34,8 +34,8 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import NoReturn, cast
-from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, cast
+from collections.abc import Callable, Container, Iterable, Iterator
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -293,7 +293,7 @@ def _read_shape(text: str, loc: Loc) -> Shape:
     return stack[0][0]
 
 
-def _shape(child) -> Shape:
+def _shape(child: Token | TupleShape) -> Shape:
     """A grammar ``shape`` child: a SHAPE token or an already built tuple shape."""
     return _array_shape(child.value, child) if isinstance(child, Token) else child
 
@@ -326,7 +326,7 @@ def _computation_list(kind: str, text: str) -> AttrValue:
     return ComputationList((_bare(text),) if kind == "NAME" else read_names(text))
 
 
-def _blob_reader(read):
+def _blob_reader(read: Callable[[str], Any]) -> Callable[[str, str], Any]:
     """A reader for a braced value; other value kinds fall back to the default."""
     return lambda kind, text: read(text) if kind == "BLOB" else _by_kind(kind, text)
 
@@ -519,21 +519,25 @@ ShapeRule = Callable[[list[Instruction], dict[str, AttrValue], dict[str, Computa
                      Shape | None]
 
 
-def _first_array(operands, attrs, computations) -> ArrayShape | None:
+def _first_array(operands: list[Instruction], attrs: dict[str, AttrValue],
+                 computations: dict[str, Computation]) -> ArrayShape | None:
     first = operands[0].shape if operands else None
     return first if isinstance(first, ArrayShape) else None
 
 
-def _predicate_shape(operands, attrs, computations) -> Shape | None:
+def _predicate_shape(operands: list[Instruction], attrs: dict[str, AttrValue],
+                     computations: dict[str, Computation]) -> Shape | None:
     first = _first_array(operands, attrs, computations)
     return ArrayShape("pred", first.dims, first.dynamic) if first is not None else None
 
 
-def _second_operand_shape(operands, attrs, computations) -> Shape | None:
+def _second_operand_shape(operands: list[Instruction], attrs: dict[str, AttrValue],
+                          computations: dict[str, Computation]) -> Shape | None:
     return operands[1].shape if len(operands) > 1 else None
 
 
-def _tuple_element_shape(operands, attrs, computations) -> Shape | None:
+def _tuple_element_shape(operands: list[Instruction], attrs: dict[str, AttrValue],
+                         computations: dict[str, Computation]) -> Shape | None:
     first, index = operands[0].shape if operands else None, attrs.get("index")
     if isinstance(first, TupleShape) and isinstance(index, int) and 0 <= index < len(
             first.elements):
@@ -541,7 +545,8 @@ def _tuple_element_shape(operands, attrs, computations) -> Shape | None:
     return None
 
 
-def _dot_shape(operands, attrs, computations) -> Shape | None:
+def _dot_shape(operands: list[Instruction], attrs: dict[str, Any],
+               computations: dict[str, Computation]) -> Shape | None:
     """Batch dimensions, then the lhs's free ones, then the rhs's, in the operands' more
     precise element type (XLA's InferDotOpShape); static operands only."""
     if len(operands) != 2:
@@ -576,7 +581,8 @@ def _precision_rank(element_type: str) -> tuple:
             component[0] == "s")
 
 
-def _conditional_shape(operands, attrs, computations) -> Shape | None:
+def _conditional_shape(operands: list[Instruction], attrs: dict[str, AttrValue],
+                       computations: dict[str, Computation]) -> Shape | None:
     """The root shape of the first branch (every branch has the same one)."""
     branch = attrs.get("true_computation", attrs.get("branch_computations"))
     name = branch.name if isinstance(branch, ComputationRef) else (
@@ -739,7 +745,7 @@ def _operand_locations(token: Token, paren: int, end: int) -> list[Loc]:
     return [(token, m.start()) for m in _NAME_RE.finditer(text, paren)]
 
 
-def _unique(base: str, taken, start: int = 1) -> str:
+def _unique(base: str, taken: Container[str], start: int = 1) -> str:
     """``base``, else ``base.<n>`` for the first free n ≥ ``start`` (XLA's uniquer)."""
     if base not in taken:
         return base
@@ -1084,7 +1090,7 @@ class _Builder(Transformer):
                           "this instruction", loc)
         return value
 
-    def _set_operands(self, inst: Instruction, opcode_loc: Loc, kind: str, payload) -> None:
+    def _set_operands(self, inst: Instruction, opcode_loc: Loc, kind: str, payload: Any) -> None:
         opcode = inst.opcode
         if opcode not in OPCODES and not is_known_opcode(opcode):
             if opcode not in _RENAMED_OPCODES:
@@ -1153,7 +1159,7 @@ _LARK_OPTIONS = {"parser": "lalr", "lexer": "contextual", "start": ["start", "in
                  "maybe_placeholders": True}
 
 
-def _make_parser(**options) -> Lark:
+def _make_parser(**options: Any) -> Lark:
     """A lark parser built from the grammar text, with a builder of its own (``options``
     go to lark, for tests). Building takes lark's grammar analysis (a large part of a
     second); :func:`_parser` loads the tables instead."""
@@ -1239,7 +1245,7 @@ def parse(text: str, path: str | None = None) -> Module:
 
 
 @contextlib.contextmanager
-def _cyclic_gc_paused():
+def _cyclic_gc_paused() -> Iterator[None]:
     """Pause the cycle collector while this thread is the only one: reading creates a
     great many objects and no cycles, and the collector's passes over them cost a fifth
     of the time on large modules. With other threads running the collector is left

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
@@ -38,6 +39,9 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.passes.retarget import Retarget, data_parallel_size
 from hlo_shard.profiles import HardwareProfile
+
+if TYPE_CHECKING:
+    from hlo_shard.passes.pipeline import Pipeline
 
 
 @dataclass
@@ -145,7 +149,7 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     return Projection(sum(seconds.values()), seconds, peak)
 
 
-def sharding_pass(state: str, strategy: str, profile: HardwareProfile):
+def sharding_pass(state: str, strategy: str, profile: HardwareProfile) -> Pipeline:
     """The weight-update sharding pipeline with the given options; ``auto`` buckets the
     collectives for ``profile``, the hardware projected on."""
     from hlo_shard.passes.sharding_pipeline import sharding_pipeline

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from hlo_shard.graph import topological_order, users_map
-from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups,
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
 
 
@@ -187,7 +187,7 @@ def neutral_literal(reducer: str, element_type: str) -> str | None:
     return value
 
 
-def _is_scalar(shape) -> bool:
+def _is_scalar(shape: Shape) -> bool:
     return isinstance(shape, ArrayShape) and shape.is_scalar
 
 

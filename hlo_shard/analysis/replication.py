@@ -20,6 +20,7 @@ callee with the caller's operand facts.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -173,7 +174,7 @@ def _parameter_replication_attr(inst: Instruction) -> Flags | None:
     return _rebuild(inst.shape, it)
 
 
-def _leaf_count_iter(shape: Shape):
+def _leaf_count_iter(shape: Shape) -> Iterator[Shape]:
     if isinstance(shape, TupleShape):
         for e in shape.elements:
             yield from _leaf_count_iter(e)
@@ -181,7 +182,7 @@ def _leaf_count_iter(shape: Shape):
         yield shape
 
 
-def _rebuild(shape: Shape, it) -> Flags:
+def _rebuild(shape: Shape, it: Iterator[Flags]) -> Flags:
     if isinstance(shape, TupleShape):
         return tuple(_rebuild(e, it) for e in shape.elements)
     return next(it)

@@ -238,7 +238,7 @@ class _Context:
         return self.comp[name]
 
 
-def _array(shape) -> ArrayShape | None:
+def _array(shape: Shape) -> ArrayShape | None:
     return shape if isinstance(shape, ArrayShape) and not shape.dynamic else None
 
 
@@ -1235,7 +1235,7 @@ def _formatting_copies(comp: Computation, plan: RegionPlan,
     copies: dict[str, tuple[int, float]] = {}
     laid_out = ctx.laid_out
 
-    def add(name: str, shape, fmt: ShardFormat, collective: bool) -> None:
+    def add(name: str, shape: Shape, fmt: ShardFormat, collective: bool) -> None:
         if isinstance(shape, ArrayShape) and not shape.is_scalar and natural_perm(shape) != fmt.perm:
             count, moved = copies.get(name, (0, 0.0))
             # else only the shard-sized block is transposed

@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -50,7 +50,7 @@ class Terminated(KeyboardInterrupt):
 _TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _raise_terminated(signum: int, frame) -> NoReturn:
+def _raise_terminated(signum: int, frame: Any) -> NoReturn:
     raise Terminated(signum)
 
 
@@ -76,7 +76,7 @@ def user_errors(command: Callable) -> Callable:
     HLO_SHARD_DEBUG=1)."""
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         installed = _raise_on_terminations()
         try:
             return command(*args, **kwargs)

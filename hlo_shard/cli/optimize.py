@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -45,6 +46,9 @@ from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.profiles.detect import profile_for_module
 from hlo_shard.units import fmt_seconds
 
+if TYPE_CHECKING:
+    from hlo_shard.runtime.manifest import Manifest
+
 
 def _numbers(text: str | None, flag: str) -> frozenset[int]:
     """Parameter numbers like ``0,3`` or ranges like ``0-24,30`` (inclusive)."""
@@ -64,7 +68,8 @@ def _numbers(text: str | None, flag: str) -> frozenset[int]:
     return frozenset(numbers)
 
 
-def build_manifest(report: ShardingReport, module: Module, names: UserNames | None = None):
+def build_manifest(report: ShardingReport, module: Module, names: UserNames | None = None
+                   ) -> Manifest:
     """The runtime's manifest record for the rewritten signature; ``names``: the user's
     names of the original (an output is named by the parameter it is the next value of)."""
     from hlo_shard.runtime.manifest import ArrayRecord, Manifest, Shard
@@ -72,7 +77,7 @@ def build_manifest(report: ShardingReport, module: Module, names: UserNames | No
     by_param = names.parameters if names is not None else {}
     by_output = {k: by_param[p] for k, p in report.feedback or () if p in by_param}
 
-    def record(entry, user_name: str) -> ArrayRecord:
+    def record(entry: Any, user_name: str) -> ArrayRecord:
         shard = None
         if entry.kind == "sharded":
             fmt = entry.format

@@ -7,6 +7,8 @@ Exit status 0, or 2 on bad input.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from hlo_shard import limits
@@ -15,6 +17,9 @@ from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, 
 from hlo_shard.cli.report import load_module, manifest_option, manifest_roles
 from hlo_shard.errors import HloShardError
 from hlo_shard.profiles import ALGORITHMS, available_profiles
+
+if TYPE_CHECKING:
+    from hlo_shard.ir import Module
 
 
 def _replica_list(text: str, max_replicas: str | None) -> list[int]:
@@ -60,7 +65,7 @@ def _parameter_count(text: str | None) -> int | None:
     return int(value)
 
 
-def _refuse_sharded(module, path: str) -> None:
+def _refuse_sharded(module: Module, path: str) -> None:
     """A module the pass already rewrote has nothing left to project ("saving 0.0%")."""
     from hlo_shard.analysis.collectives import find_gradient_all_reduces
 

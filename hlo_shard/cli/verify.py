@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from hlo_shard import limits
 from hlo_shard.cli.app import main, user_errors
 from hlo_shard.errors import HloShardError
+
+if TYPE_CHECKING:
+    from hlo_shard.runtime.verification import VerifyReport
 
 EXIT_DIFFERENT = 1
 #: The longest --timeout: a week (select() overflows on 1e300, and inf never ends).
@@ -35,7 +39,7 @@ def _number(value: float) -> str:
     return "0" if value == 0 else f"{value:.3g}"
 
 
-def _roles_lines(report) -> list[str]:
+def _roles_lines(report: VerifyReport) -> list[str]:
     lines = []
     for role in ("replicated", "per-device"):
         chosen = [r for r in report.roles if r.role == role]
@@ -46,7 +50,7 @@ def _roles_lines(report) -> list[str]:
     return ["inputs:"] + lines
 
 
-def _table(report) -> list[str]:
+def _table(report: VerifyReport) -> list[str]:
     rows = [("output", "shape", "max abs", "max rel", "Δ rel", "worst dev", "verdict")]
     for leaf in report.final():
         shape = f"{leaf.shape.element_type}[{','.join(map(str, leaf.shape.dims))}]"
@@ -63,7 +67,7 @@ def _table(report) -> list[str]:
             for row in rows]
 
 
-def _tolerance_line(report) -> str:
+def _tolerance_line(report: VerifyReport) -> str:
     """Value tolerances per dtype, and those of updates (Δ rel: of the leaf's max|Δ|)."""
     final = report.final()
     values = {leaf.shape.element_type: leaf.tolerance for leaf in final}
@@ -83,7 +87,7 @@ def _tolerance_line(report) -> str:
     return text
 
 
-def _measure_lines(report) -> list[str]:
+def _measure_lines(report: Any) -> list[str]:
     modules = [("original", report.original)] + (
         [("candidate", report.candidate)] if report.candidate else [])
     lines = []
@@ -104,7 +108,7 @@ def _measure_lines(report) -> list[str]:
     return lines
 
 
-def _text_report(report, timed: bool) -> list[str]:
+def _text_report(report: VerifyReport, timed: bool) -> list[str]:
     devices = f"{report.devices} {report.backend} device{'s' if report.devices > 1 else ''}"
     steps = f"{report.steps_run} step{'s' if report.steps_run > 1 else ''}"
     lines = _roles_lines(report)

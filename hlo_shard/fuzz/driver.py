@@ -27,6 +27,7 @@ import signal
 import tempfile
 import time
 import traceback
+from typing import Any, NoReturn
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.fuzz.steps import FULL, Size, StepSpec, random_step, reductions, render
@@ -136,7 +137,7 @@ def default_transformation() -> Transformation:
     return Transformation() if "optimize" in main.commands else Identity()
 
 
-def _invoke(args: list[str]):
+def _invoke(args: list[str]) -> Any:
     from click.testing import CliRunner
 
     from hlo_shard.cli import main
@@ -152,7 +153,7 @@ class _Timeout(Exception):
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
     """Interrupt a hung in-process call (main thread only; elsewhere no limit)."""
-    def expire(signum, frame):
+    def expire(signum: int, frame: Any) -> NoReturn:
         raise _Timeout(f"no result after {seconds:g} s")
 
     try:
@@ -185,7 +186,7 @@ def worker_flags() -> Iterator[None]:
             os.environ["XLA_FLAGS"] = previous
 
 
-def start_worker():
+def start_worker() -> Any:
     """The one pooled 8-device CPU worker every case of this process uses (N ≤ 8)."""
     from hlo_shard import runtime
 
@@ -196,7 +197,7 @@ def start_worker():
 # ------------------------------------------------------------------------ one case
 
 
-def _verify(original: Path, candidate: Path, manifest: Path | None, devices: int):
+def _verify(original: Path, candidate: Path, manifest: Path | None, devices: int) -> Any:
     from hlo_shard import runtime
 
     options = runtime.VerifyOptions(
@@ -216,7 +217,7 @@ def _original_runs(original: Path, devices: int) -> str | None:
     return None
 
 
-def _difference(report) -> str:
+def _difference(report: Any) -> str:
     step, leaf = report.differing[0]
     return (f"output {leaf.index} {leaf.shape.element_type}[{','.join(map(str, leaf.shape.dims))}]"
             f" {leaf.verdict} at step {step}: max abs {leaf.max_abs:.3g}, max rel "
@@ -253,7 +254,7 @@ def run_variant(spec: StepSpec, transform: Transformation, workdir: Path, state:
 
 
 def run_case(spec: StepSpec, transform: Transformation, workdir: Path,
-             variants=VARIANTS) -> CaseResult:
+             variants: tuple[tuple[str, str], ...] = VARIANTS) -> CaseResult:
     started = time.perf_counter()
     result = CaseResult(spec)
     original = workdir / "original.hlo"
@@ -435,7 +436,7 @@ def run_plan(plan: Plan, log: Callable[[str], None] | None = None) -> Summary:
     return summary
 
 
-def run(cases: int, seed: int = 0, jobs: int = 1, **options) -> Summary:
+def run(cases: int, seed: int = 0, jobs: int = 1, **options: Any) -> Summary:
     """Fuzz seeds ``seed … seed+cases-1`` in ``jobs`` processes (each with its own
     worker); ``options`` are the other :class:`Plan` fields."""
     seeds = tuple(range(seed, seed + cases))

@@ -8,6 +8,7 @@ helpers (broadcast, convert, reduce …) can write correct result shapes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 #: Reducer opcode → neutral initial value, per element type family.
@@ -101,7 +102,8 @@ class Emitter(Names):
 
     # Raw instructions ------------------------------------------------------------
 
-    def emit(self, base: str, shape: Sh | str, opcode: str, operands=(), attrs: str = "") -> Val:
+    def emit(self, base: str, shape: Sh | str, opcode: str, operands: Iterable[Val | str] = (),
+             attrs: str = "") -> Val:
         name = self.fresh(base)
         shape_text = shape if isinstance(shape, str) else shape.text()
         args = ", ".join(f"%{v.name}" if isinstance(v, Val) else v for v in operands)

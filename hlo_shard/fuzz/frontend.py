@@ -20,7 +20,8 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from hlo_shard.fuzz.emit import Names
 
@@ -141,7 +142,8 @@ class ModuleGenerator(Names):
         self.values.append(value)
         return value
 
-    def op(self, opcode: str, dtype: str, dims: tuple[int, ...], operands=(), attrs=(),
+    def op(self, opcode: str, dtype: str, dims: tuple[int, ...], operands: Iterable[Any] = (),
+           attrs: Iterable[tuple[str, str]] = (),
            shape: str | None = None) -> ArrayValue:
         """A new instruction ``opcode`` of array type ``dtype[dims]`` (or ``shape``)."""
         inst = Inst(self.fresh(opcode), shape or _shape(dtype, dims), opcode, list(operands),
@@ -714,7 +716,7 @@ class ModuleGenerator(Names):
             return " "
         return r.choice((" /* note */ ", " /*index=5*/ ", "\n // line comment\n ", " /**/ "))
 
-    def operand_text(self, operand, index: int) -> str:
+    def operand_text(self, operand: Any, index: int) -> str:
         if isinstance(operand, Inst):  # nested anonymous instruction
             inner = ", ".join(self.operand_text(o, i) for i, o in enumerate(operand.operands))
             return f"{operand.shape} {operand.opcode}({inner})"

@@ -21,6 +21,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 DEPTH = 100_000
 HUGE_BYTES = 50 * 1024 * 1024
@@ -111,7 +112,7 @@ class CliRun:
 _CONTEXT = None
 
 
-def _context():
+def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ def update_region(comp: Computation) -> set[str]:
     return region | feeding
 
 
-def _closure(starts, step: Callable[[str], Iterable[str]]) -> set[str]:
+def _closure(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> set[str]:
     """``starts`` and everything reachable from them by ``step``."""
     seen = set(starts)
     work = list(seen)
@@ -169,7 +170,7 @@ def _slices(comp: Computation, region: set[str]) -> Iterator[Edit]:
             break
 
 
-def _set_attribute(comp_name: str, name: str, key: str, value) -> Callable[[Module], None]:
+def _set_attribute(comp_name: str, name: str, key: str, value: Any) -> Callable[[Module], None]:
     # A mutant edits its copy of the module directly, not through a Rewriter: it is no
     # pass (no PassResult whose change log must be complete), and it must be able to
     # make the edits a Rewriter refuses or lacks (literals, operands swapped).

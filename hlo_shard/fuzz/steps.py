@@ -18,6 +18,7 @@ rewrite may introduce are the rounding of a reduction summed in another order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 import dataclasses
 import json
 import math
@@ -783,9 +784,9 @@ class _Update:
 # ------------------------------------------------------------------------- shrinking
 
 
-def reductions(spec: StepSpec):
+def reductions(spec: StepSpec) -> Iterator[StepSpec]:
     """Smaller variants of ``spec`` (one simplification each), most drastic first."""
-    def variant(edit) -> StepSpec:
+    def variant(edit: Callable[..., object]) -> StepSpec:
         copy = StepSpec.from_json(json.loads(json.dumps(spec.to_json())))
         edit(copy)
         return normalized(copy)

@@ -8,11 +8,11 @@ from dataclasses import replace
 from hlo_shard.jax._capture import per_device_hlo
 from hlo_shard.jax._step import ShardedStep
 from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
-from hlo_shard.profiles import resolve_profile
+from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
-                        profile=None, min_shard_bytes: int = 0,
+                        profile: HardwareProfile | str | None = None, min_shard_bytes: int = 0,
                         num_replicas: int | None = None, force: bool = False) -> ShardedStep:
     """``fn`` (a ``jax.jit`` step of a data-parallel program) with its gradient
     all-reduce replaced by reduce-scatter, a 1/N weight update per device and an

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hlo_shard.dumps import pick_dump_file
@@ -93,7 +94,7 @@ class Capture:
     compile_seconds: float
 
 
-def capture(jitted, args: tuple, kwargs: dict) -> Capture:
+def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
     """Lower and compile ``jitted`` for these arguments, reading the partitioned module.
     jax's errors in lowering (the user's function traced) propagate as jit raises them;
     anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``)."""
@@ -107,7 +108,7 @@ def capture(jitted, args: tuple, kwargs: dict) -> Capture:
                           Reason.CAPTURE_FAILED) from err
 
 
-def _compile_and_read(lowered) -> Capture:
+def _compile_and_read(lowered: Any) -> Capture:
     import jax
 
     folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
@@ -143,7 +144,7 @@ def _compile_and_read(lowered) -> Capture:
                    compile_seconds)
 
 
-def per_device_hlo(fn, *args, **kwargs) -> str:
+def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     """The per-device module of ``fn`` (jitted, or jitted here) for these arguments, as
     ``hlo-shard optimize`` reads it. Compiles ``fn`` once (no computation runs)."""
     import jax

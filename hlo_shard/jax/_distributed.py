@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from typing import Any
 
 from hlo_shard.errors import HloShardError
 
@@ -69,7 +70,7 @@ def agree_on_program(kind: str, text: str) -> None:
             "dtypes and shardings, the same options and the same hlo-shard release")
 
 
-def _client():
+def _client() -> Any:
     from jax._src import distributed  # private API: the coordination service's client
 
     client = distributed.global_state.client

@@ -89,7 +89,7 @@ class Program:
     _cache: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- placement
-    def arg_sharding(self, index: int):
+    def arg_sharding(self, index: int) -> Any:
         """The sharding argument ``index`` must have when handed to the executable."""
         if index in self.state_args:
             return self.shard_sharding
@@ -118,7 +118,7 @@ class Program:
             self._cache["handlers"] = found
         return found
 
-    def shard_key(self, treedef, static, leaves: list) -> tuple:
+    def shard_key(self, treedef: Any, static: Any, leaves: list) -> tuple:
         """The signature of these arguments with the state leaves in shard form."""
         keys = [(self.state_args[i].shape, _xla.dtype_key(leaf),
                  _xla.placement(self.shard_sharding, 1))
@@ -126,7 +126,7 @@ class Program:
                 for i, leaf in enumerate(leaves)]
         return (treedef, static, tuple(keys))
 
-    def returns(self, treedef, leaves: list, placed: bool) -> bool:
+    def returns(self, treedef: Any, leaves: list, placed: bool) -> bool:
         """Whether ``leaves`` look like this program's outputs (shard forms included);
         ``placed``: and every shard-form leaf is placed as this program places shards."""
         if treedef != self.capture.out_tree or len(leaves) != len(self.out_placements):
@@ -182,7 +182,7 @@ class Program:
             jax.tree.unflatten(cap.out_tree, [0] * len(cap.out_avals)))[0]
         out_names = ["output" + jax.tree_util.keystr(path) for path, _ in paths]
 
-        def entry(record, name: str) -> dict:
+        def entry(record: Any, name: str) -> dict:
             out = {"name": name, "hlo_name": record.name, "kind": record.kind,
                    "shape": format_shape(record.shape)}
             if record.format is not None:
@@ -232,10 +232,10 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
             "explanations": [] if report is None else [r.to_json() for r in report.explanations]}
 
 
-def _shard(x, layout: StateLayout):
+def _shard(x: Any, layout: StateLayout) -> Any:
     import jax.numpy as jnp
 
-    def padded(local):
+    def padded(local: Any) -> Any:
         flat = jnp.transpose(local, layout.perm).reshape(-1)
         return jnp.pad(flat, (0, layout.n * layout.length - flat.size))
 
@@ -251,11 +251,11 @@ def _shard(x, layout: StateLayout):
     return jnp.concatenate(chunks)
 
 
-def _gather(y, layout: StateLayout):
+def _gather(y: Any, layout: StateLayout) -> Any:
     import jax.numpy as jnp
     import numpy as np
 
-    def unpadded(flat):
+    def unpadded(flat: Any) -> Any:
         size = int(np.prod(layout.dims))
         transposed = tuple(layout.dims[p] for p in layout.perm)
         return jnp.transpose(flat[:size].reshape(transposed), tuple(np.argsort(layout.perm)))
@@ -340,7 +340,7 @@ def build_program(capture: Capture, options: ShardingOptions,
                    list(next_values))
 
 
-def _optimize(module, options: ShardingOptions, next_values: list[tuple[int, int]],
+def _optimize(module: Any, options: ShardingOptions, next_values: list[tuple[int, int]],
               force: bool) -> tuple[ShardingReport, SpeedDecision, str, str]:
     """The pass behind its gate on ``module`` (in place): the report, the gate's decision,
     the optimized module's text and its replica form with the executable's aliases."""
@@ -386,7 +386,7 @@ def _stage(code: Reason, what: str) -> Iterator[None]:
         raise Unsupported(f"{what}: {describe(err)}", code) from err
 
 
-def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module) -> dict:
+def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module: Any) -> dict:
     """The donation header for the executable: every parameter jit donates
     (``buffer_donor`` or ``input_output_alias``) aliased to an output of its shape in
     the optimized module — its next value where the pytrees say which, else the first
@@ -416,7 +416,7 @@ def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], modu
         + " }")}
 
 
-def _same_array(a, b) -> bool:
+def _same_array(a: Any, b: Any) -> bool:
     return getattr(a, "dims", None) == getattr(b, "dims", None) \
         and getattr(a, "element_type", None) == getattr(b, "element_type", None)
 
@@ -425,7 +425,7 @@ def _state_layouts(report: ShardingReport, capture: Capture
                    ) -> tuple[dict[int, StateLayout], dict[int, StateLayout]]:
     devices = len(capture.devices)
 
-    def layout(entry, full_shape: tuple[int, ...], full_sharding) -> StateLayout:
+    def layout(entry: Any, full_shape: tuple[int, ...], full_sharding: Any) -> StateLayout:
         fmt = entry.format
         plain = StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
         if not entry.groups or entry.groups == (tuple(range(devices)),):
@@ -442,7 +442,7 @@ def _state_layouts(report: ShardingReport, capture: Capture
 
 
 def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: int,
-             full_shape: tuple[int, ...], full_sharding, capture: Capture) -> StateLayout:
+             full_shape: tuple[int, ...], full_sharding: Any, capture: Capture) -> StateLayout:
     """``plain`` sharded over replica ``groups`` (device ids: jit's order) that are not
     one group of every device. Each device's value of the leaf is its block of the
     leaf ``fn`` takes (``full_sharding``); every device of a group must hold the same
@@ -469,7 +469,7 @@ def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: i
                        None if whole else full_shape, None if whole else blocks)
 
 
-def _shard_sharding(capture: Capture):
+def _shard_sharding(capture: Capture) -> Any:
     """Every device holding one chunk, in jit's device order: over the user's mesh when
     its order is jit's, else over a one-axis mesh of the same devices."""
     import numpy as np

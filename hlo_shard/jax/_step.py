@@ -111,7 +111,7 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     return None, jax.jit(fn)
 
 
-def _calling(wrapper, attribute: str, step: Callable) -> Callable:
+def _calling(wrapper: Any, attribute: str, step: Callable) -> Callable:
     """``wrapper`` calling ``step`` where it calls its ``attribute``. Equinox's wrapper is
     a frozen dataclass: a copy with the field replaced. Flax's tags its graph contexts
     with the wrapper object itself (its inner function looks them up by it), so a copy
@@ -120,7 +120,7 @@ def _calling(wrapper, attribute: str, step: Callable) -> Callable:
     if attribute in getattr(wrapper, "__dataclass_fields__", {}):
         return replace(wrapper, **{attribute: step})
 
-    def call(*args, **kwargs):
+    def call(*args: Any, **kwargs: Any) -> Any:
         original = getattr(wrapper, attribute)
         setattr(wrapper, attribute, step)
         try:
@@ -160,12 +160,12 @@ class ShardedStep:
         self._states: list[tuple[Program, dict[str, _StateLeaf]]] = []
 
     # --------------------------------------------------------------- the step
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._front is not None:
             return self._front(*args, **kwargs)
         return self._step(*args, **kwargs)
 
-    def _step(self, *args, **kwargs):
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
         call = self._split(args, kwargs)
         if self._states and self._key(call) not in self._entries:
             full = self._convert(call, to_shards=False)  # shards of a signature seen before
@@ -188,7 +188,7 @@ class ShardedStep:
         entry.program.ran = True
         return outs
 
-    def _run(self, entry: _Entry, call: _Call):
+    def _run(self, entry: _Entry, call: _Call) -> Any:
         import jax
 
         program, cap = entry.program, entry.program.capture
@@ -211,7 +211,7 @@ class ShardedStep:
         return jax.tree.unflatten(cap.out_tree, outs)
 
     # ------------------------------------------------ converting state leaves
-    def shard_args(self, *args):
+    def shard_args(self, *args: Any) -> Any:
         """``args`` (full leaves, as ``fn`` takes them) in the form ``fast`` takes:
         optimizer-state leaves as per-device shards. Leaves are matched by their
         position and path, so a prefix such as ``(params, opt_state)`` works once the
@@ -221,7 +221,7 @@ class ShardedStep:
             self._entry(self._split(args, {}), args, {})  # the first signature: capture it
         return self._convert_args(args, to_shards=True)
 
-    def gather_args(self, *args):
+    def gather_args(self, *args: Any) -> Any:
         """``args`` with every shard-form state leaf gathered back to the full leaf
         (same shape, dtype and sharding as ``fn`` takes it); the inverse of
         :meth:`shard_args`, e.g. for checkpoints or to switch back to ``fn``. A leaf in
@@ -229,7 +229,7 @@ class ShardedStep:
         refused (ValueError), never returned as if it were the leaf."""
         return self._convert_args(args, to_shards=False)
 
-    def gather_outputs(self, outs):
+    def gather_outputs(self, outs: Any) -> Any:
         """``fast``'s outputs with every shard-form leaf gathered back to the full leaf,
         by the program whose outputs they are (shapes and shard placement)."""
         import jax
@@ -265,7 +265,7 @@ class ShardedStep:
             return None
         return _Call(_converted(call.leaves, chosen, to_shards), call.treedef, call.static)
 
-    def _state_leaf(self, name: str, leaf, to_shards: bool) -> _StateLeaf | None:
+    def _state_leaf(self, name: str, leaf: Any, to_shards: bool) -> _StateLeaf | None:
         """The state leaf ``leaf`` is (by name and shape) in the form to convert from: a
         full leaf by its shape (its placement decides between programs that differ), a
         shard by its shape and placement."""
@@ -299,7 +299,7 @@ class ShardedStep:
                              f"as the leaf")
         return next(iter(candidates.values()), None)
 
-    def _shards_by_form(self, name: str, leaf, shape: tuple) -> _StateLeaf | None:
+    def _shards_by_form(self, name: str, leaf: Any, shape: tuple) -> _StateLeaf | None:
         """A leaf no program knows by name (a library's jit wrapper, e.g.
         ``eqx.filter_jit``, hands the step its arguments under its own names) that is in
         the shard form of state leaves, by shape and placement: gathered when every state
@@ -453,7 +453,7 @@ class ShardedStep:
             names.append(head + rest)
         return names
 
-    def _next_values(self, call: _Call, cap) -> list[tuple[int, int]]:
+    def _next_values(self, call: _Call, cap: Any) -> list[tuple[int, int]]:
         """(output leaf, entry parameter) pairs where output ``[j]<path>`` is argument
         ``j``'s leaf at ``<path>`` with the same shape and dtype: the training loop's
         feedback (``params, opt_state, loss = fast(params, opt_state, batch)``)."""
@@ -480,12 +480,12 @@ class ShardedStep:
                                           f"{reason}", why.code.value), stacklevel=5)
 
 
-def _same_aval(leaf, aval) -> bool:
+def _same_aval(leaf: Any, aval: Any) -> bool:
     return tuple(getattr(leaf, "shape", ())) == tuple(aval.shape) \
         and str(getattr(leaf, "dtype", "")) == str(aval.dtype)
 
 
-def _fully_replicated(leaf) -> bool:
+def _fully_replicated(leaf: Any) -> bool:
     sharding = getattr(leaf, "sharding", None)
     return sharding is None or bool(getattr(sharding, "is_fully_replicated", False))
 

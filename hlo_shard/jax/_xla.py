@@ -26,7 +26,7 @@ def check_version() -> None:
         raise HloShardError(problem)
 
 
-def _client():
+def _client() -> Any:
     from jax._src.lib import xla_client as xc  # private API (see the module docstring)
 
     return xc
@@ -48,7 +48,7 @@ def compile_replica_text(text: str, devices: Sequence) -> object:
     return client.compile_and_load(mlir, xc.DeviceList(tuple(devices)), options)
 
 
-def execute(executable, arrays: list, handlers: list) -> list:
+def execute(executable: Any, arrays: list, handlers: list) -> list:
     """Run on jax Arrays (one buffer per device each); the outputs as global Arrays,
     built by ``handlers`` (:func:`result_handlers`)."""
     return executable.execute_sharded(arrays).consume_with_handlers(handlers)
@@ -69,25 +69,25 @@ def result_handlers(outputs: Sequence[tuple[tuple[int, ...], Any, Any]]) -> list
             for shape, dtype, sharding in outputs]
 
 
-def is_jax_jit(fn) -> bool:
+def is_jax_jit(fn: Any) -> bool:
     """Whether ``fn`` is what ``jax.jit`` returns (its lowering is jax's ``Lowered``)."""
     return hasattr(fn, "_jit_info") and hasattr(fn, "lower")
 
 
-def base_array(x):
+def base_array(x: Any) -> Any:
     """A typed PRNG key array's underlying integer array (what the executable takes for
     an extended-dtype argument), without a dispatch."""
     return x._base_array
 
 
-def memory_stats(executable) -> dict[str, int]:
+def memory_stats(executable: Any) -> dict[str, int]:
     stats = executable.get_compiled_memory_stats()
     names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
              "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
     return {name: int(getattr(stats, name, 0) or 0) for name in names}
 
 
-def kept_argument_indices(lowered) -> tuple[int, ...] | None:
+def kept_argument_indices(lowered: Any) -> tuple[int, ...] | None:
     """Which flat arguments jit kept in the module (it prunes unused ones unless
     ``keep_unused``), or None when the lowering does not say."""
     kept = getattr(lowered, "_lowering", None)
@@ -95,7 +95,7 @@ def kept_argument_indices(lowered) -> tuple[int, ...] | None:
     return None if kept is None else tuple(sorted(kept))
 
 
-def lowering_facts(lowered) -> dict:
+def lowering_facts(lowered: Any) -> dict:
     """Facts of jit's lowering that decide whether the module is runnable as is."""
     args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
     const_args = getattr(lowered._lowering, "const_args", None) or ()
@@ -105,7 +105,7 @@ def lowering_facts(lowered) -> dict:
             "const_args": len(const_args)}
 
 
-def device_assignment(lowered) -> tuple:
+def device_assignment(lowered: Any) -> tuple:
     """The devices of jit's executable in partition order (the mesh's order)."""
     return tuple(lowered._lowering._device_list)
 
@@ -113,7 +113,7 @@ def device_assignment(lowered) -> tuple:
 _PLACEMENTS: dict = {}
 
 
-def placement(sharding, ndim: int):
+def placement(sharding: Any, ndim: int) -> Any:
     """A canonical, hashable form of where ``sharding`` puts an ``ndim`` array: equal
     for equivalent shardings (``P()`` and ``P(None, None)`` alike), device order kept."""
     key = (sharding, ndim)
@@ -125,7 +125,7 @@ def placement(sharding, ndim: int):
     return found
 
 
-def leaf_key(x) -> tuple:
+def leaf_key(x: Any) -> tuple:
     """What one argument leaf contributes to the signature (jit's cache key, in kind).
     Computed on every call, so it stays cheap: the dtype object, not its name
     (``str(dtype)`` was 2 of the 2.5 µs a leaf took)."""
@@ -135,13 +135,13 @@ def leaf_key(x) -> tuple:
     return (shape, dtype_key(x), where)
 
 
-def dtype_key(x) -> object:
+def dtype_key(x: Any) -> object:
     """``x``'s dtype (hashable), or its type's name for a leaf without one."""
     dtype = getattr(x, "dtype", None)
     return type(x).__name__ if dtype is None else dtype
 
 
-def same_placement(x, sharding) -> bool:
+def same_placement(x: Any, sharding: Any) -> bool:
     """Whether ``x`` can be handed to the executable as is (else it is device_put)."""
     own = getattr(x, "sharding", None)
     if own is None:

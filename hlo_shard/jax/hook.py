@@ -30,11 +30,12 @@ import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
-from hlo_shard.profiles import resolve_profile
+from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 logger = logging.getLogger("hlo_shard")
 
@@ -187,13 +188,13 @@ def _raise_pending(event: str, duration_secs: float, **kwargs: str | int) -> Non
         raise stop
 
 
-def _xla_client():
+def _xla_client() -> Any:
     from jax._src.lib import xla_client  # private API: behind the version check
 
     return xla_client
 
 
-def _shard(hlo, options: ShardingOptions, force: bool = False
+def _shard(hlo: Any, options: ShardingOptions, force: bool = False
            ) -> tuple[str | None, ShardingReport | None, str]:
     """(the sharded module's text or None, the report, why not)."""
     from hlo_shard.passes.optimize import optimize_module
@@ -268,11 +269,12 @@ class Installation:
     def __enter__(self) -> Installation:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         uninstall()
 
 
-def install(*, state: str = "gathered", strategy: str = "auto", profile=None,
+def install(*, state: str = "gathered", strategy: str = "auto",
+            profile: HardwareProfile | str | None = None,
             min_shard_bytes: int = 0, only: str | None = None,
             force: bool = False) -> Installation:
     """Shard the weight update of every module jax compiles from now on (every backend

@@ -48,7 +48,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
                                             find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import Change, ModuleRewriter, Rewriter, control_predecessors, users_map
-from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction, Module, ReplicaGroups,
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           SliceRanges)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
@@ -581,7 +581,7 @@ def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str
     comp = rw.comp
     all_reduce, ds = comp[spec.all_reduce], comp[spec.dynamic_slice]
 
-    def attrs(groups: ReplicaGroups | None, **extra) -> dict:
+    def attrs(groups: ReplicaGroups | None, **extra: AttrValue) -> dict:
         out: dict = {}
         if all_reduce.attr("channel_id") is not None:
             out["channel_id"] = channels.fresh()

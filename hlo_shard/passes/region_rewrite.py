@@ -18,13 +18,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
-from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Module,
+from hlo_shard.ir import (ArrayShape, AttrValue, Computation, ComputationRef, Ident, Instruction, Module,
                           Shape, SliceRanges, TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
@@ -154,7 +155,7 @@ class RegionRewrite:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
 
-    def scatter_block(self, leaf: PlannedLeaf, to_apply) -> None:
+    def scatter_block(self, leaf: PlannedLeaf, to_apply: AttrValue | None) -> None:
         """Reduce-scatter the gradient along its format's major dimension (each device
         gets its block) and transpose only that block into the shard order."""
         emit = self.emit
@@ -265,7 +266,7 @@ class RegionRewrite:
         return emit.add("select", emit.shape(element_type, (fmt.shard_len,)),
                         [self.valid_lanes(fmt), shard, fill], name=name)
 
-    def keep_nan(self, local: str, reduced: str, reducer: str, element_type: str, to_apply,
+    def keep_nan(self, local: str, reduced: str, reducer: str, element_type: str, to_apply: AttrValue | None,
                  name: str) -> str:
         """A cross-device min/max that propagates NaN as the whole-tensor reduce does
         (XLA:CPU's all-reduce(min/max) drops it): each device also all-reduces, with the
@@ -655,7 +656,7 @@ class PaddingZeros:
         return self._memo[key]
 
 
-def _rule(opcode: str):
+def _rule(opcode: str) -> Callable[[list[str]], str]:
     return _PADDING_RULES.get(opcode, lambda _: _ANY)
 
 

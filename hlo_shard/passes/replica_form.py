@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
-from hlo_shard.ir import Instruction, Module, TupleShape, shape_leaves
+from hlo_shard.ir import Computation, Instruction, Module, TupleShape, shape_leaves
 from hlo_shard.opinfo import CHANNEL_PAIRED
 from hlo_shard.passes.base import ModulePass, PassResult
 
@@ -115,7 +115,7 @@ def _renumber_channels(module: Module, rewriters: dict[str, Rewriter]) -> int:
     return renumbered
 
 
-def split_variadic_all_reduces(comp) -> list[str]:
+def split_variadic_all_reduces(comp: Computation) -> list[str]:
     """Rewrite each variadic all-reduce XLA:CPU fails to compile into one all-reduce per
     element and a ``tuple`` of their results under the original name, so its
     get-tuple-element users are unchanged; the sums are the same, element by element.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
 from hlo_shard.analysis.update_region import (VIEW_OPCODES, ShardFormat,
@@ -20,7 +21,7 @@ from hlo_shard.analysis.update_region import (VIEW_OPCODES, ShardFormat,
                                               major_dimension, natural_perm)
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
-                          SliceRanges, TupleShape)
+                          Shape, SliceRanges, TupleShape)
 
 
 class ChannelIds:
@@ -75,7 +76,8 @@ class ShardEmitter:
             if self.with_layouts and dims else None
         return ArrayShape(element_type, tuple(dims), (), layout)
 
-    def add(self, opcode: str, shape, operands, name: str | None = None, **attributes) -> str:
+    def add(self, opcode: str, shape: Shape, operands: list[str], name: str | None = None,
+            **attributes: Any) -> str:
         if opcode == "reshape" and self.laid_out and _row_major(shape) and \
                 _row_major(self.comp[operands[0]].shape):
             # No layout pass runs after the rewrite of a laid-out module, and XLA:CPU
@@ -85,14 +87,14 @@ class ShardEmitter:
             opcode = "bitcast"
         return self.rw.add(opcode, shape, operands, name=name, **attributes).name
 
-    def add_top(self, opcode: str, shape, operands, name: str | None = None,
-                literal: str | None = None, **attributes) -> str:
+    def add_top(self, opcode: str, shape: Shape, operands: list[str], name: str | None = None,
+                literal: str | None = None, **attributes: Any) -> str:
         """Add at the top of the computation (in sequence), whatever the insertion point."""
         inst = Instruction(self.rw.fresh_name(name or opcode), opcode, shape, list(operands),
                            dict(attributes), literal=literal)
         return self.rw.insert_before(self.first, inst).name
 
-    def prologue(self, key: tuple, build) -> str:
+    def prologue(self, key: tuple, build: Callable[[], str]) -> str:
         """A value computed once at the top of the computation (constants, ids, offsets);
         ``build`` emits it with :meth:`add_top`."""
         if key not in self.cache:
@@ -135,7 +137,7 @@ class ShardEmitter:
                                 name="shard_offset")
         return self.prologue(("offset", shard_len), build)
 
-    def collective_attrs(self, **extra) -> dict:
+    def collective_attrs(self, **extra: Any) -> dict:
         """Attributes of a new collective over the data-parallel group, in XLA's order."""
         attrs: dict = {}
         if self.template.attr("channel_id") is not None:
@@ -301,7 +303,7 @@ class ShardEmitter:
                         dimensions=inverse)
 
 
-def _row_major(shape) -> bool:
+def _row_major(shape: Shape) -> bool:
     """A dense, untiled array laid out row-major: a reshape between two of them keeps the
     bytes."""
     return (isinstance(shape, ArrayShape) and shape.layout is not None and not shape.layout.tail

@@ -7,6 +7,7 @@ and as JSON data. All figures are per device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from hlo_shard.analysis.names import instruction_names, labelled
 from hlo_shard.costmodel.memory import CATEGORIES as MEMORY_CATEGORIES
@@ -238,7 +239,7 @@ def _label(est: StepEstimate, index: int, count: int) -> str:
 
 
 def memory_figure(estimates: Sequence[StepEstimate]) -> Figure:
-    def draw(ax) -> None:
+    def draw(ax: Any) -> None:
         for index, est in enumerate(estimates):
             xs = [p for p, _, _ in est.memory.curve]
             ys = [v / (1 << 20) for _, _, v in est.memory.curve]
@@ -252,7 +253,7 @@ def memory_figure(estimates: Sequence[StepEstimate]) -> Figure:
 
 
 def step_figure(estimates: Sequence[StepEstimate]) -> Figure:
-    def draw(ax) -> None:
+    def draw(ax: Any) -> None:
         labels = [_label(e, i, len(estimates)) for i, e in enumerate(estimates)]
         bottoms = [0.0] * len(estimates)
         for category in CATEGORIES:
@@ -309,7 +310,7 @@ def scale_document(module: str, profile: HardwareProfile, points: Sequence, batc
 
 
 def scale_figure(points: Sequence) -> Figure:
-    def draw(ax) -> None:
+    def draw(ax: Any) -> None:
         xs = [p.replicas for p in points]
         ax.plot(xs, [p.original.step_seconds * 1e3 for p in points], "o-", label="original")
         shown = [p for p in points if p.sharded]

@@ -9,10 +9,12 @@ import base64
 import html
 import io
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from hlo_shard.reports.document import PLOT_HINT, Document, Figure, PlotUnavailable
 
-def _table_line(cells, widths: list[int]) -> str:
+def _table_line(cells: Sequence[str], widths: list[int]) -> str:
     """One row: the first column left-aligned, the figures right-aligned."""
     return ("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
@@ -79,7 +81,7 @@ def render_html(doc: Document) -> str:
     return "\n".join(parts) + "\n"
 
 
-def pyplot():
+def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or a clear error."""
     try:
         import matplotlib

@@ -114,19 +114,19 @@ class Runtime:
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     # The shim: one function per API that moved between jaxlib releases -----------
-    def _parse(self, text: str):
+    def _parse(self, text: str) -> Any:
         hlo = getattr(self.xc, "hlo", None)
         if hlo is not None and hasattr(hlo, "hlo_module_from_text"):
             return hlo.hlo_module_from_text(text)
         return self.xc._xla.hlo_module_from_text(text)
 
-    def _compile(self, mlir: str, devices: list, options):
+    def _compile(self, mlir: str, devices: list, options: Any) -> Any:
         client = devices[0].client
         if hasattr(client, "compile_and_load"):
             return client.compile_and_load(mlir, self.xc.DeviceList(tuple(devices)), options)
         return client.compile(mlir, options)
 
-    def _module_cost(self, module) -> dict[str, float]:
+    def _module_cost(self, module: Any) -> dict[str, float]:
         analysis = getattr(self.xc._xla, "hlo_module_cost_analysis", None)
         if analysis is None:
             return {}
@@ -204,7 +204,7 @@ class Runtime:
                 self.np.shape(values[0]), replicated, buffers))
         return arrays
 
-    def _executable(self, handle: int):
+    def _executable(self, handle: int) -> Any:
         if handle not in self.executables:
             raise UsageError(f"no executable with handle {handle}")
         return self.executables[handle]
@@ -262,7 +262,7 @@ class Runtime:
             self.by_source = {k: h for k, h in self.by_source.items() if h != oldest}
 
 
-def _memory_stats(stats) -> dict[str, int]:
+def _memory_stats(stats: Any) -> dict[str, int]:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
               "temp_size_in_bytes", "generated_code_size_in_bytes", "peak_memory_in_bytes")
     return {name: int(getattr(stats, name)) for name in fields if hasattr(stats, name)}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 import _child  # the script's folder (hlo_shard/runtime) is sys.path[0]
 import _lifeline
@@ -72,7 +73,7 @@ def _start(backend: str, coordinator: str, processes: int, process_id: int,
     return DistributedRuntime(backend, device_count)
 
 
-def serve(requests, replies, runtime: DistributedRuntime) -> None:
+def serve(requests: Any, replies: Any, runtime: DistributedRuntime) -> None:
     """The request loop of :func:`_child.serve`, logging each request on stderr (the
     line a parent reports when this process dies in the middle of it)."""
     handlers = {"compile": runtime.compile, "execute": runtime.execute, "cost": runtime.cost,

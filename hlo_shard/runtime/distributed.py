@@ -233,7 +233,7 @@ class DistributedWorker:
     def __enter__(self) -> DistributedWorker:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -313,7 +313,7 @@ class DistributedWorker:
         _kill_all(children)
 
     # Requests --------------------------------------------------------------------
-    def request(self, op: str, timeout: float | None = None, what: str = "", **fields) -> Any:
+    def request(self, op: str, timeout: float | None = None, what: str = "", **fields: Any) -> Any:
         """Send one request to every process and return the combined result."""
         with self._lock:
             if self._busy:  # the previous request was interrupted: state unknown

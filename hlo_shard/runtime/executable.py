@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter
@@ -145,10 +146,10 @@ class Executable:
         return self.worker.request("execute", self.timeout, f"running {self.name}",
                                    handle=handle, arguments=[list(v) for v in inputs])
 
-    def __call__(self, *args) -> list[DeviceValues]:
+    def __call__(self, *args: Any) -> list[DeviceValues]:
         return self.run(self.arguments(args))
 
-    def time(self, *args, runs: int = 10, warmup: int = 2) -> Timing:
+    def time(self, *args: Any, runs: int = 10, warmup: int = 2) -> Timing:
         return time_interleaved([self], [self.arguments(args)], runs, warmup)[0]
 
     def close(self) -> None:

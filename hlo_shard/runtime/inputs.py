@@ -29,6 +29,7 @@ pred uniformly.
 from __future__ import annotations
 
 import re
+from typing import Any
 from dataclasses import dataclass
 from functools import cache, reduce
 from operator import or_
@@ -552,7 +553,7 @@ def load_npz(path: str | Path, module: Module, devices: int) -> dict[int, Device
     return values
 
 
-def coerce_argument(value, shape: ArrayShape, devices: int, number: int) -> DeviceValues:
+def coerce_argument(value: Any, shape: ArrayShape, devices: int, number: int) -> DeviceValues:
     """A Python-API argument as per-device values: a list or tuple holds one value
     per device; anything else (numpy or jax array, scalar) is replicated."""
     dtype = numpy_dtype(shape.element_type)

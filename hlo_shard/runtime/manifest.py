@@ -67,6 +67,7 @@ produces it and this reader share the format.
 from __future__ import annotations
 
 import math
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -150,7 +151,7 @@ class Manifest:
 FLATTEN_ORDERS = ("physical", "logical")
 
 
-def _record(raw, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
+def _record(raw: Any, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
     raw = at.object(raw)
     index = at.read(raw, "index", At.integer, 0)
     original = None if raw.get("original") is None else at.read(raw, "original", At.integer, 0)
@@ -190,11 +191,11 @@ def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayS
     return shard
 
 
-def _groups(at: At, raw) -> tuple[tuple[int, ...], ...]:
+def _groups(at: At, raw: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(at.index(i).integers(group, 0) for i, group in enumerate(at.array(raw)))
 
 
-def _feedback(at: At, raw) -> tuple[tuple[int, int], ...]:
+def _feedback(at: At, raw: Any) -> tuple[tuple[int, int], ...]:
     pairs = []
     for i, entry in enumerate(at.array(raw, non_empty=True)):
         where = at.index(i)
@@ -204,7 +205,7 @@ def _feedback(at: At, raw) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def parse_manifest(data, path: str | None = None) -> Manifest:
+def parse_manifest(data: Any, path: str | None = None) -> Manifest:
     at = At(f"manifest {path or '<manifest>'}")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         at.fail(f"not an {FORMAT} (missing \"format\": \"{FORMAT}\")")

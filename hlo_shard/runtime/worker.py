@@ -143,7 +143,7 @@ class Worker:
         threading.Thread(target=self._drain_stderr, args=(self._process.stderr,),
                          daemon=True).start()
 
-    def _drain_stderr(self, stream) -> None:
+    def _drain_stderr(self, stream: BinaryIO) -> None:
         for raw in iter(stream.readline, b""):
             self._stderr.append(raw.decode("utf-8", "replace").rstrip("\n"))
         stream.close()
@@ -173,7 +173,7 @@ class Worker:
             self._replies_fd = -1
 
     # Requests --------------------------------------------------------------------
-    def request(self, op: str, timeout: float | None = None, what: str = "", **fields) -> Any:
+    def request(self, op: str, timeout: float | None = None, what: str = "", **fields: Any) -> Any:
         """Send one request and return its result; ``what`` names it in errors."""
         with self._lock:
             self.start()
