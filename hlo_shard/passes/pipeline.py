@@ -75,8 +75,8 @@ class PipelineResult:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """``passes`` run in order on a module, in place; ``check`` runs after each pass that
-    changed it (None: no check) and fails on a problem the input did not have, then
+    """``passes`` run in order on a module, in place; ``check`` runs after each pass
+    (None: no check) and fails on a problem the input did not have, then
     ``after_pass``."""
 
     passes: tuple[Pass[Any], ...]
@@ -94,7 +94,7 @@ class Pipeline:
             else frozenset()
         for position, step in enumerate(self.passes):
             result = step.apply(module)
-            if self.check is not None and result.changed:  # unchanged: nothing new to find
+            if self.check is not None:
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
                 problems = [p for p in self.check(module)
                             if getattr(p, "check", None) not in later and str(p) not in before]

@@ -16,9 +16,8 @@
 7. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
-The pipeline validates the module after every pass that changed it
-(:func:`hlo_shard.validate.validate`, less what a later pass repairs: a slip is named
-where it happened); the front ends also
+The pipeline validates the module after every pass (:func:`hlo_shard.validate.validate`,
+less what a later pass repairs: a slip is named where it happened); the front ends also
 check the final module's printed text before writing or compiling it
 (:func:`hlo_shard.passes.optimize.check_output`). Validation is linear and a small part
 of a pass's cost, also in the never-slower gate, which runs the pipeline once per
