@@ -76,8 +76,7 @@ class PipelineResult:
 @dataclass(frozen=True)
 class Pipeline:
     """``passes`` run in order on a module, in place; ``check`` runs after each pass
-    (None: no check) and fails on a problem the input did not have, then
-    ``after_pass``."""
+    (None: no check), then ``after_pass``."""
 
     passes: tuple[Pass[Any], ...]
     check: Check | None = validate
@@ -88,16 +87,12 @@ class Pipeline:
 
     def run(self, module: Module) -> PipelineResult:
         results = []
-        # What the input has already (a header without the device counts a later pass
-        # recovers) is not a pass's slip: each pass is held to adding no problem.
-        before = frozenset(map(str, self.check(module))) if self.check is not None \
-            else frozenset()
         for position, step in enumerate(self.passes):
             result = step.apply(module)
             if self.check is not None:
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
                 problems = [p for p in self.check(module)
-                            if getattr(p, "check", None) not in later and str(p) not in before]
+                            if getattr(p, "check", None) not in later]
                 if problems:
                     raise PassCheckError(step.name, problems)
             if self.after_pass is not None:

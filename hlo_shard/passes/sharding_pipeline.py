@@ -16,12 +16,9 @@
 7. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
-The pipeline validates the module after every pass (:func:`hlo_shard.validate.validate`,
-less what a later pass repairs: a slip is named where it happened); the front ends also
-check the final module's printed text before writing or compiling it
-(:func:`hlo_shard.passes.optimize.check_output`). Validation is linear and a small part
-of a pass's cost, also in the never-slower gate, which runs the pipeline once per
-cut-off it prices (``make bench`` part 7 times ``optimize`` with it).
+The front ends check the final module before writing or compiling it
+(:func:`hlo_shard.passes.optimize.check_output`), so the pipeline runs without a check
+between passes: the never-slower gate runs it once per cut-off it prices.
 """
 
 from __future__ import annotations
@@ -41,11 +38,11 @@ from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdate
 
 def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None
                       ) -> Pipeline:
-    """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
-    each pass's result (``optimize --explain --verbose`` collects their changes)."""
+    """The passes around ``sharding``, unchecked between them; ``after_pass`` sees each
+    pass's result (``optimize --explain --verbose`` collects their changes)."""
     return Pipeline((AccumulationMotion(), TupleForwarding(), sharding,
                      ReduceScatterCreation(sharding.profile), ChannelIdDedupe(),
-                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)),
+                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)), check=None,
                     after_pass=after_pass)
 
 
