@@ -37,9 +37,7 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -47,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from child_table import run_table  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -368,27 +368,10 @@ def ecosystem(argv: Sequence[str] = ()) -> dict:
     """Run the table in a child process with 8 CPU devices (XLA reads the device count
     when its CPU backend starts), print it, return its ratios per program and mode."""
     args = parse_args(list(argv))
-    started = time.perf_counter()
     print(f"\n== programs written by others (bench/ecosystem): each mode / plain jax.jit, "
           f"N={DEVICES} CPU devices, median of {args.rounds} interleaved rounds of "
           f"{args.runs} steps", flush=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-    with tempfile.TemporaryFile("w+") as errors:
-        run = subprocess.Popen([sys.executable, __file__, "--child", *argv], env=env,
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
-        last = ""
-        assert run.stdout is not None
-        for line in run.stdout:  # the rows as they are measured
-            if last:
-                print(last, end="", flush=True)
-            last = line
-        if run.wait() != 0:
-            errors.seek(0)
-            sys.exit(f"bench/ecosystem_bench.py failed ({run.returncode}):\n"
-                     f"{errors.read()[-4000:]}")
-    print(f"(table measured in {time.perf_counter() - started:.0f} s)")
-    return json.loads(last)
+    return run_table(Path(__file__), list(argv), DEVICES)
 
 
 if __name__ == "__main__":

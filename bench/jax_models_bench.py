@@ -27,11 +27,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -39,6 +36,8 @@ from typing import Any
 from collections.abc import Sequence
 
 from zoo import geomean  # bench/ is on sys.path (this file's folder, or run.py's)
+
+from child_table import run_table  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"  # the model definitions (fixture_models, zoo_models, hlo_dump)
@@ -282,27 +281,10 @@ def jax_models(argv: Sequence[str] = ()) -> dict:
     """Run the table in a child process with N CPU devices (XLA reads the device count
     when its CPU backend starts), print it, return its geometric means."""
     args = parse_args(list(argv))
-    started = time.perf_counter()
     print(f"\n== hlo_shard.jax on the bench's models: fast / plain jax.jit, N={args.devices} "
           f"CPU devices, donated, median of {args.rounds} interleaved rounds of {args.runs} "
           "steps", flush=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
-    with tempfile.TemporaryFile("w+") as errors:
-        child = subprocess.Popen([sys.executable, __file__, "--child", *argv], env=env,
-                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
-        last = ""
-        assert child.stdout is not None
-        for line in child.stdout:  # the rows as they are measured
-            if last:
-                print(last, end="", flush=True)
-            last = line
-        if child.wait() != 0:
-            errors.seek(0)
-            sys.exit(f"bench/jax_models_bench.py failed ({child.returncode}):\n"
-                     f"{errors.read()[-4000:]}")
-    print(f"(table measured in {time.perf_counter() - started:.0f} s)")
-    return json.loads(last)
+    return run_table(Path(__file__), list(argv), args.devices)
 
 
 if __name__ == "__main__":

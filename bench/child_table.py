@@ -1,0 +1,40 @@
+"""A bench table measured in a child process: jax fixes its device count when it
+starts, so the table runs where ``XLA_FLAGS`` gives it ``devices`` CPU devices. The
+child prints one row per line as it measures (echoed here as they come) and the whole
+table as JSON on its last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_table(script: Path, argv: list[str], devices: int) -> Any:
+    """``script --child *argv`` on ``devices`` CPU devices; its rows echoed, its last line
+    parsed. A failing child exits this process with its last error output."""
+    started = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen([sys.executable, str(script), "--child", *argv], env=env,
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+        last = ""
+        assert child.stdout is not None
+        for line in child.stdout:  # the rows as they are measured
+            if last:
+                print(last, end="", flush=True)
+            last = line
+        if child.wait() != 0:
+            errors.seek(0)
+            sys.exit(f"bench/{script.name} failed ({child.returncode}):\n"
+                     f"{errors.read()[-4000:]}")
+    print(f"(table measured in {time.perf_counter() - started:.0f} s)")
+    return json.loads(last)
