@@ -97,33 +97,33 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
 
-    #: The cheapest sharded trial so far and its module: what the gate writes when it
-    #: chooses that cut-off, without running the pipeline on the input again.
-    kept: dict[str, tuple[Trial, Module, ShardingReport]] = {}
+    #: The cheapest sharded trial so far, its module and report: what the gate writes
+    #: when it chooses that cut-off, without running the pipeline on the input again.
+    cheapest: tuple[Trial, Module, ShardingReport] | None = None
 
     def trial(min_bytes: int) -> tuple[Trial, ShardingReport]:
+        nonlocal cheapest
         candidate = module.clone()
         report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
         seconds = predicted_step_seconds(candidate, hardware) if sharded else baseline
         result = Trial(min_bytes, sharded, seconds)
-        if sharded and ("best" not in kept or _faster(result, kept["best"][0])):
-            kept["best"] = (result, candidate, report)
+        if sharded and (cheapest is None or _faster(result, cheapest[0])):
+            cheapest = (result, candidate, report)
         return result, report
 
-    def written(chosen: Trial, report: ShardingReport) -> ShardingReport:
+    def written(chosen: Trial) -> ShardingReport:
         """``module`` as the pipeline writes it at ``chosen``'s cut-off: the trial's own
         module, unless ``after_pass`` must watch the passes run on the input."""
-        best, candidate, _ = kept["best"]
-        if after_pass is not None or best is not chosen:
+        if cheapest is None or after_pass is not None or cheapest[0] is not chosen:
             return run_sharding(module, at_cutoff(chosen.min_bytes), after_pass)
-        module.take_contents(candidate)
-        return report
+        module.take_contents(cheapest[1])
+        return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
     everything, full = trial(user_min)
     if force or not everything.sharded:
-        report = written(everything, full) if everything.sharded else \
+        report = written(everything) if everything.sharded else \
             run_sharding(module, sharding, after_pass)
         return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
@@ -140,7 +140,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         # to write).
         report = run_sharding(module, at_cutoff(sizes[-1] + 1), after_pass)
     else:
-        report = written(chosen, kept["best"][2])
+        report = written(chosen)
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
                              hardware.min_predicted_gain, unsharded_s=unsharded)
