@@ -22,7 +22,7 @@ instruction is then its own kernel.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from hlo_shard.costmodel.flops import elements, leaf_bytes
@@ -75,18 +75,74 @@ class KernelPlan:
     duplicated: set[str]
     #: The duplicated values that are their operand's buffer relabelled (bitcasts).
     relabels: set[str] = field(default_factory=set)
-    #: Duplicated value → the values it is recomputed from (see :meth:`inputs`).
-    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Duplicated value → the values it is recomputed from (see :meth:`kernel_inputs`).
+    sources: dict[str, Sources] = field(default_factory=dict)
 
-    def inputs(self, operands: Iterable[str], members: set[str]) -> list[str]:
-        """The values a kernel reads from memory for ``operands`` of its ``members``:
-        outside the kernel, looking through producers it recomputes (duplicated), each
-        once, last operand's first (the order a depth-first walk finds them in). Scalar
-        constants are immediates in the kernel's code, not reads."""
-        found = _ordered_union([self.sources[name] if name in self.duplicated else
-                                () if _is_immediate(self.comp[name]) else (name,)
-                                for name in reversed(list(operands))])
-        return [name for name in found if name not in members]
+    #: id of a shared sources tuple → (its names as a set, their bytes): built once per
+    #: tuple, however many kernels read it.
+    _shared: dict[int, tuple[frozenset[str], float]] = field(default_factory=dict)
+    #: id of a :class:`_Union` → its names, listed once.
+    _flattened: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def _parts(self, operands: Iterable[str]) -> list[tuple[str, ...]]:
+        """Per operand (last first): the values read from memory for it — its own name,
+        or the sources of the producer the kernel recomputes; nothing for a scalar
+        constant (an immediate in the kernel's code)."""
+        return [self._flat(self.sources[name]) if name in self.duplicated else
+                () if _is_immediate(self.comp[name]) else (name,)
+                for name in reversed(list(operands))]
+
+    def _flat(self, sources: Sources) -> tuple[str, ...]:
+        """``sources`` as names, the same tuple each time it is asked for."""
+        if isinstance(sources, tuple):
+            return sources
+        if id(sources) not in self._flattened:
+            self._flattened[id(sources)] = sources.names()
+        return self._flattened[id(sources)]
+
+    def kernel_inputs(self, kernel: Kernel) -> KernelInputs:
+        """The values ``kernel`` reads from memory, looking through the producers it
+        recomputes (duplicated). Every member's reads are listed, each value once per
+        member in the order a depth-first walk finds them, except the sources of one
+        recomputed producer with many (``shared``): a global norm's per-gradient sums,
+        which every update kernel of a clipped step recomputes. Those are the same
+        tuple in every such kernel, so listing them per kernel would make the plan
+        gradients × gradients long."""
+        members = {m.name for m in kernel.members}
+        per_member = [(member, self._parts(member.operands)) for member in kernel.members]
+        shared = max((part for _, parts in per_member for part in parts), key=len,
+                     default=())
+        names, _ = self.shared_reads(shared) if len(shared) >= _SHARED_SOURCES else \
+            (frozenset(), 0.0)
+        if not names or not members.isdisjoint(names):
+            shared, names = (), frozenset()
+        named = [(member, name) for member, parts in per_member
+                 for name in _ordered_union([p for p in parts if p is not shared])
+                 if name not in members and name not in names]
+        return KernelInputs(named, shared)
+
+    def shared_reads(self, shared: tuple[str, ...]) -> tuple[frozenset[str], float]:
+        """A shared sources tuple's names as a set, and the bytes reading them costs."""
+        key = id(shared)
+        if key not in self._shared:
+            self._shared[key] = (frozenset(shared),
+                                 float(sum(leaf_bytes(self.comp[n].shape) for n in shared)))
+        return self._shared[key]
+
+
+#: Sources of a recomputed producer from which a kernel's reads list them once for
+#: all kernels (:meth:`KernelPlan.kernel_inputs`); below it they are listed per kernel.
+_SHARED_SOURCES = 32
+
+
+@dataclass(frozen=True)
+class KernelInputs:
+    """What a kernel reads: (member, value) pairs, and ``shared``, sources of a
+    recomputed producer read whole that other kernels read too (none of them in the
+    pairs)."""
+
+    named: list[tuple[Instruction, str]]
+    shared: tuple[str, ...] = ()
 
 
 def is_prefused(module: Module) -> bool:
@@ -127,17 +183,31 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
             parts.append(_Readers(True, ()))
         return _Readers.union(parts)
 
-    def consumers(found: _Readers) -> list[Kernel | None]:
-        """Kernels that read the value (looking through duplicated producers); None for
-        a reader that needs it in memory (a tuple, a control-flow op, the root)."""
-        kernels_found: list[Kernel | None] = [None] if found.root else []
+    merges = 0  # multi-output merges so far: a kernel found before one may be stale
+    #: id of a readers record → (the record, ``merges`` then, what it reads into): one
+    #: record is shared along a chain of duplicated producers (a global norm's scalar
+    #: adds, read by every update kernel), so each link finds its readers' kernels once.
+    summaries: dict[int, tuple[_Readers, int, _Consumers]] = {}
+
+    def consumers(found: _Readers) -> _Consumers:
+        """The kernels that read the value (looking through duplicated producers), each
+        once, and whether a reader needs it in memory (a tuple, a control-flow op, the
+        root, a kernel that does not take producers in)."""
+        cached = summaries.get(id(found))
+        if cached is not None and cached[0] is found and cached[1] == merges:
+            return cached[2]
+        in_memory = found.root
+        targets: dict[int, Kernel] = {}
         for user in found.users:
             kernel = kernel_of.get(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
-            kernels_found.append(kernel if kernel and _takes_producers(kernel.members[0],
-                                                                       concatenate_operands)
-                                 else None)
-        return kernels_found
+            if kernel and _takes_producers(kernel.members[0], concatenate_operands):
+                targets.setdefault(id(kernel), kernel)
+            else:
+                in_memory = True
+        summary = _Consumers(in_memory, list(targets.values()))
+        summaries[id(found)] = (found, merges, summary)
+        return summary
 
     for inst in reversed(order):
         if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
@@ -146,23 +216,22 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         readers = consumers(found)
         # A value also needed in memory (read by a tuple, a loop, the root) can still be
         # computed inside its kernel readers' fusion, as an extra output.
-        kernel_readers = [k for k in readers if k is not None]
-        fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(kernel_readers)
+        fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(readers.targets)
         if emulate_fusion and (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)
                                or _reshape_of_absorbed_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
             relabels.add(inst.name)
             reached[inst.name] = found
             continue
-        if (fusible and None not in readers and inst.opcode not in _KERNEL_ROOTS
+        if (fusible and not readers.in_memory and inst.opcode not in _KERNEL_ROOTS
                 and _is_cheap(comp, inst)):
             duplicated.add(inst.name)
             reached[inst.name] = found
             continue
-        targets = list({id(k): k for k in kernel_readers}.values())
+        targets = readers.targets
         joins = fusible and inst.opcode not in _KERNEL_ROOTS and (
             (len(targets) == 1 or all(_is_loop_kernel(k, inst) for k in targets))
-            if multi_output else (len(targets) == 1 and None not in readers))
+            if multi_output else (len(targets) == 1 and not readers.in_memory))
         if joins:
             kernel = targets[0]
             for other in targets[1:]:  # multi-output fusion of the readers
@@ -170,6 +239,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                 for member in other.members:
                     kernel_of[member.name] = kernel
                 merged.add(id(other))
+                merges += 1
             kernel.members.append(inst)
             kernel_of[inst.name] = kernel
         else:
@@ -185,6 +255,15 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                       _sources(comp, order, duplicated))
     _account(plan, users)
     return plan
+
+
+@dataclass(frozen=True)
+class _Consumers:
+    """The kernels that read a value and take it in, each once, and whether some
+    reader needs it in memory instead."""
+
+    in_memory: bool
+    targets: list[Kernel]
 
 
 @dataclass(frozen=True)
@@ -218,19 +297,67 @@ def _ordered_union(parts: list[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for part in filled for name in part))
 
 
+@dataclass(frozen=True, eq=False)
+class _Union:
+    """The sources of a duplicated value recomputed from several others' (a link of a
+    chain of scalar adds), not listed until a kernel reads it: listing every link's
+    would cost the chain's length squared (a global norm's sum over gradients)."""
+
+    parts: tuple[Sources, ...]
+
+    def names(self) -> tuple[str, ...]:
+        """The names, each once, in the order :func:`_ordered_union` of the parts'
+        lists gives: a depth-first walk that skips a union it has listed already
+        (everything in it was found the first time)."""
+        found: dict[str, None] = {}
+        seen: set[int] = set()
+        stack: list[Iterator[Sources | str]] = [iter(self.parts)]
+        while stack:
+            item = next(stack[-1], None)
+            if item is None:
+                stack.pop()
+            elif isinstance(item, str):
+                found.setdefault(item)
+            elif isinstance(item, tuple):
+                found.update(dict.fromkeys(item))
+            elif id(item) not in seen:
+                seen.add(id(item))
+                stack.append(iter(item.parts))
+        return tuple(found)
+
+
+#: Names, or a union of others' not yet listed.
+Sources = tuple[str, ...] | _Union
+
+#: A union of at most this many names is listed when it is made.
+_LISTED_UNION = 32
+
+
 def _sources(comp: Computation, order: list[Instruction], duplicated: set[str]
-             ) -> dict[str, tuple[str, ...]]:
+             ) -> dict[str, Sources]:
     """Duplicated value → the values that are not duplicated it is recomputed from, in
     the order a depth-first walk from it finds them (last operand first). Built in
-    def-before-use order from the operands' own, so each value is looked at once."""
-    sources: dict[str, tuple[str, ...]] = {}
+    def-before-use order from the operands' own, so each value is looked at once; a
+    value with a single part shares it (along a chain of duplicated scalars every link
+    has its neighbour's), a large union of several is kept as its parts."""
+    sources: dict[str, Sources] = {}
     alone: dict[str, tuple[str, ...]] = {}  # one tuple per value: unions see it is shared
     for inst in order:
-        if inst.name in duplicated:
-            sources[inst.name] = _ordered_union(
-                [sources[name] if name in duplicated else
-                 () if _is_immediate(comp[name]) else alone.setdefault(name, (name,))
-                 for name in reversed(inst.operands)])
+        if inst.name not in duplicated:
+            continue
+        parts = [part for part in
+                 (sources[name] if name in duplicated else
+                  () if _is_immediate(comp[name]) else alone.setdefault(name, (name,))
+                  for name in reversed(inst.operands)) if part]
+        if not parts:
+            sources[inst.name] = ()
+        elif all(part is parts[0] for part in parts):
+            sources[inst.name] = parts[0]
+        elif len(listed := [p for p in parts if isinstance(p, tuple)]) == len(parts) \
+                and sum(map(len, listed)) <= _LISTED_UNION:
+            sources[inst.name] = _ordered_union(listed)
+        else:
+            sources[inst.name] = _Union(tuple(parts))
     return sources
 
 
@@ -314,13 +441,15 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
     comp = plan.comp
     for kernel in plan.kernels:
         member_names = {m.name for m in kernel.members}
+        found = plan.kernel_inputs(kernel)
         reads: dict[str, float] = {}
-        for member in kernel.members:
-            for operand in plan.inputs(member.operands, member_names):
-                value = comp[operand]
-                reads[operand] = max(reads.get(operand, 0.0),
-                                     _read_size(comp, member, value, plan.relabels))
-        kernel.read_bytes = sum(reads.values())
+        for member, operand in found.named:
+            reads[operand] = max(reads.get(operand, 0.0),
+                                 _read_size(comp, member, comp[operand], plan.relabels))
+        # A shared source is read whole, whatever else reads it (a slice or an in-place
+        # update of one is never seen through a recomputed producer of many sources).
+        kernel.read_bytes = sum(reads.values()) + plan.shared_reads(found.shared)[1] \
+            if found.shared else sum(reads.values())
         for member in kernel.members:
             outside = [u for u in users[member.name] if u not in member_names]
             if outside or member.name == comp.root_name:

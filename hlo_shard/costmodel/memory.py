@@ -297,31 +297,47 @@ class _Liveness:
         return self.comp[self.definer[key]].opcode == "parameter"
 
     # -- uses -----------------------------------------------------------------------
-    def _reads(self, inst: Instruction) -> list[str]:
-        """Values an executing unit reads (kernel inputs seen through fused producers)."""
+    def _reads(self, inst: Instruction) -> tuple[list[str], tuple[str, ...]]:
+        """Values an executing unit reads (kernel inputs seen through fused producers),
+        and the sources of a recomputed producer that other kernels read as well
+        (:meth:`~hlo_shard.costmodel.kernels.KernelPlan.kernel_inputs`)."""
         kernel = self.plan.kernel_of.get(inst.name)
         if kernel is None:
-            return list(inst.operands)
+            return list(inst.operands), ()
         if kernel.members[-1] is not inst:
-            return []
-        return self.plan.inputs([o for m in kernel.members for o in m.operands],
-                                {m.name for m in kernel.members})
+            return [], ()
+        found = self.plan.kernel_inputs(kernel)
+        return [name for _, name in found.named], found.shared
 
-    def run(self) -> MemoryProfile:
-        self._define()
-        end = len(self.order)
+    def _last_uses(self) -> dict[str, int]:
+        """Buffer key → the position of its last reader (the root's: the end)."""
         last_use: dict[str, int] = {}
+        #: id of a shared sources tuple → (the tuple, its last reader's position).
+        read_last: dict[int, tuple[tuple[str, ...], int]] = {}
         for inst in self.order:
             for table in (self.tables[o] for o in inst.operands if o in self.tables):
                 last_use[table] = self.position[inst.name]  # get-tuple-element reads it
             if inst.opcode in POINTER_OPCODES:
                 continue
             at = self.read_at.get(inst.name, self.position[inst.name])
-            for name in self._reads(inst):
+            names, shared = self._reads(inst)
+            for name in names:
+                for key in self.owners(name):
+                    last_use[key] = max(last_use.get(key, -1), at)
+            if shared:  # its names' last use is that of its last reader: set once below
+                latest = read_last.get(id(shared), (shared, -1))[1]
+                read_last[id(shared)] = (shared, max(latest, at))
+        for shared, at in read_last.values():
+            for name in shared:
                 for key in self.owners(name):
                     last_use[key] = max(last_use.get(key, -1), at)
         for key in self.owners(self.comp.root.name):
-            last_use[key] = end
+            last_use[key] = len(self.order)
+        return last_use
+
+    def run(self) -> MemoryProfile:
+        self._define()
+        last_use = self._last_uses()
         argument_bytes = sum(b.size for k, b in self.buffers.items() if self._is_parameter(k))
         aliases = self.module.output_aliases() if not self.nested else {}
         output_bytes, alias_bytes, copied = self._output_accounting(aliases)

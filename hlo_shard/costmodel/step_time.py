@@ -26,6 +26,7 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -116,10 +117,9 @@ class StepEstimate:
     profile: HardwareProfile
     devices: int
     instructions: list[InstructionEstimate]
-    #: Module totals by XLA's rules, loop bodies once per iteration.
-    executed: Cost
-    #: Module totals exactly as ``hlo_module_cost_analysis`` counts them.
-    xla: Cost
+    #: The cost rules the estimate priced with (loop bodies once per iteration), kept
+    #: for the module totals, which only reports read: the gate prices many modules.
+    model: CostAnalysis = field(repr=False)
     memory: MemoryProfile
     parameter_kinds: dict[str, str]
     region_source: str
@@ -130,6 +130,16 @@ class StepEstimate:
     @property
     def seconds(self) -> float:
         return sum(i.seconds for i in self.instructions)
+
+    @functools.cached_property
+    def executed(self) -> Cost:
+        """Module totals by XLA's rules, loop bodies once per iteration."""
+        return self.model.module_cost()
+
+    @functools.cached_property
+    def xla(self) -> Cost:
+        """Module totals exactly as ``hlo_module_cost_analysis`` counts them."""
+        return CostAnalysis(self.model.module).module_cost()
 
     def seconds_by_category(self) -> dict[str, float]:
         totals = {c: 0.0 for c in CATEGORIES}
@@ -540,7 +550,7 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     return StepEstimate(
         module=module.source_path or module.name, profile=profile,
         devices=module.device_count, instructions=instructions,
-        executed=model.module_cost(), xla=CostAnalysis(module).module_cost(), memory=memory,
+        model=model, memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
 
