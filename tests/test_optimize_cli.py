@@ -302,3 +302,51 @@ def test_the_cli_states_no_bucket_size_of_its_own():
 
     option = next(p for p in optimize.params if p.name == "bucket_bytes")
     assert option.default is None
+
+
+def test_cutoff_prices_split_a_change_into_per_gradient_and_per_byte() -> None:
+    from hlo_shard.passes.speed_gate import CutoffPrices
+
+    prices = CutoffPrices.fit((10, 1000, 10 * 2e-6 - 1000 * 3e-9), (2, 800, 2 * 2e-6 - 800 * 3e-9))
+    assert prices.per_gradient == pytest.approx(2e-6) and prices.per_byte == pytest.approx(-3e-9)
+    assert prices.change(5, 500) == pytest.approx(5 * 2e-6 - 500 * 3e-9)
+    same_shape = CutoffPrices.fit((4, 400, -8.0), (2, 200, -4.0))  # cannot tell them apart
+    assert same_shape == CutoffPrices(0.0, -0.02)
+
+
+def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all(monkeypatch):
+    """The transformer fixture has seven cut-offs; the gate rewrites and prices two (all
+    gradients, the largest only) and the one the fitted prices pick, and chooses what
+    rewriting and pricing every one of them chooses, on every profile."""
+    from dataclasses import replace
+
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes import speed_gate
+    from hlo_shard.passes.sharding_pipeline import run_sharding
+    from hlo_shard.passes.weight_update_sharding import ShardingOptions
+
+    module = parse_file(ADAM.parent / "transformer.n8.hlo")
+    runs = []
+
+    def counted(candidate, sharding, after_pass=None):
+        runs.append(sharding.options.min_shard_bytes)
+        return run_sharding(candidate, sharding, after_pass)
+
+    monkeypatch.setattr(speed_gate, "run_sharding", counted)
+    for profile in ("cpu-local", "tpu-v3", "h100"):
+        sharding = WeightUpdateSharding(ShardingOptions(profile=profile))
+        runs.clear()
+        _, decision = speed_gate.shard_where_faster(module.clone(), sharding)
+        assert len(decision.trials) == 7 and len(decision.priced) <= 3
+        assert len(runs) <= 4  # the priced cut-offs, and the kept-whole module's run
+        exact = []
+        for trial in decision.trials:
+            candidate = module.clone()
+            run_sharding(candidate, replace(sharding, options=replace(
+                sharding.options, min_shard_bytes=trial.min_bytes)))
+            exact.append((speed_gate.predicted_step_seconds(candidate, sharding.profile),
+                          -trial.sharded, trial.min_bytes))
+        seconds, _, best = min(exact)
+        wins = seconds <= decision.before_s * (1 - decision.min_gain)
+        assert (decision.chosen.min_bytes if decision.chosen else None) == \
+            (best if wins else None), profile

@@ -138,8 +138,11 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
                      f"({_ratio(decision.unsharded_s, decision)})")
     for trial in decision.trials:
         chosen = " <- written" if trial == decision.chosen or decision.forced else ""
+        estimated = " (estimated from the cut-offs priced, not rewritten)" \
+            if trial.estimated else ""
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
-                     f"{fmt_seconds(trial.seconds)} ({_ratio(trial.seconds, decision)}){chosen}")
+                     f"{'~' if trial.estimated else ''}{fmt_seconds(trial.seconds)} "
+                     f"({_ratio(trial.seconds, decision)}){chosen}{estimated}")
     if decision.kept_whole:
         lines.append(f"  none predicted faster by {decision.min_gain:.0%} or more: module kept whole "
                      "(--force shards anyway)")
@@ -155,7 +158,7 @@ def _speed_summary(decision: SpeedDecision) -> str:
     figures = (f"{fmt_seconds(before)} -> {fmt_seconds(after)} per step, "
                f"{_ratio(after, decision)}")
     if decision.kept_whole:
-        best = min(t.seconds for t in decision.trials)
+        best = min(t.seconds for t in decision.priced)
         verdict = "slower" if best >= after else \
             f"less than {decision.min_gain:.0%} faster than the input"
         return (f"kept whole: sharding is predicted {verdict} on profile {decision.profile} "

@@ -215,7 +215,7 @@ def gate_json(decision: SpeedDecision) -> dict:
     """The never-slower gate's estimates (``decision.to_json()``) and the predicted
     ratio they imply: the written step's over the step as it is, or, where the step was
     kept whole, the fastest sharded candidate's. Predictions, not measurements."""
-    sharded = [t.seconds for t in decision.trials if t.sharded]
+    sharded = [t.seconds for t in decision.priced if t.sharded]
     after = min(sharded) if decision.kept_whole and sharded else decision.after_s
     ratio = after / decision.before_s if decision.before_s > 0 else None
     return {**decision.to_json(), "predicted_ratio": ratio}
@@ -320,7 +320,7 @@ def build_program(capture: Capture, options: ShardingOptions,
         report, decision, text, executable_text = _optimize(module, options, next_values,
                                                             force)
     sharded = [row for row in report.explanations if row.sharded]
-    if not sharded and any(trial.sharded for trial in decision.trials):
+    if not sharded and any(trial.sharded for trial in decision.priced):
         raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} "
                           f"faster on profile {decision.profile} (predicted "
                           f"{_fastest_ratio(decision):.2f}x the step as it is)",
@@ -368,7 +368,7 @@ def _optimize(module: Any, options: ShardingOptions, next_values: list[tuple[int
 
 def _fastest_ratio(decision: SpeedDecision) -> float:
     """The gate's best predicted step over its prediction for the step as it is."""
-    fastest = min(trial.seconds for trial in decision.trials)
+    fastest = min(trial.seconds for trial in decision.priced)
     return fastest / decision.before_s if decision.before_s > 0 else float("inf")
 
 

@@ -5,13 +5,18 @@ the target: each sharded bucket adds a reduce-scatter and an all-gather (two lat
 where the combined all-reduce paid one), formatting copies, and the update's loops lose
 their fusion with the forward pass — against the update work divided by N. The benefit
 grows with a gradient's size and the cost is mostly per collective, so the choice is a
-size cut-off: every gradient of at least ``t`` bytes is sharded. The pass runs once per
-candidate cut-off (the distinct sizes of the shardable gradients, at most
-``MAX_TRIALS``) on a copy, :func:`~hlo_shard.costmodel.step_time.estimate_step` prices
-every result on the target profile — collectives, copies and kernels as XLA would fuse
-them — and the fastest one is kept (that copy becomes the module), provided it is
-predicted faster than the input by at least the profile's ``min_predicted_gain``.
-Otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
+size cut-off: every gradient of at least ``t`` bytes is sharded. The candidates are the
+distinct sizes of the shardable gradients (at most ``MAX_TRIALS``). Two are priced by
+running the pass on a copy and pricing the result with
+:func:`~hlo_shard.costmodel.step_time.estimate_step` (collectives, copies and kernels as
+XLA would fuse them): every gradient sharded, and only the largest. The same per-gradient
+split of the cost — a price per gradient sharded and one per byte — fitted to those two
+predicts the cut-offs between (:class:`CutoffPrices`), and the one it predicts fastest
+is priced the same way when it could beat both. Rewriting and pricing the whole module is
+what costs, so the gate does it at most three times, whatever the number of cut-offs.
+The fastest cut-off priced is kept (that copy becomes the module), provided it is
+predicted faster than the input by at least the profile's ``min_predicted_gain``;
+otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
 
 Two passes of the pipeline change the module whether or not anything is sharded: the
 accumulated gradients' all-reduces move out of their loops
@@ -26,6 +31,7 @@ stays against the input, which is what the front ends run when nothing is sharde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
@@ -50,6 +56,33 @@ class Trial:
     min_bytes: int
     sharded: int
     seconds: float
+    #: Predicted by :class:`CutoffPrices`, not rewritten and priced: never chosen.
+    estimated: bool = False
+
+
+@dataclass(frozen=True)
+class CutoffPrices:
+    """The change of the predicted step from sharding a set of gradients, split as
+    ``per_gradient`` × how many + ``per_byte`` × their bytes: each sharded gradient pays
+    for its collectives' share, its copies and launches, and saves a share of its update
+    that grows with its size. Fitted to two cut-offs priced on their rewritten modules."""
+
+    per_gradient: float
+    per_byte: float
+
+    @classmethod
+    def fit(cls, first: tuple[int, int, float], second: tuple[int, int, float]
+            ) -> CutoffPrices:
+        """From two (gradients, bytes, change of the step) points; when they cannot tell
+        the parts apart (the same bytes per gradient), the change is all per byte."""
+        (n1, b1, d1), (n2, b2, d2) = first, second
+        det = n1 * b2 - n2 * b1
+        if det == 0:
+            return cls(0.0, d1 / b1 if b1 else 0.0)
+        return cls((d1 * b2 - d2 * b1) / det, (n1 * d2 - n2 * d1) / det)
+
+    def change(self, gradients: int, nbytes: int) -> float:
+        return gradients * self.per_gradient + nbytes * self.per_byte
 
 
 @dataclass(frozen=True)
@@ -79,7 +112,13 @@ class SpeedDecision:
                 "kept_whole": self.kept_whole, "unsharded_seconds": self.unsharded_s,
                 "min_shard_bytes": None if self.chosen is None else self.chosen.min_bytes,
                 "trials": [{"min_shard_bytes": t.min_bytes, "sharded": t.sharded,
-                            "seconds": t.seconds} for t in self.trials]}
+                            "seconds": t.seconds, "estimated": t.estimated}
+                           for t in self.trials]}
+
+    @property
+    def priced(self) -> tuple[Trial, ...]:
+        """The trials rewritten and priced (the estimated ones left out)."""
+        return tuple(t for t in self.trials if not t.estimated)
 
 
 def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False,
@@ -128,10 +167,14 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
             hardware.min_predicted_gain, forced=force, unsharded_s=unsharded)
-    sizes = sorted({row.bytes for row in full.explanations if row.sharded})
+    sharded_bytes = sorted(row.bytes for row in full.explanations if row.sharded)
+    sizes = sorted(set(sharded_bytes))
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
-    trials = [everything] + [trial(size)[0] for size in cutoffs]
-    best = min(trials, key=_rank)
+    trials = [everything]
+    if cutoffs:
+        trials.append(trial(cutoffs[-1])[0])
+        trials += _guided(cutoffs[:-1], sharded_bytes, baseline, trials, trial)
+    best = min((t for t in trials if not t.estimated), key=_rank)
     beats_input = best.seconds <= before * (1 - hardware.min_predicted_gain)
     chosen = best if beats_input and best.seconds < baseline else None
     if chosen is None:
@@ -146,6 +189,31 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
                              hardware.min_predicted_gain, unsharded_s=unsharded)
     _explain_cost_rows(report, decision, user_min)
     return report, decision
+
+
+def _guided(cutoffs: list[int], sharded_bytes: list[int], baseline: float,
+            priced: list[Trial], trial: Callable[[int], tuple[Trial, ShardingReport]]
+            ) -> list[Trial]:
+    """The ``cutoffs`` between the two ``priced`` ones, predicted by
+    :class:`CutoffPrices` fitted to them; the one predicted fastest is priced on its
+    rewritten module when the prediction beats both."""
+    if not cutoffs:
+        return []
+
+    def point(t: Trial) -> tuple[int, int, float]:
+        chosen = [b for b in sharded_bytes if b >= t.min_bytes]
+        return len(chosen), sum(chosen), t.seconds - baseline
+
+    prices = CutoffPrices.fit(*(point(t) for t in priced))
+    predicted = []
+    for cutoff in cutoffs:
+        chosen = [b for b in sharded_bytes if b >= cutoff]
+        predicted.append(Trial(cutoff, len(chosen),
+                               baseline + prices.change(len(chosen), sum(chosen)), True))
+    guess = min(predicted, key=_rank)
+    if not _faster(guess, min(priced, key=_rank)):
+        return predicted
+    return [trial(t.min_bytes)[0] if t is guess else t for t in predicted]
 
 
 def _rank(trial: Trial) -> tuple[float, int]:
@@ -197,7 +265,7 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
                 row.reason_code != ReasonCode.BELOW_MIN_SHARD_BYTES.value:
             continue
         # The cheapest way to shard this one too: the best cut-off that includes it.
-        options = [t for t in decision.trials if t.min_bytes <= row.bytes]
+        options = [t for t in decision.priced if t.min_bytes <= row.bytes]
         if not options:
             continue
         alternative = min(options, key=lambda t: t.seconds)
@@ -207,5 +275,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
-__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "predicted_step_seconds",
+__all__ = ["MAX_TRIALS", "CutoffPrices", "SpeedDecision", "Trial", "predicted_step_seconds",
            "shard_where_faster"]
