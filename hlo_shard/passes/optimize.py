@@ -89,7 +89,7 @@ class OptimizeResult:
         estimates, the strategies priced, one row per gradient (``names``: with the
         user's name of the weight it is the gradient of) and the notes, after the
         caller's own ``fields`` (its input, options, ...); the passes' edits where they
-        were recorded."""
+        were recorded. A module without names has rows without ``gradient_of``."""
         names = names if names is not None else UserNames()
         report, decision = self.report, self.decision
         rows = report.explanations
@@ -100,7 +100,8 @@ class OptimizeResult:
             "sharded": self.sharded,
             "already_sharded": sum(1 for r in rows if r.already_sharded),
             "gradients": len(rows),
-            "explanations": [names.explained(r.to_json()) for r in rows],
+            "explanations": [names.explained(r.to_json()) if names else r.to_json()
+                             for r in rows],
             "notes": [names.note(note) for note in report.notes],
             **({"changes": [c.to_json() for c in self.changes]} if self.changes else {}),
         }
