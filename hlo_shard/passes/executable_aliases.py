@@ -14,33 +14,30 @@ path; an alias does.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from hlo_shard.graph import ModuleRewriter
-from hlo_shard.ir import ArrayShape, Module, Raw, TupleShape
+from hlo_shard.ir import Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, TupleShape
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.replica_form import DONATION_ATTRIBUTES
 
-#: The parameter number of one ``(parameter, {index}…)`` entry of a donation attribute.
-_DONATED = re.compile(r"\(\s*(\d+)\s*,\s*\{")
-
-
 def donated_parameters(module: Module) -> tuple[int, ...]:
     """The entry parameters ``module``'s header donates (aliased or bare donors), sorted."""
-    return tuple(sorted({int(n) for key in DONATION_ATTRIBUTES
-                         if isinstance(value := module.header.get(key), Raw)
-                         for n in _DONATED.findall(value.text)}))
+    aliases, donors = module.header.get("input_output_alias"), module.header.get("buffer_donor")
+    numbers = {alias.parameter for alias in aliases.entries} \
+        if isinstance(aliases, InputOutputAlias) else set()
+    numbers |= {number for number, _ in donors.donors} if isinstance(donors, BufferDonor) \
+        else set()
+    return tuple(sorted(numbers))
 
 
-def _alias_text(module: Module, pairs: Sequence[tuple[int, int]]) -> Raw:
-    """``input_output_alias`` aliasing output leaf ``k`` to parameter ``p`` for each
-    pair (a module whose result is one array has one output, ``{}``)."""
+def _aliases(module: Module, pairs: Sequence[tuple[int, int]]) -> InputOutputAlias:
+    """Output leaf ``k`` aliased to parameter ``p`` for each pair (a module whose result
+    is one array has one output, ``{}``)."""
     tupled = isinstance(module.entry.root.shape, TupleShape)
-    return Raw("{ " + ", ".join(f"{{{k if tupled else ''}}}: ({p}, {{}}, may-alias)"
-                                for k, p in pairs) + " }")
+    return InputOutputAlias(tuple(Alias((k,) if tupled else (), p) for k, p in pairs))
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class NextValueAliases(ModulePass[None]):
         edits = ModuleRewriter(module)
         for key in DONATION_ATTRIBUTES:
             edits.pop_header(key)
-        edits.set_header("input_output_alias", _alias_text(module, self.next_values))
+        edits.set_header("input_output_alias", _aliases(module, self.next_values))
         return PassResult(module, bool(edits.changes), edits.changes)
 
 
@@ -77,7 +74,7 @@ class ExecutableAliases(ModulePass[None]):
             edits.pop_header(key)
         taken = self._pairs(module) if self.donors else {}
         if taken:
-            edits.set_header("input_output_alias", _alias_text(
+            edits.set_header("input_output_alias", _aliases(
                 module, sorted(((k, p) for p, k in taken.items()), key=lambda pair: pair[0])))
         return PassResult(module, bool(edits.changes), edits.changes)
 
