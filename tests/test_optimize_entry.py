@@ -131,3 +131,16 @@ def test_a_module_for_an_executable_is_in_replica_form_with_its_aliases():
     assert "replica_count=4" in header and "num_partitions" not in header
     assert "input_output_alias={ {}: (0, {}, may-alias) }" in header
     assert parse(result.text).output_aliases() == {0: 0}
+
+
+def _calls(path: Path, name: str) -> int:
+    return sum(1 for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == name)
+
+
+@pytest.mark.parametrize("front_end", ["jax/hook.py", "jax/_program.py"])
+def test_the_jax_front_ends_parse_once_and_leave_printing_to_optimize(front_end):
+    """The captured module is parsed once (the report's names are read before the
+    rewrite, not from a second parse) and printed once, by ``optimize``'s check."""
+    assert _calls(PACKAGE / front_end, "parse") == 1
+    assert _calls(PACKAGE / front_end, "to_text") == 0
