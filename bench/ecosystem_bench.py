@@ -160,7 +160,7 @@ def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
     if report.get("fallback") is None:
         decision = f"sharded {report.get('sharded')} of {report.get('gradients')}"
     else:
-        gate = report.get("gate") or {}
+        gate = report.get("speed") or {}
         predicted = gate.get("predicted_ratio")
         decision = f"fell back: {report['fallback']}" + \
             (f" (predicted {predicted:.2f}x)" if predicted is not None else "")

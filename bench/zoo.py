@@ -73,8 +73,8 @@ def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
 
 
 def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) -> Row:
-    from hlo_shard import parse_file, runtime
-    from hlo_shard.cli.optimize import build_manifest, optimize_where_faster
+    from hlo_shard import optimize, parse_file, runtime
+    from hlo_shard.cli.optimize import build_manifest
     from hlo_shard.passes.weight_update_sharding import ShardingOptions
     from hlo_shard.runtime.inputs import generate_inputs, parameter_roles
 
@@ -82,7 +82,8 @@ def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) 
     candidates: dict[str, Path] = {}
     for state in STATES:
         module = parse_file(path)
-        report, text, decision = optimize_where_faster(module, ShardingOptions(state=state))
+        result = optimize(module, ShardingOptions(state=state))
+        report, text, decision = result.report, result.text, result.decision
         row.predicted[state] = decision.after_s / decision.before_s
         row.original_predicted_s = decision.before_s
         row.sharded[state] = sum(1 for r in report.explanations if r.sharded)

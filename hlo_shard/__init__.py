@@ -3,10 +3,13 @@
 from hlo_shard.errors import HloParseError, HloRuntimeError, HloShardError
 from hlo_shard.ir import Computation, Instruction, Module
 from hlo_shard.parser import parse, parse_file
+from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
 from hlo_shard.printer import to_text
 
 __all__ = [
-    "Computation", "HloParseError", "HloRuntimeError", "HloShardError", "Instruction",
-    "Module", "parse", "parse_file", "to_text",
+    "Computation", "ForExecutable", "HloParseError", "HloRuntimeError", "HloShardError",
+    "Instruction", "Module", "OptimizeResult", "ShardingOptions", "ShardingReport", "optimize",
+    "parse", "parse_file", "to_text",
 ]
 __version__ = "0.1.0"

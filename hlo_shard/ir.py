@@ -13,7 +13,6 @@ verbatim, so nothing XLA adds in a new release is ever dropped.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
@@ -180,12 +179,61 @@ class ReplicaGroups:
         return sizes.pop() if len(sizes) == 1 else None
 
 
+#: An XLA ShapeIndex: the path to a leaf of a (tuple) shape, ``()`` the whole shape.
+ShapeIndex = tuple[int, ...]
+#: The alias kinds XLA writes (``may-alias``: XLA may copy instead; ``must-alias``: the
+#: producer demands the buffer be shared).
+ALIAS_KINDS = ("may-alias", "must-alias")
+
+
+@dataclass(frozen=True, slots=True)
+class Alias:
+    """One entry of ``input_output_alias``: output leaf ``output`` shares the buffer of
+    leaf ``parameter_index`` of entry parameter ``parameter`` (XLA's
+    ``HloInputOutputAliasConfig::Alias``)."""
+
+    output: ShapeIndex
+    parameter: int
+    parameter_index: ShapeIndex = ()
+    #: One of :data:`ALIAS_KINDS`; None: written without (XLA reads ``may-alias``).
+    kind: str | None = "may-alias"
+
+    @property
+    def may_alias(self) -> bool:
+        return self.kind != "must-alias"
+
+
+@dataclass(frozen=True, slots=True)
+class InputOutputAlias:
+    """The ``input_output_alias`` header attribute (XLA's ``HloInputOutputAliasConfig``),
+    its entries in the order written: read once by the parser, printed by the printer;
+    passes edit it as a value, never as text."""
+
+    entries: tuple[Alias, ...] = ()
+
+    def array_aliases(self) -> dict[int, int]:
+        """{top-level output index: parameter number} for aliases of whole (array)
+        parameters to top-level outputs, in order; output ``{}`` (a module whose result
+        is one array) is read as 0."""
+        return {(alias.output[0] if alias.output else 0): alias.parameter
+                for alias in self.entries
+                if len(alias.output) <= 1 and not alias.parameter_index}
+
+
+@dataclass(frozen=True, slots=True)
+class BufferDonor:
+    """The ``buffer_donor`` header attribute (XLA's ``HloBufferDonorConfig``): (entry
+    parameter, leaf index) pairs whose buffers the executable may reuse for any output."""
+
+    donors: tuple[tuple[int, ShapeIndex], ...] = ()
+
+
 #: int: channel_id, index, iota_dimension, feature_index …
 #: bool: use_global_device_ids, constrain_layout, is_stable, indices_are_sorted …
 #: tuple[int, ...]: braced int lists (dimensions, dynamic_slice_sizes, *_dims …)
 #: float: epsilon
 AttrValue = (int | bool | float | tuple | Raw | Ident | Str | ComputationRef | ComputationList
-             | SliceRanges | ReplicaGroups)
+             | SliceRanges | ReplicaGroups | InputOutputAlias | BufferDonor)
 
 _A = TypeVar("_A")
 
@@ -426,12 +474,10 @@ class Module:
 
     def output_aliases(self) -> dict[int, int]:
         """``input_output_alias`` as {top-level output index: parameter number}, for
-        aliases of whole (array) parameters, in the header's order; a module whose root
-        is not a tuple aliases output ``{}``, read as 0."""
-        raw = self.header.get("input_output_alias")
-        text = raw.text if isinstance(raw, Raw) else ""
-        return {int(out or 0): int(param) for out, param in re.findall(
-            r"\{\s*(\d*)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*\}", text)}
+        aliases of whole (array) parameters, in the header's order
+        (:meth:`InputOutputAlias.array_aliases`)."""
+        aliases = self.header.get("input_output_alias")
+        return aliases.array_aliases() if isinstance(aliases, InputOutputAlias) else {}
 
     @property
     def replica_count(self) -> int:

@@ -49,9 +49,9 @@ from hlo_shard.errors import HloParseError
 from hlo_shard.opinfo import OPCODES, OPERAND, OPINFO, PRED, SECOND
 from hlo_shard.source import read_text
 from hlo_shard.ir import (
-    COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, ArrayShape, AttrValue, Computation,
-    ComputationList, ComputationRef, Ident, Instruction, Layout, Module, Raw, Shape, SourceLoc,
-    Str, TupleShape,
+    ALIAS_KINDS, COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, Alias, ArrayShape, AttrValue,
+    BufferDonor, Computation, ComputationList, ComputationRef, Ident, InputOutputAlias,
+    Instruction, Layout, Module, Raw, Shape, ShapeIndex, SourceLoc, Str, TupleShape,
 )
 from hlo_shard.values import (
     LiteralError, c_unescape, check_literal, float_format, read_int_list, read_names,
@@ -126,8 +126,58 @@ def _braced(text: str) -> Raw | None:
     return Raw(text) if text.startswith("{") else None
 
 
+#: A ShapeIndex as XLA writes it: ``{}``, ``{0}``, ``{1,0}``.
+_SHAPE_INDEX = r"\{\s*(?:\d+\s*(?:,\s*\d+\s*)*)?\}"
+#: One ``{output}: (parameter, {index}[, kind])`` entry of ``input_output_alias``.
+_ALIAS_ENTRY = re.compile(rf"\s*({_SHAPE_INDEX})\s*:\s*\(\s*(\d+)\s*,\s*({_SHAPE_INDEX})"
+                          rf"\s*(?:,\s*([\w-]+)\s*)?\)\s*")
+#: One ``(parameter, {index})`` entry of ``buffer_donor``.
+_DONOR_ENTRY = re.compile(rf"\s*\(\s*(\d+)\s*,\s*({_SHAPE_INDEX})\s*\)\s*")
+
+
+def _shape_index(text: str) -> ShapeIndex:
+    return tuple(int(n) for n in text.strip("{} ").split(",") if n.strip())
+
+
+def _entries(text: str, entry: re.Pattern[str]) -> list[re.Match[str]] | None:
+    """The matches of ``entry`` that make up ``{ e, e, … }`` (None: it is not that)."""
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    inner, position = text[1:-1], 0
+    found: list[re.Match[str]] = []
+    if not inner.strip():
+        return found
+    while True:
+        match = entry.match(inner, position)
+        if match is None:
+            return None
+        found.append(match)
+        position = match.end()
+        if position == len(inner):
+            return found
+        if inner[position] != ",":
+            return None
+        position += 1
+
+
+def _input_output_alias(text: str) -> InputOutputAlias | None:
+    matches = _entries(text, _ALIAS_ENTRY)
+    if matches is None or any(m.group(4) not in (None, *ALIAS_KINDS) for m in matches):
+        return None
+    return InputOutputAlias(tuple(
+        Alias(_shape_index(m.group(1)), int(m.group(2)), _shape_index(m.group(3)), m.group(4))
+        for m in matches))
+
+
+def _buffer_donor(text: str) -> BufferDonor | None:
+    matches = _entries(text, _DONOR_ENTRY)
+    return None if matches is None else BufferDonor(tuple(
+        (int(m.group(1)), _shape_index(m.group(2))) for m in matches))
+
+
 #: Header attribute → (reader of its value text, None when it is not of the kind; the
-#: kind in words); the typed ones are ints and bools, the others kept verbatim.
+#: kind in words); the typed ones are ints, bools and the donation configs, the others
+#: kept verbatim.
 _HEADER_VALUES: dict[str, tuple[Callable[[str], AttrValue | None], str]] = {
     "replica_count": (_count, "a positive integer (at most 2^63-1)"),
     "num_partitions": (_count, "a positive integer (at most 2^63-1)"),
@@ -136,6 +186,9 @@ _HEADER_VALUES: dict[str, tuple[Callable[[str], AttrValue | None], str]] = {
     "allow_spmd_sharding_propagation_to_output": (_booleans, "true, false or {true,false,...}"),
     "allow_spmd_sharding_propagation_to_parameters": (
         _booleans, "true, false or {true,false,...}"),
+    "input_output_alias": (_input_output_alias,
+                           "'{ {output}: (parameter, {index}, may-alias|must-alias), ... }'"),
+    "buffer_donor": (_buffer_donor, "'{ (parameter, {index}), ... }'"),
 }
 
 _TYPE_KEYWORDS = frozenset(ELEMENT_BITS) | {"opaque_type"}

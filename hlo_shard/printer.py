@@ -15,8 +15,9 @@ from typing import TypeVar, cast
 
 from hlo_shard.graph import Change, callees_first, topological_order
 from hlo_shard.ir import (
-    ArrayShape, AttrValue, Computation, ComputationList, ComputationRef, Ident, Instruction,
-    Module, Raw, ReplicaGroups, Shape, SliceRanges, Str, TupleShape,
+    Alias, ArrayShape, AttrValue, BufferDonor, Computation, ComputationList, ComputationRef,
+    Ident, InputOutputAlias, Instruction, Module, Raw, ReplicaGroups, Shape, ShapeIndex,
+    SliceRanges, Str, TupleShape,
 )
 from hlo_shard.values import c_quote, read_mesh_axes
 
@@ -66,6 +67,22 @@ def _printer(kind: type[_V], print_value: Callable[[_V], str]) -> tuple[type, Va
 
 #: Value type → printer. bool is listed before int (bool is an int subclass) and the
 #: lookup goes by exact type.
+def _shape_index(index: ShapeIndex) -> str:
+    return "{" + ",".join(map(str, index)) + "}"
+
+
+def _alias(alias: Alias) -> str:
+    """As XLA's ``HloInputOutputAliasConfig::ToShortString`` writes one entry."""
+    kind = f", {alias.kind}" if alias.kind is not None else ""
+    return (f"{_shape_index(alias.output)}: ({alias.parameter}, "
+            f"{_shape_index(alias.parameter_index)}{kind})")
+
+
+def _braced_entries(entries: list[str]) -> str:
+    """``{ a, b }`` as XLA's module printer writes a donation config; ``{}`` when empty."""
+    return "{ " + ", ".join(entries) + " }" if entries else "{}"
+
+
 _VALUE_FORMATS: dict[type, ValuePrinter] = dict([
     _printer(bool, lambda v: "true" if v else "false"),
     _printer(int, str),
@@ -80,6 +97,9 @@ _VALUE_FORMATS: dict[type, ValuePrinter] = dict([
         f"[{a}:{b}]" if c == 1 else f"[{a}:{b}:{c}]" for a, b, c in v.ranges) + "}"),
     _printer(ReplicaGroups,
              lambda v: v.text if v.text is not None else _format_int_list(v.groups)),
+    _printer(InputOutputAlias, lambda v: _braced_entries([_alias(a) for a in v.entries])),
+    _printer(BufferDonor, lambda v: _braced_entries(
+        [f"({number}, {_shape_index(index)})" for number, index in v.donors])),
 ])
 
 

@@ -5,7 +5,8 @@ the same for every replica count except the size of the data-parallel group (and
 with a fixed global batch, the per-replica batch), so :func:`retarget` rewrites the
 module's group to N devices, :class:`~hlo_shard.passes.weight_update_sharding.
 WeightUpdateSharding` shards that module for N (its shard lengths, padding, bucket
-choices), and both modules are estimated on the profile. Nothing is compiled or run.
+choices; the optimizer without its gate, :func:`~hlo_shard.passes.optimize.optimize`
+``gate=False``), and both modules are estimated on the profile. Nothing is compiled or run.
 
 Weak scaling (``batch_per_replica="fixed"``, the default) needs nothing else. With a
 fixed *global* batch the per-replica batch shrinks as 1/N; the module's shapes cannot
@@ -31,17 +32,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
+from hlo_shard.passes.optimize import optimize
 from hlo_shard.passes.retarget import Retarget, data_parallel_size
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.profiles import HardwareProfile
-
-if TYPE_CHECKING:
-    from hlo_shard.passes.pipeline import Pipeline
 
 
 @dataclass
@@ -149,16 +148,6 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     return Projection(sum(seconds.values()), seconds, peak)
 
 
-def sharding_pass(state: str, strategy: str, profile: HardwareProfile) -> Pipeline:
-    """The weight-update sharding pipeline with the given options; ``auto`` buckets the
-    collectives for ``profile``, the hardware projected on."""
-    from hlo_shard.passes.sharding_pipeline import sharding_pipeline
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
-
-    return sharding_pipeline(WeightUpdateSharding(ShardingOptions(state=state, strategy=strategy,
-                                                                  profile=profile)))
-
-
 def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
             global_batch: int | None = None, state: str = "sharded", strategy: str = "auto",
             algorithm: str | None = None, parameters: int | None = None,
@@ -189,8 +178,9 @@ def project(module: Module, replicas: list[int], profile: HardwareProfile, *,
                                              categories=base.categories, roles=roles),
                                factor, weight_factor)
         try:
-            sharded_module = sharding_pass(state, strategy, hardware).run(
-                target.clone()).module
+            # Every eligible gradient, unpriced: the projection is of the sharded step.
+            sharded_module = optimize(target.clone(), ShardingOptions(
+                state=state, strategy=strategy, profile=hardware), gate=False).module
         except HloShardError as err:
             points.append(ScalePoint(n, original, None, str(err)))
             continue

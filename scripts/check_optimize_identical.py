@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hlo_shard.cli.optimize import optimize_module  # noqa: E402
+from hlo_shard import optimize  # noqa: E402
 from hlo_shard.parser import parse  # noqa: E402
 from hlo_shard.passes.weight_update_sharding import ShardingOptions  # noqa: E402
 from hlo_shard.printer import to_text  # noqa: E402
@@ -45,8 +45,8 @@ def _optimized(state: str) -> Callable[[str, str], str]:
     """The transformation itself (``--force``): the speed gate would keep most small
     fixtures whole and leave the pass's output unhashed."""
     def run(text: str, path: str) -> str:
-        return optimize_module(parse(text, path=path), ShardingOptions(state=state),
-                               force=True)[1]
+        return optimize(parse(text, path=path), ShardingOptions(state=state),
+                        force=True).text
     return run
 
 

@@ -20,7 +20,7 @@ from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.accumulation_motion import (AccumulationMotion, AccumulationReport,
                                                    is_zero)
-from hlo_shard.passes.optimize import optimize_module, optimize_where_faster
+import hlo_shard
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.printer import to_text
@@ -289,7 +289,8 @@ def test_dropping_the_initial_value_is_caught(worker):
 
 def test_the_optimized_loop_computes_the_same(worker):
     module = parse(LOOP)
-    report, text = optimize_module(module, ShardingOptions(state="sharded"), force=True)
+    result = hlo_shard.optimize(module, ShardingOptions(state="sharded"), force=True)
+    report, text = result.report, result.text
     assert any(r.sharded for r in report.explanations)
     assert "reduce-scatter" in text and body_collectives(parse(text)) == []
     result = runtime.verify(parse(LOOP), parse(text), runtime.VerifyOptions(
@@ -378,7 +379,8 @@ def test_accumulation_is_reduce_scattered_once_after_the_loop(request, worker, f
     body = _loop_body(original)
     assert sum(i.opcode == "all-reduce" for i in original.computation(body).instructions) \
         == 6 + staying
-    report, optimized = optimize_module(parse(text), ShardingOptions())
+    result = hlo_shard.optimize(parse(text), ShardingOptions())
+    report, optimized = result.report, result.text
     module = parse(optimized)
     left = [i for i in module.computation(body).instructions if i.opcode in COLLECTIVES]
     # only the loss's scalar sum (divided and written into the losses) stays
@@ -406,7 +408,8 @@ def test_a_bf16_gradient_converted_before_accumulation_stays_in_the_loop(request
     step, params, opt_state, batch = _scan_program("fori-mean-bf16")
     text = hsj.per_device_hlo(step, params, opt_state, batch(0))
     body = _loop_body(parse(text))
-    report, optimized = optimize_module(parse(text), ShardingOptions(), force=True)
+    result = hlo_shard.optimize(parse(text), ShardingOptions(), force=True)
+    report, optimized = result.report, result.text
     assert sum("(its result is converted" in note for note in report.notes) == 6
     module = parse(optimized)
     assert [i.opcode for i in module.computation(body).instructions
@@ -465,7 +468,8 @@ def test_multisteps_accumulation_is_sharded_in_the_optimizer_state(request, work
     text = hsj.per_device_hlo(jax.jit(train_step), params, opt_state, program.batch(0))
     module = parse(text)
     assert not [i for i in module.entry.instructions if i.opcode == "while"]
-    report, optimized = optimize_module(module, ShardingOptions(state="sharded"), force=True)
+    result = hlo_shard.optimize(module, ShardingOptions(state="sharded"), force=True)
+    report, optimized = result.report, result.text
     assert not any("moved after the loop" in note for note in report.notes)
     assert sum(r.sharded for r in report.explanations) == 6
     # mu, nu and MultiSteps' accumulated gradients of the 6 leaves are kept as shards
@@ -480,7 +484,8 @@ def test_the_speed_gate_prices_the_moved_loop():
     sharding after the loop is not predicted cheaper than that, the module written is
     the moved one, kept whole, and the decision says what it costs."""
     module = parse(LOOP)
-    report, text, decision = optimize_where_faster(module, ShardingOptions())
+    result = hlo_shard.optimize(module, ShardingOptions())
+    report, text, decision = result.report, result.text, result.decision
     assert decision.kept_whole and not any(r.sharded for r in report.explanations)
     assert decision.unsharded_s is not None and decision.unsharded_s < decision.before_s
     assert decision.after_s == decision.unsharded_s

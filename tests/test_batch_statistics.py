@@ -14,7 +14,8 @@ import pytest
 
 from hlo_shard import runtime
 from hlo_shard.analysis import update_region
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
@@ -25,7 +26,8 @@ STRATEGIES = ("per-tensor", "combined", "auto")
 
 def rows(text: str, **options):
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(**options), force=True)
+    result = optimize(module, ShardingOptions(**options), force=True)
+    report, optimized = result.report, result.text
     return {row.all_reduce: row for row in report.explanations}, report, optimized
 
 

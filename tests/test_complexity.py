@@ -28,7 +28,7 @@ from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.optimize import optimize_module
+from hlo_shard import optimize
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.profiles import load_profile
 
@@ -193,8 +193,8 @@ ANALYSES: dict[str, Callable[[Module], object]] = {
     "memory_profile": memory_profile,
     "donated_parameter_copies": donated_parameter_copies,
     "estimate_step": lambda m: estimate_step(m, load_profile("cpu-local"), {}),
-    "optimize": lambda m: optimize_module(m, ShardingOptions()),
-    "optimize_sharded": lambda m: optimize_module(m, ShardingOptions(state="sharded")),
+    "optimize": lambda m: optimize(m, ShardingOptions()),
+    "optimize_sharded": lambda m: optimize(m, ShardingOptions(state="sharded")),
 }
 
 
@@ -249,7 +249,8 @@ def test_deep_modules_do_not_recurse(state: str) -> None:
     schedule and a 1,500-op padded update go through the optimizer, sharded, under the
     default recursion limit."""
     for text in (chain(1_500), ladder(120), piecewise(200), long_update(1_500)):
-        report, _ = optimize_module(parse(text), ShardingOptions(state=state), force=True)
+        result = optimize(parse(text), ShardingOptions(state=state), force=True)
+        report, _ = result.report, result.text
         assert all(row.sharded for row in report.explanations)
 
 

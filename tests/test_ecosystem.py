@@ -45,7 +45,8 @@ from jax_train_helpers import BOUNDS, ROOT, needs_devices, worst_relative
 
 import hlo_shard.jax as hsj
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
@@ -199,7 +200,8 @@ def verify_optimized(name: str, state: str) -> runtime.VerifyReport:
     prog = program(name)
     text = hsj.per_device_hlo(prog.step, *prog.init(), prog.batch(0))
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
+    result = optimize(module, ShardingOptions(state=state), force=True)
+    report, optimized = result.report, result.text
     rows = {row.all_reduce: row for row in report.explanations}
     assert any(row.reason_code == "feeds_gradients" for row in rows.values())
     return runtime.verify(parse(text), parse(optimized), runtime.VerifyOptions(

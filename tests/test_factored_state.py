@@ -13,7 +13,8 @@ import re
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+import hlo_shard
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
@@ -101,7 +102,8 @@ def verify(text: str, optimized: str, manifest, steps: int = 4) -> runtime.Verif
 
 def optimized_text(text: str, state: str):
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
+    result = hlo_shard.optimize(module, ShardingOptions(state=state), force=True)
+    report, optimized = result.report, result.text
     return optimized, build_manifest(report, module)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hlo_shard.analysis.collectives import recovered_device_counts
-from hlo_shard.cli.optimize import optimize_module
+from hlo_shard import optimize
 from hlo_shard.ir import ArrayShape
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
@@ -57,7 +57,8 @@ ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {
 def _optimize(text: str, **options):
     """The rewrite as told (``force``): these modules are too small to be predicted faster."""
     module = parse(text)
-    report, out = optimize_module(module, ShardingOptions(**options), force=True)
+    result = optimize(module, ShardingOptions(**options), force=True)
+    report, out = result.report, result.text
     return report, parse(out)
 
 

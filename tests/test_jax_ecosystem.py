@@ -135,7 +135,7 @@ def test_an_equinox_filter_jit_step(request, state):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses, _ = run(fast)
-    assert fast.report is not None and fast.report["gate"] is not None  # captured, priced
+    assert fast.report is not None and fast.report["speed"] is not None  # captured, priced
     if fast.report["fallback"] is not None:
         assert fast.report["fallback"] == "not_faster"
         assert len([c for c in caught if issubclass(c.category, hsj.FallbackWarning)]) == 1

@@ -166,14 +166,14 @@ def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     assert " ms" not in str(fallbacks[0])
     report = fast.report  # exists after a fallback: the code and the gate's estimates
     assert report["fallback"] == "not_faster" and report["sharded"] == 0
-    gate = report["gate"]
+    gate = report["speed"]
     assert gate["kept_whole"] and gate["before_seconds"] > 0 and gate["predicted_ratio"] > 0.9
     assert report["gradients"] >= 1
     assert_close(outs[-1], program.step(params, opt_state, program.batch(1)))
     forced = hsj.shard_weight_update(program.step, force=True)
     forced(params, opt_state, program.batch(0))
     assert forced.report["sharded"] >= 1 and forced.report["fallback"] is None
-    assert forced.report["gate"]["forced"]
+    assert forced.report["speed"]["forced"]
 
 
 def test_a_gradient_from_a_dot_is_scattered_flat_not_in_minor_blocks(request):

@@ -23,10 +23,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graph", "profiles"),
     ("printer",),
     ("parser", "validate"),
-    ("hlo_shard",),
     ("analysis",),
     ("costmodel",),
     ("passes",),
+    # The package's face: the records, the parser and printer, and the optimizer's one
+    # entry point (``hlo_shard.optimize``).
+    ("hlo_shard",),
     ("runtime", "scaling"),
     # The library's front end and the cost reports of the CLI's commands: neither uses
     # the other (jax/_program once imported the reports' fmt_seconds: now units).

@@ -13,7 +13,7 @@ import pytest
 from hlo_shard import parse
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
-from hlo_shard.passes.optimize import optimize_where_faster
+from hlo_shard import optimize
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.profiles import load_profile
 
@@ -84,7 +84,8 @@ def _module(form: str):
 @pytest.mark.parametrize("form", [PARTITIONER_FORM, REDUCE_SCATTER_FORM],
                          ids=["partitioner-dynamic-slice", "reduce-scatter"])
 def test_an_already_reduce_scattered_gradient_is_reported_already_sharded(form):
-    report, _, _ = optimize_where_faster(_module(form), ShardingOptions(), force=True)
+    result = optimize(_module(form), ShardingOptions(), force=True)
+    report, _, _ = result.report, result.text, result.decision
     rows = {row.all_reduce: row for row in report.explanations}
     big = rows["gw.sum" if "all-reduce(%gw)" in form else "gw.mine"]
     assert not big.sharded
@@ -134,7 +135,8 @@ def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_cha
     assert "num_partitions" not in module.header
     profile = load_profile("cpu-local")
     before = estimate_step(module, profile, planned_update_regions(module))
-    report, text, _ = optimize_where_faster(module, ShardingOptions(), force=True)
+    result = optimize(module, ShardingOptions(), force=True)
+    report, text, _ = result.report, result.text, result.decision
     sharded = [row for row in report.explanations if row.sharded]
     assert sum(r.bytes for r in sharded) < 0.01 * sum(r.bytes for r in report.explanations)
     rewritten = parse(text)

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.fuzz.mutants import KINDS, Mutant, mutants
 from hlo_shard.parser import parse
@@ -73,7 +74,8 @@ def subject(name: str) -> Subject:
         fixture, state = SUBJECTS[name]
         path = FIXTURES / fixture
         module = parse(path.read_text(), str(path))
-        report, text = optimize_module(module, ShardingOptions(state=state), force=True)
+        result = optimize(module, ShardingOptions(state=state), force=True)
+        report, text = result.report, result.text
         assert any(r.sharded for r in report.explanations), name
         _SUBJECTS[name] = Subject(parse(path.read_text(), str(path)), text,
                                   build_manifest(report, module), module.device_count)

@@ -18,7 +18,8 @@ import pytest
 from hlo_shard import runtime
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.opinfo import ELEMENTWISE
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.graph import dataflow_graph
 from hlo_shard.ir import ArrayShape, TupleShape
 from hlo_shard.parser import parse
@@ -69,7 +70,8 @@ def test_every_gradient_is_sharded_or_explained(path):
     expected = {(ar.computation, ar.name) for ar in find_gradient_all_reduces(moved)}
     full_dims = _gradient_dims(original)
     module = parse(path.read_text(), str(path))
-    report, _ = optimize_module(module, ShardingOptions(), force=True)
+    result = optimize(module, ShardingOptions(), force=True)
+    report, _ = result.report, result.text
     rows = report.explanations
     assert {(r.computation, r.all_reduce) for r in rows} == expected
     assert any(r.sharded for r in rows)
@@ -101,7 +103,8 @@ def worker():
 def test_optimized_fixture_computes_the_same(worker, path, state):
     text = path.read_text()
     module = parse(text, str(path))
-    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
+    result = optimize(module, ShardingOptions(state=state), force=True)
+    report, optimized = result.report, result.text
     manifest = build_manifest(report, module)
     if state == "sharded" and _has_state(path):
         assert any(p.kind == "sharded" for p in report.parameters)

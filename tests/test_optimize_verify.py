@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
@@ -64,7 +65,8 @@ def worker():
 
 def verify_optimized(text: str, **options) -> runtime.VerifyReport:
     module = parse(text)
-    report, optimized = optimize_module(module, ShardingOptions(**options), force=True)
+    result = optimize(module, ShardingOptions(**options), force=True)
+    report, optimized = result.report, result.text
     assert any(r.sharded for r in report.explanations)
     manifest = build_manifest(report, module)
     return runtime.verify(parse(text), parse(optimized),

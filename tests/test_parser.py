@@ -8,8 +8,8 @@ import pytest
 
 from hlo_shard import HloParseError, parse
 from hlo_shard.ir import (
-    ArrayShape, ComputationList, ComputationRef, Ident, Layout, Raw, ReplicaGroups,
-    SliceRanges, SourceLoc, Str, TupleShape,
+    Alias, ArrayShape, ComputationList, ComputationRef, Ident, InputOutputAlias, Layout, Raw,
+    ReplicaGroups, SliceRanges, SourceLoc, Str, TupleShape,
 )
 
 
@@ -133,7 +133,7 @@ def test_header_attributes_are_kept_in_order_with_types():
                                    "num_partitions", "frontend_attributes"]
     assert module.is_scheduled is True
     assert module.replica_count == 2 and module.num_partitions == 4
-    assert module.header["input_output_alias"] == Raw("{ {0}: (0, {}, may-alias) }")
+    assert module.header["input_output_alias"] == InputOutputAlias((Alias((0,), 0),))
 
 
 def test_stack_frames_are_kept_verbatim():

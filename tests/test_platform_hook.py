@@ -13,7 +13,7 @@ import pytest
 
 from hlo_shard.jax import hook
 from hlo_shard.parser import parse
-from hlo_shard.passes.optimize import optimize_module
+from hlo_shard import optimize
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +67,10 @@ def test_the_gpu_pre_scheduler_form_shards_as_the_partitioners_module():
     plain = LOOP_ADAM.read_text()
     gpu = gpu_pre_scheduler_form(plain)
     options = ShardingOptions(state="gathered")
-    plain_report, _ = optimize_module(parse(plain), options, force=True)
-    gpu_report, gpu_text = optimize_module(parse(gpu), options, force=True)
+    result = optimize(parse(plain), options, force=True)
+    plain_report, _ = result.report, result.text
+    result = optimize(parse(gpu), options, force=True)
+    gpu_report, gpu_text = result.report, result.text
     sharded = [(e.all_reduce, e.index) for e in gpu_report.explanations if e.sharded]
     assert sharded and sharded == [(e.all_reduce, e.index)
                                    for e in plain_report.explanations if e.sharded]

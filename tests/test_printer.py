@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import parse, to_text
+from hlo_shard.errors import HloParseError
 from hlo_shard.ir import (
-    ArrayShape, Computation, ComputationList, ComputationRef, Ident, Instruction, Layout,
-    Module, Raw, ReplicaGroups, SliceRanges, Str, TupleShape,
+    Alias, ArrayShape, BufferDonor, Computation, ComputationList, ComputationRef, Ident,
+    InputOutputAlias, Instruction, Layout, Module, Raw, ReplicaGroups, SliceRanges, Str,
+    TupleShape,
 )
 from hlo_shard.printer import format_shape, format_value
 
@@ -123,3 +125,54 @@ def test_typed_values_survive_a_round_trip():
     inst = entry["c"]
     assert inst.attributes["custom_call_target"] == Str('a\\b"c\td')
     assert entry["g"].attributes["dimensions"] == (0,)
+
+
+# ------------------------------------------------- donation configs: typed, XLA's form
+
+#: ``input_output_alias`` and ``buffer_donor`` values as XLA writes them, each printed back
+#: as read (``HloInputOutputAliasConfig::ToShortString`` inside ``{ … }``).
+DONATION_GOLDEN = [
+    "input_output_alias={ {0}: (0, {}, may-alias), {1}: (2, {}, must-alias) }",
+    "input_output_alias={ {0,1}: (1, {0}, may-alias) }",
+    "input_output_alias={ {}: (0, {}) }",
+    "input_output_alias={}",
+    "buffer_donor={ (0, {}), (3, {1}) }",
+]
+
+
+def _header_module(attribute: str) -> str:
+    return f"HloModule m, {attribute}\n\nENTRY %e (p: f32[]) -> f32[] {{\n  ROOT %p = f32[] parameter(0)\n}}\n"
+
+
+@pytest.mark.parametrize("attribute", DONATION_GOLDEN)
+def test_donation_configs_are_typed_and_print_back_as_xla_writes_them(attribute):
+    module = parse(_header_module(attribute))
+    key = attribute.split("=", 1)[0]
+    assert isinstance(module.header[key], InputOutputAlias | BufferDonor)
+    assert to_text(module).splitlines()[0] == f"HloModule m, {attribute}"
+
+
+def test_an_alias_config_reads_as_entries():
+    module = parse(_header_module(DONATION_GOLDEN[0].replace(", ", " ,  ")))
+    assert module.header["input_output_alias"] == InputOutputAlias((
+        Alias((0,), 0, (), "may-alias"), Alias((1,), 2, (), "must-alias")))
+    assert module.output_aliases() == {0: 0, 1: 2}
+    nested = parse(_header_module(DONATION_GOLDEN[1]))
+    assert nested.header["input_output_alias"] == InputOutputAlias((Alias((0, 1), 1, (0,)),))
+    assert nested.output_aliases() == {}  # not a whole parameter to a top-level output
+    assert parse(_header_module(DONATION_GOLDEN[4])).header["buffer_donor"] == \
+        BufferDonor(((0, ()), (3, (1,))))
+
+
+def test_a_built_alias_config_prints_in_xlas_form():
+    value = InputOutputAlias((Alias((2,), 1), Alias((), 0, (1,), "must-alias")))
+    assert format_value(value) == "{ {2}: (1, {}, may-alias), {}: (0, {1}, must-alias) }"
+    assert format_value(InputOutputAlias()) == "{}"
+
+
+@pytest.mark.parametrize("value", ["{ {0}: (0, {}, maybe-alias) }", "{ {0}: 0 }",
+                                   "{ {0}: (0, {}) {1}: (1, {}) }", "{ {a}: (0, {}) }"])
+def test_a_malformed_alias_config_is_refused(value):
+    with pytest.raises(HloParseError) as caught:
+        parse(_header_module(f"input_output_alias={value}"))
+    assert "'input_output_alias' expects" in caught.value.message

@@ -15,7 +15,7 @@ import pytest
 
 from hlo_shard import parse, runtime, to_text
 from hlo_shard.ir import Module
-from hlo_shard.passes.optimize import optimize_where_faster
+from hlo_shard import optimize
 from hlo_shard.passes.reduce_scatter_creation import (ReduceScatterCreation,
                                                       ReduceScatterReport, IndexEvaluator)
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
@@ -121,8 +121,9 @@ def test_offsets_are_evaluated_per_device():
 
 
 def test_explain_says_the_pair_became_a_reduce_scatter():
-    report, text, _ = optimize_where_faster(parse(FSDP_STEP.replace("{ds}", PARTITIONER_FORM)),
+    result = optimize(parse(FSDP_STEP.replace("{ds}", PARTITIONER_FORM)),
                                             ShardingOptions())
+    report, text, _ = result.report, result.text, result.decision
     row = {r.all_reduce: r for r in report.explanations}["gw.sum"]
     assert row.reason_code == "already_sharded" and not row.sharded
     assert "the all-reduce and its dynamic-slice became reduce-scatter %gw.sum.scatter" in \

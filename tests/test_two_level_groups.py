@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from hlo_shard import parse, runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
 from wus_helpers import ADD
@@ -66,7 +67,8 @@ def step(mesh: str) -> str:
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_the_data_axis_gradient_is_sharded_over_the_data_groups(mesh):
     module = parse(step(mesh))
-    report, text = optimize_module(module, ShardingOptions(), force=True)
+    result = optimize(module, ShardingOptions(), force=True)
+    report, text = result.report, result.text
     rows = {row.all_reduce: row for row in report.explanations}
     assert rows["ar"].sharded, rows["ar"].reason
     assert rows["hs"].reason_code == "other_groups"  # the tensor-parallel sum stays
@@ -85,7 +87,8 @@ def worker():
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_sharded_over_the_data_groups_it_computes_the_same(worker, mesh, state):
     module = parse(step(mesh))
-    report, optimized = optimize_module(module, ShardingOptions(state=state), force=True)
+    result = optimize(module, ShardingOptions(state=state), force=True)
+    report, optimized = result.report, result.text
     assert {r.all_reduce: r for r in report.explanations}["ar"].sharded
     result = runtime.verify(parse(step(mesh)), parse(optimized),
                             runtime.VerifyOptions(steps=3, manifest=build_manifest(report,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.cli.optimize import build_manifest, optimize_module
+from hlo_shard import optimize
+from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
 
@@ -44,7 +45,8 @@ TABLE = {
 def optimized():
     worker = runtime.get_worker("cpu", 4)
     module = parse(ADAM.read_text(), str(ADAM))
-    report, text = optimize_module(module, ShardingOptions(state="sharded"), force=True)
+    result = optimize(module, ShardingOptions(state="sharded"), force=True)
+    report, text = result.report, result.text
     yield parse(ADAM.read_text(), str(ADAM)), text, build_manifest(report, module)
     del worker
     runtime.shutdown_workers()

@@ -35,8 +35,8 @@ from hlo_shard.dumps import pick_dump_file
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.base import Pass, PassResult
-from hlo_shard.passes.optimize import check_output, optimize_module, optimize_where_faster
+from hlo_shard.passes.optimize import PassChanges, check_output
+from hlo_shard.passes.optimize import optimize as run_optimizer
 from hlo_shard.passes.speed_gate import SpeedDecision
 from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
@@ -192,20 +192,13 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     return text
 
 
-def _change_lines(passes: list[tuple[str, PassResult]]) -> list[str]:
+def _change_lines(passes: tuple[PassChanges, ...]) -> list[str]:
     """``--explain --verbose``: each pass of the pipeline and the edits it recorded."""
     lines = []
-    for name, result in passes:
-        lines.append(f"changes of pass {name}: {len(result.changes) or 'none'}")
-        lines += [f"  {format_change(change)}" for change in result.changes]
+    for step in passes:
+        lines.append(f"changes of pass {step.name}: {len(step.result.changes) or 'none'}")
+        lines += [f"  {format_change(change)}" for change in step.result.changes]
     return lines
-
-
-def _changes_json(passes: list[tuple[str, PassResult]]) -> list[dict]:
-    return [{"pass": name, "changed": result.changed,
-             "edits": [{"kind": c.kind, "computation": c.computation, "name": c.name,
-                        "text": format_change(c)} for c in result.changes]}
-            for name, result in passes]
 
 
 def global_program_note(module: Module) -> str | None:
@@ -303,24 +296,20 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                    f"{'stdout' if output == '-' else output}", err=True)
         return
     names = user_names(module) if explain or as_json or manifest_path else UserNames()
-    passes: list[tuple[str, PassResult]] = []
-
-    def record(step: Pass, result: PassResult) -> None:
-        passes.append((step.name, result))
-
     try:
-        report, text, decision = optimize_where_faster(module, options, force,
-                                                       record if verbose else None)
+        result = run_optimizer(module, options, force=force, record=verbose)
     except ShardingOptionError as err:  # the library's words → this command's flag
         raise HloShardError(f"--{err.option.replace('_', '-')} {err.value} {err.problem}"
                             ) from None
+    report, decision = result.report, result.decision
+    assert decision is not None  # the gate ran
     manifest_json = None
     if manifest_path is not None:
         from hlo_shard.runtime.manifest import manifest_to_json
 
         manifest_json = json.dumps(manifest_to_json(build_manifest(report, module, names)),
                                    indent=2)
-    write_outputs([(output, text),
+    write_outputs([(output, result.text),
                    (manifest_path, None if manifest_json is None else manifest_json + "\n")])
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations, names)), err=True)
@@ -330,24 +319,13 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
             click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {names.note(note)}", err=True)
-        for line in _change_lines(passes):
+        for line in _change_lines(result.changes):
             click.echo(line, err=True)
     click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
-        click.echo(json.dumps({
-            "input": input_path, "output": output, "devices": report.devices,
-            "state": state, "strategy": strategy, "profile": hardware.name,
-            "strategies": [choice.to_json() for choice in report.strategies],
-            "speed": decision.to_json(),
-            "sharded": sum(1 for r in report.explanations if r.sharded),
-            "already_sharded": sum(1 for r in report.explanations if r.already_sharded),
-            "gradients": len(report.explanations),
-            "explanations": [names.explained(r.to_json()) if names else r.to_json()
-                             for r in report.explanations],
-            "notes": [names.note(note) for note in report.notes],
-            "manifest": manifest_path,
-            **({"changes": _changes_json(passes)} if verbose else {}),
-        }, indent=2))
+        click.echo(result.json_text(names, input=input_path, output=output, state=state,
+                                    strategy=strategy, profile=hardware.name,
+                                    manifest=manifest_path))
 
 
-__all__ = ["build_manifest", "check_output", "optimize", "optimize_module"]
+__all__ = ["build_manifest", "optimize"]

@@ -26,6 +26,8 @@ import random
 from dataclasses import dataclass, field
 
 from hlo_shard.fuzz.emit import Emitter, Reducers, Sh, Val
+from hlo_shard.ir import Alias, InputOutputAlias
+from hlo_shard.printer import format_value
 
 DEVICE_COUNTS = (2, 3, 4, 8)
 FLOAT_TYPES = ("f32", "bf16", "f16")
@@ -376,10 +378,10 @@ def render(spec: StepSpec) -> str:
                       "tuple", [outputs[k] for k in order])
     header = f"HloModule fuzz_{spec.seed}"
     if spec.alias:
-        pairs = [f"{{{order.index(p.output)}}}: ({number}, {{}}, may-alias)"
-                 for number, p in enumerate(params) if p.output]
-        if pairs:
-            header += ", input_output_alias={ " + ", ".join(pairs) + " }"
+        aliases = tuple(Alias((order.index(p.output),), number)
+                        for number, p in enumerate(params) if p.output)
+        if aliases:
+            header += f", input_output_alias={format_value(InputOutputAlias(aliases))}"
     header += f", {size_attr}"
     blocks = [header, reducers.text(), *computations,
               "ENTRY %main (" + ", ".join(f"{v.name}: {v.shape.text()}" for v in

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-
 from hlo_shard.jax._capture import per_device_hlo
 from hlo_shard.jax._step import ShardedStep
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+from hlo_shard.passes.optimize import checked_options
+from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 
@@ -24,8 +23,8 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str 
     options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
                               min_shard_bytes=min_shard_bytes,
                               profile=resolve_profile(profile))
-    sharding = WeightUpdateSharding(options)  # a bad option is an error now, not at a step
-    return ShardedStep(fn, replace(options, profile=sharding.profile), force)
+    # A bad option is an error now, not at a step.
+    return ShardedStep(fn, checked_options(options), force)
 
 
 __all__ = ["per_device_hlo", "shard_weight_update"]

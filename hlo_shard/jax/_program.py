@@ -11,27 +11,21 @@ shape ``[D·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hlo_shard.analysis.names import user_names
-from hlo_shard.passes.copy_free_donation import CopyFreeDonation
-from hlo_shard.passes.optimize import check_output
+from hlo_shard.analysis.names import UserNames, user_names
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import ModuleRewriter
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, Reason, Unsupported, describe
 from hlo_shard.parser import parse
-from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
-from hlo_shard.printer import to_text
-from hlo_shard.ir import Raw, TupleShape
-from hlo_shard.runtime.forms import DONATION_ATTRIBUTES, replica_form
+from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize, speed_json
+from hlo_shard.passes.speed_gate import SpeedDecision
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.runtime.forms import check_executable
 
 
 @dataclass(frozen=True)
@@ -69,9 +63,12 @@ class StateLayout:
 @dataclass
 class Program:
     capture: Capture
-    report: ShardingReport
+    #: What the optimizer made of the captured module (its text is what is compiled).
+    result: OptimizeResult
     options: ShardingOptions
-    hlo_text: str
+    #: The user's names of the captured module, read before the pass rewrote it (jit's
+    #: argument names replace the parameters' where given: :meth:`report_json`).
+    names: UserNames
     executable: Any
     #: Flat argument index → its layout, for the leaves held as shards (sharded mode).
     state_args: dict[int, StateLayout]
@@ -80,13 +77,26 @@ class Program:
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
     seconds: float
-    #: The never-slower gate's decision (its estimates go into the report).
-    decision: SpeedDecision
     #: (output leaf, entry parameter): the output is the parameter's next value.
     next_values: list[tuple[int, int]] = field(default_factory=list)
     #: Whether it ran once (a failing first run falls back to ``fn``).
     ran: bool = False
     _cache: dict = field(default_factory=dict)
+
+    @property
+    def report(self) -> ShardingReport:
+        return self.result.report
+
+    @property
+    def decision(self) -> SpeedDecision:
+        """The never-slower gate's decision (its estimates go into the report)."""
+        assert self.result.decision is not None  # build_program runs the gate
+        return self.result.decision
+
+    @property
+    def hlo_text(self) -> str:
+        """The optimized module as compiled (replica form, validated)."""
+        return self.result.text
 
     # ---------------------------------------------------------------- placement
     def arg_sharding(self, index: int) -> Any:
@@ -189,17 +199,12 @@ class Program:
                 out["shard_length"] = record.format.shard_len
             return out
 
-        module = parse(cap.text, path="<captured step>")
-        users = user_names(module, self.next_values,
-                           {p: names[arg] for p, arg in enumerate(cap.kept)})
+        users = replace(self.names, parameters={
+            **self.names.parameters,
+            **{p: names[arg] for p, arg in enumerate(cap.kept) if names[arg]}})
         return {
-            **_options_json(self.options), "devices": report.devices,
-            "fallback": None, "reason": "", "gate": gate_json(self.decision),
-            "strategies": [choice.to_json() for choice in report.strategies],
-            "sharded": sum(1 for r in report.explanations if r.sharded),
-            "gradients": len(report.explanations),
-            "explanations": [users.explained(r.to_json()) for r in report.explanations],
-            "notes": [users.note(note) for note in report.notes],
+            **self.result.to_json(users, **_options_json(self.options), fallback=None,
+                                  reason=""),
             "parameters": [entry(p, users.parameters.get(p.index, "")) for p in report.parameters],
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
             "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
@@ -211,23 +216,13 @@ def _options_json(options: ShardingOptions) -> dict:
             "profile": getattr(options.profile, "name", options.profile)}
 
 
-def gate_json(decision: SpeedDecision) -> dict:
-    """The never-slower gate's estimates (``decision.to_json()``) and the predicted
-    ratio they imply: the written step's over the step as it is, or, where the step was
-    kept whole, the fastest sharded candidate's. Predictions, not measurements."""
-    sharded = [t.seconds for t in decision.priced if t.sharded]
-    after = min(sharded) if decision.kept_whole and sharded else decision.after_s
-    ratio = after / decision.before_s if decision.before_s > 0 else None
-    return {**decision.to_json(), "predicted_ratio": ratio}
-
-
 def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
     """``fast.report`` where ``fast`` runs ``fn``: the reason code and words, and what
-    the pass and its gate said where they ran (``gate`` None before that)."""
+    the pass and its gate said where they ran (``speed`` None before that)."""
     report = why.report
     return {**_options_json(options), "devices": None if report is None else report.devices,
             "fallback": why.code.value, "reason": str(why),
-            "gate": None if why.decision is None else gate_json(why.decision),
+            "speed": None if why.decision is None else speed_json(why.decision),
             "sharded": 0, "gradients": None if report is None else len(report.explanations),
             "explanations": [] if report is None else [r.to_json() for r in report.explanations]}
 
@@ -305,10 +300,10 @@ def build_program(capture: Capture, options: ShardingOptions,
 
     ``next_values``: (output leaf, entry parameter) pairs where the output is the
     parameter's value for the next step, as the step's pytrees say (``params`` out →
-    ``params`` in). The pass reads them as ``input_output_alias`` to pair optimizer
-    state with its next value; the executable aliases what jit donates
-    (:func:`_executable_aliases`). ``force``: shard every eligible gradient even where
-    the never-slower gate would keep the step whole.
+    ``params`` in): :func:`~hlo_shard.passes.optimize.optimize` pairs optimizer state
+    with its next value through them, and the executable aliases what jit donates
+    (:class:`~hlo_shard.passes.optimize.ForExecutable`). ``force``: shard every
+    eligible gradient even where the never-slower gate would keep the step whole.
     """
     started = time.perf_counter()
     with _stage(Reason.PARSE_FAILED, "hlo-shard cannot read the captured module"):
@@ -316,16 +311,20 @@ def build_program(capture: Capture, options: ShardingOptions,
     if len(module.entry.parameters()) != len(capture.kept):
         raise Unsupported(f"the partitioned module has {len(module.entry.parameters())} "
                           f"parameters for {len(capture.kept)} arguments", Reason.PASS_FAILED)
+    # The user's names, read before the pass rewrites the module (the report's).
+    names = user_names(module, next_values)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
-        report, decision, text, executable_text = _optimize(module, options, next_values,
-                                                            force)
-    sharded = [row for row in report.explanations if row.sharded]
-    if not sharded and any(trial.sharded for trial in decision.priced):
+        check_executable(module)
+        result = optimize(module, options, force=force,
+                          executable=ForExecutable(tuple(next_values)))
+    report, decision = result.report, result.decision
+    assert decision is not None  # the gate ran
+    if not result.sharded and any(trial.sharded for trial in decision.priced):
         raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} "
                           f"faster on profile {decision.profile} (predicted "
                           f"{_fastest_ratio(decision):.2f}x the step as it is)",
                           Reason.NOT_FASTER, report, decision)
-    if not sharded:
+    if not result.sharded:
         reasons = sorted({row.reason for row in report.explanations if row.reason})
         raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else
                                                   "the step has no gradient all-reduce"),
@@ -333,37 +332,10 @@ def build_program(capture: Capture, options: ShardingOptions,
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
         state_args, state_outputs = _state_layouts(report, capture)
     with _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
-        executable = _xla.compile_replica_text(executable_text, capture.devices)
+        executable = _xla.compile_replica_text(result.text, capture.devices)
         shard_sharding = _shard_sharding(capture) if state_args else None
-    return Program(capture, report, options, text, executable, state_args, state_outputs,
-                   shard_sharding, time.perf_counter() - started, decision,
-                   list(next_values))
-
-
-def _optimize(module: Any, options: ShardingOptions, next_values: list[tuple[int, int]],
-              force: bool) -> tuple[ShardingReport, SpeedDecision, str, str]:
-    """The pass behind its gate on ``module`` (in place): the report, the gate's decision,
-    the optimized module's text and its replica form with the executable's aliases."""
-    header = ModuleRewriter(module)
-    donation = {key: module.header[key] for key in DONATION_ATTRIBUTES if key in module.header}
-    for key in donation:
-        header.pop_header(key)
-    if next_values:
-        header.set_header("input_output_alias", Raw("{ " + ", ".join(
-            f"{{{k}}}: ({p}, {{}}, may-alias)" for k, p in next_values) + " }"))
-    else:
-        for key, value in donation.items():
-            header.set_header(key, value)
-    sharding = WeightUpdateSharding(options)
-    report, decision = shard_where_faster(module, sharding, force)
-    for key in DONATION_ATTRIBUTES:
-        header.pop_header(key)
-    for key, value in _executable_aliases(donation, next_values, module).items():
-        header.set_header(key, value)
-    # The aliases of what jit donates, less those that would make XLA copy a weight.
-    CopyFreeDonation(sharding.profile).apply(module)
-    text = check_output(module)
-    return report, decision, text, to_text(replica_form(module, keep_donation=True), for_xla=True)
+    return Program(capture, result, options, names, executable, state_args, state_outputs,
+                   shard_sharding, time.perf_counter() - started, list(next_values))
 
 
 def _fastest_ratio(decision: SpeedDecision) -> float:
@@ -384,41 +356,6 @@ def _stage(code: Reason, what: str) -> Iterator[None]:
         raise Unsupported(f"{what}: {err}", code) from None
     except Exception as err:  # noqa: BLE001 - XLA's errors are not importable stably
         raise Unsupported(f"{what}: {describe(err)}", code) from err
-
-
-def _executable_aliases(donation: dict, next_values: list[tuple[int, int]], module: Any) -> dict:
-    """The donation header for the executable: every parameter jit donates
-    (``buffer_donor`` or ``input_output_alias``) aliased to an output of its shape in
-    the optimized module — its next value where the pytrees say which, else the first
-    free one, as jit pairs them. (A bare ``buffer_donor`` does not make the executable
-    consume its inputs through this compile path; an alias does.)"""
-    donors = sorted({int(n) for key in DONATION_ATTRIBUTES if key in donation
-                     for n in re.findall(r"\(\s*(\d+)\s*,\s*\{", donation[key].text)})
-    if not donors:
-        return {}
-    params = {p.parameter_number: p.shape for p in module.entry.parameters()}
-    root = module.entry.root
-    outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
-    preferred = {p: k for k, p in next_values}
-    taken: dict[int, int] = {}
-    for number in donors:
-        choices = [preferred[number]] if number in preferred else []
-        choices += [k for k in range(len(outputs)) if k not in choices]
-        k = next((k for k in choices if k not in taken.values()
-                  and _same_array(outputs[k], params[number])), None)
-        if k is not None:
-            taken[number] = k
-    if not taken:
-        return {}
-    return {"input_output_alias": Raw("{ " + ", ".join(
-        f"{{{k}}}: ({number}, {{}}, may-alias)" for number, k in sorted(taken.items(),
-                                                                       key=lambda t: t[1]))
-        + " }")}
-
-
-def _same_array(a: Any, b: Any) -> bool:
-    return getattr(a, "dims", None) == getattr(b, "dims", None) \
-        and getattr(a, "element_type", None) == getattr(b, "element_type", None)
 
 
 def _state_layouts(report: ShardingReport, capture: Capture

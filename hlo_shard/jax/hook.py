@@ -5,10 +5,10 @@ jax 0.10.2's public hook ``jax.extend.xla.register_hlo_module_transformation`` h
 module being compiled (at the stage :data:`PLATFORM_HOOKS` names for the platform:
 ``PRE_SCHEDULER``, on CPU after SPMD partitioning, fusion and copy insertion, on GPU after
 partitioning and simplification only) to a callback as serialized ``HloModuleProto`` bytes; the callback
-returns new bytes or None. Ours parses the module's text, runs
-:class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding` and returns the
-result only when something was sharded and the result passed the project's validation
-(``optimize_module``). The signature of a compiled function cannot change, so the state
+returns new bytes or None. Ours parses the module's text once, hands it to the
+optimizer's one entry point (:func:`~hlo_shard.passes.optimize.optimize`, the same gate
+and checks as ``hlo-shard optimize``) and returns its text only when something was
+sharded. The signature of a compiled function cannot change, so the state
 is ``gathered`` (a training ``while`` loop compiled as one module keeps its state sharded in
 the carry, as the pass does). The callback never raises into XLA: any exception or
 refusal returns None with one line on the ``hlo_shard`` logger. A ``KeyboardInterrupt``
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.optimize import checked_options
+from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 logger = logging.getLogger("hlo_shard")
@@ -197,22 +197,23 @@ def _xla_client() -> Any:
 def _shard(hlo: Any, options: ShardingOptions, force: bool = False
            ) -> tuple[str | None, ShardingReport | None, str]:
     """(the sharded module's text or None, the report, why not)."""
-    from hlo_shard.passes.optimize import optimize_module
     from hlo_shard.parser import parse
+    from hlo_shard.passes.optimize import optimize
 
     xc = _xla_client()
     print_options = xc.hlo.HloPrintOptions()
     print_options.print_large_constants = True
     module = parse(hlo.to_string(print_options), path=f"<{hlo.name}>")
     try:
-        report, text = optimize_module(module, options, force)
+        result = optimize(module, options, force=force)
     except HloShardError as err:
         return None, None, str(err)
-    if not any(e.sharded for e in report.explanations):
+    report = result.report
+    if not result.sharded:
         reasons = sorted({e.reason for e in report.explanations if e.reason})
         return None, report, "nothing sharded (" + ("; ".join(reasons) or
                                                    "no gradient all-reduce") + ")"
-    return text, report, ""
+    return result.text, report, ""
 
 
 def _agree_across_processes(out: str | None, result: bytes | None, reason: str
@@ -289,7 +290,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     hardware = resolve_profile(profile)
     options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
                               profile=hardware)
-    WeightUpdateSharding(options)  # rejects bad options here, not inside XLA
+    options = checked_options(options)  # rejects bad options here, not inside XLA
     try:
         pattern = re.compile(only) if only is not None else None
     except re.error as err:

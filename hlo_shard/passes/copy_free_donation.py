@@ -22,7 +22,6 @@ the alias (and the copy) of larger ones.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,14 +29,12 @@ from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
 from hlo_shard.costmodel.step_time import donated_copy_seconds, estimate_step
 from hlo_shard.graph import ModuleRewriter
-from hlo_shard.ir import Module, Raw
+from hlo_shard.ir import Alias, InputOutputAlias, Module
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 
 #: The share of the predicted step the copies must take for their aliases to go.
 MIN_STEP_SHARE = 0.02
-#: One ``{output}: (parameter, {index}, kind)`` entry of ``input_output_alias``.
-_ENTRY = re.compile(r"\{\s*(\d*)\s*\}\s*:\s*\(\s*(\d+)\s*,\s*\{[^{}]*\}\s*(?:,\s*([\w-]+)\s*)?\)")
 
 
 @dataclass(frozen=True)
@@ -66,9 +63,10 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
         object.__setattr__(self, "profile", resolve_profile(self.profile))
 
     def apply(self, module: Module) -> PassResult[UnaliasedDonations]:
-        raw = module.header.get("input_output_alias")
-        if not isinstance(raw, Raw) or _ENTRY.sub("", raw.text).strip("{}, \n"):
-            # None, or entries this pass does not read (tuple-shaped outputs): untouched.
+        aliases = module.header.get("input_output_alias")
+        if not isinstance(aliases, InputOutputAlias) or \
+                any(len(alias.output) > 1 for alias in aliases.entries):
+            # None, or entries this pass does not read (nested tuple outputs): untouched.
             return PassResult(module, False, report=UnaliasedDonations(()))
         profile = resolve_profile(self.profile).for_devices(module.device_count)
         buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
@@ -77,19 +75,19 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
         copied = {copy.parameter: copy for copy in donated_parameter_copies(module, buckets)
                   if not limit or copy.bytes <= limit}
         numbers = {p.parameter_number: p.name for p in module.entry.parameters()}
-        kept: list[str] = []
+        kept: list[Alias] = []
         dropped: list[DonatedCopy] = []
-        for entry in _ENTRY.finditer(raw.text):
-            copy = copied.get(numbers.get(int(entry.group(2)), ""))
-            if copy is not None and (entry.group(3) or "may-alias") == "may-alias":
+        for alias in aliases.entries:
+            copy = copied.get(numbers.get(alias.parameter, ""))
+            if copy is not None and alias.may_alias:
                 dropped.append(copy)
             else:
-                kept.append(entry.group(0))
+                kept.append(alias)
         if not dropped or not _copies_pay(module, profile, dropped):
             return PassResult(module, False, report=UnaliasedDonations(()))
         edits = ModuleRewriter(module)
         if kept:
-            edits.set_header("input_output_alias", Raw("{ " + ", ".join(kept) + " }"))
+            edits.set_header("input_output_alias", InputOutputAlias(tuple(kept)))
         else:
             edits.pop_header("input_output_alias")
         return PassResult(module, True, edits.changes, report=UnaliasedDonations(tuple(dropped)))

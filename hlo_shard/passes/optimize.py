@@ -1,41 +1,166 @@
-"""The optimizer as every front end runs it: the sharding pipeline
-(:mod:`~hlo_shard.passes.sharding_pipeline`) behind the never-slower gate
-(:func:`~hlo_shard.passes.speed_gate.shard_where_faster`), then the output checks
-(parsed back and validated). ``hlo-shard optimize``, the jax hook and
-``shard_weight_update`` all call this, so none of them writes or compiles a module the
-cost model predicts slower or the validator rejects.
+"""The optimizer, one entry point: :func:`optimize`. ``hlo-shard optimize``, the jax
+hook (``install()``), ``shard_weight_update`` and ``hlo-shard scale`` all call it and
+assemble no passes of their own, so none of them writes or compiles a module the cost
+model predicts slower (unless told) or the validator rejects.
+
+What it runs: the sharding pipeline (:mod:`~hlo_shard.passes.sharding_pipeline`) behind
+the never-slower gate (:func:`~hlo_shard.passes.speed_gate.shard_where_faster`; ``gate``
+False: the pipeline alone, as ``scale`` projects it), for a module compiled as it
+stands (:class:`ForExecutable`) the donation passes around it, then the output checks
+(printed, parsed back and validated).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hlo_shard.analysis.names import UserNames
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.pipeline import AfterPass
+from hlo_shard.passes.base import Pass, PassResult
+from hlo_shard.passes.copy_free_donation import CopyFreeDonation
+from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
+                                                 donated_parameters)
+from hlo_shard.passes.pipeline import AfterPass, Pipeline
+from hlo_shard.passes.replica_form import ReplicaForm
+from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
 from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
                                                      WeightUpdateSharding)
-from hlo_shard.printer import to_text
+from hlo_shard.printer import format_change, to_text
 from hlo_shard.validate import validate
 
 
-def optimize_module(module: Module, options: ShardingOptions, force: bool = False
-                    ) -> tuple[ShardingReport, str]:
-    """Run the pass on ``module`` (in place) where the cost model predicts it faster
-    (``force``: everything eligible); the report and the validated text."""
-    report, text, _ = optimize_where_faster(module, options, force)
-    return report, text
+@dataclass(frozen=True)
+class ForExecutable:
+    """The optimized module is compiled as it stands, for a program that donates its
+    buffers (``hlo_shard.jax``): its pytrees say which output is each parameter's
+    next value, which the pass reads as ``input_output_alias`` (to pair optimizer state
+    with its next value); the written module aliases every donated parameter to an
+    output of its shape (an alias, unlike a bare ``buffer_donor``, makes the executable
+    consume its input), less the aliases that would make XLA copy a weight, and is in
+    replica form (what the runtime compiles)."""
+
+    #: (output leaf, entry parameter): the output is the parameter's next value.
+    next_values: tuple[tuple[int, int], ...] = ()
 
 
-def optimize_where_faster(module: Module, options: ShardingOptions, force: bool = False,
-                          after_pass: AfterPass | None = None
-                          ) -> tuple[ShardingReport, str, SpeedDecision]:
-    """:func:`optimize_module` with the speed decision (for ``--explain``); the options
-    are checked (and the profile loaded) before the module is touched. ``after_pass``
-    sees each pass of the pipeline that edits ``module`` (for ``--verbose``)."""
-    report, decision = shard_where_faster(module, WeightUpdateSharding(options), force,
-                                          after_pass)
-    return report, check_output(module), decision
+@dataclass(frozen=True)
+class PassChanges:
+    """One pass of the run on the module and what it recorded (``--verbose``)."""
+
+    name: str
+    result: PassResult[Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pass": self.name, "changed": self.result.changed,
+                "edits": [{"kind": c.kind, "computation": c.computation, "name": c.name,
+                           "text": format_change(c)} for c in self.result.changes]}
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    """What :func:`optimize` made of a module."""
+
+    #: The module, optimized (the one handed in, edited in place).
+    module: Module
+    #: Its text for XLA, parsed back and validated.
+    text: str
+    #: Per gradient all-reduce what was done or why not (reason codes), the rewritten
+    #: signature, every pass's notes.
+    report: ShardingReport
+    #: The gate's predicted step times (None: run with ``gate=False``).
+    decision: SpeedDecision | None
+    #: Every pass run on the module, in order, with its recorded edits (empty unless
+    #: asked for: recording makes the gate run the pipeline on the module again
+    #: instead of keeping its priced copy).
+    changes: tuple[PassChanges, ...] = ()
+
+    @property
+    def sharded(self) -> int:
+        """Gradient all-reduce leaves sharded."""
+        return sum(1 for row in self.report.explanations if row.sharded)
+
+    def to_json(self, names: UserNames | None = None, **fields: Any) -> dict[str, Any]:
+        """The report's JSON (``optimize --json``, ``fast.report``): the gate's
+        estimates, the strategies priced, one row per gradient (``names``: with the
+        user's name of the weight it is the gradient of) and the notes, after the
+        caller's own ``fields`` (its input, options, ...); the passes' edits where they
+        were recorded. A module without names has rows without ``gradient_of``."""
+        names = names if names is not None else UserNames()
+        report, decision = self.report, self.decision
+        rows = report.explanations
+        return {
+            **fields, "devices": report.devices,
+            "strategies": [choice.to_json() for choice in report.strategies],
+            "speed": None if decision is None else speed_json(decision),
+            "sharded": self.sharded,
+            "already_sharded": sum(1 for r in rows if r.already_sharded),
+            "gradients": len(rows),
+            "explanations": [names.explained(r.to_json()) if names else r.to_json()
+                             for r in rows],
+            "notes": [names.note(note) for note in report.notes],
+            **({"changes": [c.to_json() for c in self.changes]} if self.changes else {}),
+        }
+
+    def json_text(self, names: UserNames | None = None, **fields: Any) -> str:
+        return json.dumps(self.to_json(names, **fields), indent=2)
+
+
+def checked_options(options: ShardingOptions) -> ShardingOptions:
+    """``options`` checked (an error now, not inside a compile) with the profile loaded:
+    what a front end keeps to call :func:`optimize` with later."""
+    return replace(options, profile=WeightUpdateSharding(options).profile)
+
+
+def speed_json(decision: SpeedDecision) -> dict[str, Any]:
+    """The never-slower gate's estimates (``decision.to_json()``) and the predicted
+    ratio they imply: the written step's over the step as it is, or, where the step was
+    kept whole, the fastest sharded candidate's. Predictions, not measurements."""
+    sharded = [t.seconds for t in decision.priced if t.sharded]
+    after = min(sharded) if decision.kept_whole and sharded else decision.after_s
+    ratio = after / decision.before_s if decision.before_s > 0 else None
+    return {**decision.to_json(), "predicted_ratio": ratio}
+
+
+def optimize(module: Module, options: ShardingOptions, *, force: bool = False,
+             after_pass: AfterPass | None = None, gate: bool = True,
+             executable: ForExecutable | None = None, record: bool = False
+             ) -> OptimizeResult:
+    """Optimize ``module`` (in place): shard the gradients whose sharding the cost model
+    predicts faster (``force``: every eligible one; ``gate`` False: every eligible one,
+    unpriced), then check the result. The options are checked (and the profile loaded)
+    before the module is touched. ``after_pass`` sees each pass run on ``module`` (not
+    the gate's priced copies); ``record``: the result keeps their edits."""
+    sharding = WeightUpdateSharding(options)
+    seen: list[PassChanges] = []
+
+    def watch(step: Pass[Any], result: PassResult[Any]) -> None:
+        seen.append(PassChanges(step.name, result))
+        if after_pass is not None:
+            after_pass(step, result)
+
+    watching = watch if record or after_pass is not None else None
+    if executable is not None:
+        donors = donated_parameters(module)
+        Pipeline((NextValueAliases(executable.next_values),), check=None,
+                 after_pass=watching).run(module)
+    decision = None
+    if gate:
+        report, decision = shard_where_faster(module, sharding, force, watching)
+    else:
+        report = run_sharding(module, sharding, watching)
+    if executable is not None:
+        # The aliases of what the program donates, less those that would make XLA copy
+        # a weight, in the form the runtime compiles.
+        Pipeline((ExecutableAliases(donors, executable.next_values),
+                  CopyFreeDonation(sharding.profile), ReplicaForm(keep_donation=True)),
+                 check=None, after_pass=watching).run(module)
+    return OptimizeResult(module, check_output(module), report, decision,
+                          tuple(seen) if record else ())
 
 
 def check_output(module: Module) -> str:
@@ -55,4 +180,6 @@ def check_output(module: Module) -> str:
     return text
 
 
-__all__ = ["check_output", "optimize_module", "optimize_where_faster"]
+__all__ = ["ForExecutable", "OptimizeResult", "PassChanges", "check_output", "checked_options",
+           "optimize",
+           "speed_json"]

@@ -18,6 +18,7 @@ from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
+from hlo_shard.passes.executable_aliases import ExecutableAliases, NextValueAliases
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
@@ -38,8 +39,25 @@ PASSES: dict[str, Callable[[Options], Pass]] = {
     ReplicaForm.name: lambda o: ReplicaForm(**o),
     ReduceScatterCreation.name: lambda o: ReduceScatterCreation(**o),
     Retarget.name: lambda o: Retarget(**o),
+    NextValueAliases.name: lambda o: NextValueAliases(_pairs(o.pop("next_values", "")), **o),
+    ExecutableAliases.name: lambda o: ExecutableAliases(
+        _numbers(o.pop("donors", "")), _pairs(o.pop("next_values", "")), **o),
 }
 
+
+def _numbers(value: str | int) -> tuple[int, ...]:
+    """``donors=0,2,3``: the numbers, comma-separated."""
+    return tuple(int(n) for n in str(value).split(",") if n)
+
+
+def _pairs(value: str | int) -> tuple[tuple[int, int], ...]:
+    """``next_values=1:0,0:1``: (output leaf, parameter) pairs as ``output:parameter``."""
+    try:
+        return tuple((int(k), int(p)) for k, _, p in
+                     (pair.partition(":") for pair in str(value).split(",") if pair))
+    except ValueError:
+        raise HloShardError(f"expects output:parameter pairs like 1:0,0:1, not {value!r}"
+                            ) from None
 
 
 def _tuple_forwarding(computations: str | None = None, **options: Any) -> TupleForwarding:

@@ -73,6 +73,8 @@ from pathlib import Path
 
 from hlo_shard import profiles
 from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Alias, InputOutputAlias
+from hlo_shard.printer import format_value
 from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES, load_profile, profile_json
 from hlo_shard.runtime.executable import load
 from hlo_shard.runtime.inputs import numpy_dtype
@@ -162,8 +164,8 @@ def _concatenated_loops(count: int) -> str:
 
 
 def _aliases(count: int) -> str:
-    pairs = ", ".join(f"{{{i}}}: ({i}, {{}}, may-alias)" for i in range(count))
-    return f", input_output_alias={{ {pairs} }}"
+    aliases = InputOutputAlias(tuple(Alias((i,), i) for i in range(count)))
+    return f", input_output_alias={format_value(aliases)}"
 
 
 def last_level_cache_bytes() -> int:

@@ -1,0 +1,104 @@
+"""The donation header of a module compiled as it stands (``hlo_shard.jax``): two passes
+around the optimizer's pipeline, run by :func:`hlo_shard.passes.optimize.optimize`.
+
+jit's module says what it donates in its header (``input_output_alias`` or a bare
+``buffer_donor``), but which output is each parameter's next value the pytrees say
+better (``params`` out → ``params`` in). :class:`NextValueAliases` writes those pairs as
+the aliases the pass reads (to pair optimizer state with its next value);
+:class:`ExecutableAliases` then gives the optimized module the aliases the executable
+needs: every donated parameter aliased to an output of its shape (its next value where
+the pytrees say which, else the first free one, as jit pairs them). A bare
+``buffer_donor`` does not make the executable consume its inputs through this compile
+path; an alias does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hlo_shard.graph import ModuleRewriter
+from hlo_shard.ir import Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, TupleShape
+from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.replica_form import DONATION_ATTRIBUTES
+
+def donated_parameters(module: Module) -> tuple[int, ...]:
+    """The entry parameters ``module``'s header donates (aliased or bare donors), sorted."""
+    aliases, donors = module.header.get("input_output_alias"), module.header.get("buffer_donor")
+    numbers = {alias.parameter for alias in aliases.entries} \
+        if isinstance(aliases, InputOutputAlias) else set()
+    numbers |= {number for number, _ in donors.donors} if isinstance(donors, BufferDonor) \
+        else set()
+    return tuple(sorted(numbers))
+
+
+def _aliases(module: Module, pairs: Sequence[tuple[int, int]]) -> InputOutputAlias:
+    """Output leaf ``k`` aliased to parameter ``p`` for each pair (a module whose result
+    is one array has one output, ``{}``)."""
+    tupled = isinstance(module.entry.root.shape, TupleShape)
+    return InputOutputAlias(tuple(Alias((k,) if tupled else (), p) for k, p in pairs))
+
+
+@dataclass(frozen=True)
+class NextValueAliases(ModulePass[None]):
+    """The donation header as the pytrees' (output leaf, parameter) pairs, where there
+    are any (else the header stays)."""
+
+    name: ClassVar[str] = "next-value-aliases"
+    next_values: tuple[tuple[int, int], ...] = ()
+
+    def apply(self, module: Module) -> PassResult[None]:
+        if not self.next_values:
+            return PassResult(module, False)
+        edits = ModuleRewriter(module)
+        for key in DONATION_ATTRIBUTES:
+            edits.pop_header(key)
+        edits.set_header("input_output_alias", _aliases(module, self.next_values))
+        return PassResult(module, bool(edits.changes), edits.changes)
+
+
+@dataclass(frozen=True)
+class ExecutableAliases(ModulePass[None]):
+    """Alias each of ``donors`` to an output of its shape in the (optimized) module:
+    its next value per ``next_values`` where that output fits, else the first free
+    output that does; a donor no output fits is not aliased."""
+
+    name: ClassVar[str] = "executable-aliases"
+    donors: tuple[int, ...] = ()
+    next_values: tuple[tuple[int, int], ...] = ()
+
+    def apply(self, module: Module) -> PassResult[None]:
+        edits = ModuleRewriter(module)
+        for key in DONATION_ATTRIBUTES:
+            edits.pop_header(key)
+        taken = self._pairs(module) if self.donors else {}
+        if taken:
+            edits.set_header("input_output_alias", _aliases(
+                module, sorted(((k, p) for p, k in taken.items()), key=lambda pair: pair[0])))
+        return PassResult(module, bool(edits.changes), edits.changes)
+
+    def _pairs(self, module: Module) -> dict[int, int]:
+        """Donor → the output it is aliased to."""
+        params = {p.parameter_number: p.shape for p in module.entry.parameters()}
+        root = module.entry.root
+        outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) \
+            else [root.shape]
+        preferred = {p: k for k, p in self.next_values}
+        taken: dict[int, int] = {}
+        for number in self.donors:
+            choices = [preferred[number]] if number in preferred else []
+            choices += [k for k in range(len(outputs)) if k not in choices]
+            k = next((k for k in choices if k not in taken.values()
+                      and _same_array(outputs[k], params.get(number))), None)
+            if k is not None:
+                taken[number] = k
+        return taken
+
+
+def _same_array(a: object, b: object) -> bool:
+    return isinstance(a, ArrayShape) and isinstance(b, ArrayShape) \
+        and a.dims == b.dims and a.element_type == b.element_type
+
+
+__all__ = ["ExecutableAliases", "NextValueAliases", "donated_parameters"]

@@ -1,0 +1,146 @@
+"""The optimizer's one entry point, ``hlo_shard.optimize``: what it returns, its options
+(the gate, the passes' edits, a module compiled as it stands), and that every front end
+goes through it and assembles no passes of its own."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import hlo_shard
+from hlo_shard import ForExecutable, OptimizeResult, ShardingOptions, optimize
+from hlo_shard.cli import main
+from hlo_shard.parser import parse
+from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
+                                                 donated_parameters)
+from hlo_shard.printer import to_text
+
+from test_pass_weight_update import SGD
+
+PACKAGE = Path(hlo_shard.__file__).parent
+#: The front ends: each runs the optimizer through ``optimize`` only.
+FRONT_ENDS = ("cli/optimize.py", "jax/hook.py", "jax/_program.py", "jax/_api.py",
+              "scaling.py")
+#: What assembling or running passes by hand takes.
+PASS_MACHINERY = {"WeightUpdateSharding", "Pipeline", "shard_where_faster", "run_sharding",
+                  "sharding_pipeline", "CopyFreeDonation", "ReplicaForm", "replica_form"}
+
+
+def test_optimize_returns_the_module_its_checked_text_report_and_decision():
+    module = parse(SGD)
+    result = optimize(module, ShardingOptions(), force=True)
+    assert isinstance(result, OptimizeResult) and result.module is module
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.text = ""  # type: ignore[misc]
+    assert result.text == to_text(module, for_xla=True) and "reduce-scatter" in result.text
+    assert result.sharded == 1 and result.report.explanations[0].sharded
+    assert result.decision is not None and result.decision.forced
+    assert result.changes == ()  # not asked for
+
+
+def test_the_passes_edits_are_recorded_when_asked():
+    seen = []
+    result = optimize(parse(SGD), ShardingOptions(), force=True, record=True,
+                      after_pass=lambda step, _: seen.append(step.name))
+    names = [c.name for c in result.changes]
+    assert names == seen and "weight-update-sharding" in names
+    assert any(c.result.changes for c in result.changes)
+
+
+def test_without_the_gate_every_eligible_gradient_is_sharded_unpriced():
+    """What ``scale`` projects: no decision, the pipeline as told."""
+    result = optimize(parse(SGD), ShardingOptions(), gate=False)
+    assert result.decision is None and result.sharded == 1
+    assert result.to_json()["speed"] is None
+
+
+def test_the_cli_json_is_the_results_to_json(tmp_path):
+    """One report builder: ``optimize --json`` prints ``OptimizeResult.to_json``."""
+    path = tmp_path / "sgd.hlo"
+    path.write_text(SGD)
+    out = CliRunner().invoke(main, ["optimize", "--force", str(path), "-o",
+                                    str(tmp_path / "o.hlo"), "--json"])
+    assert out.exit_code == 0, out.output
+    printed = json.loads(out.stdout)
+    built = optimize(parse(SGD), ShardingOptions(), force=True).to_json(
+        input=str(path), output=str(tmp_path / "o.hlo"), state="gathered",
+        strategy="auto", profile=printed["profile"], manifest=None)
+    assert printed == json.loads(json.dumps(built))
+    assert printed["speed"]["predicted_ratio"] > 0
+
+
+def _names_used(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_no_front_end_assembles_passes(front_end):
+    used = _names_used(PACKAGE / front_end)
+    assert not used & PASS_MACHINERY, f"{front_end} uses {sorted(used & PASS_MACHINERY)}"
+    assert "optimize" in used or "checked_options" in used
+
+
+# ------------------------------------------------------------ a compiled program's aliases
+
+DONATING = """HloModule step, input_output_alias={ {0}: (0, {}, may-alias) }, buffer_donor={ (1, {}), (2, {}) }
+ENTRY e { w = f32[8] parameter(0) s = f32[8] parameter(1) b = f32[3] parameter(2)
+ n = f32[8] negate(w) m = f32[8] negate(s) ROOT t = (f32[8], f32[8], f32[3]) tuple(m, n, b) }
+"""
+
+
+def test_donated_parameters_are_read_from_both_donation_attributes():
+    assert donated_parameters(parse(DONATING)) == (0, 1, 2)
+
+
+def test_next_values_replace_the_donation_header():
+    module = parse(DONATING)
+    result = NextValueAliases(((1, 0), (0, 1))).apply(module)
+    assert result.changed and "buffer_donor" not in module.header
+    assert to_text(module).splitlines()[0] == (
+        "HloModule step, input_output_alias={ {1}: (0, {}, may-alias), "
+        "{0}: (1, {}, may-alias) }")
+    assert not NextValueAliases(()).apply(parse(DONATING)).changed
+
+
+def test_every_donor_is_aliased_to_an_output_of_its_shape_its_next_value_first():
+    module = parse(DONATING)
+    ExecutableAliases((0, 1, 2), ((1, 0),)).apply(module)
+    # w → its next value {1}; s → the first free f32[8], {0}; b → {2}
+    assert module.output_aliases() == {0: 1, 1: 0, 2: 2}
+    assert "buffer_donor" not in module.header
+    lone = parse(DONATING)
+    ExecutableAliases((), ()).apply(lone)
+    assert "input_output_alias" not in lone.header
+
+
+def test_a_module_for_an_executable_is_in_replica_form_with_its_aliases():
+    spmd = SGD.replace("replica_count=4", "num_partitions=4, buffer_donor={ (0, {}) }")
+    result = optimize(parse(spmd), ShardingOptions(), force=True,
+                      executable=ForExecutable())
+    header = result.text.splitlines()[0]
+    assert "replica_count=4" in header and "num_partitions" not in header
+    assert "input_output_alias={ {}: (0, {}, may-alias) }" in header
+    assert parse(result.text).output_aliases() == {0: 0}
+
+
+def _calls(path: Path, name: str) -> int:
+    return sum(1 for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == name)
+
+
+@pytest.mark.parametrize("front_end", ["jax/hook.py", "jax/_program.py"])
+def test_the_jax_front_ends_parse_once_and_leave_printing_to_optimize(front_end):
+    """The captured module is parsed once (the report's names are read before the
+    rewrite, not from a second parse) and printed once, by ``optimize``'s check."""
+    assert _calls(PACKAGE / front_end, "parse") == 1
+    assert _calls(PACKAGE / front_end, "to_text") == 0
