@@ -200,6 +200,8 @@ class Program:
             "gradients": len(report.explanations),
             "explanations": [users.explained(r.to_json()) for r in report.explanations],
             "notes": [users.note(note) for note in report.notes],
+            "weights": [{**row.to_json(), "name": names[cap.kept[row.parameter]],
+                         "hlo_name": row.name} for row in report.weights],
             "parameters": [entry(p, users.parameters.get(p.index, "")) for p in report.parameters],
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
             "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
@@ -207,7 +209,7 @@ class Program:
 
 
 def _options_json(options: ShardingOptions) -> dict:
-    return {"state": options.state, "strategy": options.strategy,
+    return {"state": options.state, "params": options.params, "strategy": options.strategy,
             "profile": getattr(options.profile, "name", options.profile)}
 
 

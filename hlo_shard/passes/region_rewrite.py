@@ -25,8 +25,9 @@ from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
-from hlo_shard.ir import (ArrayShape, AttrValue, Computation, ComputationRef, Ident, Instruction, Module,
-                          Shape, SliceRanges, TupleShape)
+from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
+                          ComputationRef, Ident, Instruction, Module, Shape, SliceRanges,
+                          TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            shard_body)
@@ -92,6 +93,8 @@ class RegionRewrite:
         self._erase: list[str] = []
         #: The all-reduces of the sharded reductions' partial results (combined at the end).
         self._small_sums: list[str] = []
+        #: Input → the narrower type it is all-gathered in (see :meth:`_seed_inputs`).
+        self.gathered_types: dict[str, str] = {}
 
     # Operands ---------------------------------------------------------------------------
     def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
@@ -333,14 +336,31 @@ class RegionRewrite:
 
     def _seed_inputs(self) -> None:
         """Input shards: the instruction's value becomes its ``[L]`` shard; users outside
-        the region get the all-gathered full value (one collective per bucket)."""
+        the region get the all-gathered full value (one collective per bucket). Where
+        every such user converts it to one narrower float type (bf16 compute from f32
+        master weights), the shard is converted and the narrow value gathered: the
+        converts' users read it, fewer bytes cross the network."""
+        comp = self.comp
         outside: dict[str, list[str]] = {}
         items: list[Gathered] = []
+        #: Converted shard → the converts it replaces.
+        narrowed: dict[str, list[str]] = {}
         for name, fmt in self.inputs.items():
-            inst = self.comp[name]
+            inst = comp[name]
             users = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
-            users += [""] if name == self.comp.root_name else []
-            if users:
+            users += [""] if name == comp.root_name else []
+            narrow = narrowing_convert(comp, name, users)
+            if narrow is not None:
+                with self.rw.inserting_before(min(users, key=comp.position)):
+                    source = self.emit.add("convert", self.emit.shape(narrow, (fmt.shard_len,)),
+                                           [name], name=f"{name}.{narrow}")
+                narrowed[source] = users
+                readers = [u.name for c in users for u in self.rw.users(c)]
+                readers += [""] if comp.root_name in users else []
+                outside[source] = readers
+                items.append(Gathered(source, fmt, self.emit.gathered_shape(
+                    comp[users[0]].array_shape, fmt, readers), name))
+            elif users:
                 outside[name] = users
                 items.append(Gathered(name, fmt,
                                       self.emit.gathered_shape(inst.array_shape, fmt, users),
@@ -350,7 +370,13 @@ class RegionRewrite:
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
                                             outside).items():
-            self._rewire(item.shard, full, outside[item.shard])
+            if item.shard not in narrowed:
+                self._rewire(item.shard, full, outside[item.shard])
+                continue
+            self.gathered_types[item.label] = item.shape.element_type
+            for convert in narrowed[item.shard]:
+                self.rw.replace_all_uses_with(convert, full)  # the root too
+                self.rw.erase(convert)
 
     def _rewire(self, value: str, replacement: str, users: list[str],
                 keep: dict[int, str] | None = None) -> None:
@@ -452,6 +478,25 @@ class RegionRewrite:
                         else:
                             self.rw.set_attr(self.comp[value], "index", position)
                             self.rw.set_operand(self.comp[value], 0, new.name)
+
+
+def narrowing_convert(comp: Computation, value: str, users: list[str]) -> str | None:
+    """The float type narrower than ``value``'s that all of ``users`` (``""``: the root)
+    convert it to, in one shape and layout — its uses need only that narrow copy — or
+    None."""
+    shapes = {comp[u].shape for u in users if u and comp[u].opcode == "convert"}
+    if not users or "" in users or len(shapes) != 1 or \
+            any(comp[u].opcode != "convert" for u in users):
+        return None
+    (shape,) = shapes
+    source = comp[value].shape
+    if not isinstance(shape, ArrayShape) or not isinstance(source, ArrayShape):
+        return None
+    narrow, wide = shape.element_type, source.element_type
+    if narrow in FLOAT_TYPES and wide in FLOAT_TYPES and \
+            ELEMENT_BITS[narrow] < ELEMENT_BITS[wide]:
+        return narrow
+    return None
 
 
 def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
@@ -683,4 +728,5 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use"]
+__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use",
+           "narrowing_convert"]

@@ -38,7 +38,7 @@ from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_tru
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
                                               Whole, collect_leaves, flattenable,
-                                              plan_region, region_only_parameters)
+                                              plan_region, region_read_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
                              dataflow_graph)
@@ -47,11 +47,17 @@ from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, 
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
-from hlo_shard.passes.region_rewrite import RegionRewrite, RegionSnapshot, gather_before_use
+from hlo_shard.passes.region_rewrite import (RegionRewrite, RegionSnapshot, gather_before_use,
+                                            narrowing_convert)
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
+#: How the weights (parameters the update reads and the forward/backward pass uses, paired
+#: with the output that is their next value) cross steps → the state mode it needs:
+#: ``gathered`` whole on every device; ``sharded`` as ``[L]`` shards like the optimizer
+#: state (all-gathered at the top of the step, for their forward/backward uses only).
+PARAM_MODES = {"gathered": None, "sharded": "sharded"}
 #: The smallest value of each integer option (None allowed where it has no default);
 #: every front end (the CLI, ``shard_weight_update``, ``install()``) gets the same check.
 OPTION_MINIMUMS = {"num_replicas": 1, "min_shard_bytes": 0, "bucket_bytes": 1}
@@ -64,6 +70,8 @@ class ShardingOptions:
 
     num_replicas: int | None = None
     state: str = "gathered"
+    #: One of :data:`PARAM_MODES`.
+    params: str = "gathered"
     strategy: str = "auto"
     min_shard_bytes: int = 0
     #: Largest combined reduce-scatter / all-gather (None: the profile's
@@ -115,6 +123,25 @@ class Explanation:
 
 
 @dataclass
+class WeightChoice:
+    """``params="sharded"``: one weight parameter, kept as a shard (and the element type
+    its all-gather moves) or whole (why)."""
+
+    parameter: int
+    name: str
+    sharded: bool
+    #: The element type of its all-gather ("" when whole).
+    gathered_type: str = ""
+    reason: str = ""
+    #: A :class:`~hlo_shard.analysis.collectives.ReasonCode` value: why whole, or why
+    #: gathered in its own type; "" for a shard gathered narrow.
+    reason_code: str = ""
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
 class SignatureEntry:
     """A parameter or output leaf of the rewritten entry, for the manifest."""
 
@@ -140,6 +167,8 @@ class ShardingReport:
     notes: list[str] = field(default_factory=list)
     #: Per computation with sharded gradients: how it was bucketed.
     strategies: list[StrategyChoice] = field(default_factory=list)
+    #: ``params="sharded"``: each weight of the entry, sharded or why not.
+    weights: list[WeightChoice] = field(default_factory=list)
 
 
 @dataclass
@@ -183,6 +212,14 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if self.options.state not in STATE_MODES:
             raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not "
                                 f"{self.options.state!r}")
+        if self.options.params not in PARAM_MODES:
+            raise HloShardError(f"params must be one of {', '.join(PARAM_MODES)}, not "
+                                f"{self.options.params!r}")
+        needed = PARAM_MODES[self.options.params]
+        if needed is not None and self.options.state != needed:
+            raise ShardingOptionError("params", self.options.params,
+                                      f"needs state {needed} (the weights' shards are "
+                                      f"updated from the optimizer state's)")
         if self.options.strategy not in STRATEGIES:
             raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                                 f"{self.options.strategy!r}")
@@ -287,13 +324,22 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         kept whole is noted), or the slots a training loop carries as shards."""
         module = run.module
         if state_entry:
-            state_plan, kept_whole = _pair_state(module, comp, plan, run.replication)
-            run.state_plan = state_plan
+            graph, params = dataflow_graph(comp), comp.parameters()
+            state_plan, kept_whole = _pair_state(module, comp, plan, run.replication,
+                                                 region_read_parameters(params, graph, plan))
             names = _parameter_names(comp)
             run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
             run.report.notes += _unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
+            if self.options.params == "sharded":
+                weights, weights_whole = _pair_state(
+                    module, comp, plan, run.replication,
+                    region_read_parameters(params, graph, plan, weights=True))
+                run.report.weights += _weight_rows(comp, names, weights, weights_whole,
+                                                   graph, plan)
+                state_plan = {**state_plan, **weights}
+            run.state_plan = state_plan
             run.changes += _annotate_state(module, Rewriter(comp), state_plan, plan.groups)
             return ({names[n]: p.format for n, p in state_plan.items()},
                     {p.output: p.value for p in state_plan.values()})
@@ -338,13 +384,14 @@ class _Run:
     def mark(self) -> _Mark:
         """Where the steps stand, for :meth:`rewind` after a region refused."""
         return _Mark(len(self.changes), len(self.report.notes), len(self.report.strategies),
-                     len(self.carries), dict(self.state_plan))
+                     len(self.report.weights), len(self.carries), dict(self.state_plan))
 
     def rewind(self, mark: _Mark) -> None:
         """Forget what the steps added since ``mark`` (its edits are undone separately,
         by the computation's :class:`RegionSnapshot`)."""
         del self.changes[mark.changes:], self.report.notes[mark.notes:]
         del self.report.strategies[mark.strategies:], self.carries[mark.carries:]
+        del self.report.weights[mark.weights:]
         self.state_plan = dict(mark.state_plan)
 
 
@@ -355,6 +402,7 @@ class _Mark:
     changes: int
     notes: int
     strategies: int
+    weights: int
     carries: int
     state_plan: dict[int, StatePair]
 
@@ -488,12 +536,13 @@ class StatePair:
     output_shape: ArrayShape
 
 
-def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication
-                ) -> tuple[dict[int, StatePair], dict[int, str]]:
-    """Parameter number → (output index, region value) for optimizer state that can stay
-    sharded: the parameter is used only by region ops, in the format of the output that
-    is its next value, and both are in an order the manifest flattens (physical or
-    row-major); and, for the other parameters used only by region ops, why not."""
+def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication,
+                read: dict[int, set[ShardFormat]]) -> tuple[dict[int, StatePair], dict[int, str]]:
+    """Parameter number → (output index, region value) for the parameters of ``read``
+    (optimizer state, or weights: see :func:`region_read_parameters`) that can stay
+    sharded: the region reads the parameter in the format of the output that is its
+    next value, and both are in an order the manifest flattens (physical or row-major);
+    and, for the other parameters of ``read``, why not."""
     root = comp.root
     if root.opcode != "tuple":
         return {}, {}
@@ -501,7 +550,7 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
     params = {p.parameter_number: p for p in comp.parameters()}
     candidates: dict[int, ShardFormat] = {}
     kept_whole: dict[int, str] = {}
-    for number, formats in region_only_parameters(list(params.values()), graph, plan).items():
+    for number, formats in read.items():
         if not replication.is_replicated(comp.name, params[number].name):
             continue
         fmt = next(iter(formats))
@@ -643,6 +692,29 @@ def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardForm
         return f"its next value (output {k}) is in element order {_order(out)}, " \
                f"the parameter in {_order(fmt)}"
     return f"its next value (output {k}) has another element type"
+
+
+def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, StatePair],
+                 kept_whole: dict[int, str], graph: nx.MultiDiGraph,
+                 plan: RegionPlan) -> list[WeightChoice]:
+    """The ``params="sharded"`` rows: each weight sharded (gathered narrow where its
+    uses outside the update are converts to one narrower float) or kept whole."""
+    rows = [WeightChoice(number, names[number], False,
+                         reason=f"stays whole on every device: {why}",
+                         reason_code=ReasonCode.WEIGHT_KEPT_WHOLE.value)
+            for number, why in kept_whole.items()]
+    for number in weights:
+        name = names[number]
+        users = [u for u in graph.successors(name) if u not in plan.ops]
+        narrow = narrowing_convert(comp, name, list(dict.fromkeys(users)))
+        wide = _array(comp[name].shape).element_type
+        rows.append(WeightChoice(number, name, True, narrow or wide) if narrow else
+                    WeightChoice(number, name, True, wide,
+                                 f"all-gathered in {wide}: used outside the update "
+                                 f"other than by one convert to a narrower float type "
+                                 f"(by {', '.join(sorted(set(users))[:3]) or 'the root'})",
+                                 ReasonCode.WIDE_GATHER.value))
+    return sorted(rows, key=lambda row: row.parameter)
 
 
 def _state_note(param: Instruction, number: int, why: str) -> str:
@@ -939,4 +1011,4 @@ def _shard_sharding(groups: DeviceGroups) -> str:
 
 __all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptionError",
            "ShardingOptions", "ShardingReport", "SignatureEntry", "StrategyChoice",
-           "WeightUpdateSharding", "STATE_MODES", "STRATEGIES", "rewritten_computations"]
+           "WeightChoice", "WeightUpdateSharding", "PARAM_MODES", "STATE_MODES", "STRATEGIES", "rewritten_computations"]
