@@ -720,19 +720,22 @@ def flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
 
 
 def region_read_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
-                           plan: RegionPlan, weights: bool = False) -> dict[int, set[ShardFormat]]:
+                           plan: RegionPlan, weights: bool = False,
+                           through: dict[str, str] | None = None) -> dict[int, set[ShardFormat]]:
     """Array parameters the region reads → the formats its ops read them in: those read
     by region ops only (optimizer state, once paired with the output that is its next
     value), or with ``weights`` those the region reads and other instructions use too
     (the weights: the forward/backward pass reads them, the update computes their next
-    value from them)."""
+    value from them). ``through``: parameter → the value whose users stand for its own
+    (the last of the copies it flows through alone: shard_map's form)."""
     read: dict[int, set[ShardFormat]] = {}
     for param in params:
-        users = set(graph.successors(param.name))
+        value = (through or {}).get(param.name, param.name)
+        users = set(graph.successors(value))
         inside = users & plan.ops.keys()
         if isinstance(param.shape, ArrayShape) and inside and (inside != users) == weights:
             read[param.param_number] = set().union(*(
-                plan.ops[u].formats_reading(graph.nodes[u]["inst"], param.name)
+                plan.ops[u].formats_reading(graph.nodes[u]["inst"], value)
                 for u in inside))
     return read
 

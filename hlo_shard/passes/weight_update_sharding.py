@@ -333,11 +333,16 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             run.report.notes += _unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
             if self.options.params == "sharded":
+                chains = _copy_chains(comp, graph)
+                ends = {name: chain[-1] for name, chain in chains.items()}
                 weights, weights_whole = _pair_state(
                     module, comp, plan, run.replication,
-                    region_read_parameters(params, graph, plan, weights=True))
-                run.report.weights += _weight_rows(comp, names, weights, weights_whole,
-                                                   graph, plan)
+                    region_read_parameters(params, graph, plan, weights=True, through=ends))
+                rows = _weight_rows(comp, names, weights, weights_whole, graph, plan, ends)
+                run.report.weights += rows
+                run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
+                                     f"{row.reason}" for row in rows if row.reason]
+                run.changes += _bypass_copies(comp, [names[n] for n in weights], chains)
                 state_plan = {**state_plan, **weights}
             run.state_plan = state_plan
             run.changes += _annotate_state(module, Rewriter(comp), state_plan, plan.groups)
@@ -694,9 +699,40 @@ def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardForm
     return f"its next value (output {k}) has another element type"
 
 
+def _copy_chains(comp: Computation, graph: nx.MultiDiGraph) -> dict[str, list[str]]:
+    """Parameter → the copies it flows through alone before its other uses (each copy
+    the only user of the value before it, in the parameter's shape and layout: the
+    form shard_map gives a replicated argument), for the parameters that have any."""
+    chains: dict[str, list[str]] = {}
+    for param in comp.parameters():
+        chain, value = [], param.name
+        while len(users := list(graph.successors(value))) == 1 and \
+                comp[users[0]].opcode == "copy" and comp[users[0]].shape == param.shape \
+                and users[0] != comp.root_name:
+            chain.append(users[0])
+            value = users[0]
+        if chain:
+            chains[param.name] = chain
+    return chains
+
+
+def _bypass_copies(comp: Computation, params: list[str],
+                   chains: dict[str, list[str]]) -> list[Change]:
+    """The users of each sharded weight's copies read the parameter itself (a copy of a
+    value in its own layout is that value): the parameter becomes the shard they read."""
+    rw = Rewriter(comp)
+    for name in params:
+        chain = chains.get(name, [])
+        if chain:
+            rw.replace_all_uses_with(chain[-1], name)
+            for copy in reversed(chain):
+                rw.erase(copy)
+    return rw.changes
+
+
 def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, StatePair],
                  kept_whole: dict[int, str], graph: nx.MultiDiGraph,
-                 plan: RegionPlan) -> list[WeightChoice]:
+                 plan: RegionPlan, ends: dict[str, str]) -> list[WeightChoice]:
     """The ``params="sharded"`` rows: each weight sharded (gathered narrow where its
     uses outside the update are converts to one narrower float) or kept whole."""
     rows = [WeightChoice(number, names[number], False,
@@ -705,8 +741,9 @@ def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, St
             for number, why in kept_whole.items()]
     for number in weights:
         name = names[number]
-        users = [u for u in graph.successors(name) if u not in plan.ops]
-        narrow = narrowing_convert(comp, name, list(dict.fromkeys(users)))
+        value = ends.get(name, name)
+        users = [u for u in graph.successors(value) if u not in plan.ops]
+        narrow = narrowing_convert(comp, value, list(dict.fromkeys(users)))
         wide = _array(comp[name].shape).element_type
         rows.append(WeightChoice(number, name, True, narrow or wide) if narrow else
                     WeightChoice(number, name, True, wide,
