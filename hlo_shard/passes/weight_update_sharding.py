@@ -341,7 +341,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 rows = _weight_rows(comp, names, weights, weights_whole, graph, plan, ends)
                 run.report.weights += rows
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
-                                     f"{row.reason}" for row in rows if row.reason]
+                                     f"{row.reason}" for row in rows if not row.sharded]
                 run.changes += _bypass_copies(comp, [names[n] for n in weights], chains)
                 state_plan = {**state_plan, **weights}
             run.state_plan = state_plan
