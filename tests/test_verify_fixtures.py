@@ -232,3 +232,28 @@ def test_params_sharded_needs_sharded_state_one_line(tmp_path):
     assert made.exit_code == 2
     assert "--params sharded needs state sharded" in made.output
     assert "Traceback" not in made.output
+
+
+@pytest.mark.skipif(BF16_MIXED not in RUNNABLE, reason=f"{BF16_MIXED} not generated")
+def test_a_weight_without_a_named_next_value_stays_whole_and_says_why(tmp_path):
+    """With input_output_alias naming every next value but weight 1's, that weight
+    stays whole (reason code ``weight_kept_whole``, an --explain note); the others are
+    shards, and the module still matches the original."""
+    text = (FIXTURES / BF16_MIXED).read_text()
+    original = tmp_path / "no_alias_1.hlo"
+    original.write_text(text.replace("{1}: (1, {}, may-alias), ", "", 1))
+    out, manifest = tmp_path / "out.hlo", tmp_path / "out.json"
+    made = CliRunner().invoke(main, ["optimize", "--force", str(original), "-o", str(out),
+                                     "--state", "sharded", "--params", "sharded",
+                                     "--manifest", str(manifest), "--json"])
+    assert made.exit_code == 0, made.output
+    rows = {row["parameter"]: row for row in json.loads(made.stdout)["weights"]}
+    assert not rows[1]["sharded"] and rows[1]["reason_code"] == "weight_kept_whole"
+    assert "no input_output_alias" in rows[1]["reason"]
+    assert all(rows[k]["sharded"] for k in (0, 2, 3))
+    kinds = {e["index"]: e["kind"] for e in json.loads(manifest.read_text())["parameters"]}
+    assert kinds[1] != "sharded" and kinds[0] == kinds[2] == kinds[3] == "sharded"
+    result = cli(str(original), str(out), "--manifest", str(manifest), "--steps", "3", "-q",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["match"]

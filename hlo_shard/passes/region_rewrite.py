@@ -77,11 +77,14 @@ class RegionRewrite:
     def __init__(self, module: Module, comp: Computation, plan: RegionPlan,
                  bucketing: Bucketing, channels: ChannelIds,
                  inputs: dict[str, ShardFormat] | None = None,
-                 outputs: dict[int, str] | None = None) -> None:
+                 outputs: dict[int, str] | None = None, gather_at_top: bool = False) -> None:
         self.module, self.comp, self.plan, self.bucketing = module, comp, plan, bucketing
         self.channels = channels
         self.inputs = inputs or {}
         self.outputs = outputs or {}
+        #: Gather the input shards used outside the region together, before the first
+        #: such use (see :func:`gather_before_use`).
+        self.gather_at_top = gather_at_top
         #: The module's edits (a fusion body's sharded copy) and ``comp``'s, one log.
         self.edits = ModuleRewriter(module)
         self.rw = self.edits.rewriter(comp)
@@ -351,7 +354,8 @@ class RegionRewrite:
             users += [""] if name == comp.root_name else []
             narrow = narrowing_convert(comp, name, users)
             if narrow is not None:
-                with self.rw.inserting_before(min(users, key=comp.position)):
+                with self.rw.inserting_before(min(users, key=comp.position)
+                                              if not self.gather_at_top else self.emit.first):
                     source = self.emit.add("convert", self.emit.shape(narrow, (fmt.shard_len,)),
                                            [name], name=f"{name}.{narrow}")
                 narrowed[source] = users
@@ -369,7 +373,7 @@ class RegionRewrite:
                                                     (fmt.shard_len,)))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
-                                            outside).items():
+                                            outside, self.gather_at_top).items():
             if item.shard not in narrowed:
                 self._rewire(item.shard, full, outside[item.shard])
                 continue
@@ -500,18 +504,28 @@ def narrowing_convert(comp: Computation, value: str, users: list[str]) -> str | 
 
 
 def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
-                      items: list[Gathered], users: dict[str, list[str]]) -> dict[Gathered, str]:
+                      items: list[Gathered], users: dict[str, list[str]],
+                      at_top: bool = False) -> dict[Gathered, str]:
     """All-gather shards that already exist (parameters, loop slots) right before the
     first of their ``users`` (``""``: the root) — never earlier, so the full copy is
-    live no longer than needed; shards whose first user is the same share a bucket."""
+    live no longer than needed; shards whose first user is the same share a bucket.
+    ``at_top``: all of them before the first user of any (weights the backward pass
+    reads again are live through the step anyway: gathered together, they share
+    buckets — the paper's all-gather at the top of the step)."""
     comp = rw.comp
     position = {inst.name: i for i, inst in enumerate(comp.instructions)}
     anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
-    for item in sorted(items, key=lambda i: position[i.shard]):
+    first_readers = {}
+    for item in items:
         readers = [u or comp.root.name for u in users.get(item.shard, [])]
         readers = [u for u in readers if u != item.shard]
+        first_readers[item] = min(readers, key=position.__getitem__) if readers else None
+    top = min((r for r in first_readers.values() if r is not None), key=position.__getitem__,
+              default=None)
+    for item in sorted(items, key=lambda i: position[i.shard]):
+        first = top if at_top and first_readers[item] is not None else first_readers[item]
         # (anchor, before it?): with no other reader (the shard is the root), right after.
-        key = (min(readers, key=position.__getitem__), True) if readers else (item.shard, False)
+        key = (first, True) if first is not None else (item.shard, False)
         anchors[key].append(item)
     out: dict[Gathered, str] = {}
     for (anchor, before), group in anchors.items():

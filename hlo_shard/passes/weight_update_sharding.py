@@ -41,7 +41,7 @@ from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, Region
                                               plan_region, region_read_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
-                             dataflow_graph)
+                             control_predecessors, dataflow_graph)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
@@ -304,7 +304,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                     comp.name, self.profile.name, plan.groups.size, self.options.strategy,
                     run.bucketing.estimates(sizes)))
                 rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels,
-                                        inputs, outputs)
+                                        inputs, outputs,
+                                        gather_at_top=state_entry and self.options.params == "sharded")
                 collectives = rewrite.run()
                 run.changes += rewrite.rw.changes
             except DependencyCycle as cycle:  # a planning bug: refused, never raised
@@ -337,7 +338,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 ends = {name: chain[-1] for name, chain in chains.items()}
                 weights, weights_whole = _pair_state(
                     module, comp, plan, run.replication,
-                    region_read_parameters(params, graph, plan, weights=True, through=ends))
+                    region_read_parameters(params, graph, plan, weights=True, through=ends),
+                    unaliased="no input_output_alias names its next value")
                 rows = _weight_rows(comp, names, weights, weights_whole, graph, plan, ends)
                 run.report.weights += rows
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
@@ -542,12 +544,14 @@ class StatePair:
 
 
 def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication,
-                read: dict[int, set[ShardFormat]]) -> tuple[dict[int, StatePair], dict[int, str]]:
+                read: dict[int, set[ShardFormat]], unaliased: str = ""
+                ) -> tuple[dict[int, StatePair], dict[int, str]]:
     """Parameter number → (output index, region value) for the parameters of ``read``
     (optimizer state, or weights: see :func:`region_read_parameters`) that can stay
     sharded: the region reads the parameter in the format of the output that is its
     next value, and both are in an order the manifest flattens (physical or row-major);
-    and, for the other parameters of ``read``, why not."""
+    and, for the other parameters of ``read``, why not (with ``unaliased``, also those
+    the module's input_output_alias leaves out: a weight is a parameter to report)."""
     root = comp.root
     if root.opcode != "tuple":
         return {}, {}
@@ -589,6 +593,9 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
                 pair(number, k)
             elif number in candidates:
                 kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
+        if unaliased:
+            kept_whole.update({number: unaliased for number in candidates
+                               if number not in pairs and number not in kept_whole})
         return pairs, kept_whole
     # No aliasing: an output depending on exactly one remaining candidate of its kind.
     remaining = dict(candidates)
@@ -704,11 +711,14 @@ def _copy_chains(comp: Computation, graph: nx.MultiDiGraph) -> dict[str, list[st
     the only user of the value before it, in the parameter's shape and layout: the
     form shard_map gives a replicated argument), for the parameters that have any."""
     chains: dict[str, list[str]] = {}
+    #: Instructions another one is ordered after (control edges): they stay.
+    ordered = {name for inst in comp.instructions for name in control_predecessors(inst)}
     for param in comp.parameters():
         chain, value = [], param.name
         while len(users := list(graph.successors(value))) == 1 and \
                 comp[users[0]].opcode == "copy" and comp[users[0]].shape == param.shape \
-                and users[0] != comp.root_name:
+                and users[0] != comp.root_name and users[0] not in ordered \
+                and not control_predecessors(comp[users[0]]):
             chain.append(users[0])
             value = users[0]
         if chain:
