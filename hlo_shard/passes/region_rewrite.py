@@ -96,8 +96,6 @@ class RegionRewrite:
         self._erase: list[str] = []
         #: The all-reduces of the sharded reductions' partial results (combined at the end).
         self._small_sums: list[str] = []
-        #: Input → the narrower type it is all-gathered in (see :meth:`_seed_inputs`).
-        self.gathered_types: dict[str, str] = {}
 
     # Operands ---------------------------------------------------------------------------
     def replicated_shard(self, value: str, fmt: ShardFormat) -> str:
@@ -377,7 +375,6 @@ class RegionRewrite:
             if item.shard not in narrowed:
                 self._rewire(item.shard, full, outside[item.shard])
                 continue
-            self.gathered_types[item.label] = item.shape.element_type
             for convert in narrowed[item.shard]:
                 self.rw.replace_all_uses_with(convert, full)  # the root too
                 self.rw.erase(convert)
@@ -515,7 +512,7 @@ def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
     comp = rw.comp
     position = {inst.name: i for i, inst in enumerate(comp.instructions)}
     anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
-    first_readers = {}
+    first_readers: dict[Gathered, str | None] = {}
     for item in items:
         readers = [u or comp.root.name for u in users.get(item.shard, [])]
         readers = [u for u in readers if u != item.shard]
