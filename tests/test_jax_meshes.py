@@ -44,12 +44,16 @@ def _start():
     return params, OPT.init(params), batches
 
 
-@pytest.mark.parametrize("state", ["gathered", "sharded"])
-def test_a_data_by_model_mesh_shards_over_the_data_groups(request, state):
+@pytest.mark.parametrize("state, params", [("gathered", "gathered"), ("sharded", "gathered"),
+                                           ("sharded", "sharded")])
+def test_a_data_by_model_mesh_shards_over_the_data_groups(request, state, params):
+    """``params="sharded"``: the tensor-parallel weights too cross the step as chunks of
+    their data-axis group, of the device's model-axis block."""
     if not needs_devices(request):
         return
+    weights = params
     params, opt_state, batches = _start()
-    fast = hsj.shard_weight_update(jax.jit(_step), state=state, force=True)
+    fast = hsj.shard_weight_update(jax.jit(_step), state=state, params=weights, force=True)
     jitted = jax.jit(_step)
     p, s = params, opt_state
     p_jit, s_jit = params, opt_state
@@ -61,6 +65,7 @@ def test_a_data_by_model_mesh_shards_over_the_data_groups(request, state):
     assert report["fallback"] is None and report["sharded"] >= 2
     if state == "sharded":  # w1's state: 4 chunks of its device's [64, 64] block, x 8 devices
         assert s[0].mu["w1"].shape == (8 * 64 * 64 // 4,)
+    assert p["w1"].shape == ((8 * 64 * 64 // 4,) if weights == "sharded" else (64, 128))
     codes = {row["reason_code"] for row in report["explanations"] if not row["sharded"]}
     assert codes <= {"other_groups", "nothing_to_shard", "below_min_shard_bytes"}
     p_full, s_full = fast.gather_args(p, s)

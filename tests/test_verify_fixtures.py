@@ -193,3 +193,67 @@ def test_sharded_state_from_optimize_verifies_over_three_steps(tmp_path):
     report = json.loads(result.stdout)
     assert report["match"] and report["steps"] == 3
     assert all(leaf["verdict"] == "match" for leaf in report["outputs"])
+
+
+BF16_MIXED = "spmd/bf16_mixed.n8.hlo"
+
+
+@pytest.mark.skipif(BF16_MIXED not in RUNNABLE, reason=f"{BF16_MIXED} not generated")
+def test_sharded_master_weights_from_optimize_verify_on_8_devices(tmp_path):
+    """``--params sharded`` on f32 master weights with bf16 compute (shard_map's form:
+    each weight reaches its uses through copies): weights and Adam state cross the step
+    as shards, the weights are all-gathered in bf16 only, and the module matches the
+    original over three steps through its manifest."""
+    out, manifest = tmp_path / "bf16.sharded.hlo", tmp_path / "bf16.sharded.json"
+    made = CliRunner().invoke(main, ["optimize", "--force", str(FIXTURES / BF16_MIXED),
+                                     "-o", str(out), "--state", "sharded", "--params",
+                                     "sharded", "--manifest", str(manifest), "--json"])
+    assert made.exit_code == 0, made.output
+    report = json.loads(made.stdout)
+    assert report["params"] == "sharded"
+    assert [row["gathered_type"] for row in report["weights"]] == ["bf16"] * 4
+    sharded = {entry["index"] for entry in json.loads(manifest.read_text())["parameters"]
+               if entry["kind"] == "sharded"}
+    assert {0, 1, 2, 3} <= sharded  # the four weights, besides the state
+    gathers = [inst for comp in parse(out.read_text()).computations
+               for inst in comp.instructions if inst.opcode == "all-gather"]
+    assert gathers and {inst.array_shape.element_type for inst in gathers} == {"bf16"}
+    result = cli(str(FIXTURES / BF16_MIXED), str(out), "--manifest", str(manifest),
+                 "--steps", "3", "-q", "--json")
+    assert result.exit_code == 0, result.output
+    verdict = json.loads(result.stdout)
+    assert verdict["match"] and verdict["steps"] == 3
+    assert all(leaf["verdict"] == "match" for leaf in verdict["outputs"])
+
+
+def test_params_sharded_needs_sharded_state_one_line(tmp_path):
+    made = CliRunner().invoke(main, ["optimize", str(FIXTURES / BF16_MIXED), "-o",
+                                     str(tmp_path / "out.hlo"), "--params", "sharded"])
+    assert made.exit_code == 2
+    assert "--params sharded needs state sharded" in made.output
+    assert "Traceback" not in made.output
+
+
+@pytest.mark.skipif(BF16_MIXED not in RUNNABLE, reason=f"{BF16_MIXED} not generated")
+def test_a_weight_without_a_named_next_value_stays_whole_and_says_why(tmp_path):
+    """With input_output_alias naming every next value but weight 1's, that weight
+    stays whole (reason code ``weight_kept_whole``, an --explain note); the others are
+    shards, and the module still matches the original."""
+    text = (FIXTURES / BF16_MIXED).read_text()
+    original = tmp_path / "no_alias_1.hlo"
+    original.write_text(text.replace("{1}: (1, {}, may-alias), ", "", 1))
+    out, manifest = tmp_path / "out.hlo", tmp_path / "out.json"
+    made = CliRunner().invoke(main, ["optimize", "--force", str(original), "-o", str(out),
+                                     "--state", "sharded", "--params", "sharded",
+                                     "--manifest", str(manifest), "--json"])
+    assert made.exit_code == 0, made.output
+    rows = {row["parameter"]: row for row in json.loads(made.stdout)["weights"]}
+    assert not rows[1]["sharded"] and rows[1]["reason_code"] == "weight_kept_whole"
+    assert "no input_output_alias" in rows[1]["reason"]
+    assert all(rows[k]["sharded"] for k in (0, 2, 3))
+    kinds = {e["index"]: e["kind"] for e in json.loads(manifest.read_text())["parameters"]}
+    assert kinds[1] != "sharded" and kinds[0] == kinds[2] == kinds[3] == "sharded"
+    result = cli(str(original), str(out), "--manifest", str(manifest), "--steps", "3", "-q",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["match"]

@@ -195,9 +195,10 @@ def _is_scalar(shape: Shape) -> bool:
 
 
 class ReasonCode(str, enum.Enum):
-    """Why a gradient collective is left as it is, for machines (``--json``'s
-    ``reason_code``): the one table of such reasons, from the collective's form, the
-    planner and the speed gate; the words for people are the reason text next to it."""
+    """Why a gradient collective is left as it is (or, ``params="sharded"``, a weight
+    whole or gathered wide), for machines (``--json``'s ``reason_code``): the one table
+    of such reasons, from the collective's form, the planner and the speed gate; the
+    words for people are the reason text next to it."""
 
     #: Reduced and then sliced by the device's id (the SPMD partitioner's form of a
     #: reduce-scatter), or a reduce-scatter: the update already runs on the 1/N slice.
@@ -231,6 +232,13 @@ class ReasonCode(str, enum.Enum):
     REGION_CYCLE = "region_cycle"
     #: The speed gate kept it whole: sharding it is predicted slower.
     KEPT_FOR_SPEED = "kept_for_speed"
+    #: ``params="sharded"``, a weight (not a gradient): kept whole on every device, its
+    #: shard not paired with a next value the sharded update computes (the reason says
+    #: which part fails).
+    WEIGHT_KEPT_WHOLE = "weight_kept_whole"
+    #: ``params="sharded"``, a sharded weight all-gathered in its own element type: a
+    #: use outside the update is not a convert to one narrower float type.
+    WIDE_GATHER = "wide_gather"
 
 
 @dataclass(frozen=True)

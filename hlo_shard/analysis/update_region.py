@@ -719,16 +719,24 @@ def flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
     return fmt.dims == shape.dims and (fmt.perm == natural_perm(shape) or fmt.is_row_major)
 
 
-def region_only_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
-                           plan: RegionPlan) -> dict[int, set[ShardFormat]]:
-    """Array parameters read by region ops only (optimizer state, once paired with the
-    output that is its next value) → the formats those ops read them in."""
+def region_read_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
+                           plan: RegionPlan, weights: bool = False,
+                           through: dict[str, str] | None = None) -> dict[int, set[ShardFormat]]:
+    """Array parameters the region reads → the formats its ops read them in: those read
+    by region ops only (optimizer state, once paired with the output that is its next
+    value), or with ``weights`` those the region reads and other instructions use too
+    (the weights: the forward/backward pass reads them, the update computes their next
+    value from them). ``through``: parameter → the value whose users stand for its own
+    (the last of the copies it flows through alone: shard_map's form)."""
     read: dict[int, set[ShardFormat]] = {}
     for param in params:
-        users = set(graph.successors(param.name))
-        if isinstance(param.shape, ArrayShape) and users and users <= plan.ops.keys():
+        value = (through or {}).get(param.name, param.name)
+        users = set(graph.successors(value))
+        inside = users & plan.ops.keys()
+        if isinstance(param.shape, ArrayShape) and inside and (inside != users) == weights:
             read[param.param_number] = set().union(*(
-                plan.ops[u].formats_reading(graph.nodes[u]["inst"], param.name) for u in users))
+                plan.ops[u].formats_reading(graph.nodes[u]["inst"], value)
+                for u in inside))
     return read
 
 
@@ -982,7 +990,7 @@ class _Planner:
         ``--state sharded`` would have to keep whole."""
         if not self.options.keep_state_orders:
             return 0
-        read = region_only_parameters(self.params, self.graph, plan)
+        read = region_read_parameters(self.params, self.graph, plan)
         by_number = {p.param_number: p for p in self.params}
         root = self.comp.root
         lost = 0
@@ -1265,6 +1273,6 @@ __all__ = [
     "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
     "VIEW_OPCODES", "Whole", "blocks_through_collectives", "canonical_perm",
     "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
-    "natural_perm", "plan_region", "region_only_parameters", "reshape_format",
+    "natural_perm", "plan_region", "region_read_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

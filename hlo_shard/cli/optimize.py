@@ -38,7 +38,8 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import PassChanges, check_output
 from hlo_shard.passes.optimize import optimize as run_optimizer
 from hlo_shard.passes.speed_gate import SpeedDecision
-from hlo_shard.passes.weight_update_sharding import (STATE_MODES, STRATEGIES, Explanation,
+from hlo_shard.passes.weight_update_sharding import (PARAM_MODES, STATE_MODES, STRATEGIES,
+                                                     Explanation,
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice)
 from hlo_shard.printer import format_change
@@ -223,6 +224,11 @@ def global_program_note(module: Module) -> str | None:
               help="Confirm the data-parallel group size (an error if the module disagrees).")
 @click.option("--state", type=click.Choice(STATE_MODES), default="gathered", show_default=True,
               help="gathered: same signature; sharded: optimizer state stays in [L] shards.")
+@click.option("--params", "params_mode", type=click.Choice(list(PARAM_MODES)), default="gathered",
+              show_default=True,
+              help="gathered: weights whole; sharded (with --state sharded): weights stay in "
+                   "[L] shards too, all-gathered at the top of the step (bf16 where only "
+                   "read as bf16).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="auto", show_default=True,
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,
@@ -250,7 +256,8 @@ def global_program_note(module: Module) -> str | None:
               help="Shard every eligible gradient, even where the cost model predicts the "
                    "step slower on --profile.")
 @user_errors
-def optimize(input_path: str, output: str, num_replicas: int | None, state: str, strategy: str,
+def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
+             params_mode: str, strategy: str,
              min_shard_bytes: int, profile: str | None, bucket_bytes: int | None, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
@@ -283,8 +290,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     unknown = (overrides.replicated | overrides.per_device) - params
     if unknown:
         raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
-    options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
-                              min_shard_bytes=min_shard_bytes, profile=hardware,
+    options = ShardingOptions(num_replicas=num_replicas, state=state, params=params_mode,
+                              strategy=strategy, min_shard_bytes=min_shard_bytes, profile=hardware,
                               overrides=overrides)
     if bucket_bytes is not None:  # else the pass's own default: the bucket size is stated once
         options = replace(options, bucket_bytes=bucket_bytes)
@@ -324,7 +331,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(result.json_text(names, input=input_path, output=output, state=state,
-                                    strategy=strategy, profile=hardware.name,
+                                    params=params_mode, strategy=strategy,
+                                    profile=hardware.name,
                                     manifest=manifest_path))
 
 

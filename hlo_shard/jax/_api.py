@@ -10,17 +10,22 @@ from hlo_shard.passes.weight_update_sharding import ShardingOptions
 from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 
-def shard_weight_update(fn: Callable, *, state: str = "gathered", strategy: str = "auto",
+def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = "gathered",
+                        strategy: str = "auto",
                         profile: HardwareProfile | str | None = None, min_shard_bytes: int = 0,
                         num_replicas: int | None = None, force: bool = False) -> ShardedStep:
     """``fn`` (a ``jax.jit`` step of a data-parallel program) with its gradient
     all-reduce replaced by reduce-scatter, a 1/N weight update per device and an
     all-gather of the weights; ``state="sharded"`` also keeps the optimizer state in
-    per-device shards between steps. ``profile``: the hardware ``strategy="auto"``
+    per-device shards between steps, and ``params="sharded"`` (with sharded state) the
+    weights too: all-gathered at the top of the step for the forward/backward pass (in
+    bf16 where that pass only reads the f32 weights converted to bf16), updated in
+    shards. ``profile``: the hardware ``strategy="auto"``
     prices collectives on (a profile name or file, as for ``hlo-shard optimize``). A step
     the cost model does not predict faster sharded runs as ``fn`` (one warning naming both
     estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
-    options = ShardingOptions(num_replicas=num_replicas, state=state, strategy=strategy,
+    options = ShardingOptions(num_replicas=num_replicas, state=state, params=params,
+                              strategy=strategy,
                               min_shard_bytes=min_shard_bytes,
                               profile=resolve_profile(profile))
     # A bad option is an error now, not at a step.

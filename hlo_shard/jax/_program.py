@@ -212,7 +212,7 @@ class Program:
 
 
 def _options_json(options: ShardingOptions) -> dict:
-    return {"state": options.state, "strategy": options.strategy,
+    return {"state": options.state, "params": options.params, "strategy": options.strategy,
             "profile": getattr(options.profile, "name", options.profile)}
 
 

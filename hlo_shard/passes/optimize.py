@@ -103,6 +103,12 @@ class OptimizeResult:
             "explanations": [names.explained(r.to_json()) if names else r.to_json()
                              for r in rows],
             "notes": [names.note(note) for note in report.notes],
+            # params="sharded": each weight kept as a shard (gathered in which type) or
+            # whole, with the user's name where it is known (``name`` is the HLO one).
+            "weights": [{**row.to_json(), **({"name": names.parameters[row.parameter],
+                                               "hlo_name": row.name}
+                                              if row.parameter in names.parameters else {})}
+                        for row in report.weights],
             **({"changes": [c.to_json() for c in self.changes]} if self.changes else {}),
         }
 

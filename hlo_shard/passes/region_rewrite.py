@@ -25,8 +25,9 @@ from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
                                               is_scalar_broadcast)
 from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
-from hlo_shard.ir import (ArrayShape, AttrValue, Computation, ComputationRef, Ident, Instruction, Module,
-                          Shape, SliceRanges, TupleShape)
+from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
+                          ComputationRef, Ident, Instruction, Module, Shape, SliceRanges,
+                          TupleShape)
 from hlo_shard.passes.bucketing import Bucketing
 from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
                                            shard_body)
@@ -76,11 +77,14 @@ class RegionRewrite:
     def __init__(self, module: Module, comp: Computation, plan: RegionPlan,
                  bucketing: Bucketing, channels: ChannelIds,
                  inputs: dict[str, ShardFormat] | None = None,
-                 outputs: dict[int, str] | None = None) -> None:
+                 outputs: dict[int, str] | None = None, gather_at_top: bool = False) -> None:
         self.module, self.comp, self.plan, self.bucketing = module, comp, plan, bucketing
         self.channels = channels
         self.inputs = inputs or {}
         self.outputs = outputs or {}
+        #: Gather the input shards used outside the region together, before the first
+        #: such use (see :func:`gather_before_use`).
+        self.gather_at_top = gather_at_top
         #: The module's edits (a fusion body's sharded copy) and ``comp``'s, one log.
         self.edits = ModuleRewriter(module)
         self.rw = self.edits.rewriter(comp)
@@ -333,14 +337,32 @@ class RegionRewrite:
 
     def _seed_inputs(self) -> None:
         """Input shards: the instruction's value becomes its ``[L]`` shard; users outside
-        the region get the all-gathered full value (one collective per bucket)."""
+        the region get the all-gathered full value (one collective per bucket). Where
+        every such user converts it to one narrower float type (bf16 compute from f32
+        master weights), the shard is converted and the narrow value gathered: the
+        converts' users read it, fewer bytes cross the network."""
+        comp = self.comp
         outside: dict[str, list[str]] = {}
         items: list[Gathered] = []
+        #: Converted shard → the converts it replaces.
+        narrowed: dict[str, list[str]] = {}
         for name, fmt in self.inputs.items():
-            inst = self.comp[name]
+            inst = comp[name]
             users = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
-            users += [""] if name == self.comp.root_name else []
-            if users:
+            users += [""] if name == comp.root_name else []
+            narrow = narrowing_convert(comp, name, users)
+            if narrow is not None:
+                with self.rw.inserting_before(min(users, key=comp.position)
+                                              if not self.gather_at_top else self.emit.first):
+                    source = self.emit.add("convert", self.emit.shape(narrow, (fmt.shard_len,)),
+                                           [name], name=f"{name}.{narrow}")
+                narrowed[source] = users
+                readers = [u.name for c in users for u in self.rw.users(c)]
+                readers += [""] if comp.root_name in users else []
+                outside[source] = readers
+                items.append(Gathered(source, fmt, self.emit.gathered_shape(
+                    comp[users[0]].array_shape, fmt, readers), name))
+            elif users:
                 outside[name] = users
                 items.append(Gathered(name, fmt,
                                       self.emit.gathered_shape(inst.array_shape, fmt, users),
@@ -349,8 +371,13 @@ class RegionRewrite:
                                                     (fmt.shard_len,)))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
-                                            outside).items():
-            self._rewire(item.shard, full, outside[item.shard])
+                                            outside, self.gather_at_top).items():
+            if item.shard not in narrowed:
+                self._rewire(item.shard, full, outside[item.shard])
+                continue
+            for convert in narrowed[item.shard]:
+                self.rw.replace_all_uses_with(convert, full)  # the root too
+                self.rw.erase(convert)
 
     def _rewire(self, value: str, replacement: str, users: list[str],
                 keep: dict[int, str] | None = None) -> None:
@@ -454,19 +481,48 @@ class RegionRewrite:
                             self.rw.set_operand(self.comp[value], 0, new.name)
 
 
+def narrowing_convert(comp: Computation, value: str, users: list[str]) -> str | None:
+    """The float type narrower than ``value``'s that all of ``users`` (``""``: the root)
+    convert it to, in one shape and layout — its uses need only that narrow copy — or
+    None."""
+    shapes = {comp[u].shape for u in users if u and comp[u].opcode == "convert"}
+    if not users or "" in users or len(shapes) != 1 or \
+            any(comp[u].opcode != "convert" for u in users):
+        return None
+    (shape,) = shapes
+    source = comp[value].shape
+    if not isinstance(shape, ArrayShape) or not isinstance(source, ArrayShape):
+        return None
+    narrow, wide = shape.element_type, source.element_type
+    if narrow in FLOAT_TYPES and wide in FLOAT_TYPES and \
+            ELEMENT_BITS[narrow] < ELEMENT_BITS[wide]:
+        return narrow
+    return None
+
+
 def gather_before_use(rw: Rewriter, emit: ShardEmitter, bucketing: Bucketing,
-                      items: list[Gathered], users: dict[str, list[str]]) -> dict[Gathered, str]:
+                      items: list[Gathered], users: dict[str, list[str]],
+                      at_top: bool = False) -> dict[Gathered, str]:
     """All-gather shards that already exist (parameters, loop slots) right before the
     first of their ``users`` (``""``: the root) — never earlier, so the full copy is
-    live no longer than needed; shards whose first user is the same share a bucket."""
+    live no longer than needed; shards whose first user is the same share a bucket.
+    ``at_top``: all of them before the first user of any (weights the backward pass
+    reads again are live through the step anyway: gathered together, they share
+    buckets — the paper's all-gather at the top of the step)."""
     comp = rw.comp
     position = {inst.name: i for i, inst in enumerate(comp.instructions)}
     anchors: dict[tuple[str, bool], list[Gathered]] = defaultdict(list)
-    for item in sorted(items, key=lambda i: position[i.shard]):
+    first_readers: dict[Gathered, str | None] = {}
+    for item in items:
         readers = [u or comp.root.name for u in users.get(item.shard, [])]
         readers = [u for u in readers if u != item.shard]
+        first_readers[item] = min(readers, key=position.__getitem__) if readers else None
+    top = min((r for r in first_readers.values() if r is not None), key=position.__getitem__,
+              default=None)
+    for item in sorted(items, key=lambda i: position[i.shard]):
+        first = top if at_top and first_readers[item] is not None else first_readers[item]
         # (anchor, before it?): with no other reader (the shard is the root), right after.
-        key = (min(readers, key=position.__getitem__), True) if readers else (item.shard, False)
+        key = (first, True) if first is not None else (item.shard, False)
         anchors[key].append(item)
     out: dict[Gathered, str] = {}
     for (anchor, before), group in anchors.items():
@@ -683,4 +739,5 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use"]
+__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use",
+           "narrowing_convert"]

@@ -38,20 +38,26 @@ from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_tru
                                             analyze_replication)
 from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
                                               Whole, collect_leaves, flattenable,
-                                              plan_region, region_only_parameters)
+                                              plan_region, region_read_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
-                             dataflow_graph)
+                             control_predecessors, dataflow_graph)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
                                         StrategyEstimate)
-from hlo_shard.passes.region_rewrite import RegionRewrite, RegionSnapshot, gather_before_use
+from hlo_shard.passes.region_rewrite import (RegionRewrite, RegionSnapshot, gather_before_use,
+                                            narrowing_convert)
 from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
+#: How the weights (parameters the update reads and the forward/backward pass uses, paired
+#: with the output that is their next value) cross steps → the state mode it needs:
+#: ``gathered`` whole on every device; ``sharded`` as ``[L]`` shards like the optimizer
+#: state (all-gathered at the top of the step, for their forward/backward uses only).
+PARAM_MODES = {"gathered": None, "sharded": "sharded"}
 #: The smallest value of each integer option (None allowed where it has no default);
 #: every front end (the CLI, ``shard_weight_update``, ``install()``) gets the same check.
 OPTION_MINIMUMS = {"num_replicas": 1, "min_shard_bytes": 0, "bucket_bytes": 1}
@@ -64,6 +70,8 @@ class ShardingOptions:
 
     num_replicas: int | None = None
     state: str = "gathered"
+    #: One of :data:`PARAM_MODES`.
+    params: str = "gathered"
     strategy: str = "auto"
     min_shard_bytes: int = 0
     #: Largest combined reduce-scatter / all-gather (None: the profile's
@@ -115,6 +123,25 @@ class Explanation:
 
 
 @dataclass
+class WeightChoice:
+    """``params="sharded"``: one weight parameter, kept as a shard (and the element type
+    its all-gather moves) or whole (why)."""
+
+    parameter: int
+    name: str
+    sharded: bool
+    #: The element type of its all-gather ("" when whole).
+    gathered_type: str = ""
+    reason: str = ""
+    #: A :class:`~hlo_shard.analysis.collectives.ReasonCode` value: why whole, or why
+    #: gathered in its own type; "" for a shard gathered narrow.
+    reason_code: str = ""
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
 class SignatureEntry:
     """A parameter or output leaf of the rewritten entry, for the manifest."""
 
@@ -140,6 +167,8 @@ class ShardingReport:
     notes: list[str] = field(default_factory=list)
     #: Per computation with sharded gradients: how it was bucketed.
     strategies: list[StrategyChoice] = field(default_factory=list)
+    #: ``params="sharded"``: each weight of the entry, sharded or why not.
+    weights: list[WeightChoice] = field(default_factory=list)
 
 
 @dataclass
@@ -183,6 +212,14 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if self.options.state not in STATE_MODES:
             raise HloShardError(f"state must be one of {', '.join(STATE_MODES)}, not "
                                 f"{self.options.state!r}")
+        if self.options.params not in PARAM_MODES:
+            raise HloShardError(f"params must be one of {', '.join(PARAM_MODES)}, not "
+                                f"{self.options.params!r}")
+        needed = PARAM_MODES[self.options.params]
+        if needed is not None and self.options.state != needed:
+            raise ShardingOptionError("params", self.options.params,
+                                      f"needs state {needed} (the weights' shards are "
+                                      f"updated from the optimizer state's)")
         if self.options.strategy not in STRATEGIES:
             raise HloShardError(f"strategy must be one of {', '.join(STRATEGIES)}, not "
                                 f"{self.options.strategy!r}")
@@ -267,7 +304,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                     comp.name, self.profile.name, plan.groups.size, self.options.strategy,
                     run.bucketing.estimates(sizes)))
                 rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels,
-                                        inputs, outputs)
+                                        inputs, outputs,
+                                        gather_at_top=state_entry and self.options.params == "sharded")
                 collectives = rewrite.run()
                 run.changes += rewrite.rw.changes
             except DependencyCycle as cycle:  # a planning bug: refused, never raised
@@ -287,13 +325,28 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         kept whole is noted), or the slots a training loop carries as shards."""
         module = run.module
         if state_entry:
-            state_plan, kept_whole = _pair_state(module, comp, plan, run.replication)
-            run.state_plan = state_plan
+            graph, params = dataflow_graph(comp), comp.parameters()
+            state_plan, kept_whole = _pair_state(module, comp, plan, run.replication,
+                                                 region_read_parameters(params, graph, plan))
             names = _parameter_names(comp)
             run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
             run.report.notes += _unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
+            if self.options.params == "sharded":
+                chains = _copy_chains(comp, graph)
+                ends = {name: chain[-1] for name, chain in chains.items()}
+                weights, weights_whole = _pair_state(
+                    module, comp, plan, run.replication,
+                    region_read_parameters(params, graph, plan, weights=True, through=ends),
+                    unaliased="no input_output_alias names its next value")
+                rows = _weight_rows(comp, names, weights, weights_whole, graph, plan, ends)
+                run.report.weights += rows
+                run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
+                                     f"{row.reason}" for row in rows if not row.sharded]
+                run.changes += _bypass_copies(comp, [names[n] for n in weights], chains)
+                state_plan = {**state_plan, **weights}
+            run.state_plan = state_plan
             run.changes += _annotate_state(module, Rewriter(comp), state_plan, plan.groups)
             return ({names[n]: p.format for n, p in state_plan.items()},
                     {p.output: p.value for p in state_plan.values()})
@@ -338,13 +391,14 @@ class _Run:
     def mark(self) -> _Mark:
         """Where the steps stand, for :meth:`rewind` after a region refused."""
         return _Mark(len(self.changes), len(self.report.notes), len(self.report.strategies),
-                     len(self.carries), dict(self.state_plan))
+                     len(self.report.weights), len(self.carries), dict(self.state_plan))
 
     def rewind(self, mark: _Mark) -> None:
         """Forget what the steps added since ``mark`` (its edits are undone separately,
         by the computation's :class:`RegionSnapshot`)."""
         del self.changes[mark.changes:], self.report.notes[mark.notes:]
         del self.report.strategies[mark.strategies:], self.carries[mark.carries:]
+        del self.report.weights[mark.weights:]
         self.state_plan = dict(mark.state_plan)
 
 
@@ -355,6 +409,7 @@ class _Mark:
     changes: int
     notes: int
     strategies: int
+    weights: int
     carries: int
     state_plan: dict[int, StatePair]
 
@@ -488,12 +543,15 @@ class StatePair:
     output_shape: ArrayShape
 
 
-def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication
+def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication,
+                read: dict[int, set[ShardFormat]], unaliased: str = ""
                 ) -> tuple[dict[int, StatePair], dict[int, str]]:
-    """Parameter number → (output index, region value) for optimizer state that can stay
-    sharded: the parameter is used only by region ops, in the format of the output that
-    is its next value, and both are in an order the manifest flattens (physical or
-    row-major); and, for the other parameters used only by region ops, why not."""
+    """Parameter number → (output index, region value) for the parameters of ``read``
+    (optimizer state, or weights: see :func:`region_read_parameters`) that can stay
+    sharded: the region reads the parameter in the format of the output that is its
+    next value, and both are in an order the manifest flattens (physical or row-major);
+    and, for the other parameters of ``read``, why not (with ``unaliased``, also those
+    the module's input_output_alias leaves out: a weight is a parameter to report)."""
     root = comp.root
     if root.opcode != "tuple":
         return {}, {}
@@ -501,7 +559,7 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
     params = {p.parameter_number: p for p in comp.parameters()}
     candidates: dict[int, ShardFormat] = {}
     kept_whole: dict[int, str] = {}
-    for number, formats in region_only_parameters(list(params.values()), graph, plan).items():
+    for number, formats in read.items():
         if not replication.is_replicated(comp.name, params[number].name):
             continue
         fmt = next(iter(formats))
@@ -535,6 +593,9 @@ def _pair_state(module: Module, comp: Computation, plan: RegionPlan, replication
                 pair(number, k)
             elif number in candidates:
                 kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
+        if unaliased:
+            kept_whole.update({number: unaliased for number in candidates
+                               if number not in pairs and number not in kept_whole})
         return pairs, kept_whole
     # No aliasing: an output depending on exactly one remaining candidate of its kind.
     remaining = dict(candidates)
@@ -643,6 +704,64 @@ def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardForm
         return f"its next value (output {k}) is in element order {_order(out)}, " \
                f"the parameter in {_order(fmt)}"
     return f"its next value (output {k}) has another element type"
+
+
+def _copy_chains(comp: Computation, graph: nx.MultiDiGraph) -> dict[str, list[str]]:
+    """Parameter → the copies it flows through alone before its other uses (each copy
+    the only user of the value before it, in the parameter's shape and layout: the
+    form shard_map gives a replicated argument), for the parameters that have any."""
+    chains: dict[str, list[str]] = {}
+    #: Instructions another one is ordered after (control edges): they stay.
+    ordered = {name for inst in comp.instructions for name in control_predecessors(inst)}
+    for param in comp.parameters():
+        chain, value = [], param.name
+        while len(users := list(graph.successors(value))) == 1 and \
+                comp[users[0]].opcode == "copy" and comp[users[0]].shape == param.shape \
+                and users[0] != comp.root_name and users[0] not in ordered \
+                and not control_predecessors(comp[users[0]]):
+            chain.append(users[0])
+            value = users[0]
+        if chain:
+            chains[param.name] = chain
+    return chains
+
+
+def _bypass_copies(comp: Computation, params: list[str],
+                   chains: dict[str, list[str]]) -> list[Change]:
+    """The users of each sharded weight's copies read the parameter itself (a copy of a
+    value in its own layout is that value): the parameter becomes the shard they read."""
+    rw = Rewriter(comp)
+    for name in params:
+        chain = chains.get(name, [])
+        if chain:
+            rw.replace_all_uses_with(chain[-1], name)
+            for copy in reversed(chain):
+                rw.erase(copy)
+    return rw.changes
+
+
+def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, StatePair],
+                 kept_whole: dict[int, str], graph: nx.MultiDiGraph,
+                 plan: RegionPlan, ends: dict[str, str]) -> list[WeightChoice]:
+    """The ``params="sharded"`` rows: each weight sharded (gathered narrow where its
+    uses outside the update are converts to one narrower float) or kept whole."""
+    rows = [WeightChoice(number, names[number], False,
+                         reason=f"stays whole on every device: {why}",
+                         reason_code=ReasonCode.WEIGHT_KEPT_WHOLE.value)
+            for number, why in kept_whole.items()]
+    for number in weights:
+        name = names[number]
+        value = ends.get(name, name)
+        users = [u for u in graph.successors(value) if u not in plan.ops]
+        narrow = narrowing_convert(comp, value, list(dict.fromkeys(users)))
+        wide = _array(comp[name].shape).element_type
+        rows.append(WeightChoice(number, name, True, narrow or wide) if narrow else
+                    WeightChoice(number, name, True, wide,
+                                 f"all-gathered in {wide}: used outside the update "
+                                 f"other than by one convert to a narrower float type "
+                                 f"(by {', '.join(sorted(set(users))[:3]) or 'the root'})",
+                                 ReasonCode.WIDE_GATHER.value))
+    return sorted(rows, key=lambda row: row.parameter)
 
 
 def _state_note(param: Instruction, number: int, why: str) -> str:
@@ -939,4 +1058,4 @@ def _shard_sharding(groups: DeviceGroups) -> str:
 
 __all__ = ["ChannelIds", "DEFAULT_PROFILE", "Explanation", "ShardingOptionError",
            "ShardingOptions", "ShardingReport", "SignatureEntry", "StrategyChoice",
-           "WeightUpdateSharding", "STATE_MODES", "STRATEGIES", "rewritten_computations"]
+           "WeightChoice", "WeightUpdateSharding", "PARAM_MODES", "STATE_MODES", "STRATEGIES", "rewritten_computations"]

@@ -1,0 +1,184 @@
+"""``shard_weight_update(state="sharded", params="sharded")``: fp32 master weights kept
+as 1/N shards between steps, all-gathered at the top of the step — in bf16 where the
+forward/backward pass only reads them cast to bf16 (issue #27, item 3)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from jax_train_helpers import (MODELS, Model, jax, make_program, mlp_batch,
+                               mlp_params, needs_devices, train, worst_relative)
+
+import hlo_shard.jax as hsj
+from hlo_shard.analysis.collectives import ReasonCode
+from hlo_shard.errors import HloShardError
+
+jnp = jax.numpy
+SIZES = (32, 128, 128, 8)
+
+
+def bf16_mlp_loss(p, batch):
+    """fp32 master weights, bf16 compute: every weight is read cast to bf16."""
+    x = batch["x"].astype(jnp.bfloat16)
+    for i in range(len(p)):
+        x = x @ p[f"l{i}"]["w"].astype(jnp.bfloat16) + p[f"l{i}"]["b"].astype(jnp.bfloat16)
+        if i < len(p) - 1:
+            x = jax.nn.gelu(x)
+    return jnp.mean((x.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def f32_mlp_loss(p, batch):
+    x = batch["x"]
+    for i in range(len(p)):
+        x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+        if i < len(p) - 1:
+            x = jax.nn.gelu(x)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+MODELS["mlp_bf16_compute"] = Model(lambda key: mlp_params(key, SIZES), bf16_mlp_loss, mlp_batch)
+MODELS["mlp_f32_wide"] = Model(lambda key: mlp_params(key, SIZES), f32_mlp_loss, mlp_batch)
+
+
+def all_gathers(hlo: str) -> list[tuple[str, int]]:
+    """(element type, elements) of every all-gather in ``hlo``."""
+    return [(m.group(1), int(np.prod([int(d) for d in m.group(2).split(",") if d])))
+            for m in re.finditer(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", hlo)]
+
+
+def live_bytes(tree) -> int:
+    """Bytes one device holds of ``tree``'s arrays (the largest over devices)."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def test_bf16_compute_all_gathers_only_bf16_shards(request):
+    """The forward/backward pass reads each f32 weight only as ``convert`` to bf16: the
+    weights cross steps as shards, and the optimized module all-gathers bf16 shards
+    (every matrix; no f32 all-gather at all), where ``params="gathered"`` gathers the
+    updated f32 weights."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
+    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                   force=True)
+    (p, _), _ = train(fast, program, 1)
+    kinds = {row["name"]: row["kind"] for row in fast.report["parameters"]}
+    assert {kinds[f"params['l{i}']['{k}']"] for i in range(3) for k in "wb"} == {"sharded"}
+    assert p["l1"]["w"].shape == (128 * 128,)  # shard form: one [L] chunk per device
+    assert {shard.data.shape for shard in p["l1"]["w"].addressable_shards} == {(128 * 128 // 8,)}
+    assert {row["gathered_type"] for row in fast.report["weights"]} == {"bf16"}
+    gathers = all_gathers(fast.hlo_text)
+    assert gathers and {dtype for dtype, _ in gathers} == {"bf16"}, gathers
+    matrices = sum(a * b for a, b in zip(SIZES, SIZES[1:]))
+    assert matrices <= sum(n for _, n in gathers) <= matrices + sum(SIZES[1:]) + 8 * 6
+
+    state_only = hsj.shard_weight_update(program.step, state="sharded", force=True)
+    train(state_only, program, 1)
+    assert {dtype for dtype, _ in all_gathers(state_only.hlo_text)} == {"f32"}
+
+
+@pytest.mark.slow
+def test_bf16_compute_steps_like_sharded_state_and_near_jit(request):
+    """The steps are bitwise those of ``params="gathered"`` (converting before or after
+    the all-gather is the same rounding of the same f32 values). Against plain jit both
+    differ as any reduce-scatter does in bf16: the gradients are summed in bf16 in
+    another order (8-bit mantissa: ~0.4% per rounding), and Adam's normalised update
+    turns a gradient element dominated by that noise into a step of up to ``lr`` either
+    way — so weights within ``2·lr·steps`` of jit's, losses within 1%."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
+    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                   force=True)
+    (p, s), losses = train(fast, program, 3)
+    state_only = hsj.shard_weight_update(program.step, state="sharded", force=True)
+    (p_ref, s_ref), l_ref = train(state_only, program, 3)
+    np.testing.assert_array_equal(losses, l_ref)
+    for a, b in zip(jax.tree.leaves(fast.gather_args(p, s)),
+                    jax.tree.leaves(state_only.gather_args(p_ref, s_ref))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (p_jit, _), l_jit = train(program.step, program, 3)
+    np.testing.assert_allclose(losses, l_jit, rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(fast.gather_args(p, s)[0]), jax.tree.leaves(p_jit)):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 2 * 1e-2 * 3
+
+
+def test_f32_weights_sharded_match_jit_and_say_why_gathered_wide(request):
+    """f32 compute reads the weights themselves: they still cross steps as shards and
+    are all-gathered in f32 at the top of the step (reason code ``wide_gather``); the
+    steps match plain jit's (1e-5 relative over 3 steps)."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp_f32_wide", "adamw_clip", 8)
+    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                   force=True)
+    (p, s), losses = train(fast, program, 3)
+    rows = {row["name"]: row for row in fast.report["weights"]}
+    assert rows["params['l0']['w']"]["sharded"]
+    assert rows["params['l0']['w']"]["reason_code"] == ReasonCode.WIDE_GATHER.value
+    assert {dtype for dtype, _ in all_gathers(fast.hlo_text)} == {"f32"}
+    (p_jit, s_jit), l_jit = train(program.step, program, 3)
+    np.testing.assert_allclose(losses, l_jit, rtol=1e-5)
+    worst = worst_relative(fast.gather_args(p, s), (p_jit, s_jit))
+    assert max(worst.values()) <= 1e-5, worst
+
+
+def test_checkpoint_round_trip_of_sharded_weights_is_bitwise(request, tmp_path):
+    """gather_args / gather_outputs give the full leaves (params and state), saved and
+    restored through numpy and shard_args they continue the same trajectory bitwise."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
+    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                   force=True)
+    (p_ref, s_ref), l_ref = train(fast, program, 4)
+    params, opt_state = program.init()
+    params, opt_state, loss0 = fast(params, opt_state, program.batch(0))
+    outs = fast.gather_outputs((params, opt_state, loss0))
+    full = fast.gather_args(params, opt_state)
+    for a, b in zip(jax.tree.leaves(outs[:2]), jax.tree.leaves(full)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert full[0]["l1"]["w"].shape == (128, 128) and full[0]["l1"]["w"].dtype == jnp.float32
+    leaves, treedef = jax.tree.flatten(full)
+    np.savez(tmp_path / "ckpt.npz", *[np.asarray(x) for x in leaves])
+    with np.load(tmp_path / "ckpt.npz") as saved:
+        loaded = [saved[f"arr_{i}"] for i in range(len(leaves))]
+    restored = jax.device_put(jax.tree.unflatten(treedef, loaded), program.replicated)
+    p, s = fast.shard_args(*restored)
+    assert p["l0"]["w"].shape == (32 * 128,)
+    (p, s), rest = train(fast, program, 3, state=(p, s), first=1)
+    np.testing.assert_array_equal(np.concatenate([[float(loss0)], rest]), l_ref)
+    for a, b in zip(jax.tree.leaves(fast.gather_args(p, s)),
+                    jax.tree.leaves(fast.gather_args(p_ref, s_ref))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_params_and_adam_state_live_bytes_at_most_040_of_jit(request):
+    """Per device, the params and Adam state in shard form are ~3/N of jit's (plus the
+    step count and the padding of each leaf to a multiple of N)."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
+    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                   force=True)
+    (p, s), _ = train(fast, program, 1)
+    (p_jit, s_jit), _ = train(program.step, program, 1)
+    ratio = live_bytes((p, s)) / live_bytes((p_jit, s_jit))
+    assert ratio <= 0.40, ratio
+    print(f"live bytes of params + opt_state per device: {ratio:.3f}x jit's")
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"params": "sharded"}, "params=sharded needs state sharded"),
+    ({"state": "sharded", "params": "halves"}, "params must be one of gathered, sharded"),
+])
+def test_params_option_is_checked_when_the_step_is_wrapped(options, words):
+    with pytest.raises(HloShardError, match=words):
+        hsj.shard_weight_update(lambda x: x, **options)
