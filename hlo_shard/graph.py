@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 import heapq
 import itertools
 import re
+from typing import TypeVar, cast
 
 import networkx as nx
 
@@ -27,14 +29,52 @@ from hlo_shard.opinfo import is_impure as opcode_is_impure
 # ------------------------------------------------------------------------ read views
 
 
+#: Views computed in a :func:`reading_only` block: (view, id of the computation) →
+#: (the computation, the view); None outside one.
+_READ_ONLY: ContextVar[dict[tuple[str, int], tuple[Computation, object]] | None] = \
+    ContextVar("_READ_ONLY", default=None)
+
+_View = TypeVar("_View")
+
+
+@contextlib.contextmanager
+def reading_only() -> Iterator[None]:
+    """A block in which no computation is edited: :func:`users_map`,
+    :func:`topological_order` and :func:`dataflow_graph` are computed once per
+    computation there and shared (pricing a module reads them in every analysis it
+    runs). Their results are read-only anyway; within the block they are also shared."""
+    if _READ_ONLY.get() is not None:  # within another: share its views
+        yield
+        return
+    token = _READ_ONLY.set({})
+    try:
+        yield
+    finally:
+        _READ_ONLY.reset(token)
+
+
+def _read_once(kind: str, comp: Computation, make: Callable[[Computation], _View]) -> _View:
+    """``make(comp)``, once per computation within a :func:`reading_only` block."""
+    views = _READ_ONLY.get()
+    if views is None:
+        return make(comp)
+    key = (kind, id(comp))
+    found = views.get(key)
+    if found is None or found[0] is not comp:
+        found = views[key] = (comp, make(comp))
+    return cast(_View, found[1])
+
+
 def dataflow_graph(comp: Computation) -> nx.MultiDiGraph:
     """Operand → user edges, keyed by operand index; node attribute ``inst``."""
+    return _read_once("dataflow", comp, _dataflow_graph)
+
+
+def _dataflow_graph(comp: Computation) -> nx.MultiDiGraph:
     graph = nx.MultiDiGraph(name=comp.name)
-    for inst in comp.instructions:
-        graph.add_node(inst.name, inst=inst)
-    for inst in comp.instructions:
-        for index, operand in enumerate(inst.operands):
-            graph.add_edge(operand, inst.name, key=index)
+    graph.add_nodes_from((inst.name, {"inst": inst}) for inst in comp.instructions)
+    graph.add_edges_from((operand, inst.name, index) for inst in comp.instructions
+                         for index, operand in enumerate(inst.operands))
     return graph
 
 
@@ -68,7 +108,12 @@ def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> se
 
 
 def users_map(comp: Computation) -> dict[str, list[str]]:
-    """Name → names of its users, each user once, in program order."""
+    """Name → names of its users, each user once, in program order (read it, do not
+    edit it: see :func:`reading_only`)."""
+    return _read_once("users", comp, _users_map)
+
+
+def _users_map(comp: Computation) -> dict[str, list[str]]:
     users: dict[str, list[str]] = {inst.name: [] for inst in comp.instructions}
     for inst in comp.instructions:
         for operand in dict.fromkeys(inst.operands):
@@ -97,11 +142,16 @@ def is_def_before_use(comp: Computation) -> bool:
 
 
 def topological_order(comp: Computation) -> list[Instruction]:
-    """A def-before-use order that keeps the list order wherever it is valid.
+    """A def-before-use order that keeps the list order wherever it is valid (read it,
+    do not edit it: see :func:`reading_only`).
 
     Kahn's algorithm with a priority on the original position: when the list is
     already valid (the common case) this returns it unchanged.
     """
+    return _read_once("order", comp, _topological_order)
+
+
+def _topological_order(comp: Computation) -> list[Instruction]:
     if is_def_before_use(comp):
         return list(comp.instructions)
     deps = {inst.name: set(inst.operands) | set(control_predecessors(inst))

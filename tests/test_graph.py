@@ -229,3 +229,23 @@ def test_a_clone_prints_the_same_and_edits_apart():
     clone.header["replica_count"] = 4
     assert to_text(module) == to_text(parse(text))
     assert "extra" not in module.entry and module.entry["a"] is not entry["a"]
+
+
+def test_views_are_read_once_per_computation_only_while_reading_only() -> None:
+    """Pricing a module (the gate's estimates, ``report``) runs several analyses over the
+    same computations: inside ``reading_only`` they share one users map, order and
+    dataflow graph per computation; outside, each call sees the computation as it is."""
+    from hlo_shard.graph import reading_only, users_map
+
+    comp = _comp()
+    with reading_only():
+        assert users_map(comp) is users_map(comp)
+        assert topological_order(comp) is topological_order(comp)
+        with reading_only():  # nested: the same views
+            assert dataflow_graph(comp) is dataflow_graph(comp)
+    assert users_map(comp) is not users_map(comp)
+    assert users_map(comp) == users_map(comp)
+    graph = dataflow_graph(comp)
+    assert {(u, v, k) for u, v, k in graph.edges(keys=True)} == {
+        (operand, inst.name, index) for inst in comp.instructions
+        for index, operand in enumerate(inst.operands)}

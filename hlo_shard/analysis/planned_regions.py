@@ -12,6 +12,7 @@ from __future__ import annotations
 from hlo_shard.analysis.collectives import GradientAllReduce, find_gradient_all_reduces
 from hlo_shard.analysis.replication import analyze_replication
 from hlo_shard.analysis.update_region import collect_leaves, plan_region
+from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 
 
@@ -21,6 +22,11 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     A computation the pass does not apply to — no candidate gradient all-reduce, or
     none whose gradient it could follow (no leaves) — has no entry: the cost model
     then finds the update by its own fallback rule."""
+    with reading_only():  # the analyses below read the same computations
+        return _planned_update_regions(module)
+
+
+def _planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     candidates: dict[str, list[GradientAllReduce]] = {}
     for found in find_gradient_all_reduces(module):
         if found.is_candidate:

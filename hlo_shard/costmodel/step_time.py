@@ -41,7 +41,7 @@ from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
-from hlo_shard.graph import users_map
+from hlo_shard.graph import reading_only, users_map
 from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
 from hlo_shard.opinfo import PER_ELEMENT_COST
 from hlo_shard.profiles import HardwareProfile
@@ -510,6 +510,14 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     :func:`categorize` returns) reuses the categories of a module with the same
     instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
     a fixtures manifest) replaces :func:`classify_parameters`."""
+    with reading_only():  # every analysis below reads the same computations
+        return _estimate_step(module, profile, regions, algorithm, categories, roles)
+
+
+def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegions,
+                   algorithm: str | None,
+                   categories: dict[str, tuple[dict[str, str], str]] | None,
+                   roles: Mapping[int, str] | None) -> StepEstimate:
     module = with_device_counts(module)
     profile = profile.for_devices(module.device_count)
     emulate = not is_prefused(module)

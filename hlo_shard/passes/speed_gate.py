@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
+from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.pipeline import AfterPass
@@ -230,7 +231,8 @@ def _faster(trial: Trial, other: Trial) -> bool:
 def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
     """The cost model's step time of ``module``, its weight update being the region the
     pass plans in it."""
-    return estimate_step(module, hardware, planned_update_regions(module)).seconds
+    with reading_only():  # its analyses share each computation's users and order
+        return estimate_step(module, hardware, planned_update_regions(module)).seconds
 
 
 def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | None:
