@@ -11,7 +11,7 @@ Starting from the all-reduced gradients, every user is classified by a rule tabl
 * reductions to one element (norms, global-norm clipping, is-finite checks, max/min) → a
   masked local reduction plus a small all-reduce of the same reducer over the group;
 * on shards that are blocks of the value (:attr:`ShardFormat.block`), ops on the block
-  (kind ``"block"``): a reduction keeping the block dimension (its result sharded in
+  (:attr:`OpKind.BLOCK`): a reduction keeping the block dimension (its result sharded in
   blocks: Adafactor's statistic along the other dimension), a broadcast; and a sum along
   the block dimension as the block's partial sums all-reduced (a replicated result);
 * anything else (dot, gather, other partial reductions, tuple, custom-call, …) ends the
@@ -26,6 +26,7 @@ are chosen to minimise formatting copies (transposes) over the region.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,9 +36,10 @@ from typing import cast
 
 import networkx as nx
 
-from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode, neutral_literal,
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
+                                            find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.replication import Replication
+from hlo_shard.analysis.replication import Replication, analyze_replication
 from hlo_shard.graph import dataflow_graph, reachable, topological_order, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
@@ -183,16 +185,32 @@ def reshape_format(fmt: ShardFormat, dims: tuple[int, ...]) -> ShardFormat | Non
 # ------------------------------------------------------------------------ the rules
 
 
+class OpKind(enum.Enum):
+    """How a region op runs on shards: decided once, by its rule, and the lowering emits
+    by it (it does not look at the opcode again to choose)."""
+
+    #: Re-emitted on the flat ``[L]`` shard with its operands' shards (elementwise ops,
+    #: loop fusions, pulled-in replicated producers).
+    ELEMENTWISE = "elementwise"
+    #: The shard itself, unchanged: the op only relabels the element order the format
+    #: already accounts for (reshape, bitcast, transpose, a reduction over size-1
+    #: dimensions only).
+    VIEW = "view"
+    #: On the shard's block of the value (a reduction along other dimensions, a
+    #: broadcast), the result in blocks too.
+    BLOCK = "block"
+    #: To one element (or along the block dimension): masked, reduced locally and
+    #: all-reduced; the result is replicated.
+    REDUCE = "reduce"
+
+
 @dataclass(frozen=True)
 class RegionOp:
     """A region instruction: how it consumes its sharded/replicated array operands
     (``operand_format``) and what it yields (``result_format``; None for a reduction,
     whose result is a replicated value)."""
 
-    #: "shard": elementwise on the flat shard; "block": on the shard's block of the value
-    #: (a reduction along other dimensions, a broadcast), the result in blocks too;
-    #: "reduce": to one element, all-reduced.
-    kind: str
+    kind: OpKind
     operand_format: ShardFormat
     result_format: ShardFormat | None
     #: For reductions: the reducer opcode (add, maximum, …) and its neutral literal.
@@ -206,7 +224,8 @@ class RegionOp:
 
     @property
     def result_shard(self) -> ShardFormat:
-        """The result's format, for a ``"shard"`` op (a reduction's result is replicated)."""
+        """The result's format, for an op that is not :attr:`OpKind.REDUCE` (a reduction's
+        result is replicated)."""
         if self.result_format is None:
             raise ValueError("a reduction's result is not sharded")
         return self.result_format
@@ -274,7 +293,7 @@ def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
     shape = _array(inst.shape)
     if shape is None or shape.dims != fmt.dims or not _operands_fit(ctx, inst, fmt):
         return None
-    return RegionOp("shard", fmt, fmt)
+    return RegionOp(OpKind.ELEMENTWISE, fmt, fmt)
 
 
 def _bitcast_convert(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -290,7 +309,7 @@ def _reshape(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
     shape = _array(inst.shape)
     result = reshape_format(fmt, shape.dims) if shape is not None else None
-    return RegionOp("shard", fmt, result) if result is not None else None
+    return RegionOp(OpKind.VIEW, fmt, result) if result is not None else None
 
 
 def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -302,12 +321,12 @@ def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
         return None
     if fmt.perm != natural_perm(source):
         return None
-    return RegionOp("shard", fmt, ShardFormat.of(shape, fmt.n))
+    return RegionOp(OpKind.VIEW, fmt, ShardFormat.of(shape, fmt.n))
 
 
 def _transpose(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
-    return RegionOp("shard", fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
+    return RegionOp(OpKind.VIEW, fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
 
 
 def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -332,7 +351,7 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
     if reducer is None or neutral is None or init in ctx.sharded or not ctx.replicated(init):
         return None
-    return RegionOp("reduce", fmt, None, reducer, neutral)
+    return RegionOp(OpKind.REDUCE, fmt, None, reducer, neutral)
 
 
 def _reducer(ctx: _Context, inst: Instruction) -> str | None:
@@ -349,7 +368,8 @@ def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
     access = fusion_access(ctx, inst)
     if isinstance(access, str):
         return None
-    return RegionOp("shard", access.result, access.result, operand_formats=access.operands)
+    return RegionOp(OpKind.ELEMENTWISE, access.result, access.result,
+                    operand_formats=access.operands)
 
 
 @dataclass(frozen=True)
@@ -499,7 +519,7 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
         return None
     fmt = ctx.sharded[source_name]
     result = reshape_format(fmt, shape.dims)
-    return RegionOp("shard", fmt, result) if result is not None else None
+    return RegionOp(OpKind.VIEW, fmt, result) if result is not None else None
 
 
 def _block_format(dims: tuple[int, ...], perm: tuple[int, ...], major: int, rows: int,
@@ -526,7 +546,7 @@ def _block_reduce(ctx: _Context, inst: Instruction, shape: ArrayShape) -> Region
     kept = [d for d in range(len(fmt.dims)) if d not in reduced]
     result = _block_format(shape.dims, tuple(kept.index(d) for d in fmt.perm if d in kept),
                            kept.index(major), rows, fmt.n)
-    return RegionOp("block", fmt, result) if result is not None else None
+    return RegionOp(OpKind.BLOCK, fmt, result) if result is not None else None
 
 
 def _partial_reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -542,7 +562,7 @@ def _partial_reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
         return None
     element_type = inst.array_shape.element_type
     neutral = neutral_literal("add", element_type)
-    return RegionOp("reduce", fmt, None, "add", neutral) if neutral is not None else None
+    return RegionOp(OpKind.REDUCE, fmt, None, "add", neutral) if neutral is not None else None
 
 
 def _broadcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -556,7 +576,7 @@ def _broadcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
     target = inst.ints_attr("dimensions")[major]
     rest = tuple(d for d in natural_perm(shape) if d != target)
     result = _block_format(shape.dims, (target, *rest), target, rows, fmt.n)
-    return RegionOp("block", fmt, result) if result is not None else None
+    return RegionOp(OpKind.BLOCK, fmt, result) if result is not None else None
 
 
 def _same_number(literal: str | None, value: str) -> bool:
@@ -1180,7 +1200,8 @@ def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGr
             operand_format = _operand_format_for(producer, comp, read_as)
             if operand_format is None or not _operands_fit(ctx, producer, operand_format):
                 continue
-            ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
+            kind = OpKind.VIEW if producer.opcode in VIEW_OPCODES else OpKind.ELEMENTWISE
+            ops[operand] = RegionOp(kind, operand_format, read_as, pulled=True)
             sharded[operand] = read_as
             work.append(operand)
 
@@ -1269,10 +1290,39 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
     return isinstance(operand, ArrayShape) and operand.is_scalar
 
 
+# ------------------------------------------------------------- for the cost model
+
+
+def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
+    """Computation name → the instructions of the update region the pass plans there.
+
+    A computation the pass does not apply to — no candidate gradient all-reduce, or
+    none whose gradient it could follow (no leaves) — has no entry: the cost model
+    then finds the update by its own fallback rule.
+
+    :func:`~hlo_shard.costmodel.step_time.estimate_step` counts these instructions as the
+    weight update but never runs this analysis itself: its callers do and hand the result
+    in, so an error of the analysis surfaces where it happens instead of silently turning
+    the report to its fallback, and the cost model does not depend on the pass."""
+    candidates: dict[str, list[GradientAllReduce]] = {}
+    for found in find_gradient_all_reduces(module):
+        if found.is_candidate:
+            candidates.setdefault(found.computation, []).append(found)
+    regions: dict[str, frozenset[str]] = {}
+    for name, all_reduces in candidates.items():
+        comp = module.computation(name)
+        leaves, _ = collect_leaves(module, comp, all_reduces)
+        if not leaves:
+            continue
+        facts = analyze_replication(module, leaves[0].groups)
+        regions[name] = frozenset(plan_region(module, comp, leaves, facts).ops)
+    return regions
+
+
 __all__ = [
-    "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
+    "Leaf", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
     "VIEW_OPCODES", "Whole", "blocks_through_collectives", "canonical_perm",
     "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
-    "natural_perm", "plan_region", "region_read_parameters", "reshape_format",
+    "natural_perm", "plan_region", "planned_update_regions", "region_read_parameters", "reshape_format",
     "transpose_operand", "transpose_result",
 ]

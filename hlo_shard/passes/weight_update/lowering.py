@@ -1,4 +1,4 @@
-"""Rewriting one computation according to its :class:`~hlo_shard.analysis.update_region.RegionPlan`.
+"""Rewriting one computation according to its :class:`~.analysis.RegionPlan`.
 
 * gradients: ``reduce-scatter`` of the formatted per-device gradient (one per tensor, or
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
@@ -22,15 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hlo_shard.analysis.collectives import reducer_opcode
-from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
-                                              is_scalar_broadcast)
 from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
                           ComputationRef, Ident, Instruction, Module, Shape, SliceRanges,
                           TupleShape)
-from hlo_shard.passes.bucketing import Bucketing
-from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
-                                           shard_body)
+from hlo_shard.passes.weight_update.analysis import (OpKind, PlannedLeaf, RegionOp, RegionPlan,
+                                                     ShardFormat, is_scalar_broadcast)
+from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
+                                                 block_dims, shard_body)
 
 
 @dataclass
@@ -179,11 +178,10 @@ class RegionRewrite:
         with self.rw.inserting_before(name):
             operands = [self.operand_shard(o, op.format_of(i))
                         for i, o in enumerate(inst.operands)]
-            if op.kind == "block":
+            if op.kind is OpKind.BLOCK:
                 self.shard_of[name] = self.block_op(inst, op, operands)
                 return
-            if inst.opcode in ("reshape", "bitcast", "transpose", "reduce"):
-                # same flat order (a reduce here only drops size-1 dimensions)
+            if op.kind is OpKind.VIEW:
                 self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
@@ -318,7 +316,7 @@ class RegionRewrite:
                                              lambda leaf: leaf.shape.element_type):
             self.scatter(bucket)
         for name, op in plan.ops.items():
-            if op.kind == "reduce":
+            if op.kind is OpKind.REDUCE:
                 self.reduce_op(name, op)
             else:
                 self.shard_op(name, op)
@@ -678,7 +676,7 @@ class PaddingZeros:
         if value in self.zero:
             return _ZERO
         inst, op = comp[value], self.plan.ops.get(value)
-        if op is None or op.kind == "reduce":  # replicated: a broadcast, a scalar, a slice
+        if op is None or op.kind is OpKind.REDUCE:  # replicated: a broadcast, a scalar, a slice
             if is_scalar_broadcast(comp, value):
                 return _constant_state(comp[inst.operands[0]])
             return _constant_state(inst) if inst.array_shape.is_scalar else _ZERO

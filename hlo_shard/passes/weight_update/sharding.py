@@ -6,7 +6,7 @@ Per computation holding gradient all-reduces (the entry, or a training loop's bo
   format's order if needed, reshape to ``[E]``, zero-pad to ``[N·L]``), same groups and
   mode, a fresh channel id when the module uses them; with the combined strategy several
   gradients share one reduce-scatter (``[N, L_i]`` pieces concatenated along dim 1);
-* every region op (see :mod:`hlo_shard.analysis.update_region`) is re-emitted on ``[L]``
+* every region op (see :mod:`.analysis`) is re-emitted on ``[L]``
   shards; replicated operands are sliced locally at ``position × L`` (XLA's own index
   pattern: ``replica-id``/``partition-id`` → optional u32 table lookup → ``multiply``);
   broadcasts of scalars become ``[L]`` broadcasts; reductions mask the padded lanes with
@@ -36,20 +36,21 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
                                             recovered_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
-from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOptions, RegionPlan, ShardFormat,
-                                              Whole, collect_leaves, flattenable,
-                                              plan_region, region_read_parameters)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, call_graph,
                              control_predecessors, dataflow_graph)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape, shape_leaves)
 from hlo_shard.passes.base import ModulePass, PassResult
-from hlo_shard.passes.bucketing import (STRATEGIES, Bucketing, CollectivePricing,
-                                        StrategyEstimate)
-from hlo_shard.passes.region_rewrite import (RegionRewrite, RegionSnapshot, gather_before_use,
-                                            narrowing_convert)
-from hlo_shard.passes.shard_emitter import ChannelIds, Gathered, ShardEmitter
+from hlo_shard.passes.weight_update.analysis import (PlannedLeaf, RegionOptions, RegionPlan,
+                                                     ShardFormat, Whole, collect_leaves,
+                                                     flattenable, plan_region,
+                                                     region_read_parameters)
+from hlo_shard.passes.weight_update.emit import (STRATEGIES, Bucketing, ChannelIds,
+                                                 CollectivePricing, Gathered, ShardEmitter,
+                                                 StrategyEstimate)
+from hlo_shard.passes.weight_update.lowering import (RegionRewrite, RegionSnapshot,
+                                                     gather_before_use, narrowing_convert)
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 
 STATE_MODES = ("gathered", "sharded")
