@@ -94,10 +94,14 @@ def test_every_unit_has_a_layer():
     assert set(LAYER) - units == set(), "LAYERS names units that no longer exist"
 
 
+def _every_module(check) -> list[str]:
+    """What ``check(module, source, is_package)`` reports over every module of the package."""
+    return [message for path in _modules()
+            for message in check(_module_name(path), path.read_text(), path.name == "__init__.py")]
+
+
 def test_no_module_imports_upward_or_sideways():
-    wrong = [message for path in _modules()
-             for message in layering_violations(_module_name(path), path.read_text(),
-                                                path.name == "__init__.py")]
+    wrong = _every_module(layering_violations)
     assert not wrong, "\n".join(wrong)
 
 
@@ -136,9 +140,7 @@ def face_violations(module: str, source: str, is_package: bool = False) -> list[
 
 
 def test_other_modules_use_only_the_weight_update_face():
-    wrong = [message for path in _modules()
-             for message in face_violations(_module_name(path), path.read_text(),
-                                            path.name == "__init__.py")]
+    wrong = _every_module(face_violations)
     assert not wrong, "\n".join(wrong)
 
 
