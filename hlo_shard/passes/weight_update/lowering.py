@@ -689,8 +689,8 @@ class PaddingZeros:
     def _derived_state(self, value: str) -> str:
         inst = self.comp[value]
         operands = [self._states[o] for o in inst.operands]
-        if inst.opcode == "reduce":
-            return operands[0]  # a region reduce here drops size-1 dimensions only
+        if self.plan.ops[value].kind is OpKind.VIEW:
+            return operands[0]  # the operand's shard itself
         calls = inst.attr_as("calls", ComputationRef)
         if inst.opcode == "fusion" and calls is not None:
             return self._body(calls.name, tuple(operands))
