@@ -75,7 +75,7 @@ def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
 def measure(model: str, n: int, path: Path, work: Path, runs: int, rounds: int) -> Row:
     from hlo_shard import optimize, parse_file, runtime
     from hlo_shard.cli.optimize import build_manifest
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions
+    from hlo_shard.passes.weight_update import ShardingOptions
     from hlo_shard.runtime.inputs import generate_inputs, parameter_roles
 
     row = Row(model, n)

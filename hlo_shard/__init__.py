@@ -4,7 +4,7 @@ from hlo_shard.errors import HloParseError, HloRuntimeError, HloShardError
 from hlo_shard.ir import Computation, Instruction, Module
 from hlo_shard.parser import parse, parse_file
 from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.printer import to_text
 
 __all__ = [

@@ -3,8 +3,8 @@
 How: **the pass is re-run at each N.** The per-device program of data parallelism is
 the same for every replica count except the size of the data-parallel group (and,
 with a fixed global batch, the per-replica batch), so :func:`retarget` rewrites the
-module's group to N devices, :class:`~hlo_shard.passes.weight_update_sharding.
-WeightUpdateSharding` shards that module for N (its shard lengths, padding, bucket
+module's group to N devices, :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`
+shards that module for N (its shard lengths, padding, bucket
 choices; the optimizer without its gate, :func:`~hlo_shard.passes.optimize.optimize`
 ``gate=False``), and both modules are estimated on the profile. Nothing is compiled or run.
 
@@ -33,13 +33,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.passes.optimize import optimize
 from hlo_shard.passes.retarget import Retarget, data_parallel_size
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.profiles import HardwareProfile
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from hlo_shard import optimize  # noqa: E402
 from hlo_shard.parser import parse  # noqa: E402
-from hlo_shard.passes.weight_update_sharding import ShardingOptions  # noqa: E402
+from hlo_shard.passes.weight_update import ShardingOptions  # noqa: E402
 from hlo_shard.printer import to_text  # noqa: E402
 from hlo_shard.runtime.forms import replica_form  # noqa: E402
 

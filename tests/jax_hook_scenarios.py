@@ -316,13 +316,13 @@ def no_gradients(mesh) -> dict:
 def mutant(mesh) -> dict:
     """The checker can fail: collectives on blocks along a minor dimension in a laid-out
     module (the bug XLA:CPU turned into a transposed update) must show in the comparison."""
-    from hlo_shard.passes import shard_emitter
+    from hlo_shard.passes.weight_update import emit
 
-    emitter = shard_emitter.ShardEmitter
+    emitter = emit.ShardEmitter
     original = emitter.collective_blocks, emitter.scatters_blocks
-    emitter.collective_blocks = lambda self, fmt, shape: shard_emitter.uses_blocks(fmt, shape)
+    emitter.collective_blocks = lambda self, fmt, shape: emit.uses_blocks(fmt, shape)
     emitter.scatters_blocks = lambda self, value, fmt: \
-        shard_emitter.uses_blocks(fmt, self.comp[value].shape)
+        emit.uses_blocks(fmt, self.comp[value].shape)
     try:
         return training("adam", jit_step, mesh, strategy="per-tensor")  # one leaf each
     finally:

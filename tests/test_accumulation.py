@@ -22,7 +22,7 @@ from hlo_shard.passes.accumulation_motion import (AccumulationMotion, Accumulati
                                                    is_zero)
 import hlo_shard
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
 
 from wus_helpers import ADD, MAX, find, optimize

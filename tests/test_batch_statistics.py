@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import runtime
-from hlo_shard.analysis import update_region
+from hlo_shard.passes.weight_update import analysis
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 BATCHNORM = (Path(__file__).parent / "golden_pass" / "batch_statistic_kept_whole.hlo"
              ).read_text()
@@ -46,7 +46,7 @@ def test_a_rewrite_that_makes_a_cycle_is_refused_not_raised(monkeypatch, state):
     """With the statistics let through (the planning before this fix), the combined
     reduce-scatter waits on its own all-gather: the region is left as it was, every
     gradient of it explained, the signature unchanged."""
-    monkeypatch.setattr(update_region._Planner, "statistics", lambda self: {})
+    monkeypatch.setattr(analysis._Planner, "statistics", lambda self: {})
     by_name, report, optimized = rows(BATCHNORM, state=state, strategy="combined")
     for name in ("stat", "ar"):
         assert not by_name[name].sharded and by_name[name].reason_code == "region_cycle", name

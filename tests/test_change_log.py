@@ -21,7 +21,7 @@ from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
 from hlo_shard.passes.sharding_pipeline import sharding_pipeline
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 from hlo_shard.printer import format_shape, format_value, to_text
 
 from test_accumulation import LOOP as ACCUMULATION

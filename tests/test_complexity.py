@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.analysis.replication import analyze_replication
 from hlo_shard.costmodel.aliasing import donated_parameter_copies
 from hlo_shard.costmodel.kernels import plan_kernels
@@ -29,7 +29,7 @@ from hlo_shard.graph import topological_order
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard import optimize
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.profiles import load_profile
 
 #: The most an analysis's call count may grow when the module doubles (2 plus slack for

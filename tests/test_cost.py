@@ -14,7 +14,7 @@ from importlib import resources
 
 import pytest
 
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.network import (
     accumulator_seconds, algorithm_steps, collective_cost, combiner_buckets, group_size, share_latency, torus_dims,
     wire_bytes,

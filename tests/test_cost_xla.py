@@ -100,7 +100,7 @@ def test_memory_matches_xla(compiled, name):
 
 
 def test_manifest_roles_become_parameter_kinds():
-    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.passes.weight_update import planned_update_regions
     from hlo_shard.cli.report import manifest_roles
     from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.profiles import load_profile

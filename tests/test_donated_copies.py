@@ -11,7 +11,7 @@ import pytest
 
 from pathlib import Path
 
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.aliasing import donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
 from hlo_shard.costmodel.step_time import DONATED_COPY, estimate_step

@@ -48,7 +48,7 @@ from hlo_shard import runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 sys.path.insert(0, str(ROOT))
 from bench.ecosystem import (Program, haiku_lm, mnist_nnx, nanolm,  # noqa: E402

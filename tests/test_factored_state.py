@@ -16,7 +16,7 @@ from hlo_shard import runtime
 import hlo_shard
 from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 from wus_helpers import ADD, find, optimize
 

@@ -18,7 +18,7 @@ from hlo_shard.analysis.collectives import recovered_device_counts
 from hlo_shard import optimize
 from hlo_shard.ir import ArrayShape
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.validate import validate
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

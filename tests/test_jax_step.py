@@ -184,7 +184,7 @@ def test_a_gradient_from_a_dot_is_scattered_flat_not_in_minor_blocks(request):
     if not needs_devices(request):
         return
     from hlo_shard.passes.sharding_pipeline import run_sharding
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
     program = make_program("mlp", "adam", 2, donate=False)
     params, opt_state = program.init()
@@ -457,7 +457,7 @@ def test_a_recursion_error_in_the_pass_runs_fn(request):
 
 
 def test_min_shard_bytes_is_checked_as_the_cli_checks_it():
-    from hlo_shard.passes.weight_update_sharding import ShardingOptionError
+    from hlo_shard.passes.weight_update import ShardingOptionError
 
     with pytest.raises(ShardingOptionError, match="min_shard_bytes=-1 must be at least 0"):
         hsj.shard_weight_update(lambda x: x, min_shard_bytes=-1)

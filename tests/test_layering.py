@@ -94,10 +94,14 @@ def test_every_unit_has_a_layer():
     assert set(LAYER) - units == set(), "LAYERS names units that no longer exist"
 
 
+def _every_module(check) -> list[str]:
+    """What ``check(module, source, is_package)`` reports over every module of the package."""
+    return [message for path in _modules()
+            for message in check(_module_name(path), path.read_text(), path.name == "__init__.py")]
+
+
 def test_no_module_imports_upward_or_sideways():
-    wrong = [message for path in _modules()
-             for message in layering_violations(_module_name(path), path.read_text(),
-                                                path.name == "__init__.py")]
+    wrong = _every_module(layering_violations)
     assert not wrong, "\n".join(wrong)
 
 
@@ -117,3 +121,35 @@ def test_the_check_sees_the_imports_it_forbids():
         "(passes -> reports, upward)"]
     assert layering_violations("hlo_shard.cli.optimize", "from hlo_shard.units import fmt_seconds\n"
                                "from . import app\n") == []
+
+
+#: Packages whose modules are internals: outside the package only its ``__init__`` (the
+#: face it exports) may be imported.
+SEALED_PACKAGES = ("hlo_shard.passes.weight_update",)
+
+
+def face_violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """What in ``source`` imports a sealed package's internals from outside it."""
+    wrong = []
+    for line, name in imported_modules(module, source, is_package):
+        for sealed in SEALED_PACKAGES:
+            inside = module == sealed or module.startswith(sealed + ".")
+            if name.startswith(sealed + ".") and not inside:
+                wrong.append(f"{module}:{line}: imports {name} (use {sealed}'s face)")
+    return wrong
+
+
+def test_other_modules_use_only_the_weight_update_face():
+    wrong = _every_module(face_violations)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_face_check_sees_an_internal_import():
+    """tuple_forwarding and channel_dedupe imported the pass's internals, as they did."""
+    internal = "from hlo_shard.passes.weight_update.emit import ChannelIds\n"
+    assert face_violations("hlo_shard.passes.channel_dedupe", internal) == [
+        "hlo_shard.passes.channel_dedupe:1: imports hlo_shard.passes.weight_update.emit "
+        "(use hlo_shard.passes.weight_update's face)"]
+    assert face_violations("hlo_shard.passes.weight_update.lowering", internal) == []
+    assert face_violations("hlo_shard.passes.channel_dedupe",
+                           "from hlo_shard.passes.weight_update import ChannelIds\n") == []

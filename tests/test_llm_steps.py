@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import parse
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard import optimize
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.fuzz.mutants import KINDS, Mutant, mutants
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "spmd"
 #: subject → (fixture, --state).

@@ -59,13 +59,13 @@ REPLACED = [
         "add-dependency"}), {}),
     ("cost.ALL_REDUCE_OPCODES", opcodes_where(lambda i: i.cost == opinfo.ALL_REDUCE),
      frozenset({"all-reduce", "all-reduce-start"}), {}),
-    ("shard_emitter.ChannelIds.COLLECTIVES", opinfo.CHANNEL_UNIQUE, frozenset({
+    ("weight_update.emit.ChannelIds.COLLECTIVES", opinfo.CHANNEL_UNIQUE, frozenset({
         "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
         "collective-permute", "collective-broadcast", "all-reduce-start", "all-gather-start",
         "collective-permute-start"}), {}),
     # RegionRewrite._erase_dead kept fewer ops than Rewriter.remove_dead, which it uses now
     # (graph.is_impure: parameters and the table's impure ops).
-    ("region_rewrite._KEEP", opinfo.IMPURE | {"parameter"}, frozenset({
+    ("weight_update.lowering._KEEP", opinfo.IMPURE | {"parameter"}, frozenset({
         "parameter", "custom-call", "infeed", "outfeed", "send", "recv", "rng", "send-done",
         "recv-done", "after-all", "rng-get-and-update-state"}), {
         "+all-reduce-start": "async: erasing one half leaves the other unmatched",
@@ -99,7 +99,7 @@ REPLACED = [
         "compare", "select", "clamp"}), {
         "+mulhi": "elementwise (XLA's IsOpElementwise); jax never emits it",
         "+stochastic-convert": "elementwise (operand and random bits element by element)",
-        "+map": "elementwise in XLA; the region analysis leaves it out (update_region."
+        "+map": "elementwise in XLA; the region analysis leaves it out (weight_update.analysis."
                 "_SHARDABLE: its dimensions= name the full value's)"}),
     ("analysis.opcodes.DETERMINISTIC", opcodes_where(lambda i: i.values == opinfo.DETERMINISTIC),
      frozenset({"abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cbrt", "ceil",
@@ -136,19 +136,19 @@ POLICY_SETS = [
     ("hlo_shard.costmodel.step_time", "FORMAT_OPCODES", {}),
     ("hlo_shard.costmodel.memory", "_IN_PLACE_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_FLOW_THROUGH", {}),
-    ("hlo_shard.analysis.update_region", "_PULLABLE", {}),
+    ("hlo_shard.passes.weight_update.analysis", "_PULLABLE", {}),
     ("hlo_shard.costmodel.kernels", "_KERNEL_ROOTS", {}),
     ("hlo_shard.analysis.collectives", "DEVICE_ID_OPCODES", {}),
     ("hlo_shard.analysis.collectives", "_LAYOUT_ONLY", {}),
     ("hlo_shard.analysis.collectives", "_INDEX_ARITHMETIC", {}),
     ("hlo_shard.costmodel.step_time", "_MATRIX_OPCODES", {}),
-    ("hlo_shard.analysis.update_region", "_SCALAR_OK", {}),
-    ("hlo_shard.analysis.update_region", "_SCALAR_BODY", {}),
-    ("hlo_shard.analysis.update_region", "VIEW_OPCODES", {}),
+    ("hlo_shard.passes.weight_update.analysis", "_SCALAR_OK", {}),
+    ("hlo_shard.passes.weight_update.analysis", "_SCALAR_BODY", {}),
+    ("hlo_shard.passes.weight_update.analysis", "VIEW_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_BODY_EXTRA", {}),
     # Rule tables keyed by opcode.
     ("hlo_shard.costmodel.flops", "RULES", {}),
-    ("hlo_shard.analysis.update_region", "RULES", {}),
+    ("hlo_shard.passes.weight_update.analysis", "RULES", {}),
     ("hlo_shard.validate", "_SHAPE_RULES", {}),
     ("hlo_shard.attributes", "REQUIRED_ATTRIBUTES", {}),
     ("hlo_shard.attributes", "OPCODE_ATTRIBUTES", {}),

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from hlo_shard.cli import main
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import WeightUpdateSharding
+from hlo_shard.passes.weight_update import WeightUpdateSharding
 from hlo_shard.runtime.manifest import parse_manifest
 
 from test_pass_weight_update import SGD, SPMD, crossover_bytes, two_gradients
@@ -323,7 +323,7 @@ def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all
     from hlo_shard.parser import parse_file
     from hlo_shard.passes import speed_gate
     from hlo_shard.passes.sharding_pipeline import run_sharding
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions
+    from hlo_shard.passes.weight_update import ShardingOptions
 
     module = parse_file(ADAM.parent / "transformer.n8.hlo")
     runs = []

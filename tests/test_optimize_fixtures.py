@@ -24,7 +24,7 @@ from hlo_shard.graph import dataflow_graph
 from hlo_shard.ir import ArrayShape, TupleShape
 from hlo_shard.parser import parse
 from hlo_shard.passes.accumulation_motion import AccumulationMotion
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ALL = sorted(FIXTURES.glob("*/*.hlo"))

@@ -10,7 +10,7 @@ from hlo_shard import runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 import test_pass_weight_update as cases
 from wus_helpers import ADD

@@ -11,9 +11,9 @@ import pytest
 from hlo_shard.analysis.collectives import (GroupMode, device_groups, find_gradient_all_reduces,
                                             neutral_literal, participant_id_source)
 from hlo_shard.analysis.replication import ParamOverrides, analyze_replication
-from hlo_shard.analysis.update_region import (ShardFormat, reshape_format, transpose_operand,
-                                              transpose_result)
 from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update.analysis import (ShardFormat, reshape_format,
+                                                     transpose_operand, transpose_result)
 
 from wus_helpers import ADD
 

@@ -18,7 +18,7 @@ from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import PassCheckError, Pipeline, validate_printed
 from hlo_shard.passes.registry import parse_pipeline
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
-from hlo_shard.passes.weight_update_sharding import rewritten_computations
+from hlo_shard.passes.weight_update import rewritten_computations
 from hlo_shard.printer import to_text
 
 from wus_helpers import ADD, MAX

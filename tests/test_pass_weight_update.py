@@ -7,7 +7,7 @@ import pytest
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, TupleShape
-from hlo_shard.passes.bucketing import CollectivePricing
+from hlo_shard.passes.weight_update.emit import CollectivePricing
 from hlo_shard.profiles import load_profile
 
 from wus_helpers import ADD, MAX, find, opcodes, optimize, row

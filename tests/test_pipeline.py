@@ -15,8 +15,8 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.pipeline import PassCheckError, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
-from hlo_shard.passes.weight_update_sharding import (ShardingOptionError, ShardingOptions,
-                                                     ShardingReport, WeightUpdateSharding)
+from hlo_shard.passes.weight_update import (ShardingOptionError, ShardingOptions,
+                                             ShardingReport, WeightUpdateSharding)
 from hlo_shard.printer import to_text
 from hlo_shard.profiles import HardwareProfile
 
@@ -188,7 +188,7 @@ def test_the_docs_list_the_optimizer_passes_as_the_pipeline_runs_them():
     from pathlib import Path
 
     from hlo_shard.passes.sharding_pipeline import sharding_pipeline
-    from hlo_shard.passes.weight_update_sharding import WeightUpdateSharding
+    from hlo_shard.passes.weight_update import WeightUpdateSharding
 
     def words(text: str) -> str:
         return " ".join(text.lower().replace("-", " ").split())

@@ -14,7 +14,7 @@ import pytest
 from hlo_shard.jax import hook
 from hlo_shard.parser import parse
 from hlo_shard import optimize
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP_ADAM = ROOT / "fixtures" / "spmd" / "loop_adam.n2.hlo"

@@ -18,7 +18,7 @@ from hlo_shard.ir import Module
 from hlo_shard import optimize
 from hlo_shard.passes.reduce_scatter_creation import (ReduceScatterCreation,
                                                       ReduceScatterReport, IndexEvaluator)
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 from test_llm_steps import FSDP_STEP, PARTITIONER_FORM
 
@@ -214,7 +214,7 @@ def test_the_gate_prices_the_module_it_writes_when_nothing_is_sharded():
     """Nothing to shard, but the pipeline still writes reduce-scatters: the gate's module
     kept whole is that one, priced (``unsharded_s``), not the input."""
     from hlo_shard.passes.speed_gate import shard_where_faster
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
     module = parse(GOLDEN.read_text())
     report, decision = shard_where_faster(module, WeightUpdateSharding(ShardingOptions()))

@@ -11,7 +11,8 @@ import pytest
 
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.analysis.replication import analyze_replication
-from hlo_shard.analysis.update_region import Leaf, RegionOptions, collect_leaves, plan_region
+from hlo_shard.passes.weight_update.analysis import (Leaf, OpKind, RegionOptions, collect_leaves,
+                                                     plan_region)
 from hlo_shard.parser import parse
 from hlo_shard.printer import to_text
 
@@ -84,6 +85,38 @@ ENTRY e {{ w = f32[1024] parameter(0) g = f32[1024] parameter(1) bits = u32[1024
 
 #: XLA:CPU converts stochastically from floats to integers only.
 STOCHASTIC = _update("h = s32[1024] stochastic-convert(ar, bits) v = f32[1024] convert(h)")
+
+
+#: An update through each kind of region op: a view (reshape and back), an elementwise op,
+#: a reduction over size-1 dimensions only (a view too), a norm (reduced to one element).
+KINDS = f"""HloModule m, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[8,128] parameter(0) g = f32[8,128] parameter(1)
+ ar = f32[8,128] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ flat = f32[1024] reshape(ar) back = f32[8,128] reshape(flat)
+ sq = f32[8,128] multiply(back, back) zero = f32[] constant(0)
+ wide = f32[1,8,128] reshape(sq) narrow = f32[8,128] reduce(wide, zero), dimensions={{0}}, to_apply=add
+ norm = f32[] reduce(sq, zero), dimensions={{0,1}}, to_apply=add
+ scale = f32[8,128] broadcast(norm), dimensions={{}} upd = f32[8,128] multiply(narrow, scale)
+ ROOT nw = f32[8,128] subtract(w, upd) }}
+"""
+
+
+def test_the_analysis_decides_each_op_s_kind():
+    """The kind is an enum the rules choose and the lowering follows: a reduction over
+    size-1 dimensions is a view like a reshape (the lowering used to tell them apart by
+    opcode again), a reduction to one element is a reduction."""
+    module = parse(KINDS)
+    (comp, leaves, replication), = _regions(module)
+    ops = plan_region(module, comp, leaves, replication).ops
+    assert {name: op.kind for name, op in ops.items()} == {
+        "flat": OpKind.VIEW, "back": OpKind.VIEW, "sq": OpKind.ELEMENTWISE,
+        "wide": OpKind.VIEW, "narrow": OpKind.VIEW, "norm": OpKind.REDUCE,
+        "upd": OpKind.ELEMENTWISE, "nw": OpKind.ELEMENTWISE}
+    optimized, report = optimize(KINDS)
+    assert row(report, "ar").sharded
+    assert [i.shape.dims for i in find(optimized, "reshape") + find(optimized, "reduce")
+            if i.name.startswith(("flat", "back", "wide", "narrow"))] == []
 
 
 def test_the_table_s_elementwise_ops_run_on_shards_but_map():

@@ -31,7 +31,7 @@ REQUIRED_KEYS = {"flops", "transcendentals", "bytes_accessed", "collective_bytes
 @pytest.fixture(scope="module")
 def modules(tmp_path_factory):
     """The Adam step and its sharded form (written by the pass, --state sharded)."""
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
     from hlo_shard.printer import to_text
 
     folder = tmp_path_factory.mktemp("modules")
@@ -136,7 +136,7 @@ def test_per_weight_rows_of_a_combined_bucket():
     from pathlib import Path
 
     from hlo_shard.costmodel.step_time import per_weight_rows
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
     from hlo_shard.profiles import load_profile
 
     original = parse(Path("fixtures/spmd/adam.n8.hlo").read_text())
@@ -267,18 +267,18 @@ def test_memory_plot_and_table_come_from_one_computation(name):
 def test_a_planner_error_surfaces_instead_of_the_fallback(monkeypatch):
     # Before: estimate.py swallowed AttributeError/TypeError/ValueError/KeyError from the
     # pass's planner, and a regression of the pass silently turned the report to fallback.
-    from hlo_shard.analysis import planned_regions
+    from hlo_shard.passes.weight_update import analysis
 
     def broken(*args, **kwargs):
         raise KeyError("a regression in the planner")
 
-    monkeypatch.setattr(planned_regions, "plan_region", broken)
+    monkeypatch.setattr(analysis, "plan_region", broken)
     with pytest.raises(KeyError, match="regression"):
-        planned_regions.planned_update_regions(parse(ADAM))
+        analysis.planned_update_regions(parse(ADAM))
 
 
 def test_the_region_plan_is_what_the_caller_hands_in():
-    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.passes.weight_update import planned_update_regions
     from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.profiles import load_profile
 
@@ -399,7 +399,7 @@ def test_a_reduce_scattered_gradient_stays_gradient_memory():
     # Padded before its reduce-scatter, the per-device gradient is still the gradient
     # (memory that grows with the weights, not with the batch), as when all-reduced.
     from hlo_shard.costmodel.step_time import gradient_values
-    from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
     sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).apply(
         parse(EARLY_GRADIENT)).module

@@ -11,7 +11,7 @@ import pytest
 from hlo_shard import parse, runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 from wus_helpers import ADD
 

@@ -20,7 +20,7 @@ from hlo_shard import runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ADAM = FIXTURES / "spmd" / "adam.n4.hlo"

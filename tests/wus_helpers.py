@@ -8,8 +8,8 @@ from collections import Counter
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.sharding_pipeline import run_sharding
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.weight_update import (ShardingOptions, ShardingReport,
+                                             WeightUpdateSharding)
 from hlo_shard.printer import to_text
 from hlo_shard.validate import validate
 

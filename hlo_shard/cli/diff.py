@@ -22,7 +22,7 @@ def diff(before_path: str, after_path: str, profile: str | None, algorithm: str 
          manifest_path: str | None, as_json: bool, markdown: bool, html_path: str | None,
          output: str | None) -> None:
     """Compare the estimated cost of BEFORE.hlo and AFTER.hlo per device."""
-    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.passes.weight_update import planned_update_regions
     from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.reports.content import diff_document, diff_json
 

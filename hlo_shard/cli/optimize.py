@@ -28,7 +28,7 @@ import click
 
 from hlo_shard.analysis.names import UserNames, labelled, user_names
 from hlo_shard.analysis.replication import ParamOverrides
-from hlo_shard.analysis.update_region import natural_perm
+from hlo_shard.passes.weight_update import natural_perm
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
                                user_errors, write_outputs)
 from hlo_shard.dumps import pick_dump_file
@@ -38,10 +38,10 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import PassChanges, check_output
 from hlo_shard.passes.optimize import optimize as run_optimizer
 from hlo_shard.passes.speed_gate import SpeedDecision
-from hlo_shard.passes.weight_update_sharding import (PARAM_MODES, STATE_MODES, STRATEGIES,
-                                                     Explanation,
-                                                     ShardingOptionError, ShardingOptions,
-                                                     ShardingReport, StrategyChoice)
+from hlo_shard.passes.weight_update import (PARAM_MODES, STATE_MODES, STRATEGIES,
+                                             Explanation,
+                                             ShardingOptionError, ShardingOptions,
+                                             ShardingReport, StrategyChoice)
 from hlo_shard.printer import format_change
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.profiles.detect import profile_for_module

@@ -122,7 +122,7 @@ def report(module_path: str, profile: str | None, algorithm: str | None, manifes
     """Estimated cost of one step of IN.hlo per device: step time split into
     forward/backward, weight update, communication and formatting; collectives by
     kind; peak memory by category; the most expensive instructions."""
-    from hlo_shard.analysis.planned_regions import planned_update_regions
+    from hlo_shard.passes.weight_update import planned_update_regions
     from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.reports.content import report_document, report_json
 

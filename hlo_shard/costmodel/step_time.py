@@ -13,7 +13,7 @@ Every instruction gets a category and a time:
   reduce-scatter): :func:`update_region_fallback` (the elementwise work downstream of
   the gradient sums, which also finds the update of an already sharded module)
   together with the region the pass plans (:data:`PlannedRegions`, which the caller
-  computes with :func:`hlo_shard.analysis.planned_regions.planned_update_regions`);
+  computes with :func:`hlo_shard.passes.weight_update.planned_update_regions`);
 * ``forward_backward`` — everything else.
 
 Compute time is a roofline per kernel, max(flops / peak, bytes read / read

@@ -24,7 +24,7 @@ from hlo_shard.jax._capture import Capture, Reason, Unsupported, describe
 from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize, speed_json
 from hlo_shard.passes.speed_gate import SpeedDecision
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.runtime.forms import check_executable
 
 

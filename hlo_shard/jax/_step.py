@@ -27,7 +27,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _distributed, _xla
 from hlo_shard.jax._capture import Reason, Unsupported, capture, describe
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
-from hlo_shard.passes.weight_update_sharding import ShardingOptions
+from hlo_shard.passes.weight_update import ShardingOptions
 
 
 class FallbackWarning(UserWarning):

@@ -34,7 +34,7 @@ from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.passes.optimize import checked_options
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, ShardingReport
+from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 logger = logging.getLogger("hlo_shard")

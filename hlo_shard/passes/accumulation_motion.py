@@ -47,7 +47,7 @@ from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass, PassResult
-from hlo_shard.passes.shard_emitter import ChannelIds
+from hlo_shard.passes.weight_update import ChannelIds
 
 #: Element types a summing all-reduce is moved for (numeric: the sum is exact in
 #: integers and a reordering of the same sum in floats).

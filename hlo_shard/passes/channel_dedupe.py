@@ -14,7 +14,7 @@ from hlo_shard.graph import Change, Rewriter
 from hlo_shard.ir import Module
 from hlo_shard.opinfo import CHANNEL_UNIQUE
 from hlo_shard.passes.base import ModulePass, PassResult
-from hlo_shard.passes.shard_emitter import ChannelIds
+from hlo_shard.passes.weight_update import ChannelIds
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
-from hlo_shard.passes.weight_update_sharding import (ShardingOptions, ShardingReport,
-                                                     WeightUpdateSharding)
+from hlo_shard.passes.weight_update import (ShardingOptions, ShardingReport,
+                                             WeightUpdateSharding)
 from hlo_shard.printer import format_change, to_text
 from hlo_shard.validate import validate
 

@@ -51,8 +51,8 @@ from hlo_shard.graph import Change, ModuleRewriter, Rewriter, control_predecesso
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           SliceRanges)
 from hlo_shard.passes.base import ModulePass, PassResult
-from hlo_shard.passes.shard_emitter import ChannelIds
-from hlo_shard.passes.weight_update_sharding import ShardingReport
+from hlo_shard.passes.weight_update import ChannelIds
+from hlo_shard.passes.weight_update import ShardingReport
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 
 # ------------------------------------------------------------------ index evaluation

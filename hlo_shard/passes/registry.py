@@ -23,7 +23,7 @@ from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
-from hlo_shard.passes.weight_update_sharding import ShardingOptions, WeightUpdateSharding
+from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
 #: Option name → value (an int when the text is digits, else the text).
 Options = dict[str, Any]

@@ -6,7 +6,7 @@
    cross the network once per step instead of once per microbatch);
 2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
-3. :class:`~hlo_shard.passes.weight_update_sharding.WeightUpdateSharding`;
+3. :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`;
 4. :class:`~hlo_shard.passes.reduce_scatter_creation.ReduceScatterCreation` (the
    gradients it found already sharded in the partitioner's all-reduce + dynamic-slice
    form become reduce-scatters where the profile predicts that faster; after the
@@ -33,7 +33,7 @@ from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation, ReduceScatterReport
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
-from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
+from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 
 
 def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None

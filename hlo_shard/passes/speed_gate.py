@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
-from hlo_shard.analysis.planned_regions import planned_update_regions
+from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
@@ -43,7 +43,7 @@ from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_r
 from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding
-from hlo_shard.passes.weight_update_sharding import ShardingReport, WeightUpdateSharding
+from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 from hlo_shard.profiles import HardwareProfile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).

@@ -14,7 +14,7 @@ from typing import ClassVar
 from hlo_shard.graph import Change, Rewriter
 from hlo_shard.ir import Computation, Module
 from hlo_shard.passes.base import ModulePass, PassResult
-from hlo_shard.passes.weight_update_sharding import rewritten_computations
+from hlo_shard.passes.weight_update import rewritten_computations
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ForwardedTuples:
 @dataclass(frozen=True)
 class TupleForwarding(ModulePass[ForwardedTuples]):
     """Forward tuple elements in ``computations`` (None: the computations
-    :func:`~hlo_shard.passes.weight_update_sharding.rewritten_computations` names)."""
+    :func:`~hlo_shard.passes.weight_update.rewritten_computations` names)."""
 
     name: ClassVar[str] = "tuple-forwarding"
     computations: tuple[str, ...] | None = None

@@ -11,7 +11,7 @@ Starting from the all-reduced gradients, every user is classified by a rule tabl
 * reductions to one element (norms, global-norm clipping, is-finite checks, max/min) → a
   masked local reduction plus a small all-reduce of the same reducer over the group;
 * on shards that are blocks of the value (:attr:`ShardFormat.block`), ops on the block
-  (kind ``"block"``): a reduction keeping the block dimension (its result sharded in
+  (:attr:`OpKind.BLOCK`): a reduction keeping the block dimension (its result sharded in
   blocks: Adafactor's statistic along the other dimension), a broadcast; and a sum along
   the block dimension as the block's partial sums all-reduced (a replicated result);
 * anything else (dot, gather, other partial reductions, tuple, custom-call, …) ends the
@@ -22,12 +22,20 @@ full-size weight: producers whose every user is in the region (AdamW's ``w * wd`
 one-element reductions of replicated values whose result feeds the region (LAMB's weight
 norm). A *sharded value* is described by a :class:`ShardFormat`; the formats of the leaves
 are chosen to minimise formatting copies (transposes) over the region.
+
+Besides the region, the facts the pass reads before any edit: which gradient all-reduces
+it can reach (:func:`triage`), the data-parallel group, the optimizer state (and, with
+sharded parameters, the weights) that can stay shards (:func:`pair_state`), the loop
+slots carried as shards (:func:`loop_slots`). Nothing here edits the module: the
+lowering consumes what these return.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
@@ -35,10 +43,13 @@ from typing import cast
 
 import networkx as nx
 
-from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode, neutral_literal,
+from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
+                                            find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode)
-from hlo_shard.analysis.replication import Replication
-from hlo_shard.graph import dataflow_graph, reachable, topological_order, users_map
+from hlo_shard.analysis.replication import Replication, analyze_replication
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import (call_graph, control_predecessors, dataflow_graph, reachable,
+                             reading_only, topological_order, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
@@ -183,16 +194,32 @@ def reshape_format(fmt: ShardFormat, dims: tuple[int, ...]) -> ShardFormat | Non
 # ------------------------------------------------------------------------ the rules
 
 
+class OpKind(enum.Enum):
+    """How a region op runs on shards: decided once, by its rule, and the lowering emits
+    by it (it does not look at the opcode again to choose)."""
+
+    #: Re-emitted on the flat ``[L]`` shard with its operands' shards (elementwise ops,
+    #: loop fusions, pulled-in replicated producers).
+    ELEMENTWISE = "elementwise"
+    #: The shard itself, unchanged: the op only relabels the element order the format
+    #: already accounts for (reshape, bitcast, transpose, a reduction over size-1
+    #: dimensions only).
+    VIEW = "view"
+    #: On the shard's block of the value (a reduction along other dimensions, a
+    #: broadcast), the result in blocks too.
+    BLOCK = "block"
+    #: To one element (or along the block dimension): masked, reduced locally and
+    #: all-reduced; the result is replicated.
+    REDUCE = "reduce"
+
+
 @dataclass(frozen=True)
 class RegionOp:
     """A region instruction: how it consumes its sharded/replicated array operands
     (``operand_format``) and what it yields (``result_format``; None for a reduction,
     whose result is a replicated value)."""
 
-    #: "shard": elementwise on the flat shard; "block": on the shard's block of the value
-    #: (a reduction along other dimensions, a broadcast), the result in blocks too;
-    #: "reduce": to one element, all-reduced.
-    kind: str
+    kind: OpKind
     operand_format: ShardFormat
     result_format: ShardFormat | None
     #: For reductions: the reducer opcode (add, maximum, …) and its neutral literal.
@@ -206,7 +233,8 @@ class RegionOp:
 
     @property
     def result_shard(self) -> ShardFormat:
-        """The result's format, for a ``"shard"`` op (a reduction's result is replicated)."""
+        """The result's format, for an op that is not :attr:`OpKind.REDUCE` (a reduction's
+        result is replicated)."""
         if self.result_format is None:
             raise ValueError("a reduction's result is not sharded")
         return self.result_format
@@ -274,7 +302,7 @@ def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
     shape = _array(inst.shape)
     if shape is None or shape.dims != fmt.dims or not _operands_fit(ctx, inst, fmt):
         return None
-    return RegionOp("shard", fmt, fmt)
+    return RegionOp(OpKind.ELEMENTWISE, fmt, fmt)
 
 
 def _bitcast_convert(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -290,7 +318,7 @@ def _reshape(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
     shape = _array(inst.shape)
     result = reshape_format(fmt, shape.dims) if shape is not None else None
-    return RegionOp("shard", fmt, result) if result is not None else None
+    return RegionOp(OpKind.VIEW, fmt, result) if result is not None else None
 
 
 def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -302,12 +330,12 @@ def _bitcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
         return None
     if fmt.perm != natural_perm(source):
         return None
-    return RegionOp("shard", fmt, ShardFormat.of(shape, fmt.n))
+    return RegionOp(OpKind.VIEW, fmt, ShardFormat.of(shape, fmt.n))
 
 
 def _transpose(ctx: _Context, inst: Instruction) -> RegionOp | None:
     fmt = ctx.sharded[inst.operands[0]]
-    return RegionOp("shard", fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
+    return RegionOp(OpKind.VIEW, fmt, transpose_result(fmt, inst.ints_attr("dimensions")))
 
 
 def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -332,7 +360,7 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
     if reducer is None or neutral is None or init in ctx.sharded or not ctx.replicated(init):
         return None
-    return RegionOp("reduce", fmt, None, reducer, neutral)
+    return RegionOp(OpKind.REDUCE, fmt, None, reducer, neutral)
 
 
 def _reducer(ctx: _Context, inst: Instruction) -> str | None:
@@ -349,7 +377,8 @@ def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
     access = fusion_access(ctx, inst)
     if isinstance(access, str):
         return None
-    return RegionOp("shard", access.result, access.result, operand_formats=access.operands)
+    return RegionOp(OpKind.ELEMENTWISE, access.result, access.result,
+                    operand_formats=access.operands)
 
 
 @dataclass(frozen=True)
@@ -499,7 +528,7 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
         return None
     fmt = ctx.sharded[source_name]
     result = reshape_format(fmt, shape.dims)
-    return RegionOp("shard", fmt, result) if result is not None else None
+    return RegionOp(OpKind.VIEW, fmt, result) if result is not None else None
 
 
 def _block_format(dims: tuple[int, ...], perm: tuple[int, ...], major: int, rows: int,
@@ -526,7 +555,7 @@ def _block_reduce(ctx: _Context, inst: Instruction, shape: ArrayShape) -> Region
     kept = [d for d in range(len(fmt.dims)) if d not in reduced]
     result = _block_format(shape.dims, tuple(kept.index(d) for d in fmt.perm if d in kept),
                            kept.index(major), rows, fmt.n)
-    return RegionOp("block", fmt, result) if result is not None else None
+    return RegionOp(OpKind.BLOCK, fmt, result) if result is not None else None
 
 
 def _partial_reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -542,7 +571,7 @@ def _partial_reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
         return None
     element_type = inst.array_shape.element_type
     neutral = neutral_literal("add", element_type)
-    return RegionOp("reduce", fmt, None, "add", neutral) if neutral is not None else None
+    return RegionOp(OpKind.REDUCE, fmt, None, "add", neutral) if neutral is not None else None
 
 
 def _broadcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -556,7 +585,7 @@ def _broadcast(ctx: _Context, inst: Instruction) -> RegionOp | None:
     target = inst.ints_attr("dimensions")[major]
     rest = tuple(d for d in natural_perm(shape) if d != target)
     result = _block_format(shape.dims, (target, *rest), target, rows, fmt.n)
-    return RegionOp("block", fmt, result) if result is not None else None
+    return RegionOp(OpKind.BLOCK, fmt, result) if result is not None else None
 
 
 def _same_number(literal: str | None, value: str) -> bool:
@@ -1180,7 +1209,8 @@ def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGr
             operand_format = _operand_format_for(producer, comp, read_as)
             if operand_format is None or not _operands_fit(ctx, producer, operand_format):
                 continue
-            ops[operand] = RegionOp("shard", operand_format, read_as, pulled=True)
+            kind = OpKind.VIEW if producer.opcode in VIEW_OPCODES else OpKind.ELEMENTWISE
+            ops[operand] = RegionOp(kind, operand_format, read_as, pulled=True)
             sharded[operand] = read_as
             work.append(operand)
 
@@ -1269,10 +1299,433 @@ def is_scalar_broadcast(comp: Computation, name: str) -> bool:
     return isinstance(operand, ArrayShape) and operand.is_scalar
 
 
+# ------------------------------------------- the pass's facts: gradients, state, loops
+
+
+def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups | None
+            ) -> tuple[dict[str, list[GradientAllReduce]],
+                       list[tuple[GradientAllReduce, str, ReasonCode | None]]]:
+    """The candidate all-reduces per computation the rewrite can reach (the entry and
+    training-loop bodies, over the data-parallel group), and the others with why not."""
+    regions = _region_computations(module)
+    candidates: dict[str, list[GradientAllReduce]] = defaultdict(list)
+    rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]] = []
+    for ar in found:
+        reason, code = ar.reason, ar.code
+        if not reason and ar.computation not in regions:
+            reason = "inside a called computation (fusion/call/conditional): not supported"
+            code = ReasonCode.CALLED_COMPUTATION
+        if not reason and (ar.groups is None or groups is None
+                           or ar.groups.key() != groups.key()):
+            reason = "its groups differ from the data-parallel group of the module"
+            code = ReasonCode.OTHER_GROUPS
+        if reason:
+            rejected.append((ar, reason, code))
+        else:
+            candidates[ar.computation].append(ar)
+    return dict(candidates), rejected
+
+
+def tuple_index(inst: Instruction) -> int:
+    """The element a ``get-tuple-element`` reads."""
+    index = inst.int_attr("index")
+    if index is None:
+        raise HloShardError(f"%{inst.name}: get-tuple-element without index=")
+    return index
+
+
+def proved_array(shape: Shape) -> ArrayShape:
+    """``shape``, which the analysis has proved an array (a leaf of the update)."""
+    return cast(ArrayShape, shape)
+
+
+def proved_element(shape: Shape, index: int) -> ArrayShape:
+    """Element ``index`` of ``shape``, which the analysis has proved a tuple of arrays
+    there (a root or loop carry holding update values)."""
+    return proved_array(cast(TupleShape, shape).elements[index])
+
+
+def called_computation(inst: Instruction, role: str) -> str:
+    """The name of the computation ``inst`` calls as ``role`` (``body``, ``condition``)."""
+    ref = inst.attr_as(role, ComputationRef)
+    if ref is None:
+        raise HloShardError(f"%{inst.name}: {inst.opcode} without {role}=")
+    return ref.name
+
+
+def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
+    """The groups carrying the most gradient bytes: the data-parallel axis."""
+    weight: dict[tuple, int] = defaultdict(int)
+    first: dict[tuple, DeviceGroups] = {}
+    for ar in found:
+        if ar.groups is None:
+            continue
+        inst = module.computation(ar.computation)[ar.name]
+        size = inst.shape.byte_size
+        weight[ar.groups.key()] += size
+        first.setdefault(ar.groups.key(), ar.groups)
+    if not weight:
+        return None
+    return first[max(weight, key=lambda key: weight[key])]
+
+
+def _region_computations(module: Module) -> set[str]:
+    """The entry and every while body reachable from it through while loops only."""
+    names = {module.entry.name}
+    stack = [module.entry]
+    while stack:
+        comp = stack.pop()
+        for inst in comp.instructions:
+            if inst.opcode == "while":
+                body = called_computation(inst, "body")
+                if body not in names:
+                    names.add(body)
+                    stack.append(module.computation(body))
+    return names
+
+
+def gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[str, set[str]]:
+    """Per computation: the instructions producing all-reduced gradients — the
+    all-reduces themselves, or the loops/calls whose computations contain them."""
+    graph = call_graph(module)
+    holders = {ar.computation for ar in found}
+    sources: dict[str, set[str]] = defaultdict(set)
+    for ar in found:
+        sources[ar.computation].add(ar.name)
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for callee in inst.called_computations():
+                if (nx.descendants(graph, callee) | {callee}) & holders:
+                    sources[comp.name].add(inst.name)
+    return sources
+
+
+def parameter_names(comp: Computation) -> dict[int, str]:
+    """Parameter number → name (one scan, for callers that look up many)."""
+    return {p.parameter_number: p.name for p in comp.parameters()
+            if p.parameter_number is not None}
+
+
+@dataclass(frozen=True)
+class StatePair:
+    """Optimizer state kept sharded: its parameter's next value is output ``output``."""
+
+    output: int
+    value: str
+    format: ShardFormat
+    #: The parameter's and the output's original (full) shapes.
+    shape: ArrayShape
+    output_shape: ArrayShape
+
+
+def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication,
+                read: dict[int, set[ShardFormat]], unaliased: str = ""
+                ) -> tuple[dict[int, StatePair], dict[int, str]]:
+    """Parameter number → (output index, region value) for the parameters of ``read``
+    (optimizer state, or weights: see :func:`region_read_parameters`) that can stay
+    sharded: the region reads the parameter in the format of the output that is its
+    next value, and both are in an order the manifest flattens (physical or row-major);
+    and, for the other parameters of ``read``, why not (with ``unaliased``, also those
+    the module's input_output_alias leaves out: a weight is a parameter to report)."""
+    root = comp.root
+    if root.opcode != "tuple":
+        return {}, {}
+    graph = dataflow_graph(comp)
+    params = {p.parameter_number: p for p in comp.parameters()}
+    candidates: dict[int, ShardFormat] = {}
+    kept_whole: dict[int, str] = {}
+    for number, formats in read.items():
+        if not replication.is_replicated(comp.name, params[number].name):
+            continue
+        fmt = next(iter(formats))
+        if len(formats) != 1:
+            kept_whole[number] = f"the update reads it in {len(formats)} element orders"
+        elif not flattenable(fmt, proved_array(params[number].shape)):
+            kept_whole[number] = f"the update runs in element order {_order(fmt)}, " \
+                                 f"{_not_flattenable(proved_array(params[number].shape))}"
+        else:
+            candidates[number] = fmt
+    outputs: dict[int, str] = {}
+    for k, value in enumerate(root.operands):
+        out = plan.sharded.get(value)
+        if out is not None and flattenable(out, proved_element(root.shape, k)):
+            outputs[k] = value
+    pairs: dict[int, StatePair] = {}
+
+    def pair(number: int, k: int) -> None:
+        pairs[number] = StatePair(k, outputs[k], candidates[number],
+                                  proved_array(params[number].shape), proved_element(root.shape, k))
+
+    def fits(number: int, k: int) -> bool:
+        param = params[number]
+        return plan.sharded[outputs[k]] == candidates[number] and \
+            proved_element(root.shape, k).element_type == proved_array(param.shape).element_type
+
+    aliases = list(module.output_aliases().items())
+    if aliases:
+        for k, number in aliases:
+            if number in candidates and k in outputs and fits(number, k):
+                pair(number, k)
+            elif number in candidates:
+                kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
+        if unaliased:
+            kept_whole.update({number: unaliased for number in candidates
+                               if number not in pairs and number not in kept_whole})
+        return pairs, kept_whole
+    # No aliasing: an output depending on exactly one remaining candidate of its kind.
+    remaining = dict(candidates)
+    open_outputs = dict(outputs)
+    progress = True
+    while progress:
+        progress = False
+        for k, value in list(open_outputs.items()):
+            ancestors = nx.ancestors(graph, value)
+            matches = [n for n in remaining if params[n].name in ancestors and fits(n, k)]
+            if len(matches) == 1:
+                pair(matches[0], k)
+                del remaining[matches[0]]
+                del open_outputs[k]
+                progress = True
+    kept_whole.update({number: "no output in its element order is its next value alone "
+                               "(no input_output_alias to say which)" for number in remaining})
+    return pairs, kept_whole
+
+
+def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
+                     explained: set[int]) -> list[str]:
+    """Optimizer state the sharded update does not compute at all, and why: a parameter
+    aliased to an output, not read by the forward/backward pass, whose next value needs
+    the summed gradients outside the region — a factored statistic such as Adafactor's
+    ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
+    graph = dataflow_graph(comp)
+    root = comp.root
+    gradients = {leaf.all_reduce for leaf in plan.leaves}
+    forward: set[str] = set()
+    for name in gradients:
+        forward |= nx.ancestors(graph, name)
+    params = {p.parameter_number: p for p in comp.parameters()}
+    from hlo_shard.printer import format_shape
+
+    sharded = {leaf.all_reduce for leaf in plan.active}
+    found: list[str] = []
+    for k, number in module.output_aliases().items():
+        param = params.get(number)
+        if param is None or number in explained or param.name in forward \
+                or not isinstance(param.shape, ArrayShape) or param.shape.num_elements <= 1 \
+                or root.opcode != "tuple" or k >= len(root.operands):
+            continue
+        value = root.operands[k]
+        upstream = nx.ancestors(graph, value)
+        if value in plan.sharded or not gradients & upstream:
+            continue
+        why = "its gradient stays all-reduced (see its row)" if not sharded & upstream else \
+            _factored_reason(comp, plan, upstream)
+        found.append(f"optimizer state parameter {number} (%{param.name} "
+                     f"{format_shape(param.shape)}) stays whole, computed in full on every "
+                     f"device: {why}")
+    return found
+
+
+def _factored_reason(comp: Computation, plan: RegionPlan, upstream: set[str]) -> str:
+    """Why a state computed from a reduction of a sharded gradient along some dimensions
+    (a factored statistic, like Adafactor's v_row/v_col) is not itself a shard: its
+    reduction cuts the shard's block (summed from partial sums, whole on every device),
+    or the shard is no block of the gradient, or the reduction is not one the region
+    runs."""
+    for name in sorted(upstream, key=comp.position):
+        inst = comp[name]
+        fmt = plan.sharded.get(inst.operands[0]) if inst.opcode == "reduce" else None
+        if fmt is None or inst.array_shape.num_elements == 1:
+            continue
+        dims = ",".join(map(str, inst.ints_attr("dimensions")))
+        what = f"its next value reduces the gradient along dimension {dims} (%{name}, a " \
+               f"factored statistic, like Adafactor's v_row/v_col)"
+        if fmt.block is None:
+            return f"{what}, and the gradient's shards are not blocks along one dimension " \
+                   f"({fmt.elements} elements in {_order(fmt)} order over {fmt.n} devices" \
+                   f"{f', {fmt.padding} padding' if fmt.padding else ''})"
+        major = fmt.known_block[0]
+        if name in plan.ops:
+            return f"{what}, the dimension whose blocks the devices hold: each sums its " \
+                   f"block and an all-reduce of the partial sums gives the whole statistic"
+        return f"{what}: the devices hold blocks along dimension {major}, and a reduction " \
+               f"cutting them runs on shards only as a sum"
+    return "its next value reduces the gradient along a dimension (a factored statistic, " \
+           "like Adafactor's v_row/v_col), outside the element-wise update the pass shards"
+
+
+def _order(fmt: ShardFormat) -> str:
+    """A format's element order as the layout that stores it (minor_to_major)."""
+    return "{" + ",".join(map(str, fmt.minor_to_major())) + "}"
+
+
+def _not_flattenable(shape: ArrayShape) -> str:
+    row_major = tuple(range(shape.rank - 1, -1, -1))
+    return (f"neither its physical order {{{','.join(map(str, shape.minor_to_major()))}}} "
+            f"nor row-major {{{','.join(map(str, row_major))}}} (the orders a sharded "
+            f"signature value is flattened in)")
+
+
+def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardFormat) -> str:
+    """Why the output aliased to a state parameter cannot be its sharded next value."""
+    shape = proved_element(root.shape, k) if k < len(root.operands) else None
+    out = plan.sharded.get(root.operands[k]) if shape is not None else None
+    if out is None or shape is None:
+        return f"its next value (output {k}) is not computed by the sharded update"
+    if not flattenable(out, shape):
+        return f"its next value (output {k}) is in element order {_order(out)}, " \
+               f"{_not_flattenable(shape)}"
+    if out != fmt:
+        return f"its next value (output {k}) is in element order {_order(out)}, " \
+               f"the parameter in {_order(fmt)}"
+    return f"its next value (output {k}) has another element type"
+
+
+def copy_chains(comp: Computation, graph: nx.MultiDiGraph) -> dict[str, list[str]]:
+    """Parameter → the copies it flows through alone before its other uses (each copy
+    the only user of the value before it, in the parameter's shape and layout: the
+    form shard_map gives a replicated argument), for the parameters that have any."""
+    chains: dict[str, list[str]] = {}
+    #: Instructions another one is ordered after (control edges): they stay.
+    ordered = {name for inst in comp.instructions for name in control_predecessors(inst)}
+    for param in comp.parameters():
+        chain, value = [], param.name
+        while len(users := list(graph.successors(value))) == 1 and \
+                comp[users[0]].opcode == "copy" and comp[users[0]].shape == param.shape \
+                and users[0] != comp.root_name and users[0] not in ordered \
+                and not control_predecessors(comp[users[0]]):
+            chain.append(users[0])
+            value = users[0]
+        if chain:
+            chains[param.name] = chain
+    return chains
+
+
+@dataclass(frozen=True)
+class LoopCarry:
+    """Carried slots of one training loop that stay shards across iterations (what
+    :func:`~.lowering.shard_loop_carry` rewrites outside the body)."""
+
+    parent: str
+    loop: str
+    body: str
+    condition: str
+    #: Slot → shard format.
+    slots: dict[int, ShardFormat]
+    #: Body GTEs of those slots → format (they become the shards), and root positions
+    #: that keep the shard.
+    inputs: dict[str, ShardFormat]
+    outputs: dict[int, str]
+    groups: DeviceGroups
+    #: A collective over the group whose attributes the outer collectives copy.
+    template: Instruction
+
+
+def loop_slots(module: Module, body: Computation, plan: RegionPlan,
+                replication: Replication) -> LoopCarry | None:
+    """Slots of the loop running ``body`` whose next value is a region value, whose
+    region uses agree on the format, that the condition does not read and whose initial
+    value is replicated."""
+    callers = [(c, i) for c in module.computations for i in c.instructions
+               if body.name in i.called_computations()]
+    if len(callers) != 1 or callers[0][1].opcode != "while" or \
+            called_computation(callers[0][1], "body") != body.name:
+        return None
+    parent, loop = callers[0]
+    cond = module.computation(called_computation(loop, "condition"))
+    init = parent[loop.operands[0]]
+    params, root = body.parameters(), body.root
+    if len(params) != 1 or not isinstance(params[0].shape, TupleShape) or \
+            root.opcode != "tuple" or init.opcode != "tuple" or parent.root_name == loop.name:
+        return None
+    graph, parent_graph = dataflow_graph(body), dataflow_graph(parent)
+    slot_readers: dict[int, list[str]] = defaultdict(list)
+    for user in graph.successors(params[0].name):
+        if body[user].opcode != "get-tuple-element":
+            return None
+        slot_readers[tuple_index(body[user])].append(user)
+    if any(parent[u].opcode != "get-tuple-element" for u in parent_graph.successors(loop.name)):
+        return None
+    read_by_condition = _condition_slots(cond)
+    if read_by_condition is None:
+        return None
+    slots: dict[int, ShardFormat] = {}
+    for index, value in enumerate(root.operands):
+        fmt = plan.sharded.get(value)
+        shape = params[0].shape.elements[index]
+        if fmt is None or index in read_by_condition or not isinstance(shape, ArrayShape) \
+                or fmt.dims != shape.dims \
+                or not replication.is_replicated(parent.name, init.operands[index]):
+            continue
+        readers = slot_readers.get(index, [])
+        if any(plan.ops[u].formats_reading(body[u], g) != {fmt} for g in readers
+               for u in graph.successors(g) if u in plan.ops):
+            continue
+        slots[index] = fmt
+    if not slots:
+        return None
+    inputs = {g: slots[i] for i, readers in slot_readers.items() if i in slots for g in readers}
+    outputs = {i: root.operands[i] for i in slots}
+    return LoopCarry(parent.name, loop.name, body.name, cond.name, slots, inputs, outputs,
+                      plan.groups, body[plan.template])
+
+
+def _condition_slots(cond: Computation) -> set[int] | None:
+    """Slots the loop condition reads (None: it uses the carry whole)."""
+    params = cond.parameters()
+    if not params:
+        return set()
+    (param,) = params
+    used: set[int] = set()
+    for inst in cond.instructions:
+        if param.name in inst.operands:
+            if inst.opcode != "get-tuple-element":
+                return None
+            used.add(tuple_index(inst))
+    return used
+
+
+# ------------------------------------------------------------- for the cost model
+
+
+def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
+    """Computation name → the instructions of the update region the pass plans there.
+
+    A computation the pass does not apply to — no candidate gradient all-reduce, or
+    none whose gradient it could follow (no leaves) — has no entry: the cost model
+    then finds the update by its own fallback rule.
+
+    :func:`~hlo_shard.costmodel.step_time.estimate_step` counts these instructions as the
+    weight update but never runs this analysis itself: its callers do and hand the result
+    in, so an error of the analysis surfaces where it happens instead of silently turning
+    the report to its fallback, and the cost model does not depend on the pass."""
+    with reading_only():  # the analyses below read the same computations
+        return _planned_update_regions(module)
+
+
+def _planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
+    candidates: dict[str, list[GradientAllReduce]] = {}
+    for found in find_gradient_all_reduces(module):
+        if found.is_candidate:
+            candidates.setdefault(found.computation, []).append(found)
+    regions: dict[str, frozenset[str]] = {}
+    for name, all_reduces in candidates.items():
+        comp = module.computation(name)
+        leaves, _ = collect_leaves(module, comp, all_reduces)
+        if not leaves:
+            continue
+        facts = analyze_replication(module, leaves[0].groups)
+        regions[name] = frozenset(plan_region(module, comp, leaves, facts).ops)
+    return regions
+
+
 __all__ = [
-    "Leaf", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan", "ShardFormat",
-    "VIEW_OPCODES", "Whole", "blocks_through_collectives", "canonical_perm",
-    "classify", "collect_leaves", "flattenable", "is_laid_out", "is_scalar_broadcast", "major_dimension",
-    "natural_perm", "plan_region", "region_read_parameters", "reshape_format",
-    "transpose_operand", "transpose_result",
+    "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan",
+    "ShardFormat", "StatePair", "VIEW_OPCODES", "Whole", "blocks_through_collectives",
+    "called_computation", "canonical_perm", "classify", "collect_leaves", "copy_chains",
+    "data_parallel_groups", "flattenable", "gradient_sources", "is_laid_out",
+    "is_scalar_broadcast", "loop_slots", "major_dimension", "natural_perm", "pair_state",
+    "parameter_names", "plan_region", "planned_update_regions", "proved_array",
+    "proved_element", "region_read_parameters", "reshape_format", "transpose_operand",
+    "transpose_result", "triage", "tuple_index", "unsharded_state",
 ]

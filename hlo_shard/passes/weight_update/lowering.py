@@ -1,4 +1,4 @@
-"""Rewriting one computation according to its :class:`~hlo_shard.analysis.update_region.RegionPlan`.
+"""Rewriting one computation according to its :class:`~.analysis.RegionPlan`.
 
 * gradients: ``reduce-scatter`` of the formatted per-device gradient (one per tensor, or
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
@@ -20,17 +20,20 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
-from hlo_shard.analysis.collectives import reducer_opcode
-from hlo_shard.analysis.update_region import (PlannedLeaf, RegionOp, RegionPlan, ShardFormat,
-                                              is_scalar_broadcast)
-from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
+from hlo_shard.analysis.collectives import DeviceGroups, reducer_opcode
+from hlo_shard.graph import Change, ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
-                          ComputationRef, Ident, Instruction, Module, Shape, SliceRanges,
-                          TupleShape)
-from hlo_shard.passes.bucketing import Bucketing
-from hlo_shard.passes.shard_emitter import (ChannelIds, Gathered, ShardEmitter, block_dims,
-                                           shard_body)
+                          ComputationRef, Ident, Instruction, Module, Raw, Shape,
+                          SliceRanges, TupleShape)
+from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedLeaf, RegionOp,
+                                                     RegionPlan, ShardFormat, StatePair,
+                                                     flattenable, is_scalar_broadcast,
+                                                     parameter_names, proved_array,
+                                                     proved_element, tuple_index)
+from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
+                                                 block_dims, shard_body)
 
 
 @dataclass
@@ -179,11 +182,10 @@ class RegionRewrite:
         with self.rw.inserting_before(name):
             operands = [self.operand_shard(o, op.format_of(i))
                         for i, o in enumerate(inst.operands)]
-            if op.kind == "block":
+            if op.kind is OpKind.BLOCK:
                 self.shard_of[name] = self.block_op(inst, op, operands)
                 return
-            if inst.opcode in ("reshape", "bitcast", "transpose", "reduce"):
-                # same flat order (a reduce here only drops size-1 dimensions)
+            if op.kind is OpKind.VIEW:
                 self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
@@ -318,7 +320,7 @@ class RegionRewrite:
                                              lambda leaf: leaf.shape.element_type):
             self.scatter(bucket)
         for name, op in plan.ops.items():
-            if op.kind == "reduce":
+            if op.kind is OpKind.REDUCE:
                 self.reduce_op(name, op)
             else:
                 self.shard_op(name, op)
@@ -678,7 +680,7 @@ class PaddingZeros:
         if value in self.zero:
             return _ZERO
         inst, op = comp[value], self.plan.ops.get(value)
-        if op is None or op.kind == "reduce":  # replicated: a broadcast, a scalar, a slice
+        if op is None or op.kind is OpKind.REDUCE:  # replicated: a broadcast, a scalar, a slice
             if is_scalar_broadcast(comp, value):
                 return _constant_state(comp[inst.operands[0]])
             return _constant_state(inst) if inst.array_shape.is_scalar else _ZERO
@@ -687,8 +689,8 @@ class PaddingZeros:
     def _derived_state(self, value: str) -> str:
         inst = self.comp[value]
         operands = [self._states[o] for o in inst.operands]
-        if inst.opcode == "reduce":
-            return operands[0]  # a region reduce here drops size-1 dimensions only
+        if self.plan.ops[value].kind is OpKind.VIEW:
+            return operands[0]  # the operand's shard itself
         calls = inst.attr_as("calls", ComputationRef)
         if inst.opcode == "fusion" and calls is not None:
             return self._body(calls.name, tuple(operands))
@@ -739,5 +741,145 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
         return inst.literal.strip() == literal
 
 
-__all__ = ["RegionRewrite", "RegionSnapshot", "combine_small_sums", "gather_before_use",
-           "narrowing_convert"]
+# ---------------------------------------------- outside the region: state and loop carries
+
+
+def bypass_copies(comp: Computation, params: list[str],
+                   chains: dict[str, list[str]]) -> list[Change]:
+    """The users of each sharded weight's copies read the parameter itself (a copy of a
+    value in its own layout is that value): the parameter becomes the shard they read."""
+    rw = Rewriter(comp)
+    for name in params:
+        chain = chains.get(name, [])
+        if chain:
+            rw.replace_all_uses_with(chain[-1], name)
+            for copy in reversed(chain):
+                rw.erase(copy)
+    return rw.changes
+
+
+def annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
+                    groups: DeviceGroups) -> list[Change]:
+    """SPMD form: a sharded state parameter's global value is the padded flat vector."""
+    comp = rw.comp
+    names = parameter_names(comp)
+    for number in state:
+        param = comp[names[number]]
+        if "sharding" in param.attributes or module.num_partitions > 1:
+            rw.set_attr(param, "sharding", Raw(_shard_sharding(groups)))
+    return rw.changes
+
+
+def _shard_sharding(groups: DeviceGroups) -> str:
+    """SPMD annotation of an ``[L]`` shard whose global value is the padded flat vector:
+    tiled over group positions, replicated across groups."""
+    n = groups.size
+    if len(groups.groups) == 1:
+        return f"{{devices=[{n}]<=[{n}]}}" if groups.is_trivial else \
+            "{devices=[%d]%s}" % (n, ",".join(map(str, groups.groups[0])))
+    order = [groups.groups[k][j] for j in range(n) for k in range(len(groups.groups))]
+    return "{devices=[%d,%d]%s last_tile_dim_replicate}" % (
+        n, len(groups.groups), ",".join(map(str, order)))
+
+
+def shard_loop_carry(module: Module, carry: LoopCarry, channels: ChannelIds,
+                      bucketing: Bucketing, sink_state: bool) -> tuple[list, dict[int, StatePair]]:
+    """Outside the body: slice the initial values of the carried slots before the loop,
+    gather them after it, and give the loop, body and condition the new carry shape.
+
+    With ``sink_state`` (``--state sharded``, loop in the entry), a slot whose initial
+    value is an entry parameter (through copies) and whose final value is an entry output
+    (through copies) is not sliced nor gathered: parameter and output become the shard."""
+    parent = module.computation(carry.parent)
+    body = module.computation(carry.body)
+    loop = parent[carry.loop]
+    edits = ModuleRewriter(module)
+    rw = edits.rewriter(parent)
+    emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
+    old = parent[loop.operands[0]]
+    elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
+    for index, fmt in carry.slots.items():
+        elements[index] = emit.shape(proved_element(loop.shape, index).element_type, (fmt.shard_len,))
+    carried = TupleShape(tuple(elements))
+    sunk = _sinkable_slots(parent, rw, carry, old) if sink_state and parent.is_entry else {}
+    state: dict[int, StatePair] = {}
+    root = parent.root
+    for index, (upward, downward, k) in sunk.items():
+        fmt, param = carry.slots[index], parent[upward[0]]
+        state[cast(int, param.parameter_number)] = StatePair(
+            k, downward[-1], fmt, proved_array(param.shape), proved_element(root.shape, k))
+        for name in upward + downward:
+            rw.set_shape(parent[name], elements[index])
+        rw.set_shape(root, TupleShape(tuple(elements[index] if i == k else e
+                                            for i, e in enumerate(cast(TupleShape,
+                                                                       root.shape).elements))))
+    annotate_state(module, rw, state, carry.groups)
+    operands = list(old.operands)
+    with rw.inserting_before(loop.name):
+        for index, fmt in carry.slots.items():
+            if index not in sunk:
+                operands[index] = emit.local_slice(old.operands[index], fmt)
+        init = rw.add("tuple", carried, operands, name=old.name)
+    rw.set_operand(loop, 0, init.name)
+    if not rw.users(old.name) and parent.root_name != old.name:
+        rw.erase(old.name)
+    rw.set_shape(loop, carried)
+    for comp in (body, module.computation(carry.condition)):
+        edits.rewriter(comp).set_shape(comp.parameters()[0], carried)
+    readers = [r for r in rw.users(loop.name) if tuple_index(r) in carry.slots]
+    users = {r.name: [u.name for u in rw.users(r.name)] for r in readers}
+    items = [Gathered(r.name, carry.slots[tuple_index(r)],
+                      emit.gathered_shape(proved_array(r.shape), carry.slots[tuple_index(r)],
+                                          users[r.name]),
+                      r.name)
+             for r in readers if tuple_index(r) not in sunk]
+    for reader in readers:
+        rw.set_shape(reader, elements[tuple_index(reader)])
+    for item, gathered in gather_before_use(rw, emit, bucketing, items, users).items():
+        for user in users[item.shard]:
+            inst = parent[user]
+            for i, operand in enumerate(inst.operands):
+                if operand == item.shard:
+                    rw.set_operand(inst, i, gathered)
+        if parent.root_name == item.shard:
+            rw.set_root(gathered)
+    return edits.changes, state
+
+
+def _sinkable_slots(parent: Computation, rw: Rewriter, carry: LoopCarry,
+                    init: Instruction) -> dict[int, tuple[list[str], list[str], int]]:
+    """Slot → (parameter … initial value, reader … final value, output position) for the
+    slots that run parameter → copies → loop → copies → one entry output and nothing else."""
+    root = parent.root
+    if root.opcode != "tuple":
+        return {}
+
+    def only_user(name: str) -> Instruction | None:
+        users = rw.users(name)
+        return users[0] if len(users) == 1 else None
+
+    out: dict[int, tuple[list[str], list[str], int]] = {}
+    readers: dict[int, list[Instruction]] = defaultdict(list)
+    for reader in rw.users(carry.loop):
+        readers[tuple_index(reader)].append(reader)
+    for index, fmt in carry.slots.items():
+        upward = [init.operands[index]]
+        while parent[upward[0]].opcode == "copy" and only_user(parent[upward[0]].operands[0]):
+            upward.insert(0, parent[upward[0]].operands[0])
+        if parent[upward[0]].opcode != "parameter" or init.operands.count(upward[-1]) != 1 \
+                or any(only_user(n) is None for n in upward) or len(readers[index]) != 1:
+            continue
+        downward = [readers[index][0].name]
+        while (user := only_user(downward[-1])) is not None and user.opcode == "copy":
+            downward.append(user.name)
+        if only_user(downward[-1]) is not root or root.operands.count(downward[-1]) != 1:
+            continue
+        k = root.operands.index(downward[-1])
+        if flattenable(fmt, proved_array(parent[upward[0]].shape)) and \
+                flattenable(fmt, proved_element(root.shape, k)):
+            out[index] = (upward, downward, k)
+    return out
+
+
+__all__ = ["RegionRewrite", "RegionSnapshot", "annotate_state", "bypass_copies",
+           "combine_small_sums", "gather_before_use", "narrowing_convert", "shard_loop_carry"]
