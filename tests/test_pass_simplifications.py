@@ -73,8 +73,10 @@ def test_a_pipeline_defers_a_check_only_to_the_pass_that_repairs_it():
     assert result.results[-1].changed
     assert "entry_computation_layout={(f32[8], f32[4], f32[8])->(f32[8], f32[4])}" \
         in to_text(result.module)
-    with pytest.raises(PassCheckError, match="tuple-forwarding.*unique-channel-ids"):
-        Pipeline([TupleForwarding(())], check=validate_printed).run(parse(SHARED_IDS))
+    # The input's own duplicate channel ids are no pass's slip (each pass is held to
+    # adding no kind of problem the input lacks); the output check still refuses them.
+    kept = Pipeline([TupleForwarding(())], check=validate_printed).run(parse(SHARED_IDS))
+    assert any("unique-channel-ids" in str(p) for p in validate_printed(kept.module))
     Pipeline([TupleForwarding(()), ChannelIdDedupe()], check=validate_printed).run(
         parse(SHARED_IDS))
 

@@ -84,6 +84,25 @@ def test_a_check_failure_names_the_pass():
     Pipeline([Reshape()], check=None).run(parse(SGD))
 
 
+def test_a_problem_of_the_input_is_no_passs_slip_but_a_new_one_is():
+    """The input may carry what a later pass recovers (a header without its device
+    counts: group ids out of range); the check holds each pass to adding nothing."""
+    from hlo_shard.validate import validate
+
+    unheaded = SGD.replace(", replica_count=2", "")
+    assert validate(parse(unheaded))  # the input's own problem
+    assert Pipeline([Retype("sine", "cosine")]).run(parse(unheaded)).results
+    with pytest.raises(PassCheckError, match="pass broken-reshape"):
+        Pipeline([Retype("sine", "cosine"), Reshape()]).run(parse(unheaded))
+
+
+def test_the_optimizer_pipeline_checks_after_every_pass():
+    from hlo_shard.passes.sharding_pipeline import sharding_pipeline
+    from hlo_shard.validate import validate
+
+    assert sharding_pipeline(WeightUpdateSharding()).check is validate
+
+
 def test_passes_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Retype("a", "b").to = "c"

@@ -76,7 +76,8 @@ class PipelineResult:
 @dataclass(frozen=True)
 class Pipeline:
     """``passes`` run in order on a module, in place; ``check`` runs after each pass
-    (None: no check), then ``after_pass``."""
+    that changed it (None: no check) and fails on a kind of problem the input did not
+    have, then ``after_pass``."""
 
     passes: tuple[Pass[Any], ...]
     check: Check | None = validate
@@ -87,18 +88,29 @@ class Pipeline:
 
     def run(self, module: Module) -> PipelineResult:
         results = []
+        # What the input has already (a header without the device counts a later pass
+        # recovers: device ids out of range, wherever the passes move them) is not a
+        # pass's slip: each pass is held to adding no kind of problem the input lacks.
+        before = frozenset(map(_kind, self.check(module))) if self.check is not None \
+            else frozenset()
         for position, step in enumerate(self.passes):
             result = step.apply(module)
-            if self.check is not None:
+            if self.check is not None and result.changed:  # unchanged: nothing to find
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
                 problems = [p for p in self.check(module)
-                            if getattr(p, "check", None) not in later]
+                            if _kind(p) not in later and _kind(p) not in before]
                 if problems:
                     raise PassCheckError(step.name, problems)
             if self.after_pass is not None:
                 self.after_pass(step, result)
             results.append(result)
         return PipelineResult(module, tuple(results))
+
+
+def _kind(problem: object) -> str:
+    """A problem's kind: the check of a :class:`~hlo_shard.validate.Problem`, the
+    words of any other."""
+    return str(getattr(problem, "check", problem))
 
 
 __all__ = ["AfterPass", "Check", "PassCheckError", "Pipeline", "PipelineResult",

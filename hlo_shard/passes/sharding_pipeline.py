@@ -16,9 +16,13 @@
 7. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
-The front ends check the final module before writing or compiling it
-(:func:`hlo_shard.passes.optimize.check_output`), so the pipeline runs without a check
-between passes: the never-slower gate runs it once per cut-off it prices.
+The pipeline validates the module after every pass that changed it
+(:func:`hlo_shard.validate.validate`, less what a later pass repairs and the kinds of
+problem the input has already: a slip is named where it happened); the front ends also
+check the final module's printed text before writing or compiling it
+(:func:`hlo_shard.passes.optimize.check_output`). Validation is linear and a few percent
+of ``optimize``, also in the never-slower gate, which runs the pipeline once per cut-off
+it prices.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 
 def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None
                       ) -> Pipeline:
-    """The passes around ``sharding``, unchecked between them; ``after_pass`` sees each
-    pass's result (``optimize --explain --verbose`` collects their changes)."""
+    """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
+    each pass's result (``optimize --explain --verbose`` collects their changes)."""
     return Pipeline((AccumulationMotion(), TupleForwarding(), sharding,
                      ReduceScatterCreation(sharding.profile), ChannelIdDedupe(),
-                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)), check=None,
+                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)),
                     after_pass=after_pass)
 
 
