@@ -238,3 +238,16 @@ def assert_close(fast_tree, jit_tree) -> dict[str, float]:
         bound = BOUNDS.get(np.dtype(leaf.dtype), 1e-4)
         assert worst[name] <= bound, f"{name}: relative difference {worst[name]:.3g} > {bound}"
     return worst
+
+
+def through_checkpoint(fast, program: Program, full, folder):
+    """``full`` (what ``gather_args`` returns) saved with numpy, loaded back, placed as
+    the program places its arguments and turned into ``fast``'s shards again: the
+    checkpoint round trip a user writes."""
+    leaves, treedef = jax.tree.flatten(full)
+    np.savez(folder / "ckpt.npz", *[np.asarray(x) for x in leaves])
+    with np.load(folder / "ckpt.npz") as saved:
+        loaded = [saved[f"arr_{i}"] for i in range(len(leaves))]
+    return fast.shard_args(*jax.device_put(jax.tree.unflatten(treedef, loaded),
+                                           program.replicated))
+

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from jax_train_helpers import (MODELS, Model, jax, make_program, mlp_batch,
-                               mlp_params, needs_devices, train, worst_relative)
+from jax_train_helpers import (MODELS, Model, jax, make_program, mlp_batch, mlp_params,
+                               needs_devices, through_checkpoint, train, worst_relative)
 
 import hlo_shard.jax as hsj
 from hlo_shard.analysis.collectives import ReasonCode
@@ -146,12 +146,7 @@ def test_checkpoint_round_trip_of_sharded_weights_is_bitwise(request, tmp_path):
     for a, b in zip(jax.tree.leaves(outs[:2]), jax.tree.leaves(full)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert full[0]["l1"]["w"].shape == (128, 128) and full[0]["l1"]["w"].dtype == jnp.float32
-    leaves, treedef = jax.tree.flatten(full)
-    np.savez(tmp_path / "ckpt.npz", *[np.asarray(x) for x in leaves])
-    with np.load(tmp_path / "ckpt.npz") as saved:
-        loaded = [saved[f"arr_{i}"] for i in range(len(leaves))]
-    restored = jax.device_put(jax.tree.unflatten(treedef, loaded), program.replicated)
-    p, s = fast.shard_args(*restored)
+    p, s = through_checkpoint(fast, program, full, tmp_path)
     assert p["l0"]["w"].shape == (32 * 128,)
     (p, s), rest = train(fast, program, 3, state=(p, s), first=1)
     np.testing.assert_array_equal(np.concatenate([[float(loss0)], rest]), l_ref)

@@ -9,8 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from jax_train_helpers import (AXIS, assert_close, jax, make_program, needs_devices,
-                               optax, train)
+from jax_train_helpers import (AXIS, assert_close, jax, make_program, needs_devices, optax,
+                               through_checkpoint, train)
 
 import hlo_shard.jax as hsj
 from hlo_shard.parser import parse
@@ -28,12 +28,7 @@ def test_checkpoint_round_trip_continues_the_same_trajectory(request, tmp_path):
     (p_ref, s_ref), l_ref = train(fast, program, 6)
     (p, s), l_first = train(fast, program, 3)
     full = fast.gather_args(p, s)
-    leaves, treedef = jax.tree.flatten(full)
-    np.savez(tmp_path / "ckpt.npz", *[np.asarray(x) for x in leaves])
-    with np.load(tmp_path / "ckpt.npz") as saved:
-        loaded = [saved[f"arr_{i}"] for i in range(len(leaves))]
-    restored = jax.device_put(jax.tree.unflatten(treedef, loaded), program.replicated)
-    p, s = fast.shard_args(*restored)
+    p, s = through_checkpoint(fast, program, full, tmp_path)
     assert s[0].mu["l0"]["w"].shape == (32 * 64,)  # shard form
     (p, s), l_second = train(fast, program, 3, state=(p, s), first=3)
     np.testing.assert_array_equal(np.concatenate([l_first, l_second]), l_ref)
