@@ -65,6 +65,8 @@ class Unsupported(Exception):
         self.code, self.report, self.decision = code, report, decision
         #: What the first call spent before it fell back (set by ``ShardedStep``).
         self.seconds: FirstCallSeconds | None = None
+        #: jit's executable of the step, where the capture compiled it (``fast`` runs it).
+        self.compiled: Any = None
 
 
 @dataclass
@@ -127,27 +129,26 @@ class Capture:
 def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
     """Lower and compile ``jitted`` for these arguments, reading the partitioned module.
     jax's errors in lowering (the user's function traced) propagate as jit raises them;
-    anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``)."""
+    anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``), with
+    jit's executable where the compile succeeded."""
     lowered = jitted.lower(*args, **kwargs)
+    compiled = None
     try:
-        return _compile_and_read(lowered)
-    except Unsupported:
+        _check_supported(lowered)  # before compiling: jit compiles what fn runs then
+        compiled, text = _compile_with_dumps(lowered)
+        return _capture_of(lowered, compiled, text)
+    except Unsupported as why:
+        if compiled is not None:  # (a module not read keeps the executable it came with)
+            why.compiled = compiled
         raise
     except Exception as err:  # noqa: BLE001 - our capture never breaks the loop
-        raise Unsupported(f"capturing the per-device module failed: {describe(err)}",
-                          Reason.CAPTURE_FAILED) from err
+        failed = Unsupported(f"capturing the per-device module failed: {describe(err)}",
+                             Reason.CAPTURE_FAILED)
+        failed.compiled = compiled
+        raise failed from err
 
 
-def _compile_and_read(lowered: Any) -> Capture:
-    import jax
-
-    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
-    try:
-        options = {**DUMP_OPTIONS, "xla_dump_to": folder}
-        compiled = lowered.compile(compiler_options=options)
-        text = _read_stage(Path(folder))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+def _check_supported(lowered: Any) -> None:
     facts = _xla.lowering_facts(lowered)
     for fact, reason in (("ordered_effects", "it has ordered side effects"),
                          ("host_callbacks", "it calls back into Python"),
@@ -156,6 +157,25 @@ def _compile_and_read(lowered: Any) -> Capture:
         if facts[fact]:
             raise Unsupported(f"the step is not supported: {reason}",
                               Reason.UNSUPPORTED_STEP)
+
+
+def _compile_with_dumps(lowered: Any) -> tuple[Any, str]:
+    """jit's executable, and the partitioned module its compile dumped."""
+    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
+    try:
+        compiled = lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": folder})
+        try:
+            return compiled, _read_stage(Path(folder))
+        except Unsupported as why:
+            why.compiled = compiled
+            raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _capture_of(lowered: Any, compiled: Any, text: str) -> Capture:
+    import jax
+
     arg_infos = jax.tree.leaves(lowered.args_info)
     kept = _xla.kept_argument_indices(lowered)
     kept = tuple(range(len(arg_infos))) if kept is None else kept

@@ -402,7 +402,7 @@ class ShardedStep:
                 cap = capture(self._jitted, args, kwargs)
         except Unsupported as why:
             why.seconds = seconds
-            return self._fall_back(key, why)
+            return self._fall_back(key, why, compiled=why.compiled)
         except Exception as err:  # jax's, tracing the user's function: as jit raises it
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
