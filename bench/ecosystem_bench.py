@@ -262,7 +262,7 @@ def measure(name: str, runs: int, rounds: int, force: bool) -> list[Variant]:
 
 #: The table's columns: width and alignment (the last, free text, unpadded).
 COLUMNS = ((8, "<"), (17, "<"), (7, ">"), (5, ">"), (9, ">"), (7, ">"), (11, ">"),
-           (22, "<"), (8, ">"), (0, "<"))
+           (29, "<"), (8, ">"), (0, "<"))
 
 
 def cells(*values: str) -> str:
