@@ -20,7 +20,8 @@ programs donate theirs) and its ratio to jit's (median of the rounds' ratios, th
 min-max); the live bytes per device of the state the step carries (parameters,
 optimizer state, the rest of the loop's state) over jit's; the first call (capture,
 pass with its gate, compile and one step) over jit's (lowering, compile and one step),
-with its split; the first step's metrics against jit's (max relative difference); the
+with its split (``fast.report["seconds"]``; the hook: XLA's compile, the hook's seconds
+in it and what they add to XLA's own); the first step's metrics against jit's (max relative difference); the
 decision (gradients sharded of all, or the fallback's reason code; the hook: gradient
 bytes sharded, or its gradients' reason codes). Never asserted:
 ``tests/test_ecosystem.py`` checks the numbers.
@@ -33,7 +34,6 @@ bytes sharded, or its gradients' reason codes). Never asserted:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -64,43 +64,6 @@ SAME_METRICS = 1e-5
 
 
 # ------------------------------------------------------------------ the child
-
-
-class Stopwatch:
-    """Seconds spent in the stages of ``shard_weight_update``'s first call: the capture
-    (``capture``), the pass with its gate (``build_program`` less the compile) and XLA's
-    compile of the result (``compile_replica_text``). ``fast.report`` carries capture
-    and optimize seconds only where the step was sharded; these wrappers time the
-    stages where it fell back too (bench-only instrumentation, the functions unchanged)."""
-
-    STAGES = (("_step", "capture", "capture"), ("_step", "build_program", "pass"),
-              ("_xla", "compile_replica_text", "compile"))
-
-    def __init__(self) -> None:
-        import importlib
-
-        self.seconds: dict[str, float] = {}
-        for module_name, function, stage in self.STAGES:
-            module = importlib.import_module(f"hlo_shard.jax.{module_name}")
-            setattr(module, function, self._timed(getattr(module, function), stage))
-
-    def _timed(self, fn: Callable, stage: str) -> Callable:
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[stage] = self.seconds.get(stage, 0.0) + \
-                    time.perf_counter() - started
-        return timed
-
-    def split(self) -> str:
-        """"capture + pass + compile" of what ran since the last call."""
-        seconds, self.seconds = self.seconds, {}
-        compile_s = seconds.get("compile", 0.0)
-        parts = [seconds.get("capture", 0.0), seconds.get("pass", 0.0) - compile_s, compile_s]
-        return " + ".join(f"{s:.1f}" for s in parts)
 
 
 @dataclass
@@ -150,11 +113,16 @@ def jit_variant(prog) -> Variant:
                    f"lower {lowered_s:.1f} + compile {compile_s:.1f}", "", metrics)
 
 
-def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
+def split(report: dict) -> str:
+    """``fast.report``'s first-call seconds as "capture + pass + compile"."""
+    seconds = report.get("seconds") or {}
+    return " + ".join(f"{seconds.get(stage, 0.0):.1f}" for stage in ("capture", "pass", "compile"))
+
+
+def fast_variant(prog, mode: str, force: bool) -> Variant:
     import hlo_shard.jax as hsj
 
     fast = hsj.shard_weight_update(prog.step, state=mode, force=force)
-    stopwatch.split()  # forget the previous variant's stages
     state, metrics, seconds, _ = first_call(fast, prog.init(), prog.batch(0))
     report = fast.report or {}
     if report.get("fallback") is None:
@@ -165,7 +133,7 @@ def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
         decision = f"fell back: {report['fallback']}" + \
             (f" (predicted {predicted:.2f}x)" if predicted is not None else "")
     return Variant(mode + (", forced" if force else ""), fast, state, seconds,
-                   stopwatch.split(), decision, metrics)
+                   split(report), decision, metrics)
 
 
 def hook_variant(prog) -> Variant:
@@ -193,8 +161,10 @@ def hook_variant(prog) -> Variant:
                                                in codes.most_common())
                                      or "; ".join(failures) or "no module with an all-reduce")
     hook_s = sum(d.seconds for d in made)
+    added = hook_s / max(compile_s - hook_s, 1e-9)  # over XLA's own share of the compile
     return Variant("install()", compiled, state, compile_s + run_s,
-                   f"compile {compile_s:.1f} (hook {hook_s:.1f})", decision, metrics)
+                   f"compile {compile_s:.1f} (hook {hook_s:.1f}, +{added:.0%})", decision,
+                   metrics)
 
 
 def named_sharding_variant(prog) -> Variant | None:
@@ -276,13 +246,12 @@ def build(name: str):
     return module.build(DEVICES, **kwargs)
 
 
-def measure(name: str, runs: int, rounds: int, force: bool, stopwatch: Stopwatch
-            ) -> list[Variant]:
+def measure(name: str, runs: int, rounds: int, force: bool) -> list[Variant]:
     prog = build(name)
     variants = [jit_variant(prog)]
     for mode in ("gathered", "sharded"):
         for forced in (False, True) if force else (False,):
-            variants.append(fast_variant(prog, mode, forced, stopwatch))
+            variants.append(fast_variant(prog, mode, forced))
     variants.append(hook_variant(prog))
     named = named_sharding_variant(prog)
     if named is not None:
@@ -293,7 +262,7 @@ def measure(name: str, runs: int, rounds: int, force: bool, stopwatch: Stopwatch
 
 #: The table's columns: width and alignment (the last, free text, unpadded).
 COLUMNS = ((8, "<"), (17, "<"), (7, ">"), (5, ">"), (9, ">"), (7, ">"), (11, ">"),
-           (22, "<"), (8, ">"), (0, "<"))
+           (29, "<"), (8, ">"), (0, "<"))
 
 
 def cells(*values: str) -> str:
@@ -322,7 +291,6 @@ def rows(name: str, variants: list[Variant]) -> list[str]:
 def child(args: argparse.Namespace) -> None:
     """Measure and print the table (this process has the devices); the last line is
     the JSON summary for ``bench/run.py``."""
-    stopwatch = Stopwatch()
     print(cells("program", "mode", "step ms", "/jit", "rounds", "mem/dev", "1st call s",
                 "capture + pass + comp", "metrics", "decision"))
     print(cells("", "", "", "", "min-max", "/jit", "(/jit)", "s (jit: its own split)",
@@ -331,7 +299,7 @@ def child(args: argparse.Namespace) -> None:
     failed = []
     for name in args.programs:
         try:
-            variants = measure(name, args.runs, args.rounds, args.force, stopwatch)
+            variants = measure(name, args.runs, args.rounds, args.force)
         except Exception as err:  # reported on its row and in the summary, never hidden
             print(f"{name:8s} FAILED: {type(err).__name__}: "
                   f"{str(err).splitlines()[0] if str(err) else ''}", flush=True)

@@ -2,7 +2,7 @@
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
 ``conv:<optimizer>``,
-``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``failure``, ``interrupt``,
+``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``reuse``, ``failure``, ``interrupt``,
 ``no_gradients``, ``mutant``,
 ``per_tensor``).
 
@@ -214,6 +214,24 @@ def idempotence(mesh) -> dict:
             "untouched_after_uninstall": untouched_after, "after_losses_equal": after == plain}
 
 
+def reuse(mesh) -> dict:
+    """The same step compiled again in one installation (jax's caches cleared): the hook
+    hands XLA the remembered outcome, no second pass; a new installation passes it again."""
+    opt = OPTIMIZERS["adam"]()
+    step, state0 = jit_step(opt), host_state(opt, init_params)
+    plain, _ = run(step, state0, mesh)
+    hook.decisions(clear=True)
+    losses = []
+    for installation in range(2):
+        with hook.install(force=True):
+            for _ in range(2 - installation):  # (one call site: the same source locations)
+                jax.clear_caches()
+                losses.append(run(step, state0, mesh)[0])
+    steps = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+    return {"reused": [d.reused for d in steps], "changed": [d.changed for d in steps],
+            "same_losses": all(run_losses == plain for run_losses in losses)}
+
+
 def failure(mesh) -> dict:
     """The pass raising, or producing a module that fails validation: jax compiles the
     original module, the step runs, one log line says why."""
@@ -332,6 +350,7 @@ def mutant(mesh) -> dict:
 def main(names: list[str]) -> None:
     mesh = jax.make_mesh((N,), ("d",))
     scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
+                 "reuse": reuse,
                  "interrupt": interrupt,
                  "mutant": mutant,
                  "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),

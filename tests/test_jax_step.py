@@ -142,6 +142,81 @@ def test_what_it_cannot_shard_runs_fn_with_one_warning(request):
     np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(step(w, x)))
 
 
+def _backend_compiles(run) -> list[float]:
+    """The seconds of every XLA compile jax records while ``run()`` runs."""
+    import jax.monitoring
+
+    compiles = []
+
+    def count(event: str, duration_secs: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return compiles
+
+
+def test_a_fallback_runs_the_executable_the_capture_compiled(request):
+    """Where ``fast`` runs ``fn``, it runs jit's executable its capture compiled: the step
+    is compiled once, not by the capture and again by jit (static and keyword arguments
+    handed as jit hands them); the report splits the first call's seconds by stage."""
+    if not needs_devices(request):
+        return
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
+
+    def step(w, scale, x, *, shift):
+        return w - scale * jax.grad(lambda w: jnp.sum((x @ w + shift) ** 2))(w)
+
+    jitted = jax.jit(step, static_argnums=1, donate_argnums=0)
+    w, x = (jax.device_put(jnp.ones(shape), NamedSharding(mesh, P())) for shape in
+            ((4, 4), (2, 4)))  # no data axis: nothing to shard
+    shift = jax.device_put(jnp.float32(0.5), NamedSharding(mesh, P()))
+    fast = hsj.shard_weight_update(jitted)
+    copies = [jnp.array(w) for _ in range(3)]
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiles = _backend_compiles(
+            lambda: outs.extend(fast(copy, 0.1, x, shift=shift) for copy in copies))
+    assert [f.code for f in _fallbacks(caught)] == ["nothing_to_shard"]
+    assert len(compiles) == 1  # the capture's: jit did not compile the step again
+    assert all(copy.is_deleted() for copy in copies)  # donated, as jit donates them
+    np.testing.assert_array_equal(np.asarray(outs[0]),
+                                  np.asarray(jitted(jnp.array(w), 0.1, x, shift=shift)))
+    seconds = fast.report["seconds"]
+    assert seconds["capture"] > 0 and seconds["pass"] > 0 and seconds["compile"] == 0
+
+
+@pytest.mark.parametrize("case", ["one device", "host callback"])
+def test_a_step_it_cannot_capture_is_compiled_once(request, case):
+    """One device (XLA partitions nothing: no module to read) runs the executable the
+    capture compiled; a host callback is refused from the lowering, before compiling,
+    and jit compiles the step once."""
+    if not needs_devices(request):
+        return
+    devices = jax.devices()[:1 if case == "one device" else 2]
+    placed = NamedSharding(jax.make_mesh((len(devices),), (AXIS,), devices=devices), P())
+
+    def step(w, x):
+        if case == "host callback":
+            jax.debug.callback(lambda value: None, x[0, 0])
+        return w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    jitted = jax.jit(step)
+    w, x = (jax.device_put(jnp.ones(shape), placed) for shape in ((4, 4), (2, 4)))
+    fast = hsj.shard_weight_update(jitted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiles = _backend_compiles(lambda: [fast(w, x) for _ in range(2)])
+    assert [f.code for f in _fallbacks(caught)] == ["unsupported_step"]
+    assert len(compiles) == 1
+    np.testing.assert_array_equal(np.asarray(fast(w, x)), np.asarray(jitted(w, x)))
+
+
 def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     """The never-slower gate of ``optimize``: a small model (sharding predicted slower
     on cpu-local) runs ``fn``, one warning naming both estimates; ``force`` shards it."""
@@ -169,6 +244,7 @@ def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     forced(params, opt_state, program.batch(0))
     assert forced.report["sharded"] >= 1 and forced.report["fallback"] is None
     assert forced.report["speed"]["forced"]
+    assert all(forced.report["seconds"][stage] > 0 for stage in ("capture", "pass", "compile"))
 
 
 def test_a_gradient_from_a_dot_is_scattered_flat_not_in_minor_blocks(request):

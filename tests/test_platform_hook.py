@@ -84,7 +84,8 @@ def test_the_hook_shards_the_gpu_form_through_xlas_own_text():
     and the pass's result is accepted back by XLA's parser."""
     xc = hook._xla_client()
     hlo = xc.hlo.hlo_module_from_text(gpu_pre_scheduler_form(LOOP_ADAM.read_text()))
-    text, report, reason = hook._shard(hlo, ShardingOptions(state="gathered"), force=True)
+    text, report, reason = hook._shard(hook._module_text(hlo), hlo.name,
+                                       ShardingOptions(state="gathered"), force=True)
     assert text is not None, reason
     assert report is not None and any(e.sharded for e in report.explanations)
     assert "cu_threefry2x32" in xc.hlo.hlo_module_from_text(text).to_string()
@@ -103,3 +104,37 @@ def test_the_hook_keeps_a_bounded_record_of_its_decisions():
     finally:
         hook.decisions(clear=True)
     assert hook.decisions() == []
+
+
+def test_the_hook_passes_a_module_it_has_seen_once():
+    """XLA compiles the same module again (jax's caches cleared, AOT next to jit): its
+    bytes differ (a new module id), its text does not; the pass runs once per module and
+    installation, the remembered outcome is bounded, and another installation's settings
+    start afresh."""
+    xc = hook._xla_client()
+    text = LOOP_ADAM.read_text()
+    first, again = (xc.hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+                    for _ in range(2))
+    assert first != again
+    settings = hook._Settings(ShardingOptions(state="gathered"), None, force=True)
+    passes = []
+    original = hook._shard
+
+    def counted(*args, **kwargs):
+        passes.append(args[1])
+        return original(*args, **kwargs)
+
+    hook._shard = counted
+    try:
+        outcomes = [hook._HOOK.outcome(data, settings) for data in (first, again, first)]
+        assert [reused for _, reused in outcomes] == [False, True, True]
+        assert len(passes) == 1 and outcomes[0][0].result is not None
+        assert all(outcome is outcomes[0][0] for outcome, _ in outcomes)
+        other = hook._Settings(ShardingOptions(state="gathered"), None, force=True)
+        assert hook._HOOK.outcome(again, other)[1] is False and len(passes) == 2
+        for i in range(hook.MAX_REMEMBERED + 3):
+            hook._HOOK.remember(bytes([i]), outcomes[0][0])
+        assert len(hook._HOOK.outcomes) == hook.MAX_REMEMBERED
+    finally:
+        hook._shard = original
+        hook._HOOK.outcomes.clear()

@@ -5,7 +5,9 @@ only appear during partitioning. So the step is compiled once with per-compile d
 options (``compiler_options``; process-wide ``XLA_FLAGS`` stay untouched) into a
 private temporary folder, removed right after, and the partitioner's output is read
 back: the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage
-(shard_map bodies inlined), else ``after_spmd-partitioning``.
+(shard_map bodies inlined), else ``after_spmd-partitioning``. That compile is jit's own
+(the dump options change no code): where ``fast`` runs ``fn`` for the signature, it runs
+this executable rather than having jit compile the step a second time.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hlo_shard.dumps import pick_dump_file
@@ -60,6 +63,35 @@ class Unsupported(Exception):
                  report: Any = None, decision: Any = None) -> None:
         super().__init__(message)
         self.code, self.report, self.decision = code, report, decision
+        #: What the first call spent before it fell back (set by ``ShardedStep``).
+        self.seconds: FirstCallSeconds | None = None
+        #: jit's executable of the step, where the capture compiled it (``fast`` runs it).
+        self.compiled: Any = None
+
+
+@dataclass
+class FirstCallSeconds:
+    """Where a signature's first call spends its time, beyond jit's own work: the
+    ``capture`` (jit's lowering and compile with the dump options, reading the
+    partitioned module), the ``pass`` (parse, the optimizer with its gate and output
+    checks) and the ``compile`` of the optimized module. Filled as the stages run, so
+    a fallback says how far it got."""
+
+    capture: float = 0.0
+    pass_: float = 0.0
+    compile: float = 0.0
+
+    @contextmanager
+    def timing(self, stage: str) -> Iterator[None]:
+        """Add the block's seconds to ``stage`` (a field's name), even if it raises."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, stage, getattr(self, stage) + time.perf_counter() - started)
+
+    def to_json(self) -> dict[str, float]:
+        return {"capture": self.capture, "pass": self.pass_, "compile": self.compile}
 
 
 def describe(err: BaseException) -> str:
@@ -75,6 +107,7 @@ class Capture:
     #: The per-device module after SPMD partitioning.
     text: str
     lowered: Any
+    #: jit's executable of the step (what ``fast`` runs where it falls back).
     compiled: Any
     #: Flat dynamic-argument indices the module takes, in parameter order.
     kept: tuple[int, ...]
@@ -91,35 +124,31 @@ class Capture:
     out_tree: Any
     #: jit's device assignment: partition k runs on devices[k].
     devices: tuple
-    compile_seconds: float
 
 
 def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
     """Lower and compile ``jitted`` for these arguments, reading the partitioned module.
     jax's errors in lowering (the user's function traced) propagate as jit raises them;
-    anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``)."""
+    anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``), with
+    jit's executable where the compile succeeded."""
     lowered = jitted.lower(*args, **kwargs)
+    compiled = None
     try:
-        return _compile_and_read(lowered)
-    except Unsupported:
+        _check_supported(lowered)  # before compiling: jit compiles what fn runs then
+        compiled, text = _compile_with_dumps(lowered)
+        return _capture_of(lowered, compiled, text)
+    except Unsupported as why:
+        if compiled is not None:  # (a module not read keeps the executable it came with)
+            why.compiled = compiled
         raise
     except Exception as err:  # noqa: BLE001 - our capture never breaks the loop
-        raise Unsupported(f"capturing the per-device module failed: {describe(err)}",
-                          Reason.CAPTURE_FAILED) from err
+        failed = Unsupported(f"capturing the per-device module failed: {describe(err)}",
+                             Reason.CAPTURE_FAILED)
+        failed.compiled = compiled
+        raise failed from err
 
 
-def _compile_and_read(lowered: Any) -> Capture:
-    import jax
-
-    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
-    try:
-        options = {**DUMP_OPTIONS, "xla_dump_to": folder}
-        started = time.perf_counter()
-        compiled = lowered.compile(compiler_options=options)
-        compile_seconds = time.perf_counter() - started
-        text = _read_stage(Path(folder))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+def _check_supported(lowered: Any) -> None:
     facts = _xla.lowering_facts(lowered)
     for fact, reason in (("ordered_effects", "it has ordered side effects"),
                          ("host_callbacks", "it calls back into Python"),
@@ -128,6 +157,25 @@ def _compile_and_read(lowered: Any) -> Capture:
         if facts[fact]:
             raise Unsupported(f"the step is not supported: {reason}",
                               Reason.UNSUPPORTED_STEP)
+
+
+def _compile_with_dumps(lowered: Any) -> tuple[Any, str]:
+    """jit's executable, and the partitioned module its compile dumped."""
+    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
+    try:
+        compiled = lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": folder})
+        try:
+            return compiled, _read_stage(Path(folder))
+        except Unsupported as why:
+            why.compiled = compiled
+            raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _capture_of(lowered: Any, compiled: Any, text: str) -> Capture:
+    import jax
+
     arg_infos = jax.tree.leaves(lowered.args_info)
     kept = _xla.kept_argument_indices(lowered)
     kept = tuple(range(len(arg_infos))) if kept is None else kept
@@ -140,8 +188,7 @@ def _compile_and_read(lowered: Any) -> Capture:
                    tuple(info.donated for info in arg_infos),
                    tuple(jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)
                          for info in arg_infos), tuple(out_avals),
-                   tuple(out_shardings), out_tree, _xla.device_assignment(lowered),
-                   compile_seconds)
+                   tuple(out_shardings), out_tree, _xla.device_assignment(lowered))
 
 
 def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:

@@ -11,7 +11,6 @@ shape ``[D·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,7 @@ from typing import Any
 from hlo_shard.analysis.names import UserNames, user_names
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
-from hlo_shard.jax._capture import Capture, Reason, Unsupported, describe
+from hlo_shard.jax._capture import Capture, FirstCallSeconds, Reason, Unsupported, describe
 from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize, speed_json
 from hlo_shard.passes.speed_gate import SpeedDecision
@@ -76,7 +75,8 @@ class Program:
     state_outputs: dict[int, StateLayout]
     #: The sharding of every shard-form leaf (None without any).
     shard_sharding: Any
-    seconds: float
+    #: What the first call of this signature spent in capture, pass and compile.
+    seconds: FirstCallSeconds
     #: (output leaf, entry parameter): the output is the parameter's next value.
     next_values: list[tuple[int, int]] = field(default_factory=list)
     #: Whether it ran once (a failing first run falls back to ``fn``).
@@ -207,7 +207,7 @@ class Program:
                                   reason=""),
             "parameters": [entry(p, users.parameters.get(p.index, "")) for p in report.parameters],
             "outputs": [entry(o, out_names[o.index]) for o in report.outputs],
-            "capture_seconds": cap.compile_seconds, "optimize_seconds": self.seconds,
+            "seconds": self.seconds.to_json(),
         }
 
 
@@ -217,14 +217,16 @@ def _options_json(options: ShardingOptions) -> dict:
 
 
 def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
-    """``fast.report`` where ``fast`` runs ``fn``: the reason code and words, and what
-    the pass and its gate said where they ran (``speed`` None before that)."""
+    """``fast.report`` where ``fast`` runs ``fn``: the reason code and words, what
+    the pass and its gate said where they ran (``speed`` None before that) and the
+    first call's seconds per stage as far as it got."""
     report = why.report
     return {**_options_json(options), "devices": None if report is None else report.devices,
             "fallback": why.code.value, "reason": str(why),
             "speed": None if why.decision is None else speed_json(why.decision),
             "sharded": 0, "gradients": None if report is None else len(report.explanations),
-            "explanations": [] if report is None else [r.to_json() for r in report.explanations]}
+            "explanations": [] if report is None else [r.to_json() for r in report.explanations],
+            "seconds": None if why.seconds is None else why.seconds.to_json()}
 
 
 def _shard(x: Any, layout: StateLayout) -> Any:
@@ -294,7 +296,8 @@ def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
 
 
 def build_program(capture: Capture, options: ShardingOptions,
-                  next_values: list[tuple[int, int]], force: bool = False) -> Program:
+                  next_values: list[tuple[int, int]], seconds: FirstCallSeconds,
+                  force: bool = False) -> Program:
     """Optimize and compile ``capture``; :class:`Unsupported` says why not (any exception
     of the parser, the pass or XLA's compile becomes one, with its :class:`Reason`).
 
@@ -304,8 +307,25 @@ def build_program(capture: Capture, options: ShardingOptions,
     with its next value through them, and the executable aliases what jit donates
     (:class:`~hlo_shard.passes.optimize.ForExecutable`). ``force``: shard every
     eligible gradient even where the never-slower gate would keep the step whole.
+    ``seconds``: where the pass's and the compile's seconds go (they stay there when
+    this raises).
     """
-    started = time.perf_counter()
+    with seconds.timing("pass_"):
+        names, result, state_args, state_outputs = _optimized(
+            capture, options, next_values, force)
+    with seconds.timing("compile"), \
+            _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
+        executable = _xla.compile_replica_text(result.text, capture.devices)
+        shard_sharding = _shard_sharding(capture) if state_args else None
+    return Program(capture, result, options, names, executable, state_args, state_outputs,
+                   shard_sharding, seconds, list(next_values))
+
+
+def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tuple[int, int]],
+               force: bool) -> tuple[UserNames, OptimizeResult, dict[int, StateLayout],
+                                     dict[int, StateLayout]]:
+    """The captured module parsed, its user names, what the optimizer made of it and
+    the state layouts (:class:`Unsupported` where it made nothing to run)."""
     with _stage(Reason.PARSE_FAILED, "hlo-shard cannot read the captured module"):
         module = parse(capture.text, path="<captured step>")
     if len(module.entry.parameters()) != len(capture.kept):
@@ -331,11 +351,7 @@ def build_program(capture: Capture, options: ShardingOptions,
                           Reason.NOTHING_TO_SHARD, report, decision)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
         state_args, state_outputs = _state_layouts(report, capture)
-    with _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
-        executable = _xla.compile_replica_text(result.text, capture.devices)
-        shard_sharding = _shard_sharding(capture) if state_args else None
-    return Program(capture, result, options, names, executable, state_args, state_outputs,
-                   shard_sharding, time.perf_counter() - started, list(next_values))
+    return names, result, state_args, state_outputs
 
 
 def _fastest_ratio(decision: SpeedDecision) -> float:

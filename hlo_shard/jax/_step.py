@@ -25,7 +25,7 @@ from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _distributed, _xla
-from hlo_shard.jax._capture import Reason, Unsupported, capture, describe
+from hlo_shard.jax._capture import FirstCallSeconds, Reason, Unsupported, capture, describe
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.passes.weight_update import ShardingOptions
 
@@ -42,6 +42,9 @@ class FallbackWarning(UserWarning):
 @dataclass(frozen=True)
 class _Fallback:
     why: Unsupported
+    #: jit's executable of this signature where the capture compiled it (run instead
+    #: of ``fn``, which would compile the step again), else None.
+    compiled: Any = None
 
 
 @dataclass
@@ -174,19 +177,30 @@ class ShardedStep:
                 args, kwargs = self._rebuild(call, args, kwargs)
         entry = self._entry(call, args, kwargs)
         if isinstance(entry, _Fallback):
-            return self._jitted(*args, **kwargs)
+            return self._run_fn(entry, call, args, kwargs)
         if entry.program.ran or _distributed.multi_process():
             return self._run(entry, call)
         try:  # a first run that fails leaves the inputs intact: fn can still run them
             outs = self._run(entry, call)
         except Exception as err:  # noqa: BLE001 - never into the loop
             program = entry.program
-            self._fall_back(self._key(call), Unsupported(
-                f"the optimized step failed to run: {describe(err)}", Reason.RUN_FAILED,
-                program.report, program.decision), program)
-            return self._jitted(*args, **kwargs)
+            why = Unsupported(f"the optimized step failed to run: {describe(err)}",
+                              Reason.RUN_FAILED, program.report, program.decision)
+            why.seconds = program.seconds
+            return self._run_fn(self._fall_back(self._key(call), why, program), call,
+                                args, kwargs)
         entry.program.ran = True
         return outs
+
+    def _run_fn(self, fallback: _Fallback, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """``fn``'s step: jit's executable the capture compiled for this signature (its
+        arguments as jit hands them to it: the dynamic ones), else jit itself."""
+        if fallback.compiled is None:
+            return self._jitted(*args, **kwargs)
+        import jax
+
+        dynamic, dyn_kwargs = jax.tree.unflatten(call.treedef, call.leaves)
+        return fallback.compiled(*dynamic, **dyn_kwargs)
 
     def _run(self, entry: _Entry, call: _Call) -> Any:
         import jax
@@ -382,26 +396,29 @@ class ShardedStep:
         entry = self._entries.get(key)
         if entry is not None:
             return entry
+        seconds = FirstCallSeconds()
         try:
-            cap = capture(self._jitted, args, kwargs)
+            with seconds.timing("capture"):
+                cap = capture(self._jitted, args, kwargs)
         except Unsupported as why:
-            return self._fall_back(key, why)
+            why.seconds = seconds
+            return self._fall_back(key, why, compiled=why.compiled)
         except Exception as err:  # jax's, tracing the user's function: as jit raises it
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
         try:
             program = build_program(cap, self.options, self._next_values(call, cap),
-                                    self.force)
+                                    seconds, self.force)
             call.names = self._names(call)
             state = {name: _StateLeaf(layout, full, program.shard_sharding)
                      for name, (layout, full) in program.state_by_name(call.names).items()}
             shard_key = program.shard_key(call.treedef, call.static, call.leaves) \
                 if program.state_args else None
-        except Unsupported as why:
-            return self._fall_back(key, why)
         except Exception as err:  # noqa: BLE001 - ours: never into the loop
-            return self._fall_back(key, Unsupported(
-                f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED))
+            refusal = err if isinstance(err, Unsupported) else Unsupported(
+                f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED)
+            refusal.seconds = seconds
+            return self._fall_back(key, refusal, compiled=cap.compiled)
         _distributed.agree_on_program("optimized module", program.hlo_text)
         self._entries[key] = _Entry(program, shards=False)
         if shard_key is not None:
@@ -410,17 +427,25 @@ class ShardedStep:
         self._latest, self._latest_call = program, call
         return self._entries[key]
 
-    def _fall_back(self, key: tuple, why: Unsupported,
-                   program: Program | None = None) -> _Fallback:
+    def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
+                   compiled: Any = None) -> _Fallback:
         """Run ``fn`` for this signature (and, for a program that failed its first run,
-        for every signature it answered) from now on, after one warning."""
+        for every signature it answered) from now on, after one warning: as
+        ``compiled``, jit's executable of the signature from the capture, where there
+        is one (a failed program's full signature has its capture's; its shard form
+        runs jit)."""
         if program is None:
             _distributed.agree_on_program("fallback to fn", str(why))
-        fallback = _Fallback(why)
-        keys = [key] if program is None else \
-            [k for k, e in self._entries.items() if isinstance(e, _Entry) and e.program is program]
-        for k in keys or [key]:
-            self._entries[k] = fallback
+            runs = {key: compiled}
+        else:
+            runs = {k: None if e.shards else program.capture.compiled
+                    for k, e in self._entries.items()
+                    if isinstance(e, _Entry) and e.program is program}
+            runs.setdefault(key, None)
+        for k, run in runs.items():
+            self._entries[k] = _Fallback(why, run)
+        fallback = self._entries[key]
+        assert isinstance(fallback, _Fallback)
         self._states = [(p, names) for p, names in self._states if p is not program]
         self._latest = why
         self._warn(why)

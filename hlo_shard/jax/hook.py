@@ -18,17 +18,24 @@ once XLA has returned: by a ``jax.monitoring`` listener of jax's end-of-compile 
 (``/jax/core/compile/backend_compile_duration``, recorded right after the backend compile
 returns, in the thread that compiled). Proto ↔ text goes through jax's private
 ``xla_client``, behind the runtime's version check.
+
+XLA compiles the same module again often (jax's caches cleared, an ahead-of-time
+``lower().compile()`` next to the jit call, a step re-jitted in a loop): the outcome of
+the latest :data:`MAX_REMEMBERED` modules is kept by the digest of their text (their
+bytes differ in XLA's module id), for the current installation only (each ``install()``
+starts afresh), and a module seen before gets it without being parsed or passed again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import threading
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +51,9 @@ PASS_NAME = "hlo_shard.weight_update_sharding"
 #: How many decisions :func:`decisions` keeps, the latest: a long-running process that
 #: compiles without end (a server, a sweep) keeps a bounded record, not one per compile.
 MAX_DECISIONS = 1000
+#: How many modules' outcomes the hook remembers (by the digest of their text): the
+#: latest, so a process compiling without end keeps a bounded set.
+MAX_REMEMBERED = 16
 #: Bytes every serialized module with an all-reduce contains (its opcode string): the
 #: quick check that lets init functions and the like through without parsing.
 _ALL_REDUCE = b"all-reduce"
@@ -101,6 +111,8 @@ class Decision:
     #: The pass report (None when the pass did not run to the end).
     report: ShardingReport | None
     seconds: float
+    #: The outcome of the same module compiled before (not parsed or passed again).
+    reused: bool = False
 
     @property
     def sharded_bytes(self) -> int:
@@ -131,6 +143,8 @@ class _Hook:
         #: has returned (:func:`_raise_pending`).
         self.pending: BaseException | None = None
         self.listening = False
+        #: Digest of a module's bytes → its outcome (:data:`MAX_REMEMBERED`, latest).
+        self.outcomes: OrderedDict[bytes, _Outcome] = OrderedDict()
 
     def transform(self, data: bytes) -> bytes | None:
         """The callback XLA calls: never raises, None unless the module was sharded."""
@@ -138,25 +152,18 @@ class _Hook:
         if settings is None or _ALL_REDUCE not in data:
             return None
         start = time.perf_counter()
-        name = "<module>"
         try:
-            xc = _xla_client()
-            hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
-            name = hlo.name
-            if settings.only is not None and not settings.only.search(name):
-                return None
-            out, report, reason = _shard(hlo, settings.options, settings.force)
-            result = None if out is None else \
-                xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
-        except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
-            out, result, report, reason = None, None, None, f"{type(err).__name__}: {err}"
+            outcome, reused = self.outcome(data, settings)
         except BaseException as stop:  # Ctrl-C: XLA would turn it into INTERNAL
             with self.lock:
                 self.pending = stop
             return None
-        result, reason = _agree_across_processes(out, result, reason)
+        if outcome.skipped:
+            return None
+        name, out, report = outcome.name, outcome.text, outcome.report
+        result, reason = _agree_across_processes(out, outcome.result, outcome.reason)
         decision = Decision(name, result is not None, reason, report,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, reused)
         self.record(decision)
         if result is None:
             logger.info("hlo_shard: %s left unchanged: %s", name, reason.splitlines()[0])
@@ -169,6 +176,63 @@ class _Hook:
         """Keep ``decision`` (the oldest goes once :data:`MAX_DECISIONS` are kept)."""
         with self.lock:
             self.decisions.append(decision)
+
+    def outcome(self, data: bytes, settings: _Settings) -> tuple[_Outcome, bool]:
+        """What the pass makes of a serialized module, and whether it was remembered;
+        any ``Exception`` becomes the reason it is kept (and is not remembered)."""
+        name = "<module>"
+        try:
+            xc = _xla_client()
+            hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
+            name = hlo.name
+            if settings.only is not None and not settings.only.search(name):
+                return _Outcome(settings, name, None, None, None, "", skipped=True), False
+            text = _module_text(hlo)
+            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            remembered = self.recall(digest, settings)
+            if remembered is not None:
+                return remembered, True
+            out, report, reason = _shard(text, name, settings.options, settings.force)
+            result = None if out is None else \
+                xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
+        except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
+            return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}"), \
+                False
+        outcome = _Outcome(settings, name, out, result, report, reason)
+        self.remember(digest, outcome)
+        return outcome, False
+
+    def recall(self, digest: bytes, settings: _Settings) -> _Outcome | None:
+        with self.lock:
+            outcome = self.outcomes.get(digest)
+            if outcome is None or outcome.settings is not settings:
+                return None  # (another installation's: installed while this compiled)
+            self.outcomes.move_to_end(digest)
+            return outcome
+
+    def remember(self, digest: bytes, outcome: _Outcome) -> None:
+        """Keep ``outcome`` (the least recently used goes beyond :data:`MAX_REMEMBERED`)."""
+        with self.lock:
+            self.outcomes[digest] = outcome
+            while len(self.outcomes) > MAX_REMEMBERED:
+                self.outcomes.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What the pass made of one module's bytes under one installation's settings."""
+
+    settings: _Settings
+    name: str
+    #: The sharded module's text and bytes (None: XLA compiles the module as it was).
+    text: str | None
+    result: bytes | None
+    report: ShardingReport | None
+    reason: str
+    #: Not for the hook (``only`` does not match its name): no decision recorded.
+    skipped: bool = False
+
+
 
 
 _HOOK = _Hook()
@@ -194,16 +258,20 @@ def _xla_client() -> Any:
     return xla_client
 
 
-def _shard(hlo: Any, options: ShardingOptions, force: bool = False
+def _module_text(hlo: Any) -> str:
+    """XLA's module as text, its constants in full (what the parser reads)."""
+    print_options = _xla_client().hlo.HloPrintOptions()
+    print_options.print_large_constants = True
+    return hlo.to_string(print_options)
+
+
+def _shard(text: str, name: str, options: ShardingOptions, force: bool = False
            ) -> tuple[str | None, ShardingReport | None, str]:
     """(the sharded module's text or None, the report, why not)."""
     from hlo_shard.parser import parse
     from hlo_shard.passes.optimize import optimize
 
-    xc = _xla_client()
-    print_options = xc.hlo.HloPrintOptions()
-    print_options.print_large_constants = True
-    module = parse(hlo.to_string(print_options), path=f"<{hlo.name}>")
+    module = parse(text, path=f"<{name}>")
     try:
         result = optimize(module, options, force=force)
     except HloShardError as err:
@@ -307,6 +375,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     with _HOOK.lock:
         changed = _HOOK.settings != _Settings(options, pattern, force)
         _HOOK.settings = _Settings(options, pattern, force)
+        _HOOK.outcomes.clear()
         if not _HOOK.registered:
             try:
                 jax_xla.register_hlo_module_transformation(
@@ -335,6 +404,7 @@ def uninstall() -> None:
     caches are cleared again, so later calls compile without the pass."""
     with _HOOK.lock:
         _HOOK.settings = None
+        _HOOK.outcomes.clear()
         if not _HOOK.registered:
             return
         from jax.extend import xla as jax_xla
@@ -360,5 +430,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["MAX_DECISIONS", "PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
+__all__ = ["MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
            "installed", "uninstall"]
