@@ -350,6 +350,7 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
                                                   "the step has no gradient all-reduce"),
                           Reason.NOTHING_TO_SHARD, report, decision)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
+        _ = result.text  # the output check, here: a module failing it is the pass's fault
         state_args, state_outputs = _state_layouts(report, capture)
     return names, result, state_args, state_outputs
 

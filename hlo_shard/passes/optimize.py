@@ -12,6 +12,8 @@ stands (:class:`ForExecutable`) the donation passes around it, then the output c
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,8 +69,6 @@ class OptimizeResult:
 
     #: The module, optimized (the one handed in, edited in place).
     module: Module
-    #: Its text for XLA, parsed back and validated.
-    text: str
     #: Per gradient all-reduce what was done or why not (reason codes), the rewritten
     #: signature, every pass's notes.
     report: ShardingReport
@@ -78,6 +78,13 @@ class OptimizeResult:
     #: asked for: recording makes the gate run the pipeline on the module again
     #: instead of keeping its priced copy).
     changes: tuple[PassChanges, ...] = ()
+
+    @functools.cached_property
+    def text(self) -> str:
+        """The module's text for XLA, parsed back and validated (:func:`check_output`),
+        made when first asked for: a front end that keeps the step as it was (the hook,
+        the JAX path's fallback) never prints it."""
+        return check_output(self.module)
 
     @property
     def sharded(self) -> int:
@@ -165,8 +172,7 @@ def optimize(module: Module, options: ShardingOptions, *, force: bool = False,
         Pipeline((ExecutableAliases(donors, executable.next_values),
                   CopyFreeDonation(sharding.profile), ReplicaForm(keep_donation=True)),
                  check=None, after_pass=watching).run(module)
-    return OptimizeResult(module, check_output(module), report, decision,
-                          tuple(seen) if record else ())
+    return OptimizeResult(module, report, decision, tuple(seen) if record else ())
 
 
 def check_output(module: Module) -> str:
