@@ -80,8 +80,7 @@ def test_whole_keeps_the_reduce_scatter_after_the_loop_and_says_so():
 def test_auto_writes_the_form_predicted_faster():
     """On cpu-local one reduce-scatter per step is predicted faster than one per
     microbatch: auto writes exactly what ``whole`` writes, and the note gives both
-    predicted step times; on a profile where the sharded form is cheaper... the choice
-    follows the prices, whichever they are."""
+    predicted step times."""
     whole, _ = optimize(LOOP, state="sharded", accumulator="whole")
     auto, report = optimize(LOOP, state="sharded")
     (note,) = [n for n in report.notes if "accumulator" in n and "while" in n

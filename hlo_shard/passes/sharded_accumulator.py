@@ -58,7 +58,7 @@ from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUM
                                                   check_loop, is_zero, slots_read)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
-from hlo_shard.profiles import HardwareProfile
+from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 from hlo_shard.units import fmt_bytes, fmt_seconds
 
 #: ``ShardingOptions.accumulator``: how an accumulation loop's gradients are summed.
@@ -133,15 +133,21 @@ class AccumulatorPrices:
     profile: str
     whole_s: float
     sharded_s: float
+    #: The cost model's peak per device (:class:`~hlo_shard.costmodel.memory.MemoryProfile`).
     whole_peak_bytes: int
     sharded_peak_bytes: int
+    #: What the loops carry as accumulators per device, in each form.
+    whole_accumulator_bytes: int
+    sharded_accumulator_bytes: int
 
     @property
     def words(self) -> str:
         return (f"predicted {fmt_seconds(self.sharded_s)}/step sharded, "
-                f"{fmt_seconds(self.whole_s)}/step whole; peak "
-                f"{fmt_bytes(self.sharded_peak_bytes)} vs {fmt_bytes(self.whole_peak_bytes)} "
-                f"per device (profile {self.profile})")
+                f"{fmt_seconds(self.whole_s)}/step whole; accumulators "
+                f"{fmt_bytes(self.sharded_accumulator_bytes)} sharded, "
+                f"{fmt_bytes(self.whole_accumulator_bytes)} whole; modelled peak "
+                f"{fmt_bytes(self.sharded_peak_bytes)} sharded, "
+                f"{fmt_bytes(self.whole_peak_bytes)} whole per device (profile {self.profile})")
 
 
 @dataclass(frozen=True)
@@ -190,10 +196,11 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
     """Carry accumulation loops' accumulators as shards where ``mode`` says so."""
 
     name: ClassVar[str] = "sharded-accumulator"
-    profile: HardwareProfile
+    profile: HardwareProfile | str = DEFAULT_PROFILE
     mode: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "profile", resolve_profile(self.profile))
         if self.mode not in ACCUMULATOR_MODES:
             raise HloShardError(f"accumulator must be one of {', '.join(ACCUMULATOR_MODES)}, "
                                 f"not {self.mode!r}")
@@ -211,8 +218,10 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
         trial = module.clone()
         sharded, changes = _rewrite(trial, _find(trial)[0])
         before, after = self._estimate(module), self._estimate(trial)
-        prices = AccumulatorPrices(self.profile.name, before.seconds, after.seconds,
-                                   before.memory.peak_bytes, after.memory.peak_bytes)
+        prices = AccumulatorPrices(before.profile.name, before.seconds, after.seconds,
+                                   before.memory.peak_bytes, after.memory.peak_bytes,
+                                   sum(s.whole_bytes for s in sharded),
+                                   sum(s.shard_bytes for s in sharded))
         if prices.sharded_s < prices.whole_s:
             module.take_contents(trial)
             return PassResult(module, True, changes,
@@ -223,7 +232,8 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
                                                                   prices=prices))
 
     def _estimate(self, module: Module) -> StepEstimate:
-        return estimate_step(module, self.profile, planned_update_regions(module))
+        return estimate_step(module, resolve_profile(self.profile),
+                             planned_update_regions(module))
 
 
 # ------------------------------------------------------------------------------ finding
