@@ -150,10 +150,11 @@ def jit_variant(prog) -> Variant:
                    f"lower {lowered_s:.1f} + compile {compile_s:.1f}", "", metrics)
 
 
-def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
+def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch,
+                 params: str = "gathered") -> Variant:
     import hlo_shard.jax as hsj
 
-    fast = hsj.shard_weight_update(prog.step, state=mode, force=force)
+    fast = hsj.shard_weight_update(prog.step, state=mode, params=params, force=force)
     stopwatch.split()  # forget the previous variant's stages
     state, metrics, seconds, _ = first_call(fast, prog.init(), prog.batch(0))
     report = fast.report or {}
@@ -164,7 +165,8 @@ def fast_variant(prog, mode: str, force: bool, stopwatch: Stopwatch) -> Variant:
         predicted = gate.get("predicted_ratio")
         decision = f"fell back: {report['fallback']}" + \
             (f" (predicted {predicted:.2f}x)" if predicted is not None else "")
-    return Variant(mode + (", forced" if force else ""), fast, state, seconds,
+    return Variant(mode + (", params sharded" if params == "sharded" else "")
+                   + (", forced" if force else ""), fast, state, seconds,
                    stopwatch.split(), decision, metrics)
 
 
