@@ -23,7 +23,8 @@ first step's metrics against jit's, and the decision. Never asserted
 (``tests/test_large_model_bench.py`` runs it at a tiny size).
 
 ``python bench/run.py --only large-model``, or ``python bench/large_model_bench.py
-[--programs a,b] [--width W] [--runs R] [--rounds K]``.
+[--programs a,b] [--width W] [--runs R] [--rounds K] [--force]`` (``--force`` adds the
+rows of ``shard_weight_update(force=True)``, where the never-slower gate fell back).
 """
 
 from __future__ import annotations
@@ -165,13 +166,14 @@ PROGRAMS = ("scan-accum", "multisteps", "mesh-4x2-tp", "mesh-2x4-fsdp", "bf16-ma
 # ------------------------------------------------------------------ the child
 
 
-def measure(name: str, width: int, runs: int, rounds: int, stopwatch: Stopwatch
-            ) -> list[Variant]:
+def measure(name: str, width: int, runs: int, rounds: int, force: bool,
+            stopwatch: Stopwatch) -> list[Variant]:
     prog = build(name, width)
-    variants = [jit_variant(prog),
-                fast_variant(prog, "gathered", False, stopwatch),
-                fast_variant(prog, "sharded", False, stopwatch),
-                fast_variant(prog, "sharded", False, stopwatch, params="sharded")]
+    variants = [jit_variant(prog)]
+    for forced in (False, True) if force else (False,):
+        variants += [fast_variant(prog, "gathered", forced, stopwatch),
+                     fast_variant(prog, "sharded", forced, stopwatch),
+                     fast_variant(prog, "sharded", forced, stopwatch, params="sharded")]
     named = named_sharding_variant(prog)
     if named is not None:
         variants.append(named)
@@ -180,7 +182,7 @@ def measure(name: str, width: int, runs: int, rounds: int, stopwatch: Stopwatch
 
 
 #: The table's columns: width and alignment (the last, free text, unpadded).
-COLUMNS = ((13, "<"), (24, "<"), (7, ">"), (5, ">"), (6, ">"), (9, ">"), (8, ">"),
+COLUMNS = ((13, "<"), (32, "<"), (7, ">"), (5, ">"), (6, ">"), (9, ">"), (8, ">"),
            (6, ">"), (8, ">"), (0, "<"))
 
 
@@ -237,7 +239,8 @@ def child(args: argparse.Namespace) -> None:
     failed = []
     for name in args.programs:
         try:
-            variants = measure(name, args.width, args.runs, args.rounds, stopwatch)
+            variants = measure(name, args.width, args.runs, args.rounds, args.force,
+                               stopwatch)
         except Exception as err:  # reported on its row and in the summary, never hidden
             print(f"{name:13s} FAILED: {type(err).__name__}: "
                   f"{str(err).splitlines()[0] if str(err) else ''}", flush=True)
@@ -258,6 +261,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=WIDTH, help="the MLP's width")
     parser.add_argument("--runs", type=int, default=4, help="timed steps per mode per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--force", action="store_true",
+                        help="also shard_weight_update(force=True) in every mode")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [name for name in args.programs if name not in PROGRAMS]
