@@ -184,7 +184,7 @@ class _Plan:
     chain: tuple[str, ...]
     leaves: dict[str, int]
     adds: dict[int, Instruction]
-    locals: dict[int, str]
+    local_values: dict[int, str]
 
     @property
     def slots(self) -> list[int]:
@@ -462,7 +462,7 @@ class _Recarry:
                             rs: Instruction, index: int) -> str:
         """The formatting and the reduce-scatter of the microbatch's local gradients, added
         to the shard carried at ``index``: the new next value of that slot."""
-        copies: dict[str, str] = {leaf: plan.locals[slot] for leaf, slot in plan.leaves.items()}
+        copies = {leaf: plan.local_values[slot] for leaf, slot in plan.leaves.items()}
         with inner.inserting_before(body.root.name):
             for name in plan.chain:
                 inst = self.comp[name]
