@@ -11,6 +11,7 @@ DIFFER), a real jax ``lax.scan`` step (slow).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -226,6 +227,28 @@ def test_a_scan_accumulates_into_a_shard(request, worker):
     assert inside.count("all-reduce") == 1 and inside.count("reduce-scatter") >= 1
     assert not find(module, "reduce-scatter")
     assert any("accumulator sharded" in n for n in result.report.notes)
+    outcome = runtime.verify(parse(text), module, runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(result.report, parse(text))))
+    assert outcome.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in outcome.final()]
+
+
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_a_captured_scan_on_a_2x4_mesh_accumulates_into_a_shard(worker, state):
+    """jax's own module (``tests/data``: a ``lax.scan`` over 4 microbatches, the batch on
+    the second axis of a (2, 4) mesh, so the gradients are summed over groups of 4): the
+    reduce-scatter moves into the loop with the data-axis groups, and it MATCHes."""
+    path = Path(__file__).parent / "data" / "grad_accum_scan_2x4.n8.hlo"
+    text = path.read_text()
+    result = hlo_shard.optimize(parse(text), ShardingOptions(state=state,
+                                                             accumulator="sharded"),
+                                force=True)
+    module = parse(result.text)
+    (loop,) = find(module, "while")
+    body = loop.attr("body").name  # type: ignore[union-attr]
+    (scatter,) = [i for i in module.computation(body).instructions
+                  if i.opcode == "reduce-scatter"]
+    assert len(str(scatter.attr("replica_groups")).split("},{")) == 2  # 2 groups of 4
+    assert not find(module, "reduce-scatter")
     outcome = runtime.verify(parse(text), module, runtime.VerifyOptions(
         steps=3, manifest=build_manifest(result.report, parse(text))))
     assert outcome.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in outcome.final()]
