@@ -52,7 +52,7 @@ from hlo_shard.analysis.collectives import ReasonCode, reducer_opcode
 from hlo_shard.analysis.planned_regions import planned_update_regions
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, ModuleRewriter, Rewriter, topological_order
+from hlo_shard.graph import Change, ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
                                                   check_loop, is_zero, slots_read)
@@ -308,8 +308,26 @@ def _trace(module: Module, rw: Rewriter, reduce_scatter: Instruction
         return loop, (), {}, "accumulator-read"
     if not _sums_one_array(module, reduce_scatter):
         return loop, (), {}, "not-summing"
-    order = tuple(i.name for i in topological_order(comp) if i.name in chain)
-    return loop, order, leaves, ""
+    return loop, _operands_first(comp, chain, reduce_scatter.operands[0]), leaves, ""
+
+
+def _operands_first(comp: Computation, chain: set[str], top: str) -> tuple[str, ...]:
+    """The ``chain`` ops below ``top``, each after its operands (a post-order walk of
+    the chain alone: linear in its size, whatever the computation's)."""
+    order: list[str] = []
+    done: set[str] = set()
+    stack = [(top, False)]
+    while stack:
+        name, expanded = stack.pop()
+        if name in done or name not in chain:
+            continue
+        if expanded:
+            done.add(name)
+            order.append(name)
+            continue
+        stack.append((name, True))
+        stack.extend((operand, False) for operand in reversed(comp[name].operands))
+    return tuple(order)
 
 
 def _sums_one_array(module: Module, inst: Instruction) -> bool:
