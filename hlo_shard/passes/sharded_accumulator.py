@@ -55,7 +55,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import Change, ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
-                                                  check_loop, is_zero, slots_read)
+                                                  SlotReads, check_loop, is_zero, slots_read)
 from hlo_shard.passes.base import ModulePass, PassResult
 from hlo_shard.passes.shard_emitter import ChannelIds
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
@@ -252,6 +252,7 @@ def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulatio
     refused: list[WholeAccumulation] = []
     for comp in module.computations:
         rw = edits.rewriter(comp)
+        views: dict[str, _LoopView] = {}
         for inst in comp.instructions:
             if inst.opcode != "reduce-scatter":
                 continue
@@ -261,7 +262,9 @@ def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulatio
                     raise Refusal(problem)
                 if not loop:
                     continue
-                plan = _accumulators(module, rw, inst.name, loop, chain, leaves, callers)
+                if loop not in views:
+                    views[loop] = _LoopView.of(module, rw, comp[loop], callers)
+                plan = _accumulators(rw, views[loop], inst.name, loop, chain, leaves)
             except Refusal as why:
                 refused.append(WholeAccumulation(comp.name, loop, inst.name, why.reason))
                 continue
@@ -338,19 +341,52 @@ def _sums_one_array(module: Module, inst: Instruction) -> bool:
         and reducer_opcode(module, reducer.name) == "add" and not inst.attr("constrain_layout")
 
 
-def _accumulators(module: Module, rw: Rewriter, reduce_scatter: str, loop_name: str,
-                  chain: tuple[str, ...], leaves: dict[str, int], callers: dict[str, int]
-                  ) -> _Plan:
+@dataclass
+class _LoopView:
+    """What :func:`_accumulators` reads of one loop, taken once however many of its
+    reduce-scatters are looked at: why the loop cannot be rewired ("" when it can), the
+    body's rewriter, how often each slot is read in the body and the condition, the
+    body's reader of each slot, and where each value sits in the body's root tuple."""
+
+    refusal: str
+    body: Computation
+    inner: Rewriter
+    reads: tuple[SlotReads, SlotReads]
+    readers: dict[int, Instruction]
+    root_slots: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, module: Module, rw: Rewriter, loop: Instruction, callers: dict[str, int]
+           ) -> _LoopView:
+        body = module.computation(loop.required_attr("body", ComputationRef).name)
+        condition = module.computation(loop.required_attr("condition", ComputationRef).name)
+        refusal = ""
+        try:
+            check_loop(rw, loop, callers[body.name])
+        except Refusal as why:
+            refusal = why.reason
+        edits = ModuleRewriter(module)
+        inner = edits.rewriter(body)
+        readers = {u.required_attr("index", int): u for p in body.parameters()
+                   for u in inner.users(p.name)
+                   if u.opcode == "get-tuple-element" and inner.users(u.name)}
+        root_slots: dict[str, list[int]] = defaultdict(list)
+        if body.root.opcode == "tuple":
+            for slot, name in enumerate(body.root.operands):
+                root_slots[name].append(slot)
+        return cls(refusal, body, inner,
+                   (slots_read(inner), slots_read(edits.rewriter(condition))), readers,
+                   dict(root_slots))
+
+
+def _accumulators(rw: Rewriter, view: _LoopView, reduce_scatter: str, loop_name: str,
+                  chain: tuple[str, ...], leaves: dict[str, int]) -> _Plan:
     """The plan for ``reduce_scatter``, once every slot it reads is an accumulator."""
-    loop = rw.comp[loop_name]
-    body = module.computation(loop.required_attr("body", ComputationRef).name)
-    condition = module.computation(loop.required_attr("condition", ComputationRef).name)
-    check_loop(rw, loop, callers[body.name])
-    edits = ModuleRewriter(module)
-    inner = edits.rewriter(body)
-    in_body, in_condition = slots_read(inner), slots_read(edits.rewriter(condition))
-    init = rw.comp[loop.operands[0]]
-    root = body.root
+    if view.refusal:
+        raise Refusal(view.refusal)
+    init = rw.comp[rw.comp[loop_name].operands[0]]
+    in_body, in_condition = view.reads
+    root = view.body.root
     adds: dict[int, Instruction] = {}
     local: dict[int, str] = {}
     for slot in sorted(set(leaves.values())):
@@ -359,13 +395,11 @@ def _accumulators(module: Module, rw: Rewriter, reduce_scatter: str, loop_name: 
         if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                 or in_condition.get(slot, 0):
             raise Refusal("accumulator-read")
-        (read,) = [u for p in body.parameters() for u in inner.users(p.name)
-                   if u.int_attr("index") == slot and inner.users(u.name)]
-        (add,) = inner.users(read.name)
+        read = view.readers[slot]
+        (add,) = view.inner.users(read.name)
         if add.opcode != "add" or add.operands.count(read.name) != 1 \
-                or [u.name for u in inner.users(add.name)] != [root.name] \
-                or root.opcode != "tuple" or root.operands.count(add.name) != 1 \
-                or root.operands.index(add.name) != slot or add.shape != read.shape:
+                or [u.name for u in view.inner.users(add.name)] != [root.name] \
+                or view.root_slots.get(add.name) != [slot] or add.shape != read.shape:
             raise Refusal("not-accumulated")
         adds[slot] = add
         local[slot] = add.operands[1 - add.operands.index(read.name)]
