@@ -27,7 +27,7 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.sharded_accumulator import AccumulatorReport, ShardedAccumulator
 from hlo_shard.passes.weight_update_sharding import ShardingOptions
-from hlo_shard.printer import to_text
+from hlo_shard.printer import format_shape, to_text
 from hlo_shard.profiles import load_profile
 
 from test_accumulation import COLLECTIVES, LOOP, MEAN, _loop_body, _scan_program
@@ -45,7 +45,7 @@ def collectives(module: Module, comp: str) -> list[str]:
 def carried(module: Module) -> list[str]:
     (loop,) = find(module, "while")
     assert isinstance(loop.shape, TupleShape)
-    return [str(s) for s in loop.shape.elements]
+    return [format_shape(s) for s in loop.shape.elements]
 
 
 def accumulator_report(module: Module, mode: str) -> AccumulatorReport:
@@ -66,7 +66,7 @@ def test_the_sharded_accumulator_reduce_scatters_in_the_loop(text):
     assert [i.opcode for i in module.entry.instructions if i.opcode in COLLECTIVES] \
         == ["all-gather"]  # the weight, after its sharded update
     shard = find(module, "reduce-scatter", "body")[0].shape
-    assert carried(module)[1] == str(shard) and len(carried(module)) == 4
+    assert carried(module)[1] == format_shape(shard) and len(carried(module)) == 4
     assert not any(s in carried(module) for s in ("f32[16,32]", "f32[16,30]"))
     (note,) = [n for n in report.notes if "accumulator sharded" in n]
     assert "reduce-scatters each microbatch inside the loop; slots 1, 2" in note
@@ -172,10 +172,11 @@ def worker():
     runtime.shutdown_workers()
 
 
-def _verify(text: str, mode: str, mutate=None) -> runtime.VerifyReport:
+def _verify(text: str, mode: str, mutate=None, strategy: str = "auto"
+            ) -> runtime.VerifyReport:
     module = parse(text)
-    result = hlo_shard.optimize(module, ShardingOptions(state="sharded", accumulator=mode),
-                                force=True)
+    result = hlo_shard.optimize(module, ShardingOptions(state="sharded", accumulator=mode,
+                                                        strategy=strategy), force=True)
     optimized = parse(result.text)
     if mutate is not None:
         mutate(optimized)
@@ -187,6 +188,18 @@ def _verify(text: str, mode: str, mutate=None) -> runtime.VerifyReport:
 @pytest.mark.parametrize("mode", ["sharded", "whole"])
 def test_both_forms_compute_the_same(worker, text, mode):
     result = _verify(text, mode)
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_one_reduce_scatter_per_gradient_each_into_its_shard(worker):
+    """``strategy="per-tensor"``: two reduce-scatters feed the loop's two accumulators;
+    each becomes its own shard slot (the weight's split along a dimension)."""
+    module, report = optimize(LOOP, state="sharded", accumulator="sharded",
+                              strategy="per-tensor")
+    assert collectives(module, "body") == ["reduce-scatter"] * 2
+    assert carried(module)[1:3] == ["f32[16,4]", "f32[4]"]
+    assert sum("accumulator sharded" in n for n in report.notes) == 2
+    result = _verify(LOOP, "sharded", strategy="per-tensor")
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
 

@@ -163,8 +163,9 @@ class AccumulatorReport:
         why = f" ({self.prices.words})" if self.prices is not None else ""
         notes = [f"{s.computation}/while %{s.loop}: accumulator sharded (accumulator="
                  f"{self.mode}): %{s.reduce_scatter} reduce-scatters each microbatch "
-                 f"inside the loop; slots {', '.join(map(str, s.slots))} carried as one "
-                 f"{fmt_bytes(s.shard_bytes)} shard instead of {fmt_bytes(s.whole_bytes)}{why}"
+                 f"inside the loop; slot{'s' if len(s.slots) > 1 else ''} "
+                 f"{', '.join(map(str, s.slots))} carried as one {fmt_bytes(s.shard_bytes)} "
+                 f"shard instead of {fmt_bytes(s.whole_bytes)}{why}"
                  for s in self.sharded]
         notes += [f"{w.computation}/while %{w.loop}: accumulator whole, %{w.reduce_scatter} "
                   f"reduce-scatters once after the loop ({REASONS[w.reason]}"
