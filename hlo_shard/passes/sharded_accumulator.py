@@ -19,8 +19,9 @@ Which form, by ``ShardingOptions.accumulator`` (:data:`ACCUMULATOR_MODES`):
   (:func:`~hlo_shard.costmodel.step_time.estimate_step` on the sharding's profile) and
   the sharded form is written only when it is predicted strictly faster. The hardware
   profiles carry no device memory size, so the memory saved does not decide on its
-  own: the note gives both predicted step times and peak bytes per device, and a user
-  short of memory asks for ``sharded``;
+  own: the note gives both predicted step times, the accumulators' bytes in each form
+  and the cost model's peaks per device, and a user short of memory asks for
+  ``sharded``;
 * ``sharded``: every accumulator this pass can prove is carried as a shard;
 * ``whole``: the reduce-scatters stay after their loops.
 
