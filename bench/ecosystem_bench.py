@@ -119,10 +119,10 @@ def split(report: dict) -> str:
     return " + ".join(f"{seconds.get(stage, 0.0):.1f}" for stage in ("capture", "pass", "compile"))
 
 
-def fast_variant(prog, mode: str, force: bool) -> Variant:
+def fast_variant(prog, mode: str, force: bool, params: str = "gathered") -> Variant:
     import hlo_shard.jax as hsj
 
-    fast = hsj.shard_weight_update(prog.step, state=mode, force=force)
+    fast = hsj.shard_weight_update(prog.step, state=mode, params=params, force=force)
     state, metrics, seconds, _ = first_call(fast, prog.init(), prog.batch(0))
     report = fast.report or {}
     if report.get("fallback") is None:
@@ -132,7 +132,8 @@ def fast_variant(prog, mode: str, force: bool) -> Variant:
         predicted = gate.get("predicted_ratio")
         decision = f"fell back: {report['fallback']}" + \
             (f" (predicted {predicted:.2f}x)" if predicted is not None else "")
-    return Variant(mode + (", forced" if force else ""), fast, state, seconds,
+    return Variant(mode + (", params sharded" if params == "sharded" else "")
+                   + (", forced" if force else ""), fast, state, seconds,
                    split(report), decision, metrics)
 
 

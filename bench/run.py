@@ -160,11 +160,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the large front-end files")
     parser.add_argument("--runs", type=int, default=10, help="timed steps per module per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--only", choices=("jax-models", "llm", "ecosystem"),
+    parser.add_argument("--only", choices=("jax-models", "llm", "ecosystem", "large-model"),
                         help="run just this part")
     args = parser.parse_args()
     from ecosystem_bench import ecosystem
     from jax_models_bench import jax_models
+    from large_model_bench import large_model
     from llm_bench import TARGETS as LLM_TARGETS, llm_steps
 
     TARGETS.update(LLM_TARGETS)
@@ -177,6 +178,9 @@ def main() -> None:
         return
     if args.only == "ecosystem":
         ecosystem()
+        return
+    if args.only == "large-model":
+        large_model()
         return
     results = {}
     if not args.quick:
@@ -196,6 +200,7 @@ def main() -> None:
     informative = jax_models()  # 6. hlo_shard.jax per model x optimizer x mode
     results |= llm_steps()  # 7. LLM-sized steps (bench/llm_bench.py)
     ecosystem()  # 8. programs written by others (bench/ecosystem_bench.py): informative
+    large_model()  # 9. the forms large models train in (bench/large_model_bench.py)
     print("\n== summary (ratio, target)")
     for name, value in results.items():
         verdict = "ok" if value <= TARGETS[name] else "MISSED"

@@ -63,7 +63,7 @@ ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
 #: HLO_SHARD_REGENERATE_GOLDEN=1 after a deliberate change to a pass, and review the diff).
 VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
 PIPELINE = ["accumulation-motion", "tuple-forwarding", "weight-update-sharding",
-            "reduce-scatter-creation",
+            "reduce-scatter-creation", "sharded-accumulator",
             "channel-id-dedupe", "entry-layout-update", "copy-free-donation"]
 
 
@@ -97,7 +97,7 @@ def test_json_carries_the_changes_only_with_verbose(tmp_path):
     assert "changes" not in plain
     data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
     assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
-        PIPELINE, [False, True, True, False, False, False, False]))
+        PIPELINE, [False, True, True, False, False, False, False, False]))
     sharding = data["changes"][2]["edits"]
     assert {"kind", "computation", "name", "text"} <= set(sharding[0])
     assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")

@@ -69,7 +69,8 @@ def test_the_cli_json_is_the_results_to_json(tmp_path):
     printed = json.loads(out.stdout)
     built = optimize(parse(SGD), ShardingOptions(), force=True).to_json(
         input=str(path), output=str(tmp_path / "o.hlo"), state="gathered",
-        params="gathered", strategy="auto", profile=printed["profile"], manifest=None)
+        params="gathered", accumulator="auto", strategy="auto", profile=printed["profile"],
+        manifest=None)
     assert printed == json.loads(json.dumps(built))
     assert printed["speed"]["predicted_ratio"] > 0
 

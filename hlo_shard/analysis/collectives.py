@@ -239,6 +239,11 @@ class ReasonCode(str, enum.Enum):
     #: ``params="sharded"``, a sharded weight all-gathered in its own element type: a
     #: use outside the update is not a convert to one narrower float type.
     WIDE_GATHER = "wide_gather"
+    #: An accumulation loop's gradient reduce-scattered once after the loop, its
+    #: accumulator carried whole (not as a shard reduce-scattered per microbatch):
+    #: predicted faster, asked for (``accumulator="whole"``), or the in-loop form not
+    #: proven (the note says which).
+    ACCUMULATOR_WHOLE = "accumulator_whole"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import PassChanges, check_output
 from hlo_shard.passes.optimize import optimize as run_optimizer
 from hlo_shard.passes.speed_gate import SpeedDecision
+from hlo_shard.passes.sharded_accumulator import ACCUMULATOR_MODES
 from hlo_shard.passes.weight_update import (PARAM_MODES, STATE_MODES, STRATEGIES,
                                              Explanation,
                                              ShardingOptionError, ShardingOptions,
@@ -229,6 +230,11 @@ def global_program_note(module: Module) -> str | None:
               help="gathered: weights whole; sharded (with --state sharded): weights stay in "
                    "[L] shards too, all-gathered at the top of the step (bf16 where only "
                    "read as bf16).")
+@click.option("--accumulator", type=click.Choice(ACCUMULATOR_MODES), default="auto",
+              show_default=True,
+              help="Gradient accumulation loops: whole (one reduce-scatter after the loop), "
+                   "sharded (one per microbatch into an accumulator carried as a shard: "
+                   "1/N of its memory), auto (whichever the cost model predicts faster).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="auto", show_default=True,
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,
@@ -257,7 +263,7 @@ def global_program_note(module: Module) -> str | None:
                    "step slower on --profile.")
 @user_errors
 def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
-             params_mode: str, strategy: str,
+             params_mode: str, accumulator: str, strategy: str,
              min_shard_bytes: int, profile: str | None, bucket_bytes: int | None, replicated_params: str | None,
              per_device_params: str | None, manifest_path: str | None, explain: bool,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
@@ -291,7 +297,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     if unknown:
         raise HloShardError(f"the module has no parameter {', '.join(map(str, sorted(unknown)))}")
     options = ShardingOptions(num_replicas=num_replicas, state=state, params=params_mode,
-                              strategy=strategy, min_shard_bytes=min_shard_bytes, profile=hardware,
+                              accumulator=accumulator, strategy=strategy,
+                              min_shard_bytes=min_shard_bytes, profile=hardware,
                               overrides=overrides)
     if bucket_bytes is not None:  # else the pass's own default: the bucket size is stated once
         options = replace(options, bucket_bytes=bucket_bytes)
@@ -331,7 +338,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     click.echo(_summary(report, options, output, decision), err=True)
     if as_json:
         click.echo(result.json_text(names, input=input_path, output=output, state=state,
-                                    params=params_mode, strategy=strategy,
+                                    params=params_mode, accumulator=accumulator,
+                                    strategy=strategy,
                                     profile=hardware.name,
                                     manifest=manifest_path))
 

@@ -27,12 +27,13 @@ What is proven before an all-reduce moves (anything else stays, with a reason co
 * the body belongs to this one loop, the loop's initial tuple to this loop, and the loop's
   result is only taken apart by ``get-tuple-element`` (whose users are rewired).
 
-The alternative, reduce-scattering inside the loop into a sharded accumulator (less
-accumulator memory, one collective per microbatch), is what the weight-update sharding
-already does when this pass leaves the all-reduce in the body; this pass always moves
-what it can prove: the gradient's bytes then cross the network once per step rather
-than once per microbatch, and the update after the loop can be sharded, which the
-in-loop form leaves whole. The speed gate prices the moved module as the one kept whole.
+This pass always moves what it can prove: the gradient's bytes then cross the network
+once per step rather than once per microbatch, and the update after the loop can be
+sharded, which an all-reduce left in the loop leaves whole. The alternative that trades
+collectives for memory, a reduce-scatter per microbatch into an accumulator carried as
+a shard, is chosen after the sharding, on the reduce-scatter it puts after the loop
+(:mod:`~hlo_shard.passes.sharded_accumulator`). The speed gate prices the moved module
+as the one kept whole.
 """
 
 from __future__ import annotations
@@ -205,7 +206,9 @@ class _Element:
     slot: int
 
 
-class _Refusal(Exception):
+class Refusal(Exception):
+    """Why a loop or an all-reduce is left alone: a :data:`REASONS` code."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -263,12 +266,12 @@ class _Sinking:
             return False
         outer, inner = self.edits.rewriter(comp), self.edits.rewriter(body)
         try:
-            _check_loop(outer, loop, body_callers)
-        except _Refusal as why:
+            check_loop(outer, loop, body_callers)
+        except Refusal as why:
             self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason)
                              for c in candidates)
             return False
-        reads = _slots_read(inner), _slots_read(self.edits.rewriter(condition))
+        reads = slots_read(inner), slots_read(self.edits.rewriter(condition))
         claimed: set[int] = set()
         plans: list[tuple[Instruction, list[_Element]]] = []
         for candidate in candidates:
@@ -276,8 +279,8 @@ class _Sinking:
                 elements = _accumulation(self.module, inner, reads, candidate)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
-                    raise _Refusal("slot-not-carried")
-            except _Refusal as why:
+                    raise Refusal("slot-not-carried")
+            except Refusal as why:
                 self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
                                                why.reason))
                 continue
@@ -300,16 +303,16 @@ def loops_all_reduce(module: Module) -> bool:
                if comp.name in bodies for inst in comp.instructions)
 
 
-def _check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
+def check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
     """What must hold of the loop itself for any of its all-reduces to move."""
     if body_callers != 1:
-        raise _Refusal("shared-body")
+        raise Refusal("shared-body")
     init = outer.comp[loop.operands[0]]
     if init.opcode != "tuple" or [u.name for u in outer.users(init.name)] != [loop.name]:
-        raise _Refusal("shared-init")
+        raise Refusal("shared-init")
     if loop.name == outer.comp.root_name or any(
             u.opcode != "get-tuple-element" for u in outer.users(loop.name)):
-        raise _Refusal("result-whole")
+        raise Refusal("result-whole")
 
 
 #: Slot of a computation's tuple parameter → how many uses read it; None: the parameter
@@ -317,7 +320,7 @@ def _check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
 SlotReads = dict[int, int] | None
 
 
-def _slots_read(rw: Rewriter) -> SlotReads:
+def slots_read(rw: Rewriter) -> SlotReads:
     reads: dict[int, int] = defaultdict(int)
     for param in rw.comp.parameters():
         for user in rw.users(param.name):
@@ -337,12 +340,12 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
     if not isinstance(reducer, ComputationRef) or reducer_opcode(module, reducer.name) != "add" \
             or any(not isinstance(s, ArrayShape) or s.dynamic or s.element_type not in SUMMABLE
                    for s in shapes):
-        raise _Refusal("not-summing")
+        raise Refusal("not-summing")
     if all_reduce.attr("constrain_layout"):
-        raise _Refusal("constrain-layout")
+        raise Refusal("constrain-layout")
     if len(all_reduce.operands) != len(shapes) or any(
             body.comp[o].shape != s for o, s in zip(all_reduce.operands, shapes)):
-        raise _Refusal("layout-change")
+        raise Refusal("layout-change")
     reduced = _tuple_elements(body, all_reduce) if isinstance(all_reduce.shape, TupleShape) \
         else [all_reduce.name]
     in_body, in_condition = reads
@@ -352,7 +355,7 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
         # the add's own read, and nothing else (in the condition: nothing at all)
         if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                 or in_condition.get(slot, 0):
-            raise _Refusal("accumulator-read")
+            raise Refusal("accumulator-read")
         elements.append(_Element(operand, value, slot))
     return elements
 
@@ -362,11 +365,11 @@ def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
     by_index: dict[int, list[str]] = defaultdict(list)
     for user in body.users(all_reduce.name):
         if user.opcode != "get-tuple-element":
-            raise _Refusal("not-accumulated")
+            raise Refusal("not-accumulated")
         by_index[user.required_attr("index", int)].append(user.name)
     count = len(all_reduce.operands)
     if sorted(by_index) != list(range(count)) or any(len(v) != 1 for v in by_index.values()):
-        raise _Refusal("not-accumulated")
+        raise Refusal("not-accumulated")
     return [by_index[i][0] for i in range(count)]
 
 
@@ -377,25 +380,25 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
     while True:
         following = body.users(value)
         if len(following) != 1:
-            raise _Refusal("not-accumulated")
+            raise Refusal("not-accumulated")
         user = following[0]
         rule = COMMUTING.get(user.opcode)
         if rule is None or not rule(module, comp, user, user.operands.index(value)):
             break
         value = user.name
     if user.opcode == "convert":
-        raise _Refusal("converted")
+        raise Refusal("converted")
     if user.opcode != "add" or user.operands.count(value) != 1:
-        raise _Refusal("not-accumulated")
+        raise Refusal("not-accumulated")
     buffer = comp[user.operands[1 - user.operands.index(value)]]
     if buffer.opcode != "get-tuple-element" or comp[buffer.operands[0]].opcode != "parameter":
-        raise _Refusal("not-accumulated")
+        raise Refusal("not-accumulated")
     slot = buffer.required_attr("index", int)
     root = comp.root
     if [u.name for u in body.users(user.name)] != [root.name] or root.opcode != "tuple" \
             or root.operands.count(user.name) != 1 or root.operands.index(user.name) != slot \
             or user.shape != buffer.shape:
-        raise _Refusal("slot-not-carried")
+        raise Refusal("slot-not-carried")
     return slot
 
 
@@ -467,5 +470,5 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
 
 
 __all__ = ["COMMUTING", "REASONS", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
-           "KeptAllReduce", "MovedAllReduce", "Rule", "SlotReads", "is_zero", "loops_all_reduce",
-           "scalar_literal"]
+           "KeptAllReduce", "MovedAllReduce", "Refusal", "Rule", "SlotReads", "check_loop",
+           "is_zero", "loops_all_reduce", "scalar_literal", "slots_read"]

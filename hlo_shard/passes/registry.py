@@ -22,6 +22,7 @@ from hlo_shard.passes.executable_aliases import ExecutableAliases, NextValueAlia
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.replica_form import ReplicaForm
 from hlo_shard.passes.retarget import Retarget
+from hlo_shard.passes.sharded_accumulator import ShardedAccumulator
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
@@ -38,6 +39,7 @@ PASSES: dict[str, Callable[[Options], Pass]] = {
     CopyFreeDonation.name: lambda o: CopyFreeDonation(**o),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
     ReduceScatterCreation.name: lambda o: ReduceScatterCreation(**o),
+    ShardedAccumulator.name: lambda o: ShardedAccumulator(**o),
     Retarget.name: lambda o: Retarget(**o),
     NextValueAliases.name: lambda o: NextValueAliases(_pairs(o.pop("next_values", "")), **o),
     ExecutableAliases.name: lambda o: ExecutableAliases(

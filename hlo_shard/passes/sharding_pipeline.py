@@ -1,4 +1,4 @@
-"""The weight-update sharding as the optimizer runs it: seven passes in order.
+"""The weight-update sharding as the optimizer runs it: eight passes in order.
 
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
@@ -11,9 +11,12 @@
    gradients it found already sharded in the partitioner's all-reduce + dynamic-slice
    form become reduce-scatters where the profile predicts that faster; after the
    sharding, so their rows keep the all-reduce's name and gain the words of the rewrite);
-5. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
-6. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
-7. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
+5. :class:`~hlo_shard.passes.sharded_accumulator.ShardedAccumulator` (a reduce-scatter
+   of accumulated gradients after their loop moves into it, the accumulator carried as
+   a shard, where ``accumulator`` says so: by default where predicted faster);
+6. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
+7. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
+8. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile).
 
 The pipeline validates the module after every pass that changed it
@@ -36,6 +39,7 @@ from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation, ReduceScatterReport
+from hlo_shard.passes.sharded_accumulator import ShardedAccumulator
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 
@@ -45,7 +49,9 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
     """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
     each pass's result (``optimize --explain --verbose`` collects their changes)."""
     return Pipeline((AccumulationMotion(), TupleForwarding(), sharding,
-                     ReduceScatterCreation(sharding.profile), ChannelIdDedupe(),
+                     ReduceScatterCreation(sharding.profile),
+                     ShardedAccumulator(sharding.profile, sharding.options.accumulator),
+                     ChannelIdDedupe(),
                      EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)),
                     after_pass=after_pass)
 

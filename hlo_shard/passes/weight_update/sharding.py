@@ -91,6 +91,9 @@ class ShardingOptions:
     #: on ``profile``).
     per_tensor_bytes: int | None = None
     overrides: ParamOverrides = ParamOverrides()
+    #: An accumulation loop's accumulator: ``auto``, ``whole`` or ``sharded``
+    #: (:mod:`hlo_shard.passes.sharded_accumulator`).
+    accumulator: str = "auto"
 
 
 class ShardingOptionError(HloShardError):
