@@ -538,6 +538,15 @@ class ModuleRewriter:
             rw = self._rewriters[comp.name] = Rewriter(comp, self.changes)
         return rw
 
+    def forget(self, comp: Computation, since: int) -> None:
+        """After the caller put ``comp`` (and the computation list) back as they were
+        when the log was ``since`` entries long — an attempt undone from its snapshot:
+        the log's entries since go, and so does ``comp``'s Rewriter, whose users index
+        and names in use describe the attempt (the next :meth:`rewriter` reads ``comp``
+        afresh)."""
+        del self.changes[since:]
+        self._rewriters.pop(comp.name, None)
+
     def set_header(self, key: str, value: AttrValue, *, replacing: str | None = None) -> None:
         """Set header attribute ``key``, recorded when its value changes. A new key
         prints last; with ``replacing`` (a key that is there) it takes that key's place

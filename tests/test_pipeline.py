@@ -9,10 +9,10 @@ from typing import ClassVar
 import pytest
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Rewriter
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.pipeline import PassCheckError, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
 from hlo_shard.passes.weight_update import (ShardingOptionError, ShardingOptions,
@@ -38,12 +38,12 @@ class Retype(ModulePass[int]):
     opcode: str
     to: str
 
-    def apply(self, module: Module) -> PassResult[int]:
-        rw = Rewriter(module.entry)
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> int:
+        rw = rewriter.rewriter(module.entry)
         for inst in list(module.entry.instructions):
             if inst.opcode == self.opcode:
                 rw.set_opcode(inst, self.to)
-        return PassResult(module, bool(rw.changes), rw.changes, report=len(rw.changes))
+        return len(rw.changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +52,8 @@ class Reshape(ModulePass[None]):
 
     name: ClassVar[str] = "broken-reshape"
 
-    def apply(self, module: Module) -> PassResult[None]:
-        rw = Rewriter(module.entry)
-        rw.set_shape(module.entry.root, ArrayShape("f32", (3,)))
-        return PassResult(module, True, rw.changes)
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        rewriter.rewriter(module.entry).set_shape(module.entry.root, ArrayShape("f32", (3,)))
 
 
 def test_passes_run_in_order_with_typed_reports_and_a_callback():
@@ -110,7 +108,7 @@ def test_passes_are_frozen():
 
 def test_the_weight_update_pass_runs_in_a_pipeline_unchanged():
     direct = parse(SGD)
-    alone = WeightUpdateSharding().apply(direct)
+    alone = WeightUpdateSharding().run(direct)
     result = Pipeline([WeightUpdateSharding()]).run(parse(SGD))
     assert to_text(result.module) == to_text(direct)
     report = result.report(ShardingReport)
@@ -133,7 +131,7 @@ def test_the_weight_update_pass_resolves_its_options_when_built():
 def test_a_contradicted_option_is_named_as_the_library_names_it():
     with pytest.raises(ShardingOptionError, match="^num_replicas=4 does not match the "
                                                   "module's data-parallel group size 2$"):
-        WeightUpdateSharding(ShardingOptions(num_replicas=4)).apply(parse(SGD))
+        WeightUpdateSharding(ShardingOptions(num_replicas=4)).run(parse(SGD))
 
 
 SPMD = f"""HloModule spmd, num_partitions=2, input_output_alias={{ {{}}: (0, {{}}, may-alias) }}
@@ -171,7 +169,7 @@ def test_replica_form_of_a_replica_form_module_changes_nothing():
 def test_replica_form_refuses_replicas_and_partitions_together():
     module = parse(SGD.replace("replica_count=2", "replica_count=2, num_partitions=2"))
     with pytest.raises(HloShardError, match="replica_count or num_partitions"):
-        ReplicaForm().apply(module)
+        ReplicaForm().run(module)
 
 
 def test_pipelines_are_read_from_a_spec():

@@ -57,5 +57,5 @@ def replica_form(module: Module, *, keep_donation: bool = False) -> Module:
     its donated inputs (:mod:`hlo_shard.jax` donates as the user's jit step does)."""
     check_executable(module)
     out = module.clone()
-    ReplicaForm(keep_donation=keep_donation).apply(out)
+    ReplicaForm(keep_donation=keep_donation).run(out)
     return out
