@@ -74,6 +74,34 @@ def test_changed_is_false_when_nothing_changed():
     assert not result.changed and result.results[0].changes == []
 
 
+@dataclasses.dataclass(frozen=True)
+class Tally(ModulePass[None]):
+    """A toy pass that keeps the rewriter it is handed, and a slip: it says nothing of
+    whether it changed the module (the rewriter's log does)."""
+
+    name: ClassVar[str] = "tally"
+    seen: list = dataclasses.field(default_factory=list, compare=False)
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        self.seen.append(rewriter)
+        assert rewriter.module is module
+        assert rewriter.rewriter(module.entry) is rewriter.rewriter(module.entry)
+        rewriter.set_header("replica_count", 2)
+
+
+def test_each_pass_run_gets_one_rewriter_and_its_log_is_what_changed():
+    step = Tally()
+    module = parse(SGD.replace(", replica_count=2", ""))
+    result = Pipeline([step, Retype("subtract", "add"), step]).run(module)
+    first, again = step.seen
+    assert first is not again  # one per pass run
+    assert result.results[0].changes is first.changes and result.results[0].changed
+    assert [c.kind for c in first.changes] == ["set-header"]
+    assert not result.results[2].changed and again.changes == []  # already 2
+    alone = step.run(parse(SGD.replace(", replica_count=2", "")))  # one pass, no pipeline
+    assert alone.changed and alone.changes is step.seen[-1].changes
+
+
 def test_a_check_failure_names_the_pass():
     with pytest.raises(PassCheckError, match=r"pass broken-reshape left an invalid module: "
                                              r"shape: %nw in %e: operand dims"):
@@ -170,6 +198,21 @@ def test_replica_form_refuses_replicas_and_partitions_together():
     module = parse(SGD.replace("replica_count=2", "replica_count=2, num_partitions=2"))
     with pytest.raises(HloShardError, match="replica_count or num_partitions"):
         ReplicaForm().run(module)
+
+
+def test_replica_form_runs_a_one_device_module_as_replicas_through_its_rewriter():
+    """The runtime's ``load(module, devices=4)`` of a module written for one device: the
+    replica count is the pass's edit, in its log (it was set behind the pass's back)."""
+    one = SGD.replace("replica_count=2", "replica_count=1")
+    result = ReplicaForm(replicas=4).run(parse(one))
+    assert result.module.replica_count == 4 and result.report.devices == 4
+    assert ("set-header", "replica_count", 1, 4) in [
+        (c.kind, c.name, c.before, c.after) for c in result.changes]
+    assert not ReplicaForm(replicas=2).run(parse(SGD)).changed  # written for 2 already
+    with pytest.raises(HloShardError, match="written for 2 devices, not 4"):
+        ReplicaForm(replicas=4).run(parse(SGD))
+    with pytest.raises(HloShardError, match="at least one replica"):
+        ReplicaForm(replicas=0)
 
 
 def test_pipelines_are_read_from_a_spec():

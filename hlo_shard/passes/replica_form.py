@@ -46,10 +46,16 @@ class ReplicaFormReport:
 @dataclass(frozen=True)
 class ReplicaForm(ModulePass[ReplicaFormReport]):
     """Turn a per-device module (SPMD or replica form) into replica form, in place;
-    ``keep_donation`` keeps its input/output aliasing."""
+    ``keep_donation`` keeps its input/output aliasing; ``replicas`` runs a module written
+    for one device as that many replicas (the runtime's ``load(..., devices)``)."""
 
     name: ClassVar[str] = "replica-form"
     keep_donation: bool = False
+    replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and self.replicas < 1:
+            raise HloShardError(f"replica form needs at least one replica, not {self.replicas}")
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> ReplicaFormReport:
         if module.replica_count > 1 and module.num_partitions > 1:
@@ -58,6 +64,12 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
         spmd = module.num_partitions > 1
         devices = module.replica_count * module.num_partitions
         _replica_header(rewriter, spmd, devices, self.keep_donation)
+        if self.replicas is not None and self.replicas != devices:
+            if devices > 1:
+                raise HloShardError(f"{module.name} is written for {devices} devices, "
+                                    f"not {self.replicas}")
+            devices = self.replicas
+            rewriter.set_header("replica_count", devices)
         split: list[str] = []
         for comp in module.computations:
             rw = rewriter.rewriter(comp)
