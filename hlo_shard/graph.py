@@ -523,8 +523,9 @@ class Rewriter:
 class ModuleRewriter:
     """Edits one module: its header and computation list here, each computation
     through the one :class:`Rewriter` :meth:`rewriter` makes for it, all recorded in
-    the one log :attr:`changes` in edit order (what a pass that edits several
-    computations, or the header, returns as its ``PassResult.changes``)."""
+    the one log :attr:`changes` in edit order. A pass run is handed one (xDSL's
+    ``PatternRewriter``; ``passes.base.run_pass``) and its log becomes the run's
+    ``PassResult.changes``."""
 
     module: Module
     changes: list[Change] = field(default_factory=list)
