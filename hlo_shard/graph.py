@@ -523,8 +523,9 @@ class Rewriter:
 class ModuleRewriter:
     """Edits one module: its header and computation list here, each computation
     through the one :class:`Rewriter` :meth:`rewriter` makes for it, all recorded in
-    the one log :attr:`changes` in edit order (what a pass that edits several
-    computations, or the header, returns as its ``PassResult.changes``)."""
+    the one log :attr:`changes` in edit order. A pass run is handed one (xDSL's
+    ``PatternRewriter``; ``passes.base.run_pass``) and its log becomes the run's
+    ``PassResult.changes``."""
 
     module: Module
     changes: list[Change] = field(default_factory=list)
@@ -537,6 +538,15 @@ class ModuleRewriter:
         if rw is None or rw.comp is not comp:
             rw = self._rewriters[comp.name] = Rewriter(comp, self.changes)
         return rw
+
+    def forget(self, comp: Computation, since: int) -> None:
+        """After the caller put ``comp`` (and the computation list) back as they were
+        when the log was ``since`` entries long — an attempt undone from its snapshot:
+        the log's entries since go, and so does ``comp``'s Rewriter, whose users index
+        and names in use describe the attempt (the next :meth:`rewriter` reads ``comp``
+        afresh)."""
+        del self.changes[since:]
+        self._rewriters.pop(comp.name, None)
 
     def set_header(self, key: str, value: AttrValue, *, replacing: str | None = None) -> None:
         """Set header attribute ``key``, recorded when its value changes. A new key

@@ -86,7 +86,7 @@ def retarget(module: Module, replicas: int) -> Module:
     """A copy of the per-device data-parallel ``module`` for ``replicas`` devices (see
     :class:`~hlo_shard.passes.retarget.Retarget`)."""
     result = module.clone()
-    Retarget(replicas).apply(result)
+    Retarget(replicas).run(result)
     return result
 
 

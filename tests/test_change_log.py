@@ -123,7 +123,7 @@ def unlogged_edits(before: Module, after: Module, changes: list[Change]) -> list
 def check_pass(step: ModulePass, module: Module) -> bool:
     """Run ``step`` on ``module``; assert its log is complete and ``changed`` is true."""
     before = copy.deepcopy(module)
-    result = step.apply(module)
+    result = step.run(module)
     assert unlogged_edits(before, module, result.changes) == [], step.name
     assert result.changed == bool(result.changes), step.name
     assert result.changed == (to_text(before) != to_text(module)), step.name
@@ -149,10 +149,10 @@ def test_a_pass_that_edits_nothing_records_nothing():
     module = parse(NOTHING_TO_SHARD)
     pipeline = sharding_pipeline(WeightUpdateSharding(ShardingOptions()))
     for step in pipeline.passes:
-        result = step.apply(module)
+        result = step.run(module)
         assert (step.name, result.changed, result.changes) == (step.name, False, [])
-    again = parse(to_text(ReplicaForm().apply(parse(_text("spmd/adam.n2.hlo"))).module))
-    result = ReplicaForm().apply(again)
+    again = parse(to_text(ReplicaForm().run(parse(_text("spmd/adam.n2.hlo"))).module))
+    result = ReplicaForm().run(again)
     assert not result.changed and result.changes == []
 
 

@@ -102,7 +102,7 @@ def test_jax_steps_need_no_copy_once_xla_combines_their_all_reduces(name):
     profile = load_profile("cpu-local")
     module = parse_file(FIXTURES / name)
     assert donated_parameter_copies(module) == []
-    TupleForwarding().apply(module)
+    TupleForwarding().run(module)
     assert donated_parameter_copies(module) != []
     buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
                                profile.combined_collectives)
@@ -119,14 +119,14 @@ def test_dropping_the_alias_keeps_every_output_on_real_xla():
     from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 
     original = parse(CASES["late_reader"])
-    result = CopyFreeDonation("cpu-local").apply(parse(CASES["late_reader"]))
+    result = CopyFreeDonation("cpu-local").run(parse(CASES["late_reader"]))
     assert result.changed and "input_output_alias" not in result.module.header
     assert [c.parameter for c in result.report.dropped] == ["p"]
     assert "XLA would copy it" in result.report.notes[0]
     report = runtime.verify(original, result.module, runtime.VerifyOptions(steps=3))
     assert report.ok, report
     # Nothing to drop: the module is left as it is.
-    again = CopyFreeDonation("cpu-local").apply(parse(CASES["ordered"]))
+    again = CopyFreeDonation("cpu-local").run(parse(CASES["ordered"]))
     assert not again.changed and again.changes == []
 
 
@@ -136,11 +136,11 @@ def test_aliases_stay_where_the_copy_is_cheap_or_the_new_buffer_faults_in():
     from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 
     cpu = load_profile("cpu-local")
-    assert CopyFreeDonation(cpu).apply(parse(CASES["late_reader"])).changed
+    assert CopyFreeDonation(cpu).run(parse(CASES["late_reader"])).changed
     # A large output would be mapped afresh every step: the copy is cheaper.
     faulting = replace(cpu, fresh_temp_threshold_bytes=1024)
-    assert not CopyFreeDonation(faulting).apply(parse(CASES["late_reader"])).changed
+    assert not CopyFreeDonation(faulting).run(parse(CASES["late_reader"])).changed
     # Where a copy is a sliver of the step (HBM-like bandwidth), memory is not traded.
     fast = replace(cpu, memory_bandwidth_bytes_per_s=1e15, cache_bandwidth_bytes_per_s=1e15,
                    kernel_overhead_s=0.0)
-    assert not CopyFreeDonation(fast).apply(parse(CASES["late_reader"])).changed
+    assert not CopyFreeDonation(fast).run(parse(CASES["late_reader"])).changed

@@ -249,3 +249,20 @@ def test_views_are_read_once_per_computation_only_while_reading_only() -> None:
     assert {(u, v, k) for u, v, k in graph.edges(keys=True)} == {
         (operand, inst.name, index) for inst in comp.instructions
         for index, operand in enumerate(inst.operands)}
+
+
+def test_forget_drops_the_log_since_and_the_computations_rewriter():
+    """An attempt undone from a snapshot (the weight-update pass's refused region): its
+    edits leave the log, and the next Rewriter reads the computation as it is again."""
+    module = Module("m", [_comp()], {})
+    edits = ModuleRewriter(module)
+    edits.set_header("replica_count", 2)
+    rw = edits.rewriter(module.entry)
+    since = len(edits.changes)
+    added = rw.add("abs", F4, ["p"])
+    module.entry.remove(added.name, module.entry.position(added.name))  # the snapshot's undo
+    edits.forget(module.entry, since)
+    assert [c.kind for c in edits.changes] == ["set-header"]
+    again = edits.rewriter(module.entry)
+    assert again is not rw and [u.name for u in again.users("p")] == ["n"]
+    assert again.fresh_name("abs") == added.name  # the undone name is free again

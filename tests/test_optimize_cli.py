@@ -169,11 +169,11 @@ def test_bad_input_exits_2_without_output(tmp_path):
 def test_refuses_to_write_a_module_that_fails_validation(sgd, tmp_path, monkeypatch):
     original = WeightUpdateSharding.apply
 
-    def broken(self, module):
-        result = original(self, module)
+    def broken(self, module, rewriter):
+        report = original(self, module, rewriter)
         (rs,) = [i for i in module.entry.instructions if i.opcode == "reduce-scatter"]
-        rs.shape = rs.shape.with_dims((5,))
-        return result
+        rewriter.rewriter(module.entry).set_shape(rs, rs.shape.with_dims((5,)))
+        return report
 
     monkeypatch.setattr(WeightUpdateSharding, "apply", broken)
     out = tmp_path / "o.hlo"

@@ -105,22 +105,22 @@ def test_donated_parameters_are_read_from_both_donation_attributes():
 
 def test_next_values_replace_the_donation_header():
     module = parse(DONATING)
-    result = NextValueAliases(((1, 0), (0, 1))).apply(module)
+    result = NextValueAliases(((1, 0), (0, 1))).run(module)
     assert result.changed and "buffer_donor" not in module.header
     assert to_text(module).splitlines()[0] == (
         "HloModule step, input_output_alias={ {1}: (0, {}, may-alias), "
         "{0}: (1, {}, may-alias) }")
-    assert not NextValueAliases(()).apply(parse(DONATING)).changed
+    assert not NextValueAliases(()).run(parse(DONATING)).changed
 
 
 def test_every_donor_is_aliased_to_an_output_of_its_shape_its_next_value_first():
     module = parse(DONATING)
-    ExecutableAliases((0, 1, 2), ((1, 0),)).apply(module)
+    ExecutableAliases((0, 1, 2), ((1, 0),)).run(module)
     # w → its next value {1}; s → the first free f32[8], {0}; b → {2}
     assert module.output_aliases() == {0: 1, 1: 0, 2: 2}
     assert "buffer_donor" not in module.header
     lone = parse(DONATING)
-    ExecutableAliases((), ()).apply(lone)
+    ExecutableAliases((), ()).run(lone)
     assert "input_output_alias" not in lone.header
 
 

@@ -66,7 +66,7 @@ def test_every_gradient_is_sharded_or_explained(path):
     original = parse(path.read_text(), str(path))
     # the rows name the all-reduces the sharding sees: accumulated ones after their loop
     moved = parse(path.read_text(), str(path))
-    AccumulationMotion().apply(moved)
+    AccumulationMotion().run(moved)
     expected = {(ar.computation, ar.name) for ar in find_gradient_all_reduces(moved)}
     full_dims = _gradient_dims(original)
     module = parse(path.read_text(), str(path))

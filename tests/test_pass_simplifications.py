@@ -84,17 +84,17 @@ def test_a_pipeline_defers_a_check_only_to_the_pass_that_repairs_it():
 def test_a_matching_entry_layout_keeps_its_text():
     module = parse(LAYOUT)
     before = to_text(module)
-    result = EntryLayoutUpdate().apply(module)
+    result = EntryLayoutUpdate().run(module)
     assert not result.changed and result.report.layout is None
     assert to_text(module) == before and "/*index=2*/" in before
-    assert not EntryLayoutUpdate().apply(parse(LAYOUT.split(", entry_computation")[0] + "\n"
+    assert not EntryLayoutUpdate().run(parse(LAYOUT.split(", entry_computation")[0] + "\n"
                                                + LAYOUT.split("\n", 1)[1])).changed
 
 
 def test_unique_channel_ids_are_left_alone():
     module = parse(SHARED_IDS.replace("channel_id=3, replica_groups={{0,1}}, to_apply=mx\n s",
                                       "channel_id=5, replica_groups={{0,1}}, to_apply=mx\n s"))
-    result = ChannelIdDedupe().apply(module)
+    result = ChannelIdDedupe().run(module)
     assert not result.changed and result.report.notes == []
 
 
@@ -114,9 +114,9 @@ ENTRY e {{ w = f32[8] parameter(0) g = f32[8] parameter(1)
  ROOT nw = f32[8] subtract(w, u) }}
 """
     module = parse(wrapped)
-    result = TupleForwarding().apply(module)
+    result = TupleForwarding().run(module)
     assert result.changed and result.report.forwarded == {"e": 1}
     assert "get-tuple-element" not in to_text(module).split("ENTRY")[1]
     assert "get-tuple-element" in to_text(module).split("ENTRY")[0]  # helper: left alone
-    again = TupleForwarding().apply(module)
+    again = TupleForwarding().run(module)
     assert not again.changed and again.report.forwarded == {}

@@ -6,8 +6,13 @@ import pytest
 
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
+from hlo_shard.graph import DependencyCycle
 from hlo_shard.ir import ArrayShape, TupleShape
+from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update import WeightUpdateSharding
 from hlo_shard.passes.weight_update.emit import CollectivePricing
+from hlo_shard.passes.weight_update.lowering import RegionRewrite
+from hlo_shard.printer import to_text
 from hlo_shard.profiles import load_profile
 
 from wus_helpers import ADD, MAX, find, opcodes, optimize, row
@@ -608,3 +613,22 @@ def test_pmap_form_infers_which_parameters_are_replicated():
     assert row(report, "ar").sharded and opcodes(module)["reduce-scatter"] == 1
     assert row(report, "ar").ops_moved == 2
     assert [p.kind for p in report.parameters] == ["replicated", "per-device"]
+
+
+def test_a_region_undone_after_the_fact_leaves_its_edits_out_of_the_passs_one_log(monkeypatch):
+    """The pass's steps share the rewriter its runner hands in: a region rewrite found
+    wrong afterwards (a dependency cycle) is undone with its log entries, and the
+    edits before it (the recovered header) stay."""
+    rewrite = RegionRewrite.run
+
+    def cyclic(self):
+        rewrite(self)  # edits made, then found wrong
+        raise DependencyCycle(self.comp.name, ["nw"])
+
+    monkeypatch.setattr(RegionRewrite, "run", cyclic)
+    module = parse(SGD.replace(", replica_count=4", ""))
+    expected = to_text(parse(SGD))
+    result = WeightUpdateSharding().run(module)
+    assert to_text(module) == expected  # as read, with the device count recovered
+    assert [(c.kind, c.name) for c in result.changes] == [("set-header", "replica_count")]
+    assert row(result.report, "ar").reason_code == "region_cycle"

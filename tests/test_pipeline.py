@@ -9,10 +9,10 @@ from typing import ClassVar
 import pytest
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Rewriter
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.pipeline import PassCheckError, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
 from hlo_shard.passes.weight_update import (ShardingOptionError, ShardingOptions,
@@ -38,12 +38,12 @@ class Retype(ModulePass[int]):
     opcode: str
     to: str
 
-    def apply(self, module: Module) -> PassResult[int]:
-        rw = Rewriter(module.entry)
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> int:
+        rw = rewriter.rewriter(module.entry)
         for inst in list(module.entry.instructions):
             if inst.opcode == self.opcode:
                 rw.set_opcode(inst, self.to)
-        return PassResult(module, bool(rw.changes), rw.changes, report=len(rw.changes))
+        return len(rw.changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +52,8 @@ class Reshape(ModulePass[None]):
 
     name: ClassVar[str] = "broken-reshape"
 
-    def apply(self, module: Module) -> PassResult[None]:
-        rw = Rewriter(module.entry)
-        rw.set_shape(module.entry.root, ArrayShape("f32", (3,)))
-        return PassResult(module, True, rw.changes)
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        rewriter.rewriter(module.entry).set_shape(module.entry.root, ArrayShape("f32", (3,)))
 
 
 def test_passes_run_in_order_with_typed_reports_and_a_callback():
@@ -74,6 +72,34 @@ def test_passes_run_in_order_with_typed_reports_and_a_callback():
 def test_changed_is_false_when_nothing_changed():
     result = Pipeline([Retype("sine", "cosine")]).run(parse(SGD))
     assert not result.changed and result.results[0].changes == []
+
+
+@dataclasses.dataclass(frozen=True)
+class Tally(ModulePass[None]):
+    """A toy pass that keeps the rewriter it is handed, and a slip: it says nothing of
+    whether it changed the module (the rewriter's log does)."""
+
+    name: ClassVar[str] = "tally"
+    seen: list = dataclasses.field(default_factory=list, compare=False)
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        self.seen.append(rewriter)
+        assert rewriter.module is module
+        assert rewriter.rewriter(module.entry) is rewriter.rewriter(module.entry)
+        rewriter.set_header("replica_count", 2)
+
+
+def test_each_pass_run_gets_one_rewriter_and_its_log_is_what_changed():
+    step = Tally()
+    module = parse(SGD.replace(", replica_count=2", ""))
+    result = Pipeline([step, Retype("subtract", "add"), step]).run(module)
+    first, again = step.seen
+    assert first is not again  # one per pass run
+    assert result.results[0].changes is first.changes and result.results[0].changed
+    assert [c.kind for c in first.changes] == ["set-header"]
+    assert not result.results[2].changed and again.changes == []  # already 2
+    alone = step.run(parse(SGD.replace(", replica_count=2", "")))  # one pass, no pipeline
+    assert alone.changed and alone.changes is step.seen[-1].changes
 
 
 def test_a_check_failure_names_the_pass():
@@ -110,7 +136,7 @@ def test_passes_are_frozen():
 
 def test_the_weight_update_pass_runs_in_a_pipeline_unchanged():
     direct = parse(SGD)
-    alone = WeightUpdateSharding().apply(direct)
+    alone = WeightUpdateSharding().run(direct)
     result = Pipeline([WeightUpdateSharding()]).run(parse(SGD))
     assert to_text(result.module) == to_text(direct)
     report = result.report(ShardingReport)
@@ -133,7 +159,7 @@ def test_the_weight_update_pass_resolves_its_options_when_built():
 def test_a_contradicted_option_is_named_as_the_library_names_it():
     with pytest.raises(ShardingOptionError, match="^num_replicas=4 does not match the "
                                                   "module's data-parallel group size 2$"):
-        WeightUpdateSharding(ShardingOptions(num_replicas=4)).apply(parse(SGD))
+        WeightUpdateSharding(ShardingOptions(num_replicas=4)).run(parse(SGD))
 
 
 SPMD = f"""HloModule spmd, num_partitions=2, input_output_alias={{ {{}}: (0, {{}}, may-alias) }}
@@ -171,7 +197,22 @@ def test_replica_form_of_a_replica_form_module_changes_nothing():
 def test_replica_form_refuses_replicas_and_partitions_together():
     module = parse(SGD.replace("replica_count=2", "replica_count=2, num_partitions=2"))
     with pytest.raises(HloShardError, match="replica_count or num_partitions"):
-        ReplicaForm().apply(module)
+        ReplicaForm().run(module)
+
+
+def test_replica_form_runs_a_one_device_module_as_replicas_through_its_rewriter():
+    """The runtime's ``load(module, devices=4)`` of a module written for one device: the
+    replica count is the pass's edit, in its log (it was set behind the pass's back)."""
+    one = SGD.replace("replica_count=2", "replica_count=1")
+    result = ReplicaForm(replicas=4).run(parse(one))
+    assert result.module.replica_count == 4 and result.report.devices == 4
+    assert ("set-header", "replica_count", 1, 4) in [
+        (c.kind, c.name, c.before, c.after) for c in result.changes]
+    assert not ReplicaForm(replicas=2).run(parse(SGD)).changed  # written for 2 already
+    with pytest.raises(HloShardError, match="written for 2 devices, not 4"):
+        ReplicaForm(replicas=4).run(parse(SGD))
+    with pytest.raises(HloShardError, match="at least one replica"):
+        ReplicaForm(replicas=0)
 
 
 def test_pipelines_are_read_from_a_spec():

@@ -38,7 +38,7 @@ def opcodes(module: Module) -> list[str]:
 
 
 def run_pass(module: Module, profile: str = "cpu-local") -> ReduceScatterReport:
-    result = ReduceScatterCreation(profile).apply(module)
+    result = ReduceScatterCreation(profile).run(module)
     assert result.report is not None
     return result.report
 

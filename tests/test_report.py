@@ -37,7 +37,7 @@ def modules(tmp_path_factory):
     folder = tmp_path_factory.mktemp("modules")
     before = folder / "adam.hlo"
     before.write_text(ADAM)
-    sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).apply(parse(ADAM)).module
+    sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).run(parse(ADAM)).module
     after = folder / "adam.sharded.hlo"
     after.write_text(to_text(sharded))
     return str(before), str(after)
@@ -140,7 +140,7 @@ def test_per_weight_rows_of_a_combined_bucket():
     from hlo_shard.profiles import load_profile
 
     original = parse(Path("fixtures/spmd/adam.n8.hlo").read_text())
-    combined = WeightUpdateSharding(ShardingOptions(strategy="combined")).apply(
+    combined = WeightUpdateSharding(ShardingOptions(strategy="combined")).run(
         parse(Path("fixtures/spmd/adam.n8.hlo").read_text())).module
     profile = load_profile("cpu-generic")
     before = per_weight_rows(estimate(original, profile), original)
@@ -401,7 +401,7 @@ def test_a_reduce_scattered_gradient_stays_gradient_memory():
     from hlo_shard.costmodel.step_time import gradient_values
     from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
-    sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).apply(
+    sharded = WeightUpdateSharding(ShardingOptions(state="sharded")).run(
         parse(EARLY_GRADIENT)).module
     assert [i.opcode for i in sharded.entry.instructions if "g" in i.operands] == ["pad"]
     assert "g" in gradient_values(sharded, sharded.entry)

@@ -47,7 +47,7 @@ from typing import ClassVar
 from hlo_shard.analysis.collectives import reducer_opcode
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 
 #: Element types a summing all-reduce is moved for (numeric: the sum is exact in
@@ -220,8 +220,8 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
 
     name: ClassVar[str] = "accumulation-motion"
 
-    def apply(self, module: Module) -> PassResult[AccumulationReport]:
-        sinking = _Sinking(module, ModuleRewriter(module), ChannelIds(module))
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
+        sinking = _Sinking(module, rewriter, ChannelIds(module))
         # A moved all-reduce lands in the loop's computation, which may itself be an
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
@@ -230,9 +230,7 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
         kept = {(k.computation, k.loop, k.all_reduce): k for k in sinking.kept}
         for move in sinking.moved:
             kept.pop((move.computation, move.loop, move.all_reduce), None)
-        report = AccumulationReport(sinking.moved, list(kept.values()))
-        changes = sinking.edits.changes
-        return PassResult(module, bool(changes), changes, report=report)
+        return AccumulationReport(sinking.moved, list(kept.values()))
 
 
 @dataclass

@@ -3,9 +3,13 @@
 As in xDSL (``ModulePass``) and torch.fx (``PassBase``): the pass's ``name`` is a class
 constant, its options are typed fields resolved before it runs (a ``HardwareProfile``,
 not a profile name: an option error is raised building the pass, never half way through
-a module), and ``apply(module)`` edits the module in place and says what it did in a
-:class:`PassResult` with a typed report. :class:`hlo_shard.passes.pipeline.Pipeline`
-runs passes in order and checks the module after each.
+a module), and ``apply(module, rewriter)`` edits the module in place, every edit through
+the one :class:`~hlo_shard.graph.ModuleRewriter` it is handed (xDSL's
+``PatternRewriter``: header and computation list there, each computation through
+``rewriter.rewriter(comp)``), and returns its typed report. Whoever runs the pass makes
+that rewriter — :func:`run_pass`, which :class:`hlo_shard.passes.pipeline.Pipeline` and
+:meth:`ModulePass.run` use — so what a pass did (:class:`PassResult` ``changed`` and
+``changes``) is the rewriter's log, never the pass's own account.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from hlo_shard.graph import Change
+from hlo_shard.graph import Change, ModuleRewriter
 from hlo_shard.ir import Module
 
 ReportT = TypeVar("ReportT")
+#: A pass only produces its report (what a ``Pass[Report]`` may stand for).
+ReportT_co = TypeVar("ReportT_co", covariant=True)
 
 
 @dataclass
@@ -31,7 +37,7 @@ class PassResult(Generic[ReportT]):
     report: ReportT | None = None
 
 
-class Pass(Protocol[ReportT]):
+class Pass(Protocol[ReportT_co]):
     """What a pipeline needs of a pass (anything with a name and ``apply``)."""
 
     name: ClassVar[str]
@@ -40,7 +46,14 @@ class Pass(Protocol[ReportT]):
     #: assignment after the passes that change shapes).
     repairs: ClassVar[frozenset[str]]
 
-    def apply(self, module: Module) -> PassResult[ReportT]: ...
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ReportT_co: ...
+
+
+def run_pass(step: Pass[ReportT], module: Module) -> PassResult[ReportT]:
+    """``step`` on ``module`` (in place) through one new rewriter; what changed is its log."""
+    rewriter = ModuleRewriter(module)
+    report = step.apply(module, rewriter)
+    return PassResult(module, bool(rewriter.changes), rewriter.changes, report=report)
 
 
 class ModulePass(ABC, Generic[ReportT]):
@@ -52,8 +65,13 @@ class ModulePass(ABC, Generic[ReportT]):
     repairs: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
-    def apply(self, module: Module) -> PassResult[ReportT]:
-        """Edit ``module`` in place; ``changed`` is True iff its text changed."""
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ReportT:
+        """Edit ``module`` in place, every edit through ``rewriter`` (whose log then
+        says whether its text changed, and how); return the report."""
+
+    def run(self, module: Module) -> PassResult[ReportT]:
+        """This pass alone on ``module`` (in place), unchecked: :func:`run_pass`."""
+        return run_pass(self, module)
 
 
-__all__ = ["ModulePass", "Pass", "PassResult", "ReportT"]
+__all__ = ["ModulePass", "Pass", "PassResult", "ReportT", "run_pass"]

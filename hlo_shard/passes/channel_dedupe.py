@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hlo_shard.graph import Change, Rewriter
+from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module
 from hlo_shard.opinfo import CHANNEL_UNIQUE
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 
 
@@ -39,23 +39,22 @@ class ChannelIdDedupe(ModulePass[RenumberedChannels]):
     #: The check this pass makes pass: a pipeline does not fail the passes before it on it.
     repairs: ClassVar[frozenset[str]] = frozenset({"unique-channel-ids"})
 
-    def apply(self, module: Module) -> PassResult[RenumberedChannels]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> RenumberedChannels:
         channels = ChannelIds(module)
         seen: set[int] = set()
-        changes: list[Change] = []
+        renumbered = 0
         for comp in module.computations:
-            rw = Rewriter(comp)
+            rw = rewriter.rewriter(comp)
             for inst in comp.instructions:
                 channel = inst.int_attr("channel_id")
                 if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
                     rw.set_attr(inst, "channel_id", channels.fresh())
+                    renumbered += 1
                 else:
                     seen.add(channel)
-            changes += rw.changes
-        return PassResult(module, bool(changes), changes,
-                          report=RenumberedChannels(len(changes)))
+        return RenumberedChannels(renumbered)
 
 
 __all__ = ["ChannelIdDedupe", "RenumberedChannels"]

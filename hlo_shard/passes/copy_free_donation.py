@@ -30,7 +30,7 @@ from hlo_shard.costmodel.network import combiner_buckets
 from hlo_shard.costmodel.step_time import donated_copy_seconds, estimate_step
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Alias, InputOutputAlias, Module
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 
 #: The share of the predicted step the copies must take for their aliases to go.
@@ -62,12 +62,12 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile", resolve_profile(self.profile))
 
-    def apply(self, module: Module) -> PassResult[UnaliasedDonations]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> UnaliasedDonations:
         aliases = module.header.get("input_output_alias")
         if not isinstance(aliases, InputOutputAlias) or \
                 any(len(alias.output) > 1 for alias in aliases.entries):
             # None, or entries this pass does not read (nested tuple outputs): untouched.
-            return PassResult(module, False, report=UnaliasedDonations(()))
+            return UnaliasedDonations(())
         profile = resolve_profile(self.profile).for_devices(module.device_count)
         buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
                                    profile.combined_collectives)
@@ -84,13 +84,12 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
             else:
                 kept.append(alias)
         if not dropped or not _copies_pay(module, profile, dropped):
-            return PassResult(module, False, report=UnaliasedDonations(()))
-        edits = ModuleRewriter(module)
+            return UnaliasedDonations(())
         if kept:
-            edits.set_header("input_output_alias", InputOutputAlias(tuple(kept)))
+            rewriter.set_header("input_output_alias", InputOutputAlias(tuple(kept)))
         else:
-            edits.pop_header("input_output_alias")
-        return PassResult(module, True, edits.changes, report=UnaliasedDonations(tuple(dropped)))
+            rewriter.pop_header("input_output_alias")
+        return UnaliasedDonations(tuple(dropped))
 
 
 def _copies_pay(module: Module, profile: HardwareProfile, copies: list[DonatedCopy]) -> bool:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.printer import format_shape
 
 #: Layouts (``{1,0}``), comments and spaces: what two layouts of one signature may differ in.
@@ -36,21 +36,19 @@ class EntryLayoutUpdate(ModulePass[EntryLayoutReport]):
     #: The check this pass makes pass: a pipeline does not fail the passes before it on it.
     repairs: ClassVar[frozenset[str]] = frozenset({"entry-layout"})
 
-    def apply(self, module: Module) -> PassResult[EntryLayoutReport]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> EntryLayoutReport:
         declared = module.header.get("entry_computation_layout")
         if not isinstance(declared, Raw):
-            return PassResult(module, False, report=EntryLayoutReport(None))
+            return EntryLayoutReport(None)
         entry = module.entry
         params = ", ".join(format_shape(p.shape) for p in entry.parameters())
         signature = f"({params})->{format_shape(entry.root.shape)}"
         if _shapes(signature) == _shapes(declared.text.strip().removeprefix("{")
                                          .removesuffix("}")):
-            return PassResult(module, False, report=EntryLayoutReport(None))
+            return EntryLayoutReport(None)
         layout = f"{{{signature}}}"
-        edits = ModuleRewriter(module)
-        edits.set_header("entry_computation_layout", Raw(layout))
-        return PassResult(module, bool(edits.changes), edits.changes,
-                          report=EntryLayoutReport(layout))
+        rewriter.set_header("entry_computation_layout", Raw(layout))
+        return EntryLayoutReport(layout)
 
 
 def _shapes(signature: str) -> str:

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, TupleShape
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.replica_form import DONATION_ATTRIBUTES
 
 def donated_parameters(module: Module) -> tuple[int, ...]:
@@ -48,14 +48,12 @@ class NextValueAliases(ModulePass[None]):
     name: ClassVar[str] = "next-value-aliases"
     next_values: tuple[tuple[int, int], ...] = ()
 
-    def apply(self, module: Module) -> PassResult[None]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
         if not self.next_values:
-            return PassResult(module, False)
-        edits = ModuleRewriter(module)
+            return
         for key in DONATION_ATTRIBUTES:
-            edits.pop_header(key)
-        edits.set_header("input_output_alias", _aliases(module, self.next_values))
-        return PassResult(module, bool(edits.changes), edits.changes)
+            rewriter.pop_header(key)
+        rewriter.set_header("input_output_alias", _aliases(module, self.next_values))
 
 
 @dataclass(frozen=True)
@@ -68,15 +66,13 @@ class ExecutableAliases(ModulePass[None]):
     donors: tuple[int, ...] = ()
     next_values: tuple[tuple[int, int], ...] = ()
 
-    def apply(self, module: Module) -> PassResult[None]:
-        edits = ModuleRewriter(module)
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
         for key in DONATION_ATTRIBUTES:
-            edits.pop_header(key)
+            rewriter.pop_header(key)
         taken = self._pairs(module) if self.donors else {}
         if taken:
-            edits.set_header("input_output_alias", _aliases(
+            rewriter.set_header("input_output_alias", _aliases(
                 module, sorted(((k, p) for p, k in taken.items()), key=lambda pair: pair[0])))
-        return PassResult(module, bool(edits.changes), edits.changes)
 
     def _pairs(self, module: Module) -> dict[int, int]:
         """Donor → the output it is aliased to."""

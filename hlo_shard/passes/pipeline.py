@@ -1,5 +1,7 @@
 """Run passes in order, checking the module after each one (torch.fx's
-``run_checks_after_each_pass``, xDSL's ``PassPipeline`` callback).
+``run_checks_after_each_pass``, xDSL's ``PassPipeline`` callback). Each pass run gets
+one new :class:`~hlo_shard.graph.ModuleRewriter` (:func:`~hlo_shard.passes.base.run_pass`):
+its log is what the pass changed.
 
 A pass that leaves a module the check rejects is named in the error, so a slip shows
 where it happened rather than at the end of a long pipeline (or in XLA). A problem a
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.base import Pass, PassResult
+from hlo_shard.passes.base import Pass, PassResult, run_pass
 from hlo_shard.printer import to_text
 from hlo_shard.validate import validate
 
@@ -94,7 +96,7 @@ class Pipeline:
         before = frozenset(map(_kind, self.check(module))) if self.check is not None \
             else frozenset()
         for position, step in enumerate(self.passes):
-            result = step.apply(module)
+            result = run_pass(step, module)
             if self.check is not None and result.changed:  # unchanged: nothing to find
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
                 problems = [p for p in self.check(module)

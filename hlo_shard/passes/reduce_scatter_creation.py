@@ -47,10 +47,10 @@ from typing import ClassVar
 from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
                                             find_gradient_all_reduces, recovered_device_counts)
 from hlo_shard.costmodel.network import collective_cost
-from hlo_shard.graph import Change, ModuleRewriter, Rewriter, control_predecessors, users_map
+from hlo_shard.graph import ModuleRewriter, Rewriter, control_predecessors, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           SliceRanges)
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 from hlo_shard.passes.weight_update import ShardingReport
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
@@ -498,14 +498,13 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile", resolve_profile(self.profile))
 
-    def apply(self, module: Module) -> PassResult[ReduceScatterReport]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ReduceScatterReport:
         view = replace(module, header={**module.header, **recovered_device_counts(module)})
         hardware = resolve_profile(self.profile).for_devices(view.device_count)
         formed: dict[str, list[tuple[str, DeviceGroups]]] = {}
         for found in find_gradient_all_reduces(view):
             if found.code is ReasonCode.ALREADY_SHARDED and found.groups is not None:
                 formed.setdefault(found.computation, []).append((found.name, found.groups))
-        rewriter = ModuleRewriter(module)
         channels = ChannelIds(module)
         decisions: list[ScatterDecision] = []
         for comp_name, gradients in formed.items():
@@ -540,9 +539,7 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
                 created = _rewrite(rewriter.rewriter(comp), spec, channels)
                 decisions.append(ScatterDecision(comp_name, spec.all_reduce, created, before,
                                                  after, spec.blocks, _holders(spec)))
-        changes: list[Change] = rewriter.changes
-        return PassResult(module, bool(changes), changes,
-                          report=ReduceScatterReport(tuple(decisions)))
+        return ReduceScatterReport(tuple(decisions))
 
 
 def _narrow_float(element_type: str) -> str:

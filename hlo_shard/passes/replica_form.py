@@ -25,7 +25,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import Computation, Instruction, Module, TupleShape, shape_leaves
 from hlo_shard.opinfo import CHANNEL_PAIRED
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 
 #: Header attributes dropped for execution: donation would delete reused inputs.
 DONATION_ATTRIBUTES = ("input_output_alias", "buffer_donor")
@@ -46,31 +46,39 @@ class ReplicaFormReport:
 @dataclass(frozen=True)
 class ReplicaForm(ModulePass[ReplicaFormReport]):
     """Turn a per-device module (SPMD or replica form) into replica form, in place;
-    ``keep_donation`` keeps its input/output aliasing."""
+    ``keep_donation`` keeps its input/output aliasing; ``replicas`` runs a module written
+    for one device as that many replicas (the runtime's ``load(..., devices)``)."""
 
     name: ClassVar[str] = "replica-form"
     keep_donation: bool = False
+    replicas: int | None = None
 
-    def apply(self, module: Module) -> PassResult[ReplicaFormReport]:
+    def __post_init__(self) -> None:
+        if self.replicas is not None and self.replicas < 1:
+            raise HloShardError(f"replica form needs at least one replica, not {self.replicas}")
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ReplicaFormReport:
         if module.replica_count > 1 and module.num_partitions > 1:
             raise HloShardError(f"{module.name}: replica form needs replica_count or "
                                 "num_partitions to be 1")
         spmd = module.num_partitions > 1
         devices = module.replica_count * module.num_partitions
-        edits = ModuleRewriter(module)
-        _replica_header(edits, spmd, devices, self.keep_donation)
-        rewriters = {comp.name: edits.rewriter(comp) for comp in module.computations}
+        _replica_header(rewriter, spmd, devices, self.keep_donation)
+        if self.replicas is not None and self.replicas != devices:
+            if devices > 1:
+                raise HloShardError(f"{module.name} is written for {devices} devices, "
+                                    f"not {self.replicas}")
+            devices = self.replicas
+            rewriter.set_header("replica_count", devices)
         split: list[str] = []
         for comp in module.computations:
-            rw = rewriters[comp.name]
+            rw = rewriter.rewriter(comp)
             for inst in comp.instructions:
                 rw.pop_attr(inst, "sharding")
                 if spmd and inst.opcode == "partition-id":
                     rw.set_opcode(inst, "replica-id")
             split += _split_variadic_all_reduces(rw)
-        renumbered = _renumber_channels(module, rewriters)
-        report = ReplicaFormReport(devices, spmd, tuple(split), renumbered)
-        return PassResult(module, bool(edits.changes), edits.changes, report=report)
+        return ReplicaFormReport(devices, spmd, tuple(split), _renumber_channels(rewriter))
 
 
 def _replica_header(edits: ModuleRewriter, spmd: bool, devices: int,
@@ -90,15 +98,15 @@ def renumber_channels(module: Module) -> int:
     """Give every channel id a fresh value 1, 2, 3 … in program order; instructions
     paired by a channel (send/recv and their -done) keep sharing one. Returns how many
     ids changed."""
-    return _renumber_channels(module, {c.name: Rewriter(c) for c in module.computations})
+    return _renumber_channels(ModuleRewriter(module))
 
 
-def _renumber_channels(module: Module, rewriters: dict[str, Rewriter]) -> int:
+def _renumber_channels(edits: ModuleRewriter) -> int:
     paired: dict[int, int] = {}
     next_id = 1
     renumbered = 0
-    for comp in module.computations:
-        rw = rewriters[comp.name]
+    for comp in edits.module.computations:
+        rw = edits.rewriter(comp)
         for inst in comp.instructions:
             old = inst.attributes.get("channel_id")
             if not isinstance(old, int) or isinstance(old, bool):

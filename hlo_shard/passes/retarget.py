@@ -17,7 +17,7 @@ from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import Module, Raw, ReplicaGroups
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,14 @@ class Retarget(ModulePass[RetargetReport]):
         if self.replicas < 1:
             raise HloShardError(f"retarget needs at least one replica, not {self.replicas}")
 
-    def apply(self, module: Module) -> PassResult[RetargetReport]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> RetargetReport:
         n0 = data_parallel_size(module)
-        edits = ModuleRewriter(module)
         counts = {"replica_count": module.replica_count, "num_partitions": module.num_partitions}
         for key, count in counts.items():
             if count == n0:
-                edits.set_header(key, self.replicas)
+                rewriter.set_header(key, self.replicas)
         for comp in module.computations:
-            rw = edits.rewriter(comp)
+            rw = rewriter.rewriter(comp)
             for inst in comp.instructions:
                 if inst.opcode in COLLECTIVE_KINDS:
                     groups = inst.attr("replica_groups")
@@ -60,8 +59,7 @@ class Retarget(ModulePass[RetargetReport]):
                 if isinstance(sharding, Raw) and "devices=" in sharding.text:
                     rw.set_attr(inst, "sharding",
                                 Raw(_retarget_sharding(sharding.text, n0, self.replicas)))
-        report = RetargetReport(n0, self.replicas)
-        return PassResult(module, bool(edits.changes), edits.changes, report=report)
+        return RetargetReport(n0, self.replicas)
 
 
 def data_parallel_size(module: Module) -> int:

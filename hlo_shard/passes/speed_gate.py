@@ -246,8 +246,8 @@ def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | Non
     if not (moves or scatters):
         return None
     candidate = module.clone()
-    changed = moves and AccumulationMotion().apply(candidate).changed
-    changed = (scatters and ReduceScatterCreation(hardware).apply(candidate).changed) or changed
+    changed = moves and AccumulationMotion().run(candidate).changed
+    changed = (scatters and ReduceScatterCreation(hardware).run(candidate).changed) or changed
     return predicted_step_seconds(candidate, hardware) if changed else None
 
 

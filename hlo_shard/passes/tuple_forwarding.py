@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hlo_shard.graph import Change, Rewriter
-from hlo_shard.ir import Computation, Module
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.ir import Module
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import rewritten_computations
 
 
@@ -32,23 +32,21 @@ class TupleForwarding(ModulePass[ForwardedTuples]):
     name: ClassVar[str] = "tuple-forwarding"
     computations: tuple[str, ...] | None = None
 
-    def apply(self, module: Module) -> PassResult[ForwardedTuples]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ForwardedTuples:
         names = rewritten_computations(module) if self.computations is None \
             else self.computations
-        changes: list[Change] = []
         forwarded: dict[str, int] = {}
         for name in names:
-            count, edits = forward_tuple_elements(module.computation(name))
+            count = forward_tuple_elements(rewriter.rewriter(module.computation(name)))
             if count:
                 forwarded[name] = count
-                changes += edits
-        return PassResult(module, bool(changes), changes, report=ForwardedTuples(forwarded))
+        return ForwardedTuples(forwarded)
 
 
-def forward_tuple_elements(comp: Computation) -> tuple[int, list[Change]]:
-    """Forward every non-root ``get-tuple-element`` of a ``tuple`` in ``comp`` (erasing
-    the tuples left unused): how many, and the edits."""
-    rw = Rewriter(comp)
+def forward_tuple_elements(rw: Rewriter) -> int:
+    """Forward every non-root ``get-tuple-element`` of a ``tuple`` in ``rw``'s
+    computation (erasing the tuples left unused): how many."""
+    comp = rw.comp
     forwarded = 0
     for inst in list(comp.instructions):
         if inst.opcode != "get-tuple-element" or inst.name == comp.root_name:
@@ -62,7 +60,7 @@ def forward_tuple_elements(comp: Computation) -> tuple[int, list[Change]]:
         forwarded += 1
         if not rw.users(source.name) and source.name != comp.root_name:
             rw.erase(source.name)
-    return forwarded, rw.changes if forwarded else []
+    return forwarded
 
 
 __all__ = ["ForwardedTuples", "TupleForwarding", "forward_tuple_elements"]

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.runtime.forms import replica_form
 from hlo_shard.runtime.inputs import DeviceValues, coerce_argument, output_shapes, parameter_shapes
@@ -177,9 +176,7 @@ def load(source: str | Path | Module, devices: int | None = None, backend: str |
     if written_for > 1 and devices != written_for:
         raise HloShardError(f"{module.source_path or module.name} is written for "
                             f"{written_for} devices, not {devices}")
-    executable_form = replica_form(module, keep_donation=donate)
-    if devices > 1 and written_for == 1:
-        ModuleRewriter(executable_form).set_header("replica_count", devices)
+    executable_form = replica_form(module, keep_donation=donate, replicas=devices)
     if worker is None:
         worker = get_worker(backend or "cpu", devices, timeout)
     elif backend not in (None, worker.backend):

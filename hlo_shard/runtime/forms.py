@@ -51,11 +51,13 @@ def check_executable(module: Module) -> None:
                                 "tuple-shaped entry parameters are not supported")
 
 
-def replica_form(module: Module, *, keep_donation: bool = False) -> Module:
+def replica_form(module: Module, *, keep_donation: bool = False,
+                 replicas: int | None = None) -> Module:
     """An executable copy of ``module`` in replica form (see :mod:`hlo_shard.passes.replica_form`);
     ``keep_donation`` puts its input/output aliasing back, so the executable consumes
-    its donated inputs (:mod:`hlo_shard.jax` donates as the user's jit step does)."""
+    its donated inputs (:mod:`hlo_shard.jax` donates as the user's jit step does);
+    ``replicas``: a module written for one device runs as that many replicas."""
     check_executable(module)
     out = module.clone()
-    ReplicaForm(keep_donation=keep_donation).apply(out)
+    ReplicaForm(keep_donation=keep_donation, replicas=replicas).run(out)
     return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from hlo_shard.analysis.collectives import DeviceGroups, reducer_opcode
-from hlo_shard.graph import Change, ModuleRewriter, Rewriter, topological_order
+from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
                           ComputationRef, Ident, Instruction, Module, Raw, Shape,
                           SliceRanges, TupleShape)
@@ -41,10 +41,13 @@ class RegionSnapshot:
     """What rewriting one computation's region may change — its instructions (list,
     operands, shapes, attributes, opcodes), its root, the module's computation list (a
     fusion body's sharded copy) and the next fresh channel id — kept so that a rewrite
-    found wrong after the fact (a dependency cycle) is undone as if never tried. Taking
-    it copies the computation's records once (linear in its size)."""
+    found wrong after the fact (a dependency cycle) is undone as if never tried, in the
+    pass's rewriter too (its log and ``comp``'s users index). Taking it copies the
+    computation's records once (linear in its size)."""
 
-    module: Module
+    edits: ModuleRewriter
+    #: How long the rewriter's log was.
+    logged: int
     comp: Computation
     channels: ChannelIds
     instructions: list[Instruction]
@@ -54,11 +57,12 @@ class RegionSnapshot:
     next_channel: int
 
     @staticmethod
-    def take(module: Module, comp: Computation, channels: ChannelIds) -> RegionSnapshot:
-        return RegionSnapshot(module, comp, channels, list(comp.instructions),
+    def take(edits: ModuleRewriter, comp: Computation, channels: ChannelIds) -> RegionSnapshot:
+        return RegionSnapshot(edits, len(edits.changes), comp, channels,
+                              list(comp.instructions),
                               [(i.opcode, i.shape, list(i.operands), dict(i.attributes))
                                for i in comp.instructions],
-                              comp.root_name, list(module.computations), channels.next)
+                              comp.root_name, list(edits.module.computations), channels.next)
 
     def restore(self) -> None:
         for inst, (opcode, shape, operands, attributes) in zip(self.instructions,
@@ -68,8 +72,9 @@ class RegionSnapshot:
         self.comp.instructions[:] = self.instructions
         self.comp.root_name = self.root_name
         self.comp.reindex()
-        self.module.computations[:] = self.computations
+        self.edits.module.computations[:] = self.computations
         self.channels.next = self.next_channel
+        self.edits.forget(self.comp, self.logged)
 
 
 class RegionRewrite:
@@ -77,10 +82,11 @@ class RegionRewrite:
     value becomes (state parameters, carried loop slots); ``outputs``: root tuple position
     → region value whose shard stays there."""
 
-    def __init__(self, module: Module, comp: Computation, plan: RegionPlan,
+    def __init__(self, edits: ModuleRewriter, comp: Computation, plan: RegionPlan,
                  bucketing: Bucketing, channels: ChannelIds,
                  inputs: dict[str, ShardFormat] | None = None,
                  outputs: dict[int, str] | None = None, gather_at_top: bool = False) -> None:
+        module = edits.module
         self.module, self.comp, self.plan, self.bucketing = module, comp, plan, bucketing
         self.channels = channels
         self.inputs = inputs or {}
@@ -88,9 +94,9 @@ class RegionRewrite:
         #: Gather the input shards used outside the region together, before the first
         #: such use (see :func:`gather_before_use`).
         self.gather_at_top = gather_at_top
-        #: The module's edits (a fusion body's sharded copy) and ``comp``'s, one log.
-        self.edits = ModuleRewriter(module)
-        self.rw = self.edits.rewriter(comp)
+        #: The pass's edits of the module (a fusion body's sharded copy) and of ``comp``.
+        self.edits = edits
+        self.rw = edits.rewriter(comp)
         self.emit = ShardEmitter(module, comp, self.rw, plan.groups, comp[plan.template],
                                  channels)
         self.n = plan.groups.size
@@ -744,22 +750,19 @@ def _is_constant(inst: Instruction, literal: str) -> bool:
 # ---------------------------------------------- outside the region: state and loop carries
 
 
-def bypass_copies(comp: Computation, params: list[str],
-                   chains: dict[str, list[str]]) -> list[Change]:
+def bypass_copies(rw: Rewriter, params: list[str], chains: dict[str, list[str]]) -> None:
     """The users of each sharded weight's copies read the parameter itself (a copy of a
     value in its own layout is that value): the parameter becomes the shard they read."""
-    rw = Rewriter(comp)
     for name in params:
         chain = chains.get(name, [])
         if chain:
             rw.replace_all_uses_with(chain[-1], name)
             for copy in reversed(chain):
                 rw.erase(copy)
-    return rw.changes
 
 
 def annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
-                    groups: DeviceGroups) -> list[Change]:
+                    groups: DeviceGroups) -> None:
     """SPMD form: a sharded state parameter's global value is the padded flat vector."""
     comp = rw.comp
     names = parameter_names(comp)
@@ -767,7 +770,6 @@ def annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
         param = comp[names[number]]
         if "sharding" in param.attributes or module.num_partitions > 1:
             rw.set_attr(param, "sharding", Raw(_shard_sharding(groups)))
-    return rw.changes
 
 
 def _shard_sharding(groups: DeviceGroups) -> str:
@@ -782,18 +784,19 @@ def _shard_sharding(groups: DeviceGroups) -> str:
         n, len(groups.groups), ",".join(map(str, order)))
 
 
-def shard_loop_carry(module: Module, carry: LoopCarry, channels: ChannelIds,
-                      bucketing: Bucketing, sink_state: bool) -> tuple[list, dict[int, StatePair]]:
+def shard_loop_carry(edits: ModuleRewriter, carry: LoopCarry, channels: ChannelIds,
+                      bucketing: Bucketing, sink_state: bool) -> dict[int, StatePair]:
     """Outside the body: slice the initial values of the carried slots before the loop,
     gather them after it, and give the loop, body and condition the new carry shape.
 
     With ``sink_state`` (``--state sharded``, loop in the entry), a slot whose initial
     value is an entry parameter (through copies) and whose final value is an entry output
-    (through copies) is not sliced nor gathered: parameter and output become the shard."""
+    (through copies) is not sliced nor gathered: parameter and output become the shard.
+    Returns the entry's state pairs so sunk."""
+    module = edits.module
     parent = module.computation(carry.parent)
     body = module.computation(carry.body)
     loop = parent[carry.loop]
-    edits = ModuleRewriter(module)
     rw = edits.rewriter(parent)
     emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
     old = parent[loop.operands[0]]
@@ -843,7 +846,7 @@ def shard_loop_carry(module: Module, carry: LoopCarry, channels: ChannelIds,
                     rw.set_operand(inst, i, gathered)
         if parent.root_name == item.shard:
             rw.set_root(gathered)
-    return edits.changes, state
+    return state
 
 
 def _sinkable_slots(parent: Computation, rw: Rewriter, carry: LoopCarry,

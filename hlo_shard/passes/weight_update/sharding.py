@@ -41,9 +41,9 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, DependencyCycle, ModuleRewriter, Rewriter, dataflow_graph
+from hlo_shard.graph import DependencyCycle, ModuleRewriter, dataflow_graph
 from hlo_shard.ir import Computation, Instruction, Module, Shape, TupleShape, shape_leaves
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, RegionOptions,
                                                      RegionPlan, ShardFormat, StatePair, Whole,
                                                      called_computation, collect_leaves,
@@ -241,10 +241,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         object.__setattr__(self, "profile", profile if isinstance(profile, HardwareProfile)
                            else load_profile(profile))
 
-    def apply(self, module: Module) -> PassResult[ShardingReport]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> ShardingReport:
         """Read the module's facts, rewrite each computation's update region, then keep the
         training loops' carried shards across iterations; the report says what and why."""
-        run = self._read_facts(module)
+        run = self._read_facts(rewriter)
         for comp_name, candidates in run.candidates.items():
             self._shard_computation(run, module.computation(comp_name), candidates)
         for carry in run.carries:
@@ -252,17 +252,17 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         _fill_signature(module, run.report, run.replication, run.state_plan, run.groups,
                         run.output_kinds)
         run.report.feedback = list(module.output_aliases().items()) or None
-        return PassResult(module, bool(run.changes), run.changes, report=run.report)
+        return run.report
 
-    def _read_facts(self, module: Module) -> _Run:
+    def _read_facts(self, edits: ModuleRewriter) -> _Run:
         """What the rewrite needs, read before any edit: the device counts a header lost
         (written back: the rewritten module names devices), the gradient all-reduces and
         the data-parallel group, which values are replicated, and the all-reduces left
         alone with why."""
+        module = edits.module
         recovered = recovered_device_counts(module)
-        header = ModuleRewriter(module)
         for key, count in recovered.items():
-            header.set_header(key, count)
+            edits.set_header(key, count)
         found = find_gradient_all_reduces(module)
         groups = data_parallel_groups(module, found)
         wanted = self.options.num_replicas
@@ -286,15 +286,15 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                               CollectivePricing(self.profile.for_devices(module.device_count),
                                                 group_size),
                               self.options.per_tensor_bytes)
-        return _Run(module, report, groups, replication, _output_kinds(module, replication),
-                    candidates, bucketing, ChannelIds(module), header.changes)
+        return _Run(edits, report, groups, replication, _output_kinds(module, replication),
+                    candidates, bucketing, ChannelIds(module))
 
     def _shard_computation(self, run: _Run, comp: Computation,
                            candidates: list[GradientAllReduce]) -> None:
         """Plan the update region of ``comp`` from its gradients and rewrite it on shards;
         the entry's optimizer state (``state="sharded"``) or a loop body's carried slots
         become shards too (the carries are rewritten outside the body later)."""
-        module = run.module
+        module = run.edits.module
         leaves, rejected = collect_leaves(module, comp, candidates)
         run.report.explanations += [_rejected(module, ar, why, ReasonCode.TUPLE_USED_WHOLE)
                                     for ar, why in rejected]
@@ -306,18 +306,17 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             tuple((number, k) for k, number in module.output_aliases().items()) if state_entry else ()))
         collectives: dict[str, str] = {}
         if plan.active:
-            snapshot, mark = RegionSnapshot.take(module, comp, run.channels), run.mark()
+            snapshot, mark = RegionSnapshot.take(run.edits, comp, run.channels), run.mark()
             try:
                 inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
                 sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
                 run.report.strategies.append(StrategyChoice(
                     comp.name, self.profile.name, plan.groups.size, self.options.strategy,
                     run.bucketing.estimates(sizes)))
-                rewrite = RegionRewrite(module, comp, plan, run.bucketing, run.channels,
+                rewrite = RegionRewrite(run.edits, comp, plan, run.bucketing, run.channels,
                                         inputs, outputs,
                                         gather_at_top=state_entry and self.options.params == "sharded")
                 collectives = rewrite.run()
-                run.changes += rewrite.rw.changes
             except DependencyCycle as cycle:  # a planning bug: refused, never raised
                 snapshot.restore()
                 run.rewind(mark)
@@ -333,7 +332,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         """Values entering and leaving the region as shards rather than whole: sharded
         optimizer state of the entry (paired with its next value, annotated; the state
         kept whole is noted), or the slots a training loop carries as shards."""
-        module = run.module
+        module = run.edits.module
         if state_entry:
             graph, params = dataflow_graph(comp), comp.parameters()
             state_plan, kept_whole = pair_state(module, comp, plan, run.replication,
@@ -354,10 +353,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 run.report.weights += rows
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
                                      f"{row.reason}" for row in rows if not row.sharded]
-                run.changes += bypass_copies(comp, [names[n] for n in weights], chains)
+                bypass_copies(run.edits.rewriter(comp), [names[n] for n in weights], chains)
                 state_plan = {**state_plan, **weights}
             run.state_plan = state_plan
-            run.changes += annotate_state(module, Rewriter(comp), state_plan, plan.groups)
+            annotate_state(module, run.edits.rewriter(comp), state_plan, plan.groups)
             return ({names[n]: p.format for n, p in state_plan.items()},
                     {p.output: p.value for p in state_plan.values()})
         carry = loop_slots(module, comp, plan, run.replication)
@@ -369,9 +368,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
     def _shard_carry(self, run: _Run, carry: LoopCarry) -> None:
         """Outside a loop whose body keeps shards: slice before it, gather after it (or,
         with sharded state, let entry parameter and output be the shard)."""
-        edits, sunk = shard_loop_carry(run.module, carry, run.channels, run.bucketing,
-                                        self.options.state == "sharded")
-        run.changes += edits
+        sunk = shard_loop_carry(run.edits, carry, run.channels, run.bucketing,
+                                self.options.state == "sharded")
         run.state_plan.update(sunk)
         run.report.notes.append(
             f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
@@ -381,9 +379,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
 @dataclass
 class _Run:
     """The working state of one :meth:`WeightUpdateSharding.apply`: the module's facts,
-    then what the steps add (the report, the edits, the state and carries sharded)."""
+    then what the steps add (the report, the state and carries sharded; the edits are
+    the pass's rewriter's)."""
 
-    module: Module
+    edits: ModuleRewriter
     report: ShardingReport
     groups: DeviceGroups | None
     replication: Replication
@@ -393,20 +392,19 @@ class _Run:
     candidates: dict[str, list[GradientAllReduce]]
     bucketing: Bucketing
     channels: ChannelIds
-    changes: list[Change] = field(default_factory=list)
     #: Entry parameter number → the sharded optimizer state it became.
     state_plan: dict[int, StatePair] = field(default_factory=dict)
     carries: list[LoopCarry] = field(default_factory=list)
 
     def mark(self) -> _Mark:
         """Where the steps stand, for :meth:`rewind` after a region refused."""
-        return _Mark(len(self.changes), len(self.report.notes), len(self.report.strategies),
+        return _Mark(len(self.report.notes), len(self.report.strategies),
                      len(self.report.weights), len(self.carries), dict(self.state_plan))
 
     def rewind(self, mark: _Mark) -> None:
         """Forget what the steps added since ``mark`` (its edits are undone separately,
-        by the computation's :class:`RegionSnapshot`)."""
-        del self.changes[mark.changes:], self.report.notes[mark.notes:]
+        with their log, by the computation's :class:`RegionSnapshot`)."""
+        del self.report.notes[mark.notes:]
         del self.report.strategies[mark.strategies:], self.carries[mark.carries:]
         del self.report.weights[mark.weights:]
         self.state_plan = dict(mark.state_plan)
@@ -416,7 +414,6 @@ class _Run:
 class _Mark:
     """How long the lists of a :class:`_Run` were, and its state plan, at one point."""
 
-    changes: int
     notes: int
     strategies: int
     weights: int
