@@ -52,11 +52,11 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import ReasonCode, reducer_opcode
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import Change, ModuleRewriter, Rewriter
+from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
                                                   SlotReads, check_loop, is_zero, slots_read)
-from hlo_shard.passes.base import ModulePass, PassResult
+from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds, planned_update_regions
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 from hlo_shard.units import fmt_bytes, fmt_seconds
@@ -206,31 +206,29 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
             raise HloShardError(f"accumulator must be one of {', '.join(ACCUMULATOR_MODES)}, "
                                 f"not {self.mode!r}")
 
-    def apply(self, module: Module) -> PassResult[AccumulatorReport]:
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulatorReport:
         plans, refused = _find(module)
         if not plans or self.mode == "whole":
             whole = refused + [WholeAccumulation(c, p.loop, p.reduce_scatter, "asked-whole")
                                for c, ps in plans.items() for p in ps]
-            return PassResult(module, False, report=AccumulatorReport(self.mode, whole=whole))
+            return AccumulatorReport(self.mode, whole=whole)
         if self.mode == "sharded":
-            sharded, changes = _rewrite(module, plans)
-            return PassResult(module, True, changes,
-                              report=AccumulatorReport(self.mode, sharded, refused))
+            return AccumulatorReport(self.mode, _rewrite(module, plans, rewriter), refused)
         trial = module.clone()
-        sharded, changes = _rewrite(trial, _find(trial)[0])
+        sharded = _rewrite(trial, _find(trial)[0], ModuleRewriter(trial))
         before, after = self._estimate(module), self._estimate(trial)
         prices = AccumulatorPrices(before.profile.name, before.seconds, after.seconds,
                                    before.memory.peak_bytes, after.memory.peak_bytes,
                                    sum(s.whole_bytes for s in sharded),
                                    sum(s.shard_bytes for s in sharded))
         if prices.sharded_s < prices.whole_s:
-            module.take_contents(trial)
-            return PassResult(module, True, changes,
-                              report=AccumulatorReport(self.mode, sharded, refused, prices))
+            # The same rewrite on the module itself, through the pass's rewriter (its
+            # log is what the pass did).
+            return AccumulatorReport(self.mode, _rewrite(module, plans, rewriter), refused,
+                                     prices)
         whole = refused + [WholeAccumulation(c, p.loop, p.reduce_scatter, "slower")
                            for c, ps in plans.items() for p in ps]
-        return PassResult(module, False, report=AccumulatorReport(self.mode, whole=whole,
-                                                                  prices=prices))
+        return AccumulatorReport(self.mode, whole=whole, prices=prices)
 
     def _estimate(self, module: Module) -> StepEstimate:
         return estimate_step(module, resolve_profile(self.profile),
@@ -410,9 +408,8 @@ def _accumulators(rw: Rewriter, view: _LoopView, reduce_scatter: str, loop_name:
 # ------------------------------------------------------------------------------ rewriting
 
 
-def _rewrite(module: Module, plans: dict[str, list[_Plan]]
-             ) -> tuple[list[ShardedAccumulation], list[Change]]:
-    edits = ModuleRewriter(module)
+def _rewrite(module: Module, plans: dict[str, list[_Plan]], edits: ModuleRewriter
+             ) -> list[ShardedAccumulation]:
     channels = ChannelIds(module)
     done: list[ShardedAccumulation] = []
     for comp_name, comp_plans in plans.items():
@@ -422,7 +419,7 @@ def _rewrite(module: Module, plans: dict[str, list[_Plan]]
         for loop, loop_plans in by_loop.items():
             done += _Recarry(module, edits, channels, module.computation(comp_name),
                              loop).run(loop_plans)
-    return done, edits.changes
+    return done
 
 
 @dataclass
