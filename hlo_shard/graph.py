@@ -579,9 +579,8 @@ class ModuleRewriter:
     def insert_computation(self, comp: Computation, *, after: str) -> None:
         """Add ``comp`` (a new computation, e.g. a fusion body's sharded copy) right
         after the computation named ``after``."""
-        computations = self.module.computations
-        if any(c.name == comp.name for c in computations):
+        if self.module.has_computation(comp.name):
             raise ValueError(f"duplicate computation name {comp.name!r}")
-        position = computations.index(self.module.computation(after)) + 1
-        computations.insert(position, comp)
+        position = self.module.computations.index(self.module.computation(after)) + 1
+        self.module.insert_computation(position, comp)
         self.changes.append(Change("insert-computation", comp.name, f"after {after}"))

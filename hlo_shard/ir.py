@@ -436,9 +436,13 @@ class Module:
     stack_frames: str | None = None
     #: Path the module was read from, for messages.
     source_path: str | None = None
-    #: Computation name → its position in ``computations`` when last looked up (checked
-    #: on every lookup and rebuilt when the list changed).
-    _positions: dict[str, int] = field(default_factory=dict, repr=False)
+    #: Computation name → the computation (the first of that name), and how many
+    #: computations the list had when it was built: kept up to date by
+    #: :meth:`insert_computation` and :meth:`set_computations`, checked on every lookup
+    #: and rebuilt when the list changed otherwise. A pass adding thousands of fusion
+    #: bodies would otherwise rebuild it once per body.
+    _by_name: dict[str, Computation] = field(default_factory=dict, repr=False)
+    _indexed: int = field(default=-1, repr=False)
 
     def clone(self) -> Module:
         """A copy to edit apart from this one (the speed gate's trials, a retargeted
@@ -452,7 +456,7 @@ class Module:
         """Become ``other`` (whose computations then belong to this module alone): the
         speed gate keeps the trial it chose instead of rewriting the input again."""
         self.name, self.computations, self.header = other.name, other.computations, other.header
-        self.stack_frames, self._positions = other.stack_frames, {}
+        self.stack_frames, self._indexed = other.stack_frames, -1
 
     @property
     def entry(self) -> Computation:
@@ -462,15 +466,36 @@ class Module:
         return self.computations[-1]
 
     def computation(self, name: str) -> Computation:
-        position = self._positions.get(name)
-        computations = self.computations
-        if position is None or position >= len(computations) or \
-                computations[position].name != name:
-            self._positions = {comp.name: i for i, comp in reversed(list(enumerate(computations)))}
-            position = self._positions.get(name)
-            if position is None:
-                raise KeyError(name)
-        return computations[position]
+        found = self._lookup(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def has_computation(self, name: str) -> bool:
+        return self._lookup(name) is not None
+
+    def _lookup(self, name: str) -> Computation | None:
+        found = self._by_name.get(name)
+        if found is not None and found.name == name:
+            return found
+        if found is None and self._indexed == len(self.computations):
+            return None  # the index is whole: no such computation
+        self._by_name = {comp.name: comp for comp in reversed(self.computations)}
+        self._indexed = len(self.computations)
+        return self._by_name.get(name)
+
+    def insert_computation(self, position: int, comp: Computation) -> None:
+        """Put ``comp`` at ``position`` of ``computations`` (a name not used yet)."""
+        whole = self._indexed == len(self.computations)
+        self.computations.insert(position, comp)
+        if whole:
+            self._by_name[comp.name] = comp
+            self._indexed += 1
+
+    def set_computations(self, computations: list[Computation]) -> None:
+        """Replace the list of computations (a snapshot put back)."""
+        self.computations[:] = computations
+        self._indexed = -1
 
     def output_aliases(self) -> dict[int, int]:
         """``input_output_alias`` as {top-level output index: parameter number}, for

@@ -177,10 +177,40 @@ def long_update(n: int) -> str:
     return _step(1, [], update, size=254)
 
 
+def fused(n: int) -> str:
+    """``n / 10`` weights whose SGD update XLA has fused already: one loop fusion and
+    its computation per weight (a module as the hook sees it on XLA:CPU), so the pass
+    adds a sharded copy of each fusion body to the module."""
+    grads = max(1, n // 10)
+    array = "f32[256]{0}"
+    bodies, lines = [], []
+    for k in range(grads):
+        bodies.append(f"%update.{k} (p0: f32[256], p1: f32[256]) -> f32[256] {{\n"
+                      f"  %p0 = {array} parameter(0)\n  %p1 = {array} parameter(1)\n"
+                      f"  %rate = f32[] constant(0.1)\n"
+                      f"  %lr = {array} broadcast(%rate), dimensions={{}}\n"
+                      f"  %d = {array} multiply(%p1, %lr)\n"
+                      f"  ROOT %new = {array} subtract(%p0, %d)\n}}\n\n")
+        lines += [f"  %w.{k} = {array} parameter({2 * k})",
+                  f"  %x.{k} = {array} parameter({2 * k + 1})"]
+    for k in range(grads):
+        lines += [f"  %g.{k} = {array} all-reduce(%x.{k}), replica_groups={{{{0,1,2,3}}}}, "
+                  f"to_apply=%sum",
+                  f"  %new.{k} = {array} fusion(%w.{k}, %g.{k}), kind=kLoop, "
+                  f"calls=%update.{k}"]
+    outputs = ", ".join([array] * grads)
+    lines.append(f"  ROOT %out = ({outputs}) tuple({', '.join(f'%new.{k}' for k in range(grads))})")
+    params = ", ".join([array] * (2 * grads))
+    aliases = ", ".join(f"{{{k}}}: ({2 * k}, {{}}, may-alias)" for k in range(grads))
+    return (f"HloModule fused_step, input_output_alias={{ {aliases} }}, "
+            f"entry_computation_layout={{({params})->({outputs})}}, replica_count=4\n\n"
+            + _REDUCER + "".join(bodies) + "ENTRY %main {\n" + "\n".join(lines) + "\n}\n")
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
-    "long_update": long_update,
+    "long_update": long_update, "fused": fused,
 }
 
 

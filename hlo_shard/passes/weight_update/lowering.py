@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +74,7 @@ class RegionSnapshot:
         self.comp.instructions[:] = self.instructions
         self.comp.root_name = self.root_name
         self.comp.reindex()
-        self.edits.module.computations[:] = self.computations
+        self.edits.module.set_computations(self.computations)
         self.channels.next = self.next_channel
         self.edits.forget(self.comp, self.logged)
 
@@ -222,9 +224,9 @@ class RegionRewrite:
         key = ("body", name, fmt.shard_len)
         if key not in self.emit.cache:
             body = self.module.computation(name)
-            taken = {c.name for c in self.module.computations}
-            new_name = next(f"{name}.shard{'' if k == 0 else f'.{k}'}" for k in range(len(taken) + 1)
-                            if f"{name}.shard{'' if k == 0 else f'.{k}'}" not in taken)
+            new_name = next(candidate for k in itertools.count()
+                            if not self.module.has_computation(
+                                candidate := f"{name}.shard{'' if k == 0 else f'.{k}'}"))
             clone = shard_body(body, new_name, lambda t: self.emit.shape(t, (fmt.shard_len,)))
             self.edits.insert_computation(clone, after=name)
             self.emit.cache[key] = new_name
