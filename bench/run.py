@@ -27,6 +27,11 @@ in the same run, as a ratio.
    the ``install()`` hook, optimizer state by ``NamedSharding``) the step ratio to plain
    jit with its range, memory per device, first call with its split, the decision (no
    target; ``--only ecosystem`` runs just this table).
+9. The forms large models train in (``bench/large_model_bench.py``): scan gradient
+   accumulation, ``optax.MultiSteps``, (4, 2) data × model and (2, 4) data × fsdp meshes,
+   bf16 compute from f32 master weights with ``params="sharded"``: each mode's step and
+   state memory against jit and the ``NamedSharding`` alternative (no target;
+   ``--only large-model`` runs just this table).
 
 The optimizations go through the real command line (``hlo-shard optimize`` and
 ``verify``), as a user would run them; ``--quick`` skips the large front-end files.
