@@ -8,7 +8,8 @@ masters, global-norm clipping + AdamW; 8 CPU devices), as a user runs it.
    (issue 23). A run past 50× its parse + print is stopped and reported at that time.
    The same at that size with MaxText-style FSDP (``data2_fsdp4``), the form real LLM
    steps take; each row says how many of the gate's size cut-offs it rewrote and priced
-   (the others are predicted from those: ``passes/speed_gate.py``).
+   (the others are predicted from those: ``passes/speed_gate.py``). Then what
+   ``install()`` adds to XLA's compile of the 1 MB data-parallel step (goal: ≤ 25 %).
 2. Verdicts: what the pass did on each mesh (``data8``, ``data2_fsdp4`` with
    MaxText-style FSDP, ``data4_model2`` with tensor-parallel weights): gradients
    sharded, already sharded (the partitioner's reduce-scatter form), kept whole, with
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -128,14 +130,65 @@ def llm_steps(repeats: int = 2) -> dict[str, float]:
             print(f"{mesh:13s} {size:8s} {path.stat().st_size / 1e6:5.2f} MB  optimize "
                   f"{seconds:6.1f} s / parse+print {parse_print:5.1f} s = "
                   f"{seconds / parse_print:.1f}x{peak}\n    {verdict}", flush=True)
+        print(_hook_line(), flush=True)
     return {"LLM step, optimize / parse+print": ratio}
+
+
+#: The step whose compile ``install()`` is timed in (the data-parallel one, default size).
+HOOK_STEP = ("data8", "default")
+
+
+def _hook_line() -> str:
+    """What ``install()`` adds to XLA's compile of :data:`HOOK_STEP` (a child process
+    owning 8 CPU devices: the hook sees the module XLA:CPU has fused)."""
+    run = subprocess.run([sys.executable, __file__, "--hook-child"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if run.returncode != 0:
+        return f"install() on {'/'.join(HOOK_STEP)}: failed ({run.stderr.strip().splitlines()[-1:]})"
+    return run.stdout.strip()
+
+
+def _hook_child() -> None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
+    import jax
+    from llm_step import SIZES, build_step
+
+    import hlo_shard.jax as hsj
+
+    mesh, size = HOOK_STEP
+    jitted, args = build_step(mesh, SIZES[size])
+
+    def compile_seconds() -> float:
+        jax.clear_caches()
+        lowered = jitted.lower(*args)
+        started = time.perf_counter()
+        lowered.compile()
+        return time.perf_counter() - started
+
+    plain = min(compile_seconds() for _ in range(2))
+    hsj.install()
+    try:
+        hooked = compile_seconds()
+        decisions = hsj.decisions()
+    finally:
+        hsj.uninstall()
+    what = "; ".join(f"{d.module}: {'sharded' if d.changed else 'kept whole'}"
+                     for d in decisions)
+    print(f"install() on {mesh} {size}: XLA compile {plain:.1f} s plain, {hooked:.1f} s "
+          f"hooked = +{100 * (hooked - plain) / plain:.0f}% ({what})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs of the largest module (the best counts)")
+    parser.add_argument("--hook-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hook_child:
+        _hook_child()
+        return
     for name, value in llm_steps(args.repeats).items():
         print(f"{name}: {value:.2f}x (target <= {TARGETS[name]:.1f}x)")
 
