@@ -55,7 +55,9 @@ Meaning of ``kind``:
   original value is flattened in its **physical order** (the order of ``layout``,
   minor_to_major: the most-major dimension varies slowest; ``"flatten": "logical"``
   means row-major over the logical dims instead), zero-padded at the end to
-  ``length × G`` elements (G = group size) and cut into G chunks of ``length``; the
+  ``length × G`` elements (G = group size, ``length`` = ⌈elements / G⌉: the
+  :class:`~hlo_shard.shard_format.ShardFormat` the pass emits) and cut into G chunks
+  of ``length``; the
   device at position *p* of its replica group holds chunk *p*. The candidate's own
   array (any dims whose element count is ``length``) holds the chunk in its own
   physical order. Outputs are gathered back the same way, padding dropped.
