@@ -57,10 +57,9 @@ Meaning of ``kind``:
   means row-major over the logical dims instead), zero-padded at the end to
   ``length × G`` elements (G = group size, ``length`` = ⌈elements / G⌉: the
   :class:`~hlo_shard.shard_format.ShardFormat` the pass emits) and cut into G chunks
-  of ``length``; the
-  device at position *p* of its replica group holds chunk *p*. The candidate's own
-  array (any dims whose element count is ``length``) holds the chunk in its own
-  physical order. Outputs are gathered back the same way, padding dropped.
+  of ``length``; the device at position *p* of its replica group holds chunk *p*. The
+  candidate's own array (any dims whose element count is ``length``) holds the chunk
+  in its own physical order. Outputs are gathered back the same way, padding dropped.
 
 A manifest is only read here; :func:`manifest_to_json` writes one so the pass that
 produces it and this reader share the format.
