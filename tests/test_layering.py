@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("source",),
     ("schema",),
     ("ir",),
-    ("opinfo", "values", "attributes"),
+    ("opinfo", "values", "attributes", "shard_format"),
     ("graph", "profiles"),
     ("printer",),
     ("parser", "validate"),

@@ -130,7 +130,8 @@ def test_manifest_describes_sharded_state(tmp_path):
     parsed = parse_manifest(json.loads(manifest.read_text()))
     assert parsed.devices == 4 and parsed.form == "spmd"
     (state,) = [r for r in parsed.parameters if r.kind == "sharded"]
-    assert state.index == 0 and state.shard.length == 4 and state.shard.padding == 0
+    assert state.index == 0 and state.shard.format.shard_len == 4 and \
+        state.shard.format.padding == 0
     assert parsed.outputs[0].kind == "sharded"
     assert parsed.parameters[1].kind == "per-device"
     assert parsed.feedback == ((0, 0),)

@@ -12,8 +12,9 @@ from hlo_shard.analysis.collectives import (GroupMode, device_groups, find_gradi
                                             neutral_literal, participant_id_source)
 from hlo_shard.analysis.replication import ParamOverrides, analyze_replication
 from hlo_shard.parser import parse
-from hlo_shard.passes.weight_update.analysis import (ShardFormat, reshape_format,
-                                                     transpose_operand, transpose_result)
+from hlo_shard.passes.weight_update.analysis import (reshape_format, transpose_operand,
+                                                     transpose_result)
+from hlo_shard.shard_format import ShardFormat
 
 from wus_helpers import ADD
 

@@ -13,7 +13,7 @@ from hlo_shard import runtime
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Layout
 from hlo_shard.parser import parse
-from hlo_shard.runtime.manifest import from_physical_flat, physical_flat
+from hlo_shard.shard_format import ShardFormat
 
 ADD = "add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }\n"
 
@@ -215,12 +215,15 @@ def test_manifest_round_trip_and_validation(tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps(data))
     manifest = runtime.load_manifest(path)
-    assert manifest.parameters[0].shard.length == 3 and manifest.feedback == ((0, 0),)
+    assert manifest.parameters[0].shard.format.shard_len == 3 and manifest.feedback == ((0, 0),)
     assert runtime.manifest_to_json(manifest) == data | {"parameters": [
         data["parameters"][0] | {"layout": [0, 1]}]}
     bad = json.loads(json.dumps(data))
     bad["parameters"][0]["shard"]["length"] = 2
     with pytest.raises(HloShardError, match=r"length 2 × 2 devices != 6 elements"):
+        runtime.parse_manifest(bad)
+    bad["parameters"][0]["shard"] |= {"length": 4, "padding": 2}  # fits, but not the format
+    with pytest.raises(HloShardError, match=r"length 4 is not ⌈6 elements / 2 devices⌉ = 3"):
         runtime.parse_manifest(bad)
     with pytest.raises(HloShardError, match="not an hlo-shard-manifest"):
         runtime.parse_manifest({"version": 1})
@@ -231,17 +234,18 @@ def test_manifest_round_trip_and_validation(tmp_path):
 
 def test_physical_order_flattening():
     value = np.arange(6).reshape(2, 3)
-    np.testing.assert_array_equal(physical_flat(value, (1, 0)), [0, 1, 2, 3, 4, 5])
-    np.testing.assert_array_equal(physical_flat(value, (0, 1)), [0, 3, 1, 4, 2, 5])
-    for layout in ((1, 0), (0, 1)):
-        np.testing.assert_array_equal(
-            from_physical_flat(physical_flat(value, layout), (2, 3), layout), value)
+    physical = {layout: ShardFormat.of(ArrayShape("s64", (2, 3), (), Layout(layout)), 1)
+                for layout in ((1, 0), (0, 1))}
+    np.testing.assert_array_equal(physical[1, 0].padded_flat(value), [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(physical[0, 1].padded_flat(value), [0, 3, 1, 4, 2, 5])
+    for fmt in physical.values():
+        np.testing.assert_array_equal(fmt.from_padded_flat(fmt.padded_flat(value)), value)
 
 
 def test_shard_and_gather_with_padding_and_groups():
     record = runtime.ArrayRecord(
         0, 0, "sharded", ArrayShape("f32", (5,), (), Layout((0,))),
-        shard=runtime.Shard(length=3, padding=1, replica_groups=((0, 2), (1, 3))))
+        shard=runtime.Shard(ShardFormat((5,), (0,), 2), replica_groups=((0, 2), (1, 3))))
     candidate = ArrayShape("f32", (3,))
     full = np.arange(5, dtype=np.float32) + 1
     chunks = [runtime.shard_value(full, record, d, 4, candidate) for d in range(4)]

@@ -28,7 +28,6 @@ import click
 
 from hlo_shard.analysis.names import UserNames, labelled, user_names
 from hlo_shard.analysis.replication import ParamOverrides
-from hlo_shard.passes.weight_update import natural_perm
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
                                user_errors, write_outputs)
 from hlo_shard.dumps import pick_dump_file
@@ -82,9 +81,7 @@ def build_manifest(report: ShardingReport, module: Module, names: UserNames | No
     def record(entry: Any, user_name: str) -> ArrayRecord:
         shard = None
         if entry.kind == "sharded":
-            fmt = entry.format
-            flatten = "physical" if fmt.perm == natural_perm(entry.shape) else "logical"
-            shard = Shard(fmt.shard_len, fmt.padding, entry.groups, flatten)
+            shard = Shard(entry.format, entry.groups)
         if not hasattr(entry.shape, "dims"):
             raise HloShardError(f"cannot describe tuple-shaped entry value {entry.name!r} "
                                 "in a manifest")

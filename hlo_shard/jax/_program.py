@@ -5,7 +5,8 @@ never-slower gate and output checks as ``hlo-shard optimize`` (a step not predic
 faster runs as ``fn``), is put into replica form with its donation
 aliasing kept, and compiled for jit's own devices in jit's order. In
 ``state="sharded"`` the optimizer-state leaves the pass shards become jax Arrays of
-shape ``[D·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`).
+shape ``[D·L]``, one ``[L]`` chunk per device (see :class:`StateLayout`); the chunks
+are :class:`~hlo_shard.shard_format.ShardFormat`'s, cut with ``jax.numpy``.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize, s
 from hlo_shard.passes.speed_gate import SpeedDecision
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.runtime.forms import check_executable
+from hlo_shard.shard_format import ShardFormat
 
 
 @dataclass(frozen=True)
 class StateLayout:
-    """A state leaf in the pass's shard format as a jax Array of shape ``[D·length]``
-    (``D`` devices), one ``[length]`` chunk per device in jit's order: a device's full
-    value of the leaf (``dims``), flattened as ``ravel(transpose(x, perm))`` and
-    zero-padded to ``n·length``, is cut into the ``n`` chunks of its replica group.
+    """A state leaf in the pass's shard format (:class:`ShardFormat`: a device's full
+    value of the leaf, cut into the ``n`` chunks of its replica group) as a jax Array of
+    shape ``[D·shard_len]`` (``D`` devices), one chunk per device in jit's order.
 
     With ``ranks`` None one group holds every device and device ``k`` holds chunk ``k``
     (``D = n``). Otherwise device ``k`` holds chunk ``ranks[k]`` (its place in its
@@ -41,22 +42,20 @@ class StateLayout:
     (a tensor-parallel leaf's block differs along the model axis; None: every device
     holds the whole leaf)."""
 
-    dims: tuple[int, ...]
-    perm: tuple[int, ...]
-    length: int
-    n: int
+    format: ShardFormat
     ranks: tuple[int, ...] | None = None
     leaf_dims: tuple[int, ...] | None = None
     blocks: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return ((self.n if self.ranks is None else len(self.ranks)) * self.length,)
+        devices = self.format.n if self.ranks is None else len(self.ranks)
+        return (devices * self.format.shard_len,)
 
     @property
     def full_shape(self) -> tuple[int, ...]:
         """The leaf's shape as ``fn`` takes it."""
-        return self.dims if self.leaf_dims is None else self.leaf_dims
+        return self.format.dims if self.leaf_dims is None else self.leaf_dims
 
 
 @dataclass
@@ -230,42 +229,38 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
 
 
 def _shard(x: Any, layout: StateLayout) -> Any:
+    """The jax adapter of :class:`ShardFormat`: ``x`` (the leaf as ``fn`` takes it) as
+    its ``[D·shard_len]`` shard form, traced inside a jit."""
     import jax.numpy as jnp
 
-    def padded(local: Any) -> Any:
-        flat = jnp.transpose(local, layout.perm).reshape(-1)
-        return jnp.pad(flat, (0, layout.n * layout.length - flat.size))
-
+    fmt = layout.format
     if layout.ranks is None:
-        return padded(x)
+        return fmt.padded_flat(x, jnp)
     flats: dict = {}
     chunks = []
     for k, rank in enumerate(layout.ranks):
         block = layout.blocks[k] if layout.blocks else None
         if block not in flats:
-            flats[block] = padded(x if block is None else x[_slices(block)])
-        chunks.append(flats[block][rank * layout.length:(rank + 1) * layout.length])
+            flats[block] = fmt.padded_flat(x if block is None else x[_slices(block)], jnp)
+        chunks.append(flats[block][rank * fmt.shard_len:(rank + 1) * fmt.shard_len])
     return jnp.concatenate(chunks)
 
 
 def _gather(y: Any, layout: StateLayout) -> Any:
+    """:func:`_shard`'s inverse: the leaf as ``fn`` takes it from its shard form."""
     import jax.numpy as jnp
-    import numpy as np
 
-    def unpadded(flat: Any) -> Any:
-        size = int(np.prod(layout.dims))
-        transposed = tuple(layout.dims[p] for p in layout.perm)
-        return jnp.transpose(flat[:size].reshape(transposed), tuple(np.argsort(layout.perm)))
-
+    fmt = layout.format
     if layout.ranks is None:
-        return unpadded(y)
-    chunks = y.reshape(len(layout.ranks), layout.length)
+        return fmt.from_padded_flat(y, jnp)
+    chunks = y.reshape(len(layout.ranks), fmt.shard_len)
     holders: dict = {}  # block → rank → the first device holding that chunk of it
     for k, rank in enumerate(layout.ranks):
         holders.setdefault(layout.blocks[k] if layout.blocks else None, {}).setdefault(rank, k)
     out = None
     for block, by_rank in holders.items():
-        local = unpadded(jnp.concatenate([chunks[by_rank[r]] for r in range(layout.n)]))
+        local = fmt.from_padded_flat(jnp.concatenate([chunks[by_rank[r]] for r in range(fmt.n)]),
+                                     jnp)
         if block is None:
             return local
         out = jnp.zeros(layout.full_shape, local.dtype) if out is None else out
@@ -380,8 +375,7 @@ def _state_layouts(report: ShardingReport, capture: Capture
     devices = len(capture.devices)
 
     def layout(entry: Any, full_shape: tuple[int, ...], full_sharding: Any) -> StateLayout:
-        fmt = entry.format
-        plain = StateLayout(tuple(fmt.dims), tuple(fmt.perm), fmt.shard_len, fmt.n)
+        plain = StateLayout(entry.format)
         if not entry.groups or entry.groups == (tuple(range(devices)),):
             return plain
         return _grouped(plain, entry.groups, devices, full_shape, full_sharding, capture)
@@ -403,7 +397,7 @@ def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: i
     block, and every block its group's every chunk, or the step is refused."""
     ranks = [-1] * devices
     for group in groups:
-        if len(group) != plain.n:
+        if len(group) != plain.format.n:
             raise Unsupported("state='sharded': replica groups of unequal sizes",
                               Reason.UNSUPPORTED_STEP)
         for rank, device in enumerate(group):
@@ -414,13 +408,14 @@ def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: i
     indices = full_sharding.devices_indices_map(full_shape)
     blocks = tuple(tuple(index.indices(size)[:2] for index, size in zip(indices[d], full_shape))
                    for d in capture.devices)
-    if any(tuple(stop - start for start, stop in block) != plain.dims for block in blocks) \
+    if any(tuple(stop - start for start, stop in block) != plain.format.dims
+           for block in blocks) \
             or any(len({blocks[d] for d in group}) != 1 for group in groups):
         raise Unsupported("state='sharded': an optimizer-state leaf's blocks do not follow "
                           "the gradient's replica groups", Reason.UNSUPPORTED_STEP)
     whole = all(block == tuple((0, size) for size in full_shape) for block in blocks)
-    return StateLayout(plain.dims, plain.perm, plain.length, plain.n, tuple(ranks),
-                       None if whole else full_shape, None if whole else blocks)
+    return StateLayout(plain.format, tuple(ranks), None if whole else full_shape,
+                       None if whole else blocks)
 
 
 def _shard_sharding(capture: Capture) -> Any:

@@ -55,10 +55,11 @@ Meaning of ``kind``:
   original value is flattened in its **physical order** (the order of ``layout``,
   minor_to_major: the most-major dimension varies slowest; ``"flatten": "logical"``
   means row-major over the logical dims instead), zero-padded at the end to
-  ``length × G`` elements (G = group size) and cut into G chunks of ``length``; the
-  device at position *p* of its replica group holds chunk *p*. The candidate's own
-  array (any dims whose element count is ``length``) holds the chunk in its own
-  physical order. Outputs are gathered back the same way, padding dropped.
+  ``length × G`` elements (G = group size, ``length`` = ⌈elements / G⌉: the
+  :class:`~hlo_shard.shard_format.ShardFormat` the pass emits) and cut into G chunks
+  of ``length``; the device at position *p* of its replica group holds chunk *p*. The
+  candidate's own array (any dims whose element count is ``length``) holds the chunk
+  in its own physical order. Outputs are gathered back the same way, padding dropped.
 
 A manifest is only read here; :func:`manifest_to_json` writes one so the pass that
 produces it and this reader share the format.
@@ -66,11 +67,10 @@ produces it and this reader share the format.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -78,6 +78,7 @@ from hlo_shard import limits
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ELEMENT_BITS, ArrayShape, Layout
 from hlo_shard.schema import At, load_json
+from hlo_shard.shard_format import ShardFormat, natural_perm, row_major_perm
 
 FORMAT = "hlo-shard-manifest"
 VERSION = 1
@@ -86,12 +87,13 @@ KINDS = ("replicated", "per-device", "sharded")
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    length: int
-    padding: int = 0
+    """A sharded record: its value's :class:`~hlo_shard.shard_format.ShardFormat` (dims,
+    flatten order, group size: the chunk length and padding follow) and the replica
+    groups whose positions hold the chunks."""
+
+    format: ShardFormat
     #: Empty: one group holding every device.
     replica_groups: tuple[tuple[int, ...], ...] = ()
-    #: "physical" (the original layout's order) or "logical" (row-major).
-    flatten: str = "physical"
 
     def groups(self, devices: int) -> tuple[tuple[int, ...], ...]:
         return self.replica_groups or (tuple(range(devices)),)
@@ -148,7 +150,20 @@ class Manifest:
 # -------------------------------------------------------------------------- reading
 
 
-FLATTEN_ORDERS = ("physical", "logical")
+#: A manifest's ``flatten`` → the order (:attr:`ShardFormat.perm`) of a value of that shape.
+FLATTEN_PERMS: dict[str, Callable[[ArrayShape], tuple[int, ...]]] = {
+    "physical": natural_perm,
+    "logical": lambda shape: row_major_perm(shape.dims),
+}
+
+
+def flatten_name(shard: Shard, shape: ArrayShape) -> str:
+    """The manifest's word for ``shard``'s order over a ``shape`` value."""
+    for name, perm in FLATTEN_PERMS.items():
+        if shard.format.perm == perm(shape):
+            return name
+    raise HloShardError(f"a shard in order {shard.format.perm} of {shape.dims} is neither "
+                        "physical nor logical: a manifest cannot describe it")
 
 
 def _record(raw: Any, at: At, devices: int, default_groups: tuple) -> ArrayRecord:
@@ -175,20 +190,24 @@ def _record(raw: Any, at: At, devices: int, default_groups: tuple) -> ArrayRecor
 
 
 def _shard(raw: dict, at: At, devices: int, default_groups: tuple, shape: ArrayShape) -> Shard:
-    shard = Shard(at.read(raw, "length", At.integer, 1),
-                  at.read(raw, "padding", At.integer, 0, default=0),
-                  at.read(raw, "replica_groups", _groups, default=default_groups),
-                  at.read(raw, "flatten", At.string, FLATTEN_ORDERS, default="physical"))
-    all_groups = shard.groups(devices)
+    length = at.read(raw, "length", At.integer, 1)
+    padding = at.read(raw, "padding", At.integer, 0, default=0)
+    groups = at.read(raw, "replica_groups", _groups, default=default_groups)
+    flatten = at.read(raw, "flatten", At.string, tuple(FLATTEN_PERMS), default="physical")
+    all_groups = groups or (tuple(range(devices)),)
     size = len(all_groups[0])
     if any(len(g) != size for g in all_groups):
         at.fail("replica groups must have equal sizes")
     if sorted(d for g in all_groups for d in g) != list(range(devices)):
         at.fail(f"replica groups must cover devices 0..{devices - 1} once")
-    if shard.length * size != shape.num_elements + shard.padding:
-        at.fail(f"length {shard.length} × {size} devices != {shape.num_elements} elements "
-                f"+ padding {shard.padding}")
-    return shard
+    if length * size != shape.num_elements + padding:
+        at.fail(f"length {length} × {size} devices != {shape.num_elements} elements "
+                f"+ padding {padding}")
+    fmt = ShardFormat(tuple(shape.dims), FLATTEN_PERMS[flatten](shape), size)
+    if length != fmt.shard_len:
+        at.fail(f"length {length} is not ⌈{shape.num_elements} elements / {size} devices⌉ "
+                f"= {fmt.shard_len}")
+    return Shard(fmt, groups)
 
 
 def _groups(at: At, raw: Any) -> tuple[tuple[int, ...], ...]:
@@ -244,11 +263,13 @@ def manifest_to_json(manifest: Manifest) -> dict:
         if r.user_name:
             out["user_name"] = r.user_name
         if r.shard is not None:
-            shard: dict[str, object] = {"length": r.shard.length, "padding": r.shard.padding}
+            fmt = r.shard.format
+            shard: dict[str, object] = {"length": fmt.shard_len, "padding": fmt.padding}
             if r.shard.replica_groups:
                 shard["replica_groups"] = [list(g) for g in r.shard.replica_groups]
-            if r.shard.flatten != "physical":
-                shard["flatten"] = r.shard.flatten
+            flatten = flatten_name(r.shard, r.shape)
+            if flatten != "physical":
+                shard["flatten"] = flatten
             out["shard"] = shard
         return out
 
@@ -261,31 +282,15 @@ def manifest_to_json(manifest: Manifest) -> dict:
     return data
 
 
-# -------------------------------------------------------------- physical flattening
-
-
-def physical_flat(value: np.ndarray, minor_to_major: Sequence[int]) -> np.ndarray:
-    """``value``'s elements in memory order for the layout (most-major first)."""
-    return np.ascontiguousarray(np.transpose(value, tuple(reversed(minor_to_major)))).ravel()
-
-
-def from_physical_flat(flat: np.ndarray, dims: Sequence[int],
-                       minor_to_major: Sequence[int]) -> np.ndarray:
-    major_to_minor = tuple(reversed(minor_to_major))
-    stored = flat.reshape([dims[d] for d in major_to_minor])
-    return np.transpose(stored, np.argsort(major_to_minor))
+# --------------------------------------------------------------------- the values
 
 
 def shard_value(full: np.ndarray, record: ArrayRecord, device: int, devices: int,
                 candidate: ArrayShape) -> np.ndarray:
     """Device ``device``'s chunk of the original value, in the candidate's shape."""
     shard = record.require_shard()
-    flat = physical_flat(np.asarray(full), _order(record))
-    if shard.padding:
-        flat = np.concatenate([flat, np.zeros(shard.padding, flat.dtype)])
     _, position = shard.position(device, devices)
-    chunk = flat[position * shard.length:(position + 1) * shard.length]
-    return from_physical_flat(chunk, candidate.dims, candidate.minor_to_major())
+    return ShardFormat.of(candidate, 1).from_padded_flat(shard.format.to_shards(full)[position])
 
 
 def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: int,
@@ -293,14 +298,5 @@ def gather_value(per_device: Sequence[np.ndarray], record: ArrayRecord, device: 
     """The full original-shaped value on ``device`` from its group's chunks."""
     shard = record.require_shard()
     group, _ = shard.position(device, len(per_device))
-    flat = np.concatenate([physical_flat(np.asarray(per_device[d]), candidate.minor_to_major())
-                           for d in group])
-    numel = math.prod(record.shape.dims)
-    return from_physical_flat(flat[:numel], record.shape.dims, _order(record))
-
-
-def _order(record: ArrayRecord) -> tuple[int, ...]:
-    """The minor_to_major order the original value is flattened in."""
-    if record.require_shard().flatten == "logical":
-        return tuple(range(record.shape.rank - 1, -1, -1))
-    return record.shape.minor_to_major()
+    own = ShardFormat.of(candidate, 1)
+    return shard.format.from_shards([own.padded_flat(per_device[d]) for d in group])

@@ -39,9 +39,10 @@ from hlo_shard.runtime.inputs import (
     output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of,
 )
 from hlo_shard.runtime.manifest import (
-    ArrayRecord, Manifest, Shard, _order, gather_value, physical_flat, shard_value,
+    ArrayRecord, Manifest, Shard, gather_value, shard_value,
 )
 from hlo_shard.runtime.worker import DEFAULT_TIMEOUT
+from hlo_shard.shard_format import ShardFormat
 
 Progress = Callable[[str], None]
 #: Seed offset for candidate-only parameters, so they never repeat an original's values.
@@ -222,11 +223,11 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
                         f"{shape_text(record.shape)}, but original {what} {record.original} "
                         f"is {shape_text(ours[record.original])}")
             if record.shard is not None:  # a "sharded" record
-                if shape.num_elements != record.shard.length or \
+                if shape.num_elements != record.shard.format.shard_len or \
                         shape.element_type != record.shape.element_type:
                     raise HloShardError(
                         f"{where}: candidate {what} {index} is {shape_text(shape)}, not a "
-                        f"shard of {record.shard.length} {record.shape.element_type}")
+                        f"shard of {record.shard.format.shard_len} {record.shape.element_type}")
             elif not _same_array(shape, record.shape):
                 raise HloShardError(f"{where}: candidate {what} {index} is {shape_text(shape)}"
                                     f", the manifest says {shape_text(record.shape)}")
@@ -375,8 +376,8 @@ def _same_format(out: ArrayRecord, out_shape: ArrayShape, param: ArrayRecord,
         return False
     if out.shard is None or param.shard is None:  # not both "sharded"
         return out.shard is None and param.shard is None
-    return (out.shard.length, out.shard.padding, out.shard.groups(devices), _order(out)) == \
-        (param.shard.length, param.shard.padding, param.shard.groups(devices), _order(param))
+    return (out.shard.format, out.shard.groups(devices)) == \
+        (param.shard.format, param.shard.groups(devices))
 
 
 def _candidate_feeds(pair: _Pair, feedback: Sequence[tuple[int, int]], devices: int
@@ -405,8 +406,8 @@ def _padding_lanes(values: DeviceValues, shard: Shard, original: ArrayShape,
     elements past the ``original``'s in the group's chunks concatenated in order."""
     lanes = []
     for group in shard.groups(devices):
-        flat = np.concatenate([physical_flat(np.asarray(values[d]), shape.minor_to_major())
-                               for d in group])
+        own = ShardFormat.of(shape, 1)
+        flat = np.concatenate([own.padded_flat(values[d]) for d in group])
         lanes.append(flat[original.num_elements:])
     return lanes
 
@@ -503,7 +504,7 @@ class _Run:
             for record, cshape, values in zip(pair.output_records, pair.candidate.outputs,
                                               raw_b):
                 if finite and record.original == index and record.shard is not None and \
-                        record.shard.padding:
+                        record.shard.format.padding:
                     leaf = check_padding(leaf, _padding_lanes(values, record.shard, record.shape,
                                                               cshape, devices))
             leaves.append(leaf)

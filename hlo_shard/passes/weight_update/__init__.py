@@ -24,7 +24,7 @@ cost model's callers). The modules above are the pass's internals.
 
 from __future__ import annotations
 
-from hlo_shard.passes.weight_update.analysis import natural_perm, planned_update_regions
+from hlo_shard.passes.weight_update.analysis import planned_update_regions
 from hlo_shard.passes.weight_update.emit import STRATEGIES, ChannelIds
 from hlo_shard.passes.weight_update.sharding import (PARAM_MODES, STATE_MODES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
@@ -35,6 +35,6 @@ from hlo_shard.passes.weight_update.sharding import (PARAM_MODES, STATE_MODES, E
 __all__ = [
     "PARAM_MODES", "STATE_MODES", "STRATEGIES", "ChannelIds",
     "Explanation", "ShardingOptionError", "ShardingOptions", "ShardingReport",
-    "StrategyChoice", "WeightUpdateSharding", "natural_perm", "planned_update_regions",
+    "StrategyChoice", "WeightUpdateSharding", "planned_update_regions",
     "rewritten_computations",
 ]

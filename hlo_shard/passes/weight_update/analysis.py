@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -53,83 +52,9 @@ from hlo_shard.graph import (call_graph, control_predecessors, dataflow_graph, r
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
+from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
 
 # ------------------------------------------------------------------------ the format
-
-
-def natural_perm(shape: ArrayShape) -> tuple[int, ...]:
-    """Dimensions from most to least major in ``shape``'s layout (its physical order),
-    canonical (size-1 dimensions first, as their place does not change the order)."""
-    return canonical_perm(tuple(reversed(shape.minor_to_major())), shape.dims)
-
-
-def canonical_perm(perm: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
-    ones = tuple(d for d in perm if dims[d] == 1)
-    return tuple(sorted(ones)) + tuple(d for d in perm if dims[d] != 1)
-
-
-@dataclass(frozen=True)
-class ShardFormat:
-    """A full value of ``dims``, flattened as ``ravel(transpose(value, perm))``, zero-padded
-    to ``n × shard_len`` and cut into ``n`` chunks; the device at group position j holds
-    chunk j as a 1-D ``[shard_len]`` array."""
-
-    dims: tuple[int, ...]
-    perm: tuple[int, ...]
-    n: int
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.dims)
-
-    @property
-    def shard_len(self) -> int:
-        return max(1, -(-self.elements // self.n))
-
-    @property
-    def padded(self) -> int:
-        return self.n * self.shard_len
-
-    @property
-    def padding(self) -> int:
-        return self.padded - self.elements
-
-    @property
-    def transposed_dims(self) -> tuple[int, ...]:
-        return tuple(self.dims[p] for p in self.perm)
-
-    @property
-    def is_row_major(self) -> bool:
-        return self.perm == canonical_perm(tuple(range(len(self.dims))), self.dims)
-
-    @property
-    def block(self) -> tuple[int, int] | None:
-        """``(dimension, rows)`` when every shard is a plain block of the value — rows
-        ``[j·rows, (j+1)·rows)`` of the format's most-major dimension (no padding, the
-        shard a whole number of slabs) — so slices and collectives can work on the value's
-        own dimensions instead of a transposed flat copy; None otherwise."""
-        major = next((d for d in self.perm if self.dims[d] != 1), None)
-        if self.padding or major is None:
-            return None
-        slab = math.prod(self.dims[d] for d in self.perm[self.perm.index(major) + 1:])
-        return (major, self.shard_len // slab) if self.shard_len % slab == 0 else None
-
-    @property
-    def known_block(self) -> tuple[int, int]:
-        """:attr:`block`, where the caller has established that the shards are blocks."""
-        if self.block is None:
-            raise ValueError(f"{self} does not cut its value in blocks")
-        return self.block
-
-    def minor_to_major(self) -> tuple[int, ...]:
-        """The layout whose physical order is this format's flat order."""
-        return tuple(reversed(self.perm))
-
-    @staticmethod
-    def of(shape: ArrayShape, n: int, perm: tuple[int, ...] | None = None) -> ShardFormat:
-        dims = tuple(shape.dims)
-        chosen = natural_perm(shape) if perm is None else canonical_perm(perm, dims)
-        return ShardFormat(dims, chosen, n)
 
 
 def is_laid_out(module: Module) -> bool:

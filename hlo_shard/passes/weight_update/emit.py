@@ -41,10 +41,10 @@ from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           Shape, SliceRanges, TupleShape)
-from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, ShardFormat,
-                                                     blocks_through_collectives, is_laid_out,
-                                                     major_dimension, natural_perm)
+from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, blocks_through_collectives,
+                                                     is_laid_out, major_dimension)
 from hlo_shard.profiles import HardwareProfile
+from hlo_shard.shard_format import ShardFormat, natural_perm
 
 
 

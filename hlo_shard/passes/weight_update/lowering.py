@@ -30,12 +30,13 @@ from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Comp
                           ComputationRef, Ident, Instruction, Module, Raw, Shape,
                           SliceRanges, TupleShape)
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedLeaf, RegionOp,
-                                                     RegionPlan, ShardFormat, StatePair,
+                                                     RegionPlan, StatePair,
                                                      flattenable, is_scalar_broadcast,
                                                      parameter_names, proved_array,
                                                      proved_element, tuple_index)
 from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
                                                  block_dims, shard_body)
+from hlo_shard.shard_format import ShardFormat
 
 
 @dataclass

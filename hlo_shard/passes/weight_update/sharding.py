@@ -45,7 +45,7 @@ from hlo_shard.graph import DependencyCycle, ModuleRewriter, dataflow_graph
 from hlo_shard.ir import Computation, Instruction, Module, Shape, TupleShape, shape_leaves
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, RegionOptions,
-                                                     RegionPlan, ShardFormat, StatePair, Whole,
+                                                     RegionPlan, StatePair, Whole,
                                                      called_computation, collect_leaves,
                                                      copy_chains, data_parallel_groups,
                                                      gradient_sources, loop_slots, pair_state,
@@ -58,6 +58,7 @@ from hlo_shard.passes.weight_update.lowering import (RegionRewrite, RegionSnapsh
                                                      annotate_state, bypass_copies,
                                                      narrowing_convert, shard_loop_carry)
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
+from hlo_shard.shard_format import ShardFormat
 
 STATE_MODES = ("gathered", "sharded")
 #: How the weights (parameters the update reads and the forward/backward pass uses, paired
