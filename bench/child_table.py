@@ -38,3 +38,14 @@ def run_table(script: Path, argv: list[str], devices: int) -> Any:
                      f"{errors.read()[-4000:]}")
     print(f"(table measured in {time.perf_counter() - started:.0f} s)")
     return json.loads(last)
+
+
+#: A table's columns: (width, alignment) each; width 0 (the last, free text) unpadded.
+Columns = tuple[tuple[int, str], ...]
+
+
+def cells(columns: Columns, *values: str) -> str:
+    """One row of a table printed in ``columns``."""
+    return " ".join(f"{value:{align}{width}}" if width else value
+                    for value, (width, align) in zip(values, columns)).rstrip()
+

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from child_table import run_table  # bench/ is on sys.path
+from child_table import cells as table_cells, run_table  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -254,6 +254,12 @@ def measure(name: str, runs: int, rounds: int, force: bool) -> list[Variant]:
         for forced in (False, True) if force else (False,):
             variants.append(fast_variant(prog, mode, forced))
     variants.append(hook_variant(prog))
+    return timed_with_named(prog, variants, runs, rounds)
+
+
+def timed_with_named(prog, variants: list[Variant], runs: int, rounds: int) -> list[Variant]:
+    """``variants`` and the ``NamedSharding`` alternative where it runs, timed
+    interleaved."""
     named = named_sharding_variant(prog)
     if named is not None:
         variants.append(named)
@@ -267,8 +273,7 @@ COLUMNS = ((8, "<"), (17, "<"), (7, ">"), (5, ">"), (9, ">"), (7, ">"), (11, ">"
 
 
 def cells(*values: str) -> str:
-    return " ".join(f"{value:{align}{width}}" if width else value
-                    for value, (width, align) in zip(values, COLUMNS)).rstrip()
+    return table_cells(COLUMNS, *values)
 
 
 def rows(name: str, variants: list[Variant]) -> list[str]:

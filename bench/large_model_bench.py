@@ -37,10 +37,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from child_table import run_table  # bench/ is on sys.path
+from child_table import cells as table_cells, run_table  # bench/ is on sys.path
 from ecosystem_bench import (SAME_METRICS, Variant, fast_variant, jit_variant,
-                             live_bytes, named_sharding_variant, time_interleaved,
-                             worst_relative)
+                             live_bytes, timed_with_named, worst_relative)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -173,11 +172,7 @@ def measure(name: str, width: int, runs: int, rounds: int, force: bool) -> list[
         variants += [fast_variant(prog, "gathered", forced),
                      fast_variant(prog, "sharded", forced),
                      fast_variant(prog, "sharded", forced, params="sharded")]
-    named = named_sharding_variant(prog)
-    if named is not None:
-        variants.append(named)
-    time_interleaved(prog, variants, runs, rounds)
-    return variants
+    return timed_with_named(prog, variants, runs, rounds)
 
 
 #: The table's columns: width and alignment (the last, free text, unpadded).
@@ -186,8 +181,7 @@ COLUMNS = ((13, "<"), (32, "<"), (7, ">"), (5, ">"), (6, ">"), (9, ">"), (8, ">"
 
 
 def cells(*values: str) -> str:
-    return " ".join(f"{value:{align}{width}}" if width else value
-                    for value, (width, align) in zip(values, COLUMNS)).rstrip()
+    return table_cells(COLUMNS, *values)
 
 
 def _ratio(v: Variant, reference: Variant | None) -> float | None:
