@@ -168,12 +168,9 @@ def _hook_child() -> None:
         return time.perf_counter() - started
 
     plain = min(compile_seconds() for _ in range(2))
-    hsj.install()
-    try:
+    with hsj.install():
         hooked = compile_seconds()
         decisions = hsj.decisions()
-    finally:
-        hsj.uninstall()
     what = "; ".join(f"{d.module}: {'sharded' if d.changed else 'kept whole'}"
                      for d in decisions)
     print(f"install() on {mesh} {size}: XLA compile {plain:.1f} s plain, {hooked:.1f} s "

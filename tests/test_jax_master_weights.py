@@ -43,6 +43,14 @@ MODELS["mlp_bf16_compute"] = Model(lambda key: mlp_params(key, SIZES), bf16_mlp_
 MODELS["mlp_f32_wide"] = Model(lambda key: mlp_params(key, SIZES), f32_mlp_loss, mlp_batch)
 
 
+def master_weights_step():
+    """The bf16-compute MLP with clip + AdamW on 8 devices, and its step keeping weights
+    and state as shards (forced: these tests check the form, not the gate)."""
+    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
+    return program, hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                            force=True)
+
+
 def all_gathers(hlo: str) -> list[tuple[str, int]]:
     """(element type, elements) of every all-gather in ``hlo``."""
     return [(m.group(1), int(np.prod([int(d) for d in m.group(2).split(",") if d])))
@@ -65,9 +73,7 @@ def test_bf16_compute_all_gathers_only_bf16_shards(request):
     updated f32 weights."""
     if not needs_devices(request):
         return
-    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
-    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
-                                   force=True)
+    program, fast = master_weights_step()
     (p, _), _ = train(fast, program, 1)
     kinds = {row["name"]: row["kind"] for row in fast.report["parameters"]}
     assert {kinds[f"params['l{i}']['{k}']"] for i in range(3) for k in "wb"} == {"sharded"}
@@ -94,9 +100,7 @@ def test_bf16_compute_steps_like_sharded_state_and_near_jit(request):
     way — so weights within ``2·lr·steps`` of jit's, losses within 1%."""
     if not needs_devices(request):
         return
-    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
-    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
-                                   force=True)
+    program, fast = master_weights_step()
     (p, s), losses = train(fast, program, 3)
     state_only = hsj.shard_weight_update(program.step, state="sharded", force=True)
     (p_ref, s_ref), l_ref = train(state_only, program, 3)
@@ -135,9 +139,7 @@ def test_checkpoint_round_trip_of_sharded_weights_is_bitwise(request, tmp_path):
     restored through numpy and shard_args they continue the same trajectory bitwise."""
     if not needs_devices(request):
         return
-    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
-    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
-                                   force=True)
+    program, fast = master_weights_step()
     (p_ref, s_ref), l_ref = train(fast, program, 4)
     params, opt_state = program.init()
     params, opt_state, loss0 = fast(params, opt_state, program.batch(0))
@@ -160,9 +162,7 @@ def test_params_and_adam_state_live_bytes_at_most_040_of_jit(request):
     step count and the padding of each leaf to a multiple of N)."""
     if not needs_devices(request):
         return
-    program = make_program("mlp_bf16_compute", "adamw_clip", 8)
-    fast = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
-                                   force=True)
+    program, fast = master_weights_step()
     (p, s), _ = train(fast, program, 1)
     (p_jit, s_jit), _ = train(program.step, program, 1)
     ratio = live_bytes((p, s)) / live_bytes((p_jit, s_jit))
