@@ -1,6 +1,6 @@
-"""The networkx dataflow view of a module and the editing helpers passes use.
+"""The dataflow view of a module and the editing helpers passes use.
 
-Analyses read :func:`dataflow_graph` (a ``MultiDiGraph`` per computation, operand →
+Analyses read :func:`dataflow_graph` (a :class:`DataflowGraph` per computation, operand →
 user edges keyed by operand index, so ``multiply(x, x)`` has two edges) and
 :func:`call_graph`. Passes edit through a :class:`Rewriter`, which keeps the
 computation's ordered instruction list (the source of truth), its users index and a
@@ -65,17 +65,42 @@ def _read_once(kind: str, comp: Computation, make: Callable[[Computation], _View
     return cast(_View, found[1])
 
 
-def dataflow_graph(comp: Computation) -> nx.MultiDiGraph:
-    """Operand → user edges, keyed by operand index; node attribute ``inst``."""
-    return _read_once("dataflow", comp, _dataflow_graph)
+@dataclass(frozen=True)
+class DataflowGraph:
+    """Operand → user edges of one computation, read from its instructions and users
+    index (no copy of the graph: building a general graph object of every computation
+    cost more than the analyses that walk it)."""
+
+    comp: Computation
+    #: Name → its users, each once, in program order (:func:`users_map`).
+    users: dict[str, list[str]]
+
+    def successors(self, name: str) -> list[str]:
+        """The users of ``name``, each once, in program order."""
+        return self.users[name]
+
+    def predecessors(self, name: str) -> Iterable[str]:
+        """The operands of ``name``, each once, in operand order."""
+        return dict.fromkeys(self.comp[name].operands)
+
+    def ancestors(self, name: str) -> set[str]:
+        """Every value ``name`` depends on (not itself)."""
+        return reachable((name,), self.predecessors)
+
+    def descendants(self, name: str) -> set[str]:
+        """Every value that depends on ``name`` (not itself)."""
+        return reachable((name,), self.successors)
+
+    def edges(self) -> Iterator[tuple[str, str, int]]:
+        """(operand, user, operand index) per operand slot: ``multiply(x, x)`` has two."""
+        return ((operand, inst.name, index) for inst in self.comp.instructions
+                for index, operand in enumerate(inst.operands))
 
 
-def _dataflow_graph(comp: Computation) -> nx.MultiDiGraph:
-    graph = nx.MultiDiGraph(name=comp.name)
-    graph.add_nodes_from((inst.name, {"inst": inst}) for inst in comp.instructions)
-    graph.add_edges_from((operand, inst.name, index) for inst in comp.instructions
-                         for index, operand in enumerate(inst.operands))
-    return graph
+def dataflow_graph(comp: Computation) -> DataflowGraph:
+    """Operand → user edges of ``comp`` (read it, do not edit ``comp`` while walking it:
+    see :func:`reading_only`)."""
+    return DataflowGraph(comp, users_map(comp))
 
 
 def call_graph(module: Module) -> nx.DiGraph:
@@ -105,6 +130,20 @@ def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> se
             seen.add(node)
             stack.extend(step(node))
     return seen
+
+
+def upstream_bits(comp: Computation, bits: dict[str, int]) -> dict[str, int]:
+    """Per instruction of ``comp``: the union of the ``bits`` of every instruction it
+    depends on (not its own), in one pass in def-before-use order — "which of these
+    does each value read, directly or not" for all values at once, instead of a walk
+    over the ancestors of each."""
+    below: dict[str, int] = {}
+    for inst in topological_order(comp):
+        found = 0
+        for operand in inst.operands:
+            found |= below[operand] | bits.get(operand, 0)
+        below[inst.name] = found
+    return below
 
 
 def users_map(comp: Computation) -> dict[str, list[str]]:
@@ -176,24 +215,26 @@ class DependencyCycle(ValueError):
 
 def stable_topological_sort(order: list[str], deps: dict[str, set[str]]) -> list[str]:
     """Kahn's algorithm that always takes the ready node earliest in ``order``, so an
-    order that already respects ``deps`` comes back unchanged. Nodes on a cycle are
-    left out (callers compare lengths)."""
+    order that already respects ``deps`` comes back unchanged (checked first, in one
+    scan). Nodes on a cycle are left out (callers compare lengths)."""
     position = {name: i for i, name in enumerate(order)}
-    dependents: dict[str, list[str]] = {name: [] for name in order}
-    for name, needs in deps.items():
+    needs_of = [deps.get(name, ()) for name in order]
+    if all(position[need] < i for i, needs in enumerate(needs_of) for need in needs):
+        return list(order)
+    dependents: list[list[int]] = [[] for _ in order]
+    remaining = [len(needs) for needs in needs_of]
+    for i, needs in enumerate(needs_of):
         for need in needs:
-            dependents[need].append(name)
-    remaining = {name: len(deps.get(name, ())) for name in order}
-    ready = [position[n] for n, count in remaining.items() if count == 0]
-    heapq.heapify(ready)
+            dependents[position[need]].append(i)
+    ready = [i for i, count in enumerate(remaining) if count == 0]  # sorted: a heap
     result: list[str] = []
     while ready:
-        name = order[heapq.heappop(ready)]
-        result.append(name)
-        for user in dependents[name]:
+        i = heapq.heappop(ready)
+        result.append(order[i])
+        for user in dependents[i]:
             remaining[user] -= 1
             if remaining[user] == 0:
-                heapq.heappush(ready, position[user])
+                heapq.heappush(ready, user)
     return result
 
 

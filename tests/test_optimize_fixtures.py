@@ -12,7 +12,6 @@ import json
 import math
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 from hlo_shard import runtime
@@ -84,7 +83,7 @@ def test_every_gradient_is_sharded_or_explained(path):
     for comp in module.computations:
         graph = dataflow_graph(comp)
         scatters = [i.name for i in comp.instructions if i.opcode == "reduce-scatter"]
-        downstream = set().union(*(nx.descendants(graph, s) for s in scatters)) if scatters \
+        downstream = set().union(*(graph.descendants(s) for s in scatters)) if scatters \
             else set()
         full = [n for n in downstream if comp[n].opcode in ELEMENTWISE - {"copy"}
                 and isinstance(comp[n].shape, ArrayShape) and comp[n].shape.dims in full_dims

@@ -23,10 +23,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import networkx as nx
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.graph import dataflow_graph, reachable
+from hlo_shard.graph import DataflowGraph, dataflow_graph, reachable
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
 from hlo_shard.opinfo import DETERMINISTIC, ELEMENTWISE, PER_DEVICE, opcodes_where
@@ -231,9 +230,9 @@ class _GradientMeeting:
 
     module: Module
     sources: dict[str, set[str]]
-    _views: dict[str, tuple[nx.MultiDiGraph, set[str]]] = field(default_factory=dict)
+    _views: dict[str, tuple[DataflowGraph, set[str]]] = field(default_factory=dict)
 
-    def view(self, comp: Computation) -> tuple[nx.MultiDiGraph, set[str]]:
+    def view(self, comp: Computation) -> tuple[DataflowGraph, set[str]]:
         """``comp``'s dataflow graph, and its gradient sources with all they reach."""
         if comp.name not in self._views:
             graph = dataflow_graph(comp)
@@ -248,10 +247,10 @@ class _GradientMeeting:
         while stack:
             node = stack.pop()
             for user in graph.successors(node):
-                inst = graph.nodes[user]["inst"]
+                inst = graph.comp[user]
                 if node in tuples:
                     if inst.opcode == "while" and depth < 8 and \
-                            self._meets_in_body(inst, graph.nodes[node]["inst"], reach, depth):
+                            self._meets_in_body(inst, graph.comp[node], reach, depth):
                         return True
                 elif inst.opcode == "tuple" and user not in tuples:
                     tuples.add(user)

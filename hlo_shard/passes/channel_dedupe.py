@@ -44,13 +44,12 @@ class ChannelIdDedupe(ModulePass[RenumberedChannels]):
         seen: set[int] = set()
         renumbered = 0
         for comp in module.computations:
-            rw = rewriter.rewriter(comp)
             for inst in comp.instructions:
                 channel = inst.int_attr("channel_id")
                 if channel is None or inst.opcode not in CHANNEL_UNIQUE:
                     continue
                 if channel in seen:
-                    rw.set_attr(inst, "channel_id", channels.fresh())
+                    rewriter.rewriter(comp).set_attr(inst, "channel_id", channels.fresh())
                     renumbered += 1
                 else:
                     seen.add(channel)

@@ -250,11 +250,11 @@ def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulatio
     plans: dict[str, list[_Plan]] = defaultdict(list)
     refused: list[WholeAccumulation] = []
     for comp in module.computations:
-        rw = edits.rewriter(comp)
         views: dict[str, _LoopView] = {}
         for inst in comp.instructions:
             if inst.opcode != "reduce-scatter":
                 continue
+            rw = edits.rewriter(comp)  # only where there is one: a users index each
             loop, chain, leaves, problem = _trace(module, rw, inst)
             try:
                 if problem:

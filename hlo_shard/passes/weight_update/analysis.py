@@ -40,15 +40,15 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import cast
 
-import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode)
 from hlo_shard.analysis.replication import Replication, analyze_replication
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import (call_graph, control_predecessors, dataflow_graph, reachable,
-                             reading_only, topological_order, users_map)
+from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
+                             reachable, reading_only, topological_order, upstream_bits,
+                             users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.opinfo import ELEMENTWISE
@@ -673,7 +673,7 @@ def flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
     return fmt.dims == shape.dims and (fmt.perm == natural_perm(shape) or fmt.is_row_major)
 
 
-def region_read_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
+def region_read_parameters(params: list[Instruction], graph: DataflowGraph,
                            plan: RegionPlan, weights: bool = False,
                            through: dict[str, str] | None = None) -> dict[int, set[ShardFormat]]:
     """Array parameters the region reads → the formats its ops read them in: those read
@@ -689,7 +689,7 @@ def region_read_parameters(params: list[Instruction], graph: nx.MultiDiGraph,
         inside = users & plan.ops.keys()
         if isinstance(param.shape, ArrayShape) and inside and (inside != users) == weights:
             read[param.param_number] = set().union(*(
-                plan.ops[u].formats_reading(graph.nodes[u]["inst"], value)
+                plan.ops[u].formats_reading(graph.comp[u], value)
                 for u in inside))
     return read
 
@@ -1075,7 +1075,7 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
     return _account(comp, graph, plan, ctx)
 
 
-def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph,
+def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGraph,
                      upstream_of_gradients: set[str], index: dict[str, int],
                      foreign: Callable[[str], bool] | None = None) -> None:
     """One-element reductions of replicated values whose result feeds the region (LAMB's
@@ -1097,7 +1097,7 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiG
             ops[name] = replace(op, pulled=True)
 
 
-def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
+def upstream(graph: DataflowGraph, starts: Iterable[str],
              stop: AbstractSet[str] = frozenset(),
              stops: Callable[[str], bool] | None = None) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
@@ -1109,7 +1109,7 @@ def upstream(graph: nx.MultiDiGraph, starts: Iterable[str],
     return reachable(starts, parents)
 
 
-def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGraph) -> None:
+def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGraph) -> None:
     """Replicated producers whose every user consumes them in the region, in one format,
     run on shards too (AdamW's ``w * weight_decay``). A worklist: a producer is looked at
     again only when one of its users joins the region."""
@@ -1140,7 +1140,7 @@ def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: nx.MultiDiGr
             work.append(operand)
 
 
-def _boundaries(comp: Computation, graph: nx.MultiDiGraph, sharded: Mapping[str, ShardFormat],
+def _boundaries(comp: Computation, graph: DataflowGraph, sharded: Mapping[str, ShardFormat],
                 ops: Mapping[str, RegionOp]) -> dict[str, tuple[str, ...]]:
     boundary: dict[str, tuple[str, ...]] = {}
     for name in sharded:
@@ -1152,7 +1152,7 @@ def _boundaries(comp: Computation, graph: nx.MultiDiGraph, sharded: Mapping[str,
     return boundary
 
 
-def _account(comp: Computation, graph: nx.MultiDiGraph, plan: RegionPlan,
+def _account(comp: Computation, graph: DataflowGraph, plan: RegionPlan,
              ctx: _Context) -> RegionPlan:
     """``plan`` with, per sharded leaf, the region ops it reaches (plus pulled producers
     feeding them), its formatting copies, and the elementwise work saved on the other
@@ -1314,14 +1314,15 @@ def gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[str
     all-reduces themselves, or the loops/calls whose computations contain them."""
     graph = call_graph(module)
     holders = {ar.computation for ar in found}
+    # The computations that hold one or call one that does, in one walk up the calls.
+    holding = holders | reachable(holders, graph.predecessors)
     sources: dict[str, set[str]] = defaultdict(set)
     for ar in found:
         sources[ar.computation].add(ar.name)
     for comp in module.computations:
         for inst in comp.instructions:
-            for callee in inst.called_computations():
-                if (nx.descendants(graph, callee) | {callee}) & holders:
-                    sources[comp.name].add(inst.name)
+            if any(callee in holding for callee in inst.called_computations()):
+                sources[comp.name].add(inst.name)
     return sources
 
 
@@ -1355,7 +1356,6 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
     root = comp.root
     if root.opcode != "tuple":
         return {}, {}
-    graph = dataflow_graph(comp)
     params = {p.parameter_number: p for p in comp.parameters()}
     candidates: dict[int, ShardFormat] = {}
     kept_whole: dict[int, str] = {}
@@ -1400,12 +1400,13 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
     # No aliasing: an output depending on exactly one remaining candidate of its kind.
     remaining = dict(candidates)
     open_outputs = dict(outputs)
+    bit = {number: 1 << index for index, number in enumerate(candidates)}
+    reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()})
     progress = True
     while progress:
         progress = False
         for k, value in list(open_outputs.items()):
-            ancestors = nx.ancestors(graph, value)
-            matches = [n for n in remaining if params[n].name in ancestors and fits(n, k)]
+            matches = [n for n in remaining if reads[value] & bit[n] and fits(n, k)]
             if len(matches) == 1:
                 pair(matches[0], k)
                 del remaining[matches[0]]
@@ -1422,17 +1423,17 @@ def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
     aliased to an output, not read by the forward/backward pass, whose next value needs
     the summed gradients outside the region — a factored statistic such as Adafactor's
     ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
-    graph = dataflow_graph(comp)
     root = comp.root
     gradients = {leaf.all_reduce for leaf in plan.leaves}
-    forward: set[str] = set()
-    for name in gradients:
-        forward |= nx.ancestors(graph, name)
+    forward = reachable(gradients, dataflow_graph(comp).predecessors)
     params = {p.parameter_number: p for p in comp.parameters()}
     from hlo_shard.printer import format_shape
 
     sharded = {leaf.all_reduce for leaf in plan.active}
     found: list[str] = []
+    #: Per value: whether it reads a gradient, a sharded one, the first factored statistic
+    #: (found once for the whole computation, when a state first asks).
+    reach: _GradientReach | None = None
     for k, number in module.output_aliases().items():
         param = params.get(number)
         if param is None or number in explained or param.name in forward \
@@ -1440,28 +1441,71 @@ def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
                 or root.opcode != "tuple" or k >= len(root.operands):
             continue
         value = root.operands[k]
-        upstream = nx.ancestors(graph, value)
-        if value in plan.sharded or not gradients & upstream:
+        if value in plan.sharded:
             continue
-        why = "its gradient stays all-reduced (see its row)" if not sharded & upstream else \
-            _factored_reason(comp, plan, upstream)
+        reach = reach or _GradientReach.of(comp, plan, gradients, sharded)
+        if not reach.reads_gradient(value):
+            continue
+        why = "its gradient stays all-reduced (see its row)" \
+            if not reach.reads_sharded(value) \
+            else _factored_reason(comp, plan, reach.first.get(value))
         found.append(f"optimizer state parameter {number} (%{param.name} "
                      f"{format_shape(param.shape)}) stays whole, computed in full on every "
                      f"device: {why}")
     return found
 
 
-def _factored_reason(comp: Computation, plan: RegionPlan, upstream: set[str]) -> str:
+#: :class:`_GradientReach` bits: a value reads a gradient / a sharded gradient.
+_READS_GRADIENT, _READS_SHARDED = 1, 2
+
+
+@dataclass(frozen=True)
+class _GradientReach:
+    """What each value of a computation reads upstream, found in one pass over it: a
+    gradient of the plan, a sharded one, and the first (in program order) reduction of
+    a sharded value that is no scalar (the factored statistic a state may come from)."""
+
+    bits: dict[str, int]
+    #: Value → the first such reduction upstream of it (absent: none).
+    first: dict[str, str]
+
+    @classmethod
+    def of(cls, comp: Computation, plan: RegionPlan, gradients: set[str],
+           sharded: set[str]) -> _GradientReach:
+        bits = upstream_bits(comp, {name: _READS_GRADIENT | (_READS_SHARDED * (name in sharded))
+                                    for name in gradients})
+        order = topological_order(comp)
+        position = {inst.name: index for index, inst in enumerate(order)}
+        first: dict[str, str] = {}
+        for inst in order:
+            found = [first[o] for o in inst.operands if o in first]
+            found += [o for o in inst.operands if _is_statistic(plan, comp[o])]
+            if found:
+                first[inst.name] = min(found, key=position.__getitem__)
+        return cls(bits, first)
+
+    def reads_gradient(self, value: str) -> bool:
+        return bool(self.bits[value] & _READS_GRADIENT)
+
+    def reads_sharded(self, value: str) -> bool:
+        return bool(self.bits[value] & _READS_SHARDED)
+
+
+def _is_statistic(plan: RegionPlan, inst: Instruction) -> bool:
+    """A reduction of a sharded value to more than one element."""
+    return inst.opcode == "reduce" and inst.operands[0] in plan.sharded \
+        and isinstance(inst.shape, ArrayShape) and inst.shape.num_elements != 1
+
+
+def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None) -> str:
     """Why a state computed from a reduction of a sharded gradient along some dimensions
     (a factored statistic, like Adafactor's v_row/v_col) is not itself a shard: its
-    reduction cuts the shard's block (summed from partial sums, whole on every device),
-    or the shard is no block of the gradient, or the reduction is not one the region
-    runs."""
-    for name in sorted(upstream, key=comp.position):
+    reduction ``name`` (the first upstream of the state) cuts the shard's block (summed
+    from partial sums, whole on every device), or the shard is no block of the gradient,
+    or the reduction is not one the region runs."""
+    if name is not None:
         inst = comp[name]
-        fmt = plan.sharded.get(inst.operands[0]) if inst.opcode == "reduce" else None
-        if fmt is None or inst.array_shape.num_elements == 1:
-            continue
+        fmt = plan.sharded[inst.operands[0]]
         dims = ",".join(map(str, inst.ints_attr("dimensions")))
         what = f"its next value reduces the gradient along dimension {dims} (%{name}, a " \
                f"factored statistic, like Adafactor's v_row/v_col)"
@@ -1506,7 +1550,7 @@ def _unpaired_output(plan: RegionPlan, root: Instruction, k: int, fmt: ShardForm
     return f"its next value (output {k}) has another element type"
 
 
-def copy_chains(comp: Computation, graph: nx.MultiDiGraph) -> dict[str, list[str]]:
+def copy_chains(comp: Computation, graph: DataflowGraph) -> dict[str, list[str]]:
     """Parameter → the copies it flows through alone before its other uses (each copy
     the only user of the value before it, in the parameter's shape and layout: the
     form shard_map gives a replicated argument), for the parameters that have any."""

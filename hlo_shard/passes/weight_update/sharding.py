@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
-import networkx as nx
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, find_reduce_scatters,
@@ -41,7 +40,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import DependencyCycle, ModuleRewriter, dataflow_graph
+from hlo_shard.graph import DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph
 from hlo_shard.ir import Computation, Instruction, Module, Shape, TupleShape, shape_leaves
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, RegionOptions,
@@ -436,7 +435,7 @@ def rewritten_computations(module: Module) -> list[str]:
 
 
 def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, StatePair],
-                 kept_whole: dict[int, str], graph: nx.MultiDiGraph,
+                 kept_whole: dict[int, str], graph: DataflowGraph,
                  plan: RegionPlan, ends: dict[str, str]) -> list[WeightChoice]:
     """The ``params="sharded"`` rows: each weight sharded (gathered narrow where its
     uses outside the update are converts to one narrower float) or kept whole."""
