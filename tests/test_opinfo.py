@@ -127,24 +127,67 @@ REPLACED = [
                 "collective-broadcast"}), {}),
 ]
 
+# Sets that were literal lists beside the table and are now its fields (opinfo's derived
+# sets); inline ones are named by where they were.
+REPLACED += [
+    ("costmodel.kernels.FUSIBLE_OPCODES", opinfo.FUSIBLE, opinfo.PER_ELEMENT_COST | frozenset({
+        "broadcast", "reshape", "bitcast", "transpose", "copy", "iota", "constant", "slice",
+        "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice"}),
+     {}),
+    ("costmodel.kernels._KERNEL_ROOTS", opinfo.KERNEL_ROOTS,
+     frozenset({"reduce", "dynamic-update-slice"}), {}),
+    ("costmodel.kernels.CONTROL_FLOW_OPCODES", opinfo.CONTROL_FLOW,
+     frozenset({"while", "call", "conditional"}), {}),
+    ("costmodel.memory._IN_PLACE_OPCODES", opinfo.IN_PLACE, opinfo.PER_ELEMENT_COST | frozenset(
+        {"dynamic-update-slice", "while", "fusion"}), {}),
+    ("costmodel.step_time.FORMAT_OPCODES", opinfo.DATA_MOVEMENT, frozenset({
+        "reshape", "bitcast", "transpose", "copy", "pad", "slice", "dynamic-slice",
+        "concatenate"}), {}),
+    ("costmodel.step_time._MATRIX_OPCODES (and kernels._absorbed_transpose, "
+     "weight_update.emit's dot or convolution)", opinfo.MATMULS,
+     frozenset({"dot", "convolution"}), {}),
+    ("costmodel.step_time.formatting_ops' gathers", opinfo.ALL_GATHERS,
+     frozenset({"all-gather", "all-gather-start"}), {}),
+    ("costmodel.step_time._is_sum_collective", opinfo.SUMMING_COLLECTIVES,
+     frozenset({"all-reduce", "reduce-scatter", "all-reduce-start"}), {}),
+    ("costmodel.step_time: the views a gradient's users are followed through",
+     opinfo.ORDER_KEEPING_VIEWS, frozenset({"bitcast", "reshape", "copy"}), {}),
+    ("costmodel.kernels.is_relabel", opcodes_where(
+        lambda i: i.moves in (opinfo.RESHAPE, opinfo.COPY)), frozenset({"reshape", "copy"}), {}),
+    ("costmodel.kernels._read_size's slices", opcodes_where(lambda i: i.moves == opinfo.WINDOW),
+     frozenset({"slice", "dynamic-slice"}), {}),
+    ("analysis.collectives.DEVICE_ID_OPCODES", opinfo.DEVICE_IDS,
+     frozenset({"partition-id", "replica-id"}), {}),
+    ("analysis.collectives._GROUPED", opinfo.GROUPED, frozenset({
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "all-reduce-start",
+        "all-gather-start", "collective-broadcast"}), {
+        "+ragged-all-to-all": "has replica_groups= like all-to-all (attributes.py)"}),
+    ("analysis.collectives.find_gradient_all_reduces", opinfo.ALL_REDUCES,
+     frozenset({"all-reduce", "all-reduce-start"}), {}),
+    ("analysis.collectives._LAYOUT_ONLY's views", opinfo.VIEWS,
+     frozenset({"copy", "transpose", "bitcast", "reshape"}), {}),
+    ("weight_update.analysis.VIEW_OPCODES", opinfo.SHAPE_VIEWS,
+     frozenset({"transpose", "reshape", "bitcast"}), {}),
+    ("weight_update.analysis._view_back (and _PULLABLE's views)", opinfo.LOGICAL_VIEWS,
+     frozenset({"transpose", "reshape"}), {}),
+    ("weight_update.analysis._SCALAR_OK (and validate._elementwise)", opinfo.SCALAR_OPERANDS,
+     frozenset({"clamp", "select"}), {}),
+    ("weight_update.lowering._PADDING_RULES: _all_zero", opinfo.ZERO_PRESERVING, frozenset({
+        "add", "subtract", "maximum", "minimum", "negate", "abs", "sqrt", "sign", "convert",
+        "and", "or", "tanh", "sine", "bitcast-convert"}), {}),
+    ("weight_update.lowering._PADDING_RULES: _same", opinfo.VIEWS,
+     frozenset({"copy", "reshape", "bitcast", "transpose"}), {}),
+]
+
 #: Policy sets of the modules: only their names are checked. {opcode: what it should be}.
 POLICY_SETS = [
-    ("hlo_shard.costmodel.kernels", "FUSIBLE_OPCODES", {}),
     ("hlo_shard.costmodel.kernels", "POINTER_OPCODES", {}),
-    ("hlo_shard.costmodel.kernels", "CONTROL_FLOW_OPCODES", {}),
     ("hlo_shard.costmodel.step_time", "UPDATE_OPCODES", {}),
-    ("hlo_shard.costmodel.step_time", "FORMAT_OPCODES", {}),
-    ("hlo_shard.costmodel.memory", "_IN_PLACE_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_FLOW_THROUGH", {}),
     ("hlo_shard.passes.weight_update.analysis", "_PULLABLE", {}),
-    ("hlo_shard.costmodel.kernels", "_KERNEL_ROOTS", {}),
-    ("hlo_shard.analysis.collectives", "DEVICE_ID_OPCODES", {}),
     ("hlo_shard.analysis.collectives", "_LAYOUT_ONLY", {}),
     ("hlo_shard.analysis.collectives", "_INDEX_ARITHMETIC", {}),
-    ("hlo_shard.costmodel.step_time", "_MATRIX_OPCODES", {}),
-    ("hlo_shard.passes.weight_update.analysis", "_SCALAR_OK", {}),
     ("hlo_shard.passes.weight_update.analysis", "_SCALAR_BODY", {}),
-    ("hlo_shard.passes.weight_update.analysis", "VIEW_OPCODES", {}),
     ("hlo_shard.analysis.replication", "_BODY_EXTRA", {}),
     # Rule tables keyed by opcode.
     ("hlo_shard.costmodel.flops", "RULES", {}),
@@ -159,9 +202,6 @@ POLICY_SETS = [
     ("hlo_shard.fuzz.mutants", "GRADIENT_COLLECTIVES", {}),
     ("hlo_shard.fuzz.mutants", "NON_COMMUTATIVE", {}),
     ("hlo_shard.attributes", "_UNARY_WITH_ACCURACY", {}),
-    # Which collectives' groups name the module's devices (collective-permute's pairs
-    # do not): a policy of the device-count recovery.
-    ("hlo_shard.analysis.collectives", "_GROUPED", {}),
     # The values a profile's ``combined_collectives`` may name (the kinds XLA has a
     # combiner pass for): the profile schema's choice list.
     ("hlo_shard.profiles", "COMBINABLE_COLLECTIVES", {}),
