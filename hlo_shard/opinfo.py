@@ -53,7 +53,8 @@ PAIRED: Channel = "paired"
 
 #: How an op that only moves data places its operand's elements in its result (``""``:
 #: it computes values, or moves them in a way none of these says: gather, reverse …).
-Moves = Literal["", "copy", "reshape", "bitcast", "transpose", "window", "assemble"]
+Moves = Literal["", "copy", "reshape", "bitcast", "transpose", "window", "assemble",
+                "broadcast", "update", "reverse"]
 #: The same dims and values; only the physical layout may change.
 COPY: Moves = "copy"
 #: The same elements in row-major order under new dims.
@@ -66,6 +67,12 @@ TRANSPOSE: Moves = "transpose"
 WINDOW: Moves = "window"
 #: The operands placed in a larger result (``concatenate``, ``pad``).
 ASSEMBLE: Moves = "assemble"
+#: Each operand element repeated along new dims.
+BROADCAST: Moves = "broadcast"
+#: The first operand with a window replaced by the second (``dynamic-update-slice``).
+UPDATE: Moves = "update"
+#: The elements in reverse order along ``dimensions=``.
+REVERSE: Moves = "reverse"
 
 #: How XLA's instruction fusion treats the op: merged into its consumers' loop, fused
 #: but always the root of its kernel (its result never stays inside a fusion), or a
@@ -132,6 +139,10 @@ class OpInfo:
     in_place: bool | None = None
     #: What the computations it names stand for (:data:`Calls`).
     calls: Calls = ""
+    #: Its value is its first operand's, as it is: it only orders execution.
+    forwards: bool = False
+    #: A binary op whose operands may be swapped (f(a, b) = f(b, a)).
+    commutative: bool = False
 
     def __post_init__(self) -> None:
         per_element = self.cost in (FLOP, TRANSCENDENTAL)
@@ -162,8 +173,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("acos", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("acosh", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("add", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True),
-    _op("add-dependency", 2, cost=FREE, impure=True),
+        zero_preserving=True, commutative=True),
+    _op("add-dependency", 2, cost=FREE, impure=True, forwards=True),
     _op("after-all", None, cost=FREE, impure=True),
     _op("all-gather", (1, None), collective="all-gather", channel=UNIQUE, replica_groups=True),
     _op("all-gather-done", 1, impure=True, collective="all-gather",
@@ -179,7 +190,7 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("all-to-all", None, values=PER_DEVICE, collective="all-to-all", channel=UNIQUE,
         replica_groups=True),
     _op("and", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True),
+        zero_preserving=True, commutative=True),
     _op("asin", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("asinh", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("async-done", None, impure=True, async_start="async-start"),
@@ -194,7 +205,7 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("batch-norm-training", 3, values=DETERMINISTIC),
     _op("bitcast", 1, cost=FREE, values=DETERMINISTIC, moves=BITCAST, fusion=LOOP),
     _op("bitcast-convert", 1, cost=FLOP, values=DETERMINISTIC, zero_preserving=True),
-    _op("broadcast", 1, values=DETERMINISTIC, fusion=LOOP),
+    _op("broadcast", 1, values=DETERMINISTIC, fusion=LOOP, moves=BROADCAST),
     _op("call", None, calls=CALL),
     _op("cbrt", 1, elementwise=True, shape_from=OPERAND, cost=TRANSCENDENTAL, values=DETERMINISTIC),
     _op("ceil", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
@@ -231,7 +242,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("dot", 2, values=DETERMINISTIC, matmul=True),
     _op("dynamic-reshape", None, values=DETERMINISTIC),
     _op("dynamic-slice", (2, None), values=DETERMINISTIC, moves=WINDOW, fusion=LOOP),
-    _op("dynamic-update-slice", (3, None), values=DETERMINISTIC, fusion=ROOT, in_place=True),
+    _op("dynamic-update-slice", (3, None), values=DETERMINISTIC, fusion=ROOT, in_place=True,
+        moves=UPDATE),
     _op("erf", 1, elementwise=True, shape_from=OPERAND, cost=TRANSCENDENTAL, values=DETERMINISTIC),
     _op("exponential", 1, elementwise=True, shape_from=OPERAND, cost=TRANSCENDENTAL,
         values=DETERMINISTIC),
@@ -254,17 +266,19 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
         values=DETERMINISTIC),
     _op("map", (1, None), elementwise=True, values=DETERMINISTIC),
     _op("maximum", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True),
+        zero_preserving=True, commutative=True),
     _op("minimum", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True),
-    _op("mulhi", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
-    _op("multiply", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
+        zero_preserving=True, commutative=True),
+    _op("mulhi", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
+        commutative=True),
+    _op("multiply", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
+        commutative=True),
     _op("negate", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
         zero_preserving=True),
     _op("not", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
-    _op("opt-barrier", None, impure=True),
+    _op("opt-barrier", None, impure=True, forwards=True),
     _op("or", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True),
+        zero_preserving=True, commutative=True),
     _op("outfeed", None, impure=True),
     _op("pad", 2, values=DETERMINISTIC, moves=ASSEMBLE, fusion=LOOP),
     _op("parameter", None, cost=FREE),
@@ -287,7 +301,7 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("remainder", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("replica-id", 0, values=PER_DEVICE, device_id=True),
     _op("reshape", 1, values=DETERMINISTIC, moves=RESHAPE, fusion=LOOP),
-    _op("reverse", 1, values=DETERMINISTIC, fusion=LOOP),
+    _op("reverse", 1, values=DETERMINISTIC, fusion=LOOP, moves=REVERSE),
     _op("rng", None, impure=True, values=PER_DEVICE),
     _op("rng-bit-generator", None, values=PER_DEVICE),
     _op("rng-get-and-update-state", None, impure=True, values=PER_DEVICE),
@@ -331,7 +345,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("triangular-solve", 2, values=DETERMINISTIC),
     _op("tuple", None),
     _op("while", 1, in_place=True, calls=LOOP_BODY),
-    _op("xor", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
+    _op("xor", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
+        commutative=True),
 )}
 
 
@@ -377,6 +392,10 @@ SUMMING_COLLECTIVES = frozenset(
 #: Collectives by the kind they launch (their ``-start`` form included).
 ALL_REDUCES = frozenset(name for name, kind in COLLECTIVE_KINDS.items() if kind == "all-reduce")
 ALL_GATHERS = frozenset(name for name, kind in COLLECTIVE_KINDS.items() if kind == "all-gather")
+#: Collectives that leave every device of a group the same value (a sum, a gather).
+REPLICATING_COLLECTIVES = ALL_REDUCES | ALL_GATHERS
+#: Ops whose value is their first operand's (they order execution).
+FORWARDING = opcodes_where(lambda i: i.forwards)
 #: Ops whose ``replica_groups`` name the devices they run over.
 GROUPED = opcodes_where(lambda i: i.replica_groups)
 #: Ops that read the device's own id.
@@ -396,8 +415,28 @@ LOGICAL_VIEWS = opcodes_where(lambda i: i.moves in (RESHAPE, TRANSPOSE))
 #: Elementwise ops that take scalar operands next to arrays (``clamp``'s bounds,
 #: ``select``'s predicate): why their result's shape is the second operand's.
 SCALAR_OPERANDS = opcodes_where(lambda i: i.shape_from == SECOND)
-#: Ops that only move data: views, windows, assembly.
+#: Ops that lay values out anew without repeating or overwriting any: views, windows,
+#: assembly.
+FORMATTING = opcodes_where(
+    lambda i: i.moves in (COPY, RESHAPE, BITCAST, TRANSPOSE, WINDOW, ASSEMBLE))
+#: Ops that only move data (:data:`Moves`).
 DATA_MOVEMENT = opcodes_where(lambda i: i.moves != "")
+#: Binary elementwise ops whose operands may not be swapped.
+NON_COMMUTATIVE = opcodes_where(
+    lambda i: i.elementwise and i.arity == (2, 2) and not i.commutative)
+#: Ops whose result is a function of their operands' values alone: identical operands on
+#: every device give identical results (without operands: the same everywhere).
+DETERMINISTIC_OPS = opcodes_where(lambda i: i.values == DETERMINISTIC)
+#: Ops computed element by element: XLA's elementwise ones, and ``bitcast-convert``, which
+#: it prices per element (elementwise where the bit widths agree).
+PER_ELEMENT = ELEMENTWISE | PER_ELEMENT_COST
+
+
+def with_async_forms(names: frozenset[str]) -> frozenset[str]:
+    """``names`` and the halves of their async forms (XLA names them ``<op>-start`` and
+    ``<op>-done``)."""
+    return names | frozenset(f"{name}{half}" for name in names for half in ("-start", "-done")
+                             if f"{name}{half}" in OPINFO)
 #: Ops XLA's loop/input fusion merges with their consumers (``fusion`` set).
 FUSIBLE = opcodes_where(lambda i: i.fusion != "")
 #: Fusible ops that are always the root of their kernel.
@@ -411,10 +450,10 @@ CALLS_ONCE = opcodes_where(lambda i: i.calls in (CALL, KERNEL, ASYNC))
 
 __all__ = [
     "ALL_GATHERS", "ALL_REDUCES", "ASSEMBLE", "ASYNC", "BITCAST", "BRANCHES", "CALL",
-    "CALLS_ONCE", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT", "DEVICE_IDS", "FUSIBLE", "GROUPED",
-    "IN_PLACE", "KERNEL", "KERNEL_ROOTS", "LOGICAL_VIEWS", "LOOP", "LOOP_BODY", "MATMULS", "ORDER_KEEPING_VIEWS",
-    "RESHAPE", "ROOT", "SCALAR_OPERANDS", "SHAPE_VIEWS", "TRANSPOSE", "VIEWS", "WINDOW", "ZERO_PRESERVING",
-    "moves", "ALL_REDUCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE", "COLLECTIVE_KINDS",
+    "CALLS_ONCE", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT", "DETERMINISTIC_OPS", "DEVICE_IDS", "FORMATTING", "FORWARDING", "FUSIBLE", "GROUPED",
+    "IN_PLACE", "KERNEL", "KERNEL_ROOTS", "LOGICAL_VIEWS", "LOOP", "LOOP_BODY", "MATMULS", "NON_COMMUTATIVE", "PER_ELEMENT", "ORDER_KEEPING_VIEWS",
+    "REPLICATING_COLLECTIVES", "RESHAPE", "ROOT", "SCALAR_OPERANDS", "SHAPE_VIEWS", "TRANSPOSE", "VIEWS", "WINDOW", "ZERO_PRESERVING",
+    "moves", "with_async_forms", "ALL_REDUCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE", "COLLECTIVE_KINDS",
     "DETERMINISTIC", "ELEMENTWISE", "FLOP", "FREE", "IMPURE", "NO_COST", "OPCODES", "OPERAND",
     "OPINFO", "PAIRED", "PER_DEVICE", "PER_ELEMENT_COST", "PRED", "SECOND", "STRUCTURAL",
     "SUMMING_COLLECTIVES", "TRANSCENDENTAL", "UNIQUE", "OpInfo", "is_impure", "opcodes_where",

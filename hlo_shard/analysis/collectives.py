@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
-from hlo_shard.opinfo import ALL_REDUCES, DEVICE_IDS, GROUPED, VIEWS
+from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, VIEWS
 
 
 class GroupMode(enum.Enum):
@@ -383,7 +383,7 @@ class _ScatterForm:
             for inst in topological_order(self.comp):
                 if inst.opcode in DEVICE_ID_OPCODES:
                     self._by_id.add(inst.name)
-                elif inst.opcode in ("constant", "iota"):
+                elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
                     self._constant.add(inst.name)
                 elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
                     if all(o in self._constant for o in inst.operands):

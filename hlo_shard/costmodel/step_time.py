@@ -43,8 +43,9 @@ from hlo_shard.costmodel.kernels import (
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
 from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
-from hlo_shard.opinfo import (ALL_GATHERS, DATA_MOVEMENT, MATMULS, ORDER_KEEPING_VIEWS,
-                              PER_ELEMENT_COST, SUMMING_COLLECTIVES)
+from hlo_shard.opinfo import (ALL_GATHERS, BROADCAST, FORMATTING, MATMULS, ORDER_KEEPING_VIEWS,
+                              PER_ELEMENT_COST, SUMMING_COLLECTIVES, opcodes_where,
+                              with_async_forms)
 from hlo_shard.profiles import HardwareProfile
 
 #: Computation name → the instructions of the weight-update region the sharding pass
@@ -54,13 +55,12 @@ PlannedRegions = Mapping[str, frozenset[str]]
 CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
 
 #: Ops the weight update is made of (besides the collectives that bound it).
-UPDATE_OPCODES = PER_ELEMENT_COST | frozenset({
-    "broadcast", "reshape", "bitcast", "transpose", "copy", "reduce", "slice",
-    "dynamic-slice", "concatenate", "pad", "get-tuple-element",
-})
+UPDATE_OPCODES = (PER_ELEMENT_COST | FORMATTING | opcodes_where(lambda i: i.moves == BROADCAST)
+                  | {"reduce"}  # its norms (global-norm clipping, Adafactor's statistics)
+                  | {"get-tuple-element"})  # the state it reads out of loop tuples
 
 #: Data movement the sharding rewrite adds around its collectives.
-FORMAT_OPCODES = DATA_MOVEMENT
+FORMAT_OPCODES = FORMATTING
 
 #: The pseudo-instruction carrying the profile's fixed cost per step.
 STEP_OVERHEAD = "(step overhead)"
@@ -73,6 +73,10 @@ FRESH_TEMP_PAGES = "(fresh temp pages)"
 #: aliased output may be written (:mod:`.aliasing`), followed by the parameter's name.
 DONATED_COPY = "(copy of donated) "
 _MATRIX_OPCODES = MATMULS
+#: What un-pads an all-gather's result: formatting, through its tuple elements and its
+#: async ``-done``.
+_GATHERED_FORMATTING = FORMAT_OPCODES | (with_async_forms(ALL_GATHERS) & COLLECTIVE_DONE_OPCODES) \
+    | {"get-tuple-element"}
 
 
 @dataclass
@@ -212,7 +216,7 @@ def formatting_ops(module: Module, comp: Computation) -> set[str]:
             forward = [inst.name]
             while forward:
                 for user in users[forward.pop()]:
-                    if comp[user].opcode in FORMAT_OPCODES | {"get-tuple-element", "all-gather-done"} \
+                    if comp[user].opcode in _GATHERED_FORMATTING \
                             and user not in found:
                         found.add(user)
                         forward.append(user)

@@ -51,7 +51,8 @@ from hlo_shard.graph import (call_graph, control_predecessors, dataflow_graph, r
                              reading_only, topological_order, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
-from hlo_shard.opinfo import ELEMENTWISE, LOGICAL_VIEWS, SCALAR_OPERANDS, SHAPE_VIEWS
+from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
+                              SHAPE_VIEWS)
 from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
 
 # ------------------------------------------------------------------------ the format
@@ -366,7 +367,7 @@ def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardF
 #: concern; on shards the rewrite drops them).
 VIEW_OPCODES = SHAPE_VIEWS
 #: Scalar body ops that may compute the broadcast scalars (bias corrections, steps).
-_SCALAR_BODY = _SHARDABLE | frozenset({"parameter", "constant", "bitcast-convert"})
+_SCALAR_BODY = _SHARDABLE | PER_ELEMENT_COST | frozenset({"parameter", "constant"})
 
 
 def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAccess | str:
@@ -546,9 +547,9 @@ def classify(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 
 #: Producers that may be pulled into the region when all their users are in it
-#: (``bitcast-convert``: element by element where it keeps the dims, as a pulled
-#: producer must).
-_PULLABLE = _SHARDABLE | LOGICAL_VIEWS | {"bitcast-convert"}
+#: (``bitcast-convert``, priced per element: element by element where it keeps the dims,
+#: as a pulled producer must).
+_PULLABLE = _SHARDABLE | PER_ELEMENT_COST | LOGICAL_VIEWS
 
 
 def _operand_format_for(inst: Instruction, comp: Computation,
