@@ -1,9 +1,10 @@
 """The opcode table (``hlo_shard/opinfo.py``) against every opcode set the modules keep
 today. A row says how the module's set is derived from the table and lists each place it
 differs, with why; a module that derives its set from the table no longer defines it and
-its row is skipped (delete the row then). The policy sets (which ops a fusion takes, which
-a value flows through) stay with their modules; they are only checked for names that
-are not HLO opcodes at all.
+its row is skipped (delete the row then). The sets modules still name (derived from the
+table's fields, or rule tables keyed by opcode) are checked for names that are not HLO
+opcodes at all, and a literal list of opcodes anywhere in the package is one of the
+documented exceptions at the end.
 """
 
 from __future__ import annotations
