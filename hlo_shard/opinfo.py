@@ -372,6 +372,13 @@ def moves(opcode: str) -> Moves:
     return "" if info is None else info.moves
 
 
+def with_async_forms(names: frozenset[str]) -> frozenset[str]:
+    """``names`` and the halves of their async forms (XLA names them ``<op>-start`` and
+    ``<op>-done``)."""
+    return names | frozenset(f"{name}{half}" for name in names for half in ("-start", "-done")
+                             if f"{name}{half}" in OPINFO)
+
+
 OPCODES = frozenset(OPINFO)
 ELEMENTWISE = opcodes_where(lambda i: i.elementwise)
 IMPURE = opcodes_where(lambda i: i.impure)
@@ -434,12 +441,6 @@ DETERMINISTIC_OPS = opcodes_where(lambda i: i.values == DETERMINISTIC)
 #: it prices per element (elementwise where the bit widths agree).
 PER_ELEMENT = ELEMENTWISE | PER_ELEMENT_COST
 
-
-def with_async_forms(names: frozenset[str]) -> frozenset[str]:
-    """``names`` and the halves of their async forms (XLA names them ``<op>-start`` and
-    ``<op>-done``)."""
-    return names | frozenset(f"{name}{half}" for name in names for half in ("-start", "-done")
-                             if f"{name}{half}" in OPINFO)
 #: Ops XLA's loop/input fusion merges with their consumers (``fusion`` set).
 FUSIBLE = opcodes_where(lambda i: i.fusion != "")
 #: Fusible ops that are always the root of their kernel.
@@ -452,12 +453,15 @@ CONTROL_FLOW = opcodes_where(lambda i: i.calls in (CALL, LOOP_BODY, BRANCHES))
 CALLS_ONCE = opcodes_where(lambda i: i.calls in (CALL, KERNEL, ASYNC))
 
 __all__ = [
-    "ALL_GATHERS", "ALL_REDUCES", "ASSEMBLE", "ASYNC", "BITCAST", "BRANCHES", "CALL",
-    "CALLS_ONCE", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT", "DETERMINISTIC_OPS", "DEVICE_IDS", "FORMATTING", "FORWARDING", "FUSIBLE", "GROUPED",
-    "IN_PLACE", "KERNEL", "KERNEL_ROOTS", "LOGICAL_VIEWS", "LOOP", "LOOP_BODY", "MATMULS", "NON_COMMUTATIVE", "PER_ELEMENT", "ORDER_KEEPING_VIEWS",
-    "REPLICATING_COLLECTIVES", "RESHAPE", "ROOT", "SCALAR_OPERANDS", "SHAPE_VIEWS", "TRANSPOSE", "VIEWS", "WINDOW", "ZERO_PRESERVING",
-    "moves", "with_async_forms", "ALL_REDUCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE", "COLLECTIVE_KINDS",
-    "DETERMINISTIC", "ELEMENTWISE", "FLOP", "FREE", "IMPURE", "NO_COST", "OPCODES", "OPERAND",
-    "OPINFO", "PAIRED", "PER_DEVICE", "PER_ELEMENT_COST", "PRED", "SECOND", "STRUCTURAL",
-    "SUMMING_COLLECTIVES", "TRANSCENDENTAL", "UNIQUE", "OpInfo", "is_impure", "opcodes_where",
+    "ALL_GATHERS", "ALL_REDUCE", "ALL_REDUCES", "ASSEMBLE", "ASYNC", "BITCAST", "BRANCHES",
+    "BROADCAST", "CALL", "CALLS_ONCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE",
+    "COLLECTIVE_KINDS", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT", "DETERMINISTIC",
+    "DETERMINISTIC_OPS", "DEVICE_IDS", "ELEMENTWISE", "FLOP", "FORMATTING", "FORWARDING",
+    "FREE", "FUSIBLE", "GROUPED", "IMPURE", "IN_PLACE", "KERNEL", "KERNEL_ROOTS",
+    "LOGICAL_VIEWS", "LOOP", "LOOP_BODY", "MATMULS", "NON_COMMUTATIVE", "NO_COST", "OPCODES",
+    "OPERAND", "OPINFO", "ORDER_KEEPING_VIEWS", "PAIRED", "PER_DEVICE", "PER_ELEMENT",
+    "PER_ELEMENT_COST", "PRED", "REPLICATING_COLLECTIVES", "RESHAPE", "REVERSE", "ROOT",
+    "SCALAR_OPERANDS", "SECOND", "SHAPE_VIEWS", "STRUCTURAL", "SUMMING_COLLECTIVES",
+    "TRANSCENDENTAL", "TRANSPOSE", "UNIQUE", "UPDATE", "VIEWS", "WINDOW", "ZERO_PRESERVING",
+    "OpInfo", "is_impure", "moves", "opcodes_where", "with_async_forms",
 ]
