@@ -146,6 +146,10 @@ class OpInfo:
     forwards: bool = False
     #: A binary op whose operands may be swapped (f(a, b) = f(b, a)).
     commutative: bool = False
+    #: Its identity as a reducer, per element-type family (``float``, ``int``, ``pred``;
+    #: ``min``/``max``: the type's smallest/largest): what a reduction by it starts from
+    #: and pads with. Empty: not a reducer the passes know.
+    neutral: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         per_element = self.cost in (FLOP, TRANSCENDENTAL)
@@ -176,7 +180,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("acos", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("acosh", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("add", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True, commutative=True),
+        zero_preserving=True, commutative=True,
+        neutral=(("float", "0"), ("int", "0"), ("pred", "false"))),
     _op("add-dependency", 2, cost=FREE, impure=True, forwards=True),
     _op("after-all", None, cost=FREE, impure=True),
     _op("all-gather", (1, None), collective="all-gather", channel=UNIQUE, replica_groups=True),
@@ -193,7 +198,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("all-to-all", None, values=PER_DEVICE, collective="all-to-all", channel=UNIQUE,
         replica_groups=True),
     _op("and", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True, commutative=True),
+        zero_preserving=True, commutative=True,
+        neutral=(("int", "-1"), ("pred", "true"))),
     _op("asin", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("asinh", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("async-done", None, impure=True, async_start="async-start"),
@@ -269,19 +275,23 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
         values=DETERMINISTIC),
     _op("map", (1, None), elementwise=True, values=DETERMINISTIC),
     _op("maximum", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True, commutative=True),
+        zero_preserving=True, commutative=True,
+        neutral=(("float", "-inf"), ("int", "min"), ("pred", "false"))),
     _op("minimum", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True, commutative=True),
+        zero_preserving=True, commutative=True,
+        neutral=(("float", "inf"), ("int", "max"), ("pred", "true"))),
     _op("mulhi", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
         commutative=True),
     _op("multiply", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        commutative=True),
+        commutative=True,
+        neutral=(("float", "1"), ("int", "1"), ("pred", "true"))),
     _op("negate", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
         zero_preserving=True),
     _op("not", 1, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("opt-barrier", None, impure=True, forwards=True),
     _op("or", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
-        zero_preserving=True, commutative=True),
+        zero_preserving=True, commutative=True,
+        neutral=(("int", "0"), ("pred", "false"))),
     _op("outfeed", None, impure=True),
     _op("pad", 2, values=DETERMINISTIC, moves=ASSEMBLE, fusion=LOOP),
     _op("parameter", None, cost=FREE),

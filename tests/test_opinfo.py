@@ -555,3 +555,29 @@ def test_zero_preserving_ops_map_zeros_to_zeros_on_xla():
                 continue
             result = jax.jit(fn)(*[zeros] * arities[name])
             assert not jnp.any(result.astype(jnp.float32) != 0), (name, dtype)
+
+
+def test_reducer_neutral_elements_are_identities_on_xla():
+    """op(x, neutral) = x for each reducer's ``neutral`` in each family it states."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hlo_shard.analysis.collectives import neutral_literal
+
+    fns = {"add": jnp.add, "multiply": jnp.multiply, "maximum": jnp.maximum,
+           "minimum": jnp.minimum, "and": jnp.bitwise_and, "or": jnp.bitwise_or}
+    reducers = opcodes_where(lambda i: bool(i.neutral))
+    assert reducers == set(fns)
+    samples = {"float": ("f32", np.array([-2.5, 0.0, 3.0], np.float32)),
+               "int": ("s32", np.array([-7, 0, 9], np.int32)),
+               "pred": ("pred", np.array([True, False, True]))}
+    for name in reducers:
+        for family, _ in OPINFO[name].neutral:
+            element_type, x = samples[family]
+            text = neutral_literal(name, element_type)
+            value = {"true": True, "false": False}.get(text, None)
+            neutral = np.array(value if value is not None else int(text) if family == "int"
+                               else float(text), x.dtype)
+            result = jax.jit(fns[name])(jnp.asarray(x), jnp.full(x.shape, neutral))
+            assert np.array_equal(np.asarray(result), x), (name, family)

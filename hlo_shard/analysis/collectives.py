@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
-from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, VIEWS
+from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, OPINFO, VIEWS
 
 
 class GroupMode(enum.Enum):
@@ -142,13 +142,7 @@ def participant_id_source(module: Module, mode: GroupMode) -> str:
 #: Scalar reducer opcode → neutral element (by element-type family), used to mask the
 #: padded lanes of a sharded reduction and as the init of local partial reductions.
 _NEUTRAL: dict[str, dict[str, str]] = {
-    "add": {"float": "0", "int": "0", "pred": "false"},
-    "multiply": {"float": "1", "int": "1", "pred": "true"},
-    "maximum": {"float": "-inf", "int": "min", "pred": "false"},
-    "minimum": {"float": "inf", "int": "max", "pred": "true"},
-    "and": {"int": "-1", "pred": "true"},
-    "or": {"int": "0", "pred": "false"},
-}
+    name: dict(info.neutral) for name, info in OPINFO.items() if info.neutral}
 
 
 def reducer_opcode(module: Module, computation_name: str) -> str | None:
