@@ -10,6 +10,10 @@ masters, global-norm clipping + AdamW; 8 CPU devices), as a user runs it.
    steps take; each row says how many of the gate's size cut-offs it rewrote and priced
    (the others are predicted from those: ``passes/speed_gate.py``). Then what
    ``install()`` adds to XLA's compile of the 1 MB data-parallel step (goal: ≤ 25 %).
+   And the gate alone on the largest step both ways, in this process: guided (the
+   cut-offs between all-gradients and the-largest-only predicted, at most three
+   rewritten) and exhaustive (every cut-off rewritten and priced, as before
+   ``CutoffPrices``): its seconds, cut-offs rewritten and whether both chose the same.
 2. Verdicts: what the pass did on each mesh (``data8``, ``data2_fsdp4`` with
    MaxText-style FSDP, ``data4_model2`` with tensor-parallel weights): gradients
    sharded, already sharded (the partitioner's reduce-scatter form), kept whole, with
@@ -130,8 +134,35 @@ def llm_steps(repeats: int = 2) -> dict[str, float]:
             print(f"{mesh:13s} {size:8s} {path.stat().st_size / 1e6:5.2f} MB  optimize "
                   f"{seconds:6.1f} s / parse+print {parse_print:5.1f} s = "
                   f"{seconds / parse_print:.1f}x{peak}\n    {verdict}", flush=True)
+        print(gate_line(next(iter(paths.values()))), flush=True)
         print(_hook_line(), flush=True)
     return {"LLM step, optimize / parse+print": ratio}
+
+
+def gate_line(path: Path) -> str:
+    """The never-slower gate alone on ``path``'s module, guided and exhaustive (each on a
+    fresh parse, the profile the CLI would pick): seconds, cut-offs rewritten and priced,
+    and whether both chose the same cut-off."""
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes.speed_gate import shard_where_faster
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.profiles.detect import profile_for_module
+
+    runs = {}
+    for way, exhaustive in (("guided", False), ("exhaustive", True)):
+        module = parse_file(path)
+        sharding = WeightUpdateSharding(ShardingOptions(
+            profile=profile_for_module(None, module)[0]))
+        started = time.perf_counter()
+        _, decision = shard_where_faster(module, sharding, exhaustive=exhaustive)
+        runs[way] = (time.perf_counter() - started, decision)
+    figures = ", ".join(f"{way} {seconds:.1f} s ({len(decision.priced)} of "
+                        f"{len(decision.trials)} cut-offs rewritten)"
+                        for way, (seconds, decision) in runs.items())
+    choices = [None if d.chosen is None else d.chosen.min_bytes for _, d in runs.values()]
+    same = "same cut-off" if choices[0] == choices[1] else \
+        f"DIFFERENT cut-offs (min_shard_bytes {choices[0]} vs {choices[1]})"
+    return f"gate on {path.name}: {figures}; {same}"
 
 
 #: The step whose compile ``install()`` is timed in (the data-parallel one, default size).

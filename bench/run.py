@@ -20,8 +20,9 @@ in the same run, as a ratio.
    ``--only jax-models`` runs just this table).
 7. LLM-sized steps (``bench/llm_bench.py``): ``optimize`` on a ~4 MB Llama-style step
    against its own parse + print (target ≤ 5×), and what the pass did on each mesh
-   (data-parallel, FSDP, tensor-parallel): sharded, already sharded, kept whole and why
-   (``--only llm`` runs just this part).
+   (data-parallel, FSDP, tensor-parallel): sharded, already sharded, kept whole and why;
+   the never-slower gate alone on the largest step, guided (at most three cut-offs
+   rewritten) against exhaustive (every one, as before) (``--only llm`` runs just this part).
 8. Programs written by others (``bench/ecosystem_bench.py``: flax, optax, equinox and
    haiku examples, model code unchanged): per program × mode (``gathered``, ``sharded``,
    the ``install()`` hook, optimizer state by ``NamedSharding``) the step ratio to plain

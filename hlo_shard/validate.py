@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hlo_shard.graph import control_predecessors
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
-from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE
+from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def _elementwise(checker: _Checker, inst: Instruction, operands: list[Shape]) ->
         if not isinstance(shape, ArrayShape):
             return "operand is a tuple"
         dims = shape.dims
-        if dims != result and not (dims == () and inst.opcode in ("clamp", "select")):
+        if dims != result and not (dims == () and inst.opcode in SCALAR_OPERANDS):
             return f"operand dims {list(dims)} differ from result dims {list(result)}"
     if inst.opcode == "compare" and isinstance(inst.shape, ArrayShape) \
             and inst.shape.element_type != "pred":

@@ -352,3 +352,19 @@ def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all
         wins = seconds <= decision.before_s * (1 - decision.min_gain)
         assert (decision.chosen.min_bytes if decision.chosen else None) == \
             (best if wins else None), profile
+
+
+def test_the_exhaustive_gate_rewrites_every_cutoff_and_chooses_as_the_guided_one():
+    """``exhaustive=True`` is the gate before :class:`CutoffPrices` (what the bench times
+    the guided gate against): every cut-off rewritten and priced, none estimated."""
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes import speed_gate
+    from hlo_shard.passes.weight_update import ShardingOptions
+
+    module = parse_file(ADAM.parent / "transformer.n8.hlo")
+    sharding = WeightUpdateSharding(ShardingOptions(profile="tpu-v3"))
+    _, guided = speed_gate.shard_where_faster(module.clone(), sharding)
+    _, exhaustive = speed_gate.shard_where_faster(module.clone(), sharding, exhaustive=True)
+    assert len(guided.priced) <= 3 < len(exhaustive.priced) == len(exhaustive.trials) == 7
+    assert exhaustive.chosen == guided.chosen
+    assert {t.min_bytes for t in exhaustive.trials} == {t.min_bytes for t in guided.trials}

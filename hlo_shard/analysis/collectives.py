@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
+from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, OPINFO, VIEWS
 
 
 class GroupMode(enum.Enum):
@@ -141,13 +142,7 @@ def participant_id_source(module: Module, mode: GroupMode) -> str:
 #: Scalar reducer opcode → neutral element (by element-type family), used to mask the
 #: padded lanes of a sharded reduction and as the init of local partial reductions.
 _NEUTRAL: dict[str, dict[str, str]] = {
-    "add": {"float": "0", "int": "0", "pred": "false"},
-    "multiply": {"float": "1", "int": "1", "pred": "true"},
-    "maximum": {"float": "-inf", "int": "min", "pred": "false"},
-    "minimum": {"float": "inf", "int": "max", "pred": "true"},
-    "and": {"int": "-1", "pred": "true"},
-    "or": {"int": "0", "pred": "false"},
-}
+    name: dict(info.neutral) for name, info in OPINFO.items() if info.neutral}
 
 
 def reducer_opcode(module: Module, computation_name: str) -> str | None:
@@ -288,7 +283,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     for comp in module.computations:
         scattered = _ScatterForm(comp)
         for inst in comp.instructions:
-            if inst.opcode not in ("all-reduce", "all-reduce-start") or not _sums(module, inst):
+            if inst.opcode not in ALL_REDUCES or not _sums(module, inst):
                 continue
             try:
                 groups = device_groups(inst, module)
@@ -353,8 +348,7 @@ def _sums(module: Module, inst: Instruction) -> bool:
 
 #: Ops that only re-lay a gradient out on its way to the slice (XLA writes the
 #: partitioner's transposes and copies between the all-reduce and its dynamic-slice).
-_LAYOUT_ONLY = frozenset({"copy", "transpose", "bitcast", "reshape", "convert",
-                          "get-tuple-element"})
+_LAYOUT_ONLY = VIEWS | frozenset({"convert", "get-tuple-element"})
 #: Index arithmetic: what the partitioner computes a device's slice offset with (a
 #: table lookup of the partition id, a multiply, a reshape to a scalar).
 _INDEX_ARITHMETIC = frozenset({"dynamic-slice", "reshape", "bitcast", "convert", "copy",
@@ -362,7 +356,7 @@ _INDEX_ARITHMETIC = frozenset({"dynamic-slice", "reshape", "bitcast", "convert",
                                "clamp", "select", "compare", "minimum", "maximum", "slice",
                                "broadcast"})
 #: What a device reads its own id from (an index computed from these differs per device).
-DEVICE_ID_OPCODES = frozenset({"partition-id", "replica-id"})
+DEVICE_ID_OPCODES = DEVICE_IDS
 
 
 class _ScatterForm:
@@ -383,7 +377,7 @@ class _ScatterForm:
             for inst in topological_order(self.comp):
                 if inst.opcode in DEVICE_ID_OPCODES:
                     self._by_id.add(inst.name)
-                elif inst.opcode in ("constant", "iota"):
+                elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
                     self._constant.add(inst.name)
                 elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
                     if all(o in self._constant for o in inst.operands):
@@ -437,8 +431,7 @@ def _shape_reason(inst: Instruction) -> str:
 # ---------------------------------------------------------------- lost header facts
 
 #: Opcodes whose ``replica_groups`` name the devices a module runs on.
-_GROUPED = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                      "all-reduce-start", "all-gather-start", "collective-broadcast"})
+_GROUPED = GROUPED
 
 
 def recovered_device_counts(module: Module) -> dict[str, int]:

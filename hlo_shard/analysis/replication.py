@@ -28,7 +28,9 @@ from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_group
 from hlo_shard.graph import DataflowGraph, dataflow_graph, reachable
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
-from hlo_shard.opinfo import DETERMINISTIC, ELEMENTWISE, PER_DEVICE, opcodes_where
+from hlo_shard.opinfo import (CALLS_ONCE, DATA_MOVEMENT, DETERMINISTIC_OPS, ELEMENTWISE, FORWARDING,
+                              OPINFO, PER_DEVICE, PER_ELEMENT, REPLICATING_COLLECTIVES,
+                              VIEWS, opcodes_where, with_async_forms)
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
 Flags = bool | tuple
@@ -189,15 +191,14 @@ def _rebuild(shape: Shape, it: Iterator[Flags]) -> Flags:
 
 #: Ops whose value differs per device or is not a function of the operands.
 DEVICE_DEPENDENT = opcodes_where(lambda info: info.values == PER_DEVICE)
-#: Ops whose result is a function of their operands' values alone: identical operands on
-#: every device give identical results.
-DETERMINISTIC_OPS = opcodes_where(lambda info: info.values == DETERMINISTIC)
+
+#: The ``-done`` halves whose value is what their start computed: a replicating
+#: collective's, or an async copy's.
+_DONE_AS_STARTED = frozenset(name for name in with_async_forms(REPLICATING_COLLECTIVES | VIEWS)
+                             if OPINFO[name].is_async_done)
 
 #: Ops a parameter's value flows through "elementwise" in the default analysis.
-_FLOW_THROUGH = ELEMENTWISE | frozenset({
-    "broadcast", "reshape", "bitcast", "transpose", "slice", "concatenate", "pad",
-    "bitcast-convert", "dynamic-slice", "dynamic-update-slice",
-})
+_FLOW_THROUGH = PER_ELEMENT | DATA_MOVEMENT
 
 
 def default_parameter_replication(module: Module, sources: dict[str, set[str]]
@@ -334,15 +335,15 @@ class _Analyzer:
         if opcode == "parameter":
             n = inst.param_number
             return params[n] if n < len(params) else uniform(inst.shape, False)
-        if opcode in ("constant", "iota", "after-all"):
+        if (opcode in DETERMINISTIC_OPS and not inst.operands) or opcode == "after-all":
             return uniform(inst.shape, True)
         if opcode in DEVICE_DEPENDENT:
             return uniform(inst.shape, False)
-        if opcode in ("all-reduce", "all-gather", "all-reduce-start", "all-gather-start"):
+        if opcode in REPLICATING_COLLECTIVES:
             return uniform(inst.shape, self._covers(inst))
-        if opcode in ("all-reduce-done", "all-gather-done", "copy-done"):
+        if opcode in _DONE_AS_STARTED:
             return uniform(inst.shape, all_true(ops[0]))
-        if opcode in ("opt-barrier", "add-dependency"):
+        if opcode in FORWARDING:
             return ops[0]
         if opcode == "tuple":
             return tuple(ops)
@@ -352,7 +353,7 @@ class _Analyzer:
                 else source
         if opcode == "while":
             return self._while(inst, ops[0])
-        if opcode in ("call", "fusion", "async-start"):
+        if opcode in CALLS_ONCE:
             callee = inst.called_computations()
             if len(callee) != 1:
                 return uniform(inst.shape, False)

@@ -28,24 +28,22 @@ from dataclasses import dataclass, field
 from hlo_shard.costmodel.flops import elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module
-from hlo_shard.opinfo import NO_COST, PER_ELEMENT_COST
+from hlo_shard.opinfo import (COPY, CONTROL_FLOW, FUSIBLE, KERNEL_ROOTS, MATMULS, NO_COST,
+                              RESHAPE, WINDOW, moves)
 
 #: Ops that XLA's loop/input fusion merges with their consumers.
-FUSIBLE_OPCODES = PER_ELEMENT_COST | frozenset({
-    "broadcast", "reshape", "bitcast", "transpose", "copy", "iota", "constant", "slice",
-    "dynamic-slice", "pad", "concatenate", "reverse", "reduce", "dynamic-update-slice",
-})
+FUSIBLE_OPCODES = FUSIBLE
 
 
 #: Fusible ops whose result never leaves a fusion (a reduce or an in-place update is
 #: always the root of its kernel).
-_KERNEL_ROOTS = frozenset({"reduce", "dynamic-update-slice"})
+_KERNEL_ROOTS = KERNEL_ROOTS
 
 #: Ops that launch nothing: they forward pointers (constants live in read-only data).
 POINTER_OPCODES = NO_COST | frozenset({"tuple"})
 
 #: Ops whose work is that of the computations they call (priced by the estimator).
-CONTROL_FLOW_OPCODES = frozenset({"while", "call", "conditional"})
+CONTROL_FLOW_OPCODES = CONTROL_FLOW
 
 
 @dataclass
@@ -382,7 +380,7 @@ def is_relabel(comp: Computation, inst: Instruction) -> bool:
     """A reshape or copy that leaves the bytes in place (same physical order): outside a
     fusion XLA turns it into a bitcast or removes it (the SPMD partitioner's copies of
     every parameter and output are of this kind)."""
-    if inst.opcode not in ("reshape", "copy"):
+    if moves(inst.opcode) not in (RESHAPE, COPY):
         return False
     operand = comp[inst.operands[0]].shape
     if not isinstance(operand, ArrayShape) or not isinstance(inst.shape, ArrayShape):
@@ -401,7 +399,7 @@ def _absorbed_transpose(comp: Computation, inst: Instruction,
     if inst.opcode != "transpose":
         return False
     operand = inst.operands[0]
-    return comp[operand].opcode in ("dot", "convolution") and users[operand] == [inst.name]
+    return comp[operand].opcode in MATMULS and users[operand] == [inst.name]
 
 
 def _reshape_of_absorbed_transpose(comp: Computation, inst: Instruction,
@@ -462,7 +460,7 @@ def _read_size(comp: Computation, reader: Instruction, value: Instruction,
     """A slice reads only its window, also of a value it sees through bitcasts (a
     bucket's piece sliced out of the reshaped all-gather result); an in-place update
     does not read its target."""
-    if reader.opcode in ("slice", "dynamic-slice") and \
+    if moves(reader.opcode) == WINDOW and \
             _through_relabels(comp, reader.operands[0], relabels) == value.name:
         return leaf_bytes(reader.shape)
     if reader.opcode == "dynamic-update-slice" and reader.operands[0] == value.name:

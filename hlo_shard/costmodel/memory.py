@@ -47,13 +47,13 @@ from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
-from hlo_shard.opinfo import PER_ELEMENT_COST
+from hlo_shard.opinfo import IN_PLACE
 from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
 
 #: Ops that may write their result into an operand buffer that dies at them (XLA's
 #: ``CanShareOperandBufferWithUser``: elementwise loops, fusions of them, in-place
 #: updates, loops over their carry).
-_IN_PLACE_OPCODES = PER_ELEMENT_COST | frozenset({"dynamic-update-slice", "while", "fusion"})
+_IN_PLACE_OPCODES = IN_PLACE
 
 _HALF_FLOATS = frozenset({"bf16", "f16"})
 

@@ -43,7 +43,9 @@ from hlo_shard.costmodel.kernels import (
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
 from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
-from hlo_shard.opinfo import PER_ELEMENT_COST
+from hlo_shard.opinfo import (ALL_GATHERS, BROADCAST, FORMATTING, MATMULS, ORDER_KEEPING_VIEWS,
+                              PER_ELEMENT_COST, SUMMING_COLLECTIVES, opcodes_where,
+                              with_async_forms)
 from hlo_shard.profiles import HardwareProfile
 
 #: Computation name → the instructions of the weight-update region the sharding pass
@@ -53,16 +55,12 @@ PlannedRegions = Mapping[str, frozenset[str]]
 CATEGORIES = ("forward_backward", "weight_update", "communication", "formatting")
 
 #: Ops the weight update is made of (besides the collectives that bound it).
-UPDATE_OPCODES = PER_ELEMENT_COST | frozenset({
-    "broadcast", "reshape", "bitcast", "transpose", "copy", "reduce", "slice",
-    "dynamic-slice", "concatenate", "pad", "get-tuple-element",
-})
+UPDATE_OPCODES = (PER_ELEMENT_COST | FORMATTING | opcodes_where(lambda i: i.moves == BROADCAST)
+                  | {"reduce"}  # its norms (global-norm clipping, Adafactor's statistics)
+                  | {"get-tuple-element"})  # the state it reads out of loop tuples
 
 #: Data movement the sharding rewrite adds around its collectives.
-FORMAT_OPCODES = frozenset({
-    "reshape", "bitcast", "transpose", "copy", "pad", "slice", "dynamic-slice",
-    "concatenate",
-})
+FORMAT_OPCODES = FORMATTING
 
 #: The pseudo-instruction carrying the profile's fixed cost per step.
 STEP_OVERHEAD = "(step overhead)"
@@ -74,7 +72,11 @@ FRESH_TEMP_PAGES = "(fresh temp pages)"
 #: The pseudo-instruction carrying XLA's copy of a donated parameter read after its
 #: aliased output may be written (:mod:`.aliasing`), followed by the parameter's name.
 DONATED_COPY = "(copy of donated) "
-_MATRIX_OPCODES = frozenset({"dot", "convolution"})
+_MATRIX_OPCODES = MATMULS
+#: What un-pads an all-gather's result: formatting, through its tuple elements and its
+#: async ``-done``.
+_GATHERED_FORMATTING = FORMAT_OPCODES | (with_async_forms(ALL_GATHERS) & COLLECTIVE_DONE_OPCODES) \
+    | {"get-tuple-element"}
 
 
 @dataclass
@@ -203,7 +205,7 @@ def formatting_ops(module: Module, comp: Computation) -> set[str]:
     users = users_map(comp)
     found = device_index_values(comp)
     stack: list[str] = []
-    gathers = ("all-gather", "all-gather-start")
+    gathers = ALL_GATHERS
     for inst in comp.instructions:
         if inst.opcode == "dynamic-slice" and any(o in found for o in inst.operands[1:]):
             found.add(inst.name)
@@ -214,7 +216,7 @@ def formatting_ops(module: Module, comp: Computation) -> set[str]:
             forward = [inst.name]
             while forward:
                 for user in users[forward.pop()]:
-                    if comp[user].opcode in FORMAT_OPCODES | {"get-tuple-element", "all-gather-done"} \
+                    if comp[user].opcode in _GATHERED_FORMATTING \
                             and user not in found:
                         found.add(user)
                         forward.append(user)
@@ -230,7 +232,7 @@ def formatting_ops(module: Module, comp: Computation) -> set[str]:
 
 
 def _is_sum_collective(module: Module, inst: Instruction) -> bool:
-    if inst.opcode not in ("all-reduce", "reduce-scatter", "all-reduce-start"):
+    if inst.opcode not in SUMMING_COLLECTIVES:
         return False
     if group_size(inst, module) < 2:
         return False
@@ -335,7 +337,7 @@ def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[
         if user in seen:
             continue
         seen.add(user)
-        if comp[user].opcode in ("get-tuple-element", "bitcast", "reshape", "copy"):
+        if comp[user].opcode in ORDER_KEEPING_VIEWS or comp[user].opcode == "get-tuple-element":
             stack.extend(users[user])
         if comp[user].opcode not in ("tuple", "get-tuple-element"):
             found.append(user)

@@ -11,9 +11,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-#: Reducer opcode → neutral initial value, per element type family.
-_NEUTRAL = {"add": "0", "multiply": "1", "maximum": "-inf", "minimum": "inf",
-            "and": "true", "or": "false"}
+from hlo_shard.opinfo import OPINFO
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +48,10 @@ class Val:
 
 
 def neutral(kind: str, dtype: str) -> str:
-    value = _NEUTRAL[kind]
+    """The reducer's float identity (``and``/``or``: its pred one), as the generators
+    write it for every element type."""
+    identity = dict(OPINFO[kind].neutral)
+    value = identity["float"] if "float" in identity else identity["pred"]
     if dtype[0] in "su" and value in ("-inf", "inf"):
         raise ValueError(f"no infinite neutral value for {dtype}")
     return value

@@ -31,14 +31,13 @@ from hlo_shard.graph import Rewriter, users_map
 from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, ReplicaGroups, SliceRanges,
 )
+from hlo_shard.opinfo import NON_COMMUTATIVE, SUMMING_COLLECTIVES
 from hlo_shard.printer import to_text
 
 #: Relative size of a constant mutation: the issue's 0.01% update error.
 SCALE = 1e-4
 #: Collectives whose results start the update region.
-GRADIENT_COLLECTIVES = frozenset({"reduce-scatter", "all-reduce", "all-reduce-start"})
-NON_COMMUTATIVE = frozenset({"subtract", "divide", "power", "atan2", "remainder", "compare",
-                             "shift-left", "shift-right-arithmetic", "shift-right-logical"})
+GRADIENT_COLLECTIVES = SUMMING_COLLECTIVES
 POISONS = ("7", "nan")
 
 

@@ -50,6 +50,7 @@ from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import ModuleRewriter, Rewriter, control_predecessors, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           SliceRanges)
+from hlo_shard.opinfo import ORDER_KEEPING_VIEWS
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 from hlo_shard.passes.weight_update import ShardingReport
@@ -202,7 +203,7 @@ _INDEX_RULES: dict[str, Callable[[Instruction, list[IndexValue]], IndexValue | N
     **{op: partial(_elementwise, fn=fn) for op, fn in _BINARY.items()},
     # Row-major values as they are (a bitcast only where no layout reorders them).
     **{op: lambda inst, args: IndexValue(inst.array_shape.dims, args[0].values)
-       for op in ("reshape", "copy", "convert", "bitcast")},
+       for op in ORDER_KEEPING_VIEWS | {"convert"}},
 }
 
 

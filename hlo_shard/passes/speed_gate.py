@@ -123,12 +123,14 @@ class SpeedDecision:
 
 
 def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False,
-                       after_pass: AfterPass | None = None
+                       after_pass: AfterPass | None = None, *, exhaustive: bool = False
                        ) -> tuple[ShardingReport, SpeedDecision]:
     """Run the sharding pipeline on ``module`` (in place) with the cut-off predicted
     fastest, or sharding nothing when nothing is predicted faster than the input
     (``force``: as told). ``after_pass`` sees the passes of the run that edits
-    ``module``, not the trials on copies."""
+    ``module``, not the trials on copies. ``exhaustive``: rewrite and price every
+    cut-off instead of predicting those between (what the gate did before
+    :class:`CutoffPrices`; the bench times both ways)."""
     hardware = sharding.profile
     before = predicted_step_seconds(module, hardware)
     unsharded = _unsharded_seconds(module, hardware)
@@ -172,7 +174,9 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     sizes = sorted(set(sharded_bytes))
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything]
-    if cutoffs:
+    if exhaustive:
+        trials += [trial(cutoff)[0] for cutoff in cutoffs]
+    elif cutoffs:
         trials.append(trial(cutoffs[-1])[0])
         trials += _guided(cutoffs[:-1], sharded_bytes, baseline, trials, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)

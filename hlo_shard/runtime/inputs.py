@@ -44,7 +44,8 @@ from hlo_shard.ir import (
     COMPLEX_TYPES, FLOAT_TYPES, ArrayShape, Computation, ComputationRef, Instruction, Module,
     Raw, Shape, TupleShape, shape_leaves,
 )
-from hlo_shard.opinfo import ELEMENTWISE, SUMMING_COLLECTIVES
+from hlo_shard.opinfo import (ALL_GATHERS, CALL, DATA_MOVEMENT, KERNEL, OPINFO, PER_ELEMENT,
+                              SUMMING_COLLECTIVES, with_async_forms)
 from hlo_shard.runtime.manifest import Manifest
 
 REPLICATED = "replicated"
@@ -163,13 +164,9 @@ def _replication_role(param: Instruction) -> str | None:
 #: a parameter reaching an output through these only is state updated in place.
 #: (``tuple``, ``get-tuple-element`` and ``opt-barrier`` keep their leaves apart: they
 #: have handlers of their own in :class:`_ParameterFlow`.)
-PASS_THROUGH = ELEMENTWISE | frozenset({
-    "bitcast", "bitcast-convert", "broadcast", "concatenate", "copy-done", "copy-start",
-    "dynamic-slice", "dynamic-update-slice", "pad", "reshape", "reverse", "slice",
-    "transpose",
-    # Gathers the shards of replicated state back: still the same state.
-    "all-gather", "all-gather-start", "all-gather-done",
-})
+#: An all-gather brings the shards of replicated state back: still the same state.
+#: Their async forms (``copy-start`` …) pass it through too.
+PASS_THROUGH = with_async_forms(PER_ELEMENT | DATA_MOVEMENT | ALL_GATHERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +344,7 @@ def _demanded_parameters(comp: Computation, root_demanded: bool,
                 producer = comp.get(producer.operands[0])  # its operand, as it is
             if producer is not None and producer.opcode in ("tuple", "all-reduce"):
                 demanded.add(producer.operands[inst.required_attr("index", int)])
-        if inst.opcode in ("fusion", "call"):
+        if inst.opcode in OPINFO and OPINFO[inst.opcode].calls in (CALL, KERNEL):
             for callee in inst.called_computations():
                 if callee in comps:
                     indices |= set(callee_demands(callee, wanted))

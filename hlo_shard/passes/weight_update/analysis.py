@@ -51,7 +51,8 @@ from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, da
                              users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Shape, TupleShape)
-from hlo_shard.opinfo import ELEMENTWISE
+from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
+                              SHAPE_VIEWS)
 from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
 
 # ------------------------------------------------------------------------ the format
@@ -216,7 +217,7 @@ def _operands_fit(ctx: _Context, inst: Instruction, fmt: ShardFormat) -> bool:
 _SHARDABLE = ELEMENTWISE - {"map"}
 
 #: Opcodes that accept scalar operands next to arrays (fusions: :func:`fusion_access`).
-_SCALAR_OK = frozenset({"clamp", "select"})
+_SCALAR_OK = SCALAR_OPERANDS
 
 
 def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -355,7 +356,7 @@ def _view_forward(body: Computation, inst: Instruction, fmt: ShardFormat) -> Sha
 
 def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardFormat | None:
     source, shape = body[inst.operands[0]].array_shape, inst.array_shape
-    if inst.opcode in ("transpose", "reshape"):
+    if inst.opcode in LOGICAL_VIEWS:
         return _operand_format_for(inst, body, fmt)
     if source.element_type != shape.element_type or fmt != ShardFormat.of(shape, fmt.n):
         return None
@@ -364,9 +365,9 @@ def _view_back(body: Computation, inst: Instruction, fmt: ShardFormat) -> ShardF
 
 #: Fusion-body ops that only move elements (their element order is the body analysis's
 #: concern; on shards the rewrite drops them).
-VIEW_OPCODES = frozenset({"transpose", "reshape", "bitcast"})
+VIEW_OPCODES = SHAPE_VIEWS
 #: Scalar body ops that may compute the broadcast scalars (bias corrections, steps).
-_SCALAR_BODY = _SHARDABLE | frozenset({"parameter", "constant", "bitcast-convert"})
+_SCALAR_BODY = _SHARDABLE | PER_ELEMENT_COST | frozenset({"parameter", "constant"})
 
 
 def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAccess | str:
@@ -545,8 +546,10 @@ def classify(ctx: _Context, inst: Instruction) -> RegionOp | None:
     return RULES.get(inst.opcode, _ends_region)(ctx, inst)
 
 
-#: Producers that may be pulled into the region when all their users are in it.
-_PULLABLE = _SHARDABLE | frozenset({"transpose", "reshape", "bitcast-convert"})
+#: Producers that may be pulled into the region when all their users are in it
+#: (``bitcast-convert``, priced per element: element by element where it keeps the dims,
+#: as a pulled producer must).
+_PULLABLE = _SHARDABLE | PER_ELEMENT_COST | LOGICAL_VIEWS
 
 
 def _operand_format_for(inst: Instruction, comp: Computation,

@@ -41,6 +41,7 @@ from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
                           Shape, SliceRanges, TupleShape)
+from hlo_shard.opinfo import MATMULS
 from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, blocks_through_collectives,
                                                      is_laid_out, major_dimension)
 from hlo_shard.profiles import HardwareProfile
@@ -189,7 +190,7 @@ class ShardEmitter:
         inst, shape = self.comp[value], self.comp[value].array_shape
         if not self.collective_blocks(fmt, shape):
             return False
-        return inst.opcode not in ("dot", "convolution") or \
+        return inst.opcode not in MATMULS or \
             major_dimension(shape.dims, shape.minor_to_major()) == fmt.known_block[0]
 
     # Formatting -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
                           ComputationRef, Ident, Instruction, Module, Raw, Shape,
                           SliceRanges, TupleShape)
+from hlo_shard.opinfo import VIEWS, ZERO_PRESERVING
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedLeaf, RegionOp,
                                                      RegionPlan, StatePair,
                                                      flattenable, is_scalar_broadcast,
@@ -638,10 +639,8 @@ def _same(states: list[str]) -> str:
 
 #: opcode → the padding state of its result from its operands' (default: _ANY).
 _PADDING_RULES = {
-    **{op: _all_zero for op in ("add", "subtract", "maximum", "minimum", "negate", "abs",
-                                "sqrt", "sign", "convert", "and", "or", "tanh", "sine",
-                                "bitcast-convert")},
-    **{op: _same for op in ("copy", "reshape", "bitcast", "transpose")},
+    **{op: _all_zero for op in ZERO_PRESERVING},
+    **{op: _same for op in VIEWS},
     "multiply": _product, "divide": _quotient, "select": _selected,
 }
 
