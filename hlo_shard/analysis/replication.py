@@ -340,7 +340,8 @@ class _Analyzer:
         if opcode in DEVICE_DEPENDENT:
             return uniform(inst.shape, False)
         if opcode in ("all-reduce", "all-gather", "all-reduce-start", "all-gather-start"):
-            return uniform(inst.shape, self._covers(inst))
+            return uniform(inst.shape, self._covers(inst) or (
+                all(all_true(f) for f in ops) and self._same_inputs_per_target(inst)))
         if opcode in ("all-reduce-done", "all-gather-done", "copy-done"):
             return uniform(inst.shape, all_true(ops[0]))
         if opcode in ("opt-barrier", "add-dependency"):
@@ -376,6 +377,32 @@ class _Analyzer:
             return len(sets) == 1
         return all(any(g <= s for s in sets) for g in self.target)
 
+    def _same_inputs_per_target(self, inst: Instruction) -> bool:
+        """A collective over other groups than the data-parallel ones (a model or fsdp
+        axis of a 2-D mesh) of values replicated over the data-parallel groups: every
+        device of a data-parallel group reads, position by position in its own
+        collective group, devices of the same data-parallel groups, so it reads the
+        same values in the same order and computes the same result (a global norm's
+        partial sums all-reduced over the model axis)."""
+        if self.target is None:
+            return False
+        try:
+            groups = device_groups(inst, self.module)
+        except UnsupportedGroups:
+            return False
+        ordered = _ordered_global_groups(groups, self.module.replica_count,
+                                         self.module.num_partitions)
+        target_of = {device: k for k, members in enumerate(self.target) for device in members}
+        reads: dict[int, tuple[int, ...]] = {}
+        for group in ordered or ():
+            if any(device not in target_of or device in reads for device in group):
+                return False
+            signature = tuple(target_of[device] for device in group)
+            reads.update((device, signature) for device in group)
+        return ordered is not None and all(
+            len({reads.get(device) for device in members}) == 1 and None not in
+            {reads.get(device) for device in members} for members in self.target)
+
     def _while(self, inst: Instruction, init: Flags) -> Flags:
         body = self.module.computation(inst.required_attr("body", ComputationRef).name)
         cond = self.module.computation(inst.required_attr("condition", ComputationRef).name)
@@ -398,6 +425,20 @@ class _Analyzer:
             root = self.computation(self.module.computation(name), [operand])
             result = root if result is None else meet(result, root)
         return result if result is not None else uniform(inst.shape, False)
+
+
+def _ordered_global_groups(groups: DeviceGroups, replicas: int, partitions: int
+                           ) -> list[tuple[int, ...]] | None:
+    """The groups as global device ids in group order (None: a mode whose order over
+    both replicas and partitions is not one list)."""
+    expand = {
+        GroupMode.CROSS_REPLICA: lambda g: [tuple(r * partitions + p for r in g)
+                                            for p in range(partitions)],
+        GroupMode.CROSS_PARTITION: lambda g: [tuple(r * partitions + p for p in g)
+                                              for r in range(replicas)],
+        GroupMode.FLATTENED_ID: lambda g: [tuple(g)],
+    }.get(groups.mode)
+    return None if expand is None else [s for g in groups.groups for s in expand(g)]
 
 
 def target_sets(module: Module, groups: DeviceGroups | None) -> list[frozenset[int]] | None:
