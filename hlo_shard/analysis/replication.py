@@ -103,7 +103,7 @@ def _sharding_flags(text: str, shape: Shape, target: list[frozenset[int]] | None
     if body.startswith(("maximal", "manual", "unknown", "unreduced")):
         return uniform(shape, False)
     if body.startswith("devices="):
-        sets = _replicated_sets(body)
+        sets = replicated_tile_sets(body)
         if sets is None or target is None:
             return uniform(shape, False)
         return uniform(shape, all(any(g <= s for s in sets) for g in target))
@@ -124,7 +124,7 @@ def _split_top_level(body: str) -> list[str]:
     return parts
 
 
-def _replicated_sets(body: str) -> list[frozenset[int]] | None:
+def replicated_tile_sets(body: str) -> list[frozenset[int]] | None:
     """Device sets that hold the same tile, from ``devices=[d…]ids [last_tile_dim_replicate]``."""
     import numpy as np
 
@@ -517,5 +517,6 @@ def analyze_replication(module: Module, groups: DeviceGroups | None = None,
 
 __all__ = [
     "Flags", "GroupMode", "ParamOverrides", "ParamReplication", "Replication", "all_true",
-    "analyze_replication", "default_parameter_replication", "is_pmap_form", "meet", "uniform",
+    "analyze_replication", "default_parameter_replication", "is_pmap_form", "meet",
+    "replicated_tile_sets", "uniform",
 ]
