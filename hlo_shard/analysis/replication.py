@@ -392,16 +392,18 @@ class _Analyzer:
             return False
         ordered = _ordered_global_groups(groups, self.module.replica_count,
                                          self.module.num_partitions)
+        if ordered is None:
+            return False
         target_of = {device: k for k, members in enumerate(self.target) for device in members}
+        #: Device → the data-parallel groups of its collective group, in group order.
         reads: dict[int, tuple[int, ...]] = {}
-        for group in ordered or ():
+        for group in ordered:
             if any(device not in target_of or device in reads for device in group):
                 return False
             signature = tuple(target_of[device] for device in group)
             reads.update((device, signature) for device in group)
-        return ordered is not None and all(
-            len({reads.get(device) for device in members}) == 1 and None not in
-            {reads.get(device) for device in members} for members in self.target)
+        return all(members <= reads.keys() and len({reads[device] for device in members}) == 1
+                   for members in self.target)
 
     def _while(self, inst: Instruction, init: Flags) -> Flags:
         body = self.module.computation(inst.required_attr("body", ComputationRef).name)
