@@ -80,3 +80,76 @@ def test_a_data_by_model_mesh_shards_over_the_data_groups(request, state, params
     assert float(loss) == float(loss_jit)
     np.testing.assert_array_equal(np.asarray(fast.gather_args(p, s)[1][0].mu["w1"]),
                                   np.asarray(s_jit[0].mu["w1"]))
+
+
+# ------------------------------------------------- a (data=2, fsdp=4) mesh, FSDP weights
+
+ADAMW = optax.adamw(1e-2)
+
+
+def _fsdp_loss(p, batch):
+    """Two LayerNorm + dense layers: the LayerNorm's backward on rows sharded over
+    ``fsdp`` makes the partitioner write all-to-alls over partition ids."""
+    h = batch["x"]
+    for layer in ("l0", "l1"):
+        centred = h - h.mean(-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt((centred ** 2).mean(-1, keepdims=True) + 1e-6)
+        h = jnp.tanh(normed * p[layer]["scale"] @ p[layer]["w"] + p[layer]["b"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _fsdp_step(p, s, batch):
+    loss, grads = jax.value_and_grad(_fsdp_loss)(p, batch)
+    updates, s = ADAMW.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, loss
+
+
+def _fsdp_start(width: int = 64):
+    """Every matrix's rows sharded over ``fsdp`` (jit all-gathers them), vectors
+    replicated, the batch over both axes."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    key = jax.random.PRNGKey(1)
+    params = {}
+    for i, layer in enumerate(("l0", "l1")):
+        w = jax.random.normal(jax.random.fold_in(key, i), (width, width)) / width ** 0.5
+        params[layer] = {
+            "w": jax.device_put(w, NamedSharding(mesh, P("fsdp"))),
+            "b": jax.device_put(jnp.full((width,), 0.1), NamedSharding(mesh, P())),
+            "scale": jax.device_put(jnp.ones((width,)), NamedSharding(mesh, P()))}
+    batches = [{k: jax.device_put(jax.random.normal(jax.random.fold_in(key, 10 * b + j),
+                                                    (32, width)),
+                                  NamedSharding(mesh, P(("data", "fsdp"))))
+                for j, k in enumerate("xy")} for b in range(3)]
+    return params, ADAMW.init(params), batches
+
+
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_a_data_by_fsdp_mesh_shards_the_fsdp_shards_update_over_the_data_groups(request, state):
+    """The gradient of an fsdp-sharded weight is reduce-scattered over ``fsdp`` (the
+    partitioner's all-reduce + slice: already sharded) and its slice all-reduced over
+    ``data``: that data-axis all-reduce and the update of the slice are what the pass
+    shards, over the data-axis groups of 2, the weight's fsdp rows staying as the user
+    sharded them. Numbers: jit's."""
+    if not needs_devices(request):
+        return
+    params, opt_state, batches = _fsdp_start()
+    fast = hsj.shard_weight_update(jax.jit(_fsdp_step), state=state, force=True)
+    jitted = jax.jit(_fsdp_step)
+    p, s = params, opt_state
+    p_jit, s_jit = params, opt_state
+    for batch in batches:
+        p, s, loss = fast(p, s, batch)
+        p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
+        np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
+    report = fast.report
+    assert report["fallback"] is None
+    rows = {row["all_reduce"]: row for row in report["explanations"]}
+    sharded = [row for row in rows.values() if row["sharded"]]
+    assert len(sharded) == 2  # the two matrices' data-axis all-reduces
+    assert all(row["shape"].startswith("f32[64,16]") for row in sharded)
+    assert sum(row["reason_code"] == "already_sharded" for row in rows.values()) >= 2
+    assert {strategy["devices"] for strategy in report["strategies"]} == {2}  # data groups
+    p_full, s_full = fast.gather_args(p, s) if state == "sharded" else (p, s)
+    for leaf, leaf_jit in zip(jax.tree.leaves((p_full, s_full)), jax.tree.leaves((p_jit, s_jit))):
+        assert leaf.shape == leaf_jit.shape
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)

@@ -158,3 +158,45 @@ def test_default_analysis_follows_the_loop_carry_slot_by_slot():
     # w meets the reduced gradient in the body's update; x only feeds the gradient
     assert [(p.flags, p.source) for p in facts.params] == [(True, "analysis"),
                                                           (False, "analysis")]
+
+
+#: A (data=4, model=2) mesh's global norm: each device's tensor-parallel half of a
+#: gradient, all-reduced over the data groups {0,2,4,6} {1,3,5,7}, squared and summed,
+#: then the halves' sums all-reduced over the model pairs {0,1} {2,3} …
+MODEL_AXIS_NORM = """HloModule norm, num_partitions=8
+
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT s = f32[] add(a, b) }
+
+ENTRY e {
+  g = f32[16] parameter(0), sharding={devices=[8]<=[8]}
+  gs = f32[16] all-reduce(g), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, to_apply=add
+  sq = f32[16] multiply(gs, gs)
+  z = f32[] constant(0)
+  half = f32[] reduce(sq, z), dimensions={0}, to_apply=add
+  norm = f32[] all-reduce(half), channel_id=2, replica_groups={MODEL}, use_global_device_ids=true, to_apply=add
+  local = f32[] reduce(g, z), dimensions={0}, to_apply=add
+  mixed = f32[] all-reduce(local), channel_id=3, replica_groups={MODEL}, use_global_device_ids=true, to_apply=add
+  ROOT out = (f32[], f32[]) tuple(norm, mixed)
+}
+"""
+
+
+@pytest.mark.parametrize("model, replicated", [
+    ("{{0,1},{2,3},{4,5},{6,7}}", True),
+    # Devices 0 and 2 (one data group) read their pair in opposite data-group orders.
+    ("{{0,1},{3,2},{4,5},{6,7}}", False),
+    # Pairs within one data group: device 0 sums two values of its group, device 1 too,
+    # but devices 0 and 4 (one data group) read the same: still the same result.
+    ("{{0,2},{1,3},{4,6},{5,7}}", True),
+], ids=["model-pairs", "reordered-pair", "pairs-within-groups"])
+def test_a_collective_over_other_groups_of_data_replicated_values_stays_replicated(
+        model, replicated):
+    """Every device of a data-parallel group reads, position by position, devices of the
+    same data-parallel groups: the same values in the same order, so the same result
+    (the partial norms of a tensor-parallel gradient summed over the model axis). A
+    per-device operand stays per-device whatever the groups."""
+    module = parse(MODEL_AXIS_NORM.replace("{MODEL}", model))
+    facts = analyze_replication(module, device_groups(module.entry["gs"], module))
+    assert facts.is_replicated(module.entry.name, "half")
+    assert facts.is_replicated(module.entry.name, "norm") == replicated
+    assert not facts.is_replicated(module.entry.name, "mixed")

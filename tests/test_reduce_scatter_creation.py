@@ -96,6 +96,24 @@ def test_a_split_that_the_profile_prices_slower_is_kept_and_says_why():
     assert "gb" in {i.name for i in module.entry.instructions}
 
 
+def test_blocks_strided_in_the_all_reduces_layout_pay_for_a_transpose():
+    """The gradient laid out column-major (an FSDP weight's gradient computed transposed):
+    each device's rows are strided, the whole gradient is transposed before the
+    reduce-scatter, a pass over its bytes that prices the pair faster kept on XLA:CPU."""
+    text = FSDP_STEP.replace("{ds}", PARTITIONER_FORM) \
+        .replace("%gw = f32[1024,1024]{1,0} dot", "%gw = f32[1024,1024]{0,1} dot") \
+        .replace("%gw.sum = f32[1024,1024]{1,0} all-reduce", "%gw.sum = f32[1024,1024]{0,1} all-reduce") \
+        .replace("  %gw.t = f32[1024,1024]{0,1} copy(%gw.sum)\n", "") \
+        .replace("dynamic-slice(%gw.t,", "dynamic-slice(%gw.sum,")
+    module = parse(text)
+    module.header["num_partitions"] = 8
+    (decision,) = run_pass(module).decisions
+    assert not decision.reduce_scatter
+    assert decision.kept_because.startswith("a reduce-scatter over 8 predicted")
+    (contiguous,) = run_pass(fsdp_step()).decisions
+    assert contiguous.reduce_scatter and decision.after_s > contiguous.after_s
+
+
 def test_a_split_of_a_bf16_gradient_is_kept_whatever_the_price():
     """The split sums partial sums, then theirs: in bf16 that rounds differently from the
     all-reduce at the type's precision (``verify`` says DIFFERENT), so it is not written

@@ -96,6 +96,34 @@ def test_spmd_module_runs_in_replica_form(worker):
         np.testing.assert_array_equal(broadcast_sum[device], 2 * np.repeat(w[:, None], 2, 1))
 
 
+#: The partitioner's cross-partition collectives (a ``channel_id``, no
+#: ``use_global_device_ids``: groups of partition ids), as jax writes an all-to-all and a
+#: collective-permute on a mesh with more than one axis.
+CROSS_PARTITION = """HloModule cross, num_partitions=4
+ENTRY e { x = f32[4,2] parameter(0), sharding={devices=[4,1]<=[4]}
+ a2a = f32[4,2] all-to-all(x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}
+ cp = f32[4,2] collective-permute(x), channel_id=2, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+ ROOT t = (f32[4,2], f32[4,2]) tuple(a2a, cp) }
+"""
+
+
+def test_cross_partition_collectives_run_in_replica_form(worker):
+    """One partition cannot hold partition ids 1..N-1 (XLA's RET_CHECK ``partition_id <
+    partition_count``): the collectives read the same ids as replicas, channel-less."""
+    form = runtime.replica_form(parse(CROSS_PARTITION))
+    assert all("channel_id" not in i.attributes for i in form.entry.instructions)
+    exe = runtime.load(parse(CROSS_PARTITION))
+    xs = [np.full((4, 2), d, np.float32) + np.arange(4, dtype=np.float32)[:, None] * 10
+          for d in range(4)]
+    swapped, permuted = exe(xs)
+    for device in range(4):
+        partner = device ^ 1
+        np.testing.assert_array_equal(permuted[device], xs[partner])
+        blocks = [xs[member][2 * (device % 2):2 * (device % 2) + 2]
+                  for member in (device & ~1, device | 1)]
+        np.testing.assert_array_equal(swapped[device], np.concatenate(blocks))
+
+
 def test_memory_cost_and_timing_are_reported(worker):
     exe = runtime.load(SGD)
     assert exe.memory.argument == 2 * 1024 * 4

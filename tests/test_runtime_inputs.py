@@ -307,3 +307,31 @@ def test_integers_are_exact_and_bf16_is_looser():
 def test_shape_mismatch_is_reported():
     result = _leaf("f32", [np.zeros(2, np.float32)], [np.zeros(3, np.float32)])
     assert result.verdict == "shape-mismatch" and "device 0" in result.detail
+
+
+#: A (data=4, model=2) mesh's tensor-parallel weight: tiled over the model axis,
+#: replicated over the data axis (devices 0, 2, 4, 6 hold one tile, 1, 3, 5, 7 the other).
+TENSOR_PARALLEL = """HloModule tp, num_partitions=8
+ENTRY e {
+  w = f32[4,3] parameter(0), sharding={devices=[1,2,4]<=[4,2]T(1,0) last_tile_dim_replicate}
+  x = f32[2,4] parameter(1), sharding={devices=[4,1,2]<=[8] last_tile_dim_replicate}
+  ROOT d = f32[2,3] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_tile_replicated_over_devices_gets_one_value_on_each():
+    """The module may rely on the copies of a tile being equal (the pass slices such a
+    weight's update over the data groups): verify's inputs hold one value per tile, in
+    every regime, not one per device."""
+    module = parse(TENSOR_PARALLEL)
+    w, x = runtime.parameter_roles(module)
+    assert (w.role, w.shares) == (runtime.PER_DEVICE, (0, 1, 0, 1, 0, 1, 0, 1))
+    assert x.shares == (0, 0, 2, 2, 4, 4, 6, 6)
+    values = runtime.generate_inputs(module, [w, x], 8)
+    assert not np.array_equal(values[0][0], values[0][1])
+    for step, regime in enumerate(runtime.REGIMES):
+        regime_values, _ = runtime.regime_inputs(module, [w, x], 8, 0, step, regime)
+        for inputs in (values, regime_values):
+            for device in range(8):
+                np.testing.assert_array_equal(inputs[0][device], inputs[0][device % 2])

@@ -265,3 +265,43 @@ def test_a_captured_scan_on_a_2x4_mesh_accumulates_into_a_shard(worker, state):
     outcome = runtime.verify(parse(text), module, runtime.VerifyOptions(
         steps=3, manifest=build_manifest(result.report, parse(text))))
     assert outcome.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in outcome.final()]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "whole"])
+def test_shard_weight_update_takes_the_accumulator_form(request, mode):
+    """``shard_weight_update(accumulator=...)``, as ``optimize --accumulator``: a
+    ``lax.scan`` over 4 microbatches reduce-scatters each microbatch's gradient in the
+    loop into a shard (``sharded``) or once after it (``whole``); the numbers are
+    jit's, run through XLA on 8 CPU devices."""
+    from jax_train_helpers import jax, needs_devices, np
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program("scan-sum")
+    fast = hsj.shard_weight_update(step, state="sharded", accumulator=mode, force=True)
+    p, s, p_jit, s_jit = params, opt_state, params, opt_state
+    for i in range(2):
+        p, s, loss = fast(p, s, batch(i))
+        p_jit, s_jit, loss_jit = step(p_jit, s_jit, batch(i))
+        np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
+    assert fast.report is not None and fast.report["fallback"] is None
+    assert any(f"accumulator {mode}" in note for note in fast.report["notes"])
+    module = parse(fast.hlo_text or "")
+    body = _loop_body(module)
+    scattered_inside = "reduce-scatter" in collectives(module, body)
+    assert scattered_inside == (mode == "sharded")
+    assert bool(find(module, "reduce-scatter")) == (mode == "whole")  # after the loop
+    for leaf, leaf_jit in zip(jax.tree.leaves(fast.gather_args(p, s)),
+                              jax.tree.leaves((p_jit, s_jit))):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_shard_weight_update_refuses_an_unknown_accumulator_at_once():
+    import hlo_shard.jax as hsj
+    from hlo_shard.errors import HloShardError
+
+    with pytest.raises(HloShardError, match="accumulator must be one of auto, whole, sharded"):
+        hsj.shard_weight_update(lambda x: x, accumulator="halved")

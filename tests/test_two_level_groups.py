@@ -6,6 +6,8 @@ data groups in both state modes, and the result computes what the original compu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hlo_shard import parse, runtime
@@ -94,3 +96,23 @@ def test_sharded_over_the_data_groups_it_computes_the_same(worker, mesh, state):
                             runtime.VerifyOptions(steps=3, manifest=build_manifest(report,
                                                                                    module)))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+#: jax's own per-device module of a (data=4, model=2) step: Megatron's column/row split
+#: of a 2-layer MLP on ``model``, a replicated bias, clip_by_global_norm + Adam
+#: (``tests/test_jax_meshes.py``'s model, captured with ``hlo_shard.jax.per_device_hlo``).
+TP_CLIP_ADAM = Path(__file__).parent / "data" / "tp_clip_adam_4x2.n8.hlo"
+
+
+def test_a_tensor_parallel_steps_clipped_update_is_sharded_whole_and_verifies(worker):
+    """The global norm sums the tensor-parallel halves' partial norms over the model
+    pairs: still the same on every device of a data group, so the whole update (not
+    only the gradients' squared sums) runs on shards; ``verify`` feeds each tile's
+    copies one value (as the mesh holds them) and MATCHes."""
+    text = TP_CLIP_ADAM.read_text()
+    result = optimize(parse(text), ShardingOptions(), force=True)
+    sharded = [row for row in result.report.explanations if row.sharded]
+    assert len(sharded) == 3 and all(row.ops_moved >= 15 for row in sharded)
+    outcome = runtime.verify(parse(text), parse(result.text), runtime.VerifyOptions(
+        steps=2, manifest=build_manifest(result.report, parse(text))))
+    assert outcome.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in outcome.final()]

@@ -104,7 +104,7 @@ def _sharding_flags(text: str, shape: Shape, target: list[frozenset[int]] | None
     if body.startswith(("maximal", "manual", "unknown", "unreduced")):
         return uniform(shape, False)
     if body.startswith("devices="):
-        sets = _replicated_sets(body)
+        sets = replicated_tile_sets(body)
         if sets is None or target is None:
             return uniform(shape, False)
         return uniform(shape, all(any(g <= s for s in sets) for g in target))
@@ -125,7 +125,7 @@ def _split_top_level(body: str) -> list[str]:
     return parts
 
 
-def _replicated_sets(body: str) -> list[frozenset[int]] | None:
+def replicated_tile_sets(body: str) -> list[frozenset[int]] | None:
     """Device sets that hold the same tile, from ``devices=[d…]ids [last_tile_dim_replicate]``."""
     import numpy as np
 
@@ -340,7 +340,8 @@ class _Analyzer:
         if opcode in DEVICE_DEPENDENT:
             return uniform(inst.shape, False)
         if opcode in REPLICATING_COLLECTIVES:
-            return uniform(inst.shape, self._covers(inst))
+            return uniform(inst.shape, self._covers(inst) or (
+                all(all_true(f) for f in ops) and self._same_inputs_per_target(inst)))
         if opcode in _DONE_AS_STARTED:
             return uniform(inst.shape, all_true(ops[0]))
         if opcode in FORWARDING:
@@ -376,6 +377,34 @@ class _Analyzer:
             return len(sets) == 1
         return all(any(g <= s for s in sets) for g in self.target)
 
+    def _same_inputs_per_target(self, inst: Instruction) -> bool:
+        """A collective over other groups than the data-parallel ones (a model or fsdp
+        axis of a 2-D mesh) of values replicated over the data-parallel groups: every
+        device of a data-parallel group reads, position by position in its own
+        collective group, devices of the same data-parallel groups, so it reads the
+        same values in the same order and computes the same result (a global norm's
+        partial sums all-reduced over the model axis)."""
+        if self.target is None:
+            return False
+        try:
+            groups = device_groups(inst, self.module)
+        except UnsupportedGroups:
+            return False
+        ordered = _ordered_global_groups(groups, self.module.replica_count,
+                                         self.module.num_partitions)
+        if ordered is None:
+            return False
+        target_of = {device: k for k, members in enumerate(self.target) for device in members}
+        #: Device → the data-parallel groups of its collective group, in group order.
+        reads: dict[int, tuple[int, ...]] = {}
+        for group in ordered:
+            if any(device not in target_of or device in reads for device in group):
+                return False
+            signature = tuple(target_of[device] for device in group)
+            reads.update((device, signature) for device in group)
+        return all(members <= reads.keys() and len({reads[device] for device in members}) == 1
+                   for members in self.target)
+
     def _while(self, inst: Instruction, init: Flags) -> Flags:
         body = self.module.computation(inst.required_attr("body", ComputationRef).name)
         cond = self.module.computation(inst.required_attr("condition", ComputationRef).name)
@@ -398,6 +427,20 @@ class _Analyzer:
             root = self.computation(self.module.computation(name), [operand])
             result = root if result is None else meet(result, root)
         return result if result is not None else uniform(inst.shape, False)
+
+
+def _ordered_global_groups(groups: DeviceGroups, replicas: int, partitions: int
+                           ) -> list[tuple[int, ...]] | None:
+    """The groups as global device ids in group order (None: a mode whose order over
+    both replicas and partitions is not one list)."""
+    expand = {
+        GroupMode.CROSS_REPLICA: lambda g: [tuple(r * partitions + p for r in g)
+                                            for p in range(partitions)],
+        GroupMode.CROSS_PARTITION: lambda g: [tuple(r * partitions + p for p in g)
+                                              for r in range(replicas)],
+        GroupMode.FLATTENED_ID: lambda g: [tuple(g)],
+    }.get(groups.mode)
+    return None if expand is None else [s for g in groups.groups for s in expand(g)]
 
 
 def target_sets(module: Module, groups: DeviceGroups | None) -> list[frozenset[int]] | None:
@@ -476,5 +519,6 @@ def analyze_replication(module: Module, groups: DeviceGroups | None = None,
 
 __all__ = [
     "Flags", "GroupMode", "ParamOverrides", "ParamReplication", "Replication", "all_true",
-    "analyze_replication", "default_parameter_replication", "is_pmap_form", "meet", "uniform",
+    "analyze_replication", "default_parameter_replication", "is_pmap_form", "meet",
+    "replicated_tile_sets", "uniform",
 ]

@@ -149,12 +149,15 @@ def is_prefused(module: Module) -> bool:
 
 
 def plan_kernels(comp: Computation, emulate_fusion: bool = True,
-                 multi_output: bool = True, concatenate_operands: int = 0) -> KernelPlan:
+                 multi_output: bool = True, concatenate_operands: int = 0,
+                 row_major_reductions: bool = False) -> KernelPlan:
     """``multi_output``: whether the backend fuses one producer into several kernels'
     loop, or computes a value that is also needed in memory inside its reader's kernel
     (XLA GPU/TPU multi-output fusion). XLA CPU does neither: such a producer is a kernel
     of its own whose output the readers load again. ``concatenate_operands``: the most
-    operands of a concatenate that takes its producers in (0: any number)."""
+    operands of a concatenate that takes its producers in (0: any number).
+    ``row_major_reductions``: a reduce of an operand laid out other than row-major takes
+    no producers in; its operand is a kernel of its own (XLA CPU's transposing copy)."""
     users = users_map(comp)
     order = topological_order(comp)
     kernel_of: dict[str, Kernel] = {}
@@ -199,7 +202,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         for user in found.users:
             kernel = kernel_of.get(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
-            if kernel and _takes_producers(kernel.members[0], concatenate_operands):
+            if kernel and _takes_producers(comp, kernel.members[0], concatenate_operands,
+                                           row_major_reductions):
                 targets.setdefault(id(kernel), kernel)
             else:
                 in_memory = True
@@ -365,15 +369,30 @@ def _is_immediate(inst: Instruction) -> bool:
     return inst.opcode == "constant" and leaf_bytes(inst.shape) <= 8
 
 
-def _takes_producers(root: Instruction, concatenate_operands: int) -> bool:
+def _takes_producers(comp: Computation, root: Instruction, concatenate_operands: int,
+                     row_major_reductions: bool) -> bool:
     """Whether the kernel ``root`` opened fuses its operands' producers into its loop. A
     concatenate of many operands does not on XLA:CPU (``cpu_instruction_fusion.cc``,
     ``kMaxConcatenateArguments`` = 8: its fused loop would select among them per
-    element); it copies them from memory, each producer a kernel of its own."""
+    element); it copies them from memory, each producer a kernel of its own. Nor, with
+    ``row_major_reductions``, does a reduce of an operand in another layout: XLA:CPU
+    computes the operand into a transposing copy, which the reduce then reads."""
     if root.opcode not in FUSIBLE_OPCODES:
+        return False
+    if row_major_reductions and root.opcode == "reduce" and not _row_major(comp[root.operands[0]]):
         return False
     return not (root.opcode == "concatenate" and concatenate_operands
                 and len(root.operands) > concatenate_operands)
+
+
+def _row_major(inst: Instruction) -> bool:
+    """An array laid out row-major, looking past dimensions of size 1 (a layout that
+    only moves those leaves the bytes in row-major order)."""
+    shape = inst.shape
+    if not isinstance(shape, ArrayShape):
+        return True
+    order = [d for d in shape.minor_to_major() if shape.dims[d] > 1]
+    return order == sorted(order, reverse=True)
 
 
 def is_relabel(comp: Computation, inst: Instruction) -> bool:

@@ -409,7 +409,8 @@ class _Estimator:
             self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
         plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion,
-                            self.profile.fused_concatenate_operands)
+                            self.profile.fused_concatenate_operands,
+                            self.profile.row_major_reductions)
         fresh = fresh_writers(self.module, comp, self.profile.fresh_temp_threshold_bytes)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:

@@ -11,7 +11,7 @@ from hlo_shard.profiles import HardwareProfile, resolve_profile
 
 
 def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = "gathered",
-                        strategy: str = "auto",
+                        accumulator: str = "auto", strategy: str = "auto",
                         profile: HardwareProfile | str | None = None, min_shard_bytes: int = 0,
                         num_replicas: int | None = None, force: bool = False) -> ShardedStep:
     """``fn`` (a ``jax.jit`` step of a data-parallel program) with its gradient
@@ -20,12 +20,16 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = 
     per-device shards between steps, and ``params="sharded"`` (with sharded state) the
     weights too: all-gathered at the top of the step for the forward/backward pass (in
     bf16 where that pass only reads the f32 weights converted to bf16), updated in
-    shards. ``profile``: the hardware ``strategy="auto"``
+    shards. ``accumulator``: a loop that sums microbatch gradients (``lax.scan``,
+    ``fori_loop``) reduce-scatters them once after it (``"whole"``), or each microbatch's
+    into an accumulator carried as a shard, 1/N of its memory (``"sharded"``), or
+    whichever the cost model predicts faster (``"auto"``; ``optimize --accumulator``).
+    ``profile``: the hardware ``strategy="auto"``
     prices collectives on (a profile name or file, as for ``hlo-shard optimize``). A step
     the cost model does not predict faster sharded runs as ``fn`` (one warning naming both
     estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
     options = ShardingOptions(num_replicas=num_replicas, state=state, params=params,
-                              strategy=strategy,
+                              accumulator=accumulator, strategy=strategy,
                               min_shard_bytes=min_shard_bytes,
                               profile=resolve_profile(profile))
     # A bad option is an error now, not at a step.

@@ -28,6 +28,7 @@ from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAli
                                                  donated_parameters)
 from hlo_shard.passes.pipeline import AfterPass, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm
+from hlo_shard.passes.sharded_accumulator import ShardedAccumulator
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.speed_gate import SpeedDecision, shard_where_faster
 from hlo_shard.passes.weight_update import (ShardingOptions, ShardingReport,
@@ -126,7 +127,9 @@ class OptimizeResult:
 def checked_options(options: ShardingOptions) -> ShardingOptions:
     """``options`` checked (an error now, not inside a compile) with the profile loaded:
     what a front end keeps to call :func:`optimize` with later."""
-    return replace(options, profile=WeightUpdateSharding(options).profile)
+    profile = WeightUpdateSharding(options).profile
+    ShardedAccumulator(profile, options.accumulator)  # its mode checked the same way
+    return replace(options, profile=profile)
 
 
 def speed_json(decision: SpeedDecision) -> dict[str, Any]:

@@ -335,6 +335,11 @@ class ReduceScatterSpec:
     #: The scatter groups are the all-reduce's own (its attribute is kept as written).
     in_group_order: bool
     payload_bytes: int
+    #: The blocks are strided in the all-reduce's layout (not one contiguous run each)
+    #: and no copy between the all-reduce and the slice relays the whole gradient out
+    #: already (that copy moves onto the block: the transpose before the scatter takes
+    #: its place).
+    strided: bool
 
     @property
     def blocks(self) -> int:
@@ -405,7 +410,15 @@ def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruct
     return ReduceScatterSpec(
         comp.name, all_reduce.name, tuple(reversed(dims)), user.name, dim, groups,
         tuple(scatter_groups), tuple(block_groups),
-        tuple(scatter_groups) == groups.groups, shape.byte_size)
+        tuple(scatter_groups) == groups.groups, shape.byte_size,
+        _strided(shape, dim) and not any(op.opcode == "copy" for op in chain))
+
+
+def _strided(shape: ArrayShape, dim: int) -> bool:
+    """Whether blocks of ``dim`` are strided in ``shape``'s layout: a dimension longer
+    than 1 lies outside it."""
+    order = shape.minor_to_major()
+    return any(shape.dims[outer] > 1 for outer in order[order.index(dim) + 1:])
 
 
 def _block_table(module: Module, groups: DeviceGroups, offset: str, size: int, chunk: int,
@@ -561,11 +574,18 @@ def _holders(spec: ReduceScatterSpec) -> int:
 def _price(spec: ReduceScatterSpec, hardware: HardwareProfile) -> tuple[float, float]:
     """Seconds of the all-reduce, and of the reduce-scatter (and the all-reduce of the
     block among its holders) it becomes; buffers priced as mapped already, which is what
-    makes a second collective's latency weigh most against the bytes it saves."""
+    makes a second collective's latency weigh most against the bytes it saves. Blocks
+    strided in the all-reduce's layout (the split dimension is not its outermost one
+    longer than 1: an FSDP weight's gradient computed transposed) are not contiguous
+    buffers: the operand is transposed whole first, one more pass over the gradient's
+    bytes into a fresh buffer (on XLA:CPU such a reduce-scatter measured slower than the
+    all-reduce and slice it replaces)."""
     n, size = spec.groups.size, spec.payload_bytes
     before = collective_cost("all-reduce", n, size, hardware, resident=True).seconds
     after = collective_cost("reduce-scatter", spec.blocks, size, hardware,
                             resident=True).seconds
+    if spec.strided:
+        after += hardware.memory_seconds(size, size)
     if spec.block_groups:
         after += collective_cost("all-reduce", _holders(spec), size // spec.blocks, hardware,
                                  resident=True).seconds

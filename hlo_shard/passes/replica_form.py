@@ -5,7 +5,10 @@ per-device module as a global program and partition it again (executing-hlo-with
 §5.1). So a per-device SPMD module runs in replica form: shardings stripped,
 ``partition-id`` → ``replica-id``, ``replica_count=N`` instead of ``num_partitions=N``.
 Flattened-id collectives keep their meaning since the flattened id equals the replica
-id when there is one partition.
+id when there is one partition. A cross-partition collective (a ``channel_id`` and no
+``use_global_device_ids``: the SPMD partitioner's all-to-all and collective-permute on
+a mesh with more than one axis) names partitions, which one partition cannot hold, so
+it loses its ``channel_id`` and reads the same ids as replicas (cross-replica mode).
 
 Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
 shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
@@ -24,7 +27,7 @@ from typing import ClassVar
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import Computation, Instruction, Module, TupleShape, shape_leaves
-from hlo_shard.opinfo import CHANNEL_PAIRED
+from hlo_shard.opinfo import CHANNEL_PAIRED, CHANNEL_UNIQUE
 from hlo_shard.passes.base import ModulePass
 
 #: Header attributes dropped for execution: donation would delete reused inputs.
@@ -77,8 +80,17 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
                 rw.pop_attr(inst, "sharding")
                 if spmd and inst.opcode == "partition-id":
                     rw.set_opcode(inst, "replica-id")
+                if spmd and _cross_partition(inst):
+                    rw.pop_attr(inst, "channel_id")
             split += _split_variadic_all_reduces(rw)
         return ReplicaFormReport(devices, spmd, tuple(split), _renumber_channels(rewriter))
+
+
+def _cross_partition(inst: Instruction) -> bool:
+    """A collective whose groups name partitions (XLA's mode for a ``channel_id``
+    without ``use_global_device_ids``)."""
+    return inst.opcode in CHANNEL_UNIQUE and "channel_id" in inst.attributes \
+        and "use_global_device_ids" not in inst.attributes
 
 
 def _replica_header(edits: ModuleRewriter, spmd: bool, devices: int,

@@ -86,6 +86,10 @@ class HardwareProfile:
     #: The most operands of a concatenate XLA fuses its producers into (XLA CPU: 8, a
     #: wider one copies them from memory); 0: no limit.
     fused_concatenate_operands: int
+    #: XLA's reduction kernels read their operand in row-major order (XLA CPU): a reduce
+    #: of a value laid out otherwise (a gradient computed transposed, summed for a global
+    #: norm) first copies it into that order, a transposing kernel of its own.
+    row_major_reductions: bool
     #: A kernel's arithmetic hides behind its memory traffic (or the reverse), so it
     #: takes the larger of the two (the roofline of a GPU or TPU); False: they add up
     #: (XLA CPU's N devices share the host's few cores, which issue both: a Adam loop
@@ -262,6 +266,7 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         fused_concatenate_operands=count("fused_concatenate_operands", 0),
+        row_major_reductions=at.read(raw, "row_major_reductions", At.boolean, default=False),
         min_predicted_gain=at.read(raw, "min_predicted_gain", At.number, low=0,
                                    default=DEFAULT_MIN_PREDICTED_GAIN),
         overlaps_compute_and_memory=at.read(raw, "overlaps_compute_and_memory", At.boolean,

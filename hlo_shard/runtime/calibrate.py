@@ -334,6 +334,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "upcasts_16bit_floats": True,
         "multi_output_fusion": False,
         "fused_concatenate_operands": 8,
+        "row_major_reductions": True,
         "min_predicted_gain": 0.1,
         "overlaps_compute_and_memory": False,
         "combine_threshold_bytes": DEFAULT_COMBINE_THRESHOLD_BYTES,
@@ -355,6 +356,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "compiles to separate m, v and w loops)",
             "fused_concatenate_operands: XLA CPU fuses nothing into a concatenate of more "
             "than 8 operands (cpu_instruction_fusion.cc, kMaxConcatenateArguments)",
+            "row_major_reductions: XLA CPU copies a reduce's operand laid out other than "
+            "row-major into row-major first (a transpose_copy_fusion before the reduce)",
             "min_predicted_gain 0.10: the cost model's error on the zoo's small modules at "
             "N = 8 (forced sharding of the conv net predicted 0.92-0.94x, measured "
             "1.01-1.12x; of the transformer block gathered 0.97-0.99x, measured 1.01-1.04x), "

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from hlo_shard.analysis.replication import replicated_tile_sets
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import (
@@ -94,6 +95,11 @@ class ParameterRole:
     #: Which rule decided: "--per-device-params", "manifest", "sharding",
     #: "parameter_replication" or "analysis".
     source: str
+    #: A per-device parameter whose sharding replicates each tile over several devices (a
+    #: tensor-parallel weight on a data × model mesh): per device, the device whose
+    #: value it holds (empty: each its own). The module may rely on those copies being
+    #: equal, as the program that wrote it guarantees.
+    shares: tuple[int, ...] = ()
 
 
 def parameter_roles(module: Module, per_device: Iterable[int] | None = None,
@@ -121,9 +127,26 @@ def parameter_roles(module: Module, per_device: Iterable[int] | None = None,
                              ("parameter_replication", _replication_role(p)),
                              ("analysis", analysis[p.param_number])):
             if role is not None:
-                roles.append(ParameterRole(p.param_number, p.name, role, source))
+                shares = _tile_copies(module, p) if role == PER_DEVICE else ()
+                roles.append(ParameterRole(p.param_number, p.name, role, source, shares))
                 break
     return roles
+
+
+def _tile_copies(module: Module, param: Instruction) -> tuple[int, ...]:
+    """Per device, the first device holding the same tile of ``param`` by its SPMD
+    sharding (empty: no tile is held by more than one device, or the sharding says not)."""
+    sharding = param.attributes.get("sharding")
+    if module.num_partitions <= 1 or not isinstance(sharding, Raw):
+        return ()
+    body = sharding.text.strip().strip("{}").strip()
+    sets = replicated_tile_sets(body) if body.startswith("devices=") else None
+    devices = module.num_partitions
+    if not sets or all(len(s) == 1 for s in sets) or \
+            sorted(d for s in sets for d in s) != list(range(devices)):
+        return ()
+    first = {d: min(s) for s in sets for d in s}
+    return tuple(first[d] for d in range(devices))
 
 
 _TILE_DIMS = re.compile(r"devices=\[([\d,]+)\]")
@@ -389,13 +412,17 @@ def output_shapes(module: Module) -> list[ArrayShape]:
 
 
 def generate_parameter(shape: ArrayShape, number: int, role: str, devices: int, seed: int,
-                       step: int = 0, positive: bool = False) -> DeviceValues:
-    """Seeded per-device values of one parameter; replicated ones share one array."""
+                       step: int = 0, positive: bool = False,
+                       shares: Sequence[int] = ()) -> DeviceValues:
+    """Seeded per-device values of one parameter; replicated ones share one array, and
+    a per-device one's devices that ``shares`` the value of another hold its array."""
     if role == REPLICATED:
         value = random_value(shape, np.random.default_rng([seed, step, number]), positive)
         return [value] * devices
-    return [random_value(shape, np.random.default_rng([seed, step, number, 1 + d]), positive)
-            for d in range(devices)]
+    sources = shares or range(devices)
+    own = {d: random_value(shape, np.random.default_rng([seed, step, number, 1 + d]), positive)
+           for d in sorted(set(sources))}
+    return [own[source] for source in sources]
 
 
 def generate_inputs(module: Module, roles: Sequence[ParameterRole], devices: int,
@@ -403,7 +430,8 @@ def generate_inputs(module: Module, roles: Sequence[ParameterRole], devices: int
     """Seeded values for every entry parameter: ``inputs[parameter][device]``."""
     positive = positive_parameters(module)
     return [generate_parameter(shape, role.number, role.role, devices, seed, step,
-                               role.number in positive)
+                               role.number in positive,
+                               role.shares if len(role.shares) == devices else ())
             for shape, role in zip(parameter_shapes(module), roles)]
 
 
@@ -507,8 +535,10 @@ def regime_inputs(module: Module, roles: Sequence[ParameterRole], devices: int, 
             values[role.number] = [value] * devices
             reset.add(role.number)
         else:
-            values[role.number] = [regime.value(shape, np.random.default_rng(key),
-                                                role.number in positive) for key in keys]
+            own = [regime.value(shape, np.random.default_rng(key), role.number in positive)
+                   for key in keys]
+            shares = role.shares if len(role.shares) == devices else range(devices)
+            values[role.number] = [own[source] for source in shares]
     return values, reset
 
 

@@ -1282,11 +1282,15 @@ def called_computation(inst: Instruction, role: str) -> str:
 
 
 def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
-    """The groups carrying the most gradient bytes: the data-parallel axis."""
+    """The groups carrying the most bytes of shardable gradients: the data-parallel
+    axis. All-reduces the rewrite leaves as they are do not count: on a data × fsdp
+    mesh the fsdp-axis all-reduce of a weight's gradient, sliced to the device's rows
+    (already sharded), carries more bytes than the data-axis all-reduce of that slice,
+    which is the one whose update can be sharded further."""
     weight: dict[tuple, int] = defaultdict(int)
     first: dict[tuple, DeviceGroups] = {}
     for ar in found:
-        if ar.groups is None:
+        if ar.groups is None or not ar.is_candidate:
             continue
         inst = module.computation(ar.computation)[ar.name]
         size = inst.shape.byte_size
