@@ -32,15 +32,16 @@ torus hop) ≈ 0.9 MB at N = 8 and ≈ 14 MB at N = 1024.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
 from hlo_shard.costmodel.network import collective_cost
-from hlo_shard.graph import Rewriter
-from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
-                          Shape, SliceRanges, TupleShape)
+from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Layout,
+                          Module, Raw, Shape, SliceRanges, TupleShape)
 from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, blocks_through_collectives,
                                                      is_laid_out, major_dimension)
 from hlo_shard.profiles import HardwareProfile
@@ -83,7 +84,11 @@ class ShardEmitter:
     #: A collective over the data-parallel group whose attributes new collectives copy.
     template: Instruction
     channels: ChannelIds
+    #: The pass's edits of the module (the loop fusions' bodies of :meth:`fused`).
+    edits: ModuleRewriter
     cache: dict[tuple, str] = field(default_factory=dict)
+    #: Where :meth:`fused` looks for a free body name next.
+    next_body: int = 1
 
     def __post_init__(self) -> None:
         shape = self.template.shape
@@ -109,7 +114,37 @@ class ShardEmitter:
             # jit-captured 1024² Adam MLP at N = 8: 0.52-0.67x of plain jit with its 28
             # flattening reshapes as bitcasts, 0.79-0.85x as reshapes, same losses).
             opcode = "bitcast"
+        if opcode in _FUSED_WHEN_LAID_OUT and self.laid_out:
+            return self.fused(opcode, shape, operands, name, attributes)
         return self.rw.add(opcode, shape, operands, name=name, **attributes).name
+
+    def fused(self, opcode: str, shape: Shape, operands: list[str], name: str | None,
+              attributes: dict[str, Any]) -> str:
+        """``opcode`` as the one op of a new loop fusion: a laid-out module is past XLA's
+        fusion passes, which would have fused it, and XLA:CPU runs a transpose left at
+        the top level through its slow generic kernel instead of the loop emitter."""
+        distinct = list(dict.fromkeys(operands))
+        params = [Instruction(f"param_{k}", "parameter", self.comp[o].shape, [], {}, k)
+                  for k, o in enumerate(distinct)]
+        root = Instruction(opcode, opcode, shape,
+                           [params[distinct.index(o)].name for o in operands], dict(attributes))
+        body_name = next(candidate for k in itertools.count(self.next_body) if not
+                         self.module.has_computation(candidate := f"fused_{opcode}.{k}"))
+        self.next_body = int(body_name.rsplit(".", 1)[1]) + 1
+        self.edits.insert_computation(Computation(body_name, [*params, root], root.name),
+                                      after=self.callee_slot())
+        return self.rw.add("fusion", shape, distinct,
+                           name=name or f"{opcode}_fusion", kind=Ident("kLoop"),
+                           calls=ComputationRef(body_name)).name
+
+    def callee_slot(self) -> str:
+        """The computation new fusion bodies go after: the one before ``comp``, as XLA
+        prints callees before their callers (there is one: the reducer of the
+        data-parallel collective)."""
+        def find() -> str:
+            position = next(k for k, c in enumerate(self.module.computations) if c is self.comp)
+            return self.module.computations[position - 1].name
+        return self.prologue(("callee slot",), find)
 
     def add_top(self, opcode: str, shape: Shape, operands: list[str], name: str | None = None,
                 literal: str | None = None, **attributes: Any) -> str:
@@ -325,6 +360,10 @@ class ShardEmitter:
         inverse = tuple(sorted(range(len(fmt.perm)), key=lambda d: fmt.perm[d]))
         return self.add("transpose", shape, [ordered], name=f"{item.label}.gathered",
                         dimensions=inverse)
+
+
+#: Ops the emitter wraps in a loop fusion of their own in a laid-out module (:meth:`ShardEmitter.fused`).
+_FUSED_WHEN_LAID_OUT = frozenset({"transpose"})
 
 
 def _row_major(shape: Shape) -> bool:

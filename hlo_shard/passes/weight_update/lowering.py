@@ -101,7 +101,7 @@ class RegionRewrite:
         self.edits = edits
         self.rw = edits.rewriter(comp)
         self.emit = ShardEmitter(module, comp, self.rw, plan.groups, comp[plan.template],
-                                 channels)
+                                 channels, edits)
         self.n = plan.groups.size
         self.shard_of: dict[str, str] = {}
         self.collective_of: dict[str, str] = {}
@@ -801,7 +801,7 @@ def shard_loop_carry(edits: ModuleRewriter, carry: LoopCarry, channels: ChannelI
     body = module.computation(carry.body)
     loop = parent[carry.loop]
     rw = edits.rewriter(parent)
-    emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
+    emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels, edits)
     old = parent[loop.operands[0]]
     elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
     for index, fmt in carry.slots.items():
