@@ -180,3 +180,84 @@ def test_a_laid_out_module_flattens_with_bitcasts():
                   and entry[i.operands[0]].shape.minor_to_major() == tuple(
                       range(entry[i.operands[0]].shape.rank - 1, -1, -1))]
     assert flattening and all(i.opcode == "bitcast" for i in flattening)
+
+
+#: A global norm as XLA:CPU fuses it: the gradient's squares summed in tiles of 2×4 (a
+#: reduce-window fusion), the tiles then reduced to the norm; next to a loop-fused update.
+TILED_NORM = """HloModule tiled_norm, entry_computation_layout={(f32[8,4]{1,0}, f32[8,4]{1,0})->(f32[8,4]{1,0}, f32[])}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%squares (p0: f32[8,4], zero: f32[]) -> f32[4,1] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %sq = f32[8,4]{1,0} multiply(%p0, %p0)
+  %zero = f32[] parameter(1)
+  ROOT %tiles = f32[4,1]{1,0} reduce-window(%sq, %zero), window={size=2x4 stride=2x4}, to_apply=%add
+}
+
+%total (t: f32[4,1]) -> f32[] {
+  %t = f32[4,1]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %sum = f32[] reduce(%t, %zero), dimensions={0,1}, to_apply=%add
+}
+
+%update (p0: f32[8,4], p1: f32[8,4]) -> f32[8,4] {
+  %p1 = f32[8,4]{1,0} parameter(1)
+  %c = f32[] constant(0.1)
+  %b = f32[8,4]{1,0} broadcast(%c), dimensions={}
+  %scaled = f32[8,4]{1,0} multiply(%p1, %b)
+  %p0 = f32[8,4]{1,0} parameter(0)
+  ROOT %sum = f32[8,4]{1,0} add(%p0, %scaled)
+}
+
+ENTRY %main (g: f32[8,4], m: f32[8,4]) -> (f32[8,4], f32[]) {
+  %g = f32[8,4]{1,0} parameter(0)
+  %m = f32[8,4]{1,0} parameter(1), sharding={replicated}
+  %ar = f32[8,4]{1,0} all-reduce(%g), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %zero = f32[] constant(0)
+  %tiles = f32[4,1]{1,0} fusion(%ar, %zero), kind=kLoop, calls=%squares
+  %norm = f32[] fusion(%tiles), kind=kLoop, calls=%total
+  %f = f32[8,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update
+  ROOT %out = (f32[8,4]{1,0}, f32[]) tuple(%f, %norm)
+}
+"""
+
+
+def _called(module, opcode="fusion") -> list[str]:
+    return [i.attributes["calls"].name for i in module.entry.instructions if i.opcode == opcode]
+
+
+def test_a_tiled_sum_of_squares_runs_on_the_gradients_blocks():
+    """Each device sums the tiles of its own rows (2 of 8: one tile); only the 4 tile sums
+    are gathered for the norm, not the gradient."""
+    report, out = _optimize(TILED_NORM)
+    (row,) = report.explanations
+    assert row.sharded and not validate(out)
+    assert "squares.block" in _called(out) and "squares" not in _called(out)
+    body = out.computation("squares.block")
+    assert body.root.shape.dims == (1, 1) and body["sq"].shape.dims == (2, 4)
+    gathered = [i.shape.dims for i in out.entry.instructions if i.opcode == "all-gather"]
+    assert (4, 1) in gathered or (4,) in gathered, gathered
+
+
+@pytest.mark.parametrize("window", [
+    "size=4x4 stride=4x4",  # a tile across two devices' rows
+    "size=2x4 stride=1x4",  # overlapping windows
+    "size=2x4 stride=2x4 pad=0_1x0_0",  # padded
+])
+def test_windows_that_do_not_tile_the_blocks_need_the_whole_gradient(window):
+    rows = 2 if "size=4x4" in window else 4
+    text = TILED_NORM.replace("window={size=2x4 stride=2x4}", "window={%s}" % window)
+    if "size=4x4" in window:
+        text = text.replace("f32[4,1]", f"f32[{rows},1]")
+    if "stride=1x4" in window:
+        text = text.replace("f32[4,1]", "f32[7,1]")
+    if "pad=" in window:
+        text = text.replace("f32[4,1]", "f32[5,1]")
+    report, out = _optimize(text)
+    assert not validate(out)
+    assert "squares" in _called(out) and "squares.block" not in _called(out)

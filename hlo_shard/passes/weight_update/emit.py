@@ -394,6 +394,22 @@ def shard_body(body: Computation, name: str,
     return Computation(name, out, alias.get(root, root))
 
 
+def block_body(body: Computation, name: str, operand_dims: tuple[int, ...],
+               result_dims: tuple[int, ...]) -> Computation:
+    """A fusion body on blocks: its root's array becomes ``result_dims``, every other
+    array value ``operand_dims`` (the body is elementwise up to its root: the analysis
+    proved it), layouts and scalars as they are."""
+    def on_block(inst: Instruction) -> Shape:
+        full = inst.array_shape
+        if full.is_scalar:
+            return full
+        dims = result_dims if inst.name == body.root_name else operand_dims
+        return ArrayShape(full.element_type, dims, (), full.layout)
+    return Computation(name, [Instruction(i.name, i.opcode, on_block(i), list(i.operands),
+                                          dict(i.attributes), i.parameter_number, i.literal)
+                              for i in body.instructions], body.root_name)
+
+
 def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
     """Work on blocks of the value: its stored order is not the format's (a flat copy
     would transpose the whole tensor) and every shard is a block."""
@@ -498,5 +514,6 @@ class Bucketing:
         return [replace(self, strategy=s).estimate(sizes) for s in STRATEGIES]
 
 
-__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_dims", "shard_body", "uses_blocks",
+__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_body", "block_dims", "shard_body",
+           "uses_blocks",
            "Bucketing", "CollectivePricing", "STRATEGIES", "StrategyEstimate"]
