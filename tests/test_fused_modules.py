@@ -261,3 +261,23 @@ def test_windows_that_do_not_tile_the_blocks_need_the_whole_gradient(window):
     report, out = _optimize(text)
     assert not validate(out)
     assert "squares" in _called(out) and "squares.block" not in _called(out)
+
+
+def test_a_transposed_dot_gradient_is_computed_the_other_way_round():
+    """The weight gradient as XLA:CPU fuses jax's: ``x^T·dy`` in the transposed order of
+    the update. The pass formats it by computing ``dy^T·x`` instead of transposing the
+    whole product (as XLA's simplifier would have, before fusion)."""
+    text = FUSED.replace(
+        "ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {\n  %g = f32[4,6]{1,0} parameter(0)",
+        "ENTRY %main (x: f32[2,4], m: f32[6,4], dy: f32[2,6]) -> f32[6,4] {\n"
+        "  %x = f32[2,4]{1,0} parameter(0)\n  %dy = f32[2,6]{1,0} parameter(2)\n"
+        "  %g = f32[4,6]{1,0} dot(%x, %dy), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
+    ).replace(
+        "entry_computation_layout={(f32[4,6]{1,0}, f32[6,4]{1,0})",
+        "entry_computation_layout={(f32[2,4]{1,0}, f32[6,4]{1,0}, f32[2,6]{1,0})")
+    report, out = _optimize(text)
+    (row,) = report.explanations
+    assert row.sharded and not validate(out)
+    (dot,) = [i for i in out.entry.instructions if i.opcode == "dot"]
+    assert dot.operands == ["dy", "x"] and dot.shape.dims == (6, 4)
+    assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 0

@@ -234,8 +234,9 @@ class ShardEmitter:
         element_type = shape.element_type
         current = value
         if fmt.perm != tuple(range(len(fmt.dims))):
-            current = self.add("transpose", self.shape(element_type, fmt.transposed_dims),
-                               [current], name=f"{value}.formatted", dimensions=fmt.perm)
+            current = self.swapped_dot(value, fmt) or self.add(
+                "transpose", self.shape(element_type, fmt.transposed_dims), [current],
+                name=f"{value}.formatted", dimensions=fmt.perm)
         if shape.dims != (fmt.elements,) or current != value:
             current = self.add("reshape", self.shape(element_type, (fmt.elements,)), [current],
                                name=f"{value}.flat")
@@ -244,6 +245,25 @@ class ShardEmitter:
             current = self.add("pad", self.shape(element_type, (fmt.padded,)), [current, zero],
                                name=f"{value}.padded", padding=Raw(f"0_{fmt.padding}"))
         return current
+
+    def swapped_dot(self, value: str, fmt: ShardFormat) -> str | None:
+        """``value``, a matrix product ``a·b`` of two matrices in a laid-out module, in
+        the transposed order ``fmt`` asks for, computed as ``b·a`` (each element the same
+        products summed over the same contraction): what XLA's algebraic simplifier makes
+        of a dot followed by a transpose before fusion, where the pass's transpose would
+        be a copy of the whole gradient. None where that is not such a dot."""
+        inst = self.comp[value]
+        if not self.laid_out or inst.opcode != "dot" or fmt.perm != (1, 0) or \
+                set(inst.attributes) - _PLAIN_DOT_ATTRIBUTES or not _row_major(inst.shape) or \
+                not {"lhs_contracting_dims", "rhs_contracting_dims"} <= set(inst.attributes) or \
+                any(self.comp[o].array_shape.rank != 2 for o in inst.operands):
+            return None
+        lhs, rhs = inst.operands
+        attributes = {"lhs_contracting_dims": inst.attributes["rhs_contracting_dims"],
+                      "rhs_contracting_dims": inst.attributes["lhs_contracting_dims"],
+                      **{k: v for k, v in inst.attributes.items() if k == "metadata"}}
+        return self.rw.add("dot", self.shape(inst.array_shape.element_type, fmt.transposed_dims),
+                           [rhs, lhs], name=f"{value}.formatted", **attributes).name
 
     def local_slice(self, value: str, fmt: ShardFormat) -> str:
         """This device's ``[L]`` shard of a full value it holds (no communication). A
@@ -361,6 +381,10 @@ class ShardEmitter:
         return self.add("transpose", shape, [ordered], name=f"{item.label}.gathered",
                         dimensions=inverse)
 
+
+#: The attributes of a dot :meth:`ShardEmitter.swapped_dot` computes the other way round:
+#: one contracting dimension per operand and nothing else that names an operand.
+_PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
 
 #: Ops the emitter wraps in a loop fusion of their own in a laid-out module (:meth:`ShardEmitter.fused`).
 _FUSED_WHEN_LAID_OUT = frozenset({"transpose"})
