@@ -364,9 +364,9 @@ def _elementwise_on(body: Computation, inst: Instruction, ctx: _Context,
     root = body.root
     for item in body.instructions:
         shape = _array(item.shape)
-        if item is root or shape is None:
-            if shape is None:
-                return False
+        if shape is None:
+            return False
+        if item is root:
             continue
         if shape.is_scalar:
             if item.opcode not in _SCALAR_BODY or any(
