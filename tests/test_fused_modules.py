@@ -263,11 +263,9 @@ def test_windows_that_do_not_tile_the_blocks_need_the_whole_gradient(window):
     assert "squares" in _called(out) and "squares.block" not in _called(out)
 
 
-def test_a_transposed_dot_gradient_is_computed_the_other_way_round():
-    """The weight gradient as XLA:CPU fuses jax's: ``x^T·dy`` in the transposed order of
-    the update. The pass formats it by computing ``dy^T·x`` instead of transposing the
-    whole product (as XLA's simplifier would have, before fusion)."""
-    text = FUSED.replace(
+def _dot_gradient() -> str:
+    """:data:`FUSED` with its gradient the product ``x^T·dy`` (jax's weight gradient)."""
+    return FUSED.replace(
         "ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {\n  %g = f32[4,6]{1,0} parameter(0)",
         "ENTRY %main (x: f32[2,4], m: f32[6,4], dy: f32[2,6]) -> f32[6,4] {\n"
         "  %x = f32[2,4]{1,0} parameter(0)\n  %dy = f32[2,6]{1,0} parameter(2)\n"
@@ -275,9 +273,28 @@ def test_a_transposed_dot_gradient_is_computed_the_other_way_round():
     ).replace(
         "entry_computation_layout={(f32[4,6]{1,0}, f32[6,4]{1,0})",
         "entry_computation_layout={(f32[2,4]{1,0}, f32[6,4]{1,0}, f32[2,6]{1,0})")
-    report, out = _optimize(text)
+
+
+def test_a_transposed_dot_gradient_is_computed_the_other_way_round():
+    """The weight gradient as XLA:CPU fuses jax's: ``x^T·dy`` in the transposed order of
+    the update. The pass formats it by computing ``dy^T·x`` instead of transposing the
+    whole product (as XLA's simplifier would have, before fusion)."""
+    report, out = _optimize(_dot_gradient())
     (row,) = report.explanations
     assert row.sharded and not validate(out)
     (dot,) = [i for i in out.entry.instructions if i.opcode == "dot"]
     assert dot.operands == ["dy", "x"] and dot.shape.dims == (6, 4)
     assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 0
+
+
+def test_a_dot_read_elsewhere_too_is_transposed_not_computed_twice():
+    text = _dot_gradient().replace(
+        "ROOT %f = f32[6,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update",
+        "%f = f32[6,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update\n"
+        "  ROOT %out = (f32[6,4]{1,0}, f32[4,6]{1,0}) tuple(%f, %g)").replace(
+        "->f32[6,4]{1,0}}", "->(f32[6,4]{1,0}, f32[4,6]{1,0})}").replace(
+        "-> f32[6,4] {\n  %x", "-> (f32[6,4], f32[4,6]) {\n  %x")
+    report, out = _optimize(text)
+    assert report.explanations[0].sharded and not validate(out)
+    assert [i.opcode for i in out.entry.instructions].count("dot") == 1
+    assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 1

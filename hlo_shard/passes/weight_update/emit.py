@@ -251,9 +251,11 @@ class ShardEmitter:
         the transposed order ``fmt`` asks for, computed as ``b·a`` (each element the same
         products summed over the same contraction): what XLA's algebraic simplifier makes
         of a dot followed by a transpose before fusion, where the pass's transpose would
-        be a copy of the whole gradient. None where that is not such a dot."""
+        be a copy of the whole gradient. None where that is not such a dot, or where the
+        product has other users than its all-reduce (it would be computed twice)."""
         inst = self.comp[value]
         if not self.laid_out or inst.opcode != "dot" or fmt.perm != (1, 0) or \
+                len(self.rw.users(value)) != 1 or \
                 set(inst.attributes) - _PLAIN_DOT_ATTRIBUTES or not _row_major(inst.shape) or \
                 not {"lhs_contracting_dims", "rhs_contracting_dims"} <= set(inst.attributes) or \
                 any(self.comp[o].array_shape.rank != 2 for o in inst.operands):
