@@ -7,7 +7,7 @@ process, one row per program × mode:
 * ``jit``: the program's own step (ahead-of-time lowered and compiled, so its first call
   splits into lowering and compile; the same executable is timed);
 * ``gathered`` / ``sharded``: ``hlo_shard.jax.shard_weight_update(step, state=...)``
-  with its never-slower gate (``--force`` adds the forced rows);
+  with its never-slower gate (``--force`` adds the forced rows, the hook's too);
 * ``install()``: the step compiled while the XLA hook is installed;
 * ``NamedSharding``: the reference users have without hlo-shard: jit's step with every
   optimizer-state leaf placed ``P(axis)`` on its first dimension divisible by N (as
@@ -137,13 +137,14 @@ def fast_variant(prog, mode: str, force: bool, params: str = "gathered") -> Vari
                    split(report), decision, metrics)
 
 
-def hook_variant(prog) -> Variant:
-    """The step compiled under ``install()`` (the gate on), run after uninstalling."""
+def hook_variant(prog, force: bool = False) -> Variant:
+    """The step compiled under ``install()`` (the gate on, unless ``force``), run after
+    uninstalling."""
     import hlo_shard.jax as hsj
 
     state, batch = prog.init(), prog.batch(0)
     hsj.decisions(clear=True)
-    with hsj.install():
+    with hsj.install(force=force):
         started = time.perf_counter()
         compiled = prog.step.lower(*state, batch).compile()
         compile_s = time.perf_counter() - started
@@ -163,7 +164,8 @@ def hook_variant(prog) -> Variant:
                                      or "; ".join(failures) or "no module with an all-reduce")
     hook_s = sum(d.seconds for d in made)
     added = hook_s / max(compile_s - hook_s, 1e-9)  # over XLA's own share of the compile
-    return Variant("install()", compiled, state, compile_s + run_s,
+    return Variant("install()" + (", forced" if force else ""), compiled, state,
+                   compile_s + run_s,
                    f"compile {compile_s:.1f} (hook {hook_s:.1f}, +{added:.0%})", decision,
                    metrics)
 
@@ -253,7 +255,8 @@ def measure(name: str, runs: int, rounds: int, force: bool) -> list[Variant]:
     for mode in ("gathered", "sharded"):
         for forced in (False, True) if force else (False,):
             variants.append(fast_variant(prog, mode, forced))
-    variants.append(hook_variant(prog))
+    for forced in (False, True) if force else (False,):
+        variants.append(hook_variant(prog, forced))
     return timed_with_named(prog, variants, runs, rounds)
 
 
@@ -329,7 +332,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=int(os.environ.get(ROUNDS_ENV, 3)),
                         help=f"interleaved rounds (default ${ROUNDS_ENV} or 3)")
     parser.add_argument("--force", action="store_true",
-                        help="also shard_weight_update(force=True) in both modes")
+                        help="also shard_weight_update(force=True) in both modes and "
+                             "install(force=True)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [name for name in args.programs if name not in PROGRAMS]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 N = int(sys.argv[1])
@@ -116,8 +117,30 @@ def conv_loss(p, x, y):
     return jnp.mean((h.reshape(h.shape[0], -1) @ p["dense"] - y) ** 2)
 
 
+#: The LayerNorm MLP's width: wide enough that XLA:CPU sums the clipping's squares in
+#: 32×32 tiles (a reduce-window fusion) that the pass runs on the gradients' blocks.
+WIDE = 256
+
+
+def layernorm_params() -> dict:
+    rng = np.random.default_rng(4)
+    dims = (SIZES[0], WIDE, WIDE, SIZES[-1])
+    return {name: value for i in range(3) for name, value in (
+        (f"w{i}", (rng.standard_normal(dims[i:i + 2]) / dims[i] ** 0.5).astype(np.float32)),
+        (f"b{i}", np.zeros((dims[i + 1],), np.float32)),
+        (f"scale{i}", np.ones((dims[i],), np.float32)))}
+
+
+def layernorm_loss(p, x, y):
+    """Issue #26's LayerNorm MLP (layer norm, dense, gelu; three layers)."""
+    h = x
+    for i in range(3):
+        h = jax.nn.gelu(_norm(h, p[f"scale{i}"]) @ p[f"w{i}"] + p[f"b{i}"])
+    return jnp.mean((h - y) ** 2)
+
+
 MODELS = {"mlp": (init_params, loss_fn), "block": (block_params, block_loss),
-          "conv": (conv_params, conv_loss)}
+          "conv": (conv_params, conv_loss), "layernorm": (layernorm_params, layernorm_loss)}
 
 
 def jit_step(opt, loss_fn=loss_fn):
@@ -179,6 +202,7 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     hook.decisions(clear=True)
     with hook.install(**{"force": True, **install}):
         losses, params = run(step, state0, mesh, params0)
+        texts = [o.text for o in hook_module._HOOK.outcomes.values() if o.text]
     steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
                                                                               "jit_local"))]
     return {
@@ -190,6 +214,8 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
         "sharded_bytes": sum(d.sharded_bytes for d in steps),
         "gradient_bytes": sum(d.gradient_bytes for d in steps),
         "losses": losses,
+        #: Fusion bodies the pass copied onto blocks (the tiled sums of squares).
+        "block_bodies": sum(len(re.findall(r"^%\S+\.block ", text, re.M)) for text in texts),
     }
 
 
@@ -362,7 +388,7 @@ def main(names: list[str]) -> None:
                     for name in OPTIMIZERS},
                  **{f"{model}:{name}": (lambda m, name=name, model=model:
                                         training(name, jit_step, m, model))
-                    for model in ("block", "conv") for name in OPTIMIZERS}}
+                    for model in ("block", "conv", "layernorm") for name in OPTIMIZERS}}
     print(json.dumps({name: scenarios[name](mesh) for name in names}))
 
 

@@ -66,15 +66,19 @@ def test_a_fusion_transposing_the_gradient_runs_on_shards():
     report, out = _optimize(FUSED)
     (row,) = report.explanations
     assert row.sharded and row.ops_moved == 1
-    # the gradient is formatted (one transpose) before the reduce-scatter; m is sliced
-    # in its own order and the result gathered without a transpose
+    # the gradient is formatted (one transpose, in a loop fusion of its own: XLA's fusion
+    # has run) before the reduce-scatter; m is sliced in its own order and the result
+    # gathered without a transpose
     assert row.formatting_copies == 1
     body = out.computation("update.shard")
     assert {i.opcode for i in body.instructions} == {"parameter", "constant", "broadcast",
                                                      "multiply", "copy", "add"}
     assert all(i.shape.dims in ((), (6,)) for i in body.instructions)
     entry = [i.opcode for i in out.entry.instructions]
-    assert "all-reduce" not in entry and entry.count("transpose") == 1
+    assert "all-reduce" not in entry and "transpose" not in entry
+    fused = [out.computation(i.attributes["calls"].name) for i in out.entry.instructions
+             if i.opcode == "fusion"]
+    assert [b.root.opcode for b in fused].count("transpose") == 1
     assert not validate(out)
 
 
@@ -133,7 +137,8 @@ def test_a_fusion_reading_the_same_gradient_twice():
     report, out = _optimize(twice)
     (row,) = report.explanations
     assert row.sharded and row.ops_moved == 1 and not validate(out)
-    (fusion,) = [i for i in out.entry.instructions if i.opcode == "fusion"]
+    (fusion,) = [i for i in out.entry.instructions if i.opcode == "fusion" and
+                 out.computation(i.attributes["calls"].name).root.opcode != "transpose"]
     assert fusion.operands[0] == fusion.operands[1]
 
 
@@ -175,3 +180,121 @@ def test_a_laid_out_module_flattens_with_bitcasts():
                   and entry[i.operands[0]].shape.minor_to_major() == tuple(
                       range(entry[i.operands[0]].shape.rank - 1, -1, -1))]
     assert flattening and all(i.opcode == "bitcast" for i in flattening)
+
+
+#: A global norm as XLA:CPU fuses it: the gradient's squares summed in tiles of 2×4 (a
+#: reduce-window fusion), the tiles then reduced to the norm; next to a loop-fused update.
+TILED_NORM = """HloModule tiled_norm, entry_computation_layout={(f32[8,4]{1,0}, f32[8,4]{1,0})->(f32[8,4]{1,0}, f32[])}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%squares (p0: f32[8,4], zero: f32[]) -> f32[4,1] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %sq = f32[8,4]{1,0} multiply(%p0, %p0)
+  %zero = f32[] parameter(1)
+  ROOT %tiles = f32[4,1]{1,0} reduce-window(%sq, %zero), window={size=2x4 stride=2x4}, to_apply=%add
+}
+
+%total (t: f32[4,1]) -> f32[] {
+  %t = f32[4,1]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %sum = f32[] reduce(%t, %zero), dimensions={0,1}, to_apply=%add
+}
+
+%update (p0: f32[8,4], p1: f32[8,4]) -> f32[8,4] {
+  %p1 = f32[8,4]{1,0} parameter(1)
+  %c = f32[] constant(0.1)
+  %b = f32[8,4]{1,0} broadcast(%c), dimensions={}
+  %scaled = f32[8,4]{1,0} multiply(%p1, %b)
+  %p0 = f32[8,4]{1,0} parameter(0)
+  ROOT %sum = f32[8,4]{1,0} add(%p0, %scaled)
+}
+
+ENTRY %main (g: f32[8,4], m: f32[8,4]) -> (f32[8,4], f32[]) {
+  %g = f32[8,4]{1,0} parameter(0)
+  %m = f32[8,4]{1,0} parameter(1), sharding={replicated}
+  %ar = f32[8,4]{1,0} all-reduce(%g), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %zero = f32[] constant(0)
+  %tiles = f32[4,1]{1,0} fusion(%ar, %zero), kind=kLoop, calls=%squares
+  %norm = f32[] fusion(%tiles), kind=kLoop, calls=%total
+  %f = f32[8,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update
+  ROOT %out = (f32[8,4]{1,0}, f32[]) tuple(%f, %norm)
+}
+"""
+
+
+def _called(module, opcode="fusion") -> list[str]:
+    return [i.attributes["calls"].name for i in module.entry.instructions if i.opcode == opcode]
+
+
+def test_a_tiled_sum_of_squares_runs_on_the_gradients_blocks():
+    """Each device sums the tiles of its own rows (2 of 8: one tile); only the 4 tile sums
+    are gathered for the norm, not the gradient."""
+    report, out = _optimize(TILED_NORM)
+    (row,) = report.explanations
+    assert row.sharded and not validate(out)
+    assert "squares.block" in _called(out) and "squares" not in _called(out)
+    body = out.computation("squares.block")
+    assert body.root.shape.dims == (1, 1) and body["sq"].shape.dims == (2, 4)
+    gathered = [i.shape.dims for i in out.entry.instructions if i.opcode == "all-gather"]
+    assert (4, 1) in gathered or (4,) in gathered, gathered
+
+
+@pytest.mark.parametrize("window", [
+    "size=4x4 stride=4x4",  # a tile across two devices' rows
+    "size=2x4 stride=1x4",  # overlapping windows
+    "size=2x4 stride=2x4 pad=0_1x0_0",  # padded
+])
+def test_windows_that_do_not_tile_the_blocks_need_the_whole_gradient(window):
+    rows = 2 if "size=4x4" in window else 4
+    text = TILED_NORM.replace("window={size=2x4 stride=2x4}", "window={%s}" % window)
+    if "size=4x4" in window:
+        text = text.replace("f32[4,1]", f"f32[{rows},1]")
+    if "stride=1x4" in window:
+        text = text.replace("f32[4,1]", "f32[7,1]")
+    if "pad=" in window:
+        text = text.replace("f32[4,1]", "f32[5,1]")
+    report, out = _optimize(text)
+    assert not validate(out)
+    assert "squares" in _called(out) and "squares.block" not in _called(out)
+
+
+def _dot_gradient() -> str:
+    """:data:`FUSED` with its gradient the product ``x^T·dy`` (jax's weight gradient)."""
+    return FUSED.replace(
+        "ENTRY %main (g: f32[4,6], m: f32[6,4]) -> f32[6,4] {\n  %g = f32[4,6]{1,0} parameter(0)",
+        "ENTRY %main (x: f32[2,4], m: f32[6,4], dy: f32[2,6]) -> f32[6,4] {\n"
+        "  %x = f32[2,4]{1,0} parameter(0)\n  %dy = f32[2,6]{1,0} parameter(2)\n"
+        "  %g = f32[4,6]{1,0} dot(%x, %dy), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
+    ).replace(
+        "entry_computation_layout={(f32[4,6]{1,0}, f32[6,4]{1,0})",
+        "entry_computation_layout={(f32[2,4]{1,0}, f32[6,4]{1,0}, f32[2,6]{1,0})")
+
+
+def test_a_transposed_dot_gradient_is_computed_the_other_way_round():
+    """The weight gradient as XLA:CPU fuses jax's: ``x^T·dy`` in the transposed order of
+    the update. The pass formats it by computing ``dy^T·x`` instead of transposing the
+    whole product (as XLA's simplifier would have, before fusion)."""
+    report, out = _optimize(_dot_gradient())
+    (row,) = report.explanations
+    assert row.sharded and not validate(out)
+    (dot,) = [i for i in out.entry.instructions if i.opcode == "dot"]
+    assert dot.operands == ["dy", "x"] and dot.shape.dims == (6, 4)
+    assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 0
+
+
+def test_a_dot_read_elsewhere_too_is_transposed_not_computed_twice():
+    text = _dot_gradient().replace(
+        "ROOT %f = f32[6,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update",
+        "%f = f32[6,4]{1,0} fusion(%m, %ar), kind=kLoop, calls=%update\n"
+        "  ROOT %out = (f32[6,4]{1,0}, f32[4,6]{1,0}) tuple(%f, %g)").replace(
+        "->f32[6,4]{1,0}}", "->(f32[6,4]{1,0}, f32[4,6]{1,0})}").replace(
+        "-> f32[6,4] {\n  %x", "-> (f32[6,4], f32[4,6]) {\n  %x")
+    report, out = _optimize(text)
+    assert report.explanations[0].sharded and not validate(out)
+    assert [i.opcode for i in out.entry.instructions].count("dot") == 1
+    assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 1

@@ -33,7 +33,8 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 @pytest.fixture(scope="module")
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
-                         "per_tensor", "loop:adam", "only_other", "interrupt", "reuse")
+                         "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
+                         "layernorm:adamw_clip")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -92,6 +93,18 @@ def test_only_filters_modules_by_name(quick):
 def test_jit_adam_loop_is_bitwise_the_same(quick):
     result = quick["jit:adam"]
     assert result["changed"] == [True]
+    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
+
+
+def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):
+    """The LayerNorm MLP with global norm clipping: XLA:CPU sums each weight gradient's
+    squares in 32×32 tiles (a reduce-window fusion) before the norm; the pass runs those
+    fusions on each device's block of rows instead of all-gathering the gradient for
+    them, and the step stays bitwise the same."""
+    result = quick["layernorm:adamw_clip"]
+    assert result["changed"] == [True], result["reasons"]
+    assert result["block_bodies"] >= 1
     assert result["loss"] == 0.0 and result["params"] == 0.0
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
 

@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import cast
-
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
@@ -50,7 +50,7 @@ from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, da
                              reachable, reading_only, topological_order, upstream_bits,
                              users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
-                          Module, Shape, TupleShape)
+                          Module, Raw, Shape, TupleShape)
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
 from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
@@ -302,9 +302,86 @@ def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
     body maps onto the result's."""
     access = fusion_access(ctx, inst)
     if isinstance(access, str):
-        return None
+        return _tiled_window_fusion(ctx, inst)
     return RegionOp(OpKind.ELEMENTWISE, access.result, access.result,
                     operand_formats=access.operands)
+
+
+def _tiled_window_fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
+    """A fusion (loop or library) reducing non-overlapping windows of an elementwise
+    function of shards in row-major blocks: XLA:CPU's first stage of a sum of squares (the
+    global norm's ``square`` + ``reduce-window`` of 32×32 tiles, then a small reduce of
+    the tiles). Where the windows tile the block, each result element is reduced from one
+    device's block alone, from the same elements in the same order, so the result is
+    sharded in blocks of the tiles — and the norm no longer needs the whole gradient."""
+    calls, shape = inst.attr_as("calls", ComputationRef), _array(inst.shape)
+    formats = {ctx.sharded[o] for o in inst.operands if o in ctx.sharded}
+    if calls is None or shape is None or not _is_row_major(shape) or len(formats) != 1:
+        return None
+    fmt = formats.pop()
+    if fmt.block is None or not fmt.is_row_major or any(
+            o not in ctx.sharded and (not ctx.replicated(o) or not _at_most_one_element(
+                ctx.inst(o).shape)) for o in inst.operands):
+        return None
+    body = ctx.module.computation(calls.name)
+    root = body.root
+    tiles = _window_tiles(root, fmt.dims) if root.opcode == "reduce-window" else None
+    major, rows = fmt.block
+    if tiles is None or rows % tiles[major] or not _elementwise_on(body, inst, ctx, fmt):
+        return None
+    result = _block_format(shape.dims, fmt.perm, major, rows // tiles[major], fmt.n)
+    if result is None:
+        return None
+    return RegionOp(OpKind.BLOCK, fmt, result, operand_formats=tuple(
+        fmt if o in ctx.sharded else None for o in inst.operands))
+
+
+def _is_row_major(shape: ArrayShape) -> bool:
+    return shape.layout is None or (not shape.layout.tail and shape.minor_to_major() ==
+                                    tuple(range(shape.rank - 1, -1, -1)))
+
+
+def _window_tiles(window: Instruction, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The window sizes of a single-operand ``reduce-window`` over ``dims`` whose windows
+    tile it (stride = size, no padding, no dilation, sizes dividing the dimensions)."""
+    text = window.attr("window")
+    fields = dict(re.findall(r"(\w+)=([\dx]+)", str(text.text)) if isinstance(text, Raw)
+                  else ())
+    if len(window.operands) != 2 or set(fields) != {"size", "stride"} or \
+            fields["size"] != fields["stride"]:
+        return None
+    sizes = tuple(int(v) for v in fields["size"].split("x"))
+    if len(sizes) != len(dims) or any(d % k for d, k in zip(dims, sizes)):
+        return None
+    return sizes
+
+
+def _elementwise_on(body: Computation, inst: Instruction, ctx: _Context,
+                    fmt: ShardFormat) -> bool:
+    """Every array value of ``body`` but its root (a reduce-window) is an elementwise
+    function of the fusion's sharded operands, in ``fmt``'s dims and row-major; the
+    reduce-window's initial value is a scalar."""
+    root = body.root
+    for item in body.instructions:
+        shape = _array(item.shape)
+        if shape is None:
+            return False
+        if item is root:
+            continue
+        if shape.is_scalar:
+            if item.opcode not in _SCALAR_BODY or any(
+                    not body[o].array_shape.is_scalar for o in item.operands):
+                return False
+            continue
+        if shape.dims != fmt.dims or not _is_row_major(shape):
+            return False
+        if item.opcode == "parameter":
+            if inst.operands[cast(int, item.parameter_number)] not in ctx.sharded:
+                return False
+        elif not (is_scalar_broadcast(body, item.name) or item.opcode in _SHARDABLE):
+            return False
+    return body[root.operands[0]].array_shape.dims == fmt.dims and \
+        body[root.operands[1]].array_shape.is_scalar
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,16 @@ torus hop) ≈ 0.9 MB at N = 8 and ≈ 14 MB at N = 1024.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
 from hlo_shard.costmodel.network import collective_cost
-from hlo_shard.graph import Rewriter
-from hlo_shard.ir import (ArrayShape, Computation, Instruction, Layout, Module, Raw,
-                          Shape, SliceRanges, TupleShape)
+from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Layout,
+                          Module, Raw, Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import MATMULS
 from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, blocks_through_collectives,
                                                      is_laid_out, major_dimension)
@@ -84,7 +85,11 @@ class ShardEmitter:
     #: A collective over the data-parallel group whose attributes new collectives copy.
     template: Instruction
     channels: ChannelIds
+    #: The pass's edits of the module (the loop fusions' bodies of :meth:`fused`).
+    edits: ModuleRewriter
     cache: dict[tuple, str] = field(default_factory=dict)
+    #: Where :meth:`fused` looks for a free body name next.
+    next_body: int = 1
 
     def __post_init__(self) -> None:
         shape = self.template.shape
@@ -110,7 +115,37 @@ class ShardEmitter:
             # jit-captured 1024² Adam MLP at N = 8: 0.52-0.67x of plain jit with its 28
             # flattening reshapes as bitcasts, 0.79-0.85x as reshapes, same losses).
             opcode = "bitcast"
+        if opcode in _FUSED_WHEN_LAID_OUT and self.laid_out:
+            return self.fused(opcode, shape, operands, name, attributes)
         return self.rw.add(opcode, shape, operands, name=name, **attributes).name
+
+    def fused(self, opcode: str, shape: Shape, operands: list[str], name: str | None,
+              attributes: dict[str, Any]) -> str:
+        """``opcode`` as the one op of a new loop fusion: a laid-out module is past XLA's
+        fusion passes, which would have fused it, and XLA:CPU runs a transpose left at
+        the top level through its slow generic kernel instead of the loop emitter."""
+        distinct = list(dict.fromkeys(operands))
+        params = [Instruction(f"param_{k}", "parameter", self.comp[o].shape, [], {}, k)
+                  for k, o in enumerate(distinct)]
+        root = Instruction(opcode, opcode, shape,
+                           [params[distinct.index(o)].name for o in operands], dict(attributes))
+        body_name = next(candidate for k in itertools.count(self.next_body) if not
+                         self.module.has_computation(candidate := f"fused_{opcode}.{k}"))
+        self.next_body = int(body_name.rsplit(".", 1)[1]) + 1
+        self.edits.insert_computation(Computation(body_name, [*params, root], root.name),
+                                      after=self.callee_slot())
+        return self.rw.add("fusion", shape, distinct,
+                           name=name or f"{opcode}_fusion", kind=Ident("kLoop"),
+                           calls=ComputationRef(body_name)).name
+
+    def callee_slot(self) -> str:
+        """The computation new fusion bodies go after: the one before ``comp``, as XLA
+        prints callees before their callers (there is one: the reducer of the
+        data-parallel collective)."""
+        def find() -> str:
+            position = next(k for k, c in enumerate(self.module.computations) if c is self.comp)
+            return self.module.computations[position - 1].name
+        return self.prologue(("callee slot",), find)
 
     def add_top(self, opcode: str, shape: Shape, operands: list[str], name: str | None = None,
                 literal: str | None = None, **attributes: Any) -> str:
@@ -200,8 +235,9 @@ class ShardEmitter:
         element_type = shape.element_type
         current = value
         if fmt.perm != tuple(range(len(fmt.dims))):
-            current = self.add("transpose", self.shape(element_type, fmt.transposed_dims),
-                               [current], name=f"{value}.formatted", dimensions=fmt.perm)
+            current = self.swapped_dot(value, fmt) or self.add(
+                "transpose", self.shape(element_type, fmt.transposed_dims), [current],
+                name=f"{value}.formatted", dimensions=fmt.perm)
         if shape.dims != (fmt.elements,) or current != value:
             current = self.add("reshape", self.shape(element_type, (fmt.elements,)), [current],
                                name=f"{value}.flat")
@@ -210,6 +246,27 @@ class ShardEmitter:
             current = self.add("pad", self.shape(element_type, (fmt.padded,)), [current, zero],
                                name=f"{value}.padded", padding=Raw(f"0_{fmt.padding}"))
         return current
+
+    def swapped_dot(self, value: str, fmt: ShardFormat) -> str | None:
+        """``value``, a matrix product ``a·b`` of two matrices in a laid-out module, in
+        the transposed order ``fmt`` asks for, computed as ``b·a`` (each element the same
+        products summed over the same contraction): what XLA's algebraic simplifier makes
+        of a dot followed by a transpose before fusion, where the pass's transpose would
+        be a copy of the whole gradient. None where that is not such a dot, or where the
+        product has other users than its all-reduce (it would be computed twice)."""
+        inst = self.comp[value]
+        if not self.laid_out or inst.opcode != "dot" or fmt.perm != (1, 0) or \
+                len(self.rw.users(value)) != 1 or \
+                set(inst.attributes) - _PLAIN_DOT_ATTRIBUTES or not _row_major(inst.shape) or \
+                not {"lhs_contracting_dims", "rhs_contracting_dims"} <= set(inst.attributes) or \
+                any(self.comp[o].array_shape.rank != 2 for o in inst.operands):
+            return None
+        lhs, rhs = inst.operands
+        attributes = {"lhs_contracting_dims": inst.attributes["rhs_contracting_dims"],
+                      "rhs_contracting_dims": inst.attributes["lhs_contracting_dims"],
+                      **{k: v for k, v in inst.attributes.items() if k == "metadata"}}
+        return self.rw.add("dot", self.shape(inst.array_shape.element_type, fmt.transposed_dims),
+                           [rhs, lhs], name=f"{value}.formatted", **attributes).name
 
     def local_slice(self, value: str, fmt: ShardFormat) -> str:
         """This device's ``[L]`` shard of a full value it holds (no communication). A
@@ -328,6 +385,14 @@ class ShardEmitter:
                         dimensions=inverse)
 
 
+#: The attributes of a dot :meth:`ShardEmitter.swapped_dot` computes the other way round:
+#: one contracting dimension per operand and nothing else that names an operand.
+_PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
+
+#: Ops the emitter wraps in a loop fusion of their own in a laid-out module (:meth:`ShardEmitter.fused`).
+_FUSED_WHEN_LAID_OUT = frozenset({"transpose"})
+
+
 def _row_major(shape: Shape) -> bool:
     """A dense, untiled array laid out row-major: a reshape between two of them keeps the
     bytes."""
@@ -354,6 +419,22 @@ def shard_body(body: Computation, name: str,
                                inst.parameter_number, inst.literal))
     root = body.root.name
     return Computation(name, out, alias.get(root, root))
+
+
+def block_body(body: Computation, name: str, operand_dims: tuple[int, ...],
+               result_dims: tuple[int, ...]) -> Computation:
+    """A fusion body on blocks: its root's array becomes ``result_dims``, every other
+    array value ``operand_dims`` (the body is elementwise up to its root: the analysis
+    proved it), layouts and scalars as they are."""
+    def on_block(inst: Instruction) -> Shape:
+        full = inst.array_shape
+        if full.is_scalar:
+            return full
+        dims = result_dims if inst.name == body.root_name else operand_dims
+        return ArrayShape(full.element_type, dims, (), full.layout)
+    return Computation(name, [Instruction(i.name, i.opcode, on_block(i), list(i.operands),
+                                          dict(i.attributes), i.parameter_number, i.literal)
+                              for i in body.instructions], body.root_name)
 
 
 def uses_blocks(fmt: ShardFormat, shape: ArrayShape) -> bool:
@@ -460,5 +541,6 @@ class Bucketing:
         return [replace(self, strategy=s).estimate(sizes) for s in STRATEGIES]
 
 
-__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_dims", "shard_body", "uses_blocks",
+__all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_body", "block_dims", "shard_body",
+           "uses_blocks",
            "Bucketing", "CollectivePricing", "STRATEGIES", "StrategyEstimate"]

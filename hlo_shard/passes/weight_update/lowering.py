@@ -36,7 +36,7 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedL
                                                      parameter_names, proved_array,
                                                      proved_element, tuple_index)
 from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
-                                                 block_dims, shard_body)
+                                                 block_body, block_dims, shard_body)
 from hlo_shard.shard_format import ShardFormat
 
 
@@ -102,7 +102,7 @@ class RegionRewrite:
         self.edits = edits
         self.rw = edits.rewriter(comp)
         self.emit = ShardEmitter(module, comp, self.rw, plan.groups, comp[plan.template],
-                                 channels)
+                                 channels, edits)
         self.n = plan.groups.size
         self.shard_of: dict[str, str] = {}
         self.collective_of: dict[str, str] = {}
@@ -210,27 +210,47 @@ class RegionRewrite:
             self.shard_of[name] = self.rw.add_instruction(new).name
 
     def block_op(self, inst: Instruction, op: RegionOp, operands: list[str]) -> str:
-        """``inst`` on this device's block of its operand (unflattened from the shard), its
-        result block flattened into the result's shard."""
+        """``inst`` on this device's blocks of its sharded operands (unflattened from the
+        shards; scalars as they are), its result block flattened into the result's shard;
+        a fusion calls a copy of its body on the blocks (:func:`block_body`)."""
         emit = self.emit
-        source_type = self.comp[inst.operands[0]].array_shape.element_type
         element_type = inst.array_shape.element_type
-        block = emit.block_of(operands[0], op.operand_format, source_type)
+        blocks = [shard if self.comp[o].array_shape.is_scalar else emit.block_of(
+            shard, op.format_of(i), self.comp[o].array_shape.element_type)
+            for i, (o, shard) in enumerate(zip(inst.operands, operands))]
         attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
-        result = emit.add(inst.opcode, emit.shape(element_type, block_dims(op.result_shard)),
-                          [block, *operands[1:]], name=f"{inst.name}.block", **attributes)
+        result_dims = block_dims(op.result_shard)
+        calls = inst.attr_as("calls", ComputationRef)
+        if inst.opcode == "fusion" and calls is not None:
+            attributes["calls"] = ComputationRef(self.blocked_body(calls.name, op))
+        result = emit.add(inst.opcode, emit.shape(element_type, result_dims),
+                          blocks, name=f"{inst.name}.block", **attributes)
         return emit.shard_of_block(result, op.result_shard, element_type)
 
     def sharded_body(self, name: str, fmt: ShardFormat) -> str:
         """A copy of a fusion body computing ``[L]`` shards (see :func:`shard_body`)."""
-        key = ("body", name, fmt.shard_len)
+        return self.body_copy(("body", name, fmt.shard_len), name, "shard",
+                              lambda body, new_name: shard_body(
+                                  body, new_name,
+                                  lambda t: self.emit.shape(t, (fmt.shard_len,))))
+
+    def blocked_body(self, name: str, op: RegionOp) -> str:
+        """A copy of a fusion body computing on blocks (see :func:`block_body`)."""
+        operand, result = block_dims(op.operand_format), block_dims(op.result_shard)
+        return self.body_copy(("block body", name, operand, result), name, "block",
+                              lambda body, new_name: block_body(body, new_name, operand,
+                                                                result))
+
+    def body_copy(self, key: tuple, name: str, suffix: str,
+                  build: Callable[[Computation, str], Computation]) -> str:
+        """The copy ``build`` makes of body ``name`` (once per ``key``), inserted right
+        after it under a fresh ``name.suffix`` name."""
         if key not in self.emit.cache:
-            body = self.module.computation(name)
             new_name = next(candidate for k in itertools.count()
                             if not self.module.has_computation(
-                                candidate := f"{name}.shard{'' if k == 0 else f'.{k}'}"))
-            clone = shard_body(body, new_name, lambda t: self.emit.shape(t, (fmt.shard_len,)))
-            self.edits.insert_computation(clone, after=name)
+                                candidate := f"{name}.{suffix}{'' if k == 0 else f'.{k}'}"))
+            self.edits.insert_computation(build(self.module.computation(name), new_name),
+                                          after=name)
             self.emit.cache[key] = new_name
         return self.emit.cache[key]
 
@@ -800,7 +820,7 @@ def shard_loop_carry(edits: ModuleRewriter, carry: LoopCarry, channels: ChannelI
     body = module.computation(carry.body)
     loop = parent[carry.loop]
     rw = edits.rewriter(parent)
-    emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels)
+    emit = ShardEmitter(module, parent, rw, carry.groups, carry.template, channels, edits)
     old = parent[loop.operands[0]]
     elements: list[Shape] = list(cast(TupleShape, loop.shape).elements)
     for index, fmt in carry.slots.items():
