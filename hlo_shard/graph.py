@@ -155,8 +155,12 @@ def users_map(comp: Computation) -> dict[str, list[str]]:
 def _users_map(comp: Computation) -> dict[str, list[str]]:
     users: dict[str, list[str]] = {inst.name: [] for inst in comp.instructions}
     for inst in comp.instructions:
-        for operand in dict.fromkeys(inst.operands):
-            users[operand].append(inst.name)
+        operands = inst.operands
+        if len(operands) == 1:  # most instructions: no repeats to drop
+            users[operands[0]].append(inst.name)
+        else:
+            for operand in dict.fromkeys(operands):
+                users[operand].append(inst.name)
     return users
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from hlo_shard.graph import topological_order, users_map
+from hlo_shard.graph import topological_order
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
 from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, OPINFO, VIEWS
@@ -362,29 +362,47 @@ DEVICE_ID_OPCODES = DEVICE_IDS
 class _ScatterForm:
     """Recognises the SPMD partitioner's reduce-scatter form in one computation: an
     all-reduce whose users all ``dynamic-slice`` a strict part of it at offsets computed
-    from the device's id. The computation's users and id-derived values are read once,
-    on the first all-reduce asked about."""
+    from the device's id. The users of what the walk can visit are read once, on the
+    first all-reduce asked about, and the id-derived values on the first dynamic-slice."""
 
     def __init__(self, comp: Computation) -> None:
         self.comp = comp
         self._users: dict[str, list[str]] | None = None
-        self._by_id: set[str] = set()
-        self._constant: set[str] = set()
+        self._ids: tuple[set[str], set[str]] | None = None
 
     def _read(self) -> dict[str, list[str]]:
+        """The users of the values the walk can visit (all-reduces and layout-only ops):
+        a users index of those only, in one scan."""
         if self._users is None:
-            self._users = users_map(self.comp)
+            instructions = self.comp.instructions
+            self._users = {inst.name: [] for inst in instructions
+                           if inst.opcode in _LAYOUT_ONLY or inst.opcode in ALL_REDUCES}
+            users = self._users
+            for inst in instructions:
+                for operand in dict.fromkeys(inst.operands):
+                    found = users.get(operand)
+                    if found is not None:
+                        found.append(inst.name)
+        return self._users
+
+    def _device_ids(self) -> tuple[set[str], set[str]]:
+        """The values computed from the device's id and constants only, and the
+        constant ones: read once, when the first dynamic-slice is asked about."""
+        if self._ids is None:
+            by_id: set[str] = set()
+            constant: set[str] = set()
             for inst in topological_order(self.comp):
                 if inst.opcode in DEVICE_ID_OPCODES:
-                    self._by_id.add(inst.name)
+                    by_id.add(inst.name)
                 elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
-                    self._constant.add(inst.name)
+                    constant.add(inst.name)
                 elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
-                    if all(o in self._constant for o in inst.operands):
-                        self._constant.add(inst.name)
-                    elif all(o in self._constant or o in self._by_id for o in inst.operands):
-                        self._by_id.add(inst.name)
-        return self._users
+                    if all(o in constant for o in inst.operands):
+                        constant.add(inst.name)
+                    elif all(o in constant or o in by_id for o in inst.operands):
+                        by_id.add(inst.name)
+            self._ids = by_id, constant
+        return self._ids
 
     def sliced_by_device(self, all_reduce: Instruction) -> bool:
         """Every use of the reduced value (through layout-only ops) is a dynamic-slice of
@@ -414,8 +432,9 @@ class _ScatterForm:
                 part.num_elements >= whole.num_elements:
             return False
         offsets = user.operands[1:]
-        return all(o in self._by_id or o in self._constant for o in offsets) and \
-            any(o in self._by_id for o in offsets)
+        by_id, constant = self._device_ids()
+        return all(o in by_id or o in constant for o in offsets) and \
+            any(o in by_id for o in offsets)
 
 
 def _shape_reason(inst: Instruction) -> str:
