@@ -260,6 +260,8 @@ ANALYSES: dict[str, Callable[[Module], object]] = {
     "estimate_step": lambda m: estimate_step(m, load_profile("cpu-local"), {}),
     "optimize": lambda m: optimize(m, ShardingOptions()),
     "optimize_sharded": lambda m: optimize(m, ShardingOptions(state="sharded")),
+    "optimize_params_sharded": lambda m: optimize(
+        m, ShardingOptions(state="sharded", params="sharded"), force=True),
     # Only the largest gradient sharded, as told: every other state explained as whole.
     "optimize_largest_sharded": lambda m: optimize(
         m, ShardingOptions(state="sharded", min_shard_bytes=4096 * 4), force=True),
@@ -300,7 +302,8 @@ def test_analysis_is_linear(generator: str, analysis: str) -> None:
 
 
 @pytest.mark.parametrize("generator,analysis",
-                         _cases(["optimize", "optimize_sharded", "optimize_largest_sharded"]))
+                         _cases(["optimize", "optimize_sharded", "optimize_params_sharded",
+                                 "optimize_largest_sharded"]))
 def test_optimize_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
