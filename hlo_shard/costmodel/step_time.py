@@ -448,7 +448,7 @@ class _Estimator:
             read, written = kernel.read_bytes, kernel.write_bytes
         memory = self.profile.memory_seconds(read, written, resident)
         seconds = ((max(sum(compute), memory) if self.profile.overlaps_compute_and_memory
-                    else sum(compute) + memory) + self.profile.kernel_overhead_s)
+                    else sum(compute) + memory) + self._kernel_overhead)
         weights = [max(c, self.profile.memory_seconds(max(cost.bytes_accessed, 0.0), 0.0))
                    for c, cost in zip(compute, costs)]
         total_weight = sum(weights)
@@ -457,6 +457,13 @@ class _Estimator:
         return [InstructionEstimate(comp.name, m.name, m.opcode, categories[m.name], runs,
                                     seconds * share * runs, cost.scaled(runs))
                 for m, cost, share in zip(members, costs, shares)]
+
+    @property
+    def _kernel_overhead(self) -> float:
+        """The fixed cost of one kernel: of the kernels the fusion emulation plans, or of
+        those XLA made (a module fused already, where every kernel is explicit)."""
+        return (self.profile.kernel_overhead_s if self.emulate
+                else self.profile.fused_kernel_overhead_s)
 
     def _combine_collectives(self, comp: Computation, estimates: list[InstructionEstimate]
                              ) -> None:

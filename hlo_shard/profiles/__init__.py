@@ -67,6 +67,11 @@ class HardwareProfile:
     cache_bandwidth_bytes_per_s: float
     #: Fixed cost per launched kernel (GPU launch, CPU thunk dispatch); 0 on TPU.
     kernel_overhead_s: float
+    #: The same, per kernel of a module XLA has fused already (what XLA:CPU's pass hook
+    #: sees): every kernel is then explicit, the forward pass's chains and loop bodies
+    #: included, and a whole step measures a lower fixed cost per kernel than the probe
+    #: of independent loops behind ``kernel_overhead_s``; that rate when not given.
+    fused_kernel_overhead_s: float
     #: Fixed cost of one step whatever it computes (XLA CPU: dispatch, the devices'
     #: threads meeting); 0 when the profile does not say.
     step_overhead_s: float
@@ -248,6 +253,8 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
     def count(name: str, default: int) -> int:
         return int(at.read(raw, name, At.number, low=0, default=default))
 
+    kernel_overhead = at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0)
+
     return HardwareProfile(
         name=at.read(raw, "name", At.string, default=origin),
         description=at.read(raw, "description", At.string, default=""),
@@ -260,7 +267,9 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         memory_write_bandwidth_bytes_per_s=rate("memory_write_bandwidth_bytes_per_s", bandwidth),
         cache_bytes=count("cache_bytes", 0),
         cache_bandwidth_bytes_per_s=rate("cache_bandwidth_bytes_per_s", bandwidth),
-        kernel_overhead_s=at.read(raw, "kernel_overhead_s", At.number, low=0, default=0.0),
+        kernel_overhead_s=kernel_overhead,
+        fused_kernel_overhead_s=at.read(raw, "fused_kernel_overhead_s", At.number, low=0,
+                                        default=kernel_overhead),
         step_overhead_s=at.read(raw, "step_overhead_s", At.number, low=0, default=0.0),
         output_overhead_s=at.read(raw, "output_overhead_s", At.number, low=0, default=0.0),
         upcasts_16bit_floats=at.read(raw, "upcasts_16bit_floats", At.boolean, default=False),
