@@ -30,7 +30,7 @@ from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.speed_gate import predicted_step_seconds
 from hlo_shard.profiles import (HardwareProfile, available_profiles, load_profile,
-                                profile_from_dict)
+                                profile_from_dict, profile_json)
 
 
 def estimate(module: Module, profile: HardwareProfile) -> StepEstimate:
@@ -950,6 +950,25 @@ def test_calibration_derives_streaming_reduction_and_kernel_rates():
                       if i.opcode == "concatenate"]
     assert len(concatenate.operands) == calibrate.LOOPS
     assert calibrate.LOOPS > calibrate.LOOPS_BASE > load_profile("cpu-local").fused_concatenate_operands
+
+
+def test_calibrate_carries_the_fields_its_probes_cannot_measure() -> None:
+    """``calibrate --write`` replaces cpu-local.json: the fused-kernel overhead (measured
+    on whole fused steps, not by its probes) survives, at every device count."""
+    from hlo_shard.runtime import calibrate
+
+    previous = {"fused_kernel_overhead_s": 7.5e-6,
+                "at_device_counts": {"4": {"fused_kernel_overhead_s": 4.5e-6}}}
+    measured = {"kernel_overhead_s": 16e-6, "sources": ["probes"],
+                "at_device_counts": {"4": {"kernel_overhead_s": 9e-6}, "2": {}}}
+    profile = calibrate.carry_unmeasured(measured, previous)
+    assert profile["fused_kernel_overhead_s"] == 7.5e-6
+    assert profile["at_device_counts"]["4"]["fused_kernel_overhead_s"] == 4.5e-6
+    assert "fused_kernel_overhead_s" not in profile["at_device_counts"]["2"]
+    assert any("carried over" in line for line in profile["sources"])
+    shipped = profile_json("cpu-local")[0]
+    assert isinstance(shipped, dict)
+    assert set(calibrate.CARRIED_FIELDS) <= set(shipped)
 
 
 TUPLE_ALL_REDUCE = """

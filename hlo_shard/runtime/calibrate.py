@@ -465,10 +465,18 @@ def gpu_base(names: list[str]) -> str:
     return DEFAULT_GPU_BASE
 
 
-def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3) -> dict:
+#: Fields of the CPU profile its probes cannot measure (they are compiled from unfused
+#: text, so XLA fuses them itself): kept from the profile being replaced, at every
+#: device count, so that ``--write`` does not drop them.
+CARRIED_FIELDS = ("fused_kernel_overhead_s",)
+
+
+def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3,
+                       previous: dict | None = None) -> dict:
     """The profile measured at the largest of ``counts``, with the measured fields at
     each other count under ``at_device_counts`` (N devices share the host's cores, so a
-    device's rates and a rendezvous's cost depend on N)."""
+    device's rates and a rendezvous's cost depend on N), and the :data:`CARRIED_FIELDS`
+    of ``previous`` (default: the shipped ``cpu-local`` profile)."""
     largest, *others = sorted(set(counts), reverse=True)
     profile = profile_from_measurements(largest, measure(largest, runs, rounds))
     profile["calibrated_devices"] = largest
@@ -478,6 +486,27 @@ def calibrated_profile(counts: list[int], runs: int = 5, rounds: int = 3) -> dic
             measured = profile_from_measurements(n, measure(n, runs, rounds))
             profile["at_device_counts"][str(n)] = {key: measured[key] for key in MEASURED_FIELDS}
             profile["sources"].insert(1, measured["sources"][0])
+    return carry_unmeasured(profile, profile_json("cpu-local")[0] if previous is None
+                            else previous)
+
+
+def carry_unmeasured(profile: dict, previous: object) -> dict:
+    """``profile`` with the :data:`CARRIED_FIELDS` ``previous`` has (top level and per
+    device count it also has), each with a source line saying it was carried over."""
+    if not isinstance(previous, dict):
+        return profile
+    sections = previous.get("at_device_counts")
+    for key in CARRIED_FIELDS:
+        if key not in previous:
+            continue
+        profile[key] = previous[key]
+        for count, fields in profile.get("at_device_counts", {}).items():
+            old = sections.get(count, {}) if isinstance(sections, dict) else {}
+            if isinstance(old, dict) and key in old:
+                fields[key] = old[key]
+        profile.setdefault("sources", []).append(
+            f"{key}: carried over from the profile this one replaces (calibrate's probes "
+            f"are unfused modules and cannot measure it)")
     return profile
 
 
