@@ -283,7 +283,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     for comp in module.computations:
         scattered = _ScatterForm(comp)
         for inst in comp.instructions:
-            if inst.opcode not in ALL_REDUCES or not _sums(module, inst):
+            if inst.opcode not in ALL_REDUCES or not is_sum(module, inst):
                 continue
             try:
                 groups = device_groups(inst, module)
@@ -327,7 +327,7 @@ def find_reduce_scatters(module: Module) -> list[GradientAllReduce]:
     found: list[GradientAllReduce] = []
     for comp in module.computations:
         for inst in comp.instructions:
-            if inst.opcode != "reduce-scatter" or not _sums(module, inst):
+            if inst.opcode != "reduce-scatter" or not is_sum(module, inst):
                 continue
             try:
                 groups: DeviceGroups | None = device_groups(inst, module)
@@ -341,7 +341,9 @@ def find_reduce_scatters(module: Module) -> list[GradientAllReduce]:
     return found
 
 
-def _sums(module: Module, inst: Instruction) -> bool:
+def is_sum(module: Module, inst: Instruction) -> bool:
+    """The reducer ``inst`` applies (its ``to_apply``) is a scalar add: the one fact
+    every pass that moves or splits a reduction checks first."""
     to_apply = inst.attr("to_apply")
     return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
 

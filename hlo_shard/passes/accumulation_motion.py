@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hlo_shard.analysis.collectives import reducer_opcode
+from hlo_shard.analysis.collectives import is_sum
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
@@ -71,10 +71,8 @@ def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction,
     if position != 0 or len(inst.operands) != 2:
         return False
     source, init = comp[inst.operands[0]], comp[inst.operands[1]]
-    reducer = inst.attr("to_apply")
     return (isinstance(source.shape, ArrayShape)
-            and isinstance(reducer, ComputationRef)
-            and reducer_opcode(module, reducer.name) == "add"
+            and is_sum(module, inst)
             and is_zero(comp, init)
             and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
 
@@ -332,12 +330,11 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
                   all_reduce: Instruction) -> list[_Element]:
     """The elements of ``all_reduce`` and the slot each accumulates into, or the reason
     it cannot move (raised). ``reads``: the body's and the condition's slot reads."""
-    reducer = all_reduce.attr("to_apply")
     shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
         else (all_reduce.shape,)
-    if not isinstance(reducer, ComputationRef) or reducer_opcode(module, reducer.name) != "add" \
-            or any(not isinstance(s, ArrayShape) or s.dynamic or s.element_type not in SUMMABLE
-                   for s in shapes):
+    if not is_sum(module, all_reduce) or any(
+            not isinstance(s, ArrayShape) or s.dynamic or s.element_type not in SUMMABLE
+            for s in shapes):
         raise Refusal("not-summing")
     if all_reduce.attr("constrain_layout"):
         raise Refusal("constrain-layout")

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import ReasonCode, reducer_opcode
+from hlo_shard.analysis.collectives import ReasonCode, is_sum
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
@@ -333,11 +333,10 @@ def _operands_first(comp: Computation, chain: set[str], top: str) -> tuple[str, 
 
 
 def _sums_one_array(module: Module, inst: Instruction) -> bool:
-    reducer = inst.attr("to_apply")
     shape = inst.shape
     return len(inst.operands) == 1 and isinstance(shape, ArrayShape) and not shape.dynamic \
-        and shape.element_type in SUMMABLE and isinstance(reducer, ComputationRef) \
-        and reducer_opcode(module, reducer.name) == "add" and not inst.attr("constrain_layout")
+        and shape.element_type in SUMMABLE and is_sum(module, inst) \
+        and not inst.attr("constrain_layout")
 
 
 @dataclass
