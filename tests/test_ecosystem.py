@@ -1,6 +1,6 @@
 """Programs written by others (``bench/ecosystem``: flax nnx's MNIST CNN, flax's ImageNet
-ResNet with cross-device BatchNorm, optax's nanoLM, equinox's ViT, haiku's transformer
-LM) through ``hlo_shard.jax.shard_weight_update`` in both
+ResNet with cross-device BatchNorm, flax's lm1b transformer with bf16 compute, optax's
+nanoLM, equinox's ViT, haiku's transformer LM) through ``hlo_shard.jax.shard_weight_update`` in both
 state modes, forced and gated, against plain ``jax.jit``: no exception into the loop,
 the same numbers; and their per-device modules optimized as the command line does,
 verified on XLA.
@@ -51,14 +51,15 @@ from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update import ShardingOptions
 
 sys.path.insert(0, str(ROOT))
-from bench.ecosystem import (Program, haiku_lm, mnist_nnx, nanolm,  # noqa: E402
-                             resnet_linen, vit_equinox)
+from bench.ecosystem import (Program, haiku_lm, lm1b_linen, mnist_nnx,  # noqa: E402
+                             nanolm, resnet_linen, vit_equinox)
 
 STEPS = 2
 BUILDERS = {
     "resnet1": lambda: resnet_linen.build(8),
     "resnet18": lambda: resnet_linen.build(8, "ResNet18"),
     "mnist": lambda: mnist_nnx.build(8),
+    "lm1b": lambda: lm1b_linen.build(8),
     "nanolm": lambda: nanolm.build(8),
     "vit": lambda: vit_equinox.build(8),
     "haiku": lambda: haiku_lm.build(8),
@@ -66,6 +67,9 @@ BUILDERS = {
     # same mixed mesh forms
     "vit_tiny": lambda: vit_equinox.build(8, embedding_dim=16, hidden_dim=16, num_heads=2,
                                           num_layers=0),
+    # the fast test's: one block, narrow, a short vocabulary and context
+    "lm1b_tiny": lambda: lm1b_linen.build(8, num_layers=1, emb_dim=16, mlp_dim=32,
+                                          num_heads=2, vocab_size=64, length=8),
 }
 #: Leaves whose gradient is rounding noise (their path contains one of these): flax's
 #: and haiku's attention key biases.
@@ -74,7 +78,9 @@ NOISE = ("['key']['bias']", "/key']['b']")
 BATCH_NORM = ("resnet1", "resnet18", "mnist")
 #: Programs behind equinox's filter_jit (gather_args cannot name their state leaves).
 EQUINOX = ("vit", "vit_tiny")
-MODES = [(name, state, force) for name in BUILDERS if name != "vit_tiny"
+#: The fast tests' cut-down programs (not in the slow table of every mode).
+TINY = ("vit_tiny", "lm1b_tiny")
+MODES = [(name, state, force) for name in BUILDERS if name not in TINY
          for state in ("gathered", "sharded") for force in (True, False)]
 
 
@@ -186,6 +192,16 @@ def test_an_equinox_vit_with_mixed_mesh_groups_runs_sharded(request, state):
     fast = run_against_jit("vit_tiny", state, force=True)
     assert fast.report["fallback"] is None and fast.report["sharded"] >= 1, fast.report
     assert "'axis_1'=8" in fast.original_hlo_text  # the vmapped Linears' mesh form
+
+
+def test_flax_lm1b_with_bf16_compute_runs_sharded(request):
+    """flax's lm1b step (bf16 compute, f32 parameters and AdamW state, a warmup
+    schedule), forced through the sharded mode: the optimized step runs (no
+    FallbackWarning) with jit's state and metrics."""
+    if not needs_devices(request):
+        return
+    fast = run_against_jit("lm1b_tiny", "sharded", force=True)
+    assert fast.report["fallback"] is None and fast.report["sharded"] >= 1, fast.report
 
 
 @pytest.fixture(scope="module")
