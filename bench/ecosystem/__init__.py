@@ -13,6 +13,9 @@ returning a :class:`Program`: the data-parallel step (``jax.jit`` over a one-axi
 * :mod:`bench.ecosystem.resnet_linen` — flax's ImageNet ResNet (linen, BatchNorm with
   cross-device ``axis_name`` statistics, ``pmean`` of the gradients), its ``pmap`` step
   run as ``jax.jit`` of a ``shard_map``;
+* :mod:`bench.ecosystem.lm1b_linen` — flax's lm1b decoder-only transformer (linen,
+  bfloat16 compute over float32 parameters, AdamW on a warmup + rsqrt schedule), its
+  ``TrainState`` one donated argument;
 * :mod:`bench.ecosystem.nanolm` — optax's nanoLM example (a flax linen character
   transformer, AdamW), its batch an argument sharded over the data axis;
 * :mod:`bench.ecosystem.vit_equinox` — equinox's Vision Transformer example (AdamW),
