@@ -1,8 +1,8 @@
 """``make bench`` part 8: the ecosystem table. Training programs written by others
 (``bench/ecosystem``: flax nnx's MNIST CNN, flax's ImageNet ResNet-18, flax's lm1b
 transformer with bf16 compute, optax's nanoLM, equinox's ViT, haiku's transformer LM;
-model code unchanged, sizes cut, synthetic data) run every way a user can run them with hlo-shard, next to plain ``jax.jit`` in the same
-process, one row per program × mode:
+model code unchanged, sizes cut, synthetic data) run every way a user can run them with
+hlo-shard, next to plain ``jax.jit`` in the same process, one row per program × mode:
 
 * ``jit``: the program's own step (ahead-of-time lowered and compiled, so its first call
   splits into lowering and compile; the same executable is timed);
