@@ -67,8 +67,9 @@ BUILDERS = {
     # same mixed mesh forms
     "vit_tiny": lambda: vit_equinox.build(8, embedding_dim=16, hidden_dim=16, num_heads=2,
                                           num_layers=0),
-    # the fast test's: one block, narrow, a short vocabulary and context
-    "lm1b_tiny": lambda: lm1b_linen.build(8, num_layers=1, emb_dim=16, mlp_dim=32,
+    # the fast test's: embedding, final LayerNorm and logits only (no decoder block: one
+    # costs the fast test seconds of XLA compile), narrow, a short vocabulary and context
+    "lm1b_tiny": lambda: lm1b_linen.build(8, num_layers=0, emb_dim=16, mlp_dim=32,
                                           num_heads=2, vocab_size=64, length=8),
 }
 #: Leaves whose gradient is rounding noise (their path contains one of these): flax's
@@ -195,9 +196,10 @@ def test_an_equinox_vit_with_mixed_mesh_groups_runs_sharded(request, state):
 
 
 def test_flax_lm1b_with_bf16_compute_runs_sharded(request):
-    """flax's lm1b step (bf16 compute, f32 parameters and AdamW state, a warmup
-    schedule), forced through the sharded mode: the optimized step runs (no
-    FallbackWarning) with jit's state and metrics."""
+    """flax's lm1b step (bf16 compute over f32 parameters and AdamW state, a warmup
+    schedule, dropout keyed by the state's step), cut to no decoder block, forced
+    through the sharded mode: the optimized step runs (no FallbackWarning) with jit's
+    state and metrics. The slow table runs the two-block model in every mode."""
     if not needs_devices(request):
         return
     fast = run_against_jit("lm1b_tiny", "sharded", force=True)
