@@ -83,10 +83,6 @@ class DataflowGraph:
         """The operands of ``name``, each once, in operand order."""
         return dict.fromkeys(self.comp[name].operands)
 
-    def ancestors(self, name: str) -> set[str]:
-        """Every value ``name`` depends on (not itself)."""
-        return reachable((name,), self.predecessors)
-
     def descendants(self, name: str) -> set[str]:
         """Every value that depends on ``name`` (not itself)."""
         return reachable((name,), self.successors)

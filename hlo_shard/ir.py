@@ -82,6 +82,12 @@ class ArrayShape:
             return self.layout.minor_to_major
         return tuple(range(self.rank - 1, -1, -1))
 
+    @property
+    def is_row_major(self) -> bool:
+        """Its elements lie in row-major order: XLA's default layout, also when the
+        layout is absent (tiling and dynamic dimensions are the caller's to check)."""
+        return self.minor_to_major() == tuple(range(self.rank - 1, -1, -1))
+
     def with_dims(self, dims: tuple[int, ...], layout: Layout | None = None) -> ArrayShape:
         return ArrayShape(self.element_type, tuple(dims), (), layout)
 

@@ -406,8 +406,7 @@ def is_relabel(comp: Computation, inst: Instruction) -> bool:
         return False
     if inst.opcode == "copy":
         return operand.minor_to_major() == inst.shape.minor_to_major()
-    row_major = lambda s: s.minor_to_major() == tuple(range(s.rank - 1, -1, -1))  # noqa: E731
-    return row_major(operand) and row_major(inst.shape)
+    return operand.is_row_major and inst.shape.is_row_major
 
 
 def _absorbed_transpose(comp: Computation, inst: Instruction,
@@ -431,7 +430,7 @@ def _reshape_of_absorbed_transpose(comp: Computation, inst: Instruction,
         return False
     operand = comp[inst.operands[0]]
     return (_absorbed_transpose(comp, operand, users) and users[operand.name] == [inst.name]
-            and inst.shape.minor_to_major() == tuple(range(inst.shape.rank - 1, -1, -1)))
+            and inst.shape.is_row_major)
 
 
 def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:

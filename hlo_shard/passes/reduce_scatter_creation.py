@@ -186,10 +186,6 @@ def _compare(inst: Instruction, args: list[IndexValue]) -> IndexValue | None:
     return None if fn is None else _elementwise(inst, args, lambda a, b: int(fn(a, b)))
 
 
-def _row_major(shape: ArrayShape) -> bool:
-    return shape.layout is None or shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1))
-
-
 #: Opcode → its value from the instruction and its operands' values (None: refused).
 _INDEX_RULES: dict[str, Callable[[Instruction, list[IndexValue]], IndexValue | None]] = {
     "constant": lambda inst, args: _literal(inst),
@@ -257,7 +253,7 @@ class IndexEvaluator:
         shape = inst.array_shape
         return (shape.element_type in _INTEGER_BITS or shape.element_type == "pred") and \
             shape.num_elements <= MAX_INDEX_ELEMENTS and \
-            (inst.opcode != "bitcast" or all(_row_major(s) for s in shapes))
+            (inst.opcode != "bitcast" or all(s.is_row_major for s in shapes))
 
     def scalar(self, name: str, replica: int, partition: int) -> int | None:
         """The value of scalar ``name`` on device (``replica``, ``partition``)."""

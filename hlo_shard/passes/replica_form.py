@@ -172,7 +172,7 @@ def _split_variadic_all_reduces(rw: Rewriter) -> list[str]:
 def _fails_as_variadic(rw: Rewriter, inst: Instruction) -> bool:
     """Whether ``inst`` (a variadic all-reduce) is one of the forms XLA:CPU refuses."""
     return "channel_id" in inst.attributes or any(
-        leaf.minor_to_major() != tuple(range(leaf.rank - 1, -1, -1))
+        not leaf.is_row_major
         for operand in rw.operands(inst) for _, leaf in shape_leaves(operand.shape))
 
 

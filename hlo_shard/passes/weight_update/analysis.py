@@ -337,8 +337,7 @@ def _tiled_window_fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 
 def _is_row_major(shape: ArrayShape) -> bool:
-    return shape.layout is None or (not shape.layout.tail and shape.minor_to_major() ==
-                                    tuple(range(shape.rank - 1, -1, -1)))
+    return shape.layout is None or (not shape.layout.tail and shape.is_row_major)
 
 
 def _window_tiles(window: Instruction, dims: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -1509,7 +1508,7 @@ def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
     ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
     root = comp.root
     gradients = {leaf.all_reduce for leaf in plan.leaves}
-    forward = reachable(gradients, dataflow_graph(comp).predecessors)
+    forward = reachable(gradients, lambda name: comp[name].operands)
     params = {p.parameter_number: p for p in comp.parameters()}
     from hlo_shard.printer import format_shape
 
@@ -1556,9 +1555,11 @@ class _GradientReach:
     @classmethod
     def of(cls, comp: Computation, plan: RegionPlan, gradients: set[str],
            sharded: set[str]) -> _GradientReach:
-        bits = upstream_bits(comp, {name: _READS_GRADIENT | (_READS_SHARDED * (name in sharded))
-                                    for name in gradients})
-        order = topological_order(comp)
+        with reading_only():  # both passes below walk the same order
+            bits = upstream_bits(comp, {
+                name: _READS_GRADIENT | (_READS_SHARDED * (name in sharded))
+                for name in gradients})
+            order = topological_order(comp)
         position = {inst.name: index for index, inst in enumerate(order)}
         first: dict[str, str] = {}
         for inst in order:

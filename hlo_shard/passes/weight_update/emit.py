@@ -397,7 +397,7 @@ def _row_major(shape: Shape) -> bool:
     """A dense, untiled array laid out row-major: a reshape between two of them keeps the
     bytes."""
     return (isinstance(shape, ArrayShape) and shape.layout is not None and not shape.layout.tail
-            and not any(shape.dynamic) and shape.minor_to_major() == tuple(range(shape.rank - 1, -1, -1)))
+            and not any(shape.dynamic) and shape.is_row_major)
 
 
 def shard_body(body: Computation, name: str,
