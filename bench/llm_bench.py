@@ -10,10 +10,11 @@ masters, global-norm clipping + AdamW; 8 CPU devices), as a user runs it.
    steps take; each row says how many of the gate's size cut-offs it rewrote and priced
    (the others are predicted from those: ``passes/speed_gate.py``). Then what
    ``install()`` adds to XLA's compile of the 1 MB data-parallel step (goal: ≤ 25 %).
-   And the gate alone on the largest step both ways, in this process: guided (the
-   cut-offs between all-gradients and the-largest-only predicted, at most three
-   rewritten) and exhaustive (every cut-off rewritten and priced, as before
-   ``CutoffPrices``): its seconds, cut-offs rewritten and whether both chose the same.
+   And the gate alone on the largest step both ways, in this process: guided (every
+   gradient sharded rewritten and priced, the cut-offs below predicted per gradient from
+   it, the fastest of them rewritten when it could win: at most two) and exhaustive
+   (every cut-off rewritten and priced): its seconds, cut-offs rewritten and whether
+   both chose the same.
 2. Verdicts: what the pass did on each mesh (``data8``, ``data2_fsdp4`` with
    MaxText-style FSDP, ``data4_model2`` with tensor-parallel weights): gradients
    sharded, already sharded (the partitioner's reduce-scatter form), kept whole, with

@@ -306,20 +306,39 @@ def test_the_cli_states_no_bucket_size_of_its_own():
     assert option.default is None
 
 
-def test_cutoff_prices_split_a_change_into_per_gradient_and_per_byte() -> None:
-    from hlo_shard.passes.speed_gate import CutoffPrices
+def test_cutoff_prices_split_the_change_per_gradient_from_the_two_priced_modules() -> None:
+    """The cut-offs between are priced from the whole and the fully sharded module: at the
+    ends the prices are those estimates', and each gradient left whole keeps exactly its
+    all-reduce's price in the whole module."""
+    from hlo_shard.costmodel.plan_prices import CutoffPrices, ShardedGradient
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes.sharding_pipeline import run_sharding
+    from hlo_shard.passes.speed_gate import predicted_step
+    from hlo_shard.passes.weight_update import ShardingOptions
 
-    prices = CutoffPrices.fit((10, 1000, 10 * 2e-6 - 1000 * 3e-9), (2, 800, 2 * 2e-6 - 800 * 3e-9))
-    assert prices.per_gradient == pytest.approx(2e-6) and prices.per_byte == pytest.approx(-3e-9)
-    assert prices.change(5, 500) == pytest.approx(5 * 2e-6 - 500 * 3e-9)
-    same_shape = CutoffPrices.fit((4, 400, -8.0), (2, 200, -4.0))  # cannot tell them apart
-    assert same_shape == CutoffPrices(0.0, -0.02)
+    module = parse_file(ADAM.parent / "transformer.n8.hlo")
+    sharding = WeightUpdateSharding(ShardingOptions(profile="tpu-v3"))
+    whole = predicted_step(module, sharding.profile)
+    candidate = module.clone()
+    rows = [r for r in run_sharding(candidate, sharding).explanations if r.sharded]
+    sharded = predicted_step(candidate, sharding.profile)
+    prices = CutoffPrices.from_estimates(
+        whole, sharded, [ShardedGradient(r.computation, r.all_reduce, r.bytes) for r in rows])
+    largest = max(r.bytes for r in rows)
+    assert prices.seconds(0) == pytest.approx(sharded.seconds, rel=1e-12)
+    assert prices.seconds(largest + 1) == whole.seconds
+    all_reduces = {(i.computation, i.name): i.seconds for i in whole.instructions}
+    assert sum(price for _, price in prices.gradients) == pytest.approx(sum(
+        all_reduces[key] for key in {(r.computation, r.all_reduce) for r in rows}))
+    only_largest = [price for nbytes, price in prices.gradients if nbytes == largest]
+    assert prices.seconds(largest) == pytest.approx(whole.seconds + sum(
+        prices.per_gradient + prices.per_byte * largest - price for price in only_largest))
 
 
-def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all(monkeypatch):
-    """The transformer fixture has seven cut-offs; the gate rewrites and prices two (all
-    gradients, the largest only) and the one the fitted prices pick, and chooses what
-    rewriting and pricing every one of them chooses, on every profile."""
+def test_the_gate_rewrites_two_cutoffs_at_most_and_chooses_as_pricing_them_all(monkeypatch):
+    """The transformer fixture has seven cut-offs; the gate rewrites and prices one (all
+    gradients) and the one the per-gradient prices pick, and chooses what rewriting and
+    pricing every one of them chooses, on every profile."""
     from dataclasses import replace
 
     from hlo_shard.parser import parse_file
@@ -339,8 +358,8 @@ def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all
         sharding = WeightUpdateSharding(ShardingOptions(profile=profile))
         runs.clear()
         _, decision = speed_gate.shard_where_faster(module.clone(), sharding)
-        assert len(decision.trials) == 7 and len(decision.priced) <= 3
-        assert len(runs) <= 4  # the priced cut-offs, and the kept-whole module's run
+        assert len(decision.trials) == 7 and len(decision.priced) <= 2
+        assert len(runs) <= 3  # the priced cut-offs, and the kept-whole module's run
         exact = []
         for trial in decision.trials:
             candidate = module.clone()
@@ -355,8 +374,8 @@ def test_the_gate_rewrites_three_cutoffs_at_most_and_chooses_as_pricing_them_all
 
 
 def test_the_exhaustive_gate_rewrites_every_cutoff_and_chooses_as_the_guided_one():
-    """``exhaustive=True`` is the gate before :class:`CutoffPrices` (what the bench times
-    the guided gate against): every cut-off rewritten and priced, none estimated."""
+    """``exhaustive=True`` (what the bench times the guided gate against): every cut-off
+    rewritten and priced, none estimated."""
     from hlo_shard.parser import parse_file
     from hlo_shard.passes import speed_gate
     from hlo_shard.passes.weight_update import ShardingOptions
@@ -365,6 +384,6 @@ def test_the_exhaustive_gate_rewrites_every_cutoff_and_chooses_as_the_guided_one
     sharding = WeightUpdateSharding(ShardingOptions(profile="tpu-v3"))
     _, guided = speed_gate.shard_where_faster(module.clone(), sharding)
     _, exhaustive = speed_gate.shard_where_faster(module.clone(), sharding, exhaustive=True)
-    assert len(guided.priced) <= 3 < len(exhaustive.priced) == len(exhaustive.trials) == 7
+    assert len(guided.priced) <= 2 < len(exhaustive.priced) == len(exhaustive.trials) == 7
     assert exhaustive.chosen == guided.chosen
     assert {t.min_bytes for t in exhaustive.trials} == {t.min_bytes for t in guided.trials}

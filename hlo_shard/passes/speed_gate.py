@@ -6,14 +6,15 @@ where the combined all-reduce paid one), formatting copies, and the update's loo
 their fusion with the forward pass — against the update work divided by N. The benefit
 grows with a gradient's size and the cost is mostly per collective, so the choice is a
 size cut-off: every gradient of at least ``t`` bytes is sharded. The candidates are the
-distinct sizes of the shardable gradients (at most ``MAX_TRIALS``). Two are priced by
-running the pass on a copy and pricing the result with
+distinct sizes of the shardable gradients (at most ``MAX_TRIALS``). Every gradient
+sharded is priced by running the pass on a copy and pricing the result with
 :func:`~hlo_shard.costmodel.step_time.estimate_step` (collectives, copies and kernels as
-XLA would fuse them): every gradient sharded, and only the largest. The same per-gradient
-split of the cost — a price per gradient sharded and one per byte — fitted to those two
-predicts the cut-offs between (:class:`CutoffPrices`), and the one it predicts fastest
-is priced the same way when it could beat both. Rewriting and pricing the whole module is
-what costs, so the gate does it at most three times, whatever the number of cut-offs.
+XLA would fuse them); the cut-offs between are priced from that estimate and the input's,
+split per gradient (:class:`~hlo_shard.costmodel.plan_prices.CutoffPrices`: its own
+all-reduce, a share per byte, a share per gradient), without rewriting anything. Only the
+one predicted fastest is rewritten and priced, and only when it could be the one written.
+Rewriting and pricing the whole module is what costs, so the gate does it at most twice,
+whatever the number of cut-offs.
 The fastest cut-off priced is kept (that copy becomes the module), provided it is
 predicted faster than the input by at least the profile's ``min_predicted_gain``;
 otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
@@ -36,7 +37,8 @@ from dataclasses import dataclass, replace
 
 from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
 from hlo_shard.passes.weight_update import planned_update_regions
-from hlo_shard.costmodel.step_time import estimate_step
+from hlo_shard.costmodel.plan_prices import CutoffPrices, ShardedGradient
+from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
@@ -59,31 +61,6 @@ class Trial:
     seconds: float
     #: Predicted by :class:`CutoffPrices`, not rewritten and priced: never chosen.
     estimated: bool = False
-
-
-@dataclass(frozen=True)
-class CutoffPrices:
-    """The change of the predicted step from sharding a set of gradients, split as
-    ``per_gradient`` × how many + ``per_byte`` × their bytes: each sharded gradient pays
-    for its collectives' share, its copies and launches, and saves a share of its update
-    that grows with its size. Fitted to two cut-offs priced on their rewritten modules."""
-
-    per_gradient: float
-    per_byte: float
-
-    @classmethod
-    def fit(cls, first: tuple[int, int, float], second: tuple[int, int, float]
-            ) -> CutoffPrices:
-        """From two (gradients, bytes, change of the step) points; when they cannot tell
-        the parts apart (the same bytes per gradient), the change is all per byte."""
-        (n1, b1, d1), (n2, b2, d2) = first, second
-        det = n1 * b2 - n2 * b1
-        if det == 0:
-            return cls(0.0, d1 / b1 if b1 else 0.0)
-        return cls((d1 * b2 - d2 * b1) / det, (n1 * d2 - n2 * d1) / det)
-
-    def change(self, gradients: int, nbytes: int) -> float:
-        return gradients * self.per_gradient + nbytes * self.per_byte
 
 
 @dataclass(frozen=True)
@@ -129,12 +106,14 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     fastest, or sharding nothing when nothing is predicted faster than the input
     (``force``: as told). ``after_pass`` sees the passes of the run that edits
     ``module``, not the trials on copies. ``exhaustive``: rewrite and price every
-    cut-off instead of predicting those between (what the gate did before
-    :class:`CutoffPrices`; the bench times both ways)."""
+    cut-off instead of predicting those between (what the bench times the guided gate
+    against)."""
     hardware = sharding.profile
-    before = predicted_step_seconds(module, hardware)
-    unsharded = _unsharded_seconds(module, hardware)
-    baseline = before if unsharded is None else unsharded
+    whole = predicted_step(module, hardware)
+    before = whole.seconds
+    unsharded = _unsharded_estimate(module, hardware)
+    baseline_estimate = whole if unsharded is None else unsharded
+    baseline = baseline_estimate.seconds
 
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
@@ -143,16 +122,16 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     #: when it chooses that cut-off, without running the pipeline on the input again.
     cheapest: tuple[Trial, Module, ShardingReport] | None = None
 
-    def trial(min_bytes: int) -> tuple[Trial, ShardingReport]:
+    def trial(min_bytes: int) -> tuple[Trial, ShardingReport, StepEstimate | None]:
         nonlocal cheapest
         candidate = module.clone()
         report = run_sharding(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
-        seconds = predicted_step_seconds(candidate, hardware) if sharded else baseline
-        result = Trial(min_bytes, sharded, seconds)
+        estimate = predicted_step(candidate, hardware) if sharded else None
+        result = Trial(min_bytes, sharded, baseline if estimate is None else estimate.seconds)
         if sharded and (cheapest is None or _faster(result, cheapest[0])):
             cheapest = (result, candidate, report)
-        return result, report
+        return result, report, estimate
 
     def written(chosen: Trial) -> ShardingReport:
         """``module`` as the pipeline writes it at ``chosen``'s cut-off: the trial's own
@@ -163,25 +142,28 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
-    everything, full = trial(user_min)
-    if force or not everything.sharded:
+    everything, full, sharded_estimate = trial(user_min)
+    if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
             run_sharding(module, sharding, after_pass)
         return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
-            hardware.min_predicted_gain, forced=force, unsharded_s=unsharded)
-    sharded_bytes = sorted(row.bytes for row in full.explanations if row.sharded)
-    sizes = sorted(set(sharded_bytes))
+            hardware.min_predicted_gain, forced=force, unsharded_s=_seconds(unsharded))
+    sizes = sorted({row.bytes for row in full.explanations if row.sharded})
     cutoffs = _spread(sizes[1:], MAX_TRIALS - 1) if len(sizes) > 1 else []
     trials = [everything]
     if exhaustive:
         trials += [trial(cutoff)[0] for cutoff in cutoffs]
     elif cutoffs:
-        trials.append(trial(cutoffs[-1])[0])
-        trials += _guided(cutoffs[:-1], sharded_bytes, baseline, trials, trial)
+        prices = CutoffPrices.from_estimates(
+            baseline_estimate, sharded_estimate,
+            [ShardedGradient(row.computation, row.all_reduce, row.bytes)
+             for row in full.explanations if row.sharded])
+        trials += _guided(cutoffs, prices, everything,
+                          before * (1 - hardware.min_predicted_gain), baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
-    beats_input = best.seconds <= before * (1 - hardware.min_predicted_gain)
-    chosen = best if beats_input and best.seconds < baseline else None
+    chosen = best if _pays(best, before * (1 - hardware.min_predicted_gain), baseline) \
+        else None
     if chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
@@ -191,34 +173,31 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         report = written(chosen)
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
-                             hardware.min_predicted_gain, unsharded_s=unsharded)
+                             hardware.min_predicted_gain, unsharded_s=_seconds(unsharded))
     _explain_cost_rows(report, decision, user_min)
     return report, decision
 
 
-def _guided(cutoffs: list[int], sharded_bytes: list[int], baseline: float,
-            priced: list[Trial], trial: Callable[[int], tuple[Trial, ShardingReport]]
+def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: float,
+            baseline: float, trial: Callable[[int], tuple[Trial, ShardingReport,
+                                                           StepEstimate | None]]
             ) -> list[Trial]:
-    """The ``cutoffs`` between the two ``priced`` ones, predicted by
-    :class:`CutoffPrices` fitted to them; the one predicted fastest is priced on its
-    rewritten module when the prediction beats both."""
-    if not cutoffs:
-        return []
-
-    def point(t: Trial) -> tuple[int, int, float]:
-        chosen = [b for b in sharded_bytes if b >= t.min_bytes]
-        return len(chosen), sum(chosen), t.seconds - baseline
-
-    prices = CutoffPrices.fit(*(point(t) for t in priced))
-    predicted = []
-    for cutoff in cutoffs:
-        chosen = [b for b in sharded_bytes if b >= cutoff]
-        predicted.append(Trial(cutoff, len(chosen),
-                               baseline + prices.change(len(chosen), sum(chosen)), True))
+    """The ``cutoffs`` below every gradient's, predicted by ``prices``; the one predicted
+    fastest is priced on its rewritten module when it could be the one written: predicted
+    faster than sharding ``everything`` and clearing the ``bar`` and the ``baseline``
+    (:func:`_pays`)."""
+    predicted = [Trial(cutoff, sum(1 for nbytes, _ in prices.gradients if nbytes >= cutoff),
+                       prices.seconds(cutoff), True) for cutoff in cutoffs]
     guess = min(predicted, key=_rank)
-    if not _faster(guess, min(priced, key=_rank)):
+    if not (_faster(guess, everything) and _pays(guess, bar, baseline)):
         return predicted
     return [trial(t.min_bytes)[0] if t is guess else t for t in predicted]
+
+
+def _pays(trial: Trial, bar: float, baseline: float) -> bool:
+    """``trial`` is worth writing: at or under ``bar`` (the input's step less the
+    profile's smallest gain acted on) and cheaper than the module kept whole."""
+    return trial.seconds <= bar and trial.seconds < baseline
 
 
 def _rank(trial: Trial) -> tuple[float, int]:
@@ -232,14 +211,19 @@ def _faster(trial: Trial, other: Trial) -> bool:
     return _rank(trial) < _rank(other)
 
 
-def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
-    """The cost model's step time of ``module``, its weight update being the region the
-    pass plans in it."""
+def predicted_step(module: Module, hardware: HardwareProfile) -> StepEstimate:
+    """The cost model's step of ``module``, its weight update being the region the pass
+    plans in it."""
     with reading_only():  # its analyses share each computation's users and order
-        return estimate_step(module, hardware, planned_update_regions(module)).seconds
+        return estimate_step(module, hardware, planned_update_regions(module))
 
 
-def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | None:
+def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
+    """:func:`predicted_step`'s seconds."""
+    return predicted_step(module, hardware).seconds
+
+
+def _unsharded_estimate(module: Module, hardware: HardwareProfile) -> StepEstimate | None:
     """The price of what the pipeline writes when it shards nothing — ``module`` with its
     accumulated all-reduces moved out of their loops and the partitioner's all-reduce +
     slice pairs made reduce-scatters where priced faster — or None when neither
@@ -252,7 +236,11 @@ def _unsharded_seconds(module: Module, hardware: HardwareProfile) -> float | Non
     candidate = module.clone()
     changed = moves and AccumulationMotion().run(candidate).changed
     changed = (scatters and ReduceScatterCreation(hardware).run(candidate).changed) or changed
-    return predicted_step_seconds(candidate, hardware) if changed else None
+    return predicted_step(candidate, hardware) if changed else None
+
+
+def _seconds(estimate: StepEstimate | None) -> float | None:
+    return None if estimate is None else estimate.seconds
 
 
 def _spread(values: list[int], count: int) -> list[int]:
@@ -281,5 +269,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
-__all__ = ["MAX_TRIALS", "CutoffPrices", "SpeedDecision", "Trial", "predicted_step_seconds",
+__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "predicted_step", "predicted_step_seconds",
            "shard_where_faster"]
