@@ -103,6 +103,36 @@ def test_auto_chooses_by_the_prices():
                for w in report.whole)
 
 
+def test_auto_shards_the_accumulator_where_only_the_sharded_form_fits():
+    """Issue #27: the sharded form trades a collective per microbatch for 1/N of the
+    accumulators. ``auto`` writes it when predicted faster, or when the whole form's
+    modelled peak exceeds the device's memory (the profile's ``device_memory_bytes``)
+    and the sharded form's does not, and the note says so; a profile that knows no
+    device memory (XLA CPU) decides by speed alone."""
+    from dataclasses import replace
+
+    from hlo_shard.passes.sharded_accumulator import AccumulatorPrices
+
+    slower = AccumulatorPrices("gpu", 1.0, 1.2, whole_peak_bytes=90 << 30,
+                               sharded_peak_bytes=60 << 30, whole_accumulator_bytes=40 << 30,
+                               sharded_accumulator_bytes=5 << 30)
+    assert not slower.sharded_wins  # no device memory known: speed decides
+    fits = replace(slower, device_memory_bytes=80 << 30)
+    assert fits.only_sharded_fits and fits.sharded_wins
+    assert "only the sharded form fits the device's 80 GiB" in fits.words
+    roomy, neither = replace(slower, device_memory_bytes=96 << 30), \
+        replace(slower, device_memory_bytes=50 << 30)
+    assert not (roomy.sharded_wins or neither.sharded_wins)  # both fit / neither fits
+    assert replace(slower, sharded_s=0.9).sharded_wins
+    # The pass hands the profile's device memory to the comparison.
+    module, _ = optimize(LOOP, state="sharded", accumulator="whole")
+    gpu_memory = replace(load_profile("cpu-local"), device_memory_bytes=80 << 30)
+    result = Pipeline((ShardedAccumulator(gpu_memory, "auto"),),
+                      check=validate_printed).run(module)
+    prices = result.report(AccumulatorReport).prices
+    assert prices is not None and prices.device_memory_bytes == 80 << 30
+
+
 def _whole_text() -> str:
     module, _ = optimize(LOOP, state="sharded", accumulator="whole")
     return to_text(module)

@@ -17,11 +17,13 @@ Which form, by ``ShardingOptions.accumulator`` (:data:`ACCUMULATOR_MODES`):
 
 * ``auto`` (the default): both forms are priced with the cost model
   (:func:`~hlo_shard.costmodel.step_time.estimate_step` on the sharding's profile) and
-  the sharded form is written only when it is predicted strictly faster. The hardware
-  profiles carry no device memory size, so the memory saved does not decide on its
-  own: the note gives both predicted step times, the accumulators' bytes in each form
-  and the cost model's peaks per device, and a user short of memory asks for
-  ``sharded``;
+  the sharded form is written when it is predicted strictly faster, or when only it
+  fits: the cost model's peak per device of the whole form exceeds the profile's
+  ``device_memory_bytes`` and that of the sharded form does not (XLA would fail to
+  allocate the step; the profiles of XLA CPU devices, which share the host's memory,
+  give none). The note gives both predicted step times, the accumulators' bytes in each
+  form and the peaks per device; a user short of memory the model does not see asks
+  for ``sharded``;
 * ``sharded``: every accumulator this pass can prove is carried as a shard;
 * ``whole``: the reduce-scatters stay after their loops.
 
@@ -139,15 +141,32 @@ class AccumulatorPrices:
     #: What the loops carry as accumulators per device, in each form.
     whole_accumulator_bytes: int
     sharded_accumulator_bytes: int
+    #: The profile's ``device_memory_bytes`` (0: not known).
+    device_memory_bytes: int = 0
+
+    @property
+    def only_sharded_fits(self) -> bool:
+        """The whole form's modelled peak exceeds the device's memory, the sharded one's
+        does not."""
+        return 0 < self.device_memory_bytes < self.whole_peak_bytes and \
+            self.sharded_peak_bytes <= self.device_memory_bytes
+
+    @property
+    def sharded_wins(self) -> bool:
+        """``auto`` writes the sharded form: predicted faster, or the only one that fits."""
+        return self.sharded_s < self.whole_s or self.only_sharded_fits
 
     @property
     def words(self) -> str:
+        fits = (f"; only the sharded form fits the device's "
+                f"{fmt_bytes(self.device_memory_bytes)}" if self.only_sharded_fits else "")
         return (f"predicted {fmt_seconds(self.sharded_s)}/step sharded, "
                 f"{fmt_seconds(self.whole_s)}/step whole; accumulators "
                 f"{fmt_bytes(self.sharded_accumulator_bytes)} sharded, "
                 f"{fmt_bytes(self.whole_accumulator_bytes)} whole; modelled peak "
                 f"{fmt_bytes(self.sharded_peak_bytes)} sharded, "
-                f"{fmt_bytes(self.whole_peak_bytes)} whole per device (profile {self.profile})")
+                f"{fmt_bytes(self.whole_peak_bytes)} whole per device (profile {self.profile})"
+                f"{fits}")
 
 
 @dataclass(frozen=True)
@@ -220,8 +239,9 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
         prices = AccumulatorPrices(before.profile.name, before.seconds, after.seconds,
                                    before.memory.peak_bytes, after.memory.peak_bytes,
                                    sum(s.whole_bytes for s in sharded),
-                                   sum(s.shard_bytes for s in sharded))
-        if prices.sharded_s < prices.whole_s:
+                                   sum(s.shard_bytes for s in sharded),
+                                   resolve_profile(self.profile).device_memory_bytes)
+        if prices.sharded_wins:
             # The same rewrite on the module itself, through the pass's rewriter (its
             # log is what the pass did).
             return AccumulatorReport(self.mode, _rewrite(module, plans, rewriter), refused,

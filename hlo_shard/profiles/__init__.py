@@ -114,6 +114,9 @@ class HardwareProfile:
     combined_collectives: frozenset[str]
     interconnect: Interconnect
     sources: tuple[str, ...]
+    #: Memory one device may fill (its HBM; 0: not known, as for XLA CPU devices that
+    #: share the host's memory): what decides for memory where speed does not.
+    device_memory_bytes: int = 0
     #: The device count the rates were measured at, where N devices share one host's
     #: cores and every rate is a share of it (XLA CPU); 0: the same on any count.
     calibrated_devices: int = 0
@@ -296,6 +299,7 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         sources=tuple(at.key("sources").index(i).string(source) for i, source in
                       enumerate(at.read(raw, "sources", At.array, default=[]))),
         calibrated_devices=count("calibrated_devices", 0),
+        device_memory_bytes=count("device_memory_bytes", 0),
     )
 
 
