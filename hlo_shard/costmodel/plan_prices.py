@@ -10,9 +10,12 @@ split per gradient, by what drives each part of the change:
   module (a tuple all-reduce's price split over its elements by bytes);
 * the collectives that replace them, the update's work and what the forward pass gains
   or loses: in proportion to the bytes sharded (the reduce-scatter, the all-gather and
-  the update on ``[L]`` shards all grow with them);
-* the formatting (slices of replicated operands, bucket copies, the padding): per
-  gradient sharded, as each sharded gradient adds its own few small kernels.
+  the update on ``[L]`` shards all grow with them), less the new collectives'
+  latencies;
+* those latencies and the formatting (slices of replicated operands, bucket copies, the
+  padding): per gradient sharded, as each adds its own collectives' rendezvous (or its
+  share of a bucket's) and its own few small kernels — a gradient of a few bytes costs
+  that much, whatever its size.
 
 At no cut-off is this more than an estimate: the gate prices the cut-off it would choose
 on its rewritten module before choosing it.
@@ -39,7 +42,8 @@ class ShardedGradient:
 @dataclass(frozen=True)
 class CutoffPrices:
     """Predicted step times of size cut-offs: ``whole_s`` plus, for every gradient the
-    cut-off shards, ``per_gradient`` + ``per_byte`` × its bytes − its all-reduce's price."""
+    cut-off shards, ``per_gradient`` + ``per_byte`` × its bytes − its all-reduce's price
+    (a tuple all-reduce's split over its elements by bytes)."""
 
     whole_s: float
     #: (bytes, the price of its all-reduce in the whole module) per gradient.
@@ -65,15 +69,18 @@ class CutoffPrices:
             key = (g.computation, g.all_reduce)
             share = g.bytes / tuple_bytes[key] if tuple_bytes[key] else 1.0
             rows.append((g.bytes, price.get(key, 0.0) * share))
+        latency = sum(min(inst.seconds, inst.collective.latency_s * inst.runs)
+                      for inst in sharded.instructions if inst.collective is not None
+                      and (inst.computation, inst.name) not in price)
         before, after = whole.seconds_by_category(), sharded.seconds_by_category()
         change = {c: after[c] - before[c] for c in before}
         removed = sum(seconds for _, seconds in rows)
         total_bytes = sum(nbytes for nbytes, _ in rows)
-        by_bytes = change["communication"] + removed + change["weight_update"] \
+        by_bytes = change["communication"] + removed - latency + change["weight_update"] \
             + change["forward_backward"]
         return cls(whole.seconds, tuple(rows),
                    by_bytes / total_bytes if total_bytes else 0.0,
-                   change["formatting"] / len(rows) if rows else 0.0)
+                   (change["formatting"] + latency) / len(rows) if rows else 0.0)
 
     def seconds(self, min_bytes: int) -> float:
         """The predicted step with every gradient of at least ``min_bytes`` sharded."""
