@@ -1062,3 +1062,42 @@ def test_xla_cpu_copies_a_reduces_operand_into_row_major_first(layout, relayout,
     slower = predicted_step_seconds(module, cpu) > predicted_step_seconds(
         parse(TRANSPOSED_NORM.format(layout="1,0", relayout="copy(g)")), cpu)
     assert slower == (kernels == 2)
+
+
+@pytest.mark.parametrize("profile", ["h100", "cpu-local"])
+def test_one_estimate_finds_each_computations_plans_and_buckets_once(monkeypatch, profile):
+    """The parts of one estimate that read a computation's combiner buckets (the
+    collectives' prices, the memory schedule, the donated copies) share them, and the
+    step's time and its memory share the kernel plan wherever the profile fuses as the
+    memory model does (the accelerators): each found once per estimate, not once per
+    part that reads it."""
+    from hlo_shard.costmodel import kernels, network
+
+    planned: dict[tuple[str, tuple], int] = {}
+    bucketed: dict[str, int] = {}
+    real_plan, real_buckets = kernels.plan_kernels, network.combiner_buckets
+
+    def plan(comp, *settings):
+        planned[comp.name, settings] = planned.get((comp.name, settings), 0) + 1
+        return real_plan(comp, *settings)
+
+    def buckets(module, comp, *settings):
+        bucketed[comp.name] = bucketed.get(comp.name, 0) + 1
+        return real_buckets(module, comp, *settings)
+
+    hardware = load_profile(profile)
+    shared = not hardware.row_major_reductions and hardware.multi_output_fusion
+    for text in (ADAM, LOOP):
+        module = parse(text)
+        regions = planned_update_regions(module)
+        planned.clear()
+        bucketed.clear()
+        monkeypatch.setattr(kernels, "plan_kernels", plan)
+        monkeypatch.setattr(network, "combiner_buckets", buckets)
+        estimate_step(module, hardware, regions)
+        monkeypatch.undo()
+        assert set(planned.values()) == set(bucketed.values()) == {1}
+        # The entry is planned once with the accelerator's settings, twice with XLA
+        # CPU's (the memory model's settings are the defaults).
+        entry_plans = sum(1 for name, _ in planned if name == module.entry.name)
+        assert entry_plans == (1 if shared else 2)

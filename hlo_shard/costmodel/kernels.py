@@ -81,6 +81,9 @@ class KernelPlan:
     _shared: dict[int, tuple[frozenset[str], float]] = field(default_factory=dict)
     #: id of a :class:`_Union` → its names, listed once.
     _flattened: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    #: Kernel index → :meth:`kernel_inputs`, listed once (the plan's accounting and the
+    #: memory model's liveness both read them).
+    _inputs: dict[int, KernelInputs] = field(default_factory=dict)
 
     def _parts(self, operands: Iterable[str]) -> list[tuple[str, ...]]:
         """Per operand (last first): the values read from memory for it — its own name,
@@ -106,6 +109,12 @@ class KernelPlan:
         which every update kernel of a clipped step recomputes. Those are the same
         tuple in every such kernel, so listing them per kernel would make the plan
         gradients × gradients long."""
+        found = self._inputs.get(kernel.index)
+        if found is None:
+            found = self._inputs[kernel.index] = self._kernel_inputs(kernel)
+        return found
+
+    def _kernel_inputs(self, kernel: Kernel) -> KernelInputs:
         members = {m.name for m in kernel.members}
         per_member = [(member, self._parts(member.operands)) for member in kernel.members]
         shared = max((part for _, parts in per_member for part in parts), key=len,
@@ -148,6 +157,25 @@ def is_prefused(module: Module) -> bool:
                for inst in comp.instructions)
 
 
+@dataclass
+class KernelPlans:
+    """:func:`plan_kernels` of a module's computations (not edited while this is used),
+    each planned once per setting: the step's time and its memory read the same plan
+    wherever the profile's fusion settings are the defaults the memory model uses."""
+
+    _plans: dict[tuple[str, bool, bool, int, bool], KernelPlan] = field(default_factory=dict)
+
+    def plan(self, comp: Computation, emulate_fusion: bool = True, multi_output: bool = True,
+             concatenate_operands: int = 0, row_major_reductions: bool = False) -> KernelPlan:
+        """:func:`plan_kernels` (read it, do not edit it)."""
+        key = (comp.name, emulate_fusion, multi_output, concatenate_operands,
+               row_major_reductions)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = plan_kernels(comp, *key[1:])
+        return found
+
+
 def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                  multi_output: bool = True, concatenate_operands: int = 0,
                  row_major_reductions: bool = False) -> KernelPlan:
@@ -178,6 +206,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         kernel_of[inst.name] = kernel
 
     def readers_of(name: str) -> _Readers:
+        if name != comp.root_name and duplicated.isdisjoint(users[name]):
+            return _Readers(False, tuple(users[name]))  # each user once already
         parts = [reached[user] if user in duplicated else _Readers(False, (user,))
                  for user in users[name]]
         if name == comp.root_name:

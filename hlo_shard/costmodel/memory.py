@@ -37,10 +37,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 import itertools
 
-from hlo_shard.costmodel.network import combiner_buckets
+from hlo_shard.costmodel.network import Combiner
 from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
 from hlo_shard.costmodel.kernels import (
-    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, is_prefused, plan_kernels,
+    CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, KernelPlans, is_prefused,
 )
 from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
@@ -109,17 +109,17 @@ class MemoryProfile:
         }
 
 
-def schedule(module: Module, comp: Computation, combine_threshold_bytes: int = 0,
-             combined_collectives: Collection[str] | None = None
+def schedule(module: Module, comp: Computation, combiner: Combiner
              ) -> tuple[list[Instruction], list[list[str]]]:
     """The order instructions run in: as written when the module is scheduled, else a
-    topological order in which the collectives XLA would combine run together; and
-    those buckets of collectives (each runs as one combined op)."""
+    topological order in which the collectives XLA would combine run together
+    (``combiner``'s buckets; none with a threshold of 0); and those buckets of
+    collectives (each runs as one combined op)."""
     if module.is_scheduled:
         return list(comp.instructions), []
-    if not combine_threshold_bytes:
+    if not combiner.threshold_bytes:
         return topological_order(comp), []
-    buckets = combiner_buckets(module, comp, combine_threshold_bytes, combined_collectives)
+    buckets = combiner.buckets(comp)
     bucket_of: dict[str, list[str]] = {}
     for bucket in buckets:
         for name in bucket:
@@ -141,7 +141,9 @@ def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None
                    gradients: set[str] | None = None, activations: set[str] | None = None,
                    *, upcast_16bit_floats: bool = False,
                    combine_threshold_bytes: int = DEFAULT_COMBINE_THRESHOLD_BYTES,
-                   combined_collectives: Collection[str] | None = None) -> MemoryProfile:
+                   combined_collectives: Collection[str] | None = None,
+                   combiner: Combiner | None = None,
+                   plans: KernelPlans | None = None) -> MemoryProfile:
     """Liveness of the entry computation. ``parameter_kinds`` maps entry parameter
     names to ``weights``/``optimizer_state``/``batch`` (others: ``other_parameters``);
     ``gradients`` names the values holding gradients (collective inputs and results),
@@ -149,14 +151,16 @@ def memory_profile(module: Module, parameter_kinds: dict[str, str] | None = None
     ``upcast_16bit_floats``: the backend computes bf16/f16 in f32 (XLA CPU's float
     normalization), so temporaries of those types take 4 bytes per element;
     ``combine_threshold_bytes``: the collective combiner's bucket size (0: none);
-    ``combined_collectives``: the kinds it combines (all when None)."""
+    ``combined_collectives``: the kinds it combines (all when None); ``combiner``: those
+    buckets found already (the two settings then go unused); ``plans``: the kernel plans
+    made already of this module."""
     entry = module.entry
     kinds = parameter_kinds or {}
     emulate = not is_prefused(module)
-    return _Liveness(module, entry, kinds, gradients or set(), emulate,
-                     upcast=upcast_16bit_floats, activations=activations or set(),
-                     combine=combine_threshold_bytes,
-                     combined_kinds=combined_collectives).run()
+    combiner = combiner or Combiner(module, combine_threshold_bytes, combined_collectives)
+    return _Liveness(module, entry, kinds, gradients or set(), emulate, combiner,
+                     plans or KernelPlans(), upcast=upcast_16bit_floats,
+                     activations=activations or set()).run()
 
 
 def _same_array(a: Buffer, b: Buffer) -> bool:
@@ -182,20 +186,21 @@ class _Liveness:
     all-reduce, a multi-output fusion), so that get-tuple-element selects one."""
 
     def __init__(self, module: Module, comp: Computation, kinds: dict[str, str],
-                 gradients: set[str], emulate: bool, nested: bool = False,
-                 upcast: bool = False, activations: frozenset[str] | set[str] = frozenset(),
-                 combine: int = 0, combined_kinds: Collection[str] | None = None) -> None:
+                 gradients: set[str], emulate: bool, combiner: Combiner,
+                 plans: KernelPlans, nested: bool = False,
+                 upcast: bool = False, activations: frozenset[str] | set[str] = frozenset()
+                 ) -> None:
         self.module = module
         self.upcast = upcast
         self.activations = activations
-        self.combine = combine
-        self.combined_kinds = combined_kinds
+        self.combiner = combiner
+        self.plans = plans
         self.comp = comp
         self.kinds = kinds
         self.gradients = gradients
         self.emulate = emulate
         self.nested = nested
-        self.order, buckets = schedule(module, comp, combine, combined_kinds)
+        self.order, buckets = schedule(module, comp, combiner)
         self.position = {inst.name: i for i, inst in enumerate(self.order)}
         #: A combined collective reads all its members' operands and writes all their
         #: results at once: reads count at its last member, writes at its first.
@@ -205,7 +210,7 @@ class _Liveness:
             positions = [self.position[name] for name in bucket]
             for name in bucket:
                 self.read_at[name], self.write_at[name] = max(positions), min(positions)
-        self.plan: KernelPlan = plan_kernels(comp, emulate)
+        self.plan: KernelPlan = plans.plan(comp, emulate)
         #: Value name → the buffers it refers to, per top-level element of its shape.
         self.elements: dict[str, list[tuple[str, ...]]] = {}
         self.buffers: dict[str, Buffer] = {}
@@ -545,8 +550,7 @@ class _Liveness:
                 continue
             callee = self.module.computation(name)
             nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
-                               nested=True, upcast=self.upcast, combine=self.combine,
-                               combined_kinds=self.combined_kinds)
+                               self.combiner, self.plans, nested=True, upcast=self.upcast)
             # What the callee adds on top of the buffers it was passed.
             peaks.append(nested.run().temp_bytes)
         return max(peaks, default=0)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import GroupMode, group_mode
 from hlo_shard.graph import topological_order
@@ -245,6 +245,27 @@ def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int,
             total += payload
         buckets.append(bucket)
     return buckets
+
+
+@dataclass
+class Combiner:
+    """XLA's collective combiners on one module that is not edited while this is used:
+    each computation's :func:`combiner_buckets`, found once however many of the cost
+    model's parts ask (the collectives' prices, the memory schedule, the donated
+    copies)."""
+
+    module: Module
+    threshold_bytes: int
+    combined_kinds: Collection[str] | None = None
+    _buckets: dict[str, list[list[str]]] = field(default_factory=dict, repr=False)
+
+    def buckets(self, comp: Computation) -> list[list[str]]:
+        """:func:`combiner_buckets` of ``comp`` (read them, do not edit them)."""
+        found = self._buckets.get(comp.name)
+        if found is None:
+            found = self._buckets[comp.name] = combiner_buckets(
+                self.module, comp, self.threshold_bytes, self.combined_kinds)
+        return found
 
 
 def instruction_collective_cost(inst: Instruction, module: Module, operand_shapes: list,

@@ -33,16 +33,17 @@ from dataclasses import dataclass, field, replace
 from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, recovered_device_counts
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
-    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, combiner_buckets, group_size,
+    COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, Combiner, group_size,
     instruction_collective_cost, share_latency,
 )
 from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
 from hlo_shard.costmodel.kernels import (
-    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, is_prefused, plan_kernels,
+    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
 from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
+from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ALL_GATHERS, BROADCAST, FORMATTING, MATMULS, ORDER_KEEPING_VIEWS,
                               PER_ELEMENT_COST, SUMMING_COLLECTIVES, opcodes_where,
                               with_async_forms)
@@ -400,6 +401,8 @@ class _Estimator:
     algorithm: str | None
     emulate: bool
     regions: PlannedRegions
+    combiner: Combiner
+    plans: KernelPlans
     #: Computation → (instruction categories, region source), computed on first use.
     categories: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -408,9 +411,9 @@ class _Estimator:
         if comp.name not in self.categories:
             self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
-        plan = plan_kernels(comp, self.emulate, self.profile.multi_output_fusion,
-                            self.profile.fused_concatenate_operands,
-                            self.profile.row_major_reductions)
+        plan = self.plans.plan(comp, self.emulate, self.profile.multi_output_fusion,
+                               self.profile.fused_concatenate_operands,
+                               self.profile.row_major_reductions)
         fresh = fresh_writers(self.module, comp, self.profile.fresh_temp_threshold_bytes)
         out: list[InstructionEstimate] = []
         for kernel in plan.kernels:
@@ -469,8 +472,7 @@ class _Estimator:
                              ) -> None:
         """Price collectives as XLA runs them after its combiners: one latency per bucket."""
         by_name = {e.name: e for e in estimates if e.collective is not None}
-        for bucket in combiner_buckets(self.module, comp, self.profile.combine_threshold_bytes,
-                                       self.profile.combined_collectives):
+        for bucket in self.combiner.buckets(comp):
             members = [by_name[name] for name in bucket if name in by_name]
             for member, value in zip(members, share_latency(
                     [m.collective for m in members if m.collective is not None])):
@@ -520,7 +522,9 @@ def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegi
     :func:`categorize` returns) reuses the categories of a module with the same
     instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
     a fixtures manifest) replaces :func:`classify_parameters`."""
-    with reading_only():  # every analysis below reads the same computations
+    # Every analysis below reads the same computations, and makes many objects but no
+    # cycles.
+    with reading_only(), cyclic_gc_paused():
         return _estimate_step(module, profile, regions, algorithm, categories, roles)
 
 
@@ -532,8 +536,10 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
     profile = profile.for_devices(module.device_count)
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
-    estimator = _Estimator(module, profile, model, algorithm, emulate, regions,
-                           dict(categories or {}))
+    combiner = Combiner(module, profile.combine_threshold_bytes, profile.combined_collectives)
+    plans = KernelPlans()
+    estimator = _Estimator(module, profile, model, algorithm, emulate, regions, combiner,
+                           plans, dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
     if profile.step_overhead_s:  # what a step costs even when it computes nothing
         instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
@@ -546,9 +552,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
                                                 "forward_backward", 1,
                                                 extra_outputs * profile.output_overhead_s,
                                                 Cost()))
-    combined = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
-                                profile.combined_collectives)
-    for copy in donated_parameter_copies(module, combined):
+    for copy in donated_parameter_copies(module, combiner.buckets(module.entry)):
         instructions.append(InstructionEstimate(
             module.entry.name, f"{DONATED_COPY}{copy.parameter}", "copy", "formatting", 1,
             donated_copy_seconds(copy, profile), Cost(bytes_accessed=2.0 * copy.bytes)))
@@ -558,8 +562,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
     activations = {n for n, c in entry_categories.items() if c == "forward_backward"}
     memory = memory_profile(module, kinds, gradient_values(module, module.entry), activations,
                             upcast_16bit_floats=profile.upcasts_16bit_floats,
-                            combine_threshold_bytes=profile.combine_threshold_bytes,
-                            combined_collectives=profile.combined_collectives)
+                            combiner=combiner, plans=plans)
     fresh_pages = profile.fresh_pages_seconds(memory.temp_bytes)
     if fresh_pages:
         instructions.append(InstructionEstimate(module.entry.name, FRESH_TEMP_PAGES, "step",

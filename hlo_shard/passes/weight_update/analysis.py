@@ -36,7 +36,7 @@ import enum
 import itertools
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import cast
@@ -51,6 +51,7 @@ from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, da
                              users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
                           Module, Raw, Shape, TupleShape)
+from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
 from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
@@ -1164,9 +1165,10 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGra
     from other scopes' gradients (what lies behind it is the same in every trial of the
     scope)."""
     feeds = upstream(graph, ops, upstream_of_gradients, foreign)
-    for name in sorted(feeds, key=index.__getitem__):
+    reductions = [name for name in feeds if ctx.comp[name].opcode == "reduce" and name not in ops]
+    for name in sorted(reductions, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
+        if not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
@@ -1181,11 +1183,15 @@ def upstream(graph: DataflowGraph, starts: Iterable[str],
              stops: Callable[[str], bool] | None = None) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
     searching past (nor including) the names in ``stop`` or those ``stops`` says."""
-    def parents(name: str) -> Iterator[str]:
-        return (p for p in graph.predecessors(name)
-                if p not in stop and not (stops and stops(p)))
-
-    return reachable(starts, parents)
+    comp = graph.comp
+    found: set[str] = set()
+    stack = [operand for start in starts for operand in comp[start].operands]
+    while stack:
+        name = stack.pop()
+        if name not in found and name not in stop and not (stops and stops(name)):
+            found.add(name)
+            stack.extend(comp[name].operands)
+    return found
 
 
 def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGraph) -> None:
@@ -1753,7 +1759,8 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     weight update but never runs this analysis itself: its callers do and hand the result
     in, so an error of the analysis surfaces where it happens instead of silently turning
     the report to its fallback, and the cost model does not depend on the pass."""
-    with reading_only():  # the analyses below read the same computations
+    # The analyses below read the same computations, and make many objects but no cycles.
+    with reading_only(), cyclic_gc_paused():
         return _planned_update_regions(module)
 
 
