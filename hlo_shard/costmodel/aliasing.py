@@ -106,8 +106,9 @@ class _DataOrder:
     def __init__(self, comp: Computation, writers: Sequence[str],
                  combined: Sequence[Sequence[str]], asked: set[str]) -> None:
         self.bit = {writer: 1 << index for index, writer in enumerate(dict.fromkeys(writers))}
-        deps: dict[str, list[str]] = {inst.name: _data_operands(comp, inst)
-                                      for inst in comp.instructions}
+        deps: dict[str, list[str]] = {
+            inst.name: _data_operands(comp, inst) if inst.opcode == "get-tuple-element"
+            else inst.operands for inst in comp.instructions}  # read, never edited
         for index, bucket in enumerate(combined):
             # A bucket waits for all its members' operands: one node between them and it.
             joint = f"\0bucket {index}"  # no instruction is named so

@@ -116,6 +116,12 @@ class KernelPlan:
 
     def _kernel_inputs(self, kernel: Kernel) -> KernelInputs:
         members = {m.name for m in kernel.members}
+        if self.duplicated.isdisjoint(o for m in kernel.members for o in m.operands):
+            # Nothing recomputed: each member reads its own operands (most kernels).
+            return KernelInputs([(member, name) for member in kernel.members
+                                 for name in dict.fromkeys(reversed(member.operands))
+                                 if name not in members
+                                 and not _is_immediate(self.comp[name])])
         per_member = [(member, self._parts(member.operands)) for member in kernel.members]
         shared = max((part for _, parts in per_member for part in parts), key=len,
                      default=())
@@ -220,6 +226,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
     #: adds, read by every update kernel), so each link finds its readers' kernels once.
     summaries: dict[int, tuple[_Readers, int, _Consumers]] = {}
 
+    takes: dict[int, bool] = {}  # id of a kernel → whether it takes producers in
+
     def consumers(found: _Readers) -> _Consumers:
         """The kernels that read the value (looking through duplicated producers), each
         once, and whether a reader needs it in memory (a tuple, a control-flow op, the
@@ -232,8 +240,11 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         for user in found.users:
             kernel = kernel_of.get(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
-            if kernel and _takes_producers(comp, kernel.members[0], concatenate_operands,
-                                           row_major_reductions):
+            if kernel is not None and id(kernel) not in takes:
+                # What opened the kernel decides (a merge keeps the first kernel's).
+                takes[id(kernel)] = _takes_producers(comp, kernel.members[0],
+                                                     concatenate_operands, row_major_reductions)
+            if kernel and takes[id(kernel)]:
                 targets.setdefault(id(kernel), kernel)
             else:
                 in_memory = True

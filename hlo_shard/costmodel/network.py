@@ -212,9 +212,15 @@ def collective_depth(comp: Computation) -> dict[str, int]:
     """How many collectives precede each instruction on its longest dependency path:
     collectives at the same depth cannot depend on one another."""
     depth: dict[str, int] = {}
+    #: What an instruction's users start from: its depth, one more for a collective.
+    above: dict[str, int] = {}
     for inst in topological_order(comp):
-        depth[inst.name] = max((depth[o] + (comp[o].opcode in COLLECTIVE_KINDS)
-                                for o in inst.operands), default=0)
+        deepest = 0
+        for operand in inst.operands:
+            if above[operand] > deepest:
+                deepest = above[operand]
+        depth[inst.name] = deepest
+        above[inst.name] = deepest + (inst.opcode in COLLECTIVE_KINDS)
     return depth
 
 

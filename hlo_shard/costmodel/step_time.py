@@ -42,7 +42,8 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
-from hlo_shard.ir import Computation, ComputationRef, Instruction, Module, shape_leaves
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
+                          shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ALL_GATHERS, BROADCAST, FORMATTING, MATMULS, ORDER_KEEPING_VIEWS,
                               PER_ELEMENT_COST, SUMMING_COLLECTIVES, opcodes_where,
@@ -509,8 +510,10 @@ class _Estimator:
 
 def _element_type(comp: Computation, inst: Instruction) -> str:
     source = comp[inst.operands[0]].shape if inst.opcode in _MATRIX_OPCODES else inst.shape
-    leaves = list(shape_leaves(source))
-    return leaves[0][1].element_type if leaves else "f32"
+    if isinstance(source, ArrayShape):  # the common case: its own type
+        return source.element_type
+    first = next(shape_leaves(source), None)
+    return first[1].element_type if first else "f32"
 
 
 def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegions, *,

@@ -1137,8 +1137,9 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
         for value in leaf.values:
             sharded[value] = leaf.format
     leaf_values = set(sharded)
+    reading = sharded.keys()
     for inst in order:
-        if inst.name in leaf_values or not any(o in sharded for o in inst.operands):
+        if inst.name in leaf_values or reading.isdisjoint(inst.operands):
             continue
         op = classify(ctx, inst)
         if op is not None:
