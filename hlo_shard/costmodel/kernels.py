@@ -29,7 +29,7 @@ from hlo_shard.costmodel.flops import elements, leaf_bytes
 from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module
 from hlo_shard.opinfo import (COPY, CONTROL_FLOW, FUSIBLE, KERNEL_ROOTS, MATMULS, NO_COST,
-                              RESHAPE, WINDOW, moves)
+                              RESHAPE, WINDOW, opcodes_where)
 
 #: Ops that XLA's loop/input fusion merges with their consumers.
 FUSIBLE_OPCODES = FUSIBLE
@@ -44,6 +44,11 @@ POINTER_OPCODES = NO_COST | frozenset({"tuple"})
 
 #: Ops whose work is that of the computations they call (priced by the estimator).
 CONTROL_FLOW_OPCODES = CONTROL_FLOW
+
+#: Ops that may leave the bytes where they are (:func:`is_relabel`), and those that read
+#: a window of their operand: asked of every instruction, so looked up in a set.
+_RESHAPES_AND_COPIES = opcodes_where(lambda info: info.moves in (RESHAPE, COPY))
+_WINDOW_READS = opcodes_where(lambda info: info.moves == WINDOW)
 
 
 @dataclass
@@ -440,7 +445,7 @@ def is_relabel(comp: Computation, inst: Instruction) -> bool:
     """A reshape or copy that leaves the bytes in place (same physical order): outside a
     fusion XLA turns it into a bitcast or removes it (the SPMD partitioner's copies of
     every parameter and output are of this kind)."""
-    if moves(inst.opcode) not in (RESHAPE, COPY):
+    if inst.opcode not in _RESHAPES_AND_COPIES:
         return False
     operand = comp[inst.operands[0]].shape
     if not isinstance(operand, ArrayShape) or not isinstance(inst.shape, ArrayShape):
@@ -508,8 +513,7 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
         kernel.read_bytes = sum(reads.values()) + plan.shared_reads(found.shared)[1] \
             if found.shared else sum(reads.values())
         for member in kernel.members:
-            outside = [u for u in users[member.name] if u not in member_names]
-            if outside or member.name == comp.root_name:
+            if not member_names.issuperset(users[member.name]) or member.name == comp.root_name:
                 plan.materialized.add(member.name)
                 kernel.write_bytes += _write_size(comp, member)
 
@@ -519,7 +523,7 @@ def _read_size(comp: Computation, reader: Instruction, value: Instruction,
     """A slice reads only its window, also of a value it sees through bitcasts (a
     bucket's piece sliced out of the reshaped all-gather result); an in-place update
     does not read its target."""
-    if moves(reader.opcode) == WINDOW and \
+    if reader.opcode in _WINDOW_READS and \
             _through_relabels(comp, reader.operands[0], relabels) == value.name:
         return leaf_bytes(reader.shape)
     if reader.opcode == "dynamic-update-slice" and reader.operands[0] == value.name:

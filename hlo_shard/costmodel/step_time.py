@@ -192,7 +192,7 @@ def device_index_values(comp: Computation) -> set[str]:
     found: set[str] = set()
     for inst in comp.instructions:
         derived = inst.opcode in DEVICE_ID_OPCODES or (
-            any(o in found for o in inst.operands)
+            not found.isdisjoint(inst.operands)
             and all(o in found or comp[o].opcode == "constant" for o in inst.operands)
             and all(leaf.num_elements <= 64 for _, leaf in shape_leaves(inst.shape)))
         if derived:
@@ -263,7 +263,8 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
             stack.append(user)
     # A producer joins once its last user has: count the users outside the region, so
     # that each value is looked at once per user (a chain joins link by link).
-    outside = {name: sum(1 for u in names if u not in region) for name, names in users.items()}
+    outside = {name: len(names) - len(region.intersection(names))  # each user once
+               for name, names in users.items()}
     ready = [name for name, count in outside.items() if count == 0]
     joined: list[str] = []
     while joined or ready:
