@@ -301,11 +301,18 @@ class Rewriter:
     #: Cursors of the enclosing ``inserting_*`` blocks, kept in step with every edit.
     _saved: list[int | None] = field(init=False, default_factory=list)
     _taken: set[str] = field(init=False)
+    #: Stem → the first ``N`` :meth:`fresh_name` has not found taken yet: names are only
+    #: ever added to :attr:`_taken`, so the numbers below it stay taken, and a pass adding
+    #: thousands of ``reshape.N`` does not test every earlier number each time.
+    _next_number: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._users = {name: dict.fromkeys(users)
-                       for name, users in users_map(self.comp).items()}
-        self._taken = {inst.name for inst in self.comp.instructions}
+        users: dict[str, dict[str, None]] = {inst.name: {} for inst in self.comp.instructions}
+        for inst in self.comp.instructions:
+            for operand in inst.operands:  # a repeated operand: the same key again
+                users[operand][inst.name] = None
+        self._users = users
+        self._taken = set(users)
 
     def _record(self, kind: str, name: str, detail: str = "", *,
                 before: Shape | AttrValue | None = None,
@@ -343,10 +350,11 @@ class Rewriter:
         if not re.match(r"[A-Za-z_]", stem):
             stem = f"v{stem}"
         stem = re.sub(r"\.\d+$", "", stem)
-        for n in itertools.count(1):
+        for n in itertools.count(self._next_number.get(stem, 1)):
             candidate = f"{stem}.{n}"
             if candidate not in self._taken and candidate not in _RESERVED_NAMES:
                 self._taken.add(candidate)
+                self._next_number[stem] = n + 1
                 return candidate
         raise AssertionError("unreachable")
 

@@ -58,7 +58,8 @@ from hlo_shard.values import (
     read_replica_groups, read_slice_ranges, show,
 )
 
-__all__ = ["OPCODES", "compatible", "grammar_path", "is_known_opcode", "parse", "parse_file"]
+__all__ = ["OPCODES", "compatible", "cyclic_gc_paused", "grammar_path", "is_known_opcode",
+           "parse", "parse_file"]
 
 # ----------------------------------------------------------------------------- tables
 
@@ -1281,7 +1282,7 @@ def parse(text: str, path: str | None = None) -> Module:
     """Parse HLO text into a :class:`Module`; ``path`` is only used in messages."""
     lark = _parser()
     builder = cast(_Builder, lark.options.transformer)
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         builder.reset()
         try:
             module = cast(Module, lark.parse(text, start="start"))
@@ -1298,10 +1299,11 @@ def parse(text: str, path: str | None = None) -> Module:
 
 
 @contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause the cycle collector while this thread is the only one: reading creates a
-    great many objects and no cycles, and the collector's passes over them cost a fifth
-    of the time on large modules. With other threads running the collector is left
+def cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cycle collector while this thread is the only one: reading a module,
+    and rewriting one (:class:`~hlo_shard.passes.pipeline.Pipeline`), create a great
+    many objects and no cycles, and the collector's passes over them cost a fifth to a
+    quarter of the time on large modules. With other threads running the collector is left
     alone (it is process-wide, and they may need it), and the caller's setting is
     always restored as it was."""
     if not gc.isenabled() or threading.active_count() > 1:

@@ -318,26 +318,26 @@ def test_the_cycle_collector_is_left_as_the_caller_had_it():
     import gc
     import threading
 
-    from hlo_shard.parser import _cyclic_gc_paused
+    from hlo_shard.parser import cyclic_gc_paused
 
     text = "HloModule m\nENTRY e {\n  ROOT p = f32[] parameter(0)\n}\n"
     gc.disable()
     try:
         parse(text)
-        with _cyclic_gc_paused():
+        with cyclic_gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:
         gc.enable()
     if threading.active_count() == 1:
-        with _cyclic_gc_paused():
+        with cyclic_gc_paused():
             assert not gc.isenabled()
     assert gc.isenabled()
     hold = threading.Event()
     other = threading.Thread(target=hold.wait)
     other.start()
     try:
-        with _cyclic_gc_paused():
+        with cyclic_gc_paused():
             assert gc.isenabled()
         parse(text)
     finally:

@@ -81,6 +81,36 @@ class RegionSnapshot:
         self.edits.forget(self.comp, self.logged)
 
 
+@dataclass
+class RootUses:
+    """Where the root reads each value: operand name → its positions, in step with the
+    edits :meth:`RegionRewrite._rewire` makes of the root (entries a later edit made
+    stale are dropped when read)."""
+
+    root: Instruction
+    at: dict[str, list[int]]
+
+    @staticmethod
+    def of(root: Instruction) -> RootUses:
+        at: dict[str, list[int]] = defaultdict(list)
+        for i, operand in enumerate(root.operands):
+            at[operand].append(i)
+        return RootUses(root, at)
+
+    def positions(self, value: str) -> list[int]:
+        """The positions that read ``value`` now, in operand order."""
+        return sorted({i for i in self.at.get(value, ()) if self.root.operands[i] == value})
+
+    def take(self, value: str) -> list[int]:
+        """:meth:`positions`, forgotten here: the caller points them elsewhere."""
+        found = self.positions(value)
+        self.at.pop(value, None)
+        return found
+
+    def add(self, value: str, position: int) -> None:
+        self.at.setdefault(value, []).append(position)
+
+
 class RegionRewrite:
     """Rewrites ``comp`` by ``plan``. ``inputs``: instruction → format of the shard its
     value becomes (state parameters, carried loop slots); ``outputs``: root tuple position
@@ -412,31 +442,37 @@ class RegionRewrite:
                 self.rw.erase(convert)
 
     def _rewire(self, value: str, replacement: str, users: list[str],
-                keep: dict[int, str] | None = None) -> None:
+                keep: dict[int, str] | None = None, at_root: RootUses | None = None) -> None:
         """Point ``users`` (``""``: the root) of ``value`` at ``replacement``; root tuple
-        positions in ``keep`` get that name instead."""
+        positions in ``keep`` get that name instead. ``at_root``: where the root reads
+        each value, kept in step here (a root tuple of thousands of outputs is not
+        searched once per value)."""
         for user in users:
             if not user:
                 self.rw.set_root(replacement)
                 continue
             inst = self.comp[user]
-            for i, operand in enumerate(inst.operands):
-                if operand == value:
-                    kept = keep.get(i) if keep and user == self.comp.root_name else None
-                    self.rw.set_operand(inst, i, kept or replacement)
+            indexed = at_root if at_root is not None and inst is at_root.root else None
+            positions = indexed.take(value) if indexed is not None else \
+                [i for i, operand in enumerate(inst.operands) if operand == value]
+            for i in positions:
+                kept = keep.get(i) if keep and user == self.comp.root_name else None
+                self.rw.set_operand(inst, i, kept or replacement)
+                if indexed is not None:
+                    indexed.add(kept or replacement, i)
 
     def _gather_boundaries(self) -> None:
         comp = self.comp
         root = comp.root
         kept_shards = {k: self.shard_of[v] for k, v in self.outputs.items()}
         position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+        at_root = RootUses.of(root)
         anchors: dict[str, list[str]] = defaultdict(list)
         needs: dict[str, list[str]] = {}
         for value, boundary in self.plan.boundary.items():
             users = list(boundary)
             if root.name in users and root.opcode == "tuple" and all(
-                    self.outputs.get(k) == value for k, o in enumerate(root.operands)
-                    if o == value):
+                    self.outputs.get(k) == value for k in at_root.positions(value)):
                 users.remove(root.name)  # only shard-keeping outputs use it: no gather
             if not users:
                 continue
@@ -456,7 +492,7 @@ class RegionRewrite:
                 with self.rw.inserting_before(anchor):
                     gathered.update(zip(bucket, self.emit.gather(items)))
         for value, users in needs.items():
-            self._rewire(value, gathered[value], users, kept_shards)
+            self._rewire(value, gathered[value], users, kept_shards, at_root)
         if root.opcode == "tuple" and isinstance(root.shape, TupleShape) and self.outputs:
             zero_padded = PaddingZeros(self.module, comp, self.plan, set(self.inputs))
             for k, value in self.outputs.items():
