@@ -164,11 +164,12 @@ class RegionRewrite:
         return self.replicated_shard(operand, fmt)
 
     # Reduce-scatter side ------------------------------------------------------------------
-    def scatter(self, leaves: list[PlannedLeaf]) -> None:
+    def scatter(self, leaves: list[PlannedLeaf], order: dict[str, int]) -> None:
         """One reduce-scatter for ``leaves`` (one element type), placed before the last of
-        their all-reduces; records each leaf's ``[L]`` shard."""
+        their all-reduces (``order``: where each all-reduce stands among them); records
+        each leaf's ``[L]`` shard."""
         emit = self.emit
-        anchor = max((leaf.all_reduce for leaf in leaves), key=self.comp.position)
+        anchor = max((leaf.all_reduce for leaf in leaves), key=order.__getitem__)
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
         element_type = leaves[0].shape.element_type
         with self.rw.inserting_before(anchor):
@@ -376,9 +377,13 @@ class RegionRewrite:
         :class:`RegionSnapshot` and keeps the region whole."""
         plan = self.plan
         self._seed_inputs()
+        # Inserting and erasing other instructions keeps the all-reduces' order: one scan.
+        all_reduces = {leaf.all_reduce for leaf in plan.active}
+        order = {inst.name: i for i, inst in enumerate(self.comp.instructions)
+                 if inst.name in all_reduces}
         for bucket in self.bucketing.buckets(plan.active, lambda leaf: leaf.byte_size,
                                              lambda leaf: leaf.shape.element_type):
-            self.scatter(bucket)
+            self.scatter(bucket, order)
         for name, op in plan.ops.items():
             if op.kind is OpKind.REDUCE:
                 self.reduce_op(name, op)
@@ -628,6 +633,9 @@ def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> in
                 str(inst.attr("replica_groups")), inst.attr("use_global_device_ids"))
                ].append(name)
     saved = 0
+    #: Where each instruction stands: inserting and erasing others keeps the order of
+    #: those it holds, so it is read again only for an operand it lacks.
+    position: dict[str, int] = {}
     for key, group in groups.items():
         if len(group) < 2:
             continue
@@ -635,7 +643,9 @@ def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> in
         sizes = [comp[n].array_shape.num_elements for n in group]
         label = "one_element_sums" if set(sizes) == {1} else "small_sums"
         operands = [comp[n].operands[0] for n in group]
-        anchor = max(operands, key=comp.position)
+        if not position.keys() >= set(operands):  # one made by an earlier group: read again
+            position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+        anchor = max(operands, key=position.__getitem__)
         with rw.inserting_after(anchor):
             pieces = [o if comp[o].array_shape.dims == (size,) != (1,) else
                       emit.add("reshape", emit.shape(element_type, (size,)), [o],
