@@ -592,33 +592,36 @@ class Rewriter:
         leaves unused (a rewrite clearing what it replaced, not what the input left
         dead). Sweeps until nothing more goes, so an order that is not yet def-before-use
         loses its dead values too. Returns how many were erased."""
-        self._indexed()
+        users = self._indexed()[0]
+        instructions = self.comp.instructions
         protected = set(keep) | {self.comp.root_name}
-        for inst in self.comp.instructions:
-            protected.update(control_predecessors(inst))
-        pending = {inst.name for inst in self.comp.instructions} if among is None else \
-            set(among)
-        removed = 0
+        for inst in instructions:
+            if "control-predecessors" in inst.attributes:
+                protected.update(control_predecessors(inst))
+        #: Where each instruction stands: a sweep takes its names latest first.
+        rank = {inst.name: i for i, inst in enumerate(instructions)}
+        pending = set(rank) if among is None else set(among)
+        erased: set[str] = set()
         while pending:
-            sweep = [inst for inst in reversed(self.comp.instructions) if inst.name in pending]
+            sweep = sorted((name for name in pending if name in rank and name not in erased),
+                           key=rank.__getitem__, reverse=True)
             pending = set()
-            erased: set[str] = set()
-            for inst in sweep:
-                if inst.name in protected or self._users[inst.name] or is_impure(inst):
+            erased_before = len(erased)
+            for name in sweep:
+                inst = self.comp[name]
+                if name in protected or users[name] or is_impure(inst):
                     continue
-                self._unlink(inst.name)
-                erased.add(inst.name)
+                self._unlink(name)
+                erased.add(name)
                 pending.update(inst.operands)
-            if not erased:
+            if len(erased) == erased_before:
                 break
-            # The sweep's instructions leave the list at once (one pass, not one each).
-            instructions = self.comp.instructions
+        if erased:  # they leave the list at once (one pass, not one each)
             self._shift_cursors([i for i, inst in enumerate(instructions) if inst.name in erased]
                                 if self._cursor is not None or self._saved else [])
             instructions[:] = [inst for inst in instructions if inst.name not in erased]
             self.comp.reindex()
-            removed += len(erased)
-        return removed
+        return len(erased)
 
 
 @dataclass

@@ -36,7 +36,7 @@ import enum
 import itertools
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import cast
@@ -1137,7 +1137,7 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
             sharded[value] = leaf.format
     leaf_values = set(sharded)
     for inst in order:
-        if inst.name in leaf_values or not any(o in sharded for o in inst.operands):
+        if inst.name in leaf_values or sharded.keys().isdisjoint(inst.operands):
             continue
         op = classify(ctx, inst)
         if op is not None:
@@ -1164,9 +1164,10 @@ def _pull_reductions(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGra
     from other scopes' gradients (what lies behind it is the same in every trial of the
     scope)."""
     feeds = upstream(graph, ops, upstream_of_gradients, foreign)
-    for name in sorted(feeds, key=index.__getitem__):
+    reduces = [name for name in feeds if ctx.comp[name].opcode == "reduce"]
+    for name in sorted(reduces, key=index.__getitem__):
         inst = ctx.comp[name]
-        if inst.opcode != "reduce" or name in ops or not ctx.replicated(name):
+        if name in ops or not ctx.replicated(name):
             continue
         source = _array(ctx.inst(inst.operands[0]).shape)
         if source is None or source.num_elements < ctx.n:
@@ -1181,11 +1182,16 @@ def upstream(graph: DataflowGraph, starts: Iterable[str],
              stops: Callable[[str], bool] | None = None) -> set[str]:
     """Every strict ancestor of any of ``starts`` (one traversal for all of them), not
     searching past (nor including) the names in ``stop`` or those ``stops`` says."""
-    def parents(name: str) -> Iterator[str]:
-        return (p for p in graph.predecessors(name)
-                if p not in stop and not (stops and stops(p)))
-
-    return reachable(starts, parents)
+    comp = graph.comp
+    found: set[str] = set()
+    stack = [operand for start in starts for operand in comp[start].operands]
+    while stack:
+        name = stack.pop()
+        if name in found or name in stop or (stops is not None and stops(name)):
+            continue
+        found.add(name)
+        stack.extend(comp[name].operands)
+    return found
 
 
 def _pull_producers(ctx: _Context, ops: dict[str, RegionOp], graph: DataflowGraph) -> None:
