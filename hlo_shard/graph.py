@@ -12,7 +12,7 @@ what a pass's ``PassResult.changed`` and ``changes`` come from, what tests read 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -168,18 +168,6 @@ def control_predecessors(inst: Instruction) -> list[str]:
     return re.findall(r"%?([A-Za-z_][\w.\-]*)", getattr(raw, "text", str(raw)))
 
 
-def is_def_before_use(comp: Computation) -> bool:
-    seen: set[str] = set()
-    for inst in comp.instructions:
-        if not seen.issuperset(inst.operands):
-            return False
-        if "control-predecessors" in inst.attributes and \
-                not seen.issuperset(control_predecessors(inst)):
-            return False
-        seen.add(inst.name)
-    return True
-
-
 def topological_order(comp: Computation) -> list[Instruction]:
     """A def-before-use order that keeps the list order wherever it is valid (read it,
     do not edit it: see :func:`reading_only`).
@@ -191,16 +179,27 @@ def topological_order(comp: Computation) -> list[Instruction]:
 
 
 def _topological_order(comp: Computation) -> list[Instruction]:
-    if is_def_before_use(comp):
-        return list(comp.instructions)
-    deps = {inst.name: set(inst.operands) | set(control_predecessors(inst))
-            for inst in comp.instructions}
-    names = stable_topological_sort([inst.name for inst in comp.instructions], deps)
-    if len(names) != len(comp.instructions):
-        placed = set(names)
-        raise DependencyCycle(comp.name, [i.name for i in comp.instructions
-                                          if i.name not in placed])
-    return [comp[name] for name in names]
+    instructions = comp.instructions
+    needs_of = [[*inst.operands, *control_predecessors(inst)]
+                if "control-predecessors" in inst.attributes else inst.operands
+                for inst in instructions]
+    if _in_order(instructions, needs_of):
+        return list(instructions)
+    placed = _earliest_ready_first([inst.name for inst in instructions], needs_of)
+    if len(placed) != len(instructions):
+        stuck = set(range(len(instructions))).difference(placed)
+        raise DependencyCycle(comp.name, [instructions[i].name for i in sorted(stuck)])
+    return [instructions[i] for i in placed]
+
+
+def _in_order(instructions: list[Instruction], needs_of: list[list[str]]) -> bool:
+    """Every instruction's needs come before it in the list (one scan)."""
+    seen: set[str] = set()
+    for inst, needs in zip(instructions, needs_of):
+        if not seen.issuperset(needs):
+            return False
+        seen.add(inst.name)
+    return True
 
 
 class DependencyCycle(ValueError):
@@ -215,26 +214,54 @@ class DependencyCycle(ValueError):
 
 def stable_topological_sort(order: list[str], deps: dict[str, set[str]]) -> list[str]:
     """Kahn's algorithm that always takes the ready node earliest in ``order``, so an
-    order that already respects ``deps`` comes back unchanged (checked first, in one
-    scan). Nodes on a cycle are left out (callers compare lengths)."""
-    position = {name: i for i, name in enumerate(order)}
-    needs_of = [deps.get(name, ()) for name in order]
-    if all(position[need] < i for i, needs in enumerate(needs_of) for need in needs):
-        return list(order)
-    dependents: list[list[int]] = [[] for _ in order]
-    remaining = [len(needs) for needs in needs_of]
-    for i, needs in enumerate(needs_of):
-        for need in needs:
-            dependents[position[need]].append(i)
-    ready = [i for i, count in enumerate(remaining) if count == 0]  # sorted: a heap
-    result: list[str] = []
-    while ready:
-        i = heapq.heappop(ready)
-        result.append(order[i])
-        for user in dependents[i]:
+    order that already respects ``deps`` comes back unchanged. Nodes on a cycle are left
+    out (callers compare lengths)."""
+    needs_of = [deps.get(name, set()) for name in order]
+    return [order[i] for i in _earliest_ready_first(order, needs_of)]
+
+
+def _earliest_ready_first(names: Sequence[str], needs_of: Sequence[Collection[str]]
+                          ) -> list[int]:
+    """Positions in ``names`` in Kahn's order taking the earliest ready node first
+    (``needs_of[i]``: the names node ``i`` needs placed before it, repeats allowed; a
+    name not in ``names`` is a KeyError); nodes on a cycle or after one are left out.
+
+    One scan in list order: a node whose needs are placed when the scan reaches it is
+    placed there, unless one waiting before it became ready first (those wait on a heap
+    and always come first, being earlier); only the nodes that wait pay for the heap,
+    so a list that is valid, or nearly, costs one pass."""
+    placed: set[str] = set()
+    #: Name not placed yet → the waiting nodes that need it (once per need).
+    waiting: dict[str, list[int]] = {}
+    remaining: dict[int, int] = {}
+    ready: list[int] = []
+    result: list[int] = []
+
+    def place(i: int) -> None:
+        result.append(i)
+        placed.add(names[i])
+        for user in waiting.pop(names[i], ()):
             remaining[user] -= 1
             if remaining[user] == 0:
                 heapq.heappush(ready, user)
+
+    for i, needs in enumerate(needs_of):
+        while ready:
+            place(heapq.heappop(ready))
+        if placed.issuperset(needs):
+            place(i)
+            continue
+        missing = [need for need in needs if need not in placed]
+        for need in missing:
+            waiting.setdefault(need, []).append(i)
+        remaining[i] = len(missing)
+    while ready:
+        place(heapq.heappop(ready))
+    if len(result) < len(names):
+        known = set(names)
+        unknown = next((need for need in waiting if need not in known), None)
+        if unknown is not None:
+            raise KeyError(unknown)
     return result
 
 
@@ -293,19 +320,42 @@ class Rewriter:
 
     comp: Computation
     changes: list[Change] = field(default_factory=list)
-    #: Name → its users, in program order (dicts: a user leaves in constant time).
-    _users: dict[str, dict[str, None]] = field(init=False)
+    #: Name → its users, in program order (dicts: a user leaves in constant time),
+    #: and the names in use: read from the computation at the first query or edit
+    #: (:meth:`_indexed`), so a pass that looks at a computation and finds nothing to
+    #: do there pays nothing for them.
+    _users_index: dict[str, dict[str, None]] | None = field(init=False, default=None)
+    _taken_names: set[str] | None = field(init=False, default=None)
     #: Where the last position lookup found its instruction (see :meth:`_position`).
     _hint: int = field(init=False, default=0)
     _cursor: int | None = field(init=False, default=None)
     #: Cursors of the enclosing ``inserting_*`` blocks, kept in step with every edit.
     _saved: list[int | None] = field(init=False, default_factory=list)
-    _taken: set[str] = field(init=False)
+    #: Stem → the first ``N`` :meth:`fresh_name` has not found taken yet: names are only
+    #: ever added to :attr:`_taken`, so the numbers below it stay taken, and a pass adding
+    #: thousands of ``reshape.N`` does not test every earlier number each time.
+    _next_number: dict[str, int] = field(init=False, default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self._users = {name: dict.fromkeys(users)
-                       for name, users in users_map(self.comp).items()}
-        self._taken = {inst.name for inst in self.comp.instructions}
+    def _indexed(self) -> tuple[dict[str, dict[str, None]], set[str]]:
+        """The users index and the names in use, read from the computation the first
+        time (every edit asks before it changes anything: they describe the
+        computation as this rewriter found it, then each edit)."""
+        if self._users_index is None or self._taken_names is None:
+            instructions = self.comp.instructions
+            users: dict[str, dict[str, None]] = {inst.name: {} for inst in instructions}
+            for inst in instructions:
+                for operand in inst.operands:  # a repeated operand: the same key again
+                    users[operand][inst.name] = None
+            self._users_index, self._taken_names = users, set(users)
+        return self._users_index, self._taken_names
+
+    @property
+    def _users(self) -> dict[str, dict[str, None]]:
+        return self._indexed()[0]
+
+    @property
+    def _taken(self) -> set[str]:
+        return self._indexed()[1]
 
     def _record(self, kind: str, name: str, detail: str = "", *,
                 before: Shape | AttrValue | None = None,
@@ -343,10 +393,11 @@ class Rewriter:
         if not re.match(r"[A-Za-z_]", stem):
             stem = f"v{stem}"
         stem = re.sub(r"\.\d+$", "", stem)
-        for n in itertools.count(1):
+        for n in itertools.count(self._next_number.get(stem, 1)):
             candidate = f"{stem}.{n}"
             if candidate not in self._taken and candidate not in _RESERVED_NAMES:
                 self._taken.add(candidate)
+                self._next_number[stem] = n + 1
                 return candidate
         raise AssertionError("unreachable")
 
@@ -389,6 +440,7 @@ class Rewriter:
         return inserted
 
     def _insert(self, position: int, inst: Instruction) -> Instruction:
+        self._indexed()
         self.comp.insert(position, inst)
         self._taken.add(inst.name)
         self._users[inst.name] = {}
@@ -404,11 +456,13 @@ class Rewriter:
     # Use replacement ----------------------------------------------------------------
     def set_operand(self, user: Instruction, index: int, new: str) -> None:
         """Point operand ``index`` of ``user`` at ``new``."""
+        self._indexed()
         old = self._retarget(user, index, new)
         self._record("set-operand", user.name, f"{index}: %{old} -> %{new}")
 
     def set_operands(self, user: Instruction, names: Iterable[str]) -> None:
         """Replace the whole operand list of ``user`` (any length)."""
+        self._indexed()
         names = list(names)
         for operand in dict.fromkeys(user.operands):
             del self._users[operand][user.name]
@@ -418,6 +472,7 @@ class Rewriter:
         self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
 
     def _retarget(self, user: Instruction, index: int, new: str) -> str:
+        self._indexed()
         old = user.operands[index]
         user.operands[index] = new
         if old not in user.operands:
@@ -478,12 +533,17 @@ class Rewriter:
         """Put the instructions in ``order`` (the same instructions, e.g. a topological
         order); recorded when the order differs. Not inside an ``inserting_*`` block,
         whose position would lose its meaning."""
-        order = list(order)
+        self._put_in_order(list(order), checked=False)
+
+    def _put_in_order(self, order: list[Instruction], *, checked: bool = True) -> None:
+        """:meth:`reorder`; ``checked``: ``order`` is known to hold the same
+        instructions (a topological order of them)."""
         if self._cursor is not None or self._saved:
             raise ValueError("cannot reorder inside an inserting_* block")
-        if len(order) != len(self.comp.instructions) or \
-                {id(i) for i in order} != {id(i) for i in self.comp.instructions}:
+        if not checked and (len(order) != len(self.comp.instructions) or
+                            {id(i) for i in order} != {id(i) for i in self.comp.instructions}):
             raise ValueError(f"reorder of {self.comp.name} must keep the same instructions")
+        self._indexed()
         if all(a is b for a, b in zip(order, self.comp.instructions)):
             return
         self.comp.instructions[:] = order
@@ -492,7 +552,7 @@ class Rewriter:
     def sort_topologically(self) -> None:
         """Restore def-before-use after edits that broke it (see
         :func:`topological_order`: a valid order is kept)."""
-        self.reorder(topological_order(self.comp))
+        self._put_in_order(topological_order(self.comp))
 
     # Removal --------------------------------------------------------------------------
     def erase(self, name: str) -> None:
@@ -532,32 +592,36 @@ class Rewriter:
         leaves unused (a rewrite clearing what it replaced, not what the input left
         dead). Sweeps until nothing more goes, so an order that is not yet def-before-use
         loses its dead values too. Returns how many were erased."""
+        users = self._indexed()[0]
+        instructions = self.comp.instructions
         protected = set(keep) | {self.comp.root_name}
-        for inst in self.comp.instructions:
-            protected.update(control_predecessors(inst))
-        pending = {inst.name for inst in self.comp.instructions} if among is None else \
-            set(among)
-        removed = 0
+        for inst in instructions:
+            if "control-predecessors" in inst.attributes:
+                protected.update(control_predecessors(inst))
+        #: Where each instruction stands: a sweep takes its names latest first.
+        rank = {inst.name: i for i, inst in enumerate(instructions)}
+        pending = set(rank) if among is None else set(among)
+        erased: set[str] = set()
         while pending:
-            sweep = [inst for inst in reversed(self.comp.instructions) if inst.name in pending]
+            sweep = sorted((name for name in pending if name in rank and name not in erased),
+                           key=rank.__getitem__, reverse=True)
             pending = set()
-            erased: set[str] = set()
-            for inst in sweep:
-                if inst.name in protected or self._users[inst.name] or is_impure(inst):
+            erased_before = len(erased)
+            for name in sweep:
+                inst = self.comp[name]
+                if name in protected or users[name] or is_impure(inst):
                     continue
-                self._unlink(inst.name)
-                erased.add(inst.name)
+                self._unlink(name)
+                erased.add(name)
                 pending.update(inst.operands)
-            if not erased:
+            if len(erased) == erased_before:
                 break
-            # The sweep's instructions leave the list at once (one pass, not one each).
-            instructions = self.comp.instructions
+        if erased:  # they leave the list at once (one pass, not one each)
             self._shift_cursors([i for i, inst in enumerate(instructions) if inst.name in erased]
                                 if self._cursor is not None or self._saved else [])
             instructions[:] = [inst for inst in instructions if inst.name not in erased]
             self.comp.reindex()
-            removed += len(erased)
-        return removed
+        return len(erased)
 
 
 @dataclass

@@ -13,7 +13,7 @@ verbatim, so nothing XLA adds in a new release is ever dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
@@ -379,6 +379,11 @@ class Computation:
 
     def get(self, name: str) -> Instruction | None:
         return self._index.get(name)
+
+    def has_all(self, names: Iterable[str]) -> bool:
+        """Every one of ``names`` is an instruction here (one C loop: validation asks
+        it of every instruction's operands)."""
+        return all(map(self._index.__contains__, names))
 
     @property
     def root(self) -> Instruction:

@@ -58,8 +58,8 @@ from hlo_shard.values import (
     read_replica_groups, read_slice_ranges, show,
 )
 
-__all__ = ["OPCODES", "compatible", "cyclic_gc_paused", "grammar_path", "is_known_opcode", "parse",
-           "parse_file"]
+__all__ = ["OPCODES", "compatible", "cyclic_gc_paused", "grammar_path", "is_known_opcode",
+           "parse", "parse_file"]
 
 # ----------------------------------------------------------------------------- tables
 
@@ -1300,10 +1300,10 @@ def parse(text: str, path: str | None = None) -> Module:
 
 @contextlib.contextmanager
 def cyclic_gc_paused() -> Iterator[None]:
-    """Pause the cycle collector while this thread is the only one: reading creates a
-    great many objects and no cycles, and the collector's passes over them cost a fifth
-    of the time on large modules (so do the cost model's analyses of a parsed module:
-    each full pass rescans all of the module's objects). With other threads running the collector is left
+    """Pause the cycle collector while this thread is the only one: reading a module,
+    rewriting one (:class:`~hlo_shard.passes.pipeline.Pipeline`) and the cost model's
+    analyses of one create a great many objects and no cycles, and the collector's
+    passes over them cost a fifth to a quarter of the time on large modules. With other threads running the collector is left
     alone (it is process-wide, and they may need it), and the caller's setting is
     always restored as it was."""
     if not gc.isenabled() or threading.active_count() > 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
 from typing import Any
 
@@ -41,25 +42,26 @@ def row_major_perm(dims: tuple[int, ...]) -> tuple[int, ...]:
 class ShardFormat:
     """A full value of ``dims``, flattened as ``ravel(transpose(value, perm))``, zero-padded
     to ``n × shard_len`` and cut into ``n`` chunks; the device at group position j holds
-    chunk j as a 1-D ``[shard_len]`` array."""
+    chunk j as a 1-D ``[shard_len]`` array. Its sizes and block are worked out once per
+    format (the pass asks them of every op of a region, in every trial of its planning)."""
 
     dims: tuple[int, ...]
     perm: tuple[int, ...]
     n: int
 
-    @property
+    @cached_property
     def elements(self) -> int:
         return math.prod(self.dims)
 
-    @property
+    @cached_property
     def shard_len(self) -> int:
         return max(1, -(-self.elements // self.n))
 
-    @property
+    @cached_property
     def padded(self) -> int:
         return self.n * self.shard_len
 
-    @property
+    @cached_property
     def padding(self) -> int:
         return self.padded - self.elements
 
@@ -71,7 +73,7 @@ class ShardFormat:
     def is_row_major(self) -> bool:
         return self.perm == row_major_perm(self.dims)
 
-    @property
+    @cached_property
     def block(self) -> tuple[int, int] | None:
         """``(dimension, rows)`` when every shard is a plain block of the value — rows
         ``[j·rows, (j+1)·rows)`` of the format's most-major dimension (no padding, the

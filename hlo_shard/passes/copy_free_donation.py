@@ -28,7 +28,7 @@ from typing import ClassVar
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
 from hlo_shard.costmodel.step_time import donated_copy_seconds, estimate_step
-from hlo_shard.graph import ModuleRewriter
+from hlo_shard.graph import ModuleRewriter, reading_only
 from hlo_shard.ir import Alias, InputOutputAlias, Module
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
@@ -69,11 +69,12 @@ class CopyFreeDonation(ModulePass[UnaliasedDonations]):
             # None, or entries this pass does not read (nested tuple outputs): untouched.
             return UnaliasedDonations(())
         profile = resolve_profile(self.profile).for_devices(module.device_count)
-        buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
-                                   profile.combined_collectives)
         limit = profile.fresh_temp_threshold_bytes
-        copied = {copy.parameter: copy for copy in donated_parameter_copies(module, buckets)
-                  if not limit or copy.bytes <= limit}
+        with reading_only():  # both read the entry's order and users
+            buckets = combiner_buckets(module, module.entry, profile.combine_threshold_bytes,
+                                       profile.combined_collectives)
+            copied = {copy.parameter: copy for copy in donated_parameter_copies(module, buckets)
+                      if not limit or copy.bytes <= limit}
         numbers = {p.parameter_number: p.name for p in module.entry.parameters()}
         kept: list[Alias] = []
         dropped: list[DonatedCopy] = []

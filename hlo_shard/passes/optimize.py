@@ -21,7 +21,7 @@ from typing import Any
 from hlo_shard.analysis.names import UserNames
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.parser import parse
+from hlo_shard.parser import cyclic_gc_paused, parse
 from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
@@ -152,6 +152,13 @@ def optimize(module: Module, options: ShardingOptions, *, force: bool = False,
     before the module is touched. ``after_pass`` sees each pass run on ``module`` (not
     the gate's priced copies); ``record``: the result keeps their edits."""
     sharding = WeightUpdateSharding(options)
+    with cyclic_gc_paused():  # the gate's copies and pricing as the pipeline's rewrites
+        return _optimize(module, sharding, force, after_pass, gate, executable, record)
+
+
+def _optimize(module: Module, sharding: WeightUpdateSharding, force: bool,
+              after_pass: AfterPass | None, gate: bool, executable: ForExecutable | None,
+              record: bool) -> OptimizeResult:
     seen: list[PassChanges] = []
 
     def watch(step: Pass[Any], result: PassResult[Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
-from hlo_shard.parser import parse
+from hlo_shard.parser import cyclic_gc_paused, parse
 from hlo_shard.passes.base import Pass, PassResult, run_pass
 from hlo_shard.printer import to_text
 from hlo_shard.validate import validate
@@ -89,6 +89,10 @@ class Pipeline:
         object.__setattr__(self, "passes", tuple(self.passes))
 
     def run(self, module: Module) -> PipelineResult:
+        with cyclic_gc_paused():
+            return self._run(module)
+
+    def _run(self, module: Module) -> PipelineResult:
         results = []
         # What the input has already (a header without the device counts a later pass
         # recovers: device ids out of range, wherever the passes move them) is not a

@@ -222,10 +222,17 @@ _SCALAR_OK = SCALAR_OPERANDS
 
 
 def _elementwise(ctx: _Context, inst: Instruction) -> RegionOp | None:
-    formats = {ctx.sharded[o] for o in inst.operands if o in ctx.sharded}
-    if len(formats) != 1:
+    fmt: ShardFormat | None = None
+    for operand in inst.operands:  # the sharded operands' one format
+        found = ctx.sharded.get(operand)
+        if found is None:
+            continue
+        if fmt is None:
+            fmt = found
+        elif found is not fmt and found != fmt:
+            return None
+    if fmt is None:
         return None
-    fmt = formats.pop()
     shape = _array(inst.shape)
     if shape is None or shape.dims != fmt.dims or not _operands_fit(ctx, inst, fmt):
         return None

@@ -81,6 +81,36 @@ class RegionSnapshot:
         self.edits.forget(self.comp, self.logged)
 
 
+@dataclass
+class RootUses:
+    """Where the root reads each value: operand name → its positions, in step with the
+    edits :meth:`RegionRewrite._rewire` makes of the root (entries a later edit made
+    stale are dropped when read)."""
+
+    root: Instruction
+    at: dict[str, list[int]]
+
+    @staticmethod
+    def of(root: Instruction) -> RootUses:
+        at: dict[str, list[int]] = defaultdict(list)
+        for i, operand in enumerate(root.operands):
+            at[operand].append(i)
+        return RootUses(root, at)
+
+    def positions(self, value: str) -> list[int]:
+        """The positions that read ``value`` now, in operand order."""
+        return sorted({i for i in self.at.get(value, ()) if self.root.operands[i] == value})
+
+    def take(self, value: str) -> list[int]:
+        """:meth:`positions`, forgotten here: the caller points them elsewhere."""
+        found = self.positions(value)
+        self.at.pop(value, None)
+        return found
+
+    def add(self, value: str, position: int) -> None:
+        self.at.setdefault(value, []).append(position)
+
+
 class RegionRewrite:
     """Rewrites ``comp`` by ``plan``. ``inputs``: instruction → format of the shard its
     value becomes (state parameters, carried loop slots); ``outputs``: root tuple position
@@ -134,11 +164,12 @@ class RegionRewrite:
         return self.replicated_shard(operand, fmt)
 
     # Reduce-scatter side ------------------------------------------------------------------
-    def scatter(self, leaves: list[PlannedLeaf]) -> None:
+    def scatter(self, leaves: list[PlannedLeaf], order: dict[str, int]) -> None:
         """One reduce-scatter for ``leaves`` (one element type), placed before the last of
-        their all-reduces; records each leaf's ``[L]`` shard."""
+        their all-reduces (``order``: where each all-reduce stands among them); records
+        each leaf's ``[L]`` shard."""
         emit = self.emit
-        anchor = max((leaf.all_reduce for leaf in leaves), key=self.comp.position)
+        anchor = max((leaf.all_reduce for leaf in leaves), key=order.__getitem__)
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
         element_type = leaves[0].shape.element_type
         with self.rw.inserting_before(anchor):
@@ -346,9 +377,13 @@ class RegionRewrite:
         :class:`RegionSnapshot` and keeps the region whole."""
         plan = self.plan
         self._seed_inputs()
+        # Inserting and erasing other instructions keeps the all-reduces' order: one scan.
+        all_reduces = {leaf.all_reduce for leaf in plan.active}
+        order = {inst.name: i for i, inst in enumerate(self.comp.instructions)
+                 if inst.name in all_reduces}
         for bucket in self.bucketing.buckets(plan.active, lambda leaf: leaf.byte_size,
                                              lambda leaf: leaf.shape.element_type):
-            self.scatter(bucket)
+            self.scatter(bucket, order)
         for name, op in plan.ops.items():
             if op.kind is OpKind.REDUCE:
                 self.reduce_op(name, op)
@@ -412,31 +447,37 @@ class RegionRewrite:
                 self.rw.erase(convert)
 
     def _rewire(self, value: str, replacement: str, users: list[str],
-                keep: dict[int, str] | None = None) -> None:
+                keep: dict[int, str] | None = None, at_root: RootUses | None = None) -> None:
         """Point ``users`` (``""``: the root) of ``value`` at ``replacement``; root tuple
-        positions in ``keep`` get that name instead."""
+        positions in ``keep`` get that name instead. ``at_root``: where the root reads
+        each value, kept in step here (a root tuple of thousands of outputs is not
+        searched once per value)."""
         for user in users:
             if not user:
                 self.rw.set_root(replacement)
                 continue
             inst = self.comp[user]
-            for i, operand in enumerate(inst.operands):
-                if operand == value:
-                    kept = keep.get(i) if keep and user == self.comp.root_name else None
-                    self.rw.set_operand(inst, i, kept or replacement)
+            indexed = at_root if at_root is not None and inst is at_root.root else None
+            positions = indexed.take(value) if indexed is not None else \
+                [i for i, operand in enumerate(inst.operands) if operand == value]
+            for i in positions:
+                kept = keep.get(i) if keep and user == self.comp.root_name else None
+                self.rw.set_operand(inst, i, kept or replacement)
+                if indexed is not None:
+                    indexed.add(kept or replacement, i)
 
     def _gather_boundaries(self) -> None:
         comp = self.comp
         root = comp.root
         kept_shards = {k: self.shard_of[v] for k, v in self.outputs.items()}
         position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+        at_root = RootUses.of(root)
         anchors: dict[str, list[str]] = defaultdict(list)
         needs: dict[str, list[str]] = {}
         for value, boundary in self.plan.boundary.items():
             users = list(boundary)
             if root.name in users and root.opcode == "tuple" and all(
-                    self.outputs.get(k) == value for k, o in enumerate(root.operands)
-                    if o == value):
+                    self.outputs.get(k) == value for k in at_root.positions(value)):
                 users.remove(root.name)  # only shard-keeping outputs use it: no gather
             if not users:
                 continue
@@ -456,7 +497,7 @@ class RegionRewrite:
                 with self.rw.inserting_before(anchor):
                     gathered.update(zip(bucket, self.emit.gather(items)))
         for value, users in needs.items():
-            self._rewire(value, gathered[value], users, kept_shards)
+            self._rewire(value, gathered[value], users, kept_shards, at_root)
         if root.opcode == "tuple" and isinstance(root.shape, TupleShape) and self.outputs:
             zero_padded = PaddingZeros(self.module, comp, self.plan, set(self.inputs))
             for k, value in self.outputs.items():
@@ -592,6 +633,9 @@ def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> in
                 str(inst.attr("replica_groups")), inst.attr("use_global_device_ids"))
                ].append(name)
     saved = 0
+    #: Where each instruction stands: inserting and erasing others keeps the order of
+    #: those it holds, so it is read again only for an operand it lacks.
+    position: dict[str, int] = {}
     for key, group in groups.items():
         if len(group) < 2:
             continue
@@ -599,7 +643,9 @@ def combine_small_sums(rw: Rewriter, emit: ShardEmitter, names: list[str]) -> in
         sizes = [comp[n].array_shape.num_elements for n in group]
         label = "one_element_sums" if set(sizes) == {1} else "small_sums"
         operands = [comp[n].operands[0] for n in group]
-        anchor = max(operands, key=comp.position)
+        if not position.keys() >= set(operands):  # one made by an earlier group: read again
+            position = {inst.name: i for i, inst in enumerate(comp.instructions)}
+        anchor = max(operands, key=position.__getitem__)
         with rw.inserting_after(anchor):
             pieces = [o if comp[o].array_shape.dims == (size,) != (1,) else
                       emit.add("reshape", emit.shape(element_type, (size,)), [o],

@@ -40,7 +40,8 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph
+from hlo_shard.graph import (DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph,
+                             reading_only)
 from hlo_shard.ir import Computation, Instruction, Module, Shape, TupleShape, shape_leaves
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, RegionOptions,
@@ -295,15 +296,17 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         the entry's optimizer state (``state="sharded"``) or a loop body's carried slots
         become shards too (the carries are rewritten outside the body later)."""
         module = run.edits.module
-        leaves, rejected = collect_leaves(module, comp, candidates)
-        run.report.explanations += [_rejected(module, ar, why, ReasonCode.TUPLE_USED_WHOLE)
-                                    for ar, why in rejected]
-        if not leaves:
-            return
-        state_entry = comp.is_entry and self.options.state == "sharded"
-        plan = plan_region(module, comp, leaves, run.replication, RegionOptions(
-            self.options.min_shard_bytes, state_entry,
-            tuple((number, k) for k, number in module.output_aliases().items()) if state_entry else ()))
+        with reading_only():  # the leaves and the plan read one users index and order
+            leaves, rejected = collect_leaves(module, comp, candidates)
+            run.report.explanations += [_rejected(module, ar, why, ReasonCode.TUPLE_USED_WHOLE)
+                                        for ar, why in rejected]
+            if not leaves:
+                return
+            state_entry = comp.is_entry and self.options.state == "sharded"
+            plan = plan_region(module, comp, leaves, run.replication, RegionOptions(
+                self.options.min_shard_bytes, state_entry,
+                tuple((number, k) for k, number in module.output_aliases().items())
+                if state_entry else ()))
         collectives: dict[str, str] = {}
         if plan.active:
             snapshot, mark = RegionSnapshot.take(run.edits, comp, run.channels), run.mark()
