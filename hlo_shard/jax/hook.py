@@ -281,7 +281,7 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False
         reasons = sorted({e.reason for e in report.explanations if e.reason})
         return None, report, "nothing sharded (" + ("; ".join(reasons) or
                                                    "no gradient all-reduce") + ")"
-    return result.text, report, ""
+    return result.xla_text, report, ""
 
 
 def _agree_across_processes(out: str | None, result: bytes | None, reason: str
