@@ -88,18 +88,9 @@ class JitStep:
         return self.compiled
 
 
-@dataclass
-class FirstCallSeconds:
-    """Where a signature's first call spends its time, beyond jit's own work: the
-    ``capture`` (jit's lowering and its compile with the dump options up to the
-    partitioned module, reading it), the ``pass`` (parse, the optimizer with its gate
-    and output checks) and the ``compile`` of the optimized module, or where the step
-    falls back after a stopped capture, of jit's own. Filled as the stages run, so a
-    fallback says how far it got."""
-
-    capture: float = 0.0
-    pass_: float = 0.0
-    compile: float = 0.0
+class StageSeconds:
+    """Seconds per stage (a dataclass's float fields), filled as the stages run, so a
+    run cut short says how far it got."""
 
     @contextmanager
     def timing(self, stage: str) -> Iterator[None]:
@@ -109,6 +100,19 @@ class FirstCallSeconds:
             yield
         finally:
             setattr(self, stage, getattr(self, stage) + time.perf_counter() - started)
+
+
+@dataclass
+class FirstCallSeconds(StageSeconds):
+    """Where a signature's first call spends its time, beyond jit's own work: the
+    ``capture`` (jit's lowering and its compile with the dump options up to the
+    partitioned module, reading it), the ``pass`` (parse, the optimizer with its gate
+    and output checks) and the ``compile`` of the optimized module, or where the step
+    falls back after a stopped capture, of jit's own."""
+
+    capture: float = 0.0
+    pass_: float = 0.0
+    compile: float = 0.0
 
     def to_json(self) -> dict[str, float]:
         return {"capture": self.capture, "pass": self.pass_, "compile": self.compile}
