@@ -25,8 +25,8 @@ def _same(ours, jits) -> bool:
 
 
 def _jits_shardings(jitted, args) -> tuple[tuple, tuple]:
-    compiled = jitted.lower(*args).compile()
     lowered = jitted.lower(*args)
+    compiled = lowered.compile()
     return (tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
             tuple(jax.tree.leaves(compiled.output_shardings)))
 
