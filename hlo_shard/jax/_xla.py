@@ -163,7 +163,7 @@ STOP_NAME = "hlo_shard.capture_stop"
 _MODULE_ID_FIELD = 5
 
 
-@dataclass
+@dataclass(eq=False)
 class _Armed:
     """One capture's compile waiting to be stopped: its dump folder, and the module
     (serialized, as XLA handed it over) once stopped."""
