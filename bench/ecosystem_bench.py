@@ -20,8 +20,10 @@ programs donate theirs) and its ratio to jit's (median of the rounds' ratios, th
 min-max); the live bytes per device of the state the step carries (parameters,
 optimizer state, the rest of the loop's state) over jit's; the first call (capture,
 pass with its gate, compile and one step) over jit's (lowering, compile and one step),
-with its split (``fast.report["seconds"]``; the hook: XLA's compile, the hook's seconds
-in it and what they add to XLA's own); the first step's metrics against jit's (max relative difference); the
+with its split (``fast.report["seconds"]``: capture, pass, compile; the hook: XLA's
+compile, the hook's seconds in it as read + pass + write (``Decision.split``: XLA's
+proto to text and our parse, the optimizer, the text back through XLA's parser) and
+what they add to XLA's own); the first step's metrics against jit's (max relative difference); the
 decision (gradients sharded of all, or the fallback's reason code; the hook: gradient
 bytes sharded, or its gradients' reason codes). Never asserted:
 ``tests/test_ecosystem.py`` checks the numbers.
@@ -165,9 +167,12 @@ def hook_variant(prog, force: bool = False) -> Variant:
                                      or "; ".join(failures) or "no module with an all-reduce")
     hook_s = sum(d.seconds for d in made)
     added = hook_s / max(compile_s - hook_s, 1e-9)  # over XLA's own share of the compile
+    parts = [sum(d.split.to_json()[stage] for d in made if d.split is not None)
+             for stage in ("read", "pass", "write")]
     return Variant("install()" + (", forced" if force else ""), compiled, state,
                    compile_s + run_s,
-                   f"compile {compile_s:.1f} (hook {hook_s:.1f}, +{added:.0%})", decision,
+                   f"compile {compile_s:.1f} (hook {hook_s:.1f} = "
+                   f"{' + '.join(f'{part:.1f}' for part in parts)}, +{added:.0%})", decision,
                    metrics)
 
 

@@ -61,7 +61,9 @@ def hook_step_time(runs: int, rounds: int, program: str = "adam-mlp") -> float:
           f"{result['gradient_bytes'] - result['sharded_bytes']} bytes)   "
           f"losses equal over {result['checked_steps']} steps: {result['same_losses']}   "
           f"reduce-scatters {result['reduce_scatters']}   "
-          f"compile {result['plain_compile_s']:.1f} s -> {result['hooked_compile_s']:.1f} s")
+          f"compile {result['plain_compile_s']:.1f} s -> {result['hooked_compile_s']:.1f} s "
+          f"(hook {result['hook_s']:.1f} s = read {result['hook_split']['read']:.1f} + pass "
+          f"{result['hook_split']['pass']:.1f} + write {result['hook_split']['write']:.1f})")
     print(f"install(force=True) {result['forced_ms']:8.1f} ms   measured "
           f"{result['forced_ratio']:.2f}x   losses equal: {result['forced_same_losses']}")
     return result["ratio"]
@@ -198,7 +200,10 @@ def _measure(program: str, runs: int, rounds: int) -> dict:
             "reduce_scatters": hooked.as_text().count(" reduce-scatter("),
             "same_losses": losses["plain"] == losses["hooked"],
             "forced_same_losses": losses["plain"] == losses["forced"], "checked_steps": checked,
-            "plain_compile_s": plain_compile, "hooked_compile_s": hooked_compile}
+            "plain_compile_s": plain_compile, "hooked_compile_s": hooked_compile,
+            "hook_s": sum(d.seconds for d in made),
+            "hook_split": {stage: sum(d.split.to_json()[stage] for d in made if d.split)
+                           for stage in ("read", "pass", "write")}}
 
 
 if __name__ == "__main__":

@@ -160,10 +160,12 @@ def _backend_compiles(run) -> list[float]:
     return compiles
 
 
-def test_a_fallback_runs_the_executable_the_capture_compiled(request):
-    """Where ``fast`` runs ``fn``, it runs jit's executable its capture compiled: the step
-    is compiled once, not by the capture and again by jit (static and keyword arguments
-    handed as jit hands them); the report splits the first call's seconds by stage."""
+def test_a_fallback_compiles_jits_executable_once_from_the_captures_lowering(request):
+    """Where ``fast`` runs ``fn``, it runs jit's executable of its capture's lowering:
+    the capture's compile stopped once the step was partitioned (XLA:CPU), the fallback
+    compiles the step once to the end, and jit does not lower or compile it again
+    (static and keyword arguments handed as jit hands them); the report splits the
+    first call's seconds by stage, that compile in ``compile``."""
     if not needs_devices(request):
         return
     mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
@@ -183,12 +185,12 @@ def test_a_fallback_runs_the_executable_the_capture_compiled(request):
         compiles = _backend_compiles(
             lambda: outs.extend(fast(copy, 0.1, x, shift=shift) for copy in copies))
     assert [f.code for f in _fallbacks(caught)] == ["nothing_to_shard"]
-    assert len(compiles) == 1  # the capture's: jit did not compile the step again
+    assert len(compiles) == 2  # the capture's, stopped, and the fallback's: not jit's again
     assert all(copy.is_deleted() for copy in copies)  # donated, as jit donates them
     np.testing.assert_array_equal(np.asarray(outs[0]),
                                   np.asarray(jitted(jnp.array(w), 0.1, x, shift=shift)))
     seconds = fast.report["seconds"]
-    assert seconds["capture"] > 0 and seconds["pass"] > 0 and seconds["compile"] == 0
+    assert seconds["capture"] > 0 and seconds["pass"] > 0 and seconds["compile"] > 0
 
 
 @pytest.mark.parametrize("case", ["one device", "host callback"])

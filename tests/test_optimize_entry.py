@@ -145,3 +145,24 @@ def test_the_jax_front_ends_parse_once_and_leave_printing_to_optimize(front_end)
     rewrite, not from a second parse) and printed once, by ``optimize``'s check."""
     assert _calls(PACKAGE / front_end, "parse") == 1
     assert _calls(PACKAGE / front_end, "to_text") == 0
+
+
+def test_the_text_for_xla_is_validated_and_printed_once_not_parsed_back(monkeypatch):
+    """The hook and the JAX path hand the text straight to XLA's parser (the read-back):
+    ``xla_text`` validates the module itself and prints it, with no parse of its own;
+    the file ``optimize`` writes (``text``) is still parsed back."""
+    import hlo_shard.passes.optimize as entry
+
+    parsed: list[str] = []
+    monkeypatch.setattr(entry, "parse", lambda text, **kw: parsed.append(text) or parse(text, **kw))
+    result = optimize(parse(SGD), ShardingOptions(), force=True)
+    assert result.xla_text == to_text(result.module, for_xla=True) and parsed == []
+    assert result.text == result.xla_text and len(parsed) == 1
+
+
+def test_the_text_for_xla_refuses_a_module_that_fails_validation():
+    result = optimize(parse(SGD), ShardingOptions(), force=True)
+    root = result.module.entry.root
+    root.name = result.module.entry.parameters()[0].name  # defined twice
+    with pytest.raises(hlo_shard.HloShardError, match="fails validation"):
+        _ = result.xla_text

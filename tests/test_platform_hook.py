@@ -138,3 +138,19 @@ def test_the_hook_passes_a_module_it_has_seen_once():
     finally:
         hook._shard = original
         hook._HOOK.outcomes.clear()
+
+
+def test_the_hooks_outcome_splits_its_seconds_into_read_pass_and_write():
+    """The hook's share of XLA's compile, by stage: XLA's proto to text and our parse,
+    the optimizer with its output check, the sharded text back through XLA's parser."""
+    xc = hook._xla_client()
+    data = xc.hlo.hlo_module_from_text(LOOP_ADAM.read_text()).as_serialized_hlo_module_proto()
+    settings = hook._Settings(ShardingOptions(state="gathered"), None, force=True)
+    try:
+        outcome, reused = hook._HOOK.outcome(data, settings)
+    finally:
+        hook._HOOK.outcomes.clear()
+    assert not reused and outcome.result is not None
+    split = outcome.seconds
+    assert split is not None and split.read > 0 and split.pass_ > 0 and split.write > 0
+    assert set(split.to_json()) == {"read", "pass", "write"}

@@ -5,9 +5,12 @@ only appear during partitioning. So the step is compiled once with per-compile d
 options (``compiler_options``; process-wide ``XLA_FLAGS`` stay untouched) into a
 private temporary folder, removed right after, and the partitioner's output is read
 back: the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage
-(shard_map bodies inlined), else ``after_spmd-partitioning``. That compile is jit's own
-(the dump options change no code): where ``fast`` runs ``fn`` for the signature, it runs
-this executable rather than having jit compile the step a second time.
+(shard_map bodies inlined), else ``after_spmd-partitioning``. On XLA:CPU that compile
+stops once the step is partitioned (:class:`~._xla.PartitionStop`): the backend's code
+generation, most of a compile, would be thrown away where the pass shards the step, so
+jit's own executable (:class:`JitStep`) is compiled only where ``fast`` falls back to
+it. Elsewhere the compile runs to the end (the dump options change no code) and
+its executable is the one a fallback runs, rather than jit compiling the step again.
 """
 
 from __future__ import annotations
@@ -65,21 +68,29 @@ class Unsupported(Exception):
         self.code, self.report, self.decision = code, report, decision
         #: What the first call spent before it fell back (set by ``ShardedStep``).
         self.seconds: FirstCallSeconds | None = None
-        #: jit's executable of the step, where the capture compiled it (``fast`` runs it).
-        self.compiled: Any = None
+        #: jit's step, where the capture compiled (or started compiling) it: ``fast``
+        #: runs its executable.
+        self.jit: JitStep | None = None
 
 
 @dataclass
-class FirstCallSeconds:
-    """Where a signature's first call spends its time, beyond jit's own work: the
-    ``capture`` (jit's lowering and compile with the dump options, reading the
-    partitioned module), the ``pass`` (parse, the optimizer with its gate and output
-    checks) and the ``compile`` of the optimized module. Filled as the stages run, so
-    a fallback says how far it got."""
+class JitStep:
+    """jit's own executable of one signature: the capture's where its compile ran to the
+    end, else compiled from the capture's lowering the first time a fallback needs it
+    (no second lowering)."""
 
-    capture: float = 0.0
-    pass_: float = 0.0
-    compile: float = 0.0
+    lowered: Any
+    compiled: Any = None
+
+    def executable(self) -> Any:
+        if self.compiled is None:
+            self.compiled = self.lowered.compile()
+        return self.compiled
+
+
+class StageSeconds:
+    """Seconds per stage (a dataclass's float fields), filled as the stages run, so a
+    run cut short says how far it got."""
 
     @contextmanager
     def timing(self, stage: str) -> Iterator[None]:
@@ -89,6 +100,19 @@ class FirstCallSeconds:
             yield
         finally:
             setattr(self, stage, getattr(self, stage) + time.perf_counter() - started)
+
+
+@dataclass
+class FirstCallSeconds(StageSeconds):
+    """Where a signature's first call spends its time, beyond jit's own work: the
+    ``capture`` (jit's lowering and its compile with the dump options up to the
+    partitioned module, reading it), the ``pass`` (parse, the optimizer with its gate
+    and output checks) and the ``compile`` of the optimized module, or where the step
+    falls back after a stopped capture, of jit's own."""
+
+    capture: float = 0.0
+    pass_: float = 0.0
+    compile: float = 0.0
 
     def to_json(self) -> dict[str, float]:
         return {"capture": self.capture, "pass": self.pass_, "compile": self.compile}
@@ -106,9 +130,8 @@ class Capture:
 
     #: The per-device module after SPMD partitioning.
     text: str
-    lowered: Any
-    #: jit's executable of the step (what ``fast`` runs where it falls back).
-    compiled: Any
+    #: jit's lowering and executable of the step (what ``fast`` runs where it falls back).
+    jit: JitStep
     #: Flat dynamic-argument indices the module takes, in parameter order.
     kept: tuple[int, ...]
     #: Per flat dynamic argument: jit's input sharding, whether donated, whether an
@@ -132,19 +155,19 @@ def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
     anything failing after that is :class:`Unsupported` (``fast`` runs ``fn``), with
     jit's executable where the compile succeeded."""
     lowered = jitted.lower(*args, **kwargs)
-    compiled = None
+    jit = None
     try:
         _check_supported(lowered)  # before compiling: jit compiles what fn runs then
-        compiled, text = _compile_with_dumps(lowered)
-        return _capture_of(lowered, compiled, text)
+        jit = JitStep(lowered)
+        text, in_shardings, out_shardings = _compile_with_dumps(jit)
+        return _capture_of(jit, text, in_shardings, out_shardings)
     except Unsupported as why:
-        if compiled is not None:  # (a module not read keeps the executable it came with)
-            why.compiled = compiled
+        why.jit = jit
         raise
     except Exception as err:  # noqa: BLE001 - our capture never breaks the loop
         failed = Unsupported(f"capturing the per-device module failed: {describe(err)}",
                              Reason.CAPTURE_FAILED)
-        failed.compiled = compiled
+        failed.jit = jit
         raise failed from err
 
 
@@ -159,31 +182,40 @@ def _check_supported(lowered: Any) -> None:
                               Reason.UNSUPPORTED_STEP)
 
 
-def _compile_with_dumps(lowered: Any) -> tuple[Any, str]:
-    """jit's executable, and the partitioned module its compile dumped."""
-    folder = tempfile.mkdtemp(prefix="hlo-shard-capture-")
-    try:
-        compiled = lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": folder})
-        try:
-            return compiled, _read_stage(Path(folder))
-        except Unsupported as why:
-            why.compiled = compiled
-            raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _capture_of(lowered: Any, compiled: Any, text: str) -> Capture:
+def _compile_with_dumps(jit: JitStep) -> tuple[str, tuple, tuple]:
+    """The partitioned module jit's compile dumped, and jit's flat input and output
+    shardings (the partitioner's choices); ``jit.compiled`` set where the compile ran to
+    the end."""
     import jax
 
+    folder = Path(tempfile.mkdtemp(prefix="hlo-shard-capture-"))
+    try:
+        jit.compiled, partitioned = _xla.compile_or_stop(
+            jit.lowered, {**DUMP_OPTIONS, "xla_dump_to": str(folder)}, folder)
+        text = _read_stage(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if partitioned is not None:
+        try:
+            return (text, *_xla.partitioned_shardings(jit.lowered, partitioned))
+        except Exception:  # noqa: BLE001 - jax's naming moved: its executable names them
+            pass
+    compiled = jit.executable()
+    # flatten_up_to: a pruned argument's sharding is None, not a subtree
+    return (text, tuple(jit.lowered.in_tree.flatten_up_to(compiled.input_shardings)),
+            tuple(jax.tree.leaves(compiled.output_shardings)))
+
+
+def _capture_of(jit: JitStep, text: str, in_shardings: tuple, out_shardings: tuple
+                ) -> Capture:
+    import jax
+
+    lowered = jit.lowered
     arg_infos = jax.tree.leaves(lowered.args_info)
     kept = _xla.kept_argument_indices(lowered)
     kept = tuple(range(len(arg_infos))) if kept is None else kept
-    out_shardings = jax.tree.leaves(compiled.output_shardings)
     out_avals, out_tree = jax.tree.flatten(lowered.out_info)
-    return Capture(text, lowered, compiled, kept,
-                   # flatten_up_to: a pruned argument's sharding is None, not a subtree
-                   tuple(lowered.in_tree.flatten_up_to(compiled.input_shardings)),
+    return Capture(text, jit, kept, in_shardings,
                    tuple(tuple(info.shape) for info in arg_infos),
                    tuple(info.donated for info in arg_infos),
                    tuple(jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)

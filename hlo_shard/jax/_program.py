@@ -95,7 +95,7 @@ class Program:
     @property
     def hlo_text(self) -> str:
         """The optimized module as compiled (replica form, validated)."""
-        return self.result.text
+        return self.result.xla_text
 
     # ---------------------------------------------------------------- placement
     def arg_sharding(self, index: int) -> Any:
@@ -310,7 +310,7 @@ def build_program(capture: Capture, options: ShardingOptions,
             capture, options, next_values, force)
     with seconds.timing("compile"), \
             _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
-        executable = _xla.compile_replica_text(result.text, capture.devices)
+        executable = _xla.compile_replica_text(result.xla_text, capture.devices)
         shard_sharding = _shard_sharding(capture) if state_args else None
     return Program(capture, result, options, names, executable, state_args, state_outputs,
                    shard_sharding, seconds, list(next_values))
@@ -345,7 +345,7 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
                                                   "the step has no gradient all-reduce"),
                           Reason.NOTHING_TO_SHARD, report, decision)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
-        _ = result.text  # the output check, here: a module failing it is the pass's fault
+        _ = result.xla_text  # the output check, here: a module failing it is the pass's fault
         state_args, state_outputs = _state_layouts(report, capture)
     return names, result, state_args, state_outputs
 

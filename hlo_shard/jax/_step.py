@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _distributed, _xla
-from hlo_shard.jax._capture import FirstCallSeconds, Reason, Unsupported, capture, describe
+from hlo_shard.jax._capture import (FirstCallSeconds, JitStep, Reason, Unsupported, capture,
+                                    describe)
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.passes.weight_update import ShardingOptions
 
@@ -42,9 +44,10 @@ class FallbackWarning(UserWarning):
 @dataclass(frozen=True)
 class _Fallback:
     why: Unsupported
-    #: jit's executable of this signature where the capture compiled it (run instead
-    #: of ``fn``, which would compile the step again), else None.
-    compiled: Any = None
+    #: jit's step of this signature where the capture lowered and compiled it (its
+    #: executable runs instead of ``fn``, which would lower and compile it again), else
+    #: None.
+    jit: JitStep | None = None
 
 
 @dataclass
@@ -193,14 +196,14 @@ class ShardedStep:
         return outs
 
     def _run_fn(self, fallback: _Fallback, call: _Call, args: tuple, kwargs: dict) -> Any:
-        """``fn``'s step: jit's executable the capture compiled for this signature (its
-        arguments as jit hands them to it: the dynamic ones), else jit itself."""
-        if fallback.compiled is None:
+        """``fn``'s step: jit's executable of the capture's lowering for this signature
+        (its arguments as jit hands them to it: the dynamic ones), else jit itself."""
+        if fallback.jit is None:
             return self._jitted(*args, **kwargs)
         import jax
 
         dynamic, dyn_kwargs = jax.tree.unflatten(call.treedef, call.leaves)
-        return fallback.compiled(*dynamic, **dyn_kwargs)
+        return fallback.jit.executable()(*dynamic, **dyn_kwargs)
 
     def _run(self, entry: _Entry, call: _Call) -> Any:
         import jax
@@ -402,7 +405,7 @@ class ShardedStep:
                 cap = capture(self._jitted, args, kwargs)
         except Unsupported as why:
             why.seconds = seconds
-            return self._fall_back(key, why, compiled=why.compiled)
+            return self._fall_back(key, why, jit=why.jit)
         except Exception as err:  # jax's, tracing the user's function: as jit raises it
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
@@ -418,7 +421,7 @@ class ShardedStep:
             refusal = err if isinstance(err, Unsupported) else Unsupported(
                 f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED)
             refusal.seconds = seconds
-            return self._fall_back(key, refusal, compiled=cap.compiled)
+            return self._fall_back(key, refusal, jit=cap.jit)
         _distributed.agree_on_program("optimized module", program.hlo_text)
         self._entries[key] = _Entry(program, shards=False)
         if shard_key is not None:
@@ -428,17 +431,18 @@ class ShardedStep:
         return self._entries[key]
 
     def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
-                   compiled: Any = None) -> _Fallback:
+                   jit: JitStep | None = None) -> _Fallback:
         """Run ``fn`` for this signature (and, for a program that failed its first run,
-        for every signature it answered) from now on, after one warning: as
-        ``compiled``, jit's executable of the signature from the capture, where there
-        is one (a failed program's full signature has its capture's; its shard form
-        runs jit)."""
+        for every signature it answered) from now on, after one warning: as ``jit``'s
+        executable of the signature from the capture, where there is one (a failed
+        program's full signature has its capture's; its shard form runs jit), compiled
+        here where the capture stopped before it (its seconds in the first call's
+        ``compile``)."""
         if program is None:
             _distributed.agree_on_program("fallback to fn", str(why))
-            runs = {key: compiled}
+            runs = {key: jit}
         else:
-            runs = {k: None if e.shards else program.capture.compiled
+            runs = {k: None if e.shards else program.capture.jit
                     for k, e in self._entries.items()
                     if isinstance(e, _Entry) and e.program is program}
             runs.setdefault(key, None)
@@ -446,6 +450,9 @@ class ShardedStep:
             self._entries[k] = _Fallback(why, run)
         fallback = self._entries[key]
         assert isinstance(fallback, _Fallback)
+        if fallback.jit is not None and fallback.jit.compiled is None and why.seconds is not None:
+            with why.seconds.timing("compile"), suppress(Exception):
+                fallback.jit.executable()  # (jit's own error: raised by the call, as jit's)
         self._states = [(p, names) for p, names in self._states if p is not program]
         self._latest = why
         self._warn(why)

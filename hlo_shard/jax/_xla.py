@@ -9,7 +9,11 @@ the user's own jax Arrays, with no copy to numpy or to a child.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -147,3 +151,187 @@ def same_placement(x: Any, sharding: Any) -> bool:
     if own is None:
         return False
     return own is sharding or placement(own, x.ndim) == placement(sharding, x.ndim)
+
+
+# ------------------------------------------------- a capture's compile, stopped early
+#: What the stop hands back to XLA instead of the module: not a module, so the compile
+#: ends with an error right there, before the backend's code generation.
+_NOT_A_MODULE = b"\xff"
+#: The name the stop is registered under while a capture compiles.
+STOP_NAME = "hlo_shard.capture_stop"
+#: ``HloModuleProto.id``: the field number of the module's unique id.
+_MODULE_ID_FIELD = 5
+
+
+@dataclass(eq=False)
+class _Armed:
+    """One capture's compile waiting to be stopped: its dump folder, and the module
+    (serialized, as XLA handed it over) once stopped."""
+
+    folder: Path
+    module: bytes | None = None
+
+
+class PartitionStop:
+    """Ends a capture's compile on XLA:CPU once the step is partitioned. The capture
+    only needs the partitioner's module (dumped into its folder) and the shardings the
+    partitioner chose; the backend's code generation after that is most of the compile,
+    and where the pass shards the step it would be thrown away. Registered at
+    ``PRE_SCHEDULER`` (the one stage jax offers after partitioning) only while a
+    capture compiles, it recognises that compile's module by its unique id (the id the
+    capture's own dump files carry), takes it, and hands XLA back bytes that are not a
+    module; any other module (another thread's compile) passes untouched. A stopped
+    compile has no executable: jit's is compiled when the step falls back."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed: list[_Armed] = []
+
+    @contextmanager
+    def arming(self, folder: Path) -> Iterator[_Armed]:
+        """Stop the compile that dumps into ``folder`` while inside."""
+        from jax.extend import xla as jax_xla
+
+        armed = _Armed(folder)
+        with self.lock:
+            if not self.armed:
+                jax_xla.register_hlo_module_transformation(
+                    self.transform, name=STOP_NAME, stage=jax_xla.PipelineStage.PRE_SCHEDULER,
+                    platforms="cpu")
+            self.armed.append(armed)
+        try:
+            yield armed
+        finally:
+            with self.lock:
+                self.armed.remove(armed)
+                if not self.armed:
+                    jax_xla.clear_hlo_module_transformation(
+                        STOP_NAME, jax_xla.PipelineStage.PRE_SCHEDULER, platforms="cpu")
+
+    def transform(self, data: bytes) -> bytes | None:
+        """XLA's callback: never raises; stops only an armed capture's module."""
+        try:
+            module_id = _module_id(data)
+            with self.lock:
+                for armed in self.armed:
+                    if armed.module is None and module_id in _dumped_module_ids(armed.folder):
+                        armed.module = bytes(data)
+                        return _NOT_A_MODULE
+        except Exception:  # noqa: BLE001 - nothing may propagate into XLA
+            pass
+        return None
+
+
+PARTITION_STOP = PartitionStop()
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, at
+
+
+def _module_id(data: bytes) -> int | None:
+    """The unique id of a serialized ``HloModuleProto``, read from its top-level fields
+    (its computations skipped, not decoded)."""
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+            if field == _MODULE_ID_FIELD:
+                return value
+        elif wire == 2:
+            length, at = _varint(data, at)
+            at += length
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        else:
+            return None
+    return None
+
+
+def _dumped_module_ids(folder: Path) -> set[int]:
+    """The unique ids of the modules dumped into ``folder`` (``module_0060.jit_step...``)."""
+    ids = set()
+    for path in folder.glob("module_*.*"):
+        number = path.name.split(".", 1)[0].removeprefix("module_")
+        if number.isdigit():
+            ids.add(int(number))
+    return ids
+
+
+def compile_or_stop(lowered: Any, options: dict[str, Any], folder: Path
+                    ) -> tuple[Any, bytes | None]:
+    """Compile ``lowered`` with ``options`` (dumping into ``folder``): (jit's executable,
+    None), or on CPU (None, the partitioned module) where :class:`PartitionStop` ended
+    the compile before the backend ran. XLA's own errors propagate. A step on one
+    device runs to the end: XLA partitions nothing there, so the capture finds no
+    module and the fallback runs this executable."""
+    devices = device_assignment(lowered)
+    if devices[0].platform != "cpu" or len(devices) < 2:
+        return lowered.compile(compiler_options=options), None
+    with PARTITION_STOP.arming(folder) as armed:
+        try:
+            return lowered.compile(compiler_options=options), None
+        except Exception:
+            if armed.module is None:
+                raise
+    return None, armed.module
+
+
+class _PartitionerChoices:
+    """The part of an executable jax reads to name its shardings
+    (``get_parameter_shardings``, ``get_output_shardings``), from the partitioned
+    module of a stopped compile."""
+
+    def __init__(self, module: bytes) -> None:
+        hlo = _client().hlo.HloModule.from_serialized_hlo_module_proto(module)
+        self.parameters = hlo.spmd_parameters_shardings
+        self.output = hlo.spmd_output_sharding
+
+    def get_parameter_shardings(self) -> list | None:
+        return None if self.parameters is None else list(self.parameters)
+
+    def get_output_shardings(self) -> list | None:
+        output = self.output
+        if output is None:
+            return None
+        return list(output.tuple_shardings) if output.type == _client().OpSharding.Type.TUPLE \
+            else [output]
+
+    def get_output_memory_kinds(self) -> list:
+        raise NotImplementedError  # jax then takes the default memory kind
+
+
+def partitioned_shardings(lowered: Any, module: bytes) -> tuple[tuple, tuple]:
+    """jit's flat input and output shardings (``Compiled.input_shardings`` and
+    ``output_shardings``, flattened: None for an argument jit pruned) of a compile
+    stopped after partitioning: the partitioner's choices named as jax names them when
+    it loads the executable."""
+    from jax._src.interpreters import pxla
+
+    args = lowered._lowering.compile_args
+    devices = lowered._lowering._device_list
+    choices = _PartitionerChoices(module)
+    effects = len(args["ordered_effects"])
+    ins = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["in_shardings"])
+    outs = tuple(pxla.maybe_concretize_mesh(s, devices) for s in args["out_shardings"])
+    ins = pxla._maybe_get_and_check_in_shardings(choices, ins, devices,
+                                                 args["global_in_avals"], effects)
+    outs = pxla._maybe_get_and_check_out_shardings(choices, outs, devices,
+                                                   args["global_out_avals"], effects)
+    outs = pxla.maybe_recover_user_shardings(ins, outs, args["global_in_avals"],
+                                             args["global_out_avals"],
+                                             args["intermediate_shardings"],
+                                             args["context_mesh"])
+    kept = iter(pxla.finalize_shardings(ins, devices))
+    leaves = lowered.in_tree.num_leaves
+    flat_ins = tuple(next(kept) if i in args["kept_var_idx"] else None for i in range(leaves))
+    return flat_ins, tuple(pxla.finalize_shardings(outs, devices))

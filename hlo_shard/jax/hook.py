@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
@@ -99,6 +100,20 @@ OTHER_PLATFORM = PlatformHook("PRE_SCHEDULER", None,
                               "no XLA backend but CPU, GPU and TPU is known to run it")
 
 
+@dataclass
+class HookSeconds(StageSeconds):
+    """Where the hook's seconds on one module go, all inside XLA's compile: ``read``
+    (XLA's proto to text, parsed), ``pass`` (the optimizer with its gate and output
+    check) and ``write`` (the sharded text through XLA's parser back to a proto)."""
+
+    read: float = 0.0
+    pass_: float = 0.0
+    write: float = 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"read": self.read, "pass": self.pass_, "write": self.write}
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the hook did with one compiled module."""
@@ -113,6 +128,8 @@ class Decision:
     seconds: float
     #: The outcome of the same module compiled before (not parsed or passed again).
     reused: bool = False
+    #: Where the seconds went (None where the outcome was reused).
+    split: HookSeconds | None = None
 
     @property
     def sharded_bytes(self) -> int:
@@ -163,7 +180,8 @@ class _Hook:
         name, out, report = outcome.name, outcome.text, outcome.report
         result, reason = _agree_across_processes(out, outcome.result, outcome.reason)
         decision = Decision(name, result is not None, reason, report,
-                            time.perf_counter() - start, reused)
+                            time.perf_counter() - start, reused,
+                            None if reused else outcome.seconds)
         self.record(decision)
         if result is None:
             logger.info("hlo_shard: %s left unchanged: %s", name, reason.splitlines()[0])
@@ -181,24 +199,27 @@ class _Hook:
         """What the pass makes of a serialized module, and whether it was remembered;
         any ``Exception`` becomes the reason it is kept (and is not remembered)."""
         name = "<module>"
+        seconds = HookSeconds()
         try:
             xc = _xla_client()
-            hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
-            name = hlo.name
-            if settings.only is not None and not settings.only.search(name):
-                return _Outcome(settings, name, None, None, None, "", skipped=True), False
-            text = _module_text(hlo)
-            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            with seconds.timing("read"):
+                hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
+                name = hlo.name
+                if settings.only is not None and not settings.only.search(name):
+                    return _Outcome(settings, name, None, None, None, "", skipped=True), False
+                text = _module_text(hlo)
+                digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
             remembered = self.recall(digest, settings)
             if remembered is not None:
                 return remembered, True
-            out, report, reason = _shard(text, name, settings.options, settings.force)
-            result = None if out is None else \
-                xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
+            out, report, reason = _shard(text, name, settings.options, settings.force, seconds)
+            with seconds.timing("write"):
+                result = None if out is None else \
+                    xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
-            return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}"), \
-                False
-        outcome = _Outcome(settings, name, out, result, report, reason)
+            return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}",
+                            seconds=seconds), False
+        outcome = _Outcome(settings, name, out, result, report, reason, seconds=seconds)
         self.remember(digest, outcome)
         return outcome, False
 
@@ -231,6 +252,7 @@ class _Outcome:
     reason: str
     #: Not for the hook (``only`` does not match its name): no decision recorded.
     skipped: bool = False
+    seconds: HookSeconds | None = None
 
 
 
@@ -265,23 +287,28 @@ def _module_text(hlo: Any) -> str:
     return hlo.to_string(print_options)
 
 
-def _shard(text: str, name: str, options: ShardingOptions, force: bool = False
+def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
+           seconds: HookSeconds | None = None
            ) -> tuple[str | None, ShardingReport | None, str]:
-    """(the sharded module's text or None, the report, why not)."""
+    """(the sharded module's text or None, the report, why not); ``seconds``: the parse
+    goes to its ``read``, the optimizer and its output check to its ``pass``."""
     from hlo_shard.parser import parse
     from hlo_shard.passes.optimize import optimize
 
-    module = parse(text, path=f"<{name}>")
-    try:
-        result = optimize(module, options, force=force)
-    except HloShardError as err:
-        return None, None, str(err)
-    report = result.report
-    if not result.sharded:
-        reasons = sorted({e.reason for e in report.explanations if e.reason})
-        return None, report, "nothing sharded (" + ("; ".join(reasons) or
-                                                   "no gradient all-reduce") + ")"
-    return result.text, report, ""
+    seconds = seconds if seconds is not None else HookSeconds()
+    with seconds.timing("read"):
+        module = parse(text, path=f"<{name}>")
+    with seconds.timing("pass_"):
+        try:
+            result = optimize(module, options, force=force)
+        except HloShardError as err:
+            return None, None, str(err)
+        report = result.report
+        if not result.sharded:
+            reasons = sorted({e.reason for e in report.explanations if e.reason})
+            return None, report, "nothing sharded (" + ("; ".join(reasons) or
+                                                       "no gradient all-reduce") + ")"
+        return result.xla_text, report, ""
 
 
 def _agree_across_processes(out: str | None, result: bytes | None, reason: str
@@ -430,5 +457,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "Installation", "PlatformWarning", "decisions", "install",
-           "installed", "uninstall"]
+__all__ = ["MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "HookSeconds",
+           "Installation", "PlatformWarning", "decisions", "install", "installed", "uninstall"]

@@ -7,7 +7,7 @@ What it runs: the sharding pipeline (:mod:`~hlo_shard.passes.sharding_pipeline`)
 the never-slower gate (:func:`~hlo_shard.passes.speed_gate.shard_where_faster`; ``gate``
 False: the pipeline alone, as ``scale`` projects it), for a module compiled as it
 stands (:class:`ForExecutable`) the donation passes around it, then the output checks
-(printed, parsed back and validated).
+(validated and printed; for a file, also parsed back).
 """
 
 from __future__ import annotations
@@ -82,10 +82,18 @@ class OptimizeResult:
 
     @functools.cached_property
     def text(self) -> str:
-        """The module's text for XLA, parsed back and validated (:func:`check_output`),
-        made when first asked for: a front end that keeps the step as it was (the hook,
-        the JAX path's fallback) never prints it."""
+        """The module's text for a file (``optimize``'s output), validated and parsed
+        back (:func:`check_output`), made when first asked for."""
         return check_output(self.module)
+
+    @functools.cached_property
+    def xla_text(self) -> str:
+        """The module's text for a front end that hands it straight to XLA's parser (the
+        hook, the JAX path): validated and printed once, not parsed back here — XLA's
+        parse of it is the read-back, and a failure there keeps the step as it was.
+        Made when first asked for: a front end that keeps the step whole never prints
+        it."""
+        return check_output(self.module, parse_back=False)
 
     @property
     def sharded(self) -> int:
@@ -185,16 +193,20 @@ def _optimize(module: Module, sharding: WeightUpdateSharding, force: bool,
     return OptimizeResult(module, report, decision, tuple(seen) if record else ())
 
 
-def check_output(module: Module) -> str:
+def check_output(module: Module, *, parse_back: bool = True) -> str:
     """The module's text for XLA (:func:`~hlo_shard.printer.to_text` ``for_xla``), after
-    checking that it parses back and validates."""
+    checking that it validates: the module parsed back from the text (``parse_back``:
+    what a written file holds), else the module itself (its text goes to XLA's parser
+    next, which reads it back)."""
     text = to_text(module, for_xla=True)
-    try:
-        reparsed = parse(text, path="<optimized output>")
-    except HloShardError as err:
-        raise HloShardError(f"refusing to write: the optimized module does not parse back "
-                            f"({err})") from None
-    problems = validate(reparsed)
+    checked = module
+    if parse_back:
+        try:
+            checked = parse(text, path="<optimized output>")
+        except HloShardError as err:
+            raise HloShardError(f"refusing to write: the optimized module does not parse "
+                                f"back ({err})") from None
+    problems = validate(checked)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise HloShardError(f"refusing to write: the optimized module fails validation: "
