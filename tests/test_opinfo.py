@@ -251,17 +251,23 @@ def _opcode_lists(source: str) -> set[str]:
     return found
 
 
-def _literal_opcode_sets() -> set[tuple[str, str]]:
-    """(module, name) of every module-level literal opcode set in the package, opinfo
-    itself aside."""
+def _package_sources() -> list[tuple[str, str]]:
+    """(module, source) of every module of the package, opinfo itself aside."""
     root = Path(opinfo.__file__).parent
-    found = set()
+    sources = []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         module = ".".join(("hlo_shard", *(parts[:-1] if parts[-1] == "__init__" else parts)))
         if module != "hlo_shard.opinfo":
-            found |= {(module, name) for name in _opcode_lists(path.read_text())}
-    return found
+            sources.append((module, path.read_text()))
+    return sources
+
+
+def _literal_opcode_sets() -> set[tuple[str, str]]:
+    """(module, name) of every module-level literal opcode set in the package, opinfo
+    itself aside."""
+    return {(module, name) for module, source in _package_sources()
+            for name in _opcode_lists(source)}
 
 
 def test_opcode_facts_come_from_the_table():
@@ -467,14 +473,8 @@ def _all_opcode_literals(source: str) -> set[frozenset[str]]:
 
 
 def _package_opcode_literals() -> set[tuple[str, frozenset[str]]]:
-    root = Path(opinfo.__file__).parent
-    found = set()
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        module = ".".join(("hlo_shard", *(parts[:-1] if parts[-1] == "__init__" else parts)))
-        if module != "hlo_shard.opinfo":
-            found |= {(module, names) for names in _all_opcode_literals(path.read_text())}
-    return found
+    return {(module, names) for module, source in _package_sources()
+            for names in _all_opcode_literals(source)}
 
 
 def test_no_literal_opcode_set_is_left_outside_the_table():
