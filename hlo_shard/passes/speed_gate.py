@@ -114,6 +114,9 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     unsharded = _unsharded_estimate(module, hardware)
     baseline_estimate = whole if unsharded is None else unsharded
     baseline = baseline_estimate.seconds
+    #: What a cut-off must cost at most to be written: the input's step less the
+    #: profile's smallest gain acted on.
+    bar = before * (1 - hardware.min_predicted_gain)
 
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
@@ -159,11 +162,9 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
             baseline_estimate, sharded_estimate,
             [ShardedGradient(row.computation, row.all_reduce, row.bytes)
              for row in full.explanations if row.sharded])
-        trials += _guided(cutoffs, prices, everything,
-                          before * (1 - hardware.min_predicted_gain), baseline, trial)
+        trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
-    chosen = best if _pays(best, before * (1 - hardware.min_predicted_gain), baseline) \
-        else None
+    chosen = best if _pays(best, bar, baseline) else None
     if chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
