@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.graph import reachable, users_map
+from hlo_shard.graph import topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           TupleShape)
 from hlo_shard.values import c_unescape
@@ -86,32 +86,73 @@ def instruction_names(module: Module) -> dict[str, str]:
             if p.parameter_number in names}
 
 
-def gradient_weights(comp: Computation, next_values: Sequence[tuple[int, int]],
+#: Output leaves and the parameters any of them may be the next value of.
+NextValues = tuple[Sequence[int], Sequence[int]]
+
+
+def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
                      values: Mapping[int, set[str]] | None = None
                      ) -> dict[GradientKey, int]:
-    """Gradient all-reduce → the weight it updates: the ``p`` of the one pair of
-    ``next_values`` (output leaf ``k`` is the next value of ``p``) whose output has the
-    all-reduce's shape and is reached from it, and whose ``p`` the gradient was computed
-    from (which tells the weight from its optimizer state) — where all such pairs name
-    one ``p``. ``values``: the
-    instructions that stand for each ``p`` (default: the entry parameter numbered
-    ``p``; in a loop body, the ``get-tuple-element`` instructions of carried slot ``p``)."""
-    flow = _ElementFlow(comp)
+    """Gradient all-reduce → the weight it updates: the one ``p`` for which some output
+    leaf ``k`` of a group of ``next_values`` (``k`` may be the next value of ``p``) has
+    the all-reduce's shape and is reached from it, and ``p`` is what the gradient was
+    computed from (which tells the weight from its optimizer state) — where all such
+    name one ``p``. ``values``: the instructions that stand for each ``p`` (default: the
+    entry parameter numbered ``p``; in a loop body, the ``get-tuple-element``
+    instructions of carried slot ``p``), no instruction standing for two."""
     root = comp.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
     shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
     if values is None:
         values = {p.parameter_number: {p.name} for p in comp.parameters()
                   if p.parameter_number is not None}
-    pairs = [(k, p) for k, p in next_values if k < len(outputs) and values.get(p)]
+    groups = [(leaves, weights) for group_leaves, group_weights in next_values
+              if (leaves := [k for k in group_leaves if k < len(outputs)])
+              and (weights := [p for p in group_weights if values.get(p)])]
+    if not groups:
+        return {}
+    output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
+    value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
+    weight_of_bit = {value_bits[name]: p for _, weights in groups for p in weights
+                     for name in values[p]}
+    by_dims: dict[tuple[int, ...] | None, list[tuple[int, int]]] = {}
+    for leaves, weights in groups:
+        value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
+        same_dims: dict[tuple[int, ...] | None, list[str]] = {}
+        for k in leaves:
+            same_dims.setdefault(_sorted_dims(shapes[k]), []).append(outputs[k])
+        for dims, names in same_dims.items():
+            by_dims.setdefault(dims, []).append((_mask(output_bits, names), value_mask))
     found: dict[GradientKey, int] = {}
-    for key, reached, sources, shape in flow.gradient_leaves():
-        dims = _sorted_dims(shape)
-        fits = [p for k, p in pairs if outputs[k] in reached and values[p] & sources
-                and _sorted_dims(shapes[k]) == dims]
-        if len(set(fits)) == 1:
-            found[key] = fits[0]
+    for key, reached, sources, shape in _ElementFlow(comp).gradient_leaves(output_bits,
+                                                                           value_bits):
+        fits: set[int] = set()
+        for output_mask, value_mask in by_dims.get(_sorted_dims(shape), ()):
+            hits = sources & value_mask if reached & output_mask else 0
+            while hits and len(fits) < 2:
+                lowest = hits & -hits
+                fits.add(weight_of_bit[lowest])
+                hits ^= lowest
+        if len(fits) == 1:
+            found[key] = fits.pop()
     return found
+
+
+def pairs(next_values: Iterable[tuple[int, int]]) -> list[NextValues]:
+    """(output leaf, parameter) pairs, each its own group."""
+    return [((k,), (p,)) for k, p in next_values]
+
+
+def _bits(names: Iterable[str]) -> dict[str, int]:
+    """A bit of its own for each distinct name."""
+    return {name: 1 << index for index, name in enumerate(dict.fromkeys(names))}
+
+
+def _mask(bits: Mapping[str, int], names: Iterable[str]) -> int:
+    mask = 0
+    for name in names:
+        mask |= bits[name]
+    return mask
 
 
 def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
@@ -139,7 +180,7 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
             if index is not None and inst.operands[0] == carried[0].name:
                 slots.setdefault(index, set()).add(inst.name)
         starts = Counter(start.values())
-        weights = gradient_weights(body, [(i, i) for i in slots], slots)
+        weights = gradient_weights(body, pairs((i, i) for i in slots), slots)
         found.update({key: p for key, i in weights.items()
                       if (p := start.get(i)) is not None and starts[p] == 1})
     return found
@@ -154,11 +195,14 @@ def _through_copies(comp: Computation, name: str) -> str:
 class _ElementFlow:
     """Reachability that follows each element of a tuple through its
     ``get-tuple-element``: a shard_map body returns all its results in one tuple, which
-    would otherwise join every gradient to every output."""
+    would otherwise join every gradient to every output. What each instruction reaches,
+    and what it was computed from, are found for all instructions at once, in one pass
+    each way over a def-before-use order, as masks of the bits asked about."""
 
     def __init__(self, comp: Computation) -> None:
         self.comp = comp
         self.users = users_map(comp)
+        self.order = [inst.name for inst in topological_order(comp)]
 
     def _element(self, name: str) -> int | None:
         inst = self.comp[name]
@@ -184,34 +228,53 @@ class _ElementFlow:
             return [self.comp[inst.operands[0]].operands[index]]
         return list(inst.operands)
 
-    def reached(self, name: str) -> set[str]:
-        return reachable([name], self._next)
+    def _downstream(self, bits: Mapping[str, int]) -> dict[str, int]:
+        """Per instruction: the ``bits`` of everything it reaches (not its own)."""
+        below: dict[str, int] = {}
+        for name in reversed(self.order):
+            found = 0
+            for after in self._next(name):
+                found |= below[after] | bits.get(after, 0)
+            below[name] = found
+        return below
 
-    def sources(self, name: str) -> set[str]:
-        return reachable([name], self._previous)
+    def _upstream(self, bits: Mapping[str, int]) -> dict[str, int]:
+        """Per instruction: the ``bits`` of everything it was computed from (not its own)."""
+        above: dict[str, int] = {}
+        for name in self.order:
+            found = 0
+            for before in self._previous(name):
+                found |= above[before] | bits.get(before, 0)
+            above[name] = found
+        return above
 
-    def gradient_leaves(self) -> Iterator[tuple[GradientKey, set[str], set[str],
-                                                ArrayShape | TupleShape]]:
+    def gradient_leaves(self, reach_bits: Mapping[str, int], source_bits: Mapping[str, int]
+                        ) -> Iterator[tuple[GradientKey, int, int, ArrayShape | TupleShape]]:
         """Each all-reduce leaf (an array one, or each element of a tuple one, as XLA's
-        combiner leaves them): its key, what it reaches, what it was computed from, and
-        its shape."""
-        for inst in self.comp.instructions:
-            if inst.opcode != "all-reduce":
-                continue
+        combiner leaves them): its key, the ``reach_bits`` of what it reaches, the
+        ``source_bits`` of what it was computed from, and its shape."""
+        leaves = [inst for inst in self.comp.instructions if inst.opcode == "all-reduce"]
+        if not leaves:
+            return
+        below = self._downstream(reach_bits)
+        above = self._upstream(source_bits)
+        for inst in leaves:
             if isinstance(inst.shape, ArrayShape):
-                yield (inst.name, None), self.reached(inst.name), self.sources(inst.name), \
-                    inst.shape
+                yield (inst.name, None), below[inst.name], above[inst.name], inst.shape
                 continue
             if len(inst.operands) != len(inst.shape.elements):
                 continue
             for index, (operand, shape) in enumerate(zip(inst.operands, inst.shape.elements)):
-                getters = [r for r in self.users[inst.name] if self._element(r) == index]
-                reached = set(getters).union(*(self.reached(g) for g in getters))
-                yield (inst.name, index), reached, {operand} | self.sources(operand), shape
+                reached = 0
+                for getter in self.users[inst.name]:
+                    if self._element(getter) == index:
+                        reached |= reach_bits.get(getter, 0) | below[getter]
+                yield ((inst.name, index), reached,
+                       source_bits.get(operand, 0) | above[operand], shape)
 
 
-def _sorted_dims(shape: ArrayShape | TupleShape) -> list[int] | None:
-    return sorted(shape.dims) if isinstance(shape, ArrayShape) else None
+def _sorted_dims(shape: ArrayShape | TupleShape) -> tuple[int, ...] | None:
+    return tuple(sorted(shape.dims)) if isinstance(shape, ArrayShape) else None
 
 
 @dataclass(frozen=True)
@@ -252,30 +315,34 @@ def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = N
     """The user's names of ``module``, read before the pass rewrites it. ``next_values``:
     its (output leaf, parameter) pairs, by default its ``input_output_alias`` (jit's
     donation pairs each parameter with its next value), else every output with every
-    parameter of its shape (the one-fit rule of :func:`gradient_weights` then names
+    parameter of its array type (the one-fit rule of :func:`gradient_weights` then names
     only what the graph tells apart); ``hlo_shard.jax`` passes the pairs its pytrees
     say."""
     parameters = parameter_names(module, override)
     if not parameters:
         return UserNames(parameters)
     if next_values is None:
-        next_values = list(module.output_aliases().items()) or _same_shapes(module)
-    return UserNames(parameters, {**gradient_weights(module.entry, next_values),
+        next_values = list(module.output_aliases().items())
+    groups = pairs(next_values) if next_values else same_types(module)
+    return UserNames(parameters, {**gradient_weights(module.entry, groups),
                                   **loop_gradient_weights(module)})
 
 
-def _same_shapes(module: Module) -> list[tuple[int, int]]:
-    """(output leaf, parameter) of every output and entry parameter of one array type."""
+def same_types(module: Module) -> list[NextValues]:
+    """The entry's output leaves and parameters grouped by array type (element type and
+    dims): any output may be the next value of any parameter of its group."""
     root = module.entry.root
     outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
-
-    def kind(shape: ArrayShape | TupleShape) -> tuple | None:
-        return (shape.element_type, shape.dims) if isinstance(shape, ArrayShape) else None
-
-    return [(k, p.parameter_number) for k, out in enumerate(outputs)
-            for p in module.entry.parameters()
-            if p.parameter_number is not None and kind(out) is not None
-            and kind(out) == kind(p.shape)]
+    groups: dict[tuple, tuple[list[int], list[int]]] = {}
+    for k, out in enumerate(outputs):
+        if isinstance(out, ArrayShape):
+            groups.setdefault((out.element_type, out.dims), ([], []))[0].append(k)
+    for param in module.entry.parameters():
+        group = groups.get((param.shape.element_type, param.shape.dims)) \
+            if isinstance(param.shape, ArrayShape) else None
+        if group is not None and param.parameter_number is not None:
+            group[1].append(param.parameter_number)
+    return list(groups.values())
 
 
 def labelled(hlo_name: str, name: str | None) -> str:
@@ -283,5 +350,6 @@ def labelled(hlo_name: str, name: str | None) -> str:
     return f"{hlo_name} ({name})" if name else hlo_name
 
 
-__all__ = ["MAX_NAME", "UserNames", "as_path", "gradient_weights", "instruction_names",
-           "labelled", "op_name", "parameter_names", "user_names"]
+__all__ = ["MAX_NAME", "NextValues", "UserNames", "as_path", "gradient_weights",
+           "instruction_names", "labelled", "op_name", "pairs", "parameter_names",
+           "same_types", "user_names"]
