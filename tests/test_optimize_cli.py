@@ -237,6 +237,17 @@ def test_keeps_the_module_whole_when_sharding_is_predicted_slower(sgd, tmp_path)
     assert "predicted step on profile cpu-local: input" in result.stderr
 
 
+def test_a_gain_under_the_profiles_threshold_is_named_as_such(tmp_path):
+    """Kept whole although predicted faster: the row says the gain is too small to act
+    on, not that sharding is slower."""
+    fixture = Path(__file__).parent.parent / "fixtures" / "spmd" / "adam.n8.hlo"
+    result = run_gated(str(fixture), "-o", str(tmp_path / "o.hlo"), "--explain")
+    assert result.exit_code == 0, result.output
+    assert "less than 10% faster than the input" in result.stderr
+    rows = [line for line in result.stderr.splitlines() if "kept whole for speed" in line]
+    assert rows and all("a gain under the 10% the profile acts on" in row for row in rows)
+
+
 def test_force_writes_what_is_predicted_slower_and_says_so(sgd, tmp_path):
     out = tmp_path / "o.hlo"
     result = run_gated(str(sgd), "-o", str(out), "--force")

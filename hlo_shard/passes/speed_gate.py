@@ -264,9 +264,12 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         if not options:
             continue
         alternative = min(options, key=lambda t: t.seconds)
+        # Predicted faster, but by less than the profile's error allows acting on.
+        small_gain = "" if alternative.seconds >= kept else \
+            f", a gain under the {decision.min_gain:.0%} the profile acts on"
         row.reason = (f"kept whole for speed: sharding it predicted "
                       f"{alternative.seconds * 1e3:.4g} ms/step, whole "
-                      f"{kept * 1e3:.4g} ms/step (profile {decision.profile})")
+                      f"{kept * 1e3:.4g} ms/step{small_gain} (profile {decision.profile})")
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
