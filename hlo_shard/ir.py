@@ -467,7 +467,8 @@ class Module:
         """Become ``other`` (whose computations then belong to this module alone): the
         speed gate keeps the trial it chose instead of rewriting the input again."""
         self.name, self.computations, self.header = other.name, other.computations, other.header
-        self.stack_frames, self._indexed = other.stack_frames, -1
+        self.stack_frames = other.stack_frames
+        self._forget_names()
 
     @property
     def entry(self) -> Computation:
@@ -506,7 +507,12 @@ class Module:
     def set_computations(self, computations: list[Computation]) -> None:
         """Replace the list of computations (a snapshot put back)."""
         self.computations[:] = computations
-        self._indexed = -1
+        self._forget_names()
+
+    def _forget_names(self) -> None:
+        """Drop the name index: the list now holds other computations, which may bear
+        the names of those indexed (a lookup would find the old one)."""
+        self._by_name, self._indexed = {}, -1
 
     def output_aliases(self) -> dict[int, int]:
         """``input_output_alias`` as {top-level output index: parameter number}, for
