@@ -630,41 +630,84 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
         return (categories.get(name, "forward_backward") != "forward_backward"
                 or comp[name].opcode == "get-tuple-element")
 
-    owners: dict[str, set[str]] = {}
-    for param in sizes:
-        stack = [(r, True) for r in _readers(comp, users, param) if in_update(r)]
+    def walk(stack: list[tuple[str, bool]], beyond: set[str] | None) -> set[str]:
+        """What the walk from ``stack`` reaches; a junction reached forward goes to
+        ``beyond`` without its chain walked where ``beyond`` is given."""
         seen: set[str] = set()
         while stack:
             name, forward = stack.pop()
             if name in seen:
                 continue
             seen.add(name)
-            owners.setdefault(name, set()).add(param)
             if _is_junction(comp, comp[name]):
-                if forward:  # a bucket's single consumer chain (concatenate → all-gather)
+                if forward and beyond is not None:
+                    beyond.add(name)
+                elif forward:  # a bucket's single consumer chain (concatenate → all-gather)
                     stack.extend((u, True) for u in users[name]
                                  if len(users[name]) == 1 and in_update(u))
                 continue
             stack.extend((o, False) for o in comp[name].operands if in_update(o))
             if forward:
                 stack.extend((u, True) for u in users[name] if in_update(u))
+        return seen
+
+    # What a bucket's consumer chain reaches is the same for every weight in the bucket:
+    # walked once per junction, and its work shared once among the weights reaching it,
+    # not once per weight through every other weight's slice.
+    owners: dict[str, set[str]] = {}
+    reaching: dict[str, set[str]] = {}
+    for param in sizes:
+        junctions: set[str] = set()
+        for name in walk([(r, True) for r in _readers(comp, users, param) if in_update(r)],
+                         junctions):
+            owners.setdefault(name, set()).add(param)
+        for junction in junctions:
+            reaching.setdefault(junction, set()).add(param)
+    in_chains: dict[str, list[str]] = {}
+    for junction in reaching:
+        for name in walk([(u, True) for u in users[junction]
+                          if len(users[junction]) == 1 and in_update(u)], None):
+            in_chains.setdefault(name, []).append(junction)
+    # Instructions with the same owners share one sum, split among those owners once.
+    shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork] = {}
+    for name in (i.name for i in comp.instructions if i.name in owners or i.name in in_chains):
+        # (in program order, each key's chains sorted: the same sums on every run)
+        key = (frozenset(owners.get(name, ())), tuple(sorted(in_chains.get(name, ()))))
+        work = shared.get(key)
+        if work is None:
+            work = shared[key] = _OwnedWork(key[0].union(*(reaching[j] for j in key[1])))
+        entry = entries.get(name)
+        if entry is not None and entry.collective is not None:
+            work.collective_bytes += entry.collective.bytes_sent * entry.runs
+            work.collective_seconds += entry.seconds
+        else:
+            work.update_flops += max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
+            work.update_seconds += entry.seconds if entry else 0.0
     rows = {p: {"bytes": float(size), "update_seconds": 0.0, "update_flops": 0.0,
                 "collective_bytes": 0.0, "collective_seconds": 0.0}
             for p, size in sizes.items()}
-    for name, params in owners.items():
-        entry = entries.get(name)
-        total = sum(sizes[p] for p in params) or 1
-        flops = max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
-        for param in params:
-            share = sizes[param] / total
-            row = rows[param]
-            if entry is not None and entry.collective is not None:
-                row["collective_bytes"] += entry.collective.bytes_sent * entry.runs * share
-                row["collective_seconds"] += entry.seconds * share
-                continue
-            row["update_flops"] += flops * share
-            row["update_seconds"] += (entry.seconds if entry else 0.0) * share
+    for work in shared.values():
+        total = sum(sizes[p] for p in work.weights) or 1
+        for param in sorted(work.weights):
+            share, row = sizes[param] / total, rows[param]
+            for column in _OWNED_COLUMNS:
+                row[column] += getattr(work, column) * share
     return rows
+
+
+#: The per-weight columns that :class:`_OwnedWork` sums.
+_OWNED_COLUMNS = ("update_seconds", "update_flops", "collective_bytes", "collective_seconds")
+
+
+@dataclass
+class _OwnedWork:
+    """The work of instructions owned by the same weights (split by their sizes)."""
+
+    weights: frozenset[str]
+    update_seconds: float = 0.0
+    update_flops: float = 0.0
+    collective_bytes: float = 0.0
+    collective_seconds: float = 0.0
 
 
 def _is_junction(comp: Computation, inst: Instruction) -> bool:
