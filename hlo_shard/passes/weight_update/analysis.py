@@ -969,6 +969,8 @@ class _Planner:
         self.module, self.comp, self.replication, self.groups = module, comp, replication, groups
         self.leaves, self.options = leaves, options
         self.params = comp.parameters() if options.keep_state_orders else []
+        self.param_named = {param.name: param for param in self.params}
+        self.param_numbered = {param.param_number: param for param in self.params}
         self.graph = dataflow_graph(comp)
         self.laid_out = is_laid_out(module)
         self.order = topological_order(comp)
@@ -1031,13 +1033,12 @@ class _Planner:
         ``--state sharded`` would have to keep whole."""
         if not self.options.keep_state_orders:
             return 0
-        read = region_read_parameters(self.params, self.graph, plan)
-        by_number = {p.param_number: p for p in self.params}
+        read = region_read_parameters(self._params_read_by(plan), self.graph, plan)
         root = self.comp.root
         lost = 0
         for number, formats in read.items():
             fmt = next(iter(formats))
-            param_shape = by_number[number].shape
+            param_shape = self.param_numbered[number].shape
             lost += len(formats) != 1 or not (isinstance(param_shape, ArrayShape)
                                               and flattenable(fmt, param_shape))
         outputs = root.shape.elements if root.opcode == "tuple" and \
@@ -1049,6 +1050,13 @@ class _Planner:
                 lost += not (isinstance(out_shape, ArrayShape)
                              and flattenable(plan.sharded[value], out_shape))
         return lost
+
+    def _params_read_by(self, plan: RegionPlan) -> list[Instruction]:
+        """The parameters that ops of ``plan`` read: no other can be read by the region
+        alone, and a trial's plan (one scope's) reads few of the computation's."""
+        return [self.param_named[pred] for pred in dict.fromkeys(
+            pred for name in plan.ops for pred in self.graph.predecessors(name))
+            if pred in self.param_named]
 
     def grow(self, formats: dict[int, ShardFormat], reasons: dict[int, Whole | None],
              scope: _Scope | None = None) -> RegionPlan:
