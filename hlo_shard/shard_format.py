@@ -49,6 +49,12 @@ class ShardFormat:
     perm: tuple[int, ...]
     n: int
 
+    def __post_init__(self) -> None:
+        # A perm that is not an order of every dimension would flatten a value of other
+        # dims than it says; caught here, not in the module it would be emitted into.
+        if sorted(self.perm) != list(range(len(self.dims))):
+            raise ValueError(f"perm {self.perm} is not an order of the dimensions {self.dims}")
+
     @cached_property
     def elements(self) -> int:
         return math.prod(self.dims)

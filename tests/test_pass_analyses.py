@@ -142,6 +142,21 @@ def test_reshapes_keep_the_order_only_when_it_exists():
     assert squeezed is not None and squeezed.perm == (1, 0)
 
 
+def test_a_reshape_adding_a_unit_dimension_orders_it_too():
+    """A transposed gradient reshaped to ``[1, …]`` (a scan's per-layer slice, written
+    into the stacked gradient): the new size-1 dimension is in the result's order, which
+    then still describes every dimension."""
+    column = ShardFormat((512, 256), (1, 0), 8)
+    stacked = reshape_format(column, (1, 512, 256))
+    assert stacked is not None and stacked.perm == (0, 2, 1)
+    assert stacked.transposed_dims == (1, 256, 512)
+
+
+def test_a_format_orders_every_dimension():
+    with pytest.raises(ValueError, match="not an order of the dimensions"):
+        ShardFormat((1, 512, 256), (2, 1), 8)
+
+
 def test_shard_lengths_and_padding():
     fmt = ShardFormat.of(parse("HloModule m\nENTRY e { ROOT p = f32[10,3] parameter(0) }\n")
                          .entry.root.shape, 4)

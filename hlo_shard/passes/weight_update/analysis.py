@@ -114,7 +114,9 @@ def reshape_format(fmt: ShardFormat, dims: tuple[int, ...]) -> ShardFormat | Non
     if [fmt.dims[d] for d in big_in] != [dims[d] for d in big_out]:
         return None
     to_out = dict(zip(big_in, big_out))
-    perm = tuple(to_out[p] for p in fmt.perm if fmt.dims[p] != 1)
+    # The result's size-1 dimensions (new ones included) lead the order, as canonical.
+    ones = tuple(d for d in range(len(dims)) if dims[d] == 1)
+    perm = ones + tuple(to_out[p] for p in fmt.perm if fmt.dims[p] != 1)
     return ShardFormat(dims, canonical_perm(perm, dims), fmt.n)
 
 
