@@ -21,7 +21,8 @@ clipping (MaxText's defaults; AdamW alone on the tensor-parallel mesh, see
   (q/k/v/gate/up split on their output axis, o/down on their input axis), gradients
   all-reduced over the data groups.
 
-The layers are unrolled (no ``lax.scan``): module size grows with ``--layers`` while the
+The layers are unrolled unless ``--scan-layers 1`` (MaxText's ``scan_layers``: stacked
+weights, one ``lax.scan``): module size grows with ``--layers`` while the
 widths stay small, so dumping stays cheap on CPU. ``--size default`` gives a module of
 about 1 MB, ``--size large`` about 4 MB (data8; the other meshes are of the same order).
 
@@ -60,6 +61,10 @@ class LlamaShape:
     vocab: int = 256
     seq: int = 16
     batch_per_device: int = 1
+    #: MaxText's ``scan_layers``: the layers' weights stacked on a leading axis and the
+    #: decoder a ``lax.scan`` over them (rematerialised), so the backward pass is a loop
+    #: writing each layer's gradient into the stacked one.
+    scan_layers: bool = False
 
 
 SIZES = {"default": LlamaShape(layers=12), "large": LlamaShape(layers=48)}
@@ -89,15 +94,28 @@ def _rotary(x, positions):
     return rotated.astype(x.dtype)
 
 
+def _layer_shapes(t: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's weights, by their name in the layer."""
+    return {"attn_norm": (t.d_model,), "wq": (t.d_model, t.d_model),
+            "wk": (t.d_model, t.d_model), "wv": (t.d_model, t.d_model),
+            "wo": (t.d_model, t.d_model), "mlp_norm": (t.d_model,),
+            "w_gate": (t.d_model, t.d_ff), "w_up": (t.d_model, t.d_ff),
+            "w_down": (t.d_ff, t.d_model)}
+
+
+#: The prefix of the stacked layer weights (``scan_layers``): ``layers_wq`` is
+#: ``[layers, d_model, d_model]``.
+STACKED = "layers_"
+
+
 def param_shapes(t: LlamaShape) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed": (t.vocab, t.d_model)}
-    for i in range(t.layers):
-        shapes |= {f"layer{i}_attn_norm": (t.d_model,),
-                   f"layer{i}_wq": (t.d_model, t.d_model), f"layer{i}_wk": (t.d_model, t.d_model),
-                   f"layer{i}_wv": (t.d_model, t.d_model), f"layer{i}_wo": (t.d_model, t.d_model),
-                   f"layer{i}_mlp_norm": (t.d_model,),
-                   f"layer{i}_w_gate": (t.d_model, t.d_ff), f"layer{i}_w_up": (t.d_model, t.d_ff),
-                   f"layer{i}_w_down": (t.d_ff, t.d_model)}
+    if t.scan_layers:
+        shapes |= {STACKED + name: (t.layers, *shape)
+                   for name, shape in _layer_shapes(t).items()}
+    else:
+        for i in range(t.layers):
+            shapes |= {f"layer{i}_{name}": shape for name, shape in _layer_shapes(t).items()}
     return shapes | {"final_norm": (t.d_model,), "head": (t.d_model, t.vocab)}
 
 
@@ -109,24 +127,34 @@ def _loss(t: LlamaShape, gathered):
 
     hd = t.d_model // t.heads
 
+    def layer(x, w, positions, causal):
+        """One decoder layer; ``w``: its weights by their name in the layer."""
+        b, s, _ = x.shape
+        h = _rms_norm(x, w["attn_norm"])
+        q, k, v = ((h @ w[f"w{n}"]).reshape(b, s, t.heads, hd) for n in "qkv")
+        q, k = _rotary(q, positions), _rotary(k, positions)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+        scores = jnp.where(causal, scores, -1e9)
+        probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, t.d_model)
+        x = x + attn @ w["wo"]
+        h = _rms_norm(x, w["mlp_norm"])
+        h = jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])
+        return x + h @ w["w_down"]
+
     def loss(params, tokens, targets):
         p = {name: gathered(name, w.astype(jnp.bfloat16)) for name, w in params.items()}
         b, s = tokens.shape
         positions = jnp.arange(s)
         causal = jnp.tril(jnp.ones((s, s), bool))
         x = jnp.take(p["embed"], tokens, axis=0)
-        for i in range(t.layers):
-            h = _rms_norm(x, p[f"layer{i}_attn_norm"])
-            q, k, v = ((h @ p[f"layer{i}_w{n}"]).reshape(b, s, t.heads, hd) for n in "qkv")
-            q, k = _rotary(q, positions), _rotary(k, positions)
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd)
-            scores = jnp.where(causal, scores, -1e9)
-            probs = jax.nn.softmax(scores, axis=-1).astype(jnp.bfloat16)
-            attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, t.d_model)
-            x = x + attn @ p[f"layer{i}_wo"]
-            h = _rms_norm(x, p[f"layer{i}_mlp_norm"])
-            h = jax.nn.silu(h @ p[f"layer{i}_w_gate"]) * (h @ p[f"layer{i}_w_up"])
-            x = x + h @ p[f"layer{i}_w_down"]
+        if t.scan_layers:
+            stacked = {name: p[STACKED + name] for name in _layer_shapes(t)}
+            x, _ = jax.lax.scan(jax.checkpoint(
+                lambda x, w: (layer(x, w, positions, causal), None)), x, stacked)
+        for i in range(0 if t.scan_layers else t.layers):
+            x = layer(x, {name: p[f"layer{i}_{name}"] for name in _layer_shapes(t)},
+                      positions, causal)
         x = _rms_norm(x, p["final_norm"])
         logits = (x @ p["head"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
@@ -138,20 +166,23 @@ def _loss(t: LlamaShape, gathered):
 # ----------------------------------------------------------------------------- shardings
 
 def _weight_spec(mesh_name: str, name: str, shape: tuple[int, ...]):
-    """The PartitionSpec of a master weight (and its optimizer state) on this mesh."""
+    """The PartitionSpec of a master weight (and its optimizer state) on this mesh; a
+    stacked layer weight's leading (layer) axis is never sharded."""
     from jax.sharding import PartitionSpec as P
 
-    if len(shape) == 1 or mesh_name == "data8":
+    if name.endswith("_norm") or mesh_name == "data8":
         return P()                                   # norm scales: replicated everywhere
+    layer_axes = 1 if name.startswith(STACKED) else 0
     if mesh_name == "data2_fsdp4":
         # MaxText's "embed" logical axis -> fsdp: the d_model axis of every matrix.
-        embed_axis = 1 if name == "embed" or name.endswith(("_wo", "_w_down")) else 0
+        embed_axis = layer_axes + (1 if name == "embed" or name.endswith(("_wo", "_w_down"))
+                                   else 0)
         return P(*("fsdp" if a == embed_axis else None for a in range(len(shape))))
     # data4_model2: Megatron column / row parallel.
     if name.endswith(("_wq", "_wk", "_wv", "_w_gate", "_w_up")) or name == "head":
-        return P(None, "model")
+        return P(*[None] * layer_axes, None, "model")
     if name.endswith(("_wo", "_w_down")):
-        return P("model", None)
+        return P(*[None] * layer_axes, "model", None)
     return P()                                       # the embedding table: replicated
 
 

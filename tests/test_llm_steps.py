@@ -220,3 +220,26 @@ def test_generated_fsdp_step_marks_the_fsdp_gradients_already_sharded(tmp_path):
     matrices = [n for n, shape in param_shapes(LlamaShape(layers=1)).items() if len(shape) == 2]
     assert len(already) == len(matrices)
     assert all(row["bytes"] >= 64 * 64 * 2 for row in already)  # bf16 whole gradients
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data8", "data2_fsdp4"])
+def test_a_scan_layers_step_is_read_priced_and_sharded_as_it_computes(tmp_path, mesh):
+    """MaxText's ``scan_layers``: the layers' weights stacked and the decoder one
+    ``lax.scan``, so each layer's gradient is all-reduced in the backward loop and
+    written into the stacked gradient through a reshape that adds the layer axis.
+    ``optimize`` exits 0 with a verdict; forced, what it writes computes what the step
+    computes on 8 devices."""
+    from llm_step import generate
+
+    path = generate(tmp_path / "scan.hlo", mesh, layers=2, scan_layers=1)
+    for args in ([], ["--force"]):
+        run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(path), "-o",
+                              str(tmp_path / f"out{len(args)}.hlo"), "--json", *args],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["sharded"] > 0
+    check = subprocess.run([sys.executable, "-m", "hlo_shard", "verify", str(path),
+                            str(tmp_path / "out1.hlo")], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert check.returncode == 0 and "MATCH" in check.stdout, check.stdout + check.stderr
