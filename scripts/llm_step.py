@@ -1,7 +1,7 @@
 """LLM-sized training steps (issue 23): a Llama-style decoder's per-device SPMD module.
 
     python scripts/llm_step.py OUT.hlo [--mesh data8|data2_fsdp4|data4_model2]
-                               [--size default|large] [--layers L] [--d-model D] ...
+                               [--size default|large|scan] [--layers L] [--d-model D] ...
 
 The model is a Llama-style decoder (RMSNorm, rotary attention, SwiGLU MLP, untied
 embedding and head) written in plain jax after the structure of Meta's reference
@@ -24,7 +24,8 @@ clipping (MaxText's defaults; AdamW alone on the tensor-parallel mesh, see
 The layers are unrolled unless ``--scan-layers 1`` (MaxText's ``scan_layers``: stacked
 weights, one ``lax.scan``): module size grows with ``--layers`` while the
 widths stay small, so dumping stays cheap on CPU. ``--size default`` gives a module of
-about 1 MB, ``--size large`` about 4 MB (data8; the other meshes are of the same order).
+about 1 MB, ``--size large`` about 4 MB (data8; the other meshes are of the same order),
+``--size scan`` the default's 12 layers scanned.
 
 Importing this file does not import jax; ``main`` sets the device count before it does.
 :func:`generate` runs the script in a child process (XLA reads the device count once).
@@ -67,7 +68,8 @@ class LlamaShape:
     scan_layers: bool = False
 
 
-SIZES = {"default": LlamaShape(layers=12), "large": LlamaShape(layers=48)}
+SIZES = {"default": LlamaShape(layers=12), "large": LlamaShape(layers=48),
+         "scan": LlamaShape(layers=12, scan_layers=True)}
 
 
 # ----------------------------------------------------------------------------- the model
