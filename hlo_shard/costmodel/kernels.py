@@ -163,6 +163,14 @@ class KernelInputs:
     shared: tuple[str, ...] = ()
 
 
+def runs_in_a_kernel(inst: Instruction) -> bool:
+    """Whether ``inst``'s work is done by a kernel (one of its own, or one it is fused
+    into): pointer ops launch nothing, control flow runs its callees' kernels. Where
+    fusion is not emulated (a module XLA fused already) each such instruction is a
+    kernel of its own."""
+    return inst.opcode not in POINTER_OPCODES and inst.opcode not in CONTROL_FLOW_OPCODES
+
+
 def is_prefused(module: Module) -> bool:
     return any(inst.opcode == "fusion" for comp in module.computations
                for inst in comp.instructions)
@@ -258,7 +266,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         return summary
 
     for inst in reversed(order):
-        if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
+        if not runs_in_a_kernel(inst):
             continue
         found = readers_of(inst.name)
         readers = consumers(found)

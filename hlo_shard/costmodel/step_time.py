@@ -38,7 +38,7 @@ from hlo_shard.costmodel.network import (
 )
 from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
 from hlo_shard.costmodel.kernels import (
-    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused,
+    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused, runs_in_a_kernel,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
@@ -536,8 +536,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
                    algorithm: str | None,
                    categories: dict[str, tuple[dict[str, str], str]] | None,
                    roles: Mapping[int, str] | None) -> StepEstimate:
-    module = with_device_counts(module)
-    profile = profile.for_devices(module.device_count)
+    module, profile = _as_priced(module, profile)
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     combiner = Combiner(module, profile.combine_threshold_bytes, profile.combined_collectives)
@@ -545,17 +544,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
     estimator = _Estimator(module, profile, model, algorithm, emulate, regions, combiner,
                            plans, dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
-    if profile.step_overhead_s:  # what a step costs even when it computes nothing
-        instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
-                                                "forward_backward", 1,
-                                                profile.step_overhead_s, Cost()))
-    # The step overhead was measured with one output: each further leaf adds a buffer.
-    extra_outputs = sum(1 for _ in shape_leaves(module.entry.root.shape)) - 1
-    if profile.output_overhead_s and extra_outputs > 0:
-        instructions.append(InstructionEstimate(module.entry.name, OUTPUT_BUFFERS, "step",
-                                                "forward_backward", 1,
-                                                extra_outputs * profile.output_overhead_s,
-                                                Cost()))
+    instructions.extend(_fixed_costs(module, profile))
     for copy in donated_parameter_copies(module, combiner.buckets(module.entry)):
         instructions.append(InstructionEstimate(
             module.entry.name, f"{DONATED_COPY}{copy.parameter}", "copy", "formatting", 1,
@@ -578,6 +567,52 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
         model=model, memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
+
+
+def _as_priced(module: Module, profile: HardwareProfile) -> tuple[Module, HardwareProfile]:
+    """``module`` with its device counts recovered, and ``profile`` at that count: what
+    every price of the module reads."""
+    module = with_device_counts(module)
+    return module, profile.for_devices(module.device_count)
+
+
+def _fixed_costs(module: Module, profile: HardwareProfile) -> list[InstructionEstimate]:
+    """What a step costs even when it computes nothing, and the buffer of each output
+    leaf past the first (the step overhead was measured with one output)."""
+    costs: list[InstructionEstimate] = []
+    if profile.step_overhead_s:
+        costs.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
+                                         "forward_backward", 1, profile.step_overhead_s,
+                                         Cost()))
+    extra_outputs = sum(1 for _ in shape_leaves(module.entry.root.shape)) - 1
+    if profile.output_overhead_s and extra_outputs > 0:
+        costs.append(InstructionEstimate(module.entry.name, OUTPUT_BUFFERS, "step",
+                                         "forward_backward", 1,
+                                         extra_outputs * profile.output_overhead_s, Cost()))
+    return costs
+
+
+#: How far :func:`step_seconds_floor` is lowered below the terms it adds up: far more
+#: than the rounding of the estimate's own sums of the same terms, in another order.
+_FLOOR_ROUNDING = 1e-9
+
+
+def step_seconds_floor(module: Module, profile: HardwareProfile) -> float:
+    """A lower bound of :func:`estimate_step`'s ``seconds`` for ``module`` on ``profile``
+    (whatever the regions), from what needs no cost analysis: the fixed costs and, in a
+    module XLA fused already, the launch overhead of each of the entry's kernels that is
+    not a collective (every instruction there that runs in a kernel is one of its own;
+    a kernel costs at least its overhead). Every other term of the estimate is at least
+    zero, so a caller asking only whether the step is longer than some time can often
+    answer without the estimate."""
+    module, profile = _as_priced(module, profile)
+    seconds = sum(cost.seconds for cost in _fixed_costs(module, profile))
+    if is_prefused(module):
+        kernels = sum(1 for inst in module.entry.instructions
+                      if runs_in_a_kernel(inst) and inst.opcode not in COLLECTIVE_KINDS
+                      and inst.opcode not in COLLECTIVE_DONE_OPCODES)
+        seconds += kernels * profile.fused_kernel_overhead_s
+    return seconds * (1 - _FLOOR_ROUNDING)
 
 
 def with_device_counts(module: Module) -> Module:
