@@ -183,3 +183,44 @@ def test_a_few_copies_in_a_step_of_many_kernels_keep_their_alias_without_an_esti
     monkeypatch.undo()
     assert CopyFreeDonation("cpu-local").run(parse(_with_kernels(CASES["late_reader"], 2))
                                              ).changed
+
+
+_LOOP = """HloModule loop, replica_count=8
+
+neg { a = f32[64]{0} parameter(0) ROOT n = f32[64]{0} negate(a) }
+
+body {
+  p = (s32[], f32[64]{0}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  x = f32[64]{0} get-tuple-element(p), index=1
+  one = s32[] constant(1)
+  j = s32[] add(i, one)
+  y = f32[64]{0} fusion(x), kind=kLoop, calls=neg
+  ROOT t = (s32[], f32[64]{0}) tuple(j, y)
+}
+
+cond {
+  p = (s32[], f32[64]{0}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  n = s32[] constant(1000)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}
+
+ENTRY main {
+  x = f32[64]{0} parameter(0)
+  z = s32[] constant(0)
+  t = (s32[], f32[64]{0}) tuple(z, x)
+  w = (s32[], f32[64]{0}) while(t), condition=cond, body=body
+  ROOT r = f32[64]{0} get-tuple-element(w), index=1
+}
+"""
+
+
+def test_the_step_floor_counts_the_kernels_of_a_loop_as_often_as_they_run():
+    profile = load_profile("cpu-local")
+    module = parse(_LOOP)
+    # Two kernels in the body a thousand times, the condition's compare once more.
+    launches = 2 * 1000 + 1001
+    floor = step_seconds_floor(module, profile)
+    assert floor >= launches * profile.for_devices(8).fused_kernel_overhead_s * (1 - 1e-6)
+    assert floor <= estimate_step(module, profile, {}).seconds
