@@ -1101,3 +1101,22 @@ def test_one_estimate_finds_each_computations_plans_and_buckets_once(monkeypatch
         # CPU's (the memory model's settings are the defaults).
         entry_plans = sum(1 for name, _ in planned if name == module.entry.name)
         assert entry_plans == (1 if shared else 2)
+
+
+def test_a_module_xla_fused_already_is_planned_once_whatever_the_fusion_settings():
+    # Each of its instructions is a kernel of its own: the step's time (on the profile's
+    # settings) and its memory (on the defaults) share one plan per computation.
+    from pathlib import Path
+
+    from hlo_shard.costmodel.kernels import KernelPlans
+    from hlo_shard.parser import parse_file
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "optimized" / "adam.n4.hlo"
+    entry = parse_file(fixture).entry
+    plans = KernelPlans()
+    plan = plans.plan(entry, False)
+    assert plans.plan(entry, False, False, 8, True) is plan
+    assert [k.members for k in plan.kernels] == \
+        [k.members for k in plan_kernels(entry, False, False, 8, True).kernels]
+    assert all(len(kernel.members) == 1 for kernel in plan.kernels)
+    assert plans.plan(entry, True, False, 8, True) is not plans.plan(entry, True)

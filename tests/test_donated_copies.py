@@ -14,7 +14,7 @@ from pathlib import Path
 from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.aliasing import donated_parameter_copies
 from hlo_shard.costmodel.network import combiner_buckets
-from hlo_shard.costmodel.step_time import DONATED_COPY, estimate_step
+from hlo_shard.costmodel.step_time import DONATED_COPY, estimate_step, step_seconds_floor
 from hlo_shard.parser import parse, parse_file
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.profiles import load_profile
@@ -144,3 +144,83 @@ def test_aliases_stay_where_the_copy_is_cheap_or_the_new_buffer_faults_in():
     fast = replace(cpu, memory_bandwidth_bytes_per_s=1e15, cache_bandwidth_bytes_per_s=1e15,
                    kernel_overhead_s=0.0)
     assert not CopyFreeDonation(fast).run(parse(CASES["late_reader"])).changed
+
+
+def _with_kernels(text: str, count: int) -> str:
+    """``text`` as a module XLA fused already, with ``count`` more kernels in its entry
+    (fusions of ``x``'s negation that nothing reads)."""
+    body = "neg { a = f32[4,256]{1,0} parameter(0) ROOT n = f32[4,256]{1,0} negate(a) }\n\n"
+    head, entry = text.split("ENTRY main {\n")
+    kernels = "".join(f"  k{i} = f32[4,256]{{1,0}} fusion(x), kind=kLoop, calls=neg\n"
+                      for i in range(count))
+    return head + body + "ENTRY main {\n" + entry.replace(_TAIL, kernels + _TAIL)
+
+
+@pytest.mark.parametrize("name", ["optimized/adam.n4.hlo", "optimized/loop_adam.n4.hlo",
+                                  "optimized/transformer.n4.hlo", "spmd/adam.n4.hlo"])
+def test_the_step_floor_is_below_the_estimate(name):
+    profile = load_profile("cpu-local")
+    module = parse_file(FIXTURES.parent / name)
+    floor = step_seconds_floor(module, profile)
+    assert 0 < floor <= estimate_step(module, profile, {}).seconds
+    many = parse(_with_kernels(CASES["late_reader"], 50))
+    assert step_seconds_floor(many, profile) <= estimate_step(many, profile, {}).seconds
+
+
+def test_a_few_copies_in_a_step_of_many_kernels_keep_their_alias_without_an_estimate(
+        monkeypatch):
+    from hlo_shard.passes import copy_free_donation
+    from hlo_shard.passes.copy_free_donation import CopyFreeDonation
+
+    def no_estimate(*args, **kwargs):
+        raise AssertionError("the floor of the step decides")
+
+    module = parse(_with_kernels(CASES["late_reader"], 400))
+    assert donated_parameter_copies(module) != []
+    monkeypatch.setattr(copy_free_donation, "estimate_step", no_estimate)
+    assert not CopyFreeDonation("cpu-local").run(module).changed
+    # A step of few kernels is estimated (and its copy found worth dropping).
+    monkeypatch.undo()
+    assert CopyFreeDonation("cpu-local").run(parse(_with_kernels(CASES["late_reader"], 2))
+                                             ).changed
+
+
+_LOOP = """HloModule loop, replica_count=8
+
+neg { a = f32[64]{0} parameter(0) ROOT n = f32[64]{0} negate(a) }
+
+body {
+  p = (s32[], f32[64]{0}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  x = f32[64]{0} get-tuple-element(p), index=1
+  one = s32[] constant(1)
+  j = s32[] add(i, one)
+  y = f32[64]{0} fusion(x), kind=kLoop, calls=neg
+  ROOT t = (s32[], f32[64]{0}) tuple(j, y)
+}
+
+cond {
+  p = (s32[], f32[64]{0}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  n = s32[] constant(1000)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}
+
+ENTRY main {
+  x = f32[64]{0} parameter(0)
+  z = s32[] constant(0)
+  t = (s32[], f32[64]{0}) tuple(z, x)
+  w = (s32[], f32[64]{0}) while(t), condition=cond, body=body
+  ROOT r = f32[64]{0} get-tuple-element(w), index=1
+}
+"""
+
+
+def test_the_step_floor_counts_the_kernels_of_a_loop_as_often_as_they_run():
+    profile = load_profile("cpu-local")
+    module = parse(_LOOP)
+    # Two kernels in the body a thousand times, the condition's compare once more.
+    launches = 2 * 1000 + 1001
+    floor = step_seconds_floor(module, profile)
+    assert floor >= launches * profile.for_devices(8).fused_kernel_overhead_s * (1 - 1e-6)
+    assert floor <= estimate_step(module, profile, {}).seconds

@@ -122,6 +122,37 @@ def test_a_problem_of_the_input_is_no_passs_slip_but_a_new_one_is():
         Pipeline([Retype("sine", "cosine"), Reshape()]).run(parse(unheaded))
 
 
+def test_the_input_is_checked_once_for_every_run_of_the_gate(monkeypatch):
+    """The gate runs the pipeline on copies of one module: they share one check of it,
+    and a run handed the input's problems does not check the input again."""
+    from hlo_shard.passes.speed_gate import shard_where_faster
+    from hlo_shard.validate import validate
+
+    checked: list[Module] = []
+
+    def check(module: Module) -> list[object]:
+        checked.append(module)
+        return list(validate(module))
+
+    Pipeline([Retype("sine", "cosine")], check=check).run(parse(SGD), frozenset())
+    assert checked == []
+    unheaded = parse(SGD.replace(", replica_count=2", ""))
+    with pytest.raises(PassCheckError, match="pass broken-reshape"):
+        Pipeline([Reshape()], check=check).run(unheaded, Pipeline(
+            [], check=check).problems_before(unheaded))
+
+    before = Pipeline.problems_before
+    inputs: list[Module] = []
+
+    def counted(self: Pipeline, module: Module) -> frozenset[str]:
+        inputs.append(module)
+        return before(self, module)
+
+    monkeypatch.setattr(Pipeline, "problems_before", counted)
+    report, decision = shard_where_faster(parse(SGD), WeightUpdateSharding())
+    assert len(decision.trials) >= 1 and len(inputs) == 1
+
+
 def test_the_optimizer_pipeline_checks_after_every_pass():
     from hlo_shard.passes.sharding_pipeline import sharding_pipeline
     from hlo_shard.validate import validate

@@ -163,6 +163,14 @@ class KernelInputs:
     shared: tuple[str, ...] = ()
 
 
+def runs_in_a_kernel(inst: Instruction) -> bool:
+    """Whether ``inst``'s work is done by a kernel (one of its own, or one it is fused
+    into): pointer ops launch nothing, control flow runs its callees' kernels. Where
+    fusion is not emulated (a module XLA fused already) each such instruction is a
+    kernel of its own."""
+    return inst.opcode not in POINTER_OPCODES and inst.opcode not in CONTROL_FLOW_OPCODES
+
+
 def is_prefused(module: Module) -> bool:
     return any(inst.opcode == "fusion" for comp in module.computations
                for inst in comp.instructions)
@@ -172,15 +180,17 @@ def is_prefused(module: Module) -> bool:
 class KernelPlans:
     """:func:`plan_kernels` of a module's computations (not edited while this is used),
     each planned once per setting: the step's time and its memory read the same plan
-    wherever the profile's fusion settings are the defaults the memory model uses."""
+    wherever the profile's fusion settings are the defaults the memory model uses, and
+    in a module XLA fused already, where the settings change nothing (every instruction
+    that runs in a kernel is one of its own)."""
 
     _plans: dict[tuple[str, bool, bool, int, bool], KernelPlan] = field(default_factory=dict)
 
     def plan(self, comp: Computation, emulate_fusion: bool = True, multi_output: bool = True,
              concatenate_operands: int = 0, row_major_reductions: bool = False) -> KernelPlan:
         """:func:`plan_kernels` (read it, do not edit it)."""
-        key = (comp.name, emulate_fusion, multi_output, concatenate_operands,
-               row_major_reductions)
+        key = ((comp.name, True, multi_output, concatenate_operands, row_major_reductions)
+               if emulate_fusion else (comp.name, False, True, 0, False))
         found = self._plans.get(key)
         if found is None:
             found = self._plans[key] = plan_kernels(comp, *key[1:])
@@ -258,15 +268,18 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         return summary
 
     for inst in reversed(order):
-        if inst.opcode in POINTER_OPCODES or inst.opcode in CONTROL_FLOW_OPCODES:
+        if not runs_in_a_kernel(inst):
+            continue
+        if not emulate_fusion:
+            new_kernel(inst)
             continue
         found = readers_of(inst.name)
         readers = consumers(found)
         # A value also needed in memory (read by a tuple, a loop, the root) can still be
         # computed inside its kernel readers' fusion, as an extra output.
-        fusible = emulate_fusion and inst.opcode in FUSIBLE_OPCODES and bool(readers.targets)
-        if emulate_fusion and (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)
-                               or _reshape_of_absorbed_transpose(comp, inst, users)):
+        fusible = inst.opcode in FUSIBLE_OPCODES and bool(readers.targets)
+        if (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)
+                or _reshape_of_absorbed_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
             relabels.add(inst.name)
             reached[inst.name] = found

@@ -38,7 +38,7 @@ from hlo_shard.costmodel.network import (
 )
 from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
 from hlo_shard.costmodel.kernels import (
-    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused,
+    CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused, runs_in_a_kernel,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.graph import reading_only, users_map
@@ -494,19 +494,37 @@ class _Estimator:
                       runs: int) -> list[InstructionEstimate]:
         called = inst.called_computations()
         if inst.opcode == "while":
-            trips = known_trip_count(self.analysis, comp, inst)
-            if trips is None:
-                trips = 1
+            loop = _LoopRuns.of(self.module, self.analysis, comp, inst, runs)
+            if not loop.known:
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            body = self.module.computation(inst.required_attr("body", ComputationRef).name)
-            condition = self.module.computation(
-                inst.required_attr("condition", ComputationRef).name)
-            return (self.computation(body, runs * trips)
-                    + self.computation(condition, runs * (trips + 1)))
+            return (self.computation(loop.body, loop.body_runs)
+                    + self.computation(loop.condition, loop.condition_runs))
         if inst.opcode == "call":
             return self.computation(self.module.computation(called[0]), runs)
         branches = [self.computation(self.module.computation(name), runs) for name in called]
         return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
+
+
+@dataclass(frozen=True)
+class _LoopRuns:
+    """A while loop's body and condition, and how many times each runs per step: the
+    trip count when it is evident, else once (the estimate notes it)."""
+
+    body: Computation
+    body_runs: int
+    condition: Computation
+    condition_runs: int
+    known: bool
+
+    @staticmethod
+    def of(module: Module, analysis: CostAnalysis, comp: Computation, loop: Instruction,
+           runs: int) -> _LoopRuns:
+        trips = known_trip_count(analysis, comp, loop)
+        counted = 1 if trips is None else trips
+        return _LoopRuns(module.computation(loop.required_attr("body", ComputationRef).name),
+                         runs * counted,
+                         module.computation(loop.required_attr("condition", ComputationRef).name),
+                         runs * (counted + 1), trips is not None)
 
 
 def _element_type(comp: Computation, inst: Instruction) -> str:
@@ -536,8 +554,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
                    algorithm: str | None,
                    categories: dict[str, tuple[dict[str, str], str]] | None,
                    roles: Mapping[int, str] | None) -> StepEstimate:
-    module = with_device_counts(module)
-    profile = profile.for_devices(module.device_count)
+    module, profile = _as_priced(module, profile)
     emulate = not is_prefused(module)
     model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     combiner = Combiner(module, profile.combine_threshold_bytes, profile.combined_collectives)
@@ -545,17 +562,7 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
     estimator = _Estimator(module, profile, model, algorithm, emulate, regions, combiner,
                            plans, dict(categories or {}))
     instructions = estimator.computation(module.entry, 1)
-    if profile.step_overhead_s:  # what a step costs even when it computes nothing
-        instructions.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
-                                                "forward_backward", 1,
-                                                profile.step_overhead_s, Cost()))
-    # The step overhead was measured with one output: each further leaf adds a buffer.
-    extra_outputs = sum(1 for _ in shape_leaves(module.entry.root.shape)) - 1
-    if profile.output_overhead_s and extra_outputs > 0:
-        instructions.append(InstructionEstimate(module.entry.name, OUTPUT_BUFFERS, "step",
-                                                "forward_backward", 1,
-                                                extra_outputs * profile.output_overhead_s,
-                                                Cost()))
+    instructions.extend(_fixed_costs(module, profile))
     for copy in donated_parameter_copies(module, combiner.buckets(module.entry)):
         instructions.append(InstructionEstimate(
             module.entry.name, f"{DONATED_COPY}{copy.parameter}", "copy", "formatting", 1,
@@ -578,6 +585,72 @@ def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedReg
         model=model, memory=memory,
         parameter_kinds=kinds, region_source="update_region" if "update_region" in sources
         else "fallback", notes=estimator.notes, categories=estimator.categories)
+
+
+def _as_priced(module: Module, profile: HardwareProfile) -> tuple[Module, HardwareProfile]:
+    """``module`` with its device counts recovered, and ``profile`` at that count: what
+    every price of the module reads."""
+    module = with_device_counts(module)
+    return module, profile.for_devices(module.device_count)
+
+
+def _fixed_costs(module: Module, profile: HardwareProfile) -> list[InstructionEstimate]:
+    """What a step costs even when it computes nothing, and the buffer of each output
+    leaf past the first (the step overhead was measured with one output)."""
+    costs: list[InstructionEstimate] = []
+    if profile.step_overhead_s:
+        costs.append(InstructionEstimate(module.entry.name, STEP_OVERHEAD, "step",
+                                         "forward_backward", 1, profile.step_overhead_s,
+                                         Cost()))
+    extra_outputs = sum(1 for _ in shape_leaves(module.entry.root.shape)) - 1
+    if profile.output_overhead_s and extra_outputs > 0:
+        costs.append(InstructionEstimate(module.entry.name, OUTPUT_BUFFERS, "step",
+                                         "forward_backward", 1,
+                                         extra_outputs * profile.output_overhead_s, Cost()))
+    return costs
+
+
+#: How far :func:`step_seconds_floor` is lowered below the terms it adds up: far more
+#: than the rounding of the estimate's own sums of the same terms, in another order.
+_FLOOR_ROUNDING = 1e-9
+
+
+def step_seconds_floor(module: Module, profile: HardwareProfile) -> float:
+    """A lower bound of :func:`estimate_step`'s ``seconds`` for ``module`` on ``profile``
+    (whatever the regions), from what needs no cost analysis: the fixed costs and, in a
+    module XLA fused already, the launch overhead of each kernel that is not a
+    collective, as often as it runs (every instruction that runs in a kernel is one of
+    its own there; a kernel costs at least its overhead), in the entry and in the
+    computations its loops and calls run (a conditional's branches are left out: only
+    one of them runs). Every other term of the estimate is at least zero, so a caller
+    asking only whether the step is longer than some time can often answer without the
+    estimate."""
+    module, profile = _as_priced(module, profile)
+    seconds = sum(cost.seconds for cost in _fixed_costs(module, profile))
+    if is_prefused(module):
+        seconds += _kernel_launches(module) * profile.fused_kernel_overhead_s
+    return seconds * (1 - _FLOOR_ROUNDING)
+
+
+def _kernel_launches(module: Module) -> int:
+    """The kernels a step of ``module`` (XLA fused already) launches, collectives left
+    out: the entry's, and those of the loops and calls it runs, each as often as the
+    estimate counts it."""
+    analysis = CostAnalysis(module)  # only its computations are read (trip counts)
+    launches = 0
+    stack = [(module.entry, 1)]
+    while stack:
+        comp, runs = stack.pop()
+        for inst in comp.instructions:
+            if inst.opcode == "while":
+                loop = _LoopRuns.of(module, analysis, comp, inst, runs)
+                stack += [(loop.body, loop.body_runs), (loop.condition, loop.condition_runs)]
+            elif inst.opcode == "call":
+                stack.append((module.computation(inst.called_computations()[0]), runs))
+            elif runs_in_a_kernel(inst) and inst.opcode not in COLLECTIVE_KINDS \
+                    and inst.opcode not in COLLECTIVE_DONE_OPCODES:
+                launches += runs
+    return launches
 
 
 def with_device_counts(module: Module) -> Module:

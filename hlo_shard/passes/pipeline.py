@@ -88,17 +88,25 @@ class Pipeline:
     def __post_init__(self) -> None:
         object.__setattr__(self, "passes", tuple(self.passes))
 
-    def run(self, module: Module) -> PipelineResult:
+    def run(self, module: Module, known_problems: frozenset[str] | None = None
+            ) -> PipelineResult:
+        """``known_problems``: :meth:`problems_before` of ``module``, where the caller has
+        it already (the speed gate runs the pipeline on copies of one module)."""
         with cyclic_gc_paused():
-            return self._run(module)
+            return self._run(module, known_problems)
 
-    def _run(self, module: Module) -> PipelineResult:
-        results = []
-        # What the input has already (a header without the device counts a later pass
-        # recovers: device ids out of range, wherever the passes move them) is not a
-        # pass's slip: each pass is held to adding no kind of problem the input lacks.
-        before = frozenset(map(_kind, self.check(module))) if self.check is not None \
+    def problems_before(self, module: Module) -> frozenset[str]:
+        """The kinds of problem the check finds in ``module`` before any pass. What the
+        input has already (a header without the device counts a later pass recovers:
+        device ids out of range, wherever the passes move them) is not a pass's slip:
+        each pass is held to adding no kind of problem the input lacks."""
+        return frozenset(map(_kind, self.check(module))) if self.check is not None \
             else frozenset()
+
+    def _run(self, module: Module, known_problems: frozenset[str] | None) -> PipelineResult:
+        results = []
+        before = known_problems if known_problems is not None else \
+            self.problems_before(module)
         for position, step in enumerate(self.passes):
             result = run_pass(step, module)
             if self.check is not None and result.changed:  # unchanged: nothing to find

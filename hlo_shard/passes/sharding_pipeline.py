@@ -57,10 +57,14 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,
-                 after_pass: AfterPass | None = None) -> ShardingReport:
+                 after_pass: AfterPass | None = None,
+                 known_problems: frozenset[str] | None = None) -> ShardingReport:
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
-    every pass's notes (what ``--explain`` and ``--json`` show), in pass order."""
-    result = sharding_pipeline(sharding, after_pass).run(module)
+    every pass's notes (what ``--explain`` and ``--json`` show), in pass order.
+    ``known_problems``: the pipeline's
+    :meth:`~hlo_shard.passes.pipeline.Pipeline.problems_before` of ``module``,
+    where the caller has it already."""
+    result = sharding_pipeline(sharding, after_pass).run(module, known_problems)
     report = replace(result.report(ShardingReport), notes=result.notes)
     result.report(ReduceScatterReport).annotate(report)
     return report

@@ -44,7 +44,7 @@ from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
-from hlo_shard.passes.sharding_pipeline import run_sharding
+from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
 from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 from hlo_shard.profiles import HardwareProfile
 
@@ -121,6 +121,14 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
 
+    # Every run of the pipeline below starts from ``module`` as it is (or a copy): one
+    # check of it serves them all.
+    known = sharding_pipeline(sharding).problems_before(module)
+
+    def shard(target: Module, options: WeightUpdateSharding,
+              watching: AfterPass | None = None) -> ShardingReport:
+        return run_sharding(target, options, watching, known)
+
     #: The cheapest sharded trial so far, its module and report: what the gate writes
     #: when it chooses that cut-off, without running the pipeline on the input again.
     cheapest: tuple[Trial, Module, ShardingReport] | None = None
@@ -128,7 +136,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     def trial(min_bytes: int) -> tuple[Trial, ShardingReport, StepEstimate | None]:
         nonlocal cheapest
         candidate = module.clone()
-        report = run_sharding(candidate, at_cutoff(min_bytes))
+        report = shard(candidate, at_cutoff(min_bytes))
         sharded = sum(1 for row in report.explanations if row.sharded)
         estimate = predicted_step(candidate, hardware) if sharded else None
         result = Trial(min_bytes, sharded, baseline if estimate is None else estimate.seconds)
@@ -140,7 +148,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         """``module`` as the pipeline writes it at ``chosen``'s cut-off: the trial's own
         module, unless ``after_pass`` must watch the passes run on the input."""
         if cheapest is None or after_pass is not None or cheapest[0] is not chosen:
-            return run_sharding(module, at_cutoff(chosen.min_bytes), after_pass)
+            return shard(module, at_cutoff(chosen.min_bytes), after_pass)
         module.take_contents(cheapest[1])
         return cheapest[2]
 
@@ -148,7 +156,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     everything, full, sharded_estimate = trial(user_min)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
-            run_sharding(module, sharding, after_pass)
+            shard(module, sharding, after_pass)
         return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
             hardware.min_predicted_gain, forced=force, unsharded_s=_seconds(unsharded))
@@ -169,7 +177,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
         # to write).
-        report = run_sharding(module, at_cutoff(sizes[-1] + 1), after_pass)
+        report = shard(module, at_cutoff(sizes[-1] + 1), after_pass)
     else:
         report = written(chosen)
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
