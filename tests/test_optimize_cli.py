@@ -360,9 +360,9 @@ def test_the_gate_rewrites_two_cutoffs_at_most_and_chooses_as_pricing_them_all(m
     module = parse_file(ADAM.parent / "transformer.n8.hlo")
     runs = []
 
-    def counted(candidate, sharding, after_pass=None):
+    def counted(candidate, sharding, after_pass=None, known_problems=None):
         runs.append(sharding.options.min_shard_bytes)
-        return run_sharding(candidate, sharding, after_pass)
+        return run_sharding(candidate, sharding, after_pass, known_problems)
 
     monkeypatch.setattr(speed_gate, "run_sharding", counted)
     for profile in ("cpu-local", "tpu-v3", "h100"):
