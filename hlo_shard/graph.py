@@ -168,6 +168,14 @@ def control_predecessors(inst: Instruction) -> list[str]:
     return re.findall(r"%?([A-Za-z_][\w.\-]*)", getattr(raw, "text", str(raw)))
 
 
+def dependencies(inst: Instruction) -> list[str]:
+    """What ``inst`` must come after: its operands, and its control predecessors where it
+    has any (for the many without, the operand list itself: read it, do not edit it)."""
+    if "control-predecessors" in inst.attributes:
+        return [*inst.operands, *control_predecessors(inst)]
+    return inst.operands
+
+
 def topological_order(comp: Computation) -> list[Instruction]:
     """A def-before-use order that keeps the list order wherever it is valid (read it,
     do not edit it: see :func:`reading_only`).
@@ -180,9 +188,7 @@ def topological_order(comp: Computation) -> list[Instruction]:
 
 def _topological_order(comp: Computation) -> list[Instruction]:
     instructions = comp.instructions
-    needs_of = [[*inst.operands, *control_predecessors(inst)]
-                if "control-predecessors" in inst.attributes else inst.operands
-                for inst in instructions]
+    needs_of = [dependencies(inst) for inst in instructions]
     if _in_order(instructions, needs_of):
         return list(instructions)
     placed = _earliest_ready_first([inst.name for inst in instructions], needs_of)

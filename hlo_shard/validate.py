@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hlo_shard.graph import control_predecessors
+from hlo_shard.graph import dependencies
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
@@ -58,8 +58,7 @@ class _Checker:
         for inst in comp.instructions:
             if inst.name in seen:
                 self.fail("unique-names", inst, "defined twice")
-            needs = inst.operands + control_predecessors(inst) \
-                if "control-predecessors" in inst.attributes else inst.operands
+            needs = dependencies(inst)
             if not seen.issuperset(needs):  # else nothing to say, found in one C loop
                 for operand in needs:
                     if operand not in seen:
