@@ -703,6 +703,11 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
         return (categories.get(name, "forward_backward") != "forward_backward"
                 or comp[name].opcode == "get-tuple-element")
 
+    def chain(junction: str) -> list[tuple[str, bool]]:
+        """Where the walk goes on forward from a junction: a bucket's single consumer
+        chain (concatenate → all-gather)."""
+        return [(u, True) for u in users[junction] if len(users[junction]) == 1 and in_update(u)]
+
     def walk(stack: list[tuple[str, bool]], beyond: set[str] | None) -> set[str]:
         """What the walk from ``stack`` reaches; a junction reached forward goes to
         ``beyond`` without its chain walked where ``beyond`` is given."""
@@ -715,9 +720,8 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             if _is_junction(comp, comp[name]):
                 if forward and beyond is not None:
                     beyond.add(name)
-                elif forward:  # a bucket's single consumer chain (concatenate → all-gather)
-                    stack.extend((u, True) for u in users[name]
-                                 if len(users[name]) == 1 and in_update(u))
+                elif forward:
+                    stack.extend(chain(name))
                 continue
             stack.extend((o, False) for o in comp[name].operands if in_update(o))
             if forward:
@@ -738,8 +742,7 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             reaching.setdefault(junction, set()).add(param)
     in_chains: dict[str, list[str]] = {}
     for junction in reaching:
-        for name in walk([(u, True) for u in users[junction]
-                          if len(users[junction]) == 1 and in_update(u)], None):
+        for name in walk(chain(junction), None):
             in_chains.setdefault(name, []).append(junction)
     # Instructions with the same owners share one sum, split among those owners once.
     shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork] = {}
