@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 NUM_DEVICES = 8
@@ -264,13 +265,19 @@ def generate(out: Path, mesh_name: str = "data8", size: str = "default",
     return out
 
 
+def _integer_as(kind: type, text: str) -> int | bool:
+    """An override written as an integer, of its field's own type (0/1 for a flag)."""
+    return kind(int(text))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the .hlo file to write")
     parser.add_argument("--mesh", choices=sorted(MESHES), default="data8")
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     for field, value in asdict(SIZES["default"]).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None,
+        parser.add_argument(f"--{field.replace('_', '-')}", default=None,
+                            type=partial(_integer_as, type(value)),
                             help=f"override the size's {field} (default {value})")
     args = parser.parse_args()
     overrides = {f: getattr(args, f) for f in asdict(SIZES["default"])
@@ -280,9 +287,9 @@ def main() -> None:
                                + f" --xla_force_host_platform_device_count={NUM_DEVICES}")
     os.environ["JAX_PLATFORMS"] = "cpu"
     text = dump(args.mesh, shape)
-    partial = args.out.with_name(args.out.name + ".partial")
-    partial.write_text(text)
-    partial.replace(args.out)
+    staging = args.out.with_name(args.out.name + ".partial")
+    staging.write_text(text)
+    staging.replace(args.out)
     print(f"{args.out}: {len(text) / 1e6:.2f} MB, mesh {args.mesh}, {shape}")
 
 
