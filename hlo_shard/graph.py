@@ -12,7 +12,7 @@ what a pass's ``PassResult.changed`` and ``changes`` come from, what tests read 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -128,15 +128,18 @@ def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> se
     return seen
 
 
-def upstream_bits(comp: Computation, bits: dict[str, int]) -> dict[str, int]:
+def upstream_bits(comp: Computation, bits: Mapping[str, int],
+                  computed_from: Callable[[Instruction], Iterable[str]] | None = None
+                  ) -> dict[str, int]:
     """Per instruction of ``comp``: the union of the ``bits`` of every instruction it
     depends on (not its own), in one pass in def-before-use order — "which of these
     does each value read, directly or not" for all values at once, instead of a walk
-    over the ancestors of each."""
+    over the ancestors of each. ``computed_from``: the earlier instructions each one
+    reads (default: its operands)."""
     below: dict[str, int] = {}
     for inst in topological_order(comp):
         found = 0
-        for operand in inst.operands:
+        for operand in inst.operands if computed_from is None else computed_from(inst):
             found |= below[operand] | bits.get(operand, 0)
         below[inst.name] = found
     return below

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.graph import topological_order, users_map
+from hlo_shard.graph import topological_order, upstream_bits, users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           TupleShape)
 from hlo_shard.values import c_unescape
@@ -202,7 +202,6 @@ class _ElementFlow:
     def __init__(self, comp: Computation) -> None:
         self.comp = comp
         self.users = users_map(comp)
-        self.order = [inst.name for inst in topological_order(comp)]
 
     def _element(self, name: str) -> int | None:
         inst = self.comp[name]
@@ -221,32 +220,21 @@ class _ElementFlow:
                 out.append(user)
         return out
 
-    def _previous(self, name: str) -> list[str]:
-        inst = self.comp[name]
-        index = self._element(name)
+    def _previous(self, inst: Instruction) -> list[str]:
+        index = self._element(inst.name)
         if index is not None and self.comp[inst.operands[0]].opcode == "tuple":
             return [self.comp[inst.operands[0]].operands[index]]
-        return list(inst.operands)
+        return inst.operands
 
     def _downstream(self, bits: Mapping[str, int]) -> dict[str, int]:
         """Per instruction: the ``bits`` of everything it reaches (not its own)."""
         below: dict[str, int] = {}
-        for name in reversed(self.order):
+        for inst in reversed(topological_order(self.comp)):
             found = 0
-            for after in self._next(name):
+            for after in self._next(inst.name):
                 found |= below[after] | bits.get(after, 0)
-            below[name] = found
+            below[inst.name] = found
         return below
-
-    def _upstream(self, bits: Mapping[str, int]) -> dict[str, int]:
-        """Per instruction: the ``bits`` of everything it was computed from (not its own)."""
-        above: dict[str, int] = {}
-        for name in self.order:
-            found = 0
-            for before in self._previous(name):
-                found |= above[before] | bits.get(before, 0)
-            above[name] = found
-        return above
 
     def gradient_leaves(self, reach_bits: Mapping[str, int], source_bits: Mapping[str, int]
                         ) -> Iterator[tuple[GradientKey, int, int, ArrayShape | TupleShape]]:
@@ -257,7 +245,7 @@ class _ElementFlow:
         if not leaves:
             return
         below = self._downstream(reach_bits)
-        above = self._upstream(source_bits)
+        above = upstream_bits(self.comp, source_bits, self._previous)
         for inst in leaves:
             if isinstance(inst.shape, ArrayShape):
                 yield (inst.name, None), below[inst.name], above[inst.name], inst.shape
