@@ -248,6 +248,46 @@ def test_a_gain_under_the_profiles_threshold_is_named_as_such(tmp_path):
     assert rows and all("a gain under the 10% the profile acts on" in row for row in rows)
 
 
+#: Two gradients: ``%ar1`` goes to the output as it is (no update work to shard, whatever
+#: the cut-off), ``%ar2`` feeds an SGD update the pass can shard (kept whole for speed).
+UNSHARDABLE_BESIDE_SHARDABLE = """\
+HloModule kw, entry_computation_layout={(f32[64]{0}, f32[64]{0}, f32[256]{0}, f32[256]{0})->(f32[64]{0}, f32[256]{0})}, replica_count=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: f32[64], p1: f32[64], p2: f32[256], p3: f32[256]) -> (f32[64], f32[256]) {
+  %p0 = f32[64]{0} parameter(0)
+  %p1 = f32[64]{0} parameter(1)
+  %p2 = f32[256]{0} parameter(2)
+  %p3 = f32[256]{0} parameter(3)
+  %ar1 = f32[64]{0} all-reduce(%p1), replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar2 = f32[256]{0} all-reduce(%p3), replica_groups={{0,1,2,3}}, to_apply=%add
+  %lr = f32[] constant(0.1)
+  %b2 = f32[256]{0} broadcast(%lr), dimensions={}
+  %m2 = f32[256]{0} multiply(%ar2, %b2)
+  %n2 = f32[256]{0} subtract(%p2, %m2)
+  ROOT %t = (f32[64]{0}, f32[256]{0}) tuple(%ar1, %n2)
+}
+"""
+
+
+def test_a_gradient_no_cut_off_shards_keeps_its_own_reason(tmp_path):
+    """The gate's cut-off above every size must not turn a gradient that no cut-off
+    shards into one "kept whole for speed" (a price quoted for a rewrite never made)."""
+    path = tmp_path / "kw.hlo"
+    path.write_text(UNSHARDABLE_BESIDE_SHARDABLE)
+    result = run_gated(str(path), "-o", str(tmp_path / "o.hlo"), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["speed"]["kept_whole"]
+    codes = {row["all_reduce"]: row["reason_code"] for row in data["explanations"]}
+    assert codes == {"ar1": "no_update_work", "ar2": "kept_for_speed"}
+
+
 def test_force_writes_what_is_predicted_slower_and_says_so(sgd, tmp_path):
     out = tmp_path / "o.hlo"
     result = run_gated(str(sgd), "-o", str(out), "--force")

@@ -183,7 +183,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
                              hardware.min_predicted_gain, unsharded_s=_seconds(unsharded))
-    _explain_cost_rows(report, decision, user_min)
+    _explain_cost_rows(report, decision, user_min, full)
     return report, decision
 
 
@@ -260,12 +260,23 @@ def _spread(values: list[int], count: int) -> list[int]:
     return sorted({values[round(k * step)] for k in range(count)})
 
 
-def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min: int) -> None:
-    """Gradients kept whole for speed say so, with both predicted step times."""
+def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min: int,
+                       everything: ShardingReport) -> None:
+    """Gradients left out by the gate's cut-off say why in their own words: kept whole
+    for speed, with both predicted step times, where sharding every gradient sharded
+    them; otherwise the reason they stay whole whatever the cut-off (no update work
+    downstream, unused, ...), read from ``everything`` (the pass at the user's own
+    cut-off), which the cut-off's "smaller than --min-shard-bytes" would hide."""
     kept = decision.after_s
+    uncut = {(row.computation, row.all_reduce, row.index): row
+             for row in everything.explanations}
     for row in report.explanations:
         if row.sharded or row.bytes < user_min or \
                 row.reason_code != ReasonCode.BELOW_MIN_SHARD_BYTES.value:
+            continue
+        own = uncut.get((row.computation, row.all_reduce, row.index))
+        if own is not None and not own.sharded:
+            row.reason, row.reason_code = own.reason, own.reason_code
             continue
         # The cheapest way to shard this one too: the best cut-off that includes it.
         options = [t for t in decision.priced if t.min_bytes <= row.bytes]
