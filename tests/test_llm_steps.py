@@ -112,6 +112,109 @@ def test_a_slice_that_is_not_this_devices_shard_is_not_already_sharded(change):
     assert big.code is None and not big.reason
 
 
+#: A scanned FSDP step (MaxText's ``scan_layers``): the backward loop all-reduces each
+#: layer's whole gradient and writes it into the stacked gradient it carries; after the
+#: loop each device takes its own rows of every layer (dynamic-slice by partition id)
+#: and updates its shard of the stacked weight.
+SCANNED_FSDP_STEP = """\
+HloModule scanned_fsdp_step, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%cond (c: (s32[], f32[4,64,32], f32[64,32])) -> pred[] {
+  %c = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %more = pred[] compare(%i, %n), direction=LT
+}
+
+%body (b: (s32[], f32[4,64,32], f32[64,32])) -> (s32[], f32[4,64,32], f32[64,32]) {
+  %b = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %stack = f32[4,64,32]{2,1,0} get-tuple-element(%b), index=1
+  %x = f32[64,32]{1,0} get-tuple-element(%b), index=2
+  %fi = f32[] convert(%i)
+  %fb = f32[64,32]{1,0} broadcast(%fi), dimensions={}
+  %g = f32[64,32]{1,0} multiply(%x, %fb)
+  %g.sum = f32[64,32]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %g.layer = f32[1,64,32]{2,1,0} reshape(%g.sum)
+  %c0 = s32[] constant(0)
+  %stack.new = f32[4,64,32]{2,1,0} dynamic-update-slice(%stack, %g.layer, %i, %c0, %c0)
+  %one = s32[] constant(1)
+  %i.next = s32[] add(%i, %one)
+  ROOT %next = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) tuple(%i.next, %stack.new, %x)
+}
+
+ENTRY %step (w: f32[4,8,32], x: f32[64,32]) -> f32[4,8,32] {
+  %w = f32[4,8,32]{2,1,0} parameter(0)
+  %x = f32[64,32]{1,0} parameter(1)
+  %zero = f32[] constant(0)
+  %init = f32[4,64,32]{2,1,0} broadcast(%zero), dimensions={}
+  %i0 = s32[] constant(0)
+  %start = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) tuple(%i0, %init, %x)
+  %loop = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) while(%start), condition=%cond, body=%body
+  %stacked = f32[4,64,32]{2,1,0} get-tuple-element(%loop), index=1
+  %offsets = s32[8]{0} constant({0, 8, 16, 24, 32, 40, 48, 56})
+  %pid = u32[] partition-id()
+  %offset.1 = s32[1]{0} dynamic-slice(%offsets, %pid), dynamic_slice_sizes={1}
+  %offset = s32[] reshape(%offset.1)
+  %c0 = s32[] constant(0)
+  %mine = f32[4,8,32]{2,1,0} dynamic-slice(%stacked, %c0, %offset, %c0), dynamic_slice_sizes={4,8,32}
+  %lr = f32[] constant(0.01)
+  %lrb = f32[4,8,32]{2,1,0} broadcast(%lr), dimensions={}
+  %update = f32[4,8,32]{2,1,0} multiply(%lrb, %mine)
+  ROOT %w.new = f32[4,8,32]{2,1,0} subtract(%w, %update)
+}
+"""
+
+
+def test_a_scanned_layers_gradient_sliced_after_the_loop_is_already_sharded(tmp_path):
+    """The all-reduce inside the scan is the partitioner's reduce-scatter form across the
+    loop carry: reported already sharded (not a candidate kept whole for speed)."""
+    source = tmp_path / "scanned.hlo"
+    source.write_text(SCANNED_FSDP_STEP)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(source), "-o",
+                          str(tmp_path / "out.hlo"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "1 already sharded (reduce-scatter form), 0 kept whole" in run.stderr
+    (row,) = json.loads(run.stdout)["explanations"]
+    assert (row["computation"], row["all_reduce"], row["reason_code"]) == \
+        ("body", "g.sum", "already_sharded")
+    assert "leaves %loop only as this device's slice" in row["reason"]
+
+
+@pytest.mark.parametrize("change", [
+    # The body also reads the stacked gradient whole.
+    ("  %one = s32[] constant(1)\n",
+     "  %one = s32[] constant(1)\n  %peek = f32[4,64,32]{2,1,0} negate(%stack)\n"),
+    # The stacked gradient is also used whole after the loop.
+    ("  %lr = f32[] constant(0.01)\n",
+     "  %lr = f32[] constant(0.01)\n  %whole = f32[4,64,32]{2,1,0} negate(%stacked)\n"),
+    # The loop's condition reads the slot.
+    ("  %n = s32[] constant(4)\n",
+     "  %n = s32[] constant(4)\n"
+     "  %peek = f32[4,64,32]{2,1,0} get-tuple-element(%c), index=1\n"),
+    # The slot leaves the loop as rows chosen by data, not by the device's id.
+    ("%pid = u32[] partition-id()", "%pid = u32[] constant(3)"),
+    # The layer's sum is also used whole in the body.
+    ("  %c0 = s32[] constant(0)\n  %stack.new",
+     "  %c0 = s32[] constant(0)\n  %again = f32[64,32]{1,0} negate(%g.sum)\n  %stack.new"),
+], ids=["read-in-body", "read-whole-after", "read-by-condition", "offset-not-by-device",
+        "sum-used-whole"])
+def test_a_carried_gradient_read_otherwise_is_not_already_sharded(change):
+    from hlo_shard.analysis.collectives import find_gradient_all_reduces
+
+    text = SCANNED_FSDP_STEP.replace(*change)
+    assert text != SCANNED_FSDP_STEP
+    (found,) = find_gradient_all_reduces(parse(text, path="scanned.hlo"))
+    assert found.name == "g.sum" and found.code is None and not found.reason
+
+
 def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):
     source = tmp_path / "fsdp_step.hlo"
     source.write_text(FSDP_STEP.replace("{ds}", PARTITIONER_FORM))

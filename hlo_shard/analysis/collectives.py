@@ -280,8 +280,9 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     wraps (under the all-reduce's name, in the computation the start calls)."""
     wrapped = _async_wrapped(module)
     found: list[GradientAllReduce] = []
+    forms = _ScatterForms(module)
     for comp in module.computations:
-        scattered = _ScatterForm(comp)
+        scattered = forms.of(comp)
         for inst in comp.instructions:
             if inst.opcode not in ALL_REDUCES or not is_sum(module, inst):
                 continue
@@ -303,12 +304,9 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
             elif reason:
                 found.append(GradientAllReduce(comp.name, inst.name, groups, reason,
                                                ReasonCode.UNSUPPORTED_SHAPE))
-            elif scattered.sliced_by_device(inst):
-                found.append(GradientAllReduce(
-                    comp.name, inst.name, groups, "already sharded: every user takes this "
-                    "device's slice (dynamic-slice by partition/replica id, the SPMD "
-                    "partitioner's reduce-scatter form), the update runs on the slice",
-                    ReasonCode.ALREADY_SHARDED))
+            elif (sliced := scattered.sliced_by_device(inst)) is not None:
+                found.append(GradientAllReduce(comp.name, inst.name, groups, sliced.words(),
+                                               ReasonCode.ALREADY_SHARDED))
             else:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
     return found
@@ -357,28 +355,109 @@ _INDEX_ARITHMETIC = frozenset({"dynamic-slice", "reshape", "bitcast", "convert",
                                "multiply", "add", "subtract", "divide", "remainder",
                                "clamp", "select", "compare", "minimum", "maximum", "slice",
                                "broadcast"})
+#: What the walk reads the users of: layout-only ops, a loop's result tuple (read
+#: through its get-tuple-elements) and a carried slot's update.
+_WALKED = _LAYOUT_ONLY | frozenset({"while", "parameter", "dynamic-update-slice"})
 #: What a device reads its own id from (an index computed from these differs per device).
 DEVICE_ID_OPCODES = DEVICE_IDS
+
+
+@dataclass(frozen=True)
+class DeviceSliced:
+    """How an all-reduce's sum reaches only this device's slice: sliced where it is
+    computed, or (``loops``) written into a loop's carried slot that leaves the loop
+    only as a slice (a scanned layer's gradient, stacked in the carry)."""
+
+    loops: tuple[str, ...] = ()
+
+    def words(self) -> str:
+        if not self.loops:
+            return ("already sharded: every user takes this device's slice (dynamic-slice by "
+                    "partition/replica id, the SPMD partitioner's reduce-scatter form), the "
+                    "update runs on the slice")
+        loops = ", ".join(f"%{name}" for name in self.loops)
+        return ("already sharded: written into a slot the loop carries, which leaves "
+                f"{loops} only as this device's slice (dynamic-slice by partition/replica "
+                "id after the loop: the SPMD partitioner's reduce-scatter form across a "
+                "scan), the update runs on the slice")
+
+
+class _ScatterForms:
+    """Each computation's :class:`_ScatterForm`, made once, and which while loops run
+    each body (read once, when a carried slot is first asked about)."""
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self._forms: dict[str, _ScatterForm] = {}
+        self._loops: dict[str, list[tuple[Computation, Instruction]]] | None = None
+        self._sliced_slots: dict[tuple[str, str], frozenset[int]] = {}
+
+    def of(self, comp: Computation) -> _ScatterForm:
+        form = self._forms.get(comp.name)
+        if form is None:
+            form = self._forms[comp.name] = _ScatterForm(comp, self)
+        return form
+
+    def loops_running(self, body: Computation) -> list[tuple[Computation, Instruction]]:
+        """(computation, while) of every loop whose body is ``body``."""
+        if self._loops is None:
+            self._loops = {}
+            for comp in self.module.computations:
+                for inst in comp.instructions:
+                    if inst.opcode == "while":
+                        self._loops.setdefault(_called(inst, "body"), []).append((comp, inst))
+        return self._loops.get(body.name, [])
+
+    def sliced_slots(self, comp: Computation, loop: Instruction) -> frozenset[int]:
+        """The slots of ``loop``'s result that are read, and only as this device's slice:
+        every use of the loop's tuple is a get-tuple-element, and every one of a slot's
+        is sliced by device (:meth:`_ScatterForm.sliced_by_device`, not through a further
+        loop) — or, with its condition reading none of them, empty."""
+        key = (comp.name, loop.name)
+        if key not in self._sliced_slots:
+            self._sliced_slots[key] = self._read_sliced_slots(comp, loop)
+        return self._sliced_slots[key]
+
+    def _read_sliced_slots(self, comp: Computation, loop: Instruction) -> frozenset[int]:
+        form = self.of(comp)
+        reads = form.slot_reads(loop.name)
+        if reads is None:
+            return frozenset()
+        condition = self.module.computation(_called(loop, "condition"))
+        read_by_condition = set(self.of(condition).parameter_slot_reads())
+        return frozenset(slot for slot, names in reads.items()
+                         if slot not in read_by_condition and
+                         all(form.sliced_by_device(comp[name], through_loops=False)
+                             for name in names))
+
+
+def _called(inst: Instruction, key: str) -> str:
+    return getattr(inst.attr(key), "name", "")
 
 
 class _ScatterForm:
     """Recognises the SPMD partitioner's reduce-scatter form in one computation: an
     all-reduce whose users all ``dynamic-slice`` a strict part of it at offsets computed
-    from the device's id. The users of what the walk can visit are read once, on the
-    first all-reduce asked about, and the id-derived values on the first dynamic-slice."""
+    from the device's id — here, or, in a loop body, after the loop: the sum written
+    into a carried slot the loop's users read only as such slices. The users of what
+    the walk can visit are read once, on the first all-reduce asked about, and the
+    id-derived values on the first dynamic-slice."""
 
-    def __init__(self, comp: Computation) -> None:
+    def __init__(self, comp: Computation, forms: _ScatterForms) -> None:
         self.comp = comp
+        self.forms = forms
         self._users: dict[str, list[str]] | None = None
         self._ids: tuple[set[str], set[str]] | None = None
+        self._parameter_reads: dict[int, list[str]] | None = None
 
     def _read(self) -> dict[str, list[str]]:
-        """The users of the values the walk can visit (all-reduces and layout-only ops):
-        a users index of those only, in one scan."""
+        """The users of the values the walk can visit (all-reduces, layout-only ops, a
+        loop's tuple and a carried slot's update): a users index of those only, in one
+        scan."""
         if self._users is None:
             instructions = self.comp.instructions
             self._users = {inst.name: [] for inst in instructions
-                           if inst.opcode in _LAYOUT_ONLY or inst.opcode in ALL_REDUCES}
+                           if inst.opcode in _WALKED or inst.opcode in ALL_REDUCES}
             users = self._users
             for inst in instructions:
                 for operand in dict.fromkeys(inst.operands):
@@ -386,6 +465,34 @@ class _ScatterForm:
                     if found is not None:
                         found.append(inst.name)
         return self._users
+
+    def slot_reads(self, tuple_name: str) -> dict[int, list[str]] | None:
+        """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` (a loop
+        or this body's parameter); None where the tuple is also used whole (or is the
+        root)."""
+        users = self._read()
+        if tuple_name == self.comp.root_name:
+            return None
+        reads: dict[int, list[str]] = {}
+        for user_name in users[tuple_name]:
+            user = self.comp[user_name]
+            slot = user.int_attr("index")
+            if user.opcode != "get-tuple-element" or slot is None:
+                return None
+            reads.setdefault(slot, []).append(user_name)
+        return reads
+
+    def parameter_slot_reads(self) -> dict[int, list[str]]:
+        """:meth:`slot_reads` of this computation's tuple parameter (every slot, where it
+        is used whole), read once."""
+        if self._parameter_reads is None:
+            params = [inst for inst in self.comp.instructions if inst.opcode == "parameter"]
+            self._parameter_reads = {}
+            if len(params) == 1 and isinstance(params[0].shape, TupleShape):
+                reads = self.slot_reads(params[0].name)
+                self._parameter_reads = reads if reads is not None else \
+                    {slot: [] for slot in range(len(params[0].shape.elements))}
+        return self._parameter_reads
 
     def _device_ids(self) -> tuple[set[str], set[str]]:
         """The values computed from the device's id and constants only, and the
@@ -406,24 +513,30 @@ class _ScatterForm:
             self._ids = by_id, constant
         return self._ids
 
-    def sliced_by_device(self, all_reduce: Instruction) -> bool:
-        """Every use of the reduced value (through layout-only ops) is a dynamic-slice of
-        a strict part of it at offsets that depend on the device's id and nothing else."""
+    def sliced_by_device(self, value: Instruction, through_loops: bool = True
+                         ) -> DeviceSliced | None:
+        """How every use of ``value`` (through layout-only ops) reaches only a dynamic-slice
+        of a strict part of it at offsets that depend on the device's id and nothing
+        else; None where one does not. ``through_loops``: a use may also write it into a
+        slot this loop body carries, which every loop running the body reads only as
+        such slices (not followed further out)."""
         users = self._read()
-        pending, slices = [all_reduce.name], 0
+        pending, slices, loops = [value.name], 0, set()
         while pending:
             name = pending.pop()
             if name == self.comp.root_name or not users[name]:
-                return False
+                return None
             for user_name in users[name]:
                 user = self.comp[user_name]
                 if user.opcode in _LAYOUT_ONLY:
                     pending.append(user_name)
                 elif self._device_slice(user, name):
                     slices += 1
+                elif through_loops and (running := self._carried_slice(user, name)):
+                    loops.update(running)
                 else:
-                    return False
-        return slices > 0
+                    return None
+        return DeviceSliced(tuple(sorted(loops))) if slices or loops else None
 
     def _device_slice(self, user: Instruction, value: str) -> bool:
         if user.opcode != "dynamic-slice" or user.operands[0] != value or value in \
@@ -437,6 +550,30 @@ class _ScatterForm:
         by_id, constant = self._device_ids()
         return all(o in by_id or o in constant for o in offsets) and \
             any(o in by_id for o in offsets)
+
+    def _carried_slice(self, user: Instruction, value: str) -> list[str]:
+        """The loops (by name) that run this body, where ``user`` writes ``value`` into a
+        carried slot read nowhere else in the body and sliced by device after each of
+        them (:meth:`_ScatterForms.sliced_slots`); empty where it does not."""
+        comp = self.comp
+        if user.opcode != "dynamic-update-slice" or user.operands[1] != value or \
+                value in (user.operands[0], *user.operands[2:]):
+            return []
+        root = comp.root
+        slot_reads = self.parameter_slot_reads()
+        slot = comp[user.operands[0]].int_attr("index") \
+            if comp[user.operands[0]].opcode == "get-tuple-element" else None
+        if slot is None or slot_reads.get(slot) != [user.operands[0]] or \
+                self._read()[user.operands[0]] != [user.name] or \
+                self._read()[user.name] != [root.name] or root.opcode != "tuple" or \
+                slot >= len(root.operands) or root.operands[slot] != user.name or \
+                root.operands.count(user.name) != 1:
+            return []
+        loops = self.forms.loops_running(comp)
+        if not loops or any(slot not in self.forms.sliced_slots(outer, loop)
+                            for outer, loop in loops):
+            return []
+        return [loop.name for _, loop in loops]
 
 
 def _shape_reason(inst: Instruction) -> str:
