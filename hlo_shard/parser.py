@@ -2,8 +2,8 @@
 
 One LALR pass with lark's contextual lexer and an inline transformer: the records
 are built while the text is read, with no intermediate parse tree. The grammar
-(``grammar/hlo.lark``) reads the common forms as a few coarse tokens (a whole
-instruction is usually one ``LINE`` token), which this module cuts into parts; the
+(``grammar/hlo.lark``) reads the common forms as a few coarse tokens (a run of whole
+instructions is usually one ``LINE`` token), which this module cuts into parts; the
 attribute values the passes interpret are typed (see :data:`hlo_shard.ir.AttrValue`),
 everything else is kept verbatim as :class:`~hlo_shard.ir.Raw`.
 
@@ -985,20 +985,43 @@ class _Builder(Transformer):
 
     # Instructions -------------------------------------------------------------------
     def line(self, children: list) -> Instruction:
-        """``LINE``: a whole instruction in the common form, cut into its parts."""
-        token, *attributes = children
-        match = _matched(_patterns()["line"].match(token.value))
+        """``LINE``: a run of whole instructions in the common form (one token, so the
+        LALR machinery is paid once per run), each cut into its parts on a token of its
+        own (positions count from its line); attributes in the fine-grained form after
+        the run belong to its last instruction."""
+        block, *attributes = children
+        text, pattern = block.value, _patterns()["line"]
+        start, line, column = 0, block.line, block.column
+        while True:
+            match = _matched(pattern.match(text, start))
+            end = match.end()
+            last = end >= len(text)
+            token = block if start == 0 and last else \
+                Token("LINE", text[start:end], block.start_pos + start, line, column)
+            inst = self._line(token, match, start, attributes if last else [])
+            if last:
+                return inst
+            newlines = text.count("\n", start, end)
+            line, column = (line + newlines, end - text.rfind("\n", start, end)) if newlines \
+                else (line, column + end - start)
+            start = end
+
+    def _line(self, token: Token, match: re.Match[str], start: int,
+              attributes: list) -> Instruction:
+        """One instruction of a ``LINE`` run: ``match`` of the run's text, from ``start``
+        (where ``token``, this instruction's text, begins)."""
         root, name, shape_text, parameter, constant, call, attrs = match.group(
             "root", "name", "shape", "parameter", "constant", "call", "attrs")
         kind = "call" if call is not None else "parameter" if parameter is not None else "constant"
-        rhs = _RHS_READERS[kind](token, *match.span(kind))
+        rhs = _RHS_READERS[kind](token, match.start(kind) - start, match.end(kind) - start)
         if attrs is not None:
-            attributes = _split_attributes(token, *match.span("attrs")) + attributes
+            attributes = _split_attributes(token, match.start("attrs") - start,
+                                           match.end("attrs") - start) + attributes
         shape = None
         if shape_text is not None:
             shape = _SHAPE_CACHE.get(shape_text) or _array_shape(
-                shape_text, (token, match.start("shape")))
-        return self._build(_bare(name), (token, match.start("name")),
+                shape_text, (token, match.start("shape") - start))
+        return self._build(_bare(name), (token, match.start("name") - start),
                            (token, 0) if root is not None else None, shape, rhs, attributes)
 
     def headed(self, children: list) -> Instruction:

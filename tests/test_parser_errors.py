@@ -24,6 +24,9 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     (OK_HEAD + "  ROOT n = f32[4] add(p, q)\n  q = f32[4] negate(p)\n}\n", 4, 26,
      "'q' is used before its definition at line 5"),
     (OK_HEAD + "  ROOT n = f32[4] add(p, zz)\n}\n", 4, 26, "undefined instruction 'zz'"),
+    # Deep in a run of common-form lines (one token): the position is its own line's.
+    (OK_HEAD + "  a = f32[4] negate(p), metadata={op_name=\"x\"}\n  b = f32[4] abs(a)\n"
+     "    ROOT c = f32[4] add(b, zz)\n}\n", 6, 28, "undefined instruction 'zz'"),
     (OK_HEAD + "  ROOT n = f32[4] add(f32[4] p, zz)\n}\n", 4, 33, "undefined instruction 'zz'"),
     (OK_HEAD + "  p = f32[4] negate(p)\n}\n", 4, 3, "duplicate instruction name 'p'"),
     (OK_HEAD + "  ROOT a = f32[4] negate(p)\n  ROOT b = f32[4] abs(p)\n}\n", 5, 3,
