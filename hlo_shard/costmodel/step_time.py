@@ -27,7 +27,7 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, recovered_device_counts
@@ -759,10 +759,16 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
         else:
             work.update_flops += max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
             work.update_seconds += entry.seconds if entry else 0.0
-    rows = {p: {"bytes": float(size), "update_seconds": 0.0, "update_flops": 0.0,
-                "collective_bytes": 0.0, "collective_seconds": 0.0}
+    return _split_among_weights(sizes, shared.values())
+
+
+def _split_among_weights(sizes: dict[str, int], shared: Iterable[_OwnedWork]
+                         ) -> dict[str, dict[str, float]]:
+    """:func:`per_weight_rows`' rows: each weight's bytes, and every shared sum split
+    among the weights owning it in proportion to their sizes."""
+    rows = {p: {"bytes": float(size), **{column: 0.0 for column in _OWNED_COLUMNS}}
             for p, size in sizes.items()}
-    for work in shared.values():
+    for work in shared:
         total = sum(sizes[p] for p in work.weights) or 1
         for param in sorted(work.weights):
             share, row = sizes[param] / total, rows[param]

@@ -462,6 +462,26 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
     parameters. Everything else (reductions, non-scalar broadcasts and constants, slices,
     iota, …) stops it, and so does a value needed in two orders."""
     order = topological_order(body)
+    formats = _orders_forward(body, order, seeds)
+    if isinstance(formats, str):
+        return formats
+    if body.root_name not in formats:
+        return "its result does not depend on the sharded operands"
+    refused = _orders_back(body, order, formats)
+    if refused:
+        return refused
+    operands: list[ShardFormat | None] = []
+    for param in sorted(body.parameters(), key=lambda p: p.param_number):
+        if not _free(body, param) and param.name not in formats:
+            return f"parameter %{param.name} is unused"
+        operands.append(None if _free(body, param) else formats[param.name])
+    return FusionAccess(formats[body.root_name], tuple(operands))
+
+
+def _orders_forward(body: Computation, order: list[Instruction],
+                    seeds: dict[int, ShardFormat]) -> dict[str, ShardFormat] | str:
+    """:func:`body_access`'s forward half: value → its element order, from the sharded
+    parameters through elementwise ops and views (or why the body stops it)."""
     formats: dict[str, ShardFormat] = {}
     for inst in order:
         shape = _array(inst.shape)
@@ -495,8 +515,14 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
                 formats[inst.name] = known.pop()
         else:
             return f"%{inst.name} ({inst.opcode}) is not elementwise"
-    if body.root_name not in formats:
-        return "its result does not depend on the sharded operands"
+    return formats
+
+
+def _orders_back(body: Computation, order: list[Instruction],
+                 formats: dict[str, ShardFormat]) -> str:
+    """:func:`body_access`'s backward half: from the root, the order each operand not
+    reached forward must be read in, into ``formats``; why not ("" where every value
+    has one)."""
     for inst in reversed(order):
         fmt = formats.get(inst.name)
         if fmt is None:
@@ -516,12 +542,7 @@ def body_access(body: Computation, seeds: dict[int, ShardFormat]) -> FusionAcces
                 formats[name] = want
             elif not fits:
                 return f"%{inst.name} ({inst.opcode}) reads %{name} in another element order"
-    operands: list[ShardFormat | None] = []
-    for param in sorted(body.parameters(), key=lambda p: p.param_number):
-        if not _free(body, param) and param.name not in formats:
-            return f"parameter %{param.name} is unused"
-        operands.append(None if _free(body, param) else formats[param.name])
-    return FusionAccess(formats[body.root_name], tuple(operands))
+    return ""
 
 
 def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
