@@ -166,3 +166,23 @@ def test_the_text_for_xla_refuses_a_module_that_fails_validation():
     root.name = result.module.entry.parameters()[0].name  # defined twice
     with pytest.raises(hlo_shard.HloShardError, match="fails validation"):
         _ = result.xla_text
+
+
+@pytest.mark.parametrize("fixture", ["adam.n8.hlo", "loop_adam.n8.hlo", "lamb.n4.hlo"])
+def test_a_module_kept_whole_for_a_front_end_is_left_as_it_was_with_the_same_verdicts(fixture):
+    """``write_kept_whole=False`` (the hook, ``shard_weight_update``): the gate does not
+    run the pipeline once more to write a module nobody compiles; the module stays as it
+    was, and the report has the verdicts and the gate's estimates of the written run,
+    without the notes of the passes that ready a module to write."""
+    text = (PACKAGE.parent / "fixtures" / "spmd" / fixture).read_text()
+    written = optimize(parse(text), ShardingOptions())
+    module = parse(text)
+    left = optimize(module, ShardingOptions(), write_kept_whole=False)
+    assert written.decision is not None and written.decision.kept_whole
+    assert left.decision == written.decision and left.sharded == 0
+    assert to_text(module) == to_text(parse(text))
+    assert [row.to_json() for row in left.report.explanations] == \
+        [row.to_json() for row in written.report.explanations]
+    assert {row.reason_code for row in left.report.explanations} >= {"kept_for_speed"}
+    assert set(left.report.notes) <= set(written.report.notes)
+    assert not any(note.startswith("renumbered") for note in left.report.notes)

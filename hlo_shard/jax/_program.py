@@ -330,8 +330,9 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
     names = user_names(module, next_values)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
         check_executable(module)
+        # (kept whole, ``fast`` runs ``fn``: nothing to write)
         result = optimize(module, options, force=force,
-                          executable=ForExecutable(tuple(next_values)))
+                          executable=ForExecutable(tuple(next_values)), write_kept_whole=False)
     report, decision = result.report, result.decision
     assert decision is not None  # the gate ran
     if not result.sharded and any(trial.sharded for trial in decision.priced):

@@ -300,7 +300,8 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
         module = parse(text, path=f"<{name}>")
     with seconds.timing("pass_"):
         try:
-            result = optimize(module, options, force=force)
+            # (kept whole, XLA compiles the module as it was: nothing to write)
+            result = optimize(module, options, force=force, write_kept_whole=False)
         except HloShardError as err:
             return None, None, str(err)
         report = result.report

@@ -152,21 +152,25 @@ def speed_json(decision: SpeedDecision) -> dict[str, Any]:
 
 def optimize(module: Module, options: ShardingOptions, *, force: bool = False,
              after_pass: AfterPass | None = None, gate: bool = True,
-             executable: ForExecutable | None = None, record: bool = False
-             ) -> OptimizeResult:
+             executable: ForExecutable | None = None, record: bool = False,
+             write_kept_whole: bool = True) -> OptimizeResult:
     """Optimize ``module`` (in place): shard the gradients whose sharding the cost model
     predicts faster (``force``: every eligible one; ``gate`` False: every eligible one,
     unpriced), then check the result. The options are checked (and the profile loaded)
     before the module is touched. ``after_pass`` sees each pass run on ``module`` (not
-    the gate's priced copies); ``record``: the result keeps their edits."""
+    the gate's priced copies); ``record``: the result keeps their edits.
+    ``write_kept_whole`` False, for a front end that runs its own program when nothing
+    is sharded (the hook, ``shard_weight_update``): a module the gate keeps whole is
+    left as it was, its report read from the gate's trials."""
     sharding = WeightUpdateSharding(options)
     with cyclic_gc_paused():  # the gate's copies and pricing as the pipeline's rewrites
-        return _optimize(module, sharding, force, after_pass, gate, executable, record)
+        return _optimize(module, sharding, force, after_pass, gate, executable, record,
+                         write_kept_whole)
 
 
 def _optimize(module: Module, sharding: WeightUpdateSharding, force: bool,
               after_pass: AfterPass | None, gate: bool, executable: ForExecutable | None,
-              record: bool) -> OptimizeResult:
+              record: bool, write_kept_whole: bool) -> OptimizeResult:
     seen: list[PassChanges] = []
 
     def watch(step: Pass[Any], result: PassResult[Any]) -> None:
@@ -181,10 +185,15 @@ def _optimize(module: Module, sharding: WeightUpdateSharding, force: bool,
                  after_pass=watching).run(module)
     decision = None
     if gate:
-        report, decision = shard_where_faster(module, sharding, force, watching)
+        report, decision = shard_where_faster(module, sharding, force, watching,
+                                              write_kept_whole=write_kept_whole)
     else:
         report = run_sharding(module, sharding, watching)
-    if executable is not None:
+    # (The gate leaves a module it keeps whole as it was unless told to write it or
+    # watched: nothing for the donation passes to ready either.)
+    left_as_it_was = decision is not None and decision.kept_whole and \
+        not write_kept_whole and watching is None
+    if executable is not None and not left_as_it_was:
         # The aliases of what the program donates, less those that would make XLA copy
         # a weight, in the form the runtime compiles.
         Pipeline((ExecutableAliases(donors, executable.next_values),

@@ -33,19 +33,25 @@ stays against the input, which is what the front ends run when nothing is sharde
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import copy
 from dataclasses import dataclass, replace
+from typing import Any
 
-from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
+from hlo_shard.analysis.collectives import (ReasonCode, find_gradient_all_reduces,
+                                            recovered_device_counts)
 from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.plan_prices import CutoffPrices, ShardedGradient
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
+from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.pipeline import AfterPass
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
-from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
+from hlo_shard.passes.tuple_forwarding import TupleForwarding
+from hlo_shard.passes.weight_update import (Explanation, ShardingReport, WeightUpdateSharding,
+                                            recovered_notes)
 from hlo_shard.profiles import HardwareProfile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
@@ -100,14 +106,15 @@ class SpeedDecision:
 
 
 def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bool = False,
-                       after_pass: AfterPass | None = None, *, exhaustive: bool = False
-                       ) -> tuple[ShardingReport, SpeedDecision]:
+                       after_pass: AfterPass | None = None, *, exhaustive: bool = False,
+                       write_kept_whole: bool = True) -> tuple[ShardingReport, SpeedDecision]:
     """Run the sharding pipeline on ``module`` (in place) with the cut-off predicted
     fastest, or sharding nothing when nothing is predicted faster than the input
     (``force``: as told). ``after_pass`` sees the passes of the run that edits
     ``module``, not the trials on copies. ``exhaustive``: rewrite and price every
     cut-off instead of predicting those between (what the bench times the guided gate
-    against)."""
+    against). ``write_kept_whole`` False: a module kept whole is left as it is, for a
+    front end that then runs its own program (:func:`_kept_whole_report`)."""
     hardware = sharding.profile
     whole = predicted_step(module, hardware)
     before = whole.seconds
@@ -133,10 +140,21 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     #: when it chooses that cut-off, without running the pipeline on the input again.
     cheapest: tuple[Trial, Module, ShardingReport] | None = None
 
-    def trial(min_bytes: int) -> tuple[Trial, ShardingReport, StepEstimate | None]:
+    #: The notes of the trial sharding everything that are about the input
+    #: (:data:`_INPUT_NOTES`).
+    input_notes: list[str] = []
+    recovered = recovered_notes(recovered_device_counts(module))
+
+    def note_input(step: Pass[Any], result: PassResult[Any]) -> None:
+        notes = recovered if isinstance(step, WeightUpdateSharding) else \
+            getattr(result.report, "notes", None) if step.name in _INPUT_NOTES else None
+        input_notes.extend(notes or ())
+
+    def trial(min_bytes: int, watching: AfterPass | None = None
+              ) -> tuple[Trial, ShardingReport, StepEstimate | None]:
         nonlocal cheapest
         candidate = module.clone()
-        report = shard(candidate, at_cutoff(min_bytes))
+        report = shard(candidate, at_cutoff(min_bytes), watching)
         sharded = sum(1 for row in report.explanations if row.sharded)
         estimate = predicted_step(candidate, hardware) if sharded else None
         result = Trial(min_bytes, sharded, baseline if estimate is None else estimate.seconds)
@@ -153,7 +171,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
-    everything, full, sharded_estimate = trial(user_min)
+    everything, full, sharded_estimate = trial(user_min, note_input)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
             shard(module, sharding, after_pass)
@@ -173,7 +191,9 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
     chosen = best if _pays(best, bar, baseline) else None
-    if chosen is None:
+    if chosen is None and not write_kept_whole and after_pass is None:
+        report = _kept_whole_report(module, full, input_notes)
+    elif chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
         # to write).
@@ -201,6 +221,30 @@ def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: fl
     if not (_faster(guess, everything) and _pays(guess, bar, baseline)):
         return predicted
     return [trial(t.min_bytes)[0] if t is guess else t for t in predicted]
+
+
+#: The passes of the sharding pipeline whose notes are about the input as it is, the same
+#: whatever is sharded after them (besides the weight-update pass's on the device counts
+#: a header lost).
+_INPUT_NOTES = frozenset({AccumulationMotion.name, TupleForwarding.name,
+                          ReduceScatterCreation.name})
+
+
+def _kept_whole_report(module: Module, everything: ShardingReport,
+                       input_notes: list[str]) -> ShardingReport:
+    """The report of ``module`` kept whole, read from the trial that sharded
+    ``everything`` instead of from one more run of the pipeline: each gradient that
+    trial sharded left out by the cut-off (:func:`_explain_cost_rows` then says why),
+    every other one with its own reason, and the notes about the input. No signature,
+    strategies or notes of the passes that ready a module to write: nothing is written
+    (the front end runs its own program)."""
+    rows = [row if not row.sharded else
+            Explanation(row.computation, row.all_reduce, row.index, row.shape, row.bytes,
+                        sharded=False, reason="left out by the speed gate's size cut-off",
+                        reason_code=ReasonCode.BELOW_MIN_SHARD_BYTES.value)
+            for row in (copy(row) for row in everything.explanations)]
+    return ShardingReport(everything.devices, rows, notes=list(input_notes),
+                          feedback=list(module.output_aliases().items()) or None)
 
 
 def _pays(trial: Trial, bar: float, baseline: float) -> bool:

@@ -16,7 +16,8 @@ A module goes through it top-down, each step consuming what the one before decid
    all-gathers, channel ids, and how gradients are bucketed into collectives.
 
 What other modules may use is exported here and nowhere else: the pass, its options and
-report, the computations it may edit (:func:`rewritten_computations`, for the passes that
+report (and its notes on a header's lost device counts, :func:`recovered_notes`), the
+computations it may edit (:func:`rewritten_computations`, for the passes that
 run before it), fresh channel ids (:class:`ChannelIds`, for the passes that add
 collectives after it), and the region it plans (:func:`planned_update_regions`, for the
 cost model's callers). The modules above are the pass's internals.
@@ -29,12 +30,12 @@ from hlo_shard.passes.weight_update.emit import STRATEGIES, ChannelIds
 from hlo_shard.passes.weight_update.sharding import (PARAM_MODES, STATE_MODES, Explanation,
                                                      ShardingOptionError, ShardingOptions,
                                                      ShardingReport, StrategyChoice,
-                                                     WeightUpdateSharding,
+                                                     WeightUpdateSharding, recovered_notes,
                                                      rewritten_computations)
 
 __all__ = [
     "PARAM_MODES", "STATE_MODES", "STRATEGIES", "ChannelIds",
     "Explanation", "ShardingOptionError", "ShardingOptions", "ShardingReport",
     "StrategyChoice", "WeightUpdateSharding", "planned_update_regions",
-    "rewritten_computations",
+    "recovered_notes", "rewritten_computations",
 ]

@@ -271,8 +271,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             raise ShardingOptionError("num_replicas", wanted, f"does not match the module's "
                                       f"data-parallel group size {groups.size}")
         report = ShardingReport(module.replica_count * module.num_partitions)
-        report.notes += [f"{key}={value} recovered from the collectives' device groups "
-                         f"(the header had none)" for key, value in recovered.items()]
+        report.notes += recovered_notes(recovered)
         replication = analyze_replication(module, groups, self.options.overrides,
                                           gradient_sources(module, found))
         candidates, rejected = triage(module, found, groups)
@@ -377,6 +376,13 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         run.report.notes.append(
             f"while %{carry.loop}: carried slots {', '.join(map(str, sorted(carry.slots)))} "
             f"stay sharded across iterations (sliced before the loop, gathered after)")
+
+
+def recovered_notes(recovered: dict[str, int]) -> list[str]:
+    """The notes on the device counts a header lost (:func:`recovered_device_counts`),
+    which the pass writes back."""
+    return [f"{key}={value} recovered from the collectives' device groups (the header had "
+            f"none)" for key, value in recovered.items()]
 
 
 @dataclass
@@ -540,4 +546,4 @@ def _explain(comp_name: str, leaf: PlannedLeaf, collectives: dict[str, str]) -> 
 
 __all__ = ["Explanation", "ShardingOptionError", "ShardingOptions", "ShardingReport",
            "SignatureEntry", "StrategyChoice", "WeightChoice", "WeightUpdateSharding",
-           "PARAM_MODES", "STATE_MODES", "rewritten_computations"]
+           "PARAM_MODES", "STATE_MODES", "recovered_notes", "rewritten_computations"]
