@@ -242,11 +242,56 @@ def momentum(n: int, aliased: bool = True) -> str:
             + _REDUCER + "ENTRY %main {\n" + "\n".join(lines) + "\n}\n")
 
 
+def scanned(n: int) -> str:
+    """``n / 12`` layers' gradients stacked as a scan writes them (MaxText's scan_layers
+    with FSDP): the loop all-reduces each layer's gradient and writes it into its stacked
+    slot; after the loop each device takes its own columns of every slot (the
+    partitioner's reduce-scatter form across the scan, which the pass reports already
+    sharded slot by slot)."""
+    slots = max(1, n // 12)
+    stack, row = "f32[4,16]{1,0}", "f32[16]{0}"
+    carry = "(s32[], " + ", ".join([stack] * slots) + ")"
+    body = [f"  %b = {carry} parameter(0)", "  %i = s32[] get-tuple-element(%b), index=0",
+            "  %c0 = s32[] constant(0)", "  %fi = f32[] convert(%i)"]
+    for k in range(slots):
+        body += [f"  %s.{k} = {stack} get-tuple-element(%b), index={k + 1}",
+                 f"  %g.{k} = {row} broadcast(%fi), dimensions={{}}",
+                 f"  %ar.{k} = {row} all-reduce(%g.{k}), channel_id={k + 1}, "
+                 f"replica_groups={{{{0,1,2,3,4,5,6,7}}}}, use_global_device_ids=true, "
+                 f"to_apply=%sum",
+                 f"  %r.{k} = f32[1,16]{{1,0}} reshape(%ar.{k})",
+                 f"  %u.{k} = {stack} dynamic-update-slice(%s.{k}, %r.{k}, %i, %c0)"]
+    body += ["  %one = s32[] constant(1)", "  %next = s32[] add(%i, %one)",
+             f"  ROOT %t = {carry} tuple(%next, "
+             + ", ".join(f"%u.{k}" for k in range(slots)) + ")"]
+    entry = ["  %zero = f32[] constant(0)", f"  %init = {stack} broadcast(%zero), dimensions={{}}",
+             "  %i0 = s32[] constant(0)",
+             f"  %start = {carry} tuple(%i0, " + ", ".join(["%init"] * slots) + ")",
+             f"  %loop = {carry} while(%start), condition=%cond, body=%body",
+             "  %offsets = s32[8]{0} constant({0, 2, 4, 6, 8, 10, 12, 14})",
+             "  %pid = u32[] partition-id()",
+             "  %offset.1 = s32[1]{0} dynamic-slice(%offsets, %pid), dynamic_slice_sizes={1}",
+             "  %offset = s32[] reshape(%offset.1)", "  %c0 = s32[] constant(0)"]
+    for k in range(slots):
+        entry += [f"  %st.{k} = {stack} get-tuple-element(%loop), index={k + 1}",
+                  f"  %mine.{k} = f32[4,2]{{1,0}} dynamic-slice(%st.{k}, %c0, %offset), "
+                  f"dynamic_slice_sizes={{4,2}}"]
+    outputs = ", ".join(["f32[4,2]{1,0}"] * slots)
+    entry.append(f"  ROOT %out = ({outputs}) tuple("
+                 + ", ".join(f"%mine.{k}" for k in range(slots)) + ")")
+    cond = (f"%cond (c: {carry}) -> pred[] {{\n  %c = {carry} parameter(0)\n"
+            "  %ci = s32[] get-tuple-element(%c), index=0\n  %n = s32[] constant(4)\n"
+            "  ROOT %more = pred[] compare(%ci, %n), direction=LT\n}\n\n")
+    return ("HloModule scanned_step, num_partitions=8\n\n" + _REDUCER + cond
+            + f"%body (b: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n\n"
+            + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
     "long_update": long_update, "fused": fused, "momentum": momentum,
-    "momentum_unaliased": lambda n: momentum(n, aliased=False),
+    "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
 }
 
 
