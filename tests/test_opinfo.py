@@ -397,6 +397,10 @@ LITERAL_SETS_ALLOWED: dict[tuple[str, frozenset[str]], str] = {
         "slice", "subtract"})): "the SPMD partitioner's offset arithmetic (_INDEX_ARITHMETIC)",
     ("hlo_shard.analysis.collectives", frozenset({"convert", "get-tuple-element"})):
         "what the partitioner writes between an all-reduce and its slice besides views",
+    ("hlo_shard.analysis.collectives", frozenset({"dynamic-update-slice", "parameter",
+                                                  "while"})):
+        "the partitioner's reduce-scatter form across a scan: a loop's tuple, a body's "
+        "tuple parameter and the update writing a layer's sum into its carried slot",
     # A computation's leaves and tuple plumbing: the structure, not a fact of the ops.
     ("hlo_shard.analysis.replication", frozenset({"broadcast", "constant", "parameter"})):
         "an elementwise fusion body's leaves: parameters, scalar constants, their broadcasts",
