@@ -204,15 +204,20 @@ def test_a_scanned_layers_gradient_sliced_after_the_loop_is_already_sharded(tmp_
     # The layer's sum is also used whole in the body.
     ("  %c0 = s32[] constant(0)\n  %stack.new",
      "  %c0 = s32[] constant(0)\n  %again = f32[64,32]{1,0} negate(%g.sum)\n  %stack.new"),
+    # The body is also called outside the loop: its stacked result goes elsewhere too.
+    ("  ROOT %w.new",
+     "  %once = (s32[], f32[4,64,32]{2,1,0}, f32[64,32]{1,0}) call(%start), to_apply=%body\n"
+     "  ROOT %w.new"),
 ], ids=["read-in-body", "read-whole-after", "read-by-condition", "offset-not-by-device",
-        "sum-used-whole"])
+        "sum-used-whole", "body-called-elsewhere"])
 def test_a_carried_gradient_read_otherwise_is_not_already_sharded(change):
     from hlo_shard.analysis.collectives import find_gradient_all_reduces
 
     text = SCANNED_FSDP_STEP.replace(*change)
     assert text != SCANNED_FSDP_STEP
-    (found,) = find_gradient_all_reduces(parse(text, path="scanned.hlo"))
-    assert found.name == "g.sum" and found.code is None and not found.reason
+    found = [ar for ar in find_gradient_all_reduces(parse(text, path="scanned.hlo"))
+             if ar.computation == "body"]
+    assert [(ar.name, ar.code, ar.reason) for ar in found] == [("g.sum", None, "")]
 
 
 def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):

@@ -399,20 +399,27 @@ class _ScatterForms:
         return form
 
     def loops_running(self, body: Computation) -> list[tuple[Computation, Instruction]]:
-        """(computation, while) of every loop whose body is ``body``."""
+        """(computation, while) of every loop whose body is ``body``; none where anything
+        else calls it too (its result would go elsewhere as well)."""
         if self._loops is None:
             self._loops = {}
+            elsewhere: set[str] = set()
             for comp in self.module.computations:
                 for inst in comp.instructions:
-                    if inst.opcode == "while":
-                        self._loops.setdefault(_called(inst, "body"), []).append((comp, inst))
+                    body_name = _called(inst, "body") if inst.opcode == "while" else None
+                    if body_name is not None:
+                        self._loops.setdefault(body_name, []).append((comp, inst))
+                    elsewhere.update(name for name in inst.called_computations()
+                                     if name != body_name)
+            for name in elsewhere:
+                self._loops.pop(name, None)
         return self._loops.get(body.name, [])
 
     def sliced_slots(self, comp: Computation, loop: Instruction) -> frozenset[int]:
-        """The slots of ``loop``'s result that are read, and only as this device's slice:
-        every use of the loop's tuple is a get-tuple-element, and every one of a slot's
-        is sliced by device (:meth:`_ScatterForm.sliced_by_device`, not through a further
-        loop) — or, with its condition reading none of them, empty."""
+        """The slots of ``loop``'s result read only as this device's slice: its condition
+        does not read the slot, and each get-tuple-element of it is sliced by device
+        (:meth:`_ScatterForm.sliced_by_device`, not through a further loop); none where
+        the loop's tuple is also used whole."""
         key = (comp.name, loop.name)
         if key not in self._sliced_slots:
             self._sliced_slots[key] = self._read_sliced_slots(comp, loop)
