@@ -215,3 +215,18 @@ def test_a_collective_over_other_groups_of_data_replicated_values_stays_replicat
     assert facts.is_replicated(module.entry.name, "half")
     assert facts.is_replicated(module.entry.name, "norm") == replicated
     assert not facts.is_replicated(module.entry.name, "mixed")
+
+
+def test_the_update_region_is_planned_on_a_module_whose_header_lost_its_device_counts():
+    """XLA's pass hook hands modules over without ``num_partitions``: the region the cost
+    model counts as the weight update is the one the pass plans once it recovers the
+    count, not none (which left ``report`` calling the update forward/backward work)."""
+    from pathlib import Path
+
+    from hlo_shard.passes.weight_update import planned_update_regions
+
+    text = (Path(__file__).parent.parent / "fixtures" / "spmd" / "adam.n8.hlo").read_text()
+    headless = text.replace(", num_partitions=8", "", 1)
+    assert headless != text
+    regions = planned_update_regions(parse(headless))
+    assert regions and regions == planned_update_regions(parse(text))
