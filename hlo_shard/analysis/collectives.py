@@ -11,7 +11,7 @@ device receives from a reduce-scatter and the slot its data occupies in an all-g
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
@@ -621,3 +621,19 @@ def recovered_device_counts(module: Module) -> dict[str, int]:
     if len(largest) != 1 or max(largest.values()) < 2:
         return {}  # both kinds at once: which ids are whose is not recoverable
     return largest
+
+
+def with_device_counts(module: Module) -> Module:
+    """``module`` with the device counts its header lost (a module taken from XLA's
+    pass hook, or dumped before the header was filled in) recovered from its
+    collectives' groups, as the sharding pass writes them into its output's header:
+    the module as the pass, the cost model and the planners read it (the module itself
+    is not changed).
+
+    Every rate of a profile measured at several device counts depends on the count
+    (N devices share one host's cores), and so do the group sizes of collectives
+    without explicit groups: an original priced at the header's count of one device
+    and its rewrite at the recovered eight would differ by the whole step, whatever
+    the rewrite changed."""
+    recovered = recovered_device_counts(module)
+    return replace(module, header={**module.header, **recovered}) if recovered else module

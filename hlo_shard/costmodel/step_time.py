@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, recovered_device_counts
+from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, with_device_counts
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, Combiner, group_size,
@@ -651,20 +651,6 @@ def _kernel_launches(module: Module) -> int:
                     and inst.opcode not in COLLECTIVE_DONE_OPCODES:
                 launches += runs
     return launches
-
-
-def with_device_counts(module: Module) -> Module:
-    """``module`` with the device counts its header lost (a module taken from XLA's
-    pass hook, or dumped before the header was filled in) recovered from its
-    collectives' groups, as the sharding pass writes them into its output's header.
-
-    Every rate of a profile measured at several device counts depends on the count
-    (N devices share one host's cores), and so do the group sizes of collectives
-    without explicit groups: an original priced at the header's count of one device
-    and its rewrite at the recovered eight would differ by the whole step, whatever
-    the rewrite changed."""
-    recovered = recovered_device_counts(module)
-    return replace(module, header={**module.header, **recovered}) if recovered else module
 
 
 def donated_copy_seconds(copy: DonatedCopy, profile: HardwareProfile) -> float:

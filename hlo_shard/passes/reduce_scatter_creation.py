@@ -45,7 +45,7 @@ from functools import partial
 from typing import ClassVar
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
-                                            find_gradient_all_reduces, recovered_device_counts)
+                                            find_gradient_all_reduces, with_device_counts)
 from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import ModuleRewriter, Rewriter, control_predecessors, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
@@ -509,7 +509,7 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
         object.__setattr__(self, "profile", resolve_profile(self.profile))
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> ReduceScatterReport:
-        view = replace(module, header={**module.header, **recovered_device_counts(module)})
+        view = with_device_counts(module)
         hardware = resolve_profile(self.profile).for_devices(view.device_count)
         formed: dict[str, list[tuple[str, DeviceGroups]]] = {}
         for found in find_gradient_all_reduces(view):

@@ -141,12 +141,15 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     cheapest: tuple[Trial, Module, ShardingReport] | None = None
 
     #: The notes of the trial sharding everything that are about the input
-    #: (:data:`_INPUT_NOTES`).
+    #: (:data:`_INPUT_NOTES`), read where a step kept whole is left as it is.
     input_notes: list[str] = []
-    recovered = recovered_notes(recovered_device_counts(module))
+    leaves_kept_whole = not write_kept_whole and after_pass is None
 
     def note_input(step: Pass[Any], result: PassResult[Any]) -> None:
-        notes = recovered if isinstance(step, WeightUpdateSharding) else \
+        # (the weight-update pass's own notes start with the recovered device counts,
+        # read here from ``module``, which the trial leaves as it was)
+        notes = recovered_notes(recovered_device_counts(module)) \
+            if isinstance(step, WeightUpdateSharding) else \
             getattr(result.report, "notes", None) if step.name in _INPUT_NOTES else None
         input_notes.extend(notes or ())
 
@@ -171,7 +174,8 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
-    everything, full, sharded_estimate = trial(user_min, note_input)
+    everything, full, sharded_estimate = trial(user_min,
+                                               note_input if leaves_kept_whole else None)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
             shard(module, sharding, after_pass)
@@ -191,7 +195,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
     chosen = best if _pays(best, bar, baseline) else None
-    if chosen is None and not write_kept_whole and after_pass is None:
+    if chosen is None and leaves_kept_whole:
         report = _kept_whole_report(module, full, input_notes)
     elif chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
@@ -238,11 +242,11 @@ def _kept_whole_report(module: Module, everything: ShardingReport,
     every other one with its own reason, and the notes about the input. No signature,
     strategies or notes of the passes that ready a module to write: nothing is written
     (the front end runs its own program)."""
-    rows = [row if not row.sharded else
+    rows = [copy(row) if not row.sharded else
             Explanation(row.computation, row.all_reduce, row.index, row.shape, row.bytes,
                         sharded=False, reason="left out by the speed gate's size cut-off",
                         reason_code=ReasonCode.BELOW_MIN_SHARD_BYTES.value)
-            for row in (copy(row) for row in everything.explanations)]
+            for row in everything.explanations]
     return ShardingReport(everything.devices, rows, notes=list(input_notes),
                           feedback=list(module.output_aliases().items()) or None)
 

@@ -43,7 +43,7 @@ from typing import cast
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
-                                            recovered_device_counts, reducer_opcode)
+                                            reducer_opcode, with_device_counts)
 from hlo_shard.analysis.replication import Replication, analyze_replication
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
@@ -1801,10 +1801,8 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     # The analyses below read the same computations, and make many objects but no cycles.
     # They read the module as the pass does: with the device counts a header lost (XLA's
     # pass hook hands modules over without them) recovered, not its groups out of range.
-    recovered = recovered_device_counts(module)
-    view = replace(module, header={**module.header, **recovered}) if recovered else module
     with reading_only(), cyclic_gc_paused():
-        return _planned_update_regions(view)
+        return _planned_update_regions(with_device_counts(module))
 
 
 def _planned_update_regions(module: Module) -> dict[str, frozenset[str]]:

@@ -30,13 +30,13 @@ writes the report; it decides and emits nothing itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, find_reduce_scatters,
-                                            recovered_device_counts)
+                                            recovered_device_counts, with_device_counts)
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
                                             analyze_replication)
 from hlo_shard.errors import HloShardError
@@ -435,7 +435,7 @@ def rewritten_computations(module: Module) -> list[str]:
     gradient all-reduces, and the callers of the training loops among them (where a
     loop's carry is sliced and gathered). Read on the module as the pass reads it (with
     the device counts a header lost); the module is not changed."""
-    view = replace(module, header={**module.header, **recovered_device_counts(module)})
+    view = with_device_counts(module)
     found = find_gradient_all_reduces(view)
     candidates, _ = triage(view, found, data_parallel_groups(view, found))
     callers = [comp.name for comp in module.computations for inst in comp.instructions
