@@ -230,3 +230,50 @@ def test_the_update_region_is_planned_on_a_module_whose_header_lost_its_device_c
     assert headless != text
     regions = planned_update_regions(parse(headless))
     assert regions and regions == planned_update_regions(parse(text))
+
+
+@pytest.mark.parametrize("fixture, shares", [
+    # Nothing before the pass changes these (a module XLA optimized, as the pass hook
+    # hands it over, and a pmap step): the regions it planned are the input's.
+    ("optimized/adam.n4.hlo", True), ("replica/momentum.n4.hlo", True),
+    # Tuple forwarding rewrites shard_map's tuples first: the pass planned on another
+    # module, so the gate must plan the input's regions itself.
+    ("spmd/sgd.n8.hlo", False),
+])
+def test_the_pass_reports_the_regions_planned_update_regions_finds(fixture: str,
+                                                                    shares: bool) -> None:
+    """The speed gate prices the input with the regions its first trial's pass planned
+    instead of planning them again: the pass reports them only where they are exactly
+    ``planned_update_regions`` of the module the pipeline was handed."""
+    from pathlib import Path
+
+    from hlo_shard.passes.sharding_pipeline import run_sharding
+    from hlo_shard.passes.weight_update import (ShardingOptions, WeightUpdateSharding,
+                                                planned_update_regions)
+
+    module = parse((Path(__file__).parent.parent / "fixtures" / fixture).read_text())
+    expected = planned_update_regions(module)
+    report = run_sharding(module.clone(), WeightUpdateSharding(ShardingOptions()))
+    assert report.input_regions == (expected if shares else None)
+    if shares:
+        assert expected  # a real region, not two empty answers
+    # A size cut-off plans smaller regions: not the input's.
+    cut = run_sharding(module.clone(),
+                       WeightUpdateSharding(ShardingOptions(min_shard_bytes=1 << 30)))
+    assert cut.input_regions is None
+
+
+def test_the_gate_prices_the_input_as_planned_update_regions_does() -> None:
+    """The input's predicted step in the gate's decision is the one planning the regions
+    afresh gives, where the gate took them from its trial."""
+    from pathlib import Path
+
+    from hlo_shard.passes.speed_gate import predicted_step_seconds, shard_where_faster
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
+
+    module = parse((Path(__file__).parent.parent / "fixtures" / "optimized" / "adam.n4.hlo")
+                   .read_text())
+    sharding = WeightUpdateSharding(ShardingOptions())
+    expected = predicted_step_seconds(module, sharding.profile)
+    _, decision = shard_where_faster(module.clone(), sharding)
+    assert decision.before_s == expected

@@ -61,11 +61,16 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
                  known_problems: frozenset[str] | None = None) -> ShardingReport:
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
     every pass's notes (what ``--explain`` and ``--json`` show), in pass order.
-    ``known_problems``: the pipeline's
+    ``input_regions`` are ``module``'s, or None. ``known_problems``: the pipeline's
     :meth:`~hlo_shard.passes.pipeline.Pipeline.problems_before` of ``module``,
     where the caller has it already."""
     result = sharding_pipeline(sharding, after_pass).run(module, known_problems)
-    report = replace(result.report(ShardingReport), notes=result.notes)
+    sharded = result.report(ShardingReport)
+    # The regions the pass planned are ``module``'s only if no pass before it changed it.
+    position = next(k for k, r in enumerate(result.results) if r.report is sharded)
+    report = replace(sharded, notes=result.notes,
+                     input_regions=None if any(r.changed for r in result.results[:position])
+                     else sharded.input_regions)
     result.report(ReduceScatterReport).annotate(report)
     return report
 

@@ -116,14 +116,6 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     against). ``write_kept_whole`` False: a module kept whole is left as it is, for a
     front end that then runs its own program (:func:`_kept_whole_report`)."""
     hardware = sharding.profile
-    whole = predicted_step(module, hardware)
-    before = whole.seconds
-    unsharded = _unsharded_estimate(module, hardware)
-    baseline_estimate = whole if unsharded is None else unsharded
-    baseline = baseline_estimate.seconds
-    #: What a cut-off must cost at most to be written: the input's step less the
-    #: profile's smallest gain acted on.
-    bar = before * (1 - hardware.min_predicted_gain)
 
     def at_cutoff(min_bytes: int) -> WeightUpdateSharding:
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
@@ -153,17 +145,28 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
             getattr(result.report, "notes", None) if step.name in _INPUT_NOTES else None
         input_notes.extend(notes or ())
 
-    def trial(min_bytes: int, watching: AfterPass | None = None
-              ) -> tuple[Trial, ShardingReport, StepEstimate | None]:
-        nonlocal cheapest
+    def priced(min_bytes: int, watching: AfterPass | None = None
+               ) -> tuple[Module, ShardingReport, StepEstimate | None]:
+        """A copy of ``module`` sharded at the cut-off, its report, and its estimate
+        (None when nothing was sharded)."""
         candidate = module.clone()
         report = shard(candidate, at_cutoff(min_bytes), watching)
+        sharded = any(row.sharded for row in report.explanations)
+        return candidate, report, predicted_step(candidate, hardware) if sharded else None
+
+    def ranked(min_bytes: int, candidate: Module, report: ShardingReport,
+               estimate: StepEstimate | None) -> Trial:
+        """The trial of a priced copy, kept if it is the cheapest sharded one so far."""
+        nonlocal cheapest
         sharded = sum(1 for row in report.explanations if row.sharded)
-        estimate = predicted_step(candidate, hardware) if sharded else None
         result = Trial(min_bytes, sharded, baseline if estimate is None else estimate.seconds)
         if sharded and (cheapest is None or _faster(result, cheapest[0])):
             cheapest = (result, candidate, report)
-        return result, report, estimate
+        return result
+
+    def trial(min_bytes: int) -> tuple[Trial, ShardingReport, StepEstimate | None]:
+        candidate, report, estimate = priced(min_bytes)
+        return ranked(min_bytes, candidate, report, estimate), report, estimate
 
     def written(chosen: Trial) -> ShardingReport:
         """``module`` as the pipeline writes it at ``chosen``'s cut-off: the trial's own
@@ -174,8 +177,19 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
-    everything, full, sharded_estimate = trial(user_min,
-                                               note_input if leaves_kept_whole else None)
+    first = priced(user_min, note_input if leaves_kept_whole else None)
+    full, sharded_estimate = first[1], first[2]
+    # The input is priced with the regions that trial planned on it where it could tell
+    # (the same as planning them again), so the analysis runs once for both.
+    whole = predicted_step(module, hardware, full.input_regions)
+    before = whole.seconds
+    unsharded = _unsharded_estimate(module, hardware)
+    baseline_estimate = whole if unsharded is None else unsharded
+    baseline = baseline_estimate.seconds
+    #: What a cut-off must cost at most to be written: the input's step less the
+    #: profile's smallest gain acted on.
+    bar = before * (1 - hardware.min_predicted_gain)
+    everything = ranked(user_min, *first)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
             shard(module, sharding, after_pass)
@@ -268,11 +282,13 @@ def _faster(trial: Trial, other: Trial) -> bool:
     return _rank(trial) < _rank(other)
 
 
-def predicted_step(module: Module, hardware: HardwareProfile) -> StepEstimate:
+def predicted_step(module: Module, hardware: HardwareProfile,
+                   regions: dict[str, frozenset[str]] | None = None) -> StepEstimate:
     """The cost model's step of ``module``, its weight update being the region the pass
-    plans in it."""
+    plans in it (``regions``: those already planned, from the pass's report)."""
     with reading_only():  # its analyses share each computation's users and order
-        return estimate_step(module, hardware, planned_update_regions(module))
+        return estimate_step(module, hardware, planned_update_regions(module)
+                             if regions is None else regions)
 
 
 def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:

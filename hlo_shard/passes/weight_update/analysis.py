@@ -44,7 +44,7 @@ from typing import cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode, with_device_counts)
-from hlo_shard.analysis.replication import Replication, analyze_replication
+from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
                              reachable, reading_only, topological_order, upstream_bits,
@@ -1787,8 +1787,34 @@ def _condition_slots(cond: Computation) -> set[int] | None:
 # ------------------------------------------------------------- for the cost model
 
 
+@dataclass(frozen=True)
+class UpdateFacts:
+    """What the pass reads of a module before editing it: the gradient all-reduces, the
+    data-parallel group, which values are replicated, and the all-reduces it may shard
+    per computation (those it may not, with why)."""
+
+    found: list[GradientAllReduce]
+    groups: DeviceGroups | None
+    replication: Replication
+    candidates: dict[str, list[GradientAllReduce]]
+    rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]]
+
+
+def read_update_facts(module: Module, overrides: ParamOverrides | None = None) -> UpdateFacts:
+    """:class:`UpdateFacts` of ``module`` as it is (its header's device counts included:
+    the pass writes back those a header lost before reading)."""
+    found = find_gradient_all_reduces(module)
+    groups = data_parallel_groups(module, found)
+    replication = analyze_replication(module, groups, overrides or ParamOverrides(),
+                                      gradient_sources(module, found))
+    candidates, rejected = triage(module, found, groups)
+    return UpdateFacts(found, groups, replication, candidates, rejected)
+
+
 def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
-    """Computation name → the instructions of the update region the pass plans there.
+    """Computation name → the instructions of the update region the pass plans there
+    (with its default options, on the module as it is: the facts of
+    :func:`read_update_facts`, each computation's leaves and :func:`plan_region`).
 
     A computation the pass does not apply to — no candidate gradient all-reduce, or
     none whose gradient it could follow (no leaves) — has no entry: the cost model
@@ -1802,32 +1828,25 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     # They read the module as the pass does: with the device counts a header lost (XLA's
     # pass hook hands modules over without them) recovered, not its groups out of range.
     with reading_only(), cyclic_gc_paused():
-        return _planned_update_regions(with_device_counts(module))
-
-
-def _planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
-    candidates: dict[str, list[GradientAllReduce]] = {}
-    for found in find_gradient_all_reduces(module):
-        if found.is_candidate:
-            candidates.setdefault(found.computation, []).append(found)
-    regions: dict[str, frozenset[str]] = {}
-    for name, all_reduces in candidates.items():
-        comp = module.computation(name)
-        leaves, _ = collect_leaves(module, comp, all_reduces)
-        if not leaves:
-            continue
-        facts = analyze_replication(module, leaves[0].groups)
-        regions[name] = frozenset(plan_region(module, comp, leaves, facts).ops)
-    return regions
+        view = with_device_counts(module)
+        facts = read_update_facts(view)
+        regions: dict[str, frozenset[str]] = {}
+        for name, all_reduces in facts.candidates.items():
+            comp = view.computation(name)
+            leaves, _ = collect_leaves(view, comp, all_reduces)
+            if leaves:
+                regions[name] = frozenset(plan_region(view, comp, leaves, facts.replication).ops)
+        return regions
 
 
 __all__ = [
     "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan",
-    "ShardFormat", "StatePair", "VIEW_OPCODES", "Whole", "blocks_through_collectives",
-    "called_computation", "canonical_perm", "classify", "collect_leaves", "copy_chains",
-    "data_parallel_groups", "flattenable", "gradient_sources", "is_laid_out",
-    "is_scalar_broadcast", "loop_slots", "major_dimension", "natural_perm", "pair_state",
-    "parameter_names", "plan_region", "planned_update_regions", "proved_array",
-    "proved_element", "region_read_parameters", "reshape_format", "transpose_operand",
-    "transpose_result", "triage", "tuple_index", "unsharded_state",
+    "ShardFormat", "StatePair", "UpdateFacts", "VIEW_OPCODES", "Whole",
+    "blocks_through_collectives", "called_computation", "canonical_perm", "classify",
+    "collect_leaves", "copy_chains", "data_parallel_groups", "flattenable",
+    "gradient_sources", "is_laid_out", "is_scalar_broadcast", "loop_slots",
+    "major_dimension", "natural_perm", "pair_state", "parameter_names", "plan_region",
+    "planned_update_regions", "proved_array", "proved_element", "read_update_facts",
+    "region_read_parameters", "reshape_format", "transpose_operand", "transpose_result",
+    "triage", "tuple_index", "unsharded_state",
 ]

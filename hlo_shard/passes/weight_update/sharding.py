@@ -37,8 +37,7 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, find_reduce_scatters,
                                             recovered_device_counts, with_device_counts)
-from hlo_shard.analysis.replication import (ParamOverrides, Replication, all_true,
-                                            analyze_replication)
+from hlo_shard.analysis.replication import ParamOverrides, Replication, all_true
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph,
                              reading_only)
@@ -48,10 +47,11 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, Reg
                                                      RegionPlan, StatePair, Whole,
                                                      called_computation, collect_leaves,
                                                      copy_chains, data_parallel_groups,
-                                                     gradient_sources, loop_slots, pair_state,
+                                                     loop_slots, pair_state,
                                                      parameter_names, plan_region,
-                                                     proved_array, region_read_parameters,
-                                                     triage, unsharded_state)
+                                                     proved_array, read_update_facts,
+                                                     region_read_parameters, triage,
+                                                     unsharded_state)
 from hlo_shard.passes.weight_update.emit import (STRATEGIES, Bucketing, ChannelIds,
                                                  CollectivePricing, StrategyEstimate)
 from hlo_shard.passes.weight_update.lowering import (RegionRewrite, RegionSnapshot,
@@ -180,6 +180,12 @@ class ShardingReport:
     strategies: list[StrategyChoice] = field(default_factory=list)
     #: ``params="sharded"``: each weight of the entry, sharded or why not.
     weights: list[WeightChoice] = field(default_factory=list)
+    #: :func:`~hlo_shard.passes.weight_update.planned_update_regions` of the module the
+    #: pass was handed, where the pass planned exactly those regions on it (its default
+    #: plan options and at most one computation to plan, so no plan read another's
+    #: edits): the speed gate prices the input with them instead of planning again.
+    #: None where it did not.
+    input_regions: dict[str, frozenset[str]] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -246,6 +252,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         """Read the module's facts, rewrite each computation's update region, then keep the
         training loops' carried shards across iterations; the report says what and why."""
         run = self._read_facts(rewriter)
+        if self._plans_as_planned_update_regions(module, run):
+            run.report.input_regions = {}
         for comp_name, candidates in run.candidates.items():
             self._shard_computation(run, module.computation(comp_name), candidates)
         for carry in run.carries:
@@ -254,6 +262,16 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                         run.output_kinds)
         run.report.feedback = list(module.output_aliases().items()) or None
         return run.report
+
+    def _plans_as_planned_update_regions(self, module: Module, run: _Run) -> bool:
+        """The regions this run plans are :func:`planned_update_regions`' of ``module``:
+        the same facts (no parameter overrides), plan options at their defaults (no size
+        cut-off, no state kept sharded in the entry), and one computation at most."""
+        if len(run.candidates) > 1 or self.options.min_shard_bytes != 0 or \
+                self.options.overrides != ParamOverrides():
+            return False
+        return self.options.state != "sharded" or \
+            all(name != module.entry.name for name in run.candidates)
 
     def _read_facts(self, edits: ModuleRewriter) -> _Run:
         """What the rewrite needs, read before any edit: the device counts a header lost
@@ -264,18 +282,16 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         recovered = recovered_device_counts(module)
         for key, count in recovered.items():
             edits.set_header(key, count)
-        found = find_gradient_all_reduces(module)
-        groups = data_parallel_groups(module, found)
+        facts = read_update_facts(module, self.options.overrides)
+        groups = facts.groups
         wanted = self.options.num_replicas
         if wanted is not None and groups is not None and wanted != groups.size:
             raise ShardingOptionError("num_replicas", wanted, f"does not match the module's "
                                       f"data-parallel group size {groups.size}")
         report = ShardingReport(module.replica_count * module.num_partitions)
         report.notes += recovered_notes(recovered)
-        replication = analyze_replication(module, groups, self.options.overrides,
-                                          gradient_sources(module, found))
-        candidates, rejected = triage(module, found, groups)
-        report.explanations += [_rejected(module, ar, why, code) for ar, why, code in rejected]
+        report.explanations += [_rejected(module, ar, why, code)
+                                for ar, why, code in facts.rejected]
         report.explanations += [_rejected(module, rs, rs.reason, rs.code)
                                 for rs in find_reduce_scatters(module)]
         group_size = groups.size if groups is not None else 1
@@ -286,8 +302,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                               CollectivePricing(self.profile.for_devices(module.device_count),
                                                 group_size),
                               self.options.per_tensor_bytes)
-        return _Run(edits, report, groups, replication, _output_kinds(module, replication),
-                    candidates, bucketing, ChannelIds(module))
+        return _Run(edits, report, groups, facts.replication,
+                    _output_kinds(module, facts.replication), facts.candidates, bucketing,
+                    ChannelIds(module))
 
     def _shard_computation(self, run: _Run, comp: Computation,
                            candidates: list[GradientAllReduce]) -> None:
@@ -306,6 +323,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 self.options.min_shard_bytes, state_entry,
                 tuple((number, k) for k, number in module.output_aliases().items())
                 if state_entry else ()))
+            if run.report.input_regions is not None:
+                run.report.input_regions[comp.name] = frozenset(plan.ops)
         collectives: dict[str, str] = {}
         if plan.active:
             snapshot, mark = RegionSnapshot.take(run.edits, comp, run.channels), run.mark()
