@@ -1447,10 +1447,9 @@ def gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[str
     sources: dict[str, set[str]] = defaultdict(set)
     for ar in found:
         sources[ar.computation].add(ar.name)
-    for comp in module.computations:
-        for inst in comp.instructions:
-            if any(callee in holding for callee in inst.called_computations()):
-                sources[comp.name].add(inst.name)
+    for callee in holding:  # the calls are the call graph's edges: no second scan
+        for caller in graph.predecessors(callee):
+            sources[caller].update(graph.edges[caller, callee]["via"])
     return sources
 
 
