@@ -49,6 +49,46 @@ def read_slice_ranges(text: str) -> SliceRanges:
     raise ValueError(f"expected slice ranges like {{[0:4], [0:8:2]}}, found {show(text)}")
 
 
+@dataclass(frozen=True, slots=True)
+class WindowDim:
+    """One dimension of a ``window={size=… stride=… pad=lo_hi … lhs_dilate=… rhs_dilate=…}``."""
+
+    size: int
+    stride: int = 1
+    pad_low: int = 0
+    pad_high: int = 0
+    lhs_dilate: int = 1
+    rhs_dilate: int = 1
+
+    @property
+    def tiles(self) -> bool:
+        """The windows of this dimension tile it: stride = size, no padding or dilation."""
+        return self.stride == self.size and not self.pad_low and not self.pad_high \
+            and self.lhs_dilate == 1 and self.rhs_dilate == 1
+
+
+def read_window(value: object) -> list[WindowDim]:
+    """A ``window`` attribute's value (its text, or a value holding it as ``text``) → per
+    dimension; no dimension where it names no size."""
+    if value is None:
+        return []
+    text = getattr(value, "text", str(value)).strip().strip("{}")
+    fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
+    if "size" not in fields:
+        return []
+    sizes = [int(x) for x in fields["size"].split("x")]
+    rank = len(sizes)
+
+    def ints(key: str, default: int) -> list[int]:
+        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * rank
+
+    pads = ([tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+            if "pad" in fields else [(0, 0)] * rank)
+    strides, lhs, rhs = ints("stride", 1), ints("lhs_dilate", 1), ints("rhs_dilate", 1)
+    return [WindowDim(sizes[i], strides[i], pads[i][0], pads[i][1], lhs[i], rhs[i])
+            for i in range(rank)]
+
+
 def read_names(text: str) -> tuple[str, ...]:
     """``{%a, b}`` → ``("a", "b")``."""
     if text.startswith("{") and _only_separators(_NAME_IN_LIST_RE.sub("", text[1:-1])):

@@ -19,7 +19,8 @@ from hlo_shard.costmodel.network import (
     accumulator_seconds, algorithm_steps, collective_cost, combiner_buckets, group_size, share_latency, torus_dims,
     wire_bytes,
 )
-from hlo_shard.costmodel.flops import CostAnalysis, module_cost, parse_window
+from hlo_shard.costmodel.flops import CostAnalysis, module_cost
+from hlo_shard.values import read_window
 from hlo_shard.costmodel.step_time import (
     FRESH_TEMP_PAGES, StepEstimate, classify_parameters, categorize, estimate_step,
 )
@@ -334,8 +335,8 @@ ENTRY e {
     assert CostAnalysis(module).per_instruction()["t"].bytes_accessed == 0
 
 
-def test_parse_window():
-    dims = parse_window("{size=3x2 stride=2x1 pad=1_0x0_1 rhs_dilate=1x2}")
+def test_read_window():
+    dims = read_window("{size=3x2 stride=2x1 pad=1_0x0_1 rhs_dilate=1x2}")
     assert [(d.size, d.stride, d.pad_low, d.pad_high, d.rhs_dilate) for d in dims] == [
         (3, 2, 1, 0, 1), (2, 1, 0, 1, 2)]
 

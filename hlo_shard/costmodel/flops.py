@@ -30,6 +30,7 @@ from hlo_shard.ir import (
     shape_leaves,
 )
 from hlo_shard.opinfo import ALL_REDUCE, NO_COST, OPINFO, PER_ELEMENT_COST, opcodes_where
+from hlo_shard.values import WindowDim, read_window
 
 #: Size of one tuple index-table entry (XLA CPU: ``sizeof(void*)``).
 POINTER_BYTES = 8
@@ -247,7 +248,7 @@ def _map(site: Site) -> Cost:
 
 
 def _reduce_window(site: Site) -> Cost:
-    window = parse_window(site.inst.attr("window"))
+    window = read_window(site.inst.attr("window"))
     window_elements = math.prod(d.size for d in window)
     out = elements(site.inst.shape)
     count = (window_elements - 1) * out
@@ -266,7 +267,7 @@ def _reduce_window(site: Site) -> Cost:
 
 
 def _select_and_scatter(site: Site) -> Cost:
-    window = parse_window(site.inst.attr("window"))
+    window = read_window(site.inst.attr("window"))
     source = elements(site.operand_shape(1))
     selects = source * (math.prod(d.size for d in window) - 1)
     return (site.called("select").compute_only().scaled(selects)
@@ -514,37 +515,6 @@ def _nested_fusion_read_bytes(analysis: CostAnalysis, comp: Computation, value: 
 
 
 @dataclass(frozen=True, slots=True)
-class WindowDim:
-    size: int
-    stride: int = 1
-    pad_low: int = 0
-    pad_high: int = 0
-    lhs_dilate: int = 1
-    rhs_dilate: int = 1
-
-
-def parse_window(value: object) -> list[WindowDim]:
-    """``{size=3x3 stride=2x2 pad=0_1x0_1 lhs_dilate=… rhs_dilate=…}`` → per dimension."""
-    if value is None:
-        return []
-    text = getattr(value, "text", str(value)).strip().strip("{}")
-    fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
-    if "size" not in fields:
-        return []
-    sizes = [int(x) for x in fields["size"].split("x")]
-    rank = len(sizes)
-
-    def ints(key: str, default: int) -> list[int]:
-        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * rank
-
-    pads = ([tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
-            if "pad" in fields else [(0, 0)] * rank)
-    strides, lhs, rhs = ints("stride", 1), ints("lhs_dilate", 1), ints("rhs_dilate", 1)
-    return [WindowDim(sizes[i], strides[i], pads[i][0], pads[i][1], lhs[i], rhs[i])
-            for i in range(rank)]
-
-
-@dataclass(frozen=True, slots=True)
 class ConvDims:
     """Dimension numbers read from ``dim_labels=b01f_01io->b01f``."""
 
@@ -574,7 +544,7 @@ def convolution_flops(site: Site) -> int:
     inst = site.inst
     lhs, rhs, out = site.operand_shape(0), site.operand_shape(1), inst.shape
     dims = parse_dim_labels(inst.attr("dim_labels"))
-    window = parse_window(inst.attr("window")) or [WindowDim(1)]
+    window = read_window(inst.attr("window")) or [WindowDim(1)]
     if not dims.input_spatial:
         in_limits = kernel_limits = out_limits = [1]
     else:

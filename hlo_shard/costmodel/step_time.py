@@ -30,7 +30,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, with_device_counts
+from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, is_sum, with_device_counts
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, Combiner, group_size,
@@ -234,16 +234,9 @@ def formatting_ops(module: Module, comp: Computation) -> set[str]:
 
 
 def _is_sum_collective(module: Module, inst: Instruction) -> bool:
-    if inst.opcode not in SUMMING_COLLECTIVES:
-        return False
-    if group_size(inst, module) < 2:
-        return False
-    ref = inst.attr("to_apply")
-    try:
-        reducer = module.computation(getattr(ref, "name", ""))
-    except KeyError:
-        return False
-    return reducer.root.opcode == "add"
+    """A gradient sum: an all-reduce or reduce-scatter adding over two devices or more."""
+    return inst.opcode in SUMMING_COLLECTIVES and group_size(inst, module) >= 2 \
+        and is_sum(module, inst)
 
 
 def update_region_fallback(module: Module, comp: Computation) -> set[str]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -50,11 +49,12 @@ from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, da
                              reachable, reading_only, topological_order, upstream_bits,
                              users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
-                          Module, Raw, Shape, TupleShape)
+                          Module, Shape, TupleShape)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
 from hlo_shard.shard_format import ShardFormat, canonical_perm, natural_perm
+from hlo_shard.values import read_window
 
 # ------------------------------------------------------------------------ the format
 
@@ -353,16 +353,11 @@ def _is_row_major(shape: ArrayShape) -> bool:
 def _window_tiles(window: Instruction, dims: tuple[int, ...]) -> tuple[int, ...] | None:
     """The window sizes of a single-operand ``reduce-window`` over ``dims`` whose windows
     tile it (stride = size, no padding, no dilation, sizes dividing the dimensions)."""
-    text = window.attr("window")
-    fields = dict(re.findall(r"(\w+)=([\dx]+)", str(text.text)) if isinstance(text, Raw)
-                  else ())
-    if len(window.operands) != 2 or set(fields) != {"size", "stride"} or \
-            fields["size"] != fields["stride"]:
+    per_dim = read_window(window.attr("window"))
+    if len(window.operands) != 2 or len(per_dim) != len(dims) or \
+            not all(w.tiles and d % w.size == 0 for w, d in zip(per_dim, dims)):
         return None
-    sizes = tuple(int(v) for v in fields["size"].split("x"))
-    if len(sizes) != len(dims) or any(d % k for d, k in zip(dims, sizes)):
-        return None
-    return sizes
+    return tuple(w.size for w in per_dim)
 
 
 def _elementwise_on(body: Computation, inst: Instruction, ctx: _Context,
