@@ -32,6 +32,7 @@ def diff(before_path: str, after_path: str, profile: str | None, algorithm: str 
                           roles=roles)
             for module, roles in zip((before, after),
                                      manifest_roles(manifest_path, [before_path, after_path])))
-    emit(diff_document(a, b, before, after), diff_json(a, b, before, after),
-         as_json=as_json, markdown=markdown, html_path=html_path, output=output,
+    data = diff_json(a, b, before, after)
+    emit(diff_document(a, b, before, after, (data["before"]["weights"], data["after"]["weights"])),
+         data, as_json=as_json, markdown=markdown, html_path=html_path, output=output,
          inputs=[before_path, after_path])

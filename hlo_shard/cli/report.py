@@ -129,6 +129,6 @@ def report(module_path: str, profile: str | None, algorithm: str | None, manifes
     module = load_module(module_path)
     est = estimate_step(module, module_profile(profile, module), planned_update_regions(module),
                         algorithm=algorithm, roles=manifest_roles(manifest_path, [module_path])[0])
-    emit(report_document(est, module, top), report_json(est, module, top),
-         as_json=as_json, markdown=markdown, html_path=html_path, output=output,
-         inputs=[module_path])
+    data = report_json(est, module, top)
+    emit(report_document(est, module, top, data["weights"]), data, as_json=as_json,
+         markdown=markdown, html_path=html_path, output=output, inputs=[module_path])

@@ -85,7 +85,10 @@ def _memory_rows(est: StepEstimate) -> list[tuple[str, float]]:
     return [(MEMORY_LABELS[c], est.memory.peak_breakdown.get(c, 0)) for c in MEMORY_CATEGORIES]
 
 
-def report_document(est: StepEstimate, module: Module, top: int = 10) -> Document:
+def report_document(est: StepEstimate, module: Module, top: int = 10,
+                    weights: dict[str, dict] | None = None) -> Document:
+    """``weights``: :func:`per_weight_rows` of ``est``, where the caller has them already
+    (the JSON of the same report: they walk the whole update once more)."""
     total = est.seconds
     doc = Document(
         f"hlo-shard report: {est.module}",
@@ -116,7 +119,7 @@ def report_document(est: StepEstimate, module: Module, top: int = 10) -> Documen
         ["instruction", "opcode", "category", "runs", "time", "flops", "bytes"],
         [[i.name, i.opcode, CATEGORY_LABELS[i.category], str(i.runs), fmt_seconds(i.seconds),
           fmt_count(i.cost.flops), fmt_bytes(i.cost.bytes_accessed)] for i in est.top(top)]))
-    weights = per_weight_rows(est, module)
+    weights = per_weight_rows(est, module) if weights is None else weights
     names = instruction_names(module)
     if weights:
         doc.tables.append(Table("Per weight tensor", [
@@ -175,7 +178,10 @@ def _diff_table(title: str, rows: Sequence[tuple[str, float, float, Callable[[fl
 
 
 def diff_document(before: StepEstimate, after: StepEstimate, before_module: Module,
-                  after_module: Module) -> Document:
+                  after_module: Module,
+                  weights: tuple[dict[str, dict], dict[str, dict]] | None = None) -> Document:
+    """``weights``: :func:`per_weight_rows` of ``before`` and ``after``, where the caller
+    has them already (see :func:`report_document`)."""
     doc = Document(f"hlo-shard diff: {before.module} → {after.module}",
                    f"profile {before.profile.name}; {before.devices} → {after.devices} devices; "
                    f"all figures per device\n{step_verdict(before, after)}")
@@ -201,8 +207,8 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
         f"Peak memory ({before.memory.peak_instruction} → {after.memory.peak_instruction})",
         [(label, a, b, fmt_bytes) for (label, a), (_, b) in
          zip(_memory_rows(before), _memory_rows(after))]))
-    weights_a = per_weight_rows(before, before_module)
-    weights_b = per_weight_rows(after, after_module)
+    weights_a, weights_b = weights if weights is not None else (
+        per_weight_rows(before, before_module), per_weight_rows(after, after_module))
     names = instruction_names(before_module)
     weight_rows = []
     for name in weights_a:
