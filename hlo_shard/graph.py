@@ -99,10 +99,10 @@ def dataflow_graph(comp: Computation) -> DataflowGraph:
     return DataflowGraph(comp, users_map(comp))
 
 
-def call_graph(module: Module) -> nx.DiGraph:
+def call_graph(module: Module) -> nx.DiGraph[str]:
     """Computation → called computation, edge attribute ``via`` (the calling
     instruction names)."""
-    graph = nx.DiGraph(name=module.name)
+    graph: nx.DiGraph[str] = nx.DiGraph(name=module.name)
     for comp in module.computations:
         graph.add_node(comp.name, computation=comp)
     for comp in module.computations:
