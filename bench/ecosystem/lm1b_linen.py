@@ -2,7 +2,8 @@
 compute, trained with AdamW on a warmup + rsqrt learning-rate schedule, data parallel
 with ``jax.jit``.
 
-Source: https://github.com/google/flax/tree/main/examples/lm1b at google/flax
+Source (Apache License 2.0, Copyright 2024 The Flax Authors):
+https://github.com/google/flax/tree/main/examples/lm1b at google/flax
 18f8f311c275d57f46d95e41b15aa97b454754c0 — ``models.py`` from ``TransformerConfig`` to
 ``TransformerLM`` unchanged (its imports merged with ours); from ``train.py`` the
 ``rsqrt_schedule``, ``create_learning_rate_schedule``, the weighted cross entropy,

@@ -1,6 +1,7 @@
 """flax nnx's MNIST CNN, trained data parallel with ``jax.jit``.
 
-Sources (google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0):
+Sources (google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0; Apache License 2.0,
+Copyright 2024 The Flax Authors):
 
 * https://github.com/google/flax/blob/main/docs_nnx/mnist_tutorial.md — ``CNN``,
   ``loss_fn``, ``train_step`` (here without its ``@nnx.jit``), the optimizer

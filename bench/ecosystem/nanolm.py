@@ -1,7 +1,8 @@
 """optax's nanoLM: a character transformer (flax linen) trained with AdamW, data
 parallel with ``jax.jit``.
 
-Source: https://github.com/google-deepmind/optax/blob/main/examples/nanolm.ipynb at
+Source (Apache License 2.0, Copyright DeepMind Technologies Limited):
+https://github.com/google-deepmind/optax/blob/main/examples/nanolm.ipynb at
 google-deepmind/optax 2edbcbe2390da13983b92cbef94ac0460ecde1c5 — ``NanoLM`` (without its
 ``generate`` method, text generation after training), ``loss_fun``, the initialisation
 and ``opt = optax.adamw(learning_rate=LEARNING_RATE)``, and the jitted ``step``
