@@ -565,9 +565,12 @@ def match_scanned_reduce_scatter(reads: ModuleReads, body: Computation,
     of the root; every caller of the body is a while loop whose condition does not read
     the slot, whose initial tuple is its own, and whose result is only taken apart, the
     slot (through blockwise ops) only by ``dynamic-slice``\\ s of this device's block,
-    evaluated on every device, the same block on every read and one block per device.
-    The blocks cut a dimension the update spans whole (not the stacked one), so the
-    update of a block is the block of the update, whatever layer it writes."""
+    evaluated on every device, the same block on every read, the blocks tiling each group
+    as a pair's must (fewer blocks than devices: a reduce-scatter, then an all-reduce of
+    the block among its holders, in the body). The blocks cut a dimension the update
+    spans whole (not the stacked one), so the update of a block is the block of the
+    update, whatever layer it writes, and the slot's value before the loop only matters
+    through its block."""
     refused = _reducible(body, all_reduce)
     users = reads.users(body)
     walked = refused or _blockwise_walk(body, all_reduce.name, users)
@@ -606,9 +609,6 @@ def match_scanned_reduce_scatter(reads: ModuleReads, body: Computation,
     stack_dims, update_dims = stack.array_shape.dims, update.array_shape.dims
     if stack_dims[found.split_dim] != update_dims[found.split_dim]:
         return "the slice after the loop cuts the stacked dimension"
-    if found.block_groups:
-        return (f"the devices hold each of the {len(found.scatter_groups[0])} blocks "
-                f"{len(found.block_groups[0])} at a time, not one block per device")
     mapped = _source_dim(body, chain, found.split_dim)
     if isinstance(mapped, str):
         return mapped
