@@ -26,7 +26,16 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
   that keep the block dimension: they commute with taking a block) stay after the
   collective and run on the block; the reduce-scatter splits the dimension of the
   all-reduce's shape the slice's dimension comes from.
-* The pair is rewritten only where :func:`~hlo_shard.costmodel.network.collective_cost`
+* Across a scan (MaxText's ``scan_layers``): the layer's all-reduce in a loop body is
+  written (``dynamic-update-slice``) into a slot of the stacked gradient the loop
+  carries, which leaves the loop only as this device's block.
+  :func:`match_scanned_reduce_scatter` returns a :class:`ScannedScatterSpec` for exactly
+  the form the analysis reports already sharded across a loop (else why not); the
+  rewrite makes the all-reduce a reduce-scatter in the body, carries the block instead
+  of the whole slot (so the loop carries 1/N of the stacked gradient, and the slice
+  after the loop goes), and gives the slot's starting value as its block. The blocks of
+  the slice after the loop decide the groups, as a pair's slice does.
+* A pair (or a scanned gradient, per iteration) is rewritten only where :func:`~hlo_shard.costmodel.network.collective_cost`
   on the pass's profile predicts the collectives it becomes faster than the all-reduce
   (a split pays a second collective's latency for the bytes it saves, which loses for
   small gradients on shared-memory CPU devices); the report says why each pair was kept.
@@ -408,6 +417,9 @@ class ModuleReads:
         self._users: dict[str, dict[str, list[str]]] = {}
         self._index: dict[str, IndexEvaluator] = {}
         self._callers: dict[str, list[tuple[Computation, Instruction]]] | None = None
+        self._slots: dict[tuple[str, str], dict[int, list[str]] | None] = {}
+        self._parameters: dict[str, str] = {}
+        self._root_slots: dict[str, dict[str, list[int]]] = {}
 
     def users(self, comp: Computation) -> dict[str, list[str]]:
         if comp.name not in self._users:
@@ -428,6 +440,40 @@ class ModuleReads:
                     for called in dict.fromkeys(inst.called_computations()):
                         self._callers.setdefault(called, []).append((comp, inst))
         return self._callers.get(name, [])
+
+    def slot_reads(self, comp: Computation, tuple_name: str) -> dict[int, list[str]] | None:
+        """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` (a loop,
+        or a computation's parameter); None where the tuple is used otherwise."""
+        key = (comp.name, tuple_name)
+        if key not in self._slots:
+            reads: dict[int, list[str]] | None = {}
+            for name in self.users(comp)[tuple_name]:
+                slot = comp[name].int_attr("index")
+                if comp[name].opcode != "get-tuple-element" or slot is None or reads is None:
+                    reads = None
+                    break
+                reads.setdefault(slot, []).append(name)
+            self._slots[key] = None if tuple_name == comp.root_name else reads
+        return self._slots[key]
+
+    def parameter(self, comp: Computation) -> str:
+        """The name of ``comp``'s one parameter ("" where it has several)."""
+        return self._parameters.setdefault(comp.name, _only_parameter(comp))
+
+    def root_slots(self, comp: Computation) -> dict[str, list[int]]:
+        """Value → the slots of the root tuple it is."""
+        if comp.name not in self._root_slots:
+            slots: dict[str, list[int]] = {}
+            if comp.root.opcode == "tuple":
+                for slot, name in enumerate(comp.root.operands):
+                    slots.setdefault(name, []).append(slot)
+            self._root_slots[comp.name] = slots
+        return self._root_slots[comp.name]
+
+
+def _only_parameter(comp: Computation) -> str:
+    params = comp.parameters()
+    return params[0].name if len(params) == 1 else ""
 
 
 def _participant(mode: GroupMode, replica: int, partition: int, partitions: int) -> int:
@@ -581,17 +627,15 @@ def match_scanned_reduce_scatter(reads: ModuleReads, body: Computation,
     if update.opcode != "dynamic-update-slice" or update.operands[1:2] != [value] or \
             value in (update.operands[0], *update.operands[2:]):
         return f"a {update.opcode} between the all-reduce and the carried slot"
-    params, root, stack = body.parameters(), body.root, body[update.operands[0]]
-    if len(params) != 1 or root.opcode != "tuple" or stack.opcode != "get-tuple-element" \
-            or stack.operands != [params[0].name] or update.name == root.name:
+    param, root, stack = reads.parameter(body), body.root, body[update.operands[0]]
+    if not param or root.opcode != "tuple" or stack.opcode != "get-tuple-element" \
+            or stack.operands != [param] or update.name == root.name:
         return "the update does not write a slot of the body's tuple parameter"
     slot = stack.required_attr("index", int)
-    readers = [body[name] for name in users[params[0].name]]
-    if any(r.opcode != "get-tuple-element" for r in readers) or \
-            [r.name for r in readers if r.int_attr("index") == slot] != [stack.name] or \
+    in_body = reads.slot_reads(body, param)
+    if in_body is None or in_body.get(slot) != [stack.name] or \
             users[stack.name] != [update.name] or users[update.name] != [root.name] or \
-            slot >= len(root.operands) or root.operands[slot] != update.name or \
-            root.operands.count(update.name) != 1 or control_predecessors(update):
+            reads.root_slots(body).get(update.name) != [slot] or control_predecessors(update):
         return "the carried slot is read or written elsewhere in the loop body"
     callers = reads.callers(body.name)
     if not callers:
@@ -631,11 +675,9 @@ def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
            _called(inst, "condition") != condition.name
            for _, inst in reads.callers(condition.name)):
         return "the loop's condition is also called elsewhere"
-    cond_params = condition.parameters()
-    cond_reads = [condition[name] for param in cond_params
-                  for name in reads.users(condition)[param.name]]
-    if len(cond_params) != 1 or any(r.opcode != "get-tuple-element" or
-                                    r.int_attr("index") == slot for r in cond_reads):
+    param = reads.parameter(condition)
+    in_condition = reads.slot_reads(condition, param) if param else None
+    if in_condition is None or slot in in_condition:
         return "the loop's condition reads the slot"
     users = reads.users(outer)
     init = outer[loop.operands[0]]
@@ -645,12 +687,12 @@ def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
     if loop.name == outer.root_name or control_predecessors(loop) or \
             "control-successors" in loop.attributes:
         return "the loop's result is used whole or ordered by control edges"
-    taken = [outer[name] for name in users[loop.name]]
-    if any(t.opcode != "get-tuple-element" for t in taken):
+    taken = reads.slot_reads(outer, loop.name)
+    if taken is None:
         return "the loop's result is used whole"
     slot_reads, found = [], None
     index = reads.index(outer)
-    for gte in (t for t in taken if t.int_attr("index") == slot):
+    for gte in (outer[name] for name in taken.get(slot, [])):
         walked = _blockwise_walk(outer, gte.name, users)
         if isinstance(walked, str):
             return walked
@@ -829,16 +871,23 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
                 continue
             specs.append((spec, before, after))
         channels = ChannelIds(module)
-        for spec, before, after in specs:
+        created: dict[tuple[str, str], str] = {}
+        scanned: dict[str, list[ScannedScatterSpec]] = {}
+        for spec, _, _ in specs:
             if isinstance(spec, ScannedScatterSpec):
-                created = _rewrite_scanned(rewriter, module, spec, channels)
-                loops = tuple(loop.loop for loop in spec.loops)
+                scanned.setdefault(spec.computation, []).append(spec)
             else:
                 assert isinstance(spec, ReduceScatterSpec)
-                created = _rewrite(rewriter.rewriter(module.computation(spec.computation)),
-                                   spec, channels)
-                loops = ()
-            decisions.append(ScatterDecision(spec.computation, spec.all_reduce, created,
+                created[spec.computation, spec.all_reduce] = _rewrite(
+                    rewriter.rewriter(module.computation(spec.computation)), spec, channels)
+        for body_specs in scanned.values():
+            names = _rewrite_scanned(rewriter, module, body_specs, channels)
+            created.update(zip(((s.computation, s.all_reduce) for s in body_specs), names))
+        for spec, before, after in specs:
+            loops = tuple(loop.loop for loop in spec.loops) \
+                if isinstance(spec, ScannedScatterSpec) else ()
+            decisions.append(ScatterDecision(spec.computation, spec.all_reduce,
+                                             created[spec.computation, spec.all_reduce],
                                              before, after, spec.blocks, _holders(spec),
                                              loops=loops))
         return ReduceScatterReport(tuple(decisions))
@@ -846,13 +895,13 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
 
 def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
            groups: DeviceGroups) -> ScatterCollectives | str:
-    """The pair's spec, or where the sum is written into a loop's carried slot the
-    scanned form's."""
-    spec = match_reduce_scatter(reads.module, comp, all_reduce, groups, reads.users(comp),
-                                reads.index(comp))
-    if isinstance(spec, str) and spec.startswith("a dynamic-update-slice "):
+    """The scanned form's spec where the sum (through blockwise ops) is written by a
+    dynamic-update-slice, else the pair's."""
+    walked = _blockwise_walk(comp, all_reduce.name, reads.users(comp))
+    if not isinstance(walked, str) and walked[1].opcode == "dynamic-update-slice":
         return match_scanned_reduce_scatter(reads, comp, all_reduce, groups)
-    return spec
+    return match_reduce_scatter(reads.module, comp, all_reduce, groups, reads.users(comp),
+                                reads.index(comp))
 
 
 def _narrow_float(element_type: str) -> str:
@@ -942,10 +991,10 @@ def _shrink(rw: Rewriter, chain: tuple[tuple[str, int], ...], blocks: int) -> No
         rw.set_shape(rw.comp[name], _block(rw.comp[name].array_shape, dim, blocks))
 
 
-def _take_block(rw: Rewriter, slice_name: str, block: str) -> None:
+def _take_block(rw: Rewriter, slice_name: str, block: str) -> list[str]:
     """The dynamic-slice ``slice_name`` of this device's block gives way to ``block``,
-    which holds it (in the slice's own layout), and so does the index arithmetic only
-    the slice read."""
+    which holds it (in the slice's own layout). Returns the slice's offsets, for the
+    caller to clear where nothing else reads them."""
     ds = rw.comp[slice_name]
     if rw.comp[block].shape != ds.shape:  # the slice's own layout
         block = rw.insert_before(ds.name, Instruction(
@@ -953,84 +1002,97 @@ def _take_block(rw: Rewriter, slice_name: str, block: str) -> None:
     offsets = ds.operands[1:]
     rw.replace_all_uses_with(ds.name, block)
     rw.erase(ds.name)
-    rw.remove_dead(among=offsets)
+    return offsets
 
 
 def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str:
     """Edit one pair: the reduce-scatter (and block all-reduce) take the all-reduce's
-    place, the blockwise ops after it shrink to the block, the slice goes. Returns the
-    reduce-scatter's name."""
+    place, the blockwise ops after it shrink to the block, the slice goes, and so does
+    the index arithmetic only the slice read. Returns the reduce-scatter's name."""
     created, end = _scatter(rw, spec, channels)
-    _take_block(rw, spec.dynamic_slice, end)
+    rw.remove_dead(among=_take_block(rw, spec.dynamic_slice, end))
     return created
 
 
-def _with_slot(shape: Shape, slot: int, element: ArrayShape) -> TupleShape:
+def _with_slots(shape: Shape, slots: dict[int, ArrayShape]) -> TupleShape:
     elements = list(cast(TupleShape, shape).elements)
-    elements[slot] = element
+    for slot, element in slots.items():
+        elements[slot] = element
     return TupleShape(tuple(elements))
 
 
-def _rewrite_scanned(edits: ModuleRewriter, module: Module, spec: ScannedScatterSpec,
-                     channels: ChannelIds) -> str:
-    """Edit one scanned gradient: the reduce-scatter in the body, the slot carried as the
-    block (the body's and condition's parameters, the body's root, each loop, its
-    initial tuple and value), and each slice of the slot after a loop replaced by the
-    slot. Returns the reduce-scatter's name."""
-    body = module.computation(spec.computation)
+def _rewrite_scanned(edits: ModuleRewriter, module: Module,
+                     specs: Sequence[ScannedScatterSpec], channels: ChannelIds) -> list[str]:
+    """Edit the scanned gradients of one body (each loop running it is the same for all
+    of them): the reduce-scatters in the body, their slots carried as blocks (the body's
+    and conditions' parameters, the body's root, each loop, its initial tuple and the
+    slots' values in it), each slice of a slot after a loop replaced by the slot. Each
+    tuple is reshaped once and each computation cleared of what the edits left unused
+    once, however many slots change. Returns the reduce-scatters' names, in order."""
+    body = module.computation(specs[0].computation)
     inner = edits.rewriter(body)
-    created, _ = _scatter(inner, spec, channels)
-    update = body[spec.update]
-    stack = body[update.operands[0]]
-    shard = _block(stack.array_shape, spec.slot_dim, spec.blocks)
-    inner.set_shape(stack, shard)
-    inner.set_shape(update, shard)
-    for inst in (body.parameters()[0], body.root):
-        inner.set_shape(inst, _with_slot(inst.shape, spec.slot, shard))
-    for carried in spec.loops:
-        outer = module.computation(carried.computation)
+    created, shards = [], {}
+    for spec in specs:
+        created.append(_scatter(inner, spec, channels)[0])
+        update = body[spec.update]
+        stack = body[update.operands[0]]
+        shards[spec.slot] = _block(stack.array_shape, spec.slot_dim, spec.blocks)
+        inner.set_shape(stack, shards[spec.slot])
+        inner.set_shape(update, shards[spec.slot])
+    for inst in (body[_only_parameter(body)], body.root):
+        inner.set_shape(inst, _with_slots(inst.shape, shards))
+    unused: dict[str, list[str]] = {}
+    for position, first in enumerate(specs[0].loops):
+        outer = module.computation(first.computation)
         rw = edits.rewriter(outer)
-        loop = outer[carried.loop]
+        loop = outer[first.loop]
         condition = module.computation(_called(loop, "condition"))
-        param = condition.parameters()[0]
-        edits.rewriter(condition).set_shape(param, _with_slot(param.shape, spec.slot, shard))
-        rw.set_shape(loop, _with_slot(loop.shape, spec.slot, shard))
+        param = condition[_only_parameter(condition)]
+        edits.rewriter(condition).set_shape(param, _with_slots(param.shape, shards))
+        rw.set_shape(loop, _with_slots(loop.shape, shards))
         init = outer[loop.operands[0]]
-        start = init.operands[spec.slot]
-        with rw.inserting_before(init.name):
-            block = _block_of_start(rw, outer[start], shard, spec.slot_dim, carried)
-        rw.set_operand(init, spec.slot, block)
-        rw.set_shape(init, _with_slot(init.shape, spec.slot, shard))
-        rw.remove_dead(among=[start])
-        for read in carried.reads:
-            rw.set_shape(outer[read.get_tuple_element], shard)
-            _shrink(rw, read.chain, spec.blocks)
-            _take_block(rw, read.dynamic_slice,
-                        read.chain[-1][0] if read.chain else read.get_tuple_element)
+        clear = unused.setdefault(outer.name, [])
+        index = IndexEvaluator(outer)
+        for spec in specs:
+            carried = spec.loops[position]
+            start = init.operands[spec.slot]
+            with rw.inserting_before(init.name):
+                block = _block_of_start(rw, outer[start], shards[spec.slot], spec.slot_dim,
+                                        carried.reads[0].offset, index)
+            rw.set_operand(init, spec.slot, block)
+            clear.append(start)
+            for read in carried.reads:
+                rw.set_shape(outer[read.get_tuple_element], shards[spec.slot])
+                _shrink(rw, read.chain, spec.blocks)
+                clear += _take_block(rw, read.dynamic_slice, read.chain[-1][0] if read.chain
+                                     else read.get_tuple_element)
+        rw.set_shape(init, _with_slots(init.shape, shards))
+    for name, values in unused.items():
+        edits.rewriter(module.computation(name)).remove_dead(among=values)
     return created
 
 
 def _block_of_start(rw: Rewriter, start: Instruction, shard: ArrayShape, dim: int,
-                    carried: CarriedLoop) -> str:
+                    offset: str, index: IndexEvaluator) -> str:
     """This device's block of the slot's value before the loop: a broadcast scalar is
-    broadcast to the block; anything else is sliced at the offset the slice after the
-    loop takes (its index arithmetic copied before the loop)."""
+    broadcast to the block; anything else is sliced at ``offset`` (where the slice after
+    the loop takes its block along ``dim``), its index arithmetic (``index``: an
+    evaluator of the computation, whose order of the original instructions the edits
+    keep) copied before the loop."""
     if start.opcode == "broadcast" and len(start.operands) == 1 and \
             rw.comp[start.operands[0]].array_shape.dims == ():
         return rw.add("broadcast", shard, start.operands, name=f"{start.name}.block",
                       dimensions=()).name
-    read = carried.reads[0]
     copies: dict[str, str] = {}
-    for name in IndexEvaluator(rw.comp).ancestry(read.offset) or ():
+    for name in index.ancestry(offset) or ():
         inst = rw.comp[name].clone()
         inst.name = rw.fresh_name(name)
         inst.operands = [copies[o] for o in inst.operands]
         copies[name] = rw.add_instruction(inst).name
-    offset = copies[read.offset]
     zero = rw.add_instruction(Instruction(
         rw.fresh_name("zero"), "constant",
-        ArrayShape(rw.comp[read.offset].array_shape.element_type, ()), literal="0")).name
-    starts = [offset if d == dim else zero for d in range(len(shard.dims))]
+        ArrayShape(rw.comp[offset].array_shape.element_type, ()), literal="0")).name
+    starts = [copies[offset] if d == dim else zero for d in range(len(shard.dims))]
     return rw.add("dynamic-slice", shard, [start.name, *starts], name=f"{start.name}.block",
                   dynamic_slice_sizes=shard.dims).name
 
