@@ -160,6 +160,9 @@ VARIANTS = {
         ("%init = f32[4,64,32]{2,1,0} broadcast(%zero), dimensions={}",
          "%init = f32[4,64,32]{2,1,0} parameter(2)"),
         ("%i0 = s32[] constant(0)", "%i0 = s32[] constant(2)")],
+    # Cross-replica (no channel: 8 replicas, the offset by replica-id).
+    "cross-replica": [("channel_id=1, ", ""), (", use_global_device_ids=true", ""),
+                      ("partition-id", "replica-id"), ("num_partitions=8", "replica_count=8")],
     # MaxText's form: the layer's sum transposed into the stack, and a copy (a sharding
     # constraint) between the loop and the slice.
     "transposed-and-copied": [
