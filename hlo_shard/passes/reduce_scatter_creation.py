@@ -35,10 +35,11 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
   of the whole slot (so the loop carries 1/N of the stacked gradient, and the slice
   after the loop goes), and gives the slot's starting value as its block. The blocks of
   the slice after the loop decide the groups, as a pair's slice does.
-* A pair (or a scanned gradient, per iteration) is rewritten only where :func:`~hlo_shard.costmodel.network.collective_cost`
-  on the pass's profile predicts the collectives it becomes faster than the all-reduce
-  (a split pays a second collective's latency for the bytes it saves, which loses for
-  small gradients on shared-memory CPU devices); the report says why each pair was kept.
+* A pair (or a scanned gradient, per iteration) is rewritten only where
+  :func:`~hlo_shard.costmodel.network.collective_cost` on the pass's profile predicts
+  the collectives it becomes faster than the all-reduce (a split pays a second
+  collective's latency for the bytes it saves, which loses for small gradients on
+  shared-memory CPU devices); the report says why each pair was kept.
   A split sums in another association (partial sums, then theirs): it rounds
   differently, as the all-reduce's own order is XLA's to choose. In a floating type
   narrower than 32 bits (bf16 gradients) that difference is as large as the type's
@@ -355,7 +356,7 @@ class ScatterCollectives:
 class ReduceScatterSpec(ScatterCollectives):
     """An all-reduce and the slice of it each device keeps, as a reduce-scatter."""
 
-    dynamic_slice: str = ""
+    dynamic_slice: str
 
 
 @dataclass(frozen=True)
@@ -388,10 +389,10 @@ class ScannedScatterSpec(ScatterCollectives):
 
     #: The dynamic-update-slice writing the layer into the slot, the slot, and the
     #: dimension of the slot's shape the blocks are cut along.
-    update: str = ""
-    slot: int = 0
-    slot_dim: int = 0
-    loops: tuple[CarriedLoop, ...] = ()
+    update: str
+    slot: int
+    slot_dim: int
+    loops: tuple[CarriedLoop, ...]
 
 
 @dataclass(frozen=True)
@@ -446,19 +447,22 @@ class ModuleReads:
         or a computation's parameter); None where the tuple is used otherwise."""
         key = (comp.name, tuple_name)
         if key not in self._slots:
-            reads: dict[int, list[str]] | None = {}
+            reads: dict[int, list[str]] = {}
+            whole = tuple_name == comp.root_name
             for name in self.users(comp)[tuple_name]:
                 slot = comp[name].int_attr("index")
-                if comp[name].opcode != "get-tuple-element" or slot is None or reads is None:
-                    reads = None
+                if comp[name].opcode != "get-tuple-element" or slot is None:
+                    whole = True
                     break
                 reads.setdefault(slot, []).append(name)
-            self._slots[key] = None if tuple_name == comp.root_name else reads
+            self._slots[key] = None if whole else reads
         return self._slots[key]
 
     def parameter(self, comp: Computation) -> str:
         """The name of ``comp``'s one parameter ("" where it has several)."""
-        return self._parameters.setdefault(comp.name, _only_parameter(comp))
+        if comp.name not in self._parameters:
+            self._parameters[comp.name] = _only_parameter(comp)
+        return self._parameters[comp.name]
 
     def root_slots(self, comp: Computation) -> dict[str, list[int]]:
         """Value → the slots of the root tuple it is."""
