@@ -49,7 +49,11 @@ MESHES = {  # name -> axis sizes, in mesh order
     # major the partitioner writes `device_ids=([2,4]T(1,0))` groups).
     "data2_fsdp4": {"fsdp": 4, "data": 2},
     "data4_model2": {"data": 4, "model": 2},
+    # every device one FSDP shard: each gradient's slice is one block per device.
+    "fsdp8": {"fsdp": 8},
 }
+#: The meshes whose matrices are FSDP-sharded (MaxText's "embed" axis over ``fsdp``).
+FSDP_MESHES = ("data2_fsdp4", "fsdp8")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def _weight_spec(mesh_name: str, name: str, shape: tuple[int, ...]):
     if name.endswith("_norm") or mesh_name == "data8":
         return P()                                   # norm scales: replicated everywhere
     layer_axes = 1 if name.startswith(STACKED) else 0
-    if mesh_name == "data2_fsdp4":
+    if mesh_name in FSDP_MESHES:
         # MaxText's "embed" logical axis -> fsdp: the d_model axis of every matrix.
         embed_axis = layer_axes + (1 if name == "embed" or name.endswith(("_wo", "_w_down"))
                                    else 0)
@@ -208,7 +212,7 @@ def build_step(mesh_name: str, t: LlamaShape):
     replicated = NamedSharding(mesh, P())
 
     def gathered(name, w16):
-        if mesh_name != "data2_fsdp4" or w16.ndim == 1:
+        if mesh_name not in FSDP_MESHES or w16.ndim == 1:
             return w16
         # FSDP: the bf16 copy is cast on the shard, then made whole on every device: a
         # bf16 all-gather over fsdp (the two constraints keep the cast before the gather).

@@ -26,10 +26,20 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
   that keep the block dimension: they commute with taking a block) stay after the
   collective and run on the block; the reduce-scatter splits the dimension of the
   all-reduce's shape the slice's dimension comes from.
-* The pair is rewritten only where :func:`~hlo_shard.costmodel.network.collective_cost`
-  on the pass's profile predicts the collectives it becomes faster than the all-reduce
-  (a split pays a second collective's latency for the bytes it saves, which loses for
-  small gradients on shared-memory CPU devices); the report says why each pair was kept.
+* Across a scan (MaxText's ``scan_layers``): the layer's all-reduce in a loop body is
+  written (``dynamic-update-slice``) into a slot of the stacked gradient the loop
+  carries, which leaves the loop only as this device's block.
+  :func:`match_scanned_reduce_scatter` returns a :class:`ScannedScatterSpec` for exactly
+  the form the analysis reports already sharded across a loop (else why not); the
+  rewrite makes the all-reduce a reduce-scatter in the body, carries the block instead
+  of the whole slot (so the loop carries 1/N of the stacked gradient, and the slice
+  after the loop goes), and gives the slot's starting value as its block. The blocks of
+  the slice after the loop decide the groups, as a pair's slice does.
+* A pair (or a scanned gradient, per iteration) is rewritten only where
+  :func:`~hlo_shard.costmodel.network.collective_cost` on the pass's profile predicts
+  the collectives it becomes faster than the all-reduce (a split pays a second
+  collective's latency for the bytes it saves, which loses for small gradients on
+  shared-memory CPU devices); the report says why each pair was kept.
   A split sums in another association (partial sums, then theirs): it rounds
   differently, as the all-reduce's own order is XLA's to choose. In a floating type
   narrower than 32 bits (bf16 gradients) that difference is as large as the type's
@@ -42,14 +52,14 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
                                             find_gradient_all_reduces, with_device_counts)
 from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import ModuleRewriter, Rewriter, control_predecessors, users_map
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
-                          SliceRanges)
+                          Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import ORDER_KEEPING_VIEWS
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -224,7 +234,7 @@ class IndexEvaluator:
         self._values: dict[tuple[int, int], dict[str, IndexValue | None]] = {}
         self._inputs: dict[str, list[str] | None] = {}
 
-    def _ancestry(self, name: str) -> list[str] | None:
+    def ancestry(self, name: str) -> list[str] | None:
         """The index values ``name`` is computed from, in program order (None: it reads
         something that is not index arithmetic)."""
         if name not in self._inputs:
@@ -257,7 +267,7 @@ class IndexEvaluator:
 
     def scalar(self, name: str, replica: int, partition: int) -> int | None:
         """The value of scalar ``name`` on device (``replica``, ``partition``)."""
-        order = self._ancestry(name)
+        order = self.ancestry(name)
         if order is None:
             return None
         values = self._values.setdefault((replica, partition), {})
@@ -312,15 +322,15 @@ _BLOCKWISE: dict[str, Callable[[Instruction, int, tuple[int, ...]], int | None]]
 
 
 @dataclass(frozen=True)
-class ReduceScatterSpec:
-    """An all-reduce and the slice of it each device keeps, as a reduce-scatter."""
+class ScatterCollectives:
+    """An all-reduce as the reduce-scatter (and all-reduce of the block among the devices
+    holding it) that delivers each device only the block it keeps."""
 
     computation: str
     all_reduce: str
-    #: The blockwise ops from the all-reduce to the slice, in order, each with the
-    #: dimension of its result the blocks are cut along.
+    #: The blockwise ops after the all-reduce, in order, each with the dimension of its
+    #: result the blocks are cut along: they run on the block after the rewrite.
     chain: tuple[tuple[str, int], ...]
-    dynamic_slice: str
     #: The dimension of the all-reduce's shape the reduce-scatter splits.
     split_dim: int
     groups: DeviceGroups
@@ -342,39 +352,192 @@ class ReduceScatterSpec:
         return len(self.scatter_groups[0])
 
 
+@dataclass(frozen=True)
+class ReduceScatterSpec(ScatterCollectives):
+    """An all-reduce and the slice of it each device keeps, as a reduce-scatter."""
+
+    dynamic_slice: str
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    """One read of a carried slot after its loop: the get-tuple-element, the blockwise
+    ops after it (each with the dimension of its result the blocks are cut along), and
+    the dynamic-slice of this device's block they end in."""
+
+    get_tuple_element: str
+    chain: tuple[tuple[str, int], ...]
+    dynamic_slice: str
+    #: The slice's offset along the dimension it cuts.
+    offset: str
+
+
+@dataclass(frozen=True)
+class CarriedLoop:
+    """A while loop running the scanned body, and every read of the slot after it."""
+
+    computation: str
+    loop: str
+    reads: tuple[SlotRead, ...]
+
+
+@dataclass(frozen=True)
+class ScannedScatterSpec(ScatterCollectives):
+    """A scanned layer's all-reduce in a loop body, written into a slot the loop carries
+    that leaves every loop running the body only as this device's block: the all-reduce
+    as a reduce-scatter, the slot carried as the block (:func:`match_scanned_reduce_scatter`)."""
+
+    #: The dynamic-update-slice writing the layer into the slot, the slot, and the
+    #: dimension of the slot's shape the blocks are cut along.
+    update: str
+    slot: int
+    slot_dim: int
+    loops: tuple[CarriedLoop, ...]
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Where a value's blockwise ops end in this device's dynamic-slice: the ops, the
+    dimension of the value the blocks are cut along, and how they tile the groups."""
+
+    chain: tuple[tuple[str, int], ...]
+    split_dim: int
+    scatter_groups: tuple[tuple[int, ...], ...]
+    block_groups: tuple[tuple[int, ...], ...]
+    #: The slice's offset along the dimension it cuts.
+    offset: str
+
+
+class ModuleReads:
+    """Users maps, index evaluators and callers of a module's computations, each read
+    once, when first asked about: the matchers look at a loop body's computation and at
+    those of the loops running it, however many gradients they are asked about."""
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self._users: dict[str, dict[str, list[str]]] = {}
+        self._index: dict[str, IndexEvaluator] = {}
+        self._callers: dict[str, list[tuple[Computation, Instruction]]] | None = None
+        self._slots: dict[tuple[str, str], dict[int, list[str]] | None] = {}
+        self._parameters: dict[str, str] = {}
+        self._root_slots: dict[str, dict[str, list[int]]] = {}
+
+    def users(self, comp: Computation) -> dict[str, list[str]]:
+        if comp.name not in self._users:
+            self._users[comp.name] = users_map(comp)
+        return self._users[comp.name]
+
+    def index(self, comp: Computation) -> IndexEvaluator:
+        if comp.name not in self._index:
+            self._index[comp.name] = IndexEvaluator(comp)
+        return self._index[comp.name]
+
+    def callers(self, name: str) -> list[tuple[Computation, Instruction]]:
+        """(computation, instruction) of every call of computation ``name``."""
+        if self._callers is None:
+            self._callers = {}
+            for comp in self.module.computations:
+                for inst in comp.instructions:
+                    for called in dict.fromkeys(inst.called_computations()):
+                        self._callers.setdefault(called, []).append((comp, inst))
+        return self._callers.get(name, [])
+
+    def slot_reads(self, comp: Computation, tuple_name: str) -> dict[int, list[str]] | None:
+        """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` (a loop,
+        or a computation's parameter); None where the tuple is used otherwise."""
+        key = (comp.name, tuple_name)
+        if key not in self._slots:
+            reads: dict[int, list[str]] = {}
+            whole = tuple_name == comp.root_name
+            for name in self.users(comp)[tuple_name]:
+                slot = comp[name].int_attr("index")
+                if comp[name].opcode != "get-tuple-element" or slot is None:
+                    whole = True
+                    break
+                reads.setdefault(slot, []).append(name)
+            self._slots[key] = None if whole else reads
+        return self._slots[key]
+
+    def parameter(self, comp: Computation) -> str:
+        """The name of ``comp``'s one parameter ("" where it has several)."""
+        if comp.name not in self._parameters:
+            self._parameters[comp.name] = _only_parameter(comp)
+        return self._parameters[comp.name]
+
+    def root_slots(self, comp: Computation) -> dict[str, list[int]]:
+        """Value → the slots of the root tuple it is."""
+        if comp.name not in self._root_slots:
+            slots: dict[str, list[int]] = {}
+            if comp.root.opcode == "tuple":
+                for slot, name in enumerate(comp.root.operands):
+                    slots.setdefault(name, []).append(slot)
+            self._root_slots[comp.name] = slots
+        return self._root_slots[comp.name]
+
+
+def _only_parameter(comp: Computation) -> str:
+    params = comp.parameters()
+    return params[0].name if len(params) == 1 else ""
+
+
 def _participant(mode: GroupMode, replica: int, partition: int, partitions: int) -> int:
     return {GroupMode.CROSS_REPLICA: replica, GroupMode.CROSS_REPLICA_AND_PARTITION: replica,
             GroupMode.CROSS_PARTITION: partition,
             GroupMode.FLATTENED_ID: replica * partitions + partition}[mode]
 
 
-def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruction,
-                         groups: DeviceGroups, users: dict[str, list[str]],
-                         index: IndexEvaluator) -> ReduceScatterSpec | str:
-    """The spec of ``all_reduce`` as a reduce-scatter, or why not (words for ``--explain``).
-    ``module``'s header must name its devices (the pass reads it with those a header
-    lost recovered)."""
-    shape = all_reduce.shape
+def _reducible(comp: Computation, all_reduce: Instruction) -> str:
+    """Why ``all_reduce`` cannot become a reduce-scatter whatever follows it ("": it can)."""
     operand = comp[all_reduce.operands[0]] if len(all_reduce.operands) == 1 else None
-    if operand is None or not isinstance(shape, ArrayShape) or operand.shape != shape:
+    if operand is None or not isinstance(all_reduce.shape, ArrayShape) or \
+            operand.shape != all_reduce.shape:
         return "not one array operand of the all-reduce's own shape and layout"
     if control_predecessors(all_reduce) or "control-successors" in all_reduce.attributes:
         return "the all-reduce is ordered by control edges"
-    chain, value = [], all_reduce.name
+    return ""
+
+
+def _blockwise_walk(comp: Computation, start: str, users: dict[str, list[str]]
+                    ) -> tuple[list[Instruction], Instruction] | str:
+    """The blockwise ops (:data:`_BLOCKWISE`) each the one user of the value before,
+    from ``start``, and the user they end in; or why not."""
+    chain: list[Instruction] = []
+    value = start
     while True:
         following = users[value]
         if len(following) != 1 or value == comp.root_name:
             return "the reduced value has other uses than one slice"
         user = comp[following[0]]
         if user.opcode not in _BLOCKWISE or not isinstance(user.shape, ArrayShape):
-            break
+            return chain, user
         if control_predecessors(user):
             return "an op before the slice is ordered by control edges"
         chain.append(user)
         value = user.name
-    if user.opcode != "dynamic-slice" or user.operands[0] != value:
-        return f"a {user.opcode} between the all-reduce and its slice"
-    whole, part = comp[value].array_shape, user.array_shape
+
+
+def _source_dim(comp: Computation, chain: Sequence[Instruction], dim: int
+                ) -> tuple[tuple[tuple[str, int], ...], int] | str:
+    """Each op of ``chain`` with the dimension of its result the blocks are cut along,
+    given the cut ``dim`` of the last one's result, and the dimension of the first one's
+    operand it comes from; or why not."""
+    dims = []
+    for op in reversed(chain):
+        dims.append((op.name, dim))
+        source = _BLOCKWISE[op.opcode](op, dim, comp[op.operands[0]].array_shape.dims)
+        if source is None:
+            return f"the {op.opcode} %{op.name} before the slice splits or merges its dimension"
+        dim = source
+    return tuple(reversed(dims)), dim
+
+
+def _device_blocks(module: Module, comp: Computation, chain: Sequence[Instruction],
+                   ds: Instruction, groups: DeviceGroups, index: IndexEvaluator
+                   ) -> _Blocks | str:
+    """How the dynamic-slice ``ds`` at the end of ``chain`` cuts this device's block,
+    evaluated on every device: the blocks must tile each group, every block held by the
+    same number of devices; or why not."""
+    whole, part = comp[ds.operands[0]].array_shape, ds.array_shape
     cut = [d for d, (a, b) in enumerate(zip(whole.dims, part.dims)) if a != b]
     if len(cut) != 1:
         return "the slice cuts several dimensions"
@@ -383,14 +546,10 @@ def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruct
     if chunk == 0 or whole.dims[split] % chunk:
         return "the slice is not a whole number of blocks of its dimension"
     blocks = whole.dims[split] // chunk
-    dims, dim = [], split
-    for op in reversed(chain):
-        dims.append((op.name, dim))
-        source = _BLOCKWISE[op.opcode](op, dim, comp[op.operands[0]].array_shape.dims)
-        if source is None:
-            return f"the {op.opcode} %{op.name} before the slice splits or merges its dimension"
-        dim = source
-    block_of = _block_table(module, groups, user.operands[split + 1], whole.dims[split],
+    mapped = _source_dim(comp, chain, split)
+    if isinstance(mapped, str):
+        return mapped
+    block_of = _block_table(module, groups, ds.operands[split + 1], whole.dims[split],
                             chunk, index)
     if isinstance(block_of, str):
         return block_of
@@ -403,11 +562,164 @@ def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruct
             return "the devices of a group do not hold every block equally often"
         scatter_groups += [tuple(h[i] for h in held) for i in range(len(held[0]))]
         block_groups += [tuple(h) for h in held if len(h) > 1]
+    return _Blocks(mapped[0], mapped[1], tuple(scatter_groups), tuple(block_groups),
+                   ds.operands[split + 1])
+
+
+def _collectives_fields(all_reduce: Instruction, chain: Sequence[Instruction],
+                        chain_dims: tuple[tuple[str, int], ...], split_dim: int,
+                        groups: DeviceGroups, blocks: _Blocks) -> dict:
+    """The :class:`ScatterCollectives` fields of ``all_reduce`` cut along ``split_dim``
+    into ``blocks``, ``chain`` the ops after it (with their cut dimensions)."""
+    shape = all_reduce.array_shape
+    return dict(all_reduce=all_reduce.name, chain=chain_dims, split_dim=split_dim,
+                groups=groups, scatter_groups=blocks.scatter_groups,
+                block_groups=blocks.block_groups,
+                in_group_order=blocks.scatter_groups == groups.groups,
+                payload_bytes=shape.byte_size,
+                strided=_strided(shape, split_dim) and
+                not any(op.opcode == "copy" for op in chain))
+
+
+def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruction,
+                         groups: DeviceGroups, users: dict[str, list[str]],
+                         index: IndexEvaluator) -> ReduceScatterSpec | str:
+    """The spec of ``all_reduce`` as a reduce-scatter, or why not (words for ``--explain``).
+    ``module``'s header must name its devices (the pass reads it with those a header
+    lost recovered)."""
+    refused = _reducible(comp, all_reduce)
+    walked = refused or _blockwise_walk(comp, all_reduce.name, users)
+    if isinstance(walked, str):
+        return walked
+    chain, user = walked
+    if user.opcode != "dynamic-slice" or user.operands[0] != (chain or [all_reduce])[-1].name:
+        return f"a {user.opcode} between the all-reduce and its slice"
+    blocks = _device_blocks(module, comp, chain, user, groups, index)
+    if isinstance(blocks, str):
+        return blocks
     return ReduceScatterSpec(
-        comp.name, all_reduce.name, tuple(reversed(dims)), user.name, dim, groups,
-        tuple(scatter_groups), tuple(block_groups),
-        tuple(scatter_groups) == groups.groups, shape.byte_size,
-        _strided(shape, dim) and not any(op.opcode == "copy" for op in chain))
+        computation=comp.name, dynamic_slice=user.name,
+        **_collectives_fields(all_reduce, chain, blocks.chain, blocks.split_dim, groups,
+                              blocks))
+
+
+def match_scanned_reduce_scatter(reads: ModuleReads, body: Computation,
+                                 all_reduce: Instruction, groups: DeviceGroups
+                                 ) -> ScannedScatterSpec | str:
+    """The spec of ``all_reduce`` in a loop body (MaxText's ``scan_layers``: the layer's
+    sum written into a slot of the stacked gradient the loop carries) as a reduce-scatter
+    whose block the slot carries, or why not. The form is exactly the one
+    :class:`~hlo_shard.analysis.collectives.DeviceSliced` reports across a loop: the sum
+    (through blockwise ops) is the update of a ``dynamic-update-slice`` of one slot of the
+    body's tuple parameter, read nowhere else in the body, written only into the same slot
+    of the root; every caller of the body is a while loop whose condition does not read
+    the slot, whose initial tuple is its own, and whose result is only taken apart, the
+    slot (through blockwise ops) only by ``dynamic-slice``\\ s of this device's block,
+    evaluated on every device, the same block on every read, the blocks tiling each group
+    as a pair's must (fewer blocks than devices: a reduce-scatter, then an all-reduce of
+    the block among its holders, in the body). The blocks cut a dimension the update
+    spans whole (not the stacked one), so the update of a block is the block of the
+    update, whatever layer it writes, and the slot's value before the loop only matters
+    through its block."""
+    refused = _reducible(body, all_reduce)
+    users = reads.users(body)
+    walked = refused or _blockwise_walk(body, all_reduce.name, users)
+    if isinstance(walked, str):
+        return walked
+    chain, update = walked
+    value = (chain or [all_reduce])[-1].name
+    if update.opcode != "dynamic-update-slice" or update.operands[1:2] != [value] or \
+            value in (update.operands[0], *update.operands[2:]):
+        return f"a {update.opcode} between the all-reduce and the carried slot"
+    param, root, stack = reads.parameter(body), body.root, body[update.operands[0]]
+    if not param or root.opcode != "tuple" or stack.opcode != "get-tuple-element" \
+            or stack.operands != [param] or update.name == root.name:
+        return "the update does not write a slot of the body's tuple parameter"
+    slot = stack.required_attr("index", int)
+    in_body = reads.slot_reads(body, param)
+    if in_body is None or in_body.get(slot) != [stack.name] or \
+            users[stack.name] != [update.name] or users[update.name] != [root.name] or \
+            reads.root_slots(body).get(update.name) != [slot] or control_predecessors(update):
+        return "the carried slot is read or written elsewhere in the loop body"
+    callers = reads.callers(body.name)
+    if not callers:
+        return "no loop runs the body"
+    loops, found = [], None
+    for outer, loop in callers:
+        carried = _carried_loop(reads, body, outer, loop, slot, groups)
+        if isinstance(carried, str):
+            return carried
+        if found is not None and found != carried[1]:
+            return "the slot's reads after the loops take different blocks"
+        loops.append(carried[0])
+        found = carried[1]
+    assert found is not None
+    stack_dims, update_dims = stack.array_shape.dims, update.array_shape.dims
+    if stack_dims[found.split_dim] != update_dims[found.split_dim]:
+        return "the slice after the loop cuts the stacked dimension"
+    mapped = _source_dim(body, chain, found.split_dim)
+    if isinstance(mapped, str):
+        return mapped
+    return ScannedScatterSpec(
+        computation=body.name, update=update.name, slot=slot, slot_dim=found.split_dim,
+        loops=tuple(loops),
+        **_collectives_fields(all_reduce, chain, mapped[0], mapped[1], groups, found))
+
+
+def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
+                  loop: Instruction, slot: int, groups: DeviceGroups
+                  ) -> tuple[CarriedLoop, _Blocks] | str:
+    """The loop ``loop`` running ``body``, its slot ``slot`` read after it only as this
+    device's block (the same on every read), or why not."""
+    if loop.opcode != "while" or _called(loop, "body") != body.name or \
+            _called(loop, "condition") == body.name:
+        return "the body is also called outside a while loop"
+    condition = reads.module.computation(_called(loop, "condition"))
+    if any(inst.opcode != "while" or _called(inst, "body") != body.name or
+           _called(inst, "condition") != condition.name
+           for _, inst in reads.callers(condition.name)):
+        return "the loop's condition is also called elsewhere"
+    param = reads.parameter(condition)
+    in_condition = reads.slot_reads(condition, param) if param else None
+    if in_condition is None or slot in in_condition:
+        return "the loop's condition reads the slot"
+    users = reads.users(outer)
+    init = outer[loop.operands[0]]
+    if init.opcode != "tuple" or users[init.name] != [loop.name] or \
+            init.name == outer.root_name or slot >= len(init.operands):
+        return "the loop's initial tuple is not its own"
+    if loop.name == outer.root_name or control_predecessors(loop) or \
+            "control-successors" in loop.attributes:
+        return "the loop's result is used whole or ordered by control edges"
+    taken = reads.slot_reads(outer, loop.name)
+    if taken is None:
+        return "the loop's result is used whole"
+    slot_reads, found = [], None
+    index = reads.index(outer)
+    for gte in (outer[name] for name in taken.get(slot, [])):
+        walked = _blockwise_walk(outer, gte.name, users)
+        if isinstance(walked, str):
+            return walked
+        chain, ds = walked
+        if ds.opcode != "dynamic-slice" or ds.operands[0] != (chain or [gte])[-1].name or \
+                control_predecessors(ds) or "control-successors" in ds.attributes:
+            return f"a {ds.opcode} between the loop and the slice of the slot"
+        blocks = _device_blocks(reads.module, outer, chain, ds, groups, index)
+        if isinstance(blocks, str):
+            return blocks
+        if found is not None and (found.split_dim, found.scatter_groups) != \
+                (blocks.split_dim, blocks.scatter_groups):
+            return "the slot's reads after the loop take different blocks"
+        found = blocks
+        slot_reads.append(SlotRead(gte.name, blocks.chain, ds.name, blocks.offset))
+    if found is None:
+        return "the slot is not read after the loop"
+    return CarriedLoop(outer.name, loop.name, tuple(slot_reads)), \
+        replace(found, chain=(), offset="")
+
+
+def _called(inst: Instruction, key: str) -> str:
+    return getattr(inst.attr(key), "name", "")
 
 
 def _strided(shape: ArrayShape, dim: int) -> bool:
@@ -448,7 +760,8 @@ class ScatterDecision:
     all_reduce: str
     #: The reduce-scatter it became ("" when kept).
     reduce_scatter: str = ""
-    #: The all-reduce's predicted seconds and those of what it becomes (0: not priced).
+    #: The all-reduce's predicted seconds and those of what it becomes (0: not priced;
+    #: in a loop body: per iteration).
     before_s: float = 0.0
     after_s: float = 0.0
     blocks: int = 0
@@ -456,10 +769,18 @@ class ScatterDecision:
     #: reduce-scatter when more than one).
     holders: int = 1
     kept_because: str = ""
+    #: The loops whose carried slot became the block (a scanned layer's gradient).
+    loops: tuple[str, ...] = ()
 
     @property
     def words(self) -> str:
         """What ``--explain`` adds to the gradient's row."""
+        if self.reduce_scatter and self.loops:
+            loops = ", ".join(f"%{name}" for name in self.loops)
+            return (f"the all-reduce became reduce-scatter %{self.reduce_scatter} over "
+                    f"{self.blocks} and {loops} carries this device's block of the slot "
+                    f"(no dynamic-slice after the loop; predicted {self.before_s * 1e6:.4g} "
+                    f"-> {self.after_s * 1e6:.4g} us per iteration)")
         if self.reduce_scatter:
             then = f", then an all-reduce of the block over {self.holders}" \
                 if self.holders > 1 else ""
@@ -480,13 +801,23 @@ class ReduceScatterReport:
     @property
     def notes(self) -> list[str]:
         """What ``--explain`` and ``--json`` say."""
-        created = self.created
-        if not created:
-            return []
-        return [f"{len(created)} all-reduce + dynamic-slice pair(s) of the partitioner's "
+        created = [d for d in self.created if not d.loops]
+        scanned = [d for d in self.created if d.loops]
+        notes = []
+        if created:
+            notes.append(
+                f"{len(created)} all-reduce + dynamic-slice pair(s) of the partitioner's "
                 f"reduce-scatter form became reduce-scatters (predicted "
                 f"{sum(d.before_s for d in created) * 1e3:.4g} -> "
-                f"{sum(d.after_s for d in created) * 1e3:.4g} ms of collectives)"]
+                f"{sum(d.after_s for d in created) * 1e3:.4g} ms of collectives)")
+        if scanned:
+            notes.append(
+                f"{len(scanned)} scanned layer gradient(s) all-reduced in a loop and sliced "
+                f"after it became reduce-scatters, the loop carrying each device's block "
+                f"(predicted {sum(d.before_s for d in scanned) * 1e3:.4g} -> "
+                f"{sum(d.after_s for d in scanned) * 1e3:.4g} ms of collectives per "
+                f"iteration)")
+        return notes
 
     def annotate(self, report: ShardingReport) -> None:
         """Add each decision's words to the row of its gradient in ``report``."""
@@ -499,8 +830,8 @@ class ReduceScatterReport:
 
 @dataclass(frozen=True)
 class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
-    """Turn the partitioner's all-reduce + dynamic-slice pairs into reduce-scatters where
-    ``profile`` predicts it faster."""
+    """Turn the partitioner's all-reduce + dynamic-slice pairs (also across a scan's loop
+    carry) into reduce-scatters where ``profile`` predicts it faster."""
 
     name: ClassVar[str] = "reduce-scatter-creation"
     profile: HardwareProfile | str = DEFAULT_PROFILE
@@ -511,45 +842,70 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
     def apply(self, module: Module, rewriter: ModuleRewriter) -> ReduceScatterReport:
         view = with_device_counts(module)
         hardware = resolve_profile(self.profile).for_devices(view.device_count)
-        formed: dict[str, list[tuple[str, DeviceGroups]]] = {}
-        for found in find_gradient_all_reduces(view):
-            if found.code is ReasonCode.ALREADY_SHARDED and found.groups is not None:
-                formed.setdefault(found.computation, []).append((found.name, found.groups))
-        channels = ChannelIds(module)
+        reads = ModuleReads(view)
         decisions: list[ScatterDecision] = []
-        for comp_name, gradients in formed.items():
-            comp = module.computation(comp_name)
-            users, index = users_map(comp), IndexEvaluator(comp)
-            specs = []
-            for name, groups in gradients:
-                if comp[name].opcode != "all-reduce":
-                    continue
-                spec = match_reduce_scatter(view, comp, comp[name], groups, users, index)
-                if isinstance(spec, str):
-                    decisions.append(ScatterDecision(comp_name, name, kept_because=spec))
-                    continue
-                narrow = _narrow_float(comp[name].array_shape.element_type)
-                if spec.block_groups and narrow:
-                    decisions.append(ScatterDecision(
-                        comp_name, name, kept_because=f"{_collectives(spec)} would sum "
-                        f"{narrow} partial sums in another order than the all-reduce: "
-                        "rounded differently at the type's precision"))
-                    continue
-                before, after = _price(spec, hardware)
-                if after >= before:
-                    decisions.append(ScatterDecision(
-                        comp_name, name, before_s=before, after_s=after,
-                        blocks=spec.blocks, holders=_holders(spec),
-                        kept_because=f"{_collectives(spec)} predicted {after * 1e6:.4g} us "
-                        f"against the all-reduce's {before * 1e6:.4g} us (profile "
-                        f"{hardware.name})"))
-                    continue
-                specs.append((spec, before, after))
-            for spec, before, after in specs:
-                created = _rewrite(rewriter.rewriter(comp), spec, channels)
-                decisions.append(ScatterDecision(comp_name, spec.all_reduce, created, before,
-                                                 after, spec.blocks, _holders(spec)))
+        specs: list[tuple[ScatterCollectives, float, float]] = []
+        # Everything is matched before anything is edited: a scanned gradient's rewrite
+        # edits the computations of its loops, where other pairs may be matched.
+        for found in find_gradient_all_reduces(view):
+            if found.code is not ReasonCode.ALREADY_SHARDED or found.groups is None:
+                continue
+            comp = module.computation(found.computation)
+            if comp[found.name].opcode != "all-reduce":
+                continue
+            spec = _match(reads, comp, comp[found.name], found.groups)
+            if isinstance(spec, str):
+                decisions.append(ScatterDecision(comp.name, found.name, kept_because=spec))
+                continue
+            narrow = _narrow_float(comp[found.name].array_shape.element_type)
+            if spec.block_groups and narrow:
+                decisions.append(ScatterDecision(
+                    comp.name, found.name, kept_because=f"{_collectives(spec)} would sum "
+                    f"{narrow} partial sums in another order than the all-reduce: "
+                    "rounded differently at the type's precision"))
+                continue
+            before, after = _price(spec, hardware)
+            if after >= before:
+                decisions.append(ScatterDecision(
+                    comp.name, found.name, before_s=before, after_s=after,
+                    blocks=spec.blocks, holders=_holders(spec),
+                    kept_because=f"{_collectives(spec)} predicted {after * 1e6:.4g} us "
+                    f"against the all-reduce's {before * 1e6:.4g} us (profile "
+                    f"{hardware.name})"))
+                continue
+            specs.append((spec, before, after))
+        channels = ChannelIds(module)
+        created: dict[tuple[str, str], str] = {}
+        scanned: dict[str, list[ScannedScatterSpec]] = {}
+        for spec, _, _ in specs:
+            if isinstance(spec, ScannedScatterSpec):
+                scanned.setdefault(spec.computation, []).append(spec)
+            else:
+                assert isinstance(spec, ReduceScatterSpec)
+                created[spec.computation, spec.all_reduce] = _rewrite(
+                    rewriter.rewriter(module.computation(spec.computation)), spec, channels)
+        for body_specs in scanned.values():
+            names = _rewrite_scanned(rewriter, module, body_specs, channels)
+            created.update(zip(((s.computation, s.all_reduce) for s in body_specs), names))
+        for spec, before, after in specs:
+            loops = tuple(loop.loop for loop in spec.loops) \
+                if isinstance(spec, ScannedScatterSpec) else ()
+            decisions.append(ScatterDecision(spec.computation, spec.all_reduce,
+                                             created[spec.computation, spec.all_reduce],
+                                             before, after, spec.blocks, _holders(spec),
+                                             loops=loops))
         return ReduceScatterReport(tuple(decisions))
+
+
+def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
+           groups: DeviceGroups) -> ScatterCollectives | str:
+    """The scanned form's spec where the sum (through blockwise ops) is written by a
+    dynamic-update-slice, else the pair's."""
+    walked = _blockwise_walk(comp, all_reduce.name, reads.users(comp))
+    if not isinstance(walked, str) and walked[1].opcode == "dynamic-update-slice":
+        return match_scanned_reduce_scatter(reads, comp, all_reduce, groups)
+    return match_reduce_scatter(reads.module, comp, all_reduce, groups, reads.users(comp),
+                                reads.index(comp))
 
 
 def _narrow_float(element_type: str) -> str:
@@ -558,16 +914,16 @@ def _narrow_float(element_type: str) -> str:
     return element_type if floating and ELEMENT_BITS.get(element_type, 32) < 32 else ""
 
 
-def _collectives(spec: ReduceScatterSpec) -> str:
+def _collectives(spec: ScatterCollectives) -> str:
     then = f" and an all-reduce of the block over {_holders(spec)}" if spec.block_groups else ""
     return f"a reduce-scatter over {spec.blocks}{then}"
 
 
-def _holders(spec: ReduceScatterSpec) -> int:
+def _holders(spec: ScatterCollectives) -> int:
     return len(spec.block_groups[0]) if spec.block_groups else 1
 
 
-def _price(spec: ReduceScatterSpec, hardware: HardwareProfile) -> tuple[float, float]:
+def _price(spec: ScatterCollectives, hardware: HardwareProfile) -> tuple[float, float]:
     """Seconds of the all-reduce, and of the reduce-scatter (and the all-reduce of the
     block among its holders) it becomes; buffers priced as mapped already, which is what
     makes a second collective's latency weigh most against the bytes it saves. Blocks
@@ -575,7 +931,8 @@ def _price(spec: ReduceScatterSpec, hardware: HardwareProfile) -> tuple[float, f
     longer than 1: an FSDP weight's gradient computed transposed) are not contiguous
     buffers: the operand is transposed whole first, one more pass over the gradient's
     bytes into a fresh buffer (on XLA:CPU such a reduce-scatter measured slower than the
-    all-reduce and slice it replaces)."""
+    all-reduce and slice it replaces). In a loop body both run once per iteration, so the
+    comparison is the same whatever the trip count."""
     n, size = spec.groups.size, spec.payload_bytes
     before = collective_cost("all-reduce", n, size, hardware, resident=True).seconds
     after = collective_cost("reduce-scatter", spec.blocks, size, hardware,
@@ -588,12 +945,18 @@ def _price(spec: ReduceScatterSpec, hardware: HardwareProfile) -> tuple[float, f
     return before, after
 
 
-def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str:
-    """Edit one pair: the reduce-scatter (and block all-reduce) take the all-reduce's
-    place, the blockwise ops after it shrink to the block, the slice goes. Returns the
-    reduce-scatter's name."""
+def _block(shape: ArrayShape, dim: int, blocks: int) -> ArrayShape:
+    dims = list(shape.dims)
+    dims[dim] //= blocks
+    return replace(shape, dims=tuple(dims))
+
+
+def _scatter(rw: Rewriter, spec: ScatterCollectives, channels: ChannelIds) -> tuple[str, str]:
+    """The reduce-scatter (and block all-reduce) take the all-reduce's place and the
+    blockwise ops after it shrink to the block. Returns the reduce-scatter's name and
+    the value the block reaches the slice (or the carried slot) as."""
     comp = rw.comp
-    all_reduce, ds = comp[spec.all_reduce], comp[spec.dynamic_slice]
+    all_reduce = comp[spec.all_reduce]
 
     def attrs(groups: ReplicaGroups | None, **extra: AttrValue) -> dict:
         out: dict = {}
@@ -609,14 +972,9 @@ def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str
             out["metadata"] = all_reduce.attr("metadata")
         return out
 
-    def block(shape: ArrayShape, dim: int) -> ArrayShape:
-        dims = list(shape.dims)
-        dims[dim] //= spec.blocks
-        return replace(shape, dims=tuple(dims))
-
     own = spec.groups.replica_groups if spec.in_group_order else \
         ReplicaGroups(spec.scatter_groups)
-    shape = block(all_reduce.array_shape, spec.split_dim)
+    shape = _block(all_reduce.array_shape, spec.split_dim, spec.blocks)
     with rw.inserting_before(all_reduce.name):
         result = rw.add("reduce-scatter", shape, all_reduce.operands,
                         name=f"{spec.all_reduce}.scatter",
@@ -627,18 +985,123 @@ def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str
                             **attrs(ReplicaGroups(spec.block_groups)))
     rw.replace_all_uses_with(all_reduce.name, result.name)
     rw.erase(all_reduce.name)
-    for name, dim in spec.chain:
-        rw.set_shape(comp[name], block(comp[name].array_shape, dim))
-    end = spec.chain[-1][0] if spec.chain else result.name
-    if comp[end].shape != ds.shape:  # the slice's own layout
-        end = rw.insert_before(ds.name, Instruction(
-            rw.fresh_name(f"{ds.name}.relaid"), "copy", ds.shape, [end], {})).name
+    _shrink(rw, spec.chain, spec.blocks)
+    return created, spec.chain[-1][0] if spec.chain else result.name
+
+
+def _shrink(rw: Rewriter, chain: tuple[tuple[str, int], ...], blocks: int) -> None:
+    """Blockwise ops now run on the block: each result cut along its dimension."""
+    for name, dim in chain:
+        rw.set_shape(rw.comp[name], _block(rw.comp[name].array_shape, dim, blocks))
+
+
+def _take_block(rw: Rewriter, slice_name: str, block: str) -> list[str]:
+    """The dynamic-slice ``slice_name`` of this device's block gives way to ``block``,
+    which holds it (in the slice's own layout). Returns the slice's offsets, for the
+    caller to clear where nothing else reads them."""
+    ds = rw.comp[slice_name]
+    if rw.comp[block].shape != ds.shape:  # the slice's own layout
+        block = rw.insert_before(ds.name, Instruction(
+            rw.fresh_name(f"{ds.name}.relaid"), "copy", ds.shape, [block], {})).name
     offsets = ds.operands[1:]
-    rw.replace_all_uses_with(ds.name, end)
+    rw.replace_all_uses_with(ds.name, block)
     rw.erase(ds.name)
-    rw.remove_dead(among=offsets)  # the index arithmetic only the slice read
+    return offsets
+
+
+def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str:
+    """Edit one pair: the reduce-scatter (and block all-reduce) take the all-reduce's
+    place, the blockwise ops after it shrink to the block, the slice goes, and so does
+    the index arithmetic only the slice read. Returns the reduce-scatter's name."""
+    created, end = _scatter(rw, spec, channels)
+    rw.remove_dead(among=_take_block(rw, spec.dynamic_slice, end))
     return created
 
 
-__all__ = ["IndexEvaluator", "ReduceScatterCreation", "ReduceScatterReport",
-           "ReduceScatterSpec", "ScatterDecision", "match_reduce_scatter"]
+def _with_slots(shape: Shape, slots: dict[int, ArrayShape]) -> TupleShape:
+    elements = list(cast(TupleShape, shape).elements)
+    for slot, element in slots.items():
+        elements[slot] = element
+    return TupleShape(tuple(elements))
+
+
+def _rewrite_scanned(edits: ModuleRewriter, module: Module,
+                     specs: Sequence[ScannedScatterSpec], channels: ChannelIds) -> list[str]:
+    """Edit the scanned gradients of one body (each loop running it is the same for all
+    of them): the reduce-scatters in the body, their slots carried as blocks (the body's
+    and conditions' parameters, the body's root, each loop, its initial tuple and the
+    slots' values in it), each slice of a slot after a loop replaced by the slot. Each
+    tuple is reshaped once and each computation cleared of what the edits left unused
+    once, however many slots change. Returns the reduce-scatters' names, in order."""
+    body = module.computation(specs[0].computation)
+    inner = edits.rewriter(body)
+    created, shards = [], {}
+    for spec in specs:
+        created.append(_scatter(inner, spec, channels)[0])
+        update = body[spec.update]
+        stack = body[update.operands[0]]
+        shards[spec.slot] = _block(stack.array_shape, spec.slot_dim, spec.blocks)
+        inner.set_shape(stack, shards[spec.slot])
+        inner.set_shape(update, shards[spec.slot])
+    for inst in (body[_only_parameter(body)], body.root):
+        inner.set_shape(inst, _with_slots(inst.shape, shards))
+    unused: dict[str, list[str]] = {}
+    for position, first in enumerate(specs[0].loops):
+        outer = module.computation(first.computation)
+        rw = edits.rewriter(outer)
+        loop = outer[first.loop]
+        condition = module.computation(_called(loop, "condition"))
+        param = condition[_only_parameter(condition)]
+        edits.rewriter(condition).set_shape(param, _with_slots(param.shape, shards))
+        rw.set_shape(loop, _with_slots(loop.shape, shards))
+        init = outer[loop.operands[0]]
+        clear = unused.setdefault(outer.name, [])
+        index = IndexEvaluator(outer)
+        for spec in specs:
+            carried = spec.loops[position]
+            start = init.operands[spec.slot]
+            with rw.inserting_before(init.name):
+                block = _block_of_start(rw, outer[start], shards[spec.slot], spec.slot_dim,
+                                        carried.reads[0].offset, index)
+            rw.set_operand(init, spec.slot, block)
+            clear.append(start)
+            for read in carried.reads:
+                rw.set_shape(outer[read.get_tuple_element], shards[spec.slot])
+                _shrink(rw, read.chain, spec.blocks)
+                clear += _take_block(rw, read.dynamic_slice, read.chain[-1][0] if read.chain
+                                     else read.get_tuple_element)
+        rw.set_shape(init, _with_slots(init.shape, shards))
+    for name, values in unused.items():
+        edits.rewriter(module.computation(name)).remove_dead(among=values)
+    return created
+
+
+def _block_of_start(rw: Rewriter, start: Instruction, shard: ArrayShape, dim: int,
+                    offset: str, index: IndexEvaluator) -> str:
+    """This device's block of the slot's value before the loop: a broadcast scalar is
+    broadcast to the block; anything else is sliced at ``offset`` (where the slice after
+    the loop takes its block along ``dim``), its index arithmetic (``index``: an
+    evaluator of the computation, whose order of the original instructions the edits
+    keep) copied before the loop."""
+    if start.opcode == "broadcast" and len(start.operands) == 1 and \
+            rw.comp[start.operands[0]].array_shape.dims == ():
+        return rw.add("broadcast", shard, start.operands, name=f"{start.name}.block",
+                      dimensions=()).name
+    copies: dict[str, str] = {}
+    for name in index.ancestry(offset) or ():
+        inst = rw.comp[name].clone()
+        inst.name = rw.fresh_name(name)
+        inst.operands = [copies[o] for o in inst.operands]
+        copies[name] = rw.add_instruction(inst).name
+    zero = rw.add_instruction(Instruction(
+        rw.fresh_name("zero"), "constant",
+        ArrayShape(rw.comp[offset].array_shape.element_type, ()), literal="0")).name
+    starts = [copies[offset] if d == dim else zero for d in range(len(shard.dims))]
+    return rw.add("dynamic-slice", shard, [start.name, *starts], name=f"{start.name}.block",
+                  dynamic_slice_sizes=shard.dims).name
+
+
+__all__ = ["CarriedLoop", "IndexEvaluator", "ModuleReads", "ReduceScatterCreation",
+           "ReduceScatterReport", "ReduceScatterSpec", "ScannedScatterSpec",
+           "ScatterCollectives", "ScatterDecision", "SlotRead", "match_reduce_scatter",
+           "match_scanned_reduce_scatter"]
