@@ -23,7 +23,8 @@ pass with its gate, compile and one step) over jit's (lowering, compile and one 
 with its split (``fast.report["seconds"]``: capture, pass, compile; the hook: XLA's
 compile, the hook's seconds in it as read + pass + write (``Decision.split``: XLA's
 proto to text and our parse, the optimizer, the text back through XLA's parser) and
-what they add to XLA's own); the first step's metrics against jit's (max relative difference); the
+what they add to XLA's own, the better of two compiles under fresh installations: the
+hook's seconds move with the machine's load); the first step's metrics against jit's (max relative difference); the
 decision (gradients sharded of all, or the fallback's reason code; the hook: gradient
 bytes sharded, or its gradients' reason codes). Never asserted:
 ``tests/test_ecosystem.py`` checks the numbers.
@@ -143,16 +144,32 @@ def fast_variant(prog, mode: str, force: bool, params: str = "gathered") -> Vari
 def hook_variant(prog, force: bool = False) -> Variant:
     """The step compiled under ``install()`` (the gate on, unless ``force``), run after
     uninstalling."""
+    import jax
+
     import hlo_shard.jax as hsj
 
     state, batch = prog.init(), prog.batch(0)
     hsj.decisions(clear=True)
-    with hsj.install(force=force):
-        started = time.perf_counter()
-        compiled = prog.step.lower(*state, batch).compile()
-        compile_s = time.perf_counter() - started
-    made = [d for d in hsj.decisions(clear=True) if d.report is not None or d.reason]
+
+    def hooked() -> tuple[float, Any, list]:
+        """One compile under a fresh installation (the pass runs again): its seconds,
+        the executable and the hook's decisions."""
+        with hsj.install(force=force):
+            started = time.perf_counter()
+            compiled = prog.step.lower(*state, batch).compile()
+            seconds = time.perf_counter() - started
+        return seconds, compiled, [d for d in hsj.decisions(clear=True)
+                                   if d.report is not None or d.reason]
+
+    # The hook's seconds vary with the machine's load from one compile to the next: the
+    # better of two compiles, each a fresh installation (as the LLM bench's hook line).
+    first = hooked()
+    jax.clear_caches()
+    second = hooked()
+    compile_s, compiled, made = min((first, second),
+                                    key=lambda run: sum(d.seconds for d in run[2]))
     state, metrics, run_s, _ = first_call(compiled, state, batch)
+    first_call_s = first[0] + run_s  # a user's first call compiles once
     changed = [d for d in made if d.changed]
     if changed:
         sharded = sum(d.sharded_bytes for d in changed)
@@ -170,7 +187,7 @@ def hook_variant(prog, force: bool = False) -> Variant:
     parts = [sum(d.split.to_json()[stage] for d in made if d.split is not None)
              for stage in ("read", "pass", "write")]
     return Variant("install()" + (", forced" if force else ""), compiled, state,
-                   compile_s + run_s,
+                   first_call_s,
                    f"compile {compile_s:.1f} (hook {hook_s:.1f} = "
                    f"{' + '.join(f'{part:.1f}' for part in parts)}, +{added:.0%})", decision,
                    metrics)
