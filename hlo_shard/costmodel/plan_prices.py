@@ -7,7 +7,9 @@ priced anyway — the module kept whole and the module with every gradient shard
 split per gradient, by what drives each part of the change:
 
 * the gradient's own all-reduce, which sharding removes: its exact price in the whole
-  module (a tuple all-reduce's price split over its elements by bytes);
+  module (a tuple all-reduce's price split over its elements by bytes; on shared memory
+  each element first keeps the rendezvous it pays alone, so a small gradient kept
+  whole is not priced as if it rode along for free);
 * the collectives that replace them, the update's work and what the forward pass gains
   or loses: in proportion to the bytes sharded (the reduce-scatter, the all-gather and
   the update on ``[L]`` shards all grow with them), less the new collectives'
@@ -43,7 +45,8 @@ class ShardedGradient:
 class CutoffPrices:
     """Predicted step times of size cut-offs: ``whole_s`` plus, for every gradient the
     cut-off shards, ``per_gradient`` + ``per_byte`` × its bytes − its all-reduce's price
-    (a tuple all-reduce's split over its elements by bytes)."""
+    (a tuple all-reduce's split over its elements by bytes, less the latency each element
+    pays alone on shared memory, which is its own)."""
 
     whole_s: float
     #: (bytes, the price of its all-reduce in the whole module) per gradient.
@@ -57,18 +60,27 @@ class CutoffPrices:
         """From the module kept whole, the one with every one of ``gradients`` sharded, and
         those gradients; at the cut-off that shards them all the price is ``sharded``'s."""
         price: dict[tuple[str, str], float] = {}
+        #: The latency of a collective whose every array pays its own (on shared memory
+        #: each array of a tuple all-reduce is a rendezvous), and its number of arrays.
+        rendezvous: dict[tuple[str, str], tuple[float, int]] = {}
         for inst in whole.instructions:
             key = (inst.computation, inst.name)
             price[key] = price.get(key, 0.0) + inst.seconds
+            cost = inst.collective
+            if cost is not None and cost.algorithm == "shared-memory" and cost.steps:
+                rendezvous[key] = (min(inst.seconds, cost.latency_s * inst.runs), cost.steps)
         tuple_bytes: dict[tuple[str, str], int] = {}
+        members: dict[tuple[str, str], int] = {}
         for g in gradients:
             key = (g.computation, g.all_reduce)
             tuple_bytes[key] = tuple_bytes.get(key, 0) + g.bytes
+            members[key] = members.get(key, 0) + 1
         rows = []
         for g in gradients:
             key = (g.computation, g.all_reduce)
-            share = g.bytes / tuple_bytes[key] if tuple_bytes[key] else 1.0
-            rows.append((g.bytes, price.get(key, 0.0) * share))
+            share = g.bytes / tuple_bytes[key] if tuple_bytes[key] else 1 / members[key]
+            paid, arrays = rendezvous.get(key, (0.0, 1))
+            rows.append((g.bytes, paid / arrays + (price.get(key, 0.0) - paid) * share))
         latency = sum(min(inst.seconds, inst.collective.latency_s * inst.runs)
                       for inst in sharded.instructions if inst.collective is not None
                       and (inst.computation, inst.name) not in price)
