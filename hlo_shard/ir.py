@@ -330,6 +330,12 @@ class Instruction:
             raise TypeError(f"%{self.name}: {name}= is not a list of integers")
         return cast(tuple[int, ...], value)
 
+    def called(self, role: str) -> str:
+        """The name of the computation this instruction calls as ``role`` (``body``,
+        ``condition``, ``to_apply``, …); "" where it names none."""
+        ref = self.attr_as(role, ComputationRef)
+        return "" if ref is None else ref.name
+
     def called_computations(self) -> list[str]:
         """Names of the computations this instruction calls, in attribute order."""
         names: list[str] = []

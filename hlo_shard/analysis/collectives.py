@@ -406,7 +406,7 @@ class _ScatterForms:
             elsewhere: set[str] = set()
             for comp in self.module.computations:
                 for inst in comp.instructions:
-                    body_name = _called(inst, "body") if inst.opcode == "while" else None
+                    body_name = inst.called("body") if inst.opcode == "while" else None
                     if body_name is not None:
                         self._loops.setdefault(body_name, []).append((comp, inst))
                     elsewhere.update(name for name in inst.called_computations()
@@ -430,16 +430,12 @@ class _ScatterForms:
         reads = form.slot_reads(loop.name)
         if reads is None:
             return frozenset()
-        condition = self.module.computation(_called(loop, "condition"))
+        condition = self.module.computation(loop.called("condition"))
         read_by_condition = set(self.of(condition).parameter_slot_reads())
         return frozenset(slot for slot, names in reads.items()
                          if slot not in read_by_condition and
                          all(form.sliced_by_device(comp[name], through_loops=False)
                              for name in names))
-
-
-def _called(inst: Instruction, key: str) -> str:
-    return getattr(inst.attr(key), "name", "")
 
 
 class _ScatterForm:
@@ -474,20 +470,9 @@ class _ScatterForm:
         return self._users
 
     def slot_reads(self, tuple_name: str) -> dict[int, list[str]] | None:
-        """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` (a loop
-        or this body's parameter); None where the tuple is also used whole (or is the
-        root)."""
-        users = self._read()
-        if tuple_name == self.comp.root_name:
-            return None
-        reads: dict[int, list[str]] = {}
-        for user_name in users[tuple_name]:
-            user = self.comp[user_name]
-            slot = user.int_attr("index")
-            if user.opcode != "get-tuple-element" or slot is None:
-                return None
-            reads.setdefault(slot, []).append(user_name)
-        return reads
+        """:func:`slot_reads` of the tuple ``tuple_name`` (a loop or this body's
+        parameter) here."""
+        return slot_reads(self.comp, self._read(), tuple_name)
 
     def parameter_slot_reads(self) -> dict[int, list[str]]:
         """:meth:`slot_reads` of this computation's tuple parameter (every slot, where it
@@ -597,6 +582,23 @@ def _shape_reason(inst: Instruction) -> str:
 
 #: Opcodes whose ``replica_groups`` name the devices a module runs on.
 _GROUPED = GROUPED
+
+
+def slot_reads(comp: Computation, users: dict[str, list[str]], tuple_name: str
+               ) -> dict[int, list[str]] | None:
+    """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` in ``comp``
+    (a loop's result or a computation's tuple parameter; ``users``: its users); None
+    where the tuple is also used whole (or is the root)."""
+    if tuple_name == comp.root_name:
+        return None
+    reads: dict[int, list[str]] = {}
+    for user_name in users[tuple_name]:
+        user = comp[user_name]
+        slot = user.int_attr("index")
+        if user.opcode != "get-tuple-element" or slot is None:
+            return None
+        reads.setdefault(slot, []).append(user_name)
+    return reads
 
 
 def recovered_device_counts(module: Module) -> dict[str, int]:

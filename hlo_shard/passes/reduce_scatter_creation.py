@@ -55,9 +55,11 @@ from functools import partial
 from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
-                                            find_gradient_all_reduces, with_device_counts)
+                                            find_gradient_all_reduces, slot_reads,
+                                            with_device_counts)
 from hlo_shard.costmodel.network import collective_cost
-from hlo_shard.graph import ModuleRewriter, Rewriter, control_predecessors, users_map
+from hlo_shard.graph import (ModuleRewriter, Rewriter, call_graph, control_predecessors,
+                             users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import ORDER_KEEPING_VIEWS
@@ -433,13 +435,16 @@ class ModuleReads:
         return self._index[comp.name]
 
     def callers(self, name: str) -> list[tuple[Computation, Instruction]]:
-        """(computation, instruction) of every call of computation ``name``."""
+        """(computation, instruction) of every call of computation ``name``, each calling
+        instruction once: the edges of the module's :func:`~hlo_shard.graph.call_graph`."""
         if self._callers is None:
             self._callers = {}
-            for comp in self.module.computations:
-                for inst in comp.instructions:
-                    for called in dict.fromkeys(inst.called_computations()):
-                        self._callers.setdefault(called, []).append((comp, inst))
+            graph = call_graph(self.module)
+            for caller, callee in graph.edges:
+                comp = self.module.computation(caller)
+                via: list[str] = graph.edges[caller, callee]["via"]
+                self._callers.setdefault(callee, []).extend(
+                    (comp, comp[inst]) for inst in dict.fromkeys(via))
         return self._callers.get(name, [])
 
     def slot_reads(self, comp: Computation, tuple_name: str) -> dict[int, list[str]] | None:
@@ -447,15 +452,7 @@ class ModuleReads:
         or a computation's parameter); None where the tuple is used otherwise."""
         key = (comp.name, tuple_name)
         if key not in self._slots:
-            reads: dict[int, list[str]] = {}
-            whole = tuple_name == comp.root_name
-            for name in self.users(comp)[tuple_name]:
-                slot = comp[name].int_attr("index")
-                if comp[name].opcode != "get-tuple-element" or slot is None:
-                    whole = True
-                    break
-                reads.setdefault(slot, []).append(name)
-            self._slots[key] = None if whole else reads
+            self._slots[key] = slot_reads(comp, self.users(comp), tuple_name)
         return self._slots[key]
 
     def parameter(self, comp: Computation) -> str:
@@ -671,12 +668,12 @@ def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
                   ) -> tuple[CarriedLoop, _Blocks] | str:
     """The loop ``loop`` running ``body``, its slot ``slot`` read after it only as this
     device's block (the same on every read), or why not."""
-    if loop.opcode != "while" or _called(loop, "body") != body.name or \
-            _called(loop, "condition") == body.name:
+    if loop.opcode != "while" or loop.called("body") != body.name or \
+            loop.called("condition") == body.name:
         return "the body is also called outside a while loop"
-    condition = reads.module.computation(_called(loop, "condition"))
-    if any(inst.opcode != "while" or _called(inst, "body") != body.name or
-           _called(inst, "condition") != condition.name
+    condition = reads.module.computation(loop.called("condition"))
+    if any(inst.opcode != "while" or inst.called("body") != body.name or
+           inst.called("condition") != condition.name
            for _, inst in reads.callers(condition.name)):
         return "the loop's condition is also called elsewhere"
     param = reads.parameter(condition)
@@ -716,10 +713,6 @@ def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
         return "the slot is not read after the loop"
     return CarriedLoop(outer.name, loop.name, tuple(slot_reads)), \
         replace(found, chain=(), offset="")
-
-
-def _called(inst: Instruction, key: str) -> str:
-    return getattr(inst.attr(key), "name", "")
 
 
 def _strided(shape: ArrayShape, dim: int) -> bool:
@@ -1050,7 +1043,7 @@ def _rewrite_scanned(edits: ModuleRewriter, module: Module,
         outer = module.computation(first.computation)
         rw = edits.rewriter(outer)
         loop = outer[first.loop]
-        condition = module.computation(_called(loop, "condition"))
+        condition = module.computation(loop.called("condition"))
         param = condition[_only_parameter(condition)]
         edits.rewriter(condition).set_shape(param, _with_slots(param.shape, shards))
         rw.set_shape(loop, _with_slots(loop.shape, shards))

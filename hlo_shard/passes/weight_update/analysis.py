@@ -1391,10 +1391,10 @@ def proved_element(shape: Shape, index: int) -> ArrayShape:
 
 def called_computation(inst: Instruction, role: str) -> str:
     """The name of the computation ``inst`` calls as ``role`` (``body``, ``condition``)."""
-    ref = inst.attr_as(role, ComputationRef)
-    if ref is None:
+    name = inst.called(role)
+    if not name:
         raise HloShardError(f"%{inst.name}: {inst.opcode} without {role}=")
-    return ref.name
+    return name
 
 
 def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> DeviceGroups | None:
