@@ -88,6 +88,49 @@ def test_a_flax_nnx_jit_step(request, state):
     assert fast.report["gradients"] >= 4  # both layers' kernel and bias
 
 
+@nnx.jit
+def _nnx_classifier_step(model, optimizer, batch):
+    def loss_fn(model):
+        logits = model(batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_a_batch_leaf_shaped_as_a_state_shard_stays_the_batch(request):
+    """As flax's nnx MNIST tutorial writes it: model and optimizer made where jax puts
+    them (not placed on the mesh), the batch a dict with integer labels. The second call
+    is a new signature (the state is placed now), so its leaves are matched against the
+    state's shard form; the labels, int32[16] split over 8 devices, have the shape and
+    placement of the 10-wide bias's shards (padded to 16) and were gathered as if they were (a
+    trace error raised into the loop)."""
+    if not needs_devices(request):
+        return
+    _, by_data = _mesh(8)
+    key = jax.random.PRNGKey(3)
+    batches = [jax.device_put({"image": jax.random.normal(jax.random.fold_in(key, i), (16, 32)),
+                               "label": jax.random.randint(jax.random.fold_in(key, 50 + i),
+                                                           (16,), 0, 10)}, by_data)
+               for i in range(3)]
+
+    def run(step):
+        model = _MLP(32, 64, 10, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        return [float(step(model, optimizer, batch)) for batch in batches], model
+
+    fast = hsj.shard_weight_update(_nnx_classifier_step, state="sharded", force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, model = run(fast)
+    _no_fallback(fast, caught)
+    reference, model_jit = run(_nnx_classifier_step)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(model.linear2.bias[...]),
+                               np.asarray(model_jit.linear2.bias[...]), rtol=1e-5, atol=1e-6)
+
+
 # Model and step in the style of equinox's parallelism example (examples/parallelism:
 # eqx.nn.MLP, optax state over the inexact arrays, @eqx.filter_jit(donate="all") with
 # eqx.filter_shard of model, state and batch), small sizes.

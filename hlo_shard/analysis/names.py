@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hlo_shard.graph import topological_order, upstream_bits, users_map
-from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw,
                           TupleShape)
 from hlo_shard.values import c_unescape
 
@@ -164,13 +164,13 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
     params = {p.name: p.parameter_number for p in entry.parameters()}
     found: dict[GradientKey, int] = {}
     for loop in entry.instructions:
-        body_ref = loop.attr_as("body", ComputationRef)
+        body_name = loop.called("body")
         init = entry[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
-        if body_ref is None or init is None or init.opcode != "tuple":
+        if not body_name or init is None or init.opcode != "tuple":
             continue
         start = {i: params.get(_through_copies(entry, operand))
                  for i, operand in enumerate(init.operands)}
-        body = module.computation(body_ref.name)
+        body = module.computation(body_name)
         carried = body.parameters()
         if len(carried) != 1:
             continue

@@ -44,7 +44,7 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.graph import stable_topological_sort, topological_order
 from hlo_shard.ir import (
-    ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
+    ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
     shape_leaves,
 )
 from hlo_shard.opinfo import IN_PLACE
@@ -278,7 +278,7 @@ class _Liveness:
     def _pass_through_carry(self, loop: Instruction) -> None:
         """Carry elements the body returns unchanged stay in their initial buffer
         (XLA copies only what the loop writes), even a caller's parameter."""
-        body = self.module.computation(loop.required_attr("body", ComputationRef).name)
+        body = self.module.computation(loop.called("body"))
         init = self.elements.get(loop.operands[0], [])
         carry = body.parameters()[0].name if body.parameters() else None
         if body.root.opcode != "tuple":

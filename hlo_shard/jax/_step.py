@@ -164,6 +164,10 @@ class ShardedStep:
         self._latest_call: _Call | None = None
         #: Sharded mode: per program keeping state in shards, state leaf name → where.
         self._states: list[tuple[Program, dict[str, _StateLeaf]]] = []
+        #: The names of the arguments those programs take whole (not state): a batch
+        #: leaf whose shape and placement happen to be a state leaf's shard form is
+        #: still the batch (never gathered as if it were shards).
+        self._whole_names: set[str] = set()
 
     # --------------------------------------------------------------- the step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -288,7 +292,7 @@ class ShardedStep:
         shard by its shape and placement."""
         shape = tuple(getattr(leaf, "shape", ()))
         if not to_shards and not any(name in names for _, names in self._states):
-            return self._shards_by_form(name, leaf, shape)
+            return None if name in self._whole_names else self._shards_by_form(name, leaf, shape)
         candidates = {}
         misplaced = False
         for _, names in self._states:
@@ -427,6 +431,7 @@ class ShardedStep:
         if shard_key is not None:
             self._entries[shard_key] = _Entry(program, shards=True)
             self._states.append((program, state))
+            self._whole_names.update(name for name in call.names if name not in state)
         self._latest, self._latest_call = program, call
         return self._entries[key]
 

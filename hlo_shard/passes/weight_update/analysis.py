@@ -48,7 +48,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
                              reachable, reading_only, topological_order, upstream_bits,
                              users_map)
-from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, ComputationRef, Ident, Instruction,
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
@@ -301,8 +301,7 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
 
 def _reducer(ctx: _Context, inst: Instruction) -> str | None:
     """The opcode of the reduction's ``to_apply`` (add, maximum, …), or None."""
-    to_apply = inst.attr_as("to_apply", ComputationRef)
-    return reducer_opcode(ctx.module, to_apply.name if to_apply is not None else "")
+    return reducer_opcode(ctx.module, inst.called("to_apply"))
 
 
 def _fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
@@ -324,16 +323,16 @@ def _tiled_window_fusion(ctx: _Context, inst: Instruction) -> RegionOp | None:
     the tiles). Where the windows tile the block, each result element is reduced from one
     device's block alone, from the same elements in the same order, so the result is
     sharded in blocks of the tiles — and the norm no longer needs the whole gradient."""
-    calls, shape = inst.attr_as("calls", ComputationRef), _array(inst.shape)
+    calls, shape = inst.called("calls"), _array(inst.shape)
     formats = {ctx.sharded[o] for o in inst.operands if o in ctx.sharded}
-    if calls is None or shape is None or not _is_row_major(shape) or len(formats) != 1:
+    if not calls or shape is None or not _is_row_major(shape) or len(formats) != 1:
         return None
     fmt = formats.pop()
     if fmt.block is None or not fmt.is_row_major or any(
             o not in ctx.sharded and (not ctx.replicated(o) or not _at_most_one_element(
                 ctx.inst(o).shape)) for o in inst.operands):
         return None
-    body = ctx.module.computation(calls.name)
+    body = ctx.module.computation(calls)
     root = body.root
     tiles = _window_tiles(root, fmt.dims) if root.opcode == "reduce-window" else None
     major, rows = fmt.block
@@ -400,13 +399,13 @@ class FusionAccess:
 def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     """How ``inst`` (a fusion with sharded operands) runs on shards, or why it cannot:
     the op of its body that stops it."""
-    calls, kind = inst.attr_as("calls", ComputationRef), inst.attr_as("kind", Ident)
+    calls, kind = inst.called("calls"), inst.attr_as("kind", Ident)
     shape = _array(inst.shape)
-    if kind is None or kind.name != "kLoop" or calls is None:
+    if kind is None or kind.name != "kLoop" or not calls:
         return f"a {kind.name if kind else '?'} fusion (only loop fusions run on shards)"
     if shape is None:
         return "a multi-output fusion"
-    body = ctx.module.computation(calls.name)
+    body = ctx.module.computation(calls)
     seeds = {k: ctx.sharded[o] for k, o in enumerate(inst.operands) if o in ctx.sharded}
     access = body_access(body, seeds)
     if isinstance(access, str):

@@ -230,10 +230,9 @@ class RegionRewrite:
                 self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
-            calls = inst.attr_as("calls", ComputationRef)
-            if inst.opcode == "fusion" and calls is not None:
-                attributes["calls"] = ComputationRef(self.sharded_body(calls.name,
-                                                                       op.result_shard))
+            calls = inst.called("calls")
+            if inst.opcode == "fusion" and calls:
+                attributes["calls"] = ComputationRef(self.sharded_body(calls, op.result_shard))
             new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
                               self.emit.shape(inst.array_shape.element_type,
                                               (op.result_shard.shard_len,)),
@@ -251,9 +250,9 @@ class RegionRewrite:
             for i, (o, shard) in enumerate(zip(inst.operands, operands))]
         attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
         result_dims = block_dims(op.result_shard)
-        calls = inst.attr_as("calls", ComputationRef)
-        if inst.opcode == "fusion" and calls is not None:
-            attributes["calls"] = ComputationRef(self.blocked_body(calls.name, op))
+        calls = inst.called("calls")
+        if inst.opcode == "fusion" and calls:
+            attributes["calls"] = ComputationRef(self.blocked_body(calls, op))
         result = emit.add(inst.opcode, emit.shape(element_type, result_dims),
                           blocks, name=f"{inst.name}.block", **attributes)
         return emit.shard_of_block(result, op.result_shard, element_type)
@@ -765,9 +764,9 @@ class PaddingZeros:
         operands = [self._states[o] for o in inst.operands]
         if self.plan.ops[value].kind is OpKind.VIEW:
             return operands[0]  # the operand's shard itself
-        calls = inst.attr_as("calls", ComputationRef)
-        if inst.opcode == "fusion" and calls is not None:
-            return self._body(calls.name, tuple(operands))
+        calls = inst.called("calls")
+        if inst.opcode == "fusion" and calls:
+            return self._body(calls, tuple(operands))
         return _rule(inst.opcode)(operands)
 
     def _body(self, name: str, params: tuple[str, ...]) -> str:
