@@ -251,3 +251,53 @@ def test_a_jax_jit_of_a_shard_map_step(request):
     np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(fast.gather_args(p, s)), jax.tree.leaves((pj, sj))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_gather_outputs_keeps_a_per_example_output_shaped_as_a_state_shard(request):
+    """An ``eqx.filter_jit`` step returning its per-example losses, float32[16] split over
+    8 devices: the shape and placement of the 10-wide bias's state shards (padded to
+    16). ``gather_outputs`` (how a user checkpoints such a step's outputs) gathered them
+    as if they were the bias's shards, returning 10 numbers; it now knows the state
+    outputs of the latest run by identity."""
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh(8)
+    optim = optax.adamw(1e-2)
+    model = eqx.nn.MLP(32, 10, 64, 2, key=jax.random.PRNGKey(0))
+
+    @eqx.filter_jit(donate="all-except-first")
+    def train_step(batch, model, opt_state):
+        def loss(m):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(
+                jax.vmap(m)(batch["x"]), batch["y"])
+            return per_example.mean(), per_example
+
+        (_, per_example), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, per_example
+
+    key = jax.random.PRNGKey(4)
+    batches = [jax.device_put({"x": jax.random.normal(jax.random.fold_in(key, i), (16, 32)),
+                               "y": jax.random.randint(jax.random.fold_in(key, 9 + i), (16,),
+                                                       0, 10)}, by_data) for i in range(2)]
+
+    def run(step):
+        m = eqx.filter_shard(jax.tree.map(lambda x: jnp.array(x) if eqx.is_array(x) else x,
+                                          model), replicated)
+        state = (m, eqx.filter_shard(optim.init(eqx.filter(m, eqx.is_array)), replicated))
+        for batch in batches:
+            out = step(batch, *state)
+            state = out[:2]
+        return out
+
+    fast = hsj.shard_weight_update(train_step, state="sharded", force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(fast)
+    _no_fallback(fast, caught)
+    full = fast.gather_outputs(out)
+    reference = run(train_step)
+    np.testing.assert_allclose(np.asarray(full[2]), np.asarray(reference[2]), rtol=1e-5)
+    arrays = [jax.tree.leaves(eqx.filter(tree, eqx.is_array)) for tree in (full[:2], reference[:2])]
+    for ours, theirs in zip(*arrays, strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)

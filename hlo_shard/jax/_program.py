@@ -170,9 +170,16 @@ class Program:
                 for i, layout in self.state_args.items()}
 
     def gather_out_leaves(self, leaves: list) -> list:
-        indices = sorted(self.state_outputs)
-        full = convert([leaves[k] for k in indices], [self.state_outputs[k] for k in indices],
-                       [self.capture.out_shardings[k] for k in indices], to_shards=False)
+        return self.gather_outputs_at(leaves, {k: k for k in self.state_outputs})
+
+    def gather_outputs_at(self, leaves: list, outputs: dict[int, int]) -> list:
+        """``leaves`` with each ``leaves[k]`` that is this program's state output
+        ``outputs[k]`` gathered back to the full leaf."""
+        indices = sorted(outputs)
+        full = convert([leaves[k] for k in indices],
+                       [self.state_outputs[outputs[k]] for k in indices],
+                       [self.capture.out_shardings[outputs[k]] for k in indices],
+                       to_shards=False)
         out = list(leaves)
         for index, value in zip(indices, full):
             out[index] = value

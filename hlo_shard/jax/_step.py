@@ -162,6 +162,9 @@ class ShardedStep:
         self._warned: set[str] = set()
         self._latest: Program | Unsupported | None = None
         self._latest_call: _Call | None = None
+        #: The shard-form state outputs of the latest run, by identity: (program, its
+        #: output numbers by array id), the arrays held so that no id is reused.
+        self._state_outputs: tuple[Program, dict[int, int], list] | None = None
         #: Sharded mode: per program keeping state in shards, state leaf name → where.
         self._states: list[tuple[Program, dict[str, _StateLeaf]]] = []
         #: The names of the arguments those programs take whole (not state): a batch
@@ -227,6 +230,10 @@ class ShardedStep:
                 leaf = _xla.base_array(leaf)
             arrays.append(leaf)
         outs = _xla.execute(program.executable, arrays, program.out_handlers)
+        if program.state_outputs:
+            held = [outs[k] for k in program.state_outputs]
+            self._state_outputs = (program, {id(outs[k]): k for k in program.state_outputs},
+                                   held)
         if convert_state:  # the step consumed their shards; jit would consume them
             program.delete_donated_state(call.leaves)
         return jax.tree.unflatten(cap.out_tree, outs)
@@ -263,8 +270,15 @@ class ShardedStep:
             raise ValueError("hlo_shard.jax: these outputs have the shapes of a sharded step's "
                              "outputs but their shards are on devices (or in an order) no "
                              "program of this step uses; refusing to return shards as leaves")
-        # A library's jit wrapper returns the step's outputs in a pytree of its own: each
-        # leaf by its form alone.
+        # A library's jit wrapper returns the step's outputs in a pytree of its own: the
+        # latest run's state outputs by identity (a per-example output shaped and placed
+        # as some state leaf's shards stays as it is), else each leaf by its form alone.
+        if self._state_outputs is not None:
+            program, numbers, _ = self._state_outputs
+            found = {k: numbers[id(leaf)] for k, leaf in enumerate(leaves)
+                     if id(leaf) in numbers}
+            if found:
+                return jax.tree.unflatten(treedef, program.gather_outputs_at(leaves, found))
         chosen = [(k, where) for k, leaf in enumerate(leaves)
                   if (where := self._shards_by_form(f"output leaf {k}", leaf,
                                                     tuple(getattr(leaf, "shape", ()))))]
