@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -70,19 +69,31 @@ def llm_modules() -> dict[tuple[str, str], Path]:
 TIMEOUT_PARSE_PRINTS = 50
 
 
-def _cli(*args: str, timeout: float | None = None) -> tuple[float, str | None]:
-    """Wall seconds and stdout of one ``hlo-shard`` command (None: it ran past
-    ``timeout``, the seconds are the timeout; a failure stops the bench)."""
+#: Runs ``hlo_shard``'s command line as ``python -m hlo_shard`` does, then writes the
+#: process's own peak resident set to stderr's last line (``resource``, KiB on Linux):
+#: the command's peak alone, not the largest of every child the bench has run.
+_WITH_PEAK_RSS = ("import resource, runpy, sys\n"
+                  "try:\n"
+                  "    runpy.run_module('hlo_shard', run_name='__main__')\n"
+                  "finally:\n"
+                  "    sys.stderr.write('\\npeak-rss-kib %d\\n'"
+                  " % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+
+
+def _cli(*args: str, timeout: float | None = None) -> tuple[float, str | None, int]:
+    """Wall seconds, stdout and peak resident bytes of one ``hlo-shard`` command (None:
+    it ran past ``timeout``, the seconds are the timeout; a failure stops the bench)."""
     started = time.perf_counter()
     try:
-        run = subprocess.run([sys.executable, "-m", "hlo_shard", *args], cwd=ROOT,
+        run = subprocess.run([sys.executable, "-c", _WITH_PEAK_RSS, *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return time.perf_counter() - started, None
+        return time.perf_counter() - started, None, 0
     seconds = time.perf_counter() - started
     if run.returncode != 0:
         sys.exit(f"hlo-shard {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
-    return seconds, run.stdout
+    peak = run.stderr.rstrip().rsplit("\n", 1)[-1]
+    return seconds, run.stdout, int(peak.split()[-1]) * 1024 if peak.startswith("peak-rss-kib") else 0
 
 
 def verdicts(report: dict) -> str:
@@ -105,11 +116,6 @@ def _gate(report: dict) -> str:
     return f"gate: {priced} of {len(trials)} size cut-offs rewritten and priced"
 
 
-def _children_peak_bytes() -> int:
-    """The largest resident set of a child process so far (this part's commands)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-
-
 def llm_steps(repeats: int = 2) -> dict[str, float]:
     """Print the table; return the optimize / parse+print ratio of the largest module."""
     print("\n== LLM-sized steps: Llama-style decoder, AdamW, 8 CPU devices "
@@ -124,10 +130,10 @@ def llm_steps(repeats: int = 2) -> dict[str, float]:
             optimize = [_cli("optimize", str(path), "-o", str(out), "--json",
                              timeout=TIMEOUT_PARSE_PRINTS * parse_print)
                         for _ in range(repeats if index == 0 else 1)]
-            seconds, stdout = min(optimize, key=lambda run: run[0])
+            seconds, stdout, peak_bytes = min(optimize, key=lambda run: run[0])
             if index == 0:
                 ratio = seconds / parse_print
-                peak = f", peak RSS {_children_peak_bytes() / 1e9:.2f} GB"
+                peak = f", peak RSS {peak_bytes / 1e9:.2f} GB"
             else:
                 peak = ""
             report = json.loads(stdout) if stdout is not None else None
