@@ -92,8 +92,9 @@ def _cli(*args: str, timeout: float | None = None) -> tuple[float, str | None, i
     seconds = time.perf_counter() - started
     if run.returncode != 0:
         sys.exit(f"hlo-shard {' '.join(args)} failed ({run.returncode}):\n{run.stderr}")
-    peak = run.stderr.rstrip().rsplit("\n", 1)[-1]
-    return seconds, run.stdout, int(peak.split()[-1]) * 1024 if peak.startswith("peak-rss-kib") else 0
+    last = run.stderr.rstrip().rsplit("\n", 1)[-1]
+    peak_kib = int(last.split()[-1]) if last.startswith("peak-rss-kib") else 0
+    return seconds, run.stdout, peak_kib * 1024
 
 
 def verdicts(report: dict) -> str:

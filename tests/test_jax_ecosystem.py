@@ -40,6 +40,16 @@ def _no_fallback(fast, caught) -> None:
     assert fast.report["fallback"] is None and fast.report["sharded"] >= 1
 
 
+def _run_without_fallback(fast, run):
+    """``run(fast)``, asserting that ``fast`` ran its optimized step (no FallbackWarning,
+    something sharded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(fast)
+    _no_fallback(fast, caught)
+    return out
+
+
 # Model and step in the style of flax's NNX data-parallel guide (an nnx.Module, an
 # nnx.Optimizer over its Params, state replicated with jax.device_put + nnx.update, the
 # step mutating both in place under @nnx.jit), small sizes.
@@ -77,10 +87,7 @@ def test_a_flax_nnx_jit_step(request, state):
         return [float(step(model, optimizer, x, y)) for x, y in batches], model
 
     fast = hsj.shard_weight_update(_nnx_train_step, state=state, force=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses, model = run(fast)
-    _no_fallback(fast, caught)
+    losses, model = _run_without_fallback(fast, run)
     reference, model_jit = run(_nnx_train_step)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.linear1.kernel[...]),
@@ -104,8 +111,8 @@ def test_a_batch_leaf_shaped_as_a_state_shard_stays_the_batch(request):
     them (not placed on the mesh), the batch a dict with integer labels. The second call
     is a new signature (the state is placed now), so its leaves are matched against the
     state's shard form; the labels, int32[16] split over 8 devices, have the shape and
-    placement of the 10-wide bias's shards (padded to 16) and were gathered as if they were (a
-    trace error raised into the loop)."""
+    placement of the 10-wide bias's shards (padded to 16) and were gathered as if they
+    were (a trace error raised into the loop)."""
     if not needs_devices(request):
         return
     _, by_data = _mesh(8)
@@ -121,10 +128,7 @@ def test_a_batch_leaf_shaped_as_a_state_shard_stays_the_batch(request):
         return [float(step(model, optimizer, batch)) for batch in batches], model
 
     fast = hsj.shard_weight_update(_nnx_classifier_step, state="sharded", force=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses, model = run(fast)
-    _no_fallback(fast, caught)
+    losses, model = _run_without_fallback(fast, run)
     reference, model_jit = run(_nnx_classifier_step)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.linear2.bias[...]),
@@ -291,10 +295,7 @@ def test_gather_outputs_keeps_a_per_example_output_shaped_as_a_state_shard(reque
         return out
 
     fast = hsj.shard_weight_update(train_step, state="sharded", force=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = run(fast)
-    _no_fallback(fast, caught)
+    out = _run_without_fallback(fast, run)
     full = fast.gather_outputs(out)
     reference = run(train_step)
     np.testing.assert_allclose(np.asarray(full[2]), np.asarray(reference[2]), rtol=1e-5)
