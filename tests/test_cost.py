@@ -1121,3 +1121,61 @@ def test_a_module_xla_fused_already_is_planned_once_whatever_the_fusion_settings
         [k.members for k in plan_kernels(entry, False, False, 8, True).kernels]
     assert all(len(kernel.members) == 1 for kernel in plan.kernels)
     assert plans.plan(entry, True, False, 8, True) is not plans.plan(entry, True)
+
+
+#: A step XLA has fused, sharded: the SGD update of a weight's shard is a loop fusion
+#: after the gradient's reduce-scatter, its result all-gathered into the output; a batch
+#: mean summed over the devices normalises the activations (a loop fusion too) that feed
+#: the next dot, whose result is the other output.
+FUSED_SHARDED = """HloModule fused_sharded, replica_count=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%sgd_update (p0: f32[64], p1: f32[64]) -> f32[64] {
+  %p0 = f32[64] parameter(0)
+  %p1 = f32[64] parameter(1)
+  %lr = f32[] constant(0.01)
+  %lrs = f32[64] broadcast(%lr), dimensions={}
+  %step = f32[64] multiply(%lrs, %p1)
+  ROOT %new = f32[64] subtract(%p0, %step)
+}
+
+%normalise (q0: f32[8,16], q1: f32[16]) -> f32[8,16] {
+  %q0 = f32[8,16] parameter(0)
+  %q1 = f32[16] parameter(1)
+  %mean = f32[8,16] broadcast(%q1), dimensions={1}
+  ROOT %centred = f32[8,16] subtract(%q0, %mean)
+}
+
+ENTRY %step (w_shard: f32[64], g: f32[256], x: f32[8,16], v: f32[16,16]) -> (f32[256], f32[8,16]) {
+  %g = f32[256] parameter(1)
+  %gs = f32[64] reduce-scatter(%g), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+  %w_shard = f32[64] parameter(0)
+  %updated = f32[64] fusion(%w_shard, %gs), kind=kLoop, calls=%sgd_update
+  %w = f32[256] all-gather(%updated), replica_groups={{0,1,2,3}}, dimensions={0}
+  %x = f32[8,16] parameter(2)
+  %zero = f32[] constant(0)
+  %column_sums = f32[16] reduce(%x, %zero), dimensions={0}, to_apply=%add
+  %batch_sums = f32[16] all-reduce(%column_sums), replica_groups={{0,1,2,3}}, to_apply=%add
+  %centred = f32[8,16] fusion(%x, %batch_sums), kind=kLoop, calls=%normalise
+  %v = f32[16,16] parameter(3)
+  %y = f32[8,16] dot(%centred, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (f32[256], f32[8,16]) tuple(%w, %y)
+}
+"""
+
+
+def test_the_update_of_a_fused_sharded_module_is_its_loop_fusions():
+    # The sharded update is a fusion after the reduce-scatter; the normalisation by a
+    # summed batch statistic only feeds a dot: forward/backward work, not the update.
+    module = parse(FUSED_SHARDED)
+    categories, source = categorize(module, module.entry, planned_update_regions(module))
+    assert source == "fallback"
+    assert categories["updated"] == "weight_update"
+    assert categories["centred"] == "forward_backward"
+    assert categories["y"] == "forward_backward"
+    assert categories["gs"] == categories["w"] == "communication"

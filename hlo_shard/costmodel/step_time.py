@@ -241,19 +241,24 @@ def _is_sum_collective(module: Module, inst: Instruction) -> bool:
 
 def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     """The elementwise work downstream of the gradient sums (all-reduce or
-    reduce-scatter with ``add`` over N > 1 devices), plus the producers whose every
-    user is in it (Adam's ``β₁·m``), up to dots, all-gathers and the outputs."""
+    reduce-scatter with ``add`` over N > 1 devices) that reaches the outputs, plus the
+    producers whose every user is in it (Adam's ``β₁·m``), up to dots, all-gathers and
+    the outputs. A fusion of such work counts as it does unfused: in a module XLA has
+    fused, the update is loop fusions. Reaching the outputs is what tells the update
+    from the normalisation of activations by a summed batch statistic, which only
+    feeds the next layer's dot or convolution."""
     users = users_map(comp)
+    is_update_op = _UpdateOps(module)
     seeds = [i.name for i in comp.instructions if _is_sum_collective(module, i)]
-    region: set[str] = set()
+    downstream: set[str] = set()
     stack = list(seeds)
     while stack:
         for user in users[stack.pop()]:
-            inst = comp[user]
-            if user in region or inst.opcode not in UPDATE_OPCODES:
+            if user in downstream or not is_update_op(comp[user]):
                 continue
-            region.add(user)
+            downstream.add(user)
             stack.append(user)
+    region = _reaching_outputs(comp, downstream)
     # A producer joins once its last user has: count the users outside the region, so
     # that each value is looked at once per user (a chain joins link by link).
     outside = {name: len(names) - len(region.intersection(names))  # each user once
@@ -263,8 +268,7 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     while joined or ready:
         if ready:
             name = ready.pop()
-            inst = comp[name]
-            if (name in region or inst.opcode not in UPDATE_OPCODES or not users[name]
+            if (name in region or not is_update_op(comp[name]) or not users[name]
                     or name == comp.root_name):
                 continue
             region.add(name)
@@ -275,6 +279,53 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
             if outside[operand] == 0:
                 ready.append(operand)
     return region
+
+
+def _reaching_outputs(comp: Computation, downstream: set[str]) -> set[str]:
+    """The members of ``downstream`` the root reads through members, tuples,
+    all-gathers (a sharded update's weights) and the views and elementwise ops after
+    them."""
+    reached: set[str] = set()
+    seen = {comp.root.name}
+    stack = [comp.root.name]
+    while stack:
+        for operand in comp[stack.pop()].operands:
+            if operand in seen:
+                continue
+            seen.add(operand)
+            if operand in downstream:
+                reached.add(operand)
+                stack.append(operand)
+            elif comp[operand].opcode in _TOWARDS_OUTPUTS:
+                stack.append(operand)
+    return reached
+
+
+#: What lies between a weight update and the outputs besides the update itself.
+_TOWARDS_OUTPUTS = UPDATE_OPCODES | ALL_GATHERS | {"tuple"}
+
+
+class _UpdateOps:
+    """Whether an instruction is update work: an :data:`UPDATE_OPCODES` op, or a fusion
+    whose fused computation holds nothing else (besides its parameters and constants).
+    Each fused computation is read once."""
+
+    _MEMBERS = UPDATE_OPCODES | {"parameter", "constant"}
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.fused: dict[str, bool] = {}
+
+    def __call__(self, inst: Instruction) -> bool:
+        if inst.opcode in UPDATE_OPCODES:
+            return True
+        calls = inst.called("calls") if inst.opcode == "fusion" else ""
+        if not calls or not self.module.has_computation(calls):
+            return False
+        if calls not in self.fused:
+            self.fused[calls] = all(member.opcode in self._MEMBERS for member in
+                                    self.module.computation(calls).instructions)
+        return self.fused[calls]
 
 
 def categorize(module: Module, comp: Computation, regions: PlannedRegions
