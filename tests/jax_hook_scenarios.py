@@ -2,12 +2,12 @@
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
 ``conv:<optimizer>``,
-``shard_map:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``reuse``, ``failure``, ``interrupt``,
+``shard_map:adam``, ``pmap:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``reuse``, ``failure``, ``interrupt``,
 ``no_gradients``, ``mutant``,
 ``per_tensor``).
 
-Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated) or
-``shard_map`` step run STEPS times without the hook and then, on fresh copies of the same
+Each training scenario is an unmodified ``jax.jit`` (NamedSharding, donated),
+``shard_map`` or ``jax.pmap`` step run STEPS times without the hook and then, on fresh copies of the same
 inputs, with ``hlo_shard.jax.install(force=True)`` (these models are too small for sharding
 to be predicted faster; the gate itself is tested in test_jax_step); the result records the largest difference of
 losses and parameters relative to each tensor's largest magnitude (0.0: bitwise) and what
@@ -219,6 +219,45 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     }
 
 
+def pmap_training(mesh) -> dict:
+    """flax's ImageNet example's form: a ``jax.pmap`` step with ``lax.pmean`` of the
+    gradients, replicated state stacked along a leading device axis, donated. The hook
+    sees pmap's module (replicas, no partitions) as XLA compiles it."""
+    del mesh
+    opt = OPTIMIZERS["adam"]()
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, s = opt.update(jax.lax.pmean(g, "d"), s, p)
+        return optax.apply_updates(p, updates), s, jax.lax.pmean(loss, "d")
+
+    def pmap_run() -> tuple[list[float], dict]:
+        stacked = jax.tree.map(lambda a: np.broadcast_to(a, (N, *np.shape(a))),
+                               (init_params(), host_state(opt, init_params)))
+        params, state = jax.device_put(stacked)
+        x, y = (v.reshape(N, -1, v.shape[-1]) for v in batch())
+        stepped = jax.pmap(step, axis_name="d", donate_argnums=(0, 1))
+        losses = []
+        for _ in range(STEPS):
+            params, state, loss = stepped(params, state, x, y)
+            losses.append(float(loss[0]))
+        return losses, jax.tree.map(lambda a: np.asarray(a[0]), params)
+
+    plain_losses, plain_params = pmap_run()
+    hook.decisions(clear=True)
+    with hook.install(force=True):
+        losses, params = pmap_run()
+    # (jax 0.10 compiles a pmap as a jit of a shard_map named after its own wrapper: the
+    # step is the module whose gradients are the parameters and the loss)
+    step_bytes = sum(a.nbytes for a in init_params().values()) + 4
+    steps = [d for d in hook.decisions(clear=True) if d.gradient_bytes == step_bytes]
+    return {"loss": relative_difference(plain_losses, losses),
+            "params": max(relative_difference(plain_params[k], params[k]) for k in params),
+            "changed": [d.changed for d in steps], "reasons": [d.reason for d in steps],
+            "sharded_bytes": sum(d.sharded_bytes for d in steps),
+            "gradient_bytes": sum(d.gradient_bytes for d in steps)}
+
+
 def idempotence(mesh) -> dict:
     """install twice / uninstall twice; one registration, one application per module."""
     opt = OPTIMIZERS["adam"]()
@@ -383,6 +422,7 @@ def main(names: list[str]) -> None:
                  "shard_map:adam": lambda m: training("adam",
                                                       lambda o, f: shard_map_step(o, m, f), m),
                  "loop:adam": lambda m: training("adam", loop_step, m),
+                 "pmap:adam": pmap_training,
                  "only_other": lambda m: training("adam", jit_step, m, only="^jit_eval"),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
                     for name in OPTIMIZERS},

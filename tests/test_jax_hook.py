@@ -34,7 +34,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
                          "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
-                         "layernorm:adamw_clip")
+                         "layernorm:adamw_clip", "pmap:adam")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -107,6 +107,16 @@ def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):
     assert result["block_bodies"] >= 1
     assert result["loss"] == 0.0 and result["params"] == 0.0
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
+
+
+def test_a_pmap_step_is_sharded_as_it_is(quick):
+    """flax's ImageNet example steps with ``jax.pmap`` and ``lax.pmean``: that step, not
+    rewritten for ``jax.jit``, is sharded inside XLA's compile and trains bitwise the
+    same (``shard_weight_update`` refuses it up front: test_jax_step)."""
+    result = quick["pmap:adam"]
+    assert result["changed"] and all(result["changed"]), result["reasons"]
+    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert result["sharded_bytes"] == result["gradient_bytes"] - 4 * len(result["changed"])
 
 
 def test_per_tensor_collectives_are_bitwise_the_same(quick):

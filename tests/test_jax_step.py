@@ -548,3 +548,12 @@ def test_a_jit_wrapper_it_cannot_read_is_refused_up_front():
 
     with pytest.raises(HloShardError, match="needs a jax.jit-wrapped function"):
         hsj.shard_weight_update(Lowerable())
+
+
+def test_a_pmap_step_is_refused_up_front_by_name():
+    import jax
+
+    from hlo_shard.errors import HloShardError
+
+    with pytest.raises(HloShardError, match="got a jax.pmap'ed function .*jax.jit over a Mesh"):
+        hsj.shard_weight_update(jax.pmap(lambda x: x, axis_name="batch"))

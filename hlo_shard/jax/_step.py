@@ -18,6 +18,7 @@ same mesh shape with the devices in another order have different shard placement
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from contextlib import suppress
@@ -109,9 +110,14 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
         if inner is not None and _xla.is_jax_jit(inner):
             return (lambda step, attribute=attribute: _calling(fn, attribute, step)), inner
     if hasattr(fn, "lower"):
+        # (jax.pmap's result is a plain function with a ``lower``: name it for what it is)
+        got = "a jax.pmap'ed function (written with jax.jit over a Mesh, as jax's pmap " \
+              "migration guide shows, it is taken; install() shards the pmap step as it " \
+              "is)" if isinstance(fn, types.FunctionType) else \
+              f"{type(fn).__module__}.{type(fn).__qualname__}"
         raise HloShardError(f"shard_weight_update needs a jax.jit-wrapped function (or "
                             f"flax's nnx.jit, equinox's filter_jit, or the plain function); "
-                            f"got {type(fn).__module__}.{type(fn).__qualname__}")
+                            f"got {got}")
     if not callable(fn):
         raise HloShardError(f"shard_weight_update needs a function, got {type(fn).__name__}")
     return None, jax.jit(fn)
