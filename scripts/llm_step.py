@@ -7,8 +7,7 @@ The model is a Llama-style decoder (RMSNorm, rotary attention, SwiGLU MLP, untie
 embedding and head) written in plain jax after the structure of Meta's reference
 ``llama/model.py`` and MaxText's ``layers/llama2.py``: fp32 master weights cast to bf16
 inside the loss (bf16 compute, fp32 cross-entropy), optax AdamW after global-norm
-clipping (MaxText's defaults; AdamW alone on the tensor-parallel mesh, see
-:func:`build_step`), one jitted step for 8 CPU virtual devices on one of three meshes:
+clipping (MaxText's defaults), one jitted step for 8 CPU virtual devices on one of three meshes:
 
 * ``data8``: ``(data=8)``, weights replicated, the batch split: one gradient all-reduce
   per weight, the update replicated (what the pass shards);
@@ -220,12 +219,11 @@ def build_step(mesh_name: str, t: LlamaShape):
         return jax.lax.with_sharding_constraint(w16, replicated)
 
     loss = _loss(t, gathered)
-    # MaxText's default: clip by global norm (gradient_clipping_threshold 1.0), AdamW.
-    # Not on the tensor-parallel mesh: the norm's partial sums over model groups come
-    # out as `mesh[…], device_ids=([2,4]T(1,0))` groups, which the parser does not read
-    # yet; its optimizer state is then adamw's alone.
-    clip = [optax.clip_by_global_norm(1.0)] if mesh_name != "data4_model2" else []
-    optimizer = optax.chain(*clip, optax.adamw(1e-3, weight_decay=1e-2))
+    # MaxText's default: clip by global norm (gradient_clipping_threshold 1.0), AdamW. On
+    # the tensor-parallel mesh the norm's partial sums over model groups come out as
+    # `mesh[…], device_ids=([4,2]T(1,0))` groups.
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(1e-3, weight_decay=1e-2))
 
     def step(params, opt_state, tokens, targets):
         grads = jax.grad(loss)(params, tokens, targets)
@@ -236,8 +234,8 @@ def build_step(mesh_name: str, t: LlamaShape):
               for name, shape in shapes.items()}
     opt_state = jax.eval_shape(optimizer.init, params)
     state_sharding = jax.tree.map(lambda leaf: replicated, opt_state)
-    # mu and nu mirror the parameters' shardings (chain: clip's empty state, if any,
-    # then adamw's (ScaleByAdamState(count, mu, nu), ...)).
+    # mu and nu mirror the parameters' shardings (chain: clip's empty state, then
+    # adamw's (ScaleByAdamState(count, mu, nu), ...)).
     adamw = state_sharding[-1]
     adam = adamw[0]._replace(mu=weight, nu=weight)
     state_sharding = (*state_sharding[:-1], (adam, *adamw[1:]))
