@@ -29,6 +29,7 @@ Run by ``bench/run.py``; alone: ``python bench/llm_bench.py [--repeats R]``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -50,13 +51,16 @@ TARGETS = {"LLM step, optimize / parse+print": 5.0}
 
 
 def llm_modules() -> dict[tuple[str, str], Path]:
-    """Dump (or reuse) every module of :data:`MODULES`."""
+    """Dump (or reuse) every module of :data:`MODULES`. A dump is named after the
+    generator's source digest too: one written by an older ``llm_step.py`` is not
+    reused."""
     from llm_step import generate
 
     OUT.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256((ROOT / "scripts" / "llm_step.py").read_bytes()).hexdigest()[:8]
     paths = {}
     for mesh, size in MODULES:
-        path = OUT / f"llm_{mesh}_{size}.n8.hlo"
+        path = OUT / f"llm_{mesh}_{size}.{digest}.n8.hlo"
         if not (path.is_file() and path.stat().st_size):
             print(f"dumping {path.name} ...", flush=True)
             generate(path, mesh, size)
