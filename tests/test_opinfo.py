@@ -410,6 +410,8 @@ LITERAL_SETS_ALLOWED: dict[tuple[str, frozenset[str]], str] = {
         "an accumulator's zero start: a constant, or its broadcast",
     ("hlo_shard.costmodel.step_time", frozenset({"get-tuple-element", "tuple"})):
         "tuple plumbing a gradient's users are followed through",
+    ("hlo_shard.costmodel.step_time", frozenset({"constant", "parameter"})):
+        "a fused update body's leaves (update_region_fallback's fusions)",
     ("hlo_shard.costmodel.step_time", frozenset({"concatenate", "tuple"})):
         "where several weights' work meets: buckets and tuples",
     ("hlo_shard.runtime.inputs", frozenset({"all-reduce", "tuple"})):
