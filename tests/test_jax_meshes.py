@@ -82,6 +82,74 @@ def test_a_data_by_model_mesh_shards_over_the_data_groups(request, state, params
                                   np.asarray(s_jit[0].mu["w1"]))
 
 
+
+def test_mesh_axis_conversions_cut_as_the_global_one(request):
+    """Where the replica groups run along mesh axes (two of three here: groups of 4
+    along (pod, data), the leaf split over model), each device cuts its own chunk
+    (a shard_map, no collective) and gathering is one all-gather over those axes: the
+    same arrays as the global program that slices every device's block, both ways."""
+    if not needs_devices(request):
+        return
+    from hlo_shard.jax._program import StateLayout, _group_axes, convert
+    from hlo_shard.shard_format import ShardFormat
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2),
+                             ("pod", "data", "model"))
+    full = NamedSharding(mesh, P(None, "model"))
+    chunks = NamedSharding(mesh, P(("pod", "data", "model")))
+    groups = ((0, 2, 4, 6), (1, 3, 5, 7))  # device k = (pod, data, model) row-major
+    assert _group_axes(groups, full, mesh) == ("pod", "data")
+    assert _group_axes(((0, 4, 2, 6), (1, 5, 3, 7)), full, mesh) is None  # not row-major
+    assert _group_axes(groups, NamedSharding(
+        jax.sharding.Mesh(mesh.devices.reshape(8), ("all",)), P()), mesh) is None
+    # [6, 10] split over model: each device holds a [6, 5] block, read column-major,
+    # cut in 4 chunks of 8 (two padding lanes).
+    fmt = ShardFormat((6, 5), (1, 0), 4)
+    blocks = tuple(((0, 6), (5 * (k % 2), 5 * (k % 2) + 5)) for k in range(8))
+    ranks = tuple((k // 2) for k in range(8))
+    generic = StateLayout(fmt, ranks, (6, 10), blocks)
+    on_mesh = StateLayout(fmt, ranks, (6, 10), blocks, ("pod", "data"), full.spec)
+    value = jax.device_put(jnp.arange(60, dtype=jnp.float32).reshape(6, 10), full)
+    [expected] = convert([value], [generic], [chunks], to_shards=True)
+    [cut] = convert([value], [on_mesh], [chunks], to_shards=True)
+    assert cut.sharding.is_equivalent_to(chunks, 1)
+    np.testing.assert_array_equal(np.asarray(cut), np.asarray(expected))
+    assert np.asarray(cut)[:8].tolist() == [0, 10, 20, 30, 40, 50, 1, 11]  # device 0
+    [back] = convert([cut], [on_mesh], [full], to_shards=False)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(value))
+    assert back.sharding.is_equivalent_to(full, 2)
+    from hlo_shard.jax._program import _converter
+    text = _converter(True, (on_mesh,), (chunks,)).lower((value,)).compile().as_text()
+    assert not any(op in text for op in ("all-gather", "all-to-all", "collective-permute",
+                                         "all-reduce")), "cutting shards moved data"
+
+
+def test_a_pod_by_data_by_model_mesh_shards_over_two_axes(request):
+    """Gradients all-reduced over (pod, data) groups of 4 on a (2, 2, 2) mesh, weights
+    split over model: state="sharded" trains as jit and gathers back to jit's leaves."""
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2),
+                             ("pod", "data", "model"))
+    params, _, _ = _start()
+    params = {name: jax.device_put(np.asarray(leaf), NamedSharding(mesh, leaf.sharding.spec))
+              for name, leaf in params.items()}
+    batches = [jax.device_put(jax.random.normal(jax.random.PRNGKey(i), (32, 64)),
+                              NamedSharding(mesh, P(("pod", "data"), None))) for i in range(3)]
+    fast = hsj.shard_weight_update(jax.jit(_step), state="sharded", force=True)
+    jitted = jax.jit(_step)
+    p, s = params, OPT.init(params)
+    p_jit, s_jit = p, s
+    for x in batches:
+        p, s, loss = fast(p, s, x)
+        p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, x)
+        assert float(loss) == float(loss_jit)
+    assert fast.report["fallback"] is None
+    assert s[0].mu["w1"].shape == (8 * 64 * 64 // 4,)
+    _, s_full = fast.gather_args(p, s)
+    for leaf, leaf_jit in zip(jax.tree.leaves(s_full), jax.tree.leaves(s_jit)):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leaf_jit))
+
 # ------------------------------------------------- a (data=2, fsdp=4) mesh, FSDP weights
 
 ADAMW = optax.adamw(1e-2)

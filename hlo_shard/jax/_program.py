@@ -46,6 +46,14 @@ class StateLayout:
     ranks: tuple[int, ...] | None = None
     leaf_dims: tuple[int, ...] | None = None
     blocks: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    #: Where the groups are the devices that differ only along some axes of the user's
+    #: mesh (ranked row-major along them, the mesh ordering devices as jit does): those
+    #: axes, and the leaf's full ``PartitionSpec`` on that mesh. The conversions are
+    #: then per-device programs (``shard_map``: each device cuts its own block, or
+    #: all-gathers its group's chunks) instead of a global gather of every block that
+    #: the SPMD partitioner has to lower.
+    mesh_axes: tuple[str, ...] | None = None
+    full_spec: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -292,9 +300,52 @@ def convert(leaves: list, layouts: list[StateLayout], shardings: list,
 def _converter(to_shards: bool, layouts: tuple, shardings: tuple) -> Callable:
     import jax
 
-    one = _shard if to_shards else _gather
-    return jax.jit(lambda xs: tuple(one(x, layout) for x, layout in zip(xs, layouts)),
+    def one(x: Any, layout: StateLayout, sharding: Any) -> Any:
+        if layout.mesh_axes is not None:
+            return (_shard_on_mesh if to_shards else _gather_on_mesh)(x, layout, sharding.mesh)
+        return (_shard if to_shards else _gather)(x, layout)
+
+    return jax.jit(lambda xs: tuple(one(x, layout, sharding)
+                                    for x, layout, sharding in zip(xs, layouts, shardings)),
                    out_shardings=shardings)
+
+
+def _shard_on_mesh(x: Any, layout: StateLayout, mesh: Any) -> Any:
+    """:func:`_shard` where the groups run along ``layout.mesh_axes``: each device
+    cuts its own rank's chunk of the block it holds (no data moves)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    fmt, axes = layout.format, layout.mesh_axes
+    assert axes is not None
+
+    def cut(block: Any) -> Any:
+        rank = 0
+        for axis in axes:  # row-major along the group's axes, as the groups rank devices
+            rank = rank * mesh.shape[axis] + jax.lax.axis_index(axis)
+        return jax.lax.dynamic_slice_in_dim(fmt.padded_flat(block, jnp), rank * fmt.shard_len,
+                                            fmt.shard_len)
+
+    return jax.shard_map(cut, mesh=mesh, in_specs=layout.full_spec,
+                         out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(x)
+
+
+def _gather_on_mesh(y: Any, layout: StateLayout, mesh: Any) -> Any:
+    """:func:`_shard_on_mesh`'s inverse: each device all-gathers its group's chunks
+    (in rank order) into the block it holds."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    fmt, axes = layout.format, layout.mesh_axes
+    assert axes is not None
+
+    def whole(chunk: Any) -> Any:
+        return fmt.from_padded_flat(jax.lax.all_gather(chunk, axes, tiled=True), jnp)
+
+    return jax.shard_map(whole, mesh=mesh, in_specs=PartitionSpec(tuple(mesh.axis_names)),
+                         out_specs=layout.full_spec, check_vma=False)(y)
 
 
 def build_program(capture: Capture, options: ShardingOptions,
@@ -381,12 +432,16 @@ def _stage(code: Reason, what: str) -> Iterator[None]:
 def _state_layouts(report: ShardingReport, capture: Capture
                    ) -> tuple[dict[int, StateLayout], dict[int, StateLayout]]:
     devices = len(capture.devices)
+    mesh = _shard_sharding(capture).mesh
 
     def layout(entry: Any, full_shape: tuple[int, ...], full_sharding: Any) -> StateLayout:
         plain = StateLayout(entry.format)
         if not entry.groups or entry.groups == (tuple(range(devices)),):
             return plain
-        return _grouped(plain, entry.groups, devices, full_shape, full_sharding, capture)
+        grouped = _grouped(plain, entry.groups, devices, full_shape, full_sharding, capture)
+        axes = _group_axes(entry.groups, full_sharding, mesh)
+        return grouped if axes is None else replace(grouped, mesh_axes=axes,
+                                                    full_spec=full_sharding.spec)
 
     args = {capture.kept[p.index]: layout(p, capture.in_shapes[capture.kept[p.index]],
                                           capture.in_shardings[capture.kept[p.index]])
@@ -424,6 +479,32 @@ def _grouped(plain: StateLayout, groups: tuple[tuple[int, ...], ...], devices: i
     whole = all(block == tuple((0, size) for size in full_shape) for block in blocks)
     return StateLayout(plain.format, tuple(ranks), None if whole else full_shape,
                        None if whole else blocks)
+
+
+def _group_axes(groups: tuple[tuple[int, ...], ...], full_sharding: Any,
+                mesh: Any) -> tuple[str, ...] | None:
+    """The axes of ``mesh`` (the shard form's: the user's mesh where it orders devices
+    as jit does) along which ``groups`` run, each group the devices that differ only
+    along them, in row-major order; None where the groups are no such axes or the leaf
+    is not laid out on that mesh."""
+    import itertools
+
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    if not isinstance(full_sharding, NamedSharding) or full_sharding.mesh != mesh:
+        return None
+    shape = mesh.devices.shape
+    positions = np.arange(mesh.devices.size).reshape(shape)  # jit's order is the mesh's
+    wanted = set(groups)
+    for count in range(1, len(shape) + 1):
+        for along in itertools.combinations(range(len(shape)), count):
+            others = [axis for axis in range(len(shape)) if axis not in along]
+            rows = np.transpose(positions, others + list(along)).reshape(
+                -1, int(np.prod([shape[axis] for axis in along])))
+            if {tuple(int(p) for p in row) for row in rows} == wanted:
+                return tuple(mesh.axis_names[axis] for axis in along)
+    return None
 
 
 def _shard_sharding(capture: Capture) -> Any:
