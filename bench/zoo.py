@@ -14,6 +14,7 @@ none above 1.05× measured, geometric mean of the measured ratios ≤ 0.85 at N 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -48,16 +49,22 @@ BENCH_MODELS = ("mlp_adam", "mlp_sgd")
 
 
 def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
-    """(model, N, SPMD module) for the whole zoo, dumped once and reused."""
+    """(model, N, SPMD module) for the whole zoo, dumped once and reused. A dump is
+    named after its generators' source digest too: one written by older model code is
+    not reused."""
     sys.path[:0] = [str(ROOT / "scripts")]
     from hlo_dump import dump_model
     from zoo_models import ZOO_MODELS
 
     out.mkdir(parents=True, exist_ok=True)
+    sources = hashlib.sha256()
+    for script in ("zoo_models.py", "fixture_models.py", "hlo_dump.py"):
+        sources.update((ROOT / "scripts" / script).read_bytes())
+    digest = sources.hexdigest()[:8]
     found = []
     for name, spec in ZOO_MODELS.items():
         for n in spec.devices:
-            target = out / f"{name}.n{n}.hlo"
+            target = out / f"{name}.{digest}.n{n}.hlo"
             if not (target.is_file() and target.stat().st_size):
                 work = Path(tempfile.mkdtemp(prefix=f"hlo-shard-zoo-{name}-"))
                 try:
