@@ -1179,3 +1179,39 @@ def test_the_update_of_a_fused_sharded_module_is_its_loop_fusions():
     assert categories["centred"] == "forward_backward"
     assert categories["y"] == "forward_backward"
     assert categories["gs"] == categories["w"] == "communication"
+
+
+def test_a_sharded_global_norms_partial_sums_are_update_work():
+    # clip_by_global_norm on shards: each shard's squares are reduced to a partial sum,
+    # the partial sums are summed across devices (one bucket of one-element sums) and
+    # read back one element each. That is the update's work, as the squares of the
+    # whole gradients are in the original; a diff must not show it as forward/backward.
+    from pathlib import Path
+
+    from hlo_shard import optimize
+    from hlo_shard.graph import users_map
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes.weight_update import ShardingOptions
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "clip_adam.n8.hlo"
+    original = parse_file(path)
+    before = estimate_step(original, load_profile("cpu-local"),
+                           planned_update_regions(original)).seconds_by_category()
+    module = optimize(parse_file(path), ShardingOptions(), force=True).module
+    comp = module.entry
+    sums = [i for i in comp.instructions if i.opcode == "all-reduce"
+            and all(comp[u].opcode == "slice" for u in users_map(comp)[i.name])]
+    assert sums, "the sharded norm's partial sums are one bucket"
+    categories, source = categorize(module, comp, planned_update_regions(module))
+    assert source == "fallback"
+    squares, stack = [], list(sums[0].operands)
+    while stack:  # the partial sums behind the bucket's concatenation and reshapes
+        inst = comp[stack.pop()]
+        if inst.opcode == "reduce":
+            squares.append(inst.name)
+        elif inst.opcode in ("concatenate", "reshape", "bitcast"):
+            stack.extend(inst.operands)
+    assert squares and all(categories[name] == "weight_update" for name in squares)
+    after = estimate_step(module, load_profile("cpu-local"),
+                          planned_update_regions(module)).seconds_by_category()
+    assert after["forward_backward"] <= before["forward_backward"] * 1.01

@@ -258,7 +258,7 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
                 continue
             downstream.add(user)
             stack.append(user)
-    region = _reaching_outputs(comp, downstream)
+    region = _reaching_outputs(module, comp, users, downstream)
     # A producer joins once its last user has: count the users outside the region, so
     # that each value is looked at once per user (a chain joins link by link).
     outside = {name: len(names) - len(region.intersection(names))  # each user once
@@ -281,10 +281,13 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     return region
 
 
-def _reaching_outputs(comp: Computation, downstream: set[str]) -> set[str]:
+def _reaching_outputs(module: Module, comp: Computation, users: dict[str, list[str]],
+                      downstream: set[str]) -> set[str]:
     """The members of ``downstream`` the root reads through members, tuples,
     all-gathers (a sharded update's weights) and the views and elementwise ops after
-    them."""
+    them, and through sums of scalars across devices: a sharded update's norms (global
+    clipping, a trust ratio) sum their shards' partial sums, so the squares and reduces
+    on the shards are update work too. A batch statistic is a vector; it stops there."""
     reached: set[str] = set()
     seen = {comp.root.name}
     stack = [comp.root.name]
@@ -296,9 +299,23 @@ def _reaching_outputs(comp: Computation, downstream: set[str]) -> set[str]:
             if operand in downstream:
                 reached.add(operand)
                 stack.append(operand)
-            elif comp[operand].opcode in _TOWARDS_OUTPUTS:
+            elif comp[operand].opcode in _TOWARDS_OUTPUTS \
+                    or _sums_scalars(module, comp, users, comp[operand]):
                 stack.append(operand)
     return reached
+
+
+def _sums_scalars(module: Module, comp: Computation, users: dict[str, list[str]],
+                  inst: Instruction) -> bool:
+    """A sum across devices of scalars: of rank-0 values, or of a bucket of them (the
+    pass's one-element sums, concatenated and read back one element at a time)."""
+    if not _is_sum_collective(module, inst):
+        return False
+    if all(not leaf.dims for _, leaf in shape_leaves(inst.shape)):
+        return True
+    return bool(users[inst.name]) and all(
+        comp[user].opcode == "slice" and elements(comp[user].shape) == 1
+        for user in users[inst.name])
 
 
 #: What lies between a weight update and the outputs besides the update itself.
