@@ -315,7 +315,6 @@ def _shard_on_mesh(x: Any, layout: StateLayout, mesh: Any) -> Any:
     cuts its own rank's chunk of the block it holds (no data moves)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec
 
     fmt, axes = layout.format, layout.mesh_axes
     assert axes is not None
@@ -328,7 +327,7 @@ def _shard_on_mesh(x: Any, layout: StateLayout, mesh: Any) -> Any:
                                             fmt.shard_len)
 
     return jax.shard_map(cut, mesh=mesh, in_specs=layout.full_spec,
-                         out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(x)
+                         out_specs=_chunk_spec(mesh), check_vma=False)(x)
 
 
 def _gather_on_mesh(y: Any, layout: StateLayout, mesh: Any) -> Any:
@@ -336,7 +335,6 @@ def _gather_on_mesh(y: Any, layout: StateLayout, mesh: Any) -> Any:
     (in rank order) into the block it holds."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec
 
     fmt, axes = layout.format, layout.mesh_axes
     assert axes is not None
@@ -344,7 +342,7 @@ def _gather_on_mesh(y: Any, layout: StateLayout, mesh: Any) -> Any:
     def whole(chunk: Any) -> Any:
         return fmt.from_padded_flat(jax.lax.all_gather(chunk, axes, tiled=True), jnp)
 
-    return jax.shard_map(whole, mesh=mesh, in_specs=PartitionSpec(tuple(mesh.axis_names)),
+    return jax.shard_map(whole, mesh=mesh, in_specs=_chunk_spec(mesh),
                          out_specs=layout.full_spec, check_vma=False)(y)
 
 
@@ -364,21 +362,21 @@ def build_program(capture: Capture, options: ShardingOptions,
     this raises).
     """
     with seconds.timing("pass_"):
-        names, result, state_args, state_outputs = _optimized(
+        names, result, state_args, state_outputs, shard_sharding = _optimized(
             capture, options, next_values, force)
     with seconds.timing("compile"), \
             _stage(Reason.COMPILE_FAILED, "XLA did not compile the optimized module"):
         executable = _xla.compile_replica_text(result.xla_text, capture.devices)
-        shard_sharding = _shard_sharding(capture) if state_args else None
     return Program(capture, result, options, names, executable, state_args, state_outputs,
                    shard_sharding, seconds, list(next_values))
 
 
 def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tuple[int, int]],
                force: bool) -> tuple[UserNames, OptimizeResult, dict[int, StateLayout],
-                                     dict[int, StateLayout]]:
-    """The captured module parsed, its user names, what the optimizer made of it and
-    the state layouts (:class:`Unsupported` where it made nothing to run)."""
+                                     dict[int, StateLayout], Any]:
+    """The captured module parsed, its user names, what the optimizer made of it, the
+    state layouts and the sharding of their shard forms (None without any)
+    (:class:`Unsupported` where it made nothing to run)."""
     with _stage(Reason.PARSE_FAILED, "hlo-shard cannot read the captured module"):
         module = parse(capture.text, path="<captured step>")
     if len(module.entry.parameters()) != len(capture.kept):
@@ -405,8 +403,10 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
                           Reason.NOTHING_TO_SHARD, report, decision)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
         _ = result.xla_text  # the output check, here: a module failing it is the pass's fault
-        state_args, state_outputs = _state_layouts(report, capture)
-    return names, result, state_args, state_outputs
+        shard_sharding = _shard_sharding(capture)
+        state_args, state_outputs = _state_layouts(report, capture, shard_sharding.mesh)
+    return (names, result, state_args, state_outputs,
+            shard_sharding if state_args else None)
 
 
 def _fastest_ratio(decision: SpeedDecision) -> float:
@@ -429,10 +429,10 @@ def _stage(code: Reason, what: str) -> Iterator[None]:
         raise Unsupported(f"{what}: {describe(err)}", code) from err
 
 
-def _state_layouts(report: ShardingReport, capture: Capture
+def _state_layouts(report: ShardingReport, capture: Capture, mesh: Any
                    ) -> tuple[dict[int, StateLayout], dict[int, StateLayout]]:
+    """``mesh``: the shard form's (:func:`_shard_sharding`)."""
     devices = len(capture.devices)
-    mesh = _shard_sharding(capture).mesh
 
     def layout(entry: Any, full_shape: tuple[int, ...], full_sharding: Any) -> StateLayout:
         plain = StateLayout(entry.format)
@@ -511,10 +511,17 @@ def _shard_sharding(capture: Capture) -> Any:
     """Every device holding one chunk, in jit's device order: over the user's mesh when
     its order is jit's, else over a one-axis mesh of the same devices."""
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, NamedSharding
 
     mesh = next((s.mesh for s in capture.in_shardings if isinstance(s, NamedSharding)), None)
     if mesh is None or tuple(mesh.devices.flat) != tuple(capture.devices):
         mesh = Mesh(np.array(capture.devices), ("hlo_shard",))
+    return NamedSharding(mesh, _chunk_spec(mesh))
+
+
+def _chunk_spec(mesh: Any) -> Any:
+    """One chunk per device of ``mesh``, in its order: the shard form's spec."""
+    from jax.sharding import PartitionSpec
+
     axes = tuple(mesh.axis_names)
-    return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+    return PartitionSpec(axes if len(axes) > 1 else axes[0])
