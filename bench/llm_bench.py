@@ -29,7 +29,6 @@ Run by ``bench/run.py``; alone: ``python bench/llm_bench.py [--repeats R]``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -54,10 +53,11 @@ def llm_modules() -> dict[tuple[str, str], Path]:
     """Dump (or reuse) every module of :data:`MODULES`. A dump is named after the
     generator's source digest too: one written by an older ``llm_step.py`` is not
     reused."""
+    from hlo_dump import source_digest
     from llm_step import generate
 
     OUT.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256((ROOT / "scripts" / "llm_step.py").read_bytes()).hexdigest()[:8]
+    digest = source_digest("llm_step.py")
     paths = {}
     for mesh, size in MODULES:
         path = OUT / f"llm_{mesh}_{size}.{digest}.n8.hlo"

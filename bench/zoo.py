@@ -14,7 +14,6 @@ none above 1.05× measured, geometric mean of the measured ratios ≤ 0.85 at N 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -53,14 +52,11 @@ def zoo_modules(out: Path = ZOO_OUT) -> list[tuple[str, int, Path]]:
     named after its generators' source digest too: one written by older model code is
     not reused."""
     sys.path[:0] = [str(ROOT / "scripts")]
-    from hlo_dump import dump_model
+    from hlo_dump import dump_model, source_digest
     from zoo_models import ZOO_MODELS
 
     out.mkdir(parents=True, exist_ok=True)
-    sources = hashlib.sha256()
-    for script in ("zoo_models.py", "fixture_models.py", "hlo_dump.py"):
-        sources.update((ROOT / "scripts" / script).read_bytes())
-    digest = sources.hexdigest()[:8]
+    digest = source_digest("zoo_models.py", "fixture_models.py", "hlo_dump.py")
     found = []
     for name, spec in ZOO_MODELS.items():
         for n in spec.devices:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 SPMD_SUFFIX = ".spmd-partitioner.after_call-inliner.before_pipeline-end.txt"
 OPTIMIZED_SUFFIX = ".cpu_after_optimizations.txt"
 SIGNATURE = "signature.json"
+
+
+def source_digest(*scripts: str) -> str:
+    """Eight hex digits of the sha256 of these ``scripts/`` files' sources: part of a
+    cached dump's name, so that a dump written by older generator code is not reused."""
+    digest = hashlib.sha256()
+    for script in scripts:
+        digest.update((REPO / "scripts" / script).read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def xla_flags(num_devices: int, dump_dir: Path) -> str:
