@@ -90,7 +90,7 @@ def test_mesh_axis_conversions_cut_as_the_global_one(request):
     same arrays as the global program that slices every device's block, both ways."""
     if not needs_devices(request):
         return
-    from hlo_shard.jax._program import StateLayout, _group_axes, convert
+    from hlo_shard.jax._program import StateLayout, _converter, _group_axes, convert
     from hlo_shard.shard_format import ShardFormat
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2),
@@ -118,7 +118,6 @@ def test_mesh_axis_conversions_cut_as_the_global_one(request):
     [back] = convert([cut], [on_mesh], [full], to_shards=False)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(value))
     assert back.sharding.is_equivalent_to(full, 2)
-    from hlo_shard.jax._program import _converter
     text = _converter(True, (on_mesh,), (chunks,)).lower((value,)).compile().as_text()
     assert not any(op in text for op in ("all-gather", "all-to-all", "collective-permute",
                                          "all-reduce")), "cutting shards moved data"
