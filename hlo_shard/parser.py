@@ -713,8 +713,8 @@ def _check_conditional_form(selector: Instruction, attributes: list[tuple], loc:
 
 # --------------------------------------------------------------- coarse-token parts
 
-_NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
-_BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
+_NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*(?:#[0-9]+)*")
+_BARE_NAME_RE = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*(?:#[0-9]+)*)")
 _BLOCK_COMMENT_RE = re.compile(r"/\*[^*]*\*+(?:[^/*][^*]*\*+)*/")
 _INT_RE = re.compile(r"[0-9]+")
 _PATTERNS: dict[str, re.Pattern] | None = None
@@ -811,11 +811,16 @@ def _unique(base: str, taken: Container[str], start: int = 1) -> str:
 _PLACEHOLDER = "\0nested"
 
 
+class _NoSuchElement(Exception):
+    """A compact operand ``t#i`` whose ``t`` has no element ``i`` (its message)."""
+
+
 class _Scope:
     """What is being collected for the computation currently read."""
 
     __slots__ = ("names", "instructions", "root_loc", "root_name", "parameter_numbers",
-                 "first_unknown_use", "first_missing_attribute", "nested_count", "tuple_depth")
+                 "first_unknown_use", "first_missing_attribute", "nested_count", "tuple_depth",
+                 "hoisted_bases", "tuple_elements")
 
     def __init__(self) -> None:
         self.names: dict[str, Instruction] = {}
@@ -828,6 +833,11 @@ class _Scope:
         self.first_missing_attribute: tuple[str, Loc] | None = None
         self.nested_count = 0
         self.tuple_depth: dict[int, int] = {}
+        #: Placeholder → the name XLA gives that hoisted instruction (default
+        #: ``<opcode>.anon``), made unique when the computation closes.
+        self.hoisted_bases: dict[str, str] = {}
+        #: ``t#1#0`` → the placeholder of the get-tuple-element made for it (one each).
+        self.tuple_elements: dict[str, str] = {}
 
 
 class _Builder(Transformer):
@@ -1064,8 +1074,9 @@ class _Builder(Transformer):
         return ("parameter", "parameter", keyword, (int(number.value), number))
 
     def operand(self, children: list) -> tuple:
-        shape, name = children
-        return (_bare(name.value), name, _shape(shape) if shape is not None else None)
+        shape, name, indices = children
+        bare = _bare(name.value) + (indices.value if indices is not None else "")
+        return (bare, name, _shape(shape) if shape is not None else None)
 
     def nested_operand(self, children: list) -> tuple:
         """``f32[4] negate(p)`` inside an operand list: hoisted before its user."""
@@ -1075,6 +1086,40 @@ class _Builder(Transformer):
         name = f"{_PLACEHOLDER}{scope.nested_count}"
         self._build(name, rhs[2], None, _shape(shape) if shape is not None else None, rhs, [])
         return (name, rhs[2], None)
+
+    def _tuple_element(self, ref: str) -> str:
+        """``t#1#0``, XLA's compact get-tuple-element: the name of the get-tuple-elements
+        it stands for (``t#1``, then element 0 of that), each made once per computation
+        before its first user, as XLA's parser makes them, and named ``t_1``, ``t_1_0``
+        when the computation closes. An undefined ``t`` is returned for the caller to
+        report; an element ``t`` does not have raises :class:`_NoSuchElement`."""
+        scope = self.scope
+        base, *indices = ref.split("#")
+        operand, prefix = base, base
+        for text in indices:
+            tuple_name, prefix = prefix, f"{prefix}#{text}"
+            made = scope.tuple_elements.get(prefix)
+            if made is None:
+                definition = scope.names.get(operand)
+                if definition is None:
+                    return operand
+                shape, index = definition.shape, int(text)
+                if not isinstance(shape, TupleShape):
+                    raise _NoSuchElement(f"'{prefix}' takes an element of '{tuple_name}', "
+                                         f"which is not a tuple ({_format_shape(shape)})")
+                if index >= len(shape.elements):
+                    raise _NoSuchElement(f"'{prefix}': index {index} is out of range for "
+                                         f"{_format_shape(shape)}")
+                scope.nested_count += 1
+                made = f"{_PLACEHOLDER}{scope.nested_count}"
+                element = Instruction(made, "get-tuple-element", shape.elements[index],
+                                      [operand], {"index": index})
+                scope.hoisted_bases[made] = prefix.replace("#", "_")
+                scope.tuple_elements[prefix] = made
+                scope.names[made] = element
+                scope.instructions.append(element)
+            operand = made
+        return operand
 
     def attribute(self, children: list) -> tuple:
         key, value = children
@@ -1178,20 +1223,29 @@ class _Builder(Transformer):
         if kind == "names":
             names = inst.operands = _operand_names(*payload)
             for index, name in enumerate(names):
+                if "#" in name:
+                    try:
+                        name = names[index] = self._tuple_element(name)
+                    except _NoSuchElement as why:
+                        _fail(str(why), _operand_locations(*payload)[index])
                 if name not in defined:
                     if scope.first_unknown_use is None:
                         scope.first_unknown_use = (name, _operand_locations(*payload)[index])
                     break
         else:
             names = inst.operands
-            for name, loc, declared in payload:
+            for ref, loc, declared in payload:
+                try:
+                    name = self._tuple_element(ref) if "#" in ref else ref
+                except _NoSuchElement as why:
+                    _fail(str(why), loc)
                 names.append(name)
                 definition = defined.get(name)
                 if definition is None:
                     if scope.first_unknown_use is None:
                         scope.first_unknown_use = (name, loc)
                 elif declared is not None and not compatible(declared, definition.shape):
-                    _fail(f"operand '{name}' is declared {_format_shape(declared)} but "
+                    _fail(f"operand '{ref}' is declared {_format_shape(declared)} but "
                           f"defined as {_format_shape(definition.shape)}", loc)
         counts = _OPERAND_COUNTS.get(opcode)
         if counts is not None:
@@ -1204,13 +1258,14 @@ class _Builder(Transformer):
 
 
 def _name_nested(scope: _Scope) -> None:
-    """Give hoisted nested operands XLA's names (``negate.anon``, ``negate.anon.1``)."""
+    """Give hoisted instructions XLA's names: nested operands ``negate.anon``,
+    ``negate.anon.1``; compact tuple elements ``t#1#0`` ``t_1_0``."""
     taken = {name for name in scope.names if not name.startswith(_PLACEHOLDER)}
     renames: dict[str, str] = {}
     next_suffix: dict[str, int] = {}  # keeps many same-opcode operands linear
     for inst in scope.instructions:
         if inst.name.startswith(_PLACEHOLDER):
-            base = f"{inst.opcode}.anon"
+            base = scope.hoisted_bases.get(inst.name) or f"{inst.opcode}.anon"
             fresh = _unique(base, taken, next_suffix.get(base, 1))
             if fresh != base:
                 next_suffix[base] = int(fresh.rsplit(".", 1)[1]) + 1
