@@ -67,7 +67,7 @@ def test_the_long_form_computes_what_the_compact_one_means():
     runtime.shutdown_workers()
     a = np.array([1.5, -2.0, 3.0, -4.25], np.float32)
     b = np.array([3.0, -0.5], np.float32)
-    (s, m, t0), = [[out[0] for out in runtime.load(to_text(parse(COMPACT)))(a, b)]]
+    s, m, t0 = (per_device[0] for per_device in runtime.load(to_text(parse(COMPACT)))(a, b))
     np.testing.assert_array_equal(s, -a + a)
     np.testing.assert_array_equal(m, b * b)
     np.testing.assert_array_equal(t0, np.abs(a))
