@@ -557,3 +557,58 @@ def test_a_pmap_step_is_refused_up_front_by_name():
 
     with pytest.raises(HloShardError, match="got a jax.pmap'ed function .*jax.jit over a Mesh"):
         hsj.shard_weight_update(jax.pmap(lambda x: x, axis_name="batch"))
+
+
+# ------------------------------------------------------------- a jaxlib it is not tested with
+
+
+def _untested_jaxlib(monkeypatch) -> None:
+    """Make the installed jaxlib one hlo-shard is not tested with (pip no longer keeps a
+    newer one out: it would downgrade the user's jax to do so)."""
+    from hlo_shard.runtime import _child
+
+    monkeypatch.setattr(_child, "SUPPORTED_JAXLIB", ((0, 98), (0, 99)))
+    monkeypatch.delenv(_child.ALLOW_UNSUPPORTED_ENV, raising=False)
+
+
+def test_an_untested_jaxlib_runs_the_step_unchanged_after_one_warning(request, monkeypatch):
+    """``shard_weight_update`` on a jaxlib outside the tested range: no exception into the
+    loop, one FallbackWarning coded ``unsupported_jax`` that names the range and the
+    override, and jit's numbers; with the override the pass runs."""
+    if not needs_devices(request):
+        return
+    _untested_jaxlib(monkeypatch)
+    program = make_program("mlp", "adam", 4)
+    fast = hsj.shard_weight_update(program.step, force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (params, _), losses = train(fast, program, 2)
+    warned = _fallbacks(caught)
+    assert [w.code for w in warned] == ["unsupported_jax"]
+    assert "jax>=0.10,<0.11" in str(warned[0]) and "HLO_SHARD_ALLOW_UNSUPPORTED_JAX" in str(
+        warned[0])
+    assert fast.report["fallback"] == "unsupported_jax"
+    (jit_params, _), jit_losses = train(make_program("mlp", "adam", 4).step, program, 2)
+    np.testing.assert_array_equal(losses, jit_losses)
+    assert_close(params, jit_params)
+
+    monkeypatch.setenv("HLO_SHARD_ALLOW_UNSUPPORTED_JAX", "1")
+    allowed = hsj.shard_weight_update(program.step, force=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(allowed, program, 1)
+    assert not _fallbacks(caught) and allowed.report["sharded"] > 0
+
+
+def test_install_on_an_untested_jaxlib_installs_nothing_after_one_warning(monkeypatch):
+    """``install()`` there: one FallbackWarning, no pass registered, jax compiles as it
+    did (never an exception in a training script)."""
+    _untested_jaxlib(monkeypatch)
+    hsj.uninstall()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hsj.install():
+            assert not hsj.installed()
+    warned = _fallbacks(caught)
+    assert len(warned) == 1 and "installed nothing" in str(warned[0])
+    assert "jax>=0.10,<0.11" in str(warned[0])

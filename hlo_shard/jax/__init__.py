@@ -1,6 +1,7 @@
 """hlo-shard inside JAX programs (with :mod:`hlo_shard.runtime`, the only code that uses
-jax's private APIs, behind the version check ``jax>=0.10,<0.11``; importing this package
-does not import jax). Two ways in (see docs/jax.md):
+jax's private APIs, behind the version check ``jax>=0.10,<0.11``: outside it both ways
+in run the program unchanged with one warning; importing this package does not import
+jax). Two ways in (see docs/jax.md):
 
 * ``shard_weight_update(step)``: a ``jax.jit`` step run through its optimized per-device
   module on the user's own jax Arrays, state gathered or kept in shards::

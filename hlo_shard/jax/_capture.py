@@ -55,6 +55,9 @@ class Reason(str, Enum):
     COMPILE_FAILED = "compile_failed"
     #: The optimized step's first run failed.
     RUN_FAILED = "run_failed"
+    #: The installed jaxlib is outside the range hlo-shard is tested with (the private
+    #: APIs it uses may differ); ``HLO_SHARD_ALLOW_UNSUPPORTED_JAX=1`` tries it.
+    UNSUPPORTED_JAX = "unsupported_jax"
 
 
 class Unsupported(Exception):

@@ -153,7 +153,6 @@ class ShardedStep:
     """
 
     def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False) -> None:
-        _xla.check_version()
         front, self._jitted = _front_and_jit(fn)
         #: A library wrapper's copy calling :meth:`_step` where it called its jax.jit.
         self._front = None if front is None else front(self._step)
@@ -424,6 +423,9 @@ class ShardedStep:
         if entry is not None:
             return entry
         seconds = FirstCallSeconds()
+        problem = _xla.version_problem()
+        if problem is not None:
+            return self._fall_back(key, Unsupported(problem, Reason.UNSUPPORTED_JAX))
         try:
             with seconds.timing("capture"):
                 cap = capture(self._jitted, args, kwargs)

@@ -18,16 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from hlo_shard.errors import HloShardError
 from hlo_shard.runtime._child import ALLOW_UNSUPPORTED_ENV, unsupported_version_message
 
 
-def check_version() -> None:
+def version_problem() -> str | None:
+    """Why the installed jaxlib is not used (None: it is, or the user allowed it)."""
     import jaxlib.version
 
     problem = unsupported_version_message(jaxlib.version.__version__)
-    if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
-        raise HloShardError(problem)
+    return None if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1" else problem
 
 
 def _client() -> Any:

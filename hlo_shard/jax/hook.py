@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import threading
 import time
@@ -41,6 +40,8 @@ from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax._capture import StageSeconds
+from hlo_shard.jax._step import FallbackWarning
+from hlo_shard.jax._xla import version_problem
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
@@ -350,16 +351,6 @@ def _platform_hook() -> PlatformHook:
     return hook
 
 
-def _check_version() -> None:
-    import jaxlib.version
-
-    from hlo_shard.runtime._child import ALLOW_UNSUPPORTED_ENV, unsupported_version_message
-
-    problem = unsupported_version_message(jaxlib.version.__version__)
-    if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
-        raise HloShardError(problem)
-
-
 class Installation:
     """What :func:`install` returns: ``with install(): ...`` uninstalls at the end."""
 
@@ -391,7 +382,11 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         pattern = re.compile(only) if only is not None else None
     except re.error as err:
         raise HloShardError(f"install(only={only!r}): not a regular expression ({err})") from None
-    _check_version()
+    problem = version_problem()
+    if problem is not None:  # jax compiles as before: a training script goes on unchanged
+        warnings.warn(f"hlo_shard.jax.install() installed nothing: {problem}",
+                      FallbackWarning, stacklevel=2)
+        return Installation()
     platform_hook = _platform_hook()
     from jax.extend import xla as jax_xla
 
