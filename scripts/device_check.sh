@@ -97,10 +97,9 @@ DEVICES=$(tail -n 1 "$DIR/environment.log" | grep -E '^[0-9]+$' || echo 0)
 note "$DEVICES $BACKEND device(s), $(( $(date +%s) - STARTED )) s in"
 # A machine without a package index keeps the jax it has (an accelerator image's is often
 # newer than the supported range): the check runs on it anyway, and the report says so.
-UNSUPPORTED=$("$PY" -c "import jaxlib.version
-from hlo_shard.runtime._child import unsupported_version_message as m
-print(m(jaxlib.version.__version__) or '')" 2>/dev/null)
-if [ -n "$UNSUPPORTED" ] && [ "${HLO_SHARD_ALLOW_UNSUPPORTED_JAX:-}" != 1 ]; then
+UNSUPPORTED=$("$PY" -c "from hlo_shard.runtime._child import version_refusal
+print(version_refusal() or '')" 2>/dev/null)
+if [ -n "$UNSUPPORTED" ]; then
   export HLO_SHARD_ALLOW_UNSUPPORTED_JAX=1
   note "run with HLO_SHARD_ALLOW_UNSUPPORTED_JAX=1: ${UNSUPPORTED%%:*}"
 fi

@@ -31,6 +31,7 @@ from hlo_shard.jax._capture import (FirstCallSeconds, JitStep, Reason, Unsupport
                                     describe)
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.passes.weight_update import ShardingOptions
+from hlo_shard.runtime._child import version_refusal
 
 
 class FallbackWarning(UserWarning):
@@ -423,7 +424,7 @@ class ShardedStep:
         if entry is not None:
             return entry
         seconds = FirstCallSeconds()
-        problem = _xla.version_problem()
+        problem = version_refusal()
         if problem is not None:
             return self._fall_back(key, Unsupported(problem, Reason.UNSUPPORTED_JAX))
         try:

@@ -8,7 +8,6 @@ the user's own jax Arrays, with no copy to numpy or to a child.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,16 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from hlo_shard.runtime._child import ALLOW_UNSUPPORTED_ENV, unsupported_version_message
-
-
-def version_problem() -> str | None:
-    """Why the installed jaxlib is not used (None: it is, or the user allowed it)."""
-    import jaxlib.version
-
-    problem = unsupported_version_message(jaxlib.version.__version__)
-    return None if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1" else problem
 
 
 def _client() -> Any:

@@ -41,10 +41,10 @@ from typing import Any
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
-from hlo_shard.jax._xla import version_problem
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
+from hlo_shard.runtime._child import version_refusal
 
 logger = logging.getLogger("hlo_shard")
 
@@ -382,7 +382,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         pattern = re.compile(only) if only is not None else None
     except re.error as err:
         raise HloShardError(f"install(only={only!r}): not a regular expression ({err})") from None
-    problem = version_problem()
+    problem = version_refusal()
     if problem is not None:  # jax compiles as before: a training script goes on unchanged
         warnings.warn(f"hlo_shard.jax.install() installed nothing: {problem}",
                       FallbackWarning, stacklevel=2)

@@ -75,6 +75,16 @@ def unsupported_version_message(version: str) -> str | None:
             f"(pip install '{SUPPORTED_TEXT}'), or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway")
 
 
+def version_refusal() -> str | None:
+    """Why the installed jaxlib is not used: None where it is supported or the user set
+    :data:`ALLOW_UNSUPPORTED_ENV` (what the runtime, ``shard_weight_update`` and
+    ``install()`` all check)."""
+    import jaxlib.version
+
+    problem = unsupported_version_message(jaxlib.version.__version__)
+    return None if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1" else problem
+
+
 # ------------------------------------------------------------------------- runtime
 
 
@@ -86,10 +96,8 @@ class Runtime:
     """Compiled executables of one backend and device count, addressed by handle."""
 
     def __init__(self, backend: str, device_count: int) -> None:
-        import jaxlib.version
-
-        problem = unsupported_version_message(jaxlib.version.__version__)
-        if problem and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+        problem = version_refusal()
+        if problem is not None:
             raise UsageError(problem)
         import jax
         import numpy as np
