@@ -612,3 +612,25 @@ def test_install_on_an_untested_jaxlib_installs_nothing_after_one_warning(monkey
     warned = _fallbacks(caught)
     assert len(warned) == 1 and "installed nothing" in str(warned[0])
     assert "jax>=0.10,<0.11" in str(warned[0])
+
+
+def test_a_signature_is_jits_key_in_kind_whatever_form_a_placement_is_written_in():
+    """Each call's signature numbers every leaf by its aval and sharding (cheap to look
+    up on every step): equivalent placements (``P()`` and ``P(None, None)``) and a weak
+    type are the same signature, another dtype, shape or placement is another."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from hlo_shard.jax import _xla
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    x = np.ones((4, 6), np.float32)
+    replicated = jax.device_put(x, NamedSharding(mesh, P()))
+    also_replicated = jax.device_put(x, NamedSharding(mesh, P(None, None)))
+    split = jax.device_put(x, NamedSharding(mesh, P("d")))
+    sig = _xla.signature
+    assert sig([replicated]) == sig([also_replicated]) == sig([replicated + 1])
+    assert sig([replicated]) != sig([split])
+    assert sig([replicated]) != sig([replicated.astype(np.float16)])
+    assert sig([replicated]) != sig([replicated[:2]])
+    assert sig([jax.numpy.float32(2.0)]) == sig([jax.numpy.float32(3.0)])
+    assert sig([1.5]) == sig([2.5]) != sig([1])

@@ -46,6 +46,17 @@ def test_cpu_with_the_jaxlib_it_ran_on_gives_no_warning():
     assert hook.platform_hook("cpu", "0.10.2")[1] == ""
 
 
+@pytest.mark.parametrize("jaxlib", ["0.11.2", "0.11.3", "0.12.0", "0.11.2.dev20261201"])
+def test_gpu_with_the_jaxlib_it_was_seen_running_with_or_newer_gives_no_warning(jaxlib):
+    assert hook.platform_hook("gpu", jaxlib)[1] == ""
+
+
+def test_gpu_with_an_older_jaxlib_says_which_one_ran_it():
+    warning = hook.platform_hook("gpu", "0.11.1")[1]
+    assert "not been run on gpu with jaxlib 0.11.1" in warning
+    assert "seen running with jaxlib 0.11.2" in warning
+
+
 @pytest.mark.parametrize("platform, says", [
     ("gpu", "openxla/xla PR #43630"), ("tpu", "libtpu"), ("METAL", "no XLA backend but")])
 def test_an_untested_platform_gets_one_clear_warning(platform, says):

@@ -326,3 +326,18 @@ def test_worker_environment_sets_the_device_count(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=true")  # the user's wins
     assert "--xla_allow_excess_precision=false" not in \
         runtime.worker.child_environment("cpu", 8)["XLA_FLAGS"]
+
+
+def test_a_backend_without_cost_analysis_gives_no_costs_and_other_errors_still_raise():
+    """XLA GPU's plugin client answers UNIMPLEMENTED to hlo_module_cost_analysis (seen
+    on an H200, jaxlib 0.11.2): the module still compiles and runs, with no costs."""
+    def unimplemented() -> dict:
+        raise RuntimeError("UNIMPLEMENTED: PJRT C API does not support GetHloCostAnalysis.")
+
+    def broken() -> dict:
+        raise RuntimeError("INTERNAL: something else")
+
+    assert _child._cost_if_implemented(unimplemented) == {}
+    assert _child._cost_if_implemented(lambda: [{"flops": 3}]) == {"flops": 3.0}
+    with pytest.raises(RuntimeError, match="INTERNAL"):
+        _child._cost_if_implemented(broken)

@@ -137,11 +137,12 @@ class Program:
 
     def shard_key(self, treedef: Any, static: Any, leaves: list) -> tuple:
         """The signature of these arguments with the state leaves in shard form."""
-        keys = [(self.state_args[i].shape, _xla.dtype_key(leaf),
-                 _xla.placement(self.shard_sharding, 1))
-                if i in self.state_args else _xla.leaf_key(leaf)
-                for i, leaf in enumerate(leaves)]
-        return (treedef, static, tuple(keys))
+        whole = _xla.signature(leaves)
+        return (treedef, static, tuple(
+            _xla.leaf_number((self.state_args[i].shape, _xla.dtype_key(leaf),
+                              _xla.placement(self.shard_sharding, 1)))
+            if i in self.state_args else number for i, (leaf, number)
+            in enumerate(zip(leaves, whole))))
 
     def returns(self, treedef: Any, leaves: list, placed: bool) -> bool:
         """Whether ``leaves`` look like this program's outputs (shard forms included);

@@ -392,6 +392,9 @@ class ShardedStep:
     def _split(self, args: tuple, kwargs: dict) -> _Call:
         import jax
 
+        if not self._static_argnums and not self._static_argnames:  # the common step
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            return _Call(leaves, treedef, ((), ()))
         count = len(args)
         static_nums = {n % count for n in self._static_argnums if -count <= n < count}
         dynamic = tuple(a for i, a in enumerate(args) if i not in static_nums)
@@ -414,8 +417,7 @@ class ShardedStep:
 
     def _key(self, call: _Call) -> tuple:
         if call.key is None:
-            call.key = (call.treedef, call.static,
-                        tuple(_xla.leaf_key(x) for x in call.leaves))
+            call.key = (call.treedef, call.static, _xla.signature(call.leaves))
         return call.key
 
     def _entry(self, call: _Call, args: tuple, kwargs: dict) -> _Entry | _Fallback:

@@ -44,7 +44,7 @@ from hlo_shard.jax._step import FallbackWarning
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
-from hlo_shard.runtime._child import version_refusal
+from hlo_shard.runtime._child import version_refusal, version_tuple
 
 logger = logging.getLogger("hlo_shard")
 
@@ -72,7 +72,9 @@ class PlatformHook:
 
     #: The ``jax.extend.xla.PipelineStage`` it registers at.
     stage: str
-    #: The jaxlib release the hook was seen to run with there (None: never run by us).
+    #: The oldest jaxlib release the hook was seen to run with there (None: never seen
+    #: running). That release and newer ones give no warning: the support XLA added
+    #: (the plugin's transform extension) is not taken out again.
     seen_running_with: str | None
     #: What ``install()`` warns when it was not (why the hook may be ignored).
     untested: str = ""
@@ -88,10 +90,12 @@ _UNTESTED = ("install(): the pass hook has not been run on {platform} with jaxli
 #: what the pass emits; POST_SCHEDULER has async collectives the pass leaves alone.
 PLATFORM_HOOKS: dict[str, PlatformHook] = {
     "cpu": PlatformHook("PRE_SCHEDULER", "0.10.2"),
-    "gpu": PlatformHook("PRE_SCHEDULER", None,
+    # Seen: scripts/device_check.sh on an H200 (jax-cuda13 plugin), 2026-12-04.
+    "gpu": PlatformHook("PRE_SCHEDULER", "0.11.2",
                         "XLA GPU runs registered passes only since openxla/xla PR #43630 "
                         "(June 2026; the GPU plugin's transform extension with it), older "
-                        "jaxlibs and CUDA plugins ignore the hook silently"),
+                        "jaxlibs and CUDA plugins ignore the hook silently; it was seen "
+                        "running with jaxlib 0.11.2"),
     "tpu": PlatformHook("PRE_SCHEDULER", None,
                         "the hook runs through the TPU plugin's transform extension, which "
                         "only recent libtpu releases provide"),
@@ -334,9 +338,10 @@ def _agree_across_processes(out: str | None, result: bytes | None, reason: str
 def platform_hook(platform: str, jaxlib: str) -> tuple[PlatformHook, str]:
     """The stage the pass registers at on ``platform`` (jax's ``default_backend()``)
     with ``jaxlib``, and the warning ``install()`` gives there ("" where the hook was
-    seen to run with that jaxlib, or where the version check decides)."""
+    seen to run with that jaxlib or an older one, and on CPU)."""
     hook = PLATFORM_HOOKS.get(platform, OTHER_PLATFORM)
-    if hook.seen_running_with == jaxlib or not hook.untested:
+    if not hook.untested or (hook.seen_running_with is not None and
+                             version_tuple(jaxlib) >= version_tuple(hook.seen_running_with)):
         return hook, ""
     return hook, _UNTESTED.format(platform=platform, jaxlib=jaxlib, why=hook.untested)
 

@@ -91,9 +91,10 @@ class Executable:
     worker: Worker
     timeout: float = DEFAULT_TIMEOUT
     memory: MemoryStats = field(init=False)
-    #: ``hlo_module_cost_analysis`` of the module as written (before XLA's passes).
+    #: ``hlo_module_cost_analysis`` of the module as written (before XLA's passes);
+    #: empty where the backend has none (a PJRT plugin: XLA GPU through the C API).
     cost: dict[str, float] = field(init=False)
-    #: ``LoadedExecutable.cost_analysis()`` of the optimized module.
+    #: ``LoadedExecutable.cost_analysis()`` of the optimized module (empty likewise).
     compiled_cost: dict[str, float] = field(init=False)
     compile_seconds: float = field(init=False)
     _handle: int = field(init=False, default=0)
