@@ -47,8 +47,11 @@ def test_the_report_says_what_each_step_left_on_one_gpu(tmp_path):
                        "runs": False},
         "rows": [{"model": "mlp", "optimizer": "adam",
                   "train": {"error": "XlaRuntimeError: out of memory"}}]}))
-    times = {"overhead": 1e-5, "stream": 1e-5 + 3 * 4 * calibrate.GPU_SIZES.stream / 4e12,
-             "write": 1e-5 + 4 * calibrate.GPU_SIZES.stream / 3e12,
+    sizes = calibrate.GPU_SIZES
+    times = {"overhead": 1e-5, "stream": 1e-4 + 3 * 4 * sizes.stream / 4e12,
+             "stream_large": 1e-4 + 3 * 4 * sizes.stream_large / 4e12,
+             "write": 1e-4 + 4 * sizes.stream / 3e12,
+             "write_large": 1e-4 + 4 * sizes.stream_large / 3e12,
              "matrix_f32": 1e-5 + 2 * calibrate.GPU_SIZES.dot ** 3 / 400e12,
              "matrix_bf16": 1e-5 + 2 * calibrate.GPU_SIZES.dot ** 3 / 800e12}
     base, _ = profile_json("h200")

@@ -57,8 +57,13 @@ def test_memory_capacity_is_neither_needed_nor_refused():
 
 def _measured(n: int) -> dict[str, float]:
     """Probe times as a GPU at ``n`` devices might measure them (seconds)."""
-    times = {"overhead": 10e-6, "stream": 10e-6 + 3 * 4 * calibrate.GPU_SIZES.stream / 4e12,
-             "write": 10e-6 + 4 * calibrate.GPU_SIZES.stream / 3e12,
+    sizes = calibrate.GPU_SIZES
+    # a large step's fixed cost (0.1 ms) is ten times the tiny step's: the slope between
+    # the two sizes still reads the bandwidths
+    times = {"overhead": 10e-6, "stream": 100e-6 + 3 * 4 * sizes.stream / 4e12,
+             "stream_large": 100e-6 + 3 * 4 * sizes.stream_large / 4e12,
+             "write": 100e-6 + 4 * sizes.stream / 3e12,
+             "write_large": 100e-6 + 4 * sizes.stream_large / 3e12,
              "matrix_f32": 10e-6 + 2 * calibrate.GPU_SIZES.dot ** 3 / 400e12,
              "matrix_bf16": 10e-6 + 2 * calibrate.GPU_SIZES.dot ** 3 / 800e12}
     if n > 1:
@@ -139,7 +144,8 @@ def test_the_gpu_probes_run_on_real_xla():
     """The GPU path end to end, on the CPU backend with a small dot: every probe it
     builds compiles and runs (bf16 inputs included), and the result is a valid profile."""
     data = calibrate.gpu_profile(2, "h100", runs=1, rounds=1, backend="cpu",
-                                 sizes=calibrate.GpuSizes(dot=256, stream=1 << 16))
+                                 sizes=calibrate.GpuSizes(dot=256, stream=1 << 16,
+                                                         stream_large=1 << 18))
     profile = profile_from_dict(data, "gpu-local")
     assert profile.interconnect.intra_node.alpha_s >= 0
     assert set(calibrate._gpu_probes(2)) <= set(data["sources"][0].replace(",", "").split())

@@ -147,6 +147,11 @@ def test_a_donating_module_is_timed_as_a_training_loop(worker):
     assert kept.module.output_aliases() == {}
     assert len(kept.time(np.zeros(1024, np.float32), np.ones(1024, np.float32), runs=2,
                          warmup=1).seconds) == 2
+    # launched back to back (a GPU probe's loop): each step still consumes the output of
+    # the one before, and a run is the mean of its steps
+    pipelined = exe.time(np.zeros(1024, np.float32), np.ones(1024, np.float32), runs=3,
+                         warmup=1, pipelined=5)
+    assert len(pipelined.seconds) == 3 and 0 < pipelined.median < 5
 
 
 def test_module_cost_without_compiling(worker):

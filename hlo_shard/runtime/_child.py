@@ -220,13 +220,17 @@ class Runtime:
                 for leaf in result.disassemble_into_single_device_arrays()]
 
     def time(self, handles: list[int], arguments: list[list[list]], runs: int,
-             warmup: int, feedback: list[list[tuple[int, int]]] | None = None
-             ) -> list[list[float]]:
+             warmup: int, feedback: list[list[tuple[int, int]]] | None = None,
+             pipelined: int = 1) -> list[list[float]]:
         """Wall seconds per run of each executable, interleaved A, B, A, B … so that
         machine noise hits all of them alike; the first ``warmup`` rounds are dropped.
         Inputs are placed once. ``feedback[slot]``: (output, parameter) pairs of an
         executable compiled with donation; each run consumes those parameters, and the
-        outputs become the next run's (a training loop, timed as a user runs it)."""
+        outputs become the next run's (a training loop, timed as a user runs it).
+        ``pipelined``: each run is that many steps launched back to back and waited for
+        once, its time their mean: a loop dispatched asynchronously, as jax runs one on an
+        accelerator, where waiting after every step adds the host's round trip (and its
+        jitter) to each."""
         feedback = feedback or [[] for _ in handles]
         prepared = []
         for handle, args in zip(handles, arguments):
@@ -238,16 +242,17 @@ class Runtime:
         for round_number in range(warmup + runs):
             for slot, (executable, arrays) in enumerate(prepared):
                 started = time.perf_counter()
-                result = executable.execute_sharded(arrays)
-                outputs = result.disassemble_into_single_device_arrays()
+                for _ in range(pipelined):
+                    result = executable.execute_sharded(arrays)
+                    outputs = result.disassemble_into_single_device_arrays()
+                    for output, parameter in feedback[slot]:
+                        shape, sharding = layouts[slot][parameter]
+                        arrays[parameter] = self.jax.make_array_from_single_device_arrays(
+                            shape, sharding, outputs[output])
                 self.jax.block_until_ready(outputs)
-                elapsed = time.perf_counter() - started
+                elapsed = (time.perf_counter() - started) / pipelined
                 if round_number >= warmup:
                     times[slot].append(elapsed)
-                for output, parameter in feedback[slot]:
-                    shape, sharding = layouts[slot][parameter]
-                    arrays[parameter] = self.jax.make_array_from_single_device_arrays(
-                        shape, sharding, outputs[output])
         return times
 
     def release(self, handle: int) -> None:

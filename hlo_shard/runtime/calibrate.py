@@ -108,18 +108,26 @@ SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 
 @dataclass(frozen=True)
 class GpuSizes:
-    """The GPU probes' sizes: large enough that a step's fixed cost (~10 us) is a few
-    percent of it on a GPU streaming terabytes a second."""
+    """The GPU probes' sizes. A dot is milliseconds past its launch. The bandwidths are
+    the slope between two sizes of the loop and the fill: a step of hundreds of MiB has
+    a fixed cost above a tiny step's (launching a large grid, the host's part), which a
+    rate from one size with the tiny step's time subtracted counts as memory time; the
+    slope leaves out every cost that does not grow with the bytes."""
 
-    dot: int = 8192             # square dot: ~1 TFLOP, milliseconds past its launch
+    dot: int = 8192             # square dot: ~1 TFLOP
     stream: int = 1 << 26       # f32 elements per array of the loop and the fill: 256 MiB
+    stream_large: int = 1 << 28  # ... and at the slope's other end: 1 GiB
 
 
 GPU_SIZES = GpuSizes()
+#: Steps of a GPU probe launched back to back per timed run, as jax dispatches a training
+#: loop: waiting for each step alone adds the host's round trip, tens of microseconds
+#: that vary from step to step, to milliseconds of work.
+GPU_PIPELINED = 8
 
 #: Probes that run as a training loop does: their first outputs overwrite as many
 #: parameters in place.
-DONATED_PROBES = {"stream": 1, "kernels": KERNELS, "kernels_base": 1}
+DONATED_PROBES = {"stream": 1, "stream_large": 1, "kernels": KERNELS, "kernels_base": 1}
 
 
 def _module(n: int, body: str, header: str = "") -> str:
@@ -254,7 +262,8 @@ COLLECTIVE_PROBES = ("small_all_reduce", "all_reduce_chain", "large_all_reduce")
 
 def _gpu_probes(n: int, sizes: GpuSizes = GPU_SIZES) -> dict[str, str]:
     common = _probes(n)
-    probes = {"stream": _stream(sizes.stream), "write": _fill(sizes.stream),
+    probes = {"stream": _stream(sizes.stream), "stream_large": _stream(sizes.stream_large),
+              "write": _fill(sizes.stream), "write_large": _fill(sizes.stream_large),
               "overhead": common["overhead"]}
     probes |= {f"matrix_{t}": _dot(t, sizes.dot) for t in ("f32", "bf16")}
     if n > 1:
@@ -263,11 +272,12 @@ def _gpu_probes(n: int, sizes: GpuSizes = GPU_SIZES) -> dict[str, str]:
 
 
 def measure(n: int, runs: int = 5, rounds: int = 3, backend: str = "cpu",
-            probes: dict[str, str] | None = None) -> dict[str, float]:
+            probes: dict[str, str] | None = None, pipelined: int = 1) -> dict[str, float]:
     """Seconds per step of each probe (default: the CPU set) on ``n`` devices of
     ``backend``: the median over ``rounds`` rounds, each timing every probe in turn
     (median of ``runs``), so that a burst of load on a shared host moves one round of
-    each probe rather than some probes."""
+    each probe rather than some probes. ``pipelined``: each run that many steps
+    launched back to back (:func:`~hlo_shard.runtime.time_interleaved`)."""
     from statistics import median
 
     import numpy as np
@@ -283,7 +293,8 @@ def measure(n: int, runs: int = 5, rounds: int = 3, backend: str = "cpu",
             for name, executable in executables.items():
                 args = [np.ones(shape.dims, numpy_dtype(shape.element_type))
                         for shape in executable.parameters]
-                per_round[name].append(executable.time(*args, runs=runs, warmup=1).median)
+                per_round[name].append(executable.time(*args, runs=runs, warmup=1,
+                                                        pipelined=pipelined).median)
     finally:
         for executable in executables.values():
             executable.close()
@@ -394,8 +405,9 @@ def gpu_profile_from_measurements(n: int, t: dict[str, float], base: dict,
     and loops of ``sizes``), every other field from ``base`` (the published profile of
     that GPU, as a dict)."""
     overhead = t["overhead"]
-    read = 3 * 4 * sizes.stream / max(t["stream"] - overhead, 1e-9)
-    write = 4 * sizes.stream / max(t["write"] - overhead, 1e-9)
+    grown = sizes.stream_large - sizes.stream
+    read = 3 * 4 * grown / max(t["stream_large"] - t["stream"], 1e-9)
+    write = 4 * grown / max(t["write_large"] - t["write"], 1e-9)
     dots = {kind: 2 * sizes.dot ** 3 / max(t[f"matrix_{kind}"] - overhead, 1e-9)
             for kind in ("f32", "bf16")}
     measured = ["memory_bandwidth_bytes_per_s", "memory_write_bandwidth_bytes_per_s",
@@ -435,8 +447,8 @@ def gpu_profile(devices: int, base_name: str, runs: int = 5, rounds: int = 3,
     base, _ = profile_json(base_name)
     assert isinstance(base, dict)
     return gpu_profile_from_measurements(
-        devices, measure(devices, runs, rounds, backend, _gpu_probes(devices, sizes)), base,
-        sizes)
+        devices, measure(devices, runs, rounds, backend, _gpu_probes(devices, sizes),
+                         GPU_PIPELINED), base, sizes)
 
 
 #: A GPU's name (as ``nvidia-smi`` prints it) → the published profile of it.

@@ -149,8 +149,8 @@ class Executable:
     def __call__(self, *args: Any) -> list[DeviceValues]:
         return self.run(self.arguments(args))
 
-    def time(self, *args: Any, runs: int = 10, warmup: int = 2) -> Timing:
-        return time_interleaved([self], [self.arguments(args)], runs, warmup)[0]
+    def time(self, *args: Any, runs: int = 10, warmup: int = 2, pipelined: int = 1) -> Timing:
+        return time_interleaved([self], [self.arguments(args)], runs, warmup, pipelined)[0]
 
     def close(self) -> None:
         """Free the compiled executable in the worker (the worker keeps running)."""
@@ -200,10 +200,12 @@ def module_cost(source: str | Path | Module, backend: str = "cpu", *,
 
 
 def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequence[DeviceValues]],
-                     runs: int = 10, warmup: int = 2) -> list[Timing]:
+                     runs: int = 10, warmup: int = 2, pipelined: int = 1) -> list[Timing]:
     """Median-ready step times of several executables sharing one worker, run
     interleaved A, B, A, B … after ``warmup`` untimed rounds; an executable loaded with
-    ``donate=True`` runs as a training loop (its aliased outputs fed back)."""
+    ``donate=True`` runs as a training loop (its aliased outputs fed back).
+    ``pipelined``: each run the mean of that many steps launched back to back and
+    waited for once (an asynchronously dispatched loop)."""
     if runs < 1:
         raise HloShardError("timing needs at least one run")
     worker = executables[0].worker
@@ -212,7 +214,7 @@ def time_interleaved(executables: Sequence[Executable], inputs: Sequence[Sequenc
     handles = [e._ensure_compiled() for e in executables]
     reply = worker.request("time", max(e.timeout for e in executables), "timing",
                            handles=handles, arguments=[[list(v) for v in i] for i in inputs],
-                           runs=runs, warmup=warmup,
+                           runs=runs, warmup=warmup, pipelined=pipelined,
                            feedback=[list(e.module.output_aliases().items())
                                      for e in executables])
     return [Timing(tuple(seconds)) for seconds in reply]
