@@ -359,8 +359,7 @@ def interrupt(mesh) -> dict:
         signal.raise_signal(signal.SIGINT)
         return original_shard(*args, **kwargs)
 
-    out = {}
-    for case, interrupted in (("raise", by_raise), ("signal", by_signal)):
+    def interrupted_run(interrupted) -> str:
         raised = ""
         hook_module._shard = interrupted
         try:
@@ -371,6 +370,17 @@ def interrupt(mesh) -> dict:
                     raised = type(err).__name__
         finally:
             hook_module._shard = original_shard
+        return raised
+
+    out = {}
+    for case, interrupted in (("raise", by_raise), ("signal", by_signal)):
+        raised = interrupted_run(interrupted)
+        if case == "signal" and not raised:
+            # XLA runs the callback on a thread of its own: Python runs the SIGINT handler
+            # in the main thread at its next bytecode once the compile returns, which on a
+            # loaded machine can be a finalizer, whose exceptions Python only prints. A
+            # second real signal must come out.
+            raised = interrupted_run(interrupted)
         hook.decisions(clear=True)
         with hook.install(force=True):
             losses, _ = run(step, state0, mesh)
