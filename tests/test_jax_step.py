@@ -634,3 +634,37 @@ def test_a_signature_is_jits_key_in_kind_whatever_form_a_placement_is_written_in
     assert sig([replicated]) != sig([replicated[:2]])
     assert sig([jax.numpy.float32(2.0)]) == sig([jax.numpy.float32(3.0)])
     assert sig([1.5]) == sig([2.5]) != sig([1])
+
+
+def test_a_step_given_no_profile_is_priced_on_the_devices_it_is_compiled_for(request,
+                                                                               monkeypatch):
+    """No ``profile``: the first call prices on the published profile of the step's
+    devices (``profiles.detect.DEVICE_PROFILES``; cpu-local on CPU), and the report names
+    it; so does ``install()``. A profile the user names stays. (The CPU's entry is made
+    to name h200 here, so that the device's profile is seen to be the one used.)"""
+    if not needs_devices(request):
+        return
+    from hlo_shard.jax import hook
+    from hlo_shard.profiles import detect
+
+    program = make_program("mlp", "adam", 2)
+    default = hsj.shard_weight_update(program.step, force=True)
+    train(default, program, 1)
+    assert default.options.profile.name == "cpu-local" == default.report["profile"]
+    monkeypatch.setitem(detect.DEVICE_PROFILES, "cpu", (("cpu", "h200"),))
+    chosen = hsj.shard_weight_update(program.step, force=True)
+    named = hsj.shard_weight_update(program.step, force=True, profile="h100")
+    for fast in (chosen, named):
+        train(fast, program, 1)
+    assert chosen.options.profile.name == "h200" == chosen.report["profile"]
+    assert named.options.profile.name == "h100" == named.report["profile"]
+    # a step the capture cannot take (one device: no partitioned module) reports it too
+    single = hsj.shard_weight_update(jax.jit(lambda x: x * 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hsj.FallbackWarning)
+        single(np.ones(3, np.float32))
+    assert single.report["fallback"] and single.report["profile"] == "h200"
+    with hsj.install():
+        assert hook._HOOK.settings.options.profile.name == "h200"
+    with hsj.install(profile="a100"):
+        assert hook._HOOK.settings.options.profile.name == "a100"

@@ -101,7 +101,7 @@ def test_the_gpu_base_is_the_profile_of_the_gpu_nvidia_smi_names():
     assert calibrate.gpu_base(["NVIDIA H200", "NVIDIA H200"]) == "h200"
     assert calibrate.gpu_base(["NVIDIA H100 80GB HBM3"]) == "h100"
     assert calibrate.gpu_base(["NVIDIA A100-SXM4-80GB"]) == "a100"
-    assert calibrate.gpu_base([]) == calibrate.DEFAULT_GPU_BASE
+    assert calibrate.gpu_base([]) == "h100"
 
 
 def _calibrate(*args: str) -> subprocess.CompletedProcess:
@@ -159,3 +159,26 @@ def test_one_combine_threshold_where_a_profile_does_not_say():
     del data["combine_threshold_bytes"]
     assert profile_from_dict(data, origin).combine_threshold_bytes == \
         DEFAULT_COMBINE_THRESHOLD_BYTES
+
+
+@pytest.mark.parametrize("platform, kind, expected, noted", [
+    ("gpu", "NVIDIA H200", "h200", False), ("gpu", "NVIDIA H100 80GB HBM3", "h100", False),
+    ("gpu", "NVIDIA A100-SXM4-80GB", "a100", False), ("gpu", "NVIDIA L4", "h100", True),
+    ("tpu", "TPU v4", "tpu-v4", False), ("tpu", "TPU v5 lite", "tpu-v5e", False),
+    ("tpu", "TPU v3", "tpu-v3", False), ("tpu", "TPU v6 lite", "tpu-v4", True),
+    ("cpu", "cpu", "cpu-local", False), ("METAL", "Apple M2", "cpu-local", False)])
+def test_a_device_is_priced_on_its_own_published_profile(platform, kind, expected, noted):
+    from hlo_shard.profiles.detect import profile_for_device
+
+    name, note = profile_for_device(platform, kind)
+    assert name == expected and (note is not None) == noted
+    if noted:
+        assert repr(kind) in note and expected in note and "\n" not in note
+
+
+def test_every_device_profile_is_shipped():
+    from hlo_shard.profiles import available_profiles
+    from hlo_shard.profiles.detect import DEVICE_PROFILES, NEAREST_DEVICE_PROFILE
+
+    named = {name for table in DEVICE_PROFILES.values() for _, name in table}
+    assert named | set(NEAREST_DEVICE_PROFILE.values()) <= set(available_profiles())

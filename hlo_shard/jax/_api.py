@@ -24,8 +24,9 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = 
     ``fori_loop``) reduce-scatters them once after it (``"whole"``), or each microbatch's
     into an accumulator carried as a shard, 1/N of its memory (``"sharded"``), or
     whichever the cost model predicts faster (``"auto"``; ``optimize --accumulator``).
-    ``profile``: the hardware ``strategy="auto"``
-    prices collectives on (a profile name or file, as for ``hlo-shard optimize``). A step
+    ``profile``: the hardware the step is priced on (a profile name or file, as for
+    ``hlo-shard optimize``; by default the published profile of the devices the step is
+    compiled for, read at its first call: ``cpu-local`` on CPU). A step
     the cost model does not predict faster sharded runs as ``fn`` (one warning naming both
     estimates) unless ``force`` (``optimize --force``: shard every eligible gradient)."""
     options = ShardingOptions(num_replicas=num_replicas, state=state, params=params,
@@ -33,7 +34,7 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = 
                               min_shard_bytes=min_shard_bytes,
                               profile=resolve_profile(profile))
     # A bad option is an error now, not at a step.
-    return ShardedStep(fn, checked_options(options), force)
+    return ShardedStep(fn, checked_options(options), force, device_profile=profile is None)
 
 
 __all__ = ["per_device_hlo", "shard_weight_update"]

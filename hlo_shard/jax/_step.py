@@ -153,7 +153,8 @@ class ShardedStep:
     full leaves and the per-device shards the optimizer state is kept in.
     """
 
-    def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False) -> None:
+    def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False,
+                 device_profile: bool = False) -> None:
         front, self._jitted = _front_and_jit(fn)
         #: A library wrapper's copy calling :meth:`_step` where it called its jax.jit.
         self._front = None if front is None else front(self._step)
@@ -163,6 +164,9 @@ class ShardedStep:
         signature = getattr(info, "fun_signature", None)
         self._arg_names = tuple(signature.parameters) if signature is not None else ()
         self.options = options
+        #: Price on the profile of the devices the first captured step is compiled for
+        #: (the user named none): ``options.profile`` is replaced then.
+        self._device_profile = device_profile
         self.force = force
         self._entries: dict[tuple, _Entry | _Fallback] = {}
         self._warned: set[str] = set()
@@ -434,11 +438,14 @@ class ShardedStep:
                 cap = capture(self._jitted, args, kwargs)
         except Unsupported as why:
             why.seconds = seconds
+            with suppress(Exception):  # (the report's profile: the default's if it fails)
+                self._price_on(None)
             return self._fall_back(key, why, jit=why.jit)
         except Exception as err:  # jax's, tracing the user's function: as jit raises it
             _name_the_argument(err, call, self._latest_call, self._names(call))
             raise
         try:
+            self._price_on(cap.devices[0])
             program = build_program(cap, self.options, self._next_values(call, cap),
                                     seconds, self.force)
             call.names = self._names(call)
@@ -459,6 +466,17 @@ class ShardedStep:
             self._whole_names.update(name for name in call.names if name not in state)
         self._latest, self._latest_call = program, call
         return self._entries[key]
+
+    def _price_on(self, device: Any) -> None:
+        """Where the user named no profile, take ``device``'s (the first device of the
+        step's first capture; None: jax's first device, where the capture stopped before
+        it knew the step's), once."""
+        if self._device_profile:
+            import jax
+
+            self.options = replace(self.options, profile=_xla.device_profile(
+                jax.devices()[0] if device is None else device))
+            self._device_profile = False
 
     def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
                    jit: JitStep | None = None) -> _Fallback:

@@ -8,6 +8,7 @@ the user's own jax Arrays, with no copy to numpy or to a child.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hlo_shard.profiles import HardwareProfile, load_profile
+from hlo_shard.profiles.detect import profile_for_device
 
 
 def _client() -> Any:
@@ -95,6 +99,17 @@ def lowering_facts(lowered: Any) -> dict:
             "host_callbacks": tuple(args.get("host_callbacks", ())),
             "tuple_args": bool(args.get("tuple_args", False)),
             "const_args": len(const_args)}
+
+
+def device_profile(device: Any) -> HardwareProfile:
+    """The published profile of ``device`` (jax's ``platform`` and ``device_kind``;
+    ``cpu-local`` on CPU): what a front end given no profile prices a step on, so that a
+    step compiled for GPUs is not decided on the CPU's rates. A device with no profile of
+    its own is priced on its platform's nearest, with one logged warning."""
+    name, note = profile_for_device(device.platform, device.device_kind)
+    if note is not None:
+        logging.getLogger("hlo_shard").warning("hlo_shard: %s", note)
+    return load_profile(name)
 
 
 def device_assignment(lowered: Any) -> tuple:

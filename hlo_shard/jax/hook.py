@@ -35,10 +35,11 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
 from hlo_shard.passes.optimize import checked_options
@@ -393,7 +394,11 @@ def install(*, state: str = "gathered", strategy: str = "auto",
                       FallbackWarning, stacklevel=2)
         return Installation()
     platform_hook = _platform_hook()
+    import jax
     from jax.extend import xla as jax_xla
+
+    if profile is None:  # the devices jax compiles for, not the CPU's rates on a GPU
+        options = replace(options, profile=_xla.device_profile(jax.devices()[0]))
 
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring

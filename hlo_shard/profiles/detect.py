@@ -68,6 +68,32 @@ RULES: tuple[PlatformRule, ...] = (
 )
 
 
+#: Per jax platform, a device's name (jax's ``device_kind``, as ``nvidia-smi`` also
+#: prints it) → the published profile of that device; the first marker found in the
+#: name wins.
+DEVICE_PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpu": (("H200", "h200"), ("H100", "h100"), ("A100", "a100")),
+    "tpu": (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v4", "tpu-v4"), ("v3", "tpu-v3")),
+}
+#: The profile of a device of the platform whose name no marker matches.
+NEAREST_DEVICE_PROFILE = {"gpu": "h100", "tpu": "tpu-v4"}
+
+
+def profile_for_device(platform: str, device_kind: str) -> tuple[str, str | None]:
+    """The shipped profile to price a step compiled for ``platform`` devices named
+    ``device_kind`` on, and a line to tell the user where the name has no profile of its
+    own. A step jax compiles for a GPU or TPU priced on the CPU's rates would be decided
+    for the wrong machine; CPU devices (and unknown plugins) take the default."""
+    if platform not in DEVICE_PROFILES:
+        return DEFAULT_PROFILE, None
+    for marker, name in DEVICE_PROFILES[platform]:
+        if marker in device_kind:
+            return name, None
+    nearest = NEAREST_DEVICE_PROFILE[platform]
+    return nearest, (f"no profile of {device_kind!r} is shipped: priced on {nearest} "
+                     f"(profile= names another, or a file calibrate wrote)")
+
+
 @dataclass(frozen=True)
 class Detection:
     platform: str
@@ -124,5 +150,5 @@ def profile_for_module(requested: str | HardwareProfile | None, module: Module
         f"({found.evidence}); --profile NAME|FILE prices it on its hardware")
 
 
-__all__ = ["Detection", "PlatformRule", "RULES", "detect_platform", "module_facts",
-           "profile_for_module"]
+__all__ = ["DEVICE_PROFILES", "Detection", "NEAREST_DEVICE_PROFILE", "PlatformRule", "RULES",
+           "detect_platform", "module_facts", "profile_for_device", "profile_for_module"]

@@ -76,6 +76,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Alias, InputOutputAlias
 from hlo_shard.printer import format_value
 from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES, load_profile, profile_json
+from hlo_shard.profiles.detect import profile_for_device
 from hlo_shard.runtime.executable import load
 from hlo_shard.runtime.inputs import numpy_dtype
 
@@ -451,11 +452,6 @@ def gpu_profile(devices: int, base_name: str, runs: int = 5, rounds: int = 3,
                          GPU_PIPELINED), base, sizes)
 
 
-#: A GPU's name (as ``nvidia-smi`` prints it) → the published profile of it.
-GPU_BASES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
-DEFAULT_GPU_BASE = "h100"
-
-
 def nvidia_gpus() -> list[str]:
     """The GPU names ``nvidia-smi`` lists (none where it is absent or fails)."""
     smi = shutil.which("nvidia-smi")
@@ -470,11 +466,8 @@ def nvidia_gpus() -> list[str]:
 
 
 def gpu_base(names: list[str]) -> str:
-    """The published profile for the first of ``names`` (the default one when none)."""
-    for marker, profile in GPU_BASES:
-        if names and marker in names[0]:
-            return profile
-    return DEFAULT_GPU_BASE
+    """The published profile for the first of ``names`` (the nearest one when none)."""
+    return profile_for_device("gpu", names[0] if names else "")[0]
 
 
 #: Fields of the CPU profile its probes cannot measure (they are compiled from unfused
