@@ -190,3 +190,43 @@ def test_main_runs_a_script_with_the_hook(tmp_path):
     run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(tmp_path / "none.py")],
                          env=env, capture_output=True, text=True, check=False)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "no such script" in run.stderr
+
+
+DISTRIBUTED_SCRIPT = '''
+import socket, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax._src import xla_bridge
+import hlo_shard.jax as hsj
+from hlo_shard.jax import hook
+started_before = xla_bridge.backends_are_initialized()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1,
+                           process_id=0)
+mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+w = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P()))
+x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("d")))
+step = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w))
+step(w, x).block_until_ready()
+made = [d for d in hsj.decisions() if d.module.startswith("jit_")]
+print(started_before, bool(made), hook._HOOK.settings.platform_pending,
+      hook._HOOK.settings.options.profile.name)
+'''
+
+
+def test_the_runner_installs_before_the_script_initializes_jax_distributed(tmp_path):
+    """``python -m hlo_shard.jax train.py`` installs the hook before the script runs, and
+    a multi-process script calls ``jax.distributed.initialize()`` first thing, which jax
+    refuses once its backend has started: install() must not start it (the platform and
+    the devices' profile are read at the first module the hook sees)."""
+    script = tmp_path / "train.py"
+    script.write_text(DISTRIBUTED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(script)], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1].split() == ["False", "True", "False", "cpu-local"], \
+        run.stdout

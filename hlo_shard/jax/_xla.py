@@ -101,6 +101,14 @@ def lowering_facts(lowered: Any) -> dict:
             "const_args": len(const_args)}
 
 
+def backends_started() -> bool:
+    """Whether jax has started its backends (any call of ``jax.devices()``, a compile);
+    asking does not start them."""
+    from jax._src import xla_bridge  # private API (see the module docstring)
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
 def device_profile(device: Any) -> HardwareProfile:
     """The published profile of ``device`` (jax's ``platform`` and ``device_kind``;
     ``cpu-local`` on CPU): what a front end given no profile prices a step on, so that a

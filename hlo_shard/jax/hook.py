@@ -151,6 +151,12 @@ class _Settings:
     options: ShardingOptions
     only: re.Pattern | None
     force: bool = False
+    #: Installed before jax started its backend (a script that calls
+    #: ``jax.distributed.initialize()`` after ``install()``, as ``python -m hlo_shard.jax``
+    #: runs it, may not have it started): the platform's warning and, with
+    #: ``device_profile``, the devices' profile are read at the first module the hook sees.
+    platform_pending: bool = False
+    device_profile: bool = False
 
 
 class _Hook:
@@ -174,6 +180,8 @@ class _Hook:
         settings = self.settings
         if settings is None or _ALL_REDUCE not in data:
             return None
+        if settings.platform_pending:
+            settings = self.on_platform(settings)
         start = time.perf_counter()
         try:
             outcome, reused = self.outcome(data, settings)
@@ -195,6 +203,28 @@ class _Hook:
             logger.info("hlo_shard: %s: sharded %d of %d gradient bytes", name,
                         decision.sharded_bytes, decision.gradient_bytes)
         return result
+
+    def on_platform(self, settings: _Settings) -> _Settings:
+        """``settings`` completed now that jax's backend runs (XLA is compiling): the
+        platform's warning given, the devices' profile taken where the user named none;
+        as they were if that fails (it never goes into XLA)."""
+        try:
+            import jax
+
+            _platform_hook()
+            options = replace(settings.options, profile=_xla.device_profile(
+                jax.devices()[0])) if settings.device_profile else settings.options
+            done = replace(settings, options=options, platform_pending=False,
+                           device_profile=False)
+        except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
+            logger.warning("hlo_shard: install(): the platform could not be read (%s); "
+                           "priced on %s", err,
+                           getattr(settings.options.profile, "name", settings.options.profile))
+            done = replace(settings, platform_pending=False, device_profile=False)
+        with self.lock:
+            if self.settings is settings:
+                self.settings = done
+        return done
 
     def record(self, decision: Decision) -> None:
         """Keep ``decision`` (the oldest goes once :data:`MAX_DECISIONS` are kept)."""
@@ -393,12 +423,19 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         warnings.warn(f"hlo_shard.jax.install() installed nothing: {problem}",
                       FallbackWarning, stacklevel=2)
         return Installation()
-    platform_hook = _platform_hook()
-    import jax
     from jax.extend import xla as jax_xla
 
-    if profile is None:  # the devices jax compiles for, not the CPU's rates on a GPU
+    # The platform and its devices: read now where jax's backend runs already, else at
+    # the first module the hook sees (reading them would start the backend, and
+    # jax.distributed.initialize() refuses to run after that).
+    pending = not _xla.backends_started()
+    stage = OTHER_PLATFORM.stage if pending else _platform_hook().stage
+    if profile is None and not pending:  # the devices jax compiles for, not the CPU's
+        import jax
+
         options = replace(options, profile=_xla.device_profile(jax.devices()[0]))
+    settings = _Settings(options, pattern, force, platform_pending=pending,
+                         device_profile=pending and profile is None)
 
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring
@@ -406,19 +443,18 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         jax.monitoring.register_event_duration_secs_listener(_raise_pending)
         _HOOK.listening = True
     with _HOOK.lock:
-        changed = _HOOK.settings != _Settings(options, pattern, force)
-        _HOOK.settings = _Settings(options, pattern, force)
+        changed = _HOOK.settings != settings
+        _HOOK.settings = settings
         _HOOK.outcomes.clear()
         if not _HOOK.registered:
             try:
                 jax_xla.register_hlo_module_transformation(
-                    _HOOK.transform, name=PASS_NAME,
-                    stage=jax_xla.PipelineStage[platform_hook.stage])
+                    _HOOK.transform, name=PASS_NAME, stage=jax_xla.PipelineStage[stage])
             except (NotImplementedError, AttributeError) as err:  # jaxlib < 0.10.2
                 _HOOK.settings = None
                 raise HloShardError(f"install() needs jax's pass hook (jaxlib >= 0.10.2): "
                                     f"{err}") from None
-            _HOOK.registered = platform_hook.stage
+            _HOOK.registered = stage
     if changed:
         _forget_executables()
     return Installation()
