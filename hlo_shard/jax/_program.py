@@ -135,14 +135,15 @@ class Program:
             self._cache["handlers"] = found
         return found
 
-    def shard_key(self, treedef: Any, static: Any, leaves: list) -> tuple:
-        """The signature of these arguments with the state leaves in shard form."""
-        whole = _xla.signature(leaves)
+    def shard_key(self, key: tuple, leaves: list) -> tuple:
+        """The signature ``key`` of the arguments ``leaves`` with the state leaves in
+        shard form."""
+        treedef, static, numbers = key
         return (treedef, static, tuple(
             _xla.leaf_number((self.state_args[i].shape, _xla.dtype_key(leaf),
                               _xla.placement(self.shard_sharding, 1)))
             if i in self.state_args else number for i, (leaf, number)
-            in enumerate(zip(leaves, whole))))
+            in enumerate(zip(leaves, numbers))))
 
     def returns(self, treedef: Any, leaves: list, placed: bool) -> bool:
         """Whether ``leaves`` look like this program's outputs (shard forms included);

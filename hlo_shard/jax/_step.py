@@ -451,7 +451,7 @@ class ShardedStep:
             call.names = self._names(call)
             state = {name: _StateLeaf(layout, full, program.shard_sharding)
                      for name, (layout, full) in program.state_by_name(call.names).items()}
-            shard_key = program.shard_key(call.treedef, call.static, call.leaves) \
+            shard_key = program.shard_key(key, call.leaves) \
                 if program.state_args else None
         except Exception as err:  # noqa: BLE001 - ours: never into the loop
             refusal = err if isinstance(err, Unsupported) else Unsupported(

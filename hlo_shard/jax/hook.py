@@ -209,13 +209,7 @@ class _Hook:
         platform's warning given, the devices' profile taken where the user named none;
         as they were if that fails (it never goes into XLA)."""
         try:
-            import jax
-
-            _platform_hook()
-            options = replace(settings.options, profile=_xla.device_profile(
-                jax.devices()[0])) if settings.device_profile else settings.options
-            done = replace(settings, options=options, platform_pending=False,
-                           device_profile=False)
+            done, _ = _read_platform(settings)
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
             logger.warning("hlo_shard: install(): the platform could not be read (%s); "
                            "priced on %s", err,
@@ -377,14 +371,20 @@ def platform_hook(platform: str, jaxlib: str) -> tuple[PlatformHook, str]:
     return hook, _UNTESTED.format(platform=platform, jaxlib=jaxlib, why=hook.untested)
 
 
-def _platform_hook() -> PlatformHook:
+def _read_platform(settings: _Settings, stacklevel: int = 2) -> tuple[_Settings, PlatformHook]:
+    """``settings`` with the platform read (its :class:`PlatformWarning` given, at
+    ``stacklevel`` from here) and, where ``device_profile`` asks, the profile of the
+    devices jax compiles for (not the CPU's rates on a GPU); and the platform's hook."""
     import jax
     import jaxlib.version
 
     hook, warning = platform_hook(jax.default_backend(), jaxlib.version.__version__)
     if warning:
-        warnings.warn(warning, PlatformWarning, stacklevel=3)
-    return hook
+        warnings.warn(warning, PlatformWarning, stacklevel=stacklevel)
+    options = replace(settings.options, profile=_xla.device_profile(jax.devices()[0])) \
+        if settings.device_profile else settings.options
+    return replace(settings, options=options, platform_pending=False,
+                   device_profile=False), hook
 
 
 class Installation:
@@ -428,14 +428,12 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     # The platform and its devices: read now where jax's backend runs already, else at
     # the first module the hook sees (reading them would start the backend, and
     # jax.distributed.initialize() refuses to run after that).
-    pending = not _xla.backends_started()
-    stage = OTHER_PLATFORM.stage if pending else _platform_hook().stage
-    if profile is None and not pending:  # the devices jax compiles for, not the CPU's
-        import jax
-
-        options = replace(options, profile=_xla.device_profile(jax.devices()[0]))
-    settings = _Settings(options, pattern, force, platform_pending=pending,
-                         device_profile=pending and profile is None)
+    settings = _Settings(options, pattern, force, platform_pending=True,
+                         device_profile=profile is None)
+    stage = OTHER_PLATFORM.stage
+    if _xla.backends_started():
+        settings, platform = _read_platform(settings, stacklevel=3)
+        stage = platform.stage
 
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring
