@@ -11,7 +11,7 @@ groups, and a root that matches the entry layout.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from hlo_shard.graph import dependencies
@@ -34,8 +34,10 @@ class Problem:
 
 
 class _Checker:
-    def __init__(self, module: Module) -> None:
+    def __init__(self, module: Module, computations: Collection[str] | None = None) -> None:
         self.module = module
+        #: The computations whose own checks run (None: all).
+        self.computations = computations
         self.problems: list[Problem] = []
         self.comp: Computation | None = None
 
@@ -47,7 +49,10 @@ class _Checker:
         self.channels()
         for comp in self.module.computations:
             self.comp = comp
-            self.computation(comp)
+            if self.computations is None or comp.name in self.computations:
+                self.computation(comp)
+            else:
+                self.header_readers(comp)
         self.comp = None
         self.entry_layout()
         return self.problems
@@ -68,17 +73,28 @@ class _Checker:
         if comp.root_name is None or comp.root_name not in comp:
             self.fail("root", None, f"root %{comp.root_name} is not an instruction")
         for inst in comp.instructions:
-            if comp.has_all(inst.operands):
-                operands = [comp[o].shape for o in inst.operands]
-                try:
-                    message = _SHAPE_RULES.get(inst.opcode, _unchecked)(self, inst, operands)
-                except _Unfit as unfit:
-                    message = str(unfit)
-                if message:
-                    self.fail("shape", inst, message)
-            groups = inst.attr("replica_groups")
-            if isinstance(groups, ReplicaGroups):
-                self.replica_groups(inst, groups)
+            self.instruction(comp, inst)
+
+    def header_readers(self, comp: Computation) -> None:
+        """The checks of ``comp`` that read the module's header (a collective's group
+        size, a device id's range): what a computation no pass edited can newly fail."""
+        for inst in comp.instructions:
+            if inst.opcode in _HEADER_READING_RULES or "replica_groups" in inst.attributes:
+                self.instruction(comp, inst)
+
+    def instruction(self, comp: Computation, inst: Instruction) -> None:
+        """``inst``'s shape rule and replica groups."""
+        if comp.has_all(inst.operands):
+            operands = [comp[o].shape for o in inst.operands]
+            try:
+                message = _SHAPE_RULES.get(inst.opcode, _unchecked)(self, inst, operands)
+            except _Unfit as unfit:
+                message = str(unfit)
+            if message:
+                self.fail("shape", inst, message)
+        groups = inst.attr("replica_groups")
+        if isinstance(groups, ReplicaGroups):
+            self.replica_groups(inst, groups)
 
     def replica_groups(self, inst: Instruction, groups: ReplicaGroups) -> None:
         devices = [d for g in groups.groups for d in g]
@@ -380,11 +396,17 @@ _SHAPE_RULES: dict[str, ShapeRule] = {
     "all-gather": _all_gather,
     "all-reduce": _all_reduce,
 }
+#: The opcodes whose shape rule reads the module's device counts (:func:`_group_size`).
+_HEADER_READING_RULES = frozenset({"reduce-scatter", "all-gather", "all-reduce"})
 
 
-def validate(module: Module) -> list[Problem]:
-    """Every structural problem found (empty when the module passes)."""
-    return _Checker(module).run()
+def validate(module: Module, computations: Collection[str] | None = None) -> list[Problem]:
+    """Every structural problem found (empty when the module passes). ``computations``:
+    every check of those computations, of the others only what reads the header
+    (collectives' group sizes, replica groups), beside the module-wide checks (channel
+    ids, the entry layout) — after a pass, the computations its log says it edited or
+    added: every other check reads one computation, which nothing else changes."""
+    return _Checker(module, computations).run()
 
 
 __all__ = ["Problem", "validate"]

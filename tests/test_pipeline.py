@@ -153,6 +153,61 @@ def test_the_input_is_checked_once_for_every_run_of_the_gate(monkeypatch):
     assert len(decision.trials) >= 1 and len(inputs) == 1
 
 
+#: Two computations: the reducer ``add`` and the entry.
+TWO = SGD
+
+
+@dataclasses.dataclass(frozen=True)
+class BreakReducer(ModulePass[None]):
+    """A broken pass that edits only the reducer: its root gets a shape its operands do
+    not have (the entry is untouched)."""
+
+    name: ClassVar[str] = "broken-reducer"
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        add = module.computation("add")
+        rewriter.rewriter(add).set_shape(add.root, ArrayShape("f32", (3,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShrinkReplicas(ModulePass[None]):
+    """A broken pass that edits only the header: one replica, so the entry's groups name a
+    device out of range."""
+
+    name: ClassVar[str] = "shrink-replicas"
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        rewriter.set_header("replica_count", 1)
+
+
+def test_the_check_after_a_pass_reads_what_its_log_edited(monkeypatch):
+    """After a pass the default check reads the computations the pass's log edited (and
+    the module-wide checks): a slip in an edited computation is found wherever it is, a
+    header edit checks every computation again, and a computation no pass edited is not
+    read again after the input's check."""
+    import hlo_shard.validate as validate_module
+
+    with pytest.raises(PassCheckError, match=r"pass broken-reducer left an invalid module: "
+                                             r"shape: %\S+ in %add"):
+        Pipeline([Retype("sine", "cosine"), BreakReducer()]).run(parse(TWO))
+    with pytest.raises(PassCheckError, match=r"pass shrink-replicas .*replica-groups: %ar in "
+                                             r"%e: device id out of range 0..0"):
+        Pipeline([ShrinkReplicas()]).run(parse(TWO))
+    read: list[str] = []
+    computation = validate_module._Checker.computation
+
+    def reading(self, comp):
+        read.append(comp.name)
+        return computation(self, comp)
+
+    monkeypatch.setattr(validate_module._Checker, "computation", reading)
+    Pipeline([Retype("subtract", "add")]).run(parse(TWO), frozenset())
+    assert read == ["e"]  # the entry, which the pass edited; not the reducer
+    read.clear()
+    Pipeline([Retype("subtract", "add")], check=validate_module.validate).run(parse(TWO))
+    assert read == ["add", "e", "e"]  # the input whole, then the edited entry
+
+
 def test_the_optimizer_pipeline_checks_after_every_pass():
     from hlo_shard.passes.sharding_pipeline import sharding_pipeline
     from hlo_shard.validate import validate

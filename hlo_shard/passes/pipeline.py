@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hlo_shard.errors import HloShardError
+from hlo_shard.graph import Change
 from hlo_shard.ir import Module
 from hlo_shard.parser import cyclic_gc_paused, parse
 from hlo_shard.passes.base import Pass, PassResult, run_pass
@@ -111,7 +112,7 @@ class Pipeline:
             result = run_pass(step, module)
             if self.check is not None and result.changed:  # unchanged: nothing to find
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
-                problems = [p for p in self.check(module)
+                problems = [p for p in self._problems_after(module, result)
                             if _kind(p) not in later and _kind(p) not in before]
                 if problems:
                     raise PassCheckError(step.name, problems)
@@ -119,6 +120,24 @@ class Pipeline:
                 self.after_pass(step, result)
             results.append(result)
         return PipelineResult(module, tuple(results))
+
+
+    def _problems_after(self, module: Module, result: PassResult) -> Sequence[object]:
+        """The check of ``module`` after a pass that changed it. The default check,
+        :func:`~hlo_shard.validate.validate`, reads in full only the computations the
+        pass's log says it edited or added: the others are as the previous check found
+        them (their problems, if any, of kinds the input had) but for what reads the
+        header, which it checks everywhere."""
+        assert self.check is not None
+        if self.check is validate:
+            return validate(module, edited_computations(result.changes))
+        return self.check(module)
+
+
+def edited_computations(changes: Sequence[Change]) -> frozenset[str]:
+    """The computations a log of edits edited or added."""
+    return frozenset(change.name if change.kind == "insert-computation" else change.computation
+                     for change in changes)
 
 
 def _kind(problem: object) -> str:
