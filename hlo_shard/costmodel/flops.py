@@ -139,14 +139,26 @@ class CostAnalysis:
     """
 
     def __init__(self, module: Module, *, count_loop_iterations: bool = False,
-                 xla_compatible: bool = True) -> None:
+                 xla_compatible: bool = True, earlier: EarlierCosts | None = None) -> None:
         self.module = module
         self.count_loop_iterations = count_loop_iterations
         self.xla_compatible = xla_compatible
+        if earlier is not None and (earlier.analysis.count_loop_iterations,
+                                    earlier.analysis.xla_compatible) != (
+                count_loop_iterations, xla_compatible):
+            raise ValueError("earlier totals were summed under other options")
+        self.earlier = earlier
         self._computations = {comp.name: comp for comp in module.computations}
         self._totals: dict[str, Cost] = {}
+        #: Computation → the computations its total read (transitively): where one of
+        #: them was edited, the total cannot be reused (:class:`EarlierCosts`).
+        self._read: dict[str, frozenset[str]] = {}
+        #: Per total being summed (nested calls), the computations it has read so far.
+        self._reading: list[set[str]] = []
 
     def computation(self, name: str) -> Computation:
+        if self._reading:
+            self._reading[-1].add(name)
         return self._computations[name]
 
     def instruction_cost(self, comp: Computation, inst: Instruction) -> Cost:
@@ -156,11 +168,20 @@ class CostAnalysis:
         """Sum over every instruction of a computation, dead code included (XLA's
         ``Accept`` visits instructions without users too)."""
         if name not in self._totals:
-            comp = self._computations[name]
-            total = ZERO
-            for inst in comp.instructions:
-                total = total + self.instruction_cost(comp, inst)
-            self._totals[name] = total
+            reused = self.earlier.total(name) if self.earlier is not None else None
+            if reused is not None:
+                self._totals[name], self._read[name] = reused
+            else:
+                comp = self._computations[name]
+                self._reading.append(set())
+                total = ZERO
+                for inst in comp.instructions:
+                    total = total + self.instruction_cost(comp, inst)
+                self._totals[name] = total
+                self._read[name] = frozenset(self._reading.pop())
+        if self._reading:
+            self._reading[-1].add(name)
+            self._reading[-1].update(self._read[name])
         return self._totals[name]
 
     def module_cost(self) -> Cost:
@@ -171,9 +192,33 @@ class CostAnalysis:
         return {inst.name: self.instruction_cost(comp, inst) for inst in comp.instructions}
 
 
-def module_cost(module: Module, **options: bool) -> Cost:
+@dataclass(frozen=True)
+class EarlierCosts:
+    """The totals an analysis of another module summed, for a copy of it a rewrite then
+    edited (the speed gate's trial, priced after the input): a computation's total is
+    reused where neither it nor any computation the total read is among ``edited``
+    (the rewrite's log: every edit a pass makes is recorded there), so that only what
+    the rewrite touched is priced again."""
+
+    analysis: CostAnalysis
+    edited: frozenset[str]
+
+    def total(self, name: str) -> tuple[Cost, frozenset[str]] | None:
+        """The earlier total of ``name`` and what it read, or None where it must be
+        summed again."""
+        earlier = self.analysis
+        total = earlier._totals.get(name)
+        if total is None or name in self.edited:
+            return None
+        read = earlier._read[name]
+        return None if not self.edited.isdisjoint(read) else (total, read)
+
+
+def module_cost(module: Module, *, count_loop_iterations: bool = False,
+                xla_compatible: bool = True) -> Cost:
     """Module totals by XLA's rules (see :class:`CostAnalysis` for the options)."""
-    return CostAnalysis(module, **options).module_cost()
+    return CostAnalysis(module, count_loop_iterations=count_loop_iterations,
+                        xla_compatible=xla_compatible).module_cost()
 
 
 # ------------------------------------------------------------------------------ rules

@@ -36,7 +36,8 @@ from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, Combiner, group_size,
     instruction_collective_cost, share_latency,
 )
-from hlo_shard.costmodel.flops import Cost, CostAnalysis, elements, known_trip_count, leaf_bytes
+from hlo_shard.costmodel.flops import (Cost, CostAnalysis, EarlierCosts, elements,
+                                      known_trip_count, leaf_bytes)
 from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused, runs_in_a_kernel,
 )
@@ -599,25 +600,31 @@ def _element_type(comp: Computation, inst: Instruction) -> str:
 def estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegions, *,
                   algorithm: str | None = None,
                   categories: dict[str, tuple[dict[str, str], str]] | None = None,
-                  roles: Mapping[int, str] | None = None) -> StepEstimate:
+                  roles: Mapping[int, str] | None = None,
+                  earlier: EarlierCosts | None = None) -> StepEstimate:
     """Time and memory of one step of ``module`` per device on ``profile``, with the
     weight-update ``regions`` the pass plans in it. ``categories`` (computation → what
     :func:`categorize` returns) reuses the categories of a module with the same
     instructions (a retargeted copy); ``roles`` (entry parameter number → kind, e.g. from
-    a fixtures manifest) replaces :func:`classify_parameters`."""
+    a fixtures manifest) replaces :func:`classify_parameters`; ``earlier``: the cost
+    totals of the module ``module`` is an edited copy of, reused where the edits left a
+    computation as it was (:class:`~hlo_shard.costmodel.flops.EarlierCosts`)."""
     # Every analysis below reads the same computations, and makes many objects but no
     # cycles.
     with reading_only(), cyclic_gc_paused():
-        return _estimate_step(module, profile, regions, algorithm, categories, roles)
+        return _estimate_step(module, profile, regions, algorithm, categories, roles,
+                              earlier)
 
 
 def _estimate_step(module: Module, profile: HardwareProfile, regions: PlannedRegions,
                    algorithm: str | None,
                    categories: dict[str, tuple[dict[str, str], str]] | None,
-                   roles: Mapping[int, str] | None) -> StepEstimate:
+                   roles: Mapping[int, str] | None,
+                   earlier: EarlierCosts | None) -> StepEstimate:
     module, profile = _as_priced(module, profile)
     emulate = not is_prefused(module)
-    model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
+    model = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False,
+                         earlier=earlier)
     combiner = Combiner(module, profile.combine_threshold_bytes, profile.combined_collectives)
     plans = KernelPlans()
     estimator = _Estimator(module, profile, model, algorithm, emulate, regions, combiner,

@@ -40,13 +40,14 @@ from typing import Any
 from hlo_shard.analysis.collectives import (ReasonCode, find_gradient_all_reduces,
                                             recovered_device_counts)
 from hlo_shard.passes.weight_update import planned_update_regions
+from hlo_shard.costmodel.flops import EarlierCosts
 from hlo_shard.costmodel.plan_prices import CutoffPrices, ShardedGradient
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.base import Pass, PassResult
-from hlo_shard.passes.pipeline import AfterPass
+from hlo_shard.passes.pipeline import AfterPass, edited_computations
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
@@ -145,14 +146,33 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
             getattr(result.report, "notes", None) if step.name in _INPUT_NOTES else None
         input_notes.extend(notes or ())
 
-    def priced(min_bytes: int, watching: AfterPass | None = None
-               ) -> tuple[Module, ShardingReport, StepEstimate | None]:
-        """A copy of ``module`` sharded at the cut-off, its report, and its estimate
-        (None when nothing was sharded)."""
+    def rewritten(min_bytes: int, watching: AfterPass | None = None
+                  ) -> tuple[Module, ShardingReport, frozenset[str]]:
+        """A copy of ``module`` sharded at the cut-off, its report, and the computations
+        the pipeline edited in it (its passes' logs)."""
         candidate = module.clone()
-        report = shard(candidate, at_cutoff(min_bytes), watching)
-        sharded = any(row.sharded for row in report.explanations)
-        return candidate, report, predicted_step(candidate, hardware) if sharded else None
+        edited: set[str] = set()
+
+        def collect(step: Pass[Any], result: PassResult[Any]) -> None:
+            edited.update(edited_computations(result.changes))
+            if watching is not None:
+                watching(step, result)
+
+        report = shard(candidate, at_cutoff(min_bytes), collect)
+        return candidate, report, frozenset(edited)
+
+    def step_of(candidate: Module, report: ShardingReport, edited: frozenset[str]
+                ) -> StepEstimate | None:
+        """The price of a copy ``rewritten`` made (None when nothing was sharded), the
+        totals of the computations its pipeline left as they were taken from the
+        input's."""
+        if not any(row.sharded for row in report.explanations):
+            return None
+        return predicted_step(candidate, hardware, earlier=EarlierCosts(whole.model, edited))
+
+    def priced(min_bytes: int) -> tuple[Module, ShardingReport, StepEstimate | None]:
+        candidate, report, edited = rewritten(min_bytes)
+        return candidate, report, step_of(candidate, report, edited)
 
     def ranked(min_bytes: int, candidate: Module, report: ShardingReport,
                estimate: StepEstimate | None) -> Trial:
@@ -177,11 +197,13 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return cheapest[2]
 
     user_min = sharding.options.min_shard_bytes
-    first = priced(user_min, note_input if leaves_kept_whole else None)
-    full, sharded_estimate = first[1], first[2]
+    candidate, full, edited = rewritten(user_min, note_input if leaves_kept_whole else None)
     # The input is priced with the regions that trial planned on it where it could tell
-    # (the same as planning them again), so the analysis runs once for both.
+    # (the same as planning them again), so the analysis runs once for both; then the
+    # trial, the input's totals reused where it left a computation as it was.
     whole = predicted_step(module, hardware, full.input_regions)
+    sharded_estimate = step_of(candidate, full, edited)
+    first = candidate, full, sharded_estimate
     before = whole.seconds
     unsharded = _unsharded_estimate(module, hardware)
     baseline_estimate = whole if unsharded is None else unsharded
@@ -283,12 +305,14 @@ def _faster(trial: Trial, other: Trial) -> bool:
 
 
 def predicted_step(module: Module, hardware: HardwareProfile,
-                   regions: dict[str, frozenset[str]] | None = None) -> StepEstimate:
+                   regions: dict[str, frozenset[str]] | None = None, *,
+                   earlier: EarlierCosts | None = None) -> StepEstimate:
     """The cost model's step of ``module``, its weight update being the region the pass
-    plans in it (``regions``: those already planned, from the pass's report)."""
+    plans in it (``regions``: those already planned, from the pass's report;
+    ``earlier``: :func:`~hlo_shard.costmodel.step_time.estimate_step`'s)."""
     with reading_only():  # its analyses share each computation's users and order
         return estimate_step(module, hardware, planned_update_regions(module)
-                             if regions is None else regions)
+                             if regions is None else regions, earlier=earlier)
 
 
 def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:

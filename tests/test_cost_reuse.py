@@ -1,0 +1,108 @@
+"""The speed gate prices its trial, an edited copy of the input, with the input's cost
+totals wherever the rewrite left a computation as it was (costmodel/flops.py
+``EarlierCosts``): the prices must be exactly those of a fresh analysis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hlo_shard.costmodel.flops import CostAnalysis, EarlierCosts
+from hlo_shard.graph import ModuleRewriter
+from hlo_shard.parser import parse, parse_file
+from hlo_shard.passes.pipeline import edited_computations
+from hlo_shard.passes.sharding_pipeline import run_sharding
+from hlo_shard.passes.speed_gate import predicted_step
+from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
+from hlo_shard.profiles import load_profile
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CASES = sorted(str(p.relative_to(FIXTURES)) for p in (FIXTURES / "optimized").glob("*.hlo")) \
+    + ["spmd/loop_adam.n4.hlo", "replica/transformer.n8.hlo"]
+
+
+@pytest.mark.parametrize("fixture", CASES)
+def test_the_trial_priced_with_the_inputs_totals_is_priced_as_afresh(fixture: str) -> None:
+    module = parse_file(FIXTURES / fixture)
+    hardware = load_profile("cpu-local")
+    candidate = module.clone()
+    edited: set[str] = set()
+    run_sharding(candidate, WeightUpdateSharding(ShardingOptions(profile=hardware)),
+                 lambda step, result: edited.update(edited_computations(result.changes)))
+    whole = predicted_step(module, hardware)
+    fresh = predicted_step(candidate, hardware)
+    reused = predicted_step(candidate, hardware,
+                            earlier=EarlierCosts(whole.model, frozenset(edited)))
+    assert reused.seconds == fresh.seconds
+    assert [(i.computation, i.name, i.seconds, i.cost) for i in reused.instructions] == \
+        [(i.computation, i.name, i.seconds, i.cost) for i in fresh.instructions]
+    if fixture.startswith("optimized/"):  # fusion bodies the rewrite left alone
+        assert any(reused.model._totals[name] is total
+                   for name, total in whole.model._totals.items()
+                   if name in reused.model._totals)
+
+
+LOOP = """HloModule loop
+%body_fused (p: f32[8]) -> f32[8] {
+  %p = f32[8] parameter(0)
+  ROOT %m = f32[8] multiply(%p, %p)
+}
+%other_fused (q: f32[8]) -> f32[8] {
+  %q = f32[8] parameter(0)
+  ROOT %n = f32[8] negate(%q)
+}
+%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8] get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[8] fusion(%x), kind=kLoop, calls=%body_fused
+  ROOT %r = (s32[], f32[8]) tuple(%j, %y)
+}
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %ten = s32[] constant(10)
+  ROOT %lt = pred[] compare(%k, %ten), direction=LT
+}
+ENTRY %e (x: f32[8]) -> f32[8] {
+  %x = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]) tuple(%zero, %x)
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+  %out = f32[8] get-tuple-element(%w), index=1
+  ROOT %z = f32[8] fusion(%out), kind=kLoop, calls=%other_fused
+}
+"""
+
+
+def test_a_total_that_read_an_edited_computation_is_summed_again() -> None:
+    """The loop's body calls a fusion body the edit changed (a multiply made an
+    exponential): neither total is reused, the untouched fusion's is; told nothing was
+    edited, the stale totals would be (what the rewrite's log guards against)."""
+    module = parse(LOOP)
+    earlier = CostAnalysis(module, count_loop_iterations=True)
+    before = earlier.module_cost()
+    edited = module.clone()
+    rewriter = ModuleRewriter(edited)
+    fused = edited.computation("body_fused")
+    rewriter.rewriter(fused).set_opcode(fused.root, "exponential")
+    fresh = CostAnalysis(edited, count_loop_iterations=True)
+    reused = CostAnalysis(edited, count_loop_iterations=True,
+                          earlier=EarlierCosts(earlier, edited_computations(rewriter.changes)))
+    assert reused.module_cost() == fresh.module_cost() != before
+    assert fresh.module_cost().transcendentals == 8 * 10
+    assert reused._totals["other_fused"] is earlier._totals["other_fused"]
+    assert reused._totals["body"] is not earlier._totals["body"]
+    stale = CostAnalysis(edited, count_loop_iterations=True,
+                         earlier=EarlierCosts(earlier, frozenset()))
+    assert stale.module_cost() == before != fresh.module_cost()
+
+
+def test_totals_summed_under_other_options_are_not_reused() -> None:
+    module = parse(LOOP)
+    with pytest.raises(ValueError, match="other options"):
+        CostAnalysis(module, earlier=EarlierCosts(CostAnalysis(module, count_loop_iterations=True),
+                                                  frozenset()))
