@@ -1377,14 +1377,18 @@ def parse(text: str, path: str | None = None) -> Module:
 
 
 @contextlib.contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused(*, caller_waits: bool = False) -> Iterator[None]:
     """Pause the cycle collector while this thread is the only one: reading a module,
     rewriting one (:class:`~hlo_shard.passes.pipeline.Pipeline`) and the cost model's
     analyses of one create a great many objects and no cycles, and the collector's
-    passes over them cost a fifth to a quarter of the time on large modules. With other threads running the collector is left
-    alone (it is process-wide, and they may need it), and the caller's setting is
-    always restored as it was."""
-    if not gc.isenabled() or threading.active_count() > 1:
+    passes over them cost a fifth to a quarter of the time on large modules. With another
+    thread running that Python started, the collector is left alone (it is process-wide,
+    and that thread may need it), and the caller's setting is always restored as it was.
+
+    ``caller_waits``: this thread is one a library started to call back into Python
+    (XLA's compile calling the jax hook) while the one Python thread there is, which
+    asked for the compile, waits for it: that thread is not counted."""
+    if not gc.isenabled() or _other_threads(caller_waits):
         yield
         return
     gc.disable()
@@ -1392,6 +1396,22 @@ def cyclic_gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def _other_threads(caller_waits: bool) -> bool:
+    """Another thread may run Python while this one does (:func:`cyclic_gc_paused`).
+    Threads started outside Python (XLA's) are not counted: they run Python only to call
+    back, as the hook does, and ``threading`` keeps one it saw for good, running or not."""
+    foreign = isinstance(threading.current_thread(), _FOREIGN_THREAD)
+    started_by_python = sum(not isinstance(t, _FOREIGN_THREAD) for t in threading.enumerate())
+    # this thread, or the one waiting for it
+    expected = 1 if not foreign or caller_waits else 0
+    return started_by_python > expected
+
+
+#: How ``threading`` names a thread it did not start (one that called into Python from
+#: C, as XLA's compile threads do).
+_FOREIGN_THREAD: type = getattr(threading, "_DummyThread", type(None))
 
 
 def parse_file(path: str | Path) -> Module:

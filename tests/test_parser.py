@@ -346,6 +346,54 @@ def test_the_cycle_collector_is_left_as_the_caller_had_it():
     assert gc.isenabled()
 
 
+def test_a_callback_thread_pauses_the_collector_while_its_caller_waits():
+    """XLA calls the jax hook on a thread Python did not start while the Python thread
+    that asked for the compile waits: with ``caller_waits`` that one thread is not
+    counted, any other Python thread is (and without it, every thread is)."""
+    import _thread
+    import gc
+    import threading
+
+    from hlo_shard.parser import cyclic_gc_paused
+
+    def from_a_foreign_thread(check) -> list:
+        seen: list = []
+        done = threading.Event()
+
+        def run() -> None:  # not a threading.Thread: current_thread() is a dummy
+            try:
+                seen.append(check())
+            finally:
+                done.set()
+
+        _thread.start_new_thread(run, ())
+        assert done.wait(30)
+        return seen
+
+    def paused(caller_waits: bool):
+        def check() -> bool:
+            with cyclic_gc_paused(caller_waits=caller_waits):
+                return not gc.isenabled()
+        return check
+
+    if threading.active_count() != 1:
+        pytest.skip("another thread runs in this process")
+    assert from_a_foreign_thread(paused(True)) == [True]
+    assert from_a_foreign_thread(paused(False)) == [False]
+    assert gc.isenabled()
+    hold = threading.Event()
+    other = threading.Thread(target=hold.wait)
+    other.start()
+    try:
+        assert from_a_foreign_thread(paused(True)) == [False]
+    finally:
+        hold.set()
+        other.join()
+    with cyclic_gc_paused(caller_waits=True):  # from the main thread: as without it
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
 def test_the_shape_cache_is_bounded(monkeypatch):
     from hlo_shard import parser
 

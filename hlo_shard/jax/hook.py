@@ -42,6 +42,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
+from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
@@ -242,7 +243,10 @@ class _Hook:
             remembered = self.recall(digest, settings)
             if remembered is not None:
                 return remembered, True
-            out, report, reason = _shard(text, name, settings.options, settings.force, seconds)
+            # (the Python thread that asked XLA for this compile waits for it)
+            with cyclic_gc_paused(caller_waits=True):
+                out, report, reason = _shard(text, name, settings.options, settings.force,
+                                             seconds)
             with seconds.timing("write"):
                 result = None if out is None else \
                     xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
