@@ -232,6 +232,31 @@ def test_the_update_region_is_planned_on_a_module_whose_header_lost_its_device_c
     assert regions and regions == planned_update_regions(parse(text))
 
 
+def test_a_module_sharded_throughout_plans_no_region_without_the_analysis(monkeypatch) -> None:
+    """The gate prices its trial sharding every gradient: where no all-reduce the pass
+    could shard is left, there is no region to plan, and the replication analysis (most
+    of the planning) is not run for nothing; where one is left it is."""
+    from hlo_shard.passes.sharding_pipeline import run_sharding
+    from hlo_shard.passes.weight_update import (ShardingOptions, WeightUpdateSharding,
+                                                analysis, planned_update_regions)
+
+    module = parse("""HloModule sgd, replica_count=2
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT s = f32[] add(x, y) }
+ENTRY e { w = f32[8] parameter(0) g = f32[8] parameter(1)
+ ar = f32[8] all-reduce(g), replica_groups={{0,1}}, to_apply=add
+ ROOT nw = f32[8] subtract(w, ar) }
+""")
+    sharded = module.clone()
+    report = run_sharding(sharded, WeightUpdateSharding(ShardingOptions()))
+    assert [row.sharded for row in report.explanations] == [True]
+    ran: list[object] = []
+    replication = analysis.analyze_replication
+    monkeypatch.setattr(analysis, "analyze_replication",
+                        lambda *args: ran.append(args) or replication(*args))
+    assert planned_update_regions(sharded) == {} and ran == []
+    assert planned_update_regions(module) == {"e": frozenset({"nw"})} and ran
+
+
 @pytest.mark.parametrize("fixture, shares", [
     # Nothing before the pass changes these (a module XLA optimized, as the pass hook
     # hands it over, and a pmap step): the regions it planned are the input's.

@@ -4,7 +4,9 @@ one new :class:`~hlo_shard.graph.ModuleRewriter` (:func:`~hlo_shard.passes.base.
 its log is what the pass changed.
 
 A pass that leaves a module the check rejects is named in the error, so a slip shows
-where it happened rather than at the end of a long pipeline (or in XLA). A problem a
+where it happened rather than at the end of a long pipeline (or in XLA). The default
+check reads what the pass's log says it edited (and what reads the header everywhere):
+the rest is as the previous check found it. A problem a
 later pass of the pipeline ``repairs`` (the entry layout after a pass changing the
 signature, duplicate channel ids) is left to that pass.
 """

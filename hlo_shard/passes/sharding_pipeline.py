@@ -20,8 +20,9 @@
    would make XLA copy a donated weight every step, on the sharding's profile).
 
 The pipeline validates the module after every pass that changed it
-(:func:`hlo_shard.validate.validate`, less what a later pass repairs and the kinds of
-problem the input has already: a slip is named where it happened); the front ends also
+(:func:`hlo_shard.validate.validate` of the computations the pass's log edited, less
+what a later pass repairs and the kinds of problem the input has already: a slip is
+named where it happened); the front ends also
 check the final module's printed text before writing or compiling it
 (:func:`hlo_shard.passes.optimize.check_output`). Validation is linear and a few percent
 of ``optimize``, also in the never-slower gate, which runs the pipeline once per cut-off

@@ -14,7 +14,8 @@ split per gradient (:class:`~hlo_shard.costmodel.plan_prices.CutoffPrices`: its 
 all-reduce, a share per byte, a share per gradient), without rewriting anything. Only the
 one predicted fastest is rewritten and priced, and only when it could be the one written.
 Rewriting and pricing the whole module is what costs, so the gate does it at most twice,
-whatever the number of cut-offs.
+whatever the number of cut-offs, and prices a rewritten copy with the input's cost totals
+of the computations the rewrite left as they were (its passes' logs say which).
 The fastest cut-off priced is kept (that copy becomes the module), provided it is
 predicted faster than the input by at least the profile's ``min_predicted_gain``;
 otherwise the module stays as it is. ``force`` shards every eligible gradient as told.

@@ -1793,10 +1793,12 @@ class UpdateFacts:
     rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]]
 
 
-def read_update_facts(module: Module, overrides: ParamOverrides | None = None) -> UpdateFacts:
+def read_update_facts(module: Module, overrides: ParamOverrides | None = None,
+                      found: list[GradientAllReduce] | None = None) -> UpdateFacts:
     """:class:`UpdateFacts` of ``module`` as it is (its header's device counts included:
-    the pass writes back those a header lost before reading)."""
-    found = find_gradient_all_reduces(module)
+    the pass writes back those a header lost before reading); ``found``: its gradient
+    all-reduces, where the caller has them."""
+    found = find_gradient_all_reduces(module) if found is None else found
     groups = data_parallel_groups(module, found)
     replication = analyze_replication(module, groups, overrides or ParamOverrides(),
                                       gradient_sources(module, found))
@@ -1822,7 +1824,10 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     # pass hook hands modules over without them) recovered, not its groups out of range.
     with reading_only(), cyclic_gc_paused():
         view = with_device_counts(module)
-        facts = read_update_facts(view)
+        found = find_gradient_all_reduces(view)
+        if not triage(view, found, data_parallel_groups(view, found))[0]:
+            return {}  # no candidate (a trial sharding every gradient): no analysis to run
+        facts = read_update_facts(view, found=found)
         regions: dict[str, frozenset[str]] = {}
         for name, all_reduces in facts.candidates.items():
             comp = view.computation(name)
