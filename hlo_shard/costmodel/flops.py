@@ -184,6 +184,11 @@ class CostAnalysis:
             self._reading[-1].update(self._read[name])
         return self._totals[name]
 
+    def summed(self, name: str) -> tuple[Cost, frozenset[str]] | None:
+        """The total of ``name`` if it was summed here, and the computations it read."""
+        total = self._totals.get(name)
+        return None if total is None else (total, self._read[name])
+
     def module_cost(self) -> Cost:
         return self.computation_cost(self.module.entry.name)
 
@@ -206,12 +211,10 @@ class EarlierCosts:
     def total(self, name: str) -> tuple[Cost, frozenset[str]] | None:
         """The earlier total of ``name`` and what it read, or None where it must be
         summed again."""
-        earlier = self.analysis
-        total = earlier._totals.get(name)
-        if total is None or name in self.edited:
+        summed = self.analysis.summed(name)
+        if summed is None or name in self.edited or not self.edited.isdisjoint(summed[1]):
             return None
-        read = earlier._read[name]
-        return None if not self.edited.isdisjoint(read) else (total, read)
+        return summed
 
 
 def module_cost(module: Module, *, count_loop_iterations: bool = False,

@@ -123,7 +123,6 @@ class Pipeline:
             results.append(result)
         return PipelineResult(module, tuple(results))
 
-
     def _problems_after(self, module: Module, result: PassResult) -> Sequence[object]:
         """The check of ``module`` after a pass that changed it. The default check,
         :func:`~hlo_shard.validate.validate`, reads in full only the computations the
