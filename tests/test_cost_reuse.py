@@ -106,3 +106,29 @@ def test_totals_summed_under_other_options_are_not_reused() -> None:
     with pytest.raises(ValueError, match="other options"):
         CostAnalysis(module, earlier=EarlierCosts(CostAnalysis(module, count_loop_iterations=True),
                                                   frozenset()))
+
+
+@pytest.mark.parametrize("path", [
+    Path(__file__).parent / "golden_pass" / "reduce_scatter_creation.hlo",  # already sharded
+    Path(__file__).parent / "data" / "grad_accum_scan_2x4.n8.hlo",  # accumulated in a scan
+])
+def test_the_module_kept_whole_is_priced_with_the_inputs_totals_as_afresh(path: Path) -> None:
+    """Where the pipeline changes the module without sharding anything (all-reduces moved
+    out of an accumulation loop, the partitioner's pairs made reduce-scatters), the gate
+    prices that module too, reusing the input's totals: exactly a fresh price."""
+    from hlo_shard.passes.accumulation_motion import AccumulationMotion
+    from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
+    from hlo_shard.passes.speed_gate import _unsharded_estimate
+
+    module = parse_file(path)
+    hardware = load_profile("cpu-local")
+    whole = predicted_step(module, hardware)
+    reused = _unsharded_estimate(module, hardware, whole)
+    assert reused is not None
+    fresh_module = module.clone()
+    AccumulationMotion().run(fresh_module)
+    ReduceScatterCreation(hardware).run(fresh_module)
+    fresh = predicted_step(fresh_module, hardware)
+    assert reused.seconds == fresh.seconds != whole.seconds
+    assert [(i.computation, i.name, i.seconds) for i in reused.instructions] == \
+        [(i.computation, i.name, i.seconds) for i in fresh.instructions]

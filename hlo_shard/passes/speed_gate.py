@@ -206,7 +206,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     sharded_estimate = step_of(candidate, full, edited)
     first = candidate, full, sharded_estimate
     before = whole.seconds
-    unsharded = _unsharded_estimate(module, hardware)
+    unsharded = _unsharded_estimate(module, hardware, whole)
     baseline_estimate = whole if unsharded is None else unsharded
     baseline = baseline_estimate.seconds
     #: What a cut-off must cost at most to be written: the input's step less the
@@ -321,20 +321,25 @@ def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
     return predicted_step(module, hardware).seconds
 
 
-def _unsharded_estimate(module: Module, hardware: HardwareProfile) -> StepEstimate | None:
+def _unsharded_estimate(module: Module, hardware: HardwareProfile,
+                        whole: StepEstimate) -> StepEstimate | None:
     """The price of what the pipeline writes when it shards nothing — ``module`` with its
     accumulated all-reduces moved out of their loops and the partitioner's all-reduce +
     slice pairs made reduce-scatters where priced faster — or None when neither
-    changes it."""
+    changes it (``whole``: ``module``'s estimate, whose totals it reuses where those
+    passes left a computation as it was)."""
     moves = bool(loops_all_reduce(module))
     scatters = any(found.code is ReasonCode.ALREADY_SHARDED
                    for found in find_gradient_all_reduces(module))
     if not (moves or scatters):
         return None
     candidate = module.clone()
-    changed = moves and AccumulationMotion().run(candidate).changed
-    changed = (scatters and ReduceScatterCreation(hardware).run(candidate).changed) or changed
-    return predicted_step(candidate, hardware) if changed else None
+    runs = ([AccumulationMotion().run(candidate)] if moves else []) + \
+        ([ReduceScatterCreation(hardware).run(candidate)] if scatters else [])
+    if not any(run.changed for run in runs):
+        return None
+    edited = frozenset().union(*(edited_computations(run.changes) for run in runs))
+    return predicted_step(candidate, hardware, earlier=EarlierCosts(whole.model, edited))
 
 
 def _seconds(estimate: StepEstimate | None) -> float | None:
