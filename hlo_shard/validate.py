@@ -79,7 +79,8 @@ class _Checker:
         """The checks of ``comp`` that read the module's header (a collective's group
         size, a device id's range): what a computation no pass edited can newly fail."""
         for inst in comp.instructions:
-            if inst.opcode in _HEADER_READING_RULES or "replica_groups" in inst.attributes:
+            if _SHAPE_RULES.get(inst.opcode) in _HEADER_READING_RULES \
+                    or "replica_groups" in inst.attributes:
                 self.instruction(comp, inst)
 
     def instruction(self, comp: Computation, inst: Instruction) -> None:
@@ -396,8 +397,8 @@ _SHAPE_RULES: dict[str, ShapeRule] = {
     "all-gather": _all_gather,
     "all-reduce": _all_reduce,
 }
-#: The opcodes whose shape rule reads the module's device counts (:func:`_group_size`).
-_HEADER_READING_RULES = frozenset({"reduce-scatter", "all-gather", "all-reduce"})
+#: The shape rules that read the module's device counts (:func:`_group_size`).
+_HEADER_READING_RULES: frozenset[ShapeRule] = frozenset({_reduce_scatter, _all_gather})
 
 
 def validate(module: Module, computations: Collection[str] | None = None) -> list[Problem]:
