@@ -10,6 +10,7 @@ import pytest
 
 from hlo_shard.costmodel.flops import CostAnalysis, EarlierCosts
 from hlo_shard.graph import ModuleRewriter
+from hlo_shard.ir import ArrayShape
 from hlo_shard.parser import parse, parse_file
 from hlo_shard.passes.pipeline import edited_computations
 from hlo_shard.passes.sharding_pipeline import run_sharding
@@ -132,3 +133,37 @@ def test_the_module_kept_whole_is_priced_with_the_inputs_totals_as_afresh(path: 
     assert reused.seconds == fresh.seconds != whole.seconds
     assert [(i.computation, i.name, i.seconds) for i in reused.instructions] == \
         [(i.computation, i.name, i.seconds) for i in fresh.instructions]
+
+
+def _nested_calls(depth: int) -> str:
+    """``depth`` computations, each calling the next; the entry calls the first."""
+    parts = ["HloModule nested"]
+    for k in reversed(range(depth)):
+        inner = (f"  ROOT %r.{k} = f32[8] call(%p.{k}), to_apply=%c.{k + 1}"
+                 if k + 1 < depth else f"  ROOT %r.{k} = f32[8] exponential(%p.{k})")
+        parts.append(f"%c.{k} (p.{k}: f32[8]) -> f32[8] {{\n  %p.{k} = f32[8] parameter(0)\n"
+                     f"{inner}\n}}")
+    parts.append("ENTRY %e (x: f32[8]) -> f32[8] {\n  %x = f32[8] parameter(0)\n"
+                 "  ROOT %y = f32[8] call(%x), to_apply=%c.0\n}")
+    return "\n".join(parts) + "\n"
+
+
+def test_what_each_total_read_is_kept_once_whatever_the_nesting() -> None:
+    """Each total keeps the computations it read directly (one entry per call edge, not
+    every computation below it: quadratic in the nesting), and one walk up those reads
+    finds every total an edit makes stale."""
+    depth = 200
+    module = parse(_nested_calls(depth))
+    earlier = CostAnalysis(module)
+    cost = earlier.module_cost()
+    assert sum(len(reads) for reads in earlier._reads.values()) == depth  # the call edges
+    edited = module.clone()
+    rewriter = ModuleRewriter(edited)
+    middle = edited.computation("c.100")
+    rewriter.rewriter(middle).add("negate", ArrayShape("f32", (8,)), ["p.100"])  # one more op
+    reuse = EarlierCosts(earlier, edited_computations(rewriter.changes))
+    assert reuse.stale == {f"c.{k}" for k in range(101)} | {"e"}
+    again = CostAnalysis(edited, earlier=reuse)
+    assert again.module_cost() == CostAnalysis(edited).module_cost() != cost
+    # the first total below the edit is reused whole: nothing under it is visited again
+    assert again._totals["c.101"] is earlier._totals["c.101"] and "c.150" not in again._totals

@@ -19,12 +19,14 @@ users already get from jax. Conventions worth knowing:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from dataclasses import dataclass
 from collections.abc import Callable
 
+from hlo_shard.graph import reachable
 from hlo_shard.ir import (
     ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
@@ -150,9 +152,10 @@ class CostAnalysis:
         self.earlier = earlier
         self._computations = {comp.name: comp for comp in module.computations}
         self._totals: dict[str, Cost] = {}
-        #: Computation → the computations its total read (transitively): where one of
-        #: them was edited, the total cannot be reused (:class:`EarlierCosts`).
-        self._read: dict[str, frozenset[str]] = {}
+        #: Computation → the computations its total read directly (their totals read
+        #: theirs): where any of them was edited, the total cannot be reused
+        #: (:class:`EarlierCosts`).
+        self._reads: dict[str, frozenset[str]] = {}
         #: Per total being summed (nested calls), the computations it has read so far.
         self._reading: list[set[str]] = []
 
@@ -170,7 +173,7 @@ class CostAnalysis:
         if name not in self._totals:
             reused = self.earlier.total(name) if self.earlier is not None else None
             if reused is not None:
-                self._totals[name], self._read[name] = reused
+                self._totals[name], self._reads[name] = reused
             else:
                 comp = self._computations[name]
                 self._reading.append(set())
@@ -178,16 +181,24 @@ class CostAnalysis:
                 for inst in comp.instructions:
                     total = total + self.instruction_cost(comp, inst)
                 self._totals[name] = total
-                self._read[name] = frozenset(self._reading.pop())
+                self._reads[name] = frozenset(self._reading.pop())
         if self._reading:
             self._reading[-1].add(name)
-            self._reading[-1].update(self._read[name])
         return self._totals[name]
 
     def summed(self, name: str) -> tuple[Cost, frozenset[str]] | None:
-        """The total of ``name`` if it was summed here, and the computations it read."""
+        """The total of ``name`` if it was summed here, and the computations it read
+        directly."""
         total = self._totals.get(name)
-        return None if total is None else (total, self._read[name])
+        return None if total is None else (total, self._reads[name])
+
+    def read_by(self) -> dict[str, list[str]]:
+        """Computation → the totals summed here that read it directly."""
+        readers: dict[str, list[str]] = {}
+        for name, reads in self._reads.items():
+            for read in reads:
+                readers.setdefault(read, []).append(name)
+        return readers
 
     def module_cost(self) -> Cost:
         return self.computation_cost(self.module.entry.name)
@@ -201,20 +212,25 @@ class CostAnalysis:
 class EarlierCosts:
     """The totals an analysis of another module summed, for a copy of it a rewrite then
     edited (the speed gate's trial, priced after the input): a computation's total is
-    reused where neither it nor any computation the total read is among ``edited``
-    (the rewrite's log: every edit a pass makes is recorded there), so that only what
-    the rewrite touched is priced again."""
+    reused where neither it nor any computation the total read, directly or through
+    others, is among ``edited`` (the rewrite's log: every edit a pass makes is recorded
+    there), so that only what the rewrite touched is priced again."""
 
     analysis: CostAnalysis
     edited: frozenset[str]
+
+    @functools.cached_property
+    def stale(self) -> set[str]:
+        """The edited computations and every total that read one: one walk up the
+        analysis's reads (linear in them, whatever the nesting)."""
+        readers = self.analysis.read_by()
+        return reachable(self.edited, lambda name: readers.get(name, ())) | self.edited
 
     def total(self, name: str) -> tuple[Cost, frozenset[str]] | None:
         """The earlier total of ``name`` and what it read, or None where it must be
         summed again."""
         summed = self.analysis.summed(name)
-        if summed is None or name in self.edited or not self.edited.isdisjoint(summed[1]):
-            return None
-        return summed
+        return None if summed is None or name in self.stale else summed
 
 
 def module_cost(module: Module, *, count_loop_iterations: bool = False,
