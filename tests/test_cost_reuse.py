@@ -167,3 +167,16 @@ def test_what_each_total_read_is_kept_once_whatever_the_nesting() -> None:
     assert again.module_cost() == CostAnalysis(edited).module_cost() != cost
     # the first total below the edit is reused whole: nothing under it is visited again
     assert again._totals["c.101"] is earlier._totals["c.101"] and "c.150" not in again._totals
+
+
+def test_calls_nested_deeper_than_the_recursion_limit_are_priced() -> None:
+    """Each total is summed after those it calls, in one iterative walk: a chain of calls
+    nested far deeper than Python's recursion limit prices like a shallow one (the cost
+    analysis recursed a few frames per level: ``hlo-shard report`` said "input nests too
+    deeply to process" at 300 levels)."""
+    import sys
+
+    depth = 3 * sys.getrecursionlimit()
+    cost = CostAnalysis(parse(_nested_calls(depth))).module_cost()
+    assert cost == CostAnalysis(parse(_nested_calls(2))).module_cost()
+    assert cost.transcendentals == 8

@@ -171,20 +171,55 @@ class CostAnalysis:
         """Sum over every instruction of a computation, dead code included (XLA's
         ``Accept`` visits instructions without users too)."""
         if name not in self._totals:
-            reused = self.earlier.total(name) if self.earlier is not None else None
-            if reused is not None:
-                self._totals[name], self._reads[name] = reused
-            else:
-                comp = self._computations[name]
-                self._reading.append(set())
-                total = ZERO
-                for inst in comp.instructions:
-                    total = total + self.instruction_cost(comp, inst)
-                self._totals[name] = total
-                self._reads[name] = frozenset(self._reading.pop())
+            # Callees first, so that a rule asking for a called total finds it summed:
+            # no recursion however deep the calls nest.
+            for below in self._unsummed_from(name):
+                self._sum(below)
         if self._reading:
             self._reading[-1].add(name)
         return self._totals[name]
+
+    def _sum(self, name: str) -> None:
+        reused = self.earlier.total(name) if self.earlier is not None else None
+        if reused is not None:
+            self._totals[name], self._reads[name] = reused
+            return
+        comp = self._computations[name]
+        self._reading.append(set())
+        total = ZERO
+        for inst in comp.instructions:
+            total = total + self.instruction_cost(comp, inst)
+        self._totals[name] = total
+        self._reads[name] = frozenset(self._reading.pop())
+
+    def _unsummed_from(self, name: str) -> list[str]:
+        """``name`` and the computations it calls, directly or not, that have no total
+        yet, each after those it calls (one iterative walk; a total ``earlier`` gives
+        is not walked into)."""
+        if self.earlier is not None and self.earlier.total(name) is not None:
+            return [name]
+        order: list[str] = []
+        seen = {name}
+        stack = [(name, iter(self._callees(name)))]
+        while stack:
+            current, callees = stack[-1]
+            for callee in callees:
+                if callee in seen or callee in self._totals:
+                    continue
+                seen.add(callee)
+                if self.earlier is not None and self.earlier.total(callee) is not None:
+                    order.append(callee)
+                    continue
+                stack.append((callee, iter(self._callees(callee))))
+                break
+            else:
+                stack.pop()
+                order.append(current)
+        return order
+
+    def _callees(self, name: str) -> list[str]:
+        return [callee for inst in self._computations[name].instructions
+                for callee in inst.called_computations()]
 
     def summed(self, name: str) -> tuple[Cost, frozenset[str]] | None:
         """The total of ``name`` if it was summed here, and the computations it read
