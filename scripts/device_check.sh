@@ -132,12 +132,14 @@ timeout $T_JAX "$PY" scripts/device_check.py jax --backend "$BACKEND" --out "$DI
 # 4. calibrate -----------------------------------------------------------------------
 # (GPU probes are a few milliseconds each: more runs cost seconds and steady the slope
 # the bandwidths are read from)
-if [ "$BACKEND" = cpu ]; then
-  CALIBRATE="--backend cpu --devices $DEVICES --runs 5 --rounds 2"
+if [ $QUICK = 1 ]; then
+  RUNS="--runs 1 --rounds 1"
+elif [ "$BACKEND" = cpu ]; then
+  RUNS="--runs 5 --rounds 2"
 else
-  CALIBRATE="--backend gpu --devices $DEVICES --runs 10 --rounds 3"
+  RUNS="--runs 10 --rounds 3"
 fi
-[ $QUICK = 1 ] && CALIBRATE="$CALIBRATE --runs 1 --rounds 1"
+CALIBRATE="--backend $BACKEND --devices $DEVICES $RUNS"
 timeout $T_CALIBRATE "$PY" -m hlo_shard.runtime.calibrate $CALIBRATE --output "$DIR/profile.json" \
   > "$DIR/calibrate.log" 2>&1 || note "calibrate: exit $? (calibrate.log)"
 

@@ -156,7 +156,8 @@ class CostAnalysis:
         #: theirs): where any of them was edited, the total cannot be reused
         #: (:class:`EarlierCosts`).
         self._reads: dict[str, frozenset[str]] = {}
-        #: Per total being summed (nested calls), the computations it has read so far.
+        #: Per total being summed, the computations it has read so far (a list: a rule
+        #: asking for a total its walk did not find would sum it inside).
         self._reading: list[set[str]] = []
 
     def computation(self, name: str) -> Computation:
@@ -180,7 +181,7 @@ class CostAnalysis:
         return self._totals[name]
 
     def _sum(self, name: str) -> None:
-        reused = self.earlier.total(name) if self.earlier is not None else None
+        reused = self._earlier_total(name)
         if reused is not None:
             self._totals[name], self._reads[name] = reused
             return
@@ -196,7 +197,7 @@ class CostAnalysis:
         """``name`` and the computations it calls, directly or not, that have no total
         yet, each after those it calls (one iterative walk; a total ``earlier`` gives
         is not walked into)."""
-        if self.earlier is not None and self.earlier.total(name) is not None:
+        if self._earlier_total(name) is not None:
             return [name]
         order: list[str] = []
         seen = {name}
@@ -207,7 +208,7 @@ class CostAnalysis:
                 if callee in seen or callee in self._totals:
                     continue
                 seen.add(callee)
-                if self.earlier is not None and self.earlier.total(callee) is not None:
+                if self._earlier_total(callee) is not None:
                     order.append(callee)
                     continue
                 stack.append((callee, iter(self._callees(callee))))
@@ -216,6 +217,9 @@ class CostAnalysis:
                 stack.pop()
                 order.append(current)
         return order
+
+    def _earlier_total(self, name: str) -> tuple[Cost, frozenset[str]] | None:
+        return self.earlier.total(name) if self.earlier is not None else None
 
     def _callees(self, name: str) -> list[str]:
         return [callee for inst in self._computations[name].instructions

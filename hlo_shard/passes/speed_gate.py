@@ -338,7 +338,7 @@ def _unsharded_estimate(module: Module, hardware: HardwareProfile,
         ([ReduceScatterCreation(hardware).run(candidate)] if scatters else [])
     if not any(run.changed for run in runs):
         return None
-    edited = frozenset().union(*(edited_computations(run.changes) for run in runs))
+    edited = edited_computations([change for run in runs for change in run.changes])
     return predicted_step(candidate, hardware, earlier=EarlierCosts(whole.model, edited))
 
 
