@@ -12,7 +12,8 @@ what a pass's ``PassResult.changed`` and ``changes`` come from, what tests read 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (Callable, Collection, Generator, Iterable, Iterator, Mapping,
+                             Sequence)
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -126,6 +127,34 @@ def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> se
             seen.add(node)
             stack.extend(step(node))
     return seen
+
+
+_Request = TypeVar("_Request")
+_Result = TypeVar("_Result")
+#: A walk that yields the sub-walks it needs (a callee to analyse) and is sent each one's
+#: result: :func:`run_nested`.
+NestedWalk = Generator[_Request, _Result, _Result]
+
+
+def run_nested(first: NestedWalk[_Request, _Result],
+               start: Callable[[_Request], NestedWalk[_Request, _Result]]) -> _Result:
+    """The result of ``first``, each walk it yields for started with ``start`` and run to
+    its end on an explicit stack before the one that asked resumes: an analysis that
+    follows calls, loops and branches into their computations this way handles nesting
+    deeper than Python's recursion limit as it handles one level."""
+    walks = [first]
+    sent: _Result | None = None
+    while True:
+        try:
+            request = walks[-1].send(sent)  # type: ignore[arg-type]  # None starts a walk
+        except StopIteration as done:
+            walks.pop()
+            if not walks:
+                return cast(_Result, done.value)
+            sent = done.value
+        else:
+            walks.append(start(request))
+            sent = None
 
 
 def upstream_bits(comp: Computation, bits: Mapping[str, int],

@@ -287,11 +287,66 @@ def scanned(n: int) -> str:
             + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
 
 
+def _nested_step(levels: list[str], entry_value: str) -> str:
+    """A step over 4 replicas whose forward pass runs in the computations ``levels``
+    (each defines ``%c.K`` or ``%body.K``/``%cond.K``, the next level nested in it;
+    printed innermost first, as callees precede their callers) and
+    ends in ``entry_value``'s lines defining ``%f``; its gradient is all-reduced and
+    applied to the donated weight in the entry."""
+    entry = ("ENTRY %main (x: f32[8], w: f32[8]) -> f32[8] {\n  %x = f32[8] parameter(0)\n"
+             "  %w = f32[8] parameter(1)\n" + entry_value
+             + "  %g = f32[8] all-reduce(%f), replica_groups={{0,1,2,3}}, to_apply=%sum\n"
+             "  %lr = f32[] constant(0.1)\n  %lrs = f32[8] broadcast(%lr), dimensions={}\n"
+             "  %step = f32[8] multiply(%lrs, %g)\n  ROOT %new = f32[8] subtract(%w, %step)\n}\n")
+    return ("HloModule nested_step, input_output_alias={ {}: (1, {}, may-alias) }, "
+            "replica_count=4\n\n" + _REDUCER + "\n".join(reversed(levels)) + "\n" + entry)
+
+
+def nested_calls(n: int) -> str:
+    """The forward pass in ``n / 4`` computations, each calling the next: nesting as
+    deep as the module is long (a recursion per level fails long before)."""
+    depth = max(1, n // 4)
+    levels = []
+    for k in range(depth):
+        inner = (f"  ROOT %r.{k} = f32[8] call(%p.{k}), to_apply=%c.{k + 1}"
+                 if k + 1 < depth else f"  ROOT %r.{k} = f32[8] exponential(%p.{k})")
+        levels.append(f"%c.{k} (p.{k}: f32[8]) -> f32[8] {{\n  %p.{k} = f32[8] parameter(0)\n"
+                      f"{inner}\n}}\n")
+    return _nested_step(levels, "  %f = f32[8] call(%x), to_apply=%c.0\n")
+
+
+def nested_loops(n: int, trips: int = 1) -> str:
+    """The forward pass in ``n / 12`` while loops, each in the previous one's body and
+    running ``trips`` times (trip counts multiply)."""
+    depth, carry = max(1, n // 12), "(s32[], f32[8])"
+    levels = []
+    for k in range(depth):
+        inner = (f"  %z.{k} = s32[] constant(0)\n  %it.{k} = {carry} tuple(%z.{k}, %v.{k})\n"
+                 f"  %w.{k} = {carry} while(%it.{k}), condition=%cond.{k + 1}, "
+                 f"body=%body.{k + 1}\n  %nv.{k} = f32[8] get-tuple-element(%w.{k}), index=1\n"
+                 if k + 1 < depth else f"  %nv.{k} = f32[8] exponential(%v.{k})\n")
+        levels.append(
+            f"%cond.{k} (c.{k}: {carry}) -> pred[] {{\n  %c.{k} = {carry} parameter(0)\n"
+            f"  %ci.{k} = s32[] get-tuple-element(%c.{k}), index=0\n"
+            f"  %n.{k} = s32[] constant({trips})\n"
+            f"  ROOT %lt.{k} = pred[] compare(%ci.{k}, %n.{k}), direction=LT\n}}\n\n"
+            f"%body.{k} (b.{k}: {carry}) -> {carry} {{\n  %b.{k} = {carry} parameter(0)\n"
+            f"  %i.{k} = s32[] get-tuple-element(%b.{k}), index=0\n"
+            f"  %v.{k} = f32[8] get-tuple-element(%b.{k}), index=1\n{inner}"
+            f"  %one.{k} = s32[] constant(1)\n  %ni.{k} = s32[] add(%i.{k}, %one.{k})\n"
+            f"  ROOT %r.{k} = {carry} tuple(%ni.{k}, %nv.{k})\n}}\n")
+    return _nested_step(levels, (
+        f"  %z = s32[] constant(0)\n  %t = {carry} tuple(%z, %x)\n"
+        f"  %loop = {carry} while(%t), condition=%cond.0, body=%body.0\n"
+        "  %f = f32[8] get-tuple-element(%loop), index=1\n"))
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
     "long_update": long_update, "fused": fused, "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
+    "nested_calls": nested_calls, "nested_loops": nested_loops,
 }
 
 
@@ -425,3 +480,23 @@ def test_shared_reads_price_as_the_listed_ones(monkeypatch) -> None:
     assert [value for row in rows for value in row[1:]] == pytest.approx(
         [value for row in listed_rows for value in row[1:]])
     assert memory == listed_memory
+
+
+@pytest.mark.parametrize("command", ["report", "optimize", "scale"])
+def test_loops_nested_past_what_a_float_counts_fail_cleanly(command: str, tmp_path) -> None:
+    """200 nested loops of two trips each run their innermost body 2**200 times per step:
+    the commands that price it say which loop in one line and exit 2 (the seconds and
+    counts scaled by the runs overflowed a float: an internal error)."""
+    from click.testing import CliRunner
+
+    from hlo_shard.cli import main
+
+    source = tmp_path / "nested.hlo"
+    source.write_text(nested_loops(12 * 200, trips=2))
+    args = [command, str(source)] + (["-o", str(tmp_path / "out.hlo")]
+                                     if command == "optimize" else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: w.") and result.output.count("\n") == 1
+    assert "times per step, past what can be priced" in result.output
+    assert not (tmp_path / "out.hlo").exists()

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.graph import DataflowGraph, dataflow_graph, reachable
+from hlo_shard.graph import DataflowGraph, NestedWalk, dataflow_graph, reachable, run_nested
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
-from hlo_shard.opinfo import (CALLS_ONCE, DATA_MOVEMENT, DETERMINISTIC_OPS, ELEMENTWISE, FORWARDING,
+from hlo_shard.opinfo import (CALLS_ONCE, CONTROL_FLOW, DATA_MOVEMENT, DETERMINISTIC_OPS, ELEMENTWISE, FORWARDING,
                               OPINFO, PER_DEVICE, PER_ELEMENT, REPLICATING_COLLECTIVES,
                               VIEWS, opcodes_where, with_async_forms)
 
@@ -196,6 +196,8 @@ DEVICE_DEPENDENT = opcodes_where(lambda info: info.values == PER_DEVICE)
 #: collective's, or an async copy's.
 _DONE_AS_STARTED = frozenset(name for name in with_async_forms(REPLICATING_COLLECTIVES | VIEWS)
                              if OPINFO[name].is_async_done)
+#: Ops whose flags are their callees' (:meth:`_Analyzer._calling`).
+_CALLING = CALLS_ONCE | CONTROL_FLOW
 
 #: Ops a parameter's value flows through "elementwise" in the default analysis.
 _FLOW_THROUGH = PER_ELEMENT | DATA_MOVEMENT
@@ -304,8 +306,16 @@ def _flows_through(module: Module, inst: Instruction) -> bool:
 # ----------------------------------------------------------------------- the analysis
 
 
+#: The analysis of one computation, suspended at each callee it analyses (with its
+#: parameter flags), and sent the callee's root flags.
+_Walk = NestedWalk[tuple[Computation, list[Flags]], Flags]
+
+
 @dataclass
 class _Analyzer:
+    """Each computation is analysed once per distinct parameter flags; its callees on
+    :func:`~hlo_shard.graph.run_nested`'s stack, not by recursion."""
+
     module: Module
     target: list[frozenset[int]] | None
     result: Replication
@@ -313,6 +323,9 @@ class _Analyzer:
 
     def computation(self, comp: Computation, params: list[Flags]) -> Flags:
         """Analyse ``comp`` with the given parameter flags; returns the root's flags."""
+        return run_nested(self._walk(comp, params), lambda call: self._walk(*call))
+
+    def _walk(self, comp: Computation, params: list[Flags]) -> _Walk:
         key = (comp.name, tuple(params))
         memo = self._memo.get(key)
         if memo is not None:
@@ -320,7 +333,8 @@ class _Analyzer:
         else:
             values = {}
             for inst in comp.instructions:
-                values[inst.name] = self.instruction(comp, inst, values, params)
+                values[inst.name] = (yield from self._calling(inst, values)) \
+                    if inst.opcode in _CALLING else self.instruction(inst, values, params)
             root = values[comp.root.name]
             self._memo[key] = (values, root)
         merged = self.result.values.setdefault(comp.name, {})
@@ -328,8 +342,9 @@ class _Analyzer:
             merged[name] = meet(merged[name], flags) if name in merged else flags
         return root
 
-    def instruction(self, comp: Computation, inst: Instruction, values: dict[str, Flags],
+    def instruction(self, inst: Instruction, values: dict[str, Flags],
                     params: list[Flags]) -> Flags:
+        """The flags of ``inst``, which calls no computation (:meth:`_calling`)."""
         ops = [values[o] for o in inst.operands]
         opcode = inst.opcode
         if opcode == "parameter":
@@ -352,20 +367,24 @@ class _Analyzer:
             source = ops[0]
             return source[inst.required_attr("index", int)] if isinstance(source, tuple) \
                 else source
-        if opcode == "while":
-            return self._while(inst, ops[0])
-        if opcode in CALLS_ONCE:
-            callee = inst.called_computations()
-            if len(callee) != 1:
-                return uniform(inst.shape, False)
-            root = self.computation(self.module.computation(callee[0]), ops)
-            return root if isinstance(inst.shape, TupleShape) == isinstance(root, tuple) \
-                else uniform(inst.shape, all_true(root))
-        if opcode == "conditional":
-            return self._conditional(inst, ops)
         if opcode in DETERMINISTIC_OPS:
             return uniform(inst.shape, all(all_true(f) for f in ops))
         return uniform(inst.shape, False)
+
+    def _calling(self, inst: Instruction, values: dict[str, Flags]) -> _Walk:
+        """The flags of ``inst``, which calls computations (a while loop, a conditional,
+        a call or fusion): each callee's root yielded for."""
+        ops = [values[o] for o in inst.operands]
+        if inst.opcode == "while":
+            return (yield from self._while(inst, ops[0]))
+        if inst.opcode == "conditional":
+            return (yield from self._conditional(inst, ops))
+        callee = inst.called_computations()
+        if len(callee) != 1:
+            return uniform(inst.shape, False)
+        root = yield self.module.computation(callee[0]), ops
+        return root if isinstance(inst.shape, TupleShape) == isinstance(root, tuple) \
+            else uniform(inst.shape, all_true(root))
 
     def _covers(self, inst: Instruction) -> bool:
         try:
@@ -405,26 +424,26 @@ class _Analyzer:
         return all(members <= reads.keys() and len({reads[device] for device in members}) == 1
                    for members in self.target)
 
-    def _while(self, inst: Instruction, init: Flags) -> Flags:
+    def _while(self, inst: Instruction, init: Flags) -> _Walk:
         body = self.module.computation(inst.required_attr("body", ComputationRef).name)
         cond = self.module.computation(inst.required_attr("condition", ComputationRef).name)
         carry = init
         while True:
-            out = self.computation(body, [carry])
+            out = yield body, [carry]
             new = meet(carry, out)
             if new == carry:
                 break
             carry = new
-        if not all_true(self.computation(cond, [carry])):
+        if not all_true((yield cond, [carry])):
             return uniform(inst.shape, False)  # trip count may differ per device
         return carry
 
-    def _conditional(self, inst: Instruction, ops: list[Flags]) -> Flags:
+    def _conditional(self, inst: Instruction, ops: list[Flags]) -> _Walk:
         if not all_true(ops[0]):
             return uniform(inst.shape, False)
         result: Flags | None = None
         for name, operand in zip(inst.called_computations(), ops[1:]):
-            root = self.computation(self.module.computation(name), [operand])
+            root = yield self.module.computation(name), [operand]
             result = root if result is None else meet(result, root)
         return result if result is not None else uniform(inst.shape, False)
 

@@ -33,7 +33,7 @@ and the curve plotted over the schedule.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Generator
 from dataclasses import dataclass, field
 import itertools
 
@@ -42,7 +42,7 @@ from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
 from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, POINTER_OPCODES, KernelPlan, KernelPlans, is_prefused,
 )
-from hlo_shard.graph import stable_topological_sort, topological_order
+from hlo_shard.graph import NestedWalk, run_nested, stable_topological_sort, topological_order
 from hlo_shard.ir import (
     ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
     shape_leaves,
@@ -341,6 +341,11 @@ class _Liveness:
         return last_use
 
     def run(self) -> MemoryProfile:
+        """The profile of the computation, those its control flow runs followed on
+        :func:`run_nested`'s stack."""
+        return run_nested(self._walk(), lambda nested: nested._walk())
+
+    def _walk(self) -> NestedWalk[_Liveness, MemoryProfile]:
         self._define()
         last_use = self._last_uses()
         argument_bytes = sum(b.size for k, b in self.buffers.items() if self._is_parameter(k))
@@ -362,7 +367,8 @@ class _Liveness:
         curve: list[tuple[int, str, int]] = [(0, peak_at, peak)]
         for inst in self.order:
             pos = self.position[inst.name]
-            transient = self._callee_peak(inst)
+            transient = (yield from self._callee_peak(inst)) \
+                if inst.opcode in CONTROL_FLOW_OPCODES else 0
             written = self._written(inst)
             dying = [live[k] for k in dies_at.get(pos, ()) if k in live
                      and not self._persistent(k)]
@@ -541,9 +547,9 @@ class _Liveness:
             return name is not None and self.comp[name].opcode == "constant"
         return all(self._is_parameter(k) for k in keys)
 
-    def _callee_peak(self, inst: Instruction) -> int:
-        if inst.opcode not in CONTROL_FLOW_OPCODES:
-            return 0
+    def _callee_peak(self, inst: Instruction) -> Generator[_Liveness, MemoryProfile, int]:
+        """What the computations the control flow ``inst`` runs add at most on top of
+        the buffers they are passed."""
         peaks = []
         for name in inst.called_computations():
             if inst.opcode == "while" and name == getattr(inst.attr("condition"), "name", None):
@@ -551,6 +557,5 @@ class _Liveness:
             callee = self.module.computation(name)
             nested = _Liveness(self.module, callee, {}, self.gradients, self.emulate,
                                self.combiner, self.plans, nested=True, upcast=self.upcast)
-            # What the callee adds on top of the buffers it was passed.
-            peaks.append(nested.run().temp_bytes)
+            peaks.append((yield nested).temp_bytes)
         return max(peaks, default=0)

@@ -42,7 +42,8 @@ from hlo_shard.costmodel.kernels import (
     CONTROL_FLOW_OPCODES, FUSIBLE_OPCODES, Kernel, KernelPlans, is_prefused, runs_in_a_kernel,
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
-from hlo_shard.graph import reading_only, users_map
+from hlo_shard.errors import HloShardError
+from hlo_shard.graph import NestedWalk, reading_only, run_nested, users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
@@ -457,6 +458,11 @@ def fresh_writers(module: Module, comp: Computation, threshold_bytes: int = 0) -
 # ---------------------------------------------------------------------------- time
 
 
+#: The estimates of one computation, suspended at each computation its control flow runs
+#: (with how many times), and sent that computation's estimates.
+_Walk = NestedWalk[tuple[Computation, int], list[InstructionEstimate]]
+
+
 @dataclass
 class _Estimator:
     module: Module
@@ -472,6 +478,11 @@ class _Estimator:
     notes: list[str] = field(default_factory=list)
 
     def computation(self, comp: Computation, runs: int) -> list[InstructionEstimate]:
+        """The estimates of ``comp`` run ``runs`` times, and of the computations its
+        loops, calls and branches run (followed on :func:`run_nested`'s stack)."""
+        return run_nested(self._walk(comp, runs), lambda callee: self._walk(*callee))
+
+    def _walk(self, comp: Computation, runs: int) -> _Walk:
         if comp.name not in self.categories:
             self.categories[comp.name] = categorize(self.module, comp, self.regions)
         categories = self.categories[comp.name][0]
@@ -486,7 +497,7 @@ class _Estimator:
         self._combine_collectives(comp, out)
         for inst in comp.instructions:
             if inst.opcode in CONTROL_FLOW_OPCODES:
-                out.extend(self._control_flow(comp, inst, runs))
+                out.extend((yield from self._control_flow(comp, inst, runs)))
         return out
 
     def _kernel(self, comp: Computation, kernel: Kernel, categories: dict[str, str],
@@ -552,19 +563,25 @@ class _Estimator:
         return (max(cost.flops, 0.0) / rate
                 + cost.transcendentals / self.profile.transcendentals_per_s)
 
-    def _control_flow(self, comp: Computation, inst: Instruction,
-                      runs: int) -> list[InstructionEstimate]:
+    def _control_flow(self, comp: Computation, inst: Instruction, runs: int) -> _Walk:
         called = inst.called_computations()
         if inst.opcode == "while":
             loop = _LoopRuns.of(self.module, self.analysis, comp, inst, runs)
             if not loop.known:
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            return (self.computation(loop.body, loop.body_runs)
-                    + self.computation(loop.condition, loop.condition_runs))
+            return ((yield loop.body, loop.body_runs)
+                    + (yield loop.condition, loop.condition_runs))
         if inst.opcode == "call":
-            return self.computation(self.module.computation(called[0]), runs)
-        branches = [self.computation(self.module.computation(name), runs) for name in called]
+            return (yield self.module.computation(called[0]), runs)
+        branches = []
+        for name in called:
+            branches.append((yield self.module.computation(name), runs))
         return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
+
+
+#: The most times a computation may run per step: past it, seconds and counts scaled by
+#: the runs leave the range of a float (nested loops multiply their trip counts).
+_MOST_RUNS = 10 ** 30
 
 
 @dataclass(frozen=True)
@@ -583,6 +600,9 @@ class _LoopRuns:
            runs: int) -> _LoopRuns:
         trips = known_trip_count(analysis, comp, loop)
         counted = 1 if trips is None else trips
+        if runs * (counted + 1) > _MOST_RUNS:
+            raise HloShardError(f"{loop.name}: its nested loops run more than {_MOST_RUNS:.0e} "
+                                f"times per step, past what can be priced")
         return _LoopRuns(module.computation(loop.required_attr("body", ComputationRef).name),
                          runs * counted,
                          module.computation(loop.required_attr("condition", ComputationRef).name),
