@@ -31,16 +31,16 @@ from __future__ import annotations
 import re
 from typing import Any
 from dataclasses import dataclass
-from functools import cache, reduce
+from functools import reduce
 from operator import or_
 from pathlib import Path
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import numpy as np
 
 from hlo_shard.analysis.replication import replicated_tile_sets
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import topological_order
+from hlo_shard.graph import NestedWalk, callees_first, run_nested, topological_order
 from hlo_shard.ir import (
     COMPLEX_TYPES, FLOAT_TYPES, ArrayShape, Computation, ComputationRef, Instruction, Module,
     Raw, Shape, TupleShape, shape_leaves,
@@ -207,6 +207,11 @@ class _Bits:
 _Leaves = tuple[_Bits, ...]
 #: How one opcode's result leaves follow from its operands' (comp, inst, operands).
 _Transfer = Callable[[Computation, Instruction, list[_Leaves]], _Leaves]
+#: The flow through one computation, suspended at each computation it runs (with its
+#: parameters' leaves), and sent that computation's root leaves.
+_Flow = NestedWalk[tuple[Computation, Sequence[_Leaves]], _Leaves]
+#: The same for an op that runs computations (a call, a loop, branches).
+_CallingTransfer = Callable[[Instruction, list[_Leaves]], _Flow]
 
 
 def _leaf_count(shape: Shape) -> int:
@@ -216,27 +221,41 @@ def _leaf_count(shape: Shape) -> int:
 class _ParameterFlow:
     """Tuple-aware forward dataflow of entry parameters through the module, following
     calls, fusions, conditionals and while loops (to a fixpoint) into their bodies, so
-    that state carried through a loop stays apart from the batch it is carried with."""
+    that state carried through a loop stays apart from the batch it is carried with.
+    The computations an op runs are followed on :func:`run_nested`'s stack, not by
+    recursion."""
 
     def __init__(self, module: Module) -> None:
         self.comps = {c.name: c for c in module.computations}
         self.summed = 0  # parameters that reach a summing collective
-        self._summing: dict[str, bool] = {}
+        #: The computations that sum across devices, themselves or in one they call.
+        self._summing: set[str] = set()
+        for comp in callees_first(module):
+            if any(inst.opcode in SUMMING_COLLECTIVES or not self._summing.isdisjoint(
+                    inst.called_computations()) for inst in comp.instructions):
+                self._summing.add(comp.name)
         # opt-barrier returns its operand as it is: leaf for leaf, like a tuple of one.
         self.handlers: dict[str, _Transfer] = {
             "tuple": self._tuple, "opt-barrier": self._tuple,
-            "get-tuple-element": self._get_tuple_element, "while": self._while,
-            "call": self._call, "fusion": self._call, "conditional": self._conditional}
+            "get-tuple-element": self._get_tuple_element}
+        self.calling: dict[str, _CallingTransfer] = {
+            "while": self._while, "call": self._call, "fusion": self._call,
+            "conditional": self._conditional}
 
     def run(self, comp: Computation, params: Sequence[_Leaves]) -> _Leaves:
+        """The leaves of ``comp``'s root, its parameters' being ``params``."""
+        return run_nested(self._walk(comp, params), lambda callee: self._walk(*callee))
+
+    def _walk(self, comp: Computation, params: Sequence[_Leaves]) -> _Flow:
         values: dict[str, _Leaves] = {}
         for inst in topological_order(comp):
             if inst.opcode == "parameter":
                 values[inst.name] = params[inst.param_number]
                 continue
             operands = [values[name] for name in inst.operands]
-            handler = self.handlers.get(inst.opcode, self._default)
-            values[inst.name] = handler(comp, inst, operands)
+            calling = self.calling.get(inst.opcode)
+            values[inst.name] = (yield from calling(inst, operands)) if calling is not None \
+                else self.handlers.get(inst.opcode, self._default)(comp, inst, operands)
         return values[comp.root.name]
 
     def _tuple(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
@@ -251,28 +270,27 @@ class _ParameterFlow:
         start = sum(_leaf_count(e) for e in elements[:index])
         return operands[0][start:start + _leaf_count(elements[index])]
 
-    def _call(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
-        callee = inst.called_computations()[0]
-        return self.run(self.comps[callee], operands)
+    def _call(self, inst: Instruction, operands: list[_Leaves]) -> _Flow:
+        return (yield self.comps[inst.called_computations()[0]], operands)
 
-    def _while(self, comp: Computation, inst: Instruction, operands: list[_Leaves]) -> _Leaves:
+    def _while(self, inst: Instruction, operands: list[_Leaves]) -> _Flow:
         body = self.comps[inst.required_attr("body", ComputationRef).name]
         condition = self.comps[inst.required_attr("condition", ComputationRef).name]
         state = operands[0]
         while True:
-            self.run(condition, [state])
-            grown = tuple(a | b for a, b in zip(state, self.run(body, [state])))
+            yield condition, [state]
+            grown = tuple(a | b for a, b in zip(state, (yield body, [state])))
             if grown == state:
                 return state
             state = grown
 
-    def _conditional(self, comp: Computation, inst: Instruction,
-                     operands: list[_Leaves]) -> _Leaves:
+    def _conditional(self, inst: Instruction, operands: list[_Leaves]) -> _Flow:
         predicate = _Bits(0, 0)
         for bits in operands[0]:
             predicate |= _Bits(bits.reach, 0)
-        branches = [self.run(self.comps[branch], [operands[k + 1]])
-                    for k, branch in enumerate(inst.called_computations())]
+        branches = []
+        for k, branch in enumerate(inst.called_computations()):
+            branches.append((yield self.comps[branch], [operands[k + 1]]))
         return tuple(reduce(or_, leaf, predicate) for leaf in zip(*branches))
 
     def _default(self, comp: Computation, inst: Instruction, operands: list[_Leaves]
@@ -281,8 +299,8 @@ class _ParameterFlow:
         reach = 0
         for bits in flat:
             reach |= bits.reach
-        if inst.opcode in SUMMING_COLLECTIVES or any(
-                self._contains_summing(c) for c in inst.called_computations() if c in self.comps):
+        if inst.opcode in SUMMING_COLLECTIVES or not self._summing.isdisjoint(
+                inst.called_computations()):
             self.summed |= reach
             if len(flat) == _leaf_count(inst.shape):  # variadic: leaf k from operand k
                 return tuple(_Bits(bits.reach, 0) for bits in flat)
@@ -291,13 +309,6 @@ class _ParameterFlow:
             for bits in flat:
                 through |= bits.through
         return (_Bits(reach, through),) * _leaf_count(inst.shape)
-
-    def _contains_summing(self, name: str) -> bool:
-        if name not in self._summing:
-            self._summing[name] = any(inst.opcode in SUMMING_COLLECTIVES or any(
-                self._contains_summing(c) for c in inst.called_computations() if c in self.comps)
-                for inst in self.comps[name].instructions)
-        return self._summing[name]
 
 
 def default_roles(module: Module) -> dict[int, str]:
@@ -340,18 +351,28 @@ POSITIVE_IF: dict[str, tuple[int, ...] | None] = {
 def positive_parameters(module: Module) -> set[int]:
     """Entry parameters whose values should be positive (see the module docstring)."""
     comps = {c.name: c for c in module.computations}
+    #: (computation, its root's value demanded positive) → its parameters demanded so.
+    found: dict[tuple[str, bool], frozenset[int]] = {}
 
-    @cache
-    def demanded_params(name: str, root_demanded: bool) -> frozenset[int]:
-        return frozenset(_demanded_parameters(comps[name], root_demanded, comps,
-                                              demanded_params))
+    def demanded(request: tuple[str, bool]) -> _Demands:
+        if request not in found:
+            name, root_demanded = request
+            found[request] = frozenset((yield from _demanded_parameters(
+                comps[name], root_demanded, comps)))
+        return found[request]
 
-    return set(demanded_params(module.entry.name, False))
+    entry: frozenset[int] = run_nested(demanded((module.entry.name, False)), demanded)
+    return set(entry)
+
+
+#: The parameters of a computation demanded positive, found while it yields each callee
+#: (and whether its root is demanded) and is sent the callee's.
+_Demands = NestedWalk[tuple[str, bool], frozenset[int]]
 
 
 def _demanded_parameters(comp: Computation, root_demanded: bool,
-                         comps: dict[str, Computation],
-                         callee_demands: Callable[[str, bool], frozenset[int]]) -> set[int]:
+                         comps: dict[str, Computation]
+                         ) -> Generator[tuple[str, bool], frozenset[int], set[int]]:
     demanded: set[str] = {comp.root.name} if root_demanded else set()
     for inst in reversed(topological_order(comp)):
         wanted = inst.name in demanded
@@ -370,7 +391,7 @@ def _demanded_parameters(comp: Computation, root_demanded: bool,
         if inst.opcode in OPINFO and OPINFO[inst.opcode].calls in (CALL, KERNEL):
             for callee in inst.called_computations():
                 if callee in comps:
-                    indices |= set(callee_demands(callee, wanted))
+                    indices |= set((yield callee, wanted))
         demanded.update(inst.operands[i] for i in indices if i < len(inst.operands))
     return {p.param_number for p in comp.parameters() if p.name in demanded}
 
