@@ -478,10 +478,16 @@ class Module:
 
     @property
     def entry(self) -> Computation:
+        """The ENTRY computation (a module has one), else the last. Looked for last
+        first, where callees-first text puts it: analyses ask once per computation, and
+        a scan from the front made that quadratic in the number of computations."""
+        last = self.computations[-1]
+        if last.is_entry:
+            return last
         for comp in self.computations:
             if comp.is_entry:
                 return comp
-        return self.computations[-1]
+        return last
 
     def computation(self, name: str) -> Computation:
         found = self._lookup(name)

@@ -28,9 +28,9 @@ from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_group
 from hlo_shard.graph import DataflowGraph, NestedWalk, dataflow_graph, reachable, run_nested
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
-from hlo_shard.opinfo import (CALLS_ONCE, CONTROL_FLOW, DATA_MOVEMENT, DETERMINISTIC_OPS, ELEMENTWISE, FORWARDING,
-                              OPINFO, PER_DEVICE, PER_ELEMENT, REPLICATING_COLLECTIVES,
-                              VIEWS, opcodes_where, with_async_forms)
+from hlo_shard.opinfo import (CALLS_ONCE, CONTROL_FLOW, DATA_MOVEMENT, DETERMINISTIC_OPS,
+                              ELEMENTWISE, FORWARDING, OPINFO, PER_DEVICE, PER_ELEMENT,
+                              REPLICATING_COLLECTIVES, VIEWS, opcodes_where, with_async_forms)
 
 #: Replication of a value: one bool for an array, a tuple (per element) for a tuple.
 Flags = bool | tuple

@@ -27,7 +27,7 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, is_sum, with_device_counts
@@ -458,9 +458,30 @@ def fresh_writers(module: Module, comp: Computation, threshold_bytes: int = 0) -
 # ---------------------------------------------------------------------------- time
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """The estimates of one computation's own kernels, then those of the computations
+    its control flow runs, in order (kept apart, not concatenated at every level: a
+    chain of nested calls would copy its estimates once per level above them)."""
+
+    own: list[InstructionEstimate]
+    inner: list[_Priced]
+    seconds: float  #: of all of them
+
+    def flat(self) -> list[InstructionEstimate]:
+        """Every estimate, each computation's own before those it runs (one walk)."""
+        out: list[InstructionEstimate] = []
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            out.extend(node.own)
+            stack.extend(reversed(node.inner))
+        return out
+
+
 #: The estimates of one computation, suspended at each computation its control flow runs
 #: (with how many times), and sent that computation's estimates.
-_Walk = NestedWalk[tuple[Computation, int], list[InstructionEstimate]]
+_Walk = NestedWalk[tuple[Computation, int], _Priced]
 
 
 @dataclass
@@ -480,7 +501,7 @@ class _Estimator:
     def computation(self, comp: Computation, runs: int) -> list[InstructionEstimate]:
         """The estimates of ``comp`` run ``runs`` times, and of the computations its
         loops, calls and branches run (followed on :func:`run_nested`'s stack)."""
-        return run_nested(self._walk(comp, runs), lambda callee: self._walk(*callee))
+        return run_nested(self._walk(comp, runs), lambda callee: self._walk(*callee)).flat()
 
     def _walk(self, comp: Computation, runs: int) -> _Walk:
         if comp.name not in self.categories:
@@ -495,10 +516,12 @@ class _Estimator:
             out.extend(self._kernel(comp, kernel, categories, runs,
                                     kernel.members[-1].name not in fresh))
         self._combine_collectives(comp, out)
+        inner: list[_Priced] = []
         for inst in comp.instructions:
             if inst.opcode in CONTROL_FLOW_OPCODES:
-                out.extend((yield from self._control_flow(comp, inst, runs)))
-        return out
+                inner.extend((yield from self._control_flow(comp, inst, runs)))
+        return _Priced(out, inner, sum(e.seconds for e in out)
+                       + sum(run.seconds for run in inner))
 
     def _kernel(self, comp: Computation, kernel: Kernel, categories: dict[str, str],
                 runs: int, resident: bool = False) -> list[InstructionEstimate]:
@@ -563,20 +586,23 @@ class _Estimator:
         return (max(cost.flops, 0.0) / rate
                 + cost.transcendentals / self.profile.transcendentals_per_s)
 
-    def _control_flow(self, comp: Computation, inst: Instruction, runs: int) -> _Walk:
+    def _control_flow(self, comp: Computation, inst: Instruction, runs: int
+                      ) -> Generator[tuple[Computation, int], _Priced, list[_Priced]]:
+        """The computations ``inst`` runs, priced: a loop's body and condition, a call's
+        callee, a conditional's costliest branch."""
         called = inst.called_computations()
         if inst.opcode == "while":
             loop = _LoopRuns.of(self.module, self.analysis, comp, inst, runs)
             if not loop.known:
                 self.notes.append(f"{inst.name}: unknown trip count, one iteration counted")
-            return ((yield loop.body, loop.body_runs)
-                    + (yield loop.condition, loop.condition_runs))
+            return [(yield loop.body, loop.body_runs),
+                    (yield loop.condition, loop.condition_runs)]
         if inst.opcode == "call":
-            return (yield self.module.computation(called[0]), runs)
+            return [(yield self.module.computation(called[0]), runs)]
         branches = []
         for name in called:
             branches.append((yield self.module.computation(name), runs))
-        return max(branches, key=lambda b: sum(i.seconds for i in b), default=[])
+        return [max(branches, key=lambda b: b.seconds)] if branches else []
 
 
 #: The most times a computation may run per step: past it, seconds and counts scaled by
