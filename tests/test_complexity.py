@@ -500,3 +500,36 @@ def test_loops_nested_past_what_a_float_counts_fail_cleanly(command: str, tmp_pa
     assert result.output.startswith("error: w.") and result.output.count("\n") == 1
     assert "times per step, past what can be priced" in result.output
     assert not (tmp_path / "out.hlo").exists()
+
+
+def count_lines(analysis: Callable[[Module], object], module: Module) -> int:
+    """Python lines executed while ``analysis`` runs on ``module``: also sees a loop
+    that calls nothing (a scan over a list per item), which :func:`count_calls` misses."""
+    lines = 0
+
+    def trace(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        analysis(module)
+    finally:
+        sys.settrace(None)
+    return lines
+
+
+@pytest.mark.parametrize("generator", ["nested_calls", "nested_loops", "fan", "clipped"])
+@pytest.mark.parametrize("analysis", ["estimate_step", "analyze_replication",
+                                      "gradient_weights"])
+def test_lines_executed_are_linear(generator: str, analysis: str) -> None:
+    """Counted in lines, not calls, two loops of no calls that were quadratic:
+    ``Module.entry`` scanned the computations from the front once per computation the
+    estimate asked about, and ``gradient_weights`` tried every group of outputs of a
+    gradient's dimensions for every gradient (a fan of same-shaped weights)."""
+    small, large = (parse(GENERATORS[generator](size)) for size in (2_000, 4_000))
+    growth = (count_lines(ANALYSES[analysis], large)
+              / count_lines(ANALYSES[analysis], small))
+    assert growth <= MAX_GROWTH

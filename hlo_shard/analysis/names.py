@@ -115,27 +115,79 @@ def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
     value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
     weight_of_bit = {value_bits[name]: p for _, weights in groups for p in weights
                      for name in values[p]}
-    by_dims: dict[tuple[int, ...] | None, list[tuple[int, int]]] = {}
+    by_dims: dict[tuple[int, ...] | None, _Groups] = {}
     for leaves, weights in groups:
         value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
         same_dims: dict[tuple[int, ...] | None, list[str]] = {}
         for k in leaves:
             same_dims.setdefault(_sorted_dims(shapes[k]), []).append(outputs[k])
         for dims, names in same_dims.items():
-            by_dims.setdefault(dims, []).append((_mask(output_bits, names), value_mask))
+            by_dims.setdefault(dims, _Groups()).add(_mask(output_bits, names), value_mask)
     found: dict[GradientKey, int] = {}
     for key, reached, sources, shape in _ElementFlow(comp).gradient_leaves(output_bits,
                                                                            value_bits):
-        fits: set[int] = set()
-        for output_mask, value_mask in by_dims.get(_sorted_dims(shape), ()):
-            hits = sources & value_mask if reached & output_mask else 0
-            while hits and len(fits) < 2:
-                lowest = hits & -hits
-                fits.add(weight_of_bit[lowest])
-                hits ^= lowest
+        same = by_dims.get(_sorted_dims(shape))
+        fits = same.fitting(reached, sources, weight_of_bit) if same is not None else set()
         if len(fits) == 1:
             found[key] = fits.pop()
     return found
+
+
+@dataclass
+class _Groups:
+    """The groups of next values whose outputs share dimensions: each group's output and
+    value masks, and the groups each output bit and each value bit belongs to."""
+
+    masks: list[tuple[int, int]] = field(default_factory=list)
+    by_output: dict[int, list[int]] = field(default_factory=dict)
+    by_value: dict[int, list[int]] = field(default_factory=dict)
+    outputs: int = 0
+    values: int = 0
+
+    def add(self, output_mask: int, value_mask: int) -> None:
+        group = len(self.masks)
+        self.masks.append((output_mask, value_mask))
+        for mask, index in ((output_mask, self.by_output), (value_mask, self.by_value)):
+            for bit in _bits_of(mask):
+                index.setdefault(bit, []).append(group)
+        self.outputs |= output_mask
+        self.values |= value_mask
+
+    def fitting(self, reached: int, sources: int, weight_of_bit: Mapping[int, int]
+                ) -> set[int]:
+        """The weights of the value bits of ``sources`` in a group one of whose outputs
+        is ``reached``: all of them, or two where there are more (enough to tell it is
+        not one weight).
+        Found from the sparser side, the reached outputs or the source values, so a
+        gradient that reaches every output (a global norm) or is computed from every
+        weight does not scan every group."""
+        outputs, values = reached & self.outputs, sources & self.values
+        if not (outputs and values):
+            return set()
+        bits, index = (outputs, self.by_output) if outputs.bit_count() <= values.bit_count() \
+            else (values, self.by_value)
+        seen: set[int] = set()
+        fits: set[int] = set()
+        for bit in _bits_of(bits):
+            for group in index[bit]:
+                if group in seen:
+                    continue
+                seen.add(group)
+                output_mask, value_mask = self.masks[group]
+                if reached & output_mask:
+                    for hit in _bits_of(sources & value_mask):
+                        fits.add(weight_of_bit[hit])
+                        if len(fits) == 2:
+                            return fits
+        return fits
+
+
+def _bits_of(mask: int) -> Iterator[int]:
+    """Each set bit of ``mask``, lowest first."""
+    while mask:
+        lowest = mask & -mask
+        yield lowest
+        mask ^= lowest
 
 
 def pairs(next_values: Iterable[tuple[int, int]]) -> list[NextValues]:
