@@ -37,7 +37,7 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, find_reduce_scatters,
                                             recovered_device_counts, with_device_counts)
-from hlo_shard.analysis.replication import ParamOverrides, Replication, all_true
+from hlo_shard.analysis.replication import Flags, ParamOverrides, Replication, all_true
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph,
                              reading_only)
@@ -501,6 +501,10 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
     entry = module.entry
     sharded_outputs = {pair.output: pair for pair in state.values()}
     explicit_groups = () if groups is None or groups.is_trivial else groups.groups
+    #: Parameter number → its flags (the first listed, as a search of the list finds).
+    flags_of: dict[int, Flags] = {}
+    for known in replication.params:
+        flags_of.setdefault(known.number, known.flags)
     for param in entry.parameters():
         number = cast(int, param.parameter_number)
         if number in state:
@@ -508,8 +512,7 @@ def _fill_signature(module: Module, report: ShardingReport, replication: Replica
             report.parameters.append(SignatureEntry(number, "sharded", pair.shape, param.name,
                                                     pair.format, explicit_groups))
             continue
-        flags = next((p.flags for p in replication.params if p.number == number), False)
-        kind = "replicated" if all_true(flags) else "per-device"
+        kind = "replicated" if all_true(flags_of.get(number, False)) else "per-device"
         for _, leaf in shape_leaves(param.shape):
             report.parameters.append(SignatureEntry(number, kind, leaf, param.name))
     root = entry.root
