@@ -1793,17 +1793,37 @@ class UpdateFacts:
     rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]]
 
 
-def read_update_facts(module: Module, overrides: ParamOverrides | None = None,
-                      found: list[GradientAllReduce] | None = None) -> UpdateFacts:
-    """:class:`UpdateFacts` of ``module`` as it is (its header's device counts included:
-    the pass writes back those a header lost before reading); ``found``: its gradient
-    all-reduces, where the caller has them."""
-    found = find_gradient_all_reduces(module) if found is None else found
+@dataclass(frozen=True)
+class GradientTriage:
+    """The gradient all-reduces of a module, its data-parallel groups, and which of the
+    all-reduces the pass may shard per computation (the others with why not): what
+    :func:`read_update_facts` reads before the replication analysis, and all a caller
+    needs to tell there is nothing to analyse."""
+
+    found: list[GradientAllReduce]
+    groups: DeviceGroups | None
+    candidates: dict[str, list[GradientAllReduce]]
+    rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]]
+
+
+def triage_gradients(module: Module) -> GradientTriage:
+    """:class:`GradientTriage` of ``module`` as it is."""
+    found = find_gradient_all_reduces(module)
     groups = data_parallel_groups(module, found)
-    replication = analyze_replication(module, groups, overrides or ParamOverrides(),
-                                      gradient_sources(module, found))
     candidates, rejected = triage(module, found, groups)
-    return UpdateFacts(found, groups, replication, candidates, rejected)
+    return GradientTriage(found, groups, candidates, rejected)
+
+
+def read_update_facts(module: Module, overrides: ParamOverrides | None = None,
+                      triaged: GradientTriage | None = None) -> UpdateFacts:
+    """:class:`UpdateFacts` of ``module`` as it is (its header's device counts included:
+    the pass writes back those a header lost before reading); ``triaged``: its
+    :func:`triage_gradients`, where the caller has it."""
+    triaged = triage_gradients(module) if triaged is None else triaged
+    replication = analyze_replication(module, triaged.groups, overrides or ParamOverrides(),
+                                      gradient_sources(module, triaged.found))
+    return UpdateFacts(triaged.found, triaged.groups, replication, triaged.candidates,
+                       triaged.rejected)
 
 
 def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
@@ -1824,10 +1844,10 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
     # pass hook hands modules over without them) recovered, not its groups out of range.
     with reading_only(), cyclic_gc_paused():
         view = with_device_counts(module)
-        found = find_gradient_all_reduces(view)
-        if not triage(view, found, data_parallel_groups(view, found))[0]:
+        triaged = triage_gradients(view)
+        if not triaged.candidates:
             return {}  # no candidate (a trial sharding every gradient): no analysis to run
-        facts = read_update_facts(view, found=found)
+        facts = read_update_facts(view, triaged=triaged)
         regions: dict[str, frozenset[str]] = {}
         for name, all_reduces in facts.candidates.items():
             comp = view.computation(name)
@@ -1838,7 +1858,7 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
 
 
 __all__ = [
-    "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan",
+    "GradientTriage", "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan",
     "ShardFormat", "StatePair", "UpdateFacts", "VIEW_OPCODES", "Whole",
     "blocks_through_collectives", "called_computation", "canonical_perm", "classify",
     "collect_leaves", "copy_chains", "data_parallel_groups", "flattenable",
@@ -1846,5 +1866,5 @@ __all__ = [
     "major_dimension", "natural_perm", "pair_state", "parameter_names", "plan_region",
     "planned_update_regions", "proved_array", "proved_element", "read_update_facts",
     "region_read_parameters", "reshape_format", "transpose_operand", "transpose_result",
-    "triage", "tuple_index", "unsharded_state",
+    "triage", "triage_gradients", "tuple_index", "unsharded_state",
 ]
