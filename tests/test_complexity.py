@@ -302,14 +302,15 @@ def _nested_step(levels: list[str], entry_value: str) -> str:
             "replica_count=4\n\n" + _REDUCER + "\n".join(reversed(levels)) + "\n" + entry)
 
 
-def nested_calls(n: int) -> str:
-    """The forward pass in ``n / 4`` computations, each calling the next: nesting as
-    deep as the module is long (a recursion per level fails long before)."""
+def nested_calls(n: int, innermost: str = "exponential") -> str:
+    """The forward pass in ``n / 4`` computations, each calling the next, the last
+    applying ``innermost`` to its parameter: nesting as deep as the module is long (a
+    recursion per level fails long before)."""
     depth = max(1, n // 4)
     levels = []
     for k in range(depth):
         inner = (f"  ROOT %r.{k} = f32[8] call(%p.{k}), to_apply=%c.{k + 1}"
-                 if k + 1 < depth else f"  ROOT %r.{k} = f32[8] exponential(%p.{k})")
+                 if k + 1 < depth else f"  ROOT %r.{k} = f32[8] {innermost}(%p.{k})")
         levels.append(f"%c.{k} (p.{k}: f32[8]) -> f32[8] {{\n  %p.{k} = f32[8] parameter(0)\n"
                       f"{inner}\n}}\n")
     return _nested_step(levels, "  %f = f32[8] call(%x), to_apply=%c.0\n")

@@ -14,6 +14,7 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Layout
 from hlo_shard.parser import parse
 from hlo_shard.shard_format import ShardFormat
+from test_complexity import nested_calls
 
 ADD = "add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }\n"
 
@@ -148,32 +149,18 @@ def test_positive_demand_crosses_fusions():
 
 
 
-def _nested(depth: int, innermost: str) -> str:
-    """The entry's gradient computed ``depth`` calls deep (``innermost`` reads ``p``)."""
-    parts = ["HloModule nested, replica_count=2",
-             "add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT s = f32[] add(a, b) }"]
-    for k in reversed(range(depth)):
-        body = (f"ROOT r = f32[4] call(p), to_apply=c{k + 1}" if k + 1 < depth
-                else f"ROOT r = f32[4] {innermost}")
-        parts.append(f"c{k} {{ p = f32[4] parameter(0) {body} }}")
-    parts.append("ENTRY e { w = f32[4] parameter(0) x = f32[4] parameter(1)\n"
-                 " c = f32[4] call(x), to_apply=c0\n"
-                 " g = f32[4] all-reduce(c), replica_groups={{0,1}}, to_apply=add\n"
-                 " ROOT w2 = f32[4] subtract(w, g) }")
-    return "\n".join(parts) + "\n"
-
-
 def test_roles_and_demands_follow_calls_nested_past_the_recursion_limit():
     """Both analyses follow calls on an explicit stack: nesting three times Python's
     recursion limit reads as one level does (verify said "input nests too deeply")."""
     import sys
 
     deep = 3 * sys.getrecursionlimit()
-    for depth in (1, deep):
-        assert runtime.default_roles(parse(_nested(depth, "exponential(p)"))) == {
-            0: "replicated", 1: "per-device"}
-        assert runtime.positive_parameters(parse(_nested(depth, "rsqrt(p)"))) == {1}
-        assert runtime.positive_parameters(parse(_nested(depth, "exponential(p)"))) == set()
+    for depth in (1, deep):  # x (parameter 0) goes through the calls, the weight w not
+        calls = 4 * depth  # nested_calls' instructions per level
+        assert runtime.default_roles(parse(nested_calls(calls))) == {
+            0: "per-device", 1: "replicated"}
+        assert runtime.positive_parameters(parse(nested_calls(calls, "rsqrt"))) == {0}
+        assert runtime.positive_parameters(parse(nested_calls(calls))) == set()
 
 
 # ---------------------------------------------------------------------- generation
