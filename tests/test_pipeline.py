@@ -13,7 +13,7 @@ from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.base import ModulePass
-from hlo_shard.passes.pipeline import PassCheckError, Pipeline
+from hlo_shard.passes.pipeline import InputProblems, PassCheckError, Pipeline
 from hlo_shard.passes.replica_form import ReplicaForm, ReplicaFormReport
 from hlo_shard.passes.weight_update import (ShardingOptionError, ShardingOptions,
                                              ShardingReport, WeightUpdateSharding)
@@ -122,9 +122,10 @@ def test_a_problem_of_the_input_is_no_passs_slip_but_a_new_one_is():
         Pipeline([Retype("sine", "cosine"), Reshape()]).run(parse(unheaded))
 
 
-def test_the_input_is_checked_once_for_every_run_of_the_gate(monkeypatch):
+def test_the_input_is_checked_at_most_once_for_every_run_of_the_gate(monkeypatch):
     """The gate runs the pipeline on copies of one module: they share one check of it,
-    and a run handed the input's problems does not check the input again."""
+    made only when a pass's check finds something (never, on a valid input); a run
+    handed the input's problems does not check the input again."""
     from hlo_shard.passes.speed_gate import shard_where_faster
     from hlo_shard.validate import validate
 
@@ -134,12 +135,23 @@ def test_the_input_is_checked_once_for_every_run_of_the_gate(monkeypatch):
         checked.append(module)
         return list(validate(module))
 
-    Pipeline([Retype("sine", "cosine")], check=check).run(parse(SGD), frozenset())
-    assert checked == []
     unheaded = parse(SGD.replace(", replica_count=2", ""))
+    known = InputProblems(Pipeline([], check=check), unheaded)
+    Pipeline([Retype("sine", "cosine")], check=check).run(unheaded.clone(), known)
+    assert checked == []  # nothing changed, nothing found: the input is not read
+    copy = unheaded.clone()
     with pytest.raises(PassCheckError, match="pass broken-reshape"):
-        Pipeline([Reshape()], check=check).run(unheaded, Pipeline(
-            [], check=check).problems_before(unheaded))
+        Pipeline([Reshape()], check=check).run(copy, known)
+    assert checked == [copy, unheaded]  # the copy after the pass, then the input
+    with pytest.raises(PassCheckError, match="pass broken-reshape"):
+        Pipeline([Reshape()], check=check).run(unheaded.clone(), known)
+    assert len(checked) == 3 and checked[-1] is not unheaded  # the input's kinds kept
+    # A run on the module itself checks it before its passes edit it.
+    checked.clear()
+    with pytest.raises(PassCheckError, match="pass broken-reshape"):
+        Pipeline([Reshape()], check=check).run(unheaded, known := InputProblems(
+            Pipeline([], check=check), unheaded))
+    assert len(checked) == 2 and known.kinds()
 
     before = Pipeline.problems_before
     inputs: list[Module] = []
@@ -149,8 +161,13 @@ def test_the_input_is_checked_once_for_every_run_of_the_gate(monkeypatch):
         return before(self, module)
 
     monkeypatch.setattr(Pipeline, "problems_before", counted)
-    report, decision = shard_where_faster(parse(SGD), WeightUpdateSharding())
-    assert len(decision.trials) >= 1 and len(inputs) == 1
+    # kept whole and left as it is (the hook): only copies were edited, nothing found
+    report, decision = shard_where_faster(parse(SGD), WeightUpdateSharding(),
+                                          write_kept_whole=False)
+    assert decision.kept_whole and len(decision.trials) == 1 and inputs == []
+    # kept whole and written: the passes then run on the input itself, checked first
+    shard_where_faster(parse(SGD), WeightUpdateSharding())
+    assert len(inputs) == 1
 
 
 #: Two computations: the reducer ``add`` and the entry.
@@ -201,7 +218,8 @@ def test_the_check_after_a_pass_reads_what_its_log_edited(monkeypatch):
         return computation(self, comp)
 
     monkeypatch.setattr(validate_module._Checker, "computation", reading)
-    Pipeline([Retype("subtract", "add")]).run(parse(TWO), frozenset())
+    Pipeline([Retype("subtract", "add")]).run(parse(TWO), InputProblems(Pipeline([]),
+                                                                        parse(TWO)))
     assert read == ["e"]  # the entry, which the pass edited; not the reducer
     read.clear()
     Pipeline([Retype("subtract", "add")], check=validate_module.validate).run(parse(TWO))

@@ -91,10 +91,11 @@ class Pipeline:
     def __post_init__(self) -> None:
         object.__setattr__(self, "passes", tuple(self.passes))
 
-    def run(self, module: Module, known_problems: frozenset[str] | None = None
+    def run(self, module: Module, known_problems: InputProblems | None = None
             ) -> PipelineResult:
-        """``known_problems``: :meth:`problems_before` of ``module``, where the caller has
-        it already (the speed gate runs the pipeline on copies of one module)."""
+        """``known_problems``: :meth:`problems_before` of ``module`` or of the module it
+        is a copy of, where the caller has them (the speed gate runs the pipeline on
+        copies of one module)."""
         with cyclic_gc_paused():
             return self._run(module, known_problems)
 
@@ -106,16 +107,20 @@ class Pipeline:
         return frozenset(map(_kind, self.check(module))) if self.check is not None \
             else frozenset()
 
-    def _run(self, module: Module, known_problems: frozenset[str] | None) -> PipelineResult:
+    def _run(self, module: Module, known_problems: InputProblems | None) -> PipelineResult:
         results = []
-        before = known_problems if known_problems is not None else \
-            self.problems_before(module)
+        if known_problems is None:
+            known_problems = InputProblems(self, module)
+        known_problems.before_editing(module)
         for position, step in enumerate(self.passes):
             result = run_pass(step, module)
             if self.check is not None and result.changed:  # unchanged: nothing to find
                 later = frozenset().union(*(p.repairs for p in self.passes[position + 1:]))
                 problems = [p for p in self._problems_after(module, result)
-                            if _kind(p) not in later and _kind(p) not in before]
+                            if _kind(p) not in later]
+                if problems:
+                    before = known_problems.kinds()
+                    problems = [p for p in problems if _kind(p) not in before]
                 if problems:
                     raise PassCheckError(step.name, problems)
             if self.after_pass is not None:
@@ -135,6 +140,30 @@ class Pipeline:
         return self.check(module)
 
 
+class InputProblems:
+    """:meth:`Pipeline.problems_before` of one module, found the first time a pass's
+    check finds something: a run whose passes add no problem never needs them, so a
+    caller running the pipeline on copies of a module (the speed gate) checks that
+    module in full only then. The module must stay as it is until :meth:`kinds` has
+    been called (:meth:`before_editing`)."""
+
+    def __init__(self, pipeline: Pipeline, module: Module) -> None:
+        self._pipeline = pipeline
+        self._module = module
+        self._kinds: frozenset[str] | None = None
+
+    def kinds(self) -> frozenset[str]:
+        if self._kinds is None:
+            self._kinds = self._pipeline.problems_before(self._module)
+        return self._kinds
+
+    def before_editing(self, module: Module) -> None:
+        """``module`` is about to be edited in place: if it is the one checked, check it
+        now."""
+        if module is self._module:
+            self.kinds()
+
+
 def edited_computations(changes: Sequence[Change]) -> frozenset[str]:
     """The computations a log of edits edited or added."""
     return frozenset(change.name if change.kind == "insert-computation" else change.computation
@@ -147,5 +176,5 @@ def _kind(problem: object) -> str:
     return str(getattr(problem, "check", problem))
 
 
-__all__ = ["AfterPass", "Check", "PassCheckError", "Pipeline", "PipelineResult",
-           "validate_printed"]
+__all__ = ["AfterPass", "Check", "InputProblems", "PassCheckError", "Pipeline",
+           "PipelineResult", "validate_printed"]

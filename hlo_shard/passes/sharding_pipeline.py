@@ -38,7 +38,7 @@ from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
-from hlo_shard.passes.pipeline import AfterPass, Pipeline
+from hlo_shard.passes.pipeline import AfterPass, InputProblems, Pipeline
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation, ReduceScatterReport
 from hlo_shard.passes.sharded_accumulator import ShardedAccumulator
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
@@ -59,12 +59,12 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,
                  after_pass: AfterPass | None = None,
-                 known_problems: frozenset[str] | None = None) -> ShardingReport:
+                 known_problems: InputProblems | None = None) -> ShardingReport:
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
     every pass's notes (what ``--explain`` and ``--json`` show), in pass order.
     ``input_regions`` are ``module``'s, or None. ``known_problems``: the pipeline's
-    :meth:`~hlo_shard.passes.pipeline.Pipeline.problems_before` of ``module``,
-    where the caller has it already."""
+    :meth:`~hlo_shard.passes.pipeline.Pipeline.problems_before` of ``module`` (or of
+    the module it is a copy of), where the caller has them."""
     result = sharding_pipeline(sharding, after_pass).run(module, known_problems)
     sharded = result.report(ShardingReport)
     # The regions the pass planned are ``module``'s only if no pass before it changed it.

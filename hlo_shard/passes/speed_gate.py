@@ -48,7 +48,7 @@ from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.base import Pass, PassResult
-from hlo_shard.passes.pipeline import AfterPass, edited_computations
+from hlo_shard.passes.pipeline import AfterPass, InputProblems, edited_computations
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
@@ -123,8 +123,8 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         return replace(sharding, options=replace(sharding.options, min_shard_bytes=min_bytes))
 
     # Every run of the pipeline below starts from ``module`` as it is (or a copy): one
-    # check of it serves them all.
-    known = sharding_pipeline(sharding).problems_before(module)
+    # check of it serves them all, made only if a pass's check finds something.
+    known = InputProblems(sharding_pipeline(sharding), module)
 
     def shard(target: Module, options: WeightUpdateSharding,
               watching: AfterPass | None = None) -> ShardingReport:
