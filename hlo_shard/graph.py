@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import (Callable, Collection, Generator, Iterable, Iterator, Mapping,
                              Sequence)
+import bisect
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -348,6 +349,12 @@ def is_impure(inst: Instruction) -> bool:
     return inst.opcode == "parameter" or opcode_is_impure(inst.opcode)
 
 
+def _index_uses(users: dict[str, dict[str, list[int]]], inst: Instruction) -> None:
+    """Add ``inst``'s uses of its operands to a users index (:attr:`Rewriter._users_index`)."""
+    for index, operand in enumerate(inst.operands):
+        users[operand].setdefault(inst.name, []).append(index)
+
+
 @dataclass
 class Rewriter:
     """Edits one computation, keeping the instruction list, the users index and the
@@ -358,11 +365,13 @@ class Rewriter:
 
     comp: Computation
     changes: list[Change] = field(default_factory=list)
-    #: Name → its users, in program order (dicts: a user leaves in constant time),
-    #: and the names in use: read from the computation at the first query or edit
-    #: (:meth:`_indexed`), so a pass that looks at a computation and finds nothing to
-    #: do there pays nothing for them.
-    _users_index: dict[str, dict[str, None]] | None = field(init=False, default=None)
+    #: Name → its users, in program order, each with where it reads the name in its
+    #: operand list (MLIR's use lists: a user leaves, and a use moves, without a scan of
+    #: its operands, so pointing the S slots of a root tuple elsewhere one by one is
+    #: linear in S), and the names in use: read from the computation at the first
+    #: query or edit (:meth:`_indexed`), so a pass that looks at a computation and finds
+    #: nothing to do there pays nothing for them.
+    _users_index: dict[str, dict[str, list[int]]] | None = field(init=False, default=None)
     _taken_names: set[str] | None = field(init=False, default=None)
     #: Where the last position lookup found its instruction (see :meth:`_position`).
     _hint: int = field(init=False, default=0)
@@ -374,21 +383,20 @@ class Rewriter:
     #: thousands of ``reshape.N`` does not test every earlier number each time.
     _next_number: dict[str, int] = field(init=False, default_factory=dict)
 
-    def _indexed(self) -> tuple[dict[str, dict[str, None]], set[str]]:
+    def _indexed(self) -> tuple[dict[str, dict[str, list[int]]], set[str]]:
         """The users index and the names in use, read from the computation the first
         time (every edit asks before it changes anything: they describe the
         computation as this rewriter found it, then each edit)."""
         if self._users_index is None or self._taken_names is None:
             instructions = self.comp.instructions
-            users: dict[str, dict[str, None]] = {inst.name: {} for inst in instructions}
+            users: dict[str, dict[str, list[int]]] = {inst.name: {} for inst in instructions}
             for inst in instructions:
-                for operand in inst.operands:  # a repeated operand: the same key again
-                    users[operand][inst.name] = None
+                _index_uses(users, inst)
             self._users_index, self._taken_names = users, set(users)
         return self._users_index, self._taken_names
 
     @property
-    def _users(self) -> dict[str, dict[str, None]]:
+    def _users(self) -> dict[str, dict[str, list[int]]]:
         return self._indexed()[0]
 
     @property
@@ -482,8 +490,7 @@ class Rewriter:
         self.comp.insert(position, inst)
         self._taken.add(inst.name)
         self._users[inst.name] = {}
-        for operand in dict.fromkeys(inst.operands):
-            self._users[operand][inst.name] = None
+        _index_uses(self._users, inst)
         if self._cursor is not None and position < self._cursor:
             self._cursor += 1
         # An enclosing block continues after whatever was inserted at or before it.
@@ -505,30 +512,33 @@ class Rewriter:
         for operand in dict.fromkeys(user.operands):
             del self._users[operand][user.name]
         user.operands = names
-        for operand in dict.fromkeys(names):
-            self._users[operand][user.name] = None
+        _index_uses(self._users, user)
         self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
 
     def _retarget(self, user: Instruction, index: int, new: str) -> str:
-        self._indexed()
+        users = self._users
         old = user.operands[index]
+        positions = users[old][user.name]
+        positions.remove(index)
+        if not positions:
+            del users[old][user.name]
         user.operands[index] = new
-        if old not in user.operands:
-            self._users[old].pop(user.name, None)
-        self._users[new].setdefault(user.name)
+        bisect.insort(users[new].setdefault(user.name, []), index)
         return old
 
     def replace_all_uses_with(self, old: str, new: str, *, exclude: Iterable[str] = ()) -> None:
         """Point every user of ``old`` (except ``exclude``) at ``new``; moves the root
         too when ``old`` was the root."""
         skip = set(exclude) | {new}
-        for user_name in list(self._users[old]):
-            if user_name in skip:
-                continue
-            user = self.comp[user_name]
-            for i, operand in enumerate(user.operands):
-                if operand == old:
-                    self._retarget(user, i, new)
+        users = self._users
+        for user_name in [u for u in users[old] if u not in skip]:
+            positions = users[old].pop(user_name)
+            operands = self.comp[user_name].operands
+            for index in positions:
+                operands[index] = new
+            moved = users[new].setdefault(user_name, [])
+            moved.extend(positions)
+            moved.sort()
         if self.comp.root_name == old and self.comp.root_name not in set(exclude):
             self.set_root(new)
         self._record("replace-uses", old, new)

@@ -304,6 +304,60 @@ def test_fresh_names_of_one_stem_cost_the_same_each():
         ["n.1", "n.3", "n.4"]
 
 
+def _wide_root(slots: int) -> Computation:
+    """``slots`` parameters, each read twice by the root tuple."""
+    params = [Instruction(f"p{k}", "parameter", F4, parameter_number=k) for k in range(slots)]
+    names = [p.name for p in params]
+    return Computation("e", [*params, Instruction("t", "tuple", F4, names + names)],
+                       is_entry=True)
+
+
+def test_moving_the_uses_of_every_slot_of_a_wide_tuple_is_linear():
+    """A pass pointing each slot of a root tuple elsewhere, one use at a time (a loop
+    body's carried slots): each move finds the use in the users index, where it read
+    the user's whole operand list before (quadratic in the slots)."""
+    def moves(slots: int) -> Callable[[], object]:
+        comp = _wide_root(slots)
+        rw = Rewriter(comp)
+
+        def run() -> None:
+            for k in range(slots):
+                negated = rw.add("negate", F4, [f"p{k}"])
+                if k % 2:
+                    rw.replace_all_uses_with(f"p{k}", negated.name)
+                else:
+                    rw.set_operand(comp.root, k, negated.name)
+                    rw.set_operand(comp.root, slots + k, negated.name)
+        return run
+
+    assert _lines_run(moves(2_000)) <= 2.2 * _lines_run(moves(1_000))
+
+
+def test_the_users_index_follows_repeated_uses():
+    """A user reading a value several times stays its user until the last use moves;
+    moving every use at once leaves the value unused."""
+    comp = _wide_root(3)
+    rw = Rewriter(comp)
+    root = comp.root
+    rw.set_operand(root, 3, "p1")  # p0's second use
+    assert [u.name for u in rw.users("p0")] == ["t"]
+    rw.set_operand(root, 0, "p2")
+    assert rw.users("p0") == [] and root.operands == ["p2", "p1", "p2", "p1", "p1", "p2"]
+    rw.replace_all_uses_with("p1", "p0")
+    assert root.operands == ["p2", "p0", "p2", "p0", "p0", "p2"] and rw.users("p1") == []
+    rw.set_operand(root, 1, "p1")
+    rw.replace_all_uses_with("p0", "p1", exclude=["t"])  # excluded: nothing moves
+    assert root.operands == ["p2", "p1", "p2", "p0", "p0", "p2"]
+    rw.replace_all_uses_with("p0", "p1")
+    assert root.operands == ["p2", "p1", "p2", "p1", "p1", "p2"]
+    rw.set_operands(root, ["p0", "p0"])
+    assert [[u.name for u in rw.users(p)] for p in ("p0", "p1", "p2")] == [["t"], [], []]
+    for name in ("p1", "p2"):
+        rw.erase(name)
+    rw.set_operand(root, 1, "p0")
+    assert [u.name for u in rw.users("p0")] == ["t"] and root.operands == ["p0", "p0"]
+
+
 def test_a_rewriter_keeps_its_names_and_users_as_it_found_them_before_its_edits():
     """The users index and names in use are read at the first query or edit: a name
     erased before the first new name stays taken, users keep program order."""
