@@ -536,6 +536,18 @@ def test_lines_executed_are_linear(generator: str, analysis: str) -> None:
     assert growth <= MAX_GROWTH
 
 
+@pytest.mark.parametrize("generator", ["scanned", "fan", "layers"])
+def test_memory_model_lines_executed_are_linear(generator: str) -> None:
+    """The memory model places each temporary in the first output allocation, in size
+    order, that fits it and whose values do not interfere with its own (XLA's buffer
+    assignment): it built the list of every output for each temporary and tried each
+    one too small for it too (2.1x per doubling on the scan's carried slots)."""
+    small, large = (parse(GENERATORS[generator](size)) for size in (2_000, 4_000))
+    growth = (count_lines(ANALYSES["memory_profile"], large)
+              / count_lines(ANALYSES["memory_profile"], small))
+    assert growth <= 2.05
+
+
 @pytest.mark.parametrize("generator", ["layers", "fan", "clipped", "scanned"])
 def test_optimize_lines_executed_are_linear(generator: str) -> None:
     """The whole optimizer, in lines: a search of the replication analysis's parameter

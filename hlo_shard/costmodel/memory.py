@@ -33,6 +33,7 @@ and the curve plotted over the schedule.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection, Generator
 from dataclasses import dataclass, field
 import itertools
@@ -432,13 +433,17 @@ class _Liveness:
                         and not (k in self.reuses and self._is_parameter(self.reuses[k]))),
                        key=lambda k: (k not in written_over, -self.buffers[k].size, born[k]))
         held = {k: [k] for k in outputs}
+        sizes = [self.buffers[k].size for k in outputs]
         heap = []
         tables = set(self.tables.values())  # tuples share no array's allocation
         for key in temps:
             size = self.buffers[key].size
             candidates = [written_over[key]] if key in written_over else []
+            # (the outputs too small for it, first in size order, are not looked at)
+            fitting = (outputs[k] for k in range(bisect.bisect_left(sizes, size), len(outputs)))
             home = None if key in tables else next(
-                (out for out in candidates + outputs if self.buffers[out].size >= size
+                (out for out in itertools.chain(candidates, fitting)
+                 if self.buffers[out].size >= size
                  and all(disjoint(key, other) for other in held[out])), None)
             if home is None:
                 heap.append(key)
