@@ -117,6 +117,16 @@ def call_graph(module: Module) -> nx.DiGraph[str]:
     return graph
 
 
+def call_counts(module: Module) -> dict[str, int]:
+    """Computation → how many instructions call it (0 for one nothing calls)."""
+    counts = dict.fromkeys((comp.name for comp in module.computations), 0)
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for callee in inst.called_computations():
+                counts[callee] = counts.get(callee, 0) + 1
+    return counts
+
+
 def reachable(starts: Iterable[str], step: Callable[[str], Iterable[str]]) -> set[str]:
     """Every node one or more ``step``s from any of ``starts`` (``graph.predecessors``:
     their ancestors), in one traversal for all of them."""

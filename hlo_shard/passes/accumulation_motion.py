@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hlo_shard.analysis.collectives import is_sum
-from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -242,17 +242,16 @@ class _Sinking:
     def sweep(self) -> bool:
         """One pass over every loop of the module; whether anything moved."""
         computations = {c.name: c for c in self.module.computations}
-        callers: dict[str, int] = defaultdict(int)
-        for comp in computations.values():
-            for inst in comp.instructions:
-                for name in inst.called_computations():
-                    callers[name] += 1
+        loops = [(comp, inst) for comp in computations.values() for inst in comp.instructions
+                 if inst.opcode == "while"]
+        if not loops:
+            return False
+        callers = call_counts(self.module)
         moved = False
-        for comp in list(computations.values()):
-            for loop in [i for i in comp.instructions if i.opcode == "while"]:
-                body = computations[loop.required_attr("body", ComputationRef).name]
-                condition = computations[loop.required_attr("condition", ComputationRef).name]
-                moved |= self.sink(comp, loop, body, condition, callers[body.name])
+        for comp, loop in loops:
+            body = computations[loop.required_attr("body", ComputationRef).name]
+            condition = computations[loop.required_attr("condition", ComputationRef).name]
+            moved |= self.sink(comp, loop, body, condition, callers[body.name])
         return moved
 
     def sink(self, comp: Computation, loop: Instruction, body: Computation,

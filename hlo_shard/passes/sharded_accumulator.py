@@ -54,7 +54,7 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import ReasonCode, is_sum
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
                                                   SlotReads, check_loop, is_zero, slots_read)
@@ -261,11 +261,8 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
 def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulation]]:
     """Computation → the reduce-scatters that can move into a loop there, and those fed
     by a loop's result that cannot (with why)."""
-    callers: dict[str, int] = defaultdict(int)
-    for comp in module.computations:
-        for inst in comp.instructions:
-            for name in inst.called_computations():
-                callers[name] += 1
+    #: Computation → how many instructions call it: read at the first loop looked into.
+    callers: dict[str, int] = {}
     edits = ModuleRewriter(module)
     plans: dict[str, list[_Plan]] = defaultdict(list)
     refused: list[WholeAccumulation] = []
@@ -282,6 +279,7 @@ def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulatio
                 if not loop:
                     continue
                 if loop not in views:
+                    callers = callers or call_counts(module)
                     views[loop] = _LoopView.of(module, rw, comp[loop], callers)
                 plan = _accumulators(rw, views[loop], inst.name, loop, chain, leaves)
             except Refusal as why:
