@@ -503,9 +503,10 @@ def test_loops_nested_past_what_a_float_counts_fail_cleanly(command: str, tmp_pa
     assert not (tmp_path / "out.hlo").exists()
 
 
-def count_lines(analysis: Callable[[Module], object], module: Module) -> int:
-    """Python lines executed while ``analysis`` runs on ``module``: also sees a loop
-    that calls nothing (a scan over a list per item), which :func:`count_calls` misses."""
+def lines_run(action: Callable[[], object]) -> int:
+    """Python lines executed while ``action`` runs (deterministic, unlike time): also
+    sees a loop that calls nothing (a scan over a list per item), which
+    :func:`count_calls` misses."""
     lines = 0
 
     def trace(frame, event, arg):
@@ -516,10 +517,15 @@ def count_lines(analysis: Callable[[Module], object], module: Module) -> int:
 
     sys.settrace(trace)
     try:
-        analysis(module)
+        action()
     finally:
         sys.settrace(None)
     return lines
+
+
+def count_lines(analysis: Callable[[Module], object], module: Module) -> int:
+    """:func:`lines_run` of ``analysis`` on ``module``."""
+    return lines_run(lambda: analysis(module))
 
 
 @pytest.mark.parametrize("generator", ["nested_calls", "nested_loops", "fan", "clipped"])

@@ -1,10 +1,9 @@
 """The Rewriter keeps the instruction list, users and insertion points consistent."""
 
 from collections.abc import Callable
-import sys
-from types import FrameType
 
 import pytest
+from test_complexity import lines_run
 
 from hlo_shard.graph import (Change, DependencyCycle, ModuleRewriter, Rewriter, dataflow_graph,
                              topological_order)
@@ -273,23 +272,6 @@ def test_forget_drops_the_log_since_and_the_computations_rewriter():
     assert again.fresh_name("abs") == added.name  # the undone name is free again
 
 
-def _lines_run(action: Callable[[], object]) -> int:
-    """Python lines executed while ``action`` runs (deterministic, unlike time)."""
-    lines = 0
-
-    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
-        nonlocal lines
-        lines += event == "line"
-        return trace
-
-    sys.settrace(trace)
-    try:
-        action()
-    finally:
-        sys.settrace(None)
-    return lines
-
-
 def test_fresh_names_of_one_stem_cost_the_same_each():
     """A pass adding thousands of ``reshape.N`` pays the same for each new name, not a
     try of every earlier number again (quadratic in the names of one stem)."""
@@ -297,7 +279,7 @@ def test_fresh_names_of_one_stem_cost_the_same_each():
         rw = Rewriter(_comp())
         return lambda: [rw.fresh_name("reshape") for _ in range(count)]
 
-    assert _lines_run(names(2_000)) <= 2.2 * _lines_run(names(1_000))
+    assert lines_run(names(2_000)) <= 2.2 * lines_run(names(1_000))
     rw = Rewriter(_comp())
     rw.add_instruction(Instruction("n.2", "negate", F4, ["p"]))
     assert [rw.fresh_name("n"), rw.fresh_name("n"), rw.fresh_name("n.7")] == \
@@ -330,7 +312,7 @@ def test_moving_the_uses_of_every_slot_of_a_wide_tuple_is_linear():
                     rw.set_operand(comp.root, slots + k, negated.name)
         return run
 
-    assert _lines_run(moves(2_000)) <= 2.2 * _lines_run(moves(1_000))
+    assert lines_run(moves(2_000)) <= 2.2 * lines_run(moves(1_000))
 
 
 def test_the_users_index_follows_repeated_uses():
