@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 
+from hypothesis import given, settings, strategies as st
 import pytest
 from test_complexity import lines_run
 
@@ -363,3 +364,48 @@ def test_topological_order_takes_the_earliest_ready_instruction_and_names_a_cycl
     with pytest.raises(DependencyCycle) as cycle:
         topological_order(comp)
     assert cycle.value.stuck == ["c", "d"]
+
+
+_NAMES = st.integers(min_value=0, max_value=7)
+_EDITS = st.lists(st.one_of(
+    st.tuples(st.just("set_operand"), _NAMES, st.integers(0, 5), _NAMES),
+    st.tuples(st.just("replace"), _NAMES, _NAMES, st.booleans()),
+    st.tuples(st.just("set_operands"), _NAMES, st.lists(_NAMES, max_size=4)),
+    st.tuples(st.just("add"), st.lists(_NAMES, min_size=1, max_size=3))), max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_EDITS)
+def test_the_users_index_stays_the_computations_own_under_any_edits(edits):
+    """After any sequence of use edits, each value's users and where each reads it are
+    what the operand lists say (the index is read from them only once)."""
+    comp = Computation("e", [
+        *(Instruction(f"p{k}", "parameter", F4, parameter_number=k) for k in range(3)),
+        Instruction("a", "add", F4, ["p0", "p0"]),
+        Instruction("m", "multiply", F4, ["a", "p1"]),
+        Instruction("t", "tuple", F4, ["a", "m", "p2", "a"]),
+    ], is_entry=True)
+    rw = Rewriter(comp)
+
+    def pick(k: int) -> str:
+        return comp.instructions[k % len(comp.instructions)].name
+
+    for edit in edits:
+        users = [inst for inst in comp.instructions if inst.operands]
+        if edit[0] in ("set_operand", "set_operands") and not users:
+            continue
+        if edit[0] == "set_operand":
+            user = users[edit[1] % len(users)]
+            rw.set_operand(user, edit[2] % len(user.operands), pick(edit[3]))
+        elif edit[0] == "replace":
+            rw.replace_all_uses_with(pick(edit[1]), pick(edit[2]),
+                                     exclude=["t"] if edit[3] else ())
+        elif edit[0] == "set_operands":
+            rw.set_operands(users[edit[1] % len(users)], [pick(k) for k in edit[2]])
+        else:
+            rw.add("add", F4, [pick(k) for k in edit[1]])
+        for name in [inst.name for inst in comp.instructions]:
+            expected = {inst.name: [i for i, o in enumerate(inst.operands) if o == name]
+                        for inst in comp.instructions if name in inst.operands}
+            assert {u.name for u in rw.users(name)} == set(expected)
+            assert rw._users[name] == expected
