@@ -248,11 +248,14 @@ def worst_relative(a: Any, b: Any) -> float:
 
 
 def time_interleaved(prog, variants: list[Variant], runs: int, rounds: int) -> None:
-    """One untimed step each, then ``rounds`` rounds of ``runs`` steps, the variants
-    interleaved step by step (a fresh batch each: the programs donate theirs)."""
+    """One untimed round, then ``rounds`` rounds of ``runs`` steps, the variants
+    interleaved step by step (a fresh batch each: the programs donate theirs). The
+    untimed round is a whole one: after a single untimed step each, whichever step ran
+    right after ``shard_weight_update``'s in the first timed round ran a third slower
+    (MNIST's kept-whole hook, jit's own program, read 1.2-1.4x jit's)."""
     for timed in [False] + [True] * rounds:
         samples: dict[str, list[float]] = {v.mode: [] for v in variants}
-        for i in range(runs if timed else 1):
+        for i in range(runs):
             for v in variants:
                 batch = block(prog.batch(1 + i))
                 started = time.perf_counter()
@@ -371,7 +374,7 @@ def ecosystem(argv: Sequence[str] = ()) -> dict:
     args = parse_args(list(argv))
     print(f"\n== programs written by others (bench/ecosystem): each mode / plain jax.jit, "
           f"N={DEVICES} CPU devices, median of {args.rounds} interleaved rounds of "
-          f"{args.runs} steps", flush=True)
+          f"{args.runs} steps after an untimed one", flush=True)
     return run_table(Path(__file__), list(argv), DEVICES)
 
 
