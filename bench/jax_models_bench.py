@@ -169,9 +169,11 @@ def measure_row(spec, devices: int, runs: int, rounds: int) -> dict:
                                                           "original step: ")
                               for w in caught if issubclass(w.category, hsj.FallbackWarning))
         v.args = (params, state, batch, rng)
-    for timed in [False] + [True] * rounds:  # one untimed step each first: warm caches
+    # An untimed round first, as bench/ecosystem_bench.py's time_interleaved (one
+    # untimed step each left the first timed round's step after fast's slow).
+    for timed in [False] + [True] * rounds:
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(runs if timed else 1):
+        for i in range(runs):
             for name, v in variants.items():
                 params, state, _, rng = v.args
                 started = time.perf_counter()
