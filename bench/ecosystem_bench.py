@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -249,14 +250,16 @@ def worst_relative(a: Any, b: Any) -> float:
 
 def time_interleaved(prog, variants: list[Variant], runs: int, rounds: int) -> None:
     """One untimed round, then ``rounds`` rounds of ``runs`` steps, the variants
-    interleaved step by step (a fresh batch each: the programs donate theirs). The
-    untimed round is a whole one: after a single untimed step each, whichever step ran
-    right after ``shard_weight_update``'s in the first timed round ran a third slower
-    (MNIST's kept-whole hook, jit's own program, read 1.2-1.4x jit's)."""
+    interleaved step by step (a fresh batch each: the programs donate theirs), in an
+    order drawn afresh for every step (seeded: the same in every run). In a fixed order
+    the step run right after ``shard_weight_update``'s ran up to a third slower (MNIST's
+    kept-whole hook, jit's own program, read 1.2-1.4x jit's): a drawn order spreads
+    what one program leaves to the next over every row instead of one."""
+    order = random.Random(0)
     for timed in [False] + [True] * rounds:
         samples: dict[str, list[float]] = {v.mode: [] for v in variants}
         for i in range(runs):
-            for v in variants:
+            for v in order.sample(variants, len(variants)):
                 batch = block(prog.batch(1 + i))
                 started = time.perf_counter()
                 out = block(v.call(*v.state, batch))
@@ -374,7 +377,7 @@ def ecosystem(argv: Sequence[str] = ()) -> dict:
     args = parse_args(list(argv))
     print(f"\n== programs written by others (bench/ecosystem): each mode / plain jax.jit, "
           f"N={DEVICES} CPU devices, median of {args.rounds} interleaved rounds of "
-          f"{args.runs} steps after an untimed one", flush=True)
+          f"{args.runs} steps after an untimed one, in an order drawn per step", flush=True)
     return run_table(Path(__file__), list(argv), DEVICES)
 
 

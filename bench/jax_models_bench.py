@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -169,12 +170,13 @@ def measure_row(spec, devices: int, runs: int, rounds: int) -> dict:
                                                           "original step: ")
                               for w in caught if issubclass(w.category, hsj.FallbackWarning))
         v.args = (params, state, batch, rng)
-    # An untimed round first, as bench/ecosystem_bench.py's time_interleaved (one
-    # untimed step each left the first timed round's step after fast's slow).
+    # An untimed round first, and the variants in an order drawn for every step, as
+    # bench/ecosystem_bench.py's time_interleaved (the step after fast's ran slower).
+    order = random.Random(0)
     for timed in [False] + [True] * rounds:
         times: dict[str, list[float]] = {name: [] for name in variants}
         for i in range(runs):
-            for name, v in variants.items():
+            for name, v in order.sample(list(variants.items()), len(variants)):
                 params, state, _, rng = v.args
                 started = time.perf_counter()
                 params, state, loss = v.step(params, state, data[i % len(data)], rng)

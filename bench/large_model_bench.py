@@ -270,7 +270,8 @@ def large_model(argv: Sequence[str] = ()) -> dict:
     args = parse_args(list(argv))
     print(f"\n== the forms large models train in: each mode / plain jax.jit and / "
           f"NamedSharding, N={DEVICES} CPU devices, median of {args.rounds} interleaved "
-          f"rounds of {args.runs} steps after an untimed one", flush=True)
+          f"rounds of {args.runs} steps after an untimed one, in an order drawn per step",
+          flush=True)
     return run_table(Path(__file__), list(argv), DEVICES)
 
 
