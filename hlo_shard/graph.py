@@ -511,8 +511,14 @@ class Rewriter:
     # Use replacement ----------------------------------------------------------------
     def set_operand(self, user: Instruction, index: int, new: str) -> None:
         """Point operand ``index`` of ``user`` at ``new``."""
-        self._indexed()
-        old = self._retarget(user, index, new)
+        users = self._users
+        old = user.operands[index]
+        positions = users[old][user.name]
+        positions.remove(index)
+        if not positions:
+            del users[old][user.name]
+        user.operands[index] = new
+        bisect.insort(users[new].setdefault(user.name, []), index)
         self._record("set-operand", user.name, f"{index}: %{old} -> %{new}")
 
     def set_operands(self, user: Instruction, names: Iterable[str]) -> None:
@@ -524,17 +530,6 @@ class Rewriter:
         user.operands = names
         _index_uses(self._users, user)
         self._record("set-operands", user.name, ", ".join(f"%{n}" for n in names))
-
-    def _retarget(self, user: Instruction, index: int, new: str) -> str:
-        users = self._users
-        old = user.operands[index]
-        positions = users[old][user.name]
-        positions.remove(index)
-        if not positions:
-            del users[old][user.name]
-        user.operands[index] = new
-        bisect.insort(users[new].setdefault(user.name, []), index)
-        return old
 
     def replace_all_uses_with(self, old: str, new: str, *, exclude: Iterable[str] = ()) -> None:
         """Point every user of ``old`` (except ``exclude``) at ``new``; moves the root

@@ -1858,8 +1858,9 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
 
 
 __all__ = [
-    "GradientTriage", "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp", "RegionOptions", "RegionPlan",
-    "ShardFormat", "StatePair", "UpdateFacts", "VIEW_OPCODES", "Whole",
+    "GradientTriage", "Leaf", "LoopCarry", "OpKind", "PlannedLeaf", "RegionOp",
+    "RegionOptions", "RegionPlan", "ShardFormat", "StatePair", "UpdateFacts", "VIEW_OPCODES",
+    "Whole",
     "blocks_through_collectives", "called_computation", "canonical_perm", "classify",
     "collect_leaves", "copy_chains", "data_parallel_groups", "flattenable",
     "gradient_sources", "is_laid_out", "is_scalar_broadcast", "loop_slots",
