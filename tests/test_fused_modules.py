@@ -241,7 +241,12 @@ def test_a_tiled_sum_of_squares_runs_on_the_gradients_blocks():
     body = out.computation("squares.block")
     assert body.root.shape.dims == (1, 1) and body["sq"].shape.dims == (2, 4)
     gathered = [i.shape.dims for i in out.entry.instructions if i.opcode == "all-gather"]
-    assert (4, 1) in gathered or (4,) in gathered, gathered
+    # One bucket: the 4 tile sums and the new momentum (8 x 4), not the gradient too.
+    assert gathered == [(4 + 8 * 4,)], gathered
+    # Each in its own all-gather, likewise.
+    _, out = _optimize(TILED_NORM, strategy="per-tensor")
+    gathered = [i.shape.dims for i in out.entry.instructions if i.opcode == "all-gather"]
+    assert sorted(gathered) == [(4,), (8 * 4,)], gathered
 
 
 @pytest.mark.parametrize("window", [

@@ -51,6 +51,8 @@ CASES = {
     "reshaped": cases.RESHAPED,
     "loop_state": cases.LOOP_STATE,
     "wide_state": cases.WIDE_STATE,
+    "read_apart": cases.READ_APART,
+    "read_back": cases.READ_BACK,
 }
 
 MATRIX = [(name, state, strategy) for name in CASES for state in ("gathered", "sharded")

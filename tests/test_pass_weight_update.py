@@ -557,6 +557,49 @@ def test_all_gather_is_placed_right_before_the_first_use():
     assert order.index(gather.name) < order.index("use")
 
 
+#: Two weights whose updated values are read apart before the output (each reversed, as
+#: a module XLA fused reads each weight through its own bitcast or fusion).
+READ_APART = f"""HloModule apart, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[64] parameter(0) v = f32[32] parameter(1)
+ g = f32[64] parameter(2) h = f32[32] parameter(3)
+ ag = f32[64] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ ah = f32[32] all-reduce(h), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ nw = f32[64] subtract(w, ag) nv = f32[32] subtract(v, ah)
+ rw = f32[64] reverse(nw), dimensions={{0}} rv = f32[32] reverse(nv), dimensions={{0}}
+ ROOT t = (f32[64], f32[32], f32[64], f32[32]) tuple(nw, nv, rw, rv) }}
+"""
+
+#: LAMB-like: v's update reads w's updated value through an op outside the update.
+READ_BACK = READ_APART.replace(
+    "nv = f32[32] subtract(v, ah)",
+    "rw0 = f32[64] reverse(nw), dimensions={0} wv = f32[32] slice(rw0), slice={[0:32]} "
+    "sh = f32[32] multiply(ah, wv) nv = f32[32] subtract(v, sh)")
+
+
+def test_values_read_apart_share_one_all_gather_before_the_first_reader():
+    # Each at its own first reader, they would pay an all-gather each: the combined
+    # strategy priced one.
+    module, report = optimize(READ_APART, strategy="combined")
+    assert opcodes(module)["all-gather"] == 1
+    assert all(r.sharded for r in report.explanations)
+    order = [i.name for i in module.entry.instructions]
+    (gather,) = find(module, "all-gather")
+    assert order.index(gather.name) < min(order.index("rw"), order.index("rv"))
+
+
+def test_a_shard_computed_from_a_reader_of_another_is_gathered_apart():
+    # v's shard is computed from w's gathered value: one all-gather before both readers
+    # would read what it feeds. w is gathered first, v on its own before its reader.
+    module, report = optimize(READ_BACK, strategy="combined")
+    assert all(r.sharded for r in report.explanations)
+    gathers = find(module, "all-gather")
+    assert len(gathers) == 2
+    order = [i.name for i in module.entry.instructions]
+    first, second = sorted(gathers, key=lambda g: order.index(g.name))
+    assert order.index(first.name) < order.index("rw0") < order.index(second.name)
+
+
 #: Adafactor-like: the row statistic r reduces the squared gradient along dimension 1.
 FACTORED = f"""HloModule factored, replica_count=4, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
 {ADD}

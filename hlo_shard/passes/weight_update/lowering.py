@@ -7,8 +7,9 @@
   locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
   ops on blocks (factored statistics) applied to the shard reshaped into its block, sums
   along the block dimension all-reduced from the blocks' partial sums;
-* sharded values needed whole: all-gathered right before their first such user (values
-  sharing that user share one all-gather when the strategy combines);
+* sharded values needed whole: all-gathered before the first user of any of them, sharing
+  buckets as the strategy combines (one whose shard is computed from such a user: right
+  before its own first user);
 * *input shards* (optimizer state parameters, loop-carried slots): the instruction's value
   becomes the ``[L]`` shard itself; its users outside the region get an all-gather placed
   right before the first of them; *output shards*: root tuple positions that keep the shard,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from hlo_shard.analysis.collectives import DeviceGroups, reducer_opcode
-from hlo_shard.graph import ModuleRewriter, Rewriter, topological_order
+from hlo_shard.graph import ModuleRewriter, Rewriter, dependencies, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
                           ComputationRef, Ident, Instruction, Module, Raw, Shape,
                           SliceRanges, TupleShape)
@@ -471,18 +472,15 @@ class RegionRewrite:
         kept_shards = {k: self.shard_of[v] for k, v in self.outputs.items()}
         position = {inst.name: i for i, inst in enumerate(comp.instructions)}
         at_root = RootUses.of(root)
-        anchors: dict[str, list[str]] = defaultdict(list)
         needs: dict[str, list[str]] = {}
         for value, boundary in self.plan.boundary.items():
             users = list(boundary)
             if root.name in users and root.opcode == "tuple" and all(
                     self.outputs.get(k) == value for k in at_root.positions(value)):
                 users.remove(root.name)  # only shard-keeping outputs use it: no gather
-            if not users:
-                continue
-            needs[value] = users
-            first = min(users, key=lambda u: position[u] if u else len(position))
-            anchors[first or root.name].append(value)
+            if users:
+                needs[value] = users
+        anchors = self._gather_anchors(needs, position)
         gathered: dict[str, str] = {}
         for anchor, values in anchors.items():
             values.sort(key=lambda v: position[v])
@@ -506,6 +504,36 @@ class RegionRewrite:
             for k in self.outputs:
                 elements[k] = comp[root.operands[k]].shape
             self.rw.set_shape(root, TupleShape(tuple(elements)))
+
+    def _gather_anchors(self, needs: dict[str, list[str]], position: dict[str, int]
+                        ) -> dict[str, list[str]]:
+        """Where the sharded values ``needs`` lists (value → its users outside the
+        region, ``""``: the root) are all-gathered: each right before its first user,
+        except that every value whose shard is computed from none of those users (the
+        common case: nothing the update's results feed flows back into it) goes before
+        the first user of any of them, so that they share buckets as the strategy
+        priced them — at their own first users, values used apart (each weight reshaped
+        on its way to the output) would pay a collective each. Only those: the combined
+        all-gather then reads nothing computed from what it feeds, so it closes no
+        dependency cycle."""
+        comp = self.comp
+        root = comp.root.name
+
+        def first_user(value: str) -> str:
+            return min(needs[value], key=lambda u: position[u] if u else len(position)) or root
+
+        users = {user or root for values in needs.values() for user in values}
+        downstream: set[str] = set()
+        for inst in topological_order(comp):
+            if inst.name in users or any(d in downstream for d in dependencies(inst)):
+                downstream.add(inst.name)
+        free = [value for value in needs if self.shard_of[value] not in downstream]
+        top = min(map(first_user, free), key=position.__getitem__, default=root)
+        anchors: dict[str, list[str]] = defaultdict(list)
+        for value in needs:
+            anchors[top if self.shard_of[value] not in downstream else first_user(value)
+                    ].append(value)
+        return anchors
 
     def output_shard(self, value: str, zero_padded: PaddingZeros) -> str:
         """The shard of ``value`` a root position keeps, its padding lanes zero (the
