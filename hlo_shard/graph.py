@@ -337,9 +337,9 @@ class Change:
     """One edit of a :class:`Rewriter` or :class:`ModuleRewriter`: ``kind`` is the name
     of the method that made it (``insert``, ``erase``, ``replace-uses``, ``set-root``,
     ``set-operand``, ``set-operands``, ``set-opcode``, ``set-shape``, ``set-attr``,
-    ``pop-attr``, ``reorder``; ``set-header``, ``pop-header``, ``insert-computation``),
-    ``name`` the instruction (the computation for ``reorder`` and
-    ``insert-computation``, the key for a header edit), ``computation`` where it
+    ``pop-attr``, ``reorder``; ``set-header``, ``pop-header``, ``insert-computation``,
+    ``remove-computation``), ``name`` the instruction (the computation for ``reorder``
+    and the computation-list edits, the key for a header edit), ``computation`` where it
     happened ("" for the module's header and computation list). ``before``/``after``
     keep the values a ``set-*``/``pop-*`` edit replaced and wrote, for a reader to
     print (``hlo_shard.printer`` formats them; this layer does not print)."""
@@ -733,6 +733,14 @@ class ModuleRewriter:
         value = self.module.header.pop(key)
         self.changes.append(Change("pop-header", key, before=value))
         return value
+
+    def remove_computations(self, names: list[str]) -> None:
+        """Remove the computations ``names`` (nothing may call them: the caller knows)."""
+        gone = set(names)
+        self.module.set_computations([c for c in self.module.computations if c.name not in gone])
+        for name in names:
+            self._rewriters.pop(name, None)
+            self.changes.append(Change("remove-computation", name))
 
     def insert_computation(self, comp: Computation, *, after: str) -> None:
         """Add ``comp`` (a new computation, e.g. a fusion body's sharded copy) right

@@ -227,6 +227,7 @@ _CHANGE_TEXTS: dict[str, str] = {
     "set-header": "header {name}: {before} -> {after}",
     "pop-header": "header {name}: {before} -> unset",
     "insert-computation": "adds computation %{name} ({detail})",
+    "remove-computation": "removes computation %{name} (called by nothing)",
 }
 _CHANGE_DEFAULT = "{kind} {name} {detail}"
 #: Longest value a change line shows in full (layouts and tuple shapes run long):

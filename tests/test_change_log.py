@@ -27,7 +27,6 @@ from hlo_shard.printer import format_shape, format_value, to_text
 from test_accumulation import LOOP as ACCUMULATION
 from test_factored_state import ADAFACTOR, COLUMNS
 from test_fused_modules import FUSED
-from wus_helpers import ADD
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -43,10 +42,9 @@ SHARDING_CASES = {
     "gradient-accumulation": (ACCUMULATION, {"state": "sharded"}),
 }
 
-NOTHING_TO_SHARD = f"""HloModule nothing, replica_count=2
-{ADD}
-ENTRY e {{ w = f32[8] parameter(0) g = f32[8] parameter(1)
- ROOT nw = f32[8] subtract(w, g) }}
+NOTHING_TO_SHARD = """HloModule nothing, replica_count=2
+ENTRY e { w = f32[8] parameter(0) g = f32[8] parameter(1)
+ ROOT nw = f32[8] subtract(w, g) }
 """
 
 

@@ -62,6 +62,18 @@ def _optimize(text: str, **options):
     return report, parse(out)
 
 
+def test_the_body_a_sharded_copy_replaces_is_removed():
+    """``update`` is called by nothing once ``update.shard`` replaced it: it goes (XLA
+    would carry it through every pass after the hook), and every computation left but
+    the entry is called."""
+    _, out = _optimize(FUSED)
+    names = [comp.name for comp in out.computations]
+    assert "update.shard" in names and "update" not in names
+    called = {name for comp in out.computations for inst in comp.instructions
+              for name in inst.called_computations()}
+    assert set(names) - called == {out.entry.name}
+
+
 def test_a_fusion_transposing_the_gradient_runs_on_shards():
     report, out = _optimize(FUSED)
     (row,) = report.explanations

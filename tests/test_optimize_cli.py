@@ -64,7 +64,8 @@ ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
 VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
 PIPELINE = ["accumulation-motion", "tuple-forwarding", "weight-update-sharding",
             "reduce-scatter-creation", "sharded-accumulator",
-            "channel-id-dedupe", "entry-layout-update", "copy-free-donation"]
+            "channel-id-dedupe", "entry-layout-update", "copy-free-donation",
+            "dead-computation-removal"]
 
 
 def test_explain_verbose_prints_each_pass_edits_after_the_explanation(tmp_path):
@@ -97,7 +98,7 @@ def test_json_carries_the_changes_only_with_verbose(tmp_path):
     assert "changes" not in plain
     data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
     assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
-        PIPELINE, [False, True, True, False, False, False, False, False]))
+        PIPELINE, [False, True, True, False, False, False, False, False, True]))
     sharding = data["changes"][2]["edits"]
     assert {"kind", "computation", "name", "text"} <= set(sharding[0])
     assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")

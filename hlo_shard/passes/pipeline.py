@@ -165,9 +165,9 @@ class InputProblems:
 
 
 def edited_computations(changes: Sequence[Change]) -> frozenset[str]:
-    """The computations a log of edits edited or added."""
+    """The computations a log of edits edited or added (not those it removed)."""
     return frozenset(change.name if change.kind == "insert-computation" else change.computation
-                     for change in changes)
+                     for change in changes if change.kind != "remove-computation")
 
 
 def _kind(problem: object) -> str:

@@ -17,6 +17,7 @@ from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
+from hlo_shard.passes.dead_computations import DeadComputationRemoval
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.executable_aliases import ExecutableAliases, NextValueAliases
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
@@ -37,6 +38,7 @@ PASSES: dict[str, Callable[[Options], Pass]] = {
     ChannelIdDedupe.name: lambda o: ChannelIdDedupe(**o),
     EntryLayoutUpdate.name: lambda o: EntryLayoutUpdate(**o),
     CopyFreeDonation.name: lambda o: CopyFreeDonation(**o),
+    DeadComputationRemoval.name: lambda o: DeadComputationRemoval(**o),
     ReplicaForm.name: lambda o: ReplicaForm(**o),
     ReduceScatterCreation.name: lambda o: ReduceScatterCreation(**o),
     ShardedAccumulator.name: lambda o: ShardedAccumulator(**o),

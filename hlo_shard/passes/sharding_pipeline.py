@@ -1,4 +1,4 @@
-"""The weight-update sharding as the optimizer runs it: eight passes in order.
+"""The weight-update sharding as the optimizer runs it: nine passes in order.
 
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
@@ -17,7 +17,9 @@
 6. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
 7. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
 8. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
-   would make XLA copy a donated weight every step, on the sharding's profile).
+   would make XLA copy a donated weight every step, on the sharding's profile);
+9. :class:`~hlo_shard.passes.dead_computations.DeadComputationRemoval` (the fusion
+   bodies the sharded copies replaced).
 
 The pipeline validates the module after every pass that changed it
 (:func:`hlo_shard.validate.validate` of the computations the pass's log edited, less
@@ -37,6 +39,7 @@ from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
+from hlo_shard.passes.dead_computations import DeadComputationRemoval
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
 from hlo_shard.passes.pipeline import AfterPass, InputProblems, Pipeline
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation, ReduceScatterReport
@@ -53,7 +56,8 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                      ReduceScatterCreation(sharding.profile),
                      ShardedAccumulator(sharding.profile, sharding.options.accumulator),
                      ChannelIdDedupe(),
-                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile)),
+                     EntryLayoutUpdate(), CopyFreeDonation(sharding.profile),
+                     DeadComputationRemoval()),
                     after_pass=after_pass)
 
 
