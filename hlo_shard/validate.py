@@ -222,6 +222,14 @@ def _same_count(checker: _Checker, inst: Instruction, operands: list[Shape]) -> 
     return None
 
 
+def _bitcast(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    """XLA's layout-sensitive verifier: a bitcast reinterprets the same bytes."""
+    source, result = _array(operands[0]), _array(inst.shape)
+    if source and result and source.byte_size != result.byte_size:
+        return f"{source.byte_size} bytes bitcast to {result.byte_size}"
+    return None
+
+
 def _transpose(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     perm = _ints(inst, "dimensions")
     source = _dims(operands[0])
@@ -384,6 +392,7 @@ _SHAPE_RULES: dict[str, ShapeRule] = {
     "select": _select,
     "broadcast": _broadcast,
     "reshape": _same_count,
+    "bitcast": _bitcast,
     "transpose": _transpose,
     "slice": _slice,
     "dynamic-slice": _dynamic_slice,

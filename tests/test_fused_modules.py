@@ -79,15 +79,20 @@ def test_a_fusion_transposing_the_gradient_runs_on_shards():
     (row,) = report.explanations
     assert row.sharded and row.ops_moved == 1
     # the gradient is formatted (one transpose, in a loop fusion of its own: XLA's fusion
-    # has run) before the reduce-scatter; m is sliced in its own order and the result
-    # gathered without a transpose
+    # has run) before the reduce-scatter; m is sliced in its own order — inside the
+    # update's fusion, which takes it whole and flat (nothing would fuse a slice of its
+    # own any more) — and the result gathered without a transpose
     assert row.formatting_copies == 1
     body = out.computation("update.shard")
     assert {i.opcode for i in body.instructions} == {"parameter", "constant", "broadcast",
-                                                     "multiply", "copy", "add"}
-    assert all(i.shape.dims in ((), (6,)) for i in body.instructions)
+                                                     "multiply", "copy", "add",
+                                                     "dynamic-slice"}
+    (sliced,) = [i for i in body.instructions if i.opcode == "dynamic-slice"]
+    assert body[sliced.operands[0]].shape.dims == (24,) and sliced.shape.dims == (6,)
+    assert all(i.shape.dims in ((), (6,), (24,)) for i in body.instructions)
     entry = [i.opcode for i in out.entry.instructions]
     assert "all-reduce" not in entry and "transpose" not in entry
+    assert "dynamic-slice" not in entry
     fused = [out.computation(i.attributes["calls"].name) for i in out.entry.instructions
              if i.opcode == "fusion"]
     assert [b.root.opcode for b in fused].count("transpose") == 1

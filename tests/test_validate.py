@@ -61,6 +61,10 @@ def test_use_before_definition_and_duplicate_names():
     ("s = f32[11] pad(p, z), padding=0_2", "shape"),
     ("s = f32[2,4] reshape(p)", None),
     ("s = f32[3,3] reshape(p)", "shape"),
+    ("s = f32[2,4]{1,0} bitcast(p)", None),
+    ("s = s32[8]{0} bitcast(p)", None),
+    # an [8] value read as [32] (a shard taken for the whole value): XLA refuses it
+    ("s = f32[32]{0} bitcast(p)", "shape"),
     ("s = f32[8,3] broadcast(p), dimensions={0}", None),
     ("s = f32[3,8] broadcast(p), dimensions={0}", "shape"),
     ("s = f32[16] concatenate(p, p), dimensions={0}", None),

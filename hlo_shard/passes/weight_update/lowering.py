@@ -2,8 +2,9 @@
 
 * gradients: ``reduce-scatter`` of the formatted per-device gradient (one per tensor, or
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
-* region ops re-emitted on ``[L]`` shards; replicated operands sliced locally, scalar
-  broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
+* region ops re-emitted on ``[L]`` shards; replicated operands sliced locally (an
+  update fusion's inside it: in a module XLA fused already a slice of its own would be a
+  kernel nothing fuses any more), scalar broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
   locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
   ops on blocks (factored statistics) applied to the shard reshaped into its block, sums
   along the block dimension all-reduced from the blocks' partial sums;
@@ -37,7 +38,8 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedL
                                                      parameter_names, proved_array,
                                                      proved_element, tuple_index)
 from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
-                                                 block_body, block_dims, shard_body)
+                                                 block_body, block_dims, shard_body,
+                                                 uses_blocks)
 from hlo_shard.shard_format import ShardFormat
 
 
@@ -221,8 +223,11 @@ class RegionRewrite:
     # Region ops ---------------------------------------------------------------------------
     def shard_op(self, name: str, op: RegionOp) -> None:
         inst = self.comp[name]
+        calls = inst.called("calls") if inst.opcode == "fusion" else None
         with self.rw.inserting_before(name):
-            operands = [self.operand_shard(o, op.format_of(i))
+            inside = self.sliced_inside(inst, op) if calls and op.kind is OpKind.ELEMENTWISE \
+                else {}
+            operands = [inside[i] if i in inside else self.operand_shard(o, op.format_of(i))
                         for i, o in enumerate(inst.operands)]
             if op.kind is OpKind.BLOCK:
                 self.shard_of[name] = self.block_op(inst, op, operands)
@@ -231,8 +236,12 @@ class RegionRewrite:
                 self.shard_of[name] = operands[0]
                 return
             attributes = {k: v for k, v in inst.attributes.items() if k != "sharding"}
-            calls = inst.called("calls")
-            if inst.opcode == "fusion" and calls:
+            if calls and inside:
+                length = op.result_shard.shard_len
+                attributes["calls"] = ComputationRef(self.sliced_body(
+                    calls, length, {i: op.format_of(i).elements for i in inside}))
+                operands.append(self.emit.offset(length))
+            elif calls:
                 attributes["calls"] = ComputationRef(self.sharded_body(calls, op.result_shard))
             new = Instruction(self.rw.fresh_name(f"{name}.shard"), inst.opcode,
                               self.emit.shape(inst.array_shape.element_type,
@@ -264,6 +273,41 @@ class RegionRewrite:
                               lambda body, new_name: shard_body(
                                   body, new_name,
                                   lambda t: self.emit.shape(t, (fmt.shard_len,))))
+
+    def sliced_inside(self, inst: Instruction, op: RegionOp) -> dict[int, str]:
+        """The operands of the fusion ``inst`` whose shard the fusion slices itself, each
+        handed in whole (flat, ``[E]``), by position: replicated full values (a weight,
+        a state leaf) in their stored order, unpadded, of the result's shard length, whose
+        shard does not exist already (an input shard, one another op sliced). In a
+        module XLA fused already nothing fuses what the pass writes after it, so a
+        ``dynamic-slice`` of its own would be a kernel (and a buffer) per operand: as a
+        producer fused into the update's loop, it reads only the shard, as XLA fuses
+        one."""
+        comp, length = self.comp, op.result_shard.shard_len
+        inside: dict[int, str] = {}
+        for i, operand in enumerate(inst.operands):
+            fmt = op.format_of(i)
+            shape = comp[operand].shape
+            if operand in self.shard_of or ("shard", operand, fmt) in self.emit.cache or \
+                    not isinstance(shape, ArrayShape) or \
+                    shape.is_scalar or is_scalar_broadcast(comp, operand) or fmt.padding or \
+                    fmt.shard_len != length or fmt.perm != tuple(range(len(fmt.dims))) or \
+                    uses_blocks(fmt, shape):
+                continue
+            key = ("flat", operand, fmt)
+            if key not in self.emit.cache:
+                self.emit.cache[key] = self.emit.flat_padded(operand, fmt)
+            inside[i] = self.emit.cache[key]
+        return inside
+
+    def sliced_body(self, name: str, length: int, elements: dict[int, int]) -> str:
+        """A copy of a fusion body on ``[L]`` shards (:func:`shard_body`) whose
+        parameters ``elements`` (number → element count) come whole and flat, sliced
+        inside at the offset a last parameter brings (:func:`slice_inside`)."""
+        key = ("sliced body", name, length, tuple(sorted(elements.items())))
+        return self.body_copy(key, name, "shard", lambda body, new_name: slice_inside(
+            shard_body(body, new_name, lambda t: self.emit.shape(t, (length,))), elements,
+            length, self.emit.shape))
 
     def blocked_body(self, name: str, op: RegionOp) -> str:
         """A copy of a fusion body computing on blocks (see :func:`block_body`)."""
@@ -579,6 +623,41 @@ class RegionRewrite:
                         else:
                             self.rw.set_attr(self.comp[value], "index", position)
                             self.rw.set_operand(self.comp[value], 0, new.name)
+
+
+def slice_inside(body: Computation, elements: dict[int, int], length: int,
+                 shape: Callable[[str, tuple[int, ...]], ArrayShape]) -> Computation:
+    """``body`` (on ``[L]`` shards) with its parameters ``elements`` (number → element
+    count ``E``) taken whole: each becomes an ``[E]`` parameter sliced to the ``[L]``
+    shard at the offset of a new last parameter (``u32``), under the name the shard had,
+    so its users read it as before."""
+    taken = {inst.name for inst in body.instructions}
+
+    def fresh(base: str) -> str:
+        return next(candidate for k in itertools.count()
+                    if (candidate := base if k == 0 else f"{base}.{k}") not in taken)
+
+    parameters = [inst for inst in body.instructions if inst.opcode == "parameter"]
+    offset = Instruction(fresh("shard_offset"), "parameter", shape("u32", ()), [], {},
+                         len(parameters))
+    taken.add(offset.name)
+    head: list[Instruction] = []
+    slices: list[Instruction] = []
+    for param in parameters:
+        number = param.parameter_number
+        if number not in elements:
+            head.append(param)
+            continue
+        whole = Instruction(fresh(f"{param.name}.whole"), "parameter",
+                            shape(param.array_shape.element_type, (elements[number],)), [], {},
+                            number)
+        taken.add(whole.name)
+        head.append(whole)
+        slices.append(Instruction(param.name, "dynamic-slice", param.shape,
+                                  [whole.name, offset.name],
+                                  {"dynamic_slice_sizes": (length,)}))
+    rest = [inst for inst in body.instructions if inst.opcode != "parameter"]
+    return Computation(body.name, [*head, offset, *slices, *rest], body.root_name)
 
 
 def narrowing_convert(comp: Computation, value: str, users: list[str]) -> str | None:
