@@ -517,7 +517,7 @@ class Module:
             self._indexed += 1
 
     def set_computations(self, computations: list[Computation]) -> None:
-        """Replace the list of computations (a snapshot put back)."""
+        """Replace the list of computations (a snapshot put back, dead ones removed)."""
         self.computations[:] = computations
         self._forget_names()
 

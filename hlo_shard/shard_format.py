@@ -79,6 +79,11 @@ class ShardFormat:
     def is_row_major(self) -> bool:
         return self.perm == row_major_perm(self.dims)
 
+    @property
+    def keeps_dimension_order(self) -> bool:
+        """The value is flattened in its own dimension order: no transpose formats it."""
+        return self.perm == tuple(range(len(self.dims)))
+
     @cached_property
     def block(self) -> tuple[int, int] | None:
         """``(dimension, rows)`` when every shard is a plain block of the value — rows

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hlo_shard.graph import ModuleRewriter
+from hlo_shard.graph import ModuleRewriter, reachable
 from hlo_shard.ir import Module
 from hlo_shard.passes.base import ModulePass
 
@@ -32,14 +32,12 @@ class DeadComputationRemoval(ModulePass[RemovedComputations]):
     name: ClassVar[str] = "dead-computation-removal"
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> RemovedComputations:
-        reached = {module.entry.name}
-        stack = [module.entry]
-        while stack:
-            for inst in stack.pop().instructions:
-                for name in inst.called_computations():
-                    if name not in reached and module.has_computation(name):
-                        reached.add(name)
-                        stack.append(module.computation(name))
+        def callees(name: str) -> list[str]:
+            return [callee for inst in module.computation(name).instructions
+                    for callee in inst.called_computations() if module.has_computation(callee)]
+
+        entry = module.entry.name
+        reached = reachable((entry,), callees) | {entry}
         dead = [comp.name for comp in module.computations if comp.name not in reached]
         if dead:
             rewriter.remove_computations(dead)

@@ -234,7 +234,7 @@ class ShardEmitter:
         shape = self.comp[value].array_shape
         element_type = shape.element_type
         current = value
-        if fmt.perm != tuple(range(len(fmt.dims))):
+        if not fmt.keeps_dimension_order:
             current = self.swapped_dot(value, fmt) or self.add(
                 "transpose", self.shape(element_type, fmt.transposed_dims), [current],
                 name=f"{value}.formatted", dimensions=fmt.perm)
@@ -311,14 +311,14 @@ class ShardEmitter:
             return shard
         if key not in self.cache:
             self.cache[key] = self.shard_to_block(shard, fmt, element_type) \
-                if fmt.perm != tuple(range(len(fmt.dims))) else self.add(
+                if not fmt.keeps_dimension_order else self.add(
                     "reshape", self.shape(element_type, block_dims(fmt)), [shard],
                     name=f"{shard}.block")
         return self.cache[key]
 
     def shard_of_block(self, block: str, fmt: ShardFormat, element_type: str) -> str:
         """:meth:`block_to_shard` without the identity transpose and no-op reshape."""
-        if fmt.perm != tuple(range(len(fmt.dims))):
+        if not fmt.keeps_dimension_order:
             return self.block_to_shard(block, fmt, element_type)
         if len(fmt.dims) == 1:
             return block
@@ -375,7 +375,7 @@ class ShardEmitter:
         if fmt.padding:
             flat = self.add("slice", self.shape(element_type, (fmt.elements,)), [flat],
                             slice=SliceRanges(((0, fmt.elements, 1),)))
-        if fmt.perm == tuple(range(len(fmt.dims))):
+        if fmt.keeps_dimension_order:
             if shape.dims == (fmt.elements,):
                 return flat
             return self.add("reshape", shape, [flat], name=f"{item.label}.gathered")

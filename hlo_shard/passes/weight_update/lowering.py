@@ -4,8 +4,8 @@
   one per bucket: ``[N, L_i]`` pieces concatenated along dimension 1, then sliced);
 * region ops re-emitted on ``[L]`` shards; replicated operands sliced locally (an
   update fusion's inside it: in a module XLA fused already a slice of its own would be a
-  kernel nothing fuses any more), scalar broadcasts rebuilt as ``[L]`` broadcasts; one-element reductions masked, reduced
-  locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
+  kernel nothing fuses any more), scalar broadcasts rebuilt as ``[L]`` broadcasts;
+  one-element reductions masked, reduced locally and all-reduced (max/min with an is-NaN flag: XLA:CPU's all-reduce drops NaN);
   ops on blocks (factored statistics) applied to the shard reshaped into its block, sums
   along the block dimension all-reduced from the blocks' partial sums;
 * sharded values needed whole: all-gathered before the first user of any of them, sharing
@@ -291,7 +291,7 @@ class RegionRewrite:
             if operand in self.shard_of or ("shard", operand, fmt) in self.emit.cache or \
                     not isinstance(shape, ArrayShape) or \
                     shape.is_scalar or is_scalar_broadcast(comp, operand) or fmt.padding or \
-                    fmt.shard_len != length or fmt.perm != tuple(range(len(fmt.dims))) or \
+                    fmt.shard_len != length or not fmt.keeps_dimension_order or \
                     uses_blocks(fmt, shape):
                 continue
             key = ("flat", operand, fmt)
@@ -321,9 +321,7 @@ class RegionRewrite:
         """The copy ``build`` makes of body ``name`` (once per ``key``), inserted right
         after it under a fresh ``name.suffix`` name."""
         if key not in self.emit.cache:
-            new_name = next(candidate for k in itertools.count()
-                            if not self.module.has_computation(
-                                candidate := f"{name}.{suffix}{'' if k == 0 else f'.{k}'}"))
+            new_name = unused_name(f"{name}.{suffix}", self.module.has_computation)
             self.edits.insert_computation(build(self.module.computation(name), new_name),
                                           after=name)
             self.emit.cache[key] = new_name
@@ -571,12 +569,11 @@ class RegionRewrite:
         for inst in topological_order(comp):
             if inst.name in users or any(d in downstream for d in dependencies(inst)):
                 downstream.add(inst.name)
-        free = [value for value in needs if self.shard_of[value] not in downstream]
+        free = {value for value in needs if self.shard_of[value] not in downstream}
         top = min(map(first_user, free), key=position.__getitem__, default=root)
         anchors: dict[str, list[str]] = defaultdict(list)
         for value in needs:
-            anchors[top if self.shard_of[value] not in downstream else first_user(value)
-                    ].append(value)
+            anchors[top if value in free else first_user(value)].append(value)
         return anchors
 
     def output_shard(self, value: str, zero_padded: PaddingZeros) -> str:
@@ -625,6 +622,12 @@ class RegionRewrite:
                             self.rw.set_operand(self.comp[value], 0, new.name)
 
 
+def unused_name(base: str, used: Callable[[str], bool]) -> str:
+    """``base``, else the first of ``base.1``, ``base.2``, … that is not ``used``."""
+    return next(candidate for k in itertools.count()
+                if not used(candidate := base if k == 0 else f"{base}.{k}"))
+
+
 def slice_inside(body: Computation, elements: dict[int, int], length: int,
                  shape: Callable[[str, tuple[int, ...]], ArrayShape]) -> Computation:
     """``body`` (on ``[L]`` shards) with its parameters ``elements`` (number → element
@@ -634,13 +637,13 @@ def slice_inside(body: Computation, elements: dict[int, int], length: int,
     taken = {inst.name for inst in body.instructions}
 
     def fresh(base: str) -> str:
-        return next(candidate for k in itertools.count()
-                    if (candidate := base if k == 0 else f"{base}.{k}") not in taken)
+        name = unused_name(base, taken.__contains__)
+        taken.add(name)
+        return name
 
     parameters = [inst for inst in body.instructions if inst.opcode == "parameter"]
     offset = Instruction(fresh("shard_offset"), "parameter", shape("u32", ()), [], {},
                          len(parameters))
-    taken.add(offset.name)
     head: list[Instruction] = []
     slices: list[Instruction] = []
     for param in parameters:
@@ -651,7 +654,6 @@ def slice_inside(body: Computation, elements: dict[int, int], length: int,
         whole = Instruction(fresh(f"{param.name}.whole"), "parameter",
                             shape(param.array_shape.element_type, (elements[number],)), [], {},
                             number)
-        taken.add(whole.name)
         head.append(whole)
         slices.append(Instruction(param.name, "dynamic-slice", param.shape,
                                   [whole.name, offset.name],
