@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -50,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from child_table import cells as table_cells, run_table  # bench/ is on sys.path
+from child_table import (  # bench/ is on sys.path
+    cells as table_cells, drawn_order_rounds, run_table)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = 8
@@ -249,25 +249,21 @@ def worst_relative(a: Any, b: Any) -> float:
 
 
 def time_interleaved(prog, variants: list[Variant], runs: int, rounds: int) -> None:
-    """One untimed round, then ``rounds`` rounds of ``runs`` steps, the variants
-    interleaved step by step (a fresh batch each: the programs donate theirs), in an
-    order drawn afresh for every step (seeded: the same in every run). In a fixed order
-    the step run right after ``shard_weight_update``'s ran up to a third slower (MNIST's
-    kept-whole hook, jit's own program, read 1.2-1.4x jit's): a drawn order spreads
-    what one program leaves to the next over every row instead of one."""
-    order = random.Random(0)
-    for timed in [False] + [True] * rounds:
-        samples: dict[str, list[float]] = {v.mode: [] for v in variants}
-        for i in range(runs):
-            for v in order.sample(variants, len(variants)):
-                batch = block(prog.batch(1 + i))
-                started = time.perf_counter()
-                out = block(v.call(*v.state, batch))
-                samples[v.mode].append(time.perf_counter() - started)
-                v.state = tuple(out[:len(v.state)])
-        if timed:
-            for v in variants:
-                v.per_round.append(statistics.median(samples[v.mode]))
+    """``variants`` timed by :func:`~child_table.drawn_order_rounds`, a fresh batch each
+    step (the programs donate theirs), made outside the timed call."""
+    by_mode = {v.mode: v for v in variants}
+
+    def step(mode: str, i: int) -> float:
+        v = by_mode[mode]
+        batch = block(prog.batch(1 + i))
+        started = time.perf_counter()
+        out = block(v.call(*v.state, batch))
+        seconds = time.perf_counter() - started
+        v.state = tuple(out[:len(v.state)])
+        return seconds
+
+    for mode, medians in drawn_order_rounds(list(by_mode), runs, rounds, step).items():
+        by_mode[mode].per_round.extend(medians)
 
 
 def build(name: str):

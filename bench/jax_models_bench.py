@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ from collections.abc import Sequence
 
 from zoo import geomean  # bench/ is on sys.path (this file's folder, or run.py's)
 
-from child_table import run_table  # bench/ is on sys.path
+from child_table import drawn_order_rounds, run_table  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"  # the model definitions (fixture_models, zoo_models, hlo_dump)
@@ -170,22 +169,20 @@ def measure_row(spec, devices: int, runs: int, rounds: int) -> dict:
                                                           "original step: ")
                               for w in caught if issubclass(w.category, hsj.FallbackWarning))
         v.args = (params, state, batch, rng)
-    # An untimed round first, and the variants in an order drawn for every step, as
-    # bench/ecosystem_bench.py's time_interleaved (the step after fast's ran slower).
-    order = random.Random(0)
-    for timed in [False] + [True] * rounds:
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(runs):
-            for name, v in order.sample(list(variants.items()), len(variants)):
-                params, state, _, rng = v.args
-                started = time.perf_counter()
-                params, state, loss = v.step(params, state, data[i % len(data)], rng)
-                jax.block_until_ready((params, state, loss))
-                times[name].append(time.perf_counter() - started)
-                v.args = (params, state, None, rng)
-        for name, v in variants.items():
-            if timed:
-                v.per_round.append(statistics.median(times[name]))
+    # Timed in an order drawn for every step after an untimed round (the step run after
+    # fast's ran slower in a fixed order).
+    def step(name: str, i: int) -> float:
+        v = variants[name]
+        params, state, _, rng = v.args
+        started = time.perf_counter()
+        params, state, loss = v.step(params, state, data[i % len(data)], rng)
+        jax.block_until_ready((params, state, loss))
+        seconds = time.perf_counter() - started
+        v.args = (params, state, None, rng)
+        return seconds
+
+    for name, medians in drawn_order_rounds(list(variants), runs, rounds, step).items():
+        variants[name].per_round.extend(medians)
     jit = variants["jit"]
     row: dict[str, Any] = {"jit_ms": statistics.median(jit.per_round) * 1e3,
                            "jit_first_s": jit.first_call_s, "jit_compile_s": jit_compile_s,
