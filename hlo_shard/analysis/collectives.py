@@ -251,6 +251,8 @@ class GradientAllReduce:
     #: Why the rewrite must leave it alone ("" when it is a candidate).
     reason: str = ""
     code: ReasonCode | None = None
+    #: ``already_sharded`` by the partitioner: how the sum reaches this device's slice.
+    sliced: DeviceSliced | None = None
 
     @property
     def is_candidate(self) -> bool:
@@ -306,7 +308,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                                                ReasonCode.UNSUPPORTED_SHAPE))
             elif (sliced := scattered.sliced_by_device(inst)) is not None:
                 found.append(GradientAllReduce(comp.name, inst.name, groups, sliced.words(),
-                                               ReasonCode.ALREADY_SHARDED))
+                                               ReasonCode.ALREADY_SHARDED, sliced))
             else:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
     return found
@@ -363,15 +365,43 @@ DEVICE_ID_OPCODES = DEVICE_IDS
 
 
 @dataclass(frozen=True)
-class DeviceSliced:
-    """How an all-reduce's sum reaches only this device's slice: sliced where it is
-    computed, or (``loops``) written into a loop's carried slot that leaves the loop
-    only as a slice (a scanned layer's gradient, stacked in the carry)."""
+class SlotReads:
+    """A while loop running a scanned body, and every read of a carried slot after it: each
+    get-tuple-element of the slot, with how it reaches this device's slice."""
 
-    loops: tuple[str, ...] = ()
+    computation: str
+    loop: str
+    reads: tuple[tuple[str, DeviceSliced], ...]
+
+
+@dataclass(frozen=True)
+class CarriedWrite:
+    """A sum written by the ``dynamic-update-slice`` ``update`` into ``slot`` of the tuple
+    its loop body carries, which leaves every loop running the body only as this device's
+    slice (``loops``)."""
+
+    update: str
+    slot: int
+    loops: tuple[SlotReads, ...]
+
+
+@dataclass(frozen=True)
+class DeviceSliced:
+    """How an all-reduce's sum reaches only this device's slice, each way it is read:
+    ``slices``, the dynamic-slices it reaches through layout-only ops
+    (:func:`layout_chain`), and ``carried``, the loop slots it is written into (a scanned
+    layer's gradient, stacked in the carry). The matcher the reduce-scatter rewrite runs
+    reads exactly this form."""
+
+    slices: tuple[str, ...] = ()
+    carried: tuple[CarriedWrite, ...] = ()
+
+    @property
+    def loops(self) -> tuple[str, ...]:
+        return tuple(sorted({reads.loop for write in self.carried for reads in write.loops}))
 
     def words(self) -> str:
-        if not self.loops:
+        if not self.carried:
             return ("already sharded: every user takes this device's slice (dynamic-slice by "
                     "partition/replica id, the SPMD partitioner's reduce-scatter form), the "
                     "update runs on the slice")
@@ -382,6 +412,17 @@ class DeviceSliced:
                 "scan), the update runs on the slice")
 
 
+def layout_chain(comp: Computation, value: str, end: str) -> list[Instruction]:
+    """The layout-only ops :class:`DeviceSliced` found between ``value`` and ``end`` (the
+    operand of the slice or write they lead to), in order: each reads the one before
+    as its only operand, so the chain is walked back from its end."""
+    chain: list[Instruction] = []
+    while end != value:
+        chain.append(comp[end])
+        end = comp[end].operands[0]
+    return chain[::-1]
+
+
 class _ScatterForms:
     """Each computation's :class:`_ScatterForm`, made once, and which while loops run
     each body (read once, when a carried slot is first asked about)."""
@@ -390,7 +431,8 @@ class _ScatterForms:
         self.module = module
         self._forms: dict[str, _ScatterForm] = {}
         self._loops: dict[str, list[tuple[Computation, Instruction]]] | None = None
-        self._sliced_slots: dict[tuple[str, str], frozenset[int]] = {}
+        self._sliced_slots: dict[tuple[str, str],
+                                 dict[int, tuple[tuple[str, DeviceSliced], ...]]] = {}
 
     def of(self, comp: Computation) -> _ScatterForm:
         form = self._forms.get(comp.name)
@@ -415,27 +457,38 @@ class _ScatterForms:
                 self._loops.pop(name, None)
         return self._loops.get(body.name, [])
 
-    def sliced_slots(self, comp: Computation, loop: Instruction) -> frozenset[int]:
-        """The slots of ``loop``'s result read only as this device's slice: its condition
-        does not read the slot, and each get-tuple-element of it is sliced by device
-        (:meth:`_ScatterForm.sliced_by_device`, not through a further loop); none where
+    def sliced_slots(self, comp: Computation, loop: Instruction
+                     ) -> dict[int, tuple[tuple[str, DeviceSliced], ...]]:
+        """The slots of ``loop``'s result read only as this device's slice, each with its
+        get-tuple-elements and how they reach it (:meth:`_ScatterForm.sliced_by_device`,
+        not through a further loop): its condition does not read the slot; none where
         the loop's tuple is also used whole."""
         key = (comp.name, loop.name)
         if key not in self._sliced_slots:
             self._sliced_slots[key] = self._read_sliced_slots(comp, loop)
         return self._sliced_slots[key]
 
-    def _read_sliced_slots(self, comp: Computation, loop: Instruction) -> frozenset[int]:
+    def _read_sliced_slots(self, comp: Computation, loop: Instruction
+                           ) -> dict[int, tuple[tuple[str, DeviceSliced], ...]]:
         form = self.of(comp)
         reads = form.slot_reads(loop.name)
         if reads is None:
-            return frozenset()
+            return {}
         condition = self.module.computation(loop.called("condition"))
         read_by_condition = set(self.of(condition).parameter_slot_reads())
-        return frozenset(slot for slot, names in reads.items()
-                         if slot not in read_by_condition and
-                         all(form.sliced_by_device(comp[name], through_loops=False)
-                             for name in names))
+        sliced: dict[int, tuple[tuple[str, DeviceSliced], ...]] = {}
+        for slot, names in reads.items():
+            if slot in read_by_condition:
+                continue
+            found = []
+            for name in names:
+                how = form.sliced_by_device(comp[name], through_loops=False)
+                if how is None:
+                    break
+                found.append((name, how))
+            else:
+                sliced[slot] = tuple(found)
+        return sliced
 
 
 class _ScatterForm:
@@ -513,7 +566,9 @@ class _ScatterForm:
         slot this loop body carries, which every loop running the body reads only as
         such slices (not followed further out)."""
         users = self._read()
-        pending, slices, loops = [value.name], 0, set()
+        pending = [value.name]
+        slices: list[str] = []
+        carried: list[CarriedWrite] = []
         while pending:
             name = pending.pop()
             if name == self.comp.root_name or not users[name]:
@@ -523,12 +578,12 @@ class _ScatterForm:
                 if user.opcode in _LAYOUT_ONLY:
                     pending.append(user_name)
                 elif self._device_slice(user, name):
-                    slices += 1
-                elif through_loops and (running := self._carried_slice(user, name)):
-                    loops.update(running)
+                    slices.append(user_name)
+                elif through_loops and (write := self._carried_write(user, name)) is not None:
+                    carried.append(write)
                 else:
                     return None
-        return DeviceSliced(tuple(sorted(loops))) if slices or loops else None
+        return DeviceSliced(tuple(slices), tuple(carried)) if slices or carried else None
 
     def _device_slice(self, user: Instruction, value: str) -> bool:
         if user.opcode != "dynamic-slice" or user.operands[0] != value or value in \
@@ -543,14 +598,14 @@ class _ScatterForm:
         return all(o in by_id or o in constant for o in offsets) and \
             any(o in by_id for o in offsets)
 
-    def _carried_slice(self, user: Instruction, value: str) -> list[str]:
-        """The loops (by name) that run this body, where ``user`` writes ``value`` into a
-        carried slot read nowhere else in the body and sliced by device after each of
-        them (:meth:`_ScatterForms.sliced_slots`); empty where it does not."""
+    def _carried_write(self, user: Instruction, value: str) -> CarriedWrite | None:
+        """Where ``user`` writes ``value`` into a carried slot read nowhere else in the
+        body, sliced by device after every loop that runs the body
+        (:meth:`_ScatterForms.sliced_slots`): that write; None where it does not."""
         comp = self.comp
         if user.opcode != "dynamic-update-slice" or user.operands[1] != value or \
                 value in (user.operands[0], *user.operands[2:]):
-            return []
+            return None
         root = comp.root
         slot_reads = self.parameter_slot_reads()
         slot = comp[user.operands[0]].int_attr("index") \
@@ -560,12 +615,14 @@ class _ScatterForm:
                 self._read()[user.name] != [root.name] or root.opcode != "tuple" or \
                 slot >= len(root.operands) or root.operands[slot] != user.name or \
                 root.operands.count(user.name) != 1:
-            return []
-        loops = self.forms.loops_running(comp)
-        if not loops or any(slot not in self.forms.sliced_slots(outer, loop)
-                            for outer, loop in loops):
-            return []
-        return [loop.name for _, loop in loops]
+            return None
+        loops = []
+        for outer, loop in self.forms.loops_running(comp):
+            reads = self.forms.sliced_slots(outer, loop).get(slot)
+            if reads is None:
+                return None
+            loops.append(SlotReads(outer.name, loop.name, reads))
+        return CarriedWrite(user.name, slot, tuple(loops)) if loops else None
 
 
 def _shape_reason(inst: Instruction) -> str:

@@ -29,8 +29,9 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
 * Across a scan (MaxText's ``scan_layers``): the layer's all-reduce in a loop body is
   written (``dynamic-update-slice``) into a slot of the stacked gradient the loop
   carries, which leaves the loop only as this device's block.
-  :func:`match_scanned_reduce_scatter` returns a :class:`ScannedScatterSpec` for exactly
-  the form the analysis reports already sharded across a loop (else why not); the
+  :func:`match_scanned_reduce_scatter` reads the form the analysis reports already
+  sharded across a loop (:class:`~hlo_shard.analysis.collectives.CarriedWrite`: found
+  once, there) and returns a :class:`ScannedScatterSpec` for it (else why not); the
   rewrite makes the all-reduce a reduce-scatter in the body, carries the block instead
   of the whole slot (so the loop carries 1/N of the stacked gradient, and the slice
   after the loop goes), and gives the slot's starting value as its block. The blocks of
@@ -54,9 +55,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import (DeviceGroups, GroupMode, ReasonCode,
-                                            find_gradient_all_reduces, slot_reads,
-                                            with_device_counts)
+from hlo_shard.analysis.collectives import (CarriedWrite, DeviceGroups, DeviceSliced, GroupMode,
+                                            ReasonCode, SlotReads, find_gradient_all_reduces,
+                                            layout_chain, with_device_counts)
 from hlo_shard.costmodel.network import collective_cost
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_graph, control_predecessors,
                              users_map)
@@ -420,9 +421,6 @@ class ModuleReads:
         self._users: dict[str, dict[str, list[str]]] = {}
         self._index: dict[str, IndexEvaluator] = {}
         self._callers: dict[str, list[tuple[Computation, Instruction]]] | None = None
-        self._slots: dict[tuple[str, str], dict[int, list[str]] | None] = {}
-        self._parameters: dict[str, str] = {}
-        self._root_slots: dict[str, dict[str, list[int]]] = {}
 
     def users(self, comp: Computation) -> dict[str, list[str]]:
         if comp.name not in self._users:
@@ -447,30 +445,6 @@ class ModuleReads:
                     (comp, comp[inst]) for inst in dict.fromkeys(via))
         return self._callers.get(name, [])
 
-    def slot_reads(self, comp: Computation, tuple_name: str) -> dict[int, list[str]] | None:
-        """Slot → the get-tuple-elements reading it, of the tuple ``tuple_name`` (a loop,
-        or a computation's parameter); None where the tuple is used otherwise."""
-        key = (comp.name, tuple_name)
-        if key not in self._slots:
-            self._slots[key] = slot_reads(comp, self.users(comp), tuple_name)
-        return self._slots[key]
-
-    def parameter(self, comp: Computation) -> str:
-        """The name of ``comp``'s one parameter ("" where it has several)."""
-        if comp.name not in self._parameters:
-            self._parameters[comp.name] = _only_parameter(comp)
-        return self._parameters[comp.name]
-
-    def root_slots(self, comp: Computation) -> dict[str, list[int]]:
-        """Value → the slots of the root tuple it is."""
-        if comp.name not in self._root_slots:
-            slots: dict[str, list[int]] = {}
-            if comp.root.opcode == "tuple":
-                for slot, name in enumerate(comp.root.operands):
-                    slots.setdefault(name, []).append(slot)
-            self._root_slots[comp.name] = slots
-        return self._root_slots[comp.name]
-
 
 def _only_parameter(comp: Computation) -> str:
     params = comp.parameters()
@@ -494,23 +468,19 @@ def _reducible(comp: Computation, all_reduce: Instruction) -> str:
     return ""
 
 
-def _blockwise_walk(comp: Computation, start: str, users: dict[str, list[str]]
-                    ) -> tuple[list[Instruction], Instruction] | str:
-    """The blockwise ops (:data:`_BLOCKWISE`) each the one user of the value before,
-    from ``start``, and the user they end in; or why not."""
-    chain: list[Instruction] = []
-    value = start
-    while True:
-        following = users[value]
-        if len(following) != 1 or value == comp.root_name:
-            return "the reduced value has other uses than one slice"
-        user = comp[following[0]]
-        if user.opcode not in _BLOCKWISE or not isinstance(user.shape, ArrayShape):
-            return chain, user
-        if control_predecessors(user):
+def _blockwise_chain(comp: Computation, value: str, end: str, between: str
+                     ) -> list[Instruction] | str:
+    """The ops the analysis found between ``value`` and ``end``
+    (:func:`~hlo_shard.analysis.collectives.layout_chain`), each blockwise
+    (:data:`_BLOCKWISE`) and unordered by control edges; or why not (``between``: the two
+    ends, in words)."""
+    chain = layout_chain(comp, value, end)
+    for op in chain:
+        if op.opcode not in _BLOCKWISE or not isinstance(op.shape, ArrayShape):
+            return f"a {op.opcode} between {between}"
+        if control_predecessors(op):
             return "an op before the slice is ordered by control edges"
-        chain.append(user)
-        value = user.name
+    return chain
 
 
 def _source_dim(comp: Computation, chain: Sequence[Instruction], dim: int
@@ -579,128 +549,102 @@ def _collectives_fields(all_reduce: Instruction, chain: Sequence[Instruction],
 
 
 def match_reduce_scatter(module: Module, comp: Computation, all_reduce: Instruction,
-                         groups: DeviceGroups, users: dict[str, list[str]],
-                         index: IndexEvaluator) -> ReduceScatterSpec | str:
-    """The spec of ``all_reduce`` as a reduce-scatter, or why not (words for ``--explain``).
+                         groups: DeviceGroups, ds: Instruction, index: IndexEvaluator
+                         ) -> ReduceScatterSpec | str:
+    """The spec of ``all_reduce``, read only as this device's dynamic-slice ``ds``
+    (through layout-only ops), as a reduce-scatter, or why not (words for ``--explain``).
     ``module``'s header must name its devices (the pass reads it with those a header
     lost recovered)."""
-    refused = _reducible(comp, all_reduce)
-    walked = refused or _blockwise_walk(comp, all_reduce.name, users)
-    if isinstance(walked, str):
-        return walked
-    chain, user = walked
-    if user.opcode != "dynamic-slice" or user.operands[0] != (chain or [all_reduce])[-1].name:
-        return f"a {user.opcode} between the all-reduce and its slice"
-    blocks = _device_blocks(module, comp, chain, user, groups, index)
+    chain = _blockwise_chain(comp, all_reduce.name, ds.operands[0],
+                             "the all-reduce and its slice")
+    if isinstance(chain, str):
+        return chain
+    blocks = _device_blocks(module, comp, chain, ds, groups, index)
     if isinstance(blocks, str):
         return blocks
     return ReduceScatterSpec(
-        computation=comp.name, dynamic_slice=user.name,
+        computation=comp.name, dynamic_slice=ds.name,
         **_collectives_fields(all_reduce, chain, blocks.chain, blocks.split_dim, groups,
                               blocks))
 
 
 def match_scanned_reduce_scatter(reads: ModuleReads, body: Computation,
-                                 all_reduce: Instruction, groups: DeviceGroups
-                                 ) -> ScannedScatterSpec | str:
+                                 all_reduce: Instruction, groups: DeviceGroups,
+                                 write: CarriedWrite) -> ScannedScatterSpec | str:
     """The spec of ``all_reduce`` in a loop body (MaxText's ``scan_layers``: the layer's
     sum written into a slot of the stacked gradient the loop carries) as a reduce-scatter
-    whose block the slot carries, or why not. The form is exactly the one
-    :class:`~hlo_shard.analysis.collectives.DeviceSliced` reports across a loop: the sum
-    (through blockwise ops) is the update of a ``dynamic-update-slice`` of one slot of the
-    body's tuple parameter, read nowhere else in the body, written only into the same slot
-    of the root; every caller of the body is a while loop whose condition does not read
-    the slot, whose initial tuple is its own, and whose result is only taken apart, the
-    slot (through blockwise ops) only by ``dynamic-slice``\\ s of this device's block,
-    evaluated on every device, the same block on every read, the blocks tiling each group
-    as a pair's must (fewer blocks than devices: a reduce-scatter, then an all-reduce of
-    the block among its holders, in the body). The blocks cut a dimension the update
-    spans whole (not the stacked one), so the update of a block is the block of the
-    update, whatever layer it writes, and the slot's value before the loop only matters
-    through its block."""
-    refused = _reducible(body, all_reduce)
-    users = reads.users(body)
-    walked = refused or _blockwise_walk(body, all_reduce.name, users)
-    if isinstance(walked, str):
-        return walked
-    chain, update = walked
-    value = (chain or [all_reduce])[-1].name
-    if update.opcode != "dynamic-update-slice" or update.operands[1:2] != [value] or \
-            value in (update.operands[0], *update.operands[2:]):
-        return f"a {update.opcode} between the all-reduce and the carried slot"
-    param, root, stack = reads.parameter(body), body.root, body[update.operands[0]]
-    if not param or root.opcode != "tuple" or stack.opcode != "get-tuple-element" \
-            or stack.operands != [param] or update.name == root.name:
-        return "the update does not write a slot of the body's tuple parameter"
-    slot = stack.required_attr("index", int)
-    in_body = reads.slot_reads(body, param)
-    if in_body is None or in_body.get(slot) != [stack.name] or \
-            users[stack.name] != [update.name] or users[update.name] != [root.name] or \
-            reads.root_slots(body).get(update.name) != [slot] or control_predecessors(update):
+    whose block the slot carries, or why not. ``write`` is the form the analysis reports
+    already sharded across a loop (:class:`~hlo_shard.analysis.collectives.CarriedWrite`:
+    the sum, through layout-only ops, updates one slot of the body's tuple parameter,
+    read nowhere else in the body and written only into the same slot of the root, by
+    while loops only, whose conditions do not read the slot and whose results are taken
+    apart, the slot only by dynamic-slices by device id). Here: the ops on the way
+    are blockwise and no edit is ordered by control edges; each loop's condition is its
+    own and its initial tuple too; every slice of the slot, evaluated on every device,
+    takes the same block, the blocks tiling each group as a pair's must (fewer blocks
+    than devices: a reduce-scatter, then an all-reduce of the block among its holders, in
+    the body). The blocks cut a dimension the update spans whole (not the stacked one),
+    so the update of a block is the block of the update, whatever layer it writes, and
+    the slot's value before the loop only matters through its block."""
+    update = body[write.update]
+    chain = _blockwise_chain(body, all_reduce.name, update.operands[1],
+                             "the all-reduce and the carried slot")
+    if isinstance(chain, str):
+        return chain
+    if control_predecessors(update):
         return "the carried slot is read or written elsewhere in the loop body"
-    callers = reads.callers(body.name)
-    if not callers:
-        return "no loop runs the body"
     loops, found = [], None
-    for outer, loop in callers:
-        carried = _carried_loop(reads, body, outer, loop, slot, groups)
+    for slot_reads in write.loops:
+        carried = _carried_loop(reads, slot_reads, write.slot, groups)
         if isinstance(carried, str):
             return carried
         if found is not None and found != carried[1]:
             return "the slot's reads after the loops take different blocks"
         loops.append(carried[0])
         found = carried[1]
-    assert found is not None
-    stack_dims, update_dims = stack.array_shape.dims, update.array_shape.dims
+    assert found is not None  # the analysis finds a loop for every carried write
+    stack_dims, update_dims = body[update.operands[0]].array_shape.dims, update.array_shape.dims
     if stack_dims[found.split_dim] != update_dims[found.split_dim]:
         return "the slice after the loop cuts the stacked dimension"
     mapped = _source_dim(body, chain, found.split_dim)
     if isinstance(mapped, str):
         return mapped
     return ScannedScatterSpec(
-        computation=body.name, update=update.name, slot=slot, slot_dim=found.split_dim,
+        computation=body.name, update=update.name, slot=write.slot, slot_dim=found.split_dim,
         loops=tuple(loops),
         **_collectives_fields(all_reduce, chain, mapped[0], mapped[1], groups, found))
 
 
-def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
-                  loop: Instruction, slot: int, groups: DeviceGroups
+def _carried_loop(reads: ModuleReads, slot_reads: SlotReads, slot: int, groups: DeviceGroups
                   ) -> tuple[CarriedLoop, _Blocks] | str:
-    """The loop ``loop`` running ``body``, its slot ``slot`` read after it only as this
-    device's block (the same on every read), or why not."""
-    if loop.opcode != "while" or loop.called("body") != body.name or \
-            loop.called("condition") == body.name:
-        return "the body is also called outside a while loop"
+    """The loop of ``slot_reads``, its slot ``slot`` read after it only as this device's
+    block (the same on every read), or why not."""
+    outer = reads.module.computation(slot_reads.computation)
+    loop = outer[slot_reads.loop]
     condition = reads.module.computation(loop.called("condition"))
-    if any(inst.opcode != "while" or inst.called("body") != body.name or
+    if any(inst.opcode != "while" or inst.called("body") != loop.called("body") or
            inst.called("condition") != condition.name
            for _, inst in reads.callers(condition.name)):
         return "the loop's condition is also called elsewhere"
-    param = reads.parameter(condition)
-    in_condition = reads.slot_reads(condition, param) if param else None
-    if in_condition is None or slot in in_condition:
-        return "the loop's condition reads the slot"
     users = reads.users(outer)
     init = outer[loop.operands[0]]
     if init.opcode != "tuple" or users[init.name] != [loop.name] or \
             init.name == outer.root_name or slot >= len(init.operands):
         return "the loop's initial tuple is not its own"
-    if loop.name == outer.root_name or control_predecessors(loop) or \
-            "control-successors" in loop.attributes:
+    if control_predecessors(loop) or "control-successors" in loop.attributes:
         return "the loop's result is used whole or ordered by control edges"
-    taken = reads.slot_reads(outer, loop.name)
-    if taken is None:
-        return "the loop's result is used whole"
-    slot_reads, found = [], None
+    read_blocks, found = [], None
     index = reads.index(outer)
-    for gte in (outer[name] for name in taken.get(slot, [])):
-        walked = _blockwise_walk(outer, gte.name, users)
-        if isinstance(walked, str):
-            return walked
-        chain, ds = walked
-        if ds.opcode != "dynamic-slice" or ds.operands[0] != (chain or [gte])[-1].name or \
-                control_predecessors(ds) or "control-successors" in ds.attributes:
-            return f"a {ds.opcode} between the loop and the slice of the slot"
+    for gte, sliced in slot_reads.reads:
+        if len(sliced.slices) != 1:
+            return "the reduced value has other uses than one slice"
+        ds = outer[sliced.slices[0]]
+        chain = _blockwise_chain(outer, gte, ds.operands[0],
+                                 "the loop and the slice of the slot")
+        if isinstance(chain, str):
+            return chain
+        if control_predecessors(ds) or "control-successors" in ds.attributes:
+            return "a dynamic-slice between the loop and the slice of the slot"
         blocks = _device_blocks(reads.module, outer, chain, ds, groups, index)
         if isinstance(blocks, str):
             return blocks
@@ -708,10 +652,9 @@ def _carried_loop(reads: ModuleReads, body: Computation, outer: Computation,
                 (blocks.split_dim, blocks.scatter_groups):
             return "the slot's reads after the loop take different blocks"
         found = blocks
-        slot_reads.append(SlotRead(gte.name, blocks.chain, ds.name, blocks.offset))
-    if found is None:
-        return "the slot is not read after the loop"
-    return CarriedLoop(outer.name, loop.name, tuple(slot_reads)), \
+        read_blocks.append(SlotRead(gte, blocks.chain, ds.name, blocks.offset))
+    assert found is not None  # the analysis finds a read for every sliced slot
+    return CarriedLoop(outer.name, loop.name, tuple(read_blocks)), \
         replace(found, chain=(), offset="")
 
 
@@ -841,12 +784,12 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
         # Everything is matched before anything is edited: a scanned gradient's rewrite
         # edits the computations of its loops, where other pairs may be matched.
         for found in find_gradient_all_reduces(view):
-            if found.code is not ReasonCode.ALREADY_SHARDED or found.groups is None:
+            if found.sliced is None or found.groups is None:
                 continue
             comp = module.computation(found.computation)
             if comp[found.name].opcode != "all-reduce":
                 continue
-            spec = _match(reads, comp, comp[found.name], found.groups)
+            spec = _match(reads, comp, comp[found.name], found.groups, found.sliced)
             if isinstance(spec, str):
                 decisions.append(ScatterDecision(comp.name, found.name, kept_because=spec))
                 continue
@@ -891,14 +834,18 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
 
 
 def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
-           groups: DeviceGroups) -> ScatterCollectives | str:
-    """The scanned form's spec where the sum (through blockwise ops) is written by a
-    dynamic-update-slice, else the pair's."""
-    walked = _blockwise_walk(comp, all_reduce.name, reads.users(comp))
-    if not isinstance(walked, str) and walked[1].opcode == "dynamic-update-slice":
-        return match_scanned_reduce_scatter(reads, comp, all_reduce, groups)
-    return match_reduce_scatter(reads.module, comp, all_reduce, groups, reads.users(comp),
-                                reads.index(comp))
+           groups: DeviceGroups, sliced: DeviceSliced) -> ScatterCollectives | str:
+    """The spec of ``all_reduce``, read as the analysis found (``sliced``): the scanned
+    form's where its sum is written into a carried slot, else the pair's; or why not."""
+    refused = _reducible(comp, all_reduce)
+    if refused:
+        return refused
+    if len(sliced.slices) + len(sliced.carried) != 1:
+        return "the reduced value has other uses than one slice"
+    if sliced.carried:
+        return match_scanned_reduce_scatter(reads, comp, all_reduce, groups, sliced.carried[0])
+    return match_reduce_scatter(reads.module, comp, all_reduce, groups,
+                                comp[sliced.slices[0]], reads.index(comp))
 
 
 def _narrow_float(element_type: str) -> str:
