@@ -188,6 +188,30 @@ def test_the_combined_tuple_all_reduce_is_split():
     assert isinstance(loss.shape, ArrayShape) and loss.shape.is_scalar
 
 
+def test_the_pieces_of_a_combined_bucket_share_their_kernels():
+    """XLA:CPU compiles each distinct kernel once, and a slice's starts are part of its
+    kernel: in a fused module each value's piece of a combined bucket is a loop fusion of a
+    dynamic-slice reading its starts from the tuple one small fusion per bucket writes,
+    so pieces of one shape are one kernel to compile."""
+    _, out = _optimize((FIXTURES / "optimized" / "momentum.n4.hlo").read_text(),
+                       strategy="combined")
+    entry = out.entry
+
+    def body(inst):
+        return out.computation(inst.called("calls")) if inst.opcode == "fusion" else None
+
+    pieces = [i for i in entry.instructions if body(i) and body(i).root.opcode == "dynamic-slice"]
+    tables = {i.name for i in entry.instructions if body(i) and body(i).root.opcode == "tuple"
+              and all(b.opcode in ("constant", "tuple") for b in body(i).instructions)}
+    buckets = [i for i in entry.instructions if i.opcode in ("reduce-scatter", "all-gather")]
+    assert len(pieces) >= 2 * len(buckets) and len(tables) == len(buckets) == 2
+    assert not [i for i in entry.instructions if i.opcode == "slice"]
+    for piece in pieces:
+        starts = [entry[o] for o in piece.operands[1:]]
+        assert all(s.opcode == "get-tuple-element" and s.operands[0] in tables for s in starts)
+    assert not validate(out)
+
+
 def test_a_laid_out_module_flattens_with_bitcasts():
     # No layout pass runs after the rewrite of a fused module and XLA:CPU runs a
     # top-level reshape as a copy kernel: a row-major → row-major flattening is a bitcast.

@@ -33,7 +33,7 @@ torus hop) ≈ 0.9 MB at N = 8 and ≈ 14 MB at N = 1024.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -122,20 +122,26 @@ class ShardEmitter:
     def fused(self, opcode: str, shape: Shape, operands: list[str], name: str | None,
               attributes: dict[str, Any]) -> str:
         """``opcode`` as the one op of a new loop fusion: a laid-out module is past XLA's
-        fusion passes, which would have fused it, and XLA:CPU runs a transpose left at
-        the top level through its slow generic kernel instead of the loop emitter."""
+        fusion passes, which would have fused it (:data:`_FUSED_WHEN_LAID_OUT`)."""
         distinct = list(dict.fromkeys(operands))
         params = [Instruction(f"param_{k}", "parameter", self.comp[o].shape, [], {}, k)
                   for k, o in enumerate(distinct)]
         root = Instruction(opcode, opcode, shape,
                            [params[distinct.index(o)].name for o in operands], dict(attributes))
+        return self.loop_fusion(f"fused_{opcode}", [*params, root], distinct,
+                                name or f"{opcode}_fusion")
+
+    def loop_fusion(self, body_base: str, body: list[Instruction], operands: list[str],
+                    name: str) -> str:
+        """A new loop fusion of ``operands`` running ``body`` (its last instruction the
+        root), the body named ``body_base.K`` with the first free ``K``."""
         body_name = next(candidate for k in itertools.count(self.next_body) if not
-                         self.module.has_computation(candidate := f"fused_{opcode}.{k}"))
+                         self.module.has_computation(candidate := f"{body_base}.{k}"))
         self.next_body = int(body_name.rsplit(".", 1)[1]) + 1
-        self.edits.insert_computation(Computation(body_name, [*params, root], root.name),
+        root = body[-1]
+        self.edits.insert_computation(Computation(body_name, body, root.name),
                                       after=self.callee_slot())
-        return self.rw.add("fusion", shape, distinct,
-                           name=name or f"{opcode}_fusion", kind=Ident("kLoop"),
+        return self.rw.add("fusion", root.shape, operands, name=name, kind=Ident("kLoop"),
                            calls=ComputationRef(body_name)).name
 
     def callee_slot(self) -> str:
@@ -166,6 +172,37 @@ class ShardEmitter:
         return self.prologue(("constant", element_type, dims, literal),
                              lambda: self.add_top("constant", self.shape(element_type, dims), [],
                                                   name=name, literal=literal))
+
+    def piece_starts(self, starts: Iterable[int]) -> dict[int, str] | None:
+        """Where the pieces of a bucket (:meth:`piece`) read their ``starts`` from: nowhere
+        (None) but in a laid-out module, where one small loop fusion writes them all into
+        a tuple. XLA:CPU compiles each distinct kernel once, and a slice's starts (or a
+        constant operand's value) are part of its kernel, so each piece would be one more
+        kernel to compile; read from a buffer, the starts leave one kernel per piece
+        shape. Past fusion no simplifier folds them back into slices (before it, XLA's
+        algebraic simplifier would: there the slices stay static)."""
+        if not self.laid_out:
+            return None
+        values = list(dict.fromkeys(starts))
+        u32 = self.shape("u32", ())
+        constants = [Instruction(f"start.{k}", "constant", u32, [], {}, literal=str(value))
+                     for k, value in enumerate(values)]
+        table_shape = TupleShape(tuple(u32 for _ in values))
+        root = Instruction("starts", "tuple", table_shape, [c.name for c in constants], {})
+        table = self.loop_fusion("piece_starts", [*constants, root], [], "piece_starts")
+        return {value: self.add("get-tuple-element", u32, [table], name="piece_start", index=k)
+                for k, value in enumerate(values)}
+
+    def piece(self, operand: str, shape: ArrayShape, starts: tuple[int, ...], name: str,
+              read_from: dict[int, str] | None) -> str:
+        """The part of ``operand`` of ``shape`` at ``starts`` (a value's piece of a
+        bucket): a static slice, or a dynamic-slice at the starts ``read_from`` holds
+        (:meth:`piece_starts`)."""
+        if read_from is None:
+            return self.add("slice", shape, [operand], name=name, slice=SliceRanges(
+                tuple((start, start + size, 1) for start, size in zip(starts, shape.dims))))
+        return self.fused("dynamic-slice", shape, [operand, *(read_from[s] for s in starts)],
+                          name, {"dynamic_slice_sizes": shape.dims})
 
     def position(self) -> str:
         """u32[] position of this device within its group."""
@@ -357,15 +394,15 @@ class ShardEmitter:
             return [self.unformat(items[0], gathered)]
         rows = self.add("reshape", self.shape(element_type, (self.n, total)), [gathered],
                         name="all-gather.rows")
-        out, start = [], 0
-        for item in items:
-            length = item.format.shard_len
-            mine = self.add("slice", self.shape(element_type, (self.n, length)), [rows],
-                            name=f"{item.label}.rows",
-                            slice=SliceRanges(((0, self.n, 1), (start, start + length, 1))))
+        starts = list(itertools.accumulate((item.format.shard_len for item in items),
+                                           initial=0))
+        read_from = self.piece_starts(starts[:-1])
+        out = []
+        for item, start in zip(items, starts):
+            mine = self.piece(rows, self.shape(element_type, (self.n, item.format.shard_len)),
+                              (0, start), f"{item.label}.rows", read_from)
             flat = self.add("reshape", self.shape(element_type, (item.format.padded,)), [mine])
             out.append(self.unformat(item, flat))
-            start += length
         return out
 
     def unformat(self, item: Gathered, flat: str) -> str:
@@ -389,8 +426,11 @@ class ShardEmitter:
 #: one contracting dimension per operand and nothing else that names an operand.
 _PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
 
-#: Ops the emitter wraps in a loop fusion of their own in a laid-out module (:meth:`ShardEmitter.fused`).
-_FUSED_WHEN_LAID_OUT = frozenset({"transpose"})
+#: Ops the emitter wraps in a loop fusion of their own in a laid-out module
+#: (:meth:`ShardEmitter.fused`): XLA:CPU runs a top-level transpose through its slow
+#: generic kernel, and compiles a kernel for every top-level slice where it compiles
+#: each distinct fusion once (an un-padding slice per value of one padded size).
+_FUSED_WHEN_LAID_OUT = frozenset({"transpose", "slice"})
 
 
 def _row_major(shape: Shape) -> bool:

@@ -194,14 +194,13 @@ class RegionRewrite:
             scattered = emit.add("reduce-scatter", emit.shape(element_type, (total,)), [operand],
                                  name="reduce-scatter",
                                  **emit.collective_attrs(dimensions=(0,), to_apply=to_apply))
-            start = 0
-            for leaf in leaves:
-                length = leaf.format.shard_len
-                shard = scattered if len(leaves) == 1 else emit.add(
-                    "slice", emit.shape(element_type, (length,)), [scattered],
-                    name=f"{leaf.values[0]}.shard",
-                    slice=SliceRanges(((start, start + length, 1),)))
-                start += length
+            starts = list(itertools.accumulate((leaf.format.shard_len for leaf in leaves),
+                                               initial=0))
+            read_from = emit.piece_starts(starts[:-1]) if len(leaves) > 1 else None
+            for leaf, start in zip(leaves, starts):
+                shard = scattered if len(leaves) == 1 else emit.piece(
+                    scattered, emit.shape(element_type, (leaf.format.shard_len,)), (start,),
+                    f"{leaf.values[0]}.shard", read_from)
                 for value in leaf.values:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
