@@ -187,6 +187,9 @@ POLICY_SETS = [
     ("hlo_shard.analysis.collectives", "_INDEX_ARITHMETIC", {}),
     ("hlo_shard.passes.weight_update.analysis", "_SCALAR_BODY", {}),
     ("hlo_shard.analysis.replication", "_BODY_EXTRA", {}),
+    # What the emitter wraps in a loop fusion of its own past XLA's fusion passes: a
+    # choice about XLA:CPU's kernels, not a fact about the ops.
+    ("hlo_shard.passes.weight_update.emit", "_FUSED_WHEN_LAID_OUT", {}),
     # Rule tables keyed by opcode.
     ("hlo_shard.costmodel.flops", "RULES", {}),
     ("hlo_shard.passes.weight_update.analysis", "RULES", {}),
@@ -437,6 +440,10 @@ LITERAL_SETS_ALLOWED: dict[tuple[str, frozenset[str]], str] = {
         "the kinds a sharded bucket pays: its reduce-scatter and its all-gather",
     ("hlo_shard.profiles", frozenset({"all-gather", "all-reduce", "reduce-scatter"})):
         "the kinds XLA has a combiner pass for: the profile schema's choices",
+    ("hlo_shard.passes.weight_update.emit", frozenset({"slice", "transpose"})):
+        "the ops the emitter writes as a loop fusion of their own in a fused module "
+        "(XLA:CPU's kernels: a top-level transpose's slow generic kernel, a kernel per "
+        "top-level slice)",
     # What the fuzzer and the mutant generator emit: choices, not facts.
     ("hlo_shard.fuzz.frontend", frozenset({
         "abs", "copy", "cosine", "exponential", "floor", "log", "logistic", "negate", "rsqrt",
