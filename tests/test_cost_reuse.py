@@ -38,10 +38,10 @@ def test_the_trial_priced_with_the_inputs_totals_is_priced_as_afresh(fixture: st
     assert reused.seconds == fresh.seconds
     assert [(i.computation, i.name, i.seconds, i.cost) for i in reused.instructions] == \
         [(i.computation, i.name, i.seconds, i.cost) for i in fresh.instructions]
-    if fixture.startswith("optimized/"):  # fusion bodies the rewrite left alone
-        assert any(reused.model._totals[name] is total
-                   for name, total in whole.model._totals.items()
-                   if name in reused.model._totals)
+    if fixture.startswith("optimized/"):  # fusions whose bodies the rewrite left alone
+        assert any(reused.model._fusions[name] is price
+                   for name, price in whole.model._fusions.items()
+                   if name in reused.model._fusions)
 
 
 LOOP = """HloModule loop
@@ -180,3 +180,41 @@ def test_calls_nested_deeper_than_the_recursion_limit_are_priced() -> None:
     cost = CostAnalysis(parse(_nested_calls(depth))).module_cost()
     assert cost == CostAnalysis(parse(_nested_calls(2))).module_cost()
     assert cost.transcendentals == 8
+
+
+REDUCING_FUSION = """HloModule reducing
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%fused (p: f32[64]) -> f32[] {
+  %p = f32[64] parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %r = f32[] reduce(%p, %zero), dimensions={0}, to_apply=%sum
+}
+ENTRY %e (x: f32[64]) -> f32[] {
+  %x = f32[64] parameter(0)
+  ROOT %f = f32[] fusion(%x), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_fusion_whose_body_reads_an_edited_computation_is_priced_again() -> None:
+    """A fusion's price is reused from the earlier analysis (each fusion calls a body of
+    its own), also through a chain of analyses, but not where what its body reads (the
+    reduce's ``to_apply``) was edited."""
+    module = parse(REDUCING_FUSION)
+    first = CostAnalysis(module)
+    first.module_cost()
+    # the entry re-summed (as if edited), the fusion's price taken from the first
+    second = CostAnalysis(module.clone(), earlier=EarlierCosts(first, frozenset({"e"})))
+    assert second.module_cost() == first.module_cost()
+    assert second._fusions["fused"] is first._fusions["fused"]
+    edited = module.clone()
+    rewriter = ModuleRewriter(edited)
+    reducer = edited.computation("sum")
+    rewriter.rewriter(reducer).add("exponential", ArrayShape("f32", ()), ["s"])
+    rewriter.rewriter(reducer).set_root("exponential")
+    third = CostAnalysis(edited, earlier=EarlierCosts(second, edited_computations(rewriter.changes)))
+    assert third.module_cost() == CostAnalysis(edited).module_cost() != first.module_cost()

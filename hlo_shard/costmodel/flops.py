@@ -159,6 +159,10 @@ class CostAnalysis:
         #: Per total being summed, the computations it has read so far (a list: a rule
         #: asking for a total its walk did not find would sum it inside).
         self._reading: list[set[str]] = []
+        #: Fused computation → the price of the fusion calling it (each fusion calls a
+        #: computation of its own, and its price reads nothing else), for a rewritten
+        #: copy's analysis to reuse where the rewrite left that computation as it was.
+        self._fusions: dict[str, Cost] = {}
 
     def computation(self, name: str) -> Computation:
         if self._reading:
@@ -166,7 +170,24 @@ class CostAnalysis:
         return self._computations[name]
 
     def instruction_cost(self, comp: Computation, inst: Instruction) -> Cost:
+        if inst.opcode == "fusion":
+            return self._fusion_cost(comp, inst)
         return RULES.get(inst.opcode, _default_rule)(Site(self, comp, inst))
+
+    def _fusion_cost(self, comp: Computation, inst: Instruction) -> Cost:
+        """A fusion's price, memoised per fused computation (and taken from ``earlier``
+        where that computation is as the earlier module had it): an edited caller
+        re-prices its instructions, most of them fusions the rewrite left alone."""
+        fused = inst.called_computations()[0]
+        cost = self._fusions.get(fused)
+        if cost is None and self.earlier is not None:
+            cost = self.earlier.fusion(fused)
+        if cost is None:
+            cost = _fusion(Site(self, comp, inst))
+        elif self._reading:  # what the price read, as if it had been summed here
+            self._reading[-1].add(fused)
+        self._fusions[fused] = cost
+        return cost
 
     def computation_cost(self, name: str) -> Cost:
         """Sum over every instruction of a computation, dead code included (XLA's
@@ -225,6 +246,12 @@ class CostAnalysis:
         return [callee for inst in self._computations[name].instructions
                 for callee in inst.called_computations()]
 
+    def fusion_price(self, fused: str) -> Cost | None:
+        """The price of the fusion calling ``fused`` if it was priced here with ``fused``
+        summed here too (so :meth:`read_by` knows what it read: a price this analysis
+        took from its own ``earlier`` is not handed on)."""
+        return self._fusions.get(fused) if fused in self._totals else None
+
     def summed(self, name: str) -> tuple[Cost, frozenset[str]] | None:
         """The total of ``name`` if it was summed here, and the computations it read
         directly."""
@@ -264,6 +291,11 @@ class EarlierCosts:
         analysis's reads (linear in them, whatever the nesting)."""
         readers = self.analysis.read_by()
         return reachable(self.edited, lambda name: readers.get(name, ())) | self.edited
+
+    def fusion(self, fused: str) -> Cost | None:
+        """The earlier price of the fusion calling ``fused``, or None where it must be
+        priced again."""
+        return None if fused in self.stale else self.analysis.fusion_price(fused)
 
     def total(self, name: str) -> tuple[Cost, frozenset[str]] | None:
         """The earlier total of ``name`` and what it read, or None where it must be
