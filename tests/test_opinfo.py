@@ -436,8 +436,6 @@ LITERAL_SETS_ALLOWED: dict[tuple[str, frozenset[str]], str] = {
     ("hlo_shard.attributes", frozenset({"scatter", "select"})):
         "attribute names that are also opcode names (select-and-scatter's)",
     # Collective *kinds* (the cost model's names for what a collective does).
-    ("hlo_shard.passes.weight_update.emit", frozenset({"all-gather", "reduce-scatter"})):
-        "the kinds a sharded bucket pays: its reduce-scatter and its all-gather",
     ("hlo_shard.profiles", frozenset({"all-gather", "all-reduce", "reduce-scatter"})):
         "the kinds XLA has a combiner pass for: the profile schema's choices",
     ("hlo_shard.passes.weight_update.emit", frozenset({"slice", "transpose"})):

@@ -7,10 +7,10 @@ import pytest
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import DependencyCycle
+from hlo_shard.costmodel.network import CollectivePricing
 from hlo_shard.ir import ArrayShape, TupleShape
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update import WeightUpdateSharding
-from hlo_shard.passes.weight_update.emit import CollectivePricing
 from hlo_shard.passes.weight_update.lowering import RegionRewrite
 from hlo_shard.printer import to_text
 from hlo_shard.profiles import load_profile

@@ -283,3 +283,58 @@ def instruction_collective_cost(inst: Instruction, module: Module, operand_shape
     operands = sum(1 for shape in operand_shapes for _ in shape_leaves(shape)) or 1
     return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm,
                            resident, operands)
+
+
+@dataclass(frozen=True)
+class CollectivePricing:
+    """What one gradient's collectives and its bucketing copies cost on ``hardware``
+    over a group of ``n`` (the weight-update pass's choice between a collective per
+    gradient and combined buckets)."""
+
+    hardware: HardwareProfile
+    n: int
+
+    def pair_s(self, nbytes: int) -> float:
+        """A reduce-scatter of ``nbytes`` and the all-gather bringing them back."""
+        return sum(cost.seconds for cost in self._pair(nbytes))
+
+    def pair_latency_s(self) -> float:
+        return sum(cost.latency_s for cost in self._pair(0))
+
+    def _pair(self, nbytes: int) -> tuple[CollectiveCost, CollectiveCost]:
+        return (collective_cost("reduce-scatter", self.n, nbytes, self.hardware),
+                collective_cost("all-gather", self.n, nbytes, self.hardware))
+
+    def bucketing_s(self, nbytes: int) -> float:
+        """Copying ``nbytes`` into the gradient bucket and out of the gathered one (each
+        copy reads and writes them once; the update's shards fuse into their bucket)."""
+        return 2 * self.hardware.memory_seconds(nbytes, nbytes)
+
+    def alone(self, nbytes: int) -> bool:
+        """A tensor this large gains nothing from sharing a collective."""
+        return self.n <= 1 or self.pair_latency_s() <= self.bucketing_s(nbytes)
+
+
+def split_all_reduce_seconds(group: int, payload: int, blocks: int, hardware: HardwareProfile,
+                             *, strided: bool = False, holders: int = 1
+                             ) -> tuple[float, float]:
+    """Seconds of an all-reduce over ``group`` devices of ``payload`` bytes, and of the
+    reduce-scatter into ``blocks`` blocks (and the all-reduce of each block among its
+    ``holders``, where more than one device holds it) it becomes; buffers priced as
+    mapped already, which is what makes a second collective's latency weigh most against
+    the bytes it saves. Blocks ``strided`` in the all-reduce's layout (the split
+    dimension is not its outermost one longer than 1: an FSDP weight's gradient computed
+    transposed) are not contiguous buffers: the operand is transposed whole first, one
+    more pass over the gradient's bytes into a fresh buffer (on XLA:CPU such a
+    reduce-scatter measured slower than the all-reduce and slice it replaces). In a loop
+    body both run once per iteration, so the comparison is the same whatever the trip
+    count."""
+    before = collective_cost("all-reduce", group, payload, hardware, resident=True).seconds
+    after = collective_cost("reduce-scatter", blocks, payload, hardware, resident=True).seconds
+    if strided:
+        after += hardware.memory_seconds(payload, payload)
+    if holders > 1:
+        after += collective_cost("all-reduce", holders, payload // blocks, hardware,
+                                 resident=True).seconds
+    return before, after
+

@@ -37,7 +37,7 @@ combiner sees it. This is XLA's ReduceScatterCreator (``MatchReduceScatter`` in
   after the loop goes), and gives the slot's starting value as its block. The blocks of
   the slice after the loop decide the groups, as a pair's slice does.
 * A pair (or a scanned gradient, per iteration) is rewritten only where
-  :func:`~hlo_shard.costmodel.network.collective_cost` on the pass's profile predicts
+  :func:`~hlo_shard.costmodel.network.split_all_reduce_seconds` on the pass's profile predicts
   the collectives it becomes faster than the all-reduce (a split pays a second
   collective's latency for the bytes it saves, which loses for small gradients on
   shared-memory CPU devices); the report says why each pair was kept.
@@ -58,7 +58,7 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import (CarriedWrite, DeviceGroups, DeviceSliced, GroupMode,
                                             ReasonCode, SlotReads, find_gradient_all_reduces,
                                             layout_chain, with_device_counts)
-from hlo_shard.costmodel.network import collective_cost
+from hlo_shard.costmodel.network import split_all_reduce_seconds
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_graph, control_predecessors,
                              users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
@@ -864,25 +864,10 @@ def _holders(spec: ScatterCollectives) -> int:
 
 
 def _price(spec: ScatterCollectives, hardware: HardwareProfile) -> tuple[float, float]:
-    """Seconds of the all-reduce, and of the reduce-scatter (and the all-reduce of the
-    block among its holders) it becomes; buffers priced as mapped already, which is what
-    makes a second collective's latency weigh most against the bytes it saves. Blocks
-    strided in the all-reduce's layout (the split dimension is not its outermost one
-    longer than 1: an FSDP weight's gradient computed transposed) are not contiguous
-    buffers: the operand is transposed whole first, one more pass over the gradient's
-    bytes into a fresh buffer (on XLA:CPU such a reduce-scatter measured slower than the
-    all-reduce and slice it replaces). In a loop body both run once per iteration, so the
-    comparison is the same whatever the trip count."""
-    n, size = spec.groups.size, spec.payload_bytes
-    before = collective_cost("all-reduce", n, size, hardware, resident=True).seconds
-    after = collective_cost("reduce-scatter", spec.blocks, size, hardware,
-                            resident=True).seconds
-    if spec.strided:
-        after += hardware.memory_seconds(size, size)
-    if spec.block_groups:
-        after += collective_cost("all-reduce", _holders(spec), size // spec.blocks, hardware,
-                                 resident=True).seconds
-    return before, after
+    """The all-reduce's seconds and those of what it becomes
+    (:func:`~hlo_shard.costmodel.network.split_all_reduce_seconds`)."""
+    return split_all_reduce_seconds(spec.groups.size, spec.payload_bytes, spec.blocks, hardware,
+                                    strided=spec.strided, holders=_holders(spec))
 
 
 def _block(shape: ArrayShape, dim: int, blocks: int) -> ArrayShape:

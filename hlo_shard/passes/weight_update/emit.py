@@ -38,14 +38,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
-from hlo_shard.costmodel.network import collective_cost
+from hlo_shard.costmodel.network import CollectivePricing
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Layout,
                           Module, Raw, Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import MATMULS
 from hlo_shard.passes.weight_update.analysis import (VIEW_OPCODES, blocks_through_collectives,
                                                      is_laid_out, major_dimension)
-from hlo_shard.profiles import HardwareProfile
 from hlo_shard.shard_format import ShardFormat, natural_perm
 
 
@@ -496,33 +495,6 @@ STRATEGIES = ("auto", "per-tensor", "combined")
 
 
 @dataclass(frozen=True)
-class CollectivePricing:
-    """What one gradient's collectives and its bucketing copies cost on ``hardware``
-    over a group of ``n``."""
-
-    hardware: HardwareProfile
-    n: int
-
-    def pair_s(self, nbytes: int) -> float:
-        """A reduce-scatter of ``nbytes`` and the all-gather bringing them back."""
-        return sum(collective_cost(kind, self.n, nbytes, self.hardware).seconds
-                   for kind in ("reduce-scatter", "all-gather"))
-
-    def pair_latency_s(self) -> float:
-        return sum(collective_cost(kind, self.n, 0, self.hardware).latency_s
-                   for kind in ("reduce-scatter", "all-gather"))
-
-    def bucketing_s(self, nbytes: int) -> float:
-        """Copying ``nbytes`` into the gradient bucket and out of the gathered one (each
-        copy reads and writes them once; the update's shards fuse into their bucket)."""
-        return 2 * self.hardware.memory_seconds(nbytes, nbytes)
-
-    def alone(self, nbytes: int) -> bool:
-        """A tensor this large gains nothing from sharing a collective."""
-        return self.n <= 1 or self.pair_latency_s() <= self.bucketing_s(nbytes)
-
-
-@dataclass(frozen=True)
 class StrategyEstimate:
     strategy: str
     #: Reduce-scatter/all-gather pairs the gradients take.
@@ -583,4 +555,4 @@ class Bucketing:
 
 __all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_body", "block_dims", "shard_body",
            "uses_blocks",
-           "Bucketing", "CollectivePricing", "STRATEGIES", "StrategyEstimate"]
+           "Bucketing", "STRATEGIES", "StrategyEstimate"]

@@ -38,6 +38,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
                                             find_gradient_all_reduces, find_reduce_scatters,
                                             recovered_device_counts, with_device_counts)
 from hlo_shard.analysis.replication import Flags, ParamOverrides, Replication, all_true
+from hlo_shard.costmodel.network import CollectivePricing
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, DependencyCycle, ModuleRewriter, dataflow_graph,
                              reading_only)
@@ -53,7 +54,7 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, Reg
                                                      region_read_parameters, triage,
                                                      unsharded_state)
 from hlo_shard.passes.weight_update.emit import (STRATEGIES, Bucketing, ChannelIds,
-                                                 CollectivePricing, StrategyEstimate)
+                                                 StrategyEstimate)
 from hlo_shard.passes.weight_update.lowering import (RegionRewrite, RegionSnapshot,
                                                      annotate_state, bypass_copies,
                                                      narrowing_convert, shard_loop_carry)
