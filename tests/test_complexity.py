@@ -342,12 +342,52 @@ def nested_loops(n: int, trips: int = 1) -> str:
         "  %f = f32[8] get-tuple-element(%loop), index=1\n"))
 
 
+def branched(n: int, size: int = 256) -> str:
+    """A model under a ``lax.cond``: ``n / 12`` gradients each all-reduced inside both
+    branches of one conditional (one branch relabels its sums through a reshape pair),
+    each updated after it (what ``conditional-motion`` moves out, element by element)."""
+    grads = max(1, n // 12)
+    array = f"f32[{size}]{{0}}"
+    carried = "(" + ", ".join([array] * grads) + ")"
+    branches = []
+    for name, relabel in (("take", False), ("skip", True)):
+        lines = [f"  %p = {carried} parameter(0)"]
+        for k in range(grads):
+            lines.append(f"  %x.{k} = {array} get-tuple-element(%p), index={k}")
+            lines.append(f"  %g.{k} = {array} all-reduce(%x.{k}), replica_groups={{{{0,1,2,3}}}}, "
+                         f"to_apply=%sum")
+            if relabel:
+                lines.append(f"  %r.{k} = f32[16,{size // 16}]{{1,0}} reshape(%g.{k})")
+                lines.append(f"  %o.{k} = {array} reshape(%r.{k})")
+        outs = ", ".join(f"%{'o' if relabel else 'g'}.{k}" for k in range(grads))
+        lines.append(f"  ROOT %t = {carried} tuple({outs})")
+        branches.append(f"%{name} (p: {carried}) -> {carried} {{\n" + "\n".join(lines) + "\n}\n")
+    entry = [f"  %w.{k} = {array} parameter({2 * k})" for k in range(grads)]
+    entry += [f"  %x.{k} = {array} parameter({2 * k + 1})" for k in range(grads)]
+    entry += [f"  %step = f32[] parameter({2 * grads})", "  %one = f32[] constant(1)",
+              "  %pr = pred[] compare(%step, %one), direction=LT",
+              f"  %args = {carried} tuple({', '.join(f'%x.{k}' for k in range(grads))})",
+              f"  %c = {carried} conditional(%pr, %args, %args), true_computation=%take, "
+              "false_computation=%skip",
+              f"  %lr = {array} broadcast(%one), dimensions={{}}"]
+    for k in range(grads):
+        entry += [f"  %s.{k} = {array} get-tuple-element(%c), index={k}",
+                  f"  %d.{k} = {array} multiply(%s.{k}, %lr)",
+                  f"  %new.{k} = {array} subtract(%w.{k}, %d.{k})"]
+    entry.append(f"  ROOT %out = {carried} tuple({', '.join(f'%new.{k}' for k in range(grads))})")
+    params = ", ".join([array] * (2 * grads) + ["f32[]"])
+    aliases = ", ".join(f"{{{k}}}: ({2 * k}, {{}}, may-alias)" for k in range(grads))
+    return (f"HloModule branched_step, input_output_alias={{ {aliases} }}, "
+            f"entry_computation_layout={{({params})->{carried}}}, replica_count=4\n\n"
+            + _REDUCER + "".join(branches) + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
     "long_update": long_update, "fused": fused, "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
-    "nested_calls": nested_calls, "nested_loops": nested_loops,
+    "nested_calls": nested_calls, "nested_loops": nested_loops, "branched": branched,
 }
 
 

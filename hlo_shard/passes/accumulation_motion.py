@@ -96,16 +96,24 @@ def _divided_by_constant(module: Module, comp: Computation, inst: Instruction,
         and _scaled_by_constant(module, comp, inst, position)
 
 
-#: Ops an all-reduced value may pass through on its way to the accumulation: each is
-#: linear and the same map on every device and every iteration, so applying it before
-#: or after the sum over devices and iterations gives the same value (up to the order
-#: of the sum). A ``convert`` is not one: the sum would be rounded in another type.
-COMMUTING: dict[str, Rule] = {
+#: Ops that only relabel an all-reduced value's elements (a sum over dimensions of size 1
+#: included): applied before or after the sum over devices, the same sum of the same
+#: numbers in the same order.
+RELABELLING: dict[str, Rule] = {
     "reshape": _relabel,
     "bitcast": _relabel,
     "transpose": _relabel,
     "copy": _relabel,
     "reduce": _is_degenerate_sum,
+}
+
+#: Ops an all-reduced value may pass through on its way to the accumulation: each is
+#: linear and the same map on every device and every iteration, so applying it before
+#: or after the sum over devices and iterations gives the same value (up to the order
+#: of the sum: a scaling rounds the terms, not the total). A ``convert`` is not one: the
+#: sum would be rounded in another type.
+COMMUTING: dict[str, Rule] = {
+    **RELABELLING,
     "multiply": _scaled_by_constant,
     "divide": _divided_by_constant,
 }
@@ -463,6 +471,6 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
                   dimensions=()).name
 
 
-__all__ = ["COMMUTING", "REASONS", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
+__all__ = ["COMMUTING", "REASONS", "RELABELLING", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
            "KeptAllReduce", "MovedAllReduce", "Refusal", "Rule", "SlotReads", "check_loop",
            "is_zero", "loops_all_reduce", "scalar_literal", "slots_read"]

@@ -1,5 +1,10 @@
-"""The weight-update sharding as the optimizer runs it: nine passes in order.
+"""The weight-update sharding as the optimizer runs it: ten passes in order.
 
+0. :class:`~hlo_shard.passes.conditional_motion.ConditionalMotion` (gradients every
+   branch of a conditional all-reduces are all-reduced once, after it: a model with a
+   ``lax.cond`` differentiates into one, and the sharding reads the sums of the
+   computation the update runs in; first, so that a sum it moves out of a loop's body
+   can then leave the loop);
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
    one all-reduce per gradient feeding the update, and a microbatch's gradient bytes
@@ -38,6 +43,7 @@ from dataclasses import replace
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
+from hlo_shard.passes.conditional_motion import ConditionalMotion
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.dead_computations import DeadComputationRemoval
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
@@ -52,7 +58,7 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                       ) -> Pipeline:
     """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
     each pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((AccumulationMotion(), TupleForwarding(), sharding,
+    return Pipeline((ConditionalMotion(), AccumulationMotion(), TupleForwarding(), sharding,
                      ReduceScatterCreation(sharding.profile),
                      ShardedAccumulator(sharding.profile, sharding.options.accumulator),
                      ChannelIdDedupe(),

@@ -20,9 +20,10 @@ The fastest cut-off priced is kept (that copy becomes the module), provided it i
 predicted faster than the input by at least the profile's ``min_predicted_gain``;
 otherwise the module stays as it is. ``force`` shards every eligible gradient as told.
 
-Two passes of the pipeline change the module whether or not anything is sharded: the
-accumulated gradients' all-reduces move out of their loops
-(:mod:`~hlo_shard.passes.accumulation_motion`) and the partitioner's all-reduce + slice
+Three passes of the pipeline change the module whether or not anything is sharded: the
+gradients' all-reduces move out of conditionals (:mod:`~hlo_shard.passes.conditional_motion`)
+and the accumulated ones out of their loops
+(:mod:`~hlo_shard.passes.accumulation_motion`), and the partitioner's all-reduce + slice
 pairs become reduce-scatters where priced faster
 (:mod:`~hlo_shard.passes.reduce_scatter_creation`); where they change something, the
 module kept whole is that one and is priced too. A
@@ -48,6 +49,7 @@ from hlo_shard.graph import reading_only
 from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, loops_all_reduce
 from hlo_shard.passes.base import Pass, PassResult
+from hlo_shard.passes.conditional_motion import ConditionalMotion, conditionals_all_reduce
 from hlo_shard.passes.pipeline import AfterPass, InputProblems, edited_computations
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
 from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
@@ -267,7 +269,7 @@ def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: fl
 #: The passes of the sharding pipeline whose notes are about the input as it is, the same
 #: whatever is sharded after them (besides the weight-update pass's on the device counts
 #: a header lost).
-_INPUT_NOTES = frozenset({AccumulationMotion.name, TupleForwarding.name,
+_INPUT_NOTES = frozenset({ConditionalMotion.name, AccumulationMotion.name, TupleForwarding.name,
                           ReduceScatterCreation.name})
 
 
@@ -324,17 +326,19 @@ def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
 def _unsharded_estimate(module: Module, hardware: HardwareProfile,
                         whole: StepEstimate) -> StepEstimate | None:
     """The price of what the pipeline writes when it shards nothing — ``module`` with its
-    accumulated all-reduces moved out of their loops and the partitioner's all-reduce +
-    slice pairs made reduce-scatters where priced faster — or None when neither
-    changes it (``whole``: ``module``'s estimate, whose totals it reuses where those
-    passes left a computation as it was)."""
-    moves = bool(loops_all_reduce(module))
+    gradients' all-reduces moved out of conditionals and accumulation loops and the
+    partitioner's all-reduce + slice pairs made reduce-scatters where priced faster — or
+    None when none of that changes it (``whole``: ``module``'s estimate, whose totals it
+    reuses where those passes left a computation as it was)."""
+    branches = conditionals_all_reduce(module)
+    moves = branches or bool(loops_all_reduce(module))
     scatters = any(found.code is ReasonCode.ALREADY_SHARDED
                    for found in find_gradient_all_reduces(module))
     if not (moves or scatters):
         return None
     candidate = module.clone()
-    runs = ([AccumulationMotion().run(candidate)] if moves else []) + \
+    runs = ([ConditionalMotion().run(candidate)] if branches else []) + \
+        ([AccumulationMotion().run(candidate)] if moves else []) + \
         ([ReduceScatterCreation(hardware).run(candidate)] if scatters else [])
     if not any(run.changed for run in runs):
         return None
