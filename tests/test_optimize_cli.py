@@ -62,7 +62,7 @@ ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
 #: ``--explain --verbose``'s change log for ADAM with sharded state (regenerate with
 #: HLO_SHARD_REGENERATE_GOLDEN=1 after a deliberate change to a pass, and review the diff).
 VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
-PIPELINE = ["accumulation-motion", "tuple-forwarding", "weight-update-sharding",
+PIPELINE = ["conditional-motion", "accumulation-motion", "tuple-forwarding", "weight-update-sharding",
             "reduce-scatter-creation", "sharded-accumulator",
             "channel-id-dedupe", "entry-layout-update", "copy-free-donation",
             "dead-computation-removal"]
@@ -98,12 +98,12 @@ def test_json_carries_the_changes_only_with_verbose(tmp_path):
     assert "changes" not in plain
     data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
     assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
-        PIPELINE, [False, True, True, False, False, False, False, False, True]))
-    sharding = data["changes"][2]["edits"]
+        PIPELINE, [False, False, True, True, False, False, False, False, False, True]))
+    sharding = data["changes"][3]["edits"]
     assert {"kind", "computation", "name", "text"} <= set(sharding[0])
     assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")
                for e in sharding)
-    assert data["changes"][3]["edits"] == []
+    assert data["changes"][4]["edits"] == []
 
 
 def test_verbose_needs_explain_or_json(sgd, tmp_path):
