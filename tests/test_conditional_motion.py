@@ -277,17 +277,13 @@ def test_the_sharded_conditional_step_computes_the_same(worker):
 # ------------------------------------------------------------------- a real jax step
 
 
-def test_a_jax_model_with_lax_cond_runs_sharded(request):
+def _lax_cond_program():
     """An MLP whose activation is chosen by ``lax.cond`` on a weight's sum, each branch
-    the whole forward pass: the backward pass is a conditional whose branches all-reduce
-    every gradient. Forced, both modes and ``install()`` run sharded with jit's numbers;
-    before this pass the step fell back ("inside a called computation")."""
-    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, assert_close, jax, jnp,
-                                   mlp_batch, mlp_params, needs_devices, np, optax)
-    import hlo_shard.jax as hsj
+    the whole forward pass (the backward pass is a conditional whose branches all-reduce
+    every gradient): the jitted step, a fresh initial state, the i-th batch."""
+    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, jax, jnp, mlp_batch,
+                                   mlp_params, np, optax)
 
-    if not needs_devices(request):
-        return
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,))
     opt = optax.adam(1e-2)
 
@@ -308,7 +304,6 @@ def test_a_jax_model_with_lax_cond_runs_sharded(request):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    jitted = jax.jit(step, donate_argnums=(0, 1))
     params = mlp_params(jax.random.PRNGKey(0))
 
     def init():
@@ -319,27 +314,55 @@ def test_a_jax_model_with_lax_cond_runs_sharded(request):
         return jax.device_put(mlp_batch(jax.random.PRNGKey(1000 + i), 2 * DEVICES),
                               NamedSharding(mesh, P(AXIS)))
 
-    def run(fn, state):
-        losses = []
-        for i in range(3):
-            *state, value = fn(*state, batch(i))
-            losses.append(value)
-        return tuple(state), losses
+    return step, init, batch
 
-    expected = run(jitted, init())
+
+def _run(fn, state, batch):
+    losses = []
+    for i in range(3):
+        *state, value = fn(*state, batch(i))
+        losses.append(value)
+    return tuple(state), losses
+
+
+def test_a_jax_model_with_lax_cond_runs_sharded(request):
+    """Forced, both modes run the ``lax.cond`` MLP sharded with jit's numbers; before
+    this pass the step fell back ("inside a called computation")."""
+    from jax_train_helpers import assert_close, jax, needs_devices
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, init, batch = _lax_cond_program()
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    expected = _run(jitted, init(), batch)
     for state in ("gathered", "sharded"):
         fast = hsj.shard_weight_update(jitted, state=state, force=True)
         start = init()
         with warnings.catch_warnings():
             warnings.simplefilter("error", hsj.FallbackWarning)
-            final, losses = run(fast, fast.shard_args(*start, batch(0))[:2])
+            final, losses = _run(fast, fast.shard_args(*start, batch(0))[:2], batch)
         if state == "sharded":
             final = fast.gather_args(*final)
         assert fast.report["sharded"] >= 3, fast.report
         assert_close((final, losses), expected)
-    # install()'s hook sees the branches' sums combined into one tuple all-reduce
+
+
+@pytest.mark.slow
+def test_install_shards_a_jax_model_with_lax_cond(request):
+    """``install()``'s hook sees the branches' sums combined into one tuple all-reduce:
+    forced, it moves them and shards the step, jit's numbers. (Slow: XLA calls the hook
+    from a compile thread, which stays registered with Python's threading afterwards, so
+    the default suite keeps it out of the process its thread checks run in.)"""
+    from jax_train_helpers import assert_close, jax, needs_devices
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, init, batch = _lax_cond_program()
+    expected = _run(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     hsj.decisions(clear=True)
     with hsj.install(force=True):
-        hooked = run(jax.jit(step, donate_argnums=(0, 1)), init())
+        hooked = _run(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     assert [d.changed for d in hsj.decisions(clear=True) if "step" in d.module] == [True]
     assert_close(hooked, expected)

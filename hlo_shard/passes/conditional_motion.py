@@ -14,9 +14,9 @@ bitcast, transpose, copy, a sum over dimensions of size 1:
 can move after the conditional: ``relabel(all-reduce(x))`` is ``all-reduce(relabel(x))``,
 element for element the same sum in the same order, so the branch returns its device's
 part and one all-reduce of that element after the conditional replaces the one each
-branch ran (XLA's ``ConditionalCodeMotion`` moves such ops across branches too). Every
-device runs one all-reduce over the same groups either way: a program whose devices
-took different branches would already pair all-reduces of different channels.
+branch ran. Every device runs one all-reduce over the same groups either way: a program
+whose devices took different branches would already pair all-reduces of different
+channels.
 
 What is proven before an element's all-reduces move (anything else stays, with a reason
 code): the branches are called by this conditional alone, its result is only taken
@@ -46,12 +46,13 @@ REASONS: dict[str, str] = {
     "result-whole": "the conditional's result is used other than by get-tuple-element",
     "not-in-every-branch": "not every branch returns it as an all-reduced sum (through ops "
                            "that only relabel its elements)",
-    "not-summing": "it does not sum one numeric array",
+    "not-summing": "it does not sum numeric arrays",
     "constrain-layout": "constrain_layout=true",
     "layout-change": "its operand has another shape or layout than its result",
     "unlike": "the branches' all-reduces differ in their groups or in how they read them",
     "partly-moved": "it is summed in one all-reduce with an element that stays",
 }
+
 
 @dataclass(frozen=True)
 class MovedElement:
