@@ -215,6 +215,34 @@ def train(step, program: Program, steps: int, state=None, first: int = 0):
     return (params, opt_state), np.array(losses)
 
 
+def run_steps(step, state: tuple, batch: Callable, steps: int = 3):
+    """``steps`` calls ``step(*state, batch(i))`` whose last output is the loss: the final
+    state and the losses (as the step returned them)."""
+    losses = []
+    for i in range(steps):
+        *state, loss = step(*state, batch(i))
+        losses.append(loss)
+    return tuple(state), losses
+
+
+def run_forced(step, state: str, init: Callable, batch: Callable, steps: int = 3):
+    """:func:`run_steps` of ``shard_weight_update(step, state=state, force=True)`` from a
+    fresh ``init()``, a ``FallbackWarning`` raised as an error: the sharded step, the
+    final state gathered back to full leaves, and the losses."""
+    import warnings
+
+    import hlo_shard.jax as hsj
+
+    fast = hsj.shard_weight_update(step, state=state, force=True)
+    start = init()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        final, losses = run_steps(fast, fast.shard_args(*start, batch(0))[:2], batch, steps)
+    if state == "sharded":
+        final = fast.gather_args(*final)
+    return fast, final, losses
+
+
 #: Worst relative difference allowed per leaf dtype, |fast - jit| / max|jit| (see
 #: docs/jax.md: f32 rounding of a reordered sum, grown over the steps of a run).
 BOUNDS = {np.dtype("float32"): 1e-4, np.dtype("int32"): 0.0}

@@ -9,7 +9,6 @@ the check must call DIFFER), and a real jax step with a ``lax.cond`` in its mode
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 
@@ -28,49 +27,47 @@ from wus_helpers import ADD, MAX, find, optimize
 
 GROUPS = "replica_groups={{0,1,2,3,4,5,6,7}}"
 
+def _branch(name: str, activation: str, bias: str) -> str:
+    """A branch of :data:`COND`: its activation of ``y``, the weight gradient all-reduced
+    then transposed, and the bias gradient all-reduced, then ``bias`` (lines ending in
+    the value it returns, ``arb`` when empty)."""
+    tail = bias or " ROOT r = (f32[32,16], f32[16]) tuple(tw, arb) }"
+    return f"""{name} {{ p = (f32[2,32], f32[32,16]) parameter(0)
+ x = f32[2,32] get-tuple-element(p), index=0 w = f32[32,16] get-tuple-element(p), index=1
+ y = f32[2,16] dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+ t = f32[2,16] {activation}
+ gw = f32[16,32] dot(t, x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ arw = f32[16,32] all-reduce(gw), {GROUPS}, to_apply=add
+ tw = f32[32,16] transpose(arw), dimensions={{1,0}}
+ f0 = f32[] constant(0)
+ gb = f32[16] reduce(t, f0), dimensions={{0}}, to_apply=add
+ arb = f32[16] all-reduce(gb), {GROUPS}, to_apply=add
+{tail}
+"""
+
+
 #: A data-parallel SGD step whose model picks one of two branches by the sign of a
 #: weight's sum; each branch all-reduces the weight gradient (then transposes it) and
 #: the bias gradient (branch a also sums a dimension of size 1 after it).
 COND = f"""HloModule branches, replica_count=8
 {ADD}
 {MAX}
-br_a {{ p = (f32[2,32], f32[32,16]) parameter(0)
- x = f32[2,32] get-tuple-element(p), index=0 w = f32[32,16] get-tuple-element(p), index=1
- y = f32[2,16] dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
- t = f32[2,16] tanh(y)
- gw = f32[16,32] dot(t, x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
- arw = f32[16,32] all-reduce(gw), {GROUPS}, to_apply=add
- tw = f32[32,16] transpose(arw), dimensions={{1,0}}
+""" + _branch("br_a", "tanh(y)", """ rb = f32[1,16] reshape(arb)
+ sb = f32[16] reduce(rb, f0), dimensions={0}, to_apply=add
+ ROOT r = (f32[32,16], f32[16]) tuple(tw, sb) }""") + _branch("br_b", "multiply(y, y)", "") + """\
+ENTRY e { w = f32[32,16] parameter(0) b = f32[16] parameter(1)
+ x = f32[2,32] parameter(2), parameter_replication={false}
  f0 = f32[] constant(0)
- gb = f32[16] reduce(t, f0), dimensions={{0}}, to_apply=add
- arb = f32[16] all-reduce(gb), {GROUPS}, to_apply=add
- rb = f32[1,16] reshape(arb)
- sb = f32[16] reduce(rb, f0), dimensions={{0}}, to_apply=add
- ROOT r = (f32[32,16], f32[16]) tuple(tw, sb) }}
-br_b {{ p = (f32[2,32], f32[32,16]) parameter(0)
- x = f32[2,32] get-tuple-element(p), index=0 w = f32[32,16] get-tuple-element(p), index=1
- y = f32[2,16] dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
- t = f32[2,16] multiply(y, y)
- gw = f32[16,32] dot(t, x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
- arw = f32[16,32] all-reduce(gw), {GROUPS}, to_apply=add
- tw = f32[32,16] transpose(arw), dimensions={{1,0}}
- f0 = f32[] constant(0)
- gb = f32[16] reduce(t, f0), dimensions={{0}}, to_apply=add
- arb = f32[16] all-reduce(gb), {GROUPS}, to_apply=add
- ROOT r = (f32[32,16], f32[16]) tuple(tw, arb) }}
-ENTRY e {{ w = f32[32,16] parameter(0) b = f32[16] parameter(1)
- x = f32[2,32] parameter(2), parameter_replication={{false}}
- f0 = f32[] constant(0)
- s = f32[] reduce(b, f0), dimensions={{0}}, to_apply=add
+ s = f32[] reduce(b, f0), dimensions={0}, to_apply=add
  pr = pred[] compare(s, f0), direction=GE
  args = (f32[2,32], f32[32,16]) tuple(x, w)
  c = (f32[32,16], f32[16]) conditional(pr, args, args), true_computation=br_a, false_computation=br_b
  gw = f32[32,16] get-tuple-element(c), index=0 gb = f32[16] get-tuple-element(c), index=1
- lr = f32[] constant(0.01) lrw = f32[32,16] broadcast(lr), dimensions={{}}
- lrb = f32[16] broadcast(lr), dimensions={{}}
+ lr = f32[] constant(0.01) lrw = f32[32,16] broadcast(lr), dimensions={}
+ lrb = f32[16] broadcast(lr), dimensions={}
  uw = f32[32,16] multiply(gw, lrw) nw = f32[32,16] subtract(w, uw)
  ub = f32[16] multiply(gb, lrb) nb = f32[16] subtract(b, ub)
- ROOT out = (f32[32,16], f32[16]) tuple(nw, nb) }}
+ ROOT out = (f32[32,16], f32[16]) tuple(nw, nb) }
 """
 
 
@@ -317,33 +314,18 @@ def _lax_cond_program():
     return step, init, batch
 
 
-def _run(fn, state, batch):
-    losses = []
-    for i in range(3):
-        *state, value = fn(*state, batch(i))
-        losses.append(value)
-    return tuple(state), losses
-
-
 def test_a_jax_model_with_lax_cond_runs_sharded(request):
     """Forced, both modes run the ``lax.cond`` MLP sharded with jit's numbers; before
     this pass the step fell back ("inside a called computation")."""
-    from jax_train_helpers import assert_close, jax, needs_devices
-    import hlo_shard.jax as hsj
+    from jax_train_helpers import assert_close, jax, needs_devices, run_forced, run_steps
 
     if not needs_devices(request):
         return
     step, init, batch = _lax_cond_program()
     jitted = jax.jit(step, donate_argnums=(0, 1))
-    expected = _run(jitted, init(), batch)
+    expected = run_steps(jitted, init(), batch)
     for state in ("gathered", "sharded"):
-        fast = hsj.shard_weight_update(jitted, state=state, force=True)
-        start = init()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", hsj.FallbackWarning)
-            final, losses = _run(fast, fast.shard_args(*start, batch(0))[:2], batch)
-        if state == "sharded":
-            final = fast.gather_args(*final)
+        fast, final, losses = run_forced(jitted, state, init, batch)
         assert fast.report["sharded"] >= 3, fast.report
         assert_close((final, losses), expected)
 
@@ -354,15 +336,15 @@ def test_install_shards_a_jax_model_with_lax_cond(request):
     forced, it moves them and shards the step, jit's numbers. (Slow: XLA calls the hook
     from a compile thread, which stays registered with Python's threading afterwards, so
     the default suite keeps it out of the process its thread checks run in.)"""
-    from jax_train_helpers import assert_close, jax, needs_devices
+    from jax_train_helpers import assert_close, jax, needs_devices, run_steps
     import hlo_shard.jax as hsj
 
     if not needs_devices(request):
         return
     step, init, batch = _lax_cond_program()
-    expected = _run(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
+    expected = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     hsj.decisions(clear=True)
     with hsj.install(force=True):
-        hooked = _run(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
+        hooked = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     assert [d.changed for d in hsj.decisions(clear=True) if "step" in d.module] == [True]
     assert_close(hooked, expected)

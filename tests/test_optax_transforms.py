@@ -19,7 +19,6 @@ drawn right.
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +28,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_train_helpers import (AXIS, DEVICES, assert_close, mlp_batch, mlp_loss, mlp_params,
-                               needs_devices)
+                               needs_devices, run_forced, run_steps)
 
-import hlo_shard.jax as hsj
 
 STEPS = 3
 #: The MLP's widths: its biases (60, 36) do not split evenly over the devices, so their
@@ -114,28 +112,14 @@ def _comparable(tree):
     return jax.tree.map(leaf, tree)
 
 
-def _run(step, state, batch):
-    losses = []
-    for i in range(STEPS):
-        *state, loss = step(*state, batch(i))
-        losses.append(loss)
-    return tuple(state), losses
-
-
 @pytest.mark.parametrize("state", ["gathered", "sharded"])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_transform_runs_sharded_with_jits_numbers(request, name, state):
     if not needs_devices(request):
         return
     step, init, batch = _program(name)
-    expected = _run(step, init(), batch)
-    fast = hsj.shard_weight_update(step, state=state, force=True)
-    start = init()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", hsj.FallbackWarning)
-        final, losses = _run(fast, fast.shard_args(*start, batch(0))[:2], batch)
-    if state == "sharded":
-        final = fast.gather_args(*final)
+    expected = run_steps(step, init(), batch, STEPS)
+    fast, final, losses = run_forced(step, state, init, batch, STEPS)
     report = fast.report
     assert report["fallback"] is None
     sharded = {row["shape"] for row in report["explanations"] if row["sharded"]}
