@@ -43,7 +43,8 @@ OUT = ROOT / "bench" / "out"
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 #: (mesh, size) of the modules this part reads; the first is the one timed.
-MODULES = (("data8", "large"), ("data2_fsdp4", "large"), ("data8", "default"),
+MODULES = (("data8", "large"), ("data2_fsdp4", "large"), ("data8", "moe-large"),
+           ("data2_fsdp4", "moe-large"), ("data8", "default"),
            ("data2_fsdp4", "default"), ("data4_model2", "default"), ("data8", "scan"),
            ("data2_fsdp4", "scan"))
 TARGETS = {"LLM step, optimize / parse+print": 5.0}

@@ -24,7 +24,10 @@ The layers are unrolled unless ``--scan-layers 1`` (MaxText's ``scan_layers``: s
 weights, one ``lax.scan``): module size grows with ``--layers`` while the
 widths stay small, so dumping stays cheap on CPU. ``--size default`` gives a module of
 about 1 MB, ``--size large`` about 4 MB (data8; the other meshes are of the same order),
-``--size scan`` the default's 12 layers scanned.
+``--size scan`` the default's 12 layers scanned. ``--experts E`` makes every MLP a
+Mixtral-style mixture of E SwiGLU experts (top-2 routing, a load-balancing loss; the
+experts' ``[E, d, f]`` weights FSDP-sharded on their embed axis like the dense ones):
+``--size moe`` (12 layers, 1.4 MB) and ``moe-large`` (40 layers, 4.5 MB).
 
 Importing this file does not import jax; ``main`` sets the device count before it does.
 :func:`generate` runs the script in a child process (XLA reads the device count once).
@@ -70,10 +73,22 @@ class LlamaShape:
     #: decoder a ``lax.scan`` over them (rematerialised), so the backward pass is a loop
     #: writing each layer's gradient into the stacked one.
     scan_layers: bool = False
+    #: Mixtral's sparse MLP when above 0: this many SwiGLU experts per layer, each token
+    #: routed to its ``top_k`` best by a linear router (softmax over the chosen logits)
+    #: with Switch's load-balancing loss, computed densely as MaxText's
+    #: ``sparse_matmul=False`` does (every expert on every token, weighted by the
+    #: router's zeros and choices); 0: the dense SwiGLU MLP.
+    experts: int = 0
+    top_k: int = 2
 
 
 SIZES = {"default": LlamaShape(layers=12), "large": LlamaShape(layers=48),
-         "scan": LlamaShape(layers=12, scan_layers=True)}
+         "scan": LlamaShape(layers=12, scan_layers=True),
+         "moe": LlamaShape(layers=12, experts=4),
+         "moe-large": LlamaShape(layers=40, experts=4)}
+
+#: Weight of the load-balancing loss (MaxText's ``load_balance_loss_weight``).
+LOAD_BALANCE_WEIGHT = 0.01
 
 
 # ----------------------------------------------------------------------------- the model
@@ -101,12 +116,15 @@ def _rotary(x, positions):
 
 
 def _layer_shapes(t: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's weights, by their name in the layer."""
+    """One decoder layer's weights, by their name in the layer (a MoE layer's MLP
+    weights have a leading expert axis, and it has a router)."""
+    experts = (t.experts,) if t.experts else ()
     return {"attn_norm": (t.d_model,), "wq": (t.d_model, t.d_model),
             "wk": (t.d_model, t.d_model), "wv": (t.d_model, t.d_model),
             "wo": (t.d_model, t.d_model), "mlp_norm": (t.d_model,),
-            "w_gate": (t.d_model, t.d_ff), "w_up": (t.d_model, t.d_ff),
-            "w_down": (t.d_ff, t.d_model)}
+            **({"router": (t.d_model, t.experts)} if t.experts else {}),
+            "w_gate": (*experts, t.d_model, t.d_ff), "w_up": (*experts, t.d_model, t.d_ff),
+            "w_down": (*experts, t.d_ff, t.d_model)}
 
 
 #: The prefix of the stacked layer weights (``scan_layers``): ``layers_wq`` is
@@ -145,8 +163,28 @@ def _loss(t: LlamaShape, gathered):
         attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, t.d_model)
         x = x + attn @ w["wo"]
         h = _rms_norm(x, w["mlp_norm"])
-        h = jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])
-        return x + h @ w["w_down"]
+        if not t.experts:
+            h = jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])
+            return x + h @ w["w_down"], 0.0
+        mlp, balance = moe(h, w)
+        return x + mlp, balance
+
+    def moe(h, w):
+        """Mixtral's sparse MLP, dense form: (output, load-balancing loss)."""
+        logits = (h @ w["router"]).astype(jnp.float32)                    # [b, s, E]
+        chosen, experts = jax.lax.top_k(logits, t.top_k)                  # [b, s, k]
+        gates = jax.nn.softmax(chosen, axis=-1)
+        picked = jax.nn.one_hot(experts, t.experts, dtype=jnp.float32)    # [b, s, k, E]
+        weights = jnp.einsum("bsk,bske->bse", gates, picked).astype(h.dtype)
+        gate = jnp.einsum("bsd,edf->bsef", h, w["w_gate"])
+        up = jnp.einsum("bsd,edf->bsef", h, w["w_up"])
+        out = jnp.einsum("bsef,efd->bsed", jax.nn.silu(gate) * up, w["w_down"])
+        # Switch Transformer's auxiliary loss: E * sum_e (tokens routed to e) * (mean
+        # router probability of e), over the k choices.
+        routed = jnp.mean(picked.sum(axis=2), axis=(0, 1)) / t.top_k
+        probability = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=(0, 1))
+        balance = t.experts * jnp.sum(routed * probability)
+        return jnp.einsum("bsed,bse->bsd", out, weights), balance
 
     def loss(params, tokens, targets):
         p = {name: gathered(name, w.astype(jnp.bfloat16)) for name, w in params.items()}
@@ -154,19 +192,33 @@ def _loss(t: LlamaShape, gathered):
         positions = jnp.arange(s)
         causal = jnp.tril(jnp.ones((s, s), bool))
         x = jnp.take(p["embed"], tokens, axis=0)
-        if t.scan_layers:
+        balance = jnp.float32(0.0)
+        if t.scan_layers and t.experts:
+            stacked = {name: p[STACKED + name] for name in _layer_shapes(t)}
+            (x, balance), _ = jax.lax.scan(jax.checkpoint(
+                lambda carry, w: (_add_balance(layer(carry[0], w, positions, causal),
+                                               carry[1]), None)), (x, balance), stacked)
+        elif t.scan_layers:
             stacked = {name: p[STACKED + name] for name in _layer_shapes(t)}
             x, _ = jax.lax.scan(jax.checkpoint(
-                lambda x, w: (layer(x, w, positions, causal), None)), x, stacked)
+                lambda x, w: (layer(x, w, positions, causal)[0], None)), x, stacked)
         for i in range(0 if t.scan_layers else t.layers):
-            x = layer(x, {name: p[f"layer{i}_{name}"] for name in _layer_shapes(t)},
-                      positions, causal)
+            x, extra = layer(x, {name: p[f"layer{i}_{name}"] for name in _layer_shapes(t)},
+                             positions, causal)
+            balance = balance + extra
         x = _rms_norm(x, p["final_norm"])
         logits = (x @ p["head"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        nll = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return nll + LOAD_BALANCE_WEIGHT * balance / t.layers if t.experts else nll
 
     return loss
+
+
+def _add_balance(layer_out, balance):
+    """A scanned layer's carry: its output and the load-balancing loss summed so far."""
+    x, extra = layer_out
+    return x, balance + extra
 
 
 # ----------------------------------------------------------------------------- shardings
@@ -178,12 +230,17 @@ def _weight_spec(mesh_name: str, name: str, shape: tuple[int, ...]):
 
     if name.endswith("_norm") or mesh_name == "data8":
         return P()                                   # norm scales: replicated everywhere
-    layer_axes = 1 if name.startswith(STACKED) else 0
+    # a stacked layer's leading (layer) axis, a MoE weight's expert axis: never sharded
+    layer_axes = (1 if name.startswith(STACKED) else 0) + \
+        (1 if name.endswith(("_w_gate", "_w_up", "_w_down")) and
+         len(shape) == 3 + name.startswith(STACKED) else 0)
     if mesh_name in FSDP_MESHES:
         # MaxText's "embed" logical axis -> fsdp: the d_model axis of every matrix.
         embed_axis = layer_axes + (1 if name == "embed" or name.endswith(("_wo", "_w_down"))
                                    else 0)
         return P(*("fsdp" if a == embed_axis else None for a in range(len(shape))))
+    if name.endswith("_router"):
+        return P()
     # data4_model2: Megatron column / row parallel.
     if name.endswith(("_wq", "_wk", "_wv", "_w_gate", "_w_up")) or name == "head":
         return P(*[None] * layer_axes, None, "model")

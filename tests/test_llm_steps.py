@@ -4,6 +4,7 @@ and the generator of Llama-style steps (``scripts/llm_step.py``)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -350,4 +351,51 @@ def test_a_scan_layers_step_is_read_priced_and_sharded_as_it_computes(tmp_path, 
     check = subprocess.run([sys.executable, "-m", "hlo_shard", "verify", str(path),
                             str(tmp_path / "out1.hlo")], capture_output=True, text=True,
                            cwd=ROOT)
+    assert check.returncode == 0 and "MATCH" in check.stdout, check.stdout + check.stderr
+
+
+#: An expert weight's gradient in the MoE step: [experts, d, f], bf16 (bf16 compute).
+EXPERT_GRADIENT = re.compile(r"bf16\[4,\d+,\d+\]")
+
+
+def _moe_report(tmp_path: Path, mesh: str, *args: str) -> list[dict]:
+    """``optimize --json`` of scripts/llm_step.py's Mixtral-style step (2 layers of 4
+    experts, top-2 routing) on ``mesh``: its explanations (the output in out.hlo)."""
+    from llm_step import generate
+
+    path = generate(tmp_path / f"moe_{mesh}.hlo", mesh, "moe", layers=2)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(path), "-o",
+                          str(tmp_path / "out.hlo"), "--json", *args],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)["explanations"]
+
+
+def test_a_mixtral_style_step_shards_its_experts_and_keeps_the_routing_statistic(tmp_path):
+    """Data-parallel MoE (top_k routing, a load-balancing loss): every weight's gradient,
+    the experts' [E, d, f] ones and the router's included, is sharded when forced; the
+    fraction of tokens routed to each expert is a batch statistic summed over devices,
+    kept all-reduced (the loss reads it), not an update."""
+    rows = _moe_report(tmp_path, "data8", "--force")
+    kept = [row for row in rows if not row["sharded"]]
+    assert [row["reason_code"] for row in kept] == ["feeds_gradients"] * 2, kept
+    assert all(row["shape"].startswith("f32[4]") for row in kept)  # [experts]
+    # bf16 gradients (bf16 compute): gate, up and down [E, d, f] per layer
+    experts = [row for row in rows if row["sharded"] and EXPERT_GRADIENT.match(row["shape"])]
+    assert len(experts) == 2 * 3, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data8", "data2_fsdp4", "data4_model2"])
+def test_a_mixtral_style_step_forced_computes_what_it_computes(tmp_path, mesh):
+    """The MoE step on each mesh, forced: what ``optimize`` writes computes what the
+    step computes on 8 devices; on the FSDP mesh each expert weight's gradient (its
+    embed axis over fsdp) is reported already sharded."""
+    rows = _moe_report(tmp_path, mesh, "--force")
+    if mesh == "data2_fsdp4":
+        already = [row["shape"] for row in rows if row["reason_code"] == "already_sharded"]
+        assert sum(bool(EXPERT_GRADIENT.match(shape)) for shape in already) == 2 * 3, already
+    check = subprocess.run([sys.executable, "-m", "hlo_shard", "verify",
+                            str(tmp_path / f"moe_{mesh}.hlo"), str(tmp_path / "out.hlo")],
+                           capture_output=True, text=True, cwd=ROOT)
     assert check.returncode == 0 and "MATCH" in check.stdout, check.stdout + check.stderr
