@@ -178,6 +178,26 @@ def test_what_cannot_be_proven_stays(edit, reason):
     assert any("element 1 stays all-reduced in its branches" in n for n in report.notes)
 
 
+def test_branches_that_relabel_a_sum_differently_keep_it():
+    """Branch a transposes its weight gradient's sum into the result, branch b computes
+    it in the result's order and copies it: the same value, but a device's part would
+    be relabelled per branch, so where devices took different branches one sum after
+    the conditional would add parts in different orders. The element stays."""
+    first, second = COND.split("br_b {")
+    second = second.replace(
+        " gw = f32[16,32] dot(t, x), lhs_contracting_dims={0}, rhs_contracting_dims={0}\n"
+        f" arw = f32[16,32] all-reduce(gw), {GROUPS}, to_apply=add\n"
+        " tw = f32[32,16] transpose(arw), dimensions={1,0}",
+        " gw = f32[32,16] dot(x, t), lhs_contracting_dims={0}, rhs_contracting_dims={0}\n"
+        f" arw = f32[32,16] all-reduce(gw), {GROUPS}, to_apply=add\n"
+        " tw = f32[32,16] copy(arw)", 1)
+    assert "tw = f32[32,16] copy(arw)" in second
+    module, report = motion(first + "br_b {" + second)
+    assert [(k.element, k.reason) for k in report.kept] == [(0, "unlike")]
+    assert [m.element for m in report.moved] == [1]  # reshaped and summed over a size-1
+    assert {"br_a/arw", "br_b/arw"} <= set(branch_sums(module))  # dim, or not: alike
+
+
 @pytest.mark.parametrize("edit, reason", [
     (("false_computation=br_b", "false_computation=br_a"), "shared-branch"),
     (("ROOT out = (f32[32,16], f32[16]) tuple(nw, nb)",

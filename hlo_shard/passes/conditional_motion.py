@@ -14,9 +14,11 @@ bitcast, transpose, copy, a sum over dimensions of size 1:
 can move after the conditional: ``relabel(all-reduce(x))`` is ``all-reduce(relabel(x))``,
 element for element the same sum in the same order, so the branch returns its device's
 part and one all-reduce of that element after the conditional replaces the one each
-branch ran. Every device runs one all-reduce over the same groups either way: a program
-whose devices took different branches would already pair all-reduces of different
-channels.
+branch ran. The branches must relabel the element alike (the same transposes and
+bitcasts; reshapes, copies and sums over dimensions of size 1 keep every element where
+it is): then the moved sum is the one each device had whichever branch it took, even
+where devices of one group took different branches and a communicator that pairs
+collectives by their order (NCCL) summed one branch's part with another's.
 
 What is proven before an element's all-reduces move (anything else stays, with a reason
 code): the branches are called by this conditional alone, its result is only taken
@@ -24,7 +26,7 @@ apart by ``get-tuple-element``, and in every branch the element is such a chain 
 summing all-reduce over arrays of a numeric type, without ``constrain_layout``, its
 operand of its result's shape, each op of the chain used only by the next, the last
 only by the root, once; the branches' all-reduces have the same groups, read the same
-way (channel id and ``use_global_device_ids``).
+way (channel id and ``use_global_device_ids``) and relabelled alike.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ REASONS: dict[str, str] = {
     "not-summing": "it does not sum numeric arrays",
     "constrain-layout": "constrain_layout=true",
     "layout-change": "its operand has another shape or layout than its result",
-    "unlike": "the branches' all-reduces differ in their groups or in how they read them",
+    "unlike": "the branches' all-reduces differ in their groups or in how they read them, "
+              "or the branches relabel the sum differently",
     "partly-moved": "it is summed in one all-reduce with an element that stays",
 }
 
@@ -140,6 +143,9 @@ class _Sum:
     all_reduce: Instruction
     reduced: str
     local: str
+    #: How the branch moves the summed elements on the way to its root
+    #: (:func:`_relabelling`).
+    relabelling: tuple = ()
 
 
 def _sink(module: Module, edits: ModuleRewriter, comp: Computation, cond: Instruction,
@@ -168,7 +174,7 @@ def _sink(module: Module, edits: ModuleRewriter, comp: Computation, cond: Instru
     for k in summed:
         try:
             plans[k] = [_branch_sum(module, rw, k) for rw in inner]
-            _check_alike([s.all_reduce for s in plans[k]])
+            _check_alike(plans[k])
         except Refusal as why:
             plans.pop(k, None)
             keep(why.reason, [k])
@@ -253,12 +259,14 @@ def _branch_sum(module: Module, rw: Rewriter, k: int) -> _Sum:
     if root.operands.count(value) != 1 or [u.name for u in rw.users(value)] != [root.name]:
         raise Refusal("not-in-every-branch")
     inst = rw.comp[value]
+    chain = []
     while (rule := RELABELLING.get(inst.opcode)) is not None:
         if not inst.operands or not rule(module, rw.comp, inst, 0):
             raise Refusal("not-in-every-branch")
         operand = rw.comp[inst.operands[0]]
         if [u.name for u in rw.users(operand.name)] != [inst.name]:
             raise Refusal("not-in-every-branch")
+        chain.append(inst)
         inst = operand
     index = None
     if inst.opcode == "get-tuple-element":
@@ -269,7 +277,24 @@ def _branch_sum(module: Module, rw: Rewriter, k: int) -> _Sum:
     if inst.opcode != "all-reduce":
         raise Refusal("not-in-every-branch")
     _check_sum(module, rw, inst, index)
-    return _Sum(inst, reduced, inst.operands[index or 0])
+    return _Sum(inst, reduced, inst.operands[index or 0], _relabelling(rw.comp, chain))
+
+
+#: Relabelling ops that keep every element at its row-major position (a transpose or a
+#: bitcast may move it): a chain of only these is the identity, whatever its shapes.
+_IN_PLACE = frozenset({"reshape", "copy", "reduce"})
+
+
+def _relabelling(comp: Computation, chain: list[Instruction]) -> tuple:
+    """How ``chain`` (relabelling ops, root side first) moves the elements: () where
+    each op keeps them in place, else every op with its operand's shape, its own and its
+    attributes (two branches' chains move the elements alike when these are equal)."""
+    if all(inst.opcode in _IN_PLACE for inst in chain):
+        return ()
+    return tuple((inst.opcode, str(comp[inst.operands[0]].shape), str(inst.shape),
+                  sorted(((key, str(value)) for key, value in inst.attributes.items()
+                          if key != "metadata")))
+                 for inst in chain)
 
 
 def _check_sum(module: Module, rw: Rewriter, inst: Instruction, index: int | None) -> None:
@@ -293,12 +318,14 @@ def _check_sum(module: Module, rw: Rewriter, inst: Instruction, index: int | Non
             raise Refusal("not-in-every-branch")
 
 
-def _check_alike(sums: list[Instruction]) -> None:
+def _check_alike(sums: list[_Sum]) -> None:
     """The branches' all-reduces of one element sum over the same groups, read the same
-    way (a channel id makes them partition or global device ids)."""
-    first = sums[0]
-    if any(group_mode(s) is not group_mode(first) or s.attr("replica_groups") !=
-           first.attr("replica_groups") for s in sums[1:]):
+    way (a channel id makes them partition or global device ids), and the branches
+    relabel the sum alike."""
+    first = sums[0].all_reduce
+    if any(group_mode(s.all_reduce) is not group_mode(first) or
+           s.all_reduce.attr("replica_groups") != first.attr("replica_groups") or
+           s.relabelling != sums[0].relabelling for s in sums[1:]):
         raise Refusal("unlike")
 
 
