@@ -60,6 +60,14 @@ ENTRY e {{
 }}
 """
 
+#: Why the tensor-parallel sum stays, per mesh.
+GROUPS_IN_WORDS = {
+    "data4-iota": "its groups, 4 groups of 2 ({0,4}, …), differ from the data-parallel group "
+                  "of the module, 2 groups of 4 ({0,1,2,3}, …)",
+    "data2-transposed": "its groups, 2 groups of 4 ({0,1,2,3}, …), differ from the "
+                        "data-parallel group of the module, 4 groups of 2 ({0,4}, …)",
+}
+
 
 def step(mesh: str) -> str:
     data, model = MESHES[mesh]
@@ -74,6 +82,8 @@ def test_the_data_axis_gradient_is_sharded_over_the_data_groups(mesh):
     rows = {row.all_reduce: row for row in report.explanations}
     assert rows["ar"].sharded, rows["ar"].reason
     assert rows["hs"].reason_code == "other_groups"  # the tensor-parallel sum stays
+    # ... saying which groups it sums over, and which the data-parallel ones are
+    assert rows["hs"].reason == GROUPS_IN_WORDS[mesh], rows["hs"].reason
     data = parse(step(mesh)).entry["ar"].attr("replica_groups").groups
     scatters = [i for i in parse(text).entry.instructions if i.opcode == "reduce-scatter"]
     assert scatters and all(i.attr("replica_groups").groups == data for i in scatters)

@@ -1360,13 +1360,24 @@ def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups 
             code = ReasonCode.CALLED_COMPUTATION
         if not reason and (ar.groups is None or groups is None
                            or ar.groups.key() != groups.key()):
-            reason = "its groups differ from the data-parallel group of the module"
+            reason = "its groups differ from the data-parallel group of the module" \
+                if ar.groups is None or groups is None else \
+                (f"its groups, {_in_words(ar.groups)}, differ from the data-parallel "
+                 f"group of the module, {_in_words(groups)}")
             code = ReasonCode.OTHER_GROUPS
         if reason:
             rejected.append((ar, reason, code))
         else:
             candidates[ar.computation].append(ar)
     return dict(candidates), rejected
+
+
+def _in_words(groups: DeviceGroups) -> str:
+    """``2 groups of 4 ({0,1,2,3}, …)``: how many, of how many devices, the first (which
+    axis of the mesh a collective runs over, where the module names none)."""
+    count = len(groups.groups)
+    first = "{" + ",".join(map(str, groups.groups[0])) + "}" + (", …" if count > 1 else "")
+    return f"{count} group{'s' if count > 1 else ''} of {groups.size} ({first})"
 
 
 def tuple_index(inst: Instruction) -> int:
