@@ -38,6 +38,7 @@ from typing import ClassVar
 from hlo_shard.analysis.collectives import group_mode, is_sum
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_impure
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, TupleShape
+from hlo_shard.opinfo import COPY, OPINFO, RESHAPE
 from hlo_shard.passes.accumulation_motion import RELABELLING, SUMMABLE, Refusal
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -280,16 +281,19 @@ def _branch_sum(module: Module, rw: Rewriter, k: int) -> _Sum:
     return _Sum(inst, reduced, inst.operands[index or 0], _relabelling(rw.comp, chain))
 
 
-#: Relabelling ops that keep every element at its row-major position (a transpose or a
-#: bitcast may move it): a chain of only these is the identity, whatever its shapes.
-_IN_PLACE = frozenset({"reshape", "copy", "reduce"})
+def _in_place(inst: Instruction) -> bool:
+    """A relabelling op that keeps every element at its row-major position: a copy, a
+    reshape, or a reduce (:data:`RELABELLING` lets only a sum over dimensions of size 1
+    through); a transpose or a bitcast may move them. A chain of only these is the
+    identity, whatever its shapes."""
+    return OPINFO[inst.opcode].moves in (COPY, RESHAPE) or inst.opcode == "reduce"
 
 
 def _relabelling(comp: Computation, chain: list[Instruction]) -> tuple:
     """How ``chain`` (relabelling ops, root side first) moves the elements: () where
     each op keeps them in place, else every op with its operand's shape, its own and its
     attributes (two branches' chains move the elements alike when these are equal)."""
-    if all(inst.opcode in _IN_PLACE for inst in chain):
+    if all(_in_place(inst) for inst in chain):
         return ()
     return tuple((inst.opcode, str(comp[inst.operands[0]].shape), str(inst.shape),
                   sorted(((key, str(value)) for key, value in inst.attributes.items()
