@@ -18,6 +18,8 @@ from hlo_shard.cli import main
 from hlo_shard.parser import parse
 from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
                                                  donated_parameters)
+from hlo_shard.passes.speed_gate import not_faster
+from hlo_shard.passes.weight_update import Explanation, ShardingReport
 from hlo_shard.printer import to_text
 
 from test_pass_weight_update import SGD
@@ -186,3 +188,25 @@ def test_a_module_kept_whole_for_a_front_end_is_left_as_it_was_with_the_same_ver
     assert {row.reason_code for row in left.report.explanations} >= {"kept_for_speed"}
     assert set(left.report.notes) <= set(written.report.notes)
     assert not any(note.startswith("renumbered") for note in left.report.notes)
+
+
+def test_a_module_kept_whole_says_why_in_one_line():
+    """The hook's decision and ``shard_weight_update``'s fallback say why in one line:
+    the gate's verdict where it kept whole a module it could shard; otherwise the
+    reasons that keep the most gradient bytes whole, first."""
+    text = (PACKAGE.parent / "fixtures" / "spmd" / "adam.n8.hlo").read_text()
+    kept = optimize(parse(text), ShardingOptions(), write_kept_whole=False)
+    verdict = not_faster(kept.decision)
+    assert verdict.startswith("sharding is not predicted at least 10% faster on profile "
+                              "cpu-local (predicted ") and verdict.endswith("x the step as it is)")
+    assert not_faster(optimize(parse(text), ShardingOptions(), force=True).decision) == ""
+    assert not_faster(None) == ""
+
+    def row(nbytes: int, reason: str, sharded: bool = False) -> Explanation:
+        return Explanation("e", "ar", None, "f32[1]", nbytes, sharded, reason)
+
+    report = ShardingReport(8, [row(4, "unused"), row(100, "scalar"), row(60, "groups"),
+                                row(60, "groups"), row(500, "", sharded=True), row(8, "other")])
+    assert report.whole_reasons() == "groups; scalar; other; 1 more"
+    assert report.whole_reasons(limit=4) == "groups; scalar; other; unused"
+    assert ShardingReport(8, [row(500, "", sharded=True)]).whole_reasons() == ""

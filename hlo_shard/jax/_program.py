@@ -23,7 +23,7 @@ from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import Capture, FirstCallSeconds, Reason, Unsupported, describe
 from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import ForExecutable, OptimizeResult, optimize, speed_json
-from hlo_shard.passes.speed_gate import SpeedDecision
+from hlo_shard.passes.speed_gate import SpeedDecision, not_faster
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.runtime.forms import check_executable
 from hlo_shard.shard_format import ShardFormat
@@ -393,14 +393,10 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
                           executable=ForExecutable(tuple(next_values)), write_kept_whole=False)
     report, decision = result.report, result.decision
     assert decision is not None  # the gate ran
-    if not result.sharded and any(trial.sharded for trial in decision.priced):
-        raise Unsupported(f"sharding is not predicted at least {decision.min_gain:.0%} "
-                          f"faster on profile {decision.profile} (predicted "
-                          f"{_fastest_ratio(decision):.2f}x the step as it is)",
-                          Reason.NOT_FASTER, report, decision)
+    if not result.sharded and (verdict := not_faster(decision)):
+        raise Unsupported(verdict, Reason.NOT_FASTER, report, decision)
     if not result.sharded:
-        reasons = sorted({row.reason for row in report.explanations if row.reason})
-        raise Unsupported("nothing to shard: " + ("; ".join(reasons[:3]) if reasons else
+        raise Unsupported("nothing to shard: " + (report.whole_reasons() or
                                                   "the step has no gradient all-reduce"),
                           Reason.NOTHING_TO_SHARD, report, decision)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
@@ -409,12 +405,6 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
         state_args, state_outputs = _state_layouts(report, capture, shard_sharding.mesh)
     return (names, result, state_args, state_outputs,
             shard_sharding if state_args else None)
-
-
-def _fastest_ratio(decision: SpeedDecision) -> float:
-    """The gate's best predicted step over its prediction for the step as it is."""
-    fastest = min(trial.seconds for trial in decision.priced)
-    return fastest / decision.before_s if decision.before_s > 0 else float("inf")
 
 
 @contextmanager

@@ -44,6 +44,7 @@ from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.passes.optimize import checked_options
+from hlo_shard.passes.speed_gate import not_faster
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
 from hlo_shard.profiles import HardwareProfile, resolve_profile
 from hlo_shard.runtime._child import version_refusal, version_tuple
@@ -340,9 +341,9 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
             return None, None, str(err)
         report = result.report
         if not result.sharded:
-            reasons = sorted({e.reason for e in report.explanations if e.reason})
-            return None, report, "nothing sharded (" + ("; ".join(reasons) or
-                                                       "no gradient all-reduce") + ")"
+            return None, report, "nothing sharded (" + (
+                not_faster(result.decision) or report.whole_reasons() or
+                "no gradient all-reduce") + ")"
         return result.xla_text, report, ""
 
 

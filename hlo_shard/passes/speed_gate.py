@@ -250,6 +250,19 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     return report, decision
 
 
+def not_faster(decision: SpeedDecision | None) -> str:
+    """Why the gate kept whole a module it could shard, in one phrase ("sharding is not
+    predicted at least 10% faster on profile P (predicted 0.97x the step as it is)"); ""
+    where it did not (something sharded, forced, or nothing could be)."""
+    if decision is None or not decision.kept_whole or \
+            not any(trial.sharded for trial in decision.priced):
+        return ""
+    fastest = min(trial.seconds for trial in decision.priced)
+    ratio = fastest / decision.before_s if decision.before_s > 0 else float("inf")
+    return (f"sharding is not predicted at least {decision.min_gain:.0%} faster on profile "
+            f"{decision.profile} (predicted {ratio:.2f}x the step as it is)")
+
+
 def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: float,
             baseline: float, trial: Callable[[int], tuple[Trial, ShardingReport,
                                                            StepEstimate | None]]
@@ -390,5 +403,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
-__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "predicted_step", "predicted_step_seconds",
-           "shard_where_faster"]
+__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "not_faster", "predicted_step",
+           "predicted_step_seconds", "shard_where_faster"]

@@ -188,6 +188,17 @@ class ShardingReport:
     #: None where it did not.
     input_regions: dict[str, frozenset[str]] | None = field(default=None, repr=False)
 
+    def whole_reasons(self, limit: int = 3) -> str:
+        """Why gradients stay whole, in one line: the distinct reasons, those that keep
+        the most gradient bytes whole first, at most ``limit`` of them ("" where none)."""
+        kept: dict[str, int] = {}
+        for row in self.explanations:
+            if row.reason and not row.sharded:
+                kept[row.reason] = kept.get(row.reason, 0) + row.bytes
+        ordered = sorted(kept, key=lambda reason: (-kept[reason], reason))
+        more = f"; {len(ordered) - limit} more" if len(ordered) > limit else ""
+        return "; ".join(ordered[:limit]) + more
+
 
 @dataclass
 class StrategyChoice:
