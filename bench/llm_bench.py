@@ -106,13 +106,15 @@ def verdicts(report: dict) -> str:
     """One line of what ``optimize --json`` did: counts by outcome, reasons by code."""
     rows = report["explanations"]
     codes = Counter(row["reason_code"] or "sharded" for row in rows)
-    words = Counter(row["reason"] for row in rows if row["reason_code"] not in ("", "already_sharded"))
+    words = Counter(row["reason"] for row in rows
+                    if row["reason_code"] not in ("", "already_sharded", "partial_sum"))
     common = f"; most frequent reason kept whole: {words.most_common(1)[0][0]!r}" if words else ""
     by_code = ", ".join(f"{code} {count}" for code, count in sorted(codes.items()))
+    partial = codes.get("partial_sum", 0)
     return (f"{report['sharded']} of {report['gradients']} sharded, "
-            f"{report['already_sharded']} already sharded, "
-            f"{len(rows) - report['sharded'] - report['already_sharded']} kept whole "
-            f"({by_code}){common}")
+            f"{report['already_sharded']} already sharded, {partial} partial sums of their "
+            f"slices, {len(rows) - report['sharded'] - report['already_sharded'] - partial} "
+            f"kept whole ({by_code}){common}")
 
 
 def _gate(report: dict) -> str:

@@ -235,6 +235,37 @@ def test_the_summary_counts_already_sharded_apart_from_kept_whole(tmp_path):
     assert codes == {"gw.sum": "already_sharded", "gs.sum": ""}
 
 
+#: :data:`PARTITIONER_FORM` clipped by its global norm: each device squares and sums its
+#: slice, and the partial sums are all-reduced (as the partitioner writes
+#: ``optax.clip_by_global_norm`` of FSDP gradients).
+NORM_OF_SLICES = PARTITIONER_FORM + """
+  %sq = f32[128,1024]{1,0} multiply(%gw.mine, %gw.mine)
+  %z0 = f32[] constant(0)
+  %part = f32[] reduce(%sq, %z0), dimensions={0,1}, to_apply=%add
+  %norm2 = f32[] all-reduce(%part), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add"""
+
+
+def test_the_partial_sums_of_already_sharded_slices_are_not_gradients(tmp_path):
+    """The sums of squares of each device's slice, all-reduced for a global norm, are
+    reported ``partial_sum`` (not gradients kept whole) and counted apart."""
+    source = tmp_path / "fsdp_norm.hlo"
+    text = FSDP_STEP.replace("{ds}", NORM_OF_SLICES).replace(
+        "%lrw = f32[128,1024]{1,0} broadcast(%lr), dimensions={}",
+        "%lrn = f32[] multiply(%lr, %norm2)\n"
+        "  %lrw = f32[128,1024]{1,0} broadcast(%lrn), dimensions={}")
+    assert "%lrn" in text
+    source.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(source), "-o",
+                          str(tmp_path / "out.hlo"), "--force", "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert ("1 already sharded (reduce-scatter form), 1 partial sum of their slices (not "
+            "gradients), 0 kept whole") in run.stderr
+    codes = {row["all_reduce"]: row["reason_code"]
+             for row in json.loads(run.stdout)["explanations"]}
+    assert codes == {"gw.sum": "already_sharded", "norm2": "partial_sum", "gs.sum": ""}
+
+
 def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_changes():
     """A plan changing < 1 % of the gradient bytes: the predicted step moves by at most
     the price of the instructions the rewrite added or removed. (The header of such a

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from hlo_shard.graph import topological_order
+from hlo_shard.graph import reachable, topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
 from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, OPINFO, VIEWS
@@ -223,6 +223,10 @@ class ReasonCode(str, enum.Enum):
     #: The planner's: other all-reduced values are computed from it, a batch statistic
     #: of the forward or backward pass (BatchNorm's mean and variance), not an update.
     FEEDS_GRADIENTS = "feeds_gradients"
+    #: A scalar summed from this device's slices of already-sharded gradients (the
+    #: global norm's partial sums over the devices holding the other slices): not a
+    #: gradient.
+    PARTIAL_SUM = "partial_sum"
     #: The rewrite of its region made a dependency cycle: undone, the region refused.
     REGION_CYCLE = "region_cycle"
     #: The speed gate kept it whole: sharding it is predicted slower.
@@ -285,6 +289,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     forms = _ScatterForms(module)
     for comp in module.computations:
         scattered = forms.of(comp)
+        first = len(found)
         for inst in comp.instructions:
             if inst.opcode not in ALL_REDUCES or not is_sum(module, inst):
                 continue
@@ -311,7 +316,33 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                                                ReasonCode.ALREADY_SHARDED, sliced))
             else:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
+        found[first:] = _partial_sums(comp, found[first:])
     return found
+
+
+#: Why a scalar summed from already-sharded slices is left alone (:data:`ReasonCode`
+#: ``partial_sum``).
+PARTIAL_SUM_REASON = ("a partial sum of this device's slices of already-sharded gradients "
+                      "(a global norm's, over the devices holding the other slices): not a "
+                      "gradient")
+
+
+def _partial_sums(comp: Computation, found: list[GradientAllReduce]
+                  ) -> list[GradientAllReduce]:
+    """``found`` (the all-reduces of ``comp``) with each candidate that sums a scalar
+    computed from the slices of its already-sharded gradients marked ``partial_sum``:
+    clipping by global norm squares and sums each slice, then all-reduces those sums
+    over the devices holding the other slices. One walk from the slices to what reads
+    them."""
+    slices = [name for ar in found if ar.sliced is not None for name in ar.sliced.slices]
+    if not slices or all(not ar.is_candidate for ar in found):
+        return found
+    users = users_map(comp)
+    derived = reachable(slices, lambda name: users.get(name, ()))
+    return [replace(ar, reason=PARTIAL_SUM_REASON, code=ReasonCode.PARTIAL_SUM)
+            if ar.is_candidate and _is_scalar(comp[ar.name].shape) and
+            any(operand in derived for operand in comp[ar.name].operands) else ar
+            for ar in found]
 
 
 def _async_wrapped(module: Module) -> dict[str, str]:

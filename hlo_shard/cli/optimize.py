@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.names import UserNames, labelled, user_names
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
@@ -179,10 +180,13 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     if not rows:
         return f"no gradient all-reduce found; module written unchanged to {where}"
     already = sum(1 for r in rows if r.already_sharded)
+    partial = sum(1 for r in rows if r.reason_code == ReasonCode.PARTIAL_SUM.value)
     # Gradients the program already reduce-scatters are counted apart from those kept
-    # whole: they are not a missed opportunity.
-    apart = (f"; {already} already sharded (reduce-scatter form), "
-             f"{len(rows) - len(done) - already} kept whole") if already else ""
+    # whole: they are not a missed opportunity; nor are the partial sums of their slices.
+    sums = (f", {partial} partial sum{'s' if partial > 1 else ''} of their slices (not "
+            f"gradients)") if partial else ""
+    apart = (f"; {already} already sharded (reduce-scatter form){sums}, "
+             f"{len(rows) - len(done) - already - partial} kept whole") if already else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices{apart}; {moved} update ops moved; state {options.state}"
