@@ -24,6 +24,7 @@ import hlo_shard
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
+from dataclasses import replace
 
 from wus_helpers import ADD, MAX, find, optimize
 
@@ -303,14 +304,16 @@ def test_the_optimized_loop_computes_the_same(worker):
 MICRO = 4
 
 
-def _scan_program(form: str = "scan-sum"):
+def _scan_program(form: str = "scan-sum", mesh_shape: tuple[int, ...] = (8,)):
     """An MLP + adam step accumulating the gradients of 4 microbatches (each device holds
     2 rows of each), one update after the loop: ``scan-sum`` sums them in a ``lax.scan``
-    (and returns the mean loss), ``fori-mean`` averages them in a ``fori_loop``."""
+    (and returns the mean loss), ``fori-mean`` averages them in a ``fori_loop``. On a
+    ``(data, fsdp)`` ``mesh_shape`` the matrices' rows are sharded over ``fsdp``."""
     from jax_train_helpers import (AXIS, NamedSharding, P, jax, jnp, mlp_batch, mlp_loss,
                                    mlp_params, np, optax)
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    axes = (AXIS, "fsdp")[:len(mesh_shape)]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), axes)
     opt = optax.adam(1e-2)
 
     def scan_sum(params, microbatches):
@@ -344,14 +347,18 @@ def _scan_program(form: str = "scan-sum"):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    replicated = NamedSharding(mesh, P())
-    params = jax.device_put(mlp_params(jax.random.PRNGKey(0)), replicated)
-    opt_state = jax.device_put(opt.init(params), replicated)
+    def placed(leaf):
+        rows = "fsdp" if "fsdp" in axes and leaf.ndim == 2 else None
+        return NamedSharding(mesh, P(rows) if rows else P())
+
+    params = jax.tree.map(lambda a: jax.device_put(a, placed(a)),
+                          mlp_params(jax.random.PRNGKey(0)))
+    opt_state = jax.jit(opt.init)(params)
 
     def batch(i):
         rows = mlp_batch(jax.random.PRNGKey(100 + i), MICRO * 16)
         split = jax.tree.map(lambda a: a.reshape(MICRO, 16, *a.shape[1:]), rows)
-        return jax.device_put(split, NamedSharding(mesh, P(None, AXIS)))
+        return jax.device_put(split, NamedSharding(mesh, P(None, axes)))
 
     return jax.jit(step), params, opt_state, batch
 
@@ -491,3 +498,60 @@ def test_the_speed_gate_prices_the_moved_loop():
     assert decision.after_s == decision.unsharded_s
     assert body_collectives(parse(text)) == [] and "all-reduce" in text
     assert decision.to_json()["unsharded_seconds"] == decision.unsharded_s
+
+
+def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded():
+    """The hook and ``shard_weight_update`` run their own program where nothing is
+    sharded; where the loop with its all-reduces moved out pays by the profile's margin
+    though sharding after it does not (``moves_only``), that module is theirs to run:
+    written (one all-reduce per step, after the loop), not left as it was."""
+    from hlo_shard.passes.speed_gate import not_faster
+
+    module = parse(LOOP)
+    result = hlo_shard.optimize(module, ShardingOptions(), write_kept_whole=False)
+    decision = result.decision
+    assert decision.kept_whole and decision.moves_only and result.sharded == 0
+    assert result.rewritten and not_faster(decision) == ""
+    assert body_collectives(parse(result.xla_text)) == []
+    # the same decision on a profile demanding more than the moved loop gains: the
+    # front end runs its own program, saying why
+    strict = replace(decision, min_gain=1 - decision.unsharded_s / decision.before_s + 0.01)
+    assert not strict.moves_only
+    assert not_faster(strict).startswith("sharding is not predicted at least")
+
+
+@pytest.mark.slow
+def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
+    """A (data=2, fsdp=4) mesh, gradients of 4 microbatches summed in a ``lax.scan``:
+    the fsdp gradients are already sharded, and sharding the rest does not pay, but the
+    data-axis all-reduces leave the loop: ``shard_weight_update`` runs that module (no
+    fallback, nothing sharded, fewer all-reduces per microbatch) with jit's numbers.
+    (The fsdp gradients' all-reduces stay: each is sliced to the device's rows before
+    it is accumulated.)"""
+    from jax_train_helpers import assert_close, needs_devices
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program(mesh_shape=(2, 4))
+    fast = hsj.shard_weight_update(step)
+    state_fast, state_jit = (params, opt_state), (params, opt_state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        for i in range(3):
+            *state_fast, _ = fast(*state_fast, batch(i))
+    assert fast.report is not None and fast.report["fallback"] is None
+    assert fast.report["sharded"] == 0
+    assert any("moved after the loop" in note for note in fast.report["notes"])
+
+    def in_loops(text: str) -> int:
+        module = parse(text)
+        return sum(i.opcode == "all-reduce" for c in module.computations
+                   for loop in c.instructions if loop.opcode == "while"
+                   for i in module.computation(loop.called("body")).instructions)
+
+    assert 0 < in_loops(fast.hlo_text) < in_loops(fast.original_hlo_text)
+    for i in range(3):
+        *state_jit, _ = step(*state_jit, batch(i))
+    assert_close(tuple(state_fast), tuple(state_jit))

@@ -393,9 +393,9 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
                           executable=ForExecutable(tuple(next_values)), write_kept_whole=False)
     report, decision = result.report, result.decision
     assert decision is not None  # the gate ran
-    if not result.sharded and (verdict := not_faster(decision)):
+    if not result.rewritten and (verdict := not_faster(decision)):
         raise Unsupported(verdict, Reason.NOT_FASTER, report, decision)
-    if not result.sharded:
+    if not result.rewritten:
         raise Unsupported("nothing to shard: " + (report.whole_reasons() or
                                                   "the step has no gradient all-reduce"),
                           Reason.NOTHING_TO_SHARD, report, decision)

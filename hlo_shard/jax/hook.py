@@ -340,7 +340,7 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
         except HloShardError as err:
             return None, None, str(err)
         report = result.report
-        if not result.sharded:
+        if not result.rewritten:
             return None, report, "nothing sharded (" + (
                 not_faster(result.decision) or report.whole_reasons() or
                 "no gradient all-reduce") + ")"

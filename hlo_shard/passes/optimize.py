@@ -100,6 +100,15 @@ class OptimizeResult:
         """Gradient all-reduce leaves sharded."""
         return sum(1 for row in self.report.explanations if row.sharded)
 
+    @property
+    def rewritten(self) -> bool:
+        """The module is to run as optimized: something sharded, or, sharding nothing,
+        its all-reduces moved where that is predicted faster
+        (:attr:`~hlo_shard.passes.speed_gate.SpeedDecision.moves_only`). A front end
+        that runs its own program otherwise (the hook, ``shard_weight_update``) asks
+        this."""
+        return self.sharded > 0 or (self.decision is not None and self.decision.moves_only)
+
     def to_json(self, names: UserNames | None = None, **fields: Any) -> dict[str, Any]:
         """The report's JSON (``optimize --json``, ``fast.report``): the gate's
         estimates, the strategies priced, one row per gradient (``names``: with the
@@ -192,7 +201,7 @@ def _optimize(module: Module, sharding: WeightUpdateSharding, force: bool,
     # (The gate leaves a module it keeps whole as it was unless told to write it or
     # watched: nothing for the donation passes to ready either.)
     left_as_it_was = decision is not None and decision.kept_whole and \
-        not write_kept_whole and watching is None
+        not decision.moves_only and not write_kept_whole and watching is None
     if executable is not None and not left_as_it_was:
         # The aliases of what the program donates, less those that would make XLA copy
         # a weight, in the form the runtime compiles.

@@ -94,6 +94,16 @@ class SpeedDecision:
     def kept_whole(self) -> bool:
         return not self.forced and self.chosen is None
 
+    @property
+    def moves_only(self) -> bool:
+        """Kept whole, but what the pipeline writes sharding nothing (gradient
+        all-reduces moved out of accumulation loops and conditionals, all-reduce + slice
+        pairs made reduce-scatters) is predicted faster than the input by the smallest
+        gain acted on: that module is written, also for a front end that runs its own
+        program where nothing changes."""
+        return self.kept_whole and self.unsharded_s is not None and \
+            self.unsharded_s <= self.before_s * (1 - self.min_gain)
+
     def to_json(self) -> dict:
         return {"profile": self.profile, "before_seconds": self.before_s,
                 "after_seconds": self.after_s, "min_gain": self.min_gain, "forced": self.forced,
@@ -234,12 +244,14 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
     chosen = best if _pays(best, bar, baseline) else None
-    if chosen is None and leaves_kept_whole:
+    moves_pay = unsharded is not None and unsharded.seconds <= bar  # (moves_only)
+    if chosen is None and leaves_kept_whole and not moves_pay:
         report = _kept_whole_report(module, full, input_notes)
     elif chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
-        # to write).
+        # to write; a front end runs it where its all-reduces moved out of loops or
+        # conditionals pay: ``SpeedDecision.moves_only``).
         report = shard(module, at_cutoff(sizes[-1] + 1), after_pass)
     else:
         report = written(chosen)
@@ -254,7 +266,7 @@ def not_faster(decision: SpeedDecision | None) -> str:
     """Why the gate kept whole a module it could shard, in one phrase ("sharding is not
     predicted at least 10% faster on profile P (predicted 0.97x the step as it is)"); ""
     where it did not (something sharded, forced, or nothing could be)."""
-    if decision is None or not decision.kept_whole or \
+    if decision is None or not decision.kept_whole or decision.moves_only or \
             not any(trial.sharded for trial in decision.priced):
         return ""
     fastest = min(trial.seconds for trial in decision.priced)
