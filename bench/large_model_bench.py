@@ -10,7 +10,9 @@ norm clipping + AdamW), trained five ways on 8 CPU devices:
   two weights on ``model``;
 * ``mesh-2x4-fsdp``: a (data=2, fsdp=4) mesh, every matrix's rows sharded over ``fsdp``
   (jit all-gathers them), the batch over both axes;
-* ``bf16-master``: f32 weights cast to bf16 inside the loss (bf16 compute).
+* ``bf16-master``: f32 weights cast to bf16 inside the loss (bf16 compute);
+* ``fsdp-accum``: the (data=2, fsdp=4) mesh of ``mesh-2x4-fsdp`` accumulating 4
+  microbatches in a ``lax.scan`` as ``scan-accum`` does.
 
 Rows per program: ``jit``; ``shard_weight_update`` with ``state`` gathered and sharded,
 and sharded with ``params="sharded"`` (the fp32 master weights as shards, all-gathered
@@ -101,17 +103,19 @@ def build(name: str, width: int):
 
     init, loss, optimizer = _model(width)
     devices = np.array(jax.devices()[:DEVICES])
-    layout = {"mesh-4x2-tp": ((4, 2), ("data", "model")),
-              "mesh-2x4-fsdp": ((2, 4), ("data", "fsdp"))}.get(name, ((DEVICES,), ("data",)))
+    fsdp = name in ("mesh-2x4-fsdp", "fsdp-accum")
+    accumulates = name in ("scan-accum", "fsdp-accum")
+    layout = ((4, 2), ("data", "model")) if name == "mesh-4x2-tp" else \
+        ((2, 4), ("data", "fsdp")) if fsdp else ((DEVICES,), ("data",))
     mesh = Mesh(devices.reshape(layout[0]), layout[1])
-    batch_axes = ("data", "fsdp") if name == "mesh-2x4-fsdp" else "data"
+    batch_axes = ("data", "fsdp") if fsdp else "data"
     if name == "multisteps":
         optimizer = optax.MultiSteps(optimizer, every_k_schedule=MICROBATCHES)
     if name == "bf16-master":
         loss = _bf16(loss)
 
     def gradients(params, batch):
-        if name != "scan-accum":
+        if not accumulates:
             return jax.value_and_grad(loss)(params, batch)
 
         def accumulate(total, microbatch):
@@ -136,7 +140,7 @@ def build(name: str, width: int):
     def placement(path: str, leaf) -> NamedSharding:
         if name == "mesh-4x2-tp":
             return NamedSharding(mesh, tensor_parallel.get(path, P()))
-        if name == "mesh-2x4-fsdp" and leaf.ndim == 2:
+        if fsdp and leaf.ndim == 2:
             return NamedSharding(mesh, P("fsdp"))
         return NamedSharding(mesh, P())
 
@@ -149,8 +153,8 @@ def build(name: str, width: int):
 
     def batch(i: int):
         examples = PER_DEVICE * DEVICES
-        shape = (MICROBATCHES, examples, width) if name == "scan-accum" else (examples, width)
-        spec = P(None, batch_axes) if name == "scan-accum" else P(batch_axes)
+        shape = (MICROBATCHES, examples, width) if accumulates else (examples, width)
+        spec = P(None, batch_axes) if accumulates else P(batch_axes)
         key = jax.random.PRNGKey(1000 + i)
         return {k: jax.device_put(jax.random.normal(jax.random.fold_in(key, j), shape),
                                   NamedSharding(mesh, spec)) for j, k in enumerate("xy")}
@@ -159,7 +163,8 @@ def build(name: str, width: int):
                    opt_state_prefix="[1]")
 
 
-PROGRAMS = ("scan-accum", "multisteps", "mesh-4x2-tp", "mesh-2x4-fsdp", "bf16-master")
+PROGRAMS = ("scan-accum", "multisteps", "mesh-4x2-tp", "mesh-2x4-fsdp", "bf16-master",
+            "fsdp-accum")
 
 
 # ------------------------------------------------------------------ the child
@@ -223,7 +228,7 @@ def child(args: argparse.Namespace) -> None:
     """Measure and print the table (this process has the devices); the last line is
     the JSON summary for ``bench/run.py``."""
     print(f"3-layer LayerNorm MLP, width {args.width}, clip + AdamW, {PER_DEVICE} examples "
-          f"per device{f' x {MICROBATCHES} microbatches' if 'scan-accum' in args.programs else ''}")
+          f"per device{f' x {MICROBATCHES} microbatches where accumulated' if {'scan-accum', 'fsdp-accum'} & set(args.programs) else ''}")
     print(cells("program", "mode", "step ms", "/jit", "/named", "rounds", "mem/dev",
                 "mem", "metrics", "decision"))
     print(cells("", "", "", "", "", "min-max", "/jit", "/named", "vs jit", ""), flush=True)

@@ -29,7 +29,8 @@ pairs become reduce-scatters where priced faster
 module kept whole is that one and is priced too. A
 sharded trial is then kept only when it is also cheaper than that module; the margin
 stays against the input, which is what the front ends run when nothing is sharded
-(``hlo_shard.jax`` falls back to the caller's jit).
+(``hlo_shard.jax`` falls back to the caller's jit) unless that module clears the margin
+itself (:attr:`SpeedDecision.moves_only`: they run it then).
 """
 
 from __future__ import annotations
