@@ -10,6 +10,7 @@ real jax steps: a ``lax.scan`` over 4 microbatches and ``optax.MultiSteps`` (slo
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -24,7 +25,6 @@ import hlo_shard
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
-from dataclasses import replace
 
 from wus_helpers import ADD, MAX, find, optimize
 
@@ -528,7 +528,7 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
     fallback, nothing sharded, fewer all-reduces per microbatch) with jit's numbers.
     (The fsdp gradients' all-reduces stay: each is sliced to the device's rows before
     it is accumulated.)"""
-    from jax_train_helpers import assert_close, needs_devices
+    from jax_train_helpers import assert_close, needs_devices, run_steps
 
     import hlo_shard.jax as hsj
 
@@ -536,11 +536,9 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
         return
     step, params, opt_state, batch = _scan_program(mesh_shape=(2, 4))
     fast = hsj.shard_weight_update(step)
-    state_fast, state_jit = (params, opt_state), (params, opt_state)
     with warnings.catch_warnings():
         warnings.simplefilter("error", hsj.FallbackWarning)
-        for i in range(3):
-            *state_fast, _ = fast(*state_fast, batch(i))
+        state_fast, _ = run_steps(fast, (params, opt_state), batch)
     assert fast.report is not None and fast.report["fallback"] is None
     assert fast.report["sharded"] == 0
     assert any("moved after the loop" in note for note in fast.report["notes"])
@@ -552,6 +550,5 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
                    for i in module.computation(loop.called("body")).instructions)
 
     assert 0 < in_loops(fast.hlo_text) < in_loops(fast.original_hlo_text)
-    for i in range(3):
-        *state_jit, _ = step(*state_jit, batch(i))
-    assert_close(tuple(state_fast), tuple(state_jit))
+    state_jit, _ = run_steps(step, (params, opt_state), batch)
+    assert_close(state_fast, state_jit)

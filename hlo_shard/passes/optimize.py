@@ -152,11 +152,9 @@ def checked_options(options: ShardingOptions) -> ShardingOptions:
 def speed_json(decision: SpeedDecision) -> dict[str, Any]:
     """The never-slower gate's estimates (``decision.to_json()``) and the predicted
     ratio they imply: the written step's over the step as it is, or, where the step was
-    kept whole, the fastest sharded candidate's. Predictions, not measurements."""
-    sharded = [t.seconds for t in decision.priced if t.sharded]
-    after = min(sharded) if decision.kept_whole and sharded else decision.after_s
-    ratio = after / decision.before_s if decision.before_s > 0 else None
-    return {**decision.to_json(), "predicted_ratio": ratio}
+    kept whole, the fastest sharded candidate's (:attr:`SpeedDecision.predicted_ratio`).
+    Predictions, not measurements."""
+    return {**decision.to_json(), "predicted_ratio": decision.predicted_ratio}
 
 
 def optimize(module: Module, options: ShardingOptions, *, force: bool = False,

@@ -96,6 +96,14 @@ class SpeedDecision:
         return not self.forced and self.chosen is None
 
     @property
+    def predicted_ratio(self) -> float | None:
+        """The written step's predicted time over the step as it is; where the step was
+        kept whole, the fastest sharded candidate's (None: nothing to divide by)."""
+        sharded = [trial.seconds for trial in self.priced if trial.sharded]
+        after = min(sharded) if self.kept_whole and sharded else self.after_s
+        return after / self.before_s if self.before_s > 0 else None
+
+    @property
     def moves_only(self) -> bool:
         """Kept whole, but what the pipeline writes sharding nothing (gradient
         all-reduces moved out of accumulation loops and conditionals, all-reduce + slice
@@ -245,8 +253,10 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
     chosen = best if _pays(best, bar, baseline) else None
-    moves_pay = unsharded is not None and unsharded.seconds <= bar  # (moves_only)
-    if chosen is None and leaves_kept_whole and not moves_pay:
+    decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
+                             tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
+                             hardware.min_predicted_gain, unsharded_s=_seconds(unsharded))
+    if chosen is None and leaves_kept_whole and not decision.moves_only:
         report = _kept_whole_report(module, full, input_notes)
     elif chosen is None:
         # Kept whole: the pipeline still runs, sharding nothing (its pure simplifications —
@@ -256,9 +266,6 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         report = shard(module, at_cutoff(sizes[-1] + 1), after_pass)
     else:
         report = written(chosen)
-    decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
-                             tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
-                             hardware.min_predicted_gain, unsharded_s=_seconds(unsharded))
     _explain_cost_rows(report, decision, user_min, full)
     return report, decision
 
@@ -270,10 +277,10 @@ def not_faster(decision: SpeedDecision | None) -> str:
     if decision is None or not decision.kept_whole or decision.moves_only or \
             not any(trial.sharded for trial in decision.priced):
         return ""
-    fastest = min(trial.seconds for trial in decision.priced)
-    ratio = fastest / decision.before_s if decision.before_s > 0 else float("inf")
+    ratio = decision.predicted_ratio
     return (f"sharding is not predicted at least {decision.min_gain:.0%} faster on profile "
-            f"{decision.profile} (predicted {ratio:.2f}x the step as it is)")
+            f"{decision.profile} (predicted {float('inf') if ratio is None else ratio:.2f}x "
+            f"the step as it is)")
 
 
 def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: float,
