@@ -165,6 +165,15 @@ def test_a_scale_that_is_not_a_constant_factor_stays(edit):
     # accumulated into another slot than the one it reads
     (("tuple(ni, naccw, naccb, w, xs)", "tuple(ni, naccw, accb, w, xs)"),
      "slot-not-carried"),
+    # each device accumulates its slice of the sum (the partitioner's FSDP form): moved,
+    # the loop would carry the whole gradient
+    (("arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n "
+      "naccb = f32[32] add(arb, accb)",
+      "gbb = f32[8,32] broadcast(gb), dimensions={1} "
+      "arb = f32[8,32] all-reduce(gbb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add "
+      "rid = u32[] replica-id() row = s32[] convert(rid) "
+      "ds = f32[1,32] dynamic-slice(arb, row, z), dynamic_slice_sizes={1,32} "
+      "mine = f32[32] reshape(ds) naccb = f32[32] add(mine, accb)"), "sliced"),
     # not a sum
     (("arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add",
       "arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=mx"),

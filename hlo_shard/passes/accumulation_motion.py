@@ -148,6 +148,9 @@ REASONS: dict[str, str] = {
     "not-accumulated": "its result is not only added into a carried slot",
     "converted": "its result is converted to another type before it is accumulated (moved, "
                  "the sum would be rounded in another type)",
+    "sliced": "its sum is cut to a slice by a dynamic-slice before it is accumulated: the "
+              "loop carries only the slice, the partitioner's FSDP/ZeRO form; moved out, "
+              "it would carry the whole gradient, the memory the slicing saves",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -390,6 +393,8 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
         value = user.name
     if user.opcode == "convert":
         raise Refusal("converted")
+    if user.opcode == "dynamic-slice" and user.operands[0] == value:
+        raise Refusal("sliced")
     if user.opcode != "add" or user.operands.count(value) != 1:
         raise Refusal("not-accumulated")
     buffer = comp[user.operands[1 - user.operands.index(value)]]
