@@ -7,7 +7,8 @@ numbers.
 They are the updates a weight-update pass can get wrong: norms over a whole weight
 (LAMB-like trust ratios in LARS and Fromage, NovoGrad's per-layer second moment,
 adaptive gradient clipping's per-unit norms, Muon's Newton-Schulz iteration on each
-matrix), reductions along one axis (SM3's per-row and per-column accumulators),
+matrix, GaLore's projections through its state), step sizes from sums over the whole
+model (Prodigy, D-Adaptation, Mechanic, COCOB), reductions along one axis (SM3's per-row and per-column accumulators),
 randomness drawn inside the update (``noisy_sgd``: the same bits on a shard as on the
 whole), a conditional on the step (``apply_if_finite``, ``MultiSteps``, RAdam's
 rectification, a piecewise schedule, which once hung the pass), per-leaf routing
@@ -77,6 +78,14 @@ TRANSFORMS = {
     "clip_adamax": lambda params: optax.chain(optax.clip(0.01), optax.adamax(1e-3)),
     "zero_nans_yogi": lambda params: optax.chain(optax.zero_nans(), optax.yogi(1e-3)),
     "centered_rmsprop": lambda params: optax.rmsprop(1e-3, centered=True),
+    # GaLore's state holds a projector per matrix (its SVD, recomputed every 2 steps) and
+    # moments of another shape than the weight: the update is dots on the state.
+    "galore": lambda params: optax.contrib.galore(1e-3, rank=4, update_proj_gap=2),
+    # step sizes from dot products over every leaf (the whole model's sums)
+    "prodigy": lambda params: optax.contrib.prodigy(1.0),
+    "dadapt_adamw": lambda params: optax.contrib.dadapt_adamw(1.0),
+    "mechanize": lambda params: optax.contrib.mechanize(optax.adam(1e-3)),
+    "cocob": lambda params: optax.contrib.cocob(),
 }
 
 
@@ -92,8 +101,11 @@ def _program(name: str):
         return optax.apply_updates(params, updates), opt_state, loss
 
     def init():
-        fresh = jax.tree.map(jnp.copy, params)  # the step donates what it is given
-        return jax.device_put((fresh, optimizer.init(fresh)), NamedSharding(mesh, P()))
+        # The step donates what it is given, and some states hold the initial weights
+        # themselves (Prodigy, Mechanic, COCOB): every leaf its own buffer.
+        fresh = jax.tree.map(jnp.copy, params)
+        state = jax.tree.map(jnp.copy, optimizer.init(fresh))
+        return jax.device_put((fresh, state), NamedSharding(mesh, P()))
 
     def batch(i: int):
         return jax.device_put(mlp_batch(jax.random.PRNGKey(1000 + i), 2 * DEVICES),
