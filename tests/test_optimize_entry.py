@@ -18,7 +18,7 @@ from hlo_shard.cli import main
 from hlo_shard.parser import parse
 from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
                                                  donated_parameters)
-from hlo_shard.passes.speed_gate import not_faster
+from hlo_shard.passes.speed_gate import SpeedDecision, not_faster, ratio_words
 from hlo_shard.passes.weight_update import Explanation, ShardingReport
 from hlo_shard.printer import to_text
 
@@ -210,3 +210,12 @@ def test_a_module_kept_whole_says_why_in_one_line():
     assert report.whole_reasons() == "groups; scalar; other; 1 more"
     assert report.whole_reasons(limit=4) == "groups; scalar; other; unused"
     assert ShardingReport(8, [row(500, "", sharded=True)]).whole_reasons() == ""
+
+
+@pytest.mark.parametrize("ratio, shown", [
+    (0.9312, "0.93x"), (0.9004, "0.9004x"), (0.8996, "0.8996x"), (0.90004, "0.9000x"),
+    (0.9, "0.90x"), (1.25, "1.25x")])
+def test_a_ratio_near_the_gates_bar_does_not_read_as_on_it(ratio, shown):
+    """A step predicted 0.9004x is kept whole at a 10% bar: "0.90x" would read as on it."""
+    decision = SpeedDecision("cpu-local", 1.0, 1.0, (), None, min_gain=0.1)
+    assert ratio_words(ratio, decision) == shown

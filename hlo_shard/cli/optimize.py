@@ -37,7 +37,7 @@ from hlo_shard.ir import Module
 from hlo_shard.parser import parse
 from hlo_shard.passes.optimize import PassChanges, check_output
 from hlo_shard.passes.optimize import optimize as run_optimizer
-from hlo_shard.passes.speed_gate import SpeedDecision
+from hlo_shard.passes.speed_gate import SpeedDecision, ratio_words
 from hlo_shard.passes.sharded_accumulator import ACCUMULATOR_MODES
 from hlo_shard.passes.weight_update import (PARAM_MODES, STATE_MODES, STRATEGIES,
                                              Explanation,
@@ -150,7 +150,7 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
 
 
 def _ratio(seconds: float, decision: SpeedDecision) -> str:
-    return f"{seconds / decision.before_s:.2f}x" if decision.before_s else "-"
+    return ratio_words(seconds / decision.before_s, decision) if decision.before_s else "-"
 
 
 def _speed_summary(decision: SpeedDecision) -> str:

@@ -278,9 +278,20 @@ def not_faster(decision: SpeedDecision | None) -> str:
             not any(trial.sharded for trial in decision.priced):
         return ""
     ratio = decision.predicted_ratio
+    shown = "infx" if ratio is None else ratio_words(ratio, decision)
     return (f"sharding is not predicted at least {decision.min_gain:.0%} faster on profile "
-            f"{decision.profile} (predicted {float('inf') if ratio is None else ratio:.2f}x "
-            f"the step as it is)")
+            f"{decision.profile} (predicted {shown} the step as it is)")
+
+
+def ratio_words(ratio: float, decision: SpeedDecision) -> str:
+    """``ratio`` of the input's step as "0.93x": two decimals, more (up to four) where
+    two would show it on the gate's bar (1 less the smallest gain acted on) while it is
+    on one side of it (0.9004x is kept whole at 10%: "0.90x" would read as the bar)."""
+    bar = 1 - decision.min_gain
+    digits = 2
+    while digits < 4 and ratio != bar and round(ratio, digits) == round(bar, digits):
+        digits += 1
+    return f"{ratio:.{digits}f}x"
 
 
 def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: float,
@@ -423,5 +434,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
-__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "not_faster", "predicted_step",
+__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "not_faster", "predicted_step", "ratio_words",
            "predicted_step_seconds", "shard_where_faster"]
