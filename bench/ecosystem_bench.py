@@ -124,10 +124,12 @@ def split(report: dict) -> str:
     return " + ".join(f"{seconds.get(stage, 0.0):.1f}" for stage in ("capture", "pass", "compile"))
 
 
-def fast_variant(prog, mode: str, force: bool, params: str = "gathered") -> Variant:
+def fast_variant(prog, mode: str, force: bool, params: str = "gathered",
+                 accumulator: str = "auto") -> Variant:
     import hlo_shard.jax as hsj
 
-    fast = hsj.shard_weight_update(prog.step, state=mode, params=params, force=force)
+    fast = hsj.shard_weight_update(prog.step, state=mode, params=params, force=force,
+                                   accumulator=accumulator)
     state, metrics, seconds, _ = first_call(fast, prog.init(), prog.batch(0))
     report = fast.report or {}
     if report.get("fallback") is None:
@@ -138,6 +140,7 @@ def fast_variant(prog, mode: str, force: bool, params: str = "gathered") -> Vari
         decision = f"fell back: {report['fallback']}" + \
             (f" (predicted {predicted:.2f}x)" if predicted is not None else "")
     return Variant(mode + (", params sharded" if params == "sharded" else "")
+                   + (f", accumulator {accumulator}" if accumulator != "auto" else "")
                    + (", forced" if force else ""), fast, state, seconds,
                    split(report), decision, metrics)
 

@@ -70,9 +70,23 @@ ENTRY e {{ w = f32[32,16] parameter(0) b = f32[32] parameter(1)
 """
 
 
-def motion(text: str) -> tuple[Module, AccumulationReport]:
+#: LOOP with the bias gradient as the partitioner writes an FSDP one: each device's rows
+#: of the sum (rows that differ per device, so a wrong row shows) cut out by
+#: replica-id before they are accumulated into slot 2.
+SLICED = LOOP.replace(
+    "arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n "
+    "naccb = f32[32] add(arb, accb)",
+    "g8 = f32[8,32] broadcast(gb), dimensions={1} rows = f32[8,32] iota(), iota_dimension=0 "
+    "gbb = f32[8,32] multiply(g8, rows) "
+    "arb = f32[8,32] all-reduce(gbb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add "
+    "rid = u32[] replica-id() row = s32[] convert(rid) "
+    "ds = f32[1,32] dynamic-slice(arb, row, z), dynamic_slice_sizes={1,32} "
+    "mine = f32[32] reshape(ds) naccb = f32[32] add(mine, accb)")
+
+
+def motion(text: str, sliced: bool = False) -> tuple[Module, AccumulationReport]:
     module = parse(text)
-    result = Pipeline((AccumulationMotion(),), check=validate_printed).run(module)
+    result = Pipeline((AccumulationMotion(sliced=sliced),), check=validate_printed).run(module)
     report = result.report(AccumulationReport)
     return module, report
 
@@ -203,6 +217,41 @@ def test_a_loop_that_cannot_be_rewired_is_left_alone(edit, reason):
     assert {(k.all_reduce, k.reason) for k in report.kept} == {("arw", reason), ("arb", reason)}
 
 
+def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
+    """FSDP's form: the loop carries this device's rows of the sum. By default the
+    all-reduce stays (moved, the loop would carry the whole gradient: ``sliced``); with
+    ``sliced`` (the accumulator mode ``whole``) the body accumulates the whole local
+    gradient, and the all-reduce, the device's slice of it (offsets computed again after
+    the loop) and the reshape after it run once, after the loop."""
+    assert SLICED != LOOP
+    module, report = motion(SLICED)
+    assert body_collectives(module) == ["arb"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "sliced")]
+
+    module, report = motion(SLICED, sliced=True)
+    assert body_collectives(module) == [] and not report.kept
+    (move,) = [m for m in report.moved if m.all_reduce == "arb"]
+    assert move.widened == ((2, 32 * 4, 8 * 32 * 4),)
+    assert "slot(s) 2 now carry the whole gradient" in report.notes[0]
+    body = module.computation("body")
+    assert not [i for i in body.instructions if i.opcode in ("replica-id", "dynamic-slice")
+                and i.name != "xi"]  # the slice and its offset left the body
+    (block,) = find(module, "dynamic-slice")  # (the entry's)
+    assert module.entry[block.operands[0]].opcode == "all-reduce"
+    assert module.entry["loop"].shape.elements[2].dims == (8, 32)
+
+
+def test_a_slice_that_moves_with_the_iteration_stays():
+    """A slice at an offset read from the loop's counter is not the same in every
+    iteration: taken once after the loop it would not be the sum of the slices."""
+    text = SLICED.replace("ds = f32[1,32] dynamic-slice(arb, row, z)",
+                          "ds = f32[1,32] dynamic-slice(arb, i, z)")
+    assert text != SLICED
+    module, report = motion(text, sliced=True)
+    assert body_collectives(module) == ["arb"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "sliced-form")]
+
+
 def test_a_moved_all_reduce_gets_a_fresh_channel_id():
     text = LOOP.replace("replica_count=8", "replica_count=1, num_partitions=8").replace(
         "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add",
@@ -284,6 +333,19 @@ def test_the_moved_loop_computes_the_same(worker, text):
     assert len(report.moved) == 2
     result = verify(text, module)
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def test_the_widened_loop_computes_the_same(worker):
+    """The sliced sum moved out (the loop carrying the whole gradient) against the
+    original; a mutant taking row 0 after the loop instead of the device's own must
+    DIFFER."""
+    module, _ = motion(SLICED, sliced=True)
+    result = verify(SLICED, module)
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+    (block,) = find(module, "dynamic-slice")
+    zero = next(o for o in block.operands[1:] if module.entry[o].opcode == "constant")
+    Rewriter(module.entry).set_operand(block, 1, zero)
+    assert not verify(SLICED, module).ok
 
 
 def test_dropping_the_initial_value_is_caught(worker):
@@ -530,13 +592,15 @@ def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded
 
 
 @pytest.mark.slow
-def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
+@pytest.mark.parametrize("accumulator", ["auto", "whole"])
+def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     """A (data=2, fsdp=4) mesh, gradients of 4 microbatches summed in a ``lax.scan``:
     the fsdp gradients are already sharded, and sharding the rest does not pay, but the
     data-axis all-reduces leave the loop: ``shard_weight_update`` runs that module (no
     fallback, nothing sharded, fewer all-reduces per microbatch) with jit's numbers.
-    (The fsdp gradients' all-reduces stay: each is sliced to the device's rows before
-    it is accumulated.)"""
+    The fsdp gradients' all-reduces, each cut to the device's rows before it is
+    accumulated, stay in the loop (``sliced``) unless the accumulator may be whole:
+    then they leave it too, and no gradient is all-reduced in the loop."""
     from jax_train_helpers import assert_close, needs_devices, run_steps
 
     import hlo_shard.jax as hsj
@@ -544,13 +608,18 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
     if not needs_devices(request):
         return
     step, params, opt_state, batch = _scan_program(mesh_shape=(2, 4))
-    fast = hsj.shard_weight_update(step)
+    fast = hsj.shard_weight_update(step, accumulator=accumulator)
     with warnings.catch_warnings():
         warnings.simplefilter("error", hsj.FallbackWarning)
         state_fast, _ = run_steps(fast, (params, opt_state), batch)
     assert fast.report is not None and fast.report["fallback"] is None
     assert fast.report["sharded"] == 0
     assert any("moved after the loop" in note for note in fast.report["notes"])
+    sliced = [note for note in fast.report["notes"] if "cut to a slice" in note]
+    assert bool(sliced) == (accumulator == "auto")
+    staying = [note for note in fast.report["notes"] if "stays in the loop" in note]
+    if accumulator == "whole":  # what stays is the loss's sum, not a gradient's
+        assert len(staying) == 1 and "not only added into a carried slot" in staying[0]
 
     def in_loops(text: str) -> int:
         module = parse(text)
@@ -559,5 +628,6 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request):
                    for i in module.computation(loop.called("body")).instructions)
 
     assert 0 < in_loops(fast.hlo_text) < in_loops(fast.original_hlo_text)
+    assert in_loops(fast.hlo_text) == len(staying)
     state_jit, _ = run_steps(step, (params, opt_state), batch)
     assert_close(state_fast, state_jit)

@@ -11,6 +11,7 @@ device receives from a reduce-scatter and the slot its data occupies in an all-g
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hlo_shard.graph import reachable, topological_order, users_map
@@ -377,6 +378,28 @@ def is_sum(module: Module, inst: Instruction) -> bool:
     every pass that moves or splits a reduction checks first."""
     to_apply = inst.attr("to_apply")
     return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
+
+
+def computed_from_device_id(comp: Computation, values: Sequence[str]) -> bool:
+    """Every one of ``values`` is computed in ``comp`` from constants and the device's id
+    only, through index arithmetic (the partitioner's slice offsets): the same in every
+    iteration of a loop whose body ``comp`` is, and the same when computed anywhere
+    else. An iterative walk of their operands."""
+    seen: set[str] = set()
+    pending = list(values)
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        inst = comp[name]
+        if inst.opcode in DEVICE_ID_OPCODES or \
+                (not inst.operands and inst.opcode in DETERMINISTIC_OPS):
+            continue
+        if inst.opcode not in _INDEX_ARITHMETIC or not inst.operands:
+            return False
+        pending.extend(inst.operands)
+    return True
 
 
 #: Ops that only re-lay a gradient out on its way to the slice (XLA writes the

@@ -233,9 +233,11 @@ def global_program_note(module: Module) -> str | None:
                    "read as bf16).")
 @click.option("--accumulator", type=click.Choice(ACCUMULATOR_MODES), default="auto",
               show_default=True,
-              help="Gradient accumulation loops: whole (one reduce-scatter after the loop), "
-                   "sharded (one per microbatch into an accumulator carried as a shard: "
-                   "1/N of its memory), auto (whichever the cost model predicts faster).")
+              help="Gradient accumulation loops: whole (one reduce-scatter after the loop; "
+                   "also the sums the program slices per device before accumulating, FSDP's, "
+                   "whose loop then carries whole gradients), sharded (one per microbatch "
+                   "into an accumulator carried as a shard: 1/N of its memory), auto "
+                   "(whichever the cost model predicts faster; FSDP's sliced sums stay).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="auto", show_default=True,
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,

@@ -405,19 +405,20 @@ class Installation:
 def install(*, state: str = "gathered", strategy: str = "auto",
             profile: HardwareProfile | str | None = None,
             min_shard_bytes: int = 0, only: str | None = None,
-            force: bool = False) -> Installation:
+            force: bool = False, accumulator: str = "auto") -> Installation:
     """Shard the weight update of every module jax compiles from now on (every backend
     jax knows); jax's in-memory caches of compiled functions are cleared, so a step
     jitted before compiles again. Installing again replaces the settings; the pass stays
     registered once. ``only``: a regex the module name (``jit_step``) must match. A
     module the cost model does not predict faster sharded compiles as it is, unless
-    ``force`` (as ``optimize --force``)."""
+    ``force`` (as ``optimize --force``). ``accumulator``: as for ``shard_weight_update``
+    (``optimize --accumulator``)."""
     if state != "gathered":
         raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
                             "compiled function's signature; shard_weight_update can)")
     hardware = resolve_profile(profile)
     options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
-                              profile=hardware)
+                              profile=hardware, accumulator=accumulator)
     options = checked_options(options)  # rejects bad options here, not inside XLA
     try:
         pattern = re.compile(only) if only is not None else None

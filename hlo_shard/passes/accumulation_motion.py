@@ -42,13 +42,15 @@ import json
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import is_sum
+from hlo_shard.analysis.collectives import computed_from_device_id, is_sum
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
+from hlo_shard.opinfo import DETERMINISTIC, DEVICE_IDS, OPINFO
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
+from hlo_shard.units import fmt_bytes
 
 #: Element types a summing all-reduce is moved for (numeric: the sum is exact in
 #: integers and a reordering of the same sum in floats).
@@ -150,7 +152,11 @@ REASONS: dict[str, str] = {
                  "the sum would be rounded in another type)",
     "sliced": "its sum is cut to a slice by a dynamic-slice before it is accumulated: the "
               "loop carries only the slice, the partitioner's FSDP/ZeRO form; moved out, "
-              "it would carry the whole gradient, the memory the slicing saves",
+              "it would carry the whole gradient, the memory the slicing saves (the "
+              "accumulator mode 'whole' moves it)",
+    "sliced-form": "its sum is cut to a slice other than by one dynamic-slice at the "
+                   "device's own offsets read only by the accumulation (or it is an element "
+                   "of a tuple all-reduce)",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -171,6 +177,10 @@ class MovedAllReduce:
     after: str
     #: The last instruction added after the loop (the next move's insertion point).
     last: str
+    #: The slots that carry the whole gradient now instead of its slice (the sum was cut
+    #: to this device's block before it was accumulated), with their bytes before and
+    #: after.
+    widened: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,21 +208,35 @@ class AccumulationReport:
         notes = [f"{comp}/while %{loop}: {len(moves)} accumulated all-reduce(s) moved after "
                  f"the loop ({', '.join('%' + m.all_reduce for m in moves)}; slots "
                  f"{', '.join(str(s) for m in moves for s in m.slots)}): one collective "
-                 f"per step instead of one per iteration"
+                 f"per step instead of one per iteration{_widened_words(moves)}"
                  for (comp, loop), moves in by_loop.items()]
         notes += [f"{k.computation}/while %{k.loop}: all-reduce %{k.all_reduce} stays in "
                   f"the loop ({REASONS[k.reason]})" for k in self.kept]
         return notes
 
 
+def _widened_words(moves: list[MovedAllReduce]) -> str:
+    widened = [w for move in moves for w in move.widened]
+    if not widened:
+        return ""
+    before = sum(b for _, b, _ in widened)
+    after = sum(a for _, _, a in widened)
+    return (f"; slot(s) {', '.join(str(slot) for slot, _, _ in widened)} now carry the whole "
+            f"gradient, not this device's slice of it ({fmt_bytes(after)} instead of "
+            f"{fmt_bytes(before)})")
+
+
 @dataclass(frozen=True)
 class _Element:
     """One array of an all-reduce (the whole of an array all-reduce, one element of the
-    tuple form): the local value, the body's name for its reduced value, its slot."""
+    tuple form): the local value, the body's name for its reduced value, its slot, and
+    the dynamic-slice that cuts the sum to this device's block before it is accumulated
+    with the relabels after it (none where the whole sum is)."""
 
     local: str
     reduced: str
     slot: int
+    cut: tuple[str, ...] = ()
 
 
 class Refusal(Exception):
@@ -225,12 +249,17 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class AccumulationMotion(ModulePass[AccumulationReport]):
-    """Move the all-reduces of accumulated gradients out of while loops."""
+    """Move the all-reduces of accumulated gradients out of while loops. ``sliced``: also
+    those whose sum is cut to this device's block before it is accumulated (the
+    partitioner's FSDP form): the loop then carries the whole local gradient instead of
+    the block, N times its bytes, and the all-reduce and the slice run once, after the
+    loop (the accumulator mode ``whole``; otherwise they stay, reason ``sliced``)."""
 
     name: ClassVar[str] = "accumulation-motion"
+    sliced: bool = False
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
-        sinking = _Sinking(module, rewriter, ChannelIds(module))
+        sinking = _Sinking(module, rewriter, ChannelIds(module), self.sliced)
         # A moved all-reduce lands in the loop's computation, which may itself be an
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
@@ -247,6 +276,7 @@ class _Sinking:
     module: Module
     edits: ModuleRewriter
     channels: ChannelIds
+    sliced: bool = False
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
 
@@ -282,7 +312,7 @@ class _Sinking:
         plans: list[tuple[Instruction, list[_Element]]] = []
         for candidate in candidates:
             try:
-                elements = _accumulation(self.module, inner, reads, candidate)
+                elements = _accumulation(self.module, inner, reads, candidate, self.sliced)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
@@ -293,8 +323,9 @@ class _Sinking:
             claimed |= slots
             plans.append((candidate, elements))
         anchor = loop.name
+        loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop)
         for candidate, elements in plans:
-            move = _move(outer, inner, loop, anchor, candidate, elements, self.channels)
+            move = _move(loop_edits, anchor, candidate, elements, self.channels)
             self.moved.append(move)
             anchor = move.last
         return bool(plans)
@@ -337,9 +368,10 @@ def slots_read(rw: Rewriter) -> SlotReads:
 
 
 def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
-                  all_reduce: Instruction) -> list[_Element]:
+                  all_reduce: Instruction, sliced: bool = False) -> list[_Element]:
     """The elements of ``all_reduce`` and the slot each accumulates into, or the reason
-    it cannot move (raised). ``reads``: the body's and the condition's slot reads."""
+    it cannot move (raised). ``reads``: the body's and the condition's slot reads;
+    ``sliced``: a sum cut to this device's block before it is accumulated moves too."""
     shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
         else (all_reduce.shape,)
     if not is_sum(module, all_reduce) or any(
@@ -356,12 +388,14 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
     in_body, in_condition = reads
     elements = []
     for operand, value in zip(all_reduce.operands, reduced):
-        slot = _accumulated_slot(module, body, value)
+        slot, cut = _accumulated_slot(module, body, value, sliced)
+        if cut and isinstance(all_reduce.shape, TupleShape):
+            raise Refusal("sliced-form")
         # the add's own read, and nothing else (in the condition: nothing at all)
         if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                 or in_condition.get(slot, 0):
             raise Refusal("accumulator-read")
-        elements.append(_Element(operand, value, slot))
+        elements.append(_Element(operand, value, slot, cut))
     return elements
 
 
@@ -378,9 +412,12 @@ def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
     return [by_index[i][0] for i in range(count)]
 
 
-def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
+def _accumulated_slot(module: Module, body: Rewriter, value: str, sliced: bool = False
+                      ) -> tuple[int, tuple[str, ...]]:
     """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` whose
-    only use is slot ``k`` of the body's root tuple: ``k``."""
+    only use is slot ``k`` of the body's root tuple: ``k``, and (``sliced``) the
+    dynamic-slice between, at offsets computed from the device's id alone, with the
+    relabels after it (none: the whole sum is accumulated)."""
     comp = body.comp
     while True:
         following = body.users(value)
@@ -393,8 +430,22 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
         value = user.name
     if user.opcode == "convert":
         raise Refusal("converted")
+    cut: tuple[str, ...] = ()
     if user.opcode == "dynamic-slice" and user.operands[0] == value:
-        raise Refusal("sliced")
+        offsets = user.operands[1:]
+        if value in offsets or not computed_from_device_id(comp, offsets):
+            raise Refusal("sliced-form")
+        steps = [user.name]
+        while True:  # relabels of the slice (the partitioner's transpose back) go along
+            readers = body.users(steps[-1])
+            if len(readers) != 1:
+                raise Refusal("sliced-form")
+            user = readers[0]
+            if user.opcode not in RELABELLING or len(user.operands) != 1:
+                break
+            steps.append(user.name)
+        value = steps[-1]
+        cut = tuple(steps)
     if user.opcode != "add" or user.operands.count(value) != 1:
         raise Refusal("not-accumulated")
     buffer = comp[user.operands[1 - user.operands.index(value)]]
@@ -406,15 +457,47 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str) -> int:
             or root.operands.count(user.name) != 1 or root.operands.index(user.name) != slot \
             or user.shape != buffer.shape:
         raise Refusal("slot-not-carried")
-    return slot
+    if cut and not sliced:
+        raise Refusal("sliced")
+    return slot, cut
 
 
-def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
-          all_reduce: Instruction, elements: list[_Element], channels: ChannelIds
-          ) -> MovedAllReduce:
+@dataclass(frozen=True)
+class _LoopEdits:
+    """The rewriters of a loop's computation (``outer``), body and condition."""
+
+    outer: Rewriter
+    inner: Rewriter
+    condition: Rewriter
+    loop: Instruction
+
+    def widen(self, slot: int, shape: ArrayShape) -> None:
+        """Slot ``slot`` of the carry becomes ``shape`` (the whole gradient instead of
+        its slice): the loop, its initial tuple, the body's parameter and root, the
+        condition's parameter, and the body's accumulation (its read of the slot and the
+        add into it: the only uses of the slot there)."""
+        elements = list(cast(TupleShape, self.loop.shape).elements)
+        elements[slot] = shape
+        carried = TupleShape(tuple(elements))
+        body, condition = self.inner.comp, self.condition.comp
+        accumulation = body[body.root.operands[slot]]
+        read = next(body[o] for o in accumulation.operands
+                    if body[o].opcode == "get-tuple-element")
+        for rw, inst in ((self.outer, self.loop), (self.outer, self.outer.comp[self.loop.operands[0]]),
+                         (self.inner, body.parameters()[0]), (self.inner, body.root),
+                         (self.condition, condition.parameters()[0])):
+            rw.set_shape(inst, carried)
+        self.inner.set_shape(read, shape)
+        self.inner.set_shape(accumulation, shape)
+
+
+def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: list[_Element],
+          channels: ChannelIds) -> MovedAllReduce:
     """Accumulate the local values in the body, start the slots at zero, and all-reduce
-    (then add the initial values) after the loop, after ``anchor`` (the loop or what an
-    earlier move added after it)."""
+    (then cut each sum to this device's block where the body did, and add the initial
+    values) after the loop, after ``anchor`` (the loop or what an earlier move added
+    after it)."""
+    outer, inner, loop = edits.outer, edits.inner, edits.loop
     for element in elements:
         inner.replace_all_uses_with(element.reduced, element.local)
         if element.reduced != all_reduce.name:
@@ -423,18 +506,35 @@ def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
 
     comp = outer.comp
     init = comp[loop.operands[0]]
-    shapes = [_slot_shape(loop, e.slot) for e in elements]
     starts = [init.operands[e.slot] for e in elements]
+    cuts = {e.slot: _Cut.of(inner.comp, e.cut) for e in elements if e.cut}
+    widened = []
+    for element in elements:
+        if not element.cut:
+            continue
+        # the body adds the whole local value; the slice is taken after the loop
+        slot = element.slot
+        whole = inner.comp[inner.comp[element.cut[0]].operands[0]]
+        inner.replace_all_uses_with(element.cut[-1], whole.name)
+        _erase_unused(inner, [element.cut[-1]])
+        before = _slot_shape(loop, slot).byte_size
+        edits.widen(slot, cast(ArrayShape, whole.shape))
+        widened.append((slot, before, _slot_shape(loop, slot).byte_size))
+    shapes = [_slot_shape(loop, e.slot) for e in elements]
     added = [not is_zero(comp, comp[start]) for start in starts]
     with outer.inserting_before(init.name):
         for element, shape, add in zip(elements, shapes, added):
-            if add:
+            if add or element.slot in cuts:
                 outer.set_operand(init, element.slot, _zeros(outer, shape))
+    for start, add in zip(starts, added):
+        if not add:  # a zero start the slot no longer reads (widened: zeros of its shape)
+            _erase_unused(outer, [start])
     readers = [[u.name for u in outer.users(loop.name) if u.int_attr("index") == e.slot]
                for e in elements]
     if not any(readers):  # nothing reads the sums after the loop: no all-reduce needed
         return MovedAllReduce(comp.name, loop.name, all_reduce.name,
-                              tuple(e.slot for e in elements), after="", last=anchor)
+                              tuple(e.slot for e in elements), after="", last=anchor,
+                              widened=tuple(widened))
     attributes = dict(all_reduce.attributes)
     if "channel_id" in attributes:
         attributes["channel_id"] = channels.fresh()
@@ -451,14 +551,67 @@ def _move(outer: Rewriter, inner: Rewriter, loop: Instruction, anchor: str,
             after = outer.add("all-reduce", shapes[0], accumulated, name=all_reduce.name,
                               **attributes).name
             reduced = [after]
-        totals = [outer.add("add", shape, [start, value]).name if add else value
-                  for value, start, shape, add in zip(reduced, starts, shapes, added)]
+        blocks = [cuts[e.slot].after(outer, value) if e.slot in cuts else value
+                  for e, value in zip(elements, reduced)]
+        totals = [outer.add("add", comp[value].shape, [start, value]).name if add else value
+                  for value, start, add in zip(blocks, starts, added)]
     for olds, total in zip(readers, totals):
         for old in olds:
             outer.replace_all_uses_with(old, total)
             outer.erase(old)
     return MovedAllReduce(comp.name, loop.name, all_reduce.name,
-                          tuple(e.slot for e in elements), after, last=totals[-1])
+                          tuple(e.slot for e in elements), after, last=totals[-1],
+                          widened=tuple(widened))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A sum's slice taken in a loop body, as copies to take it after the loop: the
+    instructions computing its offsets (from constants and the device's id, operands
+    first), the dynamic-slice, then the relabels after it."""
+
+    offsets: tuple[Instruction, ...]
+    steps: tuple[Instruction, ...]
+
+    @classmethod
+    def of(cls, body: Computation, steps: tuple[str, ...]) -> _Cut:
+        order: list[Instruction] = []
+        seen: set[str] = set()
+        pending = [(o, False) for o in reversed(body[steps[0]].operands[1:])]
+        while pending:  # operands before their users, each once
+            name, ready = pending.pop()
+            if ready:
+                order.append(body[name].clone())
+            elif name not in seen:
+                seen.add(name)
+                pending.append((name, True))
+                pending.extend((o, False) for o in body[name].operands if o not in seen)
+        return cls(tuple(order), tuple(body[name].clone() for name in steps))
+
+    def after(self, rw: Rewriter, value: str) -> str:
+        """The slice of ``value``, inserted at ``rw``'s point: its name."""
+        copies = {self.steps[0].operands[0]: value}
+        for inst in (*self.offsets, *self.steps):
+            copy = inst.clone()
+            copy.name = rw.fresh_name(inst.name)
+            copy.operands = [copies[o] for o in inst.operands]
+            copies[inst.name] = rw.add_instruction(copy).name
+        return copies[self.steps[-1].name]
+
+
+def _erase_unused(rw: Rewriter, names: list[str]) -> None:
+    """Erase each of ``names`` that nothing reads (not a parameter, not the root), then
+    what only it read: the slice and offsets a move left, an accumulator's old start."""
+    pending = list(names)
+    while pending:
+        inst = rw.comp.get(pending.pop())
+        if inst is None or inst.opcode == "parameter" or inst.name == rw.comp.root_name \
+                or rw.users(inst.name) or not (OPINFO[inst.opcode].values == DETERMINISTIC
+                                               or inst.opcode in DEVICE_IDS):
+            continue
+        operands = list(inst.operands)
+        rw.erase(inst.name)
+        pending.extend(operands)
 
 
 def _slot_shape(loop: Instruction, slot: int) -> ArrayShape:

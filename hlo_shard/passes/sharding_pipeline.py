@@ -8,7 +8,8 @@
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
    one all-reduce per gradient feeding the update, and a microbatch's gradient bytes
-   cross the network once per step instead of once per microbatch);
+   cross the network once per step instead of once per microbatch; with the
+   accumulator mode ``whole``, also the sums the loop cuts to this device's slice);
 2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
 3. :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`;
@@ -58,13 +59,20 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                       ) -> Pipeline:
     """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
     each pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((ConditionalMotion(), AccumulationMotion(), TupleForwarding(), sharding,
+    return Pipeline((ConditionalMotion(), accumulation_motion(sharding), TupleForwarding(),
+                     sharding,
                      ReduceScatterCreation(sharding.profile),
                      ShardedAccumulator(sharding.profile, sharding.options.accumulator),
                      ChannelIdDedupe(),
                      EntryLayoutUpdate(), CopyFreeDonation(sharding.profile),
                      DeadComputationRemoval()),
                     after_pass=after_pass)
+
+
+def accumulation_motion(sharding: WeightUpdateSharding) -> AccumulationMotion:
+    """The motion as the sharding's accumulator mode asks: ``whole`` also moves the sums
+    the body cuts to this device's slice (the loop then carries whole gradients)."""
+    return AccumulationMotion(sliced=sharding.options.accumulator == "whole")
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,
@@ -86,4 +94,4 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
     return report
 
 
-__all__ = ["run_sharding", "sharding_pipeline"]
+__all__ = ["accumulation_motion", "run_sharding", "sharding_pipeline"]

@@ -53,7 +53,8 @@ from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.conditional_motion import ConditionalMotion, conditionals_all_reduce
 from hlo_shard.passes.pipeline import AfterPass, InputProblems, edited_computations
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
-from hlo_shard.passes.sharding_pipeline import run_sharding, sharding_pipeline
+from hlo_shard.passes.sharding_pipeline import (accumulation_motion, run_sharding,
+                                                sharding_pipeline)
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update import (Explanation, ShardingReport, WeightUpdateSharding,
                                             recovered_notes)
@@ -227,7 +228,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     sharded_estimate = step_of(candidate, full, edited)
     first = candidate, full, sharded_estimate
     before = whole.seconds
-    unsharded = _unsharded_estimate(module, hardware, whole)
+    unsharded = _unsharded_estimate(module, sharding, whole)
     baseline_estimate = whole if unsharded is None else unsharded
     baseline = baseline_estimate.seconds
     #: What a cut-off must cost at most to be written: the input's step less the
@@ -367,7 +368,7 @@ def predicted_step_seconds(module: Module, hardware: HardwareProfile) -> float:
     return predicted_step(module, hardware).seconds
 
 
-def _unsharded_estimate(module: Module, hardware: HardwareProfile,
+def _unsharded_estimate(module: Module, sharding: WeightUpdateSharding,
                         whole: StepEstimate) -> StepEstimate | None:
     """The price of what the pipeline writes when it shards nothing — ``module`` with its
     gradients' all-reduces moved out of conditionals and accumulation loops and the
@@ -380,9 +381,10 @@ def _unsharded_estimate(module: Module, hardware: HardwareProfile,
                    for found in find_gradient_all_reduces(module))
     if not (moves or scatters):
         return None
+    hardware = sharding.profile
     candidate = module.clone()
     runs = ([ConditionalMotion().run(candidate)] if branches else []) + \
-        ([AccumulationMotion().run(candidate)] if moves else []) + \
+        ([accumulation_motion(sharding).run(candidate)] if moves else []) + \
         ([ReduceScatterCreation(hardware).run(candidate)] if scatters else [])
     if not any(run.changed for run in runs):
         return None
