@@ -109,25 +109,33 @@ def test_totals_summed_under_other_options_are_not_reused() -> None:
                                                   frozenset()))
 
 
-@pytest.mark.parametrize("path", [
-    Path(__file__).parent / "golden_pass" / "reduce_scatter_creation.hlo",  # already sharded
-    Path(__file__).parent / "data" / "grad_accum_scan_2x4.n8.hlo",  # accumulated in a scan
+@pytest.mark.parametrize("path, accumulator", [
+    (Path(__file__).parent / "golden_pass" / "reduce_scatter_creation.hlo", "auto"),
+    (Path(__file__).parent / "data" / "grad_accum_scan_2x4.n8.hlo", "auto"),  # in a scan
+    # each device's rows of a sum accumulated (FSDP's form), moved with "whole"
+    ("SLICED", "whole"),
 ])
-def test_the_module_kept_whole_is_priced_with_the_inputs_totals_as_afresh(path: Path) -> None:
+def test_the_module_kept_whole_is_priced_with_the_inputs_totals_as_afresh(
+        path: Path | str, accumulator: str) -> None:
     """Where the pipeline changes the module without sharding anything (all-reduces moved
     out of an accumulation loop, the partitioner's pairs made reduce-scatters), the gate
     prices that module too, reusing the input's totals: exactly a fresh price."""
-    from hlo_shard.passes.accumulation_motion import AccumulationMotion
     from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
+    from hlo_shard.passes.sharding_pipeline import accumulation_motion
     from hlo_shard.passes.speed_gate import _unsharded_estimate
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
 
-    module = parse_file(path)
+    from test_accumulation import SLICED
+
+    module = parse(SLICED) if path == "SLICED" else parse_file(path)
     hardware = load_profile("cpu-local")
+    sharding = WeightUpdateSharding(ShardingOptions(profile=hardware, accumulator=accumulator))
     whole = predicted_step(module, hardware)
-    reused = _unsharded_estimate(module, hardware, whole)
+    reused = _unsharded_estimate(module, sharding, whole)
     assert reused is not None
     fresh_module = module.clone()
-    AccumulationMotion().run(fresh_module)
+    motion = accumulation_motion(sharding).run(fresh_module)
+    assert any(move.widened for move in motion.report.moved) == (accumulator == "whole")
     ReduceScatterCreation(hardware).run(fresh_module)
     fresh = predicted_step(fresh_module, hardware)
     assert reused.seconds == fresh.seconds != whole.seconds

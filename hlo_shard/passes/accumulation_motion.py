@@ -480,12 +480,14 @@ class _LoopEdits:
         elements[slot] = shape
         carried = TupleShape(tuple(elements))
         body, condition = self.inner.comp, self.condition.comp
+        param = body.parameters()[0]
         accumulation = body[body.root.operands[slot]]
         read = next(body[o] for o in accumulation.operands
-                    if body[o].opcode == "get-tuple-element")
-        for rw, inst in ((self.outer, self.loop), (self.outer, self.outer.comp[self.loop.operands[0]]),
-                         (self.inner, body.parameters()[0]), (self.inner, body.root),
-                         (self.condition, condition.parameters()[0])):
+                    if body[o].opcode == "get-tuple-element"
+                    and body[o].operands == [param.name] and body[o].int_attr("index") == slot)
+        init = self.outer.comp[self.loop.operands[0]]
+        for rw, inst in ((self.outer, self.loop), (self.outer, init), (self.inner, param),
+                         (self.inner, body.root), (self.condition, condition.parameters()[0])):
             rw.set_shape(inst, carried)
         self.inner.set_shape(read, shape)
         self.inner.set_shape(accumulation, shape)
