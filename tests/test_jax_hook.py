@@ -175,6 +175,8 @@ def test_install_rejects_what_the_hook_cannot_do():
         install(only="(")
     with pytest.raises(HloShardError, match="min_shard_bytes=-1 must be at least 0"):
         install(min_shard_bytes=-1)  # as the CLI refuses --min-shard-bytes -1
+    with pytest.raises(HloShardError, match="accumulator"):
+        install(accumulator="always")
     assert not installed()
 
 
