@@ -384,22 +384,19 @@ def computed_from_device_id(comp: Computation, values: Sequence[str]) -> bool:
     """Every one of ``values`` is computed in ``comp`` from constants and the device's id
     only, through index arithmetic (the partitioner's slice offsets): the same in every
     iteration of a loop whose body ``comp`` is, and the same when computed anywhere
-    else. An iterative walk of their operands."""
-    seen: set[str] = set()
-    pending = list(values)
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
+    else. One walk, through index arithmetic only."""
+    def arithmetic(name: str) -> bool:
         inst = comp[name]
-        if inst.opcode in DEVICE_ID_OPCODES or \
-                (not inst.operands and inst.opcode in DETERMINISTIC_OPS):
-            continue
-        if inst.opcode not in _INDEX_ARITHMETIC or not inst.operands:
-            return False
-        pending.extend(inst.operands)
-    return True
+        return inst.opcode in _INDEX_ARITHMETIC and bool(inst.operands)
+
+    def leaf(name: str) -> bool:
+        inst = comp[name]
+        return inst.opcode in DEVICE_ID_OPCODES or \
+            (not inst.operands and inst.opcode in DETERMINISTIC_OPS)
+
+    walked = set(values) | reachable(
+        values, lambda name: comp[name].operands if arithmetic(name) else ())
+    return all(arithmetic(name) or leaf(name) for name in walked)
 
 
 #: Ops that only re-lay a gradient out on its way to the slice (XLA writes the
