@@ -631,3 +631,26 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     assert in_loops(fast.hlo_text) == len(staying)
     state_jit, _ = run_steps(step, (params, opt_state), batch)
     assert_close(state_fast, state_jit)
+
+
+@pytest.mark.slow
+def test_a_step_run_as_it_was_still_says_why_its_sums_stay_in_the_loop(request):
+    """bf16 compute on the (data=2, fsdp=4) mesh, a ``fori_loop`` over microbatches: each
+    bf16 sum is converted to f32 before it is accumulated, so it stays in the loop; the
+    gate keeps the step as it was, and ``fast.report`` still carries the passes' notes
+    (what ``--explain`` prints), not only the verdict."""
+    from jax_train_helpers import needs_devices, run_steps
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program("fori-mean-bf16", mesh_shape=(2, 4))
+    fast = hsj.shard_weight_update(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hsj.FallbackWarning)
+        run_steps(fast, (params, opt_state), batch, 1)
+    report = fast.report
+    assert report is not None and report["fallback"] in (None, "not_faster")
+    assert any("converted to another type before it is accumulated" in note
+               for note in report["notes"]), report["notes"]

@@ -234,14 +234,16 @@ def _options_json(options: ShardingOptions) -> dict:
 
 def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
     """``fast.report`` where ``fast`` runs ``fn``: the reason code and words, what
-    the pass and its gate said where they ran (``speed`` None before that) and the
-    first call's seconds per stage as far as it got."""
+    the pass and its gate said where they ran (``speed`` None before that; the passes'
+    notes, as ``--explain`` prints them) and the first call's seconds per stage as far
+    as it got."""
     report = why.report
     return {**_options_json(options), "devices": None if report is None else report.devices,
             "fallback": why.code.value, "reason": str(why),
             "speed": None if why.decision is None else speed_json(why.decision),
             "sharded": 0, "gradients": None if report is None else len(report.explanations),
             "explanations": [] if report is None else [r.to_json() for r in report.explanations],
+            "notes": [] if report is None else list(report.notes),
             "seconds": None if why.seconds is None else why.seconds.to_json()}
 
 
