@@ -217,6 +217,20 @@ def test_a_loop_that_cannot_be_rewired_is_left_alone(edit, reason):
     assert {(k.all_reduce, k.reason) for k in report.kept} == {("arw", reason), ("arb", reason)}
 
 
+def test_a_sum_read_by_a_fusion_stays_and_says_so():
+    """XLA's fused form (what the hook sees on CPU): the add into the accumulator is a
+    fusion's, which the motion does not look into."""
+    text = LOOP.replace("cond {", "fadd { a = f32[32] parameter(0) b = f32[32] parameter(1)\n"
+                        " ROOT s = f32[32] add(a, b) }\ncond {").replace(
+        "naccb = f32[32] add(arb, accb)", "naccb = f32[32] fusion(arb, accb), kind=kLoop, "
+        "calls=fadd")
+    assert "calls=fadd" in text and "fadd {" in text
+    module, report = motion(text)
+    assert body_collectives(module) == ["arb"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "fused")]
+    assert any("read by a fusion" in note for note in report.notes)
+
+
 def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
     """FSDP's form: the loop carries this device's rows of the sum. By default the
     all-reduce stays (moved, the loop would carry the whole gradient: ``sliced``); with

@@ -157,6 +157,8 @@ REASONS: dict[str, str] = {
     "sliced-form": "its sum is cut to a slice other than by one dynamic-slice at the "
                    "device's own offsets read only by the accumulation (or it is an element "
                    "of a tuple all-reduce)",
+    "fused": "its result is read by a fusion (XLA's fused form), which the motion does not "
+             "look into",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -430,6 +432,8 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str, sliced: bool =
         value = user.name
     if user.opcode == "convert":
         raise Refusal("converted")
+    if user.opcode == "fusion":
+        raise Refusal("fused")
     cut: tuple[str, ...] = ()
     if user.opcode == "dynamic-slice" and user.operands[0] == value:
         offsets = user.operands[1:]
