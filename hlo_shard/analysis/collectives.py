@@ -11,7 +11,6 @@ device receives from a reduce-scatter and the slot its data occupies in an all-g
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hlo_shard.graph import reachable, topological_order, users_map
@@ -380,23 +379,24 @@ def is_sum(module: Module, inst: Instruction) -> bool:
     return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
 
 
-def computed_from_device_id(comp: Computation, values: Sequence[str]) -> bool:
-    """Every one of ``values`` is computed in ``comp`` from constants and the device's id
-    only, through index arithmetic (the partitioner's slice offsets): the same in every
-    iteration of a loop whose body ``comp`` is, and the same when computed anywhere
-    else. One walk, through index arithmetic only."""
-    def arithmetic(name: str) -> bool:
-        inst = comp[name]
-        return inst.opcode in _INDEX_ARITHMETIC and bool(inst.operands)
-
-    def leaf(name: str) -> bool:
-        inst = comp[name]
-        return inst.opcode in DEVICE_ID_OPCODES or \
-            (not inst.operands and inst.opcode in DETERMINISTIC_OPS)
-
-    walked = set(values) | reachable(
-        values, lambda name: comp[name].operands if arithmetic(name) else ())
-    return all(arithmetic(name) or leaf(name) for name in walked)
+def device_index_values(comp: Computation) -> tuple[set[str], set[str]]:
+    """The values of ``comp`` computed from the device's id and constants only, through
+    index arithmetic (the partitioner's slice offsets: the same in every iteration of a
+    loop whose body ``comp`` is, and the same computed anywhere else), and the constant
+    ones among them. One forward walk."""
+    by_id: set[str] = set()
+    constant: set[str] = set()
+    for inst in topological_order(comp):
+        if inst.opcode in DEVICE_ID_OPCODES:
+            by_id.add(inst.name)
+        elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
+            constant.add(inst.name)
+        elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
+            if all(o in constant for o in inst.operands):
+                constant.add(inst.name)
+            elif all(o in constant or o in by_id for o in inst.operands):
+                by_id.add(inst.name)
+    return by_id, constant
 
 
 #: Ops that only re-lay a gradient out on its way to the slice (XLA writes the
@@ -591,22 +591,10 @@ class _ScatterForm:
         return self._parameter_reads
 
     def _device_ids(self) -> tuple[set[str], set[str]]:
-        """The values computed from the device's id and constants only, and the
-        constant ones: read once, when the first dynamic-slice is asked about."""
+        """:func:`device_index_values`, read once, when the first dynamic-slice is asked
+        about."""
         if self._ids is None:
-            by_id: set[str] = set()
-            constant: set[str] = set()
-            for inst in topological_order(self.comp):
-                if inst.opcode in DEVICE_ID_OPCODES:
-                    by_id.add(inst.name)
-                elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
-                    constant.add(inst.name)
-                elif inst.opcode in _INDEX_ARITHMETIC and inst.operands:
-                    if all(o in constant for o in inst.operands):
-                        constant.add(inst.name)
-                    elif all(o in constant or o in by_id for o in inst.operands):
-                        by_id.add(inst.name)
-            self._ids = by_id, constant
+            self._ids = device_index_values(self.comp)
         return self._ids
 
     def sliced_by_device(self, value: Instruction, through_loops: bool = True

@@ -38,16 +38,16 @@ as the one kept whole.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import computed_from_device_id, is_sum
+from hlo_shard.analysis.collectives import device_index_values, is_sum
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
-from hlo_shard.opinfo import DETERMINISTIC, DEVICE_IDS, OPINFO
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 from hlo_shard.units import fmt_bytes
@@ -310,11 +310,17 @@ class _Sinking:
                              for c in candidates)
             return False
         reads = slots_read(inner), slots_read(self.edits.rewriter(condition))
+
+        @functools.cache
+        def from_device() -> frozenset[str]:  # one walk of the body, where a slice is met
+            return frozenset().union(*device_index_values(body))
+
         claimed: set[int] = set()
         plans: list[tuple[Instruction, list[_Element]]] = []
         for candidate in candidates:
             try:
-                elements = _accumulation(self.module, inner, reads, candidate, self.sliced)
+                elements = _accumulation(self.module, inner, reads, candidate, from_device,
+                                         self.sliced)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
@@ -330,6 +336,7 @@ class _Sinking:
             move = _move(loop_edits, anchor, candidate, elements, self.channels)
             self.moved.append(move)
             anchor = move.last
+        loop_edits.remove_dead()
         return bool(plans)
 
 
@@ -370,10 +377,13 @@ def slots_read(rw: Rewriter) -> SlotReads:
 
 
 def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
-                  all_reduce: Instruction, sliced: bool = False) -> list[_Element]:
+                  all_reduce: Instruction, from_device: Callable[[], frozenset[str]],
+                  sliced: bool = False) -> list[_Element]:
     """The elements of ``all_reduce`` and the slot each accumulates into, or the reason
     it cannot move (raised). ``reads``: the body's and the condition's slot reads;
-    ``sliced``: a sum cut to this device's block before it is accumulated moves too."""
+    ``from_device``: the body's values computed from the device's id and constants
+    (:func:`~hlo_shard.analysis.collectives.device_index_values`); ``sliced``: a sum
+    cut to this device's block before it is accumulated moves too."""
     shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
         else (all_reduce.shape,)
     if not is_sum(module, all_reduce) or any(
@@ -390,7 +400,7 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
     in_body, in_condition = reads
     elements = []
     for operand, value in zip(all_reduce.operands, reduced):
-        slot, cut = _accumulated_slot(module, body, value, sliced)
+        slot, cut = _accumulated_slot(module, body, value, from_device, sliced)
         if cut and isinstance(all_reduce.shape, TupleShape):
             raise Refusal("sliced-form")
         # the add's own read, and nothing else (in the condition: nothing at all)
@@ -414,7 +424,8 @@ def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
     return [by_index[i][0] for i in range(count)]
 
 
-def _accumulated_slot(module: Module, body: Rewriter, value: str, sliced: bool = False
+def _accumulated_slot(module: Module, body: Rewriter, value: str,
+                      from_device: Callable[[], frozenset[str]], sliced: bool = False
                       ) -> tuple[int, tuple[str, ...]]:
     """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` whose
     only use is slot ``k`` of the body's root tuple: ``k``, and (``sliced``) the
@@ -437,7 +448,7 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str, sliced: bool =
     cut: tuple[str, ...] = ()
     if user.opcode == "dynamic-slice" and user.operands[0] == value:
         offsets = user.operands[1:]
-        if value in offsets or not computed_from_device_id(comp, offsets):
+        if value in offsets or not from_device().issuperset(offsets):
             raise Refusal("sliced-form")
         steps = [user.name]
         while True:  # relabels of the slice (the partitioner's transpose back) go along
@@ -468,12 +479,21 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str, sliced: bool =
 
 @dataclass(frozen=True)
 class _LoopEdits:
-    """The rewriters of a loop's computation (``outer``), body and condition."""
+    """The rewriters of a loop's computation (``outer``), body and condition, and what
+    the moves left unread in the body and in ``outer``, cleared once after them."""
 
     outer: Rewriter
     inner: Rewriter
     condition: Rewriter
     loop: Instruction
+    unread_inner: list[str] = field(default_factory=list)
+    unread_outer: list[str] = field(default_factory=list)
+
+    def remove_dead(self) -> None:
+        """Erase what the moves left unread (a slice taken after the loop now, its
+        offsets, a zero start the widened slot no longer reads) and what only it read."""
+        self.inner.remove_dead(among=self.unread_inner)
+        self.outer.remove_dead(among=self.unread_outer)
 
     def widen(self, slot: int, shape: ArrayShape) -> None:
         """Slot ``slot`` of the carry becomes ``shape`` (the whole gradient instead of
@@ -522,7 +542,7 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
         slot = element.slot
         whole = inner.comp[inner.comp[element.cut[0]].operands[0]]
         inner.replace_all_uses_with(element.cut[-1], whole.name)
-        _erase_unused(inner, [element.cut[-1]])
+        edits.unread_inner.append(element.cut[-1])
         before = _slot_shape(loop, slot).byte_size
         edits.widen(slot, cast(ArrayShape, whole.shape))
         widened.append((slot, before, _slot_shape(loop, slot).byte_size))
@@ -532,9 +552,8 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
         for element, shape, add in zip(elements, shapes, added):
             if add or element.slot in cuts:
                 outer.set_operand(init, element.slot, _zeros(outer, shape))
-    for start, add in zip(starts, added):
-        if not add:  # a zero start the slot no longer reads (widened: zeros of its shape)
-            _erase_unused(outer, [start])
+    # a widened slot's zero start is unread now (it starts at zeros of its shape)
+    edits.unread_outer.extend(start for start, add in zip(starts, added) if not add)
     readers = [[u.name for u in outer.users(loop.name) if u.int_attr("index") == e.slot]
                for e in elements]
     if not any(readers):  # nothing reads the sums after the loop: no all-reduce needed
@@ -603,21 +622,6 @@ class _Cut:
             copy.operands = [copies[o] for o in inst.operands]
             copies[inst.name] = rw.add_instruction(copy).name
         return copies[self.steps[-1].name]
-
-
-def _erase_unused(rw: Rewriter, names: list[str]) -> None:
-    """Erase each of ``names`` that nothing reads (not a parameter, not the root), then
-    what only it read: the slice and offsets a move left, an accumulator's old start."""
-    pending = list(names)
-    while pending:
-        inst = rw.comp.get(pending.pop())
-        if inst is None or inst.opcode == "parameter" or inst.name == rw.comp.root_name \
-                or rw.users(inst.name) or not (OPINFO[inst.opcode].values == DETERMINISTIC
-                                               or inst.opcode in DEVICE_IDS):
-            continue
-        operands = list(inst.operands)
-        rw.erase(inst.name)
-        pending.extend(operands)
 
 
 def _slot_shape(loop: Instruction, slot: int) -> ArrayShape:

@@ -513,8 +513,7 @@ class _Recarry:
         dropped = [init.operands[s] for s in sorted(accumulators)]
         outer.set_operands(init, [starts[s] for s in keep])
         outer.set_shape(init, carried)
-        for start in dropped:
-            _erase_dead_zeros(outer, start)
+        outer.remove_dead(among=dropped)  # the accumulators' zero starts, read no more
         inner.set_operands(body.root, [nexts[s] for s in keep])
         inner.set_shape(body.root, carried)
         for plan in plans:
@@ -553,18 +552,6 @@ class _Recarry:
         copy.name = rw.fresh_name(inst.name)
         copy.operands = list(inst.operands if operands is None else operands)
         return rw.add_instruction(copy).name
-
-
-def _erase_dead_zeros(rw: Rewriter, name: str) -> None:
-    """Erase an accumulator's old zero start (a broadcast constant) nothing reads now."""
-    inst = rw.comp.get(name)
-    if inst is None or rw.users(name) or inst.opcode not in ("constant", "broadcast") \
-            or name == rw.comp.root_name:
-        return
-    operands = list(inst.operands)
-    rw.erase(name)
-    for operand in operands:
-        _erase_dead_zeros(rw, operand)
 
 
 def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
