@@ -106,7 +106,7 @@ def build(name: str, width: int):
     init, loss, optimizer = _model(width)
     devices = np.array(jax.devices()[:DEVICES])
     fsdp = name in ("mesh-2x4-fsdp", "fsdp-accum")
-    accumulates = name in ("scan-accum", "fsdp-accum")
+    accumulates = name in ACCUMULATING
     layout = ((4, 2), ("data", "model")) if name == "mesh-4x2-tp" else \
         ((2, 4), ("data", "fsdp")) if fsdp else ((DEVICES,), ("data",))
     mesh = Mesh(devices.reshape(layout[0]), layout[1])
@@ -165,6 +165,8 @@ def build(name: str, width: int):
                    opt_state_prefix="[1]")
 
 
+#: The programs that accumulate microbatches in a ``lax.scan``.
+ACCUMULATING = ("scan-accum", "fsdp-accum")
 PROGRAMS = ("scan-accum", "multisteps", "mesh-4x2-tp", "mesh-2x4-fsdp", "bf16-master",
             "fsdp-accum")
 
@@ -233,7 +235,7 @@ def child(args: argparse.Namespace) -> None:
     """Measure and print the table (this process has the devices); the last line is
     the JSON summary for ``bench/run.py``."""
     print(f"3-layer LayerNorm MLP, width {args.width}, clip + AdamW, {PER_DEVICE} examples "
-          f"per device{f' x {MICROBATCHES} microbatches where accumulated' if {'scan-accum', 'fsdp-accum'} & set(args.programs) else ''}")
+          f"per device{f' x {MICROBATCHES} microbatches where accumulated' if set(ACCUMULATING) & set(args.programs) else ''}")
     print(cells("program", "mode", "step ms", "/jit", "/named", "rounds", "mem/dev",
                 "mem", "metrics", "decision"))
     print(cells("", "", "", "", "", "min-max", "/jit", "/named", "vs jit", ""), flush=True)
