@@ -409,8 +409,6 @@ LITERAL_SETS_ALLOWED: dict[tuple[str, frozenset[str]], str] = {
         "an elementwise fusion body's leaves: parameters, scalar constants, their broadcasts",
     ("hlo_shard.passes.weight_update.analysis", frozenset({"constant", "parameter"})):
         "a scalar body's leaves",
-    ("hlo_shard.passes.sharded_accumulator", frozenset({"broadcast", "constant"})):
-        "an accumulator's zero start: a constant, or its broadcast",
     ("hlo_shard.costmodel.step_time", frozenset({"get-tuple-element", "tuple"})):
         "tuple plumbing a gradient's users are followed through",
     ("hlo_shard.costmodel.step_time", frozenset({"constant", "parameter"})):
