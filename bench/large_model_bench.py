@@ -12,9 +12,10 @@ norm clipping + AdamW), trained five ways on 8 CPU devices:
   (jit all-gathers them), the batch over both axes;
 * ``bf16-master``: f32 weights cast to bf16 inside the loss (bf16 compute);
 * ``fsdp-accum``: the (data=2, fsdp=4) mesh of ``mesh-2x4-fsdp`` accumulating 4
-  microbatches in a ``lax.scan`` as ``scan-accum`` does (also with
-  ``accumulator="whole"``: the fsdp gradients' all-reduces leave the loop too, which
-  then carries whole gradients).
+  microbatches in a ``lax.scan`` as ``scan-accum`` does (by default the fsdp
+  gradients' all-reduces leave the loop too, which then carries whole gradients; also
+  with ``accumulator="sharded"``, which keeps them in the loop and its accumulators
+  the device's rows).
 
 Rows per program: ``jit``; ``shard_weight_update`` with ``state`` gathered and sharded,
 and sharded with ``params="sharded"`` (the fp32 master weights as shards, all-gathered
@@ -181,9 +182,9 @@ def measure(name: str, width: int, runs: int, rounds: int, force: bool) -> list[
         variants += [fast_variant(prog, "gathered", forced),
                      fast_variant(prog, "sharded", forced),
                      fast_variant(prog, "sharded", forced, params="sharded")]
-        if name == "fsdp-accum":  # the fsdp sums leave the loop only with whole accumulators
-            variants += [fast_variant(prog, "gathered", forced, accumulator="whole"),
-                         fast_variant(prog, "sharded", forced, accumulator="whole")]
+        if name == "fsdp-accum":  # the fsdp sums stay in the loop, carried as rows
+            variants += [fast_variant(prog, "gathered", forced, accumulator="sharded"),
+                         fast_variant(prog, "sharded", forced, accumulator="sharded")]
     return timed_with_named(prog, variants, runs, rounds)
 
 

@@ -84,9 +84,11 @@ SLICED = LOOP.replace(
     "mine = f32[32] reshape(ds) naccb = f32[32] add(mine, accb)")
 
 
-def motion(text: str, sliced: bool = False) -> tuple[Module, AccumulationReport]:
+def motion(text: str, sliced: bool = False, memory_bytes: int = 0
+           ) -> tuple[Module, AccumulationReport]:
     module = parse(text)
-    result = Pipeline((AccumulationMotion(sliced=sliced),), check=validate_printed).run(module)
+    result = Pipeline((AccumulationMotion(sliced=sliced, memory_bytes=memory_bytes),),
+                      check=validate_printed).run(module)
     report = result.report(AccumulationReport)
     return module, report
 
@@ -232,9 +234,9 @@ def test_a_sum_read_by_a_fusion_stays_and_says_so():
 
 
 def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
-    """FSDP's form: the loop carries this device's rows of the sum. By default the
-    all-reduce stays (moved, the loop would carry the whole gradient: ``sliced``); with
-    ``sliced`` (the accumulator mode ``whole``) the body accumulates the whole local
+    """FSDP's form: the loop carries this device's rows of the sum. Without ``sliced``
+    (the accumulator mode ``sharded``) the all-reduce stays (moved, the loop would carry
+    the whole gradient: ``sliced``); with it the body accumulates the whole local
     gradient, and the all-reduce, the device's slice of it (offsets computed again after
     the loop) and the reshape after it run once, after the loop."""
     assert SLICED != LOOP
@@ -253,6 +255,42 @@ def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
     (block,) = find(module, "dynamic-slice")  # (the entry's)
     assert module.entry[block.operands[0]].opcode == "all-reduce"
     assert module.entry["loop"].shape.elements[2].dims == (8, 32)
+
+
+def test_a_sliced_sum_stays_where_the_whole_gradient_would_not_fit_the_device():
+    """``memory_bytes`` (the profile's device memory, the accumulator mode ``auto``): the
+    move may not take the module's modelled peak past it. The widened slot adds 7 rows
+    of 32 floats: a bound one byte short of the peak plus those keeps the sum in the
+    loop (``sliced-memory``), one that holds them moves it."""
+    from hlo_shard.costmodel.memory import memory_profile
+
+    peak = memory_profile(parse(SLICED)).peak_bytes
+    needed = peak + 7 * 32 * 4
+    module, report = motion(SLICED, sliced=True, memory_bytes=needed - 1)
+    assert body_collectives(module) == ["arb"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "sliced-memory")]
+    assert any("exceed the device's memory" in note for note in report.notes)
+    module, report = motion(SLICED, sliced=True, memory_bytes=needed)
+    assert body_collectives(module) == [] and not report.kept
+
+
+def test_the_accumulator_mode_decides_what_the_sliced_sums_may_cost():
+    """``whole`` moves them whatever the memory, ``auto`` within the profile's device
+    memory (unknown on the CPU profile: no bound), ``sharded`` keeps them in the loop."""
+    from hlo_shard.passes.sharding_pipeline import accumulation_motion
+    from hlo_shard.passes.weight_update import WeightUpdateSharding
+    from hlo_shard.profiles import resolve_profile
+
+    def mode(accumulator: str, profile: str) -> AccumulationMotion:
+        return accumulation_motion(WeightUpdateSharding(
+            ShardingOptions(accumulator=accumulator, profile=profile)))
+
+    h100 = resolve_profile("h100").device_memory_bytes
+    assert h100 > 0
+    assert mode("auto", "h100") == AccumulationMotion(sliced=True, memory_bytes=h100)
+    assert mode("auto", "cpu-local") == AccumulationMotion(sliced=True, memory_bytes=0)
+    assert mode("whole", "h100") == AccumulationMotion(sliced=True, memory_bytes=0)
+    assert mode("sharded", "h100") == AccumulationMotion(sliced=False, memory_bytes=0)
 
 
 def test_a_slice_that_moves_with_the_iteration_stays():
@@ -606,15 +644,16 @@ def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulator", ["auto", "whole"])
+@pytest.mark.parametrize("accumulator", ["auto", "sharded"])
 def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     """A (data=2, fsdp=4) mesh, gradients of 4 microbatches summed in a ``lax.scan``:
     the fsdp gradients are already sharded, and sharding the rest does not pay, but the
     data-axis all-reduces leave the loop: ``shard_weight_update`` runs that module (no
     fallback, nothing sharded, fewer all-reduces per microbatch) with jit's numbers.
     The fsdp gradients' all-reduces, each cut to the device's rows before it is
-    accumulated, stay in the loop (``sliced``) unless the accumulator may be whole:
-    then they leave it too, and no gradient is all-reduced in the loop."""
+    accumulated, leave it too (the CPU profile knows no memory bound), and no gradient
+    is all-reduced in the loop; with the accumulator ``sharded`` they stay
+    (``sliced``)."""
     from jax_train_helpers import assert_close, needs_devices, run_steps
 
     import hlo_shard.jax as hsj
@@ -630,9 +669,9 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     assert fast.report["sharded"] == 0
     assert any("moved after the loop" in note for note in fast.report["notes"])
     sliced = [note for note in fast.report["notes"] if "cut to a slice" in note]
-    assert bool(sliced) == (accumulator == "auto")
+    assert bool(sliced) == (accumulator == "sharded")
     staying = [note for note in fast.report["notes"] if "stays in the loop" in note]
-    if accumulator == "whole":  # what stays is the loss's sum, not a gradient's
+    if accumulator == "auto":  # what stays is the loss's sum, not a gradient's
         assert len(staying) == 1 and "not only added into a carried slot" in staying[0]
 
     def in_loops(text: str) -> int:

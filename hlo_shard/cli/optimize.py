@@ -236,8 +236,9 @@ def global_program_note(module: Module) -> str | None:
               help="Gradient accumulation loops: whole (one reduce-scatter after the loop; "
                    "also the sums the program slices per device before accumulating, FSDP's, "
                    "whose loop then carries whole gradients), sharded (one per microbatch "
-                   "into an accumulator carried as a shard: 1/N of its memory), auto "
-                   "(whichever the cost model predicts faster; FSDP's sliced sums stay).")
+                   "into an accumulator carried as a shard: 1/N of its memory; FSDP's "
+                   "sliced sums stay in the loop), auto (whichever the cost model predicts "
+                   "faster, within the profile's device memory).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="auto", show_default=True,
               help="One collective per gradient, combined buckets, or chosen by cost.")
 @click.option("--min-shard-bytes", type=click.IntRange(min=0), default=0, show_default=True,

@@ -25,8 +25,9 @@ def shard_weight_update(fn: Callable, *, state: str = "gathered", params: str = 
     into an accumulator carried as a shard, 1/N of its memory (``"sharded"``), or
     whichever the cost model predicts faster (``"auto"``; ``optimize --accumulator``).
     Where the program itself slices each microbatch's sum to the device's block before
-    accumulating it (FSDP), only ``"whole"`` moves that all-reduce out of the loop: the
-    loop then carries the whole gradient, N times the block.
+    accumulating it (FSDP), moving that all-reduce out of the loop makes the loop carry
+    the whole gradient, N times the block: ``"whole"`` does, ``"auto"`` where the
+    profile's device memory holds it, ``"sharded"`` keeps the all-reduce in the loop.
     ``profile``: the hardware the step is priced on (a profile name or file, as for
     ``hlo-shard optimize``; by default the published profile of the devices the step is
     compiled for, read at its first call: ``cpu-local`` on CPU). A step

@@ -34,6 +34,13 @@ collectives for memory, a reduce-scatter per microbatch into an accumulator carr
 a shard, is chosen after the sharding, on the reduce-scatter it puts after the loop
 (:mod:`~hlo_shard.passes.sharded_accumulator`). The speed gate prices the moved module
 as the one kept whole.
+
+A sum the body cuts to this device's block before accumulating it (the partitioner's
+FSDP form: the loop carries the block) moves with ``sliced``: the loop then carries the
+whole local gradient, so the move is bounded by the device's memory where the profile
+knows it. After the loop the pair is the partitioner's reduce-scatter form again, which
+:mod:`~hlo_shard.passes.reduce_scatter_creation` and then the sharded accumulator may
+turn into a reduce-scatter per microbatch into the block, where priced faster.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import device_index_values, is_sum
+from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
@@ -150,10 +158,14 @@ REASONS: dict[str, str] = {
     "not-accumulated": "its result is not only added into a carried slot",
     "converted": "its result is converted to another type before it is accumulated (moved, "
                  "the sum would be rounded in another type)",
-    "sliced": "its sum is cut to a slice by a dynamic-slice before it is accumulated: the "
-              "loop carries only the slice, the partitioner's FSDP/ZeRO form; moved out, "
-              "it would carry the whole gradient, the memory the slicing saves (the "
-              "accumulator mode 'whole' moves it)",
+    "sliced": "its sum is cut to a slice by a dynamic-slice before it is accumulated (the "
+              "partitioner's FSDP/ZeRO form) and the accumulator mode 'sharded' keeps the "
+              "loop carrying the slice (moved out, it would carry the whole gradient)",
+    "sliced-memory": "its sum is cut to a slice by a dynamic-slice before it is accumulated "
+                     "(the partitioner's FSDP/ZeRO form); moved out, the loop would carry "
+                     "the whole gradient and the modelled peak would exceed the device's "
+                     "memory (the profile's device_memory_bytes; the accumulator mode "
+                     "'whole' moves it anyway)",
     "sliced-form": "its sum is cut to a slice other than by one dynamic-slice at the "
                    "device's own offsets read only by the accumulation (or it is an element "
                    "of a tuple all-reduce)",
@@ -255,13 +267,17 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
     those whose sum is cut to this device's block before it is accumulated (the
     partitioner's FSDP form): the loop then carries the whole local gradient instead of
     the block, N times its bytes, and the all-reduce and the slice run once, after the
-    loop (the accumulator mode ``whole``; otherwise they stay, reason ``sliced``)."""
+    loop (otherwise they stay, reason ``sliced``). ``memory_bytes``: the device's
+    memory, which such a move may not make the modelled peak exceed (reason
+    ``sliced-memory``); 0: not known, no bound."""
 
     name: ClassVar[str] = "accumulation-motion"
     sliced: bool = False
+    memory_bytes: int = 0
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
-        sinking = _Sinking(module, rewriter, ChannelIds(module), self.sliced)
+        sinking = _Sinking(module, rewriter, ChannelIds(module), self.sliced,
+                           _MemoryBudget(module, self.memory_bytes))
         # A moved all-reduce lands in the loop's computation, which may itself be an
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
@@ -279,6 +295,7 @@ class _Sinking:
     edits: ModuleRewriter
     channels: ChannelIds
     sliced: bool = False
+    budget: _MemoryBudget | None = None
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
 
@@ -324,6 +341,8 @@ class _Sinking:
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
+                if self.budget is not None:
+                    self.budget.spend(sum(_widening_bytes(inner.comp, e) for e in elements))
             except Refusal as why:
                 self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
                                                why.reason))
@@ -338,6 +357,39 @@ class _Sinking:
             anchor = move.last
         loop_edits.remove_dead()
         return bool(plans)
+
+
+@dataclass
+class _MemoryBudget:
+    """The bytes the moves of sliced sums may add to the module's modelled peak (its
+    :func:`~hlo_shard.costmodel.memory.memory_profile`, priced once, at the first such
+    move) before it exceeds ``limit``; 0: no limit."""
+
+    module: Module
+    limit: int
+    added: int = 0
+    peak: int | None = None
+
+    def spend(self, extra: int) -> None:
+        """Count ``extra`` bytes carried, or refuse them (``sliced-memory``)."""
+        if not extra or not self.limit:
+            return
+        if self.peak is None:
+            self.peak = memory_profile(self.module).peak_bytes
+        if self.peak + self.added + extra > self.limit:
+            raise Refusal("sliced-memory")
+        self.added += extra
+
+
+def _widening_bytes(body: Computation, element: _Element) -> int:
+    """What moving ``element`` adds to its loop's carry: its whole gradient less the
+    slice carried now (0 for a sum accumulated whole)."""
+    if not element.cut:
+        return 0
+    whole = body[body[element.cut[0]].operands[0]].shape
+    carried = body[element.cut[-1]].shape
+    assert isinstance(whole, ArrayShape) and isinstance(carried, ArrayShape)
+    return whole.byte_size - carried.byte_size
 
 
 def loops_all_reduce(module: Module) -> bool:

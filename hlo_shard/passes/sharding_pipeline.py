@@ -8,8 +8,9 @@
 1. :class:`~hlo_shard.passes.accumulation_motion.AccumulationMotion` (gradients summed
    over microbatches in a loop are all-reduced once, after it: the sharding then sees
    one all-reduce per gradient feeding the update, and a microbatch's gradient bytes
-   cross the network once per step instead of once per microbatch; with the
-   accumulator mode ``whole``, also the sums the loop cuts to this device's slice);
+   cross the network once per step instead of once per microbatch; unless the
+   accumulator mode is ``sharded``, also the sums the loop cuts to this device's slice,
+   by default where the device's memory allows);
 2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
 3. :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`;
@@ -70,9 +71,14 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
 
 
 def accumulation_motion(sharding: WeightUpdateSharding) -> AccumulationMotion:
-    """The motion as the sharding's accumulator mode asks: ``whole`` also moves the sums
-    the body cuts to this device's slice (the loop then carries whole gradients)."""
-    return AccumulationMotion(sliced=sharding.options.accumulator == "whole")
+    """The motion as the sharding's accumulator mode asks about the sums the body cuts to
+    this device's slice (moved, the loop carries whole gradients): ``whole`` moves them,
+    ``auto`` where the modelled peak still fits the profile's device memory, ``sharded``
+    keeps them in the loop (its accumulators stay slices)."""
+    mode = sharding.options.accumulator
+    return AccumulationMotion(sliced=mode != "sharded",
+                              memory_bytes=sharding.profile.device_memory_bytes
+                              if mode == "auto" else 0)
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,
