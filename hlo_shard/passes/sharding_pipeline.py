@@ -70,6 +70,19 @@ def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | No
                     after_pass=after_pass)
 
 
+def unsharded_pipeline(sharding: WeightUpdateSharding, *, branches: bool = True,
+                       loops: bool = True, scatters: bool = True) -> Pipeline:
+    """The passes of :func:`sharding_pipeline` that change a module whether or not
+    anything is sharded (what it writes when nothing is: the speed gate prices that
+    module): the motions out of conditionals (``branches``) and accumulation loops
+    (``loops``) and the partitioner's pairs made reduce-scatters (``scatters``); a flag
+    False leaves out a pass the caller knows has nothing to do. Unchecked: a priced
+    copy, never written (the pipeline that writes runs them checked)."""
+    chosen = ((ConditionalMotion(), branches), (accumulation_motion(sharding), loops),
+              (ReduceScatterCreation(sharding.profile), scatters))
+    return Pipeline(tuple(step for step, wanted in chosen if wanted), check=None)
+
+
 def accumulation_motion(sharding: WeightUpdateSharding) -> AccumulationMotion:
     """The motion as the sharding's accumulator mode asks about the sums the body cuts to
     this device's slice (moved, the loop carries whole gradients): ``whole`` moves them,
@@ -100,4 +113,4 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
     return report
 
 
-__all__ = ["accumulation_motion", "run_sharding", "sharding_pipeline"]
+__all__ = ["accumulation_motion", "run_sharding", "sharding_pipeline", "unsharded_pipeline"]

@@ -53,7 +53,7 @@ from hlo_shard.passes.base import Pass, PassResult
 from hlo_shard.passes.conditional_motion import ConditionalMotion, conditionals_all_reduce
 from hlo_shard.passes.pipeline import AfterPass, InputProblems, edited_computations
 from hlo_shard.passes.reduce_scatter_creation import ReduceScatterCreation
-from hlo_shard.passes.sharding_pipeline import (accumulation_motion, run_sharding,
+from hlo_shard.passes.sharding_pipeline import (run_sharding, unsharded_pipeline,
                                                 sharding_pipeline)
 from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update import (Explanation, ShardingReport, WeightUpdateSharding,
@@ -381,15 +381,14 @@ def _unsharded_estimate(module: Module, sharding: WeightUpdateSharding,
                    for found in find_gradient_all_reduces(module))
     if not (moves or scatters):
         return None
-    hardware = sharding.profile
     candidate = module.clone()
-    runs = ([ConditionalMotion().run(candidate)] if branches else []) + \
-        ([accumulation_motion(sharding).run(candidate)] if moves else []) + \
-        ([ReduceScatterCreation(hardware).run(candidate)] if scatters else [])
-    if not any(run.changed for run in runs):
+    result = unsharded_pipeline(sharding, branches=branches, loops=moves,
+                                scatters=scatters).run(candidate)
+    if not result.changed:
         return None
-    edited = edited_computations([change for run in runs for change in run.changes])
-    return predicted_step(candidate, hardware, earlier=EarlierCosts(whole.model, edited))
+    edited = edited_computations([change for run in result.results for change in run.changes])
+    return predicted_step(candidate, sharding.profile,
+                          earlier=EarlierCosts(whole.model, edited))
 
 
 def _seconds(estimate: StepEstimate | None) -> float | None:
