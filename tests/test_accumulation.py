@@ -219,18 +219,82 @@ def test_a_loop_that_cannot_be_rewired_is_left_alone(edit, reason):
     assert {(k.all_reduce, k.reason) for k in report.kept} == {("arw", reason), ("arb", reason)}
 
 
-def test_a_sum_read_by_a_fusion_stays_and_says_so():
-    """XLA's fused form (what the hook sees on CPU): the add into the accumulator is a
-    fusion's, which the motion does not look into."""
-    text = LOOP.replace("cond {", "fadd { a = f32[32] parameter(0) b = f32[32] parameter(1)\n"
-                        " ROOT s = f32[32] add(a, b) }\ncond {").replace(
-        "naccb = f32[32] add(arb, accb)", "naccb = f32[32] fusion(arb, accb), kind=kLoop, "
-        "calls=fadd")
-    assert "calls=fadd" in text and "fadd {" in text
+#: LOOP in XLA's fused form (what the hook sees on CPU): the bias gradient's add into
+#: its accumulator is a fusion's, the sum scaled by a constant inside it.
+FUSED_ADD = LOOP.replace(
+    "cond {", "fadd { a = f32[32] parameter(0) b = f32[32] parameter(1)\n"
+    " q = f32[] constant(0.25) qb = f32[32] broadcast(q), dimensions={}\n"
+    " m = f32[32] multiply(b, qb) ROOT s = f32[32] add(a, m) }\ncond {").replace(
+    "naccb = f32[32] add(arb, accb)", "naccb = f32[32] fusion(accb, arb), kind=kLoop, "
+    "calls=fadd")
+
+#: LOOP with XLA's combined all-reduce: both gradients and a scalar that is not
+#: accumulated (it shifts the weight every iteration) in one tuple all-reduce.
+COMBINED = LOOP.replace(
+    "arw = f32[16,32] all-reduce(gw), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n "
+    "tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw)\n", "").replace(
+    "arb = f32[32] all-reduce(gb), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n "
+    "naccb = f32[32] add(arb, accb)",
+    "sg = f32[] reduce(gb, f0), dimensions={0}, to_apply=add\n "
+    "ar = (f32[16,32], f32[32], f32[]) all-reduce(gw, gb, sg), "
+    "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n "
+    "arw = f32[16,32] get-tuple-element(ar), index=0 arb = f32[32] get-tuple-element(ar), "
+    "index=1 ars = f32[] get-tuple-element(ar), index=2\n "
+    "tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw) "
+    "naccb = f32[32] add(arb, accb)\n "
+    "k = f32[] constant(0.001) sk = f32[] multiply(ars, k) "
+    "bs = f32[32,16] broadcast(sk), dimensions={} nw = f32[32,16] add(w, bs)").replace(
+    "tuple(ni, naccw, naccb, w, xs)", "tuple(ni, naccw, naccb, nw, xs)")
+
+
+def test_a_sum_a_fusion_adds_into_the_accumulator_moves():
+    """XLA's fused form: a fusion that only adds the sum (through ops that commute with
+    it, a constant factor here) into the accumulator is the accumulation; the body's
+    fusion then adds the local value, unchanged."""
+    assert "calls=fadd" in FUSED_ADD and "fadd {" in FUSED_ADD
+    module, report = motion(FUSED_ADD)
+    assert body_collectives(module) == [] and not report.kept
+    assert module.computation("body")["naccb"].operands == ["accb", "gb"]
+
+
+@pytest.mark.parametrize("fused", [
+    "ROOT s = f32[32] add(a, t) t = f32[32] tanh(b)",  # (reordered below) not linear
+    "ROOT s = f32[32] add(m, m)",  # the accumulator not read
+    "ROOT s = f32[32] multiply(a, m)",  # not an add
+], ids=["tanh", "no-accumulator", "multiply"])
+def test_a_sum_read_by_another_fusion_stays_and_says_so(fused):
+    """A fusion that does more than add the sum into the accumulator: the motion does not
+    look into it (``fused``)."""
+    if fused.startswith("ROOT s = f32[32] add(a, t)"):
+        fused = "t = f32[32] tanh(b) ROOT s = f32[32] add(a, t)"
+    text = FUSED_ADD.replace("ROOT s = f32[32] add(a, m)", fused)
+    assert text != FUSED_ADD
     module, report = motion(text)
     assert body_collectives(module) == ["arb"]
     assert [(k.all_reduce, k.reason) for k in report.kept] == [("arb", "fused")]
     assert any("read by a fusion" in note for note in report.notes)
+
+
+def test_a_combined_all_reduce_leaves_its_unaccumulated_elements_in_the_loop():
+    """XLA's combiner puts the gradients and other sums in one tuple all-reduce: the
+    accumulated elements leave the loop (one tuple all-reduce after it, a fresh
+    channel), the others stay as an all-reduce of their own, which the report names
+    with the reason and the all-reduce it came from."""
+    assert "nw = f32[32,16] add(w, bs)" in COMBINED
+    module, report = motion(COMBINED)
+    (kept,) = find(module, "all-reduce", "body")
+    # one element: an array all-reduce (XLA:CPU refused a tuple of one under the hook)
+    assert kept.operands == ["sg"] and kept.shape == parse(COMBINED).computation(
+        "body")["sg"].shape
+    assert [u.name for u in module.computation("body").instructions
+            if kept.name in u.operands] == ["sk"]
+    assert [(k.all_reduce, k.reason, k.part_of) for k in report.kept] == \
+        [(kept.name, "not-accumulated", "ar")]
+    assert "the elements of %ar that did not move" in report.notes[-1]
+    (move,) = report.moved
+    assert move.all_reduce == "ar" and move.slots == (1, 2)
+    (after,) = find(module, "all-reduce")
+    assert len(after.operands) == 2
 
 
 def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
@@ -379,10 +443,11 @@ def verify(original: str, candidate: Module, manifest=None) -> runtime.VerifyRep
                           runtime.VerifyOptions(steps=3, manifest=manifest))
 
 
-@pytest.mark.parametrize("text", [LOOP, MEAN], ids=["sum", "mean"])
-def test_the_moved_loop_computes_the_same(worker, text):
+@pytest.mark.parametrize("text, moves", [(LOOP, 2), (MEAN, 2), (FUSED_ADD, 2), (COMBINED, 1)],
+                         ids=["sum", "mean", "fused-add", "combined"])
+def test_the_moved_loop_computes_the_same(worker, text, moves):
     module, report = motion(text)
-    assert len(report.moved) == 2
+    assert len(report.moved) == moves
     result = verify(text, module)
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
@@ -398,6 +463,17 @@ def test_the_widened_loop_computes_the_same(worker):
     zero = next(o for o in block.operands[1:] if module.entry[o].opcode == "constant")
     Rewriter(module.entry).set_operand(block, 1, zero)
     assert not verify(SLICED, module).ok
+
+
+def test_a_split_that_loses_the_staying_sum_is_caught(worker):
+    """A mutant of the combined all-reduce's split: the element that stays reads the
+    device's own value instead of its sum over devices (what forgetting to keep it
+    all-reduced computes) must DIFFER."""
+    module, _ = motion(COMBINED)
+    body = module.computation("body")
+    (kept,) = find(module, "all-reduce", "body")
+    Rewriter(body).replace_all_uses_with(kept.name, kept.operands[0])
+    assert not verify(COMBINED, module).ok
 
 
 def test_dropping_the_initial_value_is_caught(worker):
@@ -684,6 +760,35 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     assert in_loops(fast.hlo_text) == len(staying)
     state_jit, _ = run_steps(step, (params, opt_state), batch)
     assert_close(state_fast, state_jit)
+
+
+@pytest.mark.slow
+def test_the_hook_moves_xla_fused_accumulation_out_of_the_loop(request):
+    """Under ``install()`` the pass sees XLA:CPU's fused module: the gradients and the
+    loss's sum in one combined all-reduce, each gradient added into its accumulator by
+    a fusion. The gradients leave the loop (one all-reduce after it), the loss's sum
+    stays as an all-reduce of its own, and the step computes jit's numbers."""
+    from jax_train_helpers import assert_close, needs_devices, run_steps
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, params, opt_state, batch = _scan_program()
+    state_jit, _ = run_steps(step, (params, opt_state), batch)
+    hsj.decisions(clear=True)
+    with hsj.install():
+        step, params, opt_state, batch = _scan_program()  # compiled under the hook
+        state_hooked, _ = run_steps(step, (params, opt_state), batch)
+    moving = [d for d in hsj.decisions(clear=True) if not d.reused and d.report and any(
+        "accumulated all-reduce(s) moved after the loop" in n for n in d.report.notes)]
+    assert len(moving) == 1, [(d.module, d.reused, d.changed) for d in moving]
+    (decision,) = moving
+    notes = decision.report.notes
+    assert decision.changed, decision.reason
+    (staying,) = [note for note in notes if "stays in the loop" in note]
+    assert "the elements of" in staying and "read by a fusion" in staying
+    assert_close(state_hooked, state_jit)
 
 
 @pytest.mark.slow

@@ -20,12 +20,17 @@ What is proven before an all-reduce moves (anything else stays, with a reason co
   ``constrain_layout``, and its operand has its result's shape and layout;
 * its result (each element's, for the tuple form) reaches an ``add`` with a
   ``get-tuple-element`` of the body's parameter only through ops that commute with a sum
-  over devices (:data:`COMMUTING`), each used once;
+  over devices (:data:`COMMUTING`), each used once; in XLA's fused form the add may be a
+  fusion of the two whose fused computation is that add, the sum reaching it through
+  such ops too;
 * that add is used only by the body's root tuple, at the same slot it reads, once;
 * the slot is read by nothing else in the body or the condition (the parameter is only
   taken apart by ``get-tuple-element``), so no iteration sees the partial sums;
 * the body belongs to this one loop, the loop's initial tuple to this loop, and the loop's
   result is only taken apart by ``get-tuple-element`` (whose users are rewired).
+
+Of a tuple all-reduce (XLA's combiner joins a loss's sum to the gradients' in one), the
+elements proven so move and the others stay in the loop as an all-reduce of their own.
 
 This pass always moves what it can prove: the gradient's bytes then cross the network
 once per step rather than once per microbatch, and the update after the loop can be
@@ -49,7 +54,7 @@ import functools
 import json
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import device_index_values, is_sum
@@ -169,8 +174,8 @@ REASONS: dict[str, str] = {
     "sliced-form": "its sum is cut to a slice other than by one dynamic-slice at the "
                    "device's own offsets read only by the accumulation (or it is an element "
                    "of a tuple all-reduce)",
-    "fused": "its result is read by a fusion (XLA's fused form), which the motion does not "
-             "look into",
+    "fused": "its result is read by a fusion (XLA's fused form) other than one that only "
+             "adds it into the accumulator, which the motion does not look into",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -206,6 +211,9 @@ class KeptAllReduce:
     loop: str
     all_reduce: str
     reason: str
+    #: The tuple all-reduce this one was split from, whose other elements moved ("":
+    #: none was).
+    part_of: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,8 +233,12 @@ class AccumulationReport:
                  f"per step instead of one per iteration{_widened_words(moves)}"
                  for (comp, loop), moves in by_loop.items()]
         notes += [f"{k.computation}/while %{k.loop}: all-reduce %{k.all_reduce} stays in "
-                  f"the loop ({REASONS[k.reason]})" for k in self.kept]
+                  f"the loop{_split_words(k)} ({REASONS[k.reason]})" for k in self.kept]
         return notes
+
+
+def _split_words(kept: KeptAllReduce) -> str:
+    return f", the elements of %{kept.part_of} that did not move" if kept.part_of else ""
 
 
 def _widened_words(moves: list[MovedAllReduce]) -> str:
@@ -282,8 +294,13 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
             pass
-        # a later sweep sees the loops it left alone again: one entry per all-reduce
-        kept = {(k.computation, k.loop, k.all_reduce): k for k in sinking.kept}
+        # a later sweep sees the loops it left alone again: one entry per all-reduce,
+        # the latest (what the moves left it), still naming the tuple it was split from
+        kept: dict[tuple[str, str, str], KeptAllReduce] = {}
+        for k in sinking.kept:
+            key = k.computation, k.loop, k.all_reduce
+            split_from = kept[key].part_of if key in kept else ""
+            kept[key] = replace(k, part_of=k.part_of or split_from)
         for move in sinking.moved:
             kept.pop((move.computation, move.loop, move.all_reduce), None)
         return AccumulationReport(sinking.moved, list(kept.values()))
@@ -333,11 +350,11 @@ class _Sinking:
             return frozenset().union(*device_index_values(body))
 
         claimed: set[int] = set()
-        plans: list[tuple[Instruction, list[_Element]]] = []
+        plans: list[tuple[Instruction, list[_Element], dict[int, str]]] = []
         for candidate in candidates:
             try:
-                elements = _accumulation(self.module, inner, reads, candidate, from_device,
-                                         self.sliced)
+                elements, staying = _accumulation(self.module, inner, reads, candidate,
+                                                  from_device, self.sliced)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
@@ -348,10 +365,14 @@ class _Sinking:
                                                why.reason))
                 continue
             claimed |= slots
-            plans.append((candidate, elements))
+            plans.append((candidate, elements, staying))
         anchor = loop.name
         loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop)
-        for candidate, elements in plans:
+        for candidate, elements, staying in plans:
+            if staying:
+                kept = _split(inner, candidate, staying)
+                self.kept.append(KeptAllReduce(comp.name, loop.name, kept,
+                                               next(iter(staying.values())), candidate.name))
             move = _move(loop_edits, anchor, candidate, elements, self.channels)
             self.moved.append(move)
             anchor = move.last
@@ -430,10 +451,12 @@ def slots_read(rw: Rewriter) -> SlotReads:
 
 def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
                   all_reduce: Instruction, from_device: Callable[[], frozenset[str]],
-                  sliced: bool = False) -> list[_Element]:
-    """The elements of ``all_reduce`` and the slot each accumulates into, or the reason
-    it cannot move (raised). ``reads``: the body's and the condition's slot reads;
-    ``from_device``: the body's values computed from the device's id and constants
+                  sliced: bool = False) -> tuple[list[_Element], dict[int, str]]:
+    """The elements of ``all_reduce`` that move and the slot each accumulates into, and
+    those of a tuple all-reduce that stay (element index → reason code; XLA's combiner
+    puts a loss's sum in the same tuple as the gradients), or the reason none can move
+    (raised). ``reads``: the body's and the condition's slot reads; ``from_device``: the
+    body's values computed from the device's id and constants
     (:func:`~hlo_shard.analysis.collectives.device_index_values`); ``sliced``: a sum
     cut to this device's block before it is accumulated moves too."""
     shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
@@ -451,16 +474,50 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
         else [all_reduce.name]
     in_body, in_condition = reads
     elements = []
-    for operand, value in zip(all_reduce.operands, reduced):
-        slot, cut = _accumulated_slot(module, body, value, from_device, sliced)
-        if cut and isinstance(all_reduce.shape, TupleShape):
-            raise Refusal("sliced-form")
-        # the add's own read, and nothing else (in the condition: nothing at all)
-        if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
-                or in_condition.get(slot, 0):
-            raise Refusal("accumulator-read")
+    staying: dict[int, str] = {}
+    for index, (operand, value) in enumerate(zip(all_reduce.operands, reduced)):
+        try:
+            slot, cut = _accumulated_slot(module, body, value, from_device, sliced)
+            if cut and isinstance(all_reduce.shape, TupleShape):
+                raise Refusal("sliced-form")
+            # the add's own read, and nothing else (in the condition: nothing at all)
+            if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
+                    or in_condition.get(slot, 0):
+                raise Refusal("accumulator-read")
+        except Refusal as why:
+            if not isinstance(all_reduce.shape, TupleShape):
+                raise
+            staying[index] = why.reason
+            continue
         elements.append(_Element(operand, value, slot, cut))
-    return elements
+    if not elements:
+        raise Refusal(next(iter(staying.values())))
+    return elements, staying
+
+
+def _split(body: Rewriter, all_reduce: Instruction, staying: dict[int, str]) -> str:
+    """The elements ``staying`` of a tuple all-reduce taken by an all-reduce of their
+    own, before it (the same groups and channel: the rest leaves the loop with a fresh
+    one); its name. Their get-tuple-elements read it instead."""
+    shapes = cast(TupleShape, all_reduce.shape).elements
+    indices = sorted(staying)
+    # (one element: an array all-reduce, as XLA's shape inference has it)
+    shape = shapes[indices[0]] if len(indices) == 1 else \
+        TupleShape(tuple(shapes[i] for i in indices))
+    with body.inserting_before(all_reduce.name):
+        kept = body.add("all-reduce", shape, [all_reduce.operands[i] for i in indices],
+                        name=all_reduce.name, **dict(all_reduce.attributes))
+    for user in list(body.users(all_reduce.name)):
+        index = user.required_attr("index", int)
+        if index not in staying:
+            continue
+        if len(indices) == 1:
+            body.replace_all_uses_with(user.name, kept.name)
+            body.erase(user.name)
+        else:
+            body.set_operand(user, 0, kept.name)
+            body.set_attr(user, "index", indices.index(index))
+    return kept.name
 
 
 def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
@@ -495,8 +552,6 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
         value = user.name
     if user.opcode == "convert":
         raise Refusal("converted")
-    if user.opcode == "fusion":
-        raise Refusal("fused")
     cut: tuple[str, ...] = ()
     if user.opcode == "dynamic-slice" and user.operands[0] == value:
         offsets = user.operands[1:]
@@ -513,7 +568,12 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
             steps.append(user.name)
         value = steps[-1]
         cut = tuple(steps)
-    if user.opcode != "add" or user.operands.count(value) != 1:
+    # (a fused add is taken as the add where it adds the whole sum: a widened slot would
+    # need its fused computation widened too)
+    fused_add = user.opcode == "fusion"
+    if fused_add and (cut or not _adds_into_operand(module, user, value)):
+        raise Refusal("fused")
+    if (user.opcode != "add" and not fused_add) or user.operands.count(value) != 1:
         raise Refusal("not-accumulated")
     buffer = comp[user.operands[1 - user.operands.index(value)]]
     if buffer.opcode != "get-tuple-element" or comp[buffer.operands[0]].opcode != "parameter":
@@ -527,6 +587,36 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
     if cut and not sliced:
         raise Refusal("sliced")
     return slot, cut
+
+
+def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
+    """``fusion`` (XLA's fused form of the accumulation) is ``other + f(value)`` of its
+    two operands, ``f`` a chain of :data:`COMMUTING` ops each read once: moving the sum
+    after the loop leaves it as it is, adding the local value instead."""
+    if len(fusion.operands) != 2 or fusion.operands.count(value) != 1:
+        return False
+    fused = module.computation(fusion.called_computations()[0])
+    params = {p.param_number: p.name for p in fused.parameters()}
+    if sorted(params) != [0, 1]:
+        return False
+    followed = params[fusion.operands.index(value)]
+    readers: dict[str, list[Instruction]] = defaultdict(list)
+    for inst in fused.instructions:
+        for operand in inst.operands:
+            readers[operand].append(inst)
+    root = fused.root
+    while True:
+        following = readers[followed]
+        if len(following) != 1:
+            return False
+        (user,) = following
+        if user is root:
+            other = params[1 - fusion.operands.index(value)]
+            return user.opcode == "add" and sorted(user.operands) == sorted([followed, other])
+        rule = COMMUTING.get(user.opcode)
+        if rule is None or not rule(module, fused, user, user.operands.index(followed)):
+            return False
+        followed = user.name
 
 
 @dataclass(frozen=True)
@@ -619,7 +709,7 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
         accumulated = [outer.add("get-tuple-element", shape, [loop.name], index=e.slot,
                                  name=f"accumulated_{e.slot}").name
                        for e, shape in zip(elements, shapes)]
-        if isinstance(all_reduce.shape, TupleShape):
+        if len(elements) > 1:  # (one: an array all-reduce, as XLA's shape inference has it)
             after = outer.add("all-reduce", TupleShape(tuple(shapes)), accumulated,
                               name=all_reduce.name, **attributes).name
             reduced = [outer.add("get-tuple-element", shape, [after], index=i).name
