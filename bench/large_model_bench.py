@@ -19,7 +19,8 @@ norm clipping + AdamW), trained five ways on 8 CPU devices:
 
 Rows per program: ``jit``; ``shard_weight_update`` with ``state`` gathered and sharded,
 and sharded with ``params="sharded"`` (the fp32 master weights as shards, all-gathered
-in bf16 where only read as bf16); and ``NamedSharding`` (jit with the optimizer state
+in bf16 where only read as bf16); ``install()`` (jit's step compiled under the hook, which
+sees XLA's fused module); and ``NamedSharding`` (jit with the optimizer state
 placed over the data axis, ``bench/ecosystem_bench.py``'s reference). Columns: the median
 step and its ratio to jit's and to NamedSharding's (interleaved step by step in
 ``rounds`` rounds of ``runs`` steps, as ``bench/ecosystem_bench.py`` times), the live
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from child_table import cells as table_cells, run_table  # bench/ is on sys.path
-from ecosystem_bench import (SAME_METRICS, Variant, fast_variant, jit_variant,
+from ecosystem_bench import (SAME_METRICS, Variant, fast_variant, hook_variant, jit_variant,
                              live_bytes, timed_with_named, worst_relative)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,6 +186,8 @@ def measure(name: str, width: int, runs: int, rounds: int, force: bool) -> list[
         if name == "fsdp-accum":  # the fsdp sums stay in the loop, carried as rows
             variants += [fast_variant(prog, "gathered", forced, accumulator="sharded"),
                          fast_variant(prog, "sharded", forced, accumulator="sharded")]
+    # the zero-code-change form: what the hook makes of XLA's fused module of each form
+    variants.append(hook_variant(prog))
     return timed_with_named(prog, variants, runs, rounds)
 
 

@@ -31,7 +31,8 @@ in the same run, as a ratio.
 9. The forms large models train in (``bench/large_model_bench.py``): scan gradient
    accumulation, ``optax.MultiSteps``, (4, 2) data × model and (2, 4) data × fsdp meshes,
    bf16 compute from f32 master weights with ``params="sharded"``: each mode's step and
-   state memory against jit and the ``NamedSharding`` alternative (no target;
+   state memory (``install()``'s included) against jit and the ``NamedSharding``
+   alternative (no target;
    ``--only large-model`` runs just this table).
 
 The optimizations go through the real command line (``hlo-shard optimize`` and

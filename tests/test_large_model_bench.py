@@ -1,6 +1,7 @@
 """``make bench`` part 9, the forms large models train in (``bench/large_model_bench.py``),
-runs: the scan-accumulation program at width 16, one round of one step, every mode
-next to jit and NamedSharding, through the same child process ``make bench`` starts.
+runs: the scan-accumulation program at width 16, one round of one step, every mode (the
+hook's included) next to jit and NamedSharding, through the same child process ``make
+bench`` starts.
 No timing is asserted; the figures are whatever this run measured."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["jit", "gathered", "sharded", "sharded, params sharded", "NamedSharding"]
+MODES = ["jit", "gathered", "sharded", "sharded, params sharded", "install()", "NamedSharding"]
 
 
 def test_the_scan_accumulation_rows_run():
