@@ -188,8 +188,10 @@ def test_generator_covers_the_issue():
     for flag in ("tuple_all_reduce", "mean", "global_clip", "skip_nonfinite", "lr_param",
                  "step_counter", "lr_schedule", "bias_correction", "loop_trips",
                  "shared_channel_ids", "alias", "replication_attr", "loss_output",
-                 "norm_output", "metric_all_reduce", "device_noise"):
+                 "norm_output", "metric_all_reduce", "device_noise", "microbatches"):
         assert n(lambda s: bool(getattr(s, flag))), flag  # noqa: B023 - called at once
+    # gradient accumulation whose combined all-reduce carries an element that stays
+    assert n(lambda s: s.microbatches and s.tuple_all_reduce), "microbatches in one tuple"
     assert n(lambda s: s.tuple_all_reduce and s.form == "spmd"), "tuple all-reduce with channel ids"
     assert n(lambda s: s.tuple_all_reduce and any(t.layout for t in s.tensors)), \
         "tuple all-reduce with an operand in a non-default layout"

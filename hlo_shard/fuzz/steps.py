@@ -8,8 +8,9 @@ replica group in one of XLA's three group forms) → a random optimizer update (
 momentum, Adam, RMSProp, Lion, Adafactor-like factored statistics; clipping by value
 and by global norm, LAMB trust ratios, is-finite guards and skipped steps, weight decay,
 reshape/transpose views, random elementwise mutations, mixed precision) → new weights
-and optimizer state, optionally inside a training ``while`` loop, in SPMD per-device or
-replica form.
+and optimizer state, optionally inside a training ``while`` loop, or with the gradients
+of several microbatches all-reduced and summed in a ``while`` loop before the update
+(gradient accumulation), in SPMD per-device or replica form.
 
 Every update is written to stay finite and well conditioned (denominators bounded
 away from zero, reductions accumulated in f32), so the only differences a correct
@@ -140,6 +141,11 @@ class StepSpec:
     loss_output: bool = False
     norm_output: bool = False
     metric_all_reduce: bool = False
+    #: Microbatches whose gradients a ``while`` loop all-reduces and sums into f32
+    #: accumulators before the update (0: none; the gradient accumulation the
+    #: accumulation motion moves). With ``tuple_all_reduce`` the loop's all-reduce also
+    #: carries each microbatch's loss scale, kept as a maximum: an element that stays.
+    microbatches: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,6 +173,8 @@ class StepSpec:
             flags.append("global_clip")
         if self.loop_trips:
             flags.append(f"while×{self.loop_trips}")
+        if self.microbatches:
+            flags.append(f"microbatches×{self.microbatches}")
         return "; ".join(parts + ([" ".join(flags)] if flags else []))
 
 
@@ -205,6 +213,8 @@ def random_step(seed: int, size: Size = FULL) -> StepSpec:
     )
     params = sum(1 + len(t.state_shapes()) for t in tensors) + spec.step_counter + spec.lr_param
     spec.batch_position = rng.randint(0, params)
+    # (drawn last: every earlier draw, and so every older seed's spec, stays as it was)
+    spec.microbatches = rng.choice((2, 3, 4)) if not loop and rng.random() < 0.25 else 0
     return normalized(spec)
 
 
@@ -304,6 +314,7 @@ def normalized(spec: StepSpec) -> StepSpec:
     """Drop combinations the renderer does not support (after random draws or shrinking)."""
     if spec.loop_trips:
         spec.loss_output = spec.norm_output = spec.metric_all_reduce = False
+        spec.microbatches = 0
         for tensor in spec.tensors:
             tensor.post_use = False
     if spec.bias_correction or spec.lr_schedule:
@@ -372,7 +383,7 @@ def render(spec: StepSpec) -> str:
     if spec.loop_trips:
         outputs = _render_loop(spec, params, values, entry, reducers, computations)
     else:
-        outputs = _StepBody(spec, entry).run(values)
+        outputs = _StepBody(spec, entry, computations).run(values)
     order = [p.output for p in params if p.output] + [k for k in outputs if k.startswith("extra")]
     root = entry.emit("result", "(" + ", ".join(outputs[k].shape.text() for k in order) + ")",
                       "tuple", [outputs[k] for k in order])
@@ -447,10 +458,13 @@ class _StepBody:
     """Forward/backward stand-in, gradient all-reduce and optimizer update, emitted
     into one computation (the entry or a loop body)."""
 
-    def __init__(self, spec: StepSpec, em: Emitter) -> None:
+    def __init__(self, spec: StepSpec, em: Emitter,
+                 computations: list[str] | None = None) -> None:
         self.spec = spec
         self.em = em
         self.channel = 0
+        #: Where a microbatch loop's computations go (None: inside a training loop).
+        self.computations = computations
 
     # Collectives ---------------------------------------------------------------
     def _collective_attrs(self, groups: str, dtype: str) -> str:
@@ -502,8 +516,12 @@ class _StepBody:
             step_factor = em.binary("add", em.constant(1.0), em.binary(
                 "multiply", em.convert(ins["iter"], "f32"), em.constant(0.25)))
             scale = em.binary("multiply", scale, step_factor)
-        grads = [self._gradient(ins[f"w{i}"], scale, i) for i in range(len(spec.tensors))]
-        reduced = self._all_reduce(grads)
+        if spec.microbatches and self.computations is not None:
+            reduced = self._accumulated([ins[f"w{i}"] for i in range(len(spec.tensors))],
+                                        scale)
+        else:
+            grads = [self._gradient(ins[f"w{i}"], scale, i) for i in range(len(spec.tensors))]
+            reduced = self._all_reduce(grads)
         processed = [self._prepare(t, g) for t, g in zip(spec.tensors, reduced)]
         norm = self._global_norm(processed) if spec.global_clip or spec.norm_output else None
         clip = None
@@ -537,6 +555,58 @@ class _StepBody:
             out["extra_metric"] = em.emit("metric", Sh("f32"), "all-reduce", [scale],
                                           self._collective_attrs(every, "f32"))
         return out
+
+    def _accumulated(self, weights: list[Val], scale: Val) -> list[Val]:
+        """The gradients summed over ``spec.microbatches`` in a ``while``: each
+        microbatch's (its scale grown with the iteration) converted to f32, all-reduced
+        and added into a zero-started f32 accumulator; the sums after the loop."""
+        spec, entry = self.spec, self.em
+        assert self.computations is not None
+        count = len(weights)
+        sums = [w.shape.of("f32") for w in weights]
+        losses = [Sh("f32")] if spec.tuple_all_reduce else []
+        shapes = [Sh("s32"), Sh("f32"), *(w.shape for w in weights), *sums, *losses]
+        carry = "(" + ", ".join(shape.text() for shape in shapes) + ")"
+
+        cond = Emitter(entry.reducers)
+        state = cond.param("carry", carry, 0)
+        i = cond.emit("i", Sh("s32"), "get-tuple-element", [state], ", index=0")
+        done = cond.compare(i, cond.constant(spec.microbatches, "s32"), "LT")
+        self.computations.append(f"%microbatch_cond (carry: {carry}) -> pred[] {{\n"
+                                 f"{cond.body(done)}\n}}")
+
+        body = Emitter(entry.reducers)
+        state = body.param("carry", carry, 0)
+        slots = [body.emit("slot", shape, "get-tuple-element", [state], f", index={k}")
+                 for k, shape in enumerate(shapes)]
+        i, base = slots[0], slots[1]
+        self.em = body
+        try:
+            grown = body.binary("multiply", base, body.binary(
+                "add", body.constant(1.0), body.binary(
+                    "multiply", body.convert(i, "f32"), body.constant(0.5))))
+            grads = [body.convert(self._gradient(w, grown, k), "f32")
+                     for k, w in enumerate(slots[2:2 + count])]
+            reduced = self._all_reduce(grads + ([grown] if losses else []))
+        finally:
+            self.em = entry
+        added = [body.binary("add", total, value)
+                 for total, value in zip(slots[2 + count:2 + 2 * count], reduced)]
+        kept = [body.binary("maximum", slots[-1], reduced[-1])] if losses else []
+        next_i = body.binary("add", i, body.constant(1, "s32"))
+        out = body.emit("next", carry, "tuple",
+                        [next_i, base, *slots[2:2 + count], *added, *kept])
+        self.computations.append(f"%microbatch_body (carry: {carry}) -> {carry} {{\n"
+                                 f"{body.body(out)}\n}}")
+
+        starts = [entry.broadcast(entry.constant(0.0), shape) for shape in sums]
+        init = entry.emit("microbatch_init", carry, "tuple",
+                          [entry.constant(0, "s32"), scale, *weights, *starts,
+                           *([entry.constant(0.0)] if losses else [])])
+        loop = entry.emit("microbatches", carry, "while", [init],
+                          ", condition=%microbatch_cond, body=%microbatch_body")
+        return [entry.emit("accumulated", shape, "get-tuple-element", [loop],
+                           f", index={2 + count + k}") for k, shape in enumerate(sums)]
 
     def _gradient(self, w: Val, scale: Val, index: int) -> Val:
         """A per-device gradient of ``w``'s shape: ``s·(base + ramp)`` with ``base`` the
