@@ -719,6 +719,17 @@ def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded
     assert not_faster(strict).startswith("sharding is not predicted at least")
 
 
+def test_a_forced_step_with_nothing_to_shard_still_runs_its_moved_loop():
+    """``force`` with every gradient below the cut-off: nothing is sharded, but the
+    accumulated all-reduces leave the loop, and that module is the one a front end runs
+    (forcing never runs less of the pipeline than the gate would)."""
+    result = hlo_shard.optimize(parse(LOOP), ShardingOptions(min_shard_bytes=1 << 30),
+                                force=True)
+    assert result.sharded == 0 and result.decision is not None and result.decision.forced
+    assert body_collectives(result.module) == []
+    assert result.rewritten
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulator", ["auto", "sharded"])
 def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):

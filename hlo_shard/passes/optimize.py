@@ -103,11 +103,12 @@ class OptimizeResult:
     @property
     def rewritten(self) -> bool:
         """The module is to run as optimized: something sharded, or, sharding nothing,
-        its all-reduces moved where that is predicted faster
-        (:attr:`~hlo_shard.passes.speed_gate.SpeedDecision.moves_only`). A front end
+        its all-reduces moved where that is predicted faster or forced
+        (:attr:`~hlo_shard.passes.speed_gate.SpeedDecision.moves_written`). A front end
         that runs its own program otherwise (the hook, ``shard_weight_update``) asks
         this."""
-        return self.sharded > 0 or (self.decision is not None and self.decision.moves_only)
+        return self.sharded > 0 or (self.decision is not None and
+                                    self.decision.moves_written)
 
     def to_json(self, names: UserNames | None = None, **fields: Any) -> dict[str, Any]:
         """The report's JSON (``optimize --json``, ``fast.report``): the gate's

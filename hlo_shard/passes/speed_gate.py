@@ -114,6 +114,13 @@ class SpeedDecision:
         return self.kept_whole and self.unsharded_s is not None and \
             self.unsharded_s <= self.before_s * (1 - self.min_gain)
 
+    @property
+    def moves_written(self) -> bool:
+        """What the pipeline writes sharding nothing changes the input and is to run:
+        predicted faster (:attr:`moves_only`), or forced (as told, like every rewrite the
+        passes prove: forcing never runs less of the pipeline than the gate would)."""
+        return self.moves_only or (self.forced and self.unsharded_s is not None)
+
     def to_json(self) -> dict:
         return {"profile": self.profile, "before_seconds": self.before_s,
                 "after_seconds": self.after_s, "min_gain": self.min_gain, "forced": self.forced,
