@@ -59,7 +59,7 @@ from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import device_index_values, is_sum
 from hlo_shard.costmodel.memory import memory_profile
-from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
+from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, users_map
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -288,8 +288,8 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
     memory_bytes: int = 0
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
-        sinking = _Sinking(module, rewriter, ChannelIds(module), self.sliced,
-                           _MemoryBudget(module, self.memory_bytes))
+        sinking = _Sinking(module, rewriter, ChannelIds(module),
+                           _MemoryBudget(module, self.memory_bytes), self.sliced)
         # A moved all-reduce lands in the loop's computation, which may itself be an
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
@@ -311,8 +311,8 @@ class _Sinking:
     module: Module
     edits: ModuleRewriter
     channels: ChannelIds
+    budget: _MemoryBudget
     sliced: bool = False
-    budget: _MemoryBudget | None = None
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
 
@@ -358,8 +358,7 @@ class _Sinking:
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
-                if self.budget is not None:
-                    self.budget.spend(sum(_widening_bytes(inner.comp, e) for e in elements))
+                self.budget.spend(sum(_widening_bytes(inner.comp, e) for e in elements))
             except Refusal as why:
                 self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
                                                why.reason))
@@ -600,16 +599,13 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
     if sorted(params) != [0, 1]:
         return False
     followed = params[fusion.operands.index(value)]
-    readers: dict[str, list[Instruction]] = defaultdict(list)
-    for inst in fused.instructions:
-        for operand in inst.operands:
-            readers[operand].append(inst)
+    readers = users_map(fused)
     root = fused.root
     while True:
         following = readers[followed]
         if len(following) != 1:
             return False
-        (user,) = following
+        user = fused[following[0]]
         if user is root:
             other = params[1 - fusion.operands.index(value)]
             return user.opcode == "add" and sorted(user.operands) == sorted([followed, other])
