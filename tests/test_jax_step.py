@@ -4,7 +4,9 @@ device order, donation, jit's argument handling, the fallback and user errors.""
 from __future__ import annotations
 
 import re
+import sys
 import warnings
+from functools import partial
 
 import numpy as np
 import pytest
@@ -247,6 +249,61 @@ def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     assert forced.report["sharded"] >= 1 and forced.report["fallback"] is None
     assert forced.report["speed"]["forced"]
     assert all(forced.report["seconds"][stage] > 0 for stage in ("capture", "pass", "compile"))
+
+
+def test_the_warning_points_at_the_users_line(request):
+    """The fallback's warning is attributed to the line that called the step (not to a
+    frame of hlo_shard's), as a user's ``-W error`` filter by module expects."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2, donate=False)
+    fast = hsj.shard_weight_update(program.step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast(*program.init(), program.batch(0))
+    assert [(w.filename, w.lineno) for w in caught
+            if issubclass(w.category, hsj.FallbackWarning)] == \
+        [(__file__, sys._getframe().f_lineno - 3)]
+
+
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_a_jitted_method_of_a_trainer_class(request, state):
+    """The Trainer-class pattern, ``@partial(jax.jit, static_argnums=0)`` on a method:
+    jit counts the instance as argument 0, the user's calls (the step's, shard_args',
+    gather_args') do not; the step's outputs feed its arguments after the instance."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2)
+
+    class Trainer:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+        def train_step(self, params, opt_state, batch):
+            loss, grads = jax.value_and_grad(program.model.loss)(params, batch)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    trainer = Trainer(program.optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        fast = hsj.shard_weight_update(trainer.train_step, state=state, force=True)
+        (params, opt_state), losses = train(fast, program, 3)
+    assert fast.report["sharded"] >= 2
+    (p_jit, s_jit), l_jit = train(program.step, program, 3)
+    np.testing.assert_allclose(losses, l_jit, rtol=1e-5)
+    assert_close(fast.gather_args(params, opt_state), (p_jit, s_jit))
+    if state == "sharded":
+        assert opt_state[0].mu["l0"]["w"].shape == (32 * 64,)  # carried as shards
+        full = program.init()
+        assert_close(fast.gather_args(*fast.shard_args(*full)), full)
+
+
+def test_an_unhashable_static_argument_is_jits_error():
+    f = jax.jit(lambda w, config: w * config["scale"], static_argnums=1)
+    with pytest.raises(ValueError, match="Non-hashable static arguments"):
+        hsj.shard_weight_update(f)(jnp.ones(3), {"scale": 2.0})
 
 
 def test_a_gradient_from_a_dot_is_scattered_flat_not_in_minor_blocks(request):

@@ -103,6 +103,22 @@ def test_auto_chooses_by_the_prices():
                for w in report.whole)
 
 
+def test_a_chosen_sharded_accumulator_need_only_beat_the_input():
+    """The speed gate: where sharding is predicted slower than the moved loop (whose
+    accumulators stay whole) but faster than the input by the margin, ``auto`` writes
+    the moved loop and ``accumulator="sharded"``, the user's choice of memory over
+    collectives, the sharded accumulator (it sharded nothing, silently, before)."""
+    auto = hlo_shard.optimize(parse(LOOP), ShardingOptions(state="sharded"))
+    chosen = hlo_shard.optimize(parse(LOOP), ShardingOptions(state="sharded",
+                                                             accumulator="sharded"))
+    assert auto.sharded == 0 and auto.decision is not None and auto.decision.moves_only
+    decision = chosen.decision
+    assert decision is not None and decision.chosen is not None and chosen.sharded == 2
+    assert decision.unsharded_s is not None
+    assert decision.unsharded_s < decision.after_s <= decision.before_s * (1 - decision.min_gain)
+    assert collectives(chosen.module, "body") == ["reduce-scatter"]
+
+
 def test_auto_shards_the_accumulator_where_only_the_sharded_form_fits():
     """Issue #27: the sharded form trades a collective per microbatch for 1/N of the
     accumulators. ``auto`` writes it when predicted faster, or when the whole form's

@@ -18,11 +18,13 @@ same mesh shape with the devices in another order have different shard placement
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from hlo_shard.errors import HloShardError
@@ -100,10 +102,17 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
     the wrapper with another function where it calls its ``jax.jit`` (its own pre- and
     post-processing of the arguments kept): flax's ``nnx.jit`` (``jitted_fn``), equinox's
-    ``filter_jit`` (``_cached``). A plain function is jitted here; anything else with a
-    ``lower`` is refused now, not at the first step."""
+    ``filter_jit`` (``_cached``). A method of a class whose function is one of those (a
+    ``Trainer``'s ``@partial(jax.jit, static_argnums=0)`` step) is its function called
+    with the instance first: jit counts ``self`` among its static arguments. A plain
+    function is jitted here; anything else with a ``lower`` is refused now, not at the
+    first step."""
     import jax
 
+    if isinstance(fn, types.MethodType):
+        front, jitted = _front_and_jit(fn.__func__)
+        return (lambda step: partial(front(step) if front is not None else step,
+                                     fn.__self__)), jitted
     if _xla.is_jax_jit(fn):
         return None, fn
     for attribute in ("jitted_fn", "_cached"):
@@ -156,6 +165,8 @@ class ShardedStep:
     def __init__(self, fn: Callable, options: ShardingOptions, force: bool = False,
                  device_profile: bool = False) -> None:
         front, self._jitted = _front_and_jit(fn)
+        #: A method's instance: the first argument of every call, never the user's.
+        self._bound: tuple = (fn.__self__,) if isinstance(fn, types.MethodType) else ()
         #: A library wrapper's copy calling :meth:`_step` where it called its jax.jit.
         self._front = None if front is None else front(self._step)
         info = getattr(self._jitted, "_jit_info", None)
@@ -190,6 +201,10 @@ class ShardedStep:
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         call = self._split(args, kwargs)
+        try:
+            hash(call.static)
+        except TypeError:  # jit refuses an unhashable static argument: its own error
+            return self._jitted(*args, **kwargs)
         if self._states and self._key(call) not in self._entries:
             full = self._convert(call, to_shards=False)  # shards of a signature seen before
             if full is not None:
@@ -256,7 +271,8 @@ class ShardedStep:
         step has run or been sharded once with all its arguments. Identity in
         gathered mode and where ``fast`` runs ``fn`` itself."""
         if not self._states and self.options.state == "sharded":
-            self._entry(self._split(args, {}), args, {})  # the first signature: capture it
+            bound = self._bound + args  # the first signature: capture it
+            self._entry(self._split(bound, {}), bound, {})
         return self._convert_args(args, to_shards=True)
 
     def gather_args(self, *args: Any) -> Any:
@@ -295,9 +311,10 @@ class ShardedStep:
         return jax.tree.unflatten(treedef, _converted(leaves, chosen, to_shards=False))
 
     def _convert_args(self, args: tuple, to_shards: bool) -> tuple:
-        call = self._split(args, {})
-        converted = self._convert(call, to_shards)
-        return args if converted is None else self._rebuild(converted, args, {})[0]
+        bound = self._bound + args
+        converted = self._convert(self._split(bound, {}), to_shards)
+        return args if converted is None else \
+            self._rebuild(converted, bound, {})[0][len(self._bound):]
 
     def _convert(self, call: _Call, to_shards: bool) -> _Call | None:
         """``call`` with every state leaf in the other form (None: none to convert)."""
@@ -536,7 +553,8 @@ class ShardedStep:
     def _next_values(self, call: _Call, cap: Any) -> list[tuple[int, int]]:
         """(output leaf, entry parameter) pairs where output ``[j]<path>`` is argument
         ``j``'s leaf at ``<path>`` with the same shape and dtype: the training loop's
-        feedback (``params, opt_state, loss = fast(params, opt_state, batch)``)."""
+        feedback (``params, opt_state, loss = fast(params, opt_state, batch)``; a
+        method's arguments counted after its instance)."""
         import jax
 
         parameter = {index: number for number, index in enumerate(cap.kept)}
@@ -547,7 +565,8 @@ class ShardedStep:
         for k, (path, _) in enumerate(outs):
             if not path or not isinstance(getattr(path[0], "idx", None), int):
                 continue
-            index = by_path.get((path[0].idx, jax.tree_util.keystr(path[1:])))
+            index = by_path.get((path[0].idx + len(self._bound),
+                                 jax.tree_util.keystr(path[1:])))
             if index is not None and index in parameter and _same_aval(call.leaves[index], cap.out_avals[k]):
                 pairs.append((k, parameter[index]))
         return pairs
@@ -557,7 +576,23 @@ class ShardedStep:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(FallbackWarning(f"hlo_shard.jax: running the original step: "
-                                          f"{reason}", why.code.value), stacklevel=5)
+                                          f"{reason}", why.code.value),
+                          stacklevel=_callers_level())
+
+
+#: Packages whose frames stand between the user's call and the warning: ours, and the
+#: jit wrappers :func:`_front_and_jit` calls through.
+_CALLING_PACKAGES = frozenset({"hlo_shard", "equinox", "flax"})
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s ``stacklevel`` (from its caller) of the first frame outside
+    :data:`_CALLING_PACKAGES`: the user's line, however many wrapper frames between."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and \
+            frame.f_globals.get("__name__", "").partition(".")[0] in _CALLING_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _same_aval(leaf: Any, aval: Any) -> bool:

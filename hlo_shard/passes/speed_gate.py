@@ -241,6 +241,10 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     #: What a cut-off must cost at most to be written: the input's step less the
     #: profile's smallest gain acted on.
     bar = before * (1 - hardware.min_predicted_gain)
+    #: What it must also undercut: the module kept whole as the pipeline writes it,
+    #: except where the user chose accumulators carried as shards (memory over
+    #: collectives): the moved loop carries them whole, so it is no alternative then.
+    floor = before if sharding.options.accumulator == "sharded" else baseline
     everything = ranked(user_min, *first)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
@@ -258,9 +262,9 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
             baseline_estimate, sharded_estimate,
             [ShardedGradient(row.computation, row.all_reduce, row.bytes)
              for row in full.explanations if row.sharded])
-        trials += _guided(cutoffs, prices, everything, bar, baseline, trial)
+        trials += _guided(cutoffs, prices, everything, bar, floor, trial)
     best = min((t for t in trials if not t.estimated), key=_rank)
-    chosen = best if _pays(best, bar, baseline) else None
+    chosen = best if _pays(best, bar, floor) else None
     decision = SpeedDecision(hardware.name, before, baseline if chosen is None else chosen.seconds,
                              tuple(sorted(trials, key=lambda t: -t.min_bytes)), chosen,
                              hardware.min_predicted_gain, unsharded_s=_seconds(unsharded))
