@@ -89,6 +89,81 @@ def test_the_data_axis_gradient_is_sharded_over_the_data_groups(mesh):
     assert scatters and all(i.attr("replica_groups").groups == data for i in scatters)
 
 
+def wide_batch(mesh: str) -> str:
+    """:func:`step` with 16 times the examples: the model axis's sum of activations
+    (f32[48,6]) then carries more bytes than the data axis's of the gradient."""
+    return step(mesh).replace("f32[3,24]", "f32[48,24]").replace("f32[3,6]", "f32[48,6]")
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_a_sum_a_product_reads_is_no_gradient_however_large(mesh):
+    """The data-parallel groups are the gradient's though the activations' sum weighs
+    more: ``g`` (a product) reads ``hs``; nothing but the update reads ``ar``."""
+    module = parse(wide_batch(mesh))
+    assert module.entry["hs"].shape.byte_size > module.entry["ar"].shape.byte_size
+    rows = {row.all_reduce: row
+            for row in optimize(module, ShardingOptions(), force=True).report.explanations}
+    assert rows["ar"].sharded and rows["hs"].reason == GROUPS_IN_WORDS[mesh]
+
+
+#: A scan over two layers on a (data=2, model=2) mesh: the model axis's sum of each
+#: layer's activations leaves the body only through the loop's carry (the next
+#: iteration's product reads it), the data axis's sum of the gradient is accumulated.
+SCAN = f"""HloModule scan, num_partitions=4, input_output_alias={{ {{0}}: (0, {{}}, may-alias) }}
+{ADD}
+body {{
+  p = (s32[], f32[16,4]{{1,0}}, f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  h = f32[16,4]{{1,0}} get-tuple-element(p), index=1
+  w = f32[4,4]{{1,0}} get-tuple-element(p), index=2
+  acc = f32[4,4]{{1,0}} get-tuple-element(p), index=3
+  y = f32[16,4]{{1,0}} dot(h, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ys = f32[16,4]{{1,0}} all-reduce(y), channel_id=1, replica_groups={{{{0,1}},{{2,3}}}}, use_global_device_ids=true, to_apply=add
+  g = f32[4,4]{{1,0}} dot(h, ys), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+  gs = f32[4,4]{{1,0}} all-reduce(g), channel_id=2, replica_groups={{{{0,2}},{{1,3}}}}, use_global_device_ids=true, to_apply=add
+  acc1 = f32[4,4]{{1,0}} add(acc, gs)
+  one = s32[] constant(1)
+  i1 = s32[] add(i, one)
+  ROOT t = (s32[], f32[16,4]{{1,0}}, f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(i1, ys, w, acc1)
+}}
+cond {{
+  p = (s32[], f32[16,4]{{1,0}}, f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  two = s32[] constant(2)
+  ROOT lt = pred[] compare(i, two), direction=LT
+}}
+ENTRY e {{
+  w = f32[4,4]{{1,0}} parameter(0)
+  x = f32[16,4]{{1,0}} parameter(1), parameter_replication={{false}}
+  zero = s32[] constant(0)
+  z = f32[] constant(0)
+  zeros = f32[4,4]{{1,0}} broadcast(z), dimensions={{}}
+  init = (s32[], f32[16,4]{{1,0}}, f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) tuple(zero, x, w, zeros)
+  loop = (s32[], f32[16,4]{{1,0}}, f32[4,4]{{1,0}}, f32[4,4]{{1,0}}) while(init), condition=cond, body=body
+  grad = f32[4,4]{{1,0}} get-tuple-element(loop), index=3
+  lr = f32[] constant(0.1)
+  lrb = f32[4,4]{{1,0}} broadcast(lr), dimensions={{}}
+  step = f32[4,4]{{1,0}} multiply(grad, lrb)
+  ROOT nw = f32[4,4]{{1,0}} subtract(w, step)
+}}
+"""
+
+
+def test_a_sum_read_by_the_next_iterations_product_through_the_carry():
+    from hlo_shard.analysis.collectives import find_gradient_all_reduces
+    from hlo_shard.analysis.matmul_inputs import matmul_inputs
+    from hlo_shard.passes.weight_update.analysis import data_parallel_groups
+
+    module = parse(SCAN)
+    inputs = matmul_inputs(module)
+    assert inputs.reads("body", "ys") and inputs.reads("body", "h")
+    assert inputs.reads("e", "init", 1) and not inputs.reads("e", "init", 3)
+    assert not inputs.reads("e", "loop")  # nothing after the loop multiplies
+    assert not inputs.reads("body", "gs") and not inputs.reads("body", "acc1")
+    groups = data_parallel_groups(module, find_gradient_all_reduces(module))
+    assert groups is not None and groups.groups == ((0, 2), (1, 3))
+
+
 @pytest.fixture(scope="module")
 def worker():
     yield runtime.get_worker("cpu", 8)

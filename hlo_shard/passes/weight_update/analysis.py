@@ -43,6 +43,7 @@ from typing import cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode, with_device_counts)
+from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
@@ -1412,19 +1413,30 @@ def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Devi
     axis. All-reduces the rewrite leaves as they are do not count: on a data × fsdp
     mesh the fsdp-axis all-reduce of a weight's gradient, sliced to the device's rows
     (already sharded), carries more bytes than the data-axis all-reduce of that slice,
-    which is the one whose update can be sharded further."""
-    weight: dict[tuple, int] = defaultdict(int)
-    first: dict[tuple, DeviceGroups] = {}
-    for ar in found:
-        if ar.groups is None or not ar.is_candidate:
-            continue
-        inst = module.computation(ar.computation)[ar.name]
-        size = inst.shape.byte_size
-        weight[ar.groups.key()] += size
-        first.setdefault(ar.groups.key(), ar.groups)
-    if not weight:
+    which is the one whose update can be sharded further. Nor do sums a matrix product
+    reads (:mod:`~hlo_shard.analysis.matmul_inputs`): on a data × model mesh the model
+    axis's sums of activations, which in a scan over layers can outweigh the gradients'
+    (counted as they are where every sum is read so)."""
+    candidates = [ar for ar in found if ar.groups is not None and ar.is_candidate]
+    if not candidates:
         return None
-    return first[max(weight, key=lambda key: weight[key])]
+    products = matmul_inputs(module) \
+        if len({cast(DeviceGroups, ar.groups).key() for ar in candidates}) > 1 else None
+    weight: dict[tuple, int] = defaultdict(int)
+    fallback: dict[tuple, int] = defaultdict(int)
+    first: dict[tuple, DeviceGroups] = {}
+    for ar in candidates:
+        groups = cast(DeviceGroups, ar.groups)
+        shape = module.computation(ar.computation)[ar.name].shape
+        parts = list(enumerate(shape.elements)) if isinstance(shape, TupleShape) \
+            else [(None, shape)]
+        for index, part in parts:
+            fallback[groups.key()] += part.byte_size
+            if products is None or not products.reads(ar.computation, ar.name, index):
+                weight[groups.key()] += part.byte_size
+        first.setdefault(groups.key(), groups)
+    counted = weight or fallback
+    return first[max(counted, key=lambda key: counted[key])]
 
 
 def _region_computations(module: Module) -> set[str]:
