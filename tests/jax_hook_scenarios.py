@@ -213,6 +213,7 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
         "notes": [n for d in steps if d.report for n in d.report.notes],
         "sharded_bytes": sum(d.sharded_bytes for d in steps),
         "gradient_bytes": sum(d.gradient_bytes for d in steps),
+        "donation_dropped": [d.donation_dropped for d in steps],
         "losses": losses,
         #: Fusion bodies the pass copied onto blocks (the tiled sums of squares).
         "block_bodies": sum(len(re.findall(r"^%\S+\.block ", text, re.M)) for text in texts),
@@ -422,10 +423,32 @@ def mutant(mesh) -> dict:
         emitter.collective_blocks, emitter.scatters_blocks = original
 
 
+def donation(mesh) -> dict:
+    """The aliased bytes of the jitted step's executable, compiled plainly and under the
+    hook (which changes it): what ``Decision.donation_dropped`` says of XLA's hook."""
+    opt = OPTIMIZERS["adam"]()
+    replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    params = jax.device_put(init_params(), replicated)
+    state = jax.device_put(host_state(opt, init_params), replicated)
+    x, y = (jax.device_put(v, batched) for v in batch())
+
+    def aliased() -> int:
+        jitted = jax.jit(jit_step(opt), donate_argnums=(0, 1))
+        return jitted.lower(params, state, x, y).compile().memory_analysis().alias_size_in_bytes
+
+    plain = aliased()
+    hook.decisions(clear=True)
+    with hook.install(force=True):
+        hooked = aliased()
+    steps = [d for d in hook.decisions(clear=True) if d.module.startswith("jit_step")]
+    return {"plain": plain, "hooked": hooked, "changed": [d.changed for d in steps],
+            "dropped": [d.donation_dropped for d in steps]}
+
+
 def main(names: list[str]) -> None:
     mesh = jax.make_mesh((N,), ("d",))
     scenarios = {"idempotence": idempotence, "failure": failure, "no_gradients": no_gradients,
-                 "reuse": reuse,
+                 "reuse": reuse, "donation": donation,
                  "interrupt": interrupt,
                  "mutant": mutant,
                  "per_tensor": lambda m: training("adam", jit_step, m, strategy="per-tensor"),

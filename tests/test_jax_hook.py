@@ -34,7 +34,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
                          "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
-                         "layernorm:adamw_clip", "pmap:adam")
+                         "layernorm:adamw_clip", "pmap:adam", "donation")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -95,6 +95,16 @@ def test_jit_adam_loop_is_bitwise_the_same(quick):
     assert result["changed"] == [True]
     assert result["loss"] == 0.0 and result["params"] == 0.0
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
+
+
+def test_a_changed_module_says_xla_dropped_its_donation(quick):
+    """XLA's hook keeps no input-output alias of a module it is handed back (jaxlib
+    0.10.2 on CPU): the decision says so where the step donated. Should a jaxlib keep
+    them, this fails, and ``Decision.donation_dropped`` must learn to tell."""
+    result = quick["donation"]
+    assert result["plain"] > 0 and result["changed"] == [True]
+    assert result["hooked"] == 0 and result["dropped"] == [True]
+    assert quick["jit:adam"]["donation_dropped"] == [True]
 
 
 def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):

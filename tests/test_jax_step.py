@@ -607,6 +607,14 @@ def test_a_jit_wrapper_it_cannot_read_is_refused_up_front():
         hsj.shard_weight_update(Lowerable())
 
 
+def test_a_compiled_executable_is_refused_up_front():
+    from hlo_shard.errors import HloShardError
+
+    compiled = jax.jit(lambda w: w * 2).lower(jnp.ones(3)).compile()
+    with pytest.raises(HloShardError, match="not its compiled executable"):
+        hsj.shard_weight_update(compiled)
+
+
 def test_a_pmap_step_is_refused_up_front_by_name():
     import jax
 

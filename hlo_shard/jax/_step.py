@@ -128,6 +128,10 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
         raise HloShardError(f"shard_weight_update needs a jax.jit-wrapped function (or "
                             f"flax's nnx.jit, equinox's filter_jit, or the plain function); "
                             f"got {got}")
+    if isinstance(fn, jax.stages.Compiled):
+        raise HloShardError("shard_weight_update needs the jax.jit-wrapped function, not "
+                            "its compiled executable (jit(f).lower(...).compile()): pass "
+                            "jit(f)")
     if not callable(fn):
         raise HloShardError(f"shard_weight_update needs a function, got {type(fn).__name__}")
     return None, jax.jit(fn)
