@@ -50,13 +50,17 @@ def is_stdout(path: str | None) -> bool:
 # ------------------------------------------------------------------------ checking
 
 
-def check_output_path(output: str | None, inputs: Sequence[str], in_place: bool = False) -> None:
-    """Refuse to overwrite an input unless explicitly asked to."""
+def check_output_path(output: str | None, inputs: Sequence[str],
+                      in_place: bool | None = None) -> None:
+    """Refuse to overwrite an input unless explicitly asked to (``in_place``: the
+    command's ``--in-place``; None where the output has no such flag)."""
     if output is None or output == "-" or in_place:
         return
     for path in inputs:
         if _same_file(output, path):
-            raise HloShardError(f"output {output} is an input; pass --in-place to overwrite it")
+            remedy = "name another file" if in_place is None else \
+                "pass --in-place to overwrite it"
+            raise HloShardError(f"output {output} is an input; {remedy}")
 
 
 def check_distinct_outputs(outputs: dict[str, str | None]) -> None:

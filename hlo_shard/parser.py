@@ -1423,7 +1423,7 @@ def parse_file(path: str | Path) -> Module:
 
 #: How the grammar's regex terminals are named in messages.
 _TERMINAL_WORDS = {
-    "NAME": "a name", "ATTR": "an attribute 'name=value'", "NAME_COLON": "'name:'",
+    "NAME": "a name", "NAME_EQ": "a name", "ATTR": "an attribute 'name=value'", "NAME_COLON": "'name:'",
     "SHAPE": "a shape like f32[4]", "INT": "an integer", "FLOAT": "a number",
     "STRING": "a quoted string", "BLOB": "a '{...}' value", "LITERAL": "a literal",
     "DIM_LABELS": "dimension labels", "PADDING": "a padding like 0_0x1_1",
@@ -1433,6 +1433,8 @@ _TERMINAL_WORDS = {
     "LINE": "an instruction", "HEAD": "an instruction", "CALL": "an opcode and its operands",
     "ATTRS": "','", "SIGNATURE": "a signature", "PARAMETER_CALL": "'parameter'",
     "CONSTANT_CALL": "'constant'", "TUPLE_OPEN": "'('", "ENTRY": "'ENTRY'", "ROOT": "'ROOT'",
+    "TUPLE_INDICES": "tuple indices like #0", "SHAPED_LITERAL": "a literal",
+    "PARENS": "a parenthesised value",
 }
 
 

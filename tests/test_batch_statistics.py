@@ -69,3 +69,24 @@ def test_the_optimized_batchnorm_step_computes_the_same(worker, state):
     result = runtime.verify(parse(BATCHNORM), parse(optimized), runtime.VerifyOptions(
         steps=3, manifest=build_manifest(report, parse(BATCHNORM))))
     assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+
+def test_a_batch_statistic_is_no_weights_gradient_in_the_report():
+    """A statistic whose reach pairs it with a weight (haiku's BatchNorm after a biased
+    Linear: the mean and variance sums were reported as the bias's gradient, twice) is
+    a value of the forward pass: its row names no weight; the gradient's row does."""
+    from dataclasses import replace
+
+    from hlo_shard.analysis.names import user_names
+
+    module = parse(BATCHNORM)
+    names = user_names(module, override={0: "params['w']", 1: "params['b']",
+                                         2: "batch['x']"})
+    assert names.gradients == {("ar", None): 0}
+    paired = replace(names, gradients={**names.gradients, ("stat", None): 1})
+    result = optimize(parse(BATCHNORM), ShardingOptions(), force=True)
+    explained = {row["all_reduce"]: row for row in result.to_json(paired)["explanations"]}
+    assert explained["stat"]["reason_code"] == "feeds_gradients"
+    assert explained["stat"]["gradient_of"] is None
+    assert explained["ar"]["gradient_of"] == "params['w']"

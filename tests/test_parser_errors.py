@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,9 @@ def test_every_truncation_is_a_located_error(name):
         except HloParseError as err:
             assert 1 <= err.line <= text[:cut].count("\n") + 1
             assert err.column >= 1
+            # in words: no grammar terminal's name (``name_eq``) among what was expected
+            expected = err.message.partition("expected ")[2]
+            assert not re.search(r"\b[a-z]+_[a-z_]+\b", expected), err.message
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.graph import topological_order, upstream_bits, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw,
                           TupleShape)
@@ -328,14 +329,21 @@ class UserNames:
     def __bool__(self) -> bool:
         return bool(self.parameters)
 
-    def gradient_of(self, all_reduce: str, index: int | None) -> str | None:
+    def gradient_of(self, all_reduce: str, index: int | None, reason_code: str | None = None
+                    ) -> str | None:
+        """The weight the leaf is the gradient of; none for a sum the analysis found to
+        be a value of the forward/backward pass (``feeds_gradients``: a batch statistic
+        reaches the weights' updates too, yet is no weight's gradient)."""
         weight = self.gradients.get((all_reduce, index))
-        return None if weight is None else self.parameters.get(weight)
+        if weight is None or reason_code == ReasonCode.FEEDS_GRADIENTS.value:
+            return None
+        return self.parameters.get(weight)
 
     def explained(self, row: dict) -> dict:
         """An ``--explain`` row's JSON with the weight it is the gradient of
         (``gradient_of``, null where unknown)."""
-        return {**row, "gradient_of": self.gradient_of(row["all_reduce"], row["index"])}
+        return {**row, "gradient_of": self.gradient_of(row["all_reduce"], row["index"],
+                                                       row.get("reason_code"))}
 
     def note(self, text: str) -> str:
         """A pass note naming an optimizer state parameter (``optimizer state parameter

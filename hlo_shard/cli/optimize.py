@@ -105,7 +105,7 @@ def _explain_lines(rows: list[Explanation], names: UserNames) -> list[str]:
         where = row.all_reduce if row.index is None else f"{row.all_reduce}[{row.index}]"
         if row.computation:
             where = f"{row.computation}/{where}"
-        weight = names.gradient_of(row.all_reduce, row.index)
+        weight = names.gradient_of(row.all_reduce, row.index, row.reason_code)
         where = labelled(where, weight and f"gradient of {weight}")
         table.append((where, row.shape, str(row.bytes), "yes" if row.sharded else "no",
                       str(row.ops_moved), str(row.formatting_copies), f"{row.saved_flops:.3g}",
