@@ -1665,8 +1665,8 @@ def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None) -> s
                    f"block and an all-reduce of the partial sums gives the whole statistic"
         return f"{what}: the devices hold blocks along dimension {major}, and a reduction " \
                f"cutting them runs on shards only as a sum"
-    return "its next value reduces the gradient along a dimension (a factored statistic, " \
-           "like Adafactor's v_row/v_col), outside the element-wise update the pass shards"
+    return "its next value is computed after the sharded update ends (the gradients' rows " \
+           "say where it stops)"
 
 
 def _order(fmt: ShardFormat) -> str:

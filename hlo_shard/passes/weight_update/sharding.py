@@ -270,6 +270,13 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             self._shard_computation(run, module.computation(comp_name), candidates)
         for carry in run.carries:
             self._shard_carry(run, carry)
+        inside = sorted({row.computation for row in run.report.explanations if row.sharded})
+        if self.options.state == "sharded" and inside and module.entry.name not in inside:
+            run.report.notes.append(
+                f"{module.entry.name}: no optimizer state parameter stays sharded between "
+                f"steps: the gradients are sharded only inside loop bodies "
+                f"({', '.join(inside)}), which slice what they carry before the loop and "
+                f"gather it after")
         _fill_signature(module, run.report, run.replication, run.state_plan, run.groups,
                         run.output_kinds)
         run.report.feedback = list(module.output_aliases().items()) or None
@@ -368,11 +375,17 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         module = run.edits.module
         if state_entry:
             graph, params = dataflow_graph(comp), comp.parameters()
-            state_plan, kept_whole = pair_state(module, comp, plan, run.replication,
-                                                 region_read_parameters(params, graph, plan))
+            read = region_read_parameters(params, graph, plan)
+            state_plan, kept_whole = pair_state(module, comp, plan, run.replication, read)
             names = parameter_names(comp)
             run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
+            if plan.active and not read:
+                run.report.notes.append(
+                    f"{comp.name}: no optimizer state stays sharded: the sharded update "
+                    f"reads no state parameter (it ends before the optimizer's arithmetic "
+                    f"on its state; each gradient's row says where), so the state is "
+                    f"computed whole on every device")
             run.report.notes += unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
             if self.options.params == "sharded":
