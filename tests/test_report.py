@@ -205,6 +205,25 @@ def test_diff_notes_say_what_they_mean(modules):
     assert "already sharded" in text
 
 
+def test_diff_says_where_added_wire_bytes_come_from(modules, tmp_path):
+    """Sharded state: the same wire bytes, the note says so and no more. Gathered: the
+    optimizer state is all-gathered too, the bytes grow, and the note says why (it said
+    "not wire bytes" under a +50% row)."""
+    from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
+    from hlo_shard.printer import to_text
+
+    same = run("diff", *modules, "--profile", "tpu-v3").output
+    assert "not wire bytes" in same and "bytes added here" not in same
+    gathered = tmp_path / "adam.gathered.hlo"
+    gathered.write_text(to_text(WeightUpdateSharding(ShardingOptions()).run(
+        parse(ADAM)).module))
+    data = json.loads(run("diff", modules[0], str(gathered), "--json", "--profile",
+                          "tpu-v3").output)
+    grew = data["after"]["collective_bytes"] > 1.01 * data["before"]["collective_bytes"]
+    text = run("diff", modules[0], str(gathered), "--profile", "tpu-v3").output
+    assert grew and "bytes added here gather other values too" in text
+
+
 def test_commands_default_to_one_profile(modules):
     from hlo_shard.cli.optimize import optimize as optimize_command
     from hlo_shard.profiles import DEFAULT_PROFILE

@@ -200,9 +200,13 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
             (f"{kind}: sent per device", was.bytes_sent if was else 0,
              now.bytes_sent if now else 0, fmt_bytes),
             (f"{kind}: time", was.seconds if was else 0, now.seconds if now else 0, fmt_seconds)]
+    sent = [sum(c.bytes_sent for c in est.collectives().values()) for est in (before, after)]
+    more = "; the bytes added here gather other values too (the optimizer state a " \
+           "gathered module keeps whole, weights read whole)" if sent[1] > 1.01 * sent[0] else ""
     doc.tables.append(_diff_table("Collectives", coll_rows,
                                   "an all-reduce moves the bytes of a reduce-scatter plus an "
-                                  "all-gather: sharding changes latency, not wire bytes"))
+                                  "all-gather: sharding a gradient changes latency, not wire "
+                                  f"bytes{more}"))
     doc.tables.append(_diff_table(
         f"Peak memory ({before.memory.peak_instruction} → {after.memory.peak_instruction})",
         [(label, a, b, fmt_bytes) for (label, a), (_, b) in
