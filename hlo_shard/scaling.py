@@ -139,12 +139,16 @@ def _projection(est: StepEstimate, batch_factor: float, weight_factor: float = 1
     seconds["weight_update"] *= weight_factor
     seconds["formatting"] *= weight_factor
     seconds["communication"] = _communication_seconds(est, weight_factor)
-    breakdown: dict[str, float] = dict(est.memory.peak_breakdown)
+    memory = est.memory
     factors = {"batch": batch_factor, "activations": batch_factor * weight_factor,
                **{category: weight_factor for category in _PARAMETER_MEMORY}}
-    for category, factor in factors.items():
-        breakdown[category] = breakdown.get(category, 0) * factor
-    peak = est.memory.peak_bytes + sum(breakdown.values()) - sum(est.memory.peak_breakdown.values())
+    # Arguments and outputs scale where they are; the temp allocation's peak is taken
+    # again over the whole step, its categories scaled (a larger batch can make the
+    # backward pass's activations the peak where the update's buffers were).
+    fixed = {c: b for c, b in memory.peak_breakdown.items() if c not in memory.temp_levels}
+    peak = (memory.peak_bytes - memory.temp_bytes
+            + sum((factors.get(c, 1.0) - 1) * b for c, b in fixed.items())
+            + memory.temp_peak_scaled(factors))
     return Projection(sum(seconds.values()), seconds, peak)
 
 

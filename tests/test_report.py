@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from html import escape as html_escape
 import json
 import re
@@ -436,6 +437,31 @@ def test_sharding_does_not_raise_the_projected_peak_of_a_fixed_global_batch():
     for point in project(parse(EARLY_GRADIENT), [4, 16], load_profile("cpu-generic"),
                          global_batch=4096):
         assert point.sharded.peak_memory_bytes < point.original.peak_memory_bytes
+
+
+def test_a_scaled_peak_is_taken_again_over_the_whole_step():
+    """The temp allocation peaks where its scaled categories sum highest: with a larger
+    per-replica batch, where the activations are live (it scaled the breakdown of the
+    unscaled peak's moment, which the activations may not reach)."""
+    from hlo_shard.costmodel.memory import MemoryProfile
+    from hlo_shard.profiles import load_profile
+    from hlo_shard.scaling import _projection
+
+    profile = MemoryProfile(0, "", {}, 0, 0, 0, 0, 0, "",
+                            temp_levels={"activations": [1, 10, 0], "gradients": [8, 0, 2]})
+    assert profile.temp_peak_scaled({}) == 10
+    assert profile.temp_peak_scaled({"gradients": 4}) == 33
+    assert profile.temp_peak_scaled({"activations": 0.5, "gradients": 0.5}) == 5
+    # A step whose unscaled peak is the update's temporaries (300 B, step 1) while the
+    # activations (100 B) are live at step 0: eight times the batch, step 0 is the peak.
+    est = estimate(parse(EARLY_GRADIENT), load_profile("cpu-generic"))
+    fixed = est.memory.peak_bytes - est.memory.temp_bytes
+    levels = {"activations": [100, 0], "gradients": [0, 0], "temporaries": [0, 300]}
+    memory = replace(est.memory, temp_levels=levels, temp_bytes=300, peak_bytes=fixed + 300,
+                     peak_breakdown={**est.memory.peak_breakdown, "batch": 0,
+                                     "activations": 0, "gradients": 0, "temporaries": 300})
+    assert _projection(replace(est, memory=memory), 1.0).peak_memory_bytes == fixed + 300
+    assert _projection(replace(est, memory=memory), 8.0).peak_memory_bytes == fixed + 800
 
 
 def test_scaled_memory_categories_are_liveness_categories():

@@ -34,7 +34,7 @@ and the curve plotted over the schedule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Generator
+from collections.abc import Collection, Generator, Mapping
 from dataclasses import dataclass, field
 import itertools
 
@@ -99,6 +99,19 @@ class MemoryProfile:
     high_water_instruction: str
     #: (position, instruction, live bytes) after each scheduled instruction.
     curve: list[tuple[int, str, int]] = field(default_factory=list)
+    #: The temp allocation's bytes by category (gradients, activations, temporaries —
+    #: a callee's transient peak among the temporaries) at each scheduled instruction:
+    #: what a projection that scales one category more than another takes the peak of
+    #: (the step at which the allocation peaks moves with the factors).
+    temp_levels: dict[str, list[int]] = field(default_factory=dict)
+
+    def temp_peak_scaled(self, factors: Mapping[str, float]) -> float:
+        """The temp allocation's peak with each category's bytes times its factor (1
+        where none is given), over every step."""
+        steps = len(next(iter(self.temp_levels.values()), []))
+        return max((sum(factors.get(c, 1.0) * levels[i]
+                        for c, levels in self.temp_levels.items())
+                    for i in range(steps)), default=0.0)
 
     def to_json(self) -> dict:
         return {
@@ -394,7 +407,8 @@ class _Liveness:
             if level > peak:
                 peak, peak_at = level, self.comp.root.name
             curve.append((len(self.order), self.comp.root.name, level))
-        temp_peak, temp_at, temp_split = self._temp_allocation(born, last_use, transients)
+        temp_peak, temp_at, temp_split, temp_levels = self._temp_allocation(
+            born, last_use, transients)
         breakdown = {c: 0 for c in CATEGORIES}
         for key, buffer in self.buffers.items():
             if self._is_parameter(key):
@@ -404,15 +418,17 @@ class _Liveness:
         return MemoryProfile(
             argument_bytes + output_bytes + temp_peak - alias_bytes,
             self.order[temp_at].name if self.order else "", breakdown, argument_bytes,
-            output_bytes, alias_bytes, temp_peak, peak, peak_at, curve)
+            output_bytes, alias_bytes, temp_peak, peak, peak_at, curve, temp_levels)
 
     def _temp_allocation(self, born: dict[str, int], last_use: dict[str, int],
-                         transients: list[int]) -> tuple[int, int, dict[str, int]]:
+                         transients: list[int]
+                         ) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
         """XLA's temp allocation (``BufferAssigner``): every output has an allocation
         of its own, and temporaries, largest first, move into the smallest one that
         fits whose values do not interfere with theirs (one ends before the other is
         written, or as it is written in place); the rest are packed by liveness into
-        the temp allocation, each aligned. Returns (bytes, position, by category)."""
+        the temp allocation, each aligned. Returns (bytes, position, by category, by
+        category at each position)."""
         def interval(key: str) -> tuple[int, int]:
             return born[key], last_use.get(key, born[key])
 
@@ -467,11 +483,12 @@ class _Liveness:
         level = {c: list(itertools.accumulate(change[c][:steps])) for c in _TEMPORARY}
         totals = [sum(level[c][i] for c in _TEMPORARY) + transients[i] for i in range(steps)]
         if not totals:
-            return 0, 0, {}
+            return 0, 0, {}, {}
         at = max(range(steps), key=totals.__getitem__)
         split = {c: level[c][at] for c in _TEMPORARY}
         split["temporaries"] += transients[at]
-        return totals[at], at, split
+        level["temporaries"] = [t + extra for t, extra in zip(level["temporaries"], transients)]
+        return totals[at], at, split, level
 
     def _output_leaves(self) -> list[tuple[str | None, tuple[str, ...], Shape]]:
         """(value name when known, buffers, shape) of each top-level output element."""
