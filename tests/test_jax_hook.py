@@ -204,6 +204,27 @@ def test_main_runs_a_script_with_the_hook(tmp_path):
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "no such script" in run.stderr
 
 
+def test_the_runner_runs_a_script_as_python_does(tmp_path):
+    """``__file__`` absolute (a script that changes directory still finds itself), the
+    script's exception shown from its own frame with exit status 1, and the hook's lines
+    once though the script configures logging itself."""
+    script = tmp_path / "train.py"
+    script.write_text("import logging, os\n"
+                      "logging.basicConfig(level=logging.INFO)\n"
+                      "os.chdir('/')\n"
+                      "print(open(__file__).readline().strip())\n"
+                      "logging.getLogger('hlo_shard').info('hlo_shard: probe')\n"
+                      "raise ValueError('boom')\n")
+    run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", script.name], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True, check=False, timeout=300)
+    assert run.returncode == 1 and run.stdout.strip() == "import logging, os"
+    assert run.stderr.count("probe") == 1, run.stderr
+    frames = [line for line in run.stderr.splitlines() if line.startswith("  File ")]
+    assert frames == [f'  File "{script}", line 6, in <module>'], run.stderr
+    assert run.stderr.rstrip().endswith("ValueError: boom")
+
+
 DISTRIBUTED_SCRIPT = '''
 import socket, sys
 import jax, jax.numpy as jnp, numpy as np

@@ -8,6 +8,7 @@ import logging
 import os
 import runpy
 import sys
+import traceback
 
 USAGE = "usage: python -m hlo_shard.jax SCRIPT.py [ARGS...]"
 
@@ -30,15 +31,30 @@ def main(argv: list[str]) -> int:
             handler.setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+            logger.propagate = False  # (a script's logging.basicConfig: not twice)
         try:
             install(only=os.environ.get("HLO_SHARD_ONLY"))
         except HloShardError as err:
             print(f"hlo_shard.jax: error: {err}", file=sys.stderr)
             return 2
     sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    path = os.path.abspath(script)  # python's own __file__ for a script (3.9+)
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception as err:  # noqa: BLE001 - the script's own, shown as python shows it
+        _print_script_traceback(err, path)
+        return 1
     return 0
+
+
+def _print_script_traceback(err: BaseException, path: str) -> None:
+    """``err``'s traceback from the script's own frame on (this runner's and runpy's
+    frames left out), as ``python SCRIPT.py`` prints it; exit status 1 follows."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb if tb is not None else err.__traceback__)
 
 
 if __name__ == "__main__":
