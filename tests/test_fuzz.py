@@ -127,7 +127,7 @@ def test_crashes_and_refusals_are_failures(tmp_path):
     spec = _constant_lr_spec(tensors=1)
     assert driver.run_variant(spec, Crashing(), tmp_path, "sharded", "combined").kind == CRASH
     outcome = driver.run_variant(spec, Refusing(), tmp_path, "sharded", "combined")
-    assert outcome.kind == REFUSED and "in-place" in outcome.detail
+    assert outcome.kind == REFUSED and "is an input; name another file" in outcome.detail
 
 
 def test_identity_transformation_matches(worker, tmp_path):

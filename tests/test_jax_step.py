@@ -300,6 +300,39 @@ def test_a_jitted_method_of_a_trainer_class(request, state):
         assert_close(fast.gather_args(*fast.shard_args(*full)), full)
 
 
+def test_a_step_called_inside_a_transformation_is_traced_as_jits(request):
+    """``fast`` inside an outer ``jax.jit``, a ``lax.scan`` of steps or ``eval_shape``
+    (tracers, no arrays to run an executable on) traces the original step, with one
+    warning at the user's line; it raised jax's "Cannot apply JAX transformations to a
+    function lowered and compiled" before."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2, donate=False)
+    fast = hsj.shard_weight_update(program.step, force=True)
+    params, opt_state = program.init()
+    fast(params, opt_state, program.batch(0))  # sharded from Python
+    assert fast.report["sharded"] >= 2
+    batches = jax.tree.map(lambda *b: jnp.stack(b), program.batch(1), program.batch(2))
+
+    def steps(step):
+        def body(state, batch):
+            p, s, loss = step(*state, batch)
+            return (p, s), loss
+        return jax.jit(lambda p, s, b: jax.lax.scan(body, (p, s), b))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (p, s), losses = steps(fast)(params, opt_state, batches)
+        shapes = jax.eval_shape(fast, params, opt_state, program.batch(1))
+    (p_jit, s_jit), l_jit = steps(program.step)(params, opt_state, batches)
+    np.testing.assert_array_equal(np.asarray(losses), np.asarray(l_jit))
+    assert_close((p, s), (p_jit, s_jit))
+    assert shapes[0]["l0"]["w"].shape == params["l0"]["w"].shape
+    (warning,) = _fallbacks(caught)
+    assert "inside a jax transformation" in str(warning) and warning.code == "unsupported_step"
+    assert [w.filename for w in caught if w.category is hsj.FallbackWarning] == [__file__]
+
+
 def test_an_unhashable_static_argument_is_jits_error():
     f = jax.jit(lambda w, config: w * config["scale"], static_argnums=1)
     with pytest.raises(ValueError, match="Non-hashable static arguments"):

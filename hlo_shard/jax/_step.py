@@ -209,6 +209,13 @@ class ShardedStep:
             hash(call.static)
         except TypeError:  # jit refuses an unhashable static argument: its own error
             return self._jitted(*args, **kwargs)
+        if _traced(call.leaves):
+            self._warn(Unsupported(
+                "called inside a jax transformation (jit, scan, vmap, eval_shape, grad): "
+                "the step is traced as jit's, unsharded (call it from Python to shard it"
+                + ("; its state goes in whole: fast.gather_args" if
+                   self.options.state == "sharded" else "") + ")"))
+            return self._jitted(*args, **kwargs)
         if self._states and self._key(call) not in self._entries:
             full = self._convert(call, to_shards=False)  # shards of a signature seen before
             if full is not None:
@@ -584,9 +591,10 @@ class ShardedStep:
                           stacklevel=_callers_level())
 
 
-#: Packages whose frames stand between the user's call and the warning: ours, and the
-#: jit wrappers :func:`_front_and_jit` calls through.
-_CALLING_PACKAGES = frozenset({"hlo_shard", "equinox", "flax"})
+#: Packages whose frames stand between the user's call and the warning: ours, the jit
+#: wrappers :func:`_front_and_jit` calls through, and jax's tracing (``fast`` called
+#: inside a transformation).
+_CALLING_PACKAGES = frozenset({"hlo_shard", "equinox", "flax", "jax"})
 
 
 def _callers_level() -> int:
@@ -597,6 +605,14 @@ def _callers_level() -> int:
             frame.f_globals.get("__name__", "").partition(".")[0] in _CALLING_PACKAGES:
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _traced(leaves: list) -> bool:
+    """Whether an argument is a tracer of an enclosing transformation: there is no
+    array to run a compiled executable on, only a program to trace into."""
+    import jax
+
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def _same_aval(leaf: Any, aval: Any) -> bool:
