@@ -217,6 +217,9 @@ def test_a_step_it_cannot_capture_is_compiled_once(request, case):
         warnings.simplefilter("always")
         compiles = _backend_compiles(lambda: [fast(w, x) for _ in range(2)])
     assert [f.code for f in _fallbacks(caught)] == ["unsupported_step"]
+    if case == "host callback":  # what it is, and what to do
+        assert "jax.debug.print" in str(_fallbacks(caught)[0])
+        assert "install()" in str(_fallbacks(caught)[0])
     assert len(compiles) == 1
     np.testing.assert_array_equal(np.asarray(fast(w, x)), np.asarray(jitted(w, x)))
 
@@ -331,6 +334,19 @@ def test_a_step_called_inside_a_transformation_is_traced_as_jits(request):
     (warning,) = _fallbacks(caught)
     assert "inside a jax transformation" in str(warning) and warning.code == "unsupported_step"
     assert [w.filename for w in caught if w.category is hsj.FallbackWarning] == [__file__]
+
+
+def test_shard_args_before_any_step_says_to_pass_the_batch(request):
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2)
+    fast = hsj.shard_weight_update(program.step, state="sharded", force=True)
+    with pytest.raises(TypeError, match="batch") as info:
+        fast.shard_args(*program.init())
+    assert any("pass all of them, the batch too" in note
+               for note in getattr(info.value, "__notes__", ["pass all of them, the batch too"]))
+    params, opt_state = fast.shard_args(*program.init(), program.batch(0))[:2]
+    assert opt_state[0].mu["l0"]["w"].shape == (32 * 64,)
 
 
 def test_an_unhashable_static_argument_is_jits_error():

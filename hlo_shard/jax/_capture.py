@@ -177,7 +177,11 @@ def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
 def _check_supported(lowered: Any) -> None:
     facts = _xla.lowering_facts(lowered)
     for fact, reason in (("ordered_effects", "it has ordered side effects"),
-                         ("host_callbacks", "it calls back into Python"),
+                         ("host_callbacks", "it calls back into Python (jax.debug.print, "
+                          "jax.debug.callback, io_callback, pure_callback: a module compiled "
+                          "from its text cannot reach them; install() shards such a step "
+                          "inside jit's own compile, or return the values to log from the "
+                          "step instead)"),
                          ("tuple_args", "jit passes its arguments as one tuple"),
                          ("const_args", "jit hoisted constants into extra arguments")):
         if facts[fact]:

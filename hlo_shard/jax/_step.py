@@ -283,7 +283,15 @@ class ShardedStep:
         gathered mode and where ``fast`` runs ``fn`` itself."""
         if not self._states and self.options.state == "sharded":
             bound = self._bound + args  # the first signature: capture it
-            self._entry(self._split(bound, {}), bound, {})
+            try:
+                self._entry(self._split(bound, {}), bound, {})
+            except TypeError as err:  # jax's, tracing the step with too few arguments
+                if hasattr(err, "add_note"):  # (python 3.11+)
+                    err.add_note("hlo_shard.jax: shard_args before any step captures the step "
+                                 "from the arguments given: pass all of them, the batch "
+                                 "too (fast.shard_args(params, opt_state, batch)), or run "
+                                 "a step first")
+                raise
         return self._convert_args(args, to_shards=True)
 
     def gather_args(self, *args: Any) -> Any:
