@@ -1505,6 +1505,11 @@ def _unexpected_character(text: str, path: str | None, line: int, column: int,
     source_line = _source_line(text, line)
     char = source_line[column - 1: column]
     if char == "[" and (word := _WORD_BEFORE_RE.search(source_line, 0, column - 1)):
+        if word.group(0) in ELEMENT_BITS:  # a known type: its dimensions are the matter
+            close = source_line.find("]", column)
+            dims = source_line[column:close if close >= 0 else None]
+            return _error(text, path, f"bad dimensions '{dims}' in a {word.group(0)}[...] "
+                          f"shape: expected sizes separated by ','", line, column + 1)
         return _error(text, path, f"unknown element type '{word.group(0)}'", line,
                       column - len(word.group(0)))
     if char in _UNCLOSED:

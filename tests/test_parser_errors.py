@@ -17,6 +17,9 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
 
 @pytest.mark.parametrize("text, line, column, words", [
     ("", 1, 1, "empty input"),
+    # a known element type whose dimensions do not read: said so, not "unknown type"
+    ("HloModule m\nENTRY e {\n  ROOT p = f32[4,1x16] parameter(0)\n}\n", 3, 16,
+     "bad dimensions '4,1x16' in a f32[...] shape"),
     ("  \n// just a comment\n", 1, 1, "empty input"),
     ("\x00\x01\x02\xff", 1, 1, "unexpected character '\\x00'"),
     ("HloModule m\n", 1, 12, "unexpected end of input"),
