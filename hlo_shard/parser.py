@@ -1423,7 +1423,8 @@ def parse_file(path: str | Path) -> Module:
 
 #: How the grammar's regex terminals are named in messages.
 _TERMINAL_WORDS = {
-    "NAME": "a name", "NAME_EQ": "a name", "ATTR": "an attribute 'name=value'", "NAME_COLON": "'name:'",
+    "NAME": "a name", "NAME_EQ": "a name", "ATTR": "an attribute 'name=value'",
+    "NAME_COLON": "'name:'",
     "SHAPE": "a shape like f32[4]", "INT": "an integer", "FLOAT": "a number",
     "STRING": "a quoted string", "BLOB": "a '{...}' value", "LITERAL": "a literal",
     "DIM_LABELS": "dimension labels", "PADDING": "a padding like 0_0x1_1",

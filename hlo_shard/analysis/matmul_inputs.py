@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hlo_shard.graph import call_graph
-from hlo_shard.ir import Computation, Module
+from hlo_shard.graph import call_graph, reachable
+from hlo_shard.ir import Computation, Instruction, Module
 from hlo_shard.opinfo import MATMULS
 
 #: A value: (computation, instruction, tuple slot or None for all of it).
@@ -41,19 +41,16 @@ class MatmulInputs:
             (index is not None and (computation, name, index) in self.values)
 
 
+def _is_product(inst: Instruction) -> bool:
+    """A matrix product, or a custom call (a library's product, as far as anyone knows)."""
+    return inst.opcode in MATMULS or inst.opcode == "custom-call"
+
+
 def _holding_products(module: Module) -> set[str]:
     """The computations that run a product, directly or through what they call."""
-    graph = call_graph(module)
     holding = {comp.name for comp in module.computations
-               if any(inst.opcode in MATMULS or inst.opcode == "custom-call"
-                      for inst in comp.instructions)}
-    stack = list(holding)
-    while stack:
-        for caller in graph.predecessors(stack.pop()):
-            if caller not in holding:
-                holding.add(caller)
-                stack.append(caller)
-    return holding
+               if any(_is_product(inst) for inst in comp.instructions)}
+    return holding | reachable(holding, call_graph(module).predecessors)
 
 
 def matmul_inputs(module: Module) -> MatmulInputs:
@@ -74,9 +71,8 @@ def matmul_inputs(module: Module) -> MatmulInputs:
 
     for comp in module.computations:
         for inst in comp.instructions:
-            if inst.opcode in MATMULS or inst.opcode == "custom-call" or \
-                    any(callee in holding for callee in inst.called_computations()
-                        if inst.opcode != "while"):
+            if _is_product(inst) or (inst.opcode != "while" and any(
+                    callee in holding for callee in inst.called_computations())):
                 for operand in inst.operands:
                     mark(comp.name, operand)
     while stack:
@@ -93,9 +89,9 @@ def matmul_inputs(module: Module) -> MatmulInputs:
             body = inst.called("body")
             mark(body, module.computation(body).root.name, index)
             mark(comp_name, inst.operands[0], index)
-        elif inst.opcode == "parameter":
-            for caller, initial in loops.get(comp_name, ()):  # a loop body's carry
-                mark(comp_name, comp.root.name, index)
+        elif inst.opcode == "parameter" and comp_name in loops:  # a loop body's carry
+            mark(comp_name, comp.root.name, index)
+            for caller, initial in loops[comp_name]:
                 mark(caller.name, initial, index)
         else:
             for operand in inst.operands:

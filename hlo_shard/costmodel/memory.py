@@ -480,15 +480,14 @@ class _Liveness:
             if start <= end:
                 change[buffer.category][start] += size
                 change[buffer.category][end + 1] -= size
-        level = {c: list(itertools.accumulate(change[c][:steps])) for c in _TEMPORARY}
-        totals = [sum(level[c][i] for c in _TEMPORARY) + transients[i] for i in range(steps)]
-        if not totals:
+        if not steps:
             return 0, 0, {}, {}
-        at = max(range(steps), key=totals.__getitem__)
-        split = {c: level[c][at] for c in _TEMPORARY}
-        split["temporaries"] += transients[at]
+        level = {c: list(itertools.accumulate(change[c][:steps])) for c in _TEMPORARY}
+        # (a callee's transient peak counts among the temporaries)
         level["temporaries"] = [t + extra for t, extra in zip(level["temporaries"], transients)]
-        return totals[at], at, split, level
+        totals = [sum(level[c][i] for c in _TEMPORARY) for i in range(steps)]
+        at = max(range(steps), key=totals.__getitem__)
+        return totals[at], at, {c: level[c][at] for c in _TEMPORARY}, level
 
     def _output_leaves(self) -> list[tuple[str | None, tuple[str, ...], Shape]]:
         """(value name when known, buffers, shape) of each top-level output element."""

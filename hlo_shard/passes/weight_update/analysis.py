@@ -1416,7 +1416,7 @@ def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Devi
     which is the one whose update can be sharded further. Nor do sums a matrix product
     reads (:mod:`~hlo_shard.analysis.matmul_inputs`): on a data × model mesh the model
     axis's sums of activations, which in a scan over layers can outweigh the gradients'
-    (counted as they are where every sum is read so)."""
+    (where a product reads every sum, all count, as before)."""
     candidates = [ar for ar in found if ar.groups is not None and ar.is_candidate]
     if not candidates:
         return None
