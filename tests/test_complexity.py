@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
+from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.analysis.names import gradient_weights, pairs, same_types
 from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.analysis.replication import analyze_replication
@@ -401,7 +402,8 @@ ANALYSES: dict[str, Callable[[Module], object]] = {
     "donated_parameter_copies": donated_parameter_copies,
     # The weight each gradient is named after (``--json``, ``report``, the JAX path).
     "gradient_weights": lambda m: gradient_weights(
-        m.entry, pairs(m.output_aliases().items()) or same_types(m)),
+        m.entry, pairs(m.output_aliases().items()) or same_types(m),
+        flows=ElementOperands(m)),
     "estimate_step": lambda m: estimate_step(m, load_profile("cpu-local"), {}),
     "optimize": lambda m: optimize(m, ShardingOptions()),
     "optimize_sharded": lambda m: optimize(m, ShardingOptions(state="sharded")),

@@ -246,6 +246,10 @@ def test_a_step_predicted_slower_runs_fn_with_both_estimates(request):
     gate = report["speed"]
     assert gate["kept_whole"] and gate["before_seconds"] > 0 and gate["predicted_ratio"] > 0.9
     assert report["gradients"] >= 1
+    # each row still says whose gradient it is (the weight's path), kept whole for speed
+    named = {row["gradient_of"] for row in report["explanations"]
+             if row["reason_code"] == "kept_for_speed"}
+    assert named == {f"params['l{i}']['{leaf}']" for i in range(3) for leaf in "wb"}, named
     assert_close(outs[-1], program.step(params, opt_state, program.batch(1)))
     forced = hsj.shard_weight_update(program.step, force=True)
     forced(params, opt_state, program.batch(0))

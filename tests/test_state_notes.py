@@ -56,3 +56,37 @@ def test_state_kept_as_shards_needs_no_such_note():
     _, report = optimize(text, state="sharded")
     assert any(p.kind == "sharded" for p in report.parameters)
     assert not [n for n in report.notes if "no optimizer state" in n]
+
+
+#: A position table longer than the sequence (``pos[:T]``): jit's bias-style gradient
+#: reshape (a reduction over a dimension of size one), scaled, then padded to the
+#: table's rows, where the sharded update stops; the state's next value reads the pad.
+STATE_AFTER_A_PAD = f"""HloModule m, replica_count=2, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+{ADD}
+ENTRY e {{
+  w = f32[9] parameter(0)
+  m = f32[9] parameter(1)
+  x = f32[1,8] parameter(2), parameter_replication={{false}}
+  ar = f32[1,8] all-reduce(x), replica_groups={{{{0,1}}}}, to_apply=add
+  zero = f32[] constant(0)
+  g = f32[8] reduce(ar, zero), dimensions={{0}}, to_apply=add
+  lr = f32[] constant(0.1)
+  lrb = f32[8] broadcast(lr), dimensions={{}}
+  step = f32[8] multiply(g, lrb)
+  padded = f32[9] pad(step, zero), padding=0_1
+  nm = f32[9] add(m, padded)
+  nw = f32[9] subtract(w, nm)
+  ROOT t = (f32[9], f32[9]) tuple(nw, nm)
+}}
+"""
+
+
+def test_a_reduction_over_a_size_one_dimension_is_no_factored_statistic():
+    """The state stays whole because its next value is computed after the update's
+    region ends (at the pad), not because of a "factored statistic": the reduction
+    over one row is the gradient's reshape."""
+    _, report = optimize(STATE_AFTER_A_PAD, state="sharded")
+    assert [row.sharded for row in report.explanations] == [True]
+    (note,) = [n for n in report.notes if "optimizer state parameter 1" in n]
+    assert "factored statistic" not in note
+    assert "computed after the sharded update ends" in note, note

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import ReasonCode
+from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.graph import topological_order, upstream_bits, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw,
                           TupleShape)
@@ -92,15 +93,21 @@ NextValues = tuple[Sequence[int], Sequence[int]]
 
 
 def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
-                     values: Mapping[int, set[str]] | None = None
-                     ) -> dict[GradientKey, int]:
+                     values: Mapping[int, set[str]] | None = None, *,
+                     flows: ElementOperands | None = None) -> dict[GradientKey, int]:
     """Gradient all-reduce → the weight it updates: the one ``p`` for which some output
     leaf ``k`` of a group of ``next_values`` (``k`` may be the next value of ``p``) has
     the all-reduce's shape and is reached from it, and ``p`` is what the gradient was
     computed from (which tells the weight from its optimizer state) — where all such
     name one ``p``. ``values``: the instructions that stand for each ``p`` (default: the
     entry parameter numbered ``p``; in a loop body, the ``get-tuple-element``
-    instructions of carried slot ``p``), no instruction standing for two."""
+    instructions of carried slot ``p``), no instruction standing for two.
+
+    ``flows`` (:class:`~hlo_shard.analysis.element_flow.ElementOperands`): first reach
+    only through the operands each element is computed from one for one, which keeps a
+    clipped gradient from reaching every update through the global norm, and splits a
+    group of several weights into each output's own (the weights its elements are
+    computed from); a gradient that names no one weight so is then tried as before."""
     root = comp.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
     shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
@@ -112,26 +119,72 @@ def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
               and (weights := [p for p in group_weights if values.get(p)])]
     if not groups:
         return {}
-    output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
-    value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
-    weight_of_bit = {value_bits[name]: p for _, weights in groups for p in weights
-                     for name in values[p]}
-    by_dims: dict[tuple[int, ...] | None, _Groups] = {}
-    for leaves, weights in groups:
-        value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
-        same_dims: dict[tuple[int, ...] | None, list[str]] = {}
-        for k in leaves:
-            same_dims.setdefault(_sorted_dims(shapes[k]), []).append(outputs[k])
-        for dims, names in same_dims.items():
-            by_dims.setdefault(dims, _Groups()).add(_mask(output_bits, names), value_mask)
+    fit = _Fit(comp, outputs, shapes, values)
     found: dict[GradientKey, int] = {}
-    for key, reached, sources, shape in _ElementFlow(comp).gradient_leaves(output_bits,
-                                                                           value_bits):
-        same = by_dims.get(_sorted_dims(shape))
-        fits = same.fitting(reached, sources, weight_of_bit) if same is not None else set()
-        if len(fits) == 1:
-            found[key] = fits.pop()
-    return found
+    if flows is not None:
+        found = fit.named(fit.own_groups(groups, flows), _ElementFlow(comp, flows))
+    return {**fit.named(groups, _ElementFlow(comp), skip=found), **found}
+
+
+@dataclass
+class _Fit:
+    """The outputs and weight values of one computation, as bits, for
+    :func:`gradient_weights`."""
+
+    comp: Computation
+    outputs: list[str]
+    shapes: list
+    values: Mapping[int, set[str]]
+
+    def own_groups(self, groups: Sequence[NextValues], flows: ElementOperands
+                   ) -> list[NextValues]:
+        """``groups`` with each group of several weights split into one per output
+        leaf, holding the weights of the group its elements are computed from one for
+        one (an output none of them is left out)."""
+        split: list[NextValues] = []
+        bits = _bits(name for _, weights in groups for p in weights for name in self.values[p])
+        weight_of_bit = {bits[name]: p for _, weights in groups for p in weights
+                         for name in self.values[p]}
+        reads = upstream_bits(self.comp, bits, flows.previous(self.comp))
+        for leaves, weights in groups:
+            if len(weights) == 1:
+                split.append((leaves, weights))
+                continue
+            mask = _mask(bits, (name for p in weights for name in self.values[p]))
+            for k in leaves:
+                read = (reads[self.outputs[k]] | bits.get(self.outputs[k], 0)) & mask
+                own = sorted({weight_of_bit[bit] for bit in _bits_of(read)})
+                if own:
+                    split.append(((k,), own))
+        return split
+
+    def named(self, groups: Sequence[NextValues], flow: _ElementFlow,
+              skip: Mapping[GradientKey, int] | None = None) -> dict[GradientKey, int]:
+        """The gradient leaves (but ``skip``'s) that ``groups`` name one weight of."""
+        if not groups:
+            return {}
+        values, outputs, shapes = self.values, self.outputs, self.shapes
+        output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
+        value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
+        weight_of_bit = {value_bits[name]: p for _, weights in groups for p in weights
+                         for name in values[p]}
+        by_dims: dict[tuple[int, ...] | None, _Groups] = {}
+        for leaves, weights in groups:
+            value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
+            same_dims: dict[tuple[int, ...] | None, list[str]] = {}
+            for k in leaves:
+                same_dims.setdefault(_sorted_dims(shapes[k]), []).append(outputs[k])
+            for dims, names in same_dims.items():
+                by_dims.setdefault(dims, _Groups()).add(_mask(output_bits, names), value_mask)
+        found: dict[GradientKey, int] = {}
+        for key, reached, sources, shape in flow.gradient_leaves(output_bits, value_bits):
+            if skip and key in skip:
+                continue
+            same = by_dims.get(_sorted_dims(shape))
+            fits = same.fitting(reached, sources, weight_of_bit) if same is not None else set()
+            if len(fits) == 1:
+                found[key] = fits.pop()
+        return found
 
 
 @dataclass
@@ -233,7 +286,8 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
             if index is not None and inst.operands[0] == carried[0].name:
                 slots.setdefault(index, set()).add(inst.name)
         starts = Counter(start.values())
-        weights = gradient_weights(body, pairs((i, i) for i in slots), slots)
+        weights = gradient_weights(body, pairs((i, i) for i in slots), slots,
+                                   flows=ElementOperands(module))
         found.update({key: p for key, i in weights.items()
                       if (p := start.get(i)) is not None and starts[p] == 1})
     return found
@@ -252,9 +306,11 @@ class _ElementFlow:
     and what it was computed from, are found for all instructions at once, in one pass
     each way over a def-before-use order, as masks of the bits asked about."""
 
-    def __init__(self, comp: Computation) -> None:
+    def __init__(self, comp: Computation, flows: ElementOperands | None = None) -> None:
         self.comp = comp
         self.users = users_map(comp)
+        #: Reach only through the operands each element is computed from (None: all).
+        self.flows = flows
 
     def _element(self, name: str) -> int | None:
         inst = self.comp[name]
@@ -264,6 +320,8 @@ class _ElementFlow:
         out = []
         for user in self.users[name]:
             inst = self.comp[user]
+            if self.flows is not None and name not in self.flows(self.comp, inst):
+                continue
             readers = self.users[user]
             if inst.opcode == "tuple" and readers and all(
                     self._element(r) is not None for r in readers):
@@ -372,7 +430,8 @@ def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = N
     if next_values is None:
         next_values = list(module.output_aliases().items())
     groups = pairs(next_values) if next_values else same_types(module)
-    return UserNames(parameters, {**gradient_weights(module.entry, groups),
+    return UserNames(parameters, {**gradient_weights(module.entry, groups,
+                                                     flows=ElementOperands(module)),
                                   **loop_gradient_weights(module)})
 
 

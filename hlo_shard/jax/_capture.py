@@ -62,13 +62,16 @@ class Reason(str, Enum):
 
 class Unsupported(Exception):
     """Why the optimized path cannot run this step (``fast`` then runs ``fn`` itself):
-    a :class:`Reason` and the words; ``report``/``decision``: what the pass and its gate
-    said, when they ran."""
+    a :class:`Reason` and the words; ``report``/``decision``/``names``: what the pass and
+    its gate said, and the user's names of the module, when they ran."""
 
     def __init__(self, message: str, code: Reason = Reason.UNSUPPORTED_STEP,
-                 report: Any = None, decision: Any = None) -> None:
+                 report: Any = None, decision: Any = None, names: Any = None) -> None:
         super().__init__(message)
         self.code, self.report, self.decision = code, report, decision
+        #: The user's names of the captured module (each row's ``gradient_of``), where
+        #: the pass ran.
+        self.names = names
         #: What the first call spent before it fell back (set by ``ShardedStep``).
         self.seconds: FirstCallSeconds | None = None
         #: jit's step, where the capture compiled (or started compiling) it: ``fast``

@@ -242,7 +242,9 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
             "fallback": why.code.value, "reason": str(why),
             "speed": None if why.decision is None else speed_json(why.decision),
             "sharded": 0, "gradients": None if report is None else len(report.explanations),
-            "explanations": [] if report is None else [r.to_json() for r in report.explanations],
+            "explanations": [] if report is None else [
+                why.names.explained(r.to_json()) if why.names else r.to_json()
+                for r in report.explanations],
             "notes": [] if report is None else list(report.notes),
             "seconds": None if why.seconds is None else why.seconds.to_json()}
 
@@ -396,11 +398,11 @@ def _optimized(capture: Capture, options: ShardingOptions, next_values: list[tup
     report, decision = result.report, result.decision
     assert decision is not None  # the gate ran
     if not result.rewritten and (verdict := not_faster(decision)):
-        raise Unsupported(verdict, Reason.NOT_FASTER, report, decision)
+        raise Unsupported(verdict, Reason.NOT_FASTER, report, decision, names)
     if not result.rewritten:
         raise Unsupported("nothing to shard: " + (report.whole_reasons() or
                                                   "the step has no gradient all-reduce"),
-                          Reason.NOTHING_TO_SHARD, report, decision)
+                          Reason.NOTHING_TO_SHARD, report, decision, names)
     with _stage(Reason.PASS_FAILED, "the pass refused the step"):
         _ = result.xla_text  # the output check, here: a module failing it is the pass's fault
         shard_sharding = _shard_sharding(capture)

@@ -43,6 +43,7 @@ from typing import cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode, with_device_counts)
+from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
@@ -1541,21 +1542,26 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
             kept_whole.update({number: unaliased for number in candidates
                                if number not in pairs and number not in kept_whole})
         return pairs, kept_whole
-    # No aliasing: an output depending on exactly one remaining candidate of its kind.
+    # No aliasing: an output depending on exactly one remaining candidate of its kind,
+    # first through the operands its elements are computed from one for one (a new
+    # weight from its own weight, not from every weight backpropagation read), then
+    # through all.
     remaining = dict(candidates)
     open_outputs = dict(outputs)
     bit = {number: 1 << index for index, number in enumerate(candidates)}
-    reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()})
-    progress = True
-    while progress:
-        progress = False
-        for k, value in list(open_outputs.items()):
-            matches = [n for n in remaining if reads[value] & bit[n] and fits(n, k)]
-            if len(matches) == 1:
-                pair(matches[0], k)
-                del remaining[matches[0]]
-                del open_outputs[k]
-                progress = True
+    for computed_from in (ElementOperands(module).previous(comp), None):
+        reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()},
+                              computed_from)
+        progress = True
+        while progress:
+            progress = False
+            for k, value in list(open_outputs.items()):
+                matches = [n for n in remaining if reads[value] & bit[n] and fits(n, k)]
+                if len(matches) == 1:
+                    pair(matches[0], k)
+                    del remaining[matches[0]]
+                    del open_outputs[k]
+                    progress = True
     kept_whole.update({number: "no output in its element order is its next value alone "
                                "(no input_output_alias to say which)" for number in remaining})
     return pairs, kept_whole
@@ -1638,9 +1644,13 @@ class _GradientReach:
 
 
 def _is_statistic(plan: RegionPlan, inst: Instruction) -> bool:
-    """A reduction of a sharded value to more than one element."""
-    return inst.opcode == "reduce" and inst.operands[0] in plan.sharded \
-        and isinstance(inst.shape, ArrayShape) and inst.shape.num_elements != 1
+    """A reduction of a sharded value to more than one element, over a dimension of
+    more than one (over size-1 dimensions only it is jit's reshape of a bias gradient)."""
+    if inst.opcode != "reduce" or inst.operands[0] not in plan.sharded or \
+            not isinstance(inst.shape, ArrayShape) or inst.shape.num_elements == 1:
+        return False
+    source = plan.sharded[inst.operands[0]]
+    return any(source.dims[d] != 1 for d in inst.ints_attr("dimensions"))
 
 
 def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None) -> str:
