@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from hlo_shard.errors import HloParseError
 from hlo_shard.graph import dependencies
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
@@ -419,4 +420,29 @@ def validate(module: Module, computations: Collection[str] | None = None) -> lis
     return _Checker(module, computations).run()
 
 
-__all__ = ["Problem", "validate"]
+#: The checks whose failure makes a text no HLO module XLA would compile, whatever its
+#: header says: a collective's result size and its groups follow device counts a header
+#: may have lost (which the passes recover), duplicate channel ids the passes renumber.
+_INPUT_CHECKS = frozenset({"unique-names", "def-before-use", "root", "shape"})
+
+
+def check_input(module: Module, path: str | None = None) -> None:
+    """Refuse a module read from ``path`` that fails a check of :data:`_INPUT_CHECKS`
+    (an instruction whose result shape disagrees with its operands, ...): its first such
+    problem, at the instruction's line and column. What a pass would make of it is
+    meaningless, and a rewrite could even hide the slip (a transposed gradient's shards
+    come out right)."""
+    for problem in validate(module):
+        comp = module.computation(problem.computation) if problem.computation else None
+        inst = comp[problem.instruction] if comp is not None and problem.instruction \
+            and problem.instruction in comp else None
+        if problem.check not in _INPUT_CHECKS or (
+                inst is not None and _SHAPE_RULES.get(inst.opcode) in _HEADER_READING_RULES):
+            continue
+        loc = inst.loc if inst is not None else comp.loc if comp is not None else None
+        where = f"%{problem.instruction}" if problem.instruction else f"%{problem.computation}"
+        raise HloParseError(f"{where}: {problem.message} ({problem.check})",
+                            loc.line if loc else 1, loc.column if loc else 1, path=path)
+
+
+__all__ = ["Problem", "check_input", "validate"]

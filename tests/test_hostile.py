@@ -373,3 +373,32 @@ def test_a_lost_exit_report_reads_the_status_the_child_wrote(monkeypatch, tmp_pa
     run = run_cli(["optimize", str(tmp_path / "missing.hlo"), "-o", str(tmp_path / "o.hlo")])
     assert runs == [2] and run.returncode == 2
     assert "error" in run.stderr and not (tmp_path / "o.hlo").exists()
+
+
+#: One-character slips in the real step that leave it parseable but no module XLA
+#: compiles (line, what is replaced, by what): a broadcast of a scalar given a dimension,
+#: an elementwise result one column wider than its operands. A pass must not read them
+#: (a rewrite could even hide the slip: a gradient's shards come out right), and every
+#: command that reads a module refuses them at the instruction, whatever the flags.
+_INCONSISTENT = {"scalar_broadcast_dims": (151, "dimensions={}", "dimensions={0}"),
+                 "elementwise_result_wider": (155, "f32[4,10]{1,0} multiply",
+                                              "f32[4,11]{1,0} multiply")}
+
+
+@pytest.mark.parametrize("name", sorted(_INCONSISTENT))
+def test_shapes_that_disagree_are_refused_at_the_instruction(name, tmp_path):
+    number, old, new = _INCONSISTENT[name]
+    lines = REAL.read_text().splitlines(keepends=True)
+    assert old in lines[number - 1]
+    lines[number - 1] = lines[number - 1].replace(old, new, 1)
+    bad = tmp_path / f"{name}.hlo"
+    bad.write_text("".join(lines))
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    results = _run_all([t for t in _invocations() if t[0] not in ("fmt", "verify")], bad,
+                       tmp_path, TIMEOUT_SMALL)
+    results += _run_all([("optimize", "{in}", "-o", "{out}", "--state", "sharded",
+                          "--force")], bad, forced, TIMEOUT_SMALL)
+    for result in results:
+        check_clean_failure(result, bad, located=True)
+        assert f"{bad}:{number}:" in result[0].stderr, result[0].stderr

@@ -47,6 +47,7 @@ from hlo_shard.printer import format_change
 from hlo_shard.profiles import DEFAULT_PROFILE, available_profiles, load_profile
 from hlo_shard.profiles.detect import profile_for_module
 from hlo_shard.units import fmt_seconds
+from hlo_shard.validate import check_input
 
 if TYPE_CHECKING:
     from hlo_shard.runtime.manifest import Manifest
@@ -293,6 +294,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                             "--per-device-params")
     requested = None if profile is None else load_profile(profile)  # a bad name: before parsing
     module = parse(read_text(input_path), path=input_path)
+    check_input(module, input_path)
     hardware, platform_note = profile_for_module(requested, module)
     if platform_note is not None:
         click.echo(f"note: {platform_note}", err=True)

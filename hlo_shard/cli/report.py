@@ -67,9 +67,13 @@ def module_profile(profile: str | None, module: Module) -> HardwareProfile:
 
 
 def load_module(path: str) -> Module:
+    """The module of ``path``, refused where it is no module XLA would compile."""
     from hlo_shard.parser import parse
+    from hlo_shard.validate import check_input
 
-    return parse(read_text(path), path=path)
+    module = parse(read_text(path), path=path)
+    check_input(module, path)
+    return module
 
 
 def manifest_roles(manifest_path: str | None, module_paths: list[str]
