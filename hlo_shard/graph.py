@@ -20,12 +20,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 import heapq
 import itertools
+import json
 import re
 from typing import TypeVar, cast
 
 import networkx as nx
 
-from hlo_shard.ir import ELEMENT_BITS, AttrValue, Computation, Instruction, Module, Shape
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Instruction, Module,
+                          Shape)
 from hlo_shard.opinfo import is_impure as opcode_is_impure
 
 # ------------------------------------------------------------------------ read views
@@ -750,3 +752,26 @@ class ModuleRewriter:
         position = self.module.computations.index(self.module.computation(after)) + 1
         self.module.insert_computation(position, comp)
         self.changes.append(Change("insert-computation", comp.name, f"after {after}"))
+
+
+def scalar_literal(comp: Computation, inst: Instruction) -> int | float | None:
+    """The value of a numeric scalar constant, or of a broadcast of one (None: anything
+    else, a non-finite value included)."""
+    if inst.opcode == "broadcast" and len(inst.operands) == 1:
+        inst = comp[inst.operands[0]]
+    if inst.opcode != "constant" or not isinstance(inst.shape, ArrayShape) \
+            or not inst.shape.is_scalar or inst.literal is None:
+        return None
+    try:
+        value = json.loads(inst.literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def is_zero(comp: Computation, inst: Instruction) -> bool:
+    """A scalar constant zero, or a broadcast of one."""
+    value = scalar_literal(comp, inst)
+    return value is not None and value == 0
+
+

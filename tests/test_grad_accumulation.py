@@ -11,6 +11,7 @@ the slow test captures it afresh, on a one-axis mesh too, and verifies the optim
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -87,6 +88,22 @@ def test_captured_step_goes_through_fmt_and_optimize(tmp_path):
     assert optimized.returncode == 0, optimized.stderr
     # For XLA the mesh prints as its groups: jax's compile drops device_ids.
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in out.read_text()
+
+
+def test_report_and_scale_read_the_update_of_the_accumulated_gradients(tmp_path):
+    """The gradients are summed inside the loop; the update after it reads the loop's
+    accumulators: ``report`` counts its weights and optimizer state as such (they read
+    0 B, all "other parameters", before), and ``scale --parameters`` projects the model
+    (it refused: no weight parameters)."""
+    report = json.loads(cli("report", str(CAPTURED), "--json").stdout)["memory"]
+    weights = (16 * 32 + 32 + 32 * 4) * 4  # w1, b1, w2 in f32
+    assert report["peak_breakdown"]["weights"] == weights
+    assert report["peak_breakdown"]["optimizer_state"] == 2 * weights  # Adam's mu, nu
+    original = tmp_path / "step.hlo"
+    original.write_text(capture("8", 0))
+    run = cli("scale", str(original), "--parameters", "10M", "--replicas", "8,64")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^\s+64\s+\S+ ms", run.stdout, re.M), run.stdout
 
 
 @pytest.mark.slow

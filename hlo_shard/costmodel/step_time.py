@@ -43,7 +43,7 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import NestedWalk, reading_only, run_nested, users_map
+from hlo_shard.graph import NestedWalk, is_zero, reading_only, run_nested, users_map
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
@@ -252,14 +252,8 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     users = users_map(comp)
     is_update_op = _UpdateOps(module)
     seeds = [i.name for i in comp.instructions if _is_sum_collective(module, i)]
-    downstream: set[str] = set()
-    stack = list(seeds)
-    while stack:
-        for user in users[stack.pop()]:
-            if user in downstream or not is_update_op(comp[user]):
-                continue
-            downstream.add(user)
-            stack.append(user)
+    downstream = _update_work(comp, seeds + _accumulated_sums(module, comp, is_update_op),
+                              is_update_op)
     region = _reaching_outputs(module, comp, users, downstream)
     # A producer joins once its last user has: count the users outside the region, so
     # that each value is looked at once per user (a chain joins link by link).
@@ -281,6 +275,48 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
             if outside[operand] == 0:
                 ready.append(operand)
     return region
+
+
+def _update_work(comp: Computation, seeds: list[str], is_update_op: _UpdateOps) -> set[str]:
+    """The update ops downstream of ``seeds`` through update ops."""
+    users = users_map(comp)
+    downstream: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        for user in users[stack.pop()]:
+            if user in downstream or not is_update_op(comp[user]):
+                continue
+            downstream.add(user)
+            stack.append(user)
+    return downstream
+
+
+def _accumulated_sums(module: Module, comp: Computation, is_update_op: _UpdateOps
+                      ) -> list[str]:
+    """The values of ``comp`` that are gradient sums a loop accumulated: each
+    ``get-tuple-element`` of a ``while`` whose body computes that slot's next value from
+    a sum across devices through update work (a scan or ``fori_loop`` adding each
+    microbatch's all-reduced gradient into its accumulator)."""
+    found: list[str] = []
+    for loop in comp.instructions:
+        body_name = loop.called("body") if loop.opcode == "while" else ""
+        if not body_name or not module.has_computation(body_name):
+            continue
+        body = module.computation(body_name)
+        sums = [i.name for i in body.instructions if _is_sum_collective(module, i)]
+        if not sums or body.root.opcode != "tuple":
+            continue
+        summed = _update_work(body, sums, is_update_op) | set(sums)
+        init = comp[loop.operands[0]]
+        # (an accumulator starts at zero, a training loop's weights at their values; a
+        # summed loss is a scalar)
+        slots = {k for k, value in enumerate(body.root.operands) if value in summed
+                 and elements(body[value].shape) > 1
+                 and init.opcode == "tuple" and is_zero(comp, comp[init.operands[k]])}
+        found += [user for user in users_map(comp)[loop.name]
+                  if comp[user].opcode == "get-tuple-element"
+                  and comp[user].int_attr("index") in slots]
+    return found
 
 
 def _reaching_outputs(module: Module, comp: Computation, users: dict[str, list[str]],

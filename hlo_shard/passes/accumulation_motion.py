@@ -51,7 +51,6 @@ turn into a reduce-scatter per microbatch into the block, where priced faster.
 from __future__ import annotations
 
 import functools
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -59,7 +58,8 @@ from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import device_index_values, is_sum
 from hlo_shard.costmodel.memory import memory_profile
-from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, users_map
+from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, is_zero, scalar_literal,
+                             users_map)
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -132,27 +132,6 @@ COMMUTING: dict[str, Rule] = {
     "multiply": _scaled_by_constant,
     "divide": _divided_by_constant,
 }
-
-
-def scalar_literal(comp: Computation, inst: Instruction) -> int | float | None:
-    """The value of a numeric scalar constant, or of a broadcast of one (None: anything
-    else, a non-finite value included)."""
-    if inst.opcode == "broadcast" and len(inst.operands) == 1:
-        inst = comp[inst.operands[0]]
-    if inst.opcode != "constant" or not isinstance(inst.shape, ArrayShape) \
-            or not inst.shape.is_scalar or inst.literal is None:
-        return None
-    try:
-        value = json.loads(inst.literal)
-    except ValueError:
-        return None
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def is_zero(comp: Computation, inst: Instruction) -> bool:
-    """A scalar constant zero, or a broadcast of one."""
-    value = scalar_literal(comp, inst)
-    return value is not None and value == 0
 
 
 #: Why an all-reduce in a loop body stays there (reason code → what ``--explain`` says).
@@ -779,4 +758,4 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
 
 __all__ = ["COMMUTING", "REASONS", "RELABELLING", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
            "KeptAllReduce", "MovedAllReduce", "Refusal", "Rule", "SlotReads", "check_loop",
-           "is_zero", "loops_all_reduce", "scalar_literal", "slots_read"]
+           "loops_all_reduce", "slots_read"]

@@ -54,10 +54,10 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import ReasonCode, is_sum
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts
+from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_zero
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
-                                                  SlotReads, check_loop, is_zero, slots_read)
+                                                  SlotReads, check_loop, slots_read)
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds, planned_update_regions
 from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
