@@ -24,9 +24,10 @@ WIDTH = 32
 LAYERS = 3
 
 
-def _same_width_step() -> str:
+def _same_width_step(fsdp: bool = False) -> str:
     """jax's per-device module of a 3-layer MLP, every layer WIDTH x WIDTH,
-    clip_by_global_norm + AdamW, donated state, data-parallel over 8 CPU devices."""
+    clip_by_global_norm + AdamW, donated state, data-parallel over 8 CPU devices (``fsdp``:
+    a (data=2, fsdp=4) mesh, each matrix's rows sharded over ``fsdp``, MaxText's form)."""
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -34,7 +35,8 @@ def _same_width_step() -> str:
     from hlo_shard.jax._capture import per_device_hlo
 
     jnp = jax.numpy
-    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape((2, 4) if fsdp else (8,)),
+                ("data", "fsdp") if fsdp else ("data",))
     keys = jax.random.split(jax.random.PRNGKey(0), LAYERS)
     params = {f"l{i}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH ** 0.5,
                         "b": jnp.zeros((WIDTH,))} for i, k in enumerate(keys)}
@@ -51,11 +53,12 @@ def _same_width_step() -> str:
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, value
 
-    replicated = NamedSharding(mesh, P())
-    params = jax.device_put(params, replicated)
+    params = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(
+        mesh, P("fsdp") if fsdp and leaf.ndim == 2 else P())), params)
     state = jax.jit(optimizer.init)(params)
     batch = {k: jax.device_put(jax.random.normal(jax.random.PRNGKey(j), (16, WIDTH)),
-                               NamedSharding(mesh, P("data"))) for j, k in enumerate("xy")}
+                               NamedSharding(mesh, P(mesh.axis_names)))
+             for j, k in enumerate("xy")}
     return per_device_hlo(jax.jit(step, donate_argnums=(0, 1)), params, state, batch)
 
 
@@ -75,6 +78,21 @@ def test_each_gradient_names_its_own_weight(request):
             named[inst.name] = names.parameters[weight]
     assert sorted(named.values()) == sorted(f"p['l{i}']['{leaf}']" for i in range(LAYERS)
                                             for leaf in "bw")
+
+
+def test_an_fsdp_gradient_already_sharded_names_its_weight(request):
+    """The partitioner all-reduces a matrix's whole gradient and slices this device's
+    rows: of other dimensions than the weight's shard it updates, yet its elements flow
+    one for one into that shard's update, so its row names the weight."""
+    if not needs_devices(request):
+        return
+    module = parse(_same_width_step(fsdp=True))
+    names = user_names(module)
+    result = optimize(parse(_same_width_step(fsdp=True)), ShardingOptions())
+    already = [row for row in result.report.explanations if row.already_sharded
+               and row.shape.startswith(f"f32[{WIDTH},{WIDTH}]")]
+    assert sorted(names.gradient_of(row.all_reduce, row.index) or "" for row in already) \
+        == [f"p['l{i}']['w']" for i in range(LAYERS)]
 
 
 def test_params_sharded_pairs_every_weight_and_computes_the_same(request):

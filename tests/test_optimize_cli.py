@@ -439,3 +439,32 @@ def test_the_exhaustive_gate_rewrites_every_cutoff_and_chooses_as_the_guided_one
     assert len(guided.priced) <= 2 < len(exhaustive.priced) == len(exhaustive.trials) == 7
     assert exhaustive.chosen == guided.chosen
     assert {t.min_bytes for t in exhaustive.trials} == {t.min_bytes for t in guided.trials}
+
+
+@pytest.mark.parametrize("lures", [2, 6])
+def test_a_prediction_that_prices_slower_is_followed_by_the_next(monkeypatch, lures):
+    """A predicted cut-off is a share of the trials priced, not a price: where the one
+    predicted fastest prices slower on its own module (made so here: the largest
+    ``lures`` cut-offs predicted nearly free, while on this module and profile no
+    cut-off pays), the gate prices the next prediction that could be written too, up
+    to MAX_GUESSES, instead of leaving it standing beside a module kept whole."""
+    from hlo_shard.costmodel.plan_prices import CutoffPrices
+    from hlo_shard.parser import parse_file
+    from hlo_shard.passes import speed_gate
+    from hlo_shard.passes.weight_update import ShardingOptions
+
+    module = parse_file(ADAM.parent / "transformer.n8.hlo")
+    sharding = WeightUpdateSharding(ShardingOptions(profile="tpu-v3"))
+    _, honest = speed_gate.shard_where_faster(module.clone(), sharding)
+    assert honest.kept_whole and len(honest.priced) == 1  # no prediction worth pricing
+    estimated = sorted((t.min_bytes for t in honest.trials if t.estimated), reverse=True)
+    assert len(estimated) > speed_gate.MAX_GUESSES
+    free = {cutoff: 1e-9 * (k + 1) for k, cutoff in enumerate(estimated[:lures])}
+    seconds = CutoffPrices.seconds
+    monkeypatch.setattr(CutoffPrices, "seconds",
+                        lambda self, cutoff: free.get(cutoff) or seconds(self, cutoff))
+    _, decision = speed_gate.shard_where_faster(module.clone(), sharding)
+    priced = [t.min_bytes for t in decision.priced if t.min_bytes]
+    assert priced == sorted(estimated[:min(lures, speed_gate.MAX_GUESSES)], reverse=True)
+    assert all(t.seconds > 1e-6 for t in decision.priced)  # their own prices, not the lure
+    assert decision.kept_whole

@@ -122,7 +122,8 @@ def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
     fit = _Fit(comp, outputs, shapes, values)
     found: dict[GradientKey, int] = {}
     if flows is not None:
-        found = fit.named(fit.own_groups(groups, flows), _ElementFlow(comp, flows))
+        found = fit.named(fit.own_groups(groups, flows), _ElementFlow(comp, flows),
+                          any_dims=True)
     return {**fit.named(groups, _ElementFlow(comp), skip=found), **found}
 
 
@@ -159,10 +160,15 @@ class _Fit:
         return split
 
     def named(self, groups: Sequence[NextValues], flow: _ElementFlow,
-              skip: Mapping[GradientKey, int] | None = None) -> dict[GradientKey, int]:
-        """The gradient leaves (but ``skip``'s) that ``groups`` name one weight of."""
+              skip: Mapping[GradientKey, int] | None = None, *, any_dims: bool = False
+              ) -> dict[GradientKey, int]:
+        """The gradient leaves (but ``skip``'s) that ``groups`` name one weight of: of
+        the gradient's dimensions, or (``any_dims``: where ``flow`` follows elements one
+        for one, which a gradient sliced to the weight's rows or padded to its table's
+        length still does) of any."""
         if not groups:
             return {}
+        dims_of = (lambda shape: None) if any_dims else _sorted_dims
         values, outputs, shapes = self.values, self.outputs, self.shapes
         output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
         value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
@@ -173,14 +179,14 @@ class _Fit:
             value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
             same_dims: dict[tuple[int, ...] | None, list[str]] = {}
             for k in leaves:
-                same_dims.setdefault(_sorted_dims(shapes[k]), []).append(outputs[k])
+                same_dims.setdefault(dims_of(shapes[k]), []).append(outputs[k])
             for dims, names in same_dims.items():
                 by_dims.setdefault(dims, _Groups()).add(_mask(output_bits, names), value_mask)
         found: dict[GradientKey, int] = {}
         for key, reached, sources, shape in flow.gradient_leaves(output_bits, value_bits):
             if skip and key in skip:
                 continue
-            same = by_dims.get(_sorted_dims(shape))
+            same = by_dims.get(dims_of(shape))
             fits = same.fitting(reached, sources, weight_of_bit) if same is not None else set()
             if len(fits) == 1:
                 found[key] = fits.pop()

@@ -12,9 +12,10 @@ sharded is priced by running the pass on a copy and pricing the result with
 XLA would fuse them); the cut-offs between are priced from that estimate and the input's,
 split per gradient (:class:`~hlo_shard.costmodel.plan_prices.CutoffPrices`: its own
 all-reduce, a share per byte, a share per gradient), without rewriting anything. Only the
-one predicted fastest is rewritten and priced, and only when it could be the one written.
-Rewriting and pricing the whole module is what costs, so the gate does it at most twice,
-whatever the number of cut-offs, and prices a rewritten copy with the input's cost totals
+one predicted fastest is rewritten and priced, and only when it could be the one written
+(where it turns out not to pay, the next such one, up to :data:`MAX_GUESSES`).
+Rewriting and pricing the whole module is what costs, so the gate does it once or twice
+in the usual case, whatever the number of cut-offs, and prices a rewritten copy with the input's cost totals
 of the computations the rewrite left as they were (its passes' logs say which).
 The fastest cut-off priced is kept (that copy becomes the module), provided it is
 predicted faster than the input by at least the profile's ``min_predicted_gain``;
@@ -62,6 +63,9 @@ from hlo_shard.profiles import HardwareProfile
 
 #: Cut-offs tried at most (spread over the distinct gradient sizes).
 MAX_TRIALS = 8
+#: Predicted cut-offs rewritten and priced at most, fastest prediction first, until one
+#: pays (:func:`_guided`).
+MAX_GUESSES = 3
 
 
 @dataclass(frozen=True)
@@ -313,13 +317,22 @@ def _guided(cutoffs: list[int], prices: CutoffPrices, everything: Trial, bar: fl
     """The ``cutoffs`` below every gradient's, predicted by ``prices``; the one predicted
     fastest is priced on its rewritten module when it could be the one written: predicted
     faster than sharding ``everything`` and clearing the ``bar`` and the ``baseline``
-    (:func:`_pays`)."""
-    predicted = [Trial(cutoff, sum(1 for nbytes, _ in prices.gradients if nbytes >= cutoff),
-                       prices.seconds(cutoff), True) for cutoff in cutoffs]
-    guess = min(predicted, key=_rank)
-    if not (_faster(guess, everything) and _pays(guess, bar, baseline)):
-        return predicted
-    return [trial(t.min_bytes)[0] if t is guess else t for t in predicted]
+    (:func:`_pays`). A prediction is a share of the trials priced, not a price: where the
+    one priced does not pay after all, the next one predicted fastest that could is
+    priced too, up to :data:`MAX_GUESSES` (an estimate that would clear the bar is never
+    left standing beside a module kept whole for lack of one that does, but for that
+    bound)."""
+    trials = [Trial(cutoff, sum(1 for nbytes, _ in prices.gradients if nbytes >= cutoff),
+                    prices.seconds(cutoff), True) for cutoff in cutoffs]
+    for _ in range(MAX_GUESSES):
+        guess = min((t for t in trials if t.estimated), key=_rank, default=None)
+        if guess is None or not (_faster(guess, everything) and _pays(guess, bar, baseline)):
+            break
+        priced = trial(guess.min_bytes)[0]
+        trials = [priced if t is guess else t for t in trials]
+        if _pays(priced, bar, baseline):
+            break
+    return trials
 
 
 #: The passes of the sharding pipeline whose notes are about the input as it is, the same
@@ -446,5 +459,5 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
         row.reason_code = ReasonCode.KEPT_FOR_SPEED.value
 
 
-__all__ = ["MAX_TRIALS", "SpeedDecision", "Trial", "not_faster", "predicted_step", "ratio_words",
+__all__ = ["MAX_GUESSES", "MAX_TRIALS", "SpeedDecision", "Trial", "not_faster", "predicted_step", "ratio_words",
            "predicted_step_seconds", "shard_where_faster"]
