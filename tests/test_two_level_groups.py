@@ -6,6 +6,7 @@ data groups in both state modes, and the result computes what the original compu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,73 @@ def test_a_tensor_parallel_steps_clipped_update_is_sharded_whole_and_verifies(wo
     outcome = runtime.verify(parse(text), parse(result.text), runtime.VerifyOptions(
         steps=2, manifest=build_manifest(result.report, parse(text))))
     assert outcome.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in outcome.final()]
+
+
+def _column_split_step() -> str:
+    """jax's per-device module of a 2-layer MLP on a (data=4, model=2) mesh, its first
+    matrix split by columns over ``model`` (the bias it adds to replicated: the
+    partitioner slices it at the device's offset), Adam, donated state."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from hlo_shard.jax._capture import per_device_hlo
+
+    jnp = jax.numpy
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    shardings = {"w1": NamedSharding(mesh, P(None, "model")), "b1": replicated,
+                 "w2": replicated, "b2": replicated}
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"w1": jax.random.normal(keys[0], (16, 32)) * 0.1, "b1": jnp.zeros(32),
+              "w2": jax.random.normal(keys[1], (32, 8)) * 0.1, "b2": jnp.zeros(8)}
+    params = {name: jax.device_put(value, shardings[name]) for name, value in params.items()}
+    optimizer = optax.adam(1e-3)
+    state = jax.jit(optimizer.init)(params)
+    # (the step count comes back on one device: replicated like the rest)
+    state_shardings = jax.tree.map(lambda leaf: leaf.sharding if len(leaf.sharding.device_set)
+                                   == 8 else replicated, state)
+    state = jax.tree.map(jax.device_put, state, state_shardings)
+
+    def step(p, s, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    jitted = jax.jit(step, donate_argnums=(0, 1),
+                     in_shardings=(shardings, state_shardings, batch, batch),
+                     out_shardings=(shardings, state_shardings, replicated))
+    x = jax.device_put(jnp.ones((16, 16)), batch)
+    y = jax.device_put(jnp.ones((16, 8)), batch)
+    return per_device_hlo(jitted, params, state, x, y)
+
+
+def test_report_reads_each_parameter_of_a_model_axis_mesh_as_what_it_is(request, tmp_path):
+    """The model axis's sums of partial activations are no gradients (their elementwise
+    successors are not the update), and a parameter the partitioner slices at the
+    device's offset is read where its slice is read: every weight is a weight, the
+    moments optimizer state (the model-axis sums made ``y`` and two weights optimizer
+    state, the offset slices two weights more)."""
+    from jax_train_helpers import needs_devices
+
+    if not needs_devices(request):
+        return
+    from click.testing import CliRunner
+
+    from hlo_shard.cli import main
+
+    source = tmp_path / "step.hlo"
+    source.write_text(_column_split_step())
+    run = CliRunner().invoke(main, ["report", str(source), "--json"])
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.stdout)
+    kinds = {report["parameter_names"][hlo]: kind
+             for hlo, kind in report["parameters"].items()}
+    assert {name: kind for name, kind in kinds.items() if name.startswith("p[")} == \
+        dict.fromkeys(["p['b1']", "p['b2']", "p['w1']", "p['w2']"], "weights"), kinds
+    assert all(kind == "optimizer_state" for name, kind in kinds.items()
+               if ".mu[" in name or ".nu[" in name), kinds
+    assert "optimizer_state" not in {kinds["x"], kinds["y"]}, kinds

@@ -31,6 +31,7 @@ from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, is_sum, with_device_counts
+from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.costmodel.aliasing import DonatedCopy, donated_parameter_copies
 from hlo_shard.costmodel.network import (
     COLLECTIVE_DONE_OPCODES, COLLECTIVE_KINDS, CollectiveCost, Combiner, group_size,
@@ -251,7 +252,7 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     feeds the next layer's dot or convolution."""
     users = users_map(comp)
     is_update_op = _UpdateOps(module)
-    seeds = [i.name for i in comp.instructions if _is_sum_collective(module, i)]
+    seeds = _gradient_sums(module, comp)
     downstream = _update_work(comp, seeds + _accumulated_sums(module, comp, is_update_op),
                               is_update_op)
     region = _reaching_outputs(module, comp, users, downstream)
@@ -275,6 +276,18 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
             if outside[operand] == 0:
                 ready.append(operand)
     return region
+
+
+def _gradient_sums(module: Module, comp: Computation) -> list[str]:
+    """The sums across devices of ``comp`` that may be gradients: on a mesh with a model
+    axis (sums over more than one grouping of the devices), not those a matrix product
+    reads (tensor parallelism's partial activations, forward and backward:
+    :func:`~hlo_shard.analysis.matmul_inputs.matmul_inputs`)."""
+    sums = [inst for inst in comp.instructions if _is_sum_collective(module, inst)]
+    if len({str(inst.attr("replica_groups")) for inst in sums}) <= 1:
+        return [inst.name for inst in sums]
+    products = matmul_inputs(module)
+    return [inst.name for inst in sums if not products.reads(comp.name, inst.name)]
 
 
 def _update_work(comp: Computation, seeds: list[str], is_update_op: _UpdateOps) -> set[str]:
@@ -416,6 +429,10 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
     for param in comp.parameters():
         sharding = str(getattr(param.attr("sharding"), "text", param.attr("sharding") or ""))
         readers = _readers(comp, users, param.name)
+        # (a parameter the partitioner slices at the device's offset is read where the
+        # slice is: formatting, for the update's gradients; for a parameter, its users)
+        readers += [later for r in readers if categories.get(r) == "formatting"
+                    for later in _readers(comp, users, r)]
         in_update = any(categories.get(r) in ("weight_update", "formatting") for r in readers)
         elsewhere = any(categories.get(r) == "forward_backward" for r in readers)
         if in_update:  # sharded optimizer state is tiled too: the update decides first
