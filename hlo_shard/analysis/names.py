@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.graph import topological_order, upstream_bits, users_map
-from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw,
+from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
                           TupleShape)
 from hlo_shard.values import c_unescape
 
@@ -134,7 +134,7 @@ class _Fit:
 
     comp: Computation
     outputs: list[str]
-    shapes: list
+    shapes: Sequence[Shape]
     values: Mapping[int, set[str]]
 
     def own_groups(self, groups: Sequence[NextValues], flows: ElementOperands
@@ -274,6 +274,7 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
     parameter the loop starts it from (through copies), where it starts no other."""
     entry = module.entry
     params = {p.name: p.parameter_number for p in entry.parameters()}
+    flows = ElementOperands(module)
     found: dict[GradientKey, int] = {}
     for loop in entry.instructions:
         body_name = loop.called("body")
@@ -292,8 +293,7 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
             if index is not None and inst.operands[0] == carried[0].name:
                 slots.setdefault(index, set()).add(inst.name)
         starts = Counter(start.values())
-        weights = gradient_weights(body, pairs((i, i) for i in slots), slots,
-                                   flows=ElementOperands(module))
+        weights = gradient_weights(body, pairs((i, i) for i in slots), slots, flows=flows)
         found.update({key: p for key, i in weights.items()
                       if (p := start.get(i)) is not None and starts[p] == 1})
     return found

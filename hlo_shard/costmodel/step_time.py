@@ -253,7 +253,8 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     users = users_map(comp)
     is_update_op = _UpdateOps(module)
     seeds = _gradient_sums(module, comp)
-    downstream = _update_work(comp, seeds + _accumulated_sums(module, comp, is_update_op),
+    downstream = _update_work(comp, users, seeds + _accumulated_sums(module, comp, users,
+                                                                     is_update_op),
                               is_update_op)
     region = _reaching_outputs(module, comp, users, downstream)
     # A producer joins once its last user has: count the users outside the region, so
@@ -290,9 +291,9 @@ def _gradient_sums(module: Module, comp: Computation) -> list[str]:
     return [inst.name for inst in sums if not products.reads(comp.name, inst.name)]
 
 
-def _update_work(comp: Computation, seeds: list[str], is_update_op: _UpdateOps) -> set[str]:
-    """The update ops downstream of ``seeds`` through update ops."""
-    users = users_map(comp)
+def _update_work(comp: Computation, users: Mapping[str, list[str]], seeds: list[str],
+                 is_update_op: _UpdateOps) -> set[str]:
+    """The update ops downstream of ``seeds`` through update ops (``users``: ``comp``'s)."""
     downstream: set[str] = set()
     stack = list(seeds)
     while stack:
@@ -304,8 +305,8 @@ def _update_work(comp: Computation, seeds: list[str], is_update_op: _UpdateOps) 
     return downstream
 
 
-def _accumulated_sums(module: Module, comp: Computation, is_update_op: _UpdateOps
-                      ) -> list[str]:
+def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, list[str]],
+                      is_update_op: _UpdateOps) -> list[str]:
     """The values of ``comp`` that are gradient sums a loop accumulated: each
     ``get-tuple-element`` of a ``while`` whose body computes that slot's next value from
     a sum across devices through update work (a scan or ``fori_loop`` adding each
@@ -319,14 +320,14 @@ def _accumulated_sums(module: Module, comp: Computation, is_update_op: _UpdateOp
         sums = [i.name for i in body.instructions if _is_sum_collective(module, i)]
         if not sums or body.root.opcode != "tuple":
             continue
-        summed = _update_work(body, sums, is_update_op) | set(sums)
+        summed = _update_work(body, users_map(body), sums, is_update_op) | set(sums)
         init = comp[loop.operands[0]]
         # (an accumulator starts at zero, a training loop's weights at their values; a
         # summed loss is a scalar)
         slots = {k for k, value in enumerate(body.root.operands) if value in summed
                  and elements(body[value].shape) > 1
                  and init.opcode == "tuple" and is_zero(comp, comp[init.operands[k]])}
-        found += [user for user in users_map(comp)[loop.name]
+        found += [user for user in users[loop.name]
                   if comp[user].opcode == "get-tuple-element"
                   and comp[user].int_attr("index") in slots]
     return found
