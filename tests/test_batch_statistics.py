@@ -83,8 +83,9 @@ def test_a_batch_statistic_is_no_weights_gradient_in_the_report():
     module = parse(BATCHNORM)
     names = user_names(module, override={0: "params['w']", 1: "params['b']",
                                          2: "batch['x']"})
-    assert names.gradients == {("ar", None): 0}
-    paired = replace(names, gradients={**names.gradients, ("stat", None): 1})
+    entry = module.entry.name
+    assert names.gradients == {(entry, "ar", None): 0}
+    paired = replace(names, gradients={**names.gradients, (entry, "stat", None): 1})
     result = optimize(parse(BATCHNORM), ShardingOptions(), force=True)
     explained = {row["all_reduce"]: row for row in result.to_json(paired)["explanations"]}
     assert explained["stat"]["reason_code"] == "feeds_gradients"

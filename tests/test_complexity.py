@@ -20,7 +20,7 @@ import pytest
 
 from hlo_shard.analysis.collectives import find_gradient_all_reduces
 from hlo_shard.analysis.element_flow import ElementOperands
-from hlo_shard.analysis.names import gradient_weights, pairs, same_types
+from hlo_shard.analysis.names import gradient_weights, pairs, same_types, user_names
 from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.analysis.replication import analyze_replication
 from hlo_shard.costmodel.aliasing import donated_parameter_copies
@@ -404,6 +404,10 @@ ANALYSES: dict[str, Callable[[Module], object]] = {
     "gradient_weights": lambda m: gradient_weights(
         m.entry, pairs(m.output_aliases().items()) or same_types(m),
         flows=ElementOperands(m)),
+    # ... and of every training and accumulation loop's gradients too (every parameter
+    # named, so that the analysis runs).
+    "user_names": lambda m: user_names(m, override={
+        p.parameter_number: f"p[{p.parameter_number}]" for p in m.entry.parameters()}),
     "estimate_step": lambda m: estimate_step(m, load_profile("cpu-local"), {}),
     "optimize": lambda m: optimize(m, ShardingOptions()),
     "optimize_sharded": lambda m: optimize(m, ShardingOptions(state="sharded")),

@@ -73,7 +73,7 @@ def test_each_gradient_names_its_own_weight(request):
     named = {}
     for inst in module.entry.instructions:
         if inst.opcode == "all-reduce" and inst.shape.num_elements > 1:
-            weight = names.gradients[(inst.name, None)]
+            weight = names.gradients[(module.entry.name, inst.name, None)]
             assert params[weight].shape.dims == inst.shape.dims
             named[inst.name] = names.parameters[weight]
     assert sorted(named.values()) == sorted(f"p['l{i}']['{leaf}']" for i in range(LAYERS)
@@ -91,7 +91,8 @@ def test_an_fsdp_gradient_already_sharded_names_its_weight(request):
     result = optimize(parse(_same_width_step(fsdp=True)), ShardingOptions())
     already = [row for row in result.report.explanations if row.already_sharded
                and row.shape.startswith(f"f32[{WIDTH},{WIDTH}]")]
-    assert sorted(names.gradient_of(row.all_reduce, row.index) or "" for row in already) \
+    assert sorted(names.gradient_of(row.computation, row.all_reduce, row.index) or ""
+                  for row in already) \
         == [f"p['l{i}']['w']" for i in range(LAYERS)]
 
 

@@ -90,6 +90,18 @@ def test_captured_step_goes_through_fmt_and_optimize(tmp_path):
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in out.read_text()
 
 
+def test_each_accumulated_gradient_is_named_by_its_weight(tmp_path):
+    """The gradients' all-reduces sit in the scan's body, and the rows name the ones
+    moved after the loop: each row still says whose gradient it is (the body's sum
+    flows into one accumulator, whose sum after the loop updates one weight), not
+    null."""
+    run = cli("optimize", str(CAPTURED), "-o", str(tmp_path / "out.hlo"), "--json")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["explanations"]
+    assert sorted(row["gradient_of"] for row in rows) == \
+        ["params['b1']", "params['w1']", "params['w2']"], rows
+
+
 def test_report_and_scale_read_the_update_of_the_accumulated_gradients(tmp_path):
     """The gradients are summed inside the loop; the update after it reads the loop's
     accumulators: ``report`` counts its weights and optimizer state as such (they read

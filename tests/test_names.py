@@ -221,7 +221,7 @@ def test_override_names_win_and_need_no_metadata():
     assert not user_names(module)
     names = user_names(module, override={1: "params['l0']['w']"})
     assert names.parameters == {1: "params['l0']['w']"}
-    assert names.gradient_of("psum.36", None) == "params['l0']['w']"
+    assert names.gradient_of("main.12_spmd", "psum.36", None) == "params['l0']['w']"
     assert not UserNames() and UserNames().note("optimizer state parameter 1 (%r f32[8])") \
         == "optimizer state parameter 1 (%r f32[8])"
 
@@ -244,11 +244,12 @@ def test_every_gradient_is_named_by_its_own_weight(fixture):
     names = user_names(module)
     params = {p.parameter_number: p for p in module.entry.parameters()}
     leaves = []
-    for inst in (i for c in module.computations for i in c.instructions):
+    for comp, inst in ((c, i) for c in module.computations for i in c.instructions):
         if inst.opcode == "all-reduce":
             shapes = getattr(inst.shape, "elements", None) or [inst.shape]
-            leaves += [((inst.name, None if len(shapes) == 1 and shapes[0] is inst.shape
-                         else i), shape) for i, shape in enumerate(shapes)]
+            leaves += [((comp.name, inst.name, None if len(shapes) == 1 and
+                         shapes[0] is inst.shape else i), shape)
+                       for i, shape in enumerate(shapes)]
     weights = []
     for key, shape in leaves:
         if shape.num_elements <= 1:

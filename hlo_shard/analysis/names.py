@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.element_flow import ElementOperands
-from hlo_shard.graph import topological_order, upstream_bits, users_map
+from hlo_shard.graph import is_zero, topological_order, upstream_bits, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
                           TupleShape)
 from hlo_shard.values import c_unescape
@@ -36,8 +36,10 @@ _METADATA_FIELD_RE = re.compile(rf"(?P<key>[A-Za-z_][\w.\-]*)=(?P<value>{_QUOTED
 _PATH_RE = re.compile(r"""[^\W\d]\w*(?:\[(?:\d+|'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]"""
                       r"""|\.[^\W\d]\w*)*""")
 
-#: A gradient all-reduce leaf: (all-reduce name, tuple index or None).
+#: A gradient all-reduce leaf of one computation: (all-reduce name, tuple index or None).
 GradientKey = tuple[str, int | None]
+#: A gradient all-reduce leaf of the module: (computation, all-reduce name, index or None).
+WeightKey = tuple[str, str, int | None]
 
 
 def op_name(inst: Instruction) -> str | None:
@@ -94,7 +96,8 @@ NextValues = tuple[Sequence[int], Sequence[int]]
 
 def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
                      values: Mapping[int, set[str]] | None = None, *,
-                     flows: ElementOperands | None = None) -> dict[GradientKey, int]:
+                     flows: ElementOperands | None = None,
+                     leaf_names: Sequence[str] | None = None) -> dict[GradientKey, int]:
     """Gradient all-reduce → the weight it updates: the one ``p`` for which some output
     leaf ``k`` of a group of ``next_values`` (``k`` may be the next value of ``p``) has
     the all-reduce's shape and is reached from it, and ``p`` is what the gradient was
@@ -107,7 +110,9 @@ def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
     only through the operands each element is computed from one for one, which keeps a
     clipped gradient from reaching every update through the global norm, and splits a
     group of several weights into each output's own (the weights its elements are
-    computed from); a gradient that names no one weight so is then tried as before."""
+    computed from); a gradient that names no one weight so is then tried as before.
+    ``leaf_names``: the array values to name instead of the all-reduces (a loop's
+    accumulated sums)."""
     root = comp.root
     outputs = list(root.operands) if root.opcode == "tuple" else [root.name]
     shapes = list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
@@ -123,8 +128,9 @@ def gradient_weights(comp: Computation, next_values: Sequence[NextValues],
     found: dict[GradientKey, int] = {}
     if flows is not None:
         found = fit.named(fit.own_groups(groups, flows), _ElementFlow(comp, flows),
-                          any_dims=True)
-    return {**fit.named(groups, _ElementFlow(comp), skip=found), **found}
+                          any_dims=True, leaf_names=leaf_names)
+    return {**fit.named(groups, _ElementFlow(comp), skip=found, leaf_names=leaf_names),
+            **found}
 
 
 @dataclass
@@ -160,8 +166,8 @@ class _Fit:
         return split
 
     def named(self, groups: Sequence[NextValues], flow: _ElementFlow,
-              skip: Mapping[GradientKey, int] | None = None, *, any_dims: bool = False
-              ) -> dict[GradientKey, int]:
+              skip: Mapping[GradientKey, int] | None = None, *, any_dims: bool = False,
+              leaf_names: Sequence[str] | None = None) -> dict[GradientKey, int]:
         """The gradient leaves (but ``skip``'s) that ``groups`` name one weight of: of
         the gradient's dimensions, or (``any_dims``: where ``flow`` follows elements one
         for one, which a gradient sliced to the weight's rows or padded to its table's
@@ -183,7 +189,8 @@ class _Fit:
             for dims, names in same_dims.items():
                 by_dims.setdefault(dims, _Groups()).add(_mask(output_bits, names), value_mask)
         found: dict[GradientKey, int] = {}
-        for key, reached, sources, shape in flow.gradient_leaves(output_bits, value_bits):
+        for key, reached, sources, shape in flow.gradient_leaves(output_bits, value_bits,
+                                                                 leaf_names):
             if skip and key in skip:
                 continue
             same = by_dims.get(dims_of(shape))
@@ -267,15 +274,14 @@ def _mask(bits: Mapping[str, int], names: Iterable[str]) -> int:
     return mask
 
 
-def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
+def loop_gradient_weights(module: Module, flows: ElementOperands) -> dict[WeightKey, int]:
     """The gradients of the entry's training loops (``while`` bodies carrying the
     weights, as a ``lax.fori_loop`` over steps does) → entry parameter: the body's
     output ``i`` is carried slot ``i``'s next value, and a slot stands for the entry
     parameter the loop starts it from (through copies), where it starts no other."""
     entry = module.entry
     params = {p.name: p.parameter_number for p in entry.parameters()}
-    flows = ElementOperands(module)
-    found: dict[GradientKey, int] = {}
+    found: dict[WeightKey, int] = {}
     for loop in entry.instructions:
         body_name = loop.called("body")
         init = entry[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
@@ -294,8 +300,46 @@ def loop_gradient_weights(module: Module) -> dict[GradientKey, int]:
                 slots.setdefault(index, set()).add(inst.name)
         starts = Counter(start.values())
         weights = gradient_weights(body, pairs((i, i) for i in slots), slots, flows=flows)
-        found.update({key: p for key, i in weights.items()
+        found.update({(body.name, name, index): p for (name, index), i in weights.items()
                       if (p := start.get(i)) is not None and starts[p] == 1})
+    return found
+
+
+def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
+                                 flows: ElementOperands) -> dict[WeightKey, int]:
+    """The gradients an accumulation loop of the entry sums (a ``scan`` or
+    ``fori_loop`` over microbatches: the body all-reduces each microbatch's gradient and
+    adds it into a slot that starts at zero) → the weight: the one the slot's sum after
+    the loop updates (read as an all-reduce's would be, ``groups`` the entry's next
+    values, every loop's sums at once), where the body's all-reduce flows one for one
+    into that slot alone."""
+    entry = module.entry
+    users = users_map(entry)
+    loops: list[tuple[Computation, dict[int, str]]] = []
+    for loop in entry.instructions:
+        init = entry[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
+        if init is None or init.opcode != "tuple":
+            continue
+        body = module.computation(loop.called("body"))
+        sums = {inst.required_attr("index", int): inst.name
+                for inst in map(entry.__getitem__, users[loop.name])
+                if inst.opcode == "get-tuple-element" and isinstance(inst.shape, ArrayShape)
+                and is_zero(entry, entry[init.operands[inst.required_attr("index", int)]])}
+        if sums and body.root.opcode == "tuple":
+            loops.append((body, sums))
+    if not loops:
+        return {}
+    named = gradient_weights(entry, groups, flows=flows,
+                             leaf_names=[name for _, sums in loops for name in sums.values()])
+    found: dict[WeightKey, int] = {}
+    for body, sums in loops:
+        slot_weight = {slot: weight for slot, name in sums.items()
+                       if (weight := named.get((name, None))) is not None}
+        slot_bits = {body.root.operands[slot]: 1 << slot for slot in slot_weight}
+        for (name, index), reached, _, _ in _ElementFlow(body, flows).gradient_leaves(
+                slot_bits, {}):
+            if reached and reached & (reached - 1) == 0:  # one slot
+                found[(body.name, name, index)] = slot_weight[reached.bit_length() - 1]
     return found
 
 
@@ -353,12 +397,15 @@ class _ElementFlow:
             below[inst.name] = found
         return below
 
-    def gradient_leaves(self, reach_bits: Mapping[str, int], source_bits: Mapping[str, int]
+    def gradient_leaves(self, reach_bits: Mapping[str, int], source_bits: Mapping[str, int],
+                        names: Sequence[str] | None = None
                         ) -> Iterator[tuple[GradientKey, int, int, ArrayShape | TupleShape]]:
         """Each all-reduce leaf (an array one, or each element of a tuple one, as XLA's
-        combiner leaves them): its key, the ``reach_bits`` of what it reaches, the
-        ``source_bits`` of what it was computed from, and its shape."""
-        leaves = [inst for inst in self.comp.instructions if inst.opcode == "all-reduce"]
+        combiner leaves them; ``names``: those values instead): its key, the
+        ``reach_bits`` of what it reaches, the ``source_bits`` of what it was computed
+        from, and its shape."""
+        leaves = [inst for inst in self.comp.instructions if inst.opcode == "all-reduce"] \
+            if names is None else [self.comp[name] for name in names]
         if not leaves:
             return
         below = self._downstream(reach_bits)
@@ -388,17 +435,23 @@ class UserNames:
     gradient all-reduce leaf is the gradient of."""
 
     parameters: dict[int, str] = field(default_factory=dict)
-    gradients: dict[GradientKey, int] = field(default_factory=dict)
+    gradients: dict[WeightKey, int] = field(default_factory=dict)
+    #: A row's (computation, all-reduce) → the input's it was moved from (the
+    #: pipeline's report says: :attr:`~hlo_shard.passes.weight_update.ShardingReport
+    #: .moved_from`), where the names were read on the input.
+    moved: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.parameters)
 
-    def gradient_of(self, all_reduce: str, index: int | None, reason_code: str | None = None
-                    ) -> str | None:
+    def gradient_of(self, computation: str, all_reduce: str, index: int | None,
+                    reason_code: str | None = None) -> str | None:
         """The weight the leaf is the gradient of; none for a sum the analysis found to
         be a value of the forward/backward pass (``feeds_gradients``: a batch statistic
         reaches the weights' updates too, yet is no weight's gradient)."""
-        weight = self.gradients.get((all_reduce, index))
+        computation, all_reduce = self.moved.get((computation, all_reduce),
+                                                 (computation, all_reduce))
+        weight = self.gradients.get((computation, all_reduce, index))
         if weight is None or reason_code == ReasonCode.FEEDS_GRADIENTS.value:
             return None
         return self.parameters.get(weight)
@@ -406,8 +459,8 @@ class UserNames:
     def explained(self, row: dict) -> dict:
         """An ``--explain`` row's JSON with the weight it is the gradient of
         (``gradient_of``, null where unknown)."""
-        return {**row, "gradient_of": self.gradient_of(row["all_reduce"], row["index"],
-                                                       row.get("reason_code"))}
+        return {**row, "gradient_of": self.gradient_of(row["computation"], row["all_reduce"],
+                                                       row["index"], row.get("reason_code"))}
 
     def note(self, text: str) -> str:
         """A pass note naming an optimizer state parameter (``optimizer state parameter
@@ -436,9 +489,13 @@ def user_names(module: Module, next_values: Sequence[tuple[int, int]] | None = N
     if next_values is None:
         next_values = list(module.output_aliases().items())
     groups = pairs(next_values) if next_values else same_types(module)
-    return UserNames(parameters, {**gradient_weights(module.entry, groups,
-                                                     flows=ElementOperands(module)),
-                                  **loop_gradient_weights(module)})
+    flows = ElementOperands(module)
+    entry = module.entry
+    found = {(entry.name, name, index): weight for (name, index), weight
+             in gradient_weights(entry, groups, flows=flows).items()}
+    found.update(loop_gradient_weights(module, flows))
+    found.update(accumulated_gradient_weights(module, groups, flows))
+    return UserNames(parameters, found)
 
 
 def same_types(module: Module) -> list[NextValues]:
@@ -463,6 +520,7 @@ def labelled(hlo_name: str, name: str | None) -> str:
     return f"{hlo_name} ({name})" if name else hlo_name
 
 
-__all__ = ["MAX_NAME", "NextValues", "UserNames", "as_path", "gradient_weights",
+__all__ = ["MAX_NAME", "NextValues", "UserNames", "WeightKey", "accumulated_gradient_weights",
+           "as_path", "gradient_weights",
            "instruction_names", "labelled", "op_name", "pairs", "parameter_names",
            "same_types", "user_names"]

@@ -106,7 +106,7 @@ def _explain_lines(rows: list[Explanation], names: UserNames) -> list[str]:
         where = row.all_reduce if row.index is None else f"{row.all_reduce}[{row.index}]"
         if row.computation:
             where = f"{row.computation}/{where}"
-        weight = names.gradient_of(row.all_reduce, row.index, row.reason_code)
+        weight = names.gradient_of(row.computation, row.all_reduce, row.index, row.reason_code)
         where = labelled(where, weight and f"gradient of {weight}")
         table.append((where, row.shape, str(row.bytes), "yes" if row.sharded else "no",
                       str(row.ops_moved), str(row.formatting_copies), f"{row.saved_flops:.3g}",
@@ -323,6 +323,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                             ) from None
     report, decision = result.report, result.decision
     assert decision is not None  # the gate ran
+    names = replace(names, moved=report.moved_from)  # (read on the input)
     manifest_json = None
     if manifest_path is not None:
         from hlo_shard.runtime.manifest import manifest_to_json

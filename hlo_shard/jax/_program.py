@@ -243,8 +243,8 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
             "speed": None if why.decision is None else speed_json(why.decision),
             "sharded": 0, "gradients": None if report is None else len(report.explanations),
             "explanations": [] if report is None else [
-                why.names.explained(r.to_json()) if why.names else r.to_json()
-                for r in report.explanations],
+                replace(why.names, moved=report.moved_from).explained(r.to_json())
+                if why.names else r.to_json() for r in report.explanations],
             "notes": [] if report is None else list(report.notes),
             "seconds": None if why.seconds is None else why.seconds.to_json()}
 

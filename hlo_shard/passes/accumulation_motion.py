@@ -179,6 +179,14 @@ class MovedAllReduce:
     #: to this device's block before it was accumulated), with their bytes before and
     #: after.
     widened: tuple[tuple[int, int, int], ...] = ()
+    #: The loop's body, where ``all_reduce`` was ("": not recorded).
+    body: str = ""
+
+    @property
+    def origin(self) -> tuple[str, str] | None:
+        """(body, all-reduce) that the array all-reduce ``after`` stands for: one array
+        sum moved whole (None for a tuple of several, whose elements the rows index)."""
+        return (self.body, self.all_reduce) if self.after and len(self.slots) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -703,7 +711,9 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
             outer.erase(old)
     return MovedAllReduce(comp.name, loop.name, all_reduce.name,
                           tuple(e.slot for e in elements), after, last=totals[-1],
-                          widened=tuple(widened))
+                          widened=tuple(widened),
+                          body=loop.called("body") if isinstance(all_reduce.shape, ArrayShape)
+                          else "")
 
 
 @dataclass(frozen=True)

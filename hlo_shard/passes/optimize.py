@@ -116,8 +116,9 @@ class OptimizeResult:
         user's name of the weight it is the gradient of) and the notes, after the
         caller's own ``fields`` (its input, options, ...); the passes' edits where they
         were recorded. A module without names has rows without ``gradient_of``."""
-        names = names if names is not None else UserNames()
         report, decision = self.report, self.decision
+        # (names read on the input: rows of all-reduces a pass moved go by their origin)
+        names = replace(names, moved=report.moved_from) if names is not None else UserNames()
         rows = report.explanations
         return {
             **fields, "devices": report.devices,

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hlo_shard.ir import Module
-from hlo_shard.passes.accumulation_motion import AccumulationMotion
+from hlo_shard.passes.accumulation_motion import AccumulationMotion, AccumulationReport
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.conditional_motion import ConditionalMotion
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
@@ -110,6 +110,9 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
                      input_regions=None if any(r.changed for r in result.results[:position])
                      else sharded.input_regions)
     result.report(ReduceScatterReport).annotate(report)
+    report.moved_from.update({(move.computation, move.after): origin
+                              for move in result.report(AccumulationReport).moved
+                              if (origin := move.origin) is not None})
     return report
 
 

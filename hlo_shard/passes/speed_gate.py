@@ -356,7 +356,8 @@ def _kept_whole_report(module: Module, everything: ShardingReport,
                         reason_code=ReasonCode.BELOW_MIN_SHARD_BYTES.value)
             for row in everything.explanations]
     return ShardingReport(everything.devices, rows, notes=list(input_notes),
-                          feedback=list(module.output_aliases().items()) or None)
+                          feedback=list(module.output_aliases().items()) or None,
+                          moved_from=dict(everything.moved_from))
 
 
 def _pays(trial: Trial, bar: float, baseline: float) -> bool:

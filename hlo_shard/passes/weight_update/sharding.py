@@ -187,6 +187,10 @@ class ShardingReport:
     #: edits): the speed gate prices the input with them instead of planning again.
     #: None where it did not.
     input_regions: dict[str, frozenset[str]] | None = field(default=None, repr=False)
+    #: (computation, all-reduce) of a row → (loop body, all-reduce) of the input it was
+    #: moved from (the accumulation motion's): the input's names of that gradient.
+    moved_from: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict,
+                                                              repr=False)
 
     def whole_reasons(self, limit: int = 3) -> str:
         """Why gradients stay whole, in one line: the distinct reasons, those that keep
