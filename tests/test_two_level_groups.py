@@ -272,3 +272,20 @@ def test_report_reads_each_parameter_of_a_model_axis_mesh_as_what_it_is(request,
     assert all(kind == "optimizer_state" for name, kind in kinds.items()
                if ".mu[" in name or ".nu[" in name), kinds
     assert "optimizer_state" not in {kinds["x"], kinds["y"]}, kinds
+
+
+def test_the_summary_says_the_data_parallel_group_where_it_is_not_every_device(tmp_path):
+    """On a (data=4, model=2) mesh the gradients are summed over groups of 4 of the 8
+    devices: the summary line says so beside the device count (it read as if N were 8)."""
+    from click.testing import CliRunner
+
+    from hlo_shard.cli import main
+
+    run = CliRunner().invoke(main, ["optimize", str(TP_CLIP_ADAM), "-o",
+                                    str(tmp_path / "out.hlo")])
+    assert run.exit_code == 0, run.output
+    assert "across 8 devices (data-parallel groups of 4);" in run.stderr, run.stderr
+    single = CliRunner().invoke(main, ["optimize", str(Path(__file__).parent.parent /
+                                                       "fixtures" / "spmd" / "adam.n2.hlo"),
+                                       "-o", str(tmp_path / "adam.hlo")])
+    assert "across 2 devices;" in single.stderr, single.stderr

@@ -190,10 +190,18 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
              f"{len(rows) - len(done) - already - partial} kept whole") if already else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
-            f"{report.devices} devices{apart}; {moved} update ops moved; state {options.state}"
+            f"{report.devices} devices{_groups_words(report)}{apart}; {moved} update ops "
+            f"moved; state {options.state}"
             f"{f' ({state} parameters sharded)' if options.state == 'sharded' else ''}; "
             f"strategy {options.strategy}; {_speed_summary(decision)}; wrote {where}")
     return text
+
+
+def _groups_words(report: ShardingReport) -> str:
+    """" (data-parallel groups of 4)" where the gradients are summed over fewer devices
+    than the module runs on (a mesh with a model or fsdp axis); "" elsewhere."""
+    size = report.group_size
+    return f" (data-parallel groups of {size})" if size and size < report.devices else ""
 
 
 def _change_lines(passes: tuple[PassChanges, ...]) -> list[str]:

@@ -357,7 +357,8 @@ def _kept_whole_report(module: Module, everything: ShardingReport,
             for row in everything.explanations]
     return ShardingReport(everything.devices, rows, notes=list(input_notes),
                           feedback=list(module.output_aliases().items()) or None,
-                          moved_from=dict(everything.moved_from))
+                          moved_from=dict(everything.moved_from),
+                          group_size=everything.group_size)
 
 
 def _pays(trial: Trial, bar: float, baseline: float) -> bool:

@@ -191,6 +191,10 @@ class ShardingReport:
     #: moved from (the accumulation motion's): the input's names of that gradient.
     moved_from: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict,
                                                               repr=False)
+    #: The size of the data-parallel groups the gradients are summed over (None: the
+    #: module has no gradient all-reduce); less than ``devices`` on a mesh with a model
+    #: or fsdp axis.
+    group_size: int | None = None
 
     def whole_reasons(self, limit: int = 3) -> str:
         """Why gradients stay whole, in one line: the distinct reasons, those that keep
@@ -311,7 +315,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if wanted is not None and groups is not None and wanted != groups.size:
             raise ShardingOptionError("num_replicas", wanted, f"does not match the module's "
                                       f"data-parallel group size {groups.size}")
-        report = ShardingReport(module.replica_count * module.num_partitions)
+        report = ShardingReport(module.replica_count * module.num_partitions,
+                                group_size=groups.size if groups is not None else None)
         report.notes += recovered_notes(recovered)
         report.explanations += [_rejected(module, ar, why, code)
                                 for ar, why, code in facts.rejected]
