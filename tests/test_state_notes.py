@@ -89,4 +89,4 @@ def test_a_reduction_over_a_size_one_dimension_is_no_factored_statistic():
     assert [row.sharded for row in report.explanations] == [True]
     (note,) = [n for n in report.notes if "optimizer state parameter 1" in n]
     assert "factored statistic" not in note
-    assert "computed after the sharded update ends" in note, note
+    assert "computed after the sharded update ends, at %padded (pad)" in note, note

@@ -1598,7 +1598,7 @@ def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
             continue
         why = "its gradient stays all-reduced (see its row)" \
             if not reach.reads_sharded(value) \
-            else _factored_reason(comp, plan, reach.first.get(value))
+            else _factored_reason(comp, plan, reach.first.get(value), reach.stop.get(value))
         found.append(f"optimizer state parameter {number} (%{param.name} "
                      f"{format_shape(param.shape)}) stays whole, computed in full on every "
                      f"device: {why}")
@@ -1618,6 +1618,9 @@ class _GradientReach:
     bits: dict[str, int]
     #: Value → the first such reduction upstream of it (absent: none).
     first: dict[str, str]
+    #: Value → the first instruction upstream of it (or itself) outside the region that
+    #: reads a value of the region: where the sharded update stops on the way to it.
+    stop: dict[str, str]
 
     @classmethod
     def of(cls, comp: Computation, plan: RegionPlan, gradients: set[str],
@@ -1629,12 +1632,18 @@ class _GradientReach:
             order = topological_order(comp)
         position = {inst.name: index for index, inst in enumerate(order)}
         first: dict[str, str] = {}
+        stop: dict[str, str] = {}
         for inst in order:
             found = [first[o] for o in inst.operands if o in first]
             found += [o for o in inst.operands if _is_statistic(plan, comp[o])]
             if found:
                 first[inst.name] = min(found, key=position.__getitem__)
-        return cls(bits, first)
+            stops = [stop[o] for o in inst.operands if o in stop]
+            if inst.name not in plan.ops and any(o in plan.sharded for o in inst.operands):
+                stops.append(inst.name)
+            if stops:
+                stop[inst.name] = min(stops, key=position.__getitem__)
+        return cls(bits, first, stop)
 
     def reads_gradient(self, value: str) -> bool:
         return bool(self.bits[value] & _READS_GRADIENT)
@@ -1653,12 +1662,14 @@ def _is_statistic(plan: RegionPlan, inst: Instruction) -> bool:
     return any(source.dims[d] != 1 for d in inst.ints_attr("dimensions"))
 
 
-def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None) -> str:
+def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None,
+                     stop: str | None = None) -> str:
     """Why a state computed from a reduction of a sharded gradient along some dimensions
     (a factored statistic, like Adafactor's v_row/v_col) is not itself a shard: its
     reduction ``name`` (the first upstream of the state) cuts the shard's block (summed
     from partial sums, whole on every device), or the shard is no block of the gradient,
-    or the reduction is not one the region runs."""
+    or the reduction is not one the region runs; without such a reduction, where the
+    update stops on the way to it (``stop``)."""
     if name is not None:
         inst = comp[name]
         fmt = plan.sharded[inst.operands[0]]
@@ -1675,8 +1686,9 @@ def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None) -> s
                    f"block and an all-reduce of the partial sums gives the whole statistic"
         return f"{what}: the devices hold blocks along dimension {major}, and a reduction " \
                f"cutting them runs on shards only as a sum"
-    return "its next value is computed after the sharded update ends (the gradients' rows " \
-           "say where it stops)"
+    where = f", at %{stop} ({comp[stop].opcode}), which reads its values whole" if stop \
+        else " (the gradients' rows say where it stops)"
+    return f"its next value is computed after the sharded update ends{where}"
 
 
 def _order(fmt: ShardFormat) -> str:
