@@ -94,3 +94,20 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith(f"{source}:4:1: error: ") and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["fmt", "{dir}"], "Invalid value for 'IN.hlo': File '{dir}' is a directory."),
+    (["optimize", "{dir}/x.hlo", "--state", "bogus"], "Invalid value for '--state'"),
+    (["verify"], "Missing argument 'ORIGINAL.hlo'."),
+    (["bogus"], "No such command 'bogus'."),
+])
+def test_usage_errors_are_one_line_too(tmp_path, args, words):
+    """A usage error reads as every other error: one line, naming the command's --help
+    (click's own is the usage, a hint and the error over four), exit 2."""
+    fill = [arg.format(dir=tmp_path) for arg in args]
+    result = CliRunner().invoke(main, fill)
+    assert result.exit_code == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: " + words.format(dir=tmp_path)), line
+    assert line.endswith("--help')"), line

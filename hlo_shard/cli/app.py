@@ -26,7 +26,29 @@ EXIT_INTERRUPTED = 130
 DEBUG_ENV = "HLO_SHARD_DEBUG"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _UsageLine(click.ClickException):
+    """A usage error as every other error: one ``error: …`` line, exit 2 (click's own
+    prints the usage and a hint over four)."""
+
+    exit_code = EXIT_USAGE
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _Commands(click.Group):
+    """The command group: a command's usage error (a bad flag value, a directory where
+    a file is named, a missing argument) in one line that names its ``--help``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as err:
+            path = err.ctx.command_path if err.ctx is not None else ctx.command_path
+            raise _UsageLine(f"{err.format_message()} (see '{path} --help')") from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hlo-shard")
 def main() -> None:
     """Automatic cross-replica sharding of the weight update for XLA HLO text."""
