@@ -775,3 +775,12 @@ def is_zero(comp: Computation, inst: Instruction) -> bool:
     return value is not None and value == 0
 
 
+def zero_started_slots(comp: Computation, loop: Instruction) -> set[int]:
+    """The carried slots of ``while`` ``loop`` (in ``comp``) that start at zero (a scalar
+    zero or a broadcast of one): where a scan or ``fori_loop`` accumulates."""
+    init = comp[loop.operands[0]] if loop.operands else None
+    if init is None or init.opcode != "tuple":
+        return set()
+    return {k for k, start in enumerate(init.operands) if is_zero(comp, comp[start])}
+
+

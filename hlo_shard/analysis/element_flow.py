@@ -15,9 +15,9 @@ size one only, jit's form of a bias gradient's reshape, is).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, Shape, TupleShape
+from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
 from hlo_shard.opinfo import FREE, OPINFO, Moves
 
 #: Ways of moving elements that keep each result element one operand element's value
@@ -30,14 +30,11 @@ _FIRST_ONLY: frozenset[Moves] = frozenset({"copy", "reshape", "bitcast", "transp
                                            "reverse", "window"})
 
 
-def _dims(shape: Shape) -> set[tuple[int, ...]]:
-    """The dimensions of an array shape, or of each array element of a tuple one."""
-    if isinstance(shape, ArrayShape):
-        return {shape.dims}
-    if isinstance(shape, TupleShape):
-        return set().union(*(_dims(element) for element in shape.elements)) \
-            if shape.elements else set()
-    return set()
+def reduces_unit_dimensions_only(inst: Instruction, source_dims: Sequence[int]) -> bool:
+    """The ``reduce`` ``inst`` of an operand of ``source_dims`` sums over dimensions of
+    size one only: each result element is one operand element (jit's reshape of a bias
+    gradient, ``reduce(f32[1,16]) -> f32[16]``)."""
+    return all(source_dims[d] == 1 for d in inst.ints_attr("dimensions"))
 
 
 def _array_dims(comp: Computation, name: str) -> tuple[int, ...] | None:
@@ -77,13 +74,13 @@ class ElementOperands:
             inputs = inst.operands[:len(inst.operands) // 2]
             source = comp[inputs[0]].shape
             degenerate = isinstance(source, ArrayShape) and \
-                all(source.dims[d] == 1 for d in inst.ints_attr("dimensions"))
+                reduces_unit_dimensions_only(inst, source.dims)
             return inputs if degenerate else []
         kernel = inst.opcode == "fusion" and self._keeps_elements(inst.called("calls"))
         # (an all-reduce sums each element over the devices: element i from element i)
         if not (info.elementwise or kernel or info.collective == "all-reduce"):
             return []
-        result = _dims(inst.shape)
+        result = {leaf.dims for _, leaf in shape_leaves(inst.shape)}
         return [name for name in inst.operands if _array_dims(comp, name) in result]
 
     def _keeps_elements(self, name: str) -> bool:
@@ -105,4 +102,4 @@ class ElementOperands:
         return lambda inst: self(comp, inst)
 
 
-__all__ = ["ElementOperands"]
+__all__ = ["ElementOperands", "reduces_unit_dimensions_only"]

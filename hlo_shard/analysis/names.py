@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.element_flow import ElementOperands
-from hlo_shard.graph import is_zero, topological_order, upstream_bits, users_map
+from hlo_shard.graph import topological_order, upstream_bits, users_map, zero_started_slots
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
                           TupleShape)
 from hlo_shard.values import c_unescape
@@ -143,15 +143,21 @@ class _Fit:
     shapes: Sequence[Shape]
     values: Mapping[int, set[str]]
 
+    def _weight_bits(self, groups: Sequence[NextValues]) -> tuple[dict[str, int],
+                                                                  dict[int, int]]:
+        """A bit for each value standing for a weight of ``groups``, and each bit's
+        weight."""
+        bits = _bits(name for _, weights in groups for p in weights for name in self.values[p])
+        return bits, {bits[name]: p for _, weights in groups for p in weights
+                      for name in self.values[p]}
+
     def own_groups(self, groups: Sequence[NextValues], flows: ElementOperands
                    ) -> list[NextValues]:
         """``groups`` with each group of several weights split into one per output
         leaf, holding the weights of the group its elements are computed from one for
         one (an output none of them is left out)."""
         split: list[NextValues] = []
-        bits = _bits(name for _, weights in groups for p in weights for name in self.values[p])
-        weight_of_bit = {bits[name]: p for _, weights in groups for p in weights
-                         for name in self.values[p]}
+        bits, weight_of_bit = self._weight_bits(groups)
         reads = upstream_bits(self.comp, bits, flows.previous(self.comp))
         for leaves, weights in groups:
             if len(weights) == 1:
@@ -177,9 +183,7 @@ class _Fit:
         dims_of = (lambda shape: None) if any_dims else _sorted_dims
         values, outputs, shapes = self.values, self.outputs, self.shapes
         output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
-        value_bits = _bits(name for _, weights in groups for p in weights for name in values[p])
-        weight_of_bit = {value_bits[name]: p for _, weights in groups for p in weights
-                         for name in values[p]}
+        value_bits, weight_of_bit = self._weight_bits(groups)
         by_dims: dict[tuple[int, ...] | None, _Groups] = {}
         for leaves, weights in groups:
             value_mask = _mask(value_bits, (name for p in weights for name in values[p]))
@@ -317,14 +321,14 @@ def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
     users = users_map(entry)
     loops: list[tuple[Computation, dict[int, str]]] = []
     for loop in entry.instructions:
-        init = entry[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
-        if init is None or init.opcode != "tuple":
+        zeros = zero_started_slots(entry, loop) if loop.opcode == "while" else set()
+        if not zeros:
             continue
         body = module.computation(loop.called("body"))
         sums = {inst.required_attr("index", int): inst.name
                 for inst in map(entry.__getitem__, users[loop.name])
                 if inst.opcode == "get-tuple-element" and isinstance(inst.shape, ArrayShape)
-                and is_zero(entry, entry[init.operands[inst.required_attr("index", int)]])}
+                and inst.required_attr("index", int) in zeros}
         if sums and body.root.opcode == "tuple":
             loops.append((body, sums))
     if not loops:

@@ -44,7 +44,8 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import NestedWalk, is_zero, reading_only, run_nested, users_map
+from hlo_shard.graph import (NestedWalk, reading_only, run_nested, users_map,
+                             zero_started_slots)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
@@ -321,12 +322,11 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
         if not sums or body.root.opcode != "tuple":
             continue
         summed = _update_work(body, users_map(body), sums, is_update_op) | set(sums)
-        init = comp[loop.operands[0]]
         # (an accumulator starts at zero, a training loop's weights at their values; a
         # summed loss is a scalar)
+        zeros = zero_started_slots(comp, loop)
         slots = {k for k, value in enumerate(body.root.operands) if value in summed
-                 and elements(body[value].shape) > 1
-                 and init.opcode == "tuple" and is_zero(comp, comp[init.operands[k]])}
+                 and elements(body[value].shape) > 1 and k in zeros}
         found += [user for user in users[loop.name]
                   if comp[user].opcode == "get-tuple-element"
                   and comp[user].int_attr("index") in slots]

@@ -179,14 +179,15 @@ class MovedAllReduce:
     #: to this device's block before it was accumulated), with their bytes before and
     #: after.
     widened: tuple[tuple[int, int, int], ...] = ()
-    #: The loop's body, where ``all_reduce`` was ("": not recorded).
+    #: The loop's body, where ``all_reduce`` was, for an array all-reduce ("" for a
+    #: tuple one: the elements moved are indexed otherwise after the loop).
     body: str = ""
 
     @property
     def origin(self) -> tuple[str, str] | None:
-        """(body, all-reduce) that the array all-reduce ``after`` stands for: one array
-        sum moved whole (None for a tuple of several, whose elements the rows index)."""
-        return (self.body, self.all_reduce) if self.after and len(self.slots) == 1 else None
+        """(body, all-reduce) that ``after`` stands for, where an array all-reduce moved
+        (None: a tuple one, or nothing reads the sum after the loop)."""
+        return (self.body, self.all_reduce) if self.body and self.after else None
 
 
 @dataclass(frozen=True)

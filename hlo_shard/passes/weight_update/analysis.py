@@ -43,7 +43,7 @@ from typing import cast
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
                                             find_gradient_all_reduces, neutral_literal,
                                             reducer_opcode, with_device_counts)
-from hlo_shard.analysis.element_flow import ElementOperands
+from hlo_shard.analysis.element_flow import ElementOperands, reduces_unit_dimensions_only
 from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
@@ -546,8 +546,7 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
     """A reduction over size-1 dimensions only, from the reducer's neutral value, is a
     reshape (jit's bias gradients: ``reduce(f32[1,16]) -> f32[16]``)."""
     source_name, init = inst.operands
-    if source_name not in ctx.sharded or \
-            any(source.dims[d] != 1 for d in inst.ints_attr("dimensions")):
+    if source_name not in ctx.sharded or not reduces_unit_dimensions_only(inst, source.dims):
         return None
     reducer = _reducer(ctx, inst)
     neutral = neutral_literal(reducer, shape.element_type) if reducer else None
@@ -1658,8 +1657,7 @@ def _is_statistic(plan: RegionPlan, inst: Instruction) -> bool:
     if inst.opcode != "reduce" or inst.operands[0] not in plan.sharded or \
             not isinstance(inst.shape, ArrayShape) or inst.shape.num_elements == 1:
         return False
-    source = plan.sharded[inst.operands[0]]
-    return any(source.dims[d] != 1 for d in inst.ints_attr("dimensions"))
+    return not reduces_unit_dimensions_only(inst, plan.sharded[inst.operands[0]].dims)
 
 
 def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None,
