@@ -784,3 +784,35 @@ def zero_started_slots(comp: Computation, loop: Instruction) -> set[int]:
     return {k for k, start in enumerate(init.operands) if is_zero(comp, comp[start])}
 
 
+
+
+#: The attributes of a dot :func:`add_transposed_product` computes the other way round:
+#: one contracting dimension per operand and nothing else that names an operand.
+_PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
+
+
+def is_transposable_product(comp: Computation, inst: Instruction, users: Sequence[object]
+                            ) -> bool:
+    """``inst`` is a product ``a·b`` of two matrices into a dense row-major matrix, read
+    by its one user (``users``) and ordered by no control edge: computed as ``b·a`` it is
+    its own transpose, each element the same products summed over the same contraction,
+    where a transpose of the result would be one more pass over its bytes."""
+    shape = inst.shape
+    return inst.opcode == "dot" and len(users) == 1 and \
+        not set(inst.attributes) - _PLAIN_DOT_ATTRIBUTES and \
+        {"lhs_contracting_dims", "rhs_contracting_dims"} <= set(inst.attributes) and \
+        not control_predecessors(inst) and isinstance(shape, ArrayShape) and \
+        shape.rank == 2 and shape.is_row_major and not any(shape.dynamic) and \
+        (shape.layout is None or not shape.layout.tail) and \
+        all(comp[o].array_shape.rank == 2 for o in inst.operands)
+
+
+def add_transposed_product(rw: Rewriter, inst: Instruction, shape: ArrayShape, name: str
+                           ) -> str:
+    """The transpose of ``inst`` (:func:`is_transposable_product`), of ``shape``,
+    computed as the product of its operands the other way round; its name."""
+    lhs, rhs = inst.operands
+    attributes = {"lhs_contracting_dims": inst.attributes["rhs_contracting_dims"],
+                  "rhs_contracting_dims": inst.attributes["lhs_contracting_dims"],
+                  **{k: v for k, v in inst.attributes.items() if k == "metadata"}}
+    return rw.add("dot", shape, [rhs, lhs], name=name, **attributes).name

@@ -390,6 +390,71 @@ ENTRY e {
     assert "wflat" not in plan.relabels
 
 
+_TRANSPOSED_GRADIENT = """
+HloModule t
+
+ENTRY e {
+  g = f32[256,64]{1,0} parameter(0)
+  m = f32[64,256]{1,0} parameter(1)
+  v = f32[64,256]{1,0} parameter(2)
+  t = f32[64,256]{0,1} transpose(g), dimensions={1,0}
+  m1 = f32[64,256]{1,0} add(m, t)
+  sq = f32[64,256]{1,0} multiply(t, t)
+  v1 = f32[64,256]{1,0} add(v, sq)
+  ROOT r = (f32[64,256]{1,0}, f32[64,256]{1,0}) tuple(m1, v1)
+}
+"""
+
+
+def test_a_transpose_read_by_several_loops_is_recomputed_in_each_on_cpu():
+    """XLA CPU has no multi-output fusion and duplicates a transpose into every fusion
+    that reads it (the partitioner's FSDP gradient, transposed into its weight's rows
+    and read by Adam's m and v loops): each loop reads the gradient in transposed order,
+    whatever layout the text gives the transpose (layout assignment lays out both sides
+    row-major). With multi-output fusion the loops merge and read it once."""
+    module = parse(_TRANSPOSED_GRADIENT)
+    plan = plan_kernels(module.entry, multi_output=False)
+    assert "t" in plan.duplicated and "t" not in plan.kernel_of
+    gradient = 256 * 64 * 4
+    for name in ("m1", "v1"):
+        assert plan.kernel_of[name].reordered_read_bytes == gradient
+    merged = plan_kernels(module.entry, multi_output=True)
+    assert merged.kernel_of["m1"] is merged.kernel_of["v1"]
+    cpu = load_profile("cpu-local").for_devices(1)
+    slower = dataclasses.replace(cpu, reordered_read_factor=cpu.reordered_read_factor + 4,
+                                 at_device_counts=())
+    assert estimate(module, slower).seconds > estimate(module, cpu).seconds
+
+
+def test_two_transposes_that_undo_each_other_are_no_kernel():
+    """A reduce-scatter's block transposed back into the gradient's order, then into the
+    weight's: XLA's simplifier removes both."""
+    module = parse(_TRANSPOSED_GRADIENT.replace(
+        "  t = f32[64,256]{0,1} transpose(g), dimensions={1,0}\n",
+        "  b = f32[64,256]{1,0} parameter(3)\n"
+        "  gb = f32[256,64]{1,0} transpose(b), dimensions={1,0}\n"
+        "  t = f32[64,256]{0,1} transpose(gb), dimensions={1,0}\n"))
+    plan = plan_kernels(module.entry, multi_output=False)
+    assert {"gb", "t"} <= plan.relabels
+    assert all(kernel.reordered_read_bytes == 0 for kernel in plan.kernels)
+
+
+def test_a_transpose_moving_only_dimensions_of_size_one_keeps_the_order():
+    from hlo_shard.costmodel.kernels import reorders_elements
+
+    module = parse("""
+HloModule t
+
+ENTRY e {
+  x = f32[1,8,1,4]{3,2,1,0} parameter(0)
+  a = f32[8,1,4,1]{3,2,1,0} transpose(x), dimensions={1,0,3,2}
+  ROOT b = f32[4,1,8,1]{3,2,1,0} transpose(x), dimensions={3,2,1,0}
+}
+""")
+    assert not reorders_elements(module.entry, module.entry["a"])
+    assert reorders_elements(module.entry, module.entry["b"])
+
+
 def test_prefused_module_is_not_refused():
     module = parse(OPS2)
     plan = plan_kernels(module.entry, emulate_fusion=False)

@@ -239,3 +239,88 @@ def test_the_gate_prices_the_module_it_writes_when_nothing_is_sharded():
     assert not any(row.sharded for row in report.explanations)
     assert " reduce-scatter(" in to_text(module)
     assert decision.unsharded_s is not None and decision.unsharded_s != decision.before_s
+
+
+#: A (data=2, fsdp=4) mesh's weight gradient as the partitioner writes it: the product
+#: computed [out, in] (transposed to the weight), all-reduced over the fsdp axis, this
+#: device's columns sliced (strided in the row-major sum), all-reduced over the data axis
+#: and transposed into the weight's [in, out] rows; then a momentum update.
+COLUMN_SLICED_STEP = """\
+HloModule column_sliced, num_partitions=8, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %step (w: f32[8,64], m: f32[8,64], x: f32[4,32], dy: f32[4,64]) -> (f32[8,64], f32[8,64]) {
+  %w = f32[8,64]{1,0} parameter(0)
+  %m = f32[8,64]{1,0} parameter(1)
+  %x = f32[4,32]{1,0} parameter(2)
+  %dy = f32[4,64]{1,0} parameter(3)
+  %gT = f32[64,32]{1,0} dot(%dy, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %gT.sum = f32[64,32]{1,0} all-reduce(%gT), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %offsets = s32[8]{0} constant({0, 8, 16, 24, 0, 8, 16, 24})
+  %pid = u32[] partition-id()
+  %offset.1 = s32[1]{0} dynamic-slice(%offsets, %pid), dynamic_slice_sizes={1}
+  %offset = s32[] reshape(%offset.1)
+  %c0 = s32[] constant(0)
+  %gT.mine = f32[64,8]{1,0} dynamic-slice(%gT.sum, %c0, %offset), dynamic_slice_sizes={64,8}
+  %gT.data = f32[64,8]{1,0} all-reduce(%gT.mine), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %g = f32[8,64]{0,1} transpose(%gT.data), dimensions={1,0}
+  %k = f32[] constant(0.9)
+  %kb = f32[8,64]{1,0} broadcast(%k), dimensions={}
+  %mk = f32[8,64]{1,0} multiply(%m, %kb)
+  %m.new = f32[8,64]{1,0} add(%mk, %g)
+  %g2 = f32[8,64]{1,0} multiply(%g, %g)
+  %lr = f32[] constant(0.01)
+  %lrb = f32[8,64]{1,0} broadcast(%lr), dimensions={}
+  %step = f32[8,64]{1,0} multiply(%lrb, %m.new)
+  %w.1 = f32[8,64]{1,0} subtract(%w, %step)
+  %w.new = f32[8,64]{1,0} subtract(%w.1, %g2)
+  ROOT %out = (f32[8,64]{1,0}, f32[8,64]{1,0}) tuple(%w.new, %m.new)
+}
+"""
+
+
+def test_a_column_slice_of_a_product_scatters_the_product_computed_transposed():
+    """The slice takes columns of the row-major sum: a reduce-scatter there would transpose
+    the whole gradient first. The product is computed the other way round instead (its
+    transpose: each block a run of rows), the block transposed back, and that transpose
+    moved past the data axis's all-reduce, where it meets the one into the weight's rows
+    (XLA's simplifier removes the pair)."""
+    module = parse(COLUMN_SLICED_STEP)
+    (decision,) = run_pass(module).decisions
+    assert decision.reduce_scatter and decision.product == "gT"
+    assert "%gT computed transposed so that each block is contiguous" in decision.words
+    entry = module.entry
+    scatter = entry[decision.reduce_scatter]
+    product = entry[scatter.operands[0]]
+    assert product.opcode == "dot" and product.operands == ["x", "dy"]
+    assert product.shape.dims == (32, 64) and scatter.shape.dims == (8, 64)
+    assert scatter.attr("dimensions") == (0,)
+    data = entry["gT.data"]
+    assert data.operands == [decision.reduce_scatter] and data.shape.dims == (8, 64)
+    (back,) = [inst for inst in entry.instructions if inst.operands == ["gT.data"]]
+    assert back.opcode == "transpose" and back.shape.dims == (64, 8)
+    assert entry["g"].operands == [back.name]
+    assert "gT" not in {inst.name for inst in entry.instructions}
+
+
+def test_a_product_with_another_reader_keeps_its_strided_blocks():
+    """The product is read beside its all-reduce: computed twice it would cost a product;
+    the pair is priced with the transpose of the whole gradient, as before."""
+    text = COLUMN_SLICED_STEP.replace(
+        "  %w.new = f32[8,64]{1,0} subtract(%w.1, %g2)\n",
+        "  %w.new = f32[8,64]{1,0} subtract(%w.1, %g2)\n"
+        "  %gT.neg = f32[64,32]{1,0} negate(%gT)\n")
+    (decision,) = run_pass(parse(text)).decisions
+    assert not decision.product
+
+
+def test_the_column_sliced_step_computes_the_same(worker):
+    module = parse(COLUMN_SLICED_STEP)
+    assert run_pass(module).created
+    result = _verify(COLUMN_SLICED_STEP, to_text(module, for_xla=True))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]

@@ -134,7 +134,8 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
     lines = [f"predicted step on profile {decision.profile}: input "
              f"{fmt_seconds(decision.before_s)}"]
     if decision.unsharded_s is not None:
-        lines.append(f"  accumulated all-reduces moved after their loops, nothing sharded: "
+        lines.append(f"  nothing sharded, as the pipeline writes it (all-reduces moved out of "
+                     f"loops and conditionals, all-reduce + slice pairs made reduce-scatters): "
                      f"{fmt_seconds(decision.unsharded_s)} "
                      f"({_ratio(decision.unsharded_s, decision)})")
     for trial in decision.trials:
@@ -144,7 +145,10 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
         lines.append(f"  shard gradients >= {trial.min_bytes} B ({trial.sharded} leaves): "
                      f"{'~' if trial.estimated else ''}{fmt_seconds(trial.seconds)} "
                      f"({_ratio(trial.seconds, decision)}){chosen}{estimated}")
-    if decision.kept_whole:
+    if decision.moves_only:
+        lines.append("  no cut-off predicted faster than that: nothing sharded, the module "
+                     "written as the pipeline writes it (--force shards anyway)")
+    elif decision.kept_whole:
         lines.append(f"  none predicted faster by {decision.min_gain:.0%} or more: module kept whole "
                      "(--force shards anyway)")
     return lines

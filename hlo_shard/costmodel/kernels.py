@@ -14,7 +14,11 @@ instructions the way XLA's loop/input fusion would, closely enough for a rooflin
 * a producer read by several such kernels of its own size merges them (XLA's
   multi-output fusion), so Adam reads the gradient once for m, v and w;
 * a reduce ends a kernel (input fusion: the reduce is its root); dot, convolution,
-  collectives, control flow and custom calls are kernels of their own.
+  collectives, control flow and custom calls are kernels of their own;
+* without multi-output fusion (XLA CPU), a transpose that moves elements
+  (:func:`reorders_elements`) read by several kernels is recomputed in each, as XLA's
+  fusion duplicates it: each reads its operand in the transposed order, which the
+  kernel's :attr:`Kernel.reordered_read_bytes` count for the profile to price.
 
 A module that already contains ``fusion`` instructions was fused by XLA: each
 instruction is then its own kernel.
@@ -61,6 +65,9 @@ class Kernel:
     read_bytes: float = 0.0
     #: Bytes written (values used outside the kernel; in-place updates by their update).
     write_bytes: float = 0.0
+    #: The part of ``read_bytes`` read in another element order than the kernel's loop
+    #: runs (through a transpose: :func:`reorders_elements`), element by element.
+    reordered_read_bytes: float = 0.0
 
 
 @dataclass
@@ -279,13 +286,15 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         # computed inside its kernel readers' fusion, as an extra output.
         fusible = inst.opcode in FUSIBLE_OPCODES and bool(readers.targets)
         if (is_relabel(comp, inst) or _absorbed_transpose(comp, inst, users)
-                or _reshape_of_absorbed_transpose(comp, inst, users)):
+                or _reshape_of_absorbed_transpose(comp, inst, users)
+                or _cancelled_transpose(comp, inst, users)):
             duplicated.add(inst.name)  # a bitcast of its operand's buffer: no kernel
             relabels.add(inst.name)
             reached[inst.name] = found
             continue
         if (fusible and not readers.in_memory and inst.opcode not in _KERNEL_ROOTS
-                and _is_cheap(comp, inst)):
+                and (_is_cheap(comp, inst) or not multi_output and len(readers.targets) > 1
+                     and reorders_elements(comp, inst))):
             duplicated.add(inst.name)
             reached[inst.name] = found
             continue
@@ -479,6 +488,28 @@ def _absorbed_transpose(comp: Computation, inst: Instruction,
     return comp[operand].opcode in MATMULS and users[operand] == [inst.name]
 
 
+def _cancelled_transpose(comp: Computation, inst: Instruction,
+                         users: dict[str, list[str]]) -> bool:
+    """One of two transposes in a row that undo each other, the first read only by the
+    second: XLA's algebraic simplifier removes both (a reduce-scatter's block turned
+    back into the gradient's order, then into the weight's)."""
+    if inst.opcode != "transpose":
+        return False
+    operand = comp[inst.operands[0]]
+    if operand.opcode == "transpose" and users[operand.name] == [inst.name]:
+        return _undo(operand, inst)
+    readers = users[inst.name]
+    return len(readers) == 1 and comp[readers[0]].opcode == "transpose" and \
+        _undo(inst, comp[readers[0]])
+
+
+def _undo(first: Instruction, second: Instruction) -> bool:
+    """``second`` transposes ``first``'s result back into ``first``'s operand's order."""
+    inner = first.attr_as("dimensions", tuple) or ()
+    outer = second.attr_as("dimensions", tuple) or ()
+    return len(inner) == len(outer) and all(inner[d] == k for k, d in enumerate(outer))
+
+
 def _reshape_of_absorbed_transpose(comp: Computation, inst: Instruction,
                                    users: dict[str, list[str]]) -> bool:
     """A reshape of such a transpose (a sharded module flattening a gradient that XLA
@@ -498,6 +529,21 @@ def _is_loop_kernel(kernel: Kernel, producer: Instruction) -> bool:
     root = kernel.members[0]  # the instruction that opened the kernel
     return (root.opcode in FUSIBLE_OPCODES and root.opcode not in _KERNEL_ROOTS
             and elements(root.shape) == elements(producer.shape))
+
+
+def reorders_elements(comp: Computation, inst: Instruction) -> bool:
+    """A transpose that moves elements: its permutation reorders dimensions longer than
+    1. A module before XLA's layout assignment is read by its dimensions only (XLA lays
+    out the values on both sides row-major, whatever layouts the text shows), so a
+    transpose the text lays out as a bitcast still moves its elements."""
+    if inst.opcode != "transpose" or not isinstance(inst.shape, ArrayShape):
+        return False
+    operand = comp[inst.operands[0]].shape
+    permutation = inst.attr_as("dimensions", tuple) or ()
+    if not isinstance(operand, ArrayShape) or len(permutation) != operand.rank:
+        return False
+    moved = [d for d in permutation if operand.dims[d] > 1]
+    return moved != sorted(moved)
 
 
 def _is_cheap(comp: Computation, inst: Instruction) -> bool:
@@ -525,10 +571,26 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
         # update of one is never seen through a recomputed producer of many sources).
         kernel.read_bytes = sum(reads.values()) + plan.shared_reads(found.shared)[1] \
             if found.shared else sum(reads.values())
+        reordered: dict[str, set[str]] = {}  # member → what it reads in transposed order
+        for member, _ in found.named:
+            if member.name not in reordered:
+                reordered[member.name] = _reordered_reads(comp, member, plan.duplicated)
+        kernel.reordered_read_bytes = sum(reads[name] for name in {
+            operand for member, operand in found.named if operand in reordered[member.name]})
         for member in kernel.members:
             if not member_names.issuperset(users[member.name]) or member.name == comp.root_name:
                 plan.materialized.add(member.name)
                 kernel.write_bytes += _write_size(comp, member)
+
+
+def _reordered_reads(comp: Computation, member: Instruction, duplicated: set[str]
+                     ) -> set[str]:
+    """The values ``member`` reads through a transpose that moves their elements: its
+    own, or one recomputed in its kernel (:attr:`KernelPlan.duplicated`)."""
+    if reorders_elements(comp, member):
+        return {member.operands[0]}
+    return {comp[operand].operands[0] for operand in member.operands
+            if operand in duplicated and reorders_elements(comp, comp[operand])}
 
 
 def _read_size(comp: Computation, reader: Instruction, value: Instruction,

@@ -316,8 +316,8 @@ class CollectivePricing:
 
 
 def split_all_reduce_seconds(group: int, payload: int, blocks: int, hardware: HardwareProfile,
-                             *, strided: bool = False, holders: int = 1
-                             ) -> tuple[float, float]:
+                             *, strided: bool = False, holders: int = 1,
+                             transposed_block: bool = False) -> tuple[float, float]:
     """Seconds of an all-reduce over ``group`` devices of ``payload`` bytes, and of the
     reduce-scatter into ``blocks`` blocks (and the all-reduce of each block among its
     ``holders``, where more than one device holds it) it becomes; buffers priced as
@@ -328,11 +328,15 @@ def split_all_reduce_seconds(group: int, payload: int, blocks: int, hardware: Ha
     more pass over the gradient's bytes into a fresh buffer (on XLA:CPU such a
     reduce-scatter measured slower than the all-reduce and slice it replaces). In a loop
     body both run once per iteration, so the comparison is the same whatever the trip
-    count."""
+    count. ``transposed_block``: the blocks were made contiguous by computing the
+    gradient transposed instead, and each block is transposed back after the collective
+    (one pass over the block's bytes)."""
     before = collective_cost("all-reduce", group, payload, hardware, resident=True).seconds
     after = collective_cost("reduce-scatter", blocks, payload, hardware, resident=True).seconds
     if strided:
         after += hardware.memory_seconds(payload, payload)
+    if transposed_block:
+        after += hardware.memory_seconds(payload // blocks, payload // blocks)
     if holders > 1:
         after += collective_cost("all-reduce", holders, payload // blocks, hardware,
                                  resident=True).seconds

@@ -601,6 +601,7 @@ class _Estimator:
             read = max(costs[0].bytes_accessed, 0.0) - written
         else:
             read, written = kernel.read_bytes, kernel.write_bytes
+            read += (self.profile.reordered_read_factor - 1) * kernel.reordered_read_bytes
         memory = self.profile.memory_seconds(read, written, resident)
         seconds = ((max(sum(compute), memory) if self.profile.overlaps_compute_and_memory
                     else sum(compute) + memory) + self._kernel_overhead)

@@ -59,8 +59,8 @@ from hlo_shard.analysis.collectives import (CarriedWrite, DeviceGroups, DeviceSl
                                             ReasonCode, SlotReads, find_gradient_all_reduces,
                                             layout_chain, with_device_counts)
 from hlo_shard.costmodel.network import split_all_reduce_seconds
-from hlo_shard.graph import (ModuleRewriter, Rewriter, call_graph, control_predecessors,
-                             users_map)
+from hlo_shard.graph import (ModuleRewriter, Rewriter, add_transposed_product, call_graph,
+                             control_predecessors, is_transposable_product, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Ident, Instruction, Module, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import ORDER_KEEPING_VIEWS
@@ -360,6 +360,12 @@ class ReduceScatterSpec(ScatterCollectives):
     """An all-reduce and the slice of it each device keeps, as a reduce-scatter."""
 
     dynamic_slice: str
+    #: The matrix product the all-reduce sums, where its blocks are strided (columns:
+    #: an FSDP weight's gradient computed transposed) and the product can be computed
+    #: the other way round (:func:`~hlo_shard.graph.is_transposable_product`): then it
+    #: is, so each block is one contiguous run, and a transpose of the block after the
+    #: collective restores the order ("": no such product).
+    product: str = ""
 
 
 @dataclass(frozen=True)
@@ -707,6 +713,9 @@ class ScatterDecision:
     kept_because: str = ""
     #: The loops whose carried slot became the block (a scanned layer's gradient).
     loops: tuple[str, ...] = ()
+    #: The product computed transposed for contiguous blocks
+    #: (:attr:`ReduceScatterSpec.product`; "": none).
+    product: str = ""
 
     @property
     def words(self) -> str:
@@ -720,6 +729,9 @@ class ScatterDecision:
         if self.reduce_scatter:
             then = f", then an all-reduce of the block over {self.holders}" \
                 if self.holders > 1 else ""
+            if self.product:
+                then += (f", %{self.product} computed transposed so that each block is "
+                         f"contiguous")
             return (f"the all-reduce and its dynamic-slice became reduce-scatter "
                     f"%{self.reduce_scatter} over {self.blocks}{then} (predicted "
                     f"{self.before_s * 1e6:.4g} -> {self.after_s * 1e6:.4g} us)")
@@ -826,10 +838,10 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
         for spec, before, after in specs:
             loops = tuple(loop.loop for loop in spec.loops) \
                 if isinstance(spec, ScannedScatterSpec) else ()
-            decisions.append(ScatterDecision(spec.computation, spec.all_reduce,
-                                             created[spec.computation, spec.all_reduce],
-                                             before, after, spec.blocks, _holders(spec),
-                                             loops=loops))
+            decisions.append(ScatterDecision(
+                spec.computation, spec.all_reduce, created[spec.computation, spec.all_reduce],
+                before, after, spec.blocks, _holders(spec), loops=loops,
+                product=spec.product if isinstance(spec, ReduceScatterSpec) else ""))
         return ReduceScatterReport(tuple(decisions))
 
 
@@ -844,8 +856,14 @@ def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
         return "the reduced value has other uses than one slice"
     if sliced.carried:
         return match_scanned_reduce_scatter(reads, comp, all_reduce, groups, sliced.carried[0])
-    return match_reduce_scatter(reads.module, comp, all_reduce, groups,
+    spec = match_reduce_scatter(reads.module, comp, all_reduce, groups,
                                 comp[sliced.slices[0]], reads.index(comp))
+    if isinstance(spec, str) or not spec.strided or spec.split_dim != 1:
+        return spec
+    product = comp[all_reduce.operands[0]]
+    if not is_transposable_product(comp, product, reads.users(comp)[product.name]):
+        return spec
+    return replace(spec, product=product.name, strided=False)
 
 
 def _narrow_float(element_type: str) -> str:
@@ -866,8 +884,10 @@ def _holders(spec: ScatterCollectives) -> int:
 def _price(spec: ScatterCollectives, hardware: HardwareProfile) -> tuple[float, float]:
     """The all-reduce's seconds and those of what it becomes
     (:func:`~hlo_shard.costmodel.network.split_all_reduce_seconds`)."""
-    return split_all_reduce_seconds(spec.groups.size, spec.payload_bytes, spec.blocks, hardware,
-                                    strided=spec.strided, holders=_holders(spec))
+    return split_all_reduce_seconds(
+        spec.groups.size, spec.payload_bytes, spec.blocks, hardware, strided=spec.strided,
+        holders=_holders(spec),
+        transposed_block=isinstance(spec, ReduceScatterSpec) and bool(spec.product))
 
 
 def _block(shape: ArrayShape, dim: int, blocks: int) -> ArrayShape:
@@ -876,10 +896,13 @@ def _block(shape: ArrayShape, dim: int, blocks: int) -> ArrayShape:
     return replace(shape, dims=tuple(dims))
 
 
-def _scatter(rw: Rewriter, spec: ScatterCollectives, channels: ChannelIds) -> tuple[str, str]:
+def _scatter(rw: Rewriter, spec: ScatterCollectives, channels: ChannelIds,
+             product: str = "") -> tuple[str, str]:
     """The reduce-scatter (and block all-reduce) take the all-reduce's place and the
-    blockwise ops after it shrink to the block. Returns the reduce-scatter's name and
-    the value the block reaches the slice (or the carried slot) as."""
+    blockwise ops after it shrink to the block; ``product`` (a
+    :attr:`ReduceScatterSpec.product`) is computed transposed and each block transposed
+    back. Returns the reduce-scatter's name and the value the block reaches the slice
+    (or the carried slot) as."""
     comp = rw.comp
     all_reduce = comp[spec.all_reduce]
 
@@ -899,17 +922,28 @@ def _scatter(rw: Rewriter, spec: ScatterCollectives, channels: ChannelIds) -> tu
 
     own = spec.groups.replica_groups if spec.in_group_order else \
         ReplicaGroups(spec.scatter_groups)
-    shape = _block(all_reduce.array_shape, spec.split_dim, spec.blocks)
+    block = _block(all_reduce.array_shape, spec.split_dim, spec.blocks)
+    operands, shape, split_dim = all_reduce.operands, block, spec.split_dim
     with rw.inserting_before(all_reduce.name):
-        result = rw.add("reduce-scatter", shape, all_reduce.operands,
-                        name=f"{spec.all_reduce}.scatter",
-                        **attrs(own, dimensions=(spec.split_dim,)))
+        if product:
+            rows, columns = all_reduce.array_shape.dims
+            operands = [add_transposed_product(
+                rw, comp[product], replace(all_reduce.array_shape, dims=(columns, rows)),
+                rw.fresh_name(f"{product}.transposed"))]
+            shape, split_dim = replace(block, dims=block.dims[::-1]), 0
+        result = rw.add("reduce-scatter", shape, operands, name=f"{spec.all_reduce}.scatter",
+                        **attrs(own, dimensions=(split_dim,)))
         created = result.name
         if spec.block_groups:
             result = rw.add("all-reduce", shape, [created], name=f"{spec.all_reduce}.block",
                             **attrs(ReplicaGroups(spec.block_groups)))
+        if product:
+            result = rw.add("transpose", block, [result.name],
+                            name=f"{spec.all_reduce}.block.transposed", dimensions=(1, 0))
     rw.replace_all_uses_with(all_reduce.name, result.name)
     rw.erase(all_reduce.name)
+    if product:
+        rw.erase(product)
     _shrink(rw, spec.chain, spec.blocks)
     return created, spec.chain[-1][0] if spec.chain else result.name
 
@@ -938,9 +972,39 @@ def _rewrite(rw: Rewriter, spec: ReduceScatterSpec, channels: ChannelIds) -> str
     """Edit one pair: the reduce-scatter (and block all-reduce) take the all-reduce's
     place, the blockwise ops after it shrink to the block, the slice goes, and so does
     the index arithmetic only the slice read. Returns the reduce-scatter's name."""
-    created, end = _scatter(rw, spec, channels)
+    created, end = _scatter(rw, spec, channels, spec.product)
     rw.remove_dead(among=_take_block(rw, spec.dynamic_slice, end))
+    if spec.product and not spec.chain:
+        _sink_transpose(rw, end)
     return created
+
+
+def _sink_transpose(rw: Rewriter, name: str) -> None:
+    """Move the transpose ``name`` after each all-reduce that is its one user, one after
+    another (a sum of transposed blocks is the transposed sum, whatever the reducer): the
+    partitioner's FSDP gradient goes on to an all-reduce over the data axis and then to
+    a transpose into the weight's order, and XLA's simplifier cancels two transposes
+    only where nothing stands between them."""
+    while True:
+        transpose = rw.comp[name]
+        users = rw.users(name)
+        if len(users) != 1:
+            return
+        (user,) = users
+        if user.opcode != "all-reduce" or user.operands != [name] or \
+                not isinstance(user.shape, ArrayShape) or control_predecessors(user) or \
+                "control-successors" in user.attributes:
+            return
+        summed = user.array_shape
+        rw.set_operand(user, 0, transpose.operands[0])
+        rw.set_shape(user, rw.comp[transpose.operands[0]].array_shape)
+        with rw.inserting_after(user.name):
+            moved = rw.add("transpose", summed, [user.name],
+                           name=rw.fresh_name(f"{user.name}.transposed"),
+                           dimensions=transpose.attr_as("dimensions", tuple) or ())
+        rw.replace_all_uses_with(user.name, moved.name, exclude=[moved.name])
+        rw.erase(name)
+        name = moved.name
 
 
 def _with_slots(shape: Shape, slots: dict[int, ArrayShape]) -> TupleShape:

@@ -117,6 +117,10 @@ class HardwareProfile:
     #: Memory one device may fill (its HBM; 0: not known, as for XLA CPU devices that
     #: share the host's memory): what decides for memory where speed does not.
     device_memory_bytes: int = 0
+    #: How many times a streaming read a kernel's read of an operand in transposed order
+    #: costs (XLA CPU's loops gather such an operand element by element, where a GPU's
+    #: or TPU's transpose kernels tile it); 1 when the profile does not say.
+    reordered_read_factor: float = 1.0
     #: The device count the rates were measured at, where N devices share one host's
     #: cores and every rate is a share of it (XLA CPU); 0: the same on any count.
     calibrated_devices: int = 0
@@ -279,6 +283,8 @@ def _profile_fields(at: At, raw: dict, origin: str) -> HardwareProfile:
         multi_output_fusion=at.read(raw, "multi_output_fusion", At.boolean, default=True),
         fused_concatenate_operands=count("fused_concatenate_operands", 0),
         row_major_reductions=at.read(raw, "row_major_reductions", At.boolean, default=False),
+        reordered_read_factor=at.read(raw, "reordered_read_factor", At.number, low=1,
+                                      default=1.0),
         min_predicted_gain=at.read(raw, "min_predicted_gain", At.number, low=0,
                                    default=DEFAULT_MIN_PREDICTED_GAIN),
         overlaps_compute_and_memory=at.read(raw, "overlaps_compute_and_memory", At.boolean,

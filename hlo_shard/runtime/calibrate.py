@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import subprocess
@@ -104,6 +105,9 @@ KERNELS = 16                # donated in-place loops in the "kernels" probe ("ke
 LOOPS = 24                  # loops in the "loops" probe, one concatenate's operands
 LOOPS_BASE = 9              # loops in "loops_base": still more than XLA CPU fuses (8)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
+#: The matrices read transposed (rows, columns): 128 KiB to 8 MiB, a small layer's
+#: gradient to a large one's, in the cache and past it.
+REORDERED = ((256, 128), (1024, 512), (1024, 2048))
 
 
 
@@ -214,6 +218,16 @@ def _stream(e: int) -> str:
             f"  z = f32[] constant(0)\n  ROOT t = (f32[{e}], f32[]) tuple(a, z)")
 
 
+def _reordered(rows: int, columns: int, transposed: bool) -> str:
+    """``x + y`` into a fresh matrix, ``x`` read in transposed order or not: the loop an
+    update runs on a gradient the partitioner transposes into its weight's order."""
+    x = f"f32[{rows},{columns}]" if transposed else f"f32[{columns},{rows}]"
+    read = f"t = f32[{columns},{rows}] transpose(x), dimensions={{1,0}}\n  " if transposed \
+        else ""
+    return (f"x = {x} parameter(0)\n  y = f32[{columns},{rows}] parameter(1)\n  {read}"
+            f"ROOT s = f32[{columns},{rows}] add({'t' if transposed else 'x'}, y)")
+
+
 def _fill(e: int) -> str:
     return f"k = f32[] constant(1)\n  ROOT b = f32[{e}] broadcast(k), dimensions={{}}"
 
@@ -254,6 +268,8 @@ def _probes(n: int) -> dict[str, str]:
         "loops": _concatenated_loops(LOOPS),
         "loops_base": _concatenated_loops(LOOPS_BASE),
         "overhead": "x = f32[] parameter(0)\n  ROOT r = f32[] add(x, x)",
+        **{f"reordered_{k}": _reordered(*size, True) for k, size in enumerate(REORDERED)},
+        **{f"reordered_base_{k}": _reordered(*size, False) for k, size in enumerate(REORDERED)},
     }
 
 
@@ -328,6 +344,11 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
     beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
     link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
+    # The transposed read's extra time over the same loop reading in order, in reads of
+    # the matrix at the streaming rate; the geometric mean over the sizes.
+    reordered = math.prod(
+        1 + max(t[f"reordered_{k}"] - t[f"reordered_base_{k}"], 0.0) / (4 * rows * columns / read)
+        for k, (rows, columns) in enumerate(REORDERED)) ** (1 / len(REORDERED))
     return {
         "name": "cpu-local",
         "description": f"This machine ({platform.machine()}, {platform.processor() or 'cpu'}) "
@@ -347,6 +368,7 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
         "multi_output_fusion": False,
         "fused_concatenate_operands": 8,
         "row_major_reductions": True,
+        "reordered_read_factor": reordered,
         "min_predicted_gain": 0.1,
         "overlaps_compute_and_memory": False,
         "combine_threshold_bytes": DEFAULT_COMBINE_THRESHOLD_BYTES,
@@ -370,6 +392,10 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "than 8 operands (cpu_instruction_fusion.cc, kMaxConcatenateArguments)",
             "row_major_reductions: XLA CPU copies a reduce's operand laid out other than "
             "row-major into row-major first (a transpose_copy_fusion before the reduce)",
+            "reordered_read_factor: the loop x + y with x read through a transpose over the "
+            "same loop reading x in order, the difference in streaming reads of x, the "
+            "geometric mean over 128 KiB to 8 MiB matrices (XLA CPU duplicates such a "
+            "transpose into every fusion reading it)",
             "min_predicted_gain 0.10: the cost model's error on the zoo's small modules at "
             "N = 8 (forced sharding of the conv net predicted 0.92-0.94x, measured "
             "1.01-1.12x; of the transformer block gathered 0.97-0.99x, measured 1.01-1.04x), "
@@ -396,7 +422,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
 MEASURED_FIELDS = ("description", "matrix_flops_per_s", "convolution_flops_per_s",
                    "vector_flops_per_s", "transcendentals_per_s", "reduction_elements_per_s",
                    "memory_bandwidth_bytes_per_s", "memory_write_bandwidth_bytes_per_s",
-                   "cache_bytes", "cache_bandwidth_bytes_per_s", "kernel_overhead_s",
+                   "cache_bytes", "cache_bandwidth_bytes_per_s", "reordered_read_factor",
+                   "kernel_overhead_s",
                    "output_overhead_s", "step_overhead_s", "interconnect")
 
 

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 from hlo_shard.analysis.collectives import DeviceGroups, participant_id_source
 from hlo_shard.costmodel.network import CollectivePricing
-from hlo_shard.graph import ModuleRewriter, Rewriter
+from hlo_shard.graph import (ModuleRewriter, Rewriter, add_transposed_product,
+                             is_transposable_product)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Ident, Instruction, Layout,
                           Module, Raw, Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import MATMULS
@@ -284,25 +285,19 @@ class ShardEmitter:
         return current
 
     def swapped_dot(self, value: str, fmt: ShardFormat) -> str | None:
-        """``value``, a matrix product ``a·b`` of two matrices in a laid-out module, in
-        the transposed order ``fmt`` asks for, computed as ``b·a`` (each element the same
-        products summed over the same contraction): what XLA's algebraic simplifier makes
-        of a dot followed by a transpose before fusion, where the pass's transpose would
-        be a copy of the whole gradient. None where that is not such a dot, or where the
-        product has other users than its all-reduce (it would be computed twice)."""
+        """``value``, a matrix product ``a·b`` in a laid-out module, in the transposed order
+        ``fmt`` asks for, computed as ``b·a`` (:func:`~hlo_shard.graph.add_transposed_product`):
+        what XLA's algebraic simplifier makes of a dot followed by a transpose before fusion,
+        where the pass's transpose would be a copy of the whole gradient. None where that
+        is not such a product, or where it has other users than its all-reduce (it would
+        be computed twice)."""
         inst = self.comp[value]
-        if not self.laid_out or inst.opcode != "dot" or fmt.perm != (1, 0) or \
-                len(self.rw.users(value)) != 1 or \
-                set(inst.attributes) - _PLAIN_DOT_ATTRIBUTES or not _row_major(inst.shape) or \
-                not {"lhs_contracting_dims", "rhs_contracting_dims"} <= set(inst.attributes) or \
-                any(self.comp[o].array_shape.rank != 2 for o in inst.operands):
+        if not self.laid_out or fmt.perm != (1, 0) or \
+                not is_transposable_product(self.comp, inst, self.rw.users(value)):
             return None
-        lhs, rhs = inst.operands
-        attributes = {"lhs_contracting_dims": inst.attributes["rhs_contracting_dims"],
-                      "rhs_contracting_dims": inst.attributes["lhs_contracting_dims"],
-                      **{k: v for k, v in inst.attributes.items() if k == "metadata"}}
-        return self.rw.add("dot", self.shape(inst.array_shape.element_type, fmt.transposed_dims),
-                           [rhs, lhs], name=f"{value}.formatted", **attributes).name
+        return add_transposed_product(
+            self.rw, inst, self.shape(inst.array_shape.element_type, fmt.transposed_dims),
+            f"{value}.formatted")
 
     def local_slice(self, value: str, fmt: ShardFormat) -> str:
         """This device's ``[L]`` shard of a full value it holds (no communication). A
@@ -420,10 +415,6 @@ class ShardEmitter:
         return self.add("transpose", shape, [ordered], name=f"{item.label}.gathered",
                         dimensions=inverse)
 
-
-#: The attributes of a dot :meth:`ShardEmitter.swapped_dot` computes the other way round:
-#: one contracting dimension per operand and nothing else that names an operand.
-_PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
 
 #: Ops the emitter wraps in a loop fusion of their own in a laid-out module
 #: (:meth:`ShardEmitter.fused`): XLA:CPU runs a top-level transpose through its slow
