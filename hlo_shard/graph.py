@@ -318,7 +318,18 @@ def _earliest_ready_first(names: Sequence[str], needs_of: Sequence[Collection[st
 
 def callees_first(module: Module) -> list[Computation]:
     """Computations ordered so that every callee precedes its callers, keeping the
-    module's order where it already is."""
+    module's order where it already is: the earliest ready computation first (one scan,
+    without building a call graph, when every name is unique and every callee defined)."""
+    comps = module.computations
+    names = [comp.name for comp in comps]
+    needs_of = [[callee for inst in comp.instructions for callee in inst.called_computations()]
+                for comp in comps]
+    known = set(names)
+    if len(known) == len(names) and all(known.issuperset(needs) for needs in needs_of):
+        placed = _earliest_ready_first(names, needs_of)
+        if len(placed) == len(names):
+            return [comps[i] for i in placed]
+    # A call cycle, an undefined callee or a repeated name: networkx's order or error.
     graph = call_graph(module)
     position = {comp.name: i for i, comp in enumerate(module.computations)}
     order = nx.lexicographical_topological_sort(graph.reverse(copy=False), key=position.get)

@@ -862,6 +862,11 @@ class _Builder(Transformer):
         self.entry_name: str | None = None
         self.unresolved: list[tuple[str, Loc]] = []
         self.scope = _Scope()
+        #: Metadata texts and (shape, literal) pairs of this parse that passed their
+        #: check: a step's module repeats a few of each many times, and the check of a
+        #: text depends on the text alone.
+        self.checked_metadata: set[str] = set()
+        self.checked_literals: set[tuple[Shape, str]] = set()
 
     # Module --------------------------------------------------------------------------
     def start(self, children: list) -> Module:
@@ -1152,7 +1157,9 @@ class _Builder(Transformer):
             if shape is None:
                 _fail("a constant needs its shape before the opcode", opcode_loc)
             literal, literal_loc = payload
-            _check_literal(shape, literal, literal_loc)
+            if (shape, literal) not in self.checked_literals:
+                _check_literal(shape, literal, literal_loc)
+                self.checked_literals.add((shape, literal))
             inst.literal = literal.strip()
         elif kind == "parameter":
             if shape is None:
@@ -1187,8 +1194,9 @@ class _Builder(Transformer):
         return inst
 
     def _attribute(self, key: str, kind: str, text: str, loc: Loc) -> AttrValue:
-        if key == "metadata":
+        if key == "metadata" and text not in self.checked_metadata:
             _check_metadata(text, loc)
+            self.checked_metadata.add(text)
         if kind == "BLOB" and key not in _ATTRIBUTE_READERS and key != "control-predecessors":
             return Raw(text)  # metadata, sharding, frontend_attributes, ...: the common case
         check = _VALUE_CHECKS.get((key, kind))

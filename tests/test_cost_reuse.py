@@ -226,3 +226,60 @@ def test_a_fusion_whose_body_reads_an_edited_computation_is_priced_again() -> No
     rewriter.rewriter(reducer).set_root("exponential")
     third = CostAnalysis(edited, earlier=EarlierCosts(second, edited_computations(rewriter.changes)))
     assert third.module_cost() == CostAnalysis(edited).module_cost() != first.module_cost()
+
+
+@pytest.mark.parametrize("fixture", CASES)
+def test_fusions_alike_share_one_price_as_priced_apart(fixture: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fusion whose structure matches one priced already (``_fused_structure``) takes
+    that price: the input's and the trial's prices are those of pricing each apart."""
+    from hlo_shard.costmodel import flops
+
+    module = parse_file(FIXTURES / fixture)
+    hardware = load_profile("cpu-local")
+    candidate = module.clone()
+    edited: set[str] = set()
+    run_sharding(candidate, WeightUpdateSharding(ShardingOptions(profile=hardware)),
+                 lambda step, result: edited.update(edited_computations(result.changes)))
+
+    def priced() -> list[tuple]:
+        whole = predicted_step(module, hardware)
+        trial = predicted_step(candidate, hardware,
+                               earlier=EarlierCosts(whole.model, frozenset(edited)))
+        return [(e.seconds, [(i.computation, i.name, i.seconds, i.cost)
+                             for i in e.instructions], e.model._totals, e.model._reads)
+                for e in (whole, trial)]
+
+    shared = priced()
+    monkeypatch.setattr(flops, "_fused_structure", lambda fusion, fused: None)
+    assert shared == priced()
+
+
+def test_fusions_alike_are_priced_once() -> None:
+    module = parse("""HloModule alike
+%f1 (p: f32[8]) -> f32[8] {
+  %p = f32[8] parameter(0)
+  ROOT %e = f32[8] exponential(%p), metadata={op_name="a"}
+}
+%f2 (q: f32[8]) -> f32[8] {
+  %q = f32[8] parameter(0)
+  ROOT %x = f32[8] exponential(%q), metadata={op_name="a"}
+}
+%f3 (r: f32[4]) -> f32[4] {
+  %r = f32[4] parameter(0)
+  ROOT %y = f32[4] exponential(%r), metadata={op_name="a"}
+}
+ENTRY %main (a: f32[8], b: f32[4]) -> (f32[8], f32[8], f32[4]) {
+  %a = f32[8] parameter(0)
+  %b = f32[4] parameter(1)
+  %u = f32[8] fusion(%a), kind=kLoop, calls=%f1
+  %v = f32[8] fusion(%a), kind=kLoop, calls=%f2
+  %w = f32[4] fusion(%b), kind=kLoop, calls=%f3
+  ROOT %t = (f32[8], f32[8], f32[4]) tuple(%u, %v, %w)
+}
+""")
+    analysis = CostAnalysis(module)
+    costs = analysis.per_instruction()
+    assert costs["u"] == costs["v"] and costs["w"] != costs["u"]
+    assert len(analysis._alike) == 2
+    assert set(analysis._totals) >= {"f1", "f2", "f3"}
