@@ -918,6 +918,27 @@ def test_calibration_prices_a_collective_as_the_slope_of_a_chain():
     assert opcodes.count("all-reduce") == calibrate.ALL_REDUCE_CHAIN
 
 
+def test_calibration_takes_the_smallest_transposed_read_factor_over_the_sizes():
+    """Each size's probe pair gives the extra time of reading its matrices transposed, in
+    streaming reads of them; the profile keeps the smallest (pricing an input's
+    transposed reads too high would overstate what removing them gains)."""
+    from hlo_shard.runtime import calibrate
+
+    seconds = dict.fromkeys(calibrate._probes(8), 1.0) | {
+        "overhead": 0.0, "stream": 3 * 4 * calibrate.STREAM / 8e9,
+        "cache_base": 0.5, "large_all_reduce": 2.0}
+    factors = (6.0, 4.0, 9.0)
+    for k, ((rows, columns), factor) in enumerate(zip(calibrate.REORDERED, factors)):
+        read = calibrate._reordered_count(rows, columns) * 4 * rows * columns / 8e9
+        seconds[f"reordered_base_{k}"] = 0.01
+        seconds[f"reordered_{k}"] = 0.01 + (factor - 1) * read
+    profile = calibrate.profile_from_measurements(8, seconds)
+    assert profile["reordered_read_factor"] == pytest.approx(4.0)
+    probe = parse(calibrate._module(8, calibrate._probes(8)["reordered_0"]))
+    transposes = [i for i in probe.entry.instructions if i.opcode == "transpose"]
+    assert len(transposes) == calibrate._reordered_count(*calibrate.REORDERED[0]) > 1
+
+
 _DONATION = """HloModule step, input_output_alias={ {0}: (0, {}, may-alias) }
 
 ENTRY main {

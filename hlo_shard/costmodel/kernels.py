@@ -574,7 +574,7 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
         reordered: dict[str, set[str]] = {}  # member → what it reads in transposed order
         for member, _ in found.named:
             if member.name not in reordered:
-                reordered[member.name] = _reordered_reads(comp, member, plan.duplicated)
+                reordered[member.name] = _reordered_reads(plan, member)
         kernel.reordered_read_bytes = sum(reads[name] for name in {
             operand for member, operand in found.named if operand in reordered[member.name]})
         for member in kernel.members:
@@ -583,14 +583,17 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
                 kernel.write_bytes += _write_size(comp, member)
 
 
-def _reordered_reads(comp: Computation, member: Instruction, duplicated: set[str]
-                     ) -> set[str]:
-    """The values ``member`` reads through a transpose that moves their elements: its
-    own, or one recomputed in its kernel (:attr:`KernelPlan.duplicated`)."""
-    if reorders_elements(comp, member):
-        return {member.operands[0]}
-    return {comp[operand].operands[0] for operand in member.operands
-            if operand in duplicated and reorders_elements(comp, comp[operand])}
+def _reordered_reads(plan: KernelPlan, member: Instruction) -> set[str]:
+    """The values ``member`` reads through a transpose that moves their elements (its
+    own, or one recomputed in its kernel: :attr:`KernelPlan.duplicated`, not a bitcast),
+    as the kernel's reads name them (through the producers it recomputes)."""
+    comp = plan.comp
+    transposes = [member] if reorders_elements(comp, member) else [
+        comp[operand] for operand in member.operands
+        if operand in plan.duplicated and operand not in plan.relabels
+        and reorders_elements(comp, comp[operand])]
+    return {name for transpose in transposes for part in plan._parts(transpose.operands[:1])
+            for name in part}
 
 
 def _read_size(comp: Computation, reader: Instruction, value: Instruction,

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import shutil
 import subprocess
@@ -106,8 +105,10 @@ LOOPS = 24                  # loops in the "loops" probe, one concatenate's oper
 LOOPS_BASE = 9              # loops in "loops_base": still more than XLA CPU fuses (8)
 SMALL = 1 << 10             # 4 KiB per array: a bias or a LayerNorm scale
 #: The matrices read transposed (rows, columns): 128 KiB to 8 MiB, a small layer's
-#: gradient to a large one's, in the cache and past it.
-REORDERED = ((256, 128), (1024, 512), (1024, 2048))
+#: gradient to a large one's, in the cache and past it; each probe reads at least
+#: REORDERED_BYTES (as many matrices as that takes), well above a step's fixed costs.
+REORDERED = ((256, 128), (768, 192), (1024, 2048))
+REORDERED_BYTES = 2 << 20
 
 
 
@@ -218,14 +219,25 @@ def _stream(e: int) -> str:
             f"  z = f32[] constant(0)\n  ROOT t = (f32[{e}], f32[]) tuple(a, z)")
 
 
+def _reordered_count(rows: int, columns: int) -> int:
+    return max(1, REORDERED_BYTES // (4 * rows * columns))
+
+
 def _reordered(rows: int, columns: int, transposed: bool) -> str:
-    """``x + y`` into a fresh matrix, ``x`` read in transposed order or not: the loop an
-    update runs on a gradient the partitioner transposes into its weight's order."""
-    x = f"f32[{rows},{columns}]" if transposed else f"f32[{columns},{rows}]"
-    read = f"t = f32[{columns},{rows}] transpose(x), dimensions={{1,0}}\n  " if transposed \
-        else ""
-    return (f"x = {x} parameter(0)\n  y = f32[{columns},{rows}] parameter(1)\n  {read}"
-            f"ROOT s = f32[{columns},{rows}] add({'t' if transposed else 'x'}, y)")
+    """``x + y`` into fresh matrices, each ``x`` read in transposed order or not: the
+    loop an update runs on a gradient the partitioner transposes into its weight's order
+    (:func:`_reordered_count` of them, independent)."""
+    count = _reordered_count(rows, columns)
+    shape = f"f32[{columns},{rows}]"
+    lines = []
+    for i in range(count):
+        lines += [f"x{i} = {f'f32[{rows},{columns}]' if transposed else shape} parameter({2 * i})",
+                  f"y{i} = {shape} parameter({2 * i + 1})"]
+        if transposed:
+            lines.append(f"t{i} = {shape} transpose(x{i}), dimensions={{1,0}}")
+        lines.append(f"sum{i} = {shape} add({'t' if transposed else 'x'}{i}, y{i})")
+    outputs = ", ".join(f"sum{i}" for i in range(count))
+    return "\n  ".join(lines + [f"ROOT r = ({', '.join([shape] * count)}) tuple({outputs})"])
 
 
 def _fill(e: int) -> str:
@@ -344,11 +356,13 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
     wire = 2 * (n - 1) / n * 4 * COLLECTIVE
     beta = wire / max(t["large_all_reduce"] - t["small_all_reduce"], 1e-9)
     link = {"alpha_s": alpha, "beta_bytes_per_s": beta}
-    # The transposed read's extra time over the same loop reading in order, in reads of
-    # the matrix at the streaming rate; the geometric mean over the sizes.
-    reordered = math.prod(
-        1 + max(t[f"reordered_{k}"] - t[f"reordered_base_{k}"], 0.0) / (4 * rows * columns / read)
-        for k, (rows, columns) in enumerate(REORDERED)) ** (1 / len(REORDERED))
+    # The transposed reads' extra time over the same loops reading in order, in reads of
+    # the matrices at the streaming rate; the smallest over the sizes (an input's
+    # transposed reads priced too high would overstate what removing them gains).
+    reordered = min(
+        1 + max(t[f"reordered_{k}"] - t[f"reordered_base_{k}"], 0.0)
+        / (_reordered_count(rows, columns) * 4 * rows * columns / read)
+        for k, (rows, columns) in enumerate(REORDERED))
     return {
         "name": "cpu-local",
         "description": f"This machine ({platform.machine()}, {platform.processor() or 'cpu'}) "
@@ -394,8 +408,8 @@ def profile_from_measurements(n: int, t: dict[str, float]) -> dict:
             "row-major into row-major first (a transpose_copy_fusion before the reduce)",
             "reordered_read_factor: the loop x + y with x read through a transpose over the "
             "same loop reading x in order, the difference in streaming reads of x, the "
-            "geometric mean over 128 KiB to 8 MiB matrices (XLA CPU duplicates such a "
-            "transpose into every fusion reading it)",
+            "smallest over 128 KiB to 8 MiB matrices (XLA CPU duplicates such a transpose "
+            "into every fusion reading it)",
             "min_predicted_gain 0.10: the cost model's error on the zoo's small modules at "
             "N = 8 (forced sharding of the conv net predicted 0.92-0.94x, measured "
             "1.01-1.12x; of the transformer block gathered 0.97-0.99x, measured 1.01-1.04x), "
