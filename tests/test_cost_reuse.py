@@ -10,27 +10,34 @@ import pytest
 
 from hlo_shard.costmodel.flops import CostAnalysis, EarlierCosts
 from hlo_shard.graph import ModuleRewriter
-from hlo_shard.ir import ArrayShape
+from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.parser import parse, parse_file
 from hlo_shard.passes.pipeline import edited_computations
 from hlo_shard.passes.sharding_pipeline import run_sharding
 from hlo_shard.passes.speed_gate import predicted_step
 from hlo_shard.passes.weight_update import ShardingOptions, WeightUpdateSharding
-from hlo_shard.profiles import load_profile
+from hlo_shard.profiles import HardwareProfile, load_profile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CASES = sorted(str(p.relative_to(FIXTURES)) for p in (FIXTURES / "optimized").glob("*.hlo")) \
     + ["spmd/loop_adam.n4.hlo", "replica/transformer.n8.hlo"]
 
 
-@pytest.mark.parametrize("fixture", CASES)
-def test_the_trial_priced_with_the_inputs_totals_is_priced_as_afresh(fixture: str) -> None:
+def _input_and_trial(fixture: str) -> tuple[Module, HardwareProfile, Module, set[str]]:
+    """The fixture, the profile, a copy the sharding pipeline rewrote, and the
+    computations the pipeline edited in it."""
     module = parse_file(FIXTURES / fixture)
     hardware = load_profile("cpu-local")
     candidate = module.clone()
     edited: set[str] = set()
     run_sharding(candidate, WeightUpdateSharding(ShardingOptions(profile=hardware)),
                  lambda step, result: edited.update(edited_computations(result.changes)))
+    return module, hardware, candidate, edited
+
+
+@pytest.mark.parametrize("fixture", CASES)
+def test_the_trial_priced_with_the_inputs_totals_is_priced_as_afresh(fixture: str) -> None:
+    module, hardware, candidate, edited = _input_and_trial(fixture)
     whole = predicted_step(module, hardware)
     fresh = predicted_step(candidate, hardware)
     reused = predicted_step(candidate, hardware,
@@ -235,12 +242,7 @@ def test_fusions_alike_share_one_price_as_priced_apart(fixture: str,
     that price: the input's and the trial's prices are those of pricing each apart."""
     from hlo_shard.costmodel import flops
 
-    module = parse_file(FIXTURES / fixture)
-    hardware = load_profile("cpu-local")
-    candidate = module.clone()
-    edited: set[str] = set()
-    run_sharding(candidate, WeightUpdateSharding(ShardingOptions(profile=hardware)),
-                 lambda step, result: edited.update(edited_computations(result.changes)))
+    module, hardware, candidate, edited = _input_and_trial(fixture)
 
     def priced() -> list[tuple]:
         whole = predicted_step(module, hardware)
