@@ -361,10 +361,11 @@ class ReduceScatterSpec(ScatterCollectives):
 
     dynamic_slice: str
     #: The matrix product the all-reduce sums, where its blocks are strided (columns:
-    #: an FSDP weight's gradient computed transposed) and the product can be computed
-    #: the other way round (:func:`~hlo_shard.graph.is_transposable_product`): then it
-    #: is, so each block is one contiguous run, and a transpose of the block after the
-    #: collective restores the order ("": no such product).
+    #: an FSDP weight's gradient computed transposed), its type 32 bits or wider and the
+    #: product can be computed the other way round
+    #: (:func:`~hlo_shard.graph.is_transposable_product`): then it is, so each block is
+    #: one contiguous run, and a transpose of the block after the collective restores
+    #: the order ("": no such product).
     product: str = ""
 
 
@@ -858,8 +859,9 @@ def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
         return match_scanned_reduce_scatter(reads, comp, all_reduce, groups, sliced.carried[0])
     spec = match_reduce_scatter(reads.module, comp, all_reduce, groups,
                                 comp[sliced.slices[0]], reads.index(comp))
-    if isinstance(spec, str) or not spec.strided or spec.split_dim != 1:
-        return spec
+    if isinstance(spec, str) or not spec.strided or spec.split_dim != 1 or \
+            _narrow_float(all_reduce.array_shape.element_type):
+        return spec  # (a narrow product's rounding is its kernel's: left as it is)
     product = comp[all_reduce.operands[0]]
     if not is_transposable_product(comp, product, reads.users(comp)[product.name]):
         return spec
