@@ -795,8 +795,6 @@ def zero_started_slots(comp: Computation, loop: Instruction) -> set[int]:
     return {k for k, start in enumerate(init.operands) if is_zero(comp, comp[start])}
 
 
-
-
 #: The attributes of a dot :func:`add_transposed_product` computes the other way round:
 #: one contracting dimension per operand and nothing else that names an operand.
 _PLAIN_DOT_ATTRIBUTES = frozenset({"lhs_contracting_dims", "rhs_contracting_dims", "metadata"})
