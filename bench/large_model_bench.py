@@ -30,7 +30,8 @@ first step's metrics against jit's, and the decision. Never asserted
 
 ``python bench/run.py --only large-model``, or ``python bench/large_model_bench.py
 [--programs a,b] [--width W] [--runs R] [--rounds K] [--force]`` (``--force`` adds the
-rows of ``shard_weight_update(force=True)``, where the never-slower gate fell back).
+rows of ``shard_weight_update(force=True)`` and ``install(force=True)``, where the
+never-slower gate kept a step whole).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def measure(name: str, width: int, runs: int, rounds: int, force: bool) -> list[
             variants += [fast_variant(prog, "gathered", forced, accumulator="sharded"),
                          fast_variant(prog, "sharded", forced, accumulator="sharded")]
     # the zero-code-change form: what the hook makes of XLA's fused module of each form
-    variants.append(hook_variant(prog))
+    variants += [hook_variant(prog, forced) for forced in ((False, True) if force else (False,))]
     return timed_with_named(prog, variants, runs, rounds)
 
 

@@ -220,3 +220,35 @@ def test_a_data_by_fsdp_mesh_shards_the_fsdp_shards_update_over_the_data_groups(
     for leaf, leaf_jit in zip(jax.tree.leaves((p_full, s_full)), jax.tree.leaves((p_jit, s_jit))):
         assert leaf.shape == leaf_jit.shape
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)
+
+
+def test_the_hook_reads_xla_cpus_fused_fsdp_slices_as_already_sharded(request):
+    """Under ``install()`` the pass sees XLA:CPU's fused module, where the partitioner's
+    slice of each fsdp gradient is a fusion (a ``dynamic-slice`` at an offset read from
+    a partition-id table, itself a fusion) and the all-reduces are combined. Those sums
+    read as already sharded, so the data-parallel group is the data axis's (groups of
+    2), and, forced, the update of the slices is sharded over it, computing jit's
+    numbers; the fused slices themselves are left as they are."""
+    if not needs_devices(request):
+        return
+    params, opt_state, batches = _fsdp_start()
+    jitted = jax.jit(_fsdp_step)
+    hsj.decisions(clear=True)
+    with hsj.install(force=True):
+        hooked = jax.jit(_fsdp_step)
+        p, s, p_jit, s_jit = params, opt_state, params, opt_state
+        for batch in batches:
+            p, s, loss = hooked(p, s, batch)
+            p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
+    (decision,) = [d for d in hsj.decisions(clear=True) if not d.reused and d.report]
+    assert decision.changed, decision.reason
+    rows = decision.report.explanations
+    assert decision.report.group_size == 2
+    scattered = [row for row in rows if row.reason_code == "already_sharded"]
+    assert scattered and all("fused by XLA" in row.reason for row in scattered)
+    assert all(row.shape.startswith("(f32[64,64]") for row in scattered)
+    sharded = [row for row in rows if row.sharded]
+    assert len(sharded) == 2 and all(row.shape.startswith("f32[64,16]") for row in sharded)
+    np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
+    for leaf, leaf_jit in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_jit, s_jit))):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)

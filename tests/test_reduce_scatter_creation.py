@@ -151,6 +151,52 @@ def test_explain_says_the_pair_became_a_reduce_scatter():
     assert "reduce-scatter(%gw)" in text
 
 
+#: The pair as XLA:CPU fuses it (what ``install()`` sees): the slice and the lookup of the
+#: device's offset inside a fusion, the partition id and the table passed in.
+FUSED_SLICE = """\
+%fused_slice (sum: f32[1024,1024], table: s32[8], id: u32[]) -> f32[128,1024] {
+  %sum = f32[1024,1024]{1,0} parameter(0)
+  %table = s32[8]{0} parameter(1)
+  %id = u32[] parameter(2)
+  %row.1 = s32[1]{0} dynamic-slice(%table, %id), dynamic_slice_sizes={1}
+  %row = s32[] bitcast(%row.1)
+  %c0 = s32[] constant(0)
+  ROOT %rows = f32[128,1024]{1,0} dynamic-slice(%sum, %row, %c0), dynamic_slice_sizes={128,1024}
+}
+
+"""
+FUSED_FORM = """\
+  %gw.sum = f32[1024,1024]{1,0} all-reduce(%gw), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %offsets = s32[8]{0} constant({0, 128, 256, 384, 512, 640, 768, 896})
+  %pid = u32[] partition-id()
+  %gw.mine = f32[128,1024]{1,0} fusion(%gw.sum, %offsets, %pid), kind=kLoop, calls=%fused_slice"""
+#: Both forms reading one sum: the plain slice alone would make a pair.
+BOTH_FORMS = FUSED_FORM.replace("%gw.mine", "%gw.fused") + """
+  %offset.1 = s32[1]{0} dynamic-slice(%offsets, %pid), dynamic_slice_sizes={1}
+  %offset = s32[] reshape(%offset.1)
+  %c0 = s32[] constant(0)
+  %gw.slice = f32[128,1024]{1,0} dynamic-slice(%gw.sum, %offset, %c0), dynamic_slice_sizes={128,1024}
+  %gw.mine = f32[128,1024]{1,0} add(%gw.fused, %gw.slice)"""
+
+
+@pytest.mark.parametrize("form", [FUSED_FORM, BOTH_FORMS], ids=["fused", "fused-and-plain"])
+def test_a_slice_fused_by_xla_reads_as_already_sharded_and_is_left_as_it_is(form):
+    """The sum is already sharded whichever form takes the device's slice; no rewrite
+    reads into a fusion, so the pair stays, and where a plain slice reads the same sum
+    it stays too (a reduce-scatter would leave the fusion a block to slice)."""
+    module = parse(FSDP_STEP.replace("{ds}", form).replace("ENTRY", FUSED_SLICE + "ENTRY"))
+    module.header["num_partitions"] = 8
+    before = to_text(module)
+    report = run_pass(module)
+    (decision,) = report.decisions
+    assert not decision.reduce_scatter
+    assert "fused kernel %gw." in decision.kept_because
+    assert to_text(module) == before
+    row = {r.all_reduce: r for r in optimize(module, ShardingOptions()).report.explanations}[
+        "gw.sum"]
+    assert row.reason_code == "already_sharded" and "fused by XLA" in row.reason
+
+
 # ------------------------------------------------------------- on 8 CPU devices
 
 

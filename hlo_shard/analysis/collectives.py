@@ -186,6 +186,12 @@ def _is_scalar(shape: Shape) -> bool:
     return isinstance(shape, ArrayShape) and shape.is_scalar
 
 
+def _scalars(shape: Shape) -> bool:
+    """A scalar, or a tuple of scalars (several summed by one combined all-reduce)."""
+    return _is_scalar(shape) or isinstance(shape, TupleShape) and \
+        all(_is_scalar(element) for element in shape.elements)
+
+
 # ------------------------------------------------------------------- gradient search
 
 
@@ -329,19 +335,19 @@ PARTIAL_SUM_REASON = ("a partial sum of this device's slices of already-sharded 
 
 def _partial_sums(comp: Computation, found: list[GradientAllReduce]
                   ) -> list[GradientAllReduce]:
-    """``found`` (the all-reduces of ``comp``) with each candidate that sums a scalar
+    """``found`` (the all-reduces of ``comp``) with each candidate that sums scalars
     computed from the slices of its already-sharded gradients marked ``partial_sum``:
     clipping by global norm squares and sums each slice, then all-reduces those sums
     over the devices holding the other slices. One walk from the slices to what reads
     them."""
-    slices = [name for ar in found if ar.sliced is not None for name in ar.sliced.slices]
+    slices = [name for ar in found if ar.sliced is not None for name in ar.sliced.reads]
     if not slices or all(not ar.is_candidate for ar in found):
         return found
     users = users_map(comp)
     derived = reachable(slices, lambda name: users.get(name, ()))
     return [replace(ar, reason=PARTIAL_SUM_REASON, code=ReasonCode.PARTIAL_SUM)
-            if ar.is_candidate and _is_scalar(comp[ar.name].shape) and
-            any(operand in derived for operand in comp[ar.name].operands) else ar
+            if ar.is_candidate and _scalars(comp[ar.name].shape) and
+            all(operand in derived for operand in comp[ar.name].operands) else ar
             for ar in found]
 
 
@@ -379,15 +385,37 @@ def is_sum(module: Module, inst: Instruction) -> bool:
     return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
 
 
-def device_index_values(comp: Computation) -> tuple[set[str], set[str]]:
+def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = frozenset(),
+                        constant_parameters: frozenset[int] = frozenset(), *,
+                        module: Module | None = None) -> tuple[set[str], set[str]]:
     """The values of ``comp`` computed from the device's id and constants only, through
     index arithmetic (the partitioner's slice offsets: the same in every iteration of a
     loop whose body ``comp`` is, and the same computed anywhere else), and the constant
-    ones among them. One forward walk."""
+    ones among them. One forward walk. ``by_id_parameters`` / ``constant_parameters``:
+    the parameter numbers of a fused computation whose fusion passes it such values.
+    ``module``: a fusion of such values whose fused computation is index arithmetic
+    (XLA's fused offsets) is one too (its fused computation walked once, not further)."""
     by_id: set[str] = set()
     constant: set[str] = set()
     for inst in topological_order(comp):
-        if inst.opcode in DEVICE_ID_OPCODES:
+        if module is not None and inst.opcode == "fusion" and inst.operands and \
+                all(o in constant or o in by_id for o in inst.operands):
+            body = module.computation(inst.called("calls"))
+            inner_by_id, inner_constant = device_index_values(
+                body, frozenset(k for k, o in enumerate(inst.operands) if o in by_id),
+                frozenset(k for k, o in enumerate(inst.operands) if o in constant))
+            if body.root_name in inner_by_id:
+                by_id.add(inst.name)
+            elif body.root_name in inner_constant:
+                constant.add(inst.name)
+            continue
+        if inst.opcode == "parameter" and (by_id_parameters or constant_parameters):
+            number = inst.param_number
+            if number in by_id_parameters:
+                by_id.add(inst.name)
+            elif number in constant_parameters:
+                constant.add(inst.name)
+        elif inst.opcode in DEVICE_ID_OPCODES:
             by_id.add(inst.name)
         elif not inst.operands and inst.opcode in DETERMINISTIC_OPS:
             constant.add(inst.name)
@@ -446,16 +474,25 @@ class DeviceSliced:
 
     slices: tuple[str, ...] = ()
     carried: tuple[CarriedWrite, ...] = ()
+    #: Fusions whose fused computation reads it only as such a slice (the pair as XLA
+    #: fused it: the form the hook sees on CPU), which no rewrite reads into.
+    fused: tuple[str, ...] = ()
 
     @property
     def loops(self) -> tuple[str, ...]:
         return tuple(sorted({reads.loop for write in self.carried for reads in write.loops}))
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every instruction that takes the slice: the dynamic-slices and the fusions."""
+        return self.slices + self.fused
+
     def words(self) -> str:
         if not self.carried:
+            fused = " (fused by XLA into the kernels that read it)" if self.fused else ""
             return ("already sharded: every user takes this device's slice (dynamic-slice by "
-                    "partition/replica id, the SPMD partitioner's reduce-scatter form), the "
-                    "update runs on the slice")
+                    f"partition/replica id, the SPMD partitioner's reduce-scatter form{fused}), "
+                    "the update runs on the slice")
         loops = ", ".join(f"%{name}" for name in self.loops)
         return ("already sharded: written into a slot the loop carries, which leaves "
                 f"{loops} only as this device's slice (dynamic-slice by partition/replica "
@@ -482,6 +519,7 @@ class _ScatterForms:
         self.module = module
         self._forms: dict[str, _ScatterForm] = {}
         self._loops: dict[str, list[tuple[Computation, Instruction]]] | None = None
+        self._fused_users: dict[str, dict[str, list[str]]] = {}
         self._sliced_slots: dict[tuple[str, str],
                                  dict[int, tuple[tuple[str, DeviceSliced], ...]]] = {}
 
@@ -490,6 +528,13 @@ class _ScatterForms:
         if form is None:
             form = self._forms[comp.name] = _ScatterForm(comp, self)
         return form
+
+    def fused_users(self, body: Computation) -> dict[str, list[str]]:
+        """The users of each value of the fused computation ``body``, read once."""
+        found = self._fused_users.get(body.name)
+        if found is None:
+            found = self._fused_users[body.name] = users_map(body)
+        return found
 
     def loops_running(self, body: Computation) -> list[tuple[Computation, Instruction]]:
         """(computation, while) of every loop whose body is ``body``; none where anything
@@ -594,7 +639,7 @@ class _ScatterForm:
         """:func:`device_index_values`, read once, when the first dynamic-slice is asked
         about."""
         if self._ids is None:
-            self._ids = device_index_values(self.comp)
+            self._ids = device_index_values(self.comp, module=self.forms.module)
         return self._ids
 
     def sliced_by_device(self, value: Instruction, through_loops: bool = True
@@ -608,6 +653,7 @@ class _ScatterForm:
         pending = [value.name]
         slices: list[str] = []
         carried: list[CarriedWrite] = []
+        fused: list[str] = []
         while pending:
             name = pending.pop()
             if name == self.comp.root_name or not users[name]:
@@ -618,11 +664,14 @@ class _ScatterForm:
                     pending.append(user_name)
                 elif self._device_slice(user, name):
                     slices.append(user_name)
+                elif self._fused_device_slice(user, name):
+                    fused.append(user_name)
                 elif through_loops and (write := self._carried_write(user, name)) is not None:
                     carried.append(write)
                 else:
                     return None
-        return DeviceSliced(tuple(slices), tuple(carried)) if slices or carried else None
+        return DeviceSliced(tuple(slices), tuple(carried), tuple(fused)) \
+            if slices or carried or fused else None
 
     def _device_slice(self, user: Instruction, value: str) -> bool:
         if user.opcode != "dynamic-slice" or user.operands[0] != value or value in \
@@ -634,6 +683,39 @@ class _ScatterForm:
             return False
         offsets = user.operands[1:]
         by_id, constant = self._device_ids()
+        return all(o in by_id or o in constant for o in offsets) and \
+            any(o in by_id for o in offsets)
+
+    def _fused_device_slice(self, user: Instruction, value: str) -> bool:
+        """``user`` is a fusion whose fused computation reads ``value`` (one operand) only
+        as :meth:`_device_slice` would take it: through layout-only ops, each read once,
+        one dynamic-slice of a strict part of that parameter at offsets computed from the
+        device's id (passed in, or read inside) and constants."""
+        if user.opcode != "fusion" or user.operands.count(value) != 1:
+            return False
+        body = self.forms.module.computation(user.called("calls"))
+        number = user.operands.index(value)
+        users = self.forms.fused_users(body)
+        parameter = next((inst for inst in body.instructions if inst.opcode == "parameter"
+                          and inst.param_number == number), None)
+        if parameter is None:
+            return False
+        end = parameter
+        while len(users[end.name]) == 1 and end.name != body.root_name:
+            end = body[users[end.name][0]]
+            if end.opcode not in _LAYOUT_ONLY or len(end.operands) != 1:
+                break
+        if end.opcode != "dynamic-slice" or end.operands.count(end.operands[0]) != 1:
+            return False
+        whole, part = body[end.operands[0]].shape, end.shape
+        if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
+                part.num_elements >= whole.num_elements:
+            return False
+        outer_by_id, outer_constant = self._device_ids()
+        by_id, constant = device_index_values(
+            body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
+            frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
+        offsets = end.operands[1:]
         return all(o in by_id or o in constant for o in offsets) and \
             any(o in by_id for o in offsets)
 

@@ -643,7 +643,7 @@ def _carried_loop(reads: ModuleReads, slot_reads: SlotReads, slot: int, groups: 
     read_blocks, found = [], None
     index = reads.index(outer)
     for gte, sliced in slot_reads.reads:
-        if len(sliced.slices) != 1:
+        if len(sliced.slices) != 1 or sliced.fused:
             return "the reduced value has other uses than one slice"
         ds = outer[sliced.slices[0]]
         chain = _blockwise_chain(outer, gte, ds.operands[0],
@@ -853,6 +853,9 @@ def _match(reads: ModuleReads, comp: Computation, all_reduce: Instruction,
     refused = _reducible(comp, all_reduce)
     if refused:
         return refused
+    if sliced.fused:
+        return (f"its slice is taken inside the fused kernel %{sliced.fused[0]} (XLA's fused "
+                "module): left as it is")
     if len(sliced.slices) + len(sliced.carried) != 1:
         return "the reduced value has other uses than one slice"
     if sliced.carried:
