@@ -209,6 +209,43 @@ def fused(n: int) -> str:
             + _REDUCER + "".join(bodies) + "ENTRY %main {\n" + "\n".join(lines) + "\n}\n")
 
 
+def fused_slices(n: int) -> str:
+    """``n / 6`` gradients summed over 4 replicas and read by one fusion, which takes
+    each device's quarter of every sum (its offset looked up from the replica id, as
+    XLA:CPU fuses the partitioner's slices) and adds them up: the fused reads of a
+    fan-in."""
+    grads = max(1, n // 6)
+    whole, part = "f32[256]{0}", "f32[64]{0}"
+    body = [f"  %p.{k} = {whole} parameter({k})" for k in range(grads)]
+    body += [f"  %table = s32[4]{{0}} parameter({grads})",
+             f"  %id = u32[] parameter({grads + 1})",
+             "  %row.1 = s32[1]{0} dynamic-slice(%table, %id), dynamic_slice_sizes={1}",
+             "  %row = s32[] bitcast(%row.1)"]
+    body += [f"  %q.{k} = {part} dynamic-slice(%p.{k}, %row), dynamic_slice_sizes={{64}}"
+             for k in range(grads)]
+    total = "q.0"
+    for k in range(1, grads):
+        body.append(f"  %t.{k} = {part} add(%{total}, %q.{k})")
+        total = f"t.{k}"
+    body.append(f"  ROOT %all = {part} copy(%{total})")
+    lines = [f"  %x.{k} = {whole} parameter({k})" for k in range(grads)]
+    lines += [f"  %w = {part} parameter({grads})",
+              "  %table = s32[4]{0} constant({0, 64, 128, 192})",
+              "  %id = u32[] replica-id()"]
+    lines += [f"  %g.{k} = {whole} all-reduce(%x.{k}), replica_groups={{{{0,1,2,3}}}}, "
+              f"to_apply=%sum" for k in range(grads)]
+    operands = ", ".join([f"%g.{k}" for k in range(grads)] + ["%table", "%id"])
+    lines += [f"  %mine = {part} fusion({operands}), kind=kLoop, calls=%slices",
+              f"  ROOT %new = {part} subtract(%w, %mine)"]
+    params = ", ".join([whole] * grads + [part])
+    body_params = ", ".join([whole] * grads + ["s32[4]", "u32[]"])
+    return (f"HloModule fused_slices_step, input_output_alias={{ {{}}: ({grads}, {{}}, "
+            f"may-alias) }}, entry_computation_layout={{({params})->{part}}}, "
+            "replica_count=4\n\n" + _REDUCER +
+            f"%slices ({body_params}) -> {part} {{\n" + "\n".join(body) + "\n}\n\n"
+            "ENTRY %main {\n" + "\n".join(lines) + "\n}\n")
+
+
 def momentum(n: int, aliased: bool = True) -> str:
     """``n / 8`` weights with a momentum buffer each, one large and the rest small: the
     sharded state of the large one, while every small one's buffer stays whole and
@@ -386,7 +423,8 @@ def branched(n: int, size: int = 256) -> str:
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
-    "long_update": long_update, "fused": fused, "momentum": momentum,
+    "long_update": long_update, "fused": fused, "fused_slices": fused_slices,
+    "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
     "nested_calls": nested_calls, "nested_loops": nested_loops, "branched": branched,
 }

@@ -11,6 +11,7 @@ device receives from a reduce-scatter and the slot its data occupies in an all-g
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from hlo_shard.graph import reachable, topological_order, users_map
@@ -601,6 +602,8 @@ class _ScatterForm:
         self._users: dict[str, list[str]] | None = None
         self._ids: tuple[set[str], set[str]] | None = None
         self._parameter_reads: dict[int, list[str]] | None = None
+        #: Per fusion read: the operands it takes only this device's slice of.
+        self._fused: dict[str, frozenset[str]] = {}
 
     def _read(self) -> dict[str, list[str]]:
         """The users of the values the walk can visit (all-reduces, layout-only ops, a
@@ -688,36 +691,50 @@ class _ScatterForm:
 
     def _fused_device_slice(self, user: Instruction, value: str) -> bool:
         """``user`` is a fusion whose fused computation reads ``value`` (one operand) only
-        as :meth:`_device_slice` would take it: through layout-only ops, each read once,
-        one dynamic-slice of a strict part of that parameter at offsets computed from the
-        device's id (passed in, or read inside) and constants."""
-        if user.opcode != "fusion" or user.operands.count(value) != 1:
+        as :meth:`_device_slice` would take it (:meth:`_fused_slices`)."""
+        if user.opcode != "fusion":
             return False
+        found = self._fused.get(user.name)
+        if found is None:
+            found = self._fused[user.name] = self._fused_slices(user)
+        return value in found
+
+    def _fused_slices(self, user: Instruction) -> frozenset[str]:
+        """The operands of the fusion ``user``, each passed once, that its fused
+        computation reads only through layout-only ops, each read once, as one
+        dynamic-slice of a strict part at offsets computed from the device's id (passed
+        in, or read inside) and constants. One walk of the fused computation."""
         body = self.forms.module.computation(user.called("calls"))
-        number = user.operands.index(value)
         users = self.forms.fused_users(body)
-        parameter = next((inst for inst in body.instructions if inst.opcode == "parameter"
-                          and inst.param_number == number), None)
-        if parameter is None:
-            return False
-        end = parameter
-        while len(users[end.name]) == 1 and end.name != body.root_name:
-            end = body[users[end.name][0]]
-            if end.opcode not in _LAYOUT_ONLY or len(end.operands) != 1:
-                break
-        if end.opcode != "dynamic-slice" or end.operands.count(end.operands[0]) != 1:
-            return False
-        whole, part = body[end.operands[0]].shape, end.shape
-        if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
-                part.num_elements >= whole.num_elements:
-            return False
-        outer_by_id, outer_constant = self._device_ids()
-        by_id, constant = device_index_values(
-            body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
-            frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
-        offsets = end.operands[1:]
-        return all(o in by_id or o in constant for o in offsets) and \
-            any(o in by_id for o in offsets)
+        passed = Counter(user.operands)
+        ids: tuple[set[str], set[str]] | None = None
+        found = set()
+        for parameter in body.parameters():
+            number = parameter.param_number
+            if number >= len(user.operands) or passed[user.operands[number]] != 1:
+                continue
+            end = parameter
+            while len(users[end.name]) == 1 and end.name != body.root_name:
+                end = body[users[end.name][0]]
+                if end.opcode not in _LAYOUT_ONLY or len(end.operands) != 1:
+                    break
+            if end.opcode != "dynamic-slice" or end.operands.count(end.operands[0]) != 1:
+                continue
+            whole, part = body[end.operands[0]].shape, end.shape
+            if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
+                    part.num_elements >= whole.num_elements:
+                continue
+            if ids is None:
+                outer_by_id, outer_constant = self._device_ids()
+                ids = device_index_values(
+                    body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
+                    frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
+            by_id, constant = ids
+            offsets = end.operands[1:]
+            if all(o in by_id or o in constant for o in offsets) and \
+                    any(o in by_id for o in offsets):
+                found.add(user.operands[number])
+        return frozenset(found)
 
     def _carried_write(self, user: Instruction, value: str) -> CarriedWrite | None:
         """Where ``user`` writes ``value`` into a carried slot read nowhere else in the

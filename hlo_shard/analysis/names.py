@@ -365,22 +365,50 @@ class _ElementFlow:
         self.users = users_map(comp)
         #: Reach only through the operands each element is computed from (None: all).
         self.flows = flows
+        #: Per instruction, read once: the operands its elements flow from; a tuple's
+        #: readers of each operand (:meth:`_tuple_reads`).
+        self._flowing: dict[str, frozenset[str]] = {}
+        self._tuple_readers: dict[str, dict[str, list[str]] | None] = {}
 
     def _element(self, name: str) -> int | None:
         inst = self.comp[name]
         return inst.int_attr("index") if inst.opcode == "get-tuple-element" else None
 
+    def _flows_from(self, inst: Instruction) -> frozenset[str]:
+        assert self.flows is not None
+        found = self._flowing.get(inst.name)
+        if found is None:
+            found = self._flowing[inst.name] = frozenset(self.flows(self.comp, inst))
+        return found
+
+    def _tuple_reads(self, inst: Instruction) -> dict[str, list[str]] | None:
+        """Per operand of the tuple ``inst``: the get-tuple-elements that read a position
+        it holds; None where something else reads the tuple (or nothing does). Read
+        once per tuple."""
+        if inst.name not in self._tuple_readers:
+            readers = self.users[inst.name]
+            elements = [(reader, element) for reader in readers
+                        if (element := self._element(reader)) is not None]
+            found: dict[str, list[str]] | None = None
+            if readers and len(elements) == len(readers):
+                at: dict[int, list[str]] = {}
+                for reader, element in elements:
+                    at.setdefault(element, []).append(reader)
+                found = {}
+                for position, operand in enumerate(inst.operands):
+                    found.setdefault(operand, []).extend(at.get(position, ()))
+            self._tuple_readers[inst.name] = found
+        return self._tuple_readers[inst.name]
+
     def _next(self, name: str) -> list[str]:
         out = []
         for user in self.users[name]:
             inst = self.comp[user]
-            if self.flows is not None and name not in self.flows(self.comp, inst):
+            if self.flows is not None and name not in self._flows_from(inst):
                 continue
-            readers = self.users[user]
-            if inst.opcode == "tuple" and readers and all(
-                    self._element(r) is not None for r in readers):
-                positions = {i for i, o in enumerate(inst.operands) if o == name}
-                out += [r for r in readers if self._element(r) in positions]
+            reads = self._tuple_reads(inst) if inst.opcode == "tuple" else None
+            if reads is not None:
+                out += reads[name]
             else:
                 out.append(user)
         return out
