@@ -297,6 +297,106 @@ def test_a_combined_all_reduce_leaves_its_unaccumulated_elements_in_the_loop():
     assert len(after.operands) == 2
 
 
+#: A scan over 4 layers (the backward of ``nn.scan``): iteration ``i`` computes the
+#: gradient of layer ``3 - i`` from per-device data, all-reduces it and writes it into
+#: that row of the stacked gradient, which starts at zero; one SGD update after.
+STACKED = f"""HloModule stacked, replica_count=8
+{ADD}
+cond {{ p = (s32[], f32[4,32], f32[4,32], f32[2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0 n = s32[] constant(4)
+ ROOT lt = pred[] compare(i, n), direction=LT }}
+body {{ p = (s32[], f32[4,32], f32[4,32], f32[2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0
+ gs = f32[4,32] get-tuple-element(p), index=1 w = f32[4,32] get-tuple-element(p), index=2
+ x = f32[2,32] get-tuple-element(p), index=3
+ z = s32[] constant(0) three = s32[] constant(3) j = s32[] subtract(three, i)
+ wj = f32[1,32] dynamic-slice(w, j, z), dynamic_slice_sizes={{1,32}}
+ wr = f32[32] reshape(wj) wb = f32[2,32] broadcast(wr), dimensions={{1}}
+ h = f32[2,32] multiply(x, wb) t = f32[2,32] tanh(h)
+ f0 = f32[] constant(0) g = f32[32] reduce(t, f0), dimensions={{0}}, to_apply=add
+ ar = f32[32] all-reduce(g), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=add
+ row = f32[1,32] reshape(ar)
+ ngs = f32[4,32] dynamic-update-slice(gs, row, j, z)
+ one = s32[] constant(1) ni = s32[] add(i, one)
+ ROOT r = (s32[], f32[4,32], f32[4,32], f32[2,32]) tuple(ni, ngs, w, x) }}
+ENTRY e {{ w = f32[4,32] parameter(0)
+ x = f32[2,32] parameter(1), parameter_replication={{false}}
+ z = s32[] constant(0) f0 = f32[] constant(0)
+ zs = f32[4,32] broadcast(f0), dimensions={{}}
+ init = (s32[], f32[4,32], f32[4,32], f32[2,32]) tuple(z, zs, w, x)
+ loop = (s32[], f32[4,32], f32[4,32], f32[2,32]) while(init), condition=cond, body=body
+ gs = f32[4,32] get-tuple-element(loop), index=1
+ lr = f32[] constant(0.01) lrs = f32[4,32] broadcast(lr), dimensions={{}}
+ u = f32[4,32] multiply(gs, lrs)
+ ROOT nw = f32[4,32] subtract(w, u) }}
+"""
+#: XLA:CPU's fused form of the write: a fusion of the stacked slot, the sum and the row
+#: index, whose fused computation relabels the sum and writes it (XLA does not compile
+#: such a fusion written by hand: its numbers are checked on flax's ``nn.scan`` under
+#: the hook, :func:`test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop`).
+FUSED_STACKED = STACKED.replace(
+    "cond {", "fdus { b = f32[4,32]{1,0} parameter(0) v = f32[32]{0} parameter(1)\n"
+    " k = s32[] parameter(2) vr = f32[1,32]{1,0} bitcast(v) zz = s32[] constant(0)\n"
+    " ROOT u = f32[4,32]{1,0} dynamic-update-slice(b, vr, k, zz) }\ncond {").replace(
+    " row = f32[1,32] reshape(ar)\n ngs = f32[4,32] dynamic-update-slice(gs, row, j, z)",
+    " ngs = f32[4,32] fusion(gs, ar, j), kind=kLoop, calls=fdus")
+#: Three iterations, the stacked slot starting at ones: row 0 is never written.
+PARTLY_WRITTEN = STACKED.replace("n = s32[] constant(4)", "n = s32[] constant(3)")
+ONES_START = PARTLY_WRITTEN.replace(
+    "zs = f32[4,32] broadcast(f0)", "f1 = f32[] constant(1) zs = f32[4,32] broadcast(f1)")
+
+
+#: LOOP returning each microbatch's loss too, summed over the devices and written into
+#: its row of a slot that starts at zero (``lax.scan``'s stacked outputs).
+TUPLE = "(s32[], f32[16,32], f32[32], f32[32,16], f32[4,2,32])"
+WITH_LOSSES = LOOP.replace(TUPLE, TUPLE[:-1] + ", f32[4])").replace(
+    " one = s32[] constant(1) ni = s32[] add(i, one)",
+    " sl = f32[] reduce(gb, f0), dimensions={0}, to_apply=add\n"
+    " arl = f32[] all-reduce(sl), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add\n"
+    " lr1 = f32[1] reshape(arl) ls = f32[4] get-tuple-element(p), index=5\n"
+    " nls = f32[4] dynamic-update-slice(ls, lr1, i)\n"
+    " one = s32[] constant(1) ni = s32[] add(i, one)").replace(
+    "tuple(ni, naccw, naccb, w, xs)", "tuple(ni, naccw, naccb, w, xs, nls)").replace(
+    " init = ", " zl = f32[4] broadcast(f0), dimensions={}\n init = ").replace(
+    "tuple(z, zw, b, w, xs)", "tuple(z, zw, b, w, xs, zl)")
+
+
+def test_a_loop_that_accumulates_keeps_the_sums_it_writes():
+    """Microbatches accumulating gradients and writing their losses: the gradients'
+    sums leave the loop, the losses' stays (what is reduced after the loop is
+    accumulators only, which the sharded accumulator may carry as shards), in the
+    sweep that moves the gradients and in the next."""
+    assert WITH_LOSSES.count("f32[4])") == 5
+    module, report = motion(WITH_LOSSES)
+    assert body_collectives(module) == ["arl"]
+    assert {m.all_reduce for m in report.moved} == {"arw", "arb"}
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("arl", "written-beside-added")]
+
+
+@pytest.mark.parametrize("text", [STACKED, FUSED_STACKED], ids=["write", "fused-write"])
+def test_a_sum_written_into_the_stacked_slot_moves(text):
+    """A scan over layers writes each layer's sum into its row of a slot that starts at
+    zero: the loop writes the local gradients, one all-reduce of the stacked slot after
+    it (the rows it did not write stay zero, summed or not)."""
+    assert text.count("dynamic-update-slice") == 1
+    module, report = motion(text)
+    assert body_collectives(module) == [] and not report.kept
+    (move,) = report.moved
+    assert move.all_reduce == "ar" and move.slots == (1,)
+    (after,) = find(module, "all-reduce")
+    assert module.entry[after.operands[0]].int_attr("index") == 1
+    assert [i for i in module.entry.instructions if i.opcode == "add"] == []
+
+
+def test_a_written_slot_that_does_not_start_at_zero_stays():
+    """Row 0 keeps its start, ones: moved, the sum after the loop would add it up over
+    the devices."""
+    module, report = motion(ONES_START)
+    assert body_collectives(module) == ["ar"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("ar", "written-start")]
+    assert any("does not start the loop at zero" in note for note in report.notes)
+
+
 def test_a_sliced_sum_moves_only_where_the_loop_may_carry_the_whole_gradient():
     """FSDP's form: the loop carries this device's rows of the sum. Without ``sliced``
     (the accumulator mode ``sharded``) the all-reduce stays (moved, the loop would carry
@@ -443,8 +543,10 @@ def verify(original: str, candidate: Module, manifest=None) -> runtime.VerifyRep
                           runtime.VerifyOptions(steps=3, manifest=manifest))
 
 
-@pytest.mark.parametrize("text, moves", [(LOOP, 2), (MEAN, 2), (FUSED_ADD, 2), (COMBINED, 1)],
-                         ids=["sum", "mean", "fused-add", "combined"])
+@pytest.mark.parametrize("text, moves", [(LOOP, 2), (MEAN, 2), (FUSED_ADD, 2), (COMBINED, 1),
+                                         (STACKED, 1), (PARTLY_WRITTEN, 1), (WITH_LOSSES, 2)],
+                         ids=["sum", "mean", "fused-add", "combined", "stacked",
+                              "partly-written", "with-losses"])
 def test_the_moved_loop_computes_the_same(worker, text, moves):
     module, report = motion(text)
     assert len(report.moved) == moves
@@ -485,6 +587,20 @@ def test_dropping_the_initial_value_is_caught(worker):
     result = runtime.verify(parse(LOOP), parse(to_text(module)),
                             runtime.VerifyOptions(steps=1))
     assert not result.ok
+
+
+def test_moving_a_write_into_a_slot_that_keeps_part_of_its_start_is_caught(worker):
+    """A mutant: the partly written loop moved as if its slot started at zero, run from
+    the ones it starts at (what a motion without the zero-start check computes: row 0
+    summed over the devices) must DIFFER."""
+    module, _ = motion(PARTLY_WRITTEN)
+    ones = parse(ONES_START).entry
+    rw = Rewriter(module.entry)
+    with rw.inserting_before("init"):
+        one = rw.add_instruction(ones["f1"].clone())
+        start = rw.add("broadcast", ones["zs"].shape, [one.name], dimensions=())
+    rw.set_operand(module.entry["init"], 1, start.name)
+    assert not verify(ONES_START, module).ok
 
 
 def test_the_optimized_loop_computes_the_same(worker):
@@ -823,3 +939,70 @@ def test_a_step_run_as_it_was_still_says_why_its_sums_stay_in_the_loop(request):
     assert report is not None and report["fallback"] in (None, "not_faster")
     assert any("converted to another type before it is accumulated" in note
                for note in report["notes"]), report["notes"]
+
+
+@pytest.mark.slow
+def test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop(request):
+    """flax linen's ``nn.scan`` over layers (its lm1b/gemma form), seen by ``install()``
+    in XLA:CPU's fused module: each layer's gradient is all-reduced in the backward loop
+    and written into the stacked gradient by a fusion. The all-reduce leaves the loop
+    (the stacked gradients start at zero), so, forced, every stacked gradient's update
+    is sharded, computing jit's numbers."""
+    from jax_train_helpers import jax, needs_devices, optax
+
+    import hlo_shard.jax as hsj
+
+    nn = pytest.importorskip("flax.linen")
+    if not needs_devices(request):
+        return
+    import numpy as np
+
+    jnp = jax.numpy
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            y = nn.gelu(nn.Dense(64)(nn.LayerNorm()(x)))
+            return x + nn.Dense(32)(y), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=4)()(x, None)
+            return nn.Dense(8)(x)
+
+    model, opt = Net(), optax.adamw(1e-2)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params = jax.device_put(model.init(jax.random.PRNGKey(0), jnp.zeros((8, 32)))["params"],
+                            whole)
+    opt_state = jax.device_put(opt.init(params), whole)
+    key = jax.random.PRNGKey(1)
+    batches = [tuple(jax.device_put(jax.random.normal(jax.random.fold_in(key, 10 * j + i),
+                                                      shape), split)
+                     for j, shape in enumerate(((16, 32), (16, 8)))) for i in range(2)]
+    jitted = jax.jit(step)
+    hsj.decisions(clear=True)
+    with hsj.install(force=True):
+        hooked = jax.jit(step)
+        state, state_jit = (params, opt_state), (params, opt_state)
+        for x, y in batches:
+            *state, loss = hooked(*state, x, y)
+            *state_jit, loss_jit = jitted(*state_jit, x, y)
+    (decision,) = [d for d in hsj.decisions(clear=True) if not d.reused and d.report]
+    assert decision.changed, decision.reason
+    stacked = [row for row in decision.report.explanations if row.shape.startswith("f32[4,")]
+    assert len(stacked) == 6 and all(row.sharded for row in stacked)
+    assert any("moved after the loop" in note for note in decision.report.notes)
+    assert float(loss) == float(loss_jit)
+    for leaf, leaf_jit in zip(jax.tree.leaves(state), jax.tree.leaves(state_jit)):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-6, atol=1e-7)

@@ -23,7 +23,12 @@ What is proven before an all-reduce moves (anything else stays, with a reason co
   over devices (:data:`COMMUTING`), each used once; in XLA's fused form the add may be a
   fusion of the two whose fused computation is that add, the sum reaching it through
   such ops too;
-* that add is used only by the body's root tuple, at the same slot it reads, once;
+* or, a scan over layers, it reaches a ``dynamic-update-slice`` of such a slot (the
+  layer's gradient written into the stacked one; fused, a fusion of the two whose fused
+  computation is that write) whose start before the loop is zeros: after the loop the
+  sum over devices of what the loop wrote is what it wrote of the sums, the rest zeros;
+* that add (or write) is used only by the body's root tuple, at the same slot it reads,
+  once;
 * the slot is read by nothing else in the body or the condition (the parameter is only
   taken apart by ``get-tuple-element``), so no iteration sees the partial sums;
 * the body belongs to this one loop, the loop's initial tuple to this loop, and the loop's
@@ -154,7 +159,15 @@ REASONS: dict[str, str] = {
                    "device's own offsets read only by the accumulation (or it is an element "
                    "of a tuple all-reduce)",
     "fused": "its result is read by a fusion (XLA's fused form) other than one that only "
-             "adds it into the accumulator, which the motion does not look into",
+             "adds it into the accumulator or writes it into a carried slot, which the "
+             "motion does not look into",
+    "written-beside-added": "it is written into a carried slot (a per-iteration output: a "
+                            "loss, a metric) by a loop that adds other sums into "
+                            "accumulators: it stays, so that what is reduced after the "
+                            "loop is accumulators only",
+    "written-start": "it is written into a carried slot (a scan's stacked gradient) that "
+                     "does not start the loop at zero (moved, what the loop leaves of the "
+                     "start would be summed over the devices)",
     "accumulator-read": "the accumulator is read elsewhere in the loop",
     "slot-not-carried": "the accumulation does not flow to its own slot of the body's result",
     "shared-body": "the body is called by more than one instruction",
@@ -251,6 +264,9 @@ class _Element:
     reduced: str
     slot: int
     cut: tuple[str, ...] = ()
+    #: Written into the slot (``dynamic-update-slice``, a scan's stacked gradient) rather
+    #: than added: the slot starts at zero, nothing to add after the loop.
+    written: bool = False
 
 
 class Refusal(Exception):
@@ -303,6 +319,8 @@ class _Sinking:
     sliced: bool = False
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
+    #: The bodies of loops a sum added into an accumulator moved out of (in any sweep).
+    adding_bodies: set[str] = field(default_factory=set)
 
     def sweep(self) -> bool:
         """One pass over every loop of the module; whether anything moved."""
@@ -337,12 +355,33 @@ class _Sinking:
         def from_device() -> frozenset[str]:  # one walk of the body, where a slice is met
             return frozenset().union(*device_index_values(body))
 
+        init = comp[loop.operands[0]]
+
+        def zero_start(slot: int) -> bool:
+            return _starts_at_zero(self.module, comp, comp[init.operands[slot]])
+
+        # A loop that adds sums into accumulators (microbatches) and writes others into
+        # slots (its per-iteration losses, metrics) keeps the written ones, in this sweep
+        # and the next: what is reduced after the loop is then accumulators only, which
+        # the sharded accumulator may carry as shards. A loop that only writes (a scan
+        # over layers' backward, each layer's gradient into the stacked one) moves them.
+        kinds: set[bool] = set()
+        for candidate in candidates:
+            try:
+                kinds.update(e.written for e in _accumulation(
+                    self.module, inner, reads, candidate, from_device, zero_start, True,
+                    self.sliced)[0])
+            except Refusal:
+                continue
+        writes = kinds != {True, False} and body.name not in self.adding_bodies
+
         claimed: set[int] = set()
         plans: list[tuple[Instruction, list[_Element], dict[int, str]]] = []
         for candidate in candidates:
             try:
                 elements, staying = _accumulation(self.module, inner, reads, candidate,
-                                                  from_device, self.sliced)
+                                                  from_device, zero_start, writes,
+                                                  self.sliced)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
@@ -353,6 +392,8 @@ class _Sinking:
                 continue
             claimed |= slots
             plans.append((candidate, elements, staying))
+            if not all(e.written for e in elements):
+                self.adding_bodies.add(body.name)
         anchor = loop.name
         loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop)
         for candidate, elements, staying in plans:
@@ -438,14 +479,17 @@ def slots_read(rw: Rewriter) -> SlotReads:
 
 def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
                   all_reduce: Instruction, from_device: Callable[[], frozenset[str]],
-                  sliced: bool = False) -> tuple[list[_Element], dict[int, str]]:
+                  zero_start: Callable[[int], bool], writes: bool, sliced: bool = False
+                  ) -> tuple[list[_Element], dict[int, str]]:
     """The elements of ``all_reduce`` that move and the slot each accumulates into, and
     those of a tuple all-reduce that stay (element index → reason code; XLA's combiner
     puts a loss's sum in the same tuple as the gradients), or the reason none can move
     (raised). ``reads``: the body's and the condition's slot reads; ``from_device``: the
     body's values computed from the device's id and constants
-    (:func:`~hlo_shard.analysis.collectives.device_index_values`); ``sliced``: a sum
-    cut to this device's block before it is accumulated moves too."""
+    (:func:`~hlo_shard.analysis.collectives.device_index_values`); ``zero_start``:
+    whether a slot starts the loop at zero; ``writes``: a sum written into a slot moves
+    too; ``sliced``: a sum cut to this device's block before it is accumulated moves
+    too."""
     shapes = all_reduce.shape.elements if isinstance(all_reduce.shape, TupleShape) \
         else (all_reduce.shape,)
     if not is_sum(module, all_reduce) or any(
@@ -464,9 +508,13 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
     staying: dict[int, str] = {}
     for index, (operand, value) in enumerate(zip(all_reduce.operands, reduced)):
         try:
-            slot, cut = _accumulated_slot(module, body, value, from_device, sliced)
+            slot, cut, written = _accumulated_slot(module, body, value, from_device, sliced)
             if cut and isinstance(all_reduce.shape, TupleShape):
                 raise Refusal("sliced-form")
+            if written and not writes:
+                raise Refusal("written-beside-added")
+            if written and not zero_start(slot):
+                raise Refusal("written-start")
             # the add's own read, and nothing else (in the condition: nothing at all)
             if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                     or in_condition.get(slot, 0):
@@ -476,7 +524,7 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
                 raise
             staying[index] = why.reason
             continue
-        elements.append(_Element(operand, value, slot, cut))
+        elements.append(_Element(operand, value, slot, cut, written))
     if not elements:
         raise Refusal(next(iter(staying.values())))
     return elements, staying
@@ -522,11 +570,13 @@ def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
 
 def _accumulated_slot(module: Module, body: Rewriter, value: str,
                       from_device: Callable[[], frozenset[str]], sliced: bool = False
-                      ) -> tuple[int, tuple[str, ...]]:
-    """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` whose
-    only use is slot ``k`` of the body's root tuple: ``k``, and (``sliced``) the
-    dynamic-slice between, at offsets computed from the device's id alone, with the
-    relabels after it (none: the whole sum is accumulated)."""
+                      ) -> tuple[int, tuple[str, ...], bool]:
+    """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` — or
+    to ``dynamic-update-slice(gte(param, k), ·, offsets)``, a scan writing its
+    iteration's sum into the stacked slot — whose only use is slot ``k`` of the body's
+    root tuple: ``k``, (``sliced``) the dynamic-slice between, at offsets computed from
+    the device's id alone, with the relabels after it (none: the whole sum is
+    accumulated), and whether the slot is written rather than added into."""
     comp = body.comp
     while True:
         following = body.users(value)
@@ -555,14 +605,27 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
             steps.append(user.name)
         value = steps[-1]
         cut = tuple(steps)
-    # (a fused add is taken as the add where it adds the whole sum: a widened slot would
-    # need its fused computation widened too)
-    fused_add = user.opcode == "fusion"
-    if fused_add and (cut or not _adds_into_operand(module, user, value)):
-        raise Refusal("fused")
-    if (user.opcode != "add" and not fused_add) or user.operands.count(value) != 1:
+    # (a fused add or write is taken as the add or write where it takes the whole sum: a
+    # widened slot would need its fused computation widened too)
+    written = False
+    if user.opcode == "fusion":
+        if cut:
+            raise Refusal("fused")
+        if _adds_into_operand(module, user, value):
+            buffer_name = user.operands[1 - user.operands.index(value)]
+        elif (position := _writes_into_operand(module, user, value)) is not None:
+            buffer_name, written = user.operands[position], True
+        else:
+            raise Refusal("fused")
+    elif user.operands.count(value) != 1:
         raise Refusal("not-accumulated")
-    buffer = comp[user.operands[1 - user.operands.index(value)]]
+    elif user.opcode == "add":
+        buffer_name = user.operands[1 - user.operands.index(value)]
+    elif user.opcode == "dynamic-update-slice" and user.operands[1] == value and not cut:
+        buffer_name, written = user.operands[0], True
+    else:
+        raise Refusal("not-accumulated")
+    buffer = comp[buffer_name]
     if buffer.opcode != "get-tuple-element" or comp[buffer.operands[0]].opcode != "parameter":
         raise Refusal("not-accumulated")
     slot = buffer.required_attr("index", int)
@@ -573,7 +636,7 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
         raise Refusal("slot-not-carried")
     if cut and not sliced:
         raise Refusal("sliced")
-    return slot, cut
+    return slot, cut, written
 
 
 def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
@@ -601,6 +664,58 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
         if rule is None or not rule(module, fused, user, user.operands.index(followed)):
             return False
         followed = user.name
+
+
+def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int | None:
+    """Where ``fusion`` (XLA's fused form of a scan's write) is
+    ``dynamic-update-slice(buffer, f(value), offsets)`` of its operands, ``f`` a chain of
+    :data:`COMMUTING` ops each read once and ``buffer`` a parameter read by nothing else:
+    the operand position of ``buffer`` (moving the sum after the loop leaves the fusion
+    as it is, writing the local value instead); None otherwise."""
+    if fusion.operands.count(value) != 1:
+        return None
+    fused = module.computation(fusion.called("calls"))
+    params = {p.param_number: p.name for p in fused.parameters()}
+    followed = params.get(fusion.operands.index(value))
+    if followed is None:
+        return None
+    readers = users_map(fused)
+    root = fused.root
+    while True:
+        following = readers[followed]
+        if len(following) != 1:
+            return None
+        user = fused[following[0]]
+        if user is root:
+            break
+        rule = COMMUTING.get(user.opcode)
+        if rule is None or not rule(module, fused, user, user.operands.index(followed)):
+            return None
+        followed = user.name
+    if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
+            root.operands.count(followed) != 1:
+        return None
+    buffer = fused[root.operands[0]]
+    if buffer.opcode != "parameter" or readers[buffer.name] != [root.name] or \
+            root.operands.count(buffer.name) != 1:
+        return None
+    position = buffer.param_number
+    return position if position < len(fusion.operands) and \
+        fusion.operands[position] != value else None
+
+
+def _starts_at_zero(module: Module, comp: Computation, start: Instruction) -> bool:
+    """``start`` is zeros: a zero scalar constant or its broadcast (:func:`is_zero`),
+    through copies, or XLA's fused form of that broadcast (a fusion of the scalar whose
+    fused computation broadcasts its parameter)."""
+    while start.opcode == "copy":
+        start = comp[start.operands[0]]
+    if start.opcode == "fusion" and len(start.operands) == 1:
+        fused = module.computation(start.called("calls"))
+        root = fused.root
+        if root.opcode == "broadcast" and fused[root.operands[0]].opcode == "parameter":
+            start = comp[start.operands[0]]
+    return is_zero(comp, start)
 
 
 @dataclass(frozen=True)
@@ -673,7 +788,8 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
         edits.widen(slot, cast(ArrayShape, whole.shape))
         widened.append((slot, before, _slot_shape(loop, slot).byte_size))
     shapes = [_slot_shape(loop, e.slot) for e in elements]
-    added = [not is_zero(comp, comp[start]) for start in starts]
+    added = [not e.written and not is_zero(comp, comp[start])
+             for e, start in zip(elements, starts)]
     with outer.inserting_before(init.name):
         for element, shape, add in zip(elements, shapes, added):
             if add or element.slot in cuts:
