@@ -856,7 +856,8 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
     The fsdp gradients' all-reduces, each cut to the device's rows before it is
     accumulated, leave it too (the CPU profile knows no memory bound), and no gradient
     is all-reduced in the loop; with the accumulator ``sharded`` they stay
-    (``sliced``)."""
+    (``sliced``), reduce-scattered in the loop, and the slices' updates are sharded
+    where the gate prices that faster."""
     from jax_train_helpers import assert_close, needs_devices, run_steps
 
     import hlo_shard.jax as hsj
@@ -869,13 +870,14 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
         warnings.simplefilter("error", hsj.FallbackWarning)
         state_fast, _ = run_steps(fast, (params, opt_state), batch)
     assert fast.report is not None and fast.report["fallback"] is None
-    assert fast.report["sharded"] == 0
+    if accumulator == "auto":
+        assert fast.report["sharded"] == 0
     assert any("moved after the loop" in note for note in fast.report["notes"])
     sliced = [note for note in fast.report["notes"] if "cut to a slice" in note]
     assert bool(sliced) == (accumulator == "sharded")
     staying = [note for note in fast.report["notes"] if "stays in the loop" in note]
     if accumulator == "auto":  # what stays is the loss's sum, not a gradient's
-        assert len(staying) == 1 and "not only added into a carried slot" in staying[0]
+        assert len(staying) == 1 and "a per-iteration output" in staying[0]
 
     def in_loops(text: str) -> int:
         module = parse(text)
@@ -884,7 +886,9 @@ def test_fsdp_with_scan_accumulation_runs_the_moved_loop(request, accumulator):
                    for i in module.computation(loop.called("body")).instructions)
 
     assert 0 < in_loops(fast.hlo_text) < in_loops(fast.original_hlo_text)
-    assert in_loops(fast.hlo_text) == len(staying)
+    # (the sliced sums that stay become reduce-scatters in the loop)
+    assert in_loops(fast.hlo_text) == len([note for note in staying
+                                           if "cut to a slice" not in note])
     state_jit, _ = run_steps(step, (params, opt_state), batch)
     assert_close(state_fast, state_jit)
 
@@ -914,7 +918,7 @@ def test_the_hook_moves_xla_fused_accumulation_out_of_the_loop(request):
     notes = decision.report.notes
     assert decision.changed, decision.reason
     (staying,) = [note for note in notes if "stays in the loop" in note]
-    assert "the elements of" in staying and "read by a fusion" in staying
+    assert "the elements of" in staying and "a per-iteration output" in staying
     assert_close(state_hooked, state_jit)
 
 

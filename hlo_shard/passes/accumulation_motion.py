@@ -61,7 +61,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import device_index_values, is_sum
+from hlo_shard.analysis.collectives import (ReasonCode, device_index_values,
+                                            find_gradient_all_reduces, is_sum)
 from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, is_zero, scalar_literal,
                              users_map)
@@ -165,6 +166,10 @@ REASONS: dict[str, str] = {
                             "loss, a metric) by a loop that adds other sums into "
                             "accumulators: it stays, so that what is reduced after the "
                             "loop is accumulators only",
+    "written-sliced": "it is written into a carried slot the loop's users read only as "
+                      "this device's slice (the partitioner's reduce-scatter form across a "
+                      "scan): it stays, for the reduce-scatter creation to make it a "
+                      "reduce-scatter in the loop, the loop carrying the device's block",
     "written-start": "it is written into a carried slot (a scan's stacked gradient) that "
                      "does not start the loop at zero (moved, what the loop leaves of the "
                      "start would be summed over the devices)",
@@ -321,6 +326,21 @@ class _Sinking:
     kept: list[KeptAllReduce] = field(default_factory=list)
     #: The bodies of loops a sum added into an accumulator moved out of (in any sweep).
     adding_bodies: set[str] = field(default_factory=set)
+    #: (computation, all-reduce) of the sums already sharded where they are (read only
+    #: as this device's slice, across a loop too), found at the first write asked about.
+    _scattered: set[tuple[str, str]] | None = None
+
+    def scatters(self, body: Computation, all_reduce: Instruction) -> bool:
+        """``all_reduce`` (in the loop ``body``) is the partitioner's reduce-scatter form
+        across a scan (its sum written into a slot the loop's users read only as this
+        device's slice): the reduce-scatter creation makes it a reduce-scatter in the
+        loop, the loop carrying the device's block, where moving it out would sum the
+        whole stacked gradient after the loop."""
+        if self._scattered is None:
+            self._scattered = {(found.computation, found.name)
+                               for found in find_gradient_all_reduces(self.module)
+                               if found.code is ReasonCode.ALREADY_SHARDED}
+        return (body.name, all_reduce.name) in self._scattered
 
     def sweep(self) -> bool:
         """One pass over every loop of the module; whether anything moved."""
@@ -360,6 +380,14 @@ class _Sinking:
         def zero_start(slot: int) -> bool:
             return _starts_at_zero(self.module, comp, comp[init.operands[slot]])
 
+        def accumulation(candidate: Instruction, writes: bool
+                         ) -> tuple[list[_Element], dict[int, str]]:
+            elements, staying = _accumulation(self.module, inner, reads, candidate,
+                                              from_device, zero_start, writes, self.sliced)
+            if any(e.written for e in elements) and self.scatters(body, candidate):
+                raise Refusal("written-sliced")
+            return elements, staying
+
         # A loop that adds sums into accumulators (microbatches) and writes others into
         # slots (its per-iteration losses, metrics) keeps the written ones, in this sweep
         # and the next: what is reduced after the loop is then accumulators only, which
@@ -368,9 +396,7 @@ class _Sinking:
         kinds: set[bool] = set()
         for candidate in candidates:
             try:
-                kinds.update(e.written for e in _accumulation(
-                    self.module, inner, reads, candidate, from_device, zero_start, True,
-                    self.sliced)[0])
+                kinds.update(e.written for e in accumulation(candidate, True)[0])
             except Refusal:
                 continue
         writes = kinds != {True, False} and body.name not in self.adding_bodies
@@ -379,9 +405,7 @@ class _Sinking:
         plans: list[tuple[Instruction, list[_Element], dict[int, str]]] = []
         for candidate in candidates:
             try:
-                elements, staying = _accumulation(self.module, inner, reads, candidate,
-                                                  from_device, zero_start, writes,
-                                                  self.sliced)
+                elements, staying = accumulation(candidate, writes)
                 slots = {e.slot for e in elements}
                 if len(slots) < len(elements) or slots & claimed:
                     raise Refusal("slot-not-carried")
