@@ -296,6 +296,51 @@ def test_an_equinox_stateful_step_gathers_its_third_argument(request):
     assert np.isfinite(float(loss))
 
 
+def test_a_shard_map_manual_over_the_data_axis_only(request):
+    """``jax.shard_map(..., axis_names={"data"})`` on a (data, model) mesh, the model axis
+    left to the partitioner (partial auto): jax writes each psum's reducer as
+    ``ROOT copy(add(x, y))``, which was read as no sum at all, so the step fell back with
+    "the step has no gradient all-reduce". A view of the sum in its own shape is the
+    sum: the gradients are sharded over the data groups, numbers jit's."""
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), (AXIS, "model"))
+    replicated, by_data = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    opt = optax.adam(1e-2)
+    key = jax.random.PRNGKey(0)
+    params = jax.device_put({"w": jax.random.normal(key, (32, 256)) * 0.1,
+                             "v": jax.random.normal(key, (256, 8)) * 0.1}, replicated)
+
+    def local(params, opt_state, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                                 out_specs=(P(), P(), P()), axis_names={AXIS},
+                                 check_vma=False))
+    batches = [jax.device_put(batch, by_data) for batch in _batches(replicated, 3)]
+
+    def run(fn):
+        p, s = params, jax.device_put(opt.init(params), replicated)
+        losses = []
+        for x, y in batches:
+            p, s, loss = fn(p, s, x, y)
+            losses.append(float(loss))
+        return losses, p
+
+    fast = hsj.shard_weight_update(step, force=True)
+    losses, final = _run_without_fallback(fast, run)
+    reference, final_jit = run(step)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for leaf, leaf_jit in zip(jax.tree.leaves(final), jax.tree.leaves(final_jit)):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_a_jax_jit_of_a_shard_map_step(request):
     if not needs_devices(request):
         return
