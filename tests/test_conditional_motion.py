@@ -368,3 +368,49 @@ def test_install_shards_a_jax_model_with_lax_cond(request):
         hooked = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     assert [d.changed for d in hsj.decisions(clear=True) if "step" in d.module] == [True]
     assert_close(hooked, expected)
+
+
+@pytest.mark.slow
+def test_install_names_the_conditional_an_update_in_a_lax_cond_reads_its_gradients_by(request):
+    """``optax.novograd`` runs its update in a ``lax.cond`` (the first step or a later
+    one): in XLA's fused module the hook sees, the vector gradients go straight into the
+    conditional's operand tuple, and the pass keeps them whole (``no_update_work``). The
+    reason named no user ("all users need the full gradient"); it names the tuple and
+    the conditional reading it now. Numbers jit's."""
+    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, assert_close, jax, jnp,
+                                   mlp_batch, mlp_loss, mlp_params, needs_devices, np, optax,
+                                   run_steps)
+    import hlo_shard.jax as hsj
+    from hlo_shard.analysis.collectives import ReasonCode
+
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,))
+    opt = optax.novograd(1e-3)
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params = mlp_params(jax.random.PRNGKey(0))
+
+    def init():
+        fresh = jax.tree.map(jnp.copy, params)
+        return jax.device_put((fresh, opt.init(fresh)), NamedSharding(mesh, P()))
+
+    def batch(i):
+        return jax.device_put(mlp_batch(jax.random.PRNGKey(1000 + i), 2 * DEVICES),
+                              NamedSharding(mesh, P(AXIS)))
+
+    expected = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
+    hsj.decisions(clear=True)
+    with hsj.install(force=True):
+        hooked = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
+    decision, = [d for d in hsj.decisions(clear=True) if "step" in d.module]
+    idle = [e for e in decision.report.explanations
+            if e.reason_code == ReasonCode.NO_UPDATE_WORK]
+    assert idle, [(e.reason_code, e.reason) for e in decision.report.explanations]
+    for row in idle:
+        assert "(conditional)" in row.reason, row.reason
+    assert_close(hooked, expected)

@@ -226,6 +226,121 @@ def test_an_equinox_step_gathers_its_sharded_state_back_to_leaves(request):
                                        atol=1e-6)
 
 
+# Model and step in the style of equinox's stateful example (examples/stateful:
+# eqx.nn.BatchNorm with eqx.nn.make_with_state, the model vmapped over the batch with
+# axis_name="batch", @eqx.filter_jit step of (model, state, opt_state, x, y)), small sizes.
+class _BatchNormNet(eqx.Module):
+    linear1: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key):
+        key1, key2 = jax.random.split(key)
+        self.linear1 = eqx.nn.Linear(32, 64, use_bias=False, key=key1)
+        self.norm = eqx.nn.BatchNorm(64, axis_name="batch", mode="batch")
+        self.linear2 = eqx.nn.Linear(64, 8, key=key2)
+
+    def __call__(self, x, state):
+        x = self.linear1(x)
+        x, state = self.norm(x, state)
+        return self.linear2(jax.nn.relu(x)), state
+
+
+def test_an_equinox_stateful_step_gathers_its_third_argument(request):
+    """``eqx.filter_jit``'s own jit has ``static_argnums=2``: that is its argument, not
+    the user's. ``gather_args(model, state, opt_state)`` passed the user's third
+    argument, the optimizer state, over as static and returned its flat shards as if
+    they were the leaves (a checkpoint of them would be lost); it gathers them now.
+    ``shard_args`` before any step, which captured the step from the user's arguments
+    with the wrapper's jit (``TypeError: unhashable type``), is refused with the way
+    out."""
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    (x, y), = _batches(by_data, 1)
+    optim = optax.adam(1e-2)
+
+    @eqx.filter_jit
+    def make_step(model, state, opt_state, x, y):
+        def compute_loss(model, state, x, y):
+            batch_model = jax.vmap(model, axis_name="batch", in_axes=(0, None),
+                                   out_axes=(0, None))
+            pred, state = batch_model(x, state)
+            return jnp.mean((pred - y) ** 2), state
+
+        (loss, state), grads = eqx.filter_value_and_grad(compute_loss, has_aux=True)(
+            model, state, x, y)
+        updates, opt_state = optim.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, loss
+
+    def start():
+        model, state = eqx.nn.make_with_state(_BatchNormNet)(jax.random.PRNGKey(0))
+        opt_state = optim.init(eqx.filter(model, eqx.is_array))
+        return eqx.filter_shard((model, state, opt_state), replicated)
+
+    fast = hsj.shard_weight_update(make_step, state="sharded", force=True)
+    with pytest.raises(ValueError, match="call the step with the full leaves first"):
+        fast.shard_args(*start(), x, y)
+    model, state, opt_state, _ = fast(*start(), x, y)
+    assert fast.report["fallback"] is None and fast.report["sharded"] > 0
+    assert opt_state[0].mu.linear1.weight.shape != (64, 32)  # kept as shards
+    _, _, opt_state_jit, _ = make_step(*start(), x, y)
+    gathered = fast.gather_args(model, state, opt_state)[2]
+    assert gathered[0].mu.linear1.weight.shape == (64, 32)
+    for leaf, leaf_jit in zip(jax.tree.leaves(gathered), jax.tree.leaves(opt_state_jit)):
+        assert leaf.shape == leaf_jit.shape
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
+                                   atol=1e-6)
+    # the full leaves go back into the step as they are (no user path names a state leaf)
+    model, state, opt_state, loss = fast(*fast.shard_args(model, state, gathered), x, y)
+    assert np.isfinite(float(loss))
+
+
+def test_a_shard_map_manual_over_the_data_axis_only(request):
+    """``jax.shard_map(..., axis_names={"data"})`` on a (data, model) mesh, the model axis
+    left to the partitioner (partial auto): jax writes each psum's reducer as
+    ``ROOT copy(add(x, y))``, which was read as no sum at all, so the step fell back with
+    "the step has no gradient all-reduce". A view of the sum in its own shape is the
+    sum: the gradients are sharded over the data groups, numbers jit's."""
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), (AXIS, "model"))
+    replicated, by_data = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    opt = optax.adam(1e-2)
+    key = jax.random.PRNGKey(0)
+    params = jax.device_put({"w": jax.random.normal(key, (32, 256)) * 0.1,
+                             "v": jax.random.normal(key, (256, 8)) * 0.1}, replicated)
+
+    def local(params, opt_state, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                                 out_specs=(P(), P(), P()), axis_names={AXIS},
+                                 check_vma=False))
+    batches = [jax.device_put(batch, by_data) for batch in _batches(replicated, 3)]
+
+    def run(fn):
+        p, s = params, jax.device_put(opt.init(params), replicated)
+        losses = []
+        for x, y in batches:
+            p, s, loss = fn(p, s, x, y)
+            losses.append(float(loss))
+        return losses, p
+
+    fast = hsj.shard_weight_update(step, force=True)
+    losses, final = _run_without_fallback(fast, run)
+    reference, final_jit = run(step)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for leaf, leaf_jit in zip(jax.tree.leaves(final), jax.tree.leaves(final_jit)):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
+                                   atol=1e-6)
+
+
 def test_a_jax_jit_of_a_shard_map_step(request):
     if not needs_devices(request):
         return

@@ -157,6 +157,11 @@ def reducer_opcode(module: Module, computation_name: str) -> str | None:
     if len(params) != 2 or any(not _is_scalar(p.shape) for p in params):
         return None
     root = comp.root
+    # A view of the result in its own shape is the result (jax's reducer of a psum in a
+    # shard_map with axis_names, partial-auto, ends in ``ROOT copy(add)``).
+    while root.opcode in VIEWS and len(root.operands) == 1 and \
+            comp[root.operands[0]].shape == root.shape:
+        root = comp[root.operands[0]]
     if root.opcode not in _NEUTRAL or sorted(root.operands) != sorted(p.name for p in params):
         return None
     return root.opcode

@@ -280,8 +280,17 @@ class ShardedStep:
         optimizer-state leaves as per-device shards. Leaves are matched by their
         position and path, so a prefix such as ``(params, opt_state)`` works once the
         step has run or been sharded once with all its arguments. Identity in
-        gathered mode and where ``fast`` runs ``fn`` itself."""
+        gathered mode and where ``fast`` runs ``fn`` itself, and for a library's jit
+        wrapper (its jit names the arguments otherwise, so no path of the user's names
+        a state leaf: the step takes the full leaves as they are); before its first
+        step such a wrapper's ``shard_args`` is refused (ValueError)."""
         if not self._states and self.options.state == "sharded":
+            if self._front is not None:  # its jit takes arguments of the wrapper's making
+                raise ValueError("hlo_shard.jax: shard_args before any step needs the "
+                                 "step's own jax.jit; a library's jit wrapper (nnx.jit, "
+                                 "eqx.filter_jit) hands its jit arguments of its own "
+                                 "making: call the step with the full leaves first (the "
+                                 "first call takes them)")
             bound = self._bound + args  # the first signature: capture it
             try:
                 self._entry(self._split(bound, {}), bound, {})
@@ -331,7 +340,7 @@ class ShardedStep:
 
     def _convert_args(self, args: tuple, to_shards: bool) -> tuple:
         bound = self._bound + args
-        converted = self._convert(self._split(bound, {}), to_shards)
+        converted = self._convert(self._split_user(bound, {}), to_shards)
         return args if converted is None else \
             self._rebuild(converted, bound, {})[0][len(self._bound):]
 
@@ -444,6 +453,20 @@ class ShardedStep:
                                if k in self._static_argnames)))
         leaves, treedef = jax.tree.flatten((dynamic, dyn_kwargs))
         return _Call(leaves, treedef, static)
+
+    def _split_user(self, args: tuple, kwargs: dict) -> _Call:
+        """The user's own arguments (``shard_args``/``gather_args``) as leaves. A
+        library's jit wrapper hands its ``jax.jit`` arguments of its own making, and that
+        jit's static arguments are its own (``eqx.filter_jit``'s ``_cached`` has
+        ``static_argnums=2``): none of them says which of the user's arguments is static,
+        so every leaf of theirs is looked at (a third positional argument, the optimizer
+        state in ``step(model, state, opt_state, ...)``, was passed over whole)."""
+        if self._front is None:
+            return self._split(args, kwargs)
+        import jax
+
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        return _Call(leaves, treedef, ((), ()))
 
     def _rebuild(self, call: _Call, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with their dynamic leaves those of ``call``."""

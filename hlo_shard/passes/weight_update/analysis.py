@@ -935,7 +935,23 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
     why = "all users need the full gradient"
     if stops:
         why = "; ".join(stops[:2]) + (f"; {len(stops) - 2} more" if len(stops) > 2 else "")
+    else:  # which users: a tuple by what reads it (a conditional's operands, in XLA's
+        # fused modules, where a lax.cond of the update takes the gradients)
+        users = [_user_words(planner, user) for value in leaf.values
+                 for user in dict.fromkeys(planner.graph.successors(value))
+                 if user not in leaf.values]
+        if users:
+            why += ": " + ", ".join(users[:2]) + \
+                (f", {len(users) - 2} more" if len(users) > 2 else "")
     return Whole(ReasonCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
+
+
+def _user_words(planner: _Planner, user: str) -> str:
+    """``%user (opcode)``; a tuple with the instruction that reads it."""
+    opcode = planner.comp[user].opcode
+    readers = list(planner.graph.successors(user)) if opcode == "tuple" else []
+    return f"%{user} ({opcode}" + \
+        (f" read by %{readers[0]} ({planner.comp[readers[0]].opcode})" if readers else "") + ")"
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
