@@ -298,11 +298,7 @@ def _lax_cond_program():
     """An MLP whose activation is chosen by ``lax.cond`` on a weight's sum, each branch
     the whole forward pass (the backward pass is a conditional whose branches all-reduce
     every gradient): the jitted step, a fresh initial state, the i-th batch."""
-    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, jax, jnp, mlp_batch,
-                                   mlp_params, np, optax)
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,))
-    opt = optax.adam(1e-2)
+    from jax_train_helpers import jax, jnp, optax
 
     def forward(p, x, activation):
         for i in range(3):
@@ -315,6 +311,17 @@ def _lax_cond_program():
                                   lambda: forward(p, batch["x"], jax.nn.gelu),
                                   lambda: forward(p, batch["x"], jnp.tanh))
         return jnp.mean((prediction - batch["y"]) ** 2)
+
+    return _mlp_program(optax.adam(1e-2), loss)
+
+
+def _mlp_program(opt, loss):
+    """The step of ``opt`` on ``loss`` of the helpers' MLP, data-parallel over the
+    devices: the step, a fresh initial state, the i-th batch."""
+    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, jax, jnp, mlp_batch,
+                                   mlp_params, np, optax)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,))
 
     def step(params, opt_state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch)
@@ -377,32 +384,13 @@ def test_install_names_the_conditional_an_update_in_a_lax_cond_reads_its_gradien
     conditional's operand tuple, and the pass keeps them whole (``no_update_work``). The
     reason named no user ("all users need the full gradient"); it names the tuple and
     the conditional reading it now. Numbers jit's."""
-    from jax_train_helpers import (AXIS, DEVICES, NamedSharding, P, assert_close, jax, jnp,
-                                   mlp_batch, mlp_loss, mlp_params, needs_devices, np, optax,
-                                   run_steps)
+    from jax_train_helpers import assert_close, jax, mlp_loss, needs_devices, optax, run_steps
     import hlo_shard.jax as hsj
     from hlo_shard.analysis.collectives import ReasonCode
 
     if not needs_devices(request):
         return
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,))
-    opt = optax.novograd(1e-3)
-
-    def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(mlp_loss)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    params = mlp_params(jax.random.PRNGKey(0))
-
-    def init():
-        fresh = jax.tree.map(jnp.copy, params)
-        return jax.device_put((fresh, opt.init(fresh)), NamedSharding(mesh, P()))
-
-    def batch(i):
-        return jax.device_put(mlp_batch(jax.random.PRNGKey(1000 + i), 2 * DEVICES),
-                              NamedSharding(mesh, P(AXIS)))
-
+    step, init, batch = _mlp_program(optax.novograd(1e-3), mlp_loss)
     expected = run_steps(jax.jit(step, donate_argnums=(0, 1)), init(), batch)
     hsj.decisions(clear=True)
     with hsj.install(force=True):

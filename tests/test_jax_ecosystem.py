@@ -296,6 +296,20 @@ def test_an_equinox_stateful_step_gathers_its_third_argument(request):
     assert np.isfinite(float(loss))
 
 
+def _pmean_step(opt):
+    """A shard_map body: the device's gradients averaged over the data axis by the
+    user's own ``pmean``, then ``opt``'s update."""
+    def local(params, opt_state, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.lax.pmean(grads, AXIS)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
+
+    return local
+
+
 def test_a_shard_map_manual_over_the_data_axis_only(request):
     """``jax.shard_map(..., axis_names={"data"})`` on a (data, model) mesh, the model axis
     left to the partitioner (partial auto): jax writes each psum's reducer as
@@ -311,14 +325,7 @@ def test_a_shard_map_manual_over_the_data_axis_only(request):
     params = jax.device_put({"w": jax.random.normal(key, (32, 256)) * 0.1,
                              "v": jax.random.normal(key, (256, 8)) * 0.1}, replicated)
 
-    def local(params, opt_state, x, y):
-        def loss(p):
-            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
-        value, grads = jax.value_and_grad(loss)(params)
-        grads = jax.lax.pmean(grads, AXIS)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
-
+    local = _pmean_step(opt)
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
                                  out_specs=(P(), P(), P()), axis_names={AXIS},
                                  check_vma=False))
@@ -352,14 +359,7 @@ def test_a_jax_jit_of_a_shard_map_step(request):
                              "v": jax.random.normal(key, (64, 8)) * 0.1}, replicated)
     opt_state = jax.device_put(opt.init(params), replicated)
 
-    def local(params, opt_state, x, y):
-        def loss(p):
-            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
-        value, grads = jax.value_and_grad(loss)(params)
-        grads = jax.lax.pmean(grads, AXIS)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(value, AXIS)
-
+    local = _pmean_step(opt)
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
                                  out_specs=(P(), P(), P())))
     fast = hsj.shard_weight_update(step, state="sharded", force=True)

@@ -667,35 +667,48 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
     """``fusion`` (XLA's fused form of the accumulation) is ``other + f(value)`` of its
     two operands, ``f`` a chain of :data:`COMMUTING` ops each read once: moving the sum
     after the loop leaves it as it is, adding the local value instead."""
-    if len(fusion.operands) != 2 or fusion.operands.count(value) != 1:
+    if len(fusion.operands) != 2:
         return False
-    fused = module.computation(fusion.called_computations()[0])
-    params = {p.param_number: p.name for p in fused.parameters()}
+    found = _to_fused_root(module, fusion, value)
+    if found is None:
+        return False
+    fused, params, followed = found
     if sorted(params) != [0, 1]:
         return False
-    followed = params[fusion.operands.index(value)]
-    readers = users_map(fused)
-    root = fused.root
-    while True:
-        following = readers[followed]
-        if len(following) != 1:
-            return False
-        user = fused[following[0]]
-        if user is root:
-            other = params[1 - fusion.operands.index(value)]
-            return user.opcode == "add" and sorted(user.operands) == sorted([followed, other])
-        rule = COMMUTING.get(user.opcode)
-        if rule is None or not rule(module, fused, user, user.operands.index(followed)):
-            return False
-        followed = user.name
+    other = params[1 - fusion.operands.index(value)]
+    return fused.root.opcode == "add" and \
+        sorted(fused.root.operands) == sorted([followed, other])
 
 
 def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int | None:
     """Where ``fusion`` (XLA's fused form of a scan's write) is
-    ``dynamic-update-slice(buffer, f(value), offsets)`` of its operands, ``f`` a chain of
-    :data:`COMMUTING` ops each read once and ``buffer`` a parameter read by nothing else:
-    the operand position of ``buffer`` (moving the sum after the loop leaves the fusion
-    as it is, writing the local value instead); None otherwise."""
+    ``dynamic-update-slice(buffer, f(value), offsets)`` of its operands, ``f`` as for
+    :func:`_adds_into_operand` and ``buffer`` a parameter read by nothing else: the
+    operand position of ``buffer`` (moving the sum after the loop leaves the fusion as
+    it is, writing the local value instead); None otherwise."""
+    found = _to_fused_root(module, fusion, value)
+    if found is None:
+        return None
+    fused, _, followed = found
+    root = fused.root
+    if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
+            root.operands.count(followed) != 1:
+        return None
+    buffer = fused[root.operands[0]]
+    if buffer.opcode != "parameter" or users_map(fused)[buffer.name] != [root.name] or \
+            root.operands.count(buffer.name) != 1:
+        return None
+    position = buffer.param_number
+    return position if position < len(fusion.operands) and \
+        fusion.operands[position] != value else None
+
+
+def _to_fused_root(module: Module, fusion: Instruction, value: str
+                   ) -> tuple[Computation, dict[int, str], str] | None:
+    """``value`` (one operand of ``fusion``) followed in the fused computation through a
+    chain of :data:`COMMUTING` ops, each read once, to the root: the fused computation,
+    its parameters by number and the value the root reads (None where the chain stops
+    before the root)."""
     if fusion.operands.count(value) != 1:
         return None
     fused = module.computation(fusion.called("calls"))
@@ -704,28 +717,17 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int
     if followed is None:
         return None
     readers = users_map(fused)
-    root = fused.root
     while True:
         following = readers[followed]
         if len(following) != 1:
             return None
         user = fused[following[0]]
-        if user is root:
-            break
+        if user is fused.root:
+            return fused, params, followed
         rule = COMMUTING.get(user.opcode)
         if rule is None or not rule(module, fused, user, user.operands.index(followed)):
             return None
         followed = user.name
-    if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
-            root.operands.count(followed) != 1:
-        return None
-    buffer = fused[root.operands[0]]
-    if buffer.opcode != "parameter" or readers[buffer.name] != [root.name] or \
-            root.operands.count(buffer.name) != 1:
-        return None
-    position = buffer.param_number
-    return position if position < len(fusion.operands) and \
-        fusion.operands[position] != value else None
 
 
 def _starts_at_zero(module: Module, comp: Computation, start: Instruction) -> bool:
