@@ -11,7 +11,9 @@ device receives from a reduce-scatter and the slot its data occupies in an all-g
 from __future__ import annotations
 
 import enum
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hlo_shard.graph import reachable, topological_order, users_map
@@ -685,14 +687,7 @@ class _ScatterForm:
         if user.opcode != "dynamic-slice" or user.operands[0] != value or value in \
                 user.operands[1:]:
             return False
-        whole, part = self.comp[value].shape, user.shape
-        if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
-                part.num_elements >= whole.num_elements:
-            return False
-        offsets = user.operands[1:]
-        by_id, constant = self._device_ids()
-        return all(o in by_id or o in constant for o in offsets) and \
-            any(o in by_id for o in offsets)
+        return _takes_device_part(self.comp, user, self._device_ids)
 
     def _fused_device_slice(self, user: Instruction, value: str) -> bool:
         """``user`` is a fusion whose fused computation reads ``value`` (one operand) only
@@ -712,7 +707,14 @@ class _ScatterForm:
         body = self.forms.module.computation(user.called("calls"))
         users = self.forms.fused_users(body)
         passed = Counter(user.operands)
-        ids: tuple[set[str], set[str]] | None = None
+
+        @functools.cache
+        def fused_ids() -> tuple[set[str], set[str]]:  # read where a slice is met
+            outer_by_id, outer_constant = self._device_ids()
+            return device_index_values(
+                body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
+                frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
+
         found = set()
         for parameter in body.parameters():
             number = parameter.param_number
@@ -723,21 +725,8 @@ class _ScatterForm:
                 end = body[users[end.name][0]]
                 if end.opcode not in _LAYOUT_ONLY or len(end.operands) != 1:
                     break
-            if end.opcode != "dynamic-slice" or end.operands.count(end.operands[0]) != 1:
-                continue
-            whole, part = body[end.operands[0]].shape, end.shape
-            if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
-                    part.num_elements >= whole.num_elements:
-                continue
-            if ids is None:
-                outer_by_id, outer_constant = self._device_ids()
-                ids = device_index_values(
-                    body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
-                    frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
-            by_id, constant = ids
-            offsets = end.operands[1:]
-            if all(o in by_id or o in constant for o in offsets) and \
-                    any(o in by_id for o in offsets):
+            if end.opcode == "dynamic-slice" and end.operands.count(end.operands[0]) == 1 \
+                    and _takes_device_part(body, end, fused_ids):
                 found.add(user.operands[number])
         return frozenset(found)
 
@@ -766,6 +755,21 @@ class _ScatterForm:
                 return None
             loops.append(SlotReads(outer.name, loop.name, reads))
         return CarriedWrite(user.name, slot, tuple(loops)) if loops else None
+
+
+def _takes_device_part(comp: Computation, ds: Instruction,
+                       ids: Callable[[], tuple[set[str], set[str]]]) -> bool:
+    """The dynamic-slice ``ds`` of ``comp`` takes a strict part of its operand at offsets
+    computed from the device's id and constants, one at least from the id (``ids``:
+    :func:`device_index_values` of ``comp``, read only where the shapes allow it)."""
+    whole, part = comp[ds.operands[0]].shape, ds.shape
+    if not isinstance(whole, ArrayShape) or not isinstance(part, ArrayShape) or \
+            part.num_elements >= whole.num_elements:
+        return False
+    offsets = ds.operands[1:]
+    by_id, constant = ids()
+    return all(o in by_id or o in constant for o in offsets) and \
+        any(o in by_id for o in offsets)
 
 
 def _shape_reason(inst: Instruction) -> str:

@@ -672,7 +672,7 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
     found = _to_fused_root(module, fusion, value)
     if found is None:
         return False
-    fused, params, followed = found
+    fused, params, followed, _ = found
     if sorted(params) != [0, 1]:
         return False
     other = params[1 - fusion.operands.index(value)]
@@ -689,13 +689,13 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int
     found = _to_fused_root(module, fusion, value)
     if found is None:
         return None
-    fused, _, followed = found
+    fused, _, followed, readers = found
     root = fused.root
     if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
             root.operands.count(followed) != 1:
         return None
     buffer = fused[root.operands[0]]
-    if buffer.opcode != "parameter" or users_map(fused)[buffer.name] != [root.name] or \
+    if buffer.opcode != "parameter" or readers[buffer.name] != [root.name] or \
             root.operands.count(buffer.name) != 1:
         return None
     position = buffer.param_number
@@ -704,11 +704,11 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int
 
 
 def _to_fused_root(module: Module, fusion: Instruction, value: str
-                   ) -> tuple[Computation, dict[int, str], str] | None:
+                   ) -> tuple[Computation, dict[int, str], str, dict[str, list[str]]] | None:
     """``value`` (one operand of ``fusion``) followed in the fused computation through a
     chain of :data:`COMMUTING` ops, each read once, to the root: the fused computation,
-    its parameters by number and the value the root reads (None where the chain stops
-    before the root)."""
+    its parameters by number, the value the root reads and the users of each value
+    (None where the chain stops before the root)."""
     if fusion.operands.count(value) != 1:
         return None
     fused = module.computation(fusion.called("calls"))
@@ -723,7 +723,7 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str
             return None
         user = fused[following[0]]
         if user is fused.root:
-            return fused, params, followed
+            return fused, params, followed, readers
         rule = COMMUTING.get(user.opcode)
         if rule is None or not rule(module, fused, user, user.operands.index(followed)):
             return None
