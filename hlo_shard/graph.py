@@ -825,3 +825,52 @@ def add_transposed_product(rw: Rewriter, inst: Instruction, shape: ArrayShape, n
                   "rhs_contracting_dims": inst.attributes["lhs_contracting_dims"],
                   **{k: v for k, v in inst.attributes.items() if k == "metadata"}}
     return rw.add("dot", shape, [rhs, lhs], name=name, **attributes).name
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FusedStructure:
+    """:func:`fused_structure`'s key, its hash computed once (a dict looks it up often,
+    and a tuple's hash is not kept)."""
+
+    parts: tuple
+    digest: int
+
+    def __hash__(self) -> int:
+        return self.digest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FusedStructure) and self.digest == other.digest and \
+            self.parts == other.parts
+
+
+def fused_structure(fusion: Instruction, fused: Computation) -> FusedStructure | None:
+    """All an analysis of ``fusion`` can read of it, for fusions alike to share one
+    result (the cost model's price, the weight-update analysis's element orders): its
+    shape and kind, and per instruction of ``fused`` its opcode, shape, operands (by
+    position), parameter number, literal and attributes (typed: ``true`` is not ``1``).
+    None where that is not all: ``fused`` calls a computation (an analysis reads that
+    one's too), repeats a name or uses a value before defining it, or a value cannot be
+    hashed."""
+    position: dict[str, int] = {}
+    parts = []
+    for index, inst in enumerate(fused.instructions):
+        attributes = inst.attributes
+        if inst.name in position or (attributes and inst.called_computations()):
+            return None
+        try:
+            operands = tuple(map(position.__getitem__, inst.operands))
+        except KeyError:
+            return None
+        position[inst.name] = index
+        values = tuple(attributes.values())
+        parts.append((inst.opcode, inst.shape, operands, inst.parameter_number, inst.literal,
+                      tuple(attributes), tuple(map(type, values)), values))
+    root = position.get(fused.root_name) if fused.root_name is not None else None
+    if root is None:
+        return None
+    kind = fusion.attributes.get("kind")
+    key = (fusion.shape, type(kind), kind, root, tuple(parts))
+    try:
+        return FusedStructure(key, hash(key))
+    except TypeError:
+        return None

@@ -15,6 +15,10 @@ fields, literal values and nesting against the constant's shape, operand and sig
 shapes. Every failure is an :class:`HloParseError` in the user's words; no lark
 exception escapes.
 
+Optimized modules repeat a few hundred fused computations thousands of times, names
+aside: a run of instructions of a shape read before in the same text is made from the
+first one's records (see "repeated bodies" below), with the same result and positions.
+
 Positions are resolved lazily: a location is a lark token or ``(token, offset)``
 into a coarse token, turned into line and column only for a message.
 
@@ -26,6 +30,7 @@ See ``docs/frontend.md``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -51,7 +56,8 @@ from hlo_shard.source import read_text
 from hlo_shard.ir import (
     ALIAS_KINDS, COMPLEX_TYPES, ELEMENT_BITS, INTEGER_TYPES, Alias, ArrayShape, AttrValue,
     BufferDonor, Computation, ComputationList, ComputationRef, Ident, InputOutputAlias,
-    Instruction, Layout, Module, Raw, Shape, ShapeIndex, SourceLoc, Str, TupleShape,
+    Instruction, Layout, Module, Raw, ReplicaGroups, Shape, ShapeIndex, SliceRanges, SourceLoc,
+    Str, TupleShape,
 )
 from hlo_shard.values import (
     LiteralError, c_unescape, check_literal, float_format, read_int_list, read_names,
@@ -224,6 +230,12 @@ def _position(loc: Loc) -> tuple[int, int]:
     if newline < 0:
         return line, column + offset
     return line + text.count("\n", 0, offset), offset - newline
+
+
+def _offset_in(loc: Loc, block: Token) -> int:
+    """Where ``loc``, in ``block`` or in a token cut from it, is in ``block``'s text."""
+    token, offset = loc if isinstance(loc, tuple) else (loc, 0)
+    return token.start_pos - block.start_pos + offset
 
 
 class _Located(Exception):
@@ -806,6 +818,85 @@ def _unique(base: str, taken: Container[str], start: int = 1) -> str:
     return next(f"{base}.{n}" for n in itertools.count(start) if f"{base}.{n}" not in taken)
 
 
+# ------------------------------------------------------------------ repeated bodies
+# XLA's optimized modules repeat a few hundred distinct fused computations and reducers
+# thousands of times, each differing from another only in its names. A run of
+# instructions that starts a computation is read once per shape (its text with the
+# ``%names`` cut out); a later run of that shape is made from the first's records with
+# its own names and positions, without reading its parts again. What a record holds is
+# all the first run's reading produced; a run whose reading depended on anything but
+# its own text, or whose values hold names other than as operands and callees, is not
+# recorded (it is read each time).
+
+#: A ``%name`` in a run: the instruction names, operands and callees there are.
+_RUN_NAME_RE = re.compile(r"(%[A-Za-z_][A-Za-z0-9_.\-]*)")
+
+#: Where something sits in a recorded run: (its offset there, how many ``%names`` start
+#: before it), so that a run of the same shape finds it past its own names' lengths.
+_At = tuple[int, int]
+
+
+def _run_shape(text: str) -> tuple[tuple, list[str], list[str]]:
+    """A run's shape (the text between its ``%names``, and per name the index of its
+    first occurrence), its ``%names`` in text order and its distinct bare names."""
+    pieces = _RUN_NAME_RE.split(text)
+    occurrences = pieces[1::2]
+    first: dict[str, int] = {}
+    indices = tuple([first.setdefault(name, len(first)) for name in occurrences])
+    return (tuple(pieces[0::2]), indices), occurrences, [name[1:] for name in first]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Made:
+    """One instruction of a recorded run; names are indices into the run's distinct
+    names."""
+
+    name: int
+    opcode: str
+    shape: Shape
+    operands: tuple[int, ...]
+    #: The recorded run's own (copied per instruction made; the callees replaced).
+    attributes: dict[str, AttrValue]
+    callees: tuple[tuple[str, int | tuple[int, ...]], ...]
+    parameter_number: int | None
+    literal: str | None
+    name_at: _At
+    #: The newline before its name (None: on the run's first line) and lines into the run.
+    line_start: _At | None
+    line: int
+    number_at: _At | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Recipe:
+    """What reading one run produced, to make another of its shape from."""
+
+    occurrences: tuple[str, ...]
+    made: tuple[_Made, ...]
+    #: Name indices of the instructions (checked against type names) and the callees
+    #: (checked defined), the root's and where its ``ROOT`` is.
+    defined: tuple[int, ...]
+    callees: tuple[int, ...]
+    root: tuple[int, _At] | None
+
+
+def _name_free(value: AttrValue, names: Container[str]) -> bool:
+    """An attribute value (not a callee reference) that holds no name a run of the same
+    shape could have another of: numbers, replica groups, slices, and text without a
+    ``%name`` or one of ``names``."""
+    if isinstance(value, (bool, int, float, SliceRanges, ReplicaGroups)):
+        return True
+    if isinstance(value, tuple):
+        return all(_name_free(item, names) for item in value)
+    if isinstance(value, Raw):
+        return "%" not in value.text
+    if isinstance(value, Str):
+        return "%" not in value.value
+    if isinstance(value, Ident):
+        return "%" not in value.name and value.name not in names
+    return False
+
+
 # ------------------------------------------------------------------ the transformer
 
 _PLACEHOLDER = "\0nested"
@@ -867,6 +958,8 @@ class _Builder(Transformer):
         #: text depends on the text alone.
         self.checked_metadata: set[str] = set()
         self.checked_literals: set[tuple[Shape, str]] = set()
+        #: Runs read so far, by shape (see "repeated bodies").
+        self.recipes: dict[tuple, _Recipe | None] = {}
 
     # Module --------------------------------------------------------------------------
     def start(self, children: list) -> Module:
@@ -1003,10 +1096,22 @@ class _Builder(Transformer):
         """``LINE``: a run of whole instructions in the common form (one token, so the
         LALR machinery is paid once per run), each cut into its parts on a token of its
         own (positions count from its line); attributes in the fine-grained form after
-        the run belong to its last instruction."""
+        the run belong to its last instruction. A run that starts a computation and has
+        the shape of one read before is made from that one's records."""
         block, *attributes = children
+        run = None
+        if not attributes and not self.scope.names:
+            run = _run_shape(block.value)
+            recipe = self.recipes.get(run[0])
+            if recipe is not None:
+                made = self._remake(recipe, block, run[1], run[2])
+                if made is not None:
+                    return made
+        before = len(self.unresolved), len(self.computation_order)
         text, pattern = block.value, _patterns()["line"]
         start, line, column = 0, block.line, block.column
+        name_offsets: list[int] = []
+        shaped = True
         while True:
             match = _matched(pattern.match(text, start))
             end = match.end()
@@ -1014,12 +1119,110 @@ class _Builder(Transformer):
             token = block if start == 0 and last else \
                 Token("LINE", text[start:end], block.start_pos + start, line, column)
             inst = self._line(token, match, start, attributes if last else [])
+            name_offsets.append(match.start("name"))
+            shaped = shaped and match.start("shape") >= 0
             if last:
-                return inst
+                break
             newlines = text.count("\n", start, end)
             line, column = (line + newlines, end - text.rfind("\n", start, end)) if newlines \
                 else (line, column + end - start)
             start = end
+        if run is not None and run[0] not in self.recipes:
+            self.recipes[run[0]] = self._recipe(block, run[1], run[2], name_offsets) \
+                if shaped and before == (len(self.unresolved), len(self.computation_order)) \
+                else None
+        return inst
+
+    def _recipe(self, block: Token, occurrences: list[str], distinct: list[str],
+                name_offsets: list[int]) -> _Recipe | None:
+        """The records of the run ``block`` just read (the scope holds its instructions
+        alone; ``name_offsets``: where each one's name is), or None where a run of its
+        shape could read differently: a name held in a value other than as an operand
+        or callee, a use the computation's end is to report, a hoisted operand."""
+        scope = self.scope
+        if scope.nested_count or scope.first_unknown_use is not None or \
+                scope.first_missing_attribute is not None:
+            return None
+        text = block.value
+        index = {name: k for k, name in enumerate(distinct)}
+        starts = [match.start() for match in _RUN_NAME_RE.finditer(text)]
+
+        def at(offset: int) -> _At:
+            return offset, bisect.bisect_left(starts, offset)
+
+        first_line = _position(block)[0]
+        made: list[_Made] = []
+        callees: set[int] = set()
+        for inst, name_at in zip(scope.instructions, name_offsets, strict=True):
+            references: list[tuple[str, int | tuple[int, ...]]] = []
+            for key, value in inst.attributes.items():
+                called = (value.name,) if isinstance(value, ComputationRef) else \
+                    value.names if isinstance(value, ComputationList) else None
+                if called is None:
+                    if not _name_free(value, index):
+                        return None
+                    continue
+                if any(name not in index for name in called):
+                    return None
+                numbers = tuple(index[name] for name in called)
+                callees.update(numbers)
+                references.append((key, numbers[0] if isinstance(value, ComputationRef)
+                                   else numbers))
+            if inst.name not in index or any(o not in index for o in inst.operands) or \
+                    inst.loc is None or "%" in (inst.literal or ""):
+                return None
+            number = None if inst.parameter_number is None else \
+                scope.parameter_numbers[inst.parameter_number]
+            newline = text.rfind("\n", 0, name_at)
+            made.append(_Made(
+                index[inst.name], inst.opcode, inst.shape,
+                tuple(index[o] for o in inst.operands), inst.attributes, tuple(references),
+                inst.parameter_number, inst.literal, at(name_at),
+                None if newline < 0 else at(newline), inst.loc.line - first_line,
+                None if number is None else at(_offset_in(number, block))))
+        root = None if scope.root_name is None or scope.root_loc is None else \
+            (index[scope.root_name], at(_offset_in(scope.root_loc, block)))
+        return _Recipe(tuple(occurrences), tuple(made), tuple(m.name for m in made),
+                       tuple(sorted(callees)), root)
+
+    def _remake(self, recipe: _Recipe, block: Token, occurrences: list[str],
+                distinct: list[str]) -> Instruction | None:
+        """The run ``block``, of ``recipe``'s shape, made from it with its own names
+        and positions (its last instruction); None where it must be read instead (a
+        callee not defined yet, a type name naming an instruction: reading says so)."""
+        if any(distinct[k] not in self.computations for k in recipe.callees) or \
+                any(distinct[k] in _TYPE_KEYWORDS for k in recipe.defined):
+            return None
+        shift = [0]
+        for mine, theirs in zip(occurrences, recipe.occurrences, strict=True):
+            shift.append(shift[-1] + len(mine) - len(theirs))
+
+        def at(where: _At) -> int:
+            return where[0] + shift[where[1]]
+
+        line, column = _position(block)
+        scope = self.scope
+        names, instructions, numbers = scope.names, scope.instructions, scope.parameter_numbers
+        for made in recipe.made:
+            attributes = dict(made.attributes)
+            for key, callee in made.callees:
+                attributes[key] = ComputationRef(distinct[callee]) if isinstance(callee, int) \
+                    else ComputationList(tuple(distinct[k] for k in callee))
+            offset = at(made.name_at)
+            inst = Instruction(
+                distinct[made.name], made.opcode, made.shape,
+                [distinct[k] for k in made.operands], attributes, made.parameter_number,
+                made.literal, SourceLoc(line + made.line, column + offset
+                                        if made.line_start is None
+                                        else offset - at(made.line_start)))
+            names[inst.name] = inst
+            instructions.append(inst)
+            if made.number_at is not None:
+                numbers[cast(int, made.parameter_number)] = (block, at(made.number_at))
+        if recipe.root is not None:
+            root, root_at = recipe.root
+            scope.root_loc, scope.root_name = (block, at(root_at)), distinct[root]
+        return inst
 
     def _line(self, token: Token, match: re.Match[str], start: int,
               attributes: list) -> Instruction:

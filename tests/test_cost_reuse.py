@@ -238,7 +238,7 @@ def test_a_fusion_whose_body_reads_an_edited_computation_is_priced_again() -> No
 @pytest.mark.parametrize("fixture", CASES)
 def test_fusions_alike_share_one_price_as_priced_apart(fixture: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fusion whose structure matches one priced already (``_fused_structure``) takes
+    """A fusion whose structure matches one priced already (``fused_structure``) takes
     that price: the input's and the trial's prices are those of pricing each apart."""
     from hlo_shard.costmodel import flops
 
@@ -253,7 +253,7 @@ def test_fusions_alike_share_one_price_as_priced_apart(fixture: str,
                 for e in (whole, trial)]
 
     shared = priced()
-    monkeypatch.setattr(flops, "_fused_structure", lambda fusion, fused: None)
+    monkeypatch.setattr(flops, "fused_structure", lambda fusion, fused: None)
     assert shared == priced()
 
 

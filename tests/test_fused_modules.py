@@ -344,3 +344,36 @@ def test_a_dot_read_elsewhere_too_is_transposed_not_computed_twice():
     assert report.explanations[0].sharded and not validate(out)
     assert [i.opcode for i in out.entry.instructions].count("dot") == 1
     assert [out.computation(c).root.opcode for c in _called(out)].count("transpose") == 1
+
+
+@pytest.mark.parametrize("path", OPTIMIZED, ids=lambda p: p.name)
+def test_fusions_alike_share_their_element_orders_as_found_apart(path, monkeypatch):
+    """The analysis finds a loop fusion's element orders once per structure
+    (:func:`~hlo_shard.graph.fused_structure`) and sharded operands: the module and
+    report are those of finding each fusion's apart."""
+    from hlo_shard.passes.weight_update import analysis
+
+    def optimized() -> tuple[str, list]:
+        result = optimize(parse(path.read_text()), ShardingOptions(), force=True)
+        return result.text, [(r.all_reduce, r.sharded, r.reason_code, r.reason)
+                             for r in result.report.explanations]
+
+    shared = optimized()
+    found = Counter[str]()
+    body_access = analysis.body_access
+
+    def counted(body, seeds):
+        found[body.name] += 1
+        return body_access(body, seeds)
+
+    monkeypatch.setattr(analysis, "body_access", counted)
+    assert optimized() == shared
+    repeated = sum(found.values())
+    monkeypatch.setattr(analysis, "fused_structure", lambda fusion, fused: None)
+    found.clear()
+    assert optimized() == shared
+    # (these two repeat an update fusion's structure: found once there)
+    if path.name in ("momentum.n4.hlo", "transformer.n4.hlo"):
+        assert sum(found.values()) > repeated
+    else:
+        assert sum(found.values()) >= repeated

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from hlo_shard.graph import reachable
+from hlo_shard.graph import FusedStructure, fused_structure, reachable
 from hlo_shard.ir import (
     ArrayShape, Computation, ComputationRef, Instruction, Module, Shape, TupleShape,
     shape_leaves,
@@ -163,11 +163,11 @@ class CostAnalysis:
         #: computation of its own, and its price reads nothing else), for a rewritten
         #: copy's analysis to reuse where the rewrite left that computation as it was.
         self._fusions: dict[str, Cost] = {}
-        #: :func:`_fused_structure` of a fusion priced here (or by ``earlier``, summed
+        #: :func:`~hlo_shard.graph.fused_structure` of a fusion priced here (or by ``earlier``, summed
         #: under the same options) → its price and its fused computation's total (None
         #: where pricing made none): a step's module repeats a few fusions many times
         #: (per layer, per gradient), each with a computation of its own.
-        self._alike: dict[tuple, tuple[Cost, Cost | None]] = \
+        self._alike: dict[FusedStructure, tuple[Cost, Cost | None]] = \
             dict(earlier.analysis._alike) if earlier is not None else {}
 
     def computation(self, name: str) -> Computation:
@@ -197,9 +197,9 @@ class CostAnalysis:
 
     def _fusion_alike(self, comp: Computation, inst: Instruction, fused: str) -> Cost:
         """The price of a fusion priced already whose structure is the same
-        (:func:`_fused_structure`), recorded as if priced here (its computation summed,
+        (:func:`~hlo_shard.graph.fused_structure`), recorded as if priced here (its computation summed,
         reading nothing), else the fusion priced."""
-        key = _fused_structure(inst, self._computations[fused])
+        key = fused_structure(inst, self._computations[fused])
         found = self._alike.get(key) if key is not None else None
         if found is None:
             cost = _fusion(Site(self, comp, inst))
@@ -296,34 +296,6 @@ class CostAnalysis:
     def per_instruction(self, comp: Computation | None = None) -> dict[str, Cost]:
         comp = comp or self.module.entry
         return {inst.name: self.instruction_cost(comp, inst) for inst in comp.instructions}
-
-
-def _fused_structure(fusion: Instruction, fused: Computation) -> tuple | None:
-    """All that pricing ``fusion`` reads, for fusions alike to share one price: its shape
-    and kind, and per instruction of ``fused`` its opcode, shape, operands (by position),
-    parameter number, literal and attributes (typed: ``true`` is not ``1``). None where
-    that is not all: ``fused`` calls a computation (its price reads that one's), repeats
-    a name or uses a value before defining it, or a value cannot be hashed."""
-    position: dict[str, int] = {}
-    parts = []
-    for index, inst in enumerate(fused.instructions):
-        if inst.called_computations() or inst.name in position:
-            return None
-        try:
-            operands = tuple(position[operand] for operand in inst.operands)
-        except KeyError:
-            return None
-        position[inst.name] = index
-        parts.append((inst.opcode, inst.shape, operands, inst.parameter_number, inst.literal,
-                      tuple((key, type(value), value) for key, value in inst.attributes.items())))
-    root = position.get(fused.root_name) if fused.root_name is not None else None
-    kind = fusion.attributes.get("kind")
-    key = (fusion.shape, type(kind), kind, root, tuple(parts))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return None if root is None else key
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
-                             reachable, reading_only, topological_order, upstream_bits,
-                             users_map)
+                             fused_structure, reachable, reading_only, topological_order,
+                             upstream_bits, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
                           Module, Shape, TupleShape)
 from hlo_shard.parser import cyclic_gc_paused
@@ -189,6 +189,9 @@ class _Context:
     sharded: dict[str, ShardFormat]
     #: :func:`is_laid_out` of the module (a scan of it: looked at once per planner).
     laid_out: bool
+    #: :func:`body_access` of fusions alike (:func:`~hlo_shard.graph.fused_structure`)
+    #: with the same sharded operands, shared by the planner's contexts.
+    accesses: dict[tuple, FusionAccess]
 
     def replicated(self, name: str) -> bool:
         return self.replication.is_replicated(self.comp.name, name)
@@ -409,9 +412,14 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
         return "a multi-output fusion"
     body = ctx.module.computation(calls)
     seeds = {k: ctx.sharded[o] for k, o in enumerate(inst.operands) if o in ctx.sharded}
-    access = body_access(body, seeds)
+    structure = fused_structure(inst, body)
+    key = None if structure is None else (structure, tuple(sorted(seeds.items())))
+    shared = ctx.accesses.get(key) if key is not None else None
+    access = shared if shared is not None else body_access(body, seeds)
     if isinstance(access, str):
-        return access
+        return access  # (it names the body's own instruction: not shared)
+    if key is not None:
+        ctx.accesses[key] = access
     for name in inst.operands:
         if name not in ctx.sharded and not ctx.replicated(name):
             return f"operand %{name} is neither sharded nor replicated"
@@ -927,7 +935,7 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
-                   dict(plan.sharded), planner.laid_out)
+                   dict(plan.sharded), planner.laid_out, planner.accesses)
     stops = [f"fusion %{user}: {why}" for value in leaf.values
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
@@ -1007,6 +1015,7 @@ class _Planner:
         self.param_numbered = {param.param_number: param for param in self.params}
         self.graph = dataflow_graph(comp)
         self.laid_out = is_laid_out(module)
+        self.accesses: dict[tuple, FusionAccess] = {}
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
@@ -1181,7 +1190,7 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
     sharded: dict[str, ShardFormat] = {}
     ops: dict[str, RegionOp] = {}
     ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded,
-                   planner.laid_out)
+                   planner.laid_out, planner.accesses)
     for leaf in active:
         for value in leaf.values:
             sharded[value] = leaf.format
