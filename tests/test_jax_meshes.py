@@ -255,3 +255,50 @@ def test_the_hook_reads_xla_cpus_fused_fsdp_slices_as_already_sharded(request):
     np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
     for leaf, leaf_jit in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_jit, s_jit))):
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)
+
+
+def _fsdp_accumulated_step(p, s, batches):
+    """:func:`_fsdp_step` over microbatches summed in a ``lax.scan``."""
+    def microbatch(total, batch):
+        loss, grads = jax.value_and_grad(_fsdp_loss)(p, batch)
+        return jax.tree.map(jnp.add, total, grads), loss
+
+    grads, losses = jax.lax.scan(microbatch, jax.tree.map(jnp.zeros_like, p), batches)
+    updates, s = ADAMW.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, losses.mean()
+
+
+@pytest.mark.slow
+def test_the_hook_reads_fsdp_slices_whose_offsets_the_loop_carries_as_already_sharded(
+        request):
+    """Accumulated in a ``lax.scan``, XLA hoists the partitioner's slice offsets (a
+    partition-id lookup) out of the loop and carries them through it unchanged: the
+    body's fused slices still take this device's part, so its fsdp sums read as already
+    sharded and the data-parallel group is the data axis's (before, the fsdp axis's,
+    and every slice a ``no_update_work``). Forced, the data-axis sums' updates are
+    sharded over it, with jit's numbers. (Slow, as the test above.)"""
+    if not needs_devices(request):
+        return
+    params, opt_state, batches = _fsdp_start()
+    mesh = batches[0]["x"].sharding.mesh
+    stacked = [jax.tree.map(lambda *xs: jax.device_put(
+        jnp.stack(xs), NamedSharding(mesh, P(None, ("data", "fsdp")))), *batches)] * 2
+    jitted = jax.jit(_fsdp_accumulated_step)
+    hsj.decisions(clear=True)
+    with hsj.install(force=True):
+        hooked = jax.jit(_fsdp_accumulated_step)
+        p, s, p_jit, s_jit = params, opt_state, params, opt_state
+        for batch in stacked:
+            p, s, loss = hooked(p, s, batch)
+            p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
+    (decision,) = [d for d in hsj.decisions(clear=True) if not d.reused and d.report]
+    assert decision.changed, decision.reason
+    rows = decision.report.explanations
+    assert decision.report.group_size == 2
+    assert not [row for row in rows if row.reason_code == "no_update_work"], rows
+    assert [row for row in rows if row.reason_code == "already_sharded"]
+    sharded = [row for row in rows if row.sharded]
+    assert len(sharded) == 2 and all(row.bytes == 16 * 64 * 4 for row in sharded)
+    np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
+    for leaf, leaf_jit in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_jit, s_jit))):
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)

@@ -197,6 +197,81 @@ def test_a_slice_fused_by_xla_reads_as_already_sharded_and_is_left_as_it_is(form
     assert row.reason_code == "already_sharded" and "fused by XLA" in row.reason
 
 
+#: Gradients summed over microbatches in a loop, each microbatch's sum sliced to this
+#: device's rows at an offset the loop carries unchanged from before it (a partition-id
+#: lookup XLA's loop-invariant code motion hoisted out of the body).
+CARRIED_OFFSET = """HloModule carried, num_partitions=4
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (state: (s32[], f32[8,4], s32[], f32[32,4])) -> (s32[], f32[8,4], s32[], f32[32,4]) {
+  %state = (s32[], f32[8,4]{1,0}, s32[], f32[32,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %acc = f32[8,4]{1,0} get-tuple-element(%state), index=1
+  %offset = s32[] get-tuple-element(%state), index=2
+  %x = f32[32,4]{1,0} get-tuple-element(%state), index=3
+  %g = f32[32,4]{1,0} multiply(%x, %x)
+  %sum = f32[32,4]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  %zero = s32[] constant(0)
+  %mine = f32[8,4]{1,0} dynamic-slice(%sum, %offset, %zero), dynamic_slice_sizes={8,4}
+  %acc.next = f32[8,4]{1,0} add(%acc, %mine)
+  %one = s32[] constant(1)
+  %i.next = s32[] add(%i, %one)
+  ROOT %next = (s32[], f32[8,4]{1,0}, s32[], f32[32,4]{1,0}) tuple(%i.next, %acc.next, %offset, %x)
+}
+
+%cond (state: (s32[], f32[8,4], s32[], f32[32,4])) -> pred[] {
+  %state = (s32[], f32[8,4]{1,0}, s32[], f32[32,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %four = s32[] constant(4)
+  ROOT %more = pred[] compare(%i, %four), direction=LT
+}
+
+ENTRY %main (w: f32[8,4], x: f32[32,4]) -> f32[8,4] {
+  %w = f32[8,4]{1,0} parameter(0)
+  %x = f32[32,4]{1,0} parameter(1)
+  %pid = u32[] partition-id()
+  %pid.s = s32[] convert(%pid)
+  %eight = s32[] constant(8)
+  %offset = s32[] multiply(%pid.s, %eight)
+  %zero = s32[] constant(0)
+  %f0 = f32[] constant(0)
+  %zeros = f32[8,4]{1,0} broadcast(%f0), dimensions={}
+  %start = (s32[], f32[8,4]{1,0}, s32[], f32[32,4]{1,0}) tuple(%zero, %zeros, %offset, %x)
+  %loop = (s32[], f32[8,4]{1,0}, s32[], f32[32,4]{1,0}) while(%start), condition=%cond, body=%body
+  %grad = f32[8,4]{1,0} get-tuple-element(%loop), index=1
+  %lr = f32[] constant(0.1)
+  %lrs = f32[8,4]{1,0} broadcast(%lr), dimensions={}
+  %step = f32[8,4]{1,0} multiply(%grad, %lrs)
+  ROOT %new = f32[8,4]{1,0} subtract(%w, %step)
+}
+"""
+
+
+@pytest.mark.parametrize("change, sharded", [
+    ((), True),
+    # the offset moves each iteration: not one device's part
+    (("tuple(%i.next, %acc.next, %offset, %x)", "tuple(%i.next, %acc.next, %i.next, %x)"),
+     False),
+    # the loop starts it from a constant: the same rows on every device
+    (("tuple(%zero, %zeros, %offset, %x)", "tuple(%zero, %zeros, %eight, %x)"), False),
+])
+def test_a_slice_at_an_offset_the_loop_carries_reads_as_already_sharded(change, sharded):
+    """A microbatch's sum sliced at an offset computed from the device's id before the
+    loop and carried through it unchanged takes this device's part, as if computed in
+    the body; not where the loop changes the offset or starts it from a constant."""
+    from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
+
+    text = CARRIED_OFFSET.replace(*change) if change else CARRIED_OFFSET
+    assert text != CARRIED_OFFSET or not change
+    (found,) = [f for f in find_gradient_all_reduces(parse(text)) if f.name == "sum"]
+    assert (found.code is ReasonCode.ALREADY_SHARDED) is sharded, found
+
+
 # ------------------------------------------------------------- on 8 CPU devices
 
 

@@ -395,16 +395,21 @@ def is_sum(module: Module, inst: Instruction) -> bool:
 
 def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = frozenset(),
                         constant_parameters: frozenset[int] = frozenset(), *,
-                        module: Module | None = None) -> tuple[set[str], set[str]]:
+                        module: Module | None = None,
+                        carried: tuple[frozenset[int], frozenset[int]] | None = None
+                        ) -> tuple[set[str], set[str]]:
     """The values of ``comp`` computed from the device's id and constants only, through
     index arithmetic (the partitioner's slice offsets: the same in every iteration of a
     loop whose body ``comp`` is, and the same computed anywhere else), and the constant
     ones among them. One forward walk. ``by_id_parameters`` / ``constant_parameters``:
     the parameter numbers of a fused computation whose fusion passes it such values.
     ``module``: a fusion of such values whose fused computation is index arithmetic
-    (XLA's fused offsets) is one too (its fused computation walked once, not further)."""
+    (XLA's fused offsets) is one too (its fused computation walked once, not further).
+    ``carried``: the slots of a loop body's tuple parameter that carry such values
+    unchanged (:meth:`_ScatterForms.carried_index_slots`), from the id and constant."""
     by_id: set[str] = set()
     constant: set[str] = set()
+    slots_by_id, constant_slots = carried or (frozenset(), frozenset())
     for inst in topological_order(comp):
         if module is not None and inst.opcode == "fusion" and inst.operands and \
                 all(o in constant or o in by_id for o in inst.operands):
@@ -422,6 +427,13 @@ def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = fr
             if number in by_id_parameters:
                 by_id.add(inst.name)
             elif number in constant_parameters:
+                constant.add(inst.name)
+        elif inst.opcode == "get-tuple-element" and (slots_by_id or constant_slots) and \
+                comp[inst.operands[0]].opcode == "parameter":
+            slot = inst.int_attr("index")
+            if slot in slots_by_id:
+                by_id.add(inst.name)
+            elif slot in constant_slots:
                 constant.add(inst.name)
         elif inst.opcode in DEVICE_ID_OPCODES:
             by_id.add(inst.name)
@@ -561,6 +573,37 @@ class _ScatterForms:
                 self._loops.pop(name, None)
         return self._loops.get(body.name, [])
 
+    def carried_index_slots(self, body: Computation) -> tuple[frozenset[int], frozenset[int]]:
+        """The slots of the loop body ``body``'s tuple parameter that carry a value computed
+        from the device's id and constants unchanged through every iteration of every
+        loop running it (a slice offset XLA hoisted out of the loop): (those from the id,
+        the constant ones). Empty where something else calls ``body`` or a loop's start
+        is not a tuple made there; the loops' computations' values must be read first
+        (:meth:`_ScatterForm._device_ids` does, outermost first)."""
+        loops = self.loops_running(body)
+        params = [inst for inst in body.instructions if inst.opcode == "parameter"]
+        if not loops or len(params) != 1 or body.root_name is None or \
+                body.root.opcode != "tuple":
+            return frozenset(), frozenset()
+        param = params[0].name
+        unchanged = {slot for slot, name in enumerate(body.root.operands)
+                     if body[name].opcode == "get-tuple-element" and
+                     body[name].operands[0] == param and body[name].int_attr("index") == slot}
+        by_id, constant = set(unchanged), set(unchanged)
+        for outer, loop in loops:
+            ids = self.of(outer).known_device_ids
+            start = outer.get(loop.operands[0]) if loop.operands else None
+            if ids is None or start is None or start.opcode != "tuple":
+                return frozenset(), frozenset()
+            outer_by_id, outer_constant = ids
+            for slot in unchanged:
+                value = start.operands[slot] if slot < len(start.operands) else None
+                if value not in outer_constant:
+                    constant.discard(slot)
+                    if value not in outer_by_id:
+                        by_id.discard(slot)
+        return frozenset(by_id - constant), frozenset(constant)
+
     def sliced_slots(self, comp: Computation, loop: Instruction
                      ) -> dict[int, tuple[tuple[str, DeviceSliced], ...]]:
         """The slots of ``loop``'s result read only as this device's slice, each with its
@@ -645,11 +688,33 @@ class _ScatterForm:
                     {slot: [] for slot in range(len(params[0].shape.elements))}
         return self._parameter_reads
 
+    @property
+    def known_device_ids(self) -> tuple[set[str], set[str]] | None:
+        """:meth:`_device_ids` if read already."""
+        return self._ids
+
     def _device_ids(self) -> tuple[set[str], set[str]]:
         """:func:`device_index_values`, read once, when the first dynamic-slice is asked
-        about."""
-        if self._ids is None:
-            self._ids = device_index_values(self.comp, module=self.forms.module)
+        about; in a loop body, with the offsets its loops carry in unchanged
+        (:meth:`_ScatterForms.carried_index_slots`), the loops' computations read first,
+        outermost first (a stack, not recursion: loops nest as deep as the input)."""
+        pending = [self]
+        while pending:
+            form = pending[-1]
+            if form._ids is not None:
+                pending.pop()
+                continue
+            waiting = [outer for outer in (self.forms.of(comp) for comp, _ in
+                                           self.forms.loops_running(form.comp))
+                       if outer._ids is None and outer not in pending]
+            if waiting:
+                pending.extend(waiting)
+                continue
+            pending.pop()
+            form._ids = device_index_values(
+                form.comp, module=self.forms.module,
+                carried=self.forms.carried_index_slots(form.comp))
+        assert self._ids is not None
         return self._ids
 
     def sliced_by_device(self, value: Instruction, through_loops: bool = True
