@@ -420,6 +420,46 @@ def branched(n: int, size: int = 256) -> str:
             + _REDUCER + "".join(branches) + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
 
 
+def carried_offsets(n: int) -> str:
+    """Gradients summed in the innermost of ``n / 14`` nested loops, each sum sliced at
+    this device's offset, which the entry computes from its id and every loop carries in
+    unchanged (XLA's hoisted offset lookup): read outermost first, as deep as the module
+    is long."""
+    depth, carry = max(1, n // 14), "(s32[], f32[8], s32[], f32[2])"
+    levels = []
+    for k in range(depth):
+        inner = (f"  %z.{k} = s32[] constant(0)\n"
+                 f"  %it.{k} = {carry} tuple(%z.{k}, %v.{k}, %o.{k}, %a.{k})\n"
+                 f"  %w.{k} = {carry} while(%it.{k}), condition=%cond.{k + 1}, "
+                 f"body=%body.{k + 1}\n  %nv.{k} = f32[8] get-tuple-element(%w.{k}), index=1\n"
+                 f"  %na.{k} = f32[2] get-tuple-element(%w.{k}), index=3\n"
+                 if k + 1 < depth else
+                 f"  %s.{k} = f32[8] all-reduce(%v.{k}), replica_groups={{{{0,1,2,3}}}}, "
+                 f"to_apply=%sum\n"
+                 f"  %m.{k} = f32[2] dynamic-slice(%s.{k}, %o.{k}), dynamic_slice_sizes={{2}}\n"
+                 f"  %na.{k} = f32[2] add(%a.{k}, %m.{k})\n"
+                 f"  %nv.{k} = f32[8] exponential(%v.{k})\n")
+        levels.append(
+            f"%cond.{k} (c.{k}: {carry}) -> pred[] {{\n  %c.{k} = {carry} parameter(0)\n"
+            f"  %ci.{k} = s32[] get-tuple-element(%c.{k}), index=0\n"
+            f"  %n.{k} = s32[] constant(1)\n"
+            f"  ROOT %lt.{k} = pred[] compare(%ci.{k}, %n.{k}), direction=LT\n}}\n\n"
+            f"%body.{k} (b.{k}: {carry}) -> {carry} {{\n  %b.{k} = {carry} parameter(0)\n"
+            f"  %i.{k} = s32[] get-tuple-element(%b.{k}), index=0\n"
+            f"  %v.{k} = f32[8] get-tuple-element(%b.{k}), index=1\n"
+            f"  %o.{k} = s32[] get-tuple-element(%b.{k}), index=2\n"
+            f"  %a.{k} = f32[2] get-tuple-element(%b.{k}), index=3\n{inner}"
+            f"  %one.{k} = s32[] constant(1)\n  %ni.{k} = s32[] add(%i.{k}, %one.{k})\n"
+            f"  ROOT %r.{k} = {carry} tuple(%ni.{k}, %nv.{k}, %o.{k}, %na.{k})\n}}\n")
+    return _nested_step(levels, (
+        "  %id = u32[] replica-id()\n  %id.s = s32[] convert(%id)\n"
+        "  %two = s32[] constant(2)\n  %offset = s32[] multiply(%id.s, %two)\n"
+        "  %f0 = f32[] constant(0)\n  %zeros = f32[2] broadcast(%f0), dimensions={}\n"
+        f"  %z = s32[] constant(0)\n  %t = {carry} tuple(%z, %x, %offset, %zeros)\n"
+        f"  %loop = {carry} while(%t), condition=%cond.0, body=%body.0\n"
+        "  %f = f32[8] get-tuple-element(%loop), index=1\n"))
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
@@ -427,6 +467,7 @@ GENERATORS: dict[str, Callable[[int], str]] = {
     "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
     "nested_calls": nested_calls, "nested_loops": nested_loops, "branched": branched,
+    "carried_offsets": carried_offsets,
 }
 
 

@@ -698,7 +698,7 @@ class _ScatterForm:
         about; in a loop body, with the offsets its loops carry in unchanged
         (:meth:`_ScatterForms.carried_index_slots`), the loops' computations read first,
         outermost first (a stack, not recursion: loops nest as deep as the input)."""
-        pending = [self]
+        pending, stacked = [self], {id(self)}
         while pending:
             form = pending[-1]
             if form._ids is not None:
@@ -706,9 +706,10 @@ class _ScatterForm:
                 continue
             waiting = [outer for outer in (self.forms.of(comp) for comp, _ in
                                            self.forms.loops_running(form.comp))
-                       if outer._ids is None and outer not in pending]
+                       if outer._ids is None and id(outer) not in stacked]
             if waiting:
                 pending.extend(waiting)
+                stacked.update(map(id, waiting))
                 continue
             pending.pop()
             form._ids = device_index_values(
