@@ -354,26 +354,50 @@ def nested_calls(n: int, innermost: str = "exponential") -> str:
     return _nested_step(levels, "  %f = f32[8] call(%x), to_apply=%c.0\n")
 
 
+def _loop_level(k: int, carry: str, trips: int, slots: list[str], inner: str,
+                results: list[str]) -> str:
+    """Level ``k`` of nested loops: a condition running ``trips`` iterations and a body
+    reading its carry's slots after the counter as ``%<slot>.k``, running ``inner``
+    and carrying ``%<result>.k`` on."""
+    gets = "".join(f"  %{name}.{k} = {element} get-tuple-element(%b.{k}), index={i + 1}\n"
+                   for i, (name, element) in enumerate(zip(slots, _elements(carry)[1:])))
+    carried = "".join(f", %{name}.{k}" for name in results)
+    return (f"%cond.{k} (c.{k}: {carry}) -> pred[] {{\n  %c.{k} = {carry} parameter(0)\n"
+            f"  %ci.{k} = s32[] get-tuple-element(%c.{k}), index=0\n"
+            f"  %n.{k} = s32[] constant({trips})\n"
+            f"  ROOT %lt.{k} = pred[] compare(%ci.{k}, %n.{k}), direction=LT\n}}\n\n"
+            f"%body.{k} (b.{k}: {carry}) -> {carry} {{\n  %b.{k} = {carry} parameter(0)\n"
+            f"  %i.{k} = s32[] get-tuple-element(%b.{k}), index=0\n{gets}{inner}"
+            f"  %one.{k} = s32[] constant(1)\n  %ni.{k} = s32[] add(%i.{k}, %one.{k})\n"
+            f"  ROOT %r.{k} = {carry} tuple(%ni.{k}{carried})\n}}\n")
+
+
+def _inner_loop(k: int, carry: str, slots: list[str], results: dict[str, int]) -> str:
+    """Level ``k``'s call of level ``k + 1``: a loop started from a zero counter and
+    ``%<slot>.k``, its elements ``results`` read back as ``%<name>.k``."""
+    started = "".join(f", %{name}.{k}" for name in slots)
+    elements = _elements(carry)
+    reads = "".join(f"  %{name}.{k} = {elements[index]} get-tuple-element(%w.{k}), "
+                    f"index={index}\n" for name, index in results.items())
+    return (f"  %z.{k} = s32[] constant(0)\n  %it.{k} = {carry} tuple(%z.{k}{started})\n"
+            f"  %w.{k} = {carry} while(%it.{k}), condition=%cond.{k + 1}, "
+            f"body=%body.{k + 1}\n{reads}")
+
+
+def _elements(carry: str) -> list[str]:
+    """The element shapes of a flat tuple shape's text."""
+    return [part.strip() for part in carry.strip("()").split(",")]
+
+
 def nested_loops(n: int, trips: int = 1) -> str:
     """The forward pass in ``n / 12`` while loops, each in the previous one's body and
     running ``trips`` times (trip counts multiply)."""
     depth, carry = max(1, n // 12), "(s32[], f32[8])"
     levels = []
     for k in range(depth):
-        inner = (f"  %z.{k} = s32[] constant(0)\n  %it.{k} = {carry} tuple(%z.{k}, %v.{k})\n"
-                 f"  %w.{k} = {carry} while(%it.{k}), condition=%cond.{k + 1}, "
-                 f"body=%body.{k + 1}\n  %nv.{k} = f32[8] get-tuple-element(%w.{k}), index=1\n"
-                 if k + 1 < depth else f"  %nv.{k} = f32[8] exponential(%v.{k})\n")
-        levels.append(
-            f"%cond.{k} (c.{k}: {carry}) -> pred[] {{\n  %c.{k} = {carry} parameter(0)\n"
-            f"  %ci.{k} = s32[] get-tuple-element(%c.{k}), index=0\n"
-            f"  %n.{k} = s32[] constant({trips})\n"
-            f"  ROOT %lt.{k} = pred[] compare(%ci.{k}, %n.{k}), direction=LT\n}}\n\n"
-            f"%body.{k} (b.{k}: {carry}) -> {carry} {{\n  %b.{k} = {carry} parameter(0)\n"
-            f"  %i.{k} = s32[] get-tuple-element(%b.{k}), index=0\n"
-            f"  %v.{k} = f32[8] get-tuple-element(%b.{k}), index=1\n{inner}"
-            f"  %one.{k} = s32[] constant(1)\n  %ni.{k} = s32[] add(%i.{k}, %one.{k})\n"
-            f"  ROOT %r.{k} = {carry} tuple(%ni.{k}, %nv.{k})\n}}\n")
+        inner = _inner_loop(k, carry, ["v"], {"nv": 1}) if k + 1 < depth else \
+            f"  %nv.{k} = f32[8] exponential(%v.{k})\n"
+        levels.append(_loop_level(k, carry, trips, ["v"], inner, ["nv"]))
     return _nested_step(levels, (
         f"  %z = s32[] constant(0)\n  %t = {carry} tuple(%z, %x)\n"
         f"  %loop = {carry} while(%t), condition=%cond.0, body=%body.0\n"
@@ -428,29 +452,14 @@ def carried_offsets(n: int) -> str:
     depth, carry = max(1, n // 14), "(s32[], f32[8], s32[], f32[2])"
     levels = []
     for k in range(depth):
-        inner = (f"  %z.{k} = s32[] constant(0)\n"
-                 f"  %it.{k} = {carry} tuple(%z.{k}, %v.{k}, %o.{k}, %a.{k})\n"
-                 f"  %w.{k} = {carry} while(%it.{k}), condition=%cond.{k + 1}, "
-                 f"body=%body.{k + 1}\n  %nv.{k} = f32[8] get-tuple-element(%w.{k}), index=1\n"
-                 f"  %na.{k} = f32[2] get-tuple-element(%w.{k}), index=3\n"
-                 if k + 1 < depth else
-                 f"  %s.{k} = f32[8] all-reduce(%v.{k}), replica_groups={{{{0,1,2,3}}}}, "
-                 f"to_apply=%sum\n"
-                 f"  %m.{k} = f32[2] dynamic-slice(%s.{k}, %o.{k}), dynamic_slice_sizes={{2}}\n"
-                 f"  %na.{k} = f32[2] add(%a.{k}, %m.{k})\n"
-                 f"  %nv.{k} = f32[8] exponential(%v.{k})\n")
-        levels.append(
-            f"%cond.{k} (c.{k}: {carry}) -> pred[] {{\n  %c.{k} = {carry} parameter(0)\n"
-            f"  %ci.{k} = s32[] get-tuple-element(%c.{k}), index=0\n"
-            f"  %n.{k} = s32[] constant(1)\n"
-            f"  ROOT %lt.{k} = pred[] compare(%ci.{k}, %n.{k}), direction=LT\n}}\n\n"
-            f"%body.{k} (b.{k}: {carry}) -> {carry} {{\n  %b.{k} = {carry} parameter(0)\n"
-            f"  %i.{k} = s32[] get-tuple-element(%b.{k}), index=0\n"
-            f"  %v.{k} = f32[8] get-tuple-element(%b.{k}), index=1\n"
-            f"  %o.{k} = s32[] get-tuple-element(%b.{k}), index=2\n"
-            f"  %a.{k} = f32[2] get-tuple-element(%b.{k}), index=3\n{inner}"
-            f"  %one.{k} = s32[] constant(1)\n  %ni.{k} = s32[] add(%i.{k}, %one.{k})\n"
-            f"  ROOT %r.{k} = {carry} tuple(%ni.{k}, %nv.{k}, %o.{k}, %na.{k})\n}}\n")
+        inner = _inner_loop(k, carry, ["v", "o", "a"], {"nv": 1, "na": 3}) \
+            if k + 1 < depth else (
+                f"  %s.{k} = f32[8] all-reduce(%v.{k}), replica_groups={{{{0,1,2,3}}}}, "
+                f"to_apply=%sum\n"
+                f"  %m.{k} = f32[2] dynamic-slice(%s.{k}, %o.{k}), dynamic_slice_sizes={{2}}\n"
+                f"  %na.{k} = f32[2] add(%a.{k}, %m.{k})\n"
+                f"  %nv.{k} = f32[8] exponential(%v.{k})\n")
+        levels.append(_loop_level(k, carry, 1, ["v", "o", "a"], inner, ["nv", "o", "na"]))
     return _nested_step(levels, (
         "  %id = u32[] replica-id()\n  %id.s = s32[] convert(%id)\n"
         "  %two = s32[] constant(2)\n  %offset = s32[] multiply(%id.s, %two)\n"

@@ -235,26 +235,33 @@ def test_the_hook_reads_xla_cpus_fused_fsdp_slices_as_already_sharded(request):
     if not needs_devices(request):
         return
     params, opt_state, batches = _fsdp_start()
-    jitted = jax.jit(_fsdp_step)
+    rows = _forced_hook_rows(_fsdp_step, params, opt_state, batches)
+    scattered = [row for row in rows if row.reason_code == "already_sharded"]
+    assert scattered and all("fused by XLA" in row.reason for row in scattered)
+    assert all(row.shape.startswith("(f32[64,64]") for row in scattered)
+    sharded = [row for row in rows if row.sharded]
+    assert len(sharded) == 2 and all(row.shape.startswith("f32[64,16]") for row in sharded)
+
+
+def _forced_hook_rows(step, params, opt_state, batches) -> list:
+    """``step`` run on ``batches`` under ``install(force=True)`` and under plain jit:
+    the one module the hook changed, sharding over the data axis's groups of 2, with
+    jit's numbers; its report's rows."""
+    jitted = jax.jit(step)
     hsj.decisions(clear=True)
     with hsj.install(force=True):
-        hooked = jax.jit(_fsdp_step)
+        hooked = jax.jit(step)
         p, s, p_jit, s_jit = params, opt_state, params, opt_state
         for batch in batches:
             p, s, loss = hooked(p, s, batch)
             p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
     (decision,) = [d for d in hsj.decisions(clear=True) if not d.reused and d.report]
     assert decision.changed, decision.reason
-    rows = decision.report.explanations
     assert decision.report.group_size == 2
-    scattered = [row for row in rows if row.reason_code == "already_sharded"]
-    assert scattered and all("fused by XLA" in row.reason for row in scattered)
-    assert all(row.shape.startswith("(f32[64,64]") for row in scattered)
-    sharded = [row for row in rows if row.sharded]
-    assert len(sharded) == 2 and all(row.shape.startswith("f32[64,16]") for row in sharded)
     np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
     for leaf, leaf_jit in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_jit, s_jit))):
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)
+    return decision.report.explanations
 
 
 def _fsdp_accumulated_step(p, s, batches):
@@ -283,22 +290,8 @@ def test_the_hook_reads_fsdp_slices_whose_offsets_the_loop_carries_as_already_sh
     mesh = batches[0]["x"].sharding.mesh
     stacked = [jax.tree.map(lambda *xs: jax.device_put(
         jnp.stack(xs), NamedSharding(mesh, P(None, ("data", "fsdp")))), *batches)] * 2
-    jitted = jax.jit(_fsdp_accumulated_step)
-    hsj.decisions(clear=True)
-    with hsj.install(force=True):
-        hooked = jax.jit(_fsdp_accumulated_step)
-        p, s, p_jit, s_jit = params, opt_state, params, opt_state
-        for batch in stacked:
-            p, s, loss = hooked(p, s, batch)
-            p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
-    (decision,) = [d for d in hsj.decisions(clear=True) if not d.reused and d.report]
-    assert decision.changed, decision.reason
-    rows = decision.report.explanations
-    assert decision.report.group_size == 2
+    rows = _forced_hook_rows(_fsdp_accumulated_step, params, opt_state, stacked)
     assert not [row for row in rows if row.reason_code == "no_update_work"], rows
     assert [row for row in rows if row.reason_code == "already_sharded"]
     sharded = [row for row in rows if row.sharded]
     assert len(sharded) == 2 and all(row.bytes == 16 * 64 * 4 for row in sharded)
-    np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-5)
-    for leaf, leaf_jit in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p_jit, s_jit))):
-        np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5, atol=1e-7)
