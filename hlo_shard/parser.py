@@ -39,7 +39,7 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, cast
 from collections.abc import Callable, Container, Iterable, Iterator
 
 from lark import Lark, Token, Transformer
@@ -836,14 +836,23 @@ _RUN_NAME_RE = re.compile(r"(%[A-Za-z_][A-Za-z0-9_.\-]*)")
 _At = tuple[int, int]
 
 
-def _run_shape(text: str) -> tuple[tuple, list[str], list[str]]:
-    """A run's shape (the text between its ``%names``, and per name the index of its
-    first occurrence), its ``%names`` in text order and its distinct bare names."""
+class _Run(NamedTuple):
+    """A run's text cut at its ``%names``."""
+
+    #: The text between its ``%names``, and per name the index of its first occurrence.
+    shape: tuple
+    #: Its ``%names`` in text order.
+    occurrences: list[str]
+    #: Its distinct names, bare, in the order of their first occurrence.
+    names: list[str]
+
+
+def _run_of(text: str) -> _Run:
     pieces = _RUN_NAME_RE.split(text)
     occurrences = pieces[1::2]
     first: dict[str, int] = {}
     indices = tuple([first.setdefault(name, len(first)) for name in occurrences])
-    return (tuple(pieces[0::2]), indices), occurrences, [name[1:] for name in first]
+    return _Run((tuple(pieces[0::2]), indices), occurrences, [name[1:] for name in first])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -873,9 +882,8 @@ class _Recipe:
 
     occurrences: tuple[str, ...]
     made: tuple[_Made, ...]
-    #: Name indices of the instructions (checked against type names) and the callees
-    #: (checked defined), the root's and where its ``ROOT`` is.
-    defined: tuple[int, ...]
+    #: Name indices of the callees (checked defined), the root's and where its ``ROOT``
+    #: is.
     callees: tuple[int, ...]
     root: tuple[int, _At] | None
 
@@ -1101,10 +1109,10 @@ class _Builder(Transformer):
         block, *attributes = children
         run = None
         if not attributes and not self.scope.names:
-            run = _run_shape(block.value)
-            recipe = self.recipes.get(run[0])
+            run = _run_of(block.value)
+            recipe = self.recipes.get(run.shape)
             if recipe is not None:
-                made = self._remake(recipe, block, run[1], run[2])
+                made = self._remake(recipe, block, run)
                 if made is not None:
                     return made
         before = len(self.unresolved), len(self.computation_order)
@@ -1127,14 +1135,13 @@ class _Builder(Transformer):
             line, column = (line + newlines, end - text.rfind("\n", start, end)) if newlines \
                 else (line, column + end - start)
             start = end
-        if run is not None and run[0] not in self.recipes:
-            self.recipes[run[0]] = self._recipe(block, run[1], run[2], name_offsets) \
+        if run is not None and run.shape not in self.recipes:
+            self.recipes[run.shape] = self._recipe(block, run, name_offsets) \
                 if shaped and before == (len(self.unresolved), len(self.computation_order)) \
                 else None
         return inst
 
-    def _recipe(self, block: Token, occurrences: list[str], distinct: list[str],
-                name_offsets: list[int]) -> _Recipe | None:
+    def _recipe(self, block: Token, run: _Run, name_offsets: list[int]) -> _Recipe | None:
         """The records of the run ``block`` just read (the scope holds its instructions
         alone; ``name_offsets``: where each one's name is), or None where a run of its
         shape could read differently: a name held in a value other than as an operand
@@ -1144,7 +1151,7 @@ class _Builder(Transformer):
                 scope.first_missing_attribute is not None:
             return None
         text = block.value
-        index = {name: k for k, name in enumerate(distinct)}
+        index = {name: k for k, name in enumerate(run.names)}
         starts = [match.start() for match in _RUN_NAME_RE.finditer(text)]
 
         def at(offset: int) -> _At:
@@ -1182,19 +1189,18 @@ class _Builder(Transformer):
                 None if number is None else at(_offset_in(number, block))))
         root = None if scope.root_name is None or scope.root_loc is None else \
             (index[scope.root_name], at(_offset_in(scope.root_loc, block)))
-        return _Recipe(tuple(occurrences), tuple(made), tuple(m.name for m in made),
-                       tuple(sorted(callees)), root)
+        return _Recipe(tuple(run.occurrences), tuple(made), tuple(sorted(callees)), root)
 
-    def _remake(self, recipe: _Recipe, block: Token, occurrences: list[str],
-                distinct: list[str]) -> Instruction | None:
+    def _remake(self, recipe: _Recipe, block: Token, run: _Run) -> Instruction | None:
         """The run ``block``, of ``recipe``'s shape, made from it with its own names
         and positions (its last instruction); None where it must be read instead (a
         callee not defined yet, a type name naming an instruction: reading says so)."""
+        distinct = run.names
         if any(distinct[k] not in self.computations for k in recipe.callees) or \
-                any(distinct[k] in _TYPE_KEYWORDS for k in recipe.defined):
+                any(distinct[made.name] in _TYPE_KEYWORDS for made in recipe.made):
             return None
         shift = [0]
-        for mine, theirs in zip(occurrences, recipe.occurrences, strict=True):
+        for mine, theirs in zip(run.occurrences, recipe.occurrences, strict=True):
             shift.append(shift[-1] + len(mine) - len(theirs))
 
         def at(where: _At) -> int:

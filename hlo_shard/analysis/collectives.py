@@ -414,9 +414,7 @@ def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = fr
         if module is not None and inst.opcode == "fusion" and inst.operands and \
                 all(o in constant or o in by_id for o in inst.operands):
             body = module.computation(inst.called("calls"))
-            inner_by_id, inner_constant = device_index_values(
-                body, frozenset(k for k, o in enumerate(inst.operands) if o in by_id),
-                frozenset(k for k, o in enumerate(inst.operands) if o in constant))
+            inner_by_id, inner_constant = _fused_index_values(body, inst, (by_id, constant))
             if body.root_name in inner_by_id:
                 by_id.add(inst.name)
             elif body.root_name in inner_constant:
@@ -445,6 +443,17 @@ def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = fr
             elif all(o in constant or o in by_id for o in inst.operands):
                 by_id.add(inst.name)
     return by_id, constant
+
+
+def _fused_index_values(body: Computation, fusion: Instruction,
+                       outer: tuple[set[str], set[str]]) -> tuple[set[str], set[str]]:
+    """:func:`device_index_values` of ``fusion``'s fused computation ``body``, its
+    parameters seeded from ``outer`` (the fusion's computation's values from the id,
+    and the constant ones)."""
+    by_id, constant = outer
+    return device_index_values(
+        body, frozenset(k for k, o in enumerate(fusion.operands) if o in by_id),
+        frozenset(k for k, o in enumerate(fusion.operands) if o in constant))
 
 
 #: Ops that only re-lay a gradient out on its way to the slice (XLA writes the
@@ -581,7 +590,7 @@ class _ScatterForms:
         is not a tuple made there; the loops' computations' values must be read first
         (:meth:`_ScatterForm._device_ids` does, outermost first)."""
         loops = self.loops_running(body)
-        params = [inst for inst in body.instructions if inst.opcode == "parameter"]
+        params = body.parameters()
         if not loops or len(params) != 1 or body.root_name is None or \
                 body.root.opcode != "tuple":
             return frozenset(), frozenset()
@@ -776,10 +785,7 @@ class _ScatterForm:
 
         @functools.cache
         def fused_ids() -> tuple[set[str], set[str]]:  # read where a slice is met
-            outer_by_id, outer_constant = self._device_ids()
-            return device_index_values(
-                body, frozenset(k for k, o in enumerate(user.operands) if o in outer_by_id),
-                frozenset(k for k, o in enumerate(user.operands) if o in outer_constant))
+            return _fused_index_values(body, user, self._device_ids())
 
         found = set()
         for parameter in body.parameters():

@@ -414,12 +414,14 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     seeds = {k: ctx.sharded[o] for k, o in enumerate(inst.operands) if o in ctx.sharded}
     structure = fused_structure(inst, body)
     key = None if structure is None else (structure, tuple(sorted(seeds.items())))
-    shared = ctx.accesses.get(key) if key is not None else None
-    access = shared if shared is not None else body_access(body, seeds)
-    if isinstance(access, str):
-        return access  # (it names the body's own instruction: not shared)
-    if key is not None:
-        ctx.accesses[key] = access
+    access = ctx.accesses.get(key) if key is not None else None
+    if access is None:
+        found = body_access(body, seeds)
+        if isinstance(found, str):
+            return found  # (it names the body's own instruction: not shared)
+        access = found
+        if key is not None:
+            ctx.accesses[key] = access
     for name in inst.operands:
         if name not in ctx.sharded and not ctx.replicated(name):
             return f"operand %{name} is neither sharded nor replicated"
