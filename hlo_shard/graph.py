@@ -786,13 +786,30 @@ def is_zero(comp: Computation, inst: Instruction) -> bool:
     return value is not None and value == 0
 
 
-def zero_started_slots(comp: Computation, loop: Instruction) -> set[int]:
-    """The carried slots of ``while`` ``loop`` (in ``comp``) that start at zero (a scalar
-    zero or a broadcast of one): where a scan or ``fori_loop`` accumulates."""
+def starts_at_zero(module: Module, comp: Computation, start: Instruction) -> bool:
+    """``start`` (in ``comp``) is zeros: :func:`is_zero`, through copies, or XLA's fused
+    form of that broadcast (a fusion of the scalar whose fused computation broadcasts its
+    parameter, as XLA leaves an accumulator's zero start after fusion): what every pass
+    and the cost model read as a loop's accumulator starting at zero, in a module before
+    XLA's fusion and in one after it alike."""
+    while start.opcode == "copy":
+        start = comp[start.operands[0]]
+    if start.opcode == "fusion" and len(start.operands) == 1:
+        fused = module.computation(start.called("calls"))
+        root = fused.root
+        if root.opcode == "broadcast" and fused[root.operands[0]].opcode == "parameter":
+            start = comp[start.operands[0]]
+    return is_zero(comp, start)
+
+
+def zero_started_slots(module: Module, comp: Computation, loop: Instruction) -> set[int]:
+    """The carried slots of ``while`` ``loop`` (in ``comp``) that start at zero
+    (:func:`starts_at_zero`): where a scan or ``fori_loop`` accumulates."""
     init = comp[loop.operands[0]] if loop.operands else None
     if init is None or init.opcode != "tuple":
         return set()
-    return {k for k, start in enumerate(init.operands) if is_zero(comp, comp[start])}
+    return {k for k, start in enumerate(init.operands)
+            if starts_at_zero(module, comp, comp[start])}
 
 
 #: The attributes of a dot :func:`add_transposed_product` computes the other way round:

@@ -619,6 +619,26 @@ def test_the_optimized_loop_computes_the_same(worker):
 MICRO = 4
 
 
+def hooked_scan_decision(words: str, **install_options):
+    """:func:`_scan_program`'s step run under plain jit and compiled under
+    ``install(**install_options)``: the one decision of a module whose notes say
+    ``words``, the hooked run's state and jit's."""
+    from jax_train_helpers import run_steps
+
+    import hlo_shard.jax as hsj
+
+    step, params, opt_state, batch = _scan_program()
+    state_jit, _ = run_steps(step, (params, opt_state), batch)
+    hsj.decisions(clear=True)
+    with hsj.install(**install_options):
+        step, params, opt_state, batch = _scan_program()  # compiled under the hook
+        state_hooked, _ = run_steps(step, (params, opt_state), batch)
+    made = [d for d in hsj.decisions(clear=True) if not d.reused and d.report and any(
+        words in n for n in d.report.notes)]
+    assert len(made) == 1, [(d.module, d.reused, d.changed) for d in made]
+    return made[0], state_hooked, state_jit
+
+
 def _scan_program(form: str = "scan-sum", mesh_shape: tuple[int, ...] = (8,)):
     """An MLP + adam step accumulating the gradients of 4 microbatches (each device holds
     2 rows of each), one update after the loop: ``scan-sum`` sums them in a ``lax.scan``
@@ -899,22 +919,12 @@ def test_the_hook_moves_xla_fused_accumulation_out_of_the_loop(request):
     loss's sum in one combined all-reduce, each gradient added into its accumulator by
     a fusion. The gradients leave the loop (one all-reduce after it), the loss's sum
     stays as an all-reduce of its own, and the step computes jit's numbers."""
-    from jax_train_helpers import assert_close, needs_devices, run_steps
-
-    import hlo_shard.jax as hsj
+    from jax_train_helpers import assert_close, needs_devices
 
     if not needs_devices(request):
         return
-    step, params, opt_state, batch = _scan_program()
-    state_jit, _ = run_steps(step, (params, opt_state), batch)
-    hsj.decisions(clear=True)
-    with hsj.install():
-        step, params, opt_state, batch = _scan_program()  # compiled under the hook
-        state_hooked, _ = run_steps(step, (params, opt_state), batch)
-    moving = [d for d in hsj.decisions(clear=True) if not d.reused and d.report and any(
-        "accumulated all-reduce(s) moved after the loop" in n for n in d.report.notes)]
-    assert len(moving) == 1, [(d.module, d.reused, d.changed) for d in moving]
-    (decision,) = moving
+    decision, state_hooked, state_jit = hooked_scan_decision(
+        "accumulated all-reduce(s) moved after the loop")
     notes = decision.report.notes
     assert decision.changed, decision.reason
     (staying,) = [note for note in notes if "stays in the loop" in note]

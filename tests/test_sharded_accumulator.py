@@ -30,7 +30,8 @@ from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import format_shape, to_text
 from hlo_shard.profiles import load_profile
 
-from test_accumulation import COLLECTIVES, LOOP, MEAN, _loop_body, _scan_program
+from test_accumulation import (COLLECTIVES, LOOP, MEAN, _loop_body, _scan_program,
+                               hooked_scan_decision)
 from wus_helpers import find, optimize
 
 #: LOOP with a 30-wide input: the bias gradient (30 elements) does not split in 8, so
@@ -70,6 +71,56 @@ def test_the_sharded_accumulator_reduce_scatters_in_the_loop(text):
     assert not any(s in carried(module) for s in ("f32[16,32]", "f32[16,30]"))
     (note,) = [n for n in report.notes if "accumulator sharded" in n]
     assert "reduce-scatters each microbatch inside the loop; slots 1, 2" in note
+
+
+#: LOOP as XLA:CPU's fusion leaves it (what ``install()`` reads): the weight gradient
+#: added into its accumulator by a fusion that adds it through a layout-changing copy, the
+#: accumulator's zero start a fused broadcast of the scalar, copied.
+FUSED_ADD = """accumulate_w { a = f32[16,32] parameter(0) g = f32[16,32] parameter(1)
+ c = f32[16,32]{0,1} copy(g) ROOT s = f32[16,32] add(a, c) }
+zeros_w { v = f32[] parameter(0) ROOT b = f32[16,32] broadcast(v), dimensions={} }
+body {"""
+FUSED = LOOP.replace("body {", FUSED_ADD, 1).replace(
+    "tw = f32[16,32] copy(arw) naccw = f32[16,32] add(accw, tw)",
+    "naccw = f32[16,32] fusion(accw, arw), kind=kLoop, calls=accumulate_w").replace(
+    "zw = f32[16,32] broadcast(f0), dimensions={}",
+    "zf = f32[16,32] fusion(f0), kind=kLoop, calls=zeros_w zw = f32[16,32] copy(zf)")
+
+
+def test_xla_s_fused_accumulation_is_carried_as_a_shard():
+    """The fused add (through its copy) and the fused zero start are read as the add and
+    the zero they are: the reduce-scatter moves into the loop, which adds the copy of the
+    microbatch's gradient, made as an instruction of the body, into the shard."""
+    assert FUSED != LOOP and "fusion(accw, arw)" in FUSED and "copy(zf)" in FUSED
+    module, report = optimize(FUSED, state="sharded", accumulator="sharded")
+    assert collectives(module, "body") == ["reduce-scatter"]
+    assert len(carried(module)) == 4
+    (note,) = [n for n in report.notes if "accumulator sharded" in n]
+    assert "slots 1, 2" in note
+    body = module.computation("body")
+    (layout,) = [i for i in body.instructions if i.opcode == "copy"]
+    assert format_shape(layout.shape) == "f32[16,32]{0,1}"
+    assert not any(i.opcode == "fusion" and i.called("calls") == "accumulate_w"
+                   for i in body.instructions)
+
+
+@pytest.mark.parametrize("edit", [
+    # the fusion adds the gradient through an op that computes (a scaling), not a copy
+    ("c = f32[16,32]{0,1} copy(g)", "k = f32[] constant(0.5) "
+     "kb = f32[16,32] broadcast(k), dimensions={} c = f32[16,32] multiply(g, kb)"),
+    # the fusion computes something else beside the add
+    ("ROOT s = f32[16,32] add(a, c) }",
+     "n = f32[16,32] negate(a) ROOT s = f32[16,32] add(a, c) }"),
+])
+def test_a_fusion_that_does_more_than_add_stays_whole(edit):
+    """What is not a copy of the addend, or not all the fusion computes, is not an
+    accumulation the loop can make again: the reduce-scatter stays after the loop."""
+    text = FUSED.replace(*edit)
+    assert text != FUSED
+    module, report = optimize(text, state="sharded", accumulator="sharded")
+    assert collectives(module, "body") == []
+    assert any("accumulator whole" in n and "not only added to" in n for n in report.notes), \
+        report.notes
 
 
 def test_whole_keeps_the_reduce_scatter_after_the_loop_and_says_so():
@@ -343,6 +394,27 @@ def test_shard_weight_update_takes_the_accumulator_form(request, mode):
                               jax.tree.leaves((p_jit, s_jit))):
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_hook_carries_xla_s_fused_accumulators_as_shards(request):
+    """``install(accumulator="sharded")``: the pass sees XLA:CPU's fused module, each
+    gradient added into its accumulator by a fusion (the weights' through a transpose
+    and a layout copy) and the accumulators started by fused zero broadcasts. The
+    reduce-scatter moves into the loop (before, every such fusion read as "not only
+    added to" and the accumulators stayed whole), and the step computes jit's numbers.
+    (Slow: two compiles of the step, one under the hook.)"""
+    from jax_train_helpers import assert_close, needs_devices
+
+    if not needs_devices(request):
+        return
+    decision, state_hooked, state_jit = hooked_scan_decision(
+        "accumulator", accumulator="sharded", force=True)
+    assert decision.changed, decision.reason
+    notes = [n for n in decision.report.notes if "accumulator" in n and "while" in n]
+    assert any("accumulator sharded (accumulator=sharded)" in n for n in notes), notes
+    assert not any("accumulator whole" in n for n in notes), notes
+    assert_close(state_hooked, state_jit)
 
 
 def test_shard_weight_update_refuses_an_unknown_accumulator_at_once():

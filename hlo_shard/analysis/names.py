@@ -321,7 +321,7 @@ def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
     users = users_map(entry)
     loops: list[tuple[Computation, dict[int, str]]] = []
     for loop in entry.instructions:
-        zeros = zero_started_slots(entry, loop) if loop.opcode == "while" else set()
+        zeros = zero_started_slots(module, entry, loop) if loop.opcode == "while" else set()
         if not zeros:
             continue
         body = module.computation(loop.called("body"))

@@ -324,7 +324,7 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
         summed = _update_work(body, users_map(body), sums, is_update_op) | set(sums)
         # (an accumulator starts at zero, a training loop's weights at their values; a
         # summed loss is a scalar)
-        zeros = zero_started_slots(comp, loop)
+        zeros = zero_started_slots(module, comp, loop)
         slots = {k for k, value in enumerate(body.root.operands) if value in summed
                  and elements(body[value].shape) > 1 and k in zeros}
         found += [user for user in users[loop.name]

@@ -65,7 +65,7 @@ from hlo_shard.analysis.collectives import (ReasonCode, device_index_values,
                                             find_gradient_all_reduces, is_sum)
 from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, is_zero, scalar_literal,
-                             users_map)
+                             starts_at_zero, users_map)
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
@@ -378,7 +378,7 @@ class _Sinking:
         init = comp[loop.operands[0]]
 
         def zero_start(slot: int) -> bool:
-            return _starts_at_zero(self.module, comp, comp[init.operands[slot]])
+            return starts_at_zero(self.module, comp, comp[init.operands[slot]])
 
         def accumulation(candidate: Instruction, writes: bool
                          ) -> tuple[list[_Element], dict[int, str]]:
@@ -425,7 +425,8 @@ class _Sinking:
                 kept = _split(inner, candidate, staying)
                 self.kept.append(KeptAllReduce(comp.name, loop.name, kept,
                                                next(iter(staying.values())), candidate.name))
-            move = _move(loop_edits, anchor, candidate, elements, self.channels)
+            move = _move(self.module, loop_edits, anchor, candidate, elements,
+                         self.channels)
             self.moved.append(move)
             anchor = move.last
         loop_edits.remove_dead()
@@ -730,20 +731,6 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str
         followed = user.name
 
 
-def _starts_at_zero(module: Module, comp: Computation, start: Instruction) -> bool:
-    """``start`` is zeros: a zero scalar constant or its broadcast (:func:`is_zero`),
-    through copies, or XLA's fused form of that broadcast (a fusion of the scalar whose
-    fused computation broadcasts its parameter)."""
-    while start.opcode == "copy":
-        start = comp[start.operands[0]]
-    if start.opcode == "fusion" and len(start.operands) == 1:
-        fused = module.computation(start.called("calls"))
-        root = fused.root
-        if root.opcode == "broadcast" and fused[root.operands[0]].opcode == "parameter":
-            start = comp[start.operands[0]]
-    return is_zero(comp, start)
-
-
 @dataclass(frozen=True)
 class _LoopEdits:
     """The rewriters of a loop's computation (``outer``), body and condition, and what
@@ -784,8 +771,8 @@ class _LoopEdits:
         self.inner.set_shape(accumulation, shape)
 
 
-def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: list[_Element],
-          channels: ChannelIds) -> MovedAllReduce:
+def _move(module: Module, edits: _LoopEdits, anchor: str, all_reduce: Instruction,
+          elements: list[_Element], channels: ChannelIds) -> MovedAllReduce:
     """Accumulate the local values in the body, start the slots at zero, and all-reduce
     (then cut each sum to this device's block where the body did, and add the initial
     values) after the loop, after ``anchor`` (the loop or what an earlier move added
@@ -814,7 +801,7 @@ def _move(edits: _LoopEdits, anchor: str, all_reduce: Instruction, elements: lis
         edits.widen(slot, cast(ArrayShape, whole.shape))
         widened.append((slot, before, _slot_shape(loop, slot).byte_size))
     shapes = [_slot_shape(loop, e.slot) for e in elements]
-    added = [not e.written and not is_zero(comp, comp[start])
+    added = [not e.written and not starts_at_zero(module, comp, comp[start])
              for e, start in zip(elements, starts)]
     with outer.inserting_before(init.name):
         for element, shape, add in zip(elements, shapes, added):

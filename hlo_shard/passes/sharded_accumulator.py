@@ -54,8 +54,9 @@ from typing import ClassVar, cast
 from hlo_shard.analysis.collectives import ReasonCode, is_sum
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_zero
+from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_zero, starts_at_zero
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
+from hlo_shard.opinfo import BITCAST, COPY, RESHAPE, TRANSPOSE, moves
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
                                                   SlotReads, check_loop, slots_read)
 from hlo_shard.passes.base import ModulePass
@@ -67,13 +68,23 @@ from hlo_shard.units import fmt_bytes, fmt_seconds
 ACCUMULATOR_MODES = ("auto", "whole", "sharded")
 
 
-def _always(comp: Computation, inst: Instruction) -> bool:
+def _always(module: Module, comp: Computation, inst: Instruction) -> bool:
     return True
 
 
-def _pads_with_zero(comp: Computation, inst: Instruction) -> bool:
+def _pads_with_zero(module: Module, comp: Computation, inst: Instruction) -> bool:
     value = comp[inst.operands[1]] if len(inst.operands) == 2 else None
     return value is not None and value.opcode == "constant" and is_zero(comp, value)
+
+
+def _fused_relabel(module: Module, comp: Computation, inst: Instruction) -> bool:
+    """XLA's fused form of the ops above: a fusion of one operand whose computation only
+    places its parameter's elements anew (:func:`_relabelled`), as the sharding writes
+    a bucket's transpose in a module XLA fused already."""
+    fused = module.computation(inst.called("calls"))
+    start, chain = _relabelled(fused, fused.root)
+    return len(inst.operands) == 1 and start.opcode == "parameter" and \
+        len(fused.instructions) == 1 + len(chain)
 
 
 #: Ops allowed between the accumulators and the reduce-scatter (the sharding's shard
@@ -81,13 +92,14 @@ def _pads_with_zero(comp: Computation, inst: Instruction) -> bool:
 #: iteration, so it commutes with the sum over microbatches. The rule says whether the
 #: instruction qualifies; only a ``pad``'s first operand is followed (its second is the
 #: zero, copied into the loop body).
-LINEAR_FORMAT: dict[str, Callable[[Computation, Instruction], bool]] = {
+LINEAR_FORMAT: dict[str, Callable[[Module, Computation, Instruction], bool]] = {
     "reshape": _always,
     "bitcast": _always,
     "transpose": _always,
     "copy": _always,
     "concatenate": _always,
     "pad": _pads_with_zero,
+    "fusion": _fused_relabel,
 }
 
 #: Why a reduce-scatter after an accumulation loop stays there (code → words).
@@ -193,18 +205,34 @@ class AccumulatorReport:
         return notes
 
 
+#: How the ops move elements that an accumulation may apply to what it adds, fused with
+#: the add (each one operand's elements, all of them, placed anew).
+_RELABELS = frozenset({COPY, RESHAPE, BITCAST, TRANSPOSE})
+
+
+@dataclass(frozen=True)
+class _Addend:
+    """What an accumulation adds into its slot each iteration: ``value`` (of the loop
+    body), through ``relabels`` (innermost first: the transposes and layout changes XLA
+    fused into the add with it, which the accumulation in the loop makes again as
+    instructions of the body)."""
+
+    value: str
+    relabels: tuple[Instruction, ...] = ()
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One reduce-scatter to move into ``loop``: its formatting ops (operands first),
     the loop's result elements it reads (name → slot), and per slot the body's
-    accumulating add and the local value it adds."""
+    accumulating add and what it adds."""
 
     reduce_scatter: str
     loop: str
     chain: tuple[str, ...]
     leaves: dict[str, int]
     adds: dict[int, Instruction]
-    local_values: dict[int, str]
+    local_values: dict[int, _Addend]
 
     @property
     def slots(self) -> list[int]:
@@ -281,7 +309,7 @@ def _find(module: Module) -> tuple[dict[str, list[_Plan]], list[WholeAccumulatio
                 if loop not in views:
                     callers = callers or call_counts(module)
                     views[loop] = _LoopView.of(module, rw, comp[loop], callers)
-                plan = _accumulators(rw, views[loop], inst.name, loop, chain, leaves)
+                plan = _accumulators(module, rw, views[loop], inst.name, loop, chain, leaves)
             except Refusal as why:
                 refused.append(WholeAccumulation(comp.name, loop, inst.name, why.reason))
                 continue
@@ -311,7 +339,7 @@ def _trace(module: Module, rw: Rewriter, reduce_scatter: Instruction
             loops.add(inst.operands[0])
             continue
         rule = LINEAR_FORMAT.get(inst.opcode)
-        if rule is None or not rule(comp, inst):
+        if rule is None or not rule(module, comp, inst):
             linear = False
             continue
         chain.add(name)
@@ -395,8 +423,8 @@ class _LoopView:
                    dict(root_slots))
 
 
-def _accumulators(rw: Rewriter, view: _LoopView, reduce_scatter: str, loop_name: str,
-                  chain: tuple[str, ...], leaves: dict[str, int]) -> _Plan:
+def _accumulators(module: Module, rw: Rewriter, view: _LoopView, reduce_scatter: str,
+                  loop_name: str, chain: tuple[str, ...], leaves: dict[str, int]) -> _Plan:
     """The plan for ``reduce_scatter``, once every slot it reads is an accumulator."""
     if view.refusal:
         raise Refusal(view.refusal)
@@ -404,21 +432,21 @@ def _accumulators(rw: Rewriter, view: _LoopView, reduce_scatter: str, loop_name:
     in_body, in_condition = view.reads
     root = view.body.root
     adds: dict[int, Instruction] = {}
-    local: dict[int, str] = {}
+    local: dict[int, _Addend] = {}
     for slot in sorted(set(leaves.values())):
-        if not is_zero(rw.comp, rw.comp[init.operands[slot]]):
+        if not starts_at_zero(module, rw.comp, rw.comp[init.operands[slot]]):
             raise Refusal("nonzero-start")
         if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                 or in_condition.get(slot, 0):
             raise Refusal("accumulator-read")
         read = view.readers[slot]
         (add,) = view.inner.users(read.name)
-        if add.opcode != "add" or add.operands.count(read.name) != 1 \
-                or [u.name for u in view.inner.users(add.name)] != [root.name] \
+        addend = _addend(module, add, read.name)
+        if addend is None or [u.name for u in view.inner.users(add.name)] != [root.name] \
                 or view.root_slots.get(add.name) != [slot] or add.shape != read.shape:
             raise Refusal("not-accumulated")
         adds[slot] = add
-        local[slot] = add.operands[1 - add.operands.index(read.name)]
+        local[slot] = addend
     return _Plan(reduce_scatter, loop_name, chain, leaves, adds, local)
 
 
@@ -528,8 +556,10 @@ class _Recarry:
                             rs: Instruction, index: int) -> str:
         """The formatting and the reduce-scatter of the microbatch's local gradients, added
         to the shard carried at ``index``: the new next value of that slot."""
-        copies = {leaf: plan.local_values[slot] for leaf, slot in plan.leaves.items()}
         with inner.inserting_before(body.root.name):
+            added = {slot: self._made(inner, addend)
+                     for slot, addend in plan.local_values.items()}
+            copies = {leaf: added[slot] for leaf, slot in plan.leaves.items()}
             for name in plan.chain:
                 inst = self.comp[name]
                 operands = [copies[o] for o in inst.operands[:1]] if inst.opcode == "pad" \
@@ -546,12 +576,58 @@ class _Recarry:
             return inner.add("add", rs.shape, [shard.name, scattered],
                              name=f"{rs.name}.accumulate").name
 
+    def _made(self, inner: Rewriter, addend: _Addend) -> str:
+        """``addend``'s value in the body: its relabels made there, operands first."""
+        value = addend.value
+        for relabel in addend.relabels:
+            value = self._copy(inner, relabel, [value])
+        return value
+
     @staticmethod
     def _copy(rw: Rewriter, inst: Instruction, operands: list[str] | None = None) -> str:
         copy = inst.clone()
         copy.name = rw.fresh_name(inst.name)
         copy.operands = list(inst.operands if operands is None else operands)
         return rw.add_instruction(copy).name
+
+
+def _addend(module: Module, add: Instruction, accumulator: str) -> _Addend | None:
+    """What ``add`` adds to ``accumulator`` (one of its two operands, read once): the
+    other operand of an ``add``, or of XLA's fused form of one — a fusion whose
+    computation adds its two parameters, the other one through ops that only place its
+    elements anew (:data:`_RELABELS`: the transposes and layout changes XLA fuses into
+    an accumulation) and does nothing else; None for any other instruction."""
+    if len(add.operands) != 2 or add.operands.count(accumulator) != 1:
+        return None
+    other = add.operands[1 - add.operands.index(accumulator)]
+    if add.opcode == "add":
+        return _Addend(other)
+    if add.opcode != "fusion":
+        return None
+    fused = module.computation(add.called("calls"))
+    root = fused.root
+    if root.opcode != "add" or len(set(root.operands)) != 2:
+        return None
+    by_number = {i.parameter_number: i.name for i in fused.instructions
+                 if i.opcode == "parameter"}
+    kept = by_number.get(add.operands.index(accumulator))
+    if kept not in root.operands:
+        return None
+    value, relabels = _relabelled(fused, fused[root.operands[1 - root.operands.index(kept)]])
+    if value.opcode != "parameter" or value.name == kept or \
+            len(fused.instructions) != 3 + len(relabels):
+        return None
+    return _Addend(other, tuple(reversed(relabels)))
+
+
+def _relabelled(fused: Computation, top: Instruction) -> tuple[Instruction, list[Instruction]]:
+    """Down from ``top`` through the ops that only place their one operand's elements
+    anew (:data:`_RELABELS`): the value they start from, and those ops, ``top`` first."""
+    chain: list[Instruction] = []
+    while moves(top.opcode) in _RELABELS and len(top.operands) == 1:
+        chain.append(top)
+        top = fused[top.operands[0]]
+    return top, chain
 
 
 def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
