@@ -145,9 +145,9 @@ def fast_variant(prog, mode: str, force: bool, params: str = "gathered",
                    split(report), decision, metrics)
 
 
-def hook_variant(prog, force: bool = False) -> Variant:
-    """The step compiled under ``install()`` (the gate on, unless ``force``), run after
-    uninstalling."""
+def hook_variant(prog, force: bool = False, accumulator: str = "auto") -> Variant:
+    """The step compiled under ``install(accumulator=...)`` (the gate on, unless
+    ``force``), run after uninstalling."""
     import jax
 
     import hlo_shard.jax as hsj
@@ -158,7 +158,7 @@ def hook_variant(prog, force: bool = False) -> Variant:
     def hooked() -> tuple[float, Any, list]:
         """One compile under a fresh installation (the pass runs again): its seconds,
         the executable and the hook's decisions."""
-        with hsj.install(force=force):
+        with hsj.install(force=force, accumulator=accumulator):
             started = time.perf_counter()
             compiled = prog.step.lower(*state, batch).compile()
             seconds = time.perf_counter() - started
@@ -190,7 +190,8 @@ def hook_variant(prog, force: bool = False) -> Variant:
     added = hook_s / max(compile_s - hook_s, 1e-9)  # over XLA's own share of the compile
     parts = [sum(d.split.to_json()[stage] for d in made if d.split is not None)
              for stage in ("read", "pass", "write")]
-    return Variant("install()" + (", forced" if force else ""), compiled, state,
+    return Variant("install()" + (f", accumulator {accumulator}" if accumulator != "auto" else "")
+                   + (", forced" if force else ""), compiled, state,
                    first_call_s,
                    f"compile {compile_s:.1f} (hook {hook_s:.1f} = "
                    f"{' + '.join(f'{part:.1f}' for part in parts)}, +{added:.0%})", decision,

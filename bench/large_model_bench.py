@@ -189,11 +189,13 @@ def measure(name: str, width: int, runs: int, rounds: int, force: bool) -> list[
                          fast_variant(prog, "sharded", forced, accumulator="sharded")]
     # the zero-code-change form: what the hook makes of XLA's fused module of each form
     variants += [hook_variant(prog, forced) for forced in ((False, True) if force else (False,))]
+    if name in ACCUMULATING:  # the hook's accumulators carried as a shard, as priced or not
+        variants.append(hook_variant(prog, True, accumulator="sharded"))
     return timed_with_named(prog, variants, runs, rounds)
 
 
 #: The table's columns: width and alignment (the last, free text, unpadded).
-COLUMNS = ((13, "<"), (32, "<"), (7, ">"), (5, ">"), (6, ">"), (9, ">"), (8, ">"),
+COLUMNS = ((13, "<"), (40, "<"), (7, ">"), (5, ">"), (6, ">"), (9, ">"), (8, ">"),
            (6, ">"), (8, ">"), (0, "<"))
 
 

@@ -17,7 +17,8 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["jit", "gathered", "sharded", "sharded, params sharded", "install()", "NamedSharding"]
+MODES = ["jit", "gathered", "sharded", "sharded, params sharded", "install()",
+         "install(), accumulator sharded, forced", "NamedSharding"]
 
 
 def test_the_scan_accumulation_rows_run():
@@ -27,7 +28,7 @@ def test_the_scan_accumulation_rows_run():
                          timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("scan-accum ")]
-    assert [line[14:46].strip() for line in rows] == MODES, run.stdout
+    assert [line[14:54].strip() for line in rows] == MODES, run.stdout
     assert "FAILED" not in run.stdout
     for line in rows[1:]:  # the step's metrics are jit's, the pass's decision is said
         assert " same " in line, line
