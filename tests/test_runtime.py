@@ -286,6 +286,21 @@ def test_xla_errors_are_clean(worker):
     assert worker.alive, "an ordinary XLA error leaves the worker running"
 
 
+def test_a_rejected_fused_module_is_told_where_to_verify_instead(worker):
+    """A module holding fusions (XLA's own fused form, which XLA may not compile again):
+    the rejection says so and where to verify instead; an unfused module's does not."""
+    from test_fused_modules import FUSED
+
+    with pytest.raises(HloRuntimeError, match=r"Check failed.*holds fusions.*before XLA's "
+                                              r"optimization.*under install\(\)") as raised:
+        runtime.load(parse(FUSED))
+    assert "\n" not in str(raised.value)
+    bad = SGD.replace("replica_groups={{0,1,2,3}}", "replica_groups={{0,1,2}}")
+    with pytest.raises(HloRuntimeError) as plain:
+        runtime.load(bad)
+    assert "holds fusions" not in str(plain.value)
+
+
 def test_a_hang_times_out_without_killing_the_caller():
     own = runtime.Worker("cpu", 1)  # its start has the default time: only the run is short
     try:

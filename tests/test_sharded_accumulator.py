@@ -281,7 +281,8 @@ def _verify(text: str, mode: str, mutate=None, strategy: str = "auto"
         steps=3, manifest=build_manifest(result.report, module)))
 
 
-@pytest.mark.parametrize("text", [LOOP, MEAN, PADDED], ids=["sum", "mean", "padded"])
+@pytest.mark.parametrize("text", [LOOP, MEAN, PADDED, FUSED],
+                         ids=["sum", "mean", "padded", "fused"])
 @pytest.mark.parametrize("mode", ["sharded", "whole"])
 def test_both_forms_compute_the_same(worker, text, mode):
     result = _verify(text, mode)

@@ -13,11 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hlo_shard.errors import HloShardError
+from hlo_shard.costmodel.kernels import is_prefused
+from hlo_shard.errors import HloRuntimeError, HloShardError
 from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.runtime.forms import replica_form
 from hlo_shard.runtime.inputs import DeviceValues, coerce_argument, output_shapes, parameter_shapes
 from hlo_shard.runtime.worker import DEFAULT_TIMEOUT, Worker, get_worker
+
+#: What a rejected module holding fusion instructions is told: XLA's fused modules (what
+#: ``install()`` hands the pass, XLA's optimized dumps) are generally not compiled again.
+FUSED_MODULE_HINT = (
+    "the module holds fusions, as XLA's own fused modules do (what install() hands the pass, "
+    "XLA's optimized dumps), which XLA may not compile again: verify the module from "
+    "before XLA's optimization (the *.spmd-partitioner.after_call-inliner... dump), or check "
+    "a hook's rewrite by running the step under install() against plain jit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +125,14 @@ class Executable:
     def _compile(self) -> None:
         from hlo_shard.printer import to_text
 
-        reply = self.worker.request("compile", self.timeout, f"compiling {self.name}",
-                                    text=to_text(self.module, for_xla=True),
-                                    replicas=self.devices)
+        try:
+            reply = self.worker.request("compile", self.timeout, f"compiling {self.name}",
+                                        text=to_text(self.module, for_xla=True),
+                                        replicas=self.devices)
+        except HloRuntimeError as err:
+            if not is_prefused(self.module):
+                raise
+            raise HloRuntimeError(f"{err} ({FUSED_MODULE_HINT})") from None
         self._handle = reply["handle"]
         self._generation = self.worker.generation
         self.memory = MemoryStats.from_worker(reply["memory"])
