@@ -701,6 +701,9 @@ class ModuleRewriter:
     module: Module
     changes: list[Change] = field(default_factory=list)
     _rewriters: dict[str, Rewriter] = field(init=False, default_factory=dict)
+    #: Where :meth:`insert_computation` finds its anchors (:class:`_ListPositions`), made
+    #: at its first insert.
+    _positions: _ListPositions | None = field(init=False, default=None)
 
     def rewriter(self, comp: Computation) -> Rewriter:
         """The Rewriter of ``comp`` (one per computation, so users indexes agree),
@@ -760,9 +763,76 @@ class ModuleRewriter:
         after the computation named ``after``."""
         if self.module.has_computation(comp.name):
             raise ValueError(f"duplicate computation name {comp.name!r}")
-        position = self.module.computations.index(self.module.computation(after)) + 1
+        anchor = self.module.computation(after)
+        if self._positions is None or not self._positions.tracks(self.module.computations):
+            self._positions = _ListPositions(self.module.computations)
+        position = self._positions.index(anchor) + 1
         self.module.insert_computation(position, comp)
+        self._positions.inserted(comp, anchor)
         self.changes.append(Change("insert-computation", comp.name, f"after {after}"))
+
+
+class _ListPositions:
+    """Positions in a list of computations that grows by inserts right after a member
+    (:meth:`ModuleRewriter.insert_computation`), without scanning the list for each: a
+    member of the list as it was at the start is at its first index plus the inserts
+    made after members before it (a Fenwick tree of inserts per first index: O(log n)
+    per insert and lookup); an inserted one is searched for from its group's start, past
+    the inserts made after the same member. Every position is checked against the list
+    (one identity test) and searched for from the start where it is wrong: the list was
+    edited otherwise (put back, cut down), and the caller starts afresh (:meth:`tracks`)."""
+
+    def __init__(self, items: list[Computation]) -> None:
+        self._items = items
+        self._length = len(items)
+        #: Computation (by identity) → the first index of the member it was inserted
+        #: after (its own, for a member of the list at the start).
+        self._slot = {id(item): k for k, item in enumerate(items)}
+        self._first = set(self._slot)
+        self._tree = [0] * (len(items) + 1)
+        self._inserts = 0
+        self._lost = False
+
+    def tracks(self, items: list[Computation]) -> bool:
+        """``items`` is the list followed, only grown by :meth:`inserted` since."""
+        return not self._lost and items is self._items and \
+            len(items) == self._length + self._inserts
+
+    def index(self, item: Computation) -> int:
+        slot = self._slot.get(id(item))
+        if slot is not None:
+            start = slot + self._before(slot)
+            if id(item) in self._first:
+                if start < len(self._items) and self._items[start] is item:
+                    return start
+            else:  # after its member, among the inserts made after that member
+                try:
+                    return self._items.index(item, start)
+                except ValueError:
+                    pass
+        return self._items.index(item)
+
+    def inserted(self, item: Computation, after: Computation) -> None:
+        """``item`` was inserted right after ``after``."""
+        slot = self._slot.get(id(after))
+        if slot is None:  # after a computation not followed: start afresh
+            self._lost = True
+            return
+        self._slot[id(item)] = slot
+        self._inserts += 1
+        k = slot + 2  # (kept at slot + 1: it counts for the members past ``slot``)
+        while k < len(self._tree):
+            self._tree[k] += 1
+            k += k & -k
+
+    def _before(self, slot: int) -> int:
+        """Inserts made after members at first indexes below ``slot`` (the tree's sum
+        through ``slot + 1``, where an insert after member ``s`` is kept at ``s + 2``)."""
+        total, k = 0, slot + 1
+        while k > 0:
+            total += self._tree[k]
+            k -= k & -k
+        return total
 
 
 def scalar_literal(comp: Computation, inst: Instruction) -> int | float | None:

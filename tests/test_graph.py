@@ -1,6 +1,7 @@
 """The Rewriter keeps the instruction list, users and insertion points consistent."""
 
 from collections.abc import Callable
+import sys
 
 from hypothesis import given, settings, strategies as st
 import pytest
@@ -271,6 +272,59 @@ def test_forget_drops_the_log_since_and_the_computations_rewriter():
     again = edits.rewriter(module.entry)
     assert again is not rw and [u.name for u in again.users("p")] == ["n"]
     assert again.fresh_name("abs") == added.name  # the undone name is free again
+
+
+class _CountingList(list):
+    """A module's computation list that counts the elements its searches pass."""
+
+    scanned = 0
+
+    def index(self, value, start=0, stop=sys.maxsize):
+        try:
+            found = super().index(value, start, stop)
+        except ValueError:
+            self.scanned += max(len(self) - start, 0)
+            raise
+        self.scanned += found - start + 1
+        return found
+
+
+def _inserted_copies(count: int) -> tuple[Module, list[str]]:
+    """``count`` computations; after every other one (in list order, as the weight-update
+    pass inserts each fusion body's sharded copy), a copy, a second copy right after the
+    first, and a third right after the original again; the list's names as inserting
+    each right after its anchor in a plain list makes them."""
+    def body(name: str) -> Computation:
+        return Computation(name, [Instruction("p", "parameter", F4, parameter_number=0)])
+
+    module = Module("m", _CountingList(body(f"c{k}") for k in range(count)), {})
+    expected = [c.name for c in module.computations]
+    edits = ModuleRewriter(module)
+    for k in range(0, count, 2):
+        for name, after in ((f"c{k}.a", f"c{k}"), (f"c{k}.b", f"c{k}.a"), (f"c{k}.c", f"c{k}")):
+            edits.insert_computation(body(name), after=after)
+            expected.insert(expected.index(after) + 1, name)
+    return module, expected
+
+
+def test_inserted_computations_find_their_anchor_without_scanning_the_list():
+    """Each insert finds its anchor where the inserts before it moved it (not by a search
+    of the list from its start, which made a pass inserting thousands of fusion bodies
+    quadratic), and the list is the one inserting in a plain list makes."""
+    small, expected = _inserted_copies(1_000)
+    assert [c.name for c in small.computations] == expected
+    large, _ = _inserted_copies(2_000)
+    assert large.computations.scanned <= 2.2 * small.computations.scanned
+    # A list edited otherwise in between (cut down) is followed afresh.
+    module, expected = _inserted_copies(10)
+    edits = ModuleRewriter(module)
+    edits.insert_computation(Computation("x", []), after="c4.c")
+    edits.remove_computations(["c0.a", "c0.b"])
+    edits.insert_computation(Computation("y", []), after="c4")
+    expected.insert(expected.index("c4.c") + 1, "x")
+    expected = [n for n in expected if n not in ("c0.a", "c0.b")]
+    expected.insert(expected.index("c4") + 1, "y")
+    assert [c.name for c in module.computations] == expected
 
 
 def test_fresh_names_of_one_stem_cost_the_same_each():
