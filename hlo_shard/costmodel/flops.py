@@ -163,10 +163,11 @@ class CostAnalysis:
         #: computation of its own, and its price reads nothing else), for a rewritten
         #: copy's analysis to reuse where the rewrite left that computation as it was.
         self._fusions: dict[str, Cost] = {}
-        #: :func:`~hlo_shard.graph.fused_structure` of a fusion priced here (or by ``earlier``, summed
-        #: under the same options) → its price and its fused computation's total (None
-        #: where pricing made none): a step's module repeats a few fusions many times
-        #: (per layer, per gradient), each with a computation of its own.
+        #: :func:`~hlo_shard.graph.fused_structure` of a fusion priced here (or by
+        #: ``earlier``, summed under the same options) → its price and its fused
+        #: computation's total (None where pricing made none): a step's module repeats a
+        #: few fusions many times (per layer, per gradient), each with a computation of
+        #: its own.
         self._alike: dict[FusedStructure, tuple[Cost, Cost | None]] = \
             dict(earlier.analysis._alike) if earlier is not None else {}
 
@@ -197,8 +198,8 @@ class CostAnalysis:
 
     def _fusion_alike(self, comp: Computation, inst: Instruction, fused: str) -> Cost:
         """The price of a fusion priced already whose structure is the same
-        (:func:`~hlo_shard.graph.fused_structure`), recorded as if priced here (its computation summed,
-        reading nothing), else the fusion priced."""
+        (:func:`~hlo_shard.graph.fused_structure`), recorded as if priced here (its
+        computation summed, reading nothing), else the fusion priced."""
         key = fused_structure(inst, self._computations[fused])
         found = self._alike.get(key) if key is not None else None
         if found is None:

@@ -56,7 +56,7 @@ from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_zero, starts_at_zero
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
-from hlo_shard.opinfo import BITCAST, COPY, RESHAPE, TRANSPOSE, moves
+from hlo_shard.opinfo import VIEWS
 from hlo_shard.passes.accumulation_motion import (REASONS as MOTION_REASONS, SUMMABLE, Refusal,
                                                   SlotReads, check_loop, slots_read)
 from hlo_shard.passes.base import ModulePass
@@ -203,11 +203,6 @@ class AccumulatorReport:
                   f"{'; ' + self.prices.words if w.reason == 'slower' and self.prices else ''})"
                   for w in self.whole]
         return notes
-
-
-#: How the ops move elements that an accumulation may apply to what it adds, fused with
-#: the add (each one operand's elements, all of them, placed anew).
-_RELABELS = frozenset({COPY, RESHAPE, BITCAST, TRANSPOSE})
 
 
 @dataclass(frozen=True)
@@ -595,7 +590,7 @@ def _addend(module: Module, add: Instruction, accumulator: str) -> _Addend | Non
     """What ``add`` adds to ``accumulator`` (one of its two operands, read once): the
     other operand of an ``add``, or of XLA's fused form of one — a fusion whose
     computation adds its two parameters, the other one through ops that only place its
-    elements anew (:data:`_RELABELS`: the transposes and layout changes XLA fuses into
+    elements anew (:func:`_relabelled`: the transposes and layout changes XLA fuses into
     an accumulation) and does nothing else; None for any other instruction."""
     if len(add.operands) != 2 or add.operands.count(accumulator) != 1:
         return None
@@ -622,9 +617,10 @@ def _addend(module: Module, add: Instruction, accumulator: str) -> _Addend | Non
 
 def _relabelled(fused: Computation, top: Instruction) -> tuple[Instruction, list[Instruction]]:
     """Down from ``top`` through the ops that only place their one operand's elements
-    anew (:data:`_RELABELS`): the value they start from, and those ops, ``top`` first."""
+    anew (:data:`~hlo_shard.opinfo.VIEWS`): the value they start from, and those ops,
+    ``top`` first."""
     chain: list[Instruction] = []
-    while moves(top.opcode) in _RELABELS and len(top.operands) == 1:
+    while top.opcode in VIEWS and len(top.operands) == 1:
         chain.append(top)
         top = fused[top.operands[0]]
     return top, chain
