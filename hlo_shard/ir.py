@@ -401,6 +401,12 @@ class Computation:
         params = [i for i in self.instructions if i.opcode == "parameter"]
         return sorted(params, key=lambda i: cast(int, i.parameter_number))
 
+    def parameter_names(self) -> dict[int, str]:
+        """Parameter number → the parameter's name (a caller's operand ``k`` is read
+        by the parameter numbered ``k``)."""
+        return {cast(int, i.parameter_number): i.name for i in self.instructions
+                if i.opcode == "parameter"}
+
     def operands_of(self, inst: Instruction) -> list[Instruction]:
         return [self._index[name] for name in inst.operands]
 

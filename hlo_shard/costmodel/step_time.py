@@ -830,7 +830,7 @@ def donated_copy_seconds(copy: DonatedCopy, profile: HardwareProfile) -> float:
 
 def _kinds_of_roles(module: Module, roles: Mapping[int, str]) -> dict[str, str]:
     """Parameter kinds by name from kinds by parameter number."""
-    params = {p.parameter_number: p.name for p in module.entry.parameters()}
+    params = module.entry.parameter_names()
     return {params[index]: kind for index, kind in roles.items() if index in params}
 
 

@@ -67,6 +67,7 @@ from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, is_zero, scalar_literal,
                              starts_at_zero, users_map)
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
+from hlo_shard.opinfo import VIEWS
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds
 from hlo_shard.units import fmt_bytes
@@ -117,14 +118,11 @@ def _divided_by_constant(module: Module, comp: Computation, inst: Instruction,
         and _scaled_by_constant(module, comp, inst, position)
 
 
-#: Ops that only relabel an all-reduced value's elements (a sum over dimensions of size 1
-#: included): applied before or after the sum over devices, the same sum of the same
-#: numbers in the same order.
+#: Ops that only relabel an all-reduced value's elements (:data:`~hlo_shard.opinfo.VIEWS`,
+#: and a sum over dimensions of size 1): applied before or after the sum over devices,
+#: the same sum of the same numbers in the same order.
 RELABELLING: dict[str, Rule] = {
-    "reshape": _relabel,
-    "bitcast": _relabel,
-    "transpose": _relabel,
-    "copy": _relabel,
+    **{op: _relabel for op in VIEWS},
     "reduce": _is_degenerate_sum,
 }
 
@@ -713,7 +711,7 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str
     if fusion.operands.count(value) != 1:
         return None
     fused = module.computation(fusion.called("calls"))
-    params = {p.param_number: p.name for p in fused.parameters()}
+    params = fused.parameter_names()
     followed = params.get(fusion.operands.index(value))
     if followed is None:
         return None

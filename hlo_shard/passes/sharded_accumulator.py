@@ -88,15 +88,13 @@ def _fused_relabel(module: Module, comp: Computation, inst: Instruction) -> bool
 
 
 #: Ops allowed between the accumulators and the reduce-scatter (the sharding's shard
-#: format): each moves or relabels elements, or adds zeros, the same way in every
+#: format): each moves or relabels elements (:data:`~hlo_shard.opinfo.VIEWS`, a
+#: concatenation, XLA's fusion of views), or adds zeros, the same way in every
 #: iteration, so it commutes with the sum over microbatches. The rule says whether the
 #: instruction qualifies; only a ``pad``'s first operand is followed (its second is the
 #: zero, copied into the loop body).
 LINEAR_FORMAT: dict[str, Callable[[Module, Computation, Instruction], bool]] = {
-    "reshape": _always,
-    "bitcast": _always,
-    "transpose": _always,
-    "copy": _always,
+    **{op: _always for op in VIEWS},
     "concatenate": _always,
     "pad": _pads_with_zero,
     "fusion": _fused_relabel,
@@ -603,9 +601,7 @@ def _addend(module: Module, add: Instruction, accumulator: str) -> _Addend | Non
     root = fused.root
     if root.opcode != "add" or len(set(root.operands)) != 2:
         return None
-    by_number = {i.parameter_number: i.name for i in fused.instructions
-                 if i.opcode == "parameter"}
-    kept = by_number.get(add.operands.index(accumulator))
+    kept = fused.parameter_names().get(add.operands.index(accumulator))
     if kept not in root.operands:
         return None
     value, relabels = _relabelled(fused, fused[root.operands[1 - root.operands.index(kept)]])
