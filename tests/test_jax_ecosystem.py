@@ -422,3 +422,35 @@ def test_gather_outputs_keeps_a_per_example_output_shaped_as_a_state_shard(reque
     arrays = [jax.tree.leaves(eqx.filter(tree, eqx.is_array)) for tree in (full[:2], reference[:2])]
     for ours, theirs in zip(*arrays, strict=True):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+
+
+def test_per_device_hlo_takes_the_library_jit_wrappers(request):
+    """``per_device_hlo`` on an ``nnx.jit`` and an ``eqx.filter_jit`` step (it called the
+    wrapper's ``lower``, equinox's own: ``'Lowered' object has no attribute
+    '_lowering'``): the module ``shard_weight_update`` captures from the same call, and
+    the step not run (nnx's model, updated in place by a step, unchanged)."""
+    if not needs_devices(request):
+        return
+    replicated, by_data = _mesh()
+    (x, y), = _batches(by_data, 1)
+
+    model = _MLP(32, 64, 8, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), replicated))
+    kernel = np.asarray(model.linear1.kernel[...])
+    text = hsj.per_device_hlo(_nnx_train_step, model, optimizer, x, y)
+    np.testing.assert_array_equal(np.asarray(model.linear1.kernel[...]), kernel)
+    fast = hsj.shard_weight_update(_nnx_train_step, force=True)
+    fast(model, optimizer, x, y)
+    assert text == fast.original_hlo_text
+
+    optim = optax.adam(1e-2)
+    step = _eqx_step(optim)
+    mlp = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
+    opt_state = optim.init(eqx.filter(mlp, eqx.is_inexact_array))
+    mlp, opt_state = eqx.filter_shard((mlp, opt_state), replicated)
+    text = hsj.per_device_hlo(step, mlp, opt_state, x, y, by_data)
+    assert "all-reduce" in text
+    fast = hsj.shard_weight_update(step, force=True)
+    fast(mlp, opt_state, x, y, by_data)
+    assert text == fast.original_hlo_text

@@ -213,7 +213,7 @@ def _column_split_step() -> str:
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from hlo_shard.jax._capture import per_device_hlo
+    from hlo_shard.jax import per_device_hlo
 
     jnp = jax.numpy
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))

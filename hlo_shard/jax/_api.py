@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from hlo_shard.jax._capture import per_device_hlo
-from hlo_shard.jax._step import ShardedStep
+from hlo_shard.jax._step import ShardedStep, per_device_hlo
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.profiles import HardwareProfile, resolve_profile

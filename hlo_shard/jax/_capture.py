@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from hlo_shard.dumps import pick_dump_file
@@ -231,18 +231,6 @@ def _capture_of(jit: JitStep, text: str, in_shardings: tuple, out_shardings: tup
                    tuple(jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended)
                          for info in arg_infos), tuple(out_avals),
                    tuple(out_shardings), out_tree, _xla.device_assignment(lowered))
-
-
-def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
-    """The per-device module of ``fn`` (jitted, or jitted here) for these arguments, as
-    ``hlo-shard optimize`` reads it. Compiles ``fn`` once (no computation runs)."""
-    import jax
-
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    try:
-        return capture(jitted, args, kwargs).text
-    except Unsupported as why:
-        raise HloShardError(str(why)) from None
 
 
 def _read_stage(folder: Path) -> str:

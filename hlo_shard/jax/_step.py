@@ -137,6 +137,42 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     return None, jax.jit(fn)
 
 
+def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
+    """The per-device module of ``fn`` (``jax.jit``, a library's jit wrapper as
+    :func:`shard_weight_update` takes them, or a function jitted here) for these
+    arguments, as ``hlo-shard optimize`` reads it. Compiles once (no computation runs).
+    A wrapper (``nnx.jit``, ``eqx.filter_jit``) is called as the user calls it, its jit
+    given the step that captures the arguments the wrapper makes for it."""
+    front, jitted = _front_and_jit(fn)
+
+    def text_of(args: tuple, kwargs: dict) -> str:
+        try:
+            return capture(jitted, args, kwargs).text
+        except Unsupported as why:
+            raise HloShardError(str(why)) from None
+
+    if front is None:
+        return text_of(args, kwargs)
+
+    def captured(*jit_args: Any, **jit_kwargs: Any) -> Any:
+        raise _Captured(text_of(jit_args, jit_kwargs))
+
+    try:
+        front(captured)(*args, **kwargs)
+    except _Captured as got:
+        return got.text
+    raise HloShardError("the step's jit wrapper returned without calling its jax.jit")
+
+
+class _Captured(Exception):
+    """The module the wrapper's jit was called for, carried out through the wrapper
+    (which would otherwise post-process what its jit returns)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__("captured")
+        self.text = text
+
+
 def _calling(wrapper: Any, attribute: str, step: Callable) -> Callable:
     """``wrapper`` calling ``step`` where it calls its ``attribute``. Equinox's wrapper is
     a frozen dataclass: a copy with the field replaced. Flax's tags its graph contexts
