@@ -268,6 +268,43 @@ ENTRY e {{ w = f32[10] parameter(0) m = f32[10] parameter(1) g = f32[10] paramet
     assert module.entry.parameters()[1].shape.dims == (10,)
 
 
+#: Momentum without input_output_alias (jit without donation): the new weight depends on
+#: its moment alone among the optimizer state, as the moment's next value does; what
+#: tells them apart is that the new weight also depends on the weight, one for one.
+MOMENTUM_UNALIASED = f"""HloModule mom, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[12] parameter(0) m = f32[12] parameter(1) g = f32[12] parameter(2)
+ ar = f32[12] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ b = f32[] constant(0.9) bb = f32[12] broadcast(b), dimensions={{}}
+ mm = f32[12] multiply(m, bb) nm = f32[12] add(mm, ar)
+ lr = f32[] constant(0.01) lrb = f32[12] broadcast(lr), dimensions={{}}
+ u = f32[12] multiply(nm, lrb) nw = f32[12] subtract(w, u)
+ fwd = f32[] dot(w, g), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ ROOT t = (f32[12], f32[12], f32[]) tuple(nw, nm, fwd) }}
+"""
+
+
+def test_unaliased_state_is_paired_with_its_own_next_value():
+    """The moment's next value is the sharded output, not the new weight (which depended
+    on the moment alone of the state, and came first: it was taken for the moment's
+    next value, the weight returned as shards and the moment whole)."""
+    _, report = optimize(MOMENTUM_UNALIASED, state="sharded")
+    assert [p.kind for p in report.parameters] == ["replicated", "sharded", "per-device"]
+    assert [o.kind for o in report.outputs] == ["replicated", "sharded", "per-device"]
+
+
+def test_unaliased_state_whose_next_value_is_ambiguous_stays_whole():
+    """A step returning the update (``-lr * m``, no weight in it) beside the moment: both
+    depend on the moment alone, and nothing says which is its next value."""
+    text = MOMENTUM_UNALIASED.replace("nw = f32[12] subtract(w, u)", "nw = f32[12] negate(u)")
+    _, report = optimize(text, state="sharded")
+    assert [p.kind for p in report.parameters] == ["replicated", "replicated", "per-device"]
+    assert [o.kind for o in report.outputs] == ["replicated", "replicated", "per-device"]
+    (note,) = [n for n in report.notes if "optimizer state parameter 1" in n]
+    assert note.endswith("no output in its element order is its next value alone "
+                         "(no input_output_alias to say which)")
+
+
 #: Adam-like update of a [2,16]{1,0} weight whose gradient comes stored column-major, at
 #: N = 8: no row-major shard is a block of whole rows (N exceeds the 2 rows), so the
 #: stored order's column blocks need fewer transposes — but the manifest flattens state in

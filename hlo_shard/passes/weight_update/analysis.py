@@ -1568,29 +1568,73 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
             kept_whole.update({number: unaliased for number in candidates
                                if number not in pairs and number not in kept_whole})
         return pairs, kept_whole
-    # No aliasing: an output depending on exactly one remaining candidate of its kind,
-    # first through the operands its elements are computed from one for one (a new
-    # weight from its own weight, not from every weight backpropagation read), then
-    # through all.
-    remaining = dict(candidates)
-    open_outputs = dict(outputs)
-    bit = {number: 1 << index for index, number in enumerate(candidates)}
-    for computed_from in (ElementOperands(module).previous(comp), None):
+    found = _next_values_by_dependence(module, comp, candidates, outputs, fits,
+                                       replication)
+    for number, k in found.items():
+        pair(number, k)
+    kept_whole.update({number: "no output in its element order is its next value alone "
+                               "(no input_output_alias to say which)"
+                       for number in candidates if number not in found})
+    return pairs, kept_whole
+
+
+def _next_values_by_dependence(module: Module, comp: Computation, candidates: Iterable[int],
+                               outputs: Mapping[int, str], fits: Callable[[int, int], bool],
+                               replication: Replication) -> dict[int, int]:
+    """Without input_output_alias: parameter number → the output (of ``outputs``, where
+    ``fits``) that is its next value, read from what each output depends on, among the
+    replicated entry parameters of a candidate's shape and type. First through the
+    operands each element is computed from one for one: an output depending so on one
+    candidate alone of those not paired yet, and on no other such parameter (a weight:
+    the new weight, ``w - lr * m``, depends on its weight and its moment), is that
+    candidate's;
+    then through all operands (every value depends on every weight through the
+    gradients there: the weights left out). Either way only where no other output
+    claims the same candidate: lion's or momentum's update returned as such (``-lr *
+    m``) depends on the moment alone, as the moment's next value does, and which of the
+    two is the next value cannot be read from the graph (the moment stays whole).
+    Bitsets: one pass over ``comp`` per stage, each output a few mask operations."""
+    root = comp.root
+    params = {p.param_number: p for p in comp.parameters()}
+
+    def type_of(shape: Shape) -> tuple | None:
+        return (shape.element_type, shape.dims) if isinstance(shape, ArrayShape) else None
+
+    wanted = {number: type_of(params[number].shape) for number in candidates}
+    weights = [number for number, param in params.items()
+               if number not in wanted and type_of(param.shape) in wanted.values()
+               and replication.is_replicated(comp.name, param.name)]
+    numbers = [*wanted, *weights]
+    bit = {number: 1 << index for index, number in enumerate(numbers)}
+    of_type: dict[tuple | None, int] = defaultdict(int)
+    for number in numbers:
+        of_type[type_of(params[number].shape)] |= bit[number]
+    elements = root.shape.elements if isinstance(root.shape, TupleShape) else ()
+    alike = [of_type.get(type_of(element), 0) for element in elements]
+    remaining = sum(bit[number] for number in wanted)
+    blocking = sum(bit[number] for number in weights)
+    unpaired = [k for k in range(len(root.operands)) if alike[k]]
+    found: dict[int, int] = {}
+    for computed_from, blockers in ((ElementOperands(module).previous(comp), blocking),
+                                    (None, 0)):
         reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()},
                               computed_from)
         progress = True
         while progress:
             progress = False
-            for k, value in list(open_outputs.items()):
-                matches = [n for n in remaining if reads[value] & bit[n] and fits(n, k)]
-                if len(matches) == 1:
-                    pair(matches[0], k)
-                    del remaining[matches[0]]
-                    del open_outputs[k]
+            claims: dict[int, list[int]] = defaultdict(list)
+            for k in unpaired:
+                matches = reads[root.operands[k]] & (remaining | blockers) & alike[k]
+                if matches & remaining and not matches & (matches - 1):  # one candidate
+                    claims[matches].append(k)
+            for match, claimed in claims.items():
+                number, k = numbers[match.bit_length() - 1], claimed[0]
+                if len(claimed) == 1 and k in outputs and fits(number, k):
+                    found[number] = k
+                    remaining &= ~match
+                    unpaired.remove(k)
                     progress = True
-    kept_whole.update({number: "no output in its element order is its next value alone "
-                               "(no input_output_alias to say which)" for number in remaining})
-    return pairs, kept_whole
+    return found
 
 
 def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
