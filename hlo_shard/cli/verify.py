@@ -131,12 +131,17 @@ def _text_report(report: VerifyReport, timed: bool) -> list[str]:
         lines += _table(report)
         lines.append(_tolerance_line(report))
         bad = [leaf for leaf in report.final() if not leaf.ok]
+        if report.unlooped:
+            lines.append("NOT A LOOP: the candidate's shard parameters are fed outputs of "
+                         "another form (" + ", ".join(f"output {o} -> parameter {p}"
+                                                       for o, p in report.unlooped)
+                         + "): it does not run on its own outputs")
         if bad:
             step = report.differing[0][0]
             lines.append(f"DIFFERENT: {len(bad)} of {len(report.final())} outputs differ "
                          f"(output {', '.join(str(leaf.index) for leaf in bad)}; first at step {step} "
                          f"of {report.steps_run}) on {devices}")
-        else:
+        elif not report.unlooped:
             lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "
                          f"over {steps}")
     if timed or report.candidate is not None:

@@ -116,6 +116,10 @@ class VerifyReport:
     #: Of those, the pairs the candidate could not be fed its own arrays for (the
     #: manifest gives output and parameter different formats): re-sharded instead.
     resharded: list[tuple[int, int]] = field(default_factory=list)
+    #: Of those, the pairs whose candidate parameter is a shard: the candidate does not
+    #: run on its own outputs (a loop feeding them back would hand a shard parameter a
+    #: value of another form) — a failure whatever the numbers.
+    unlooped: list[tuple[int, int]] = field(default_factory=list)
     #: The input regime of each step run.
     regimes: list[str] = field(default_factory=list)
     steps_run: int = 0
@@ -128,7 +132,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.differing
+        return not self.differing and not self.unlooped
 
     def final(self) -> list[LeafComparison]:
         """Per leaf: its first failing step's comparison, else the last step's."""
@@ -143,6 +147,7 @@ class VerifyReport:
         data = {"devices": self.devices, "backend": self.backend, "steps": self.steps_run,
                 "regimes": self.regimes,
                 "resharded": [{"output": o, "parameter": p} for o, p in self.resharded],
+                "unlooped": [{"output": o, "parameter": p} for o, p in self.unlooped],
                 "inputs": [{"parameter": r.number, "name": r.name, "role": r.role,
                             "source": r.source} for r in self.roles],
                 "feedback": [{"output": o, "parameter": p} for o, p in self.feedback],
@@ -444,6 +449,8 @@ class _Run:
         feeds: list[_Feed] = []
         if pair is not None:
             feeds, self.report.resharded = _candidate_feeds(pair, feedback, self.devices)
+            shards = {r.original for r in pair.param_records if r.shard is not None}
+            self.report.unlooped = [(o, p) for o, p in self.report.resharded if p in shards]
         state_a, _ = self.fresh(0)
         inputs_b = _candidate_inputs(pair, state_a, options, self.devices, 0) \
             if pair is not None else []
