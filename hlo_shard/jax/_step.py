@@ -363,12 +363,10 @@ class ShardedStep:
         # A library's jit wrapper returns the step's outputs in a pytree of its own: the
         # latest run's state outputs by identity (a per-example output shaped and placed
         # as some state leaf's shards stays as it is), else each leaf by its form alone.
-        if self._state_outputs is not None:
-            program, numbers, _ = self._state_outputs
-            found = {k: numbers[id(leaf)] for k, leaf in enumerate(leaves)
-                     if id(leaf) in numbers}
-            if found:
-                return jax.tree.unflatten(treedef, program.gather_outputs_at(leaves, found))
+        latest = self._latest_state_outputs(leaves)
+        if latest is not None:
+            program, found = latest
+            return jax.tree.unflatten(treedef, program.gather_outputs_at(leaves, found))
         chosen = [(k, where) for k, leaf in enumerate(leaves)
                   if (where := self._shards_by_form(f"output leaf {k}", leaf,
                                                     tuple(getattr(leaf, "shape", ()))))]
@@ -381,15 +379,36 @@ class ShardedStep:
             self._rebuild(converted, bound, {})[0][len(self._bound):]
 
     def _convert(self, call: _Call, to_shards: bool) -> _Call | None:
-        """``call`` with every state leaf in the other form (None: none to convert)."""
+        """``call`` with every state leaf in the other form (None: none to convert). A
+        shard no program knows by name (a library's jit wrapper names its arguments
+        otherwise) that the latest run returned is gathered as the state output it is,
+        by identity (leaves of different shapes can have one shard form); any other
+        leaf by its name, else its form."""
+        names = self._names(call)
+        latest = None if to_shards else self._latest_state_outputs(call.leaves)
+        outputs = {} if latest is None else {
+            index: k for index, k in latest[1].items()
+            if not any(names[index] in known for _, known in self._states)}
         chosen = []
-        for index, (name, leaf) in enumerate(zip(self._names(call), call.leaves)):
-            where = self._state_leaf(name, leaf, to_shards)
+        for index, (name, leaf) in enumerate(zip(names, call.leaves)):
+            where = None if index in outputs else self._state_leaf(name, leaf, to_shards)
             if where is not None:
                 chosen.append((index, where))
-        if not chosen:
+        if not chosen and not outputs:
             return None
-        return _Call(_converted(call.leaves, chosen, to_shards), call.treedef, call.static)
+        leaves = latest[0].gather_outputs_at(call.leaves, outputs) \
+            if latest is not None and outputs else call.leaves
+        return _Call(_converted(leaves, chosen, to_shards), call.treedef, call.static)
+
+    def _latest_state_outputs(self, leaves: list) -> tuple[Program, dict[int, int]] | None:
+        """The latest run's program and, per leaf that is one of its state outputs, which
+        (the run keeps those arrays alive, so an id it recorded is that array's); None
+        where no leaf is."""
+        if self._state_outputs is None:
+            return None
+        program, numbers, _ = self._state_outputs
+        found = {k: numbers[id(leaf)] for k, leaf in enumerate(leaves) if id(leaf) in numbers}
+        return (program, found) if found else None
 
     def _state_leaf(self, name: str, leaf: Any, to_shards: bool) -> _StateLeaf | None:
         """The state leaf ``leaf`` is (by name and shape) in the form to convert from: a
