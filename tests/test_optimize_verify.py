@@ -100,6 +100,13 @@ ENTRY e {{ w = f32[10] parameter(0) g = f32[10] parameter(1)
     assert verify_optimized(text).ok
 
 
+def test_unaliased_weights_and_state_kept_as_shards_loop_on_their_outputs():
+    result = verify_optimized(cases.MOMENTUM_UNALIASED, state="sharded", params="sharded")
+    assert result.ok, ([(leaf.index, leaf.verdict) for leaf in result.final()],
+                       result.unlooped)
+    assert result.steps_run == 5 and not result.resharded
+
+
 def test_a_state_shard_fed_another_output_is_not_a_loop(monkeypatch):
     """The mutant of the pairing the verifier must kill: the moment paired with the new
     weight (what the pass did without input_output_alias). Its numbers agree, since the

@@ -293,6 +293,15 @@ def test_unaliased_state_is_paired_with_its_own_next_value():
     assert [o.kind for o in report.outputs] == ["replicated", "sharded", "per-device"]
 
 
+def test_unaliased_weights_and_state_each_take_their_own_next_value():
+    """``params="sharded"``: the moment's new value takes the moment (it depends on it
+    alone), and the new weight, left depending on its weight alone, takes the weight
+    (which is which: ``test_optimize_verify``, each fed its own output)."""
+    _, report = optimize(MOMENTUM_UNALIASED, state="sharded", params="sharded")
+    assert [p.kind for p in report.parameters] == ["sharded", "sharded", "per-device"]
+    assert [o.kind for o in report.outputs] == ["sharded", "sharded", "per-device"]
+
+
 def test_unaliased_state_whose_next_value_is_ambiguous_stays_whole():
     """A step returning the update (``-lr * m``, no weight in it) beside the moment: both
     depend on the moment alone, and nothing says which is its next value."""

@@ -1582,18 +1582,20 @@ def _next_values_by_dependence(module: Module, comp: Computation, candidates: It
                                outputs: Mapping[int, str], fits: Callable[[int, int], bool],
                                replication: Replication) -> dict[int, int]:
     """Without input_output_alias: parameter number → the output (of ``outputs``, where
-    ``fits``) that is its next value, read from what each output depends on, among the
-    replicated entry parameters of a candidate's shape and type. First through the
-    operands each element is computed from one for one: an output depending so on one
-    candidate alone of those not paired yet, and on no other such parameter (a weight:
-    the new weight, ``w - lr * m``, depends on its weight and its moment), is that
-    candidate's;
-    then through all operands (every value depends on every weight through the
-    gradients there: the weights left out). Either way only where no other output
-    claims the same candidate: lion's or momentum's update returned as such (``-lr *
-    m``) depends on the moment alone, as the moment's next value does, and which of the
-    two is the next value cannot be read from the graph (the moment stays whole).
-    Bitsets: one pass over ``comp`` per stage, each output a few mask operations."""
+    ``fits``) that is its next value, read from what each output depends on.
+
+    First through the operands each element is computed from one for one, among every
+    replicated entry parameter of a candidate's shape and type (the weights and the
+    state alike): an output depending so on one such parameter alone of those not
+    assigned yet takes it, and the others then read without it — momentum's new moment
+    depends on the moment alone and takes it, then the new weight (``w - lr * m``) is
+    left depending on its weight alone. Then through all operands, among the candidates
+    left (there every value depends on every weight through the gradients). Either way
+    a parameter two outputs claim goes to neither: lion's or momentum's update returned
+    as such (``-lr * m``) depends on the moment alone, as the moment's next value does,
+    and which of the two is the next value cannot be read from the graph (the moment
+    stays whole). Bitsets: one pass over ``comp`` per stage, each output a few mask
+    operations per round."""
     root = comp.root
     params = {p.param_number: p for p in comp.parameters()}
 
@@ -1601,39 +1603,46 @@ def _next_values_by_dependence(module: Module, comp: Computation, candidates: It
         return (shape.element_type, shape.dims) if isinstance(shape, ArrayShape) else None
 
     wanted = {number: type_of(params[number].shape) for number in candidates}
-    weights = [number for number, param in params.items()
-               if number not in wanted and type_of(param.shape) in wanted.values()
-               and replication.is_replicated(comp.name, param.name)]
-    numbers = [*wanted, *weights]
+    others = [number for number, param in params.items()
+              if number not in wanted and type_of(param.shape) in wanted.values()
+              and replication.is_replicated(comp.name, param.name)]
+    numbers = [*wanted, *others]
     bit = {number: 1 << index for index, number in enumerate(numbers)}
     of_type: dict[tuple | None, int] = defaultdict(int)
     for number in numbers:
         of_type[type_of(params[number].shape)] |= bit[number]
     elements = root.shape.elements if isinstance(root.shape, TupleShape) else ()
     alike = [of_type.get(type_of(element), 0) for element in elements]
-    remaining = sum(bit[number] for number in wanted)
-    blocking = sum(bit[number] for number in weights)
+    unassigned_candidates = sum(bit[number] for number in wanted)
+    unassigned_others = sum(bit[number] for number in others)
     unpaired = [k for k in range(len(root.operands)) if alike[k]]
     found: dict[int, int] = {}
-    for computed_from, blockers in ((ElementOperands(module).previous(comp), blocking),
-                                    (None, 0)):
+    for computed_from, with_others in ((ElementOperands(module).previous(comp), True),
+                                       (None, False)):
         reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()},
                               computed_from)
         progress = True
         while progress:
             progress = False
+            live = unassigned_candidates | (unassigned_others if with_others else 0)
             claims: dict[int, list[int]] = defaultdict(list)
             for k in unpaired:
-                matches = reads[root.operands[k]] & (remaining | blockers) & alike[k]
-                if matches & remaining and not matches & (matches - 1):  # one candidate
+                matches = reads[root.operands[k]] & live & alike[k]
+                if matches and not matches & (matches - 1):  # one parameter
                     claims[matches].append(k)
             for match, claimed in claims.items():
                 number, k = numbers[match.bit_length() - 1], claimed[0]
-                if len(claimed) == 1 and k in outputs and fits(number, k):
+                if len(claimed) != 1:
+                    continue
+                if match & unassigned_others:
+                    unassigned_others &= ~match
+                elif k in outputs and fits(number, k):
                     found[number] = k
-                    remaining &= ~match
-                    unpaired.remove(k)
-                    progress = True
+                    unassigned_candidates &= ~match
+                else:
+                    continue
+                unpaired.remove(k)
+                progress = True
     return found
 
 
