@@ -1613,36 +1613,49 @@ def _next_values_by_dependence(module: Module, comp: Computation, candidates: It
         of_type[type_of(params[number].shape)] |= bit[number]
     elements = root.shape.elements if isinstance(root.shape, TupleShape) else ()
     alike = [of_type.get(type_of(element), 0) for element in elements]
-    unassigned_candidates = sum(bit[number] for number in wanted)
-    unassigned_others = sum(bit[number] for number in others)
-    unpaired = [k for k in range(len(root.operands)) if alike[k]]
+    candidate_bits = sum(bit[number] for number in wanted)
+    live = candidate_bits | sum(bit[number] for number in others)
+    unpaired = {k for k in range(len(root.operands)) if alike[k]}
     found: dict[int, int] = {}
-    for computed_from, with_others in ((ElementOperands(module).previous(comp), True),
-                                       (None, False)):
+    for computed_from, scope in ((ElementOperands(module).previous(comp), ~0),
+                                 (None, candidate_bits)):
         reads = upstream_bits(comp, {params[number].name: b for number, b in bit.items()},
                               computed_from)
-        progress = True
-        while progress:
-            progress = False
-            live = unassigned_candidates | (unassigned_others if with_others else 0)
-            claims: dict[int, list[int]] = defaultdict(list)
-            for k in unpaired:
-                matches = reads[root.operands[k]] & live & alike[k]
-                if matches and not matches & (matches - 1):  # one parameter
-                    claims[matches].append(k)
-            for match, claimed in claims.items():
-                number, k = numbers[match.bit_length() - 1], claimed[0]
-                if len(claimed) != 1:
+        depends = {k: reads[root.operands[k]] & alike[k] & scope for k in unpaired}
+        readers: dict[int, list[int]] = defaultdict(list)  # parameter bit → outputs
+        for k, bits in depends.items():
+            while bits:
+                low = bits & -bits
+                readers[low].append(k)
+                bits ^= low
+        claims: dict[int, set[int]] = defaultdict(set)  # stand until their output pairs
+        examine = sorted(unpaired)
+        while examine:  # rounds: only outputs reading what the last round assigned
+            claimed = set()
+            for k in examine:
+                matches = depends[k] & live
+                if k in unpaired and matches and not matches & (matches - 1):  # one
+                    claims[matches].add(k)
+                    claimed.add(matches)
+            assigned = 0
+            for match in claimed:
+                if len(claims[match]) != 1:
                     continue
-                if match & unassigned_others:
-                    unassigned_others &= ~match
-                elif k in outputs and fits(number, k):
+                (k,) = claims[match]
+                number = numbers[match.bit_length() - 1]
+                if match & candidate_bits:
+                    if k not in outputs or not fits(number, k):
+                        continue
                     found[number] = k
-                    unassigned_candidates &= ~match
-                else:
-                    continue
-                unpaired.remove(k)
-                progress = True
+                live &= ~match
+                unpaired.discard(k)
+                assigned |= match
+            following: set[int] = set()
+            while assigned:
+                low = assigned & -assigned
+                following.update(readers.get(low, ()))
+                assigned ^= low
+            examine = sorted(following)
     return found
 
 
