@@ -383,7 +383,8 @@ def test_install_names_the_conditional_an_update_in_a_lax_cond_reads_its_gradien
     one): in XLA's fused module the hook sees, the vector gradients go straight into the
     conditional's operand tuple, and the pass keeps them whole (``no_update_work``). The
     reason named no user ("all users need the full gradient"); it names the tuple and
-    the conditional reading it now. Numbers jit's."""
+    the conditional reading it now, and says the update runs in the conditional's
+    branches (it said "no update work downstream"). Numbers jit's."""
     from jax_train_helpers import assert_close, jax, mlp_loss, needs_devices, optax, run_steps
     import hlo_shard.jax as hsj
     from hlo_shard.analysis.collectives import ReasonCode
@@ -401,4 +402,5 @@ def test_install_names_the_conditional_an_update_in_a_lax_cond_reads_its_gradien
     assert idle, [(e.reason_code, e.reason) for e in decision.report.explanations]
     for row in idle:
         assert "(conditional)" in row.reason, row.reason
+        assert row.reason.startswith("its update runs in a conditional's branches"), row.reason
     assert_close(hooked, expected)

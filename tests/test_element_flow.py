@@ -32,7 +32,7 @@ def _same_width_step(fsdp: bool = False) -> str:
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from hlo_shard.jax._capture import per_device_hlo
+    from hlo_shard.jax import per_device_hlo
 
     jnp = jax.numpy
     mesh = Mesh(np.array(jax.devices()[:8]).reshape((2, 4) if fsdp else (8,)),

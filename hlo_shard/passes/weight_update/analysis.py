@@ -947,13 +947,25 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
         why = "; ".join(stops[:2]) + (f"; {len(stops) - 2} more" if len(stops) > 2 else "")
     else:  # which users: a tuple by what reads it (a conditional's operands, in XLA's
         # fused modules, where a lax.cond of the update takes the gradients)
-        users = [_user_words(planner, user) for value in leaf.values
+        users = [user for value in leaf.values
                  for user in dict.fromkeys(planner.graph.successors(value))
                  if user not in leaf.values]
         if users:
-            why += ": " + ", ".join(users[:2]) + \
+            why += ": " + ", ".join(_user_words(planner, user) for user in users[:2]) + \
                 (f", {len(users) - 2} more" if len(users) > 2 else "")
+        if any(_conditional_reader(planner, user) for user in users):
+            return Whole(ReasonCode.NO_UPDATE_WORK,
+                         f"its update runs in a conditional's branches (a lax.cond of the "
+                         f"update), which the pass does not shard into ({why})")
     return Whole(ReasonCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
+
+
+def _conditional_reader(planner: _Planner, user: str) -> bool:
+    """``user`` is a conditional, or a tuple a conditional reads (its operands)."""
+    inst = planner.comp[user]
+    readers = planner.graph.successors(user) if inst.opcode == "tuple" else ()
+    return inst.opcode == "conditional" or \
+        any(planner.comp[r].opcode == "conditional" for r in readers)
 
 
 def _user_words(planner: _Planner, user: str) -> str:
