@@ -141,6 +141,13 @@ def _text_report(report: VerifyReport, timed: bool) -> list[str]:
             lines.append(f"DIFFERENT: {len(bad)} of {len(report.final())} outputs differ "
                          f"(output {', '.join(str(leaf.index) for leaf in bad)}; first at step {step} "
                          f"of {report.steps_run}) on {devices}")
+            if {report.regimes[s - 1] for s, _ in report.differing} == {"wide-range"} and \
+                    len(set(report.regimes)) > 1:
+                lines.append("note: only the wide-range regime's steps differ. A candidate "
+                             "that sums in another order (optimize --explain: sums moved "
+                             "out of an accumulation loop) rounds otherwise where such terms "
+                             "cancel; the tolerance is not widened for it (docs/verify.md, "
+                             "'What it cannot excuse'). The other regimes matched.")
         elif not report.unlooped:
             lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "
                          f"over {steps}")
