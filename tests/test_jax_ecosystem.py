@@ -158,6 +158,19 @@ def _eqx_step(optim):
     return train_step
 
 
+def _eqx_run(fn, optim, batches, replicated, by_data):
+    """``fn`` (the step or its sharded form) from equinox's MLP as the example starts
+    it, over ``batches``: the losses and the final model."""
+    model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    model, opt_state = eqx.filter_shard((model, opt_state), replicated)
+    losses = []
+    for x, y in batches:
+        model, opt_state, loss = fn(model, opt_state, x, y, by_data)
+        losses.append(float(loss))
+    return losses, model
+
+
 @pytest.mark.parametrize("state, force", [("gathered", False), ("sharded", False),
                                           ("sharded", True)])
 def test_an_equinox_filter_jit_step(request, state, force):
@@ -173,14 +186,7 @@ def test_an_equinox_filter_jit_step(request, state, force):
     step = _eqx_step(optim)
 
     def run(fn):
-        model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
-        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
-        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
-        losses = []
-        for x, y in batches:
-            model, opt_state, loss = fn(model, opt_state, x, y, by_data)
-            losses.append(float(loss))
-        return losses, model
+        return _eqx_run(fn, optim, batches, replicated, by_data)
 
     fast = hsj.shard_weight_update(step, state=state, force=force)
     with warnings.catch_warnings(record=True) as caught:
@@ -211,14 +217,7 @@ def test_an_equinox_step_with_one_moment_per_weight_keeps_its_model_whole(reques
     step = _eqx_step(optim)
 
     def run(fn):
-        model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.PRNGKey(0))
-        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
-        model, opt_state = eqx.filter_shard((model, opt_state), replicated)
-        losses = []
-        for x, y in batches:
-            model, opt_state, loss = fn(model, opt_state, x, y, by_data)
-            losses.append(float(loss))
-        return losses, model
+        return _eqx_run(fn, optim, batches, replicated, by_data)
 
     fast = hsj.shard_weight_update(step, state="sharded", force=True)
     losses, model = _run_without_fallback(fast, run)
