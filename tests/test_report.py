@@ -112,6 +112,8 @@ def test_user_profile_file(modules, tmp_path):
     (["report", "BAD", "--json", "--markdown"], "exclusive"),
     (["scale", "BAD", "--replicas", "8,x"], "--replicas"),
     (["scale", "BAD", "--batch-per-replica", "half"], "--batch-per-replica"),
+    (["scale", "BAD", "--replicas", "8,128", "--batch-per-replica", "global=100"],
+     "smaller than 128 replicas"),
     (["scale", "BAD", "--parameters", "lots"], "--parameters"),
 ])
 def test_bad_input_is_one_line_and_exit_2(modules, args, message):

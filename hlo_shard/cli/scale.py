@@ -126,6 +126,9 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
 
     counts = _replica_list(replicas, max_replicas)
     global_batch = _batch_mode(batch_mode)
+    if global_batch is not None and global_batch < max(counts):
+        raise HloShardError(f"--batch-per-replica global={global_batch} is smaller than "
+                            f"{max(counts)} replicas: each would get less than one example")
     parameter_count = _parameter_count(parameters)
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
