@@ -222,6 +222,9 @@ def test_an_equinox_step_with_one_moment_per_weight_keeps_its_model_whole(reques
     fast = hsj.shard_weight_update(step, state="sharded", force=True)
     losses, model = _run_without_fallback(fast, run)
     assert any(p["kind"] == "sharded" for p in fast.report["parameters"])
+    # named as the user's arguments name them (equinox's jit: dynamic_donate['first'][0])
+    assert [row["gradient_of"] for row in fast.report["explanations"]][:2] == \
+        ["model.layers[0].weight", "model.layers[0].bias"]
     reference, model_jit = run(step)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     for ours, theirs in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
@@ -532,6 +535,8 @@ def test_nnx_state_kept_as_shards_gathers_back_for_a_checkpoint(request):
 
     fast = hsj.shard_weight_update(step, state="sharded", force=True)
     model, optimizer = _run_without_fallback(fast, run)
+    assert {p["name"].split(".")[0] for p in fast.report["parameters"]} >= {"model",
+                                                                            "optimizer"}
     held = {leaf.shape for leaf in jax.tree.leaves(nnx.state(optimizer))}
     assert (64,) in held and (4, 16) not in held  # the moments are held as shards
     _, full, _ = fast.gather_args(model, optimizer, batches[0])

@@ -71,6 +71,9 @@ class _Call:
     treedef: Any
     static: tuple
     names: list[str] = field(default_factory=list)
+    #: The report's names: ``names``, or under a library's jit wrapper each leaf as the
+    #: user's own arguments name it, where the wrapper handed it on as it was.
+    shown: list[str] = field(default_factory=list)
     #: The signature key, computed once per call.
     key: tuple | None = None
 
@@ -173,6 +176,18 @@ class _Captured(Exception):
         self.text = text
 
 
+def _parameter_names(fn: Callable) -> tuple[str, ...]:
+    """``fn``'s positional parameter names as its signature gives them (a method's
+    instance among them, as jit counts it), or none where it has no signature."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn.__func__ if isinstance(fn, types.MethodType) else fn)
+    except (TypeError, ValueError):
+        return ()
+    return tuple(signature.parameters)
+
+
 def _calling(wrapper: Any, attribute: str, step: Callable) -> Callable:
     """``wrapper`` calling ``step`` where it calls its ``attribute``. Equinox's wrapper is
     a frozen dataclass: a copy with the field replaced. Flax's tags its graph contexts
@@ -232,12 +247,32 @@ class ShardedStep:
         #: leaf whose shape and placement happen to be a state leaf's shard form is
         #: still the batch (never gathered as if it were shards).
         self._whole_names: set[str] = set()
+        #: A library's jit wrapper's call in progress: the user's own arguments, and
+        #: the names of the function's positional parameters (not its jit's).
+        self._wrapped: tuple[tuple, dict] | None = None
+        self._user_args = _parameter_names(fn)
 
     # --------------------------------------------------------------- the step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._front is not None:
-            return self._front(*args, **kwargs)
+            self._wrapped = (args, kwargs)  # the user's names, read if this signature is new
+            try:
+                return self._front(*args, **kwargs)
+            finally:
+                self._wrapped = None
         return self._step(*args, **kwargs)
+
+    def _shown_names(self, call: _Call) -> list[str]:
+        """``call.names``, each leaf a library's jit wrapper passed on as the user gave
+        it named by the user's own argument path instead (by identity: the wrapper's
+        jit names its arguments its own way, ``dynamic_donate['first'][3]``)."""
+        if self._wrapped is None:
+            return call.names
+        args, kwargs = self._wrapped
+        user = self._split_user(self._bound + args, kwargs)
+        by_leaf = {id(leaf): name for name, leaf in zip(self._names(user, self._user_args),
+                                                         user.leaves)}
+        return [by_leaf.get(id(leaf), name) for name, leaf in zip(call.names, call.leaves)]
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         call = self._split(args, kwargs)
@@ -470,7 +505,7 @@ class ShardedStep:
             return fallback_json(self._latest, self.options)
         if self._latest is None or self._latest_call is None:  # (set together)
             return None
-        return self._latest.report_json(self._latest_call.names)
+        return self._latest.report_json(self._latest_call.shown or self._latest_call.names)
 
     @property
     def _program(self) -> Program | None:
@@ -563,6 +598,7 @@ class ShardedStep:
             program = build_program(cap, self.options, self._next_values(call, cap),
                                     seconds, self.force)
             call.names = self._names(call)
+            call.shown = self._shown_names(call)
             state = {name: _StateLeaf(layout, full, program.shard_sharding)
                      for name, (layout, full) in program.state_by_name(call.names).items()}
             shard_key = program.shard_key(key, call.leaves) \
@@ -637,13 +673,14 @@ class ShardedStep:
                  else numbers.get(path[1].key, path[1].key),
                  jax.tree_util.keystr(path[2:])) for path, _ in paths]
 
-    def _names(self, call: _Call) -> list[str]:
-        """Each dynamic leaf's name as the user wrote it: ``params['l0']['w']``."""
+    def _names(self, call: _Call, arg_names: tuple[str, ...] | None = None) -> list[str]:
+        """Each dynamic leaf's name as the user wrote it: ``params['l0']['w']``
+        (positional arguments named by ``arg_names``, default jit's function's)."""
+        arg_names = self._arg_names if arg_names is None else arg_names
         names = []
         for head, rest in self._paths(call):
             if isinstance(head, int):
-                head = self._arg_names[head] if head < len(self._arg_names) \
-                    else f"args[{head}]"
+                head = arg_names[head] if head < len(arg_names) else f"args[{head}]"
             names.append(head + rest)
         return names
 
