@@ -4,6 +4,7 @@ names are jit's own."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -90,3 +91,27 @@ def test_the_stop_leaves_other_compiles_alone(request):
         _xla.STOP_NAME, jax_xla.PipelineStage.PRE_SCHEDULER, platforms="cpu")
     cap = capture(jitted, args, {})
     assert cap.jit.compiled is None
+
+
+def test_a_killed_capture_s_dump_folder_is_swept_by_the_next(tmp_path):
+    """A capture killed mid-compile (SIGKILL skips its ``finally``) left its dump folder
+    in the shared temp folder; the next capture on the host removes such leftovers of
+    gone processes, and nothing else: a live process's, another host's, a file."""
+    from hlo_shard.jax._capture import _alive, _sweep_leftovers
+
+    limit = Path("/proc/sys/kernel/pid_max")
+    gone = (int(limit.read_text()) if limit.exists() else 2 ** 22) + 1  # never a pid
+    assert not _alive(gone)
+    own = "hlo-shard-capture-thishost-"
+    left = tmp_path / f"{own}{gone}-a1"
+    left.mkdir()
+    (left / "module.txt").write_text("HloModule m")
+    kept = [tmp_path / f"{own}{os.getpid()}-b2",
+            tmp_path / f"hlo-shard-capture-otherhost-{gone}-c3"]
+    for folder in kept:
+        folder.mkdir()
+    a_file = tmp_path / f"{own}{gone}-d4"
+    a_file.write_text("")
+    _sweep_leftovers(tmp_path, own)
+    assert not left.exists()
+    assert all(folder.is_dir() for folder in kept) and a_file.is_file()

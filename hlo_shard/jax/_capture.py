@@ -15,7 +15,11 @@ its executable is the one a fallback runs, rather than jit compiling the step ag
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
+import socket
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -192,13 +196,52 @@ def _check_supported(lowered: Any) -> None:
                               Reason.UNSUPPORTED_STEP)
 
 
+#: The dump folder's name: this host and process in it, so that a later capture can
+#: remove one a killed process left behind (SIGKILL skips the ``finally``).
+_FOLDER_PREFIX = "hlo-shard-capture-"
+
+
+def _capture_folder() -> Path:
+    """A fresh folder for XLA's dump of one capture, after removing this host's
+    leftovers (:func:`_sweep_leftovers`)."""
+    own = f"{_FOLDER_PREFIX}{socket.gethostname()}-"
+    _sweep_leftovers(Path(tempfile.gettempdir()), own)
+    return Path(tempfile.mkdtemp(prefix=f"{own}{os.getpid()}-"))
+
+
+def _sweep_leftovers(root: Path, own: str) -> None:
+    """Remove the capture folders under ``root`` named ``own`` + pid that this user's
+    processes on this host left and that are gone (a pid alive, reused or not, keeps
+    its folder; another host's or user's is never touched)."""
+    for folder in root.glob(glob.escape(own) + "*-*"):
+        pid = folder.name[len(own):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's, or not ours to ask: alive
+        return True
+    return True
+
+
 def _compile_with_dumps(jit: JitStep) -> tuple[str, tuple, tuple]:
     """The partitioned module jit's compile dumped, and jit's flat input and output
     shardings (the partitioner's choices); ``jit.compiled`` set where the compile ran to
     the end."""
     import jax
 
-    folder = Path(tempfile.mkdtemp(prefix="hlo-shard-capture-"))
+    folder = _capture_folder()
     try:
         jit.compiled, partitioned = _xla.compile_or_stop(
             jit.lowered, {**DUMP_OPTIONS, "xla_dump_to": str(folder)}, folder)
