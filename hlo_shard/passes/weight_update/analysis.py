@@ -1509,12 +1509,6 @@ def gradient_sources(module: Module, found: list[GradientAllReduce]) -> dict[str
     return sources
 
 
-def parameter_names(comp: Computation) -> dict[int, str]:
-    """Parameter number → name (one scan, for callers that look up many)."""
-    return {p.parameter_number: p.name for p in comp.parameters()
-            if p.parameter_number is not None}
-
-
 @dataclass(frozen=True)
 class StatePair:
     """Optimizer state kept sharded: its parameter's next value is output ``output``."""
@@ -1615,8 +1609,9 @@ def _next_values_by_dependence(module: Module, comp: Computation, candidates: It
         return (shape.element_type, shape.dims) if isinstance(shape, ArrayShape) else None
 
     wanted = {number: type_of(params[number].shape) for number in candidates}
+    wanted_types = set(wanted.values())
     others = [number for number, param in params.items()
-              if number not in wanted and type_of(param.shape) in wanted.values()
+              if number not in wanted and type_of(param.shape) in wanted_types
               and replication.is_replicated(comp.name, param.name)]
     numbers = [*wanted, *others]
     bit = {number: 1 << index for index, number in enumerate(numbers)}
@@ -2012,7 +2007,7 @@ __all__ = [
     "blocks_through_collectives", "called_computation", "canonical_perm", "classify",
     "collect_leaves", "copy_chains", "data_parallel_groups", "flattenable",
     "gradient_sources", "is_laid_out", "is_scalar_broadcast", "loop_slots",
-    "major_dimension", "natural_perm", "pair_state", "parameter_names", "plan_region",
+    "major_dimension", "natural_perm", "pair_state", "plan_region",
     "planned_update_regions", "proved_array", "proved_element", "read_update_facts",
     "region_read_parameters", "reshape_format", "transpose_operand", "transpose_result",
     "triage", "triage_gradients", "tuple_index", "unsharded_state",

@@ -35,7 +35,7 @@ from hlo_shard.opinfo import VIEWS, ZERO_PRESERVING
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedLeaf, RegionOp,
                                                      RegionPlan, StatePair,
                                                      flattenable, is_scalar_broadcast,
-                                                     parameter_names, proved_array,
+                                                     proved_array,
                                                      proved_element, tuple_index)
 from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
                                                  block_body, block_dims, shard_body,
@@ -940,7 +940,7 @@ def annotate_state(module: Module, rw: Rewriter, state: dict[int, StatePair],
                     groups: DeviceGroups) -> None:
     """SPMD form: a sharded state parameter's global value is the padded flat vector."""
     comp = rw.comp
-    names = parameter_names(comp)
+    names = comp.parameter_names()
     for number in state:
         param = comp[names[number]]
         if "sharding" in param.attributes or module.num_partitions > 1:

@@ -49,7 +49,7 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, Reg
                                                      called_computation, collect_leaves,
                                                      copy_chains, data_parallel_groups,
                                                      loop_slots, pair_state,
-                                                     parameter_names, plan_region,
+                                                     plan_region,
                                                      proved_array, read_update_facts,
                                                      region_read_parameters, triage,
                                                      unsharded_state)
@@ -386,7 +386,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             graph, params = dataflow_graph(comp), comp.parameters()
             read = region_read_parameters(params, graph, plan)
             state_plan, kept_whole = pair_state(module, comp, plan, run.replication, read)
-            names = parameter_names(comp)
+            names = comp.parameter_names()
             run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
             if plan.active and not read:
