@@ -65,7 +65,7 @@ from hlo_shard.values import (
 )
 
 __all__ = ["OPCODES", "compatible", "cyclic_gc_paused", "grammar_path", "is_known_opcode",
-           "parse", "parse_file"]
+           "parse", "parse_file", "read_shape"]
 
 # ----------------------------------------------------------------------------- tables
 
@@ -357,6 +357,15 @@ def _read_shape(text: str, loc: Loc) -> Shape:
     if len(stack) != 1 or len(stack[0]) != 1 or covered != len(text):
         _fail(f"bad shape {show(text)}", loc)
     return stack[0][0]
+
+
+def read_shape(text: str) -> Shape:
+    """A shape written as HLO text writes it (``(f32[4,6]{1,0}, s32[])``); a
+    :class:`HloParseError` where it is none."""
+    try:
+        return _read_shape(text.strip(), Token("SHAPE", text, 0, 1, 1))
+    except _Located as err:
+        raise _error(text, None, err.message, err.line, err.column) from None
 
 
 def _shape(child: Token | TupleShape) -> Shape:
@@ -1743,7 +1752,7 @@ def _end_position(text: str) -> tuple[int, int]:
 
 
 def _error(text: str, path: str | None, message: str, line: int, column: int) -> HloParseError:
-    return HloParseError(message, line, column, _source_line(text, line), path)
+    return HloParseError(message, line, column, path)
 
 
 def _source_line(text: str, line: int) -> str:

@@ -18,6 +18,7 @@ from hlo_shard import runtime
 from hlo_shard.cli import main
 from hlo_shard.ir import ReplicaGroups
 from hlo_shard.parser import parse
+from hlo_shard.runtime.inputs import output_shapes
 from hlo_shard.printer import to_text
 
 ADD = "add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }\n"
@@ -294,3 +295,20 @@ def test_unparsable_and_unexecutable_inputs_are_exit_2(tmp_path):
     both = verify(write(tmp_path, "rp.hlo", "HloModule m, replica_count=2, num_partitions=2\n"
                                           "ENTRY e { ROOT p = f32[2] parameter(0) }"))
     assert both.exit_code == 2 and "not supported yet" in both.stderr
+
+
+def test_outputs_are_read_in_the_declared_entry_layout(tmp_path):
+    # jax writes some ROOT elements {0,1} beside a declared {1,0} (XLA copies them into
+    # the declared layout): the new weight is then fed back as it is, not re-sharded.
+    declared = ("HloModule momentum, replica_count=2, entry_computation_layout="
+                "{(f32[3,4]{1,0}, f32[3,4]{1,0}, f32[3,4]{1,0})->"
+                "(f32[3,4]{1,0}, f32[3,4]{1,0}, f32[])}\n")
+    text = MOMENTUM.replace("HloModule momentum, replica_count=2\n", declared).replace(
+        "ROOT t = (f32[3,4], f32[3,4], f32[]) tuple(w2, m2, n)",
+        "w2c = f32[3,4]{0,1} copy(w2) ROOT t = (f32[3,4]{0,1}, f32[3,4], f32[]) tuple(w2c, m2, n)")
+    module = parse(text)
+    assert [s.minor_to_major() for s in output_shapes(module)[:2]] == [(1, 0), (1, 0)]
+    path = write(tmp_path, "m.hlo", text)
+    result = verify(path, path, "--steps", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["resharded"] == []
