@@ -133,14 +133,10 @@ def test_error_position_and_words(text, line, column, words):
     with pytest.raises(HloParseError) as info:
         parse(text, "in.hlo")
     err = info.value
-    assert (err.line, err.column) == (line, column), err.render()
+    assert (err.line, err.column) == (line, column), str(err)
     assert words in err.message, err.message
     assert str(err).startswith(f"in.hlo:{line}:{column}: error: ")
-    # The rendered form shows the line and a caret under the column.
-    rendered = err.render().splitlines()
-    if err.source_line and len(err.source_line) <= 200:
-        assert rendered[1] == err.source_line
-        assert rendered[2] == " " * (column - 1) + "^"
+    assert "\n" not in str(err)
 
 
 @pytest.mark.parametrize("name", ["control_flow", "attributes", "header_and_stack_frames"])

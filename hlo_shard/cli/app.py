@@ -102,8 +102,8 @@ def user_errors(command: Callable) -> Callable:
         installed = _raise_on_terminations()
         try:
             return command(*args, **kwargs)
-        except HloParseError as err:
-            click.echo(err.render(), err=True)
+        except HloParseError as err:  # one line: path:line:col: error: message
+            click.echo(str(err), err=True)
             sys.exit(EXIT_USAGE)
         except HloShardError as err:
             click.echo(f"error: {err}", err=True)
