@@ -123,3 +123,21 @@ def test_a_state_shard_fed_another_output_is_not_a_loop(monkeypatch):
                                   result.report, module)))
     assert not verified.differing and verified.unlooped == [(1, 1)]
     assert not verified.ok and verified.to_json()["match"] is False
+
+
+def test_a_reduction_from_another_initial_value_is_not_split_over_shards():
+    # XLA applies a reduction's initial value once per partial result of its choosing
+    # (XLA:CPU: 9 times over these 256 elements): sums of shards from 5 would not add
+    # up to it, so this sum stays on the whole value (the old code split it: DIFFERENT).
+    text = f"""HloModule init5, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[256] parameter(0) g = f32[256] parameter(1)
+ a = f32[256] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ ab = f32[256] abs(a) five = f32[] constant(5)
+ s = f32[] reduce(ab, five), dimensions={{0}}, to_apply=add
+ sb = f32[256] broadcast(s), dimensions={{}} u = f32[256] divide(a, sb)
+ ROOT nw = f32[256] subtract(w, u) }}
+"""
+    entry = parse(optimize(parse(text), ShardingOptions(), force=True).text).entry
+    assert entry[entry["s"].operands[0]].array_shape.dims == (256,)
+    assert verify_optimized(text).ok

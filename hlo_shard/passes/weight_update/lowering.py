@@ -333,7 +333,7 @@ class RegionRewrite:
         emit = self.emit
         inst = self.comp[name]
         fmt = op.operand_format
-        source, init = inst.operands
+        source = inst.operands[0]  # (its initial value is the reducer's neutral one)
         element_type = self.comp[source].array_shape.element_type
         out_type = inst.array_shape.element_type
         to_apply = inst.attr("to_apply")
@@ -355,10 +355,6 @@ class RegionRewrite:
             self._small_sums.append(result)
             if op.reducer in _NAN_FLAGS and out_type.startswith(("f", "bf")):
                 result = self.keep_nan(local, result, op.reducer, out_type, to_apply, name)
-            if not _is_constant(self.comp[init], op.neutral):
-                if partial:
-                    init = emit.add("broadcast", inst.shape, [init], dimensions=())
-                result = emit.add(op.reducer, self.comp[result].shape, [result, init])
             if not partial and not inst.array_shape.is_scalar:
                 result = emit.add("reshape", inst.shape, [result])
         self.rw.replace_all_uses_with(name, result)
@@ -911,15 +907,6 @@ def _constant_state(inst: Instruction) -> str:
         return _ZERO
     return _FINITE if _NORMAL_IN_EVERY_FLOAT[0] <= abs(number) <= _NORMAL_IN_EVERY_FLOAT[1] \
         else _ANY
-
-
-def _is_constant(inst: Instruction, literal: str) -> bool:
-    if inst.opcode != "constant" or inst.literal is None:
-        return False
-    try:
-        return float(inst.literal) == float(literal)
-    except ValueError:
-        return inst.literal.strip() == literal
 
 
 # ---------------------------------------------- outside the region: state and loop carries
