@@ -351,11 +351,14 @@ class ShardedStep:
         optimizer-state leaves as per-device shards. Leaves are matched by their
         position and path, so a prefix such as ``(params, opt_state)`` works once the
         step has run or been sharded once with all its arguments. Identity in
-        gathered mode and where ``fast`` runs ``fn`` itself, and for a library's jit
+        gathered mode, where ``fast`` runs ``fn`` itself or keeps no state leaf sharded
+        (after a step), and for a library's jit
         wrapper (its jit names the arguments otherwise, so no path of the user's names
         a state leaf: the step takes the full leaves as they are); before its first
         step such a wrapper's ``shard_args`` is refused (ValueError)."""
-        if not self._states and self.options.state == "sharded":
+        # Captured before the first step only: a step that ran and keeps no state leaf
+        # as shards (kept whole, fallen back) takes its leaves as they are.
+        if not self._entries and self.options.state == "sharded":
             if self._front is not None:  # its jit takes arguments of the wrapper's making
                 raise ValueError("hlo_shard.jax: shard_args before any step needs the "
                                  "step's own jax.jit; a library's jit wrapper (nnx.jit, "
