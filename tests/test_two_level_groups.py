@@ -107,6 +107,31 @@ def test_a_sum_a_product_reads_is_no_gradient_however_large(mesh):
     assert rows["ar"].sharded and rows["hs"].reason == GROUPS_IN_WORDS[mesh]
 
 
+def summed_loss(mesh: str) -> str:
+    """:func:`wide_batch` with the model axis's sum read by no product, only by the
+    loss (as a tensor-parallel layer's input gradient is read by a residual add and a
+    norm's reductions): it outweighs the gradient, and has no parameter's dimensions."""
+    return wide_batch(mesh).replace(
+        "g = f32[24,6]{1,0} dot(x, hs)", "g = f32[24,6]{1,0} dot(x, h)").replace(
+        "ROOT t = (f32[24,6]{1,0}, f32[24,6]{1,0}, f32[24,6]{1,0}) tuple(nw, nm, nv)",
+        "z = f32[] constant(0)\n  loss = f32[] reduce(hs, z), dimensions={0,1}, to_apply=add\n"
+        "  ROOT t = (f32[24,6]{1,0}, f32[24,6]{1,0}, f32[24,6]{1,0}, f32[]) "
+        "tuple(nw, nm, nv, loss)")
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_the_groups_of_a_parameters_dimensions_outweigh_an_activations_sum(mesh):
+    """A probe's (data=2, fsdp=2, tensor=2) Llama step: the tensor axis's sums of the
+    projections' input gradients weighed more than the data axis's weight gradients, so
+    the pass took the tensor axis for the data-parallel one, sharded those sums and
+    kept every weight whole (the old code here: ``hs`` sharded, ``ar`` whole)."""
+    module = parse(summed_loss(mesh))
+    assert module.entry["hs"].shape.byte_size > module.entry["ar"].shape.byte_size
+    rows = {row.all_reduce: row
+            for row in optimize(module, ShardingOptions(), force=True).report.explanations}
+    assert rows["ar"].sharded and rows["hs"].reason == GROUPS_IN_WORDS[mesh]
+
+
 #: A scan over two layers on a (data=2, model=2) mesh: the model axis's sum of each
 #: layer's activations leaves the body only through the loop's carry (the next
 #: iteration's product reads it), the data axis's sum of the gradient is accumulated.
@@ -289,3 +314,37 @@ def test_the_summary_says_the_data_parallel_group_where_it_is_not_every_device(t
                                                        "fixtures" / "spmd" / "adam.n2.hlo"),
                                        "-o", str(tmp_path / "adam.hlo")])
     assert "across 2 devices;" in single.stderr, single.stderr
+
+
+#: Two gradients summed over the same pairs of devices, the pairs listed in two orders.
+LISTED_TWICE = f"""HloModule listed_twice, num_partitions=8
+{ADD}
+ENTRY e {{
+  w = f32[8,4]{{1,0}} parameter(0)
+  v = f32[8,4]{{1,0}} parameter(1)
+  g = f32[8,4]{{1,0}} parameter(2), parameter_replication={{false}}
+  h = f32[8,4]{{1,0}} parameter(3), parameter_replication={{false}}
+  gs = f32[8,4]{{1,0}} all-reduce(g), channel_id=1, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=add
+  hs = f32[8,4]{{1,0}} all-reduce(h), channel_id=2, replica_groups={{{{0,1}},{{4,5}},{{2,3}},{{6,7}}}}, use_global_device_ids=true, to_apply=add
+  lr = f32[] constant(0.1)
+  lrb = f32[8,4]{{1,0}} broadcast(lr), dimensions={{}}
+  gu = f32[8,4]{{1,0}} multiply(gs, lrb)
+  hu = f32[8,4]{{1,0}} multiply(hs, lrb)
+  nw = f32[8,4]{{1,0}} subtract(w, gu)
+  nv = f32[8,4]{{1,0}} subtract(v, hu)
+  ROOT t = (f32[8,4]{{1,0}}, f32[8,4]{{1,0}}) tuple(nw, nv)
+}}
+"""
+
+
+def test_the_same_groups_listed_in_another_order_are_the_same_groups(worker):
+    """``{{0,1},{4,5},{2,3},{6,7}}`` is ``[4,2]<=[8]``: both gradients are sharded over
+    those pairs (one was rejected as "its groups, 4 groups of 2 ({0,1}, …), differ from
+    the data-parallel group of the module, 4 groups of 2 ({0,1}, …)"), and verify."""
+    module = parse(LISTED_TWICE)
+    result = optimize(module, ShardingOptions(), force=True)
+    assert all(row.sharded for row in result.report.explanations), \
+        [row.reason for row in result.report.explanations]
+    verified = runtime.verify(parse(LISTED_TWICE), parse(result.text), runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(result.report, module)))
+    assert verified.ok, [(leaf.index, leaf.verdict) for leaf in verified.final()]

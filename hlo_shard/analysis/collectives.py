@@ -83,8 +83,10 @@ class DeviceGroups:
         return [frozenset(s) for g in self.groups for s in expand(g)]
 
     def key(self) -> tuple:
-        """Collectives with equal keys can be combined into one."""
-        return self.mode, self.groups, self.use_global_device_ids
+        """Collectives with equal keys can be combined into one: the same groups, each
+        in its own order (a device's position in its group is its shard), in any order
+        of the groups (``{{0,1},{4,5},{2,3},{6,7}}`` is ``[4,2]<=[8]``)."""
+        return self.mode, tuple(sorted(self.groups)), self.use_global_device_ids
 
 
 class UnsupportedGroups(ValueError):

@@ -53,7 +53,7 @@ from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, da
                              fused_structure, reachable, reading_only, topological_order,
                              upstream_bits, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
-                          Module, Shape, TupleShape)
+                          Module, Shape, TupleShape, shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
@@ -1463,26 +1463,36 @@ def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Devi
     which is the one whose update can be sharded further. Nor do sums a matrix product
     reads (:mod:`~hlo_shard.analysis.matmul_inputs`): on a data × model mesh the model
     axis's sums of activations, which in a scan over layers can outweigh the gradients'
-    (where a product reads every sum, all count, as before)."""
+    (where a product reads every sum, all count, as before). Of those, the sums of a
+    parameter's dimensions (in any order: the partitioner may sum a gradient computed
+    transposed) count first: a gradient has its weight's, while the model
+    axes' sums of activations (a tensor-parallel layer's input gradient, which a residual
+    add reads rather than a product) have the batch's, and on a data × fsdp × tensor
+    mesh they can outweigh the gradients too."""
     candidates = [ar for ar in found if ar.groups is not None and ar.is_candidate]
     if not candidates:
         return None
-    products = matmul_inputs(module) \
-        if len({cast(DeviceGroups, ar.groups).key() for ar in candidates}) > 1 else None
-    weight: dict[tuple, int] = defaultdict(int)
-    fallback: dict[tuple, int] = defaultdict(int)
+    several = len({cast(DeviceGroups, ar.groups).key() for ar in candidates}) > 1
+    products = matmul_inputs(module) if several else None
+    weights = {tuple(sorted(leaf.dims)) for param in module.entry.parameters()
+               for _, leaf in shape_leaves(param.shape)} if several else set()
+    gradients: dict[tuple, int] = defaultdict(int)
+    unread: dict[tuple, int] = defaultdict(int)
+    every: dict[tuple, int] = defaultdict(int)
     first: dict[tuple, DeviceGroups] = {}
     for ar in candidates:
-        groups = cast(DeviceGroups, ar.groups)
+        key = cast(DeviceGroups, ar.groups).key()
         shape = module.computation(ar.computation)[ar.name].shape
         parts = list(enumerate(shape.elements)) if isinstance(shape, TupleShape) \
             else [(None, shape)]
         for index, part in parts:
-            fallback[groups.key()] += part.byte_size
+            every[key] += part.byte_size
             if products is None or not products.reads(ar.computation, ar.name, index):
-                weight[groups.key()] += part.byte_size
-        first.setdefault(groups.key(), groups)
-    counted = weight or fallback
+                unread[key] += part.byte_size
+                if isinstance(part, ArrayShape) and tuple(sorted(part.dims)) in weights:
+                    gradients[key] += part.byte_size
+        first.setdefault(key, cast(DeviceGroups, ar.groups))
+    counted = gradients or unread or every
     return first[max(counted, key=lambda key: counted[key])]
 
 
