@@ -482,3 +482,13 @@ def test_units():
     assert fmt_delta(100.0, 50.0, fmt_bytes) == ("−50 B", "−50.0%")
     assert fmt_delta(0.0, 8.0, fmt_bytes) == ("+8 B", "new")
     assert fmt_delta(1.0, 1.0 + 1e-12, fmt_seconds) == ("0", "0.0%")
+
+
+def test_scale_refuses_a_mesh_of_several_axes_in_one_line():
+    path = Path(__file__).parent / "data" / "tp_clip_adam_4x2.n8.hlo"
+    result = CliRunner().invoke(main, ["scale", str(path), "--replicas", "16"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: scale projects data-parallel steps only (every all-reduce over the same "
+        "devices); this one's run over groups of 2 and 4 devices (a mesh of several axes): "
+        "optimize and verify it at its own size instead"]

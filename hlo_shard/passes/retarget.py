@@ -67,9 +67,14 @@ def data_parallel_size(module: Module) -> int:
     sizes = {group_size(module.computation(ar.computation)[ar.name], module)
              for ar in find_gradient_all_reduces(module)}
     sizes.discard(1)
+    if not sizes:
+        raise HloShardError("scale needs a data-parallel module: it has no all-reduce over "
+                            "more than one device")
     if len(sizes) != 1:
-        raise HloShardError("scale needs a data-parallel module: gradient all-reduces over one "
-                            f"group size (found {sorted(sizes) or 'none'})")
+        raise HloShardError(
+            "scale projects data-parallel steps only (every all-reduce over the same devices); "
+            f"this one's run over groups of {' and '.join(map(str, sorted(sizes)))} devices "
+            "(a mesh of several axes): optimize and verify it at its own size instead")
     return sizes.pop()
 
 
