@@ -804,3 +804,39 @@ def test_shard_args_after_a_step_that_keeps_its_state_whole_is_the_identity(requ
     restored = fast.shard_args(*fast.gather_args(params, opt_state))
     assert_close(restored, (params, opt_state))
     assert restored[1][0].mu["l0"]["w"].shape == params["l0"]["w"].shape
+
+
+@pytest.mark.parametrize("params_mode", ["gathered", "sharded"])
+def test_an_explicit_mesh_converts_leaves_the_devices_do_not_divide(request, params_mode):
+    """On ``jax.make_mesh``'s mesh (explicit axis types) jax types the shard form of a
+    10-wide bias ``f32[16@data]`` and refused the slice back to 10 with a
+    ``ShardingTypeError``, out of ``fast(...)`` (a signature falling back), of
+    ``gather_args`` and of ``gather_outputs``: now jit's numbers, every leaf its shape."""
+    if not needs_devices(request):
+        return
+    mesh = jax.make_mesh((4,), (AXIS,), devices=jax.devices()[:4])
+    replicated, by_data = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    opt = optax.adam(1e-2)
+    key = jax.random.PRNGKey(3)
+    params = jax.device_put({"w": jax.random.normal(key, (32, 64)) * 0.1, "b": jnp.zeros(10),
+                             "out": jax.random.normal(key, (64, 10)) * 0.1}, replicated)
+    opt_state = jax.device_put(opt.init(params), replicated)
+    x = jax.device_put(jax.random.normal(key, (8, 32)), by_data)
+
+    def step(params, opt_state, x):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["out"] + p["b"]) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    jitted = jax.jit(step)
+    fast = hsj.shard_weight_update(jitted, state="sharded", params=params_mode, force=True)
+    p, s, _ = fast(params, opt_state, x)
+    outs = fast(p, s, x)
+    assert fast.report["sharded"] == 3
+    p_jit, s_jit, _ = jitted(*jitted(params, opt_state, x)[:2], x)
+    full = fast.gather_outputs(outs)
+    assert_close(full[:2], (p_jit, s_jit))
+    assert_close(fast.gather_args(*outs[:2]), (p_jit, s_jit))
+    assert full[0]["b"].shape == (10,) and full[1][0].mu["b"].shape == (10,)

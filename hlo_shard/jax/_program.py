@@ -249,12 +249,28 @@ def fallback_json(why: Unsupported, options: ShardingOptions) -> dict:
             "seconds": None if why.seconds is None else why.seconds.to_json()}
 
 
+def _whole(x: Any) -> Any:
+    """``x`` (traced) replicated where its type is sharded over explicit mesh axes
+    (``jax.make_mesh``'s default): jax types a slice of such a dimension that the mesh
+    does not divide (a 10-wide bias's padded ``f32[16@data]``) as an error, where it
+    all-gathers an array of an automatic mesh's sharding."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if sharding is None or spec is None or all(entry is None for entry in spec):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
 def _shard(x: Any, layout: StateLayout) -> Any:
     """The jax adapter of :class:`ShardFormat`: ``x`` (the leaf as ``fn`` takes it) as
     its ``[D·shard_len]`` shard form, traced inside a jit."""
     import jax.numpy as jnp
 
     fmt = layout.format
+    x = _whole(x)
     if layout.ranks is None:
         return fmt.padded_flat(x, jnp)
     flats: dict = {}
@@ -272,6 +288,7 @@ def _gather(y: Any, layout: StateLayout) -> Any:
     import jax.numpy as jnp
 
     fmt = layout.format
+    y = _whole(y)
     if layout.ranks is None:
         return fmt.from_padded_flat(y, jnp)
     chunks = y.reshape(len(layout.ranks), fmt.shard_len)
