@@ -39,6 +39,8 @@ def test_an_update_that_reads_no_state_says_so():
     (note,) = [n for n in report.notes if "no optimizer state" in n]
     assert note.startswith("e: no optimizer state stays sharded: the sharded update reads "
                            "no state parameter"), note
+    # ... and where it ends (it said "each gradient's row says where", and no row does)
+    assert "on its state, at %sq (dot), which reads its values whole)" in note, note
 
 
 def test_gradients_sharded_only_in_a_loop_body_say_so():

@@ -393,7 +393,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 run.report.notes.append(
                     f"{comp.name}: no optimizer state stays sharded: the sharded update "
                     f"reads no state parameter (it ends before the optimizer's arithmetic "
-                    f"on its state; each gradient's row says where), so the state is "
+                    f"on its state, {_region_ends(comp, plan)}), so the state is "
                     f"computed whole on every device")
             run.report.notes += unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
@@ -518,6 +518,20 @@ def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, St
                                  f"(by {', '.join(sorted(set(users))[:3]) or 'the root'})",
                                  ReasonCode.WIDE_GATHER.value))
     return sorted(rows, key=lambda row: row.parameter)
+
+
+def _region_ends(comp: Computation, plan: RegionPlan) -> str:
+    """Where the sharded update ends, in words: the first instruction (in program order)
+    but the root reading a shard whole, and how many more do ("at %tuple.13 (tuple),
+    which reads its values whole, and 6 more")."""
+    readers = {user for users in plan.boundary.values() for user in users
+               if user and user != comp.root_name}
+    if not readers:
+        return "at the step's outputs"
+    order = {inst.name: k for k, inst in enumerate(comp.instructions)}
+    first = min(readers, key=order.__getitem__)
+    more = f", and {len(readers) - 1} more" if len(readers) > 1 else ""
+    return f"at %{first} ({comp[first].opcode}), which reads its values whole{more}"
 
 
 def _state_note(param: Instruction, number: int, why: str) -> str:
