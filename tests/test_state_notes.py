@@ -92,3 +92,18 @@ def test_a_reduction_over_a_size_one_dimension_is_no_factored_statistic():
     (note,) = [n for n in report.notes if "optimizer state parameter 1" in n]
     assert "factored statistic" not in note
     assert "computed after the sharded update ends, at %padded (pad)" in note, note
+
+
+def test_sharded_params_that_the_update_never_reads_say_so():
+    """``params="sharded"`` where the sharded update ends before the weights' update
+    (a probe's L-BFGS: its direction is a product of the gradients): no weight row, and
+    it said nothing."""
+    text = STATE_AFTER_A_DOT.replace(
+        "  step = f32[8] multiply(ar, lrb)\n  nw = f32[8] subtract(w, step)\n",
+        "  step = f32[8] multiply(ar, lrb)\n  nm0 = f32[8] add(m, step)\n").replace(
+        "  nm = f32[8] add(m, sqb)\n", "  nm = f32[8] add(nm0, ar)\n  nw = f32[8] subtract(w, sqb)\n")
+    _, report = optimize(text, state="sharded", params="sharded")
+    assert [row.sharded for row in report.explanations] == [True] and not report.weights
+    (note,) = [n for n in report.notes if "no weight" in n]
+    assert note.startswith("e: no weight stays sharded: the sharded update reads no weight "
+                           "(it ends before the weights' update, at %sq (dot)"), note

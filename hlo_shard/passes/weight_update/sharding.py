@@ -408,6 +408,12 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 run.report.weights += rows
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
                                      f"{row.reason}" for row in rows if not row.sharded]
+                if plan.active and not rows:
+                    run.report.notes.append(
+                        f"{comp.name}: no weight stays sharded: the sharded update reads no "
+                        f"weight (it ends before the weights' update, "
+                        f"{_region_ends(comp, plan)}), so the weights are updated whole "
+                        f"on every device")
                 bypass_copies(run.edits.rewriter(comp), [names[n] for n in weights], chains)
                 state_plan = {**state_plan, **weights}
             run.state_plan = state_plan
