@@ -404,3 +404,12 @@ def test_install_names_the_conditional_an_update_in_a_lax_cond_reads_its_gradien
         assert "(conditional)" in row.reason, row.reason
         assert row.reason.startswith("its update runs in a conditional's branches"), row.reason
     assert_close(hooked, expected)
+
+
+def test_a_sum_left_in_a_branch_names_the_conditional_that_calls_it():
+    """It said "inside a called computation (fusion/call/conditional): not supported"."""
+    text = COND.replace("false_computation=br_b", "false_computation=br_a")
+    _, report = optimize(text)
+    reasons = {row.reason for row in report.explanations if row.computation == "br_a"}
+    assert reasons == {"inside a computation %c (conditional) calls, which the pass does not "
+                       "shard into (only the entry and the bodies of its while loops)"}

@@ -1401,10 +1401,16 @@ def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups 
     regions = _region_computations(module)
     candidates: dict[str, list[GradientAllReduce]] = defaultdict(list)
     rejected: list[tuple[GradientAllReduce, str, ReasonCode | None]] = []
+    callers: dict[str, Instruction] | None = None
     for ar in found:
         reason, code = ar.reason, ar.code
         if not reason and ar.computation not in regions:
-            reason = "inside a called computation (fusion/call/conditional): not supported"
+            callers = _first_callers(module) if callers is None else callers
+            caller = callers.get(ar.computation)
+            where = f"a computation %{caller.name} ({caller.opcode}) calls" \
+                if caller is not None else "a called computation"
+            reason = f"inside {where}, which the pass does not shard into (only the " \
+                     f"entry and the bodies of its while loops)"
             code = ReasonCode.CALLED_COMPUTATION
         if not reason and (ar.groups is None or groups is None
                            or ar.groups.key() != groups.key()):
@@ -1418,6 +1424,16 @@ def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups 
         else:
             candidates[ar.computation].append(ar)
     return dict(candidates), rejected
+
+
+def _first_callers(module: Module) -> dict[str, Instruction]:
+    """Computation name → the first instruction (in module order) that calls it."""
+    callers: dict[str, Instruction] = {}
+    for comp in module.computations:
+        for inst in comp.instructions:
+            for callee in inst.called_computations():
+                callers.setdefault(callee, inst)
+    return callers
 
 
 def _in_words(groups: DeviceGroups) -> str:
