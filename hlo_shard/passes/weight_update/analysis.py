@@ -1806,8 +1806,8 @@ def _factored_reason(comp: Computation, plan: RegionPlan, name: str | None,
         inst = comp[name]
         fmt = plan.sharded[inst.operands[0]]
         dims = ",".join(map(str, inst.ints_attr("dimensions")))
-        what = f"its next value reduces the gradient along dimension {dims} (%{name}, a " \
-               f"factored statistic, like Adafactor's v_row/v_col)"
+        what = f"its next value reduces the gradient along dimension {dims} (%{name}, as " \
+               f"Adafactor's factored statistics v_row/v_col do)"
         if fmt.block is None:
             return f"{what}, and the gradient's shards are not blocks along one dimension " \
                    f"({fmt.elements} elements in {_order(fmt)} order over {fmt.n} devices" \
