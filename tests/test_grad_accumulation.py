@@ -102,6 +102,58 @@ def test_each_accumulated_gradient_is_named_by_its_weight(tmp_path):
         ["params['b1']", "params['w1']", "params['w2']"], rows
 
 
+#: A scan over two stacked layers inside the scan over microbatches (MaxText's
+#: scan_layers with gradient accumulation), on 8 devices.
+_NESTED_CAPTURE = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hlo_shard.jax import per_device_hlo
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+optimizer = optax.adam(1e-3)
+
+def loss(params, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(layer, x @ params["embed"], params["layers"])
+    return jnp.mean(h ** 2)
+
+def step(params, opt_state, microbatches):
+    def accumulate(grads, x):
+        return jax.tree.map(jnp.add, grads, jax.grad(loss)(params, x)), None
+    grads, _ = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), microbatches)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+replicated = NamedSharding(mesh, P())
+params = jax.device_put({"embed": jnp.ones((16, 32)) / 4,
+                         "layers": jnp.ones((2, 32, 32)) / 8}, replicated)
+opt_state = jax.device_put(optimizer.init(params), replicated)
+microbatches = jax.device_put(jnp.ones((4, 64, 16)), NamedSharding(mesh, P(None, "data")))
+sys.stdout.write(per_device_hlo(jax.jit(step, donate_argnums=(0, 1)), params, opt_state,
+                                microbatches))
+"""
+
+
+def test_gradients_summed_in_a_scan_over_layers_inside_the_accumulation_are_named(tmp_path):
+    """The stacked layers' gradient is all-reduced in the inner scan's body, written
+    into a zero-started stacked slot, added into the accumulation's slot: named through
+    both loops, also once moved out of both (it was null, as a probe found on a
+    MaxText-style scan_layers step with accumulation)."""
+    run = subprocess.run([sys.executable, "-c", _NESTED_CAPTURE], capture_output=True,
+                         text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    source = tmp_path / "nested.hlo"
+    source.write_text(run.stdout)
+    run = cli("optimize", str(source), "-o", str(tmp_path / "out.hlo"), "--json", "--force")
+    assert run.returncode == 0, run.stderr
+    rows = [row for row in json.loads(run.stdout)["explanations"] if row["shape"] != "f32[]"]
+    assert sorted(str(row["gradient_of"]) for row in rows) == \
+        ["params['embed']", "params['layers']"], rows
+    assert all(row["sharded"] for row in rows), rows
+
+
 def test_report_and_scale_read_the_update_of_the_accumulated_gradients(tmp_path):
     """The gradients are summed inside the loop; the update after it reads the loop's
     accumulators: ``report`` counts its weights and optimizer state as such (they read

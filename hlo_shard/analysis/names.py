@@ -316,35 +316,61 @@ def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
     adds it into a slot that starts at zero) → the weight: the one the slot's sum after
     the loop updates (read as an all-reduce's would be, ``groups`` the entry's next
     values, every loop's sums at once), where the body's all-reduce flows one for one
-    into that slot alone."""
+    into that slot alone. Loops nest (a scan over layers, writing each layer's sum into
+    a stacked slot, inside the scan over microbatches): an inner loop's zero-started
+    slot whose sum flows one for one into one slot of the loop around it is that slot's
+    weight's, and so on inwards."""
     entry = module.entry
-    users = users_map(entry)
-    loops: list[tuple[Computation, dict[int, str]]] = []
-    for loop in entry.instructions:
-        zeros = zero_started_slots(module, entry, loop) if loop.opcode == "while" else set()
-        if not zeros:
-            continue
-        body = module.computation(loop.called("body"))
-        sums = {inst.required_attr("index", int): inst.name
-                for inst in map(entry.__getitem__, users[loop.name])
-                if inst.opcode == "get-tuple-element" and isinstance(inst.shape, ArrayShape)
-                and inst.required_attr("index", int) in zeros}
-        if sums and body.root.opcode == "tuple":
-            loops.append((body, sums))
+    loops = _accumulation_loops(module, entry)
     if not loops:
         return {}
     named = gradient_weights(entry, groups, flows=flows,
                              leaf_names=[name for _, sums in loops for name in sums.values()])
+    work = [(body, {slot: weight for slot, name in sums.items()
+                    if (weight := named.get((name, None))) is not None})
+            for body, sums in loops]
     found: dict[WeightKey, int] = {}
-    for body, sums in loops:
-        slot_weight = {slot: weight for slot, name in sums.items()
-                       if (weight := named.get((name, None))) is not None}
+    seen: set[str] = set()
+    while work:
+        body, slot_weight = work.pop()
+        if not slot_weight or body.name in seen:
+            continue
+        seen.add(body.name)
+        flow = _ElementFlow(body, flows)
         slot_bits = {body.root.operands[slot]: 1 << slot for slot in slot_weight}
-        for (name, index), reached, _, _ in _ElementFlow(body, flows).gradient_leaves(
-                slot_bits, {}):
+        for (name, index), reached, _, _ in flow.gradient_leaves(slot_bits, {}):
             if reached and reached & (reached - 1) == 0:  # one slot
                 found[(body.name, name, index)] = slot_weight[reached.bit_length() - 1]
+        inner = _accumulation_loops(module, body)
+        values = [name for _, sums in inner for name in sums.values()]
+        reaches = {name: reached for (name, _), reached, _, _
+                   in flow.gradient_leaves(slot_bits, {}, values)} if values else {}
+        work += [(inner_body, {slot: slot_weight[reached.bit_length() - 1]
+                               for slot, name in sums.items()
+                               if (reached := reaches.get(name, 0))
+                               and reached & (reached - 1) == 0})
+                 for inner_body, sums in inner]
     return found
+
+
+def _accumulation_loops(module: Module, comp: Computation
+                        ) -> list[tuple[Computation, dict[int, str]]]:
+    """The ``while`` loops of ``comp`` with slots that start at zero, each with its body
+    and, per such slot that ``comp`` reads after the loop, the value read."""
+    users = users_map(comp)
+    loops: list[tuple[Computation, dict[int, str]]] = []
+    for loop in comp.instructions:
+        zeros = zero_started_slots(module, comp, loop) if loop.opcode == "while" else set()
+        if not zeros:
+            continue
+        body = module.computation(loop.called("body"))
+        sums = {inst.required_attr("index", int): inst.name
+                for inst in map(comp.__getitem__, users[loop.name])
+                if inst.opcode == "get-tuple-element" and isinstance(inst.shape, ArrayShape)
+                and inst.required_attr("index", int) in zeros}
+        if sums and body.root.opcode == "tuple":
+            loops.append((body, sums))
+    return loops
 
 
 def _through_copies(comp: Computation, name: str) -> str:

@@ -110,9 +110,12 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
                      input_regions=None if any(r.changed for r in result.results[:position])
                      else sharded.input_regions)
     result.report(ReduceScatterReport).annotate(report)
-    report.moved_from.update({(move.computation, move.after): origin
-                              for move in result.report(AccumulationReport).moved
-                              if (origin := move.origin) is not None})
+    # (a sum moved out of nested loops moves loop by loop, inner first: each move's
+    # origin is the input's all-reduce the move before it stood for)
+    for move in result.report(AccumulationReport).moved:
+        if (origin := move.origin) is not None:
+            report.moved_from[move.computation, move.after] = \
+                report.moved_from.get(origin, origin)
     return report
 
 
