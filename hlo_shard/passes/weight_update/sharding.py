@@ -390,11 +390,10 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             run.report.notes += [_state_note(comp[names[number]], number, why)
                                  for number, why in kept_whole.items()]
             if plan.active and not read:
-                run.report.notes.append(
-                    f"{comp.name}: no optimizer state stays sharded: the sharded update "
-                    f"reads no state parameter (it ends before the optimizer's arithmetic "
-                    f"on its state, {_region_ends(comp, plan)}), so the state is "
-                    f"computed whole on every device")
+                run.report.notes.append(_reads_none(
+                    comp, plan, "optimizer state", "state parameter",
+                    "the optimizer's arithmetic on its state",
+                    "the state is computed whole on every device"))
             run.report.notes += unsharded_state(module, comp, plan,
                                                  set(state_plan) | set(kept_whole))
             if self.options.params == "sharded":
@@ -409,11 +408,9 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
                                      f"{row.reason}" for row in rows if not row.sharded]
                 if plan.active and not rows:
-                    run.report.notes.append(
-                        f"{comp.name}: no weight stays sharded: the sharded update reads no "
-                        f"weight (it ends before the weights' update, "
-                        f"{_region_ends(comp, plan)}), so the weights are updated whole "
-                        f"on every device")
+                    run.report.notes.append(_reads_none(
+                        comp, plan, "weight", "weight", "the weights' update",
+                        "the weights are updated whole on every device"))
                 bypass_copies(run.edits.rewriter(comp), [names[n] for n in weights], chains)
                 state_plan = {**state_plan, **weights}
             run.state_plan = state_plan
@@ -524,6 +521,13 @@ def _weight_rows(comp: Computation, names: dict[int, str], weights: dict[int, St
                                  f"(by {', '.join(sorted(set(users))[:3]) or 'the root'})",
                                  ReasonCode.WIDE_GATHER.value))
     return sorted(rows, key=lambda row: row.parameter)
+
+
+def _reads_none(comp: Computation, plan: RegionPlan, kept: str, read: str, before: str,
+                so: str) -> str:
+    """The note on a sharded update that reads none of what was to stay sharded."""
+    return (f"{comp.name}: no {kept} stays sharded: the sharded update reads no {read} (it "
+            f"ends before {before}, {_region_ends(comp, plan)}), so {so}")
 
 
 def _region_ends(comp: Computation, plan: RegionPlan) -> str:
