@@ -20,13 +20,15 @@ DUMP_FLAGS = ("--xla_dump_to=DIR --xla_dump_hlo_pass_re=spmd-partitioning|call-i
 
 
 def pick_dump_file(folder: Path) -> Path:
-    """The per-device module of the largest step in an XLA dump folder: the best
-    partitioner stage present, the largest module of it (a training step, not the
-    optimizer's ``init``); or an error listing what is there and how to dump it."""
+    """The per-device module of the training step in an XLA dump folder: the best
+    partitioner stage present, the module of it with the most all-reduces (a training
+    step sums its gradients; a jitted ``init``, with the model's initial values, can be
+    the larger file), the largest of those; or an error listing what is there and how
+    to dump it."""
     for stage in SPMD_STAGES:
         found = [p for p in folder.glob(f"module_*{stage}") if p.is_file()]
         if found:
-            return max(found, key=lambda p: (p.stat().st_size, p.name))
+            return max(found, key=lambda p: (_all_reduces(p), p.stat().st_size, p.name))
     modules = sorted({p.name.split(".")[1] for p in folder.glob("module_*.*.txt")
                       if p.name.count(".") >= 2})
     listed = f" (it has modules {', '.join(modules[:5])}{' …' if len(modules) > 5 else ''}" \
@@ -34,3 +36,9 @@ def pick_dump_file(folder: Path) -> Path:
     raise HloShardError(f"{folder}: no per-device module *{SPMD_STAGES[0]}{listed}; dump "
                         f"the step with XLA_FLAGS=\"{DUMP_FLAGS}\" or "
                         "hlo_shard.jax.per_device_hlo(step, *args)")
+
+
+def _all_reduces(path: Path) -> int:
+    """How many all-reduces (synchronous or started) the module text at ``path`` holds."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return text.count(" all-reduce(") + text.count(" all-reduce-start(")

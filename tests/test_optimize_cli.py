@@ -468,3 +468,39 @@ def test_a_prediction_that_prices_slower_is_followed_by_the_next(monkeypatch, lu
     assert priced == sorted(estimated[:min(lures, speed_gate.MAX_GUESSES)], reverse=True)
     assert all(t.seconds > 1e-6 for t in decision.priced)  # their own prices, not the lure
     assert decision.kept_whole
+
+
+def test_a_global_program_with_shardy_shardings_is_named_as_such(tmp_path):
+    """jax's before_optimizations dump carries no sharding custom call, only Shardy's
+    frontend attributes: optimize said "no gradient all-reduce found" and verify ran
+    its global shapes on every device as if per-device."""
+    path = tmp_path / "global.hlo"
+    path.write_text("""HloModule g, num_partitions=4
+ENTRY e { w = f32[16] parameter(0), sharding={replicated}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}]>"}
+ ROOT n = f32[16] negate(w) }
+""")
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(path), "-o", str(out))
+    assert result.exit_code == 0
+    assert "NOTHING TO DO: this is the global program before SPMD partitioning (%w carries " \
+           "a Shardy sharding (xla.sdy.sharding))" in result.stderr
+    checked = CliRunner().invoke(main, ["verify", str(path)])
+    assert checked.exit_code == 2 and "global program before SPMD partitioning" in checked.stderr
+
+
+def test_a_dump_folder_gives_its_training_step_not_a_larger_init(sgd, tmp_path):
+    """A jitted init holding the model's initial values can be the largest module of a
+    dump: the step is the one that sums gradients (it read the init: "no gradient
+    all-reduce found; module written unchanged")."""
+    from hlo_shard.dumps import SPMD_STAGES
+
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    values = ", ".join(["0.5"] * 4096)
+    (folder / f"module_0001.jit_init{SPMD_STAGES[0]}").write_text(
+        "HloModule jit_init, replica_count=4\nENTRY e { ROOT c = f32[4096] constant({"
+        + values + "}) }\n")
+    (folder / f"module_0002.jit_train_step{SPMD_STAGES[0]}").write_text(sgd.read_text())
+    result = run(str(folder), "-o", str(tmp_path / "o.hlo"))
+    assert result.exit_code == 0, result.stderr
+    assert "jit_train_step" in result.stderr and "sharded 1 of 1" in result.stderr

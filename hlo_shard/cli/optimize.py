@@ -220,15 +220,14 @@ def _change_lines(passes: tuple[PassChanges, ...]) -> list[str]:
 def global_program_note(module: Module) -> str | None:
     """What to say about a global program (before SPMD partitioning), else None: the
     pass rewrites per-device modules only."""
-    from hlo_shard.runtime.forms import GLOBAL_PROGRAM_TARGETS
+    from hlo_shard.runtime.forms import global_program_mark
 
-    targets = {getattr(i.attributes.get("custom_call_target"), "value", "")
-               for c in module.computations for i in c.instructions}
-    if not any(t.startswith(GLOBAL_PROGRAM_TARGETS) for t in targets if t):
+    mark = global_program_mark(module)
+    if not mark:
         return None
-    return ("NOTHING TO DO: this is the global program before SPMD partitioning (it carries "
-            "sharding custom calls); optimize the per-device module, the "
-            "*.spmd-partitioner.after_call-inliner… or *.after_spmd-partitioning dump")
+    return (f"NOTHING TO DO: this is the global program before SPMD partitioning ({mark}); "
+            "optimize the per-device module, the *.spmd-partitioner.after_call-inliner… or "
+            "*.after_spmd-partitioning dump (hlo_shard.jax.per_device_hlo gives it)")
 
 
 @main.command()

@@ -9,13 +9,29 @@ from __future__ import annotations
 
 
 from hlo_shard.errors import HloShardError
-from hlo_shard.ir import Module, Str, TupleShape
+from hlo_shard.ir import Module, Raw, Str, TupleShape
 from hlo_shard.passes.replica_form import (  # noqa: F401 (runtime.forms API)
     DONATION_ATTRIBUTES, ReplicaForm, renumber_channels, split_variadic_all_reduces)
 
 #: Custom calls that only exist before SPMD partitioning (global programs).
 GLOBAL_PROGRAM_TARGETS = ("xla.sdy.", "Sharding", "SPMDFullToShardShape",
                           "SPMDShardToFullShape")
+
+
+def global_program_mark(module: Module) -> str:
+    """What shows ``module`` is the global program before SPMD partitioning ("%c is a
+    'Sharding' custom call", "%p carries a Shardy sharding"); "" where nothing does. A
+    per-device module keeps ``sharding={devices=...}`` on its parameters, not Shardy's
+    ``xla.sdy.sharding`` frontend attributes (jax's before_optimizations dump)."""
+    for comp in module.computations:
+        for inst in comp.instructions:
+            target = inst.attributes.get("custom_call_target")
+            if isinstance(target, Str) and target.value.startswith(GLOBAL_PROGRAM_TARGETS):
+                return f"%{inst.name} is a {target.value!r} custom call"
+            frontend = inst.attributes.get("frontend_attributes")
+            if isinstance(frontend, Raw) and "xla.sdy.sharding" in frontend.text:
+                return f"%{inst.name} carries a Shardy sharding (xla.sdy.sharding)"
+    return ""
 
 
 def check_executable(module: Module) -> None:
@@ -39,12 +55,11 @@ def check_executable(module: Module) -> None:
                     f"{where}: constant %{inst.name} in %{comp.name} is elided as {{...}} "
                     "(the module was dumped without --xla_dump_large_constants); its values "
                     "are unknown, so the module cannot be executed")
-            target = inst.attributes.get("custom_call_target")
-            if isinstance(target, Str) and target.value.startswith(GLOBAL_PROGRAM_TARGETS):
-                raise HloShardError(
-                    f"{where}: %{inst.name} is a {target.value!r} custom call, so this is a "
-                    "global program before SPMD partitioning; verify runs per-device modules "
-                    "(the *.spmd-partitioner.after_call-inliner… dump)")
+    mark = global_program_mark(module)
+    if mark:
+        raise HloShardError(
+            f"{where}: {mark}, so this is a global program before SPMD partitioning; verify "
+            "runs per-device modules (the *.spmd-partitioner.after_call-inliner… dump)")
     for param in module.entry.parameters():
         if isinstance(param.shape, TupleShape):
             raise HloShardError(f"{where}: entry parameter %{param.name} is a tuple; "
