@@ -504,3 +504,14 @@ def test_a_dump_folder_gives_its_training_step_not_a_larger_init(sgd, tmp_path):
     result = run(str(folder), "-o", str(tmp_path / "o.hlo"))
     assert result.exit_code == 0, result.stderr
     assert "jit_train_step" in result.stderr and "sharded 1 of 1" in result.stderr
+
+
+def test_a_gradient_under_the_users_cut_off_names_the_users_cut_off(tmp_path):
+    """Kept whole by the gate, a gradient under ``--min-shard-bytes`` said the gate's own
+    cut-off ("(52 < 625)", a size the user never gave)."""
+    result = run_gated(str(ADAM), "-o", str(tmp_path / "o.hlo"), "--min-shard-bytes", "100",
+                       "--explain")
+    assert result.exit_code == 0, result.stderr
+    rows = [line for line in result.output.splitlines() if "(gradient of p['l0_b'])" in line]
+    assert len(rows) == 1 and rows[0].endswith("smaller than --min-shard-bytes (52 < 100)"), \
+        result.stdout

@@ -440,11 +440,10 @@ def _explain_cost_rows(report: ShardingReport, decision: SpeedDecision, user_min
     uncut = {(row.computation, row.all_reduce, row.index): row
              for row in everything.explanations}
     for row in report.explanations:
-        if row.sharded or row.bytes < user_min or \
-                row.reason_code != ReasonCode.BELOW_MIN_SHARD_BYTES.value:
+        if row.sharded or row.reason_code != ReasonCode.BELOW_MIN_SHARD_BYTES.value:
             continue
         own = uncut.get((row.computation, row.all_reduce, row.index))
-        if own is not None and not own.sharded:
+        if own is not None and not own.sharded:  # (below the user's own cut-off: its words)
             row.reason, row.reason_code = own.reason, own.reason_code
             continue
         # The cheapest way to shard this one too: the best cut-off that includes it.
