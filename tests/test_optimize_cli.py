@@ -504,6 +504,9 @@ def test_a_dump_folder_gives_its_training_step_not_a_larger_init(sgd, tmp_path):
     result = run(str(folder), "-o", str(tmp_path / "o.hlo"))
     assert result.exit_code == 0, result.stderr
     assert "jit_train_step" in result.stderr and "sharded 1 of 1" in result.stderr
+    # an error is its one line (it followed "reading <file>")
+    bad = run(str(folder), "-o", str(tmp_path / "p.hlo"), "--profile", "nope")
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def test_a_gradient_under_the_users_cut_off_names_the_users_cut_off(tmp_path):

@@ -287,9 +287,11 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
 
     Given an XLA dump folder instead, reads the per-device module of its largest step
     (the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage)."""
-    if Path(input_path).is_dir():
+    # (said once something is written: an error stays its one line)
+    picked = f"read {input_path}'s training step: " if Path(input_path).is_dir() else ""
+    if picked:
         input_path = str(pick_dump_file(Path(input_path)))
-        click.echo(f"reading {input_path}", err=True)
+        picked += input_path
     if as_json and output == "-":
         raise HloShardError("--json prints to stdout; write the module to a file with -o")
     if verbose and not (explain or as_json):
@@ -323,6 +325,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         if manifest_path is not None:
             raise HloShardError(f"{note} (no manifest for a global program)")
         write_outputs([(output, check_output(module))])
+        if picked:
+            click.echo(picked, err=True)
         click.echo(f"{note}; module written unchanged to "
                    f"{'stdout' if output == '-' else output}", err=True)
         return
@@ -343,6 +347,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                                    indent=2)
     write_outputs([(output, result.text),
                    (manifest_path, None if manifest_json is None else manifest_json + "\n")])
+    if picked:
+        click.echo(picked, err=True)
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations, names)), err=True)
         for line in _strategy_lines(report.strategies):
