@@ -518,3 +518,22 @@ def test_a_gradient_under_the_users_cut_off_names_the_users_cut_off(tmp_path):
     rows = [line for line in result.output.splitlines() if "(gradient of p['l0_b'])" in line]
     assert len(rows) == 1 and rows[0].endswith("smaller than --min-shard-bytes (52 < 100)"), \
         result.stdout
+
+
+def test_a_module_with_nothing_to_shard_says_so_rather_than_slower(tmp_path):
+    """Every gradient stays whole for its own reason (here: a scalar): it said "kept
+    whole: sharding is predicted slower ... --force shards anyway", and --force then
+    changed nothing."""
+    path = tmp_path / "scalar.hlo"
+    path.write_text("""HloModule s, replica_count=2
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { w = f32[] parameter(0) g = f32[] parameter(1), parameter_replication={false}
+ a = f32[] all-reduce(g), replica_groups={{0,1}}, to_apply=add
+ ROOT n = f32[] subtract(w, a) }
+""")
+    for flags in ([], ["--force"]):
+        result = CliRunner().invoke(main, ["optimize", str(path), "-o", str(tmp_path / "o.hlo"),
+                                           "--explain", *flags])
+        assert result.exit_code == 0, result.output
+        assert "nothing to shard (each gradient's row says why)" in result.stderr
+        assert "predicted slower" not in result.stderr and "--force shards" not in result.stderr

@@ -148,6 +148,9 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
     if decision.moves_only:
         lines.append("  no cut-off predicted faster than that: nothing sharded, the module "
                      "written as the pipeline writes it (--force shards anyway)")
+    elif decision.nothing_to_shard:
+        lines.append("  nothing to shard: every gradient stays whole for its own reason "
+                     "(its row says which)")
     elif decision.kept_whole:
         lines.append(f"  none predicted faster by {decision.min_gain:.0%} or more: module kept whole "
                      "(--force shards anyway)")
@@ -162,6 +165,8 @@ def _speed_summary(decision: SpeedDecision) -> str:
     before, after = decision.before_s, decision.after_s
     figures = (f"{fmt_seconds(before)} -> {fmt_seconds(after)} per step, "
                f"{_ratio(after, decision)}")
+    if decision.nothing_to_shard and not decision.moves_written:
+        return "nothing to shard (each gradient's row says why)"
     if decision.kept_whole:
         best = min(t.seconds for t in decision.priced)
         verdict = "slower" if best >= after else \

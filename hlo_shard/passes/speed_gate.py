@@ -135,6 +135,11 @@ class SpeedDecision:
                            for t in self.trials]}
 
     @property
+    def nothing_to_shard(self) -> bool:
+        """No cut-off shards a gradient (every one stays whole for its own reason)."""
+        return not any(trial.sharded for trial in self.priced)
+
+    @property
     def priced(self) -> tuple[Trial, ...]:
         """The trials rewritten and priced (the estimated ones left out)."""
         return tuple(t for t in self.trials if not t.estimated)
@@ -291,7 +296,7 @@ def not_faster(decision: SpeedDecision | None) -> str:
     predicted at least 10% faster on profile P (predicted 0.97x the step as it is)"); ""
     where it did not (something sharded, forced, or nothing could be)."""
     if decision is None or not decision.kept_whole or decision.moves_only or \
-            not any(trial.sharded for trial in decision.priced):
+            decision.nothing_to_shard:
         return ""
     ratio = decision.predicted_ratio
     shown = "infx" if ratio is None else ratio_words(ratio, decision)
