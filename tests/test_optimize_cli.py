@@ -537,3 +537,15 @@ ENTRY e { w = f32[] parameter(0) g = f32[] parameter(1), parameter_replication={
         assert result.exit_code == 0, result.output
         assert "nothing to shard (each gradient's row says why)" in result.stderr
         assert "predicted slower" not in result.stderr and "--force shards" not in result.stderr
+
+
+def test_an_xla_optimized_module_is_said_to_be_unverifiable(sgd, tmp_path):
+    """optimize wrote such a module without a word, and verify then refused it."""
+    path = tmp_path / "scheduled.hlo"
+    path.write_text(sgd.read_text().replace("HloModule sgd", "HloModule sgd, is_scheduled=true",
+                                            1))
+    assert "is_scheduled=true" in path.read_text()
+    result = run(str(path), "-o", str(tmp_path / "o.hlo"))
+    assert result.exit_code == 0, result.stderr
+    assert "note: this is an XLA-optimized module (is_scheduled=true" in result.stderr
+    assert "note:" not in run(str(sgd), "-o", str(tmp_path / "p.hlo")).stderr

@@ -222,6 +222,20 @@ def _change_lines(passes: tuple[PassChanges, ...]) -> list[str]:
     return lines
 
 
+def _input_lines(picked: str, module: Module) -> list[str]:
+    """What optimize says about its input once it has written (an error before is its one
+    line): the file of a dump folder it read, and that XLA cannot run an XLA-optimized
+    module again (verify refuses it)."""
+    lines = [picked] if picked else []
+    if module.is_scheduled:
+        lines.append("note: this is an XLA-optimized module (is_scheduled=true, an "
+                     "*after_optimizations dump): XLA:CPU cannot compile it again, so verify "
+                     "cannot run what is written; optimize the per-device module "
+                     "(hlo_shard.jax.per_device_hlo, or the *.spmd-partitioner.after_call-"
+                     "inliner… dump) to verify it")
+    return lines
+
+
 def global_program_note(module: Module) -> str | None:
     """What to say about a global program (before SPMD partitioning), else None: the
     pass rewrites per-device modules only."""
@@ -330,8 +344,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         if manifest_path is not None:
             raise HloShardError(f"{note} (no manifest for a global program)")
         write_outputs([(output, check_output(module))])
-        if picked:
-            click.echo(picked, err=True)
+        for line in _input_lines(picked, module):
+            click.echo(line, err=True)
         click.echo(f"{note}; module written unchanged to "
                    f"{'stdout' if output == '-' else output}", err=True)
         return
@@ -352,8 +366,8 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
                                    indent=2)
     write_outputs([(output, result.text),
                    (manifest_path, None if manifest_json is None else manifest_json + "\n")])
-    if picked:
-        click.echo(picked, err=True)
+    for line in _input_lines(picked, module):
+        click.echo(line, err=True)
     if explain:
         click.echo("\n".join(_explain_lines(report.explanations, names)), err=True)
         for line in _strategy_lines(report.strategies):
