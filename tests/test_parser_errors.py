@@ -201,3 +201,18 @@ def test_cli_refuses_a_shape_whose_byte_size_overflows(tmp_path):
     assert run.returncode == 2
     assert run.stderr.startswith(f"{path}:3:12: error: ")
     assert "overflows int64" in run.stderr.splitlines()[0]
+
+
+@pytest.mark.parametrize("text, line, column", [
+    ("module @jit_step attributes {mhlo.num_partitions = 8 : i32} {\n  func.func public "
+     "@main() {\n    return\n  }\n}\n", 1, 1),
+    ("#loc = loc(unknown)\n  module {\n}\n", 2, 3),
+])
+def test_mlir_text_is_named_as_such(text, line, column):
+    """StableHLO (jax's ``lowered.as_text()``) was "unexpected character '@'; expected
+    '(', '{' or a signature"."""
+    with pytest.raises(HloParseError) as info:
+        parse(text, "step.mlir")
+    assert (info.value.line, info.value.column) == (line, column)
+    assert "this is MLIR (StableHLO" in info.value.message and "per_device_hlo" in \
+        info.value.message
