@@ -492,3 +492,8 @@ def test_scale_refuses_a_mesh_of_several_axes_in_one_line():
         "error: scale projects data-parallel steps only (every all-reduce over the same "
         "devices); this one's run over groups of 2 and 4 devices (a mesh of several axes): "
         "optimize and verify it at its own size instead"]
+
+
+def test_scale_prints_each_replica_count_once_in_order(modules):
+    data = json.loads(run("scale", modules[0], "--replicas", "64,8,64", "--json").output)
+    assert [point["replicas"] for point in data["points"]] == [8, 64]

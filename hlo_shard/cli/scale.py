@@ -30,7 +30,7 @@ def _replica_list(text: str, max_replicas: str | None) -> list[int]:
     if not values:
         raise HloShardError("--replicas is empty")
     limits.REPLICAS.check(max(values), "--replicas", max_replicas)
-    return values
+    return sorted(set(values))  # (one row per count, in order)
 
 
 def _batch_mode(text: str) -> int | None:
