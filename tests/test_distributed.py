@@ -313,6 +313,52 @@ for result in demo_distributed.train(args):
     assert all(h["losses"] == p["losses"] for h, p in zip(hooked, plain))
 
 
+def test_a_process_compiling_on_its_own_devices_leaves_the_hooks_in_step(tmp_path):
+    """Process 0 computes a metric on its own devices (an all-reduce over them) between
+    install() and the training step: no other process compiles that module, so the
+    hook agrees on nothing for it. Counted as a build, it put the train step's
+    agreement out of step: process 0 waited 600 s inside XLA's compile for a build
+    process 1 never made, and both then kept the step whole, blaming it."""
+    script = tmp_path / "local_metric.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed
+import hlo_shard.jax as hsj
+install = hsj.install
+
+def install_then_a_local_metric(*args, **kwargs):
+    installation = install(*args, **kwargs)
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    if jax.process_index() == 0:
+        mesh = Mesh(np.array(jax.local_devices()), ("d",))
+        x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("d")))
+        float(jax.jit(lambda v: (v ** 2).mean())(x))
+    return installation
+
+hsj.install = install_then_a_local_metric
+for result in demo_distributed.train(demo_distributed.parse_args()):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    from hlo_shard.runtime.distributed import launch
+
+    sys.path.insert(0, str(DEMO.parent))
+    import demo_distributed
+
+    results = demo_distributed.results_of(
+        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=240))
+    plain = [r for r in results if r["mode"] == "jit"]
+    hooked = [r for r in results if r["mode"] == "hook"]
+    assert len(hooked) == 2 and all(r["sharded"] >= 1 for r in hooked), \
+        [r["hook_reasons"] for r in hooked]
+    assert hooked[0]["leaves"] == hooked[1]["leaves"]
+    # (the metric went through the hook: one decision more in process 0)
+    assert [len(r["hook_reasons"]) for r in sorted(hooked, key=lambda r: r["process"])] == \
+        [2, 1], [r["hook_reasons"] for r in hooked]
+    for h, p in zip(hooked, plain):
+        np.testing.assert_allclose(h["losses"], p["losses"], rtol=1e-5, atol=1e-6)
+
+
 #: One process of a (data=4, model=2) run on 2 processes x 4 devices: tensor-parallel
 #: weights on ``model``, ``state="sharded"`` with a checkpoint round trip before step 2,
 #: against plain jit in the same processes.

@@ -203,7 +203,8 @@ class _Hook:
         if outcome.skipped:
             return None
         name, out, report = outcome.name, outcome.text, outcome.report
-        result, reason = _agree_across_processes(out, outcome.result, outcome.reason)
+        result, reason = _agree_across_processes(out, outcome.result, outcome.reason,
+                                                 outcome.devices)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start, reused,
                             None if reused else outcome.seconds)
@@ -243,6 +244,7 @@ class _Hook:
         any ``Exception`` becomes the reason it is kept (and is not remembered)."""
         name = "<module>"
         seconds = HookSeconds()
+        devices = 0
         try:
             xc = _xla_client()
             with seconds.timing("read"):
@@ -251,6 +253,7 @@ class _Hook:
                 if settings.only is not None and not settings.only.search(name):
                     return _Outcome(settings, name, None, None, None, "", skipped=True), False
                 text = _module_text(hlo)
+                devices = _module_devices(text)
                 digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
             remembered = self.recall(digest, settings)
             if remembered is not None:
@@ -264,8 +267,9 @@ class _Hook:
                     xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
             return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}",
-                            seconds=seconds), False
-        outcome = _Outcome(settings, name, out, result, report, reason, seconds=seconds)
+                            seconds=seconds, devices=devices), False
+        outcome = _Outcome(settings, name, out, result, report, reason, seconds=seconds,
+                           devices=devices)
         self.remember(digest, outcome)
         return outcome, False
 
@@ -299,6 +303,8 @@ class _Outcome:
     #: Not for the hook (``only`` does not match its name): no decision recorded.
     skipped: bool = False
     seconds: HookSeconds | None = None
+    #: The devices the module runs on (its replicas × partitions; 0: not read).
+    devices: int = 0
 
 
 
@@ -324,6 +330,14 @@ def _xla_client() -> Any:
     from jax._src.lib import xla_client  # private API: behind the version check
 
     return xla_client
+
+
+def _module_devices(text: str) -> int:
+    """The devices a module's text runs on: its header's ``replica_count`` ×
+    ``num_partitions`` (each 1 where the header names none)."""
+    header = text[:text.find("\n")] if "\n" in text else text
+    counts = dict(re.findall(r"\b(replica_count|num_partitions)=(\d+)", header))
+    return int(counts.get("replica_count", 1)) * int(counts.get("num_partitions", 1))
 
 
 def _module_text(hlo: Any) -> str:
@@ -358,15 +372,20 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
         return result.xla_text, report, ""
 
 
-def _agree_across_processes(out: str | None, result: bytes | None, reason: str
-                            ) -> tuple[bytes | None, str]:
+def _agree_across_processes(out: str | None, result: bytes | None, reason: str,
+                            devices: int) -> tuple[bytes | None, str]:
     """Under ``jax.distributed`` every process compiles the step and runs this callback:
     all must return the same module, or all the original (a process running another
     program would wait in collectives forever). Compared by hash through the
-    coordination service, as :mod:`._distributed` does for ``shard_weight_update``."""
+    coordination service, as :mod:`._distributed` does for ``shard_weight_update``. A
+    module on no more ``devices`` than this process holds is this process's own (rank 0
+    computing a metric on its devices): no other process compiles it, so there is
+    nothing to agree on (counted as a build, it put every later build out of step)."""
+    import jax
+
     from hlo_shard.jax import _distributed
 
-    if not _distributed.multi_process():
+    if not _distributed.multi_process() or 0 < devices <= jax.local_device_count():
         return result, reason
     try:
         _distributed.agree_on_program("sharded module" if out is not None else "kept whole",
