@@ -304,7 +304,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
              as_json: bool, verbose: bool, in_place: bool, force: bool) -> None:
     """Shard the weight update of IN.hlo across its data-parallel replicas.
 
-    Given an XLA dump folder instead, reads the per-device module of its largest step
+    Given an XLA dump folder instead, reads the per-device module of its training step
     (the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage)."""
     # (said once something is written: an error stays its one line)
     picked = f"read {input_path}'s training step: " if Path(input_path).is_dir() else ""
