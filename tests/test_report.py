@@ -497,3 +497,15 @@ def test_scale_refuses_a_mesh_of_several_axes_in_one_line():
 def test_scale_prints_each_replica_count_once_in_order(modules):
     data = json.loads(run("scale", modules[0], "--replicas", "64,8,64", "--json").output)
     assert [point["replicas"] for point in data["points"]] == [8, 64]
+
+
+def test_report_of_a_global_program_says_its_figures_are_not_a_devices(modules, tmp_path):
+    path = tmp_path / "global.hlo"
+    path.write_text("""HloModule g, num_partitions=4
+ENTRY e { w = f32[16] parameter(0), sharding={replicated}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}]>"}
+ ROOT n = f32[16] negate(w) }
+""")
+    result = run("report", str(path))
+    assert "note: this is the global program before SPMD partitioning (%w carries a Shardy " \
+           "sharding (xla.sdy.sharding)): its figures are the whole program's" in result.stderr
+    assert "global program" not in run("report", modules[0]).stderr

@@ -136,3 +136,10 @@ def report(module_path: str, profile: str | None, algorithm: str | None, manifes
     data = report_json(est, module, top)
     emit(report_document(est, module, top, data["weights"]), data, as_json=as_json,
          markdown=markdown, html_path=html_path, output=output, inputs=[module_path])
+    from hlo_shard.runtime.forms import global_program_mark
+
+    if mark := global_program_mark(module):
+        click.echo(f"note: this is the global program before SPMD partitioning ({mark}): "
+                   "its figures are the whole program's, not a device's; report the "
+                   "per-device module (hlo_shard.jax.per_device_hlo, or the "
+                   "*.spmd-partitioner.after_call-inliner… dump)", err=True)
