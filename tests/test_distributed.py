@@ -285,6 +285,20 @@ def test_the_hook_in_two_processes_equals_one_process():
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)
 
 
+def _jit_and_hook(script: Path) -> tuple[list[dict], list[dict]]:
+    """The demo loop's results of ``script`` on 2 processes x 2 devices: plain jit's and
+    the hook's, one per process each."""
+    from hlo_shard.runtime.distributed import launch
+
+    sys.path.insert(0, str(DEMO.parent))
+    import demo_distributed
+
+    results = demo_distributed.results_of(
+        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=300))
+    return ([r for r in results if r["mode"] == "jit"],
+            [r for r in results if r["mode"] == "hook"])
+
+
 def test_processes_whose_hooks_disagree_all_compile_the_original(tmp_path):
     """install() with another strategy in process 1: the two sharded modules differ, so
     both callbacks return the original (none waits in the other's collectives) and the
@@ -298,15 +312,7 @@ args.strategy = "per-tensor" if args.process_id else "combined"
 for result in demo_distributed.train(args):
     print("RESULT " + demo_distributed.json.dumps(result))
 """)
-    from hlo_shard.runtime.distributed import launch
-
-    sys.path.insert(0, str(DEMO.parent))
-    import demo_distributed
-
-    results = demo_distributed.results_of(
-        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=300))
-    plain = [r for r in results if r["mode"] == "jit"]
-    hooked = [r for r in results if r["mode"] == "hook"]
+    plain, hooked = _jit_and_hook(script)
     assert len(hooked) == 2 and all(r["sharded"] == 0 for r in hooked)
     assert all(any("processes built different programs" in why for why in r["hook_reasons"])
                for r in hooked)
@@ -340,15 +346,7 @@ hsj.install = install_then_a_local_metric
 for result in demo_distributed.train(demo_distributed.parse_args()):
     print("RESULT " + demo_distributed.json.dumps(result))
 """)
-    from hlo_shard.runtime.distributed import launch
-
-    sys.path.insert(0, str(DEMO.parent))
-    import demo_distributed
-
-    results = demo_distributed.results_of(
-        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=240))
-    plain = [r for r in results if r["mode"] == "jit"]
-    hooked = [r for r in results if r["mode"] == "hook"]
+    plain, hooked = _jit_and_hook(script)
     assert len(hooked) == 2 and all(r["sharded"] >= 1 for r in hooked), \
         [r["hook_reasons"] for r in hooked]
     assert hooked[0]["leaves"] == hooked[1]["leaves"]
