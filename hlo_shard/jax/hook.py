@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -38,7 +39,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hlo_shard.analysis.collectives import recovered_device_counts
 from hlo_shard.errors import HloShardError
+from hlo_shard.ir import Module
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
@@ -253,15 +256,14 @@ class _Hook:
                 if settings.only is not None and not settings.only.search(name):
                     return _Outcome(settings, name, None, None, None, "", skipped=True), False
                 text = _module_text(hlo)
-                devices = _module_devices(text)
                 digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
             remembered = self.recall(digest, settings)
             if remembered is not None:
                 return remembered, True
             # (the Python thread that asked XLA for this compile waits for it)
             with cyclic_gc_paused(caller_waits=True):
-                out, report, reason = _shard(text, name, settings.options, settings.force,
-                                             seconds)
+                out, report, reason, devices = _shard(text, name, settings.options,
+                                                      settings.force, seconds)
             with seconds.timing("write"):
                 result = None if out is None else \
                     xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
@@ -332,14 +334,6 @@ def _xla_client() -> Any:
     return xla_client
 
 
-def _module_devices(text: str) -> int:
-    """The devices a module's text runs on: its header's ``replica_count`` ×
-    ``num_partitions`` (each 1 where the header names none)."""
-    header = text[:text.find("\n")] if "\n" in text else text
-    counts = dict(re.findall(r"\b(replica_count|num_partitions)=(\d+)", header))
-    return int(counts.get("replica_count", 1)) * int(counts.get("num_partitions", 1))
-
-
 def _module_text(hlo: Any) -> str:
     """XLA's module as text, its constants in full (what the parser reads)."""
     print_options = _xla_client().hlo.HloPrintOptions()
@@ -349,27 +343,39 @@ def _module_text(hlo: Any) -> str:
 
 def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
            seconds: HookSeconds | None = None
-           ) -> tuple[str | None, ShardingReport | None, str]:
-    """(the sharded module's text or None, the report, why not); ``seconds``: the parse
-    goes to its ``read``, the optimizer and its output check to its ``pass``."""
+           ) -> tuple[str | None, ShardingReport | None, str, int]:
+    """(the sharded module's text or None, the report, why not, the devices the module
+    runs on: :func:`_devices`); ``seconds``: the parse goes to its ``read``, the
+    optimizer and its output check to its ``pass``."""
     from hlo_shard.parser import parse
     from hlo_shard.passes.optimize import optimize
 
     seconds = seconds if seconds is not None else HookSeconds()
     with seconds.timing("read"):
         module = parse(text, path=f"<{name}>")
+    devices = _devices(module)
     with seconds.timing("pass_"):
         try:
             # (kept whole, XLA compiles the module as it was: nothing to write)
             result = optimize(module, options, force=force, write_kept_whole=False)
         except HloShardError as err:
-            return None, None, str(err)
+            return None, None, str(err), devices
         report = result.report
         if not result.rewritten:
             return None, report, "nothing sharded (" + (
                 not_faster(result.decision) or report.whole_reasons() or
-                "no gradient all-reduce") + ")"
-        return result.xla_text, report, ""
+                "no gradient all-reduce") + ")", devices
+        return result.xla_text, report, "", devices
+
+
+def _devices(module: Module) -> int:
+    """The devices ``module`` runs on: its header's replicas × partitions, or, as the
+    module XLA hands the hook prints neither, the count its collectives' groups name
+    (the largest device id + 1); 0 where nothing says."""
+    if "replica_count" in module.header or "num_partitions" in module.header:
+        return module.replica_count * module.num_partitions
+    counts = recovered_device_counts(module)
+    return math.prod(counts.values()) if counts else 0
 
 
 def _agree_across_processes(out: str | None, result: bytes | None, reason: str,
