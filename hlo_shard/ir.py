@@ -552,6 +552,19 @@ class Module:
         """The devices one run of the module takes: replicas × partitions."""
         return self.replica_count * self.num_partitions
 
+    def declared_result(self) -> str | None:
+        """The result the header's ``entry_computation_layout`` declares, as written
+        (``(f32[4,6]{1,0}, s32[])``); None where it declares none."""
+        raw = self.header.get("entry_computation_layout")
+        if not isinstance(raw, Raw):
+            return None
+        text = raw.text.strip()
+        arrow = text.rfind(")->")
+        if arrow < 0:
+            return None
+        result = text[arrow + 3:]
+        return result[:-1] if result.endswith("}") else result
+
     @property
     def is_scheduled(self) -> bool:
         return bool(self.header.get("is_scheduled", False))

@@ -1689,7 +1689,7 @@ def _syntax_error(text: str, path: str | None, err: UnexpectedInput) -> HloParse
     if not text.strip() or _COMMENTS_ONLY_RE.fullmatch(text):
         return _error(text, path, "empty input: expected 'HloModule' or a computation", 1, 1)
     if (mlir := _MLIR_MODULE_RE.match(text)) is not None:
-        line, column = _position_of(text, mlir.start(1))
+        line, column = _position((Token("TEXT", text, 0, 1, 1), mlir.start(1)))
         return _error(text, path, "this is MLIR (StableHLO, as jax's lowered.as_text() "
                       "prints), not HLO text: dump the per-device HLO module with "
                       "hlo_shard.jax.per_device_hlo(step, *args)", line, column)
@@ -1753,12 +1753,6 @@ def _unexpected_character(text: str, path: str | None, line: int, column: int,
 
 #: MLIR's module header (``module @jit_step attributes {...} {``) opening the text.
 _MLIR_MODULE_RE = re.compile(r"\s*(?:#[^\n]*\n\s*)*(module)\s+(?:@|attributes\b|\{)")
-
-
-def _position_of(text: str, offset: int) -> tuple[int, int]:
-    """The 1-based line and column of ``offset`` in ``text``."""
-    line_start = text.rfind("\n", 0, offset) + 1
-    return text.count("\n", 0, offset) + 1, offset - line_start + 1
 
 
 def _end_position(text: str) -> tuple[int, int]:

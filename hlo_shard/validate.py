@@ -104,7 +104,7 @@ class _Checker:
             self.fail("replica-groups", inst, "a device appears in more than one group")
         if groups.groups and groups.group_size is None:
             self.fail("replica-groups", inst, "groups have different sizes")
-        limit = self.module.replica_count * self.module.num_partitions
+        limit = self.module.device_count
         if any(d < 0 or d >= limit for d in devices):
             self.fail("replica-groups", inst, f"device id out of range 0..{limit - 1}")
 
@@ -124,18 +124,13 @@ class _Checker:
                 seen[channel] = inst.name
 
     def entry_layout(self) -> None:
-        raw = self.module.header.get("entry_computation_layout")
-        if not isinstance(raw, Raw) or not self.module.computations:
+        result = self.module.declared_result()
+        if result is None or not self.module.computations:
             return
         from hlo_shard.printer import format_shape
 
         entry = self.module.entry
-        text = raw.text.strip()
-        arrow = text.rfind(")->")
-        if arrow < 0:
-            return
-        result = text[arrow + 3:]
-        declared = _strip_layouts(result[:-1] if result.endswith("}") else result)
+        declared = _strip_layouts(result)
         actual = _strip_layouts(format_shape(entry.root.shape))
         if declared.replace(" ", "") != actual.replace(" ", ""):
             self.problems.append(Problem(
@@ -344,7 +339,7 @@ def _group_size(checker: _Checker, inst: Instruction) -> int:
     if inst.attr("channel_id") is not None and inst.attr("use_global_device_ids") is None:
         return module.num_partitions
     return module.replica_count if inst.attr("channel_id") is None else \
-        module.replica_count * module.num_partitions
+        module.device_count
 
 
 def _collective_dims(checker: _Checker, inst: Instruction, operands: list[Shape],

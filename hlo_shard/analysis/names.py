@@ -180,7 +180,7 @@ class _Fit:
         length still does) of any."""
         if not groups:
             return {}
-        dims_of = (lambda shape: None) if any_dims else _sorted_dims
+        dims_of = (lambda shape: None) if any_dims else sorted_dims
         values, outputs, shapes = self.values, self.outputs, self.shapes
         output_bits = _bits(outputs[k] for leaves, _ in groups for k in leaves)
         value_bits, weight_of_bit = self._weight_bits(groups)
@@ -483,7 +483,9 @@ class _ElementFlow:
                        source_bits.get(operand, 0) | above[operand], shape)
 
 
-def _sorted_dims(shape: ArrayShape | TupleShape) -> tuple[int, ...] | None:
+def sorted_dims(shape: Shape) -> tuple[int, ...] | None:
+    """An array's dimensions in any order (a gradient the partitioner computed
+    transposed has its weight's); None for a tuple."""
     return tuple(sorted(shape.dims)) if isinstance(shape, ArrayShape) else None
 
 
@@ -581,4 +583,4 @@ def labelled(hlo_name: str, name: str | None) -> str:
 __all__ = ["MAX_NAME", "NextValues", "UserNames", "WeightKey", "accumulated_gradient_weights",
            "as_path", "gradient_weights",
            "instruction_names", "labelled", "op_name", "pairs", "parameter_names",
-           "same_types", "user_names"]
+           "same_types", "sorted_dims", "user_names"]

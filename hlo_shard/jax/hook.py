@@ -373,7 +373,7 @@ def _devices(module: Module) -> int:
     module XLA hands the hook prints neither, the count its collectives' groups name
     (the largest device id + 1); 0 where nothing says."""
     if "replica_count" in module.header or "num_partitions" in module.header:
-        return module.replica_count * module.num_partitions
+        return module.device_count
     counts = recovered_device_counts(module)
     return math.prod(counts.values()) if counts else 0
 

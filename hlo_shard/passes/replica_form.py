@@ -65,7 +65,7 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
             raise HloShardError(f"{module.name}: replica form needs replica_count or "
                                 "num_partitions to be 1")
         spmd = module.num_partitions > 1
-        devices = module.replica_count * module.num_partitions
+        devices = module.device_count
         _replica_header(rewriter, spmd, devices, self.keep_donation)
         if self.replicas is not None and self.replicas != devices:
             if devices > 1:

@@ -47,7 +47,7 @@ from hlo_shard.ir import (
 )
 from hlo_shard.opinfo import (ALL_GATHERS, CALL, DATA_MOVEMENT, KERNEL, OPINFO, PER_ELEMENT,
                               SUMMING_COLLECTIVES, with_async_forms)
-from hlo_shard.parser import read_shape
+from hlo_shard.parser import compatible, read_shape
 from hlo_shard.runtime.manifest import Manifest
 
 REPLICATED = "replicated"
@@ -433,31 +433,15 @@ def output_shapes(module: Module) -> list[ArrayShape]:
     layouts the executable returns them in: the header's ``entry_computation_layout``
     where it declares them (jax writes some ROOT elements ``{0,1}`` beside a declared
     ``{1,0}``; XLA copies them into the declared one), the root's otherwise."""
-    leaves = [leaf for _, leaf in shape_leaves(module.entry.root.shape)]
-    declared = _declared_outputs(module)
-    if declared is None or len(declared) != len(leaves) or \
-            any(not same_array(a, b) for a, b in zip(declared, leaves)):
-        return leaves
-    return declared
-
-
-def _declared_outputs(module: Module) -> list[ArrayShape] | None:
-    """The output leaves ``entry_computation_layout`` declares (None: none it can read)."""
-    raw = module.header.get("entry_computation_layout")
-    text = raw.text.strip() if isinstance(raw, Raw) else ""
-    arrow = text.rfind(")->")
-    if not text.startswith("{") or not text.endswith("}") or arrow < 0:
-        return None
+    shape = module.entry.root.shape
+    written = module.declared_result()
     try:
-        declared = read_shape(text[arrow + 3:-1])
+        declared = read_shape(written) if written is not None else None
     except HloParseError:
-        return None
-    return [leaf for _, leaf in shape_leaves(declared)]
-
-
-def same_array(a: ArrayShape, b: ArrayShape) -> bool:
-    """The same element type and dimensions: one array, whatever its layout."""
-    return a.element_type == b.element_type and a.dims == b.dims
+        declared = None
+    if declared is not None and compatible(declared, shape):
+        shape = declared
+    return [leaf for _, leaf in shape_leaves(shape)]
 
 
 def generate_parameter(shape: ArrayShape, number: int, role: str, devices: int, seed: int,

@@ -33,10 +33,11 @@ from hlo_shard.runtime.compare import (
     LeafComparison, check_padding, compare_leaf, compare_update, missing_leaf, shape_text,
 )
 from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
+from hlo_shard.parser import compatible
 from hlo_shard.runtime.forms import check_executable
 from hlo_shard.runtime.inputs import (
     ALL, REGIMES, REPLICATED, DeviceValues, ParameterRole, generate_parameter, load_npz,
-    output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of, same_array,
+    output_shapes, parameter_roles, parameter_shapes, regime_inputs, regime_of,
 )
 from hlo_shard.runtime.manifest import (
     ArrayRecord, Manifest, Shard, gather_value, shard_value,
@@ -173,7 +174,7 @@ def default_feedback(module: Module, roles: Sequence[ParameterRole]) -> list[tup
     for role, shape in zip(roles, parameter_shapes(module)):
         if role.role != REPLICATED:
             continue
-        match = next((j for j in range(start, len(outputs)) if same_array(outputs[j], shape)),
+        match = next((j for j in range(start, len(outputs)) if compatible(outputs[j], shape)),
                      None)
         if match is not None:
             pairs.append((match, role.number))
@@ -190,7 +191,7 @@ def _identity_records(original: Module, candidate: Module) -> tuple[list[ArrayRe
         if len(ours) != len(theirs):
             problems.append(f"{len(ours)} {what}s vs {len(theirs)}")
         problems += [f"{what} {i}: {shape_text(a)} vs {shape_text(b)}"
-                     for i, (a, b) in enumerate(zip(ours, theirs)) if not same_array(a, b)]
+                     for i, (a, b) in enumerate(zip(ours, theirs)) if not compatible(a, b)]
         sections.append([ArrayRecord(i, i, "replicated", s) for i, s in enumerate(ours)])
     if problems:
         raise HloShardError("signature mismatch between original and candidate ("
@@ -218,7 +219,7 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
                 if record.original >= len(ours):
                     raise HloShardError(f"{where}: candidate {what} {index} maps to original "
                                         f"{what} {record.original}, which does not exist")
-                if not same_array(record.shape, ours[record.original]):
+                if not compatible(record.shape, ours[record.original]):
                     raise HloShardError(
                         f"{where}: candidate {what} {index} records original shape "
                         f"{shape_text(record.shape)}, but original {what} {record.original} "
@@ -229,7 +230,7 @@ def _check_manifest(manifest: Manifest, original: Module, candidate: Module, dev
                     raise HloShardError(
                         f"{where}: candidate {what} {index} is {shape_text(shape)}, not a "
                         f"shard of {record.shard.format.shard_len} {record.shape.element_type}")
-            elif not same_array(shape, record.shape):
+            elif not compatible(shape, record.shape):
                 raise HloShardError(f"{where}: candidate {what} {index} is {shape_text(shape)}"
                                     f", the manifest says {shape_text(record.shape)}")
             ordered.append(record)
@@ -372,7 +373,7 @@ def _same_format(out: ArrayRecord, out_shape: ArrayShape, param: ArrayRecord,
                  param_shape: ArrayShape, devices: int) -> bool:
     """Whether the manifest gives a candidate output and parameter one meaning, so the
     output's arrays can be the parameter's next value as they are."""
-    if not same_array(out_shape, param_shape) or \
+    if not compatible(out_shape, param_shape) or \
             out_shape.minor_to_major() != param_shape.minor_to_major():
         return False
     if out.shard is None or param.shard is None:  # not both "sharded"
@@ -547,7 +548,7 @@ def _check_feedback(module: Module, feedback: Sequence[tuple[int, int]]) -> None
         if output >= len(outputs) or parameter >= len(params):
             raise HloShardError(f"feedback output {output} -> parameter {parameter}: "
                                 "no such output or parameter in the original")
-        if not same_array(outputs[output], params[parameter]):
+        if not compatible(outputs[output], params[parameter]):
             raise HloShardError(f"feedback output {output} ({shape_text(outputs[output])}) "
                                 f"cannot feed parameter {parameter} "
                                 f"({shape_text(params[parameter])})")

@@ -47,6 +47,7 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
                                             reducer_opcode, with_device_counts)
 from hlo_shard.analysis.element_flow import ElementOperands, reduces_unit_dimensions_only
 from hlo_shard.analysis.matmul_inputs import matmul_inputs
+from hlo_shard.analysis.names import sorted_dims
 from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
@@ -285,7 +286,7 @@ def _reduce(ctx: _Context, inst: Instruction) -> RegionOp | None:
     """A reduction to one element of a sharded (or, when pulled, replicated) value."""
     if len(inst.operands) != 2:
         return None
-    source, init = inst.operands
+    source = inst.operands[0]
     source_shape = _array(ctx.inst(source).shape)
     shape = _array(inst.shape)
     if source_shape is None or shape is None:
@@ -570,7 +571,7 @@ def _degenerate_reduce(ctx: _Context, inst: Instruction, source: ArrayShape,
                        shape: ArrayShape) -> RegionOp | None:
     """A reduction over size-1 dimensions only, from the reducer's neutral value, is a
     reshape (jit's bias gradients: ``reduce(f32[1,16]) -> f32[16]``)."""
-    source_name, init = inst.operands
+    source_name = inst.operands[0]
     if source_name not in ctx.sharded or not reduces_unit_dimensions_only(inst, source.dims):
         return None
     if _neutral_init(ctx, inst, _reducer(ctx, inst)) is None:
@@ -1427,12 +1428,13 @@ def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups 
 
 
 def _first_callers(module: Module) -> dict[str, Instruction]:
-    """Computation name → the first instruction (in module order) that calls it."""
+    """Computation name → the first instruction (in module order) that calls it: the
+    call graph's edges."""
+    graph = call_graph(module)
     callers: dict[str, Instruction] = {}
-    for comp in module.computations:
-        for inst in comp.instructions:
-            for callee in inst.called_computations():
-                callers.setdefault(callee, inst)
+    for caller, callee in graph.edges:
+        via: list[str] = graph.edges[caller, callee]["via"]
+        callers.setdefault(callee, module.computation(caller)[via[0]])
     return callers
 
 
@@ -1490,7 +1492,7 @@ def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Devi
         return None
     several = len({cast(DeviceGroups, ar.groups).key() for ar in candidates}) > 1
     products = matmul_inputs(module) if several else None
-    weights = {tuple(sorted(leaf.dims)) for param in module.entry.parameters()
+    weights = {sorted_dims(leaf) for param in module.entry.parameters()
                for _, leaf in shape_leaves(param.shape)} if several else set()
     gradients: dict[tuple, int] = defaultdict(int)
     unread: dict[tuple, int] = defaultdict(int)
@@ -1505,7 +1507,7 @@ def data_parallel_groups(module: Module, found: list[GradientAllReduce]) -> Devi
             every[key] += part.byte_size
             if products is None or not products.reads(ar.computation, ar.name, index):
                 unread[key] += part.byte_size
-                if isinstance(part, ArrayShape) and tuple(sorted(part.dims)) in weights:
+                if sorted_dims(part) in weights:
                     gradients[key] += part.byte_size
         first.setdefault(key, cast(DeviceGroups, ar.groups))
     counted = gradients or unread or every

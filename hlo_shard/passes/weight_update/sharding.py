@@ -315,7 +315,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
         if wanted is not None and groups is not None and wanted != groups.size:
             raise ShardingOptionError("num_replicas", wanted, f"does not match the module's "
                                       f"data-parallel group size {groups.size}")
-        report = ShardingReport(module.replica_count * module.num_partitions,
+        report = ShardingReport(module.device_count,
                                 group_size=groups.size if groups is not None else None)
         report.notes += recovered_notes(recovered)
         report.explanations += [_rejected(module, ar, why, code)
