@@ -336,15 +336,18 @@ def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
         if not slot_weight or body.name in seen:
             continue
         seen.add(body.name)
-        flow = _ElementFlow(body, flows)
         slot_bits = {body.root.operands[slot]: 1 << slot for slot in slot_weight}
-        for (name, index), reached, _, _ in flow.gradient_leaves(slot_bits, {}):
-            if reached and reached & (reached - 1) == 0:  # one slot
-                found[(body.name, name, index)] = slot_weight[reached.bit_length() - 1]
         inner = _accumulation_loops(module, body)
-        values = [name for _, sums in inner for name in sums.values()]
-        reaches = {name: reached for (name, _), reached, _, _
-                   in flow.gradient_leaves(slot_bits, {}, values)} if values else {}
+        # The body's all-reduces and the sums its own loops return, in one walk down.
+        values = {name for _, sums in inner for name in sums.values()}
+        leaves = [inst.name for inst in body.instructions if inst.opcode == "all-reduce"]
+        reaches: dict[str, int] = {}
+        for (name, index), reached, _, _ in _ElementFlow(body, flows).gradient_leaves(
+                slot_bits, {}, leaves + sorted(values)):
+            if name in values:
+                reaches[name] = reached
+            elif reached and reached & (reached - 1) == 0:  # one slot
+                found[(body.name, name, index)] = slot_weight[reached.bit_length() - 1]
         work += [(inner_body, {slot: slot_weight[reached.bit_length() - 1]
                                for slot, name in sums.items()
                                if (reached := reaches.get(name, 0))
