@@ -7,6 +7,9 @@ and ``gather_args``/``shard_args`` turn it back into the leaves jit takes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -295,3 +298,66 @@ def test_the_hook_reads_fsdp_slices_whose_offsets_the_loop_carries_as_already_sh
     assert [row for row in rows if row.reason_code == "already_sharded"]
     sharded = [row for row in rows if row.sharded]
     assert len(sharded) == 2 and all(row.bytes == 16 * 64 * 4 for row in sharded)
+
+
+def _embedded_step(mesh):
+    """A train step whose token embedding's table has its columns sharded over ``fsdp``:
+    the partitioner contracts the sharded columns with the up projection's fsdp rows,
+    sums the activations over ``fsdp`` and slices them by batch (the constraint): the
+    reduce-scatter form of an activation, which the weights' gradients are computed
+    from."""
+    def loss_of(p, batch):
+        x = jnp.take(p["embed"], batch["t"], axis=0)
+        h = jax.lax.with_sharding_constraint(jnp.einsum("bsd,df->bsf", x, p["up"]),
+                                             NamedSharding(mesh, P(("data", "fsdp"))))
+        return jnp.mean((jnp.tanh(h) @ p["down"] - x) ** 2)
+
+    def step(p, s, batch):
+        loss, grads = jax.value_and_grad(loss_of)(p, batch)
+        updates, s = ADAMW.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    return step
+
+
+def test_fsdp_activation_sums_in_reduce_scatter_form_are_not_gradients(request, tmp_path):
+    """Under FSDP the partitioner reduce-scatters activations as it does gradients: an
+    all-reduce sliced by the device's id. One from whose slice another sum is computed
+    is ``activation_sum``, named after no weight and counted apart; the weights'
+    fsdp-axis sums, whose slices are summed again over the data axis through data
+    movement only, stay ``already_sharded`` with their weights' names. Numbers: jit's."""
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    key = jax.random.PRNGKey(3)
+    params = {name: jax.device_put(jax.random.normal(jax.random.fold_in(key, i), shape) / 8,
+                                   NamedSharding(mesh, spec))
+              for i, (name, shape, spec) in enumerate([
+                  ("embed", (64, 64), P(None, "fsdp")), ("up", (64, 128), P("fsdp", None)),
+                  ("down", (128, 64), P(None, "fsdp"))])}
+    batches = [{"t": jax.device_put(jax.random.randint(jax.random.fold_in(key, 10 + b),
+                                                       (16, 8), 0, 64),
+                                    NamedSharding(mesh, P(("data", "fsdp"))))}
+               for b in range(2)]
+    step = _embedded_step(mesh)
+    fast = hsj.shard_weight_update(jax.jit(step))
+    jitted = jax.jit(step)
+    p, s, p_jit, s_jit = params, ADAMW.init(params), params, ADAMW.init(params)
+    for batch in batches:
+        p, s, loss = fast(p, s, batch)
+        p_jit, s_jit, loss_jit = jitted(p_jit, s_jit, batch)
+        np.testing.assert_allclose(float(loss), float(loss_jit), rtol=1e-6)
+    rows = fast.report["explanations"]
+    activations = [row for row in rows if row["reason_code"] == "activation_sum"]
+    assert activations and all(row["gradient_of"] is None and
+                               "is computed from its slice" in row["reason"]
+                               for row in activations)
+    scattered = {row["gradient_of"] for row in rows if row["reason_code"] == "already_sharded"}
+    assert {"p['embed']", "p['down']"} <= scattered, rows
+    source = tmp_path / "step.hlo"
+    source.write_text(hsj.per_device_hlo(jax.jit(step), params,
+                                         ADAMW.init(params), batches[0]))
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(source), "-o",
+                          str(tmp_path / "out.hlo")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert f"{len(activations)} activation sum" in run.stderr

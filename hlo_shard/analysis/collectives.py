@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from hlo_shard.graph import reachable, topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
-from hlo_shard.opinfo import ALL_REDUCES, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED, OPINFO, VIEWS
+from hlo_shard.opinfo import (ALL_REDUCES, DATA_MOVEMENT, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED,
+                              OPINFO, VIEWS)
 
 
 class GroupMode(enum.Enum):
@@ -239,6 +240,9 @@ class ReasonCode(str, enum.Enum):
     #: The planner's: other all-reduced values are computed from it, a batch statistic
     #: of the forward or backward pass (BatchNorm's mean and variance), not an update.
     FEEDS_GRADIENTS = "feeds_gradients"
+    #: The partitioner's reduce-scatter form of a value of the forward/backward pass (an
+    #: activation's sum under FSDP, another sum computed from its slice): not a gradient.
+    ACTIVATION_SUM = "activation_sum"
     #: A scalar summed from this device's slices of already-sharded gradients (the
     #: global norm's partial sums over the devices holding the other slices): not a
     #: gradient.
@@ -273,6 +277,10 @@ class GradientAllReduce:
     code: ReasonCode | None = None
     #: ``already_sharded`` by the partitioner: how the sum reaches this device's slice.
     sliced: DeviceSliced | None = None
+    #: ``already_sharded``: another sum computed from its slice (not through data
+    #: movement alone), which makes it a value of the forward/backward pass, not a
+    #: weight's gradient ("": none). Reported so, handled as every already-sharded sum.
+    feeds: str = ""
 
     @property
     def is_candidate(self) -> bool:
@@ -332,7 +340,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                                                ReasonCode.ALREADY_SHARDED, sliced))
             else:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
-        found[first:] = _partial_sums(comp, found[first:])
+        found[first:] = _forward_backward_sums(comp, _partial_sums(comp, found[first:]))
     return found
 
 
@@ -359,6 +367,48 @@ def _partial_sums(comp: Computation, found: list[GradientAllReduce]
             if ar.is_candidate and _scalars(comp[ar.name].shape) and
             all(operand in derived for operand in comp[ar.name].operands) else ar
             for ar in found]
+
+
+#: Ops through which a sum read by another sum is that same value (two-level sums: the
+#: fsdp axis's slice summed over the data axis, a narrowing convert between).
+_SAME_VALUE = DATA_MOVEMENT | {"convert"}
+
+
+def _forward_backward_sums(comp: Computation, found: list[GradientAllReduce]
+                           ) -> list[GradientAllReduce]:
+    """``found`` (the all-reduces of ``comp``) with each already-sharded one from whose
+    slice another array sum is computed marked with that sum (``feeds``): under FSDP the
+    partitioner also reduce-scatters activations (a product contracting a sharded
+    dimension, summed, then sliced by batch), which the weights' gradients are computed
+    from. A slice summed again through data movement alone (the data axis's sum of the
+    fsdp axis's slice) is the same gradient. One walk up from every array sum's operand:
+    through data movement it is that sum's value, above anything else it is a value that
+    sum is computed from (labelled with the first sum that reached it)."""
+    if not any(ar.sliced is not None for ar in found):
+        return found
+    same: set[str] = set()
+    computed_from: dict[str, str] = {}
+    value_stack = [(operand, ar.name) for ar in found if not _scalars(comp[ar.name].shape)
+                   for operand in comp[ar.name].operands]
+    above: list[tuple[str, str]] = []
+    while value_stack:
+        name, summed_by = value_stack.pop()
+        if name in same:
+            continue
+        same.add(name)
+        inst = comp[name]
+        (value_stack if inst.opcode in _SAME_VALUE else above).extend(
+            (operand, summed_by) for operand in inst.operands)
+    while above:
+        name, summed_by = above.pop()
+        if name in computed_from:
+            continue
+        computed_from[name] = summed_by
+        above.extend((operand, summed_by) for operand in comp[name].operands
+                     if operand not in computed_from)
+    return [replace(ar, feeds=next((computed_from[read] for read in ar.sliced.reads
+                                    if read in computed_from), ""))
+            if ar.sliced is not None else ar for ar in found]
 
 
 def _async_wrapped(module: Module) -> dict[str, str]:

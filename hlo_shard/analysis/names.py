@@ -25,6 +25,9 @@ from hlo_shard.values import c_unescape
 
 #: Longer ``op_name`` are not taken for names (they would swamp every table).
 MAX_NAME = 200
+#: Reason codes of sums the analysis found to be values of the forward/backward pass,
+#: named after no weight even where one is computed from them.
+_NOT_GRADIENTS = (ReasonCode.FEEDS_GRADIENTS.value, ReasonCode.ACTIVATION_SUM.value)
 
 _QUOTED = r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
 #: One ``key=value`` of a metadata value, or a quoted string skipped whole (so that an
@@ -511,11 +514,12 @@ class UserNames:
                     reason_code: str | None = None) -> str | None:
         """The weight the leaf is the gradient of; none for a sum the analysis found to
         be a value of the forward/backward pass (``feeds_gradients``: a batch statistic
-        reaches the weights' updates too, yet is no weight's gradient)."""
+        reaches the weights' updates too, yet is no weight's gradient; an
+        ``activation_sum``)."""
         computation, all_reduce = self.moved.get((computation, all_reduce),
                                                  (computation, all_reduce))
         weight = self.gradients.get((computation, all_reduce, index))
-        if weight is None or reason_code == ReasonCode.FEEDS_GRADIENTS.value:
+        if weight is None or reason_code in _NOT_GRADIENTS:
             return None
         return self.parameters.get(weight)
 

@@ -191,12 +191,17 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
         return f"no gradient all-reduce found; module written unchanged to {where}"
     already = sum(1 for r in rows if r.already_sharded)
     partial = sum(1 for r in rows if r.reason_code == ReasonCode.PARTIAL_SUM.value)
+    activations = sum(1 for r in rows if r.reason_code == ReasonCode.ACTIVATION_SUM.value)
     # Gradients the program already reduce-scatters are counted apart from those kept
-    # whole: they are not a missed opportunity; nor are the partial sums of their slices.
+    # whole: they are not a missed opportunity; nor are the partial sums of their slices,
+    # nor the activations' sums the partitioner reduce-scatters alike.
     sums = (f", {partial} partial sum{'s' if partial > 1 else ''} of their slices (not "
             f"gradients)") if partial else ""
+    sums += (f", {activations} activation sum{'s' if activations > 1 else ''} in the same "
+             f"form (not gradients)") if activations else ""
     apart = (f"; {already} already sharded (reduce-scatter form){sums}, "
-             f"{len(rows) - len(done) - already - partial} kept whole") if already else ""
+             f"{len(rows) - len(done) - already - partial - activations} kept whole") \
+        if already or activations else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices{_groups_words(report)}{apart}; {moved} update ops "

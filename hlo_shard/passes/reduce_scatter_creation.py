@@ -75,6 +75,9 @@ from hlo_shard.profiles import DEFAULT_PROFILE, HardwareProfile, resolve_profile
 _INTEGER_BITS = {f"{sign}{bits}": (bits, sign == "s") for sign in "su" for bits in (8, 16, 32, 64)}
 #: Larger index values (tables of offsets) are not evaluated: not the partitioner's form.
 MAX_INDEX_ELEMENTS = 1 << 14
+#: The rows of the partitioner's all-reduce + slice pairs: gradients, and activations'
+#: sums (:attr:`~hlo_shard.analysis.collectives.GradientAllReduce.feeds`).
+_SLICED_ROWS = (ReasonCode.ALREADY_SHARDED.value, ReasonCode.ACTIVATION_SUM.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -773,7 +776,7 @@ class ReduceScatterReport:
         said = {(d.computation, d.all_reduce): d.words for d in self.decisions}
         for row in report.explanations:
             words = said.get((row.computation, row.all_reduce))
-            if words and row.reason_code == ReasonCode.ALREADY_SHARDED.value:
+            if words and row.reason_code in _SLICED_ROWS:
                 row.reason = f"{row.reason}; {words}"
 
 

@@ -1420,6 +1420,11 @@ def triage(module: Module, found: list[GradientAllReduce], groups: DeviceGroups 
                 (f"its groups, {_in_words(ar.groups)}, differ from the data-parallel "
                  f"group of the module, {_in_words(groups)}")
             code = ReasonCode.OTHER_GROUPS
+        if ar.feeds:
+            reason = (f"%{ar.feeds} is computed from its slice: a value of the "
+                      f"forward/backward pass (an activation's sum the partitioner "
+                      f"reduce-scatters), not a weight's gradient; left as it is")
+            code = ReasonCode.ACTIVATION_SUM
         if reason:
             rejected.append((ar, reason, code))
         else:
