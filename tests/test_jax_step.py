@@ -607,6 +607,46 @@ def test_the_users_own_errors_still_propagate_as_jit_raises_them(request):
     assert not _fallbacks(caught)
 
 
+@jax.tree_util.register_pytree_node_class
+class _CheckedScale:
+    """A pytree that checks its leaf when rebuilt, as jmp's ``DynamicLossScale`` does
+    (``jax.eval_shape`` of it): jax's lowering API rebuilds the arguments from
+    ``ArgInfo`` placeholders, which no such check accepts; jit's own call never does."""
+
+    def __init__(self, scale):
+        jax.eval_shape(lambda: scale)
+        self.scale = scale
+
+    def tree_flatten(self):
+        return (self.scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(*leaves)
+
+
+def test_a_step_jax_cannot_lower_but_jit_runs_falls_back_with_one_warning(request):
+    """The user's function traces, but jax's ``lower()`` fails on its arguments: not
+    the user's error (jit runs the step), so ``fast`` runs jit's call after one
+    warning instead of raising into the loop."""
+    if not needs_devices(request):
+        return
+
+    def step(w, scale, x):
+        grad = jax.grad(lambda w: jnp.sum((x @ w) ** 2) * scale.scale)(w)
+        return w - 0.1 * grad / scale.scale, scale
+
+    w, x, scale = jnp.ones((4, 4)), jnp.ones((8, 4)), _CheckedScale(jnp.float32(2.0 ** 15))
+    fast = hsj.shard_weight_update(jax.jit(step))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got, _ = fast(w, scale, x)
+    (why,) = _fallbacks(caught)
+    assert "jax could not lower the step for capture" in str(why)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(step)(w, scale, x)[0]))
+
+
 @pytest.mark.slow
 def test_a_recursion_error_in_the_pass_runs_fn(request):
     """A 1,500-op chain of scalar learning-rate arithmetic: the pass's recursive walks

@@ -10,6 +10,7 @@ import pytest
 from hlo_shard import runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
+from hlo_shard.cli.verify import _text_report
 from hlo_shard.parser import parse
 from hlo_shard.passes.weight_update import ShardingOptions
 
@@ -123,6 +124,20 @@ def test_a_state_shard_fed_another_output_is_not_a_loop(monkeypatch):
                                   result.report, module)))
     assert not verified.differing and verified.unlooped == [(1, 1)]
     assert not verified.ok and verified.to_json()["match"] is False
+    # The module names no next values: the verdict says its pairs were guessed in order.
+    assert verified.feedback_guessed and verified.to_json()["feedback_guessed"]
+    (verdict,) = [line for line in _text_report(verified, False) if "NOT A LOOP" in line]
+    assert "those pairs are a guess" in verdict
+
+
+def test_pairs_the_manifest_names_are_not_a_guess():
+    module = parse(ADAM_LIKE)
+    result = optimize(module, ShardingOptions(state="sharded"), force=True)
+    manifest = build_manifest(result.report, module)
+    assert manifest.feedback == ((0, 0), (1, 1), (2, 2))  # the input's input_output_alias
+    verified = runtime.verify(parse(ADAM_LIKE), parse(result.text),
+                              runtime.VerifyOptions(steps=2, manifest=manifest))
+    assert verified.ok and not verified.feedback_guessed
 
 
 def test_a_reduction_from_another_initial_value_is_not_split_over_shards():

@@ -108,6 +108,15 @@ def _measure_lines(report: Any) -> list[str]:
     return lines
 
 
+#: Where the pairs fed back were guessed: the step may return its values in another
+#: order than it takes them (``step(opt_state, params)`` returning ``params`` first).
+_GUESSED = ("; those pairs are a guess: the manifest names no next values (optimize "
+            "writes them from its input's input_output_alias, which this one lacks), so "
+            "each replicated parameter took the next output of its shape, in order; if the "
+            "step returns its values in another order than it takes them, list the right "
+            "pairs as the manifest's \"feedback\"")
+
+
 def _text_report(report: VerifyReport, timed: bool) -> list[str]:
     devices = f"{report.devices} {report.backend} device{'s' if report.devices > 1 else ''}"
     steps = f"{report.steps_run} step{'s' if report.steps_run > 1 else ''}"
@@ -135,7 +144,8 @@ def _text_report(report: VerifyReport, timed: bool) -> list[str]:
             lines.append("NOT A LOOP: the candidate's shard parameters are fed outputs of "
                          "another form (" + ", ".join(f"output {o} -> parameter {p}"
                                                        for o, p in report.unlooped)
-                         + "): it does not run on its own outputs")
+                         + "): it does not run on its own outputs"
+                         + (_GUESSED if report.feedback_guessed else ""))
         if bad:
             step = report.differing[0][0]
             lines.append(f"DIFFERENT: {len(bad)} of {len(report.final())} outputs differ "

@@ -593,9 +593,16 @@ class ShardedStep:
             with suppress(Exception):  # (the report's profile: the default's if it fails)
                 self._price_on(None)
             return self._fall_back(key, why, jit=why.jit)
-        except Exception as err:  # jax's, tracing the user's function: as jit raises it
-            _name_the_argument(err, call, self._latest_call, self._names(call))
-            raise
+        except Exception as err:
+            if not self._traces(args, kwargs):  # jax's, tracing the user's function
+                _name_the_argument(err, call, self._latest_call, self._names(call))
+                raise
+            # The function traces: jax's lowering API failed where jit's own call does not
+            # go (a pytree whose unflattening checks its leaves, jmp's loss scale, is
+            # rebuilt from ArgInfo placeholders there): jit runs the step.
+            return self._fall_back(key, Unsupported(
+                f"jax could not lower the step for capture ({describe(err)}); jit's own "
+                f"call runs it", Reason.CAPTURE_FAILED))
         try:
             self._price_on(cap.devices[0])
             program = build_program(cap, self.options, self._next_values(call, cap),
@@ -630,6 +637,15 @@ class ShardedStep:
             self.options = replace(self.options, profile=_xla.device_profile(
                 jax.devices()[0] if device is None else device))
             self._device_profile = False
+
+    def _traces(self, args: tuple, kwargs: dict) -> bool:
+        """Whether jit traces the user's function for these arguments (its errors are
+        the user's, raised as jit raises them; a failure after tracing is jax's API's)."""
+        try:
+            self._jitted.trace(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the user's error: the caller raises its own
+            return False
+        return True
 
     def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
                    jit: JitStep | None = None) -> _Fallback:

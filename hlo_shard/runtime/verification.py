@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -124,6 +124,10 @@ class VerifyReport:
     #: The input regime of each step run.
     regimes: list[str] = field(default_factory=list)
     steps_run: int = 0
+    #: ``feedback`` is :func:`default_feedback`'s guess (the manifest gives none): the
+    #: pairs in order by shape, which a step returning its values in another order than
+    #: it takes them does not follow.
+    feedback_guessed: bool = False
 
     @property
     def differing(self) -> list[tuple[int, LeafComparison]]:
@@ -152,6 +156,7 @@ class VerifyReport:
                 "inputs": [{"parameter": r.number, "name": r.name, "role": r.role,
                             "source": r.source} for r in self.roles],
                 "feedback": [{"output": o, "parameter": p} for o, p in self.feedback],
+                "feedback_guessed": self.feedback_guessed,
                 "original": self.original.to_json()}
         if self.candidate is not None:
             data["candidate"] = self.candidate.to_json()
@@ -335,8 +340,9 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
         records = _check_manifest(options.manifest, first, modules[1], devices) \
             if options.manifest is not None else _identity_records(first, modules[1])
     roles = parameter_roles(first, options.per_device_params, options.manifest)
-    feedback = list(options.manifest.feedback) if options.manifest and \
-        options.manifest.feedback is not None else default_feedback(first, roles)
+    guessed = options.manifest is None or options.manifest.feedback is None
+    feedback = default_feedback(first, roles) if guessed \
+        else list(cast(Manifest, options.manifest).feedback or ())
     _check_feedback(first, feedback)
     supplied = load_npz(options.inputs_npz, first, devices) if options.inputs_npz else {}
 
@@ -351,7 +357,7 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
         pair = _Pair(original_exe, executables[1], *records) if len(executables) == 2 else None
         report = VerifyReport(devices, options.backend, roles, ModuleReport.of(original_exe),
                               ModuleReport.of(pair.candidate) if pair else None,
-                              feedback=feedback)
+                              feedback=feedback, feedback_guessed=guessed)
         _Run(original_exe, pair, report, options, steps, supplied, devices, say).steps()
     finally:
         for exe in executables:
