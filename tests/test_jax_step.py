@@ -15,7 +15,9 @@ from jax_train_helpers import (AXIS, assert_close, jax, make_program, needs_devi
                                through_checkpoint, train)
 
 import hlo_shard.jax as hsj
+from hlo_shard import optimize
 from hlo_shard.parser import parse
+from hlo_shard.passes.weight_update import ShardingOptions
 
 jnp = jax.numpy
 P = jax.sharding.PartitionSpec
@@ -405,6 +407,27 @@ def test_per_device_hlo_is_the_partitioned_module(request):
     module = parse(text)
     assert module.num_partitions == 2
     assert any(inst.opcode == "all-reduce" for inst in module.entry.instructions)
+
+
+def test_state_jit_donates_without_an_output_sharding_is_paired_by_dependence(request):
+    """``jax.jit(step, donate_argnums=(0, 1), out_shardings=(rep, None, rep))``: jit
+    aliases the weights (their output sharding is given) and writes a bare
+    ``buffer_donor`` for the optimizer state. The state's next values are read from the
+    dependences as where nothing is aliased, the weights' pairs taken from the header:
+    ``state="sharded"`` keeps Adam's moments as shards (it kept none)."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 4)
+    params, opt_state = program.init()
+    replicated = NamedSharding(program.mesh, P())
+    step = jax.jit(program.step.__wrapped__, donate_argnums=(0, 1),
+                   out_shardings=(replicated, None, replicated))
+    module = parse(hsj.per_device_hlo(step, params, opt_state, program.batch(0)))
+    assert module.output_aliases() and "buffer_donor" in module.header
+    result = optimize(module, ShardingOptions(state="sharded"), force=True)
+    moments = 2 * len(jax.tree.leaves(params))
+    assert sum(p.kind == "sharded" for p in result.report.parameters) == moments, \
+        result.report.notes
 
 
 # ---------------------------------------------------------------- forms of steps people write

@@ -235,10 +235,12 @@ def test_params_sharded_needs_sharded_state_one_line(tmp_path):
 
 
 @pytest.mark.skipif(BF16_MIXED not in RUNNABLE, reason=f"{BF16_MIXED} not generated")
-def test_a_weight_without_a_named_next_value_stays_whole_and_says_why(tmp_path):
-    """With input_output_alias naming every next value but weight 1's, that weight
-    stays whole (reason code ``weight_kept_whole``, an --explain note); the others are
-    shards, and the module still matches the original."""
+def test_a_weight_the_header_does_not_alias_is_paired_by_its_dependences(tmp_path):
+    """With input_output_alias naming every next value but weight 1's (jit aliases only
+    the arguments whose output sharding it was given, the others bare donors), weight
+    1's next value is read from what the outputs depend on, as where nothing is
+    aliased: every weight is a shard (weight 1 stayed whole), and the module still
+    matches the original."""
     text = (FIXTURES / BF16_MIXED).read_text()
     original = tmp_path / "no_alias_1.hlo"
     original.write_text(text.replace("{1}: (1, {}, may-alias), ", "", 1))
@@ -248,11 +250,9 @@ def test_a_weight_without_a_named_next_value_stays_whole_and_says_why(tmp_path):
                                      "--manifest", str(manifest), "--json"])
     assert made.exit_code == 0, made.output
     rows = {row["parameter"]: row for row in json.loads(made.stdout)["weights"]}
-    assert not rows[1]["sharded"] and rows[1]["reason_code"] == "weight_kept_whole"
-    assert "no input_output_alias" in rows[1]["reason"]
-    assert all(rows[k]["sharded"] for k in (0, 2, 3))
+    assert all(rows[k]["sharded"] for k in (0, 1, 2, 3)), rows
     kinds = {e["index"]: e["kind"] for e in json.loads(manifest.read_text())["parameters"]}
-    assert kinds[1] != "sharded" and kinds[0] == kinds[2] == kinds[3] == "sharded"
+    assert kinds[0] == kinds[1] == kinds[2] == kinds[3] == "sharded"
     result = cli(str(original), str(out), "--manifest", str(manifest), "--steps", "3", "-q",
                  "--json")
     assert result.exit_code == 0, result.output

@@ -1563,14 +1563,14 @@ class StatePair:
 
 
 def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication: Replication,
-                read: dict[int, set[ShardFormat]], unaliased: str = ""
+                read: dict[int, set[ShardFormat]]
                 ) -> tuple[dict[int, StatePair], dict[int, str]]:
     """Parameter number → (output index, region value) for the parameters of ``read``
     (optimizer state, or weights: see :func:`region_read_parameters`) that can stay
     sharded: the region reads the parameter in the format of the output that is its
     next value, and both are in an order the manifest flattens (physical or row-major);
-    and, for the other parameters of ``read``, why not (with ``unaliased``, also those
-    the module's input_output_alias leaves out: a weight is a parameter to report)."""
+    and, for the other parameters of ``read``, why not. The next value is the output
+    the module's input_output_alias names, else the one read from the dependences."""
     root = comp.root
     if root.opcode != "tuple":
         return {}, {}
@@ -1604,32 +1604,34 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
         return plan.sharded[outputs[k]] == candidates[number] and \
             proved_element(root.shape, k).element_type == proved_array(param.shape).element_type
 
-    aliases = list(module.output_aliases().items())
-    if aliases:
-        for k, number in aliases:
-            if number in candidates and k in outputs and fits(number, k):
-                pair(number, k)
-            elif number in candidates:
-                kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
-        if unaliased:
-            kept_whole.update({number: unaliased for number in candidates
-                               if number not in pairs and number not in kept_whole})
-        return pairs, kept_whole
-    found = _next_values_by_dependence(module, comp, candidates, outputs, fits,
-                                       replication)
+    aliases = module.output_aliases()
+    for k, number in aliases.items():
+        if number in candidates and k in outputs and fits(number, k):
+            pair(number, k)
+        elif number in candidates:
+            kept_whole[number] = _unpaired_output(plan, root, k, candidates[number])
+    # The parameters no alias names (jit writes a bare buffer_donor for the arguments
+    # whose output shardings it was not given, next to the others' aliases): read from
+    # what each output depends on, the aliased pairs taken already.
+    unnamed = [number for number in candidates if number not in aliases.values()]
+    found = _next_values_by_dependence(module, comp, unnamed, outputs, fits, replication,
+                                       aliases) if unnamed else {}
     for number, k in found.items():
         pair(number, k)
     kept_whole.update({number: "no output in its element order is its next value alone "
                                "(no input_output_alias to say which)"
-                       for number in candidates if number not in found})
+                       for number in candidates if number not in pairs and
+                       number not in kept_whole})
     return pairs, kept_whole
 
 
 def _next_values_by_dependence(module: Module, comp: Computation, candidates: Iterable[int],
                                outputs: Mapping[int, str], fits: Callable[[int, int], bool],
-                               replication: Replication) -> dict[int, int]:
-    """Without input_output_alias: parameter number → the output (of ``outputs``, where
-    ``fits``) that is its next value, read from what each output depends on.
+                               replication: Replication, aliases: Mapping[int, int]
+                               ) -> dict[int, int]:
+    """Where no input_output_alias says: parameter number → the output (of ``outputs``,
+    where ``fits``) that is its next value, read from what each output depends on
+    (``aliases``, output → parameter: the pairs the header names, taken already).
 
     First through the operands each element is computed from one for one, among every
     replicated entry parameter of a candidate's shape and type (the weights and the
@@ -1662,8 +1664,9 @@ def _next_values_by_dependence(module: Module, comp: Computation, candidates: It
     elements = root.shape.elements if isinstance(root.shape, TupleShape) else ()
     alike = [of_type.get(type_of(element), 0) for element in elements]
     candidate_bits = sum(bit[number] for number in wanted)
-    live = candidate_bits | sum(bit[number] for number in others)
-    unpaired = {k for k in range(len(root.operands)) if alike[k]}
+    live = (candidate_bits | sum(bit[number] for number in others)) & \
+        ~sum(bit.get(number, 0) for number in set(aliases.values()))
+    unpaired = {k for k in range(len(root.operands)) if alike[k] and k not in aliases}
     found: dict[int, int] = {}
     for computed_from, scope in ((ElementOperands(module).previous(comp), ~0),
                                  (None, candidate_bits)):

@@ -401,8 +401,7 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                 ends = {name: chain[-1] for name, chain in chains.items()}
                 weights, weights_whole = pair_state(
                     module, comp, plan, run.replication,
-                    region_read_parameters(params, graph, plan, weights=True, through=ends),
-                    unaliased="no input_output_alias names its next value")
+                    region_read_parameters(params, graph, plan, weights=True, through=ends))
                 rows = _weight_rows(comp, names, weights, weights_whole, graph, plan, ends)
                 run.report.weights += rows
                 run.report.notes += [f"weight parameter {row.parameter} (%{row.name}) "
