@@ -552,9 +552,10 @@ class Module:
         """The devices one run of the module takes: replicas × partitions."""
         return self.replica_count * self.num_partitions
 
-    def declared_result(self) -> str | None:
-        """The result the header's ``entry_computation_layout`` declares, as written
-        (``(f32[4,6]{1,0}, s32[])``); None where it declares none."""
+    def declared_signature(self) -> tuple[str, str] | None:
+        """The entry's parameters (a tuple: ``(f32[4]{0}, s32[])``) and result the
+        header's ``entry_computation_layout`` declares, as written; None where it
+        declares none."""
         raw = self.header.get("entry_computation_layout")
         if not isinstance(raw, Raw):
             return None
@@ -562,8 +563,14 @@ class Module:
         arrow = text.rfind(")->")
         if arrow < 0:
             return None
-        result = text[arrow + 3:]
-        return result[:-1] if result.endswith("}") else result
+        parameters, result = text[:arrow + 1], text[arrow + 3:]
+        return parameters.removeprefix("{"), result[:-1] if result.endswith("}") else result
+
+    def declared_result(self) -> str | None:
+        """The result the header's ``entry_computation_layout`` declares, as written
+        (``(f32[4,6]{1,0}, s32[])``); None where it declares none."""
+        signature = self.declared_signature()
+        return None if signature is None else signature[1]
 
     @property
     def is_scheduled(self) -> bool:

@@ -1582,8 +1582,11 @@ def _parser() -> Lark:
     return lark
 
 
-def parse(text: str, path: str | None = None) -> Module:
-    """Parse HLO text into a :class:`Module`; ``path`` is only used in messages."""
+def parse(text: str, path: str | None = None, *, entry_signature: bool = True) -> Module:
+    """Parse HLO text into a :class:`Module`; ``path`` is only used in messages.
+    ``entry_signature``: the entry must take and return what the header's
+    ``entry_computation_layout`` declares, as XLA's parser requires (False: a pass's
+    output the pipeline reads back before the pass that updates the header runs)."""
     lark = _parser()
     builder = cast(_Builder, lark.options.transformer)
     with cyclic_gc_paused():
@@ -1598,8 +1601,63 @@ def parse(text: str, path: str | None = None) -> Module:
             raise _error(text, path, "input nests too deeply to parse", 1, 1) from None
         finally:
             builder.reset()
+    if entry_signature:
+        _check_entry_signature(module, text, path)
     module.source_path = path
     return module
+
+
+def _check_entry_signature(module: Module, text: str, path: str | None) -> None:
+    """As XLA's parser: the entry takes and returns what the header's
+    ``entry_computation_layout`` declares (a module cut off before its ``ENTRY`` reads
+    its last computation as the entry, which this tells apart)."""
+    problem = _entry_signature_problem(module)
+    if problem is None:
+        return
+    where = max(text.find("entry_computation_layout="), 0)
+    line, column = text.count("\n", 0, where) + 1, where - text.rfind("\n", 0, where)
+    cut = "" if _ENTRY_RE.search(text) else " (a module cut off before its ENTRY?)"
+    raise _error(text, path, f"{problem}{cut}", line, column)
+
+
+#: A computation marked as the entry.
+_ENTRY_RE = re.compile(r"^\s*ENTRY\b", re.MULTILINE)
+
+
+def _entry_signature_problem(module: Module) -> str | None:
+    """How the entry's parameters or result differ from what the header's
+    ``entry_computation_layout`` declares, layouts aside (None: they agree, or nothing
+    is declared)."""
+    declared = module.declared_signature()
+    if declared is None or not module.computations:
+        return None
+    from hlo_shard.printer import format_shape
+
+    entry = module.entry
+    taken = [p.shape for p in sorted(entry.parameters(), key=lambda p: p.parameter_number or 0)]
+    try:
+        wanted, result = read_shape(declared[0]), read_shape(declared[1])
+    except HloParseError as err:
+        return f"entry_computation_layout is not a signature ({err.message})"
+    wanted_list = list(wanted.elements) if isinstance(wanted, TupleShape) else [wanted]
+    differs = next((k for k, (a, b) in enumerate(zip(wanted_list, taken))
+                    if not compatible(a, b)), None)
+    where = f"the entry computation %{entry.name}"
+    if len(wanted_list) != len(taken):
+        return f"entry_computation_layout declares {len(wanted_list)} parameters, " \
+               f"{where} takes {len(taken)}"
+    if differs is not None:
+        return f"entry_computation_layout declares parameter {differs} " \
+               f"{_short(format_shape(wanted_list[differs]))}, {where} takes " \
+               f"{_short(format_shape(taken[differs]))}"
+    if not compatible(result, entry.root.shape):
+        return f"entry_computation_layout declares the result {_short(format_shape(result))}, " \
+               f"{where} returns {_short(format_shape(entry.root.shape))}"
+    return None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 @contextlib.contextmanager

@@ -128,6 +128,18 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     (OK_HEAD + "  z = f32[] constant(0)\n  ROOT s = f32[] reduce(p, z), dimensions={0}, "
      "to_apply={ a = f32[] parameter(0) ROOT m = f32[] maximum(a, \x01) }\n}\n", 5, 108,
      "unexpected character '\\x01'"),
+    # A module cut off before its ENTRY: its last computation read as the entry does
+    # not take what the header declares (XLA's parser refuses it too).
+    ("HloModule m, entry_computation_layout={(f32[4]{0}, f32[4]{0})->f32[4]{0}}\n"
+     "add {\n  a = f32[] parameter(0)\n  b = f32[] parameter(1)\n  ROOT s = f32[] add(a, b)\n}\n",
+     1, 14, "declares parameter 0 f32[4]{0}, the entry computation %add takes f32[] (a "
+     "module cut off before its ENTRY?)"),
+    ("HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}\n"
+     "ENTRY e {\n  ROOT p = f32[4] parameter(0)\n  q = f32[4] parameter(1)\n}\n", 1, 14,
+     "declares 1 parameters, the entry computation %e takes 2"),
+    ("HloModule m, entry_computation_layout={(f32[4]{0})->f32[2]{0}}\n"
+     "ENTRY e {\n  ROOT p = f32[4] parameter(0)\n}\n", 1, 14,
+     "declares the result f32[2]{0}, the entry computation %e returns f32[4]"),
 ])
 def test_error_position_and_words(text, line, column, words):
     with pytest.raises(HloParseError) as info:
