@@ -142,7 +142,7 @@ def write_outputs(outputs: Sequence[tuple[str | None, str | bytes | None]]) -> N
 
 def _stage(path: str | None, data: bytes) -> _Output:
     if path is None or path == "-":
-        return _Output("-", data, "stdout")
+        return _Output("stdout", data, "stdout")
     with _naming(path):
         try:
             info = os.stat(path)

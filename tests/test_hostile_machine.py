@@ -433,6 +433,21 @@ def test_optimize_writes_module_and_manifest_or_neither(second, tmp_path):
     assert _digest(SGD) == before
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_optimize_json_that_cannot_be_printed_leaves_the_files_as_they_were(tmp_path):
+    """``--json`` on stdout is one of optimize's outputs: where printing it fails, the
+    module and manifest written are put back as they were (it left them replaced)."""
+    old = _old_outputs(tmp_path, "o.hlo")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(PYTHON + ["optimize", str(SGD), "-o", str(tmp_path / "o.hlo"),
+                                        "--manifest", str(tmp_path / "m.json"), "--json"],
+                              cwd=REPO, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == "error: stdout: No space left on device"
+    _unchanged(tmp_path, old)
+
+
 @pytest.mark.parametrize("command", [("report", SGD), ("diff", SGD, SGD), ("scale", SGD)],
                          ids=lambda c: c[0])
 def test_report_diff_scale_write_html_and_text_or_neither(command, tmp_path):

@@ -369,8 +369,15 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
 
         manifest_json = json.dumps(manifest_to_json(build_manifest(report, module, names)),
                                    indent=2)
+    # The report on stdout is one of the outputs: where printing it fails (a full disk,
+    # a closed pipe), the files written are put back as they were.
+    report_json = result.json_text(names, input=input_path, output=output, state=state,
+                                   params=params_mode, accumulator=accumulator,
+                                   strategy=strategy, profile=hardware.name,
+                                   manifest=manifest_path) + "\n" if as_json else None
     write_outputs([(output, result.text),
-                   (manifest_path, None if manifest_json is None else manifest_json + "\n")])
+                   (manifest_path, None if manifest_json is None else manifest_json + "\n"),
+                   ("-", report_json)])
     for line in _input_lines(picked, module):
         click.echo(line, err=True)
     if explain:
@@ -384,12 +391,6 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         for line in _change_lines(result.changes):
             click.echo(line, err=True)
     click.echo(_summary(report, options, output, decision), err=True)
-    if as_json:
-        click.echo(result.json_text(names, input=input_path, output=output, state=state,
-                                    params=params_mode, accumulator=accumulator,
-                                    strategy=strategy,
-                                    profile=hardware.name,
-                                    manifest=manifest_path))
 
 
 __all__ = ["build_manifest", "optimize"]
