@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 
 from hlo_shard.analysis.collectives import DeviceGroups, GroupMode, device_groups, UnsupportedGroups
-from hlo_shard.graph import DataflowGraph, NestedWalk, dataflow_graph, reachable, run_nested
+from hlo_shard.graph import (DataflowGraph, NestedWalk, dataflow_graph, reachable, run_nested,
+                             topological_order)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module, Raw,
                           Shape, TupleShape)
 from hlo_shard.opinfo import (CALLS_ONCE, CONTROL_FLOW, DATA_MOVEMENT, DETERMINISTIC_OPS,
@@ -220,20 +221,29 @@ def default_parameter_replication(module: Module, sources: dict[str, set[str]]
     meeting = _GradientMeeting(module, sources)
     graph, _ = meeting.view(entry)
     upstream = reachable(sources.get(entry.name, ()), graph.predecessors)
-    return {p.param_number: p.name not in upstream or meeting.meets(entry, {p.name})
+    meets = meeting.meets(entry)
+    return {p.param_number: p.name not in upstream or meets[p.name]
             for p in entry.parameters()}
 
 
 @dataclass
 class _GradientMeeting:
-    """Whether values flowing elementwise from some starts meet an all-reduced gradient
+    """Whether values flowing elementwise from a value meet an all-reduced gradient
     (``sources``), in a computation or, through a while loop's carry, in its body. Each
-    computation's graph and the values downstream of its gradients are found once, not
-    once per parameter asked about."""
+    computation's graph and the values downstream of its gradients are found once, and
+    whether each value meets one is found for all values at once (one pass up the
+    graph), not by a walk per parameter asked about: a residual stream, elementwise
+    through every layer, made those walks quadratic."""
 
     module: Module
     sources: dict[str, set[str]]
     _views: dict[str, tuple[DataflowGraph, set[str]]] = field(default_factory=dict)
+    _meets: dict[tuple[str, int], dict[str, bool]] = field(default_factory=dict)
+    _slots: dict[tuple[str, int, int], bool] = field(default_factory=dict)
+    #: Body → its reads of each carried slot (get-tuple-elements of its parameter).
+    _reads: dict[str, dict[int, list[str]]] = field(default_factory=dict)
+    #: Instruction → whether values flow through it elementwise (a fusion's body read once).
+    _flows: dict[tuple[str, str], bool] = field(default_factory=dict)
 
     def view(self, comp: Computation) -> tuple[DataflowGraph, set[str]]:
         """``comp``'s dataflow graph, and its gradient sources with all they reach."""
@@ -243,34 +253,54 @@ class _GradientMeeting:
             self._views[comp.name] = (graph, set(starts) | reachable(starts, graph.successors))
         return self._views[comp.name]
 
-    def meets(self, comp: Computation, starts: set[str], depth: int = 0) -> bool:
+    def meets(self, comp: Computation, depth: int = 0) -> dict[str, bool]:
+        """Value → whether it, or a value it flows into elementwise (through data
+        movement, elementwise ops and fusions, a tuple starting a while loop into the
+        body's reads of its slot), is combined with a value downstream of a gradient.
+        Users before values: each value's answer is its users'."""
+        key = (comp.name, depth)
+        if key in self._meets:
+            return self._meets[key]
         graph, downstream = self.view(comp)
-        reach, stack = set(starts), list(starts)
-        tuples: set[str] = set()  # carry only values, never combine them: followed into loops
-        while stack:
-            node = stack.pop()
-            for user in graph.successors(node):
-                inst = graph.comp[user]
-                if node in tuples:
-                    if inst.opcode == "while" and depth < 8 and \
-                            self._meets_in_body(inst, graph.comp[node], reach, depth):
-                        return True
-                elif inst.opcode == "tuple" and user not in tuples:
-                    tuples.add(user)
-                    stack.append(user)
-                elif user not in reach and _flows_through(self.module, inst):
-                    reach.add(user)
-                    stack.append(user)
-        return any(set(graph.predecessors(n)) & downstream for n in reach)
+        meets: dict[str, bool] = {}
+        for inst in reversed(topological_order(comp)):
+            meets[inst.name] = any(p in downstream for p in graph.predecessors(inst.name)) \
+                or any(self._meets_through(graph, user, inst.name, meets, depth)
+                       for user in graph.successors(inst.name))
+        self._meets[key] = meets
+        return meets
 
-    def _meets_in_body(self, loop: Instruction, init: Instruction, reach: set[str],
-                       depth: int) -> bool:
-        """The carried slots of ``init`` that hold reached values, followed into the body."""
+    def _meets_through(self, graph: DataflowGraph, user: str, value: str,
+                       meets: dict[str, bool], depth: int) -> bool:
+        inst = graph.comp[user]
+        if inst.opcode == "tuple":  # carried only, never combined: followed into loops
+            return depth < 8 and any(
+                self._slot_meets(graph.comp[loop], slot, depth)
+                for loop in graph.successors(user) if graph.comp[loop].opcode == "while"
+                for slot, operand in enumerate(inst.operands) if operand == value)
+        key = (graph.comp.name, user)
+        if key not in self._flows:
+            self._flows[key] = _flows_through(self.module, inst)
+        return self._flows[key] and meets[user]
+
+    def _slot_meets(self, loop: Instruction, slot: int, depth: int) -> bool:
+        """Whether the body of ``loop`` reads carried slot ``slot`` into a value that
+        meets a gradient."""
         body = self.module.computation(loop.required_attr("body", ComputationRef).name)
-        slots = {i for i, o in enumerate(init.operands) if o in reach}
-        inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
-                  and body[i.operands[0]].opcode == "parameter" and i.int_attr("index") in slots}
-        return bool(inside) and self.meets(body, inside, depth + 1)
+        key = (body.name, slot, depth)
+        if key not in self._slots:
+            if body.name not in self._reads:
+                reads: dict[int, list[str]] = {}
+                for inst in body.instructions:
+                    index = inst.int_attr("index")
+                    if inst.opcode == "get-tuple-element" and index is not None and \
+                            body[inst.operands[0]].opcode == "parameter":
+                        reads.setdefault(index, []).append(inst.name)
+                self._reads[body.name] = reads
+            inside = self._reads[body.name].get(slot, [])
+            meets = self.meets(body, depth + 1) if inside else {}
+            self._slots[key] = any(meets[name] for name in inside)
+        return self._slots[key]
 
 
 #: Inside an elementwise fusion body: opcodes allowed besides the elementwise ones.

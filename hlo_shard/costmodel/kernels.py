@@ -233,6 +233,8 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         kernels.append(kernel)
         kernel_of[inst.name] = kernel
 
+    fused = _Merges(kernel_of)
+
     def readers_of(name: str) -> _Readers:
         if name != comp.root_name and duplicated.isdisjoint(users[name]):
             return _Readers(False, tuple(users[name]))  # each user once already
@@ -260,7 +262,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         in_memory = found.root
         targets: dict[int, Kernel] = {}
         for user in found.users:
-            kernel = kernel_of.get(user)
+            kernel = fused.kernel_at(user)
             # Only fusion kernels take producers in: a dot or a collective reads memory.
             if kernel is not None and id(kernel) not in takes:
                 # What opened the kernel decides (a merge keeps the first kernel's).
@@ -305,9 +307,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         if joins:
             kernel = targets[0]
             for other in targets[1:]:  # multi-output fusion of the readers
-                kernel.members.extend(other.members)
-                for member in other.members:
-                    kernel_of[member.name] = kernel
+                fused.absorb(kernel, other)
                 merged.add(id(other))
                 merges += 1
             kernel.members.append(inst)
@@ -315,6 +315,7 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
         else:
             new_kernel(inst)
     kernels = [k for k in kernels if id(k) not in merged]
+    kernel_of = {member.name: kernel for kernel in kernels for member in kernel.members}
     position = {inst.name: i for i, inst in enumerate(order)}
     for kernel in kernels:
         kernel.members.sort(key=lambda m: position[m.name])
@@ -325,6 +326,43 @@ def plan_kernels(comp: Computation, emulate_fusion: bool = True,
                       _sources(comp, order, duplicated))
     _account(plan, users)
     return plan
+
+
+class _Merges:
+    """Kernels merged by multi-output fusion as :func:`plan_kernels` goes: ``kernel_of``
+    is not rewritten for every member of a merged kernel (quadratic where one kernel
+    absorbs a chain's), its entries lead to the merged one here (and are shortened as
+    they are followed)."""
+
+    def __init__(self, kernel_of: dict[str, Kernel]) -> None:
+        self.kernel_of = kernel_of
+        #: id of a kernel merged into another → that one.
+        self.absorbed: dict[int, Kernel] = {}
+
+    def kernel_at(self, name: str) -> Kernel | None:
+        kernel = self.kernel_of.get(name)
+        if kernel is None or id(kernel) not in self.absorbed:
+            return kernel
+        passed = []
+        while id(kernel) in self.absorbed:
+            passed.append(id(kernel))
+            kernel = self.absorbed[id(kernel)]
+        for merged in passed:  # (each chain followed once: path compression)
+            self.absorbed[merged] = kernel
+        self.kernel_of[name] = kernel
+        return kernel
+
+    def absorb(self, kernel: Kernel, other: Kernel) -> None:
+        """``other``'s members into ``kernel``, the longer list taking the shorter
+        (``kernel``'s opener, which decides what it takes in, stays its first)."""
+        if len(other.members) > len(kernel.members):
+            opener, at = kernel.members[0], len(other.members)
+            other.members.extend(kernel.members)
+            other.members[0], other.members[at] = opener, other.members[0]
+            kernel.members, other.members = other.members, []
+        else:
+            kernel.members.extend(other.members)
+        self.absorbed[id(other)] = kernel
 
 
 @dataclass(frozen=True)

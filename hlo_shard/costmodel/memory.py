@@ -34,9 +34,10 @@ and the curve plotted over the schedule.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Generator, Mapping
+from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass, field
 import itertools
+import math
 
 from hlo_shard.costmodel.network import Combiner
 from hlo_shard.costmodel.flops import POINTER_BYTES, leaf_bytes
@@ -448,23 +449,23 @@ class _Liveness:
                         if k in born and b.category in _TEMPORARY
                         and not (k in self.reuses and self._is_parameter(self.reuses[k]))),
                        key=lambda k: (k not in written_over, -self.buffers[k].size, born[k]))
-        held = {k: [k] for k in outputs}
+        packing = _Packing(outputs, interval, disjoint, self.reuses,
+                           1 + max((interval(k)[1] for k in [*outputs, *temps]), default=0))
         sizes = [self.buffers[k].size for k in outputs]
         heap = []
         tables = set(self.tables.values())  # tuples share no array's allocation
         for key in temps:
             size = self.buffers[key].size
-            candidates = [written_over[key]] if key in written_over else []
+            over = written_over.get(key)
             # (the outputs too small for it, first in size order, are not looked at)
-            fitting = (outputs[k] for k in range(bisect.bisect_left(sizes, size), len(outputs)))
-            home = None if key in tables else next(
-                (out for out in itertools.chain(candidates, fitting)
-                 if self.buffers[out].size >= size
-                 and all(disjoint(key, other) for other in held[out])), None)
+            home = None if key in tables else \
+                over if over is not None and self.buffers[over].size >= size and \
+                packing.free(over, key) else \
+                packing.first_free(key, bisect.bisect_left(sizes, size))
             if home is None:
                 heap.append(key)
             else:
-                held[home].append(key)
+                packing.place(home, key)
         steps = len(self.order)
         # Each buffer adds its size where it is live: changes at its ends, summed up
         # once (a long-lived buffer costs two entries, not one per step it spans).
@@ -580,3 +581,118 @@ class _Liveness:
                                self.combiner, self.plans, nested=True, upcast=self.upcast)
             peaks.append((yield nested).temp_bytes)
         return max(peaks, default=0)
+
+
+class _Packing:
+    """The outputs' allocations as :meth:`MemoryModel._temp_allocation` fills them, in
+    size order: which values each holds, and which hold one at some step of a range,
+    so that a temporary finds the first allocation free over its steps in time
+    logarithmic in the steps (a check of every allocation is quadratic in the module).
+
+    A segment tree over the steps keeps, per node, the allocations (bits, in size
+    order) holding a value over all of its steps (``full``) and at any of them
+    (``part``). Values that only touch, one written in place over the other as it dies
+    (``reuses``), do not interfere: the allocations holding such a partner of a
+    temporary are checked value by value instead (:meth:`free`); so are those holding a
+    value whose last use the schedule puts before its birth (a value of a kernel that
+    ends after one of its readers), which interferes by :func:`disjoint`'s comparisons,
+    not by overlapping steps."""
+
+    def __init__(self, outputs: list[str], interval: Callable[[str], tuple[int, int]],
+                 disjoint: Callable[[str, str], bool], reuses: Mapping[str, str],
+                 steps: int) -> None:
+        self.outputs, self.interval, self.disjoint = outputs, interval, disjoint
+        self.reuses = reuses
+        self.reused_by: dict[str, list[str]] = {}
+        for value, operand in reuses.items():
+            self.reused_by.setdefault(operand, []).append(value)
+        self.index = {out: k for k, out in enumerate(outputs)}
+        #: Each allocation's values as (start, end, name), sorted: pairwise disjoint,
+        #: so their ends rise with their starts.
+        self.held: dict[str, list[tuple[int, int, str]]] = {}
+        self.home: dict[str, str] = {}
+        #: The values with an inverted interval each allocation holds (not in ``held``
+        #: nor in the tree).
+        self.inverted: dict[str, list[str]] = {}
+        self.size = 1 << max(steps - 1, 1).bit_length()  # a leaf per step
+        self.full = [0] * (2 * self.size)
+        self.part = [0] * (2 * self.size)
+        for out in outputs:
+            self.held[out] = []
+            self.place(out, out)
+
+    def _nodes(self, start: int, end: int) -> tuple[list[int], list[int]]:
+        """The nodes covering steps ``start``..``end`` exactly, and their ancestors."""
+        low, high = start + self.size, end + self.size + 1
+        ends = (low, high - 1)
+        covering = []
+        while low < high:
+            if low & 1:
+                covering.append(low)
+                low += 1
+            if high & 1:
+                high -= 1
+                covering.append(high)
+            low, high = low >> 1, high >> 1
+        above = []
+        for leaf in ends:
+            leaf >>= 1
+            while leaf:
+                above.append(leaf)
+                leaf >>= 1
+        return covering, above
+
+    def place(self, out: str, key: str) -> None:
+        start, end = self.interval(key)
+        self.home[key] = out
+        if end < start:
+            self.inverted.setdefault(out, []).append(key)
+            return
+        bisect.insort(self.held[out], (start, end, key))
+        bit = 1 << self.index[out]
+        covering, above = self._nodes(start, end)
+        for node in covering:
+            self.full[node] |= bit
+            self.part[node] |= bit
+        for node in above:
+            self.part[node] |= bit
+
+    def free(self, out: str, key: str) -> bool:
+        """No value ``out`` holds interferes with ``key``: only those starting by its
+        end and ending from its start on can (a run, as the ends rise)."""
+        start, end = self.interval(key)
+        values = self.held[out]
+        if not all(self.disjoint(key, value) for value in self.inverted.get(out, ())):
+            return False
+        if end < start:
+            return all(self.disjoint(key, value) for _, _, value in values)
+        at = bisect.bisect_right(values, (end, math.inf))
+        while at:
+            at -= 1
+            if values[at][1] < start:
+                return True
+            if not self.disjoint(key, values[at][2]):
+                return False
+        return True
+
+    def first_free(self, key: str, lowest: int) -> str | None:
+        """The first allocation from ``lowest`` on (in size order) free for ``key``."""
+        start, end = self.interval(key)
+        if end < start:
+            return next((out for out in self.outputs[lowest:] if self.free(out, key)), None)
+        covering, above = self._nodes(start, end)
+        busy = 0
+        for node in covering:
+            busy |= self.part[node]
+        for node in above:
+            busy |= self.full[node]
+        free = ~busy & ~((1 << lowest) - 1) & ((1 << len(self.outputs)) - 1)
+        partners = [self.reuses.get(key), *self.reused_by.get(key, ())]
+        for out in {self.home[p] for p in partners if p in self.home}:
+            if self.index[out] >= lowest and self.free(out, key):
+                free |= 1 << self.index[out]
+        for out, values in self.inverted.items():
+            bit = 1 << self.index[out]
+            if free & bit and not all(self.disjoint(key, value) for value in values):
+                free &= ~bit
+        return self.outputs[(free & -free).bit_length() - 1] if free else None
