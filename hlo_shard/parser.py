@@ -1614,8 +1614,8 @@ def _check_entry_signature(module: Module, text: str, path: str | None) -> None:
     problem = _entry_signature_problem(module)
     if problem is None:
         return
-    where = max(text.find("entry_computation_layout="), 0)
-    line, column = text.count("\n", 0, where) + 1, where - text.rfind("\n", 0, where)
+    line, column = _position((Token("TEXT", text, 0, 1, 1),
+                              max(text.find("entry_computation_layout="), 0)))
     cut = "" if _ENTRY_RE.search(text) else " (a module cut off before its ENTRY?)"
     raise _error(text, path, f"{problem}{cut}", line, column)
 
@@ -1640,12 +1640,12 @@ def _entry_signature_problem(module: Module) -> str | None:
     except HloParseError as err:
         return f"entry_computation_layout is not a signature ({err.message})"
     wanted_list = list(wanted.elements) if isinstance(wanted, TupleShape) else [wanted]
-    differs = next((k for k, (a, b) in enumerate(zip(wanted_list, taken))
-                    if not compatible(a, b)), None)
     where = f"the entry computation %{entry.name}"
     if len(wanted_list) != len(taken):
         return f"entry_computation_layout declares {len(wanted_list)} parameters, " \
                f"{where} takes {len(taken)}"
+    differs = next((k for k, (a, b) in enumerate(zip(wanted_list, taken))
+                    if not compatible(a, b)), None)
     if differs is not None:
         return f"entry_computation_layout declares parameter {differs} " \
                f"{_short(format_shape(wanted_list[differs]))}, {where} takes " \

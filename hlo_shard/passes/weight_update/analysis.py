@@ -1613,7 +1613,8 @@ def pair_state(module: Module, comp: Computation, plan: RegionPlan, replication:
     # The parameters no alias names (jit writes a bare buffer_donor for the arguments
     # whose output shardings it was not given, next to the others' aliases): read from
     # what each output depends on, the aliased pairs taken already.
-    unnamed = [number for number in candidates if number not in aliases.values()]
+    named = set(aliases.values())
+    unnamed = [number for number in candidates if number not in named]
     found = _next_values_by_dependence(module, comp, unnamed, outputs, fits, replication,
                                        aliases) if unnamed else {}
     for number, k in found.items():
