@@ -26,7 +26,7 @@ from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
 
-from wus_helpers import ADD, MAX, find, optimize
+from wus_helpers import ADD, MAX, find, optimize, row
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
@@ -529,6 +529,86 @@ ENTRY e { w = f32[32,16] parameter(0) b = f32[32] parameter(1)
     assert len(report.moved) == 3, report.notes  # arw, arb out of body_in; arb's sum out of body
 
 
+#: big_vision's ``accumulate_gradient``: the first microbatch's gradient (from this
+#: device's rows %x0) summed over the devices before the loop and carried in as the
+#: accumulator's start; the loop adds the others' (from the whole microbatches, the
+#: same on every device, as the partitioner all-gathers them: no all-reduce in the
+#: body), one SGD update after.
+STARTED = f"""HloModule started, replica_count=8
+{ADD}
+cond {{ p = (s32[], f32[16,32], f32[32,16], f32[4,2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0 n = s32[] constant(4)
+ ROOT lt = pred[] compare(i, n), direction=LT }}
+body {{ p = (s32[], f32[16,32], f32[32,16], f32[4,2,32]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0 acc = f32[16,32] get-tuple-element(p), index=1
+ w = f32[32,16] get-tuple-element(p), index=2 xs = f32[4,2,32] get-tuple-element(p), index=3
+ z = s32[] constant(0) xi = f32[1,2,32] dynamic-slice(xs, i, z, z), dynamic_slice_sizes={{1,2,32}}
+ x = f32[2,32] reshape(xi)
+ y = f32[2,16] dot(x, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+ t = f32[2,16] tanh(y)
+ g = f32[16,32] dot(t, x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ nacc = f32[16,32] add(acc, g)
+ one = s32[] constant(1) ni = s32[] add(i, one)
+ ROOT r = (s32[], f32[16,32], f32[32,16], f32[4,2,32]) tuple(ni, nacc, w, xs) }}
+ENTRY e {{ w = f32[32,16] parameter(0) xs = f32[4,2,32] parameter(1)
+ x0 = f32[2,32] parameter(2), parameter_replication={{false}}
+ y0 = f32[2,16] dot(x0, w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+ t0 = f32[2,16] tanh(y0)
+ g0 = f32[16,32] dot(t0, x0), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+ s0 = f32[16,32] all-reduce(g0), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=add
+ one = s32[] constant(1)
+ init = (s32[], f32[16,32], f32[32,16], f32[4,2,32]) tuple(one, s0, w, xs)
+ loop = (s32[], f32[16,32], f32[32,16], f32[4,2,32]) while(init), condition=cond, body=body
+ acc = f32[16,32] get-tuple-element(loop), index=1
+ gt = f32[32,16] transpose(acc), dimensions={{1,0}}
+ lr = f32[] constant(0.01) lrw = f32[32,16] broadcast(lr), dimensions={{}}
+ u = f32[32,16] multiply(gt, lrw) nw = f32[32,16] subtract(w, u)
+ ROOT out = (f32[32,16]) tuple(nw) }}
+"""
+
+
+def test_a_sum_that_starts_an_accumulator_is_added_after_the_loop():
+    module, report = motion(STARTED)
+    assert [(s.all_reduce, s.slot) for s in report.lifted] == [("s0", 1)]
+    assert not report.moved and not report.kept
+    init = module.entry["init"]
+    assert module.entry[init.operands[1]].opcode == "broadcast"  # the loop starts at zero
+    (after,) = [u for u in find(module, "add") if "s0" in u.operands]
+    assert module.entry[next(o for o in after.operands if o != "s0")].opcode == \
+        "get-tuple-element"
+    assert module.entry["gt"].operands == [after.name]
+    assert "start at zero and the sum is added after the loop" in report.notes[0]
+
+
+def test_the_sharding_reduce_scatters_the_sum_that_started_an_accumulator():
+    """Before, the update read the sum only through the loop ('all users need the full
+    gradient'): now it is reduce-scattered and the update runs on the shard."""
+    module, report = optimize(STARTED)
+    assert row(report, "s0").sharded, row(report, "s0").reason
+    assert len(find(module, "reduce-scatter")) == 1 and not find(module, "all-reduce")
+
+
+@pytest.mark.parametrize("edit", [
+    ("nacc = f32[16,32] add(acc, g)",
+     "ga = f32[16,32] multiply(g, acc) nacc = f32[16,32] add(acc, ga)"),
+    ("ROOT lt = pred[] compare(i, n), direction=LT",
+     "a = f32[16,32] get-tuple-element(p), index=1 f0 = f32[] constant(0) "
+     "sa = f32[] reduce(a, f0), dimensions={0,1}, to_apply=add "
+     "ok = pred[] compare(sa, sa), direction=EQ "
+     "more = pred[] compare(i, n), direction=LT ROOT lt = pred[] and(more, ok)"),
+    ("nacc = f32[16,32] add(acc, g)", "nacc = f32[16,32] multiply(acc, g)"),
+    ("acc = f32[16,32] get-tuple-element(loop), index=1",
+     "acc = f32[16,32] get-tuple-element(loop), index=1 "
+     "again = f32[16,32] add(s0, acc)"),
+], ids=["read-in-body", "read-in-condition", "not-added", "start-read-after"])
+def test_a_start_the_loop_does_not_only_add_to_stays(edit):
+    text = STARTED.replace(*edit)
+    assert text != STARTED
+    module, report = motion(text)
+    assert not report.lifted
+    assert module.entry["init"].operands[1] == "s0"
+
+
 # ---------------------------------------------------------- numbers through real XLA
 
 
@@ -601,6 +681,26 @@ def test_moving_a_write_into_a_slot_that_keeps_part_of_its_start_is_caught(worke
         start = rw.add("broadcast", ones["zs"].shape, [one.name], dimensions=())
     rw.set_operand(module.entry["init"], 1, start.name)
     assert not verify(ONES_START, module).ok
+
+
+def test_the_lifted_start_computes_the_same(worker):
+    """The accumulator started at zero, the first microbatch's sum added after the loop,
+    against the original; a mutant that forgets to add it must DIFFER; and the step
+    optimized with its state sharded."""
+    module, report = motion(STARTED)
+    assert report.lifted
+    result = verify(STARTED, module)
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+    (after,) = [u for u in find(module, "add") if "s0" in u.operands]
+    Rewriter(module.entry).replace_all_uses_with(
+        after.name, next(o for o in after.operands if o != "s0"))
+    assert not verify(STARTED, module).ok
+    optimized = hlo_shard.optimize(parse(STARTED), ShardingOptions(state="sharded"),
+                                   force=True)
+    assert row(optimized.report, "s0").sharded
+    result = runtime.verify(parse(STARTED), parse(optimized.text), runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(optimized.report, parse(STARTED))))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
 
 
 def test_the_optimized_loop_computes_the_same(worker):
@@ -1020,3 +1120,79 @@ def test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop(request):
     assert float(loss) == float(loss_jit)
     for leaf, leaf_jit in zip(jax.tree.leaves(state), jax.tree.leaves(state_jit)):
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(leaf_jit), rtol=1e-6, atol=1e-7)
+
+
+def _first_microbatch_program():
+    """big_vision's ``accumulate_gradient`` (big_vision/utils.py, the code unchanged, its
+    image slices 2-D here): the first microbatch's loss and gradient computed before a
+    ``fori_loop`` over the others, which carries them in; an MLP + adam step on a batch
+    sharded over 8 devices (the loop's ``dynamic_slice`` of the sharded batch makes the
+    partitioner all-gather it: the body's gradients are summed nowhere, the first one
+    before the loop)."""
+    from jax_train_helpers import (AXIS, NamedSharding, P, jax, mlp_batch, mlp_loss,
+                                   mlp_params, np, optax)
+
+    def accumulate_gradient(loss_and_grad_fn, params, images, labels, accum_steps):
+        """Accumulate gradient over multiple steps to save on memory."""
+        if accum_steps and accum_steps > 1:
+            assert images.shape[0] % accum_steps == 0, (
+                f"Bad accum_steps {accum_steps} for batch size {images.shape[0]}")
+            step_size = images.shape[0] // accum_steps
+            l, g = loss_and_grad_fn(params, images[:step_size], labels[:step_size])  # noqa: E741 (big_vision's names)
+
+            def acc_grad_and_loss(i, l_and_g):
+                imgs = jax.lax.dynamic_slice(images, (i * step_size, 0),
+                                             (step_size,) + images.shape[1:])
+                lbls = jax.lax.dynamic_slice(labels, (i * step_size, 0),
+                                             (step_size, labels.shape[1]))
+                li, gi = loss_and_grad_fn(params, imgs, lbls)
+                l, g = l_and_g  # noqa: E741
+                return (l + li, jax.tree.map(lambda x, y: x + y, g, gi))
+            l, g = jax.lax.fori_loop(1, accum_steps, acc_grad_and_loss, (l, g))  # noqa: E741
+            return jax.tree.map(lambda x: x / accum_steps, (l, g))
+        else:
+            return loss_and_grad_fn(params, images, labels)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    opt = optax.adam(1e-2)
+
+    def loss_and_grad(params, x, y):
+        return jax.value_and_grad(mlp_loss)(params, {"x": x, "y": y})
+
+    def step(params, opt_state, batch):
+        loss, grads = accumulate_gradient(loss_and_grad, params, batch["x"], batch["y"],
+                                          MICRO)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def init():
+        params = mlp_params(jax.random.PRNGKey(0))
+        return params, jax.jit(opt.init)(params)
+
+    def batch(i):
+        return jax.device_put(mlp_batch(jax.random.PRNGKey(100 + i), MICRO * 16),
+                              NamedSharding(mesh, P(AXIS)))
+
+    return jax.jit(step), init, batch
+
+
+def test_big_vision_s_first_microbatch_gradient_is_sharded(request, worker):
+    """Each gradient summed before the loop and carried in (6 leaves) was kept whole
+    ('all users need the full gradient: the tuple read by the while'): the loop now
+    starts at zero and the sum feeds the update after it, sharded; the step trains
+    like jit with its state sharded."""
+    from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
+
+    import hlo_shard.jax as hsj
+
+    if not needs_devices(request):
+        return
+    step, init, batch = _first_microbatch_program()
+    text = hsj.per_device_hlo(step, *init(), batch(0))
+    result = hlo_shard.optimize(parse(text), ShardingOptions(state="sharded"), force=True)
+    assert sum(r.sharded for r in result.report.explanations) == 6, \
+        [r.reason for r in result.report.explanations]
+    assert any("added after the loop" in note for note in result.report.notes)
+    fast, final, _ = run_forced(step, "sharded", init, batch)
+    assert fast.report is not None and fast.report["sharded"] == 6
+    assert_close(final, run_steps(step, init(), batch)[0])

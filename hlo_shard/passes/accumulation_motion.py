@@ -45,6 +45,11 @@ a shard, is chosen after the sharding, on the reduce-scatter it puts after the l
 (:mod:`~hlo_shard.passes.sharded_accumulator`). The speed gate prices the moved module
 as the one kept whole.
 
+A sum over devices that starts an accumulator (big_vision's ``accumulate_gradient``
+computes the first microbatch's gradient before its loop and carries it in) is added
+after the loop instead, the slot starting at zero (:meth:`_Sinking.lift_starts`): the
+update after the loop then reads the sum, and the sharding can reduce-scatter it.
+
 A sum the body cuts to this device's block before accumulating it (the partitioner's
 FSDP form: the loop carries the block) moves with ``sliced``: the loop then carries the
 whole local gradient, so the move is bounded by the device's memory where the profile
@@ -221,9 +226,23 @@ class KeptAllReduce:
 
 
 @dataclass(frozen=True)
+class LiftedStart:
+    """A sum over devices that started accumulator ``slot`` of ``loop`` (a while in
+    ``computation``): the loop starts the slot at zero now, and the sum is added to what
+    the loop leaves (``after``)."""
+
+    computation: str
+    loop: str
+    all_reduce: str
+    slot: int
+    after: str
+
+
+@dataclass(frozen=True)
 class AccumulationReport:
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
+    lifted: list[LiftedStart] = field(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
@@ -238,6 +257,13 @@ class AccumulationReport:
                  for (comp, loop), moves in by_loop.items()]
         notes += [f"{k.computation}/while %{k.loop}: all-reduce %{k.all_reduce} stays in "
                   f"the loop{_split_words(k)} ({REASONS[k.reason]})" for k in self.kept]
+        starts: dict[tuple[str, str], list[LiftedStart]] = defaultdict(list)
+        for lift in self.lifted:
+            starts[lift.computation, lift.loop].append(lift)
+        notes += [f"{comp}/while %{loop}: {len(lifts)} accumulator(s) started from a sum "
+                  f"over devices ({', '.join(f'%{s.all_reduce} in slot {s.slot}' for s in lifts)})"
+                  f" start at zero and the sum is added after the loop instead: the update "
+                  f"reads it there" for (comp, loop), lifts in starts.items()]
         return notes
 
 
@@ -301,6 +327,7 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
             pass
+        sinking.lift_starts()
         # a later sweep sees the loops it left alone again: one entry per all-reduce,
         # the latest (what the moves left it), still naming the tuple it was split from
         kept: dict[tuple[str, str, str], KeptAllReduce] = {}
@@ -310,7 +337,7 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
             kept[key] = replace(k, part_of=k.part_of or split_from)
         for move in sinking.moved:
             kept.pop((move.computation, move.loop, move.all_reduce), None)
-        return AccumulationReport(sinking.moved, list(kept.values()))
+        return AccumulationReport(sinking.moved, list(kept.values()), sinking.lifted)
 
 
 @dataclass
@@ -322,6 +349,7 @@ class _Sinking:
     sliced: bool = False
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
+    lifted: list[LiftedStart] = field(default_factory=list)
     #: The bodies of loops a sum added into an accumulator moved out of (in any sweep).
     adding_bodies: set[str] = field(default_factory=set)
     #: (computation, all-reduce) of the sums already sharded where they are (read only
@@ -354,6 +382,36 @@ class _Sinking:
             condition = computations[loop.required_attr("condition", ComputationRef).name]
             moved |= self.sink(comp, loop, body, condition, callers[body.name])
         return moved
+
+    def lift_starts(self) -> None:
+        """Start at zero the accumulators a loop starts from a sum over devices (big_vision's
+        ``accumulate_gradient`` computes the first microbatch's gradient before its
+        ``fori_loop`` and carries it in), and add the sum to what the loop leaves:
+        ``s + Σᵢ xᵢ`` is ``(Σᵢ xᵢ) + s`` whatever the ``xᵢ``, provided nothing but the
+        accumulation reads the slot. The sum then feeds the update after the loop, which
+        the sharding can reduce-scatter; the loop itself is as it was."""
+        callers = call_counts(self.module)
+        for comp in self.module.computations:
+            for loop in [i for i in comp.instructions if i.opcode == "while"]:
+                body = self.module.computation(loop.called("body"))
+                condition = self.module.computation(loop.called("condition"))
+                outer = self.edits.rewriter(comp)
+                starts = _summed_starts(self.module, outer, loop)
+                if not starts:
+                    continue
+                try:
+                    check_loop(outer, loop, callers[body.name])
+                except Refusal:
+                    continue
+                inner = self.edits.rewriter(body)
+                reads = slots_read(inner), slots_read(self.edits.rewriter(condition))
+                anchor = loop.name
+                for slot, summed in starts.items():
+                    if _accumulates(self.module, inner, reads, slot):
+                        lift = _lift(outer, loop, slot, summed, anchor)
+                        if lift is not None:
+                            self.lifted.append(lift)
+                            anchor = lift.after
 
     def sink(self, comp: Computation, loop: Instruction, body: Computation,
              condition: Computation, body_callers: int) -> bool:
@@ -465,12 +523,114 @@ def _widening_bytes(body: Computation, element: _Element) -> int:
 
 
 def loops_all_reduce(module: Module) -> bool:
-    """Whether some while body all-reduces (anything for this pass to look at)."""
+    """Whether some while body all-reduces, or some loop starts a slot from a sum over
+    devices (anything for this pass to look at)."""
     bodies = {ref.name for comp in module.computations for inst in comp.instructions
               if inst.opcode == "while"
               and isinstance(ref := inst.attr("body"), ComputationRef)}
-    return any(inst.opcode == "all-reduce" for comp in module.computations
-               if comp.name in bodies for inst in comp.instructions)
+    if any(inst.opcode == "all-reduce" for comp in module.computations
+           if comp.name in bodies for inst in comp.instructions):
+        return True
+    for comp in module.computations:
+        inits = [comp[loop.operands[0]] for loop in comp.instructions
+                 if loop.opcode == "while" and loop.operands]
+        if any(init.opcode == "tuple" for init in inits):
+            read = users_map(comp).__getitem__
+            if any(_summed_start(module, comp, read, comp[start])
+                   for init in inits if init.opcode == "tuple" for start in init.operands):
+                return True
+    return False
+
+
+def _summed_starts(module: Module, outer: Rewriter, loop: Instruction) -> dict[int, str]:
+    """The slots of ``loop``'s initial tuple that a sum over devices starts, through
+    relabels each read once (:func:`_summed_start`), the start read by the tuple alone:
+    slot → the all-reduce."""
+    comp = outer.comp
+    init = comp[loop.operands[0]]
+    if init.opcode != "tuple":
+        return {}
+    def read(name: str) -> list[str]:
+        return [u.name for u in outer.users(name)]
+
+    found = {}
+    for slot, start in enumerate(init.operands):
+        if read(start) == [init.name] and init.operands.count(start) == 1:
+            summed = _summed_start(module, comp, read, comp[start])
+            if summed is not None:
+                found[slot] = summed
+    return found
+
+
+def _summed_start(module: Module, comp: Computation, read: Callable[[str], list[str]],
+                  start: Instruction) -> str | None:
+    """The all-reduce summing the array ``start`` is (itself, an element of a tuple one,
+    or either through :data:`RELABELLING` ops each the only reader of what it reads:
+    ``read`` names a value's readers), of a numeric type; None where it is not one."""
+    value = start
+    while (rule := RELABELLING.get(value.opcode)) is not None and \
+            rule(module, comp, value, 0) and read(value.operands[0]) == [value.name]:
+        value = comp[value.operands[0]]
+    if value.opcode == "get-tuple-element" and comp[value.operands[0]].opcode == "all-reduce":
+        value = comp[value.operands[0]]
+    shape = start.shape
+    if value.opcode != "all-reduce" or not is_sum(module, value) or \
+            not isinstance(shape, ArrayShape) or shape.dynamic or \
+            shape.element_type not in SUMMABLE or value.attr("constrain_layout"):
+        return None
+    return value.name
+
+
+def _accumulates(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
+                 slot: int) -> bool:
+    """The body's result at ``slot`` is its read of the slot plus something else (an
+    ``add``, or a fusion of the two whose fused computation is that add), and nothing
+    else reads the slot, in the body or the condition."""
+    in_body, in_condition = reads
+    if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 or \
+            in_condition.get(slot, 0):
+        return False
+    comp = body.comp
+    root = comp.root
+    if root.opcode != "tuple" or slot >= len(root.operands):
+        return False
+    total = comp[root.operands[slot]]
+    if [u.name for u in body.users(total.name)] != [root.name] or \
+            root.operands.count(total.name) != 1 or len(total.operands) != 2:
+        return False
+    buffers = [o for o in total.operands if comp[o].opcode == "get-tuple-element"
+               and comp[comp[o].operands[0]].opcode == "parameter"
+               and comp[o].int_attr("index") == slot]
+    if len(buffers) != 1 or total.operands.count(buffers[0]) != 1 or \
+            total.shape != comp[buffers[0]].shape:
+        return False
+    if total.opcode == "add":
+        return True
+    return total.opcode == "fusion" and _adds_into_operand(
+        module, total, total.operands[1 - total.operands.index(buffers[0])])
+
+
+def _lift(outer: Rewriter, loop: Instruction, slot: int, summed: str, anchor: str
+          ) -> LiftedStart | None:
+    """Start ``slot`` of ``loop`` at zero and add its start to what the loop leaves there,
+    after ``anchor`` (None where nothing reads the slot after the loop: left as it is)."""
+    comp = outer.comp
+    readers = [u.name for u in outer.users(loop.name) if u.int_attr("index") == slot]
+    if not readers:
+        return None
+    init = comp[loop.operands[0]]
+    start = init.operands[slot]
+    shape = _slot_shape(loop, slot)
+    with outer.inserting_before(init.name):
+        outer.set_operand(init, slot, _zeros(outer, shape))
+    with outer.inserting_after(anchor):
+        accumulated = outer.add("get-tuple-element", shape, [loop.name], index=slot,
+                                name=f"accumulated_{slot}").name
+        total = outer.add("add", shape, [start, accumulated]).name
+    for old in readers:
+        outer.replace_all_uses_with(old, total)
+        outer.erase(old)
+    return LiftedStart(comp.name, loop.name, summed, slot, total)
 
 
 def check_loop(outer: Rewriter, loop: Instruction, body_callers: int) -> None:
@@ -895,5 +1055,5 @@ def _zeros(rw: Rewriter, shape: ArrayShape) -> str:
 
 
 __all__ = ["COMMUTING", "REASONS", "RELABELLING", "SUMMABLE", "AccumulationMotion", "AccumulationReport",
-           "KeptAllReduce", "MovedAllReduce", "Refusal", "Rule", "SlotReads", "check_loop",
+           "KeptAllReduce", "LiftedStart", "MovedAllReduce", "Refusal", "Rule", "SlotReads", "check_loop",
            "loops_all_reduce", "slots_read"]
