@@ -97,7 +97,7 @@ def test_real_process_exit_status_and_no_traceback(tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["fmt", "{dir}"], "Invalid value for 'IN.hlo': File '{dir}' is a directory."),
     (["optimize", "{dir}/x.hlo", "--state", "bogus"], "Invalid value for '--state'"),
-    (["verify"], "Missing argument 'ORIGINAL.hlo'."),
+    (["verify"], "Missing argument 'ORIGINAL.hlo|DUMP_DIR'."),
     (["bogus"], "No such command 'bogus'."),
 ])
 def test_usage_errors_are_one_line_too(tmp_path, args, words):

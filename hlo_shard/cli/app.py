@@ -8,10 +8,12 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
+from hlo_shard.dumps import pick_dump_file
 from hlo_shard.errors import HloParseError, HloShardError
 from hlo_shard.outputs import (check_distinct_outputs, check_output_path,  # noqa: F401
                                write_output, write_outputs)  # re-exported for the commands
@@ -52,6 +54,16 @@ class _Commands(click.Group):
 @click.version_option(package_name="hlo-shard")
 def main() -> None:
     """Automatic cross-replica sharding of the weight update for XLA HLO text."""
+
+
+def step_input(path: str) -> tuple[str, str]:
+    """``path``, or for an XLA dump folder the file of its training step's per-device
+    module (:func:`~hlo_shard.dumps.pick_dump_file`), and the line that says which (""
+    for a file): every command that reads a step takes either, as optimize does."""
+    if not Path(path).is_dir():
+        return path, ""
+    picked = str(pick_dump_file(Path(path)))
+    return picked, f"read {path}'s training step: {picked}"
 
 
 def fail(message: str) -> NoReturn:

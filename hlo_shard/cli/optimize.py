@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -30,8 +29,7 @@ from hlo_shard.analysis.collectives import ReasonCode
 from hlo_shard.analysis.names import UserNames, labelled, user_names
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
-                               user_errors, write_outputs)
-from hlo_shard.dumps import pick_dump_file
+                               step_input, user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -312,10 +310,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
     Given an XLA dump folder instead, reads the per-device module of its training step
     (the ``*.spmd-partitioner.after_call-inliner.before_pipeline-end.txt`` stage)."""
     # (said once something is written: an error stays its one line)
-    picked = f"read {input_path}'s training step: " if Path(input_path).is_dir() else ""
-    if picked:
-        input_path = str(pick_dump_file(Path(input_path)))
-        picked += input_path
+    input_path, picked = step_input(input_path)
     if as_json and output == "-":
         raise HloShardError("--json prints to stdout; write the module to a file with -o")
     if verbose and not (explain or as_json):

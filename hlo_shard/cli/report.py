@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, read_text,
-                               user_errors, write_outputs)
+                               step_input, user_errors, write_outputs)
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.profiles import ALGORITHMS, DEFAULT_PROFILE, HardwareProfile, available_profiles
@@ -115,7 +115,7 @@ def emit(document: Document, data: dict, *, as_json: bool, markdown: bool, html_
 
 
 @main.command()
-@click.argument("module_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
+@click.argument("module_path", metavar="IN.hlo|DUMP_DIR", type=click.Path())
 @report_options
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
               help="Instructions listed by estimated time.")
@@ -130,12 +130,15 @@ def report(module_path: str, profile: str | None, algorithm: str | None, manifes
     from hlo_shard.costmodel.step_time import estimate_step
     from hlo_shard.reports.content import report_document, report_json
 
+    module_path, picked = step_input(module_path)
     module = load_module(module_path)
     est = estimate_step(module, module_profile(profile, module), planned_update_regions(module),
                         algorithm=algorithm, roles=manifest_roles(manifest_path, [module_path])[0])
     data = report_json(est, module, top)
     emit(report_document(est, module, top, data["weights"]), data, as_json=as_json,
          markdown=markdown, html_path=html_path, output=output, inputs=[module_path])
+    if picked:
+        click.echo(picked, err=True)
     from hlo_shard.runtime.forms import global_program_mark
 
     if mark := global_program_mark(module):

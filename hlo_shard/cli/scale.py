@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import click
 
 from hlo_shard import limits
-from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, user_errors,
-                               write_outputs)
+from hlo_shard.cli.app import (check_distinct_outputs, check_output_path, main, step_input,
+                               user_errors, write_outputs)
 from hlo_shard.cli.report import load_module, manifest_option, manifest_roles
 from hlo_shard.errors import HloShardError
 from hlo_shard.profiles import ALGORITHMS, available_profiles
@@ -80,7 +80,7 @@ def _refuse_sharded(module: Module, path: str) -> None:
 
 
 @main.command()
-@click.argument("module_path", metavar="IN.hlo", type=click.Path(dir_okay=False))
+@click.argument("module_path", metavar="IN.hlo|DUMP_DIR", type=click.Path())
 @click.option("--replicas", default="8,16,32,64,128,256,512,1024", show_default=True,
               metavar="N,N,…", help="Replica counts to project to.")
 @click.option("--profile", default="tpu-v3", show_default=True, metavar="NAME|FILE",
@@ -132,6 +132,7 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
     parameter_count = _parameter_count(parameters)
     if as_json and markdown:
         raise HloShardError("--json and --markdown are exclusive")
+    module_path, picked = step_input(module_path)
     for target in (output, plot_path, html_path):
         check_output_path(target, [module_path])
     check_distinct_outputs({"-o": output, "--plot": plot_path, "--html": html_path})
@@ -148,3 +149,5 @@ def scale(module_path: str, replicas: str, profile: str, algorithm: str | None, 
                                     parameter_count))
             if as_json else render_markdown(document) if markdown else render_text(document))
     write_outputs([(plot_path, png), (html_path, html), (output, text)])
+    if picked:
+        click.echo(picked, err=True)

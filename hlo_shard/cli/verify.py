@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hlo_shard import limits
-from hlo_shard.cli.app import main, user_errors
+from hlo_shard.cli.app import main, step_input, user_errors
 from hlo_shard.errors import HloShardError
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ def _check_limits(timeout: float, devices: int | None, max_devices: str | None,
 
 
 @main.command()
-@click.argument("original", metavar="ORIGINAL.hlo", type=click.Path(dir_okay=False))
+@click.argument("original", metavar="ORIGINAL.hlo|DUMP_DIR", type=click.Path())
 @click.argument("candidate", metavar="[CANDIDATE.hlo]", required=False,
                 type=click.Path(dir_okay=False))
 @click.option("--devices", "-n", type=click.IntRange(min=1), default=None,
@@ -254,6 +254,7 @@ def verify(original: str, candidate: str | None, devices: int | None, processes:
     from hlo_shard.runtime.distributed import DistributedWorker
 
     _check_limits(timeout, devices, max_devices, worker_memory)
+    original, picked = step_input(original)
     worker = DistributedWorker(processes, devices, backend, timeout) if processes > 1 else None
     options = runtime.VerifyOptions(
         devices=devices, steps=steps, seed=seed, rtol=rtol, atol=atol, backend=backend,
@@ -276,5 +277,7 @@ def verify(original: str, candidate: str | None, devices: int | None, processes:
         if worker is not None:
             click.echo(f"ran in {processes} processes x {report.devices // processes} devices "
                        f"through jax.distributed (coordinator {worker.coordinator})")
+    if picked:
+        click.echo(picked, err=True)
     if not report.ok:
         sys.exit(EXIT_DIFFERENT)
