@@ -16,11 +16,10 @@ import pytest
 
 from hlo_shard import runtime
 from hlo_shard.cli.optimize import build_manifest
-from hlo_shard.graph import Rewriter
+from hlo_shard.graph import Rewriter, is_zero
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
-from hlo_shard.passes.accumulation_motion import (AccumulationMotion, AccumulationReport,
-                                                   is_zero)
+from hlo_shard.passes.accumulation_motion import AccumulationMotion, AccumulationReport
 import hlo_shard
 from hlo_shard.passes.pipeline import Pipeline, validate_printed
 from hlo_shard.passes.weight_update import ShardingOptions
@@ -1178,9 +1177,9 @@ def _first_microbatch_program():
 
 def test_big_vision_s_first_microbatch_gradient_is_sharded(request, worker):
     """Each gradient summed before the loop and carried in (6 leaves) was kept whole
-    ('all users need the full gradient: the tuple read by the while'): the loop now
-    starts at zero and the sum feeds the update after it, sharded; the step trains
-    like jit with its state sharded."""
+    ('all users need the full gradient: the tuple read by the while') and unnamed: the
+    loop now starts at zero and the sum feeds the update after it, sharded, named by its
+    weight; the step trains like jit with its state sharded."""
     from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
 
     import hlo_shard.jax as hsj
@@ -1192,7 +1191,13 @@ def test_big_vision_s_first_microbatch_gradient_is_sharded(request, worker):
     result = hlo_shard.optimize(parse(text), ShardingOptions(state="sharded"), force=True)
     assert sum(r.sharded for r in result.report.explanations) == 6, \
         [r.reason for r in result.report.explanations]
-    assert any("added after the loop" in note for note in result.report.notes)
+    # every start, the biases' through jax's reshape and sum over a dimension of size 1
+    # too, and each update moves with it (not just the ops before the loop)
+    assert any("6 accumulator(s) started from a sum" in note for note in result.report.notes)
+    assert all(r.ops_moved > 10 for r in result.report.explanations if r.sharded)
     fast, final, _ = run_forced(step, "sharded", init, batch)
     assert fast.report is not None and fast.report["sharded"] == 6
+    # each named by its weight, read through the loop the sum starts
+    assert sorted(e["gradient_of"] for e in fast.report["explanations"] if e["sharded"]) == \
+        sorted(f"params['{layer}']['{leaf}']" for layer in ("l0", "l1", "l2") for leaf in "bw")
     assert_close(final, run_steps(step, init(), batch)[0])

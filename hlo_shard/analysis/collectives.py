@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from hlo_shard.graph import reachable, topological_order, users_map
+from hlo_shard.graph import is_zero, reachable, topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
 from hlo_shard.opinfo import (ALL_REDUCES, DATA_MOVEMENT, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED,
@@ -443,6 +443,39 @@ def is_sum(module: Module, inst: Instruction) -> bool:
     every pass that moves or splits a reduction checks first."""
     to_apply = inst.attr("to_apply")
     return reducer_opcode(module, getattr(to_apply, "name", "")) == "add"
+
+
+def is_degenerate_sum(module: Module, comp: Computation, inst: Instruction) -> bool:
+    """``inst`` is ``reduce(x, 0)`` adding over dimensions of size 1 only: a reshape (jax
+    emits it to sum a bias gradient's broadcast dimension of size 1)."""
+    if inst.opcode != "reduce" or len(inst.operands) != 2:
+        return False
+    source, init = comp[inst.operands[0]], comp[inst.operands[1]]
+    return (isinstance(source.shape, ArrayShape)
+            and is_sum(module, inst)
+            and is_zero(comp, init)
+            and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
+
+
+def summed_start(module: Module, comp: Computation, read: Callable[[str], list[str]],
+                 start: Instruction) -> tuple[str, int | None] | None:
+    """The summing all-reduce ``start`` is — itself, or an element of a tuple one, either
+    through views (:data:`~hlo_shard.opinfo.VIEWS`) and sums over dimensions of size 1
+    (:func:`is_degenerate_sum`) each the only reader of what it reads (``read`` names a value's readers) — and the element's index (None for an
+    array all-reduce); None where it is not one. A loop's accumulator started from it
+    (big_vision's first microbatch's gradient) holds that sum plus what the loop adds."""
+    value = start
+    while (value.opcode in VIEWS and len(value.operands) == 1
+           or is_degenerate_sum(module, comp, value)) and \
+            read(value.operands[0]) == [value.name]:
+        value = comp[value.operands[0]]
+    index = None
+    if value.opcode == "get-tuple-element" and comp[value.operands[0]].opcode == "all-reduce":
+        index = value.int_attr("index")
+        value = comp[value.operands[0]]
+    if value.opcode != "all-reduce" or not is_sum(module, value):
+        return None
+    return value.name, index
 
 
 def device_index_values(comp: Computation, by_id_parameters: frozenset[int] = frozenset(),

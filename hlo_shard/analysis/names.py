@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collectives import ReasonCode
+from hlo_shard.analysis.collectives import ReasonCode, summed_start
 from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.graph import topological_order, upstream_bits, users_map, zero_started_slots
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
@@ -322,17 +322,22 @@ def accumulated_gradient_weights(module: Module, groups: Sequence[NextValues],
     into that slot alone. Loops nest (a scan over layers, writing each layer's sum into
     a stacked slot, inside the scan over microbatches): an inner loop's zero-started
     slot whose sum flows one for one into one slot of the loop around it is that slot's
-    weight's, and so on inwards."""
+    weight's, and so on inwards. A sum over devices that starts a slot (big_vision's
+    first microbatch's gradient, computed before the loop) is that slot's weight's."""
     entry = module.entry
     loops = _accumulation_loops(module, entry)
-    if not loops:
+    starts = _started_slots(module, entry)
+    if not loops and not starts:
         return {}
     named = gradient_weights(entry, groups, flows=flows,
-                             leaf_names=[name for _, sums in loops for name in sums.values()])
+                             leaf_names=[name for _, sums in loops for name in sums.values()]
+                             + [after for _, after in starts])
+    found: dict[WeightKey, int] = {
+        (entry.name, all_reduce, index): weight for (all_reduce, index), after in starts
+        if (weight := named.get((after, None))) is not None}
     work = [(body, {slot: weight for slot, name in sums.items()
                     if (weight := named.get((name, None))) is not None})
             for body, sums in loops]
-    found: dict[WeightKey, int] = {}
     seen: set[str] = set()
     while work:
         body, slot_weight = work.pop()
@@ -377,6 +382,28 @@ def _accumulation_loops(module: Module, comp: Computation
         if sums and body.root.opcode == "tuple":
             loops.append((body, sums))
     return loops
+
+
+def _started_slots(module: Module, comp: Computation
+                   ) -> list[tuple[tuple[str, int | None], str]]:
+    """The slots of ``comp``'s loops that a sum over devices starts, read by the initial
+    tuple alone (:func:`~hlo_shard.analysis.collectives.summed_start`): (the all-reduce,
+    its element index) and the one value ``comp`` reads of the slot after the loop."""
+    users = users_map(comp)
+    found = []
+    for loop in comp.instructions:
+        init = comp[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
+        if init is None or init.opcode != "tuple":
+            continue
+        for slot, start in enumerate(init.operands):
+            if users[start] != [init.name] or init.operands.count(start) != 1:
+                continue
+            summed = summed_start(module, comp, users.__getitem__, comp[start])
+            after = [name for name in users[loop.name] if comp[name].opcode ==
+                     "get-tuple-element" and comp[name].int_attr("index") == slot]
+            if summed is not None and len(after) == 1:
+                found.append((summed, after[0]))
+    return found
 
 
 def _through_copies(comp: Computation, name: str) -> str:

@@ -67,9 +67,10 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import (ReasonCode, device_index_values,
-                                            find_gradient_all_reduces, is_sum)
+                                            find_gradient_all_reduces, is_degenerate_sum,
+                                            is_sum, summed_start)
 from hlo_shard.costmodel.memory import memory_profile
-from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, is_zero, scalar_literal,
+from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, scalar_literal,
                              starts_at_zero, users_map)
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.opinfo import VIEWS
@@ -93,15 +94,7 @@ def _relabel(module: Module, comp: Computation, inst: Instruction, position: int
 
 def _is_degenerate_sum(module: Module, comp: Computation, inst: Instruction,
                        position: int) -> bool:
-    """``reduce(x, 0)`` with an add over dimensions of size 1 only: a reshape (jax emits
-    it to sum a bias gradient's broadcast dimension of size 1)."""
-    if position != 0 or len(inst.operands) != 2:
-        return False
-    source, init = comp[inst.operands[0]], comp[inst.operands[1]]
-    return (isinstance(source.shape, ArrayShape)
-            and is_sum(module, inst)
-            and is_zero(comp, init)
-            and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
+    return position == 0 and is_degenerate_sum(module, comp, inst)
 
 
 def _scaled_by_constant(module: Module, comp: Computation, inst: Instruction,
@@ -564,21 +557,15 @@ def _summed_starts(module: Module, outer: Rewriter, loop: Instruction) -> dict[i
 
 def _summed_start(module: Module, comp: Computation, read: Callable[[str], list[str]],
                   start: Instruction) -> str | None:
-    """The all-reduce summing the array ``start`` is (itself, an element of a tuple one,
-    or either through :data:`RELABELLING` ops each the only reader of what it reads:
-    ``read`` names a value's readers), of a numeric type; None where it is not one."""
-    value = start
-    while (rule := RELABELLING.get(value.opcode)) is not None and \
-            rule(module, comp, value, 0) and read(value.operands[0]) == [value.name]:
-        value = comp[value.operands[0]]
-    if value.opcode == "get-tuple-element" and comp[value.operands[0]].opcode == "all-reduce":
-        value = comp[value.operands[0]]
+    """The all-reduce whose sum the array ``start`` is
+    (:func:`~hlo_shard.analysis.collectives.summed_start`), of a numeric type and free
+    to move; None where it is not one."""
+    found = summed_start(module, comp, read, start)
     shape = start.shape
-    if value.opcode != "all-reduce" or not is_sum(module, value) or \
-            not isinstance(shape, ArrayShape) or shape.dynamic or \
-            shape.element_type not in SUMMABLE or value.attr("constrain_layout"):
+    if found is None or not isinstance(shape, ArrayShape) or shape.dynamic or \
+            shape.element_type not in SUMMABLE or comp[found[0]].attr("constrain_layout"):
         return None
-    return value.name
+    return found[0]
 
 
 def _accumulates(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
