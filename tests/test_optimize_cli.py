@@ -62,7 +62,8 @@ ADAM = Path(__file__).resolve().parents[1] / "fixtures" / "spmd" / "adam.n2.hlo"
 #: ``--explain --verbose``'s change log for ADAM with sharded state (regenerate with
 #: HLO_SHARD_REGENERATE_GOLDEN=1 after a deliberate change to a pass, and review the diff).
 VERBOSE_GOLDEN = Path(__file__).parent / "data" / "optimize_explain_verbose.adam.n2.txt"
-PIPELINE = ["conditional-motion", "accumulation-motion", "tuple-forwarding", "weight-update-sharding",
+PIPELINE = ["conditional-motion", "accumulation-motion", "conditional-speculation",
+            "tuple-forwarding", "weight-update-sharding",
             "reduce-scatter-creation", "sharded-accumulator",
             "channel-id-dedupe", "entry-layout-update", "copy-free-donation",
             "dead-computation-removal"]
@@ -98,12 +99,12 @@ def test_json_carries_the_changes_only_with_verbose(tmp_path):
     assert "changes" not in plain
     data = json.loads(run(str(ADAM), "-o", out, "--json", "--verbose").stdout)
     assert [(p["pass"], p["changed"]) for p in data["changes"]] == list(zip(
-        PIPELINE, [False, False, True, True, False, False, False, False, False, True]))
-    sharding = data["changes"][3]["edits"]
+        PIPELINE, [False, False, False, True, True, False, False, False, False, False, True]))
+    sharding = data["changes"][PIPELINE.index("weight-update-sharding")]["edits"]
     assert {"kind", "computation", "name", "text"} <= set(sharding[0])
     assert any(e["kind"] == "insert" and e["name"].startswith("reduce-scatter")
                for e in sharding)
-    assert data["changes"][4]["edits"] == []
+    assert data["changes"][PIPELINE.index("reduce-scatter-creation")]["edits"] == []
 
 
 def test_verbose_needs_explain_or_json(sgd, tmp_path):
@@ -401,9 +402,9 @@ def test_the_gate_rewrites_two_cutoffs_at_most_and_chooses_as_pricing_them_all(m
     module = parse_file(ADAM.parent / "transformer.n8.hlo")
     runs = []
 
-    def counted(candidate, sharding, after_pass=None, known_problems=None):
+    def counted(candidate, sharding, after_pass=None, known_problems=None, **options):
         runs.append(sharding.options.min_shard_bytes)
-        return run_sharding(candidate, sharding, after_pass, known_problems)
+        return run_sharding(candidate, sharding, after_pass, known_problems, **options)
 
     monkeypatch.setattr(speed_gate, "run_sharding", counted)
     for profile in ("cpu-local", "tpu-v3", "h100"):

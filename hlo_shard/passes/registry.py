@@ -17,6 +17,7 @@ from hlo_shard.passes.accumulation_motion import AccumulationMotion
 from hlo_shard.passes.base import Pass
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.conditional_motion import ConditionalMotion
+from hlo_shard.passes.conditional_speculation import ConditionalSpeculation
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.dead_computations import DeadComputationRemoval
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
@@ -35,6 +36,7 @@ Options = dict[str, Any]
 PASSES: dict[str, Callable[[Options], Pass]] = {
     ConditionalMotion.name: lambda o: ConditionalMotion(**o),
     AccumulationMotion.name: lambda o: AccumulationMotion(**o),
+    ConditionalSpeculation.name: lambda o: ConditionalSpeculation(**o),
     TupleForwarding.name: lambda o: _tuple_forwarding(**o),
     WeightUpdateSharding.name: lambda o: WeightUpdateSharding(ShardingOptions(**o)),
     ChannelIdDedupe.name: lambda o: ChannelIdDedupe(**o),

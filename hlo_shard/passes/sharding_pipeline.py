@@ -1,4 +1,4 @@
-"""The weight-update sharding as the optimizer runs it: ten passes in order.
+"""The weight-update sharding as the optimizer runs it: eleven passes in order.
 
 0. :class:`~hlo_shard.passes.conditional_motion.ConditionalMotion` (gradients every
    branch of a conditional all-reduces are all-reduced once, after it: a model with a
@@ -11,21 +11,26 @@
    cross the network once per step instead of once per microbatch; unless the
    accumulator mode is ``sharded``, also the sums the loop cuts to this device's slice,
    by default where the device's memory allows);
-2. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
+2. :class:`~hlo_shard.passes.conditional_speculation.ConditionalSpeculation` (a
+   conditional that reads a gradient of at least the trial's cut-off, its branches pure
+   arithmetic — ``optax.apply_if_finite``'s ``lax.cond`` of the update — runs every
+   branch and selects the taken one's results, so that the update it holds is in the
+   computation the sharding edits; not in the module the speed gate keeps whole);
+3. :class:`~hlo_shard.passes.tuple_forwarding.TupleForwarding` on the computations the
    sharding may edit (so the region flows through jax's shard_map tuples);
-3. :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`;
-4. :class:`~hlo_shard.passes.reduce_scatter_creation.ReduceScatterCreation` (the
+4. :class:`~hlo_shard.passes.weight_update.WeightUpdateSharding`;
+5. :class:`~hlo_shard.passes.reduce_scatter_creation.ReduceScatterCreation` (the
    gradients it found already sharded in the partitioner's all-reduce + dynamic-slice
    form become reduce-scatters where the profile predicts that faster; after the
    sharding, so their rows keep the all-reduce's name and gain the words of the rewrite);
-5. :class:`~hlo_shard.passes.sharded_accumulator.ShardedAccumulator` (a reduce-scatter
+6. :class:`~hlo_shard.passes.sharded_accumulator.ShardedAccumulator` (a reduce-scatter
    of accumulated gradients after their loop moves into it, the accumulator carried as
    a shard, where ``accumulator`` says so: by default where predicted faster);
-6. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
-7. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
-8. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
+7. :class:`~hlo_shard.passes.channel_dedupe.ChannelIdDedupe` (after the pass's fresh ids);
+8. :class:`~hlo_shard.passes.entry_layout.EntryLayoutUpdate` (a sharded signature);
+9. :class:`~hlo_shard.passes.copy_free_donation.CopyFreeDonation` (the aliases that
    would make XLA copy a donated weight every step, on the sharding's profile);
-9. :class:`~hlo_shard.passes.dead_computations.DeadComputationRemoval` (the fusion
+10. :class:`~hlo_shard.passes.dead_computations.DeadComputationRemoval` (the fusion
    bodies the sharded copies replaced).
 
 The pipeline validates the module after every pass that changed it
@@ -46,6 +51,7 @@ from hlo_shard.ir import Module
 from hlo_shard.passes.accumulation_motion import AccumulationMotion, AccumulationReport
 from hlo_shard.passes.channel_dedupe import ChannelIdDedupe
 from hlo_shard.passes.conditional_motion import ConditionalMotion
+from hlo_shard.passes.conditional_speculation import ConditionalSpeculation
 from hlo_shard.passes.copy_free_donation import CopyFreeDonation
 from hlo_shard.passes.dead_computations import DeadComputationRemoval
 from hlo_shard.passes.entry_layout import EntryLayoutUpdate
@@ -56,12 +62,16 @@ from hlo_shard.passes.tuple_forwarding import TupleForwarding
 from hlo_shard.passes.weight_update import ShardingReport, WeightUpdateSharding
 
 
-def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None
-                      ) -> Pipeline:
+def sharding_pipeline(sharding: WeightUpdateSharding, after_pass: AfterPass | None = None,
+                      *, speculate: bool = True) -> Pipeline:
     """The passes around ``sharding``, each checked by ``validate``; ``after_pass`` sees
-    each pass's result (``optimize --explain --verbose`` collects their changes)."""
-    return Pipeline((ConditionalMotion(), accumulation_motion(sharding), TupleForwarding(),
-                     sharding,
+    each pass's result (``optimize --explain --verbose`` collects their changes).
+    ``speculate`` False: conditionals stay (the module the gate keeps whole: running a
+    branch not taken pays only where the update it holds is sharded)."""
+    speculation = (ConditionalSpeculation(sharding.options.min_shard_bytes),) if speculate \
+        else ()
+    return Pipeline((ConditionalMotion(), accumulation_motion(sharding), *speculation,
+                     TupleForwarding(), sharding,
                      ReduceScatterCreation(sharding.profile),
                      ShardedAccumulator(sharding.profile, sharding.options.accumulator),
                      ChannelIdDedupe(),
@@ -96,13 +106,16 @@ def accumulation_motion(sharding: WeightUpdateSharding) -> AccumulationMotion:
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,
                  after_pass: AfterPass | None = None,
-                 known_problems: InputProblems | None = None) -> ShardingReport:
+                 known_problems: InputProblems | None = None, *,
+                 speculate: bool = True) -> ShardingReport:
     """:func:`sharding_pipeline` on ``module`` (in place); the sharding's report with
     every pass's notes (what ``--explain`` and ``--json`` show), in pass order.
     ``input_regions`` are ``module``'s, or None. ``known_problems``: the pipeline's
     :meth:`~hlo_shard.passes.pipeline.Pipeline.problems_before` of ``module`` (or of
-    the module it is a copy of), where the caller has them."""
-    result = sharding_pipeline(sharding, after_pass).run(module, known_problems)
+    the module it is a copy of), where the caller has them. ``speculate``: as for
+    :func:`sharding_pipeline`."""
+    result = sharding_pipeline(sharding, after_pass, speculate=speculate).run(
+        module, known_problems)
     sharded = result.report(ShardingReport)
     # The regions the pass planned are ``module``'s only if no pass before it changed it.
     position = next(k for k, r in enumerate(result.results) if r.report is sharded)

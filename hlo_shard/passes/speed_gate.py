@@ -165,8 +165,8 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     known = InputProblems(sharding_pipeline(sharding), module)
 
     def shard(target: Module, options: WeightUpdateSharding,
-              watching: AfterPass | None = None) -> ShardingReport:
-        return run_sharding(target, options, watching, known)
+              watching: AfterPass | None = None, speculate: bool = True) -> ShardingReport:
+        return run_sharding(target, options, watching, known, speculate=speculate)
 
     #: The cheapest sharded trial so far, its module and report: what the gate writes
     #: when it chooses that cut-off, without running the pipeline on the input again.
@@ -257,7 +257,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
     everything = ranked(user_min, *first)
     if force or sharded_estimate is None:
         report = written(everything) if everything.sharded else \
-            shard(module, sharding, after_pass)
+            shard(module, sharding, after_pass, speculate=False)
         return report, SpeedDecision(
             hardware.name, before, everything.seconds, (everything,), None,
             hardware.min_predicted_gain, forced=force, unsharded_s=_seconds(unsharded))
@@ -284,7 +284,7 @@ def shard_where_faster(module: Module, sharding: WeightUpdateSharding, force: bo
         # fresh duplicate channel ids, forwarded tuple elements — make the module valid
         # to write; a front end runs it where its all-reduces moved out of loops or
         # conditionals pay: ``SpeedDecision.moves_only``).
-        report = shard(module, at_cutoff(sizes[-1] + 1), after_pass)
+        report = shard(module, at_cutoff(sizes[-1] + 1), after_pass, speculate=False)
     else:
         report = written(chosen)
     _explain_cost_rows(report, decision, user_min, full)

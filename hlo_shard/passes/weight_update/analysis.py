@@ -965,7 +965,9 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
         if any(_conditional_reader(planner, user) for user in users):
             return Whole(ReasonCode.NO_UPDATE_WORK,
                          f"its update runs in a conditional's branches (a lax.cond of the "
-                         f"update), which the pass does not shard into ({why})")
+                         f"update) that may not all run whichever is taken (an effect, a "
+                         f"collective, a loop: conditional-speculation), which the pass "
+                         f"does not shard into ({why})")
     return Whole(ReasonCode.NO_UPDATE_WORK, f"no update work downstream ({why})")
 
 
