@@ -75,6 +75,10 @@ class ConditionalSpeculation(ModulePass[SpeculationReport]):
     min_shard_bytes: int = 0
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> SpeculationReport:
+        report = SpeculationReport()
+        if not any(inst.opcode == "conditional" for comp in module.computations
+                   for inst in comp.instructions):
+            return report  # (the usual step: nothing to read the gradients for)
         gradients: dict[str, list[str]] = {}
         # (read with the device counts a hooked module's header lost, as the sharding does)
         for found in find_gradient_all_reduces(with_device_counts(module)):
@@ -83,7 +87,6 @@ class ConditionalSpeculation(ModulePass[SpeculationReport]):
                     (s.byte_size for s in _leaves(inst.shape)), default=0) >= \
                     self.min_shard_bytes:
                 gradients.setdefault(found.computation, []).append(found.name)
-        report = SpeculationReport()
         if not gradients:
             return report
         callers = call_counts(module)
