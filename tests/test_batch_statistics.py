@@ -43,10 +43,15 @@ def test_the_batch_mean_stays_whole_and_the_gradient_is_sharded(state, strategy)
 
 @pytest.mark.parametrize("state", ("gathered", "sharded"))
 def test_a_rewrite_that_makes_a_cycle_is_refused_not_raised(monkeypatch, state):
-    """With the statistics let through (the planning before this fix), the combined
-    reduce-scatter waits on its own all-gather: the region is left as it was, every
-    gradient of it explained, the signature unchanged."""
+    """With the statistics let through and every sum in one level (the planning and the
+    buckets before these fixes), the combined reduce-scatter waits on its own
+    all-gather: the region is left as it was, every gradient of it explained, the
+    signature unchanged."""
+    from hlo_shard.passes.weight_update import lowering
+
     monkeypatch.setattr(analysis._Planner, "statistics", lambda self: {})
+    monkeypatch.setattr(lowering, "summing_levels",
+                        lambda comp, leaves: {leaf.label: 0 for leaf in leaves})
     by_name, report, optimized = rows(BATCHNORM, state=state, strategy="combined")
     for name in ("stat", "ar"):
         assert not by_name[name].sharded and by_name[name].reason_code == "region_cycle", name
@@ -91,3 +96,118 @@ def test_a_batch_statistic_is_no_weights_gradient_in_the_report():
     assert explained["stat"]["reason_code"] == "feeds_gradients"
     assert explained["stat"]["gradient_of"] is None
     assert explained["ar"]["gradient_of"] == "params['w']"
+
+
+#: A GAN's step: the discriminator %d updated first, then the generator's loss computed
+#: through the updated %nd (DCGAN's order, flax PPO's loop over minibatches): %ard feeds
+#: %arg's per-device value through a weight's next value, not through the forward pass.
+SEQUENTIAL = """HloModule gan, replica_count=8, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT r = f32[] add(a, b)
+}
+ENTRY e {
+  g = f32[16,16] parameter(0)
+  d = f32[16,16] parameter(1)
+  x = f32[4,16] parameter(2), parameter_replication={false}
+  h = f32[4,16] dot(x, g), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  t = f32[4,16] tanh(h)
+  gd = f32[16,16] dot(t, t), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ard = f32[16,16] all-reduce(gd), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+  lr = f32[] constant(0.1)
+  lrs = f32[16,16] broadcast(lr), dimensions={}
+  ud = f32[16,16] multiply(ard, lrs)
+  nd = f32[16,16] subtract(d, ud)
+  y = f32[4,16] dot(t, nd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  s = f32[4,16] tanh(y)
+  gg = f32[16,16] dot(x, s), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  arg = f32[16,16] all-reduce(gg), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+  ug = f32[16,16] multiply(arg, lrs)
+  ng = f32[16,16] subtract(g, ug)
+  ROOT out = (f32[16,16], f32[16,16]) tuple(ng, nd)
+}
+"""
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_gradient_whose_updated_weight_is_read_again_is_sharded(strategy):
+    """It was kept whole as a batch statistic ("a value of the forward/backward pass");
+    each level of sums gets its own reduce-scatter (one bucket would wait on its own
+    all-gather), even where the strategy combines them."""
+    by_name, _, optimized = rows(SEQUENTIAL, strategy=strategy)
+    assert by_name["ard"].sharded and by_name["arg"].sharded, \
+        [(r.all_reduce, r.reason) for r in by_name.values()]
+    assert optimized.count(" reduce-scatter(") == 2
+    # without the alias saying %nd is %d's next value, it stays what it was
+    unaliased = SEQUENTIAL.replace(
+        ", input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }", "")
+    assert rows(unaliased, strategy=strategy)[0]["ard"].reason_code == "feeds_gradients"
+
+
+@pytest.mark.parametrize("state", ("gathered", "sharded"))
+def test_the_sequential_updates_compute_the_same(worker, state):
+    _, report, optimized = rows(SEQUENTIAL, state=state, strategy="combined")
+    assert sum(r.sharded for r in report.explanations) == 2
+    result = runtime.verify(parse(SEQUENTIAL), parse(optimized), runtime.VerifyOptions(
+        steps=3, manifest=build_manifest(report, parse(SEQUENTIAL))))
+    assert result.ok, [(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()]
+
+
+def _sequential_program():
+    """Two MLPs updated one after the other in one step (DCGAN's order: the
+    discriminator's adam step, then the generator's loss through the updated
+    discriminator), batch sharded over 8 devices, both donated."""
+    from jax_train_helpers import (AXIS, NamedSharding, P, jax, jnp, mlp_batch, mlp_params, np,
+                                   optax)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    opt = optax.adam(1e-2)
+
+    def net(p, x):
+        for layer in ("l0", "l1"):
+            x = jnp.tanh(x @ p[layer]["w"] + p[layer]["b"])
+        return x
+
+    def step(params, opt_state, batch):
+        (g, d), (g_opt, d_opt) = params, opt_state
+        x = batch["x"]
+
+        def d_loss(d):
+            return jnp.mean(net(d, net(g, x)) ** 2)
+
+        d_updates, d_opt = opt.update(jax.grad(d_loss)(d), d_opt, d)
+        d = optax.apply_updates(d, d_updates)
+
+        def g_loss(g):
+            return -jnp.mean(net(d, net(g, x)) ** 2)
+
+        loss, g_grads = jax.value_and_grad(g_loss)(g)
+        g_updates, g_opt = opt.update(g_grads, g_opt, g)
+        return (optax.apply_updates(g, g_updates), d), (g_opt, d_opt), loss
+
+    def init():
+        g = mlp_params(jax.random.PRNGKey(0), sizes=(32, 64, 32))
+        d = mlp_params(jax.random.PRNGKey(1), sizes=(32, 64, 32))
+        return (g, d), (jax.jit(opt.init)(g), jax.jit(opt.init)(d))
+
+    def batch(i):
+        return jax.device_put(mlp_batch(jax.random.PRNGKey(100 + i), 64),
+                              NamedSharding(mesh, P(AXIS)))
+
+    return jax.jit(step, donate_argnums=(0, 1)), init, batch
+
+
+def test_a_gan_s_discriminator_is_sharded_and_trains_like_jit(request):
+    """The discriminator's gradients were kept whole as batch statistics (a probe's
+    DCGAN: 10 of them, in every front end); now both networks' are sharded."""
+    from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
+
+    if not needs_devices(request):
+        return
+    step, init, batch = _sequential_program()
+    for state in ("gathered", "sharded"):
+        fast, final, _ = run_forced(step, state, init, batch)
+        assert fast.report is not None and fast.report["sharded"] == 8, \
+            [(e["reason_code"], e["reason"][:80]) for e in fast.report["explanations"]]
+        assert_close(final, run_steps(step, init(), batch)[0])

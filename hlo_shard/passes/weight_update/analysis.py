@@ -789,6 +789,10 @@ class RegionOptions:
     keep_state_orders: bool = False
     #: Parameter number → the output that is its next value (``input_output_alias``).
     state_outputs: tuple[tuple[int, int], ...] = ()
+    #: The root positions that are a parameter's next value (``input_output_alias``, the
+    #: entry's): a gradient whose updated weight the step reads again (a GAN's
+    #: discriminator, updated before the generator's loss runs through it) is an update's.
+    next_value_outputs: frozenset[int] = frozenset()
 
 
 def flattenable(fmt: ShardFormat, shape: ArrayShape) -> bool:
@@ -868,6 +872,19 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     if not leaf.values:
         return Whole(ReasonCode.UNUSED, "result unused")
     return None
+
+
+def summing_levels(comp: Computation, leaves: Sequence[Leaf]) -> dict[str, int]:
+    """Leaf label → how many of ``leaves``' sums its per-device value is computed from,
+    one after the other at most (0: none, the usual step): leaves of one level are
+    computed from none of each other's sums, so a bucket of them closes no dependency
+    cycle (one walk down the computation)."""
+    summed = {leaf.all_reduce for leaf in leaves}
+    level: dict[str, int] = {}
+    for inst in topological_order(comp):
+        above = max((level.get(o, 0) for o in inst.operands), default=0)
+        level[inst.name] = above + (inst.name in summed)
+    return {leaf.label: level.get(leaf.operand, 0) for leaf in leaves}
 
 
 def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
@@ -1060,9 +1077,16 @@ class _Planner:
         one would put its all-gather — and so everything downstream of it, the forward
         and backward pass — after its reduce-scatter, which a bucket shares with the
         gradients computed from it: a dependency cycle. The update region ends there.
+        Not through a weight's next value (:attr:`RegionOptions.next_value_outputs`):
+        a gradient whose updated weight the step reads again is an update's; the
+        lowering's buckets keep it apart from the gradients computed from it
+        (:func:`summing_levels`).
 
         One walk up from every leaf's operand, each node labelled with the first
         all-reduce that reached it (linear in the computation)."""
+        root = self.comp.root
+        updated = {root.operands[k] for k in self.options.next_value_outputs
+                   if root.opcode == "tuple" and k < len(root.operands)}
         label: dict[str, str] = {}
         stack = [(leaf.operand, leaf.label) for leaf in self.leaves]
         while stack:
@@ -1070,8 +1094,9 @@ class _Planner:
             if name in label:
                 continue
             label[name] = reached_from
-            stack.extend((p, reached_from) for p in self.graph.predecessors(name)
-                         if p not in label)
+            if name not in updated:
+                stack.extend((p, reached_from) for p in self.graph.predecessors(name)
+                             if p not in label)
         out: dict[int, Whole] = {}
         for i, leaf in enumerate(self.leaves):
             fed = next((label[v] for v in leaf.values if v in label), None)

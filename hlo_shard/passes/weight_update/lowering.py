@@ -36,7 +36,8 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedL
                                                      RegionPlan, StatePair,
                                                      flattenable, is_scalar_broadcast,
                                                      proved_array,
-                                                     proved_element, tuple_index)
+                                                     proved_element, summing_levels,
+                                                     tuple_index)
 from hlo_shard.passes.weight_update.emit import (Bucketing, ChannelIds, Gathered, ShardEmitter,
                                                  block_body, block_dims, shard_body,
                                                  uses_blocks)
@@ -418,9 +419,13 @@ class RegionRewrite:
         all_reduces = {leaf.all_reduce for leaf in plan.active}
         order = {inst.name: i for i, inst in enumerate(self.comp.instructions)
                  if inst.name in all_reduces}
-        for bucket in self.bucketing.buckets(plan.active, lambda leaf: leaf.byte_size,
-                                             lambda leaf: leaf.shape.element_type):
-            self.scatter(bucket, order)
+        # (a gradient computed from another's updated weight: a bucket of its own level)
+        levels = summing_levels(self.comp, plan.active)
+        for level in sorted(set(levels.values())):
+            for bucket in self.bucketing.buckets(
+                    [leaf for leaf in plan.active if levels[leaf.label] == level],
+                    lambda leaf: leaf.byte_size, lambda leaf: leaf.shape.element_type):
+                self.scatter(bucket, order)
         for name, op in plan.ops.items():
             if op.kind is OpKind.REDUCE:
                 self.reduce_op(name, op)

@@ -347,10 +347,11 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             if not leaves:
                 return
             state_entry = comp.is_entry and self.options.state == "sharded"
+            aliases = module.output_aliases() if comp.is_entry else {}
             plan = plan_region(module, comp, leaves, run.replication, RegionOptions(
                 self.options.min_shard_bytes, state_entry,
-                tuple((number, k) for k, number in module.output_aliases().items())
-                if state_entry else ()))
+                tuple((number, k) for k, number in aliases.items()) if state_entry else (),
+                frozenset(aliases)))
             if run.report.input_regions is not None:
                 run.report.input_regions[comp.name] = frozenset(plan.ops)
         collectives: dict[str, str] = {}
