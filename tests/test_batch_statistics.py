@@ -211,3 +211,40 @@ def test_a_gan_s_discriminator_is_sharded_and_trains_like_jit(request):
         assert fast.report is not None and fast.report["sharded"] == 8, \
             [(e["reason_code"], e["reason"][:80]) for e in fast.report["explanations"]]
         assert_close(final, run_steps(step, init(), batch)[0])
+
+
+#: A forward value the partitioner sums (%logit: CLIP's label logits gathered from a
+#: sharded operand) read only by the loss the step returns, beside the weight's gradient.
+FORWARD_SUM = """HloModule clip, replica_count=8, input_output_alias={ {0}: (0, {}, may-alias) }
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT r = f32[] add(a, b)
+}
+ENTRY e {
+  w = f32[16,16] parameter(0)
+  x = f32[4,16] parameter(1), parameter_replication={false}
+  y = f32[4,16] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  gw = f32[16,16] dot(x, y), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ar = f32[16,16] all-reduce(gw), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+  lr = f32[] constant(0.1)
+  lrs = f32[16,16] broadcast(lr), dimensions={}
+  u = f32[16,16] multiply(ar, lrs)
+  nw = f32[16,16] subtract(w, u)
+  part = f32[4,16] tanh(y)
+  logit = f32[4,16] all-reduce(part), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=add
+  sq = f32[4,16] multiply(logit, logit)
+  zero = f32[] constant(0)
+  loss = f32[] reduce(sq, zero), dimensions={0,1}, to_apply=add
+  ROOT out = (f32[16,16], f32[]) tuple(nw, loss)
+}
+"""
+
+
+def test_a_forward_sum_only_the_loss_reads_is_no_gradient():
+    """It was sharded and counted as a gradient (its 'update' the loss's arithmetic);
+    where the aliases name the weights' next values, it stays whole and says why."""
+    by_name, report, _ = rows(FORWARD_SUM)
+    assert by_name["ar"].sharded
+    assert not by_name["logit"].sharded and by_name["logit"].reason_code == "no_update_work"
+    assert "a value of the forward pass, not a gradient" in by_name["logit"].reason

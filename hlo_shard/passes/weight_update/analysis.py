@@ -904,6 +904,8 @@ def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
     planner = _Planner(module, comp, replication, groups, leaves, options)
     for i, why in planner.statistics().items():
         reasons[i] = reasons[i] or why
+    for i, why in planner.read_by_no_update().items():
+        reasons[i] = reasons[i] or why
     planner.stop_at([leaf for i, leaf in enumerate(leaves) if not reasons[i]])
     plan = planner.grow(formats, reasons)
     # A leaf whose region is empty in its stored order may have one in another order
@@ -1106,6 +1108,25 @@ class _Planner:
                                f"sum summed again), not an update's; kept all-reduced, the "
                                f"update region ends here")
         return out
+
+    def read_by_no_update(self) -> dict[int, Whole]:
+        """Leaf index → why it stays whole, for the leaves from which no weight's or
+        state's next value is computed (:attr:`RegionOptions.next_value_outputs`, where
+        the module names them): a value of the forward pass the partitioner summed (a
+        gather of a sharded operand: CLIP's label logits) that only a loss or a metric
+        the step returns reads, not a gradient (one walk up from those outputs)."""
+        root = self.comp.root
+        if not self.options.next_value_outputs or root.opcode != "tuple":
+            return {}
+        targets = tuple(root.operands[k] for k in self.options.next_value_outputs
+                        if k < len(root.operands))
+        updated = upstream(self.graph, targets) | set(targets)
+        return {i: Whole(ReasonCode.NO_UPDATE_WORK,
+                         "no weight's or state's next value is computed from it (a loss or a "
+                         "metric the step returns reads it): a value of the forward pass, "
+                         "not a gradient")
+                for i, leaf in enumerate(self.leaves)
+                if not any(value in updated for value in leaf.values)}
 
     def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
