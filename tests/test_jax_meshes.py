@@ -7,6 +7,7 @@ and ``gather_args``/``shard_args`` turn it back into the leaves jit takes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -361,3 +362,48 @@ def test_fsdp_activation_sums_in_reduce_scatter_form_are_not_gradients(request, 
                           str(tmp_path / "out.hlo")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert f"{len(activations)} activation sum" in run.stderr
+
+
+def test_a_bf16_activation_sum_is_left_as_it_is_and_the_output_verifies(request, tmp_path):
+    """The same step computing its activations in bf16: made a reduce-scatter, XLA:CPU
+    sums an activation in another order than the all-reduce, and the forward pass, the
+    loss and every gradient round differently: ``verify`` said DIFFERENT on what
+    ``optimize`` wrote although it sharded nothing (a probe's bf16 Llama on (2, 4)). The
+    bf16 activation sums stay all-reduces, as the words say; the output MATCHes."""
+    if not needs_devices(request):
+        return
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    key = jax.random.PRNGKey(3)
+    params = {name: jax.device_put(jax.random.normal(jax.random.fold_in(key, i), shape) / 8,
+                                   NamedSharding(mesh, spec))
+              for i, (name, shape, spec) in enumerate([
+                  ("embed", (64, 64), P(None, "fsdp")), ("up", (64, 128), P("fsdp", None)),
+                  ("down", (128, 64), P(None, "fsdp"))])}
+    batch = {"t": jax.device_put(jax.random.randint(jax.random.fold_in(key, 10), (16, 8), 0, 64),
+                                 NamedSharding(mesh, P(("data", "fsdp"))))}
+
+    def loss_of(p, batch):
+        x = jnp.take(p["embed"], batch["t"], axis=0).astype(jnp.bfloat16)
+        h = jax.lax.with_sharding_constraint(
+            jnp.einsum("bsd,df->bsf", x, p["up"].astype(jnp.bfloat16)),
+            NamedSharding(mesh, P(("data", "fsdp"))))
+        y = jnp.tanh(h) @ p["down"].astype(jnp.bfloat16)
+        return jnp.mean((y.astype(jnp.float32) - x.astype(jnp.float32)) ** 2)
+
+    def step(p, s, batch):
+        loss, grads = jax.value_and_grad(loss_of)(p, batch)
+        updates, s = ADAMW.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    source, out = tmp_path / "step.hlo", tmp_path / "out.hlo"
+    source.write_text(hsj.per_device_hlo(jax.jit(step), params, ADAMW.init(params), batch))
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "optimize", str(source), "-o",
+                          str(out), "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["explanations"]
+    bf16 = [row for row in rows if row["reason_code"] == "activation_sum"
+            and row["shape"].startswith("bf16")]
+    assert bf16 and all("an activation's sum in bf16" in row["reason"] for row in bf16), rows
+    run = subprocess.run([sys.executable, "-m", "hlo_shard", "verify", str(source), str(out),
+                          "--steps", "3"], capture_output=True, text=True)
+    assert run.returncode == 0 and "MATCH" in run.stdout, run.stdout + run.stderr

@@ -816,6 +816,14 @@ class ReduceScatterCreation(ModulePass[ReduceScatterReport]):
                     f"{narrow} partial sums in another order than the all-reduce: "
                     "rounded differently at the type's precision"))
                 continue
+            if found.feeds and narrow:
+                # (XLA:CPU's reduce-scatter sums in another order than its all-reduce)
+                decisions.append(ScatterDecision(
+                    comp.name, found.name, kept_because=f"an activation's sum in {narrow}: "
+                    f"{_collectives(spec)} would sum it in another order than the "
+                    "all-reduce, and the forward pass computed from it, the loss and every "
+                    "gradient with it, would round differently"))
+                continue
             before, after = _price(spec, hardware)
             if after >= before:
                 decisions.append(ScatterDecision(
