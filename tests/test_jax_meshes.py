@@ -321,6 +321,25 @@ def _embedded_step(mesh):
     return step
 
 
+def _embedded_inputs():
+    """:func:`_embedded_step`'s (data=2, fsdp=4) mesh, its weights (the table's columns
+    and the projections' fsdp rows sharded) and its batch ``b``."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    key = jax.random.PRNGKey(3)
+    params = {name: jax.device_put(jax.random.normal(jax.random.fold_in(key, i), shape) / 8,
+                                   NamedSharding(mesh, spec))
+              for i, (name, shape, spec) in enumerate([
+                  ("embed", (64, 64), P(None, "fsdp")), ("up", (64, 128), P("fsdp", None)),
+                  ("down", (128, 64), P(None, "fsdp"))])}
+
+    def batch(b: int):
+        return {"t": jax.device_put(jax.random.randint(jax.random.fold_in(key, 10 + b),
+                                                       (16, 8), 0, 64),
+                                    NamedSharding(mesh, P(("data", "fsdp"))))}
+
+    return mesh, params, batch
+
+
 def test_fsdp_activation_sums_in_reduce_scatter_form_are_not_gradients(request, tmp_path):
     """Under FSDP the partitioner reduce-scatters activations as it does gradients: an
     all-reduce sliced by the device's id. One from whose slice another sum is computed
@@ -329,17 +348,8 @@ def test_fsdp_activation_sums_in_reduce_scatter_form_are_not_gradients(request, 
     movement only, stay ``already_sharded`` with their weights' names. Numbers: jit's."""
     if not needs_devices(request):
         return
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
-    key = jax.random.PRNGKey(3)
-    params = {name: jax.device_put(jax.random.normal(jax.random.fold_in(key, i), shape) / 8,
-                                   NamedSharding(mesh, spec))
-              for i, (name, shape, spec) in enumerate([
-                  ("embed", (64, 64), P(None, "fsdp")), ("up", (64, 128), P("fsdp", None)),
-                  ("down", (128, 64), P(None, "fsdp"))])}
-    batches = [{"t": jax.device_put(jax.random.randint(jax.random.fold_in(key, 10 + b),
-                                                       (16, 8), 0, 64),
-                                    NamedSharding(mesh, P(("data", "fsdp"))))}
-               for b in range(2)]
+    mesh, params, batch = _embedded_inputs()
+    batches = [batch(b) for b in range(2)]
     step = _embedded_step(mesh)
     fast = hsj.shard_weight_update(jax.jit(step))
     jitted = jax.jit(step)
@@ -372,15 +382,8 @@ def test_a_bf16_activation_sum_is_left_as_it_is_and_the_output_verifies(request,
     bf16 activation sums stay all-reduces, as the words say; the output MATCHes."""
     if not needs_devices(request):
         return
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
-    key = jax.random.PRNGKey(3)
-    params = {name: jax.device_put(jax.random.normal(jax.random.fold_in(key, i), shape) / 8,
-                                   NamedSharding(mesh, spec))
-              for i, (name, shape, spec) in enumerate([
-                  ("embed", (64, 64), P(None, "fsdp")), ("up", (64, 128), P("fsdp", None)),
-                  ("down", (128, 64), P(None, "fsdp"))])}
-    batch = {"t": jax.device_put(jax.random.randint(jax.random.fold_in(key, 10), (16, 8), 0, 64),
-                                 NamedSharding(mesh, P(("data", "fsdp"))))}
+    mesh, params, batches = _embedded_inputs()
+    batch = batches(0)
 
     def loss_of(p, batch):
         x = jnp.take(p["embed"], batch["t"], axis=0).astype(jnp.bfloat16)
