@@ -39,14 +39,8 @@ from hlo_shard.analysis.collectives import find_gradient_all_reduces, with_devic
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, control_predecessors,
                              topological_order, users_map)
 from hlo_shard.ir import ArrayShape, Computation, Ident, Instruction, Module, TupleShape
-from hlo_shard.opinfo import COLLECTIVE_KINDS, IMPURE
+from hlo_shard.opinfo import COLLECTIVE_KINDS, CONTROL_FLOW, IMPURE
 from hlo_shard.passes.base import ModulePass
-
-#: Ops a speculated branch may not hold (besides :data:`~hlo_shard.opinfo.IMPURE` and
-#: the collectives): loops, which the predicate may be what ends, and ops that run a
-#: computation that may hold them (a fusion's holds neither: XLA fuses arithmetic).
-NOT_SPECULATED = frozenset({"while", "conditional", "call"})
-
 
 @dataclass(frozen=True)
 class SpeculatedConditional:
@@ -133,14 +127,16 @@ def _speculable(module: Module, conditional: Instruction, branches: list[Computa
         return False
     pending = [b.name for b in branches]
     seen: set[str] = set()
-    while pending:  # the branches and every computation they call (reducers)
+    # Not in a branch: effects, collectives, and control flow (a loop the predicate may be
+    # what ends; a fusion's computation holds none of them: XLA fuses arithmetic).
+    while pending:  # the branches and every computation they call (reducers, fusions)
         name = pending.pop()
         if name in seen:
             continue
         seen.add(name)
         for inst in module.computation(name).instructions:
             if inst.opcode in IMPURE or inst.opcode in COLLECTIVE_KINDS or \
-                    inst.opcode in NOT_SPECULATED or control_predecessors(inst):
+                    inst.opcode in CONTROL_FLOW or control_predecessors(inst):
                 return False
             pending.extend(inst.called_computations())
     return all(callers.get(b.name, 0) == 1 and len(b.parameters()) == 1
