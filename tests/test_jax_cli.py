@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from jax_train_helpers import make_program, needs_devices
 
+from hlo_shard import runtime
 from hlo_shard.cli import main
 
 
@@ -27,13 +28,16 @@ def test_optimize_reads_the_partitioned_step_of_a_dump_folder(request, tmp_path)
     assert "after_call-inliner.before_pipeline-end.txt" in result.output  # says which file
     assert "reduce-scatter" in out.read_text()
     # every command that reads a step reads the same file of the folder, and says so
-    for command in (["report", str(dump)], ["diff", str(dump), str(out)],
-                    ["scale", str(dump), "--replicas", "2,4"],
-                    ["verify", str(dump), str(out), "--steps", "2"]):
-        result = CliRunner().invoke(main, command)
-        assert result.exit_code == 0, (command, result.output)
-        assert f"read {dump}'s training step: " in result.output, command
-        assert "MATCH" in result.output or command[0] != "verify"
+    try:
+        for command in (["report", str(dump)], ["diff", str(dump), str(out)],
+                        ["scale", str(dump), "--replicas", "2,4"],
+                        ["verify", str(dump), str(out), "--steps", "2"]):
+            result = CliRunner().invoke(main, command)
+            assert result.exit_code == 0, (command, result.output)
+            assert f"read {dump}'s training step: " in result.output, command
+            assert "MATCH" in result.output or command[0] != "verify"
+    finally:  # (verify's worker, in this process here: a later test counts its threads)
+        runtime.shutdown_workers()
 
 
 @pytest.mark.parametrize("command", [["optimize", "{dir}", "-o", "{dir}/o"], ["report", "{dir}"],
