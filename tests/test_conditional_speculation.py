@@ -169,6 +169,7 @@ def test_apply_if_finite_is_sharded_and_skips_a_non_finite_step_as_jit_does(requ
         assert_close(final, run_steps(step, init(), batch)[0])
 
 
+@pytest.mark.slow  # (in this process: XLA's compile thread stays in threading's registry)
 def test_install_speculates_xla_s_fused_conditional(request):
     """Under ``install()`` the hook reads XLA:CPU's fused module: the branches hold
     fusions (called once each, inlined with them) and the header has lost its device
