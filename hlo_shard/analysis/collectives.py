@@ -457,13 +457,31 @@ def is_degenerate_sum(module: Module, comp: Computation, inst: Instruction) -> b
             and all(source.shape.dims[d] == 1 for d in inst.ints_attr("dimensions")))
 
 
+def started_slots(module: Module, comp: Computation, loop: Instruction,
+                  read: Callable[[str], list[str]]) -> dict[int, tuple[str, int | None]]:
+    """The slots of ``loop``'s initial tuple (a while in ``comp``) that a sum over devices
+    starts (:func:`summed_start`), each start read by the tuple alone, once: slot → (the
+    all-reduce, its element index). ``read`` names a value's readers. Such an accumulator
+    (big_vision's first microbatch's gradient) holds that sum plus what the loop adds."""
+    init = comp[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
+    if init is None or init.opcode != "tuple":
+        return {}
+    found = {}
+    for slot, start in enumerate(init.operands):
+        if read(start) == [init.name] and init.operands.count(start) == 1:
+            summed = summed_start(module, comp, read, comp[start])
+            if summed is not None:
+                found[slot] = summed
+    return found
+
+
 def summed_start(module: Module, comp: Computation, read: Callable[[str], list[str]],
                  start: Instruction) -> tuple[str, int | None] | None:
     """The summing all-reduce ``start`` is — itself, or an element of a tuple one, either
     through views (:data:`~hlo_shard.opinfo.VIEWS`) and sums over dimensions of size 1
-    (:func:`is_degenerate_sum`) each the only reader of what it reads (``read`` names a value's readers) — and the element's index (None for an
-    array all-reduce); None where it is not one. A loop's accumulator started from it
-    (big_vision's first microbatch's gradient) holds that sum plus what the loop adds."""
+    (:func:`is_degenerate_sum`), each the only reader of what it reads (``read`` names a
+    value's readers) — and the element's index (None for an array all-reduce); None
+    where it is not one."""
     value = start
     while (value.opcode in VIEWS and len(value.operands) == 1
            or is_degenerate_sum(module, comp, value)) and \

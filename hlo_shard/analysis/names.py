@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hlo_shard.analysis.collectives import ReasonCode, summed_start
+from hlo_shard.analysis.collectives import ReasonCode, started_slots
 from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.graph import topological_order, upstream_bits, users_map, zero_started_slots
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
@@ -386,22 +386,16 @@ def _accumulation_loops(module: Module, comp: Computation
 
 def _started_slots(module: Module, comp: Computation
                    ) -> list[tuple[tuple[str, int | None], str]]:
-    """The slots of ``comp``'s loops that a sum over devices starts, read by the initial
-    tuple alone (:func:`~hlo_shard.analysis.collectives.summed_start`): (the all-reduce,
-    its element index) and the one value ``comp`` reads of the slot after the loop."""
+    """The slots of ``comp``'s loops that a sum over devices starts
+    (:func:`~hlo_shard.analysis.collectives.started_slots`): (the all-reduce, its element
+    index) and the one value ``comp`` reads of the slot after the loop."""
     users = users_map(comp)
     found = []
     for loop in comp.instructions:
-        init = comp[loop.operands[0]] if loop.opcode == "while" and loop.operands else None
-        if init is None or init.opcode != "tuple":
-            continue
-        for slot, start in enumerate(init.operands):
-            if users[start] != [init.name] or init.operands.count(start) != 1:
-                continue
-            summed = summed_start(module, comp, users.__getitem__, comp[start])
+        for slot, summed in started_slots(module, comp, loop, users.__getitem__).items():
             after = [name for name in users[loop.name] if comp[name].opcode ==
                      "get-tuple-element" and comp[name].int_attr("index") == slot]
-            if summed is not None and len(after) == 1:
+            if len(after) == 1:
                 found.append((summed, after[0]))
     return found
 

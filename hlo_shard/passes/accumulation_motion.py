@@ -68,7 +68,7 @@ from typing import ClassVar, cast
 
 from hlo_shard.analysis.collectives import (ReasonCode, device_index_values,
                                             find_gradient_all_reduces, is_degenerate_sum,
-                                            is_sum, summed_start)
+                                            is_sum, started_slots)
 from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, scalar_literal,
                              starts_at_zero, users_map)
@@ -525,47 +525,32 @@ def loops_all_reduce(module: Module) -> bool:
            if comp.name in bodies for inst in comp.instructions):
         return True
     for comp in module.computations:
-        inits = [comp[loop.operands[0]] for loop in comp.instructions
-                 if loop.opcode == "while" and loop.operands]
-        if any(init.opcode == "tuple" for init in inits):
+        loops = [inst for inst in comp.instructions if inst.opcode == "while"]
+        if loops:
             read = users_map(comp).__getitem__
-            if any(_summed_start(module, comp, read, comp[start])
-                   for init in inits if init.opcode == "tuple" for start in init.operands):
+            if any(started_slots(module, comp, loop, read) for loop in loops):
                 return True
     return False
 
 
 def _summed_starts(module: Module, outer: Rewriter, loop: Instruction) -> dict[int, str]:
-    """The slots of ``loop``'s initial tuple that a sum over devices starts, through
-    relabels each read once (:func:`_summed_start`), the start read by the tuple alone:
-    slot → the all-reduce."""
+    """The slots of ``loop``'s initial tuple a sum over devices starts
+    (:func:`~hlo_shard.analysis.collectives.started_slots`), of a numeric type and free
+    to move: slot → the all-reduce."""
     comp = outer.comp
     init = comp[loop.operands[0]]
-    if init.opcode != "tuple":
-        return {}
+
     def read(name: str) -> list[str]:
         return [u.name for u in outer.users(name)]
 
-    found = {}
-    for slot, start in enumerate(init.operands):
-        if read(start) == [init.name] and init.operands.count(start) == 1:
-            summed = _summed_start(module, comp, read, comp[start])
-            if summed is not None:
-                found[slot] = summed
-    return found
+    def movable(slot: int, all_reduce: str) -> bool:
+        shape = comp[init.operands[slot]].shape
+        return isinstance(shape, ArrayShape) and not shape.dynamic and \
+            shape.element_type in SUMMABLE and not comp[all_reduce].attr("constrain_layout")
 
-
-def _summed_start(module: Module, comp: Computation, read: Callable[[str], list[str]],
-                  start: Instruction) -> str | None:
-    """The all-reduce whose sum the array ``start`` is
-    (:func:`~hlo_shard.analysis.collectives.summed_start`), of a numeric type and free
-    to move; None where it is not one."""
-    found = summed_start(module, comp, read, start)
-    shape = start.shape
-    if found is None or not isinstance(shape, ArrayShape) or shape.dynamic or \
-            shape.element_type not in SUMMABLE or comp[found[0]].attr("constrain_layout"):
-        return None
-    return found[0]
+    return {slot: all_reduce
+            for slot, (all_reduce, _) in started_slots(module, comp, loop, read).items()
+            if movable(slot, all_reduce)}
 
 
 def _accumulates(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],

@@ -37,8 +37,9 @@ from typing import ClassVar
 
 from hlo_shard.analysis.collectives import find_gradient_all_reduces, with_device_counts
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, control_predecessors,
-                             topological_order, users_map)
-from hlo_shard.ir import ArrayShape, Computation, Ident, Instruction, Module, TupleShape
+                             reachable, topological_order, users_map)
+from hlo_shard.ir import (ArrayShape, Computation, Ident, Instruction, Module, TupleShape,
+                          shape_leaves)
 from hlo_shard.opinfo import COLLECTIVE_KINDS, CONTROL_FLOW, IMPURE
 from hlo_shard.passes.base import ModulePass
 
@@ -78,7 +79,7 @@ class ConditionalSpeculation(ModulePass[SpeculationReport]):
         for found in find_gradient_all_reduces(with_device_counts(module)):
             inst = module.computation(found.computation)[found.name]
             if found.is_candidate and max(
-                    (s.byte_size for s in _leaves(inst.shape)), default=0) >= \
+                    (s.byte_size for _, s in shape_leaves(inst.shape)), default=0) >= \
                     self.min_shard_bytes:
                 gradients.setdefault(found.computation, []).append(found.name)
         if not gradients:
@@ -86,7 +87,8 @@ class ConditionalSpeculation(ModulePass[SpeculationReport]):
         callers = call_counts(module)
         for name, sums in gradients.items():
             comp = module.computation(name)
-            reached = _reached(comp, sums)
+            # (the values computed from the sums: one walk down)
+            reached = reachable(sums, users_map(comp).__getitem__) | set(sums)
             for inst in [i for i in comp.instructions if i.opcode == "conditional"]:
                 branches = [module.computation(b) for b in inst.called_computations()]
                 if any(o in reached for o in inst.operands[1:]) and \
@@ -95,27 +97,6 @@ class ConditionalSpeculation(ModulePass[SpeculationReport]):
                     report.speculated.append(
                         SpeculatedConditional(name, inst.name, len(branches)))
         return report
-
-
-def _leaves(shape: object) -> list[ArrayShape]:
-    if isinstance(shape, ArrayShape):
-        return [shape]
-    if isinstance(shape, TupleShape):
-        return [leaf for element in shape.elements for leaf in _leaves(element)]
-    return []
-
-
-def _reached(comp: Computation, sources: list[str]) -> set[str]:
-    """The values of ``comp`` computed from any of ``sources`` (one walk down)."""
-    users = users_map(comp)
-    reached = set(sources)
-    pending = list(sources)
-    while pending:
-        for user in users[pending.pop()]:
-            if user not in reached:
-                reached.add(user)
-                pending.append(user)
-    return reached
 
 
 def _speculable(module: Module, conditional: Instruction, branches: list[Computation],

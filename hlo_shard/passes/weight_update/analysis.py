@@ -35,6 +35,7 @@ lowering consumes what these return.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -1086,9 +1087,7 @@ class _Planner:
 
         One walk up from every leaf's operand, each node labelled with the first
         all-reduce that reached it (linear in the computation)."""
-        root = self.comp.root
-        updated = {root.operands[k] for k in self.options.next_value_outputs
-                   if root.opcode == "tuple" and k < len(root.operands)}
+        updated = set(self.next_values)
         label: dict[str, str] = {}
         stack = [(leaf.operand, leaf.label) for leaf in self.leaves]
         while stack:
@@ -1109,17 +1108,22 @@ class _Planner:
                                f"update region ends here")
         return out
 
+    @functools.cached_property
+    def next_values(self) -> tuple[str, ...]:
+        """The root's values at :attr:`RegionOptions.next_value_outputs`."""
+        root = self.comp.root
+        return tuple(root.operands[k] for k in sorted(self.options.next_value_outputs)
+                     if root.opcode == "tuple" and k < len(root.operands))
+
     def read_by_no_update(self) -> dict[int, Whole]:
         """Leaf index → why it stays whole, for the leaves from which no weight's or
         state's next value is computed (:attr:`RegionOptions.next_value_outputs`, where
         the module names them): a value of the forward pass the partitioner summed (a
         gather of a sharded operand: CLIP's label logits) that only a loss or a metric
         the step returns reads, not a gradient (one walk up from those outputs)."""
-        root = self.comp.root
-        if not self.options.next_value_outputs or root.opcode != "tuple":
+        targets = self.next_values
+        if not targets:
             return {}
-        targets = tuple(root.operands[k] for k in self.options.next_value_outputs
-                        if k < len(root.operands))
         updated = upstream(self.graph, targets) | set(targets)
         return {i: Whole(ReasonCode.NO_UPDATE_WORK,
                          "no weight's or state's next value is computed from it (a loss or a "
