@@ -104,11 +104,11 @@ def dataflow_graph(comp: Computation) -> DataflowGraph:
 
 
 def call_graph(module: Module) -> nx.DiGraph[str]:
-    """Computation → called computation, edge attribute ``via`` (the calling
-    instruction names)."""
+    """Computation name → called computation's, edge attribute ``via`` (the calling
+    instruction names). Names only: networkx's graph holds reference cycles, and a
+    computation in it would wait for the cycle collector with its whole module."""
     graph: nx.DiGraph[str] = nx.DiGraph(name=module.name)
-    for comp in module.computations:
-        graph.add_node(comp.name, computation=comp)
+    graph.add_nodes_from(comp.name for comp in module.computations)
     for comp in module.computations:
         for inst in comp.instructions:
             for callee in inst.called_computations():
@@ -333,7 +333,8 @@ def callees_first(module: Module) -> list[Computation]:
     graph = call_graph(module)
     position = {comp.name: i for i, comp in enumerate(module.computations)}
     order = nx.lexicographical_topological_sort(graph.reverse(copy=False), key=position.get)
-    return [graph.nodes[name]["computation"] for name in order]
+    by_name = {comp.name: comp for comp in comps}
+    return [by_name[name] for name in order]
 
 
 # ------------------------------------------------------------------------- rewriting

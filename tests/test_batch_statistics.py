@@ -213,6 +213,64 @@ def test_a_gan_s_discriminator_is_sharded_and_trains_like_jit(request):
         assert_close(final, run_steps(step, init(), batch)[0])
 
 
+def _minibatch_program():
+    """flax's PPO ``train_step`` (examples/ppo/ppo_lib.py) in its own form: a Python loop
+    over minibatches inside one jit, each one's gradient computed from the weights the
+    previous one updated (``state.apply_gradients`` per minibatch; here optax's chain of
+    a global-norm clip and adam, the trainer's), the minibatch split over 8 devices, the
+    state donated."""
+    from jax_train_helpers import (AXIS, NamedSharding, P, jax, jnp, mlp_batch, mlp_params, np,
+                                   optax)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+
+    def net(p, x):
+        for layer in ("l0", "l1"):
+            x = jnp.tanh(x @ p[layer]["w"] + p[layer]["b"])
+        return x
+
+    def loss_fn(params, x):
+        return jnp.mean(net(params, x) ** 2)
+
+    def step(params, opt_state, batches):
+        total = 0.0
+        for i in range(batches["x"].shape[0]):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batches["x"][i])
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            total += loss
+        return params, opt_state, total
+
+    def init():
+        params = mlp_params(jax.random.PRNGKey(0), sizes=(32, 64, 32))
+        return params, jax.jit(opt.init)(params)
+
+    def batch(i):
+        minibatches = jnp.stack([mlp_batch(jax.random.PRNGKey(10 * i + k), 64)["x"]
+                                 for k in range(3)])
+        return {"x": jax.device_put(minibatches, NamedSharding(mesh, P(None, AXIS)))}
+
+    return jax.jit(step, donate_argnums=(0, 1)), init, batch
+
+
+def test_every_minibatch_s_update_is_sharded_and_trains_like_jit(request):
+    """The first minibatches' gradients were kept whole as batch statistics (the later
+    ones' gradients are computed from the weights they update: 8 of 12 kept whole even
+    forced, in flax's PPO); each minibatch's weights are a version of the weight, not a
+    statistic."""
+    from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
+
+    if not needs_devices(request):
+        return
+    step, init, batch = _minibatch_program()
+    for state in ("gathered", "sharded"):
+        fast, final, _ = run_forced(step, state, init, batch)
+        assert fast.report is not None and fast.report["sharded"] == 12, \
+            [(e["reason_code"], e["reason"][:80]) for e in fast.report["explanations"]]
+        assert_close(final, run_steps(step, init(), batch)[0])
+
+
 #: A forward value the partitioner sums (%logit: CLIP's label logits gathered from a
 #: sharded operand) read only by the loss the step returns, beside the weight's gradient.
 FORWARD_SUM = """HloModule clip, replica_count=8, input_output_alias={ {0}: (0, {}, may-alias) }

@@ -219,3 +219,31 @@ def test_a_ratio_near_the_gates_bar_does_not_read_as_on_it(ratio, shown):
     """A step predicted 0.9004x is kept whole at a 10% bar: "0.90x" would read as on it."""
     decision = SpeedDecision("cpu-local", 1.0, 1.0, (), None, min_gain=0.1)
     assert ratio_words(ratio, decision) == shown
+
+
+@pytest.mark.parametrize("path", ["fixtures/spmd/adam.n8.hlo", "fixtures/spmd/loop_adam.n4.hlo",
+                                  "tests/data/tp_clip_adam_4x2.n8.hlo",
+                                  "tests/data/grad_accum_scan_2x4.n8.hlo"])
+def test_the_optimizer_leaves_no_reference_cycle(path):
+    """What the optimizer makes is freed as soon as the caller lets go of it: a cycle
+    would leave every module it read to the cycle collector, whose pass over them ran
+    inside XLA's compile under ``install()`` (the partitioner-form analysis's back
+    reference did)."""
+    import gc
+
+    text = (PACKAGE.parent / path).read_text()
+    gc.collect()
+    debug = gc.get_debug()
+    gc.set_debug(debug | gc.DEBUG_SAVEALL)
+    try:
+        for force in (False, True):
+            result = optimize(parse(text, path=path), ShardingOptions(), force=force)
+            assert result.text
+            del result
+        gc.collect()
+        ours = [type(x).__qualname__ for x in gc.garbage
+                if type(x).__module__.startswith("hlo_shard")]
+    finally:
+        gc.set_debug(debug)
+        gc.garbage.clear()
+    assert ours == []

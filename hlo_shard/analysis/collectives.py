@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -760,7 +761,9 @@ class _ScatterForm:
 
     def __init__(self, comp: Computation, forms: _ScatterForms) -> None:
         self.comp = comp
-        self.forms = forms
+        # Weak: the forms hold this one, and a cycle would keep the whole module alive
+        # until the cycle collector ran (inside XLA's compile, under install()).
+        self.forms: _ScatterForms = weakref.proxy(forms)
         self._users: dict[str, list[str]] | None = None
         self._ids: tuple[set[str], set[str]] | None = None
         self._parameter_reads: dict[int, list[str]] | None = None

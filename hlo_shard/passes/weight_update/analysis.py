@@ -204,6 +204,11 @@ class _Context:
         return self.comp[name]
 
 
+def _leaf_dims(shape: Shape) -> set[tuple[int, ...]]:
+    """The dimensions of each array of ``shape`` (a tuple's: of every element)."""
+    return {leaf.dims for _, leaf in shape_leaves(shape)}
+
+
 def _array(shape: Shape) -> ArrayShape | None:
     return shape if isinstance(shape, ArrayShape) and not shape.dynamic else None
 
@@ -1083,11 +1088,14 @@ class _Planner:
         Not through a weight's next value (:attr:`RegionOptions.next_value_outputs`):
         a gradient whose updated weight the step reads again is an update's; the
         lowering's buckets keep it apart from the gradients computed from it
-        (:func:`summing_levels`).
+        (:func:`summing_levels`). Nor through a weight's earlier versions
+        (:attr:`weight_versions`): flax's PPO updates the weights once per minibatch
+        in one step, each minibatch's gradient computed from the weights the previous
+        one updated.
 
         One walk up from every leaf's operand, each node labelled with the first
         all-reduce that reached it (linear in the computation)."""
-        updated = set(self.next_values)
+        updated = self.weight_versions
         label: dict[str, str] = {}
         stack = [(leaf.operand, leaf.label) for leaf in self.leaves]
         while stack:
@@ -1107,6 +1115,44 @@ class _Planner:
                                f"sum summed again), not an update's; kept all-reduced, the "
                                f"update region ends here")
         return out
+
+    @functools.cached_property
+    def weight_versions(self) -> frozenset[str]:
+        """The next values (:attr:`next_values`) and a weight's or state's earlier
+        versions, where the step updates it more than once: each value computed in the
+        leaf's shape from a parameter the aliases pair with a next value, from which a
+        next value is computed in that shape, neither through a gradient's sum. A value
+        of the forward pass is not one (it reaches a next value only through a
+        gradient's sum, or in another shape), nor is a batch statistic (computed from
+        the sum, not from the running average's parameter). Two walks, one down from
+        those parameters and one up from the next values (linear in the computation)."""
+        next_values = self.next_values
+        if not next_values:
+            return frozenset()
+        sums = {value for leaf in self.leaves for value in leaf.values}
+        aliases = self.module.output_aliases()
+        numbers = {aliases[k] for k in self.options.next_value_outputs if k in aliases}
+        starts = [p.name for p in self.comp.parameters() if p.parameter_number in numbers]
+        below = self._same_shape_walk(starts, self.graph.successors, sums)
+        above = self._same_shape_walk(next_values, self.graph.predecessors, sums)
+        return frozenset(below & above) | frozenset(next_values)
+
+    def _same_shape_walk(self, starts: Sequence[str], step: Callable[[str], Iterable[str]],
+                         sums: AbstractSet[str]) -> set[str]:
+        """What ``step`` (users or operands) reaches from ``starts`` through values of
+        each start's own array shape (or tuples holding one: a fusion's outputs), not
+        through ``sums``."""
+        comp = self.comp
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        stack = [(name, dims) for name in starts for dims in _leaf_dims(comp[name].shape)]
+        while stack:
+            name, dims = stack.pop()
+            if (name, dims) in seen:
+                continue
+            seen.add((name, dims))
+            stack.extend((other, dims) for other in step(name)
+                         if other not in sums and dims in _leaf_dims(comp[other].shape))
+        return {name for name, _ in seen}
 
     @functools.cached_property
     def next_values(self) -> tuple[str, ...]:
