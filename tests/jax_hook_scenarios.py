@@ -246,7 +246,10 @@ def pmap_training(mesh) -> dict:
 
     plain_losses, plain_params = pmap_run()
     hook.decisions(clear=True)
-    with hook.install(force=True):
+    with hook.install(force=True):  # the copies' equality is not in the module
+        pmap_run()
+    kept = [d for d in hook.decisions(clear=True) if d.gradient_bytes]
+    with hook.install(force=True, pmap_replicated=True):
         losses, params = pmap_run()
     # (jax 0.10 compiles a pmap as a jit of a shard_map named after its own wrapper: the
     # step is the module whose gradients are the parameters and the loss)
@@ -256,7 +259,43 @@ def pmap_training(mesh) -> dict:
             "params": max(relative_difference(plain_params[k], params[k]) for k in params),
             "changed": [d.changed for d in steps], "reasons": [d.reason for d in steps],
             "sharded_bytes": sum(d.sharded_bytes for d in steps),
-            "gradient_bytes": sum(d.gradient_bytes for d in steps)}
+            "gradient_bytes": sum(d.gradient_bytes for d in steps),
+            "unasked": [(d.changed, d.reason) for d in kept]}
+
+
+def checked_scan(mesh) -> dict:
+    """big_vision's microbatch accumulation under ``shard_map`` with jax's default
+    ``check_vma``: the loss and the gradients ``pmean``ed inside a ``lax.scan``. The
+    pmeans sum an already summed value again, and XLA's combiner puts each such second
+    sum in a tuple with another gradient: moving the first out of the loop took the sum
+    the second was planned on (a KeyError inside the pass; the hook kept the step)."""
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def local(w, x):
+        def body(acc, microbatch):
+            value, g = jax.value_and_grad(loss)(w, microbatch)
+            return (acc[0] + jax.lax.pmean(value, "d"), acc[1] + jax.lax.pmean(g, "d")), None
+        (value, g), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros_like(w)),
+                                     x.reshape(2, -1, x.shape[-1]))
+        return w - 0.1 * g, value
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")),
+                                 out_specs=(P(), P())), donate_argnums=(0,))
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (32, 64)))
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (8 * N, 32)),
+                       NamedSharding(mesh, P("d")))
+
+    def run_once() -> np.ndarray:
+        return np.asarray(step(jax.device_put(w, NamedSharding(mesh, P())), x)[0])
+
+    plain = run_once()
+    hook.decisions(clear=True)
+    with hook.install(force=True):
+        hooked = run_once()
+    steps = [d for d in hook.decisions(clear=True) if d.gradient_bytes]
+    return {"params": relative_difference(plain, hooked),
+            "changed": [d.changed for d in steps], "reasons": [d.reason for d in steps]}
 
 
 def idempotence(mesh) -> dict:
@@ -456,6 +495,7 @@ def main(names: list[str]) -> None:
                                                       lambda o, f: shard_map_step(o, m, f), m),
                  "loop:adam": lambda m: training("adam", loop_step, m),
                  "pmap:adam": pmap_training,
+                 "checked_scan": checked_scan,
                  "only_other": lambda m: training("adam", jit_step, m, only="^jit_eval"),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))
                     for name in OPTIMIZERS},

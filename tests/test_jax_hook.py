@@ -34,7 +34,7 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
                          "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
-                         "layernorm:adamw_clip", "pmap:adam", "donation")
+                         "layernorm:adamw_clip", "pmap:adam", "donation", "checked_scan")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -122,11 +122,26 @@ def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):
 def test_a_pmap_step_is_sharded_as_it_is(quick):
     """flax's ImageNet example steps with ``jax.pmap`` and ``lax.pmean``: that step, not
     rewritten for ``jax.jit``, is sharded inside XLA's compile and trains bitwise the
-    same (``shard_weight_update`` refuses it up front: test_jax_step)."""
+    same (``shard_weight_update`` refuses it up front: test_jax_step) — once the caller
+    says every device holds the same copy of the weights (``pmap_replicated=True``, as
+    ``flax.jax_utils.replicate`` makes them). The module cannot say so: a probe's copies
+    that differed per device trained differently, sharded unasked. Unasked, the step
+    compiles as it is, and the reason says what to pass."""
     result = quick["pmap:adam"]
+    assert result["unasked"] and not any(changed for changed, _ in result["unasked"])
+    assert any("install(pmap_replicated=True)" in reason for _, reason in result["unasked"])
     assert result["changed"] and all(result["changed"]), result["reasons"]
     assert result["loss"] == 0.0 and result["params"] == 0.0
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4 * len(result["changed"])
+
+
+def test_sums_summed_again_in_a_scan_are_moved_one_sweep_at_a_time(quick):
+    """shard_map's default check_vma under a microbatch scan: the pass raised (a
+    KeyError: a move planned on a sum an earlier move of the same sweep had taken) and
+    the hook kept the step; now it is sharded and trains like it."""
+    result = quick["checked_scan"]
+    assert result["changed"] == [True], result["reasons"]
+    assert result["params"] < 1e-6
 
 
 def test_per_tensor_collectives_are_bitwise_the_same(quick):
@@ -202,6 +217,14 @@ def test_main_runs_a_script_with_the_hook(tmp_path):
     run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(tmp_path / "none.py")],
                          env=env, capture_output=True, text=True, check=False)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "no such script" in run.stderr
+    said = tmp_path / "said.py"
+    said.write_text("from hlo_shard.jax import hook\n"
+                    "print(hook._HOOK.settings.options.overrides.pmap_replicated)\n")
+    for switch, expected in (("1", "True"), (None, "False")):
+        run = subprocess.run([sys.executable, "-m", "hlo_shard.jax", str(said)],
+                             env={**env, **({"HLO_SHARD_PMAP_REPLICATED": switch} if switch else {})},
+                             capture_output=True, text=True, check=False)
+        assert run.returncode == 0 and run.stdout.strip() == expected, run.stderr
 
 
 def test_the_runner_runs_a_script_as_python_does(tmp_path):

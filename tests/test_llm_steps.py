@@ -96,6 +96,20 @@ def test_an_already_reduce_scattered_gradient_is_reported_already_sharded(form):
     assert rows["gs.sum"].sharded and rows["gs.sum"].reason_code == ""
 
 
+def test_a_reduce_scatter_gathered_back_whole_is_no_sharded_update():
+    """``psum_scatter`` then ``all_gather`` by hand (a probe's step, the update after it
+    on the whole gradient): said "already sharded: ... the update runs on the slice",
+    which was untrue."""
+    gathered = REDUCE_SCATTER_FORM.replace("%gw.mine", "%gw.part") + """
+  %gw.back = f32[1024,1024]{1,0} all-gather(%gw.part), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %gw.mine = f32[128,1024]{1,0} slice(%gw.back), slice={[0:128], [0:1024]}"""
+    result = optimize(_module(gathered), ShardingOptions(), force=True)
+    row = next(row for row in result.report.explanations if row.all_reduce == "gw.part")
+    assert not row.sharded and row.reason_code == "gathered_back"
+    assert "all-gathered back whole" in row.reason and "the update runs on the whole sum" in \
+        row.reason
+
+
 @pytest.mark.parametrize("change", [
     # The offset is data, not the device's id: a gather of rows, not a shard.
     ("%pid = u32[] partition-id()", "%pid = u32[] constant(3)"),

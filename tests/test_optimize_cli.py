@@ -489,6 +489,25 @@ ENTRY e { w = f32[16] parameter(0), sharding={replicated}, frontend_attributes={
     assert checked.exit_code == 2 and "global program before SPMD partitioning" in checked.stderr
 
 
+def test_a_global_shard_map_program_is_named_as_such_not_refused(tmp_path):
+    """``jax.jit(shard_map step).lower(...).as_text()``: the manual body's psums all carry
+    channel id 1, which the output check refused ("refusing to write: ... unique-channel-
+    ids") before the note said what the module is. The input goes out as it came."""
+    path = tmp_path / "global.hlo"
+    path.write_text("""HloModule g, num_partitions=4
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT s = f32[] add(a, b) }
+ENTRY e { w = f32[16] parameter(0), sharding={replicated}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}]>"}
+ p = f32[16] all-reduce(w), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=add
+ q = f32[16] all-reduce(p), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=add
+ ROOT n = f32[16] negate(q) }
+""")
+    out = tmp_path / "o.hlo"
+    result = run_gated(str(path), "-o", str(out))
+    assert result.exit_code == 0, result.stderr
+    assert "NOTHING TO DO: this is the global program before SPMD partitioning" in result.stderr
+    assert out.read_text().count("channel_id=1") == 2
+
+
 def test_a_dump_folder_gives_its_training_step_not_a_larger_init(sgd, tmp_path):
     """A jitted init holding the model's initial values can be the largest module of a
     dump: the step is the one that sums gradients (it read the init: "no gradient

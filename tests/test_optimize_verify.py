@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard import runtime
 from hlo_shard import optimize
 from hlo_shard.cli.optimize import build_manifest
@@ -78,9 +79,14 @@ def verify_optimized(text: str, **options) -> runtime.VerifyReport:
                           runtime.VerifyOptions(steps=5, manifest=manifest))
 
 
+#: What a case needs the caller to say: a pmap step's copies of the weights are equal.
+CASE_OPTIONS = {"pmap": {"overrides": ParamOverrides(pmap_replicated=True)}}
+
+
 @pytest.mark.parametrize("name, state, strategy", MATRIX)
 def test_optimized_case_computes_the_same(name, state, strategy):
-    result = verify_optimized(CASES[name], state=state, strategy=strategy)
+    result = verify_optimized(CASES[name], state=state, strategy=strategy,
+                              **CASE_OPTIONS.get(name, {}))
     # (ok: each state shard is fed its own output too, the module loops on itself)
     assert result.ok, ([(leaf.index, leaf.verdict, leaf.max_abs) for leaf in result.final()],
                        result.unlooped)

@@ -699,9 +699,15 @@ def test_pmap_form_infers_which_parameters_are_replicated():
     from hlo_shard.parser import parse
 
     assert is_pmap_form(parse(PMAP)) and not is_pmap_form(parse(SPMD))
-    # Before: the tiled sharding made the weight per-device: its update (the subtract)
-    # stayed whole, 1 op moved instead of 2.
+    # Unasked, the module cannot say each device's copy of the weight is the same one:
+    # kept whole, and the reason says what to pass.
     module, report = optimize(PMAP)
+    assert not row(report, "ar").sharded and row(report, "ar").reason_code == "pmap_copies"
+    assert "pmap_replicated=True" in row(report, "ar").reason
+    assert "reduce-scatter" not in opcodes(module)
+    # Said (flax.jax_utils.replicate's copies): before, the tiled sharding made the weight
+    # per-device: its update (the subtract) stayed whole, 1 op moved instead of 2.
+    module, report = optimize(PMAP, overrides=ParamOverrides(pmap_replicated=True))
     assert row(report, "ar").sharded and opcodes(module)["reduce-scatter"] == 1
     assert row(report, "ar").ops_moved == 2
     assert [p.kind for p in report.parameters] == ["replicated", "per-device"]

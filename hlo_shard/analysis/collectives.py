@@ -226,6 +226,12 @@ class ReasonCode(str, enum.Enum):
     CALLED_COMPUTATION = "called_computation"
     #: Over other groups than the data-parallel ones (tensor/model-parallel sums).
     OTHER_GROUPS = "other_groups"
+    #: A ``reduce-scatter`` every use of which all-gathers it back whole: the program's
+    #: all-reduce in two collectives, the update on the whole sum.
+    GATHERED_BACK = "gathered_back"
+    #: A ``jax.pmap`` step whose devices' copies of the weights are not said to be equal
+    #: (:attr:`~hlo_shard.analysis.replication.ParamOverrides.pmap_replicated`).
+    PMAP_COPIES = "pmap_copies"
     #: The tuple result is used whole.
     TUPLE_USED_WHOLE = "tuple_used_whole"
     #: The planner's: not a static array (token, opaque, dynamic shape).
@@ -421,9 +427,12 @@ def _async_wrapped(module: Module) -> dict[str, str]:
 
 def find_reduce_scatters(module: Module) -> list[GradientAllReduce]:
     """Sum reduce-scatters over groups of more than one device: gradients already
-    reduce-scattered (by the program or a previous pass), the update on the slice."""
+    reduce-scattered (by the program or a previous pass), the update on the slice — or,
+    where every use all-gathers the slice back (``psum_scatter`` then ``all_gather`` by
+    hand), an all-reduce in two collectives, the update on the whole sum."""
     found: list[GradientAllReduce] = []
     for comp in module.computations:
+        users: dict[str, list[str]] | None = None
         for inst in comp.instructions:
             if inst.opcode != "reduce-scatter" or not is_sum(module, inst):
                 continue
@@ -433,10 +442,34 @@ def find_reduce_scatters(module: Module) -> list[GradientAllReduce]:
                 continue
             except UnsupportedGroups:
                 groups = None
+            users = users_map(comp) if users is None else users
+            if _gathered_back(comp, users, inst.name):
+                found.append(GradientAllReduce(
+                    comp.name, inst.name, groups, "reduce-scattered, then all-gathered back "
+                    "whole (an all-reduce written as two collectives): the update runs on "
+                    "the whole sum on every device; left as the program wrote it",
+                    ReasonCode.GATHERED_BACK))
+                continue
             found.append(GradientAllReduce(
                 comp.name, inst.name, groups, "already sharded: reduce-scattered, the "
                 "update runs on the slice", ReasonCode.ALREADY_SHARDED))
     return found
+
+
+def _gathered_back(comp: Computation, users: dict[str, list[str]], name: str) -> bool:
+    """Every use of ``name``, through layout-only ops, is an ``all-gather`` (and there is
+    one)."""
+    stack, gathered = [name], False
+    while stack:
+        for user in users.get(stack.pop(), ()):
+            opcode = comp[user].opcode
+            if opcode == "all-gather":
+                gathered = True
+            elif opcode in VIEWS:
+                stack.append(user)
+            else:
+                return False
+    return gathered
 
 
 def is_sum(module: Module, inst: Instruction) -> bool:

@@ -58,17 +58,25 @@ def meet(a: Flags, b: Flags) -> Flags:
 
 @dataclass(frozen=True)
 class ParamOverrides:
-    """``--replicated-params`` / ``--per-device-params`` (entry parameter numbers)."""
+    """``--replicated-params`` / ``--per-device-params`` (entry parameter numbers), and
+    ``pmap_replicated`` (``install(pmap_replicated=True)``): a ``jax.pmap`` step's
+    stacked weights and optimizer state hold the same copy on every device (as
+    ``flax.jax_utils.replicate`` makes them), so the dataflow default may tell them from
+    the batch (:func:`is_pmap_form`). Without it a pmap step's parameters are per-device:
+    its module cannot say whether the copies are equal, and sharding the update of
+    copies that differ would mix them."""
 
     replicated: frozenset[int] = frozenset()
     per_device: frozenset[int] = frozenset()
+    pmap_replicated: bool = False
 
 
 @dataclass(frozen=True)
 class ParamReplication:
     number: int
     flags: Flags
-    #: Where the fact came from: "flag", "sharding", "parameter_replication", "analysis".
+    #: Where the fact came from: "flag", "sharding", "parameter_replication", "pmap",
+    #: "analysis".
     source: str
 
 
@@ -502,7 +510,8 @@ def is_pmap_form(module: Module) -> bool:
     """A ``jax.pmap`` step (jax 0.10 lowers pmap as SPMD over a stacked leading axis):
     every entry parameter is tiled over all partitions along a leading dimension of size
     1 per device, weights included — the sharding says nothing about which are
-    replicated, so the structure decides (:func:`default_parameter_replication`)."""
+    replicated: per-device unless :attr:`ParamOverrides.pmap_replicated` lets the
+    structure decide (:func:`default_parameter_replication`)."""
     n = module.num_partitions
     params = module.entry.parameters()
     if n <= 1 or not params:
@@ -541,6 +550,9 @@ def entry_parameter_replication(module: Module, target: list[frozenset[int]] | N
         flags = _parameter_replication_attr(param)
         if flags is not None:
             out.append(ParamReplication(n, flags, "parameter_replication"))
+            continue
+        if pmap and not overrides.pmap_replicated:
+            out.append(ParamReplication(n, uniform(param.shape, False), "pmap"))
             continue
         if isinstance(param.shape, TupleShape):
             # one tuple may mix weights and batch data: per-device unless annotated

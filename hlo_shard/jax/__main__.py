@@ -1,6 +1,7 @@
 """``python -m hlo_shard.jax train.py [args]``: run a training script unchanged with the
 weight-update sharding hook installed (``HLO_SHARD=0`` runs it without; ``HLO_SHARD_ONLY``
-is the ``only=`` module-name regex). One line per sharded module goes to stderr."""
+is the ``only=`` module-name regex; ``HLO_SHARD_PMAP_REPLICATED=1`` is
+``pmap_replicated=True``). One line per sharded module goes to stderr."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
             logger.setLevel(logging.INFO)
             logger.propagate = False  # (a script's logging.basicConfig: not twice)
         try:
-            install(only=os.environ.get("HLO_SHARD_ONLY"))
+            install(only=os.environ.get("HLO_SHARD_ONLY"),
+                    pmap_replicated=os.environ.get("HLO_SHARD_PMAP_REPLICATED") == "1")
         except HloShardError as err:
             print(f"hlo_shard.jax: error: {err}", file=sys.stderr)
             return 2

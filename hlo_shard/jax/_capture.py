@@ -49,7 +49,8 @@ class Reason(str, Enum):
     #: The step has a feature the path cannot run (effects, host callbacks, for
     #: ``state="sharded"`` a state leaf whose blocks do not follow its gradient's groups...).
     UNSUPPORTED_STEP = "unsupported_step"
-    #: Capturing the per-device module failed (jax's lowering itself succeeded).
+    #: jax could not lower the step for capture (its own call runs it), or compiling the
+    #: lowered step for its per-device module failed.
     CAPTURE_FAILED = "capture_failed"
     #: hlo-shard could not read the captured module.
     PARSE_FAILED = "parse_failed"

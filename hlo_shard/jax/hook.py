@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hlo_shard.analysis.collectives import recovered_device_counts
+from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import Module
 from hlo_shard.jax import _xla
@@ -441,20 +442,26 @@ class Installation:
 def install(*, state: str = "gathered", strategy: str = "auto",
             profile: HardwareProfile | str | None = None,
             min_shard_bytes: int = 0, only: str | None = None,
-            force: bool = False, accumulator: str = "auto") -> Installation:
+            force: bool = False, accumulator: str = "auto",
+            pmap_replicated: bool = False) -> Installation:
     """Shard the weight update of every module jax compiles from now on (every backend
     jax knows); jax's in-memory caches of compiled functions are cleared, so a step
     jitted before compiles again. Installing again replaces the settings; the pass stays
     registered once. ``only``: a regex the module name (``jit_step``) must match. A
     module the cost model does not predict faster sharded compiles as it is, unless
     ``force`` (as ``optimize --force``). ``accumulator``: as for ``shard_weight_update``
-    (``optimize --accumulator``)."""
+    (``optimize --accumulator``). ``pmap_replicated``: every ``jax.pmap`` step holds the
+    same copy of its weights and optimizer state on every device (as
+    ``flax.jax_utils.replicate`` makes them); a pmap module cannot say so, and without
+    it a pmap step compiles as it is (sharding the update of copies that differ would
+    mix them)."""
     if state != "gathered":
         raise HloShardError("install(): state must be 'gathered' (the hook cannot change a "
                             "compiled function's signature; shard_weight_update can)")
     hardware = resolve_profile(profile)
     options = ShardingOptions(state=state, strategy=strategy, min_shard_bytes=min_shard_bytes,
-                              profile=hardware, accumulator=accumulator)
+                              profile=hardware, accumulator=accumulator,
+                              overrides=ParamOverrides(pmap_replicated=pmap_replicated))
     options = checked_options(options)  # rejects bad options here, not inside XLA
     try:
         pattern = re.compile(only) if only is not None else None

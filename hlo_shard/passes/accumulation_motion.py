@@ -470,6 +470,11 @@ class _Sinking:
         anchor = loop.name
         loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop)
         for candidate, elements, staying in plans:
+            if candidate.name not in inner.comp or \
+                    any(e.local not in inner.comp for e in elements):
+                # An earlier move or split of this sweep took what it reads (a sum of a
+                # sum, XLA's combiner having put both in tuples): planned again next sweep.
+                continue
             if staying:
                 kept = _split(inner, candidate, staying)
                 self.kept.append(KeptAllReduce(comp.name, loop.name, kept,

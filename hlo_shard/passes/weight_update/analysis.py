@@ -49,7 +49,8 @@ from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, Rea
 from hlo_shard.analysis.element_flow import ElementOperands, reduces_unit_dimensions_only
 from hlo_shard.analysis.matmul_inputs import matmul_inputs
 from hlo_shard.analysis.names import sorted_dims
-from hlo_shard.analysis.replication import ParamOverrides, Replication, analyze_replication
+from hlo_shard.analysis.replication import (ParamOverrides, Replication, analyze_replication,
+                                            is_pmap_form)
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
                              fused_structure, reachable, reading_only, topological_order,
@@ -1141,17 +1142,26 @@ class _Planner:
                          sums: AbstractSet[str]) -> set[str]:
         """What ``step`` (users or operands) reaches from ``starts`` through values of
         each start's own array shape (or tuples holding one: a fusion's outputs), not
-        through ``sums``."""
+        through ``sums``. Each value's shapes are read once (a root tuple is reached
+        from every weight)."""
         comp = self.comp
+        shapes: dict[str, set[tuple[int, ...]]] = {}
+
+        def dims_of(name: str) -> set[tuple[int, ...]]:
+            found = shapes.get(name)
+            if found is None:
+                found = shapes[name] = _leaf_dims(comp[name].shape)
+            return found
+
         seen: set[tuple[str, tuple[int, ...]]] = set()
-        stack = [(name, dims) for name in starts for dims in _leaf_dims(comp[name].shape)]
+        stack = [(name, dims) for name in starts for dims in dims_of(name)]
         while stack:
             name, dims = stack.pop()
             if (name, dims) in seen:
                 continue
             seen.add((name, dims))
             stack.extend((other, dims) for other in step(name)
-                         if other not in sums and dims in _leaf_dims(comp[other].shape))
+                         if other not in sums and dims in dims_of(other))
         return {name for name, _ in seen}
 
     @functools.cached_property
@@ -2106,10 +2116,24 @@ def read_update_facts(module: Module, overrides: ParamOverrides | None = None,
     the pass writes back those a header lost before reading); ``triaged``: its
     :func:`triage_gradients`, where the caller has it."""
     triaged = triage_gradients(module) if triaged is None else triaged
-    replication = analyze_replication(module, triaged.groups, overrides or ParamOverrides(),
+    overrides = overrides or ParamOverrides()
+    replication = analyze_replication(module, triaged.groups, overrides,
                                       gradient_sources(module, triaged.found))
-    return UpdateFacts(triaged.found, triaged.groups, replication, triaged.candidates,
-                       triaged.rejected)
+    candidates, rejected = triaged.candidates, triaged.rejected
+    if candidates and not (overrides.pmap_replicated or overrides.replicated) and \
+            is_pmap_form(module):
+        rejected = rejected + [(gradient, _PMAP_COPIES, ReasonCode.PMAP_COPIES)
+                               for found in candidates.values() for gradient in found]
+        candidates = {}
+    return UpdateFacts(triaged.found, triaged.groups, replication, candidates, rejected)
+
+
+#: Why a ``jax.pmap`` step's gradients stay all-reduced unless the caller says otherwise.
+_PMAP_COPIES = ("a jax.pmap step: every device holds its own copy of the weights and "
+                "optimizer state, and the module cannot say the copies are equal (sharding "
+                "the update of copies that differ would mix them); install(pmap_replicated="
+                "True), or optimize --replicated-params, says they are, as "
+                "flax.jax_utils.replicate makes them")
 
 
 def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
