@@ -201,14 +201,21 @@ def _sequential_program():
 def test_a_gan_s_discriminator_is_sharded_and_trains_like_jit(request):
     """The discriminator's gradients were kept whole as batch statistics (a probe's
     DCGAN: 10 of them, in every front end); now both networks' are sharded."""
-    from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
+    from jax_train_helpers import needs_devices
 
-    if not needs_devices(request):
-        return
-    step, init, batch = _sequential_program()
+    if needs_devices(request):
+        _forced_shards_and_trains_like_jit(_sequential_program, 8)
+
+
+def _forced_shards_and_trains_like_jit(program, sharded: int) -> None:
+    """``program()``'s step through ``shard_weight_update(force=True)`` in both state
+    modes: ``sharded`` gradients sharded, and the final state jit's."""
+    from jax_train_helpers import assert_close, run_forced, run_steps
+
+    step, init, batch = program()
     for state in ("gathered", "sharded"):
         fast, final, _ = run_forced(step, state, init, batch)
-        assert fast.report is not None and fast.report["sharded"] == 8, \
+        assert fast.report is not None and fast.report["sharded"] == sharded, \
             [(e["reason_code"], e["reason"][:80]) for e in fast.report["explanations"]]
         assert_close(final, run_steps(step, init(), batch)[0])
 
@@ -259,16 +266,10 @@ def test_every_minibatch_s_update_is_sharded_and_trains_like_jit(request):
     ones' gradients are computed from the weights they update: 8 of 12 kept whole even
     forced, in flax's PPO); each minibatch's weights are a version of the weight, not a
     statistic."""
-    from jax_train_helpers import assert_close, needs_devices, run_forced, run_steps
+    from jax_train_helpers import needs_devices
 
-    if not needs_devices(request):
-        return
-    step, init, batch = _minibatch_program()
-    for state in ("gathered", "sharded"):
-        fast, final, _ = run_forced(step, state, init, batch)
-        assert fast.report is not None and fast.report["sharded"] == 12, \
-            [(e["reason_code"], e["reason"][:80]) for e in fast.report["explanations"]]
-        assert_close(final, run_steps(step, init(), batch)[0])
+    if needs_devices(request):
+        _forced_shards_and_trains_like_jit(_minibatch_program, 12)
 
 
 #: A forward value the partitioner sums (%logit: CLIP's label logits gathered from a
