@@ -738,6 +738,10 @@ def test_a_pmap_step_is_refused_up_front_by_name():
 
     with pytest.raises(HloShardError, match="got a jax.pmap'ed function .*jax.jit over a Mesh"):
         hsj.shard_weight_update(jax.pmap(lambda x: x, axis_name="batch"))
+    # per_device_hlo refuses in its own name, and says where a pmap step's module is
+    with pytest.raises(HloShardError, match="^per_device_hlo needs .*pmap_replicated=True"
+                                            ".*--xla_dump_to"):
+        hsj.per_device_hlo(jax.pmap(lambda x: x, axis_name="batch"), jnp.ones((1, 3)))
 
 
 # ------------------------------------------------------------- a jaxlib it is not tested with

@@ -101,7 +101,8 @@ def _converted(leaves: list, chosen: list[tuple[int, _StateLeaf]], to_shards: bo
     return out
 
 
-def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None, Any]:
+def _front_and_jit(fn: Callable, caller: str = "shard_weight_update"
+                   ) -> tuple[Callable[[Callable], Callable] | None, Any]:
     """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
     the wrapper with another function where it calls its ``jax.jit`` (its own pre- and
     post-processing of the arguments kept): flax's ``nnx.jit`` (``jitted_fn``), equinox's
@@ -109,11 +110,11 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     ``Trainer``'s ``@partial(jax.jit, static_argnums=0)`` step) is its function called
     with the instance first: jit counts ``self`` among its static arguments. A plain
     function is jitted here; anything else with a ``lower`` is refused now, not at the
-    first step."""
+    first step, in the words of ``caller`` (the function the user called)."""
     import jax
 
     if isinstance(fn, types.MethodType):
-        front, jitted = _front_and_jit(fn.__func__)
+        front, jitted = _front_and_jit(fn.__func__, caller)
         return (lambda step: partial(front(step) if front is not None else step,
                                      fn.__self__)), jitted
     if _xla.is_jax_jit(fn):
@@ -125,18 +126,17 @@ def _front_and_jit(fn: Callable) -> tuple[Callable[[Callable], Callable] | None,
     if hasattr(fn, "lower"):
         # (jax.pmap's result is a plain function with a ``lower``: name it for what it is)
         got = "a jax.pmap'ed function (written with jax.jit over a Mesh, as jax's pmap " \
-              "migration guide shows, it is taken; install() shards the pmap step as it " \
-              "is)" if isinstance(fn, types.FunctionType) else \
-              f"{type(fn).__module__}.{type(fn).__qualname__}"
-        raise HloShardError(f"shard_weight_update needs a jax.jit-wrapped function (or "
-                            f"flax's nnx.jit, equinox's filter_jit, or the plain function); "
-                            f"got {got}")
+              "migration guide shows, it is taken; install(pmap_replicated=True) shards " \
+              "the pmap step as it is, and XLA's dump of it (XLA_FLAGS=--xla_dump_to=DIR) " \
+              "is what hlo-shard optimize DIR reads)" if isinstance(fn, types.FunctionType) \
+            else f"{type(fn).__module__}.{type(fn).__qualname__}"
+        raise HloShardError(f"{caller} needs a jax.jit-wrapped function (or flax's nnx.jit, "
+                            f"equinox's filter_jit, or the plain function); got {got}")
     if isinstance(fn, jax.stages.Compiled):
-        raise HloShardError("shard_weight_update needs the jax.jit-wrapped function, not "
-                            "its compiled executable (jit(f).lower(...).compile()): pass "
-                            "jit(f)")
+        raise HloShardError(f"{caller} needs the jax.jit-wrapped function, not its compiled "
+                            f"executable (jit(f).lower(...).compile()): pass jit(f)")
     if not callable(fn):
-        raise HloShardError(f"shard_weight_update needs a function, got {type(fn).__name__}")
+        raise HloShardError(f"{caller} needs a function, got {type(fn).__name__}")
     return None, jax.jit(fn)
 
 
@@ -146,7 +146,7 @@ def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     arguments, as ``hlo-shard optimize`` reads it. Compiles once (no computation runs).
     A wrapper (``nnx.jit``, ``eqx.filter_jit``) is called as the user calls it, its jit
     given the step that captures the arguments the wrapper makes for it."""
-    front, jitted = _front_and_jit(fn)
+    front, jitted = _front_and_jit(fn, "per_device_hlo")
 
     def text_of(args: tuple, kwargs: dict) -> str:
         try:
