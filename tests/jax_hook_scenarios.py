@@ -1,7 +1,7 @@
 """Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
-``conv:<optimizer>``,
+``conv:<optimizer>``, ``layernorm:<optimizer>``, ``scan_bf16:<optimizer>``,
 ``shard_map:adam``, ``pmap:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``reuse``, ``failure``, ``interrupt``,
 ``no_gradients``, ``mutant``,
 ``per_tensor``).
@@ -139,8 +139,31 @@ def layernorm_loss(p, x, y):
     return jnp.mean((h - y) ** 2)
 
 
+def scan_params() -> dict:
+    """Three stacked layers of width 24 (``scan_layers``' stacked weights, f32)."""
+    rng = np.random.default_rng(5)
+    width = SIZES[0]
+    return {"w": (rng.standard_normal((3, width, width)) / width ** 0.5).astype(np.float32),
+            "b": np.zeros((3, width), np.float32),
+            "out": (rng.standard_normal((width, SIZES[-1])) * 0.2).astype(np.float32)}
+
+
+def scan_loss(p, x, y):
+    """MaxText's ``scan_layers`` in bf16 compute from f32 weights: a ``lax.scan`` over
+    the stacked layers, each weight cast to bf16 where it is used. XLA:CPU sums each
+    layer's bf16 gradient in f32 inside the backward loop and rounds it back as it
+    writes it into the stacked gradient."""
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(h @ w.astype(jnp.bfloat16) + b.astype(jnp.bfloat16)), None
+
+    h, _ = jax.lax.scan(layer, x.astype(jnp.bfloat16), (p["w"], p["b"]))
+    return jnp.mean((h.astype(jnp.float32) @ p["out"] - y) ** 2)
+
+
 MODELS = {"mlp": (init_params, loss_fn), "block": (block_params, block_loss),
-          "conv": (conv_params, conv_loss), "layernorm": (layernorm_params, layernorm_loss)}
+          "conv": (conv_params, conv_loss), "layernorm": (layernorm_params, layernorm_loss),
+          "scan_bf16": (scan_params, scan_loss)}
 
 
 def jit_step(opt, loss_fn=loss_fn):
@@ -501,7 +524,8 @@ def main(names: list[str]) -> None:
                     for name in OPTIMIZERS},
                  **{f"{model}:{name}": (lambda m, name=name, model=model:
                                         training(name, jit_step, m, model))
-                    for model in ("block", "conv", "layernorm") for name in OPTIMIZERS}}
+                    for model in ("block", "conv", "layernorm", "scan_bf16")
+                    for name in OPTIMIZERS}}
     print(json.dumps({name: scenarios[name](mesh) for name in names}))
 
 

@@ -339,6 +339,11 @@ FUSED_STACKED = STACKED.replace(
     " ROOT u = f32[4,32]{1,0} dynamic-update-slice(b, vr, k, zz) }\ncond {").replace(
     " row = f32[1,32] reshape(ar)\n ngs = f32[4,32] dynamic-update-slice(gs, row, j, z)",
     " ngs = f32[4,32] fusion(gs, ar, j), kind=kLoop, calls=fdus")
+#: XLA:CPU's fused write of a 16-bit gradient it sums in f32 (bf16 compute from f32
+#: weights): the fused computation rounds the sum to bf16 and back before writing it.
+ROUNDED_STACKED = FUSED_STACKED.replace(
+    "vr = f32[1,32]{1,0} bitcast(v)",
+    "c1 = bf16[32]{0} convert(v) c2 = f32[32]{0} convert(c1) vr = f32[1,32]{1,0} bitcast(c2)")
 #: Three iterations, the stacked slot starting at ones: row 0 is never written.
 PARTLY_WRITTEN = STACKED.replace("n = s32[] constant(4)", "n = s32[] constant(3)")
 ONES_START = PARTLY_WRITTEN.replace(
@@ -385,6 +390,39 @@ def test_a_sum_written_into_the_stacked_slot_moves(text):
     (after,) = find(module, "all-reduce")
     assert module.entry[after.operands[0]].int_attr("index") == 1
     assert [i for i in module.entry.instructions if i.opcode == "add"] == []
+
+
+def test_a_fused_write_that_rounds_the_sum_moves_with_its_rounding_after_the_loop():
+    """The write rounds each layer's sum (f32 to bf16 and back): the loop writes the
+    local gradient unrounded, through a copy of the fused computation without the
+    converts (the original left for the dead-computation pass), and the stacked sums
+    are rounded after the all-reduce, in the same order: the same numbers, a row never
+    written rounding zero to zero."""
+    module, report = motion(ROUNDED_STACKED)
+    assert body_collectives(module) == [] and not report.kept
+    (fusion,) = find(module, "fusion", "body")
+    copy = module.computation(fusion.called("calls"))
+    assert copy.name == "fdus.unrounded" and \
+        not [i for i in copy.instructions if i.opcode == "convert"]
+    assert [i.opcode for i in module.computation("fdus").instructions].count("convert") == 2
+    (after,) = find(module, "all-reduce")
+    converts = [i for i in module.entry.instructions if i.opcode == "convert"]
+    assert [c.shape.element_type for c in converts] == ["bf16", "f32"]
+    assert converts[0].operands == [after.name] and converts[1].operands == [converts[0].name]
+    assert module.entry["u"].operands[0] == converts[1].name
+
+
+def test_a_fused_write_scaling_its_rounded_sum_stays():
+    """A scaling after the rounding would not commute with the rounding moved after the
+    loop: the sum stays (``converted``)."""
+    text = ROUNDED_STACKED.replace(
+        "vr = f32[1,32]{1,0} bitcast(c2)",
+        "h = f32[] constant(0.5) hb = f32[32]{0} broadcast(h), dimensions={} "
+        "sc = f32[32]{0} multiply(c2, hb) vr = f32[1,32]{1,0} bitcast(sc)")
+    assert text != ROUNDED_STACKED
+    module, report = motion(text)
+    assert body_collectives(module) == ["ar"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("ar", "converted")]
 
 
 def test_a_written_slot_that_does_not_start_at_zero_stays():
@@ -1055,12 +1093,15 @@ def test_a_step_run_as_it_was_still_says_why_its_sums_stay_in_the_loop(request):
 
 
 @pytest.mark.slow
-def test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop(request):
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop(request, compute):
     """flax linen's ``nn.scan`` over layers (its lm1b/gemma form), seen by ``install()``
     in XLA:CPU's fused module: each layer's gradient is all-reduced in the backward loop
     and written into the stacked gradient by a fusion. The all-reduce leaves the loop
     (the stacked gradients start at zero), so, forced, every stacked gradient's update
-    is sharded, computing jit's numbers."""
+    is sharded, computing jit's numbers. In bf16 compute from f32 weights (MaxText's
+    default) XLA:CPU sums each bf16 gradient in f32 and the fusion rounds the sum back
+    before writing it: the rounding moves after the loop with the sum."""
     from jax_train_helpers import jax, needs_devices, optax
 
     import hlo_shard.jax as hsj
@@ -1075,21 +1116,22 @@ def test_the_hook_moves_a_flax_scan_s_layer_gradients_out_of_the_loop(request):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, _):
-            y = nn.gelu(nn.Dense(64)(nn.LayerNorm()(x)))
-            return x + nn.Dense(32)(y), None
+            y = nn.gelu(nn.Dense(64, dtype=compute)(nn.LayerNorm(dtype=compute)(x)))
+            return x + nn.Dense(32, dtype=compute)(y), None
 
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
             x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                            length=4)()(x, None)
-            return nn.Dense(8)(x)
+            return nn.Dense(8, dtype=compute)(x)
 
     model, opt = Net(), optax.adamw(1e-2)
 
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(params)
+            lambda p: jnp.mean((model.apply({"params": p}, x).astype(jnp.float32) - y) ** 2)
+        )(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -32,7 +32,8 @@ def _same_width_step(fsdp: bool = False) -> str:
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from hlo_shard.jax import per_device_hlo
+    # (jit's own text, donors bare: per_device_hlo would alias them to their next values)
+    from hlo_shard.jax._capture import capture
 
     jnp = jax.numpy
     mesh = Mesh(np.array(jax.devices()[:8]).reshape((2, 4) if fsdp else (8,)),
@@ -59,7 +60,7 @@ def _same_width_step(fsdp: bool = False) -> str:
     batch = {k: jax.device_put(jax.random.normal(jax.random.PRNGKey(j), (16, WIDTH)),
                                NamedSharding(mesh, P(mesh.axis_names)))
              for j, k in enumerate("xy")}
-    return per_device_hlo(jax.jit(step, donate_argnums=(0, 1)), params, state, batch)
+    return capture(jax.jit(step, donate_argnums=(0, 1)), (params, state, batch), {}).text
 
 
 def test_each_gradient_names_its_own_weight(request):

@@ -34,7 +34,8 @@ def run_scenarios(devices: int, steps: int, *names: str) -> dict:
 def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
                          "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
-                         "layernorm:adamw_clip", "pmap:adam", "donation", "checked_scan")
+                         "layernorm:adamw_clip", "pmap:adam", "donation", "checked_scan",
+                         "scan_bf16:adam")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -142,6 +143,19 @@ def test_sums_summed_again_in_a_scan_are_moved_one_sweep_at_a_time(quick):
     result = quick["checked_scan"]
     assert result["changed"] == [True], result["reasons"]
     assert result["params"] < 1e-6
+
+
+def test_scanned_layers_in_bf16_compute_are_sharded_after_their_loop(quick):
+    """MaxText's ``scan_layers`` in bf16 compute from f32 weights: XLA:CPU all-reduces
+    each layer's gradient in the backward loop and rounds the f32 sum back to bf16 as it
+    writes it into the stacked gradient. The sum leaves the loop with its rounding (the
+    hook kept every such gradient whole, "no update work downstream"); every gradient
+    but the loss's sum is sharded and the step trains bitwise like jit's."""
+    result = quick["scan_bf16:adam"]
+    assert result["changed"] == [True], result["reasons"]
+    assert result["sharded_bytes"] == result["gradient_bytes"] - 4
+    assert any("moved after the loop" in note for note in result["notes"])
+    assert result["loss"] == 0.0 and result["params"] == 0.0
 
 
 def test_per_tensor_collectives_are_bitwise_the_same(quick):

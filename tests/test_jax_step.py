@@ -414,7 +414,10 @@ def test_state_jit_donates_without_an_output_sharding_is_paired_by_dependence(re
     aliases the weights (their output sharding is given) and writes a bare
     ``buffer_donor`` for the optimizer state. The state's next values are read from the
     dependences as where nothing is aliased, the weights' pairs taken from the header:
-    ``state="sharded"`` keeps Adam's moments as shards (it kept none)."""
+    ``state="sharded"`` keeps Adam's moments as shards (it kept none). ``per_device_hlo``
+    writes the pytrees' pairs instead: every donated leaf aliased to its next value."""
+    from hlo_shard.jax._capture import capture
+
     if not needs_devices(request):
         return
     program = make_program("mlp", "adam", 4)
@@ -422,12 +425,18 @@ def test_state_jit_donates_without_an_output_sharding_is_paired_by_dependence(re
     replicated = NamedSharding(program.mesh, P())
     step = jax.jit(program.step.__wrapped__, donate_argnums=(0, 1),
                    out_shardings=(replicated, None, replicated))
-    module = parse(hsj.per_device_hlo(step, params, opt_state, program.batch(0)))
+    module = parse(capture(step, (params, opt_state, program.batch(0)), {}).text)
     assert module.output_aliases() and "buffer_donor" in module.header
     result = optimize(module, ShardingOptions(state="sharded"), force=True)
     moments = 2 * len(jax.tree.leaves(params))
     assert sum(p.kind == "sharded" for p in result.report.parameters) == moments, \
         result.report.notes
+
+    paired = parse(hsj.per_device_hlo(step, params, opt_state, program.batch(0)))
+    assert "buffer_donor" not in paired.header
+    donated = len(jax.tree.leaves((params, opt_state)))
+    assert len(paired.output_aliases()) == donated
+    assert paired.output_aliases().items() >= module.output_aliases().items()
 
 
 # ---------------------------------------------------------------- forms of steps people write
@@ -907,3 +916,47 @@ def test_an_explicit_mesh_converts_leaves_the_devices_do_not_divide(request, par
     assert_close(full[:2], (p_jit, s_jit))
     assert_close(fast.gather_args(*outs[:2]), (p_jit, s_jit))
     assert full[0]["b"].shape == (10,) and full[1][0].mu["b"].shape == (10,)
+
+
+def test_per_device_hlo_pairs_a_scalar_parameter_with_its_own_next_value(request):
+    """OpenCLIP's contrastive loss (its ``ClipLoss`` over the global batch) with a learned
+    scalar ``logit_scale``, donated: jit writes bare donors, from which ``hlo-shard
+    optimize`` guessed which output is each parameter's next value; the scalar loss
+    passed for ``logit_scale``'s, the loss's sum was named its gradient and a loss term
+    (``f32[32,1]``) was sharded as if an update read it. ``per_device_hlo`` now writes
+    the pytrees' pairs: the report is the one ``shard_weight_update`` gives."""
+    if not needs_devices(request):
+        return
+    jnp = jax.numpy
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), (AXIS,))
+    whole, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    tx = optax.adam(1e-3)
+
+    def loss_fn(p, batch):
+        image, text = batch["image"] @ p["wi"], batch["text"] @ p["wt"]
+        image = image / jnp.linalg.norm(image, axis=-1, keepdims=True)
+        text = text / jnp.linalg.norm(text, axis=-1, keepdims=True)
+        logits = jnp.exp(p["logit_scale"]) * image @ text.T
+        labels = jnp.arange(image.shape[0])
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+                + optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()) / 2
+
+    def step(p, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, state = tx.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    key = jax.random.PRNGKey(0)
+    params = {"wi": jax.random.normal(key, (64, 32)) / 8,
+              "wt": jax.random.normal(jax.random.fold_in(key, 1), (48, 32)) / 7,
+              "logit_scale": jnp.asarray(2.659, jnp.float32)}
+    batch = jax.device_put({"image": jax.random.normal(jax.random.fold_in(key, 2), (32, 64)),
+                            "text": jax.random.normal(jax.random.fold_in(key, 3), (32, 48))},
+                           split)
+    params, state = jax.device_put((params, tx.init(params)), whole)
+    module = parse(hsj.per_device_hlo(jax.jit(step, donate_argnums=(0, 1)), params, state,
+                                      batch))
+    assert "buffer_donor" not in module.header
+    rows = optimize(module, ShardingOptions(), force=True).report.explanations
+    assert sorted(row.shape.split("{")[0] for row in rows if row.sharded) == \
+        ["f32[32,48]", "f32[32,64]"], [(r.shape, r.reason_code) for r in rows]

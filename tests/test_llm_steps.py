@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hlo_shard import parse
+from hlo_shard.analysis.collectives import ReasonCode, find_gradient_all_reduces
 from hlo_shard.passes.weight_update import planned_update_regions
 from hlo_shard.costmodel.step_time import estimate_step
 from hlo_shard import optimize
@@ -278,6 +279,29 @@ def test_the_partial_sums_of_already_sharded_slices_are_not_gradients(tmp_path):
     codes = {row["all_reduce"]: row["reason_code"]
              for row in json.loads(run.stdout)["explanations"]}
     assert codes == {"gw.sum": "already_sharded", "norm2": "partial_sum", "gs.sum": ""}
+
+
+def test_a_scalar_computed_from_an_activation_s_slice_is_no_partial_sum():
+    """The slice :data:`NORM_OF_SLICES` squares and sums is an activation's here (a
+    column sum of it is all-reduced again: the sum it feeds makes it ``activation_sum``),
+    as OpenCLIP's global-batch logits are under jit: a scalar computed from it (the
+    gradient of ``logit_scale``, the loss) is no global norm's partial sum over the
+    devices holding a gradient's other slices; it was reported ``partial_sum``, "not a
+    gradient", beside its own weight's name."""
+    text = FSDP_STEP.replace("{ds}", NORM_OF_SLICES + """
+  %cols = f32[1024]{0} reduce(%gw.mine, %z0), dimensions={0}, to_apply=%add
+  %cols.sum = f32[1024]{0} all-reduce(%cols), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add""")
+
+    def found(text: str) -> dict:
+        module = parse(text, path="clip.hlo")
+        module.header["num_partitions"] = 8  # as the pass recovers it
+        return {ar.name: ar for ar in find_gradient_all_reduces(module)}
+
+    clip = found(text)
+    assert clip["gw.sum"].feeds == "cols.sum"
+    assert clip["norm2"].code is None
+    plain = found(FSDP_STEP.replace("{ds}", NORM_OF_SLICES))
+    assert not plain["gw.sum"].feeds and plain["norm2"].code is ReasonCode.PARTIAL_SUM
 
 
 def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_changes():

@@ -256,6 +256,10 @@ class ReasonCode(str, enum.Enum):
     PARTIAL_SUM = "partial_sum"
     #: The rewrite of its region made a dependency cycle: undone, the region refused.
     REGION_CYCLE = "region_cycle"
+    #: Summed inside a loop body every iteration, the accumulation motion having kept it
+    #: there (its reason says why): the update after the loop reads no sum it could
+    #: shard.
+    KEPT_IN_LOOP = "kept_in_loop"
     #: The speed gate kept it whole: sharding it is predicted slower.
     KEPT_FOR_SPEED = "kept_for_speed"
     #: ``params="sharded"``, a weight (not a gradient): kept whole on every device, its
@@ -347,7 +351,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                                                ReasonCode.ALREADY_SHARDED, sliced))
             else:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
-        found[first:] = _forward_backward_sums(comp, _partial_sums(comp, found[first:]))
+        found[first:] = _partial_sums(comp, _forward_backward_sums(comp, found[first:]))
     return found
 
 
@@ -360,12 +364,15 @@ PARTIAL_SUM_REASON = ("a partial sum of this device's slices of already-sharded 
 
 def _partial_sums(comp: Computation, found: list[GradientAllReduce]
                   ) -> list[GradientAllReduce]:
-    """``found`` (the all-reduces of ``comp``) with each candidate that sums scalars
-    computed from the slices of its already-sharded gradients marked ``partial_sum``:
-    clipping by global norm squares and sums each slice, then all-reduces those sums
-    over the devices holding the other slices. One walk from the slices to what reads
-    them."""
-    slices = [name for ar in found if ar.sliced is not None for name in ar.sliced.reads]
+    """``found`` (the all-reduces of ``comp``, their activation sums marked: see
+    :func:`_forward_backward_sums`) with each candidate that sums scalars computed from
+    the slices of its already-sharded gradients marked ``partial_sum``: clipping by
+    global norm squares and sums each slice, then all-reduces those sums over the
+    devices holding the other slices. An activation's slice is no gradient's: what is
+    computed from it (a global-batch loss, the gradient of a scalar weight through it)
+    is not such a sum. One walk from the slices to what reads them."""
+    slices = [name for ar in found if ar.sliced is not None and not ar.feeds
+              for name in ar.sliced.reads]
     if not slices or all(not ar.is_candidate for ar in found):
         return found
     users = users_map(comp)

@@ -29,10 +29,14 @@ from typing import Any
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.jax import _distributed, _xla
-from hlo_shard.jax._capture import (FirstCallSeconds, JitStep, Reason, Unsupported, capture,
-                                    describe)
+from hlo_shard.jax._capture import (Capture, FirstCallSeconds, JitStep, Reason, Unsupported,
+                                    capture, describe)
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
+from hlo_shard.parser import parse
+from hlo_shard.passes.base import run_pass
+from hlo_shard.passes.executable_aliases import DonatedNextValueAliases
 from hlo_shard.passes.weight_update import ShardingOptions
+from hlo_shard.printer import to_text
 from hlo_shard.runtime._child import version_refusal
 
 
@@ -143,16 +147,21 @@ def _front_and_jit(fn: Callable, caller: str = "shard_weight_update"
 def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     """The per-device module of ``fn`` (``jax.jit``, a library's jit wrapper as
     :func:`shard_weight_update` takes them, or a function jitted here) for these
-    arguments, as ``hlo-shard optimize`` reads it. Compiles once (no computation runs).
+    arguments, as ``hlo-shard optimize`` reads it: each donated argument whose next value
+    the outputs' pytree names (``params`` out → ``params`` in) aliased to it, as
+    :func:`shard_weight_update` pairs them. Compiles once (no computation runs).
     A wrapper (``nnx.jit``, ``eqx.filter_jit``) is called as the user calls it, its jit
     given the step that captures the arguments the wrapper makes for it."""
     front, jitted = _front_and_jit(fn, "per_device_hlo")
+    # (how shard_weight_update splits and names jit's arguments, for the next values)
+    pairing = ShardedStep(fn, ShardingOptions())
 
     def text_of(args: tuple, kwargs: dict) -> str:
         try:
-            return capture(jitted, args, kwargs).text
+            cap = capture(jitted, args, kwargs)
         except Unsupported as why:
             raise HloShardError(str(why)) from None
+        return _with_next_values(cap, pairing._next_values(pairing._split(args, kwargs), cap))
 
     if front is None:
         return text_of(args, kwargs)
@@ -165,6 +174,17 @@ def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     except _Captured as got:
         return got.text
     raise HloShardError("the step's jit wrapper returned without calling its jax.jit")
+
+
+def _with_next_values(cap: Capture, next_values: list[tuple[int, int]]) -> str:
+    """The captured module's text with each donated parameter whose next value the
+    pytrees name aliased to it (:class:`DonatedNextValueAliases`): jit writes a bare
+    ``buffer_donor``, from which ``hlo-shard optimize`` could only guess which output is
+    which parameter's next value (a loss is a scalar parameter's, by its type)."""
+    module = parse(cap.text, path="<captured step>")
+    if not run_pass(DonatedNextValueAliases(tuple(next_values)), module).changed:
+        return cap.text
+    return to_text(module)
 
 
 class _Captured(Exception):

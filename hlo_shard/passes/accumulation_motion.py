@@ -27,6 +27,9 @@ What is proven before an all-reduce moves (anything else stays, with a reason co
   layer's gradient written into the stacked one; fused, a fusion of the two whose fused
   computation is that write) whose start before the loop is zeros: after the loop the
   sum over devices of what the loop wrote is what it wrote of the sums, the rest zeros;
+  a fused write may round the sum first (XLA:CPU sums a bf16 gradient in f32 and
+  converts it back as it writes it), the rounding then applied to the stacked sums
+  after the loop (an elementwise map of each sum, zero to zero);
 * that add (or write) is used only by the body's root tuple, at the same slot it reads,
   once;
 * the slot is read by nothing else in the body or the condition (the parameter is only
@@ -75,7 +78,7 @@ from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, scalar_liter
 from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
 from hlo_shard.opinfo import VIEWS
 from hlo_shard.passes.base import ModulePass
-from hlo_shard.passes.weight_update import ChannelIds
+from hlo_shard.passes.weight_update import ChannelIds, ShardingReport
 from hlo_shard.units import fmt_bytes
 
 #: Element types a summing all-reduce is moved for (numeric: the sum is exact in
@@ -134,6 +137,13 @@ COMMUTING: dict[str, Rule] = {
     "multiply": _scaled_by_constant,
     "divide": _divided_by_constant,
 }
+
+
+#: Ops a fused write may round its sum with on the way to the slot (XLA's CPU backend
+#: sums a 16-bit gradient in f32 and converts it back: see :func:`_writes_into_operand`),
+#: and the floating types they may round through.
+ROUNDING = frozenset({"convert"})
+ROUNDED_TYPES = frozenset({"bf16", "f16", "f32", "f64"})
 
 
 #: Why an all-reduce in a loop body stays there (reason code → what ``--explain`` says).
@@ -216,6 +226,8 @@ class KeptAllReduce:
     #: The tuple all-reduce this one was split from, whose other elements moved ("":
     #: none was).
     part_of: str = ""
+    #: The loop's body, where ``all_reduce`` is.
+    body: str = ""
 
 
 @dataclass(frozen=True)
@@ -259,6 +271,18 @@ class AccumulationReport:
                   f"reads it there" for (comp, loop), lifts in starts.items()]
         return notes
 
+    def annotate(self, report: ShardingReport) -> None:
+        """Say why on the rows of ``report`` whose all-reduce stayed in its loop: the
+        planner, which finds no update in the body, would call it ``no_update_work``,
+        where the update after the loop reads the sum this pass could not move there."""
+        kept = {(k.body, k.all_reduce): k for k in self.kept}
+        for row in report.explanations:
+            found = kept.get((row.computation, row.all_reduce))
+            if found is not None and row.reason_code == ReasonCode.NO_UPDATE_WORK.value:
+                row.reason_code = ReasonCode.KEPT_IN_LOOP.value
+                row.reason = (f"summed in every iteration of while %{found.loop}, where the "
+                              f"accumulation motion keeps it: {REASONS[found.reason]}")
+
 
 def _split_words(kept: KeptAllReduce) -> str:
     return f", the elements of %{kept.part_of} that did not move" if kept.part_of else ""
@@ -276,6 +300,17 @@ def _widened_words(moves: list[MovedAllReduce]) -> str:
 
 
 @dataclass(frozen=True)
+class _Rounding:
+    """The converts a fusion writing a sum into its slot applies to it first (XLA's CPU
+    backend sums a 16-bit gradient in f32 and rounds it back: ``convert`` to bf16 and
+    to f32 again), by name in the fused computation, and their element types."""
+
+    fusion: str
+    converts: tuple[str, ...]
+    element_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _Element:
     """One array of an all-reduce (the whole of an array all-reduce, one element of the
     tuple form): the local value, the body's name for its reduced value, its slot, and
@@ -289,6 +324,10 @@ class _Element:
     #: Written into the slot (``dynamic-update-slice``, a scan's stacked gradient) rather
     #: than added: the slot starts at zero, nothing to add after the loop.
     written: bool = False
+    #: A fused write that rounds the sum before writing it (:func:`_writes_into_operand`):
+    #: the writing fusion and the element types of its converts, in order; they are
+    #: applied to the sums after the loop instead.
+    rounded: _Rounding | None = None
 
 
 class Refusal(Exception):
@@ -415,8 +454,8 @@ class _Sinking:
         try:
             check_loop(outer, loop, body_callers)
         except Refusal as why:
-            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason)
-                             for c in candidates)
+            self.kept.extend(KeptAllReduce(comp.name, loop.name, c.name, why.reason,
+                                           body=body.name) for c in candidates)
             return False
         reads = slots_read(inner), slots_read(self.edits.rewriter(condition))
 
@@ -461,14 +500,14 @@ class _Sinking:
                 self.budget.spend(sum(_widening_bytes(inner.comp, e) for e in elements))
             except Refusal as why:
                 self.kept.append(KeptAllReduce(comp.name, loop.name, candidate.name,
-                                               why.reason))
+                                               why.reason, body=body.name))
                 continue
             claimed |= slots
             plans.append((candidate, elements, staying))
             if not all(e.written for e in elements):
                 self.adding_bodies.add(body.name)
         anchor = loop.name
-        loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop)
+        loop_edits = _LoopEdits(outer, inner, self.edits.rewriter(condition), loop, self.edits)
         for candidate, elements, staying in plans:
             if candidate.name not in inner.comp or \
                     any(e.local not in inner.comp for e in elements):
@@ -478,7 +517,8 @@ class _Sinking:
             if staying:
                 kept = _split(inner, candidate, staying)
                 self.kept.append(KeptAllReduce(comp.name, loop.name, kept,
-                                               next(iter(staying.values())), candidate.name))
+                                               next(iter(staying.values())), candidate.name,
+                                               body.name))
             move = _move(self.module, loop_edits, anchor, candidate, elements,
                          self.channels)
             self.moved.append(move)
@@ -668,7 +708,8 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
     staying: dict[int, str] = {}
     for index, (operand, value) in enumerate(zip(all_reduce.operands, reduced)):
         try:
-            slot, cut, written = _accumulated_slot(module, body, value, from_device, sliced)
+            slot, cut, written, rounded = _accumulated_slot(module, body, value, from_device,
+                                                            sliced)
             if cut and isinstance(all_reduce.shape, TupleShape):
                 raise Refusal("sliced-form")
             if written and not writes:
@@ -684,7 +725,7 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
                 raise
             staying[index] = why.reason
             continue
-        elements.append(_Element(operand, value, slot, cut, written))
+        elements.append(_Element(operand, value, slot, cut, written, rounded))
     if not elements:
         raise Refusal(next(iter(staying.values())))
     return elements, staying
@@ -730,13 +771,14 @@ def _tuple_elements(body: Rewriter, all_reduce: Instruction) -> list[str]:
 
 def _accumulated_slot(module: Module, body: Rewriter, value: str,
                       from_device: Callable[[], frozenset[str]], sliced: bool = False
-                      ) -> tuple[int, tuple[str, ...], bool]:
+                      ) -> tuple[int, tuple[str, ...], bool, _Rounding | None]:
     """Follow ``value`` through :data:`COMMUTING` ops to ``add(gte(param, k), ·)`` — or
     to ``dynamic-update-slice(gte(param, k), ·, offsets)``, a scan writing its
     iteration's sum into the stacked slot — whose only use is slot ``k`` of the body's
     root tuple: ``k``, (``sliced``) the dynamic-slice between, at offsets computed from
     the device's id alone, with the relabels after it (none: the whole sum is
-    accumulated), and whether the slot is written rather than added into."""
+    accumulated), whether the slot is written rather than added into, and the rounding
+    a fused write applies first (:func:`_writes_into_operand`)."""
     comp = body.comp
     while True:
         following = body.users(value)
@@ -768,12 +810,14 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
     # (a fused add or write is taken as the add or write where it takes the whole sum: a
     # widened slot would need its fused computation widened too)
     written = False
+    rounded = None
     if user.opcode == "fusion":
         if cut:
             raise Refusal("fused")
         if _adds_into_operand(module, user, value):
             buffer_name = user.operands[1 - user.operands.index(value)]
-        elif (position := _writes_into_operand(module, user, value)) is not None:
+        elif (write := _writes_into_operand(module, user, value)) is not None:
+            position, rounded = write
             buffer_name, written = user.operands[position], True
         else:
             raise Refusal("fused")
@@ -796,7 +840,7 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
         raise Refusal("slot-not-carried")
     if cut and not sliced:
         raise Refusal("sliced")
-    return slot, cut, written
+    return slot, cut, written, rounded
 
 
 def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
@@ -808,7 +852,7 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
     found = _to_fused_root(module, fusion, value)
     if found is None:
         return False
-    fused, params, followed, _ = found
+    fused, params, followed, _, _ = found
     if sorted(params) != [0, 1]:
         return False
     other = params[1 - fusion.operands.index(value)]
@@ -816,16 +860,27 @@ def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
         sorted(fused.root.operands) == sorted([followed, other])
 
 
-def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int | None:
+def _writes_into_operand(module: Module, fusion: Instruction, value: str
+                         ) -> tuple[int, _Rounding | None] | None:
     """Where ``fusion`` (XLA's fused form of a scan's write) is
     ``dynamic-update-slice(buffer, f(value), offsets)`` of its operands, ``f`` as for
     :func:`_adds_into_operand` and ``buffer`` a parameter read by nothing else: the
     operand position of ``buffer`` (moving the sum after the loop leaves the fusion as
-    it is, writing the local value instead); None otherwise."""
-    found = _to_fused_root(module, fusion, value)
+    it is, writing the local value instead), and None; None otherwise.
+
+    ``f`` may also round the sum on the way (:data:`ROUNDING`: XLA's CPU backend sums a
+    16-bit gradient in f32 and converts the sum to bf16 and back), provided it leaves
+    the value in its own type and every other op of ``f`` is a relabel
+    (:data:`RELABELLING`, which commutes with a rounding) of that type:
+    the write of sum ``s`` then holds ``round(s)``, and the moved form, which writes the
+    local value unrounded and rounds the stacked sums after the loop, holds the same
+    numbers, a slot no iteration writes ``round(0) = 0`` as before. The position and
+    that rounding then (its converts are taken out of the fusion when the sum moves);
+    a write that converts otherwise is refused (``converted``)."""
+    found = _to_fused_root(module, fusion, value, rounds=True)
     if found is None:
         return None
-    fused, _, followed, readers = found
+    fused, params, followed, readers, converts = found
     root = fused.root
     if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
             root.operands.count(followed) != 1:
@@ -835,16 +890,31 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str) -> int
             root.operands.count(buffer.name) != 1:
         return None
     position = buffer.param_number
-    return position if position < len(fusion.operands) and \
-        fusion.operands[position] != value else None
+    if position >= len(fusion.operands) or fusion.operands[position] == value:
+        return None
+    if not converts:
+        return position, None
+    start = fused[params[fusion.operands.index(value)]]
+    element_type = _array_type(start)
+    # (a scaling would not commute with the rounding moved after it: relabels only)
+    if element_type not in ROUNDED_TYPES or _array_type(fused[followed]) != element_type or any(
+            (_array_type(fused[name]) not in ROUNDED_TYPES) if name in converts
+            else fused[name].opcode not in RELABELLING or
+            _array_type(fused[name]) != element_type
+            for name in _chain(fused, readers, start.name, followed)):
+        raise Refusal("converted")
+    return position, _Rounding(fusion.name, converts,
+                               tuple(_array_type(fused[name]) for name in converts))
 
 
-def _to_fused_root(module: Module, fusion: Instruction, value: str
-                   ) -> tuple[Computation, dict[int, str], str, dict[str, list[str]]] | None:
+def _to_fused_root(module: Module, fusion: Instruction, value: str, *, rounds: bool = False
+                   ) -> tuple[Computation, dict[int, str], str, dict[str, list[str]],
+                              tuple[str, ...]] | None:
     """``value`` (one operand of ``fusion``) followed in the fused computation through a
-    chain of :data:`COMMUTING` ops, each read once, to the root: the fused computation,
-    its parameters by number, the value the root reads and the users of each value
-    (None where the chain stops before the root)."""
+    chain of :data:`COMMUTING` ops (``rounds``: and :data:`ROUNDING` ones), each read
+    once, to the root: the fused computation, its parameters by number, the value the
+    root reads, the users of each value and the rounding ops passed (None where the
+    chain stops before the root)."""
     if fusion.operands.count(value) != 1:
         return None
     fused = module.computation(fusion.called("calls"))
@@ -853,17 +923,69 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str
     if followed is None:
         return None
     readers = users_map(fused)
+    converts: list[str] = []
     while True:
         following = readers[followed]
         if len(following) != 1:
             return None
         user = fused[following[0]]
         if user is fused.root:
-            return fused, params, followed, readers
-        rule = COMMUTING.get(user.opcode)
-        if rule is None or not rule(module, fused, user, user.operands.index(followed)):
-            return None
+            return fused, params, followed, readers, tuple(converts)
+        if rounds and user.opcode in ROUNDING:
+            converts.append(user.name)
+        else:
+            rule = COMMUTING.get(user.opcode)
+            if rule is None or not rule(module, fused, user, user.operands.index(followed)):
+                return None
         followed = user.name
+
+
+def _chain(comp: Computation, readers: dict[str, list[str]], start: str, end: str
+           ) -> list[str]:
+    """The values from ``start``'s one reader to ``end``, each the one reader of the one
+    before (what :func:`_to_fused_root` followed)."""
+    chain = []
+    while start != end:
+        start = readers[start][0]
+        chain.append(start)
+    return chain
+
+
+def _array_type(inst: Instruction) -> str:
+    return inst.shape.element_type if isinstance(inst.shape, ArrayShape) else ""
+
+
+def _unrounded(edits: ModuleRewriter, body: Rewriter, rounding: _Rounding) -> None:
+    """The writing fusion of ``rounding`` (in ``body``) made to write what it reads,
+    unrounded: it calls a copy of its fused computation without the converts (the
+    computation may be another fusion's too; left unread, the dead-computation pass
+    removes it)."""
+    fusion = body.comp[rounding.fusion]
+    fused = edits.module.computation(fusion.called("calls"))
+    copy = fused.clone()
+    copy.name = _fresh_computation_name(edits.module, f"{fused.name}.unrounded")
+    edits.insert_computation(copy, after=fused.name)
+    rw = edits.rewriter(copy)
+    for convert in rounding.converts:
+        rw.replace_all_uses_with(convert, copy[convert].operands[0])
+        rw.erase(convert)
+    body.set_attr(fusion, "calls", ComputationRef(copy.name))
+
+
+def _rounded_after(outer: Rewriter, value: str, rounding: _Rounding) -> str:
+    """``value`` (the stacked sums after the loop) through ``rounding``'s converts."""
+    for element_type in rounding.element_types:
+        shape = cast(ArrayShape, outer.comp[value].shape)
+        value = outer.add("convert", replace(shape, element_type=element_type), [value]).name
+    return value
+
+
+def _fresh_computation_name(module: Module, base: str) -> str:
+    name, suffix = base, 0
+    while module.has_computation(name):
+        suffix += 1
+        name = f"{base}.{suffix}"
+    return name
 
 
 @dataclass(frozen=True)
@@ -875,6 +997,8 @@ class _LoopEdits:
     inner: Rewriter
     condition: Rewriter
     loop: Instruction
+    #: The module's (a fused write's rounding moved out edits its fused computation).
+    module: ModuleRewriter
     unread_inner: list[str] = field(default_factory=list)
     unread_outer: list[str] = field(default_factory=list)
 
@@ -914,6 +1038,8 @@ def _move(module: Module, edits: _LoopEdits, anchor: str, all_reduce: Instructio
     after it)."""
     outer, inner, loop = edits.outer, edits.inner, edits.loop
     for element in elements:
+        if element.rounded is not None:
+            _unrounded(edits.module, inner, element.rounded)
         inner.replace_all_uses_with(element.reduced, element.local)
         if element.reduced != all_reduce.name:
             inner.erase(element.reduced)
@@ -966,6 +1092,8 @@ def _move(module: Module, edits: _LoopEdits, anchor: str, all_reduce: Instructio
             after = outer.add("all-reduce", shapes[0], accumulated, name=all_reduce.name,
                               **attributes).name
             reduced = [after]
+        reduced = [_rounded_after(outer, value, e.rounded) if e.rounded else value
+                   for e, value in zip(elements, reduced)]
         blocks = [cuts[e.slot].after(outer, value) if e.slot in cuts else value
                   for e, value in zip(elements, reduced)]
         totals = [outer.add("add", comp[value].shape, [start, value]).name if add else value

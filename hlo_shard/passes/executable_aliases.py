@@ -92,9 +92,47 @@ class ExecutableAliases(ModulePass[None]):
         return taken
 
 
+@dataclass(frozen=True)
+class DonatedNextValueAliases(ModulePass[None]):
+    """Each bare donor (``buffer_donor``) whose next value the pytrees name aliased to
+    that output, the other donors left as they are: what the step donates does not
+    change, and a reader of the text (``hlo-shard optimize``) pairs those parameters
+    with their next values as ``hlo_shard.jax`` does (a bare donor says only that XLA
+    may reuse the buffer for some output of its shape)."""
+
+    name: ClassVar[str] = "donated-next-value-aliases"
+    next_values: tuple[tuple[int, int], ...] = ()
+
+    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
+        donors = module.header.get("buffer_donor")
+        if not isinstance(donors, BufferDonor):
+            return
+        aliases = module.header.get("input_output_alias")
+        kept = aliases.entries if isinstance(aliases, InputOutputAlias) else ()
+        params = {p.parameter_number: p.shape for p in module.entry.parameters()}
+        root = module.entry.root
+        outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) \
+            else [root.shape]
+        whole = {number for number, index in donors.donors if index == ()}
+        taken = {alias.output for alias in kept}
+        pairs = [(k, p) for k, p in self.next_values if p in whole and k < len(outputs)
+                 and _same_array(outputs[k], params.get(p))]
+        added = [alias for alias in _aliases(module, pairs).entries if alias.output not in taken]
+        if not added:
+            return
+        paired = {alias.parameter for alias in added}
+        rewriter.set_header("input_output_alias", InputOutputAlias(kept + tuple(added)))
+        left = tuple(d for d in donors.donors if d[0] not in paired)
+        if left:
+            rewriter.set_header("buffer_donor", BufferDonor(left))
+        else:
+            rewriter.pop_header("buffer_donor")
+
+
 def _same_array(a: object, b: object) -> bool:
     return isinstance(a, ArrayShape) and isinstance(b, ArrayShape) \
         and a.dims == b.dims and a.element_type == b.element_type
 
 
-__all__ = ["ExecutableAliases", "NextValueAliases", "donated_parameters"]
+__all__ = ["DonatedNextValueAliases", "ExecutableAliases", "NextValueAliases",
+           "donated_parameters"]

@@ -123,6 +123,7 @@ def run_sharding(module: Module, sharding: WeightUpdateSharding,
                      input_regions=None if any(r.changed for r in result.results[:position])
                      else sharded.input_regions)
     result.report(ReduceScatterReport).annotate(report)
+    result.report(AccumulationReport).annotate(report)
     # (a sum moved out of nested loops moves loop by loop, inner first: each move's
     # origin is the input's all-reduce the move before it stood for)
     for move in result.report(AccumulationReport).moved:
