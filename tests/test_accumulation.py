@@ -425,6 +425,48 @@ def test_a_fused_write_scaling_its_rounded_sum_stays():
     assert [(k.all_reduce, k.reason) for k in report.kept] == [("ar", "converted")]
 
 
+#: LOOP and STACKED in bf16: gradients summed and accumulated in bf16.
+NARROW_LOOP = LOOP.replace("f32[", "bf16[")
+NARROW_STACKED = STACKED.replace("f32[", "bf16[")
+#: XLA:CPU's fused write of a bf16 slot: the fusion widens the slot to f32, writes the
+#: f32 sum into it and narrows it back.
+_SLOT = "(s32[], f32[4,32], f32[4,32], f32[2,32])"
+WIDENED_STACKED = FUSED_STACKED.replace(_SLOT, _SLOT.replace("f32[4,32],", "bf16[4,32],", 1)
+                                        ).replace(
+    "gs = f32[4,32] get-tuple-element(p), index=1", "gs = bf16[4,32] get-tuple-element(p), index=1"
+).replace("ngs = f32[4,32] fusion(", "ngs = bf16[4,32] fusion(").replace(
+    "fdus { b = f32[4,32]{1,0} parameter(0)",
+    "fdus { b = bf16[4,32]{1,0} parameter(0) bw = f32[4,32]{1,0} convert(b)").replace(
+    "ROOT u = f32[4,32]{1,0} dynamic-update-slice(b, vr, k, zz) }",
+    "u = f32[4,32]{1,0} dynamic-update-slice(bw, vr, k, zz) "
+    "ROOT n = bf16[4,32]{1,0} convert(u) }").replace(
+    "zs = f32[4,32] broadcast(f0)", "fb0 = bf16[] constant(0) zs = bf16[4,32] broadcast(fb0)"
+).replace("gs = f32[4,32] get-tuple-element(loop), index=1",
+          "gsb = bf16[4,32] get-tuple-element(loop), index=1 gs = f32[4,32] convert(gsb)")
+
+
+def test_a_sum_accumulated_in_bf16_stays_and_a_written_one_moves():
+    """A bf16 add rounds after every microbatch: moved, each device would round its own
+    local values as it accumulates them, before the sum over the devices (other numbers
+    at bf16's grain, which ``verify`` calls DIFFERENT; ``narrow-sum``). A sum written into
+    its row is not added into: it moves as it is, bf16 or not."""
+    module, report = motion(NARROW_LOOP)
+    assert sorted(body_collectives(module)) == ["arb", "arw"] and not report.moved
+    assert sorted((k.all_reduce, k.reason) for k in report.kept) == \
+        [("arb", "narrow-sum"), ("arw", "narrow-sum")]
+    module, report = motion(NARROW_STACKED)
+    assert body_collectives(module) == [] and [m.all_reduce for m in report.moved] == ["ar"]
+
+
+def test_a_write_that_widens_its_bf16_slot_stays_and_says_so():
+    """The sum moved, the loop would write the local f32 value into the bf16 slot:
+    ``widened-write``, not the catch-all ``fused``."""
+    assert WIDENED_STACKED.count("bf16[4,32]") == 11
+    module, report = motion(WIDENED_STACKED)
+    assert body_collectives(module) == ["ar"]
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("ar", "widened-write")]
+
+
 def test_a_written_slot_that_does_not_start_at_zero_stays():
     """Row 0 keeps its start, ones: moved, the sum after the loop would add it up over
     the devices."""

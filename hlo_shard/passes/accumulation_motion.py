@@ -139,6 +139,11 @@ COMMUTING: dict[str, Rule] = {
 }
 
 
+#: Element types whose adds round at a grain the moved sum's other order shows: an
+#: accumulator of one is added into locally, per device, once its sum leaves the loop
+#: (a written slot is not added into: its sum moves as it is).
+NARROW_SUMS = frozenset({"bf16", "f16"})
+
 #: Ops a fused write may round its sum with on the way to the slot (XLA's CPU backend
 #: sums a 16-bit gradient in f32 and converts it back: see :func:`_writes_into_operand`),
 #: and the floating types they may round through.
@@ -154,6 +159,13 @@ REASONS: dict[str, str] = {
     "not-accumulated": "its result is not only added into a carried slot",
     "converted": "its result is converted to another type before it is accumulated (moved, "
                  "the sum would be rounded in another type)",
+    "narrow-sum": "it is added into an accumulator of a 16-bit type, which rounds after "
+                  "every add (moved, each device's local values would be rounded as they are "
+                  "accumulated, before the sum over the devices: other numbers at that "
+                  "type's grain, not a reordering of the same sum)",
+    "widened-write": "it is written into a 16-bit slot that its fusion widens to write it and "
+                     "narrows back (moved, the loop would carry the local value in the "
+                     "slot's narrower type)",
     "sliced": "its sum is cut to a slice by a dynamic-slice before it is accumulated (the "
               "partitioner's FSDP/ZeRO form) and the accumulator mode 'sharded' keeps the "
               "loop carrying the slice (moved out, it would carry the whole gradient)",
@@ -716,6 +728,8 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
                 raise Refusal("written-beside-added")
             if written and not zero_start(slot):
                 raise Refusal("written-start")
+            if not written and cast(ArrayShape, shapes[index]).element_type in NARROW_SUMS:
+                raise Refusal("narrow-sum")
             # the add's own read, and nothing else (in the condition: nothing at all)
             if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                     or in_condition.get(slot, 0):
@@ -814,13 +828,7 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
     if user.opcode == "fusion":
         if cut:
             raise Refusal("fused")
-        if _adds_into_operand(module, user, value):
-            buffer_name = user.operands[1 - user.operands.index(value)]
-        elif (write := _writes_into_operand(module, user, value)) is not None:
-            position, rounded = write
-            buffer_name, written = user.operands[position], True
-        else:
-            raise Refusal("fused")
+        buffer_name, written, rounded = _fused_accumulation(module, user, value)
     elif user.operands.count(value) != 1:
         raise Refusal("not-accumulated")
     elif user.opcode == "add":
@@ -841,6 +849,19 @@ def _accumulated_slot(module: Module, body: Rewriter, value: str,
     if cut and not sliced:
         raise Refusal("sliced")
     return slot, cut, written, rounded
+
+
+def _fused_accumulation(module: Module, fusion: Instruction, value: str
+                        ) -> tuple[str, bool, _Rounding | None]:
+    """The operand ``fusion`` adds ``value`` into or writes it into (XLA's fused form of
+    the accumulation), whether it writes, and the rounding of a write
+    (:func:`_writes_into_operand`); why not (raised) otherwise."""
+    if _adds_into_operand(module, fusion, value):
+        return fusion.operands[1 - fusion.operands.index(value)], False, None
+    if (write := _writes_into_operand(module, fusion, value)) is not None:
+        position, rounded = write
+        return fusion.operands[position], True, rounded
+    raise Refusal("widened-write" if _widens_to_write(module, fusion) else "fused")
 
 
 def _adds_into_operand(module: Module, fusion: Instruction, value: str) -> bool:
@@ -938,6 +959,20 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str, *, rounds: b
             if rule is None or not rule(module, fused, user, user.operands.index(followed)):
                 return None
         followed = user.name
+
+
+def _widens_to_write(module: Module, fusion: Instruction) -> bool:
+    """``fusion`` writes into a parameter it widens first and narrows back after (XLA:CPU's
+    fused write of a 16-bit slot: ``convert(dynamic-update-slice(convert(slot), …))``)."""
+    fused = module.computation(fusion.called("calls"))
+    root = fused.root
+    if root.opcode != "convert":
+        return False
+    write = fused[root.operands[0]]
+    if write.opcode != "dynamic-update-slice":
+        return False
+    buffer = fused[write.operands[0]]
+    return buffer.opcode == "convert" and fused[buffer.operands[0]].opcode == "parameter"
 
 
 def _chain(comp: Computation, readers: dict[str, list[str]], start: str, end: str
