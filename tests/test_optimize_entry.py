@@ -16,8 +16,8 @@ import hlo_shard
 from hlo_shard import ForExecutable, OptimizeResult, ShardingOptions, optimize
 from hlo_shard.cli import main
 from hlo_shard.parser import parse
-from hlo_shard.passes.executable_aliases import (ExecutableAliases, NextValueAliases,
-                                                 donated_parameters)
+from hlo_shard.passes.executable_aliases import (DonatedNextValueAliases, ExecutableAliases,
+                                                 NextValueAliases, donated_parameters)
 from hlo_shard.passes.speed_gate import SpeedDecision, not_faster, ratio_words
 from hlo_shard.passes.weight_update import Explanation, ShardingReport
 from hlo_shard.printer import to_text
@@ -113,6 +113,25 @@ def test_next_values_replace_the_donation_header():
         "HloModule step, input_output_alias={ {1}: (0, {}, may-alias), "
         "{0}: (1, {}, may-alias) }")
     assert not NextValueAliases(()).run(parse(DONATING)).changed
+
+
+def test_a_bare_donor_is_aliased_to_its_next_value_and_the_rest_stays():
+    """``per_device_hlo``'s header: each bare donor paired with the output the pytrees
+    name, an output already aliased (output 0 is ``w``'s) not taken again, a donor named
+    for two outputs (a step returning it twice) aliased to the first only (one buffer is
+    one output's), a parameter donating nothing never aliased, the other donors left
+    bare."""
+    module = parse(DONATING)
+    assert DonatedNextValueAliases(((0, 1), (1, 1), (2, 2))).run(module).changed
+    assert module.output_aliases() == {0: 0, 1: 1, 2: 2}
+    assert "buffer_donor" not in module.header
+    bare = DONATING.replace("input_output_alias={ {0}: (0, {}, may-alias) }, ", "")
+    module = parse(bare)
+    DonatedNextValueAliases(((0, 1), (1, 1), (1, 0))).run(module)
+    assert module.output_aliases() == {0: 1}  # w (0) donates nothing here
+    assert to_text(module).splitlines()[0] == (
+        "HloModule step, input_output_alias={ {0}: (1, {}, may-alias) }, "
+        "buffer_donor={ (2, {}) }")
 
 
 def test_every_donor_is_aliased_to_an_output_of_its_shape_its_next_value_first():

@@ -115,18 +115,22 @@ class DonatedNextValueAliases(ModulePass[None]):
             else [root.shape]
         whole = {number for number, index in donors.donors if index == ()}
         taken = {alias.output for alias in kept}
-        pairs = [(k, p) for k, p in self.next_values if p in whole and k < len(outputs)
-                 and _same_array(outputs[k], params.get(p))]
-        added = [alias for alias in _aliases(module, pairs).entries if alias.output not in taken]
+        pairs: dict[int, int] = {}  # parameter → its output (one each: a buffer is one output's)
+        for k, p in self.next_values:
+            if p in whole and p not in pairs and k < len(outputs) and \
+                    _same_array(outputs[k], params.get(p)) and \
+                    _aliases(module, [(k, p)]).entries[0].output not in taken:
+                pairs[p] = k
+                taken.add(_aliases(module, [(k, p)]).entries[0].output)
+        added = list(_aliases(module, [(k, p) for p, k in pairs.items()]).entries)
         if not added:
             return
         paired = {alias.parameter for alias in added}
+        rewriter.pop_header("buffer_donor")  # (printed after the aliases, as XLA does)
         rewriter.set_header("input_output_alias", InputOutputAlias(kept + tuple(added)))
         left = tuple(d for d in donors.donors if d[0] not in paired)
         if left:
             rewriter.set_header("buffer_donor", BufferDonor(left))
-        else:
-            rewriter.pop_header("buffer_donor")
 
 
 def _same_array(a: object, b: object) -> bool:
