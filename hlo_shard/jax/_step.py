@@ -180,8 +180,13 @@ def _with_next_values(cap: Capture, next_values: list[tuple[int, int]]) -> str:
     """The captured module's text with each donated parameter whose next value the
     pytrees name aliased to it (:class:`DonatedNextValueAliases`): jit writes a bare
     ``buffer_donor``, from which ``hlo-shard optimize`` could only guess which output is
-    which parameter's next value (a loss is a scalar parameter's, by its type)."""
-    module = parse(cap.text, path="<captured step>")
+    which parameter's next value (a loss is a scalar parameter's, by its type). Text
+    the parser refuses goes out as jit wrote it: ``hlo-shard optimize`` then says where
+    it stops reading, which is what a report of it needs."""
+    try:
+        module = parse(cap.text, path="<captured step>")
+    except HloShardError:
+        return cap.text
     if not run_pass(DonatedNextValueAliases(tuple(next_values)), module).changed:
         return cap.text
     return to_text(module)
