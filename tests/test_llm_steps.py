@@ -304,6 +304,30 @@ def test_a_scalar_computed_from_an_activation_s_slice_is_no_partial_sum():
     assert not plain["gw.sum"].feeds and plain["norm2"].code is ReasonCode.PARTIAL_SUM
 
 
+def test_a_norm_s_partial_sums_joined_in_one_all_reduce_are_still_no_activation_s():
+    """The weight-update lowering joins small sums into one all-reduce of their
+    concatenation (``one_element_sums``): the global norm's partial sums over this
+    device's slices, one element each, among them. Read after that pass (the
+    reduce-scatter creation reads the rewritten module), the joined f32[2] was an
+    array sum computed from the gradient's slice, which made the gradient an activation
+    sum: kept as all-reduce + dynamic-slice "an activation's sum in bf16" (a probe's
+    MaxText-style Llama on data × fsdp). Its one-element pieces are scalars' sums."""
+    joined = NORM_OF_SLICES.replace(
+        "  %norm2 = f32[] all-reduce(%part)",
+        "  %part.element = f32[1]{0} reshape(%part)\n"
+        "  %other.element = f32[1]{0} reshape(%z0)\n"
+        "  %one_element_sums = f32[2]{0} concatenate(%part.element, %other.element), "
+        "dimensions={0}\n"
+        "  %one_element_sums.sum = f32[2]{0} all-reduce(%one_element_sums)") + """
+  %norm2.piece = f32[1]{0} slice(%one_element_sums.sum), slice={[0:1]}
+  %norm2 = f32[] reshape(%norm2.piece)"""
+    assert "%one_element_sums.sum = f32[2]{0} all-reduce(%one_element_sums), channel_id=5" in joined
+    module = parse(FSDP_STEP.replace("{ds}", joined), path="joined.hlo")
+    module.header["num_partitions"] = 8  # as the pass recovers it
+    found = {ar.name: ar for ar in find_gradient_all_reduces(module)}
+    assert found["gw.sum"].code is ReasonCode.ALREADY_SHARDED and not found["gw.sum"].feeds
+
+
 def test_sharding_a_tiny_vector_changes_the_step_by_no_more_than_the_work_it_changes():
     """A plan changing < 1 % of the gradient bytes: the predicted step moves by at most
     the price of the instructions the rewrite added or removed. (The header of such a

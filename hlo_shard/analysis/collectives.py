@@ -198,6 +198,10 @@ def _is_scalar(shape: Shape) -> bool:
     return isinstance(shape, ArrayShape) and shape.is_scalar
 
 
+def _one_element(shape: Shape) -> bool:
+    return isinstance(shape, ArrayShape) and shape.num_elements == 1
+
+
 def _scalars(shape: Shape) -> bool:
     """A scalar, or a tuple of scalars (several summed by one combined all-reduce)."""
     return _is_scalar(shape) or isinstance(shape, TupleShape) and \
@@ -403,7 +407,7 @@ def _forward_backward_sums(comp: Computation, found: list[GradientAllReduce]
     same: set[str] = set()
     computed_from: dict[str, str] = {}
     value_stack = [(operand, ar.name) for ar in found if not _scalars(comp[ar.name].shape)
-                   for operand in comp[ar.name].operands]
+                   for operand in _array_pieces(comp, comp[ar.name])]
     above: list[tuple[str, str]] = []
     while value_stack:
         name, summed_by = value_stack.pop()
@@ -423,6 +427,21 @@ def _forward_backward_sums(comp: Computation, found: list[GradientAllReduce]
     return [replace(ar, feeds=next((computed_from[read] for read in ar.sliced.reads
                                     if read in computed_from), ""))
             if ar.sliced is not None else ar for ar in found]
+
+
+def _array_pieces(comp: Computation, all_reduce: Instruction) -> list[str]:
+    """What ``all_reduce`` sums as arrays: its operands, but of a concatenation of
+    pieces (the weight-update lowering joins small sums into one: a global norm's
+    partial sums, one element each) only the pieces of more than one element; a
+    one-element piece is a scalar's sum, as a scalar all-reduce is."""
+    pieces = []
+    for operand in all_reduce.operands:
+        inst = comp[operand]
+        if inst.opcode != "concatenate":
+            pieces.append(operand)
+            continue
+        pieces.extend(piece for piece in inst.operands if not _one_element(comp[piece].shape))
+    return pieces
 
 
 def _async_wrapped(module: Module) -> dict[str, str]:
