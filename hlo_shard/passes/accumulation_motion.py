@@ -901,7 +901,8 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str
     found = _to_fused_root(module, fusion, value, rounds=True)
     if found is None:
         return None
-    fused, params, followed, readers, converts = found
+    fused, params, followed, readers, chain = found
+    converts = tuple(name for name in chain if fused[name].opcode in ROUNDING)
     root = fused.root
     if root.opcode != "dynamic-update-slice" or root.operands[1] != followed or \
             root.operands.count(followed) != 1:
@@ -922,7 +923,7 @@ def _writes_into_operand(module: Module, fusion: Instruction, value: str
             (_array_type(fused[name]) not in ROUNDED_TYPES) if name in converts
             else fused[name].opcode not in RELABELLING or
             _array_type(fused[name]) != element_type
-            for name in _chain(fused, readers, start.name, followed)):
+            for name in chain):
         raise Refusal("converted")
     return position, _Rounding(fusion.name, converts,
                                tuple(_array_type(fused[name]) for name in converts))
@@ -934,7 +935,7 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str, *, rounds: b
     """``value`` (one operand of ``fusion``) followed in the fused computation through a
     chain of :data:`COMMUTING` ops (``rounds``: and :data:`ROUNDING` ones), each read
     once, to the root: the fused computation, its parameters by number, the value the
-    root reads, the users of each value and the rounding ops passed (None where the
+    root reads, the users of each value and the ops passed, in order (None where the
     chain stops before the root)."""
     if fusion.operands.count(value) != 1:
         return None
@@ -944,21 +945,20 @@ def _to_fused_root(module: Module, fusion: Instruction, value: str, *, rounds: b
     if followed is None:
         return None
     readers = users_map(fused)
-    converts: list[str] = []
+    chain: list[str] = []
     while True:
         following = readers[followed]
         if len(following) != 1:
             return None
         user = fused[following[0]]
         if user is fused.root:
-            return fused, params, followed, readers, tuple(converts)
-        if rounds and user.opcode in ROUNDING:
-            converts.append(user.name)
-        else:
+            return fused, params, followed, readers, tuple(chain)
+        if not (rounds and user.opcode in ROUNDING):
             rule = COMMUTING.get(user.opcode)
             if rule is None or not rule(module, fused, user, user.operands.index(followed)):
                 return None
         followed = user.name
+        chain.append(followed)
 
 
 def _widens_to_write(module: Module, fusion: Instruction) -> bool:
@@ -973,17 +973,6 @@ def _widens_to_write(module: Module, fusion: Instruction) -> bool:
         return False
     buffer = fused[write.operands[0]]
     return buffer.opcode == "convert" and fused[buffer.operands[0]].opcode == "parameter"
-
-
-def _chain(comp: Computation, readers: dict[str, list[str]], start: str, end: str
-           ) -> list[str]:
-    """The values from ``start``'s one reader to ``end``, each the one reader of the one
-    before (what :func:`_to_fused_root` followed)."""
-    chain = []
-    while start != end:
-        start = readers[start][0]
-        chain.append(start)
-    return chain
 
 
 def _array_type(inst: Instruction) -> str:

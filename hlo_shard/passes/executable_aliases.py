@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hlo_shard.graph import ModuleRewriter
-from hlo_shard.ir import Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, TupleShape
+from hlo_shard.ir import (Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, Shape,
+                         TupleShape)
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.replica_form import DONATION_ATTRIBUTES
 
@@ -77,9 +78,7 @@ class ExecutableAliases(ModulePass[None]):
     def _pairs(self, module: Module) -> dict[int, int]:
         """Donor → the output it is aliased to."""
         params = {p.parameter_number: p.shape for p in module.entry.parameters()}
-        root = module.entry.root
-        outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) \
-            else [root.shape]
+        outputs = _outputs(module)
         preferred = {p: k for k, p in self.next_values}
         taken: dict[int, int] = {}
         for number in self.donors:
@@ -110,19 +109,18 @@ class DonatedNextValueAliases(ModulePass[None]):
         aliases = module.header.get("input_output_alias")
         kept = aliases.entries if isinstance(aliases, InputOutputAlias) else ()
         params = {p.parameter_number: p.shape for p in module.entry.parameters()}
-        root = module.entry.root
-        outputs = list(root.shape.elements) if isinstance(root.shape, TupleShape) \
-            else [root.shape]
+        outputs = _outputs(module)
         whole = {number for number, index in donors.donors if index == ()}
         taken = {alias.output for alias in kept}
-        pairs: dict[int, int] = {}  # parameter → its output (one each: a buffer is one output's)
-        for k, p in self.next_values:
-            if p in whole and p not in pairs and k < len(outputs) and \
-                    _same_array(outputs[k], params.get(p)) and \
-                    _aliases(module, [(k, p)]).entries[0].output not in taken:
-                pairs[p] = k
-                taken.add(_aliases(module, [(k, p)]).entries[0].output)
-        added = list(_aliases(module, [(k, p) for p, k in pairs.items()]).entries)
+        added: list[Alias] = []
+        for alias in _aliases(module, self.next_values).entries:
+            k = alias.output[0] if alias.output else 0
+            # (one output per donor: a buffer is one output's)
+            if alias.parameter in whole and alias.output not in taken and \
+                    k < len(outputs) and _same_array(outputs[k], params.get(alias.parameter)):
+                whole.discard(alias.parameter)
+                taken.add(alias.output)
+                added.append(alias)
         if not added:
             return
         paired = {alias.parameter for alias in added}
@@ -131,6 +129,12 @@ class DonatedNextValueAliases(ModulePass[None]):
         left = tuple(d for d in donors.donors if d[0] not in paired)
         if left:
             rewriter.set_header("buffer_donor", BufferDonor(left))
+
+
+def _outputs(module: Module) -> list[Shape]:
+    """The entry's output shapes by top-level index (one for an array result)."""
+    root = module.entry.root
+    return list(root.shape.elements) if isinstance(root.shape, TupleShape) else [root.shape]
 
 
 def _same_array(a: object, b: object) -> bool:
