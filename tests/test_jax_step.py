@@ -960,3 +960,31 @@ def test_per_device_hlo_pairs_a_scalar_parameter_with_its_own_next_value(request
     rows = optimize(module, ShardingOptions(), force=True).report.explanations
     assert sorted(row.shape.split("{")[0] for row in rows if row.sharded) == \
         ["f32[32,48]", "f32[32,64]"], [(r.shape, r.reason_code) for r in rows]
+
+
+def test_a_reduction_from_a_non_neutral_value_gives_jits_numbers(request):
+    """``lax.reduce(g * g, 1.0, add)`` in the update: XLA:CPU's jit adds the 1 once per
+    partial sum of its choosing; the forced rewrite summed the gathered squares once and
+    differed from jit's step. That gradient now stays as it is: jit's numbers exactly."""
+    if not needs_devices(request):
+        return
+    mesh = jax.make_mesh((8,), (AXIS,), devices=jax.devices()[:8])
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        n = jax.lax.reduce(g * g, np.float32(1.0), jax.lax.add, (0, 1))
+        return w - 0.1 * g / jnp.sqrt(n), n
+
+    w = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (64, 64)) * 0.1,
+                       NamedSharding(mesh, P()))
+    x = jax.device_put(np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32),
+                       NamedSharding(mesh, P(AXIS)))
+    expected = jax.jit(step)(w, x)
+    fast = hsj.shard_weight_update(jax.jit(step), force=True)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = fast(w, x)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (row,) = [r for r in fast.report["explanations"] if r["shape"].startswith("f32[64,64]")]
+    assert row["reason_code"] == "non_neutral_init"

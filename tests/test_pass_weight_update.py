@@ -178,6 +178,46 @@ def test_one_element_sums_are_combined_per_dependency_level():
     assert [i.shape.dims for i in sums] == [(), (2,)]
 
 
+#: CLIP's ``sa`` reduced from 1, not add's 0 (``lax.reduce(a * a, 1.0, add)``).
+FROM_ONE = CLIP.replace("sa = f32[] reduce(a2, z)", "sa = f32[] reduce(a2, one)").replace(
+    " one = f32[] constant(1) big", " big").replace(" z = f32[] constant(0)",
+                                                    " z = f32[] constant(0) one = f32[] constant(1)")
+
+
+def test_a_gradient_a_reduction_from_a_non_neutral_value_reads_stays_whole():
+    """XLA applies the initial value once per partial result of its own choosing (jit's
+    own step added the 1 five times to a 64x64 sum): any rewrite upstream of the
+    reduction may change the count, so what it reads stays as it is."""
+    module, report = optimize(FROM_ONE, strategy="per-tensor")
+    kept, other = row(report, "a"), row(report, "b")
+    assert not kept.sharded and kept.reason_code == "non_neutral_init"
+    assert "%sa reduces it from an initial value" in kept.reason
+    assert other.sharded  # its norm's sum starts from 0
+    (sa,) = [i for i in find(module, "reduce") if i.name == "sa"]
+    assert sa.operands == ["a2", "one"] and module.entry["a2"].operands == ["a", "a"]
+    assert module.entry["a"].opcode == "all-reduce"
+
+
+def test_a_fused_reduction_from_a_non_neutral_operand_keeps_its_gradient_whole():
+    """XLA's fused modules (what install() reads) pass the initial value into the fusion
+    as an operand: read through it."""
+    text = f"""HloModule fused, replica_count=4
+{ADD}
+sq {{ p = f32[64] parameter(0) i = f32[] parameter(1) m = f32[64] multiply(p, p)
+ ROOT r = f32[] reduce(m, i), dimensions={{0}}, to_apply=add }}
+ENTRY e {{ w = f32[64] parameter(0) g = f32[64] parameter(1)
+ a = f32[64] all-reduce(g), replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ INIT = f32[] constant(0)
+ n = f32[] fusion(a, INIT), kind=kInput, calls=sq
+ nb = f32[64] broadcast(n), dimensions={{}} u = f32[64] multiply(a, nb)
+ nw = f32[64] subtract(w, u) ROOT t = (f32[64], f32[]) tuple(nw, n) }}
+"""
+    _, neutral = optimize(text)
+    assert row(neutral, "a").sharded
+    _, report = optimize(text.replace("constant(0)", "constant(2)"))
+    assert row(report, "a").reason_code == "non_neutral_init"
+
+
 def test_max_reduction_masks_padding_with_minus_infinity():
     text = f"""HloModule maxabs, replica_count=4
 {ADD}

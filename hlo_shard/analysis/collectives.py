@@ -258,6 +258,10 @@ class ReasonCode(str, enum.Enum):
     #: global norm's partial sums over the devices holding the other slices): not a
     #: gradient.
     PARTIAL_SUM = "partial_sum"
+    #: The planner's: a reduction whose initial value is not its reducer's neutral
+    #: element reads it (XLA applies such a value once per partial result of its own
+    #: choosing, so the result depends on how its operand is computed): kept as it is.
+    NON_NEUTRAL_INIT = "non_neutral_init"
     #: The rewrite of its region made a dependency cycle: undone, the region refused.
     REGION_CYCLE = "region_cycle"
     #: Summed inside a loop body every iteration, the accumulation motion having kept it

@@ -319,12 +319,44 @@ def _neutral_init(ctx: _Context, inst: Instruction, reducer: str | None) -> str 
     else None. XLA applies a reduction's initial value once per partial result of its
     own choosing (XLA:CPU: 9 times over 256 zeros, once over 4096), so a reduction
     from any other value computes what XLA's emitter makes of it: its shards would not."""
+    return _neutral_start(reducer, inst, ctx.inst(inst.operands[1]))
+
+
+def _neutral_start(reducer: str | None, inst: Instruction, init: Instruction) -> str | None:
+    """The neutral literal of ``reducer`` for ``inst``'s element type where ``init`` is
+    that constant, else None."""
     shape = _array(inst.shape)
     neutral = neutral_literal(reducer, shape.element_type) if reducer and shape else None
-    init = ctx.inst(inst.operands[1])
     if neutral is None or init.opcode != "constant" or not _same_number(init.literal, neutral):
         return None
     return neutral
+
+
+def _reduces_from_non_neutral(module: Module, comp: Computation, inst: Instruction) -> bool:
+    """``inst`` is a reduction, or a fusion holding one, that starts from anything but
+    its reducer's neutral constant (a reducer of several values counts as such: its
+    neutral element is not known)."""
+    if inst.opcode == "reduce":
+        return not _starts_neutral(module, comp, inst, comp)
+    calls = inst.called("calls") if inst.opcode == "fusion" else None
+    if not calls or not module.has_computation(calls):
+        return False
+    body = module.computation(calls)
+    return any(item.opcode == "reduce" and not _starts_neutral(module, body, item, comp, inst)
+               for item in body.instructions)
+
+
+def _starts_neutral(module: Module, comp: Computation, inst: Instruction,
+                    outer: Computation, fusion: Instruction | None = None) -> bool:
+    """The reduction ``inst`` of ``comp`` starts from its reducer's neutral constant
+    (where ``comp`` is ``fusion``'s body, a parameter is read as the fusion's operand in
+    ``outer``)."""
+    reducer = reducer_opcode(module, inst.called("to_apply")) \
+        if len(inst.operands) == 2 else None
+    init = comp[inst.operands[-1]]
+    if fusion is not None and init.opcode == "parameter":
+        init = outer[fusion.operands[cast(int, init.parameter_number)]]
+    return _neutral_start(reducer, inst, init) is not None
 
 
 def _reducer(ctx: _Context, inst: Instruction) -> str | None:
@@ -913,6 +945,8 @@ def plan_region(module: Module, comp: Computation, leaves: Sequence[Leaf],
         reasons[i] = reasons[i] or why
     for i, why in planner.read_by_no_update().items():
         reasons[i] = reasons[i] or why
+    for i, why in planner.read_by_non_neutral_reductions().items():
+        reasons[i] = reasons[i] or why
     planner.stop_at([leaf for i, leaf in enumerate(leaves) if not reasons[i]])
     plan = planner.grow(formats, reasons)
     # A leaf whose region is empty in its stored order may have one in another order
@@ -1187,6 +1221,35 @@ class _Planner:
                          "not a gradient")
                 for i, leaf in enumerate(self.leaves)
                 if not any(value in updated for value in leaf.values)}
+
+    def read_by_non_neutral_reductions(self) -> dict[int, Whole]:
+        """Leaf index → why it stays whole, for the leaves a reduction reads (through
+        anything) whose initial value is not its reducer's neutral element
+        (``lax.reduce(g * g, 1.0, add)``): XLA applies such a value once per partial
+        result of its emitter's choosing, so the result depends on how the reduction's
+        operand is computed and laid out, and any rewrite upstream of it may change it.
+        One walk up from those reductions (none in the usual step)."""
+        reductions = [inst.name for inst in self.order
+                      if _reduces_from_non_neutral(self.module, self.comp, inst)]
+        label: dict[str, str] = {}
+        stack = [(operand, name) for name in reductions for operand in self.comp[name].operands]
+        while stack:
+            name, reduction = stack.pop()
+            if name not in label:
+                label[name] = reduction
+                stack.extend((p, reduction) for p in self.graph.predecessors(name)
+                             if p not in label)
+        out: dict[int, Whole] = {}
+        for i, leaf in enumerate(self.leaves):
+            reader = next((label[v] for v in leaf.values if v in label), None)
+            if reader is not None:
+                out[i] = Whole(ReasonCode.NON_NEUTRAL_INIT,
+                               f"%{reader} reduces it from an initial value that is not its "
+                               f"reducer's neutral element: XLA applies that value once per "
+                               f"partial result of its own choosing, so the result depends "
+                               f"on how its operand is computed; kept all-reduced, the "
+                               f"update as it is")
+        return out
 
     def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
