@@ -95,6 +95,13 @@ ASYNC: Calls = "async"
 LOOP_BODY: Calls = "loop"
 BRANCHES: Calls = "branches"
 
+#: How an op talks to the host: always (``infeed``/``outfeed``), or where its
+#: ``is_host_transfer=true`` says so (``send``/``recv``: TPU's host callbacks); ``""``:
+#: never.
+HostIO = Literal["", "always", "flagged"]
+ALWAYS: HostIO = "always"
+FLAGGED: HostIO = "flagged"
+
 
 @dataclass(frozen=True, slots=True)
 class OpInfo:
@@ -150,6 +157,8 @@ class OpInfo:
     #: ``min``/``max``: the type's smallest/largest): what a reduction by it starts from
     #: and pads with. Empty: not a reducer the passes know.
     neutral: tuple[tuple[str, str], ...] = ()
+    #: Talks to the host (:data:`HostIO`).
+    host: HostIO = ""
 
     def __post_init__(self) -> None:
         per_element = self.cost in (FLOP, TRANSCENDENTAL)
@@ -265,7 +274,7 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("get-dimension-size", 1, values=DETERMINISTIC),
     _op("get-tuple-element", 1, cost=FREE),
     _op("imag", 1, elementwise=True, cost=FLOP, values=DETERMINISTIC),
-    _op("infeed", None, impure=True, values=PER_DEVICE),
+    _op("infeed", None, impure=True, values=PER_DEVICE, host=ALWAYS),
     _op("iota", 0, values=DETERMINISTIC, fusion=LOOP),
     _op("is-finite", 1, elementwise=True, shape_from=PRED, cost=FLOP, values=DETERMINISTIC),
     _op("log", 1, elementwise=True, shape_from=OPERAND, cost=TRANSCENDENTAL, values=DETERMINISTIC),
@@ -292,7 +301,7 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("or", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC,
         zero_preserving=True, commutative=True,
         neutral=(("int", "0"), ("pred", "false"))),
-    _op("outfeed", None, impure=True),
+    _op("outfeed", None, impure=True, host=ALWAYS),
     _op("pad", 2, values=DETERMINISTIC, moves=ASSEMBLE, fusion=LOOP),
     _op("parameter", None, cost=FREE),
     _op("partition-id", 0, values=PER_DEVICE, device_id=True),
@@ -303,8 +312,10 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
         replica_groups=True),
     _op("ragged-dot", 3, values=DETERMINISTIC),
     _op("real", 1, elementwise=True, cost=FLOP, values=DETERMINISTIC),
-    _op("recv", None, impure=True, values=PER_DEVICE, channel=PAIRED, async_done="recv-done"),
-    _op("recv-done", 1, impure=True, values=PER_DEVICE, channel=PAIRED, async_start="recv"),
+    _op("recv", None, impure=True, values=PER_DEVICE, channel=PAIRED, async_done="recv-done",
+        host=FLAGGED),
+    _op("recv-done", 1, impure=True, values=PER_DEVICE, channel=PAIRED, async_start="recv",
+        host=FLAGGED),
     _op("reduce", (2, None), values=DETERMINISTIC, fusion=ROOT),
     _op("reduce-precision", 1, elementwise=True, shape_from=OPERAND, cost=FLOP,
         values=DETERMINISTIC),
@@ -329,8 +340,8 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("scatter", (3, None), values=DETERMINISTIC),
     _op("select", 3, elementwise=True, shape_from=SECOND, cost=FLOP, values=DETERMINISTIC),
     _op("select-and-scatter", 3, values=DETERMINISTIC),
-    _op("send", None, impure=True, channel=PAIRED, async_done="send-done"),
-    _op("send-done", 1, impure=True, channel=PAIRED, async_start="send"),
+    _op("send", None, impure=True, channel=PAIRED, async_done="send-done", host=FLAGGED),
+    _op("send-done", 1, impure=True, channel=PAIRED, async_start="send", host=FLAGGED),
     _op("set-dimension-size", 2, values=DETERMINISTIC),
     _op("shift-left", 2, elementwise=True, shape_from=OPERAND, cost=FLOP, values=DETERMINISTIC),
     _op("shift-right-arithmetic", 2, elementwise=True, shape_from=OPERAND, cost=FLOP,
@@ -459,15 +470,19 @@ KERNEL_ROOTS = opcodes_where(lambda i: i.fusion == ROOT)
 IN_PLACE = opcodes_where(lambda i: bool(i.in_place))
 #: Ops whose work is that of the computations they call (a fusion is a kernel instead).
 CONTROL_FLOW = opcodes_where(lambda i: i.calls in (CALL, LOOP_BODY, BRANCHES))
+#: Ops that always talk to the host.
+HOST_IO = opcodes_where(lambda i: i.host == ALWAYS)
+#: Ops that talk to the host where their ``is_host_transfer=true`` says so.
+HOST_TRANSFERS = opcodes_where(lambda i: i.host == FLAGGED)
 #: Ops whose result is their callee's, run once on their operands.
 CALLS_ONCE = opcodes_where(lambda i: i.calls in (CALL, KERNEL, ASYNC))
 
 __all__ = [
-    "ALL_GATHERS", "ALL_REDUCE", "ALL_REDUCES", "ASSEMBLE", "ASYNC", "BITCAST", "BRANCHES",
+    "ALL_GATHERS", "ALL_REDUCE", "ALL_REDUCES", "ALWAYS", "ASSEMBLE", "ASYNC", "BITCAST", "BRANCHES",
     "BROADCAST", "CALL", "CALLS_ONCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE", "COLLECTIVE_DONE",
     "COLLECTIVE_KINDS", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT", "DETERMINISTIC",
     "DETERMINISTIC_OPS", "DEVICE_IDS", "ELEMENTWISE", "FLOP", "FORMATTING", "FORWARDING",
-    "FREE", "FUSIBLE", "GROUPED", "IMPURE", "IN_PLACE", "KERNEL", "KERNEL_ROOTS",
+    "FLAGGED", "FREE", "FUSIBLE", "GROUPED", "HOST_IO", "HOST_TRANSFERS", "IMPURE", "IN_PLACE", "KERNEL", "KERNEL_ROOTS",
     "LOGICAL_VIEWS", "LOOP", "LOOP_BODY", "MATMULS", "NON_COMMUTATIVE", "NO_COST", "OPCODES",
     "OPERAND", "OPINFO", "ORDER_KEEPING_VIEWS", "PAIRED", "PER_DEVICE", "PER_ELEMENT",
     "PER_ELEMENT_COST", "PRED", "REPLICATING_COLLECTIVES", "RESHAPE", "REVERSE", "ROOT",

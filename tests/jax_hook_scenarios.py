@@ -1,7 +1,7 @@
 """Scenarios for tests/test_jax_hook.py, run in a child process (jax's CPU device count
 must be set before jax starts): ``python tests/jax_hook_scenarios.py N STEPS SCENARIO...``
 prints one JSON object, scenario → outcome (scenarios: ``jit:<optimizer>`` (the MLP), ``block:<optimizer>``,
-``conv:<optimizer>``, ``layernorm:<optimizer>``, ``scan_bf16:<optimizer>``,
+``conv:<optimizer>``, ``layernorm:<optimizer>``, ``scan_bf16:<optimizer>``, ``callback:adam``,
 ``shard_map:adam``, ``pmap:adam``, ``loop:adam``, ``only_other``, ``idempotence``, ``reuse``, ``failure``, ``interrupt``,
 ``no_gradients``, ``mutant``,
 ``per_tensor``).
@@ -241,6 +241,25 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
         #: Fusion bodies the pass copied onto blocks (the tiled sums of squares).
         "block_bodies": sum(len(re.findall(r"^%\S+\.block ", text, re.M)) for text in texts),
     }
+
+
+def callback_training(mesh) -> dict:
+    """A step that hands its new weights to ``jax.debug.callback``: forced, the hook
+    sharded it and XLA:CPU's devices, waiting in the new all-gathers beside the
+    callback, could hold the worker threads it needed (a deadlock, then XLA's abort);
+    the module is kept as it is and the callback runs every step."""
+    calls: list[float] = []
+
+    def make(opt, model_loss):
+        plain = jit_step(opt, model_loss)
+
+        def step(p, s, x, y):
+            p, s, loss = plain(p, s, x, y)
+            jax.debug.callback(lambda w: calls.append(float(np.asarray(w).sum())), p["w0"])
+            return p, s, loss
+        return step
+    result = training("adam", make, mesh)
+    return {**result, "calls": len(calls)}
 
 
 def pmap_training(mesh) -> dict:
@@ -518,6 +537,7 @@ def main(names: list[str]) -> None:
                                                       lambda o, f: shard_map_step(o, m, f), m),
                  "loop:adam": lambda m: training("adam", loop_step, m),
                  "pmap:adam": pmap_training,
+                 "callback:adam": callback_training,
                  "checked_scan": checked_scan,
                  "only_other": lambda m: training("adam", jit_step, m, only="^jit_eval"),
                  **{f"jit:{name}": (lambda m, name=name: training(name, jit_step, m))

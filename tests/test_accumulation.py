@@ -113,6 +113,18 @@ def test_accumulated_all_reduces_leave_the_loop():
     assert "one collective per step instead of one per iteration" in report.notes[0]
 
 
+def test_a_module_that_calls_back_into_the_host_keeps_its_sums_in_the_loop():
+    """A collective moved beside a host callback can deadlock XLA:CPU (the callback needs
+    a worker thread the devices waiting in the collective hold): the sums stay."""
+    text = LOOP.replace(" ROOT out = (f32[32,16], f32[32]) tuple(nw, nb) }",
+                        ' cb = () custom-call(nw), custom_call_target="xla_python_cpu_callback",'
+                        " custom_call_has_side_effect=true"
+                        " ROOT out = (f32[32,16], f32[32]) tuple(nw, nb) }")
+    module, report = motion(text)
+    assert sorted(body_collectives(module)) == ["arb", "arw"]
+    assert not report.moved
+
+
 def test_the_sharding_pipeline_reduce_scatters_once_after_the_loop():
     """The optimizer's pipeline (motion first): no collective left in the loop body, one
     reduce-scatter after it (the two gradients in one bucket) and a sharded update."""

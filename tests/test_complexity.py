@@ -149,9 +149,10 @@ def clipped(n: int) -> str:
     grads = max(1, n // 10)
 
     def update(k: int) -> tuple[list[str], str]:
-        lines = [f"  %sq.{k} = f32[256]{{0}} multiply(%g.{k}, %g.{k})",
-                 f"  %ss.{k} = f32[] reduce(%sq.{k}, %one), dimensions={{0}}, to_apply=%sum",
-                 f"  %acc.{k} = f32[] add(%{f'acc.{k - 1}' if k else 'one'}, %ss.{k})"]
+        lines = ["  %zero = f32[] constant(0)"] if k == 0 else []
+        lines += [f"  %sq.{k} = f32[256]{{0}} multiply(%g.{k}, %g.{k})",
+                  f"  %ss.{k} = f32[] reduce(%sq.{k}, %zero), dimensions={{0}}, to_apply=%sum",
+                  f"  %acc.{k} = f32[] add(%{f'acc.{k - 1}' if k else 'one'}, %ss.{k})"]
         if k == grads - 1:
             lines += [f"  %norm = f32[] sqrt(%acc.{k})", "  %scale = f32[] divide(%one, %norm)"]
         return lines, f"g.{k}"

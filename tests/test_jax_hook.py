@@ -35,7 +35,7 @@ def quick():
     return run_scenarios(4, 3, "idempotence", "failure", "no_gradients", "jit:adam", "mutant",
                          "per_tensor", "loop:adam", "only_other", "interrupt", "reuse",
                          "layernorm:adamw_clip", "pmap:adam", "donation", "checked_scan",
-                         "scan_bf16:adam")
+                         "scan_bf16:adam", "callback:adam")
 
 
 def test_install_and_uninstall_are_idempotent(quick):
@@ -156,6 +156,16 @@ def test_scanned_layers_in_bf16_compute_are_sharded_after_their_loop(quick):
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4
     assert any("moved after the loop" in note for note in result["notes"])
     assert result["loss"] == 0.0 and result["params"] == 0.0
+
+
+def test_a_step_that_calls_back_into_the_host_is_kept_as_it_is(quick):
+    """``jax.debug.callback`` in the step (a probe's LAMB step: 8 of 9 hooked runs hung
+    in an all-gather, then XLA aborted the process): every collective stays where it is,
+    the rows say why, and the callback runs on each step as under jit."""
+    result = quick["callback:adam"]
+    assert result["changed"] == [False] and "calls back into the host" in result["reasons"][0]
+    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert result["calls"] == 2 * 3  # plain and hooked, STEPS each
 
 
 def test_per_tensor_collectives_are_bitwise_the_same(quick):

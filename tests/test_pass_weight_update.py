@@ -218,6 +218,24 @@ ENTRY e {{ w = f32[64] parameter(0) g = f32[64] parameter(1)
     assert row(report, "a").reason_code == "non_neutral_init"
 
 
+@pytest.mark.parametrize("host_call", [
+    'cb = () custom-call(nw), custom_call_target="xla_ffi_python_cpu_callback", '
+    'custom_call_has_side_effect=true',
+    'tok = token[] after-all() snd = (f32[1024], u32[], token[]) send(nw, tok), channel_id=9, '
+    'is_host_transfer=true'])
+def test_a_module_that_calls_back_into_the_host_keeps_its_collectives(host_call):
+    """jax's host callbacks (a Python custom call on CPU/GPU, a host send on TPU): new
+    collectives beside one deadlocked XLA:CPU under install() (the devices waiting in an
+    all-gather held the threads the callback needed)."""
+    text = SGD.replace(" ROOT nw = f32[1024] subtract(w, u) }",
+                       f" ROOT nw = f32[1024] subtract(w, u) {host_call} }}")
+    module, report = optimize(text)
+    assert opcodes(module)["all-reduce"] == 1 and not find(module, "reduce-scatter")
+    ar_row = row(report, "ar")
+    assert not ar_row.sharded and ar_row.reason_code == "host_callback"
+    assert "calls back into the host (%" in ar_row.reason
+
+
 def test_max_reduction_masks_padding_with_minus_infinity():
     text = f"""HloModule maxabs, replica_count=4
 {ADD}

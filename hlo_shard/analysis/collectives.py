@@ -21,7 +21,7 @@ from hlo_shard.graph import is_zero, reachable, topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
 from hlo_shard.opinfo import (ALL_REDUCES, DATA_MOVEMENT, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED,
-                              OPINFO, VIEWS)
+                              HOST_IO, HOST_TRANSFERS, OPINFO, VIEWS)
 
 
 class GroupMode(enum.Enum):
@@ -258,6 +258,9 @@ class ReasonCode(str, enum.Enum):
     #: global norm's partial sums over the devices holding the other slices): not a
     #: gradient.
     PARTIAL_SUM = "partial_sum"
+    #: The module calls back into the host (``jax.debug.print``, ``jax.debug.callback``,
+    #: ``io_callback``, ``pure_callback``): its collectives are left where they are.
+    HOST_CALLBACK = "host_callback"
     #: The planner's: a reduction whose initial value is not its reducer's neutral
     #: element reads it (XLA applies such a value once per partial result of its own
     #: choosing, so the result depends on how its operand is computed): kept as it is.
@@ -330,6 +333,7 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
     wrapped = _async_wrapped(module)
     found: list[GradientAllReduce] = []
     forms = _ScatterForms(module)
+    callback = host_callback(module)
     for comp in module.computations:
         scattered = forms.of(comp)
         first = len(found)
@@ -343,6 +347,11 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
             except UnsupportedGroups as err:
                 found.append(GradientAllReduce(comp.name, inst.name, None, str(err),
                                                ReasonCode.UNSUPPORTED_GROUPS))
+                continue
+            if callback:
+                found.append(GradientAllReduce(comp.name, inst.name, groups,
+                                               HOST_CALLBACK_REASON.format(callback=callback),
+                                               ReasonCode.HOST_CALLBACK))
                 continue
             asynchronous = (ASYNC_REASONS["all-reduce-start"] if inst.opcode == "all-reduce-start"
                             else ASYNC_REASONS["async-start"].format(start=wrapped[comp.name])
@@ -361,6 +370,31 @@ def find_gradient_all_reduces(module: Module) -> list[GradientAllReduce]:
                 found.append(GradientAllReduce(comp.name, inst.name, groups))
         found[first:] = _partial_sums(comp, _forward_backward_sums(comp, found[first:]))
     return found
+
+
+#: Why a module that calls back into the host is left as it is (:data:`ReasonCode`
+#: ``host_callback``).
+HOST_CALLBACK_REASON = (
+    "the module calls back into the host (%{callback}: jax.debug.print, jax.debug.callback, "
+    "io_callback, pure_callback): a collective added or moved may run beside the callback, "
+    "and XLA:CPU's devices waiting in it can hold the worker threads the callback needs (a "
+    "deadlock, then XLA's abort); its collectives stay where they are")
+
+
+def host_callback(module: Module) -> str:
+    """The first instruction of ``module`` that calls back into the host — a custom call
+    of jax's Python callbacks, a host transfer (``send``/``recv`` with
+    ``is_host_transfer=true``: TPU's callbacks), an ``infeed``/``outfeed`` — or ""."""
+    for comp in module.computations:
+        for inst in comp.instructions:
+            if inst.opcode in HOST_IO or \
+                    inst.opcode in HOST_TRANSFERS and inst.attr("is_host_transfer") is True:
+                return inst.name
+            if inst.opcode == "custom-call":
+                target = getattr(inst.attr("custom_call_target"), "value", "")
+                if "python" in target and "callback" in target:
+                    return inst.name
+    return ""
 
 
 #: Why a scalar summed from already-sharded slices is left alone (:data:`ReasonCode`

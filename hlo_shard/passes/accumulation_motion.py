@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import (ReasonCode, device_index_values,
+from hlo_shard.analysis.collectives import (ReasonCode, device_index_values, host_callback,
                                             find_gradient_all_reduces, is_degenerate_sum,
                                             is_sum, started_slots)
 from hlo_shard.costmodel.memory import memory_profile
@@ -365,6 +365,8 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
     memory_bytes: int = 0
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
+        if host_callback(module):  # (its collectives stay where they are)
+            return AccumulationReport()
         sinking = _Sinking(module, rewriter, ChannelIds(module),
                            _MemoryBudget(module, self.memory_bytes), self.sliced)
         # A moved all-reduce lands in the loop's computation, which may itself be an

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hlo_shard.analysis.collectives import group_mode, is_sum
+from hlo_shard.analysis.collectives import group_mode, host_callback, is_sum
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_impure
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, TupleShape
 from hlo_shard.opinfo import COPY, OPINFO, RESHAPE
@@ -109,6 +109,8 @@ class ConditionalMotion(ModulePass[ConditionalMotionReport]):
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> ConditionalMotionReport:
         report = ConditionalMotionReport()
+        if host_callback(module):  # (its collectives stay where they are)
+            return report
         channels = ChannelIds(module)
         # A moved all-reduce lands in the conditional's computation, which may be a
         # branch of an outer conditional: sweep until nothing moves (the nesting depth).

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from hlo_shard.analysis.collectives import ReasonCode, is_sum
+from hlo_shard.analysis.collectives import ReasonCode, host_callback, is_sum
 from hlo_shard.costmodel.step_time import StepEstimate, estimate_step
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter, call_counts, is_zero, starts_at_zero
@@ -247,6 +247,8 @@ class ShardedAccumulator(ModulePass[AccumulatorReport]):
                                 f"not {self.mode!r}")
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulatorReport:
+        if host_callback(module):  # (its collectives stay where they are)
+            return AccumulatorReport(self.mode)
         plans, refused = _find(module)
         if not plans or self.mode == "whole":
             whole = refused + [WholeAccumulation(c, p.loop, p.reduce_scatter, "asked-whole")
