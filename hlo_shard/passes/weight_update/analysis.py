@@ -1147,8 +1147,9 @@ class _Planner:
             if fed is not None:
                 out[i] = Whole(ReasonCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
                                f"value of the forward/backward pass (a batch statistic, a "
-                               f"sum summed again), not an update's; kept all-reduced, the "
-                               f"update region ends here")
+                               f"sum summed again, a gradient the step takes another "
+                               f"gradient at, as SAM's ascent step), not an update's; kept "
+                               f"all-reduced, the update region ends here")
         return out
 
     @functools.cached_property
