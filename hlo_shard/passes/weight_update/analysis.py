@@ -1131,26 +1131,34 @@ class _Planner:
         One walk up from every leaf's operand, each node labelled with the first
         all-reduce that reached it (linear in the computation)."""
         updated = self.weight_versions
+        fed = self._first_above(((leaf.operand, leaf.label) for leaf in self.leaves),
+                                lambda name: name not in updated)
+        return {i: Whole(ReasonCode.FEEDS_GRADIENTS, f"%{label} is computed from it: a "
+                         f"value of the forward/backward pass (a batch statistic, a sum "
+                         f"summed again, a gradient the step takes another gradient at, "
+                         f"as SAM's ascent step), not an update's; kept all-reduced, the "
+                         f"update region ends here")
+                for i, label in fed.items()}
+
+    def _first_above(self, starts: Iterable[tuple[str, str]],
+                     through: Callable[[str], bool] = lambda _: True) -> dict[int, str]:
+        """Leaf index → the label of the first of ``starts`` (value, label) found at or
+        above one of the leaf's values: one walk up from them all, each value labelled
+        by the first start that reaches it (a value ``through`` refuses is labelled but
+        not walked past). Linear in the computation."""
         label: dict[str, str] = {}
-        stack = [(leaf.operand, leaf.label) for leaf in self.leaves]
+        stack = list(starts)
         while stack:
-            name, reached_from = stack.pop()
+            name, mark = stack.pop()
             if name in label:
                 continue
-            label[name] = reached_from
-            if name not in updated:
-                stack.extend((p, reached_from) for p in self.graph.predecessors(name)
+            label[name] = mark
+            if through(name):
+                stack.extend((p, mark) for p in self.graph.predecessors(name)
                              if p not in label)
-        out: dict[int, Whole] = {}
-        for i, leaf in enumerate(self.leaves):
-            fed = next((label[v] for v in leaf.values if v in label), None)
-            if fed is not None:
-                out[i] = Whole(ReasonCode.FEEDS_GRADIENTS, f"%{fed} is computed from it: a "
-                               f"value of the forward/backward pass (a batch statistic, a "
-                               f"sum summed again, a gradient the step takes another "
-                               f"gradient at, as SAM's ascent step), not an update's; kept "
-                               f"all-reduced, the update region ends here")
-        return out
+        found = {i: next((label[v] for v in leaf.values if v in label), None)
+                 for i, leaf in enumerate(self.leaves)}
+        return {i: mark for i, mark in found.items() if mark is not None}
 
     @functools.cached_property
     def weight_versions(self) -> frozenset[str]:
@@ -1232,25 +1240,15 @@ class _Planner:
         One walk up from those reductions (none in the usual step)."""
         reductions = [inst.name for inst in self.order
                       if _reduces_from_non_neutral(self.module, self.comp, inst)]
-        label: dict[str, str] = {}
-        stack = [(operand, name) for name in reductions for operand in self.comp[name].operands]
-        while stack:
-            name, reduction = stack.pop()
-            if name not in label:
-                label[name] = reduction
-                stack.extend((p, reduction) for p in self.graph.predecessors(name)
-                             if p not in label)
-        out: dict[int, Whole] = {}
-        for i, leaf in enumerate(self.leaves):
-            reader = next((label[v] for v in leaf.values if v in label), None)
-            if reader is not None:
-                out[i] = Whole(ReasonCode.NON_NEUTRAL_INIT,
-                               f"%{reader} reduces it from an initial value that is not its "
-                               f"reducer's neutral element: XLA applies that value once per "
-                               f"partial result of its own choosing, so the result depends "
-                               f"on how its operand is computed; kept all-reduced, the "
-                               f"update as it is")
-        return out
+        read = self._first_above((operand, name) for name in reductions
+                                 for operand in self.comp[name].operands)
+        return {i: Whole(ReasonCode.NON_NEUTRAL_INIT,
+                         f"%{reader} reduces it from an initial value that is not its "
+                         f"reducer's neutral element: XLA applies that value once per "
+                         f"partial result of its own choosing, so the result depends on "
+                         f"how its operand is computed; kept all-reduced, the update as it "
+                         f"is")
+                for i, reader in read.items()}
 
     def ancestors_of_gradients(self, active: Sequence[Leaf]) -> set[str]:
         """The per-device gradients of ``active`` and everything they are computed from."""
