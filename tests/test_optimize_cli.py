@@ -194,6 +194,11 @@ def test_nothing_to_shard_still_writes_and_says_so(tmp_path):
     result = run(str(path), "-o", str(out))
     assert result.exit_code == 0 and out.exists()
     assert "no gradient all-reduce" in result.stderr
+    # --explain said "every gradient stays whole for its own reason (its row says
+    # which)" above an empty table
+    explained = run(str(path), "-o", str(out), "--explain")
+    assert "nothing to shard: no gradient all-reduce" in explained.stderr
+    assert "its row says which" not in explained.stderr
 
 
 @pytest.mark.parametrize("profile", ["cpu-generic", "tpu-v3"])

@@ -127,8 +127,9 @@ def _strategy_lines(choices: list[StrategyChoice]) -> list[str]:
     return lines
 
 
-def _speed_lines(decision: SpeedDecision) -> list[str]:
-    """``--explain``: the predicted step of the input and of every cut-off tried."""
+def _speed_lines(decision: SpeedDecision, gradients: int) -> list[str]:
+    """``--explain``: the predicted step of the input and of every cut-off tried
+    (``gradients``: the report's rows)."""
     lines = [f"predicted step on profile {decision.profile}: input "
              f"{fmt_seconds(decision.before_s)}"]
     if decision.unsharded_s is not None:
@@ -148,7 +149,8 @@ def _speed_lines(decision: SpeedDecision) -> list[str]:
                      "written as the pipeline writes it (--force shards anyway)")
     elif decision.nothing_to_shard:
         lines.append("  nothing to shard: every gradient stays whole for its own reason "
-                     "(its row says which)")
+                     "(its row says which)" if gradients else
+                     "  nothing to shard: no gradient all-reduce")
     elif decision.kept_whole:
         lines.append(f"  none predicted faster by {decision.min_gain:.0%} or more: module kept whole "
                      "(--force shards anyway)")
@@ -381,7 +383,7 @@ def optimize(input_path: str, output: str, num_replicas: int | None, state: str,
         click.echo("\n".join(_explain_lines(report.explanations, names)), err=True)
         for line in _strategy_lines(report.strategies):
             click.echo(line, err=True)
-        for line in _speed_lines(decision):
+        for line in _speed_lines(decision, len(report.explanations)):
             click.echo(line, err=True)
         for note in report.notes:
             click.echo(f"note: {names.note(note)}", err=True)
