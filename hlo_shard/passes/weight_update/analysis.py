@@ -337,24 +337,25 @@ def _reduces_from_non_neutral(module: Module, comp: Computation, inst: Instructi
     its reducer's neutral constant (a reducer of several values counts as such: its
     neutral element is not known)."""
     if inst.opcode == "reduce":
-        return not _starts_neutral(module, comp, inst, comp)
+        return not _starts_neutral(module, comp, inst)
     calls = inst.called("calls") if inst.opcode == "fusion" else None
     if not calls or not module.has_computation(calls):
         return False
     body = module.computation(calls)
-    return any(item.opcode == "reduce" and not _starts_neutral(module, body, item, comp, inst)
+    return any(item.opcode == "reduce" and not _starts_neutral(module, body, item, (comp, inst))
                for item in body.instructions)
 
 
 def _starts_neutral(module: Module, comp: Computation, inst: Instruction,
-                    outer: Computation, fusion: Instruction | None = None) -> bool:
+                    caller: tuple[Computation, Instruction] | None = None) -> bool:
     """The reduction ``inst`` of ``comp`` starts from its reducer's neutral constant
-    (where ``comp`` is ``fusion``'s body, a parameter is read as the fusion's operand in
-    ``outer``)."""
+    (``caller``: the computation and fusion ``comp`` is the body of, whose operand a
+    parameter of ``comp`` reads)."""
     reducer = reducer_opcode(module, inst.called("to_apply")) \
         if len(inst.operands) == 2 else None
     init = comp[inst.operands[-1]]
-    if fusion is not None and init.opcode == "parameter":
+    if caller is not None and init.opcode == "parameter":
+        outer, fusion = caller
         init = outer[fusion.operands[cast(int, init.parameter_number)]]
     return _neutral_start(reducer, inst, init) is not None
 
