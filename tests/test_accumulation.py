@@ -1037,6 +1037,7 @@ def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded
     result = hlo_shard.optimize(module, ShardingOptions(), write_kept_whole=False)
     decision = result.decision
     assert decision.kept_whole and decision.moves_only and result.sharded == 0
+    assert decision.to_json()["moves_only"]  # (what tells a report reader it changed)
     assert result.rewritten and not_faster(decision) == ""
     assert body_collectives(parse(result.xla_text)) == []
     # the same decision on a profile demanding more than the moved loop gains: the

@@ -108,6 +108,26 @@ def test_a_changed_module_says_xla_dropped_its_donation(quick):
     assert quick["jit:adam"]["donation_dropped"] == [True]
 
 
+def test_the_log_line_says_what_changed_a_module_with_nothing_sharded():
+    """A module the hook changed without sharding a gradient (its all-reduces moved out
+    of an accumulation loop: the gate's ``moves_only``) said "sharded 0 of N gradient
+    bytes" and nothing else, as if nothing had been done."""
+    from hlo_shard.jax.hook import Decision
+    from hlo_shard.passes.weight_update import Explanation, ShardingReport
+
+    def decision(sharded: bool, changed: bool = True, reason: str = "") -> Decision:
+        row = Explanation("main", "all-reduce.1", None, "f32[256]", 1024, sharded,
+                          reason="" if sharded else "left out by the speed gate's size cut-off")
+        return Decision("jit_step", changed, reason, ShardingReport(8, [row]), 0.1)
+
+    moved = decision(sharded=False).summary()
+    assert moved.startswith("jit_step: sharded 0 of 1024 gradient bytes (changed by moving")
+    assert "accumulation loops" in moved
+    assert decision(sharded=True).summary() == "jit_step: sharded 1024 of 1024 gradient bytes"
+    kept = decision(sharded=False, changed=False, reason="nothing sharded (why)\nmore")
+    assert kept.summary() == "jit_step left unchanged: nothing sharded (why)"
+
+
 def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):
     """The LayerNorm MLP with global norm clipping: XLA:CPU sums each weight gradient's
     squares in 32×32 tiles (a reduce-window fusion) before the norm; the pass runs those

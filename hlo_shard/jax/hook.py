@@ -151,6 +151,22 @@ class Decision:
     def gradient_bytes(self) -> int:
         return sum(e.bytes for e in self.report.explanations) if self.report else 0
 
+    def summary(self) -> str:
+        """What the hook did, in the one line it logs. A module changed with no gradient
+        sharded is the pipeline's moves (all-reduces out of accumulation loops and
+        conditionals, all-reduce + slice pairs made reduce-scatters): it says so, where
+        "sharded 0 of N gradient bytes" alone would read as nothing done."""
+        if not self.changed:
+            return f"{self.module} left unchanged: {(self.reason.splitlines() or [''])[0]}"
+        sharded = self.sharded_bytes
+        moves = "" if sharded else \
+            " (changed by moving its gradient all-reduces out of accumulation loops or " \
+            "conditionals, or making them reduce-scatters; the report's notes say which)"
+        dropped = "; XLA drops its donation (the donated arguments stay alive)" \
+            if self.donation_dropped else ""
+        return (f"{self.module}: sharded {sharded} of {self.gradient_bytes} gradient "
+                f"bytes{moves}{dropped}")
+
     @property
     def donation_dropped(self) -> bool:
         """The step donated arguments (its module aliased outputs to them) and XLA
@@ -213,13 +229,7 @@ class _Hook:
                             time.perf_counter() - start, reused,
                             None if reused else outcome.seconds)
         self.record(decision)
-        if result is None:
-            logger.info("hlo_shard: %s left unchanged: %s", name, reason.splitlines()[0])
-        else:
-            logger.info("hlo_shard: %s: sharded %d of %d gradient bytes%s", name,
-                        decision.sharded_bytes, decision.gradient_bytes,
-                        "; XLA drops its donation (the donated arguments stay alive)"
-                        if decision.donation_dropped else "")
+        logger.info("hlo_shard: %s", decision.summary())
         return result
 
     def on_platform(self, settings: _Settings) -> _Settings:

@@ -129,6 +129,7 @@ class SpeedDecision:
         return {"profile": self.profile, "before_seconds": self.before_s,
                 "after_seconds": self.after_s, "min_gain": self.min_gain, "forced": self.forced,
                 "kept_whole": self.kept_whole, "unsharded_seconds": self.unsharded_s,
+                "moves_only": self.moves_only,
                 "min_shard_bytes": None if self.chosen is None else self.chosen.min_bytes,
                 "trials": [{"min_shard_bytes": t.min_bytes, "sharded": t.sharded,
                             "seconds": t.seconds, "estimated": t.estimated}
