@@ -331,11 +331,18 @@ def _strip(shape: Shape) -> tuple:
     return shape.element_type, shape.dims
 
 
-def _group_size(checker: _Checker, inst: Instruction) -> int:
+def _group_size(checker: _Checker, inst: Instruction) -> int | None:
+    """The devices ``inst``'s groups hold; None where nothing says: no explicit groups
+    (every device) in a module whose header lost its device counts (XLA's pass hook
+    prints neither; the passes write those they recover into what they emit), where
+    the defaults' one device would turn every such all-gather of an input into a
+    problem the input does not have."""
     groups = inst.attr("replica_groups")
     if isinstance(groups, ReplicaGroups) and groups.groups and groups.group_size:
         return groups.group_size
     module = checker.module
+    if "replica_count" not in module.header and "num_partitions" not in module.header:
+        return None
     if inst.attr("channel_id") is not None and inst.attr("use_global_device_ids") is None:
         return module.num_partitions
     return module.replica_count if inst.attr("channel_id") is None else \
@@ -346,6 +353,8 @@ def _collective_dims(checker: _Checker, inst: Instruction, operands: list[Shape]
                      scale: Callable[[int, int], int | None]) -> str | None:
     axis = _one_dimension(inst)
     n = _group_size(checker, inst)
+    if n is None:
+        return None
     results = list(inst.shape.elements) if isinstance(inst.shape, TupleShape) else [inst.shape]
     for source, result in zip(operands, results):
         src, res = _dims(source), _dims(result)

@@ -56,6 +56,20 @@ def test_use_before_definition_and_duplicate_names():
     assert {"def-before-use", "unique-names"} <= found
 
 
+@pytest.mark.parametrize("header, check", [("", None), (", replica_count=4", None),
+                                           (", replica_count=2", "shape")])
+def test_a_gather_over_every_device_is_checked_where_the_header_counts_them(header, check):
+    """An all-gather without groups (every device) in a module whose header says how many
+    (XLA's own tests write such modules; XLA's pass hook prints no count): the header
+    lost, the size is unknown, not one device (optimize refused to write XLA's test of
+    it unchanged, "over groups of 1 cannot give [128, 128]")."""
+    text = (f"HloModule m{header}\nENTRY e {{ p = f32[128,32]{{0,1}} parameter(0)\n"
+            f" ROOT ag = f32[128,128]{{0,1}} all-gather(p), replica_groups={{}}, "
+            f"dimensions={{1}} }}\n")
+    found = checks(text)
+    assert (check in found) if check else ("shape" not in found), validate(parse(text))
+
+
 @pytest.mark.parametrize("body, check", [
     ("s = f32[5] slice(p), slice={[0:5]}", None),
     ("s = f32[5] slice(p), slice={[2:9]}", "shape"),
