@@ -146,7 +146,8 @@ def train(args: argparse.Namespace) -> list[dict]:
                         "sharded": (getattr(step, "report", None) or {}).get("sharded")
                         if mode != "hook" else sum(d.changed for d in hsj.decisions()),
                         "hook_reasons": [d.reason for d in hsj.decisions()]
-                        if mode == "hook" else []})
+                        if mode == "hook" else [],
+                        "fallback": (getattr(step, "report", None) or {}).get("fallback")})
         if mode == "hook":
             hsj.uninstall()
     if args.num_processes > 1:

@@ -248,24 +248,140 @@ def test_training_in_two_processes_equals_one_process():
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_processes_that_build_different_programs_are_refused(tmp_path):
-    """Process 1 optimizes with another strategy: both refuse before running a step."""
+def test_processes_compare_programs_without_their_debug_info():
+    """Two processes started from copies of a script in other folders (or calling the
+    step from another line) build modules whose source paths and call sites differ: the
+    same program. They compared the whole text, and every such run kept the step whole
+    (install) or raised into the loop (shard_weight_update)."""
+    from hlo_shard.fuzz.frontend import STACK_FRAMES
+    from hlo_shard.jax._distributed import program_digest
+
+    def module(path: str, line: int, opcode: str = "add") -> str:
+        frames = STACK_FRAMES.replace('"train.py"', f'"{path}"').replace("line=14", f"line={line}")
+        return (f"HloModule jit_step, entry_computation_layout={{(f32[8]{{0}})->f32[8]{{0}}}}"
+                f"{frames}\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n"
+                f"  %p = f32[8]{{0}} parameter(0)\n"
+                f"  ROOT %a = f32[8]{{0}} {opcode}(f32[8]{{0}} %p, f32[8]{{0}} %p), "
+                f'metadata={{op_name="jit(step)/{{x}}" source_file="{path}" source_line={line} '
+                f"stack_frame_id=2}}\n}}\n")
+
+    first = module("/home/a/run/train.py", 14)
+    assert program_digest(first) == program_digest(module("/scratch/b/train.py", 31))
+    assert program_digest(first) != program_digest(module("/home/a/run/train.py", 14,
+                                                          "multiply"))
+
+
+def test_processes_that_build_different_programs_all_run_fn(tmp_path):
+    """Process 1 optimizes with another strategy: the two programs differ, so every
+    process runs ``fn`` (one ``FallbackWarning``, ``processes_disagree``) and trains as
+    plain jit does. It raised ``HloShardError`` into both loops."""
     script = tmp_path / "disagree.py"
     script.write_text(f"""import sys
 sys.path.insert(0, {str(DEMO.parent)!r})
 import demo_distributed
 args = demo_distributed.parse_args()
 args.strategy = "per-tensor" if args.process_id else "combined"
-demo_distributed.train(args)
+for result in demo_distributed.train(args):
+    print("RESULT " + demo_distributed.json.dumps(result))
 """)
-    from hlo_shard.runtime.distributed import launch
+    plain, ran = _modes(script, "jit,gathered")
+    assert len(ran) == 2 and all(r["fallback"] == "processes_disagree" for r in ran), ran
+    assert all(r["losses"] == p["losses"] for r, p in zip(ran, plain))
 
-    with pytest.raises(HloRuntimeError) as failed:
-        launch(script, ["--modes", "gathered", "--steps", "1"], 2, 2, timeout=300)
-    message = str(failed.value)  # names the first process to exit (both refuse)
-    assert ("of 2 exited with status 1; last stderr line: hlo_shard.errors.HloShardError: "
-            "hlo_shard.jax: the 2 processes built different programs for this step "
-            "(process 0: optimized module sha256 ") in message, message
+
+def test_each_process_training_on_its_own_devices_needs_no_agreement(tmp_path):
+    """Each process trains its own copy on a mesh of its own devices (a sweep, one run per
+    host): no other process builds its step, so there is nothing to agree on (as the hook
+    already knew). shard_weight_update asked the other process anyway, found another
+    program or none, and raised into both loops."""
+    script = tmp_path / "own_devices.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed, jax
+initialize = jax.distributed.initialize
+
+def initialize_then_keep_to_my_devices(**kwargs):
+    initialize(**kwargs)
+    jax.devices = jax.local_devices  # the demo's mesh: this process's devices
+
+jax.distributed.initialize = initialize_then_keep_to_my_devices
+for result in demo_distributed.train(demo_distributed.parse_args()):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    plain, ran = _modes(script, "jit,sharded")
+    assert len(ran) == 2 and all(r["fallback"] is None and r["sharded"] for r in ran), ran
+    assert [r["devices"] for r in ran] == [2, 2]
+    for r, p in zip(ran, plain):
+        np.testing.assert_allclose(r["losses"], p["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_one_process_compiles_ahead_is_agreed_on_when_the_others_build_it(tmp_path):
+    """Process 0 compiles the step ahead (``lower(...).compile()``, for its memory
+    figures) and then runs it; process 1 only runs it. The processes agree per module
+    handed to the hook, not per build counted: numbered builds put process 0 one build
+    ahead, so it waited 600 s inside XLA's compile for a build process 1 never made,
+    and kept every later step whole."""
+    script = tmp_path / "ahead.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed, jax
+jit = jax.jit
+
+def jit_compiling_ahead(fn, **kwargs):
+    step = jit(fn, **kwargs)
+    if jax.process_index() != 0 or fn.__name__ != "train_step":
+        return step
+    first = []
+    def run(*args):
+        if not first:
+            first.append(step.lower(*args).compile().memory_analysis())
+        return step(*args)
+    return run
+
+jax.jit = jit_compiling_ahead
+for result in demo_distributed.train(demo_distributed.parse_args()):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    plain, hooked = _modes(script, "jit,hook")
+    assert len(hooked) == 2 and all(r["sharded"] >= 1 for r in hooked), \
+        [r["hook_reasons"] for r in hooked]
+    assert hooked[0]["leaves"] == hooked[1]["leaves"]
+    for h, p in zip(hooked, plain):
+        np.testing.assert_allclose(h["losses"], p["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_process_that_builds_the_step_late_runs_the_original_with_the_others(tmp_path):
+    """Process 1 reaches the step after process 0 stopped waiting for it (the wait cut to
+    3 s here): process 0 runs the original and says so in its answer, so process 1, which
+    finds that answer, runs the original too. Process 1 ran the sharded module beside
+    process 0's original, and XLA aborted both (a collective mismatch)."""
+    script = tmp_path / "late.py"
+    script.write_text(f"""import sys, time
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed
+import hlo_shard.jax as hsj
+from hlo_shard.jax import _distributed
+_distributed.AGREE_TIMEOUT_S = 3
+install = hsj.install
+
+def install_late(*args, **kwargs):
+    installation = install(*args, **kwargs)
+    import jax
+    if jax.process_index() == 1:
+        time.sleep(8)
+    return installation
+
+hsj.install = install_late
+for result in demo_distributed.train(demo_distributed.parse_args()):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    plain, hooked = _modes(script, "jit,hook")
+    assert len(hooked) == 2 and all(r["sharded"] == 0 for r in hooked), \
+        [r["hook_reasons"] for r in hooked]
+    reasons = {r["process"]: r["hook_reasons"] for r in hooked}
+    assert any("process 1 did not build this step within 3 s" in why for why in reasons[0])
+    assert any("processes built different programs" in why for why in reasons[1])
+    assert all(h["losses"] == p["losses"] for h, p in zip(hooked, plain))
 
 
 def test_the_hook_in_two_processes_equals_one_process():
@@ -285,18 +401,20 @@ def test_the_hook_in_two_processes_equals_one_process():
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)
 
 
-def _jit_and_hook(script: Path) -> tuple[list[dict], list[dict]]:
-    """The demo loop's results of ``script`` on 2 processes x 2 devices: plain jit's and
-    the hook's, one per process each."""
+def _modes(script: Path, modes: str) -> tuple[list[dict], list[dict]]:
+    """The demo loop's results of ``script`` on 2 processes x 2 devices in ``modes``
+    ("jit,MODE"): plain jit's and MODE's, one per process each, in process order."""
     from hlo_shard.runtime.distributed import launch
 
     sys.path.insert(0, str(DEMO.parent))
     import demo_distributed
 
-    results = demo_distributed.results_of(
-        launch(script, [*LOOP, "--modes", "jit,hook"], 2, 2, timeout=300))
+    results = sorted(demo_distributed.results_of(
+        launch(script, [*LOOP, "--modes", modes], 2, 2, timeout=300)),
+        key=lambda r: r["process"])
+    other = modes.split(",")[1]
     return ([r for r in results if r["mode"] == "jit"],
-            [r for r in results if r["mode"] == "hook"])
+            [r for r in results if r["mode"] == other])
 
 
 def test_processes_whose_hooks_disagree_all_compile_the_original(tmp_path):
@@ -312,7 +430,7 @@ args.strategy = "per-tensor" if args.process_id else "combined"
 for result in demo_distributed.train(args):
     print("RESULT " + demo_distributed.json.dumps(result))
 """)
-    plain, hooked = _jit_and_hook(script)
+    plain, hooked = _modes(script, "jit,hook")
     assert len(hooked) == 2 and all(r["sharded"] == 0 for r in hooked)
     assert all(any("processes built different programs" in why for why in r["hook_reasons"])
                for r in hooked)
@@ -346,7 +464,7 @@ hsj.install = install_then_a_local_metric
 for result in demo_distributed.train(demo_distributed.parse_args()):
     print("RESULT " + demo_distributed.json.dumps(result))
 """)
-    plain, hooked = _jit_and_hook(script)
+    plain, hooked = _modes(script, "jit,hook")
     assert len(hooked) == 2 and all(r["sharded"] >= 1 for r in hooked), \
         [r["hook_reasons"] for r in hooked]
     assert hooked[0]["leaves"] == hooked[1]["leaves"]

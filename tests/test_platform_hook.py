@@ -95,12 +95,13 @@ def test_the_hook_shards_the_gpu_form_through_xlas_own_text():
     and the pass's result is accepted back by XLA's parser."""
     xc = hook._xla_client()
     hlo = xc.hlo.hlo_module_from_text(gpu_pre_scheduler_form(LOOP_ADAM.read_text()))
-    text, report, reason, devices = hook._shard(hook._module_text(hlo), hlo.name,
-                                                ShardingOptions(state="gathered"), force=True)
-    assert text is not None, reason
+    sharded = hook._shard(hook._module_text(hlo), hlo.name,
+                          ShardingOptions(state="gathered"), force=True)
+    text, report = sharded.text, sharded.report
+    assert text is not None, sharded.reason
     assert report is not None and any(e.sharded for e in report.explanations)
     # (XLA's text prints no device counts: read from the groups, as the agreement needs)
-    assert devices == report.devices
+    assert sharded.devices == report.devices
     assert "cu_threefry2x32" in xc.hlo.hlo_module_from_text(text).to_string()
 
 

@@ -60,6 +60,10 @@ class Reason(str, Enum):
     COMPILE_FAILED = "compile_failed"
     #: The optimized step's first run failed.
     RUN_FAILED = "run_failed"
+    #: Under ``jax.distributed`` the processes did not all build the same optimized step
+    #: (other options or another release in one, one running ``fn``, one that did not
+    #: build it in time): every process runs ``fn``.
+    PROCESSES_DISAGREE = "processes_disagree"
     #: The installed jaxlib is outside the range hlo-shard is tested with (the private
     #: APIs it uses may differ); ``HLO_SHARD_ALLOW_UNSUPPORTED_JAX=1`` tries it.
     UNSUPPORTED_JAX = "unsupported_jax"

@@ -192,6 +192,28 @@ def _with_next_values(cap: Capture, next_values: list[tuple[int, int]]) -> str:
     return to_text(module)
 
 
+def _agreement(capture: Capture, program: Program | None) -> str:
+    """Why this process runs ``fn`` instead of ``program`` under ``jax.distributed``: the
+    other processes do not all build it (:func:`~._distributed.agree_on_program`); ""
+    where they do, in one process, and for a step on this process's own devices (no
+    other process builds it). ``program`` None: this process runs ``fn``, which the
+    others learn at once."""
+    if not _distributed.multi_process():
+        return ""
+    import jax
+
+    me = jax.process_index()
+    if all(getattr(device, "process_index", me) == me for device in capture.devices):
+        return ""
+    try:
+        return _distributed.agree_on_program(
+            _distributed.program_digest(capture.text),
+            None if program is None else _distributed.program_digest(program.hlo_text))
+    except Exception as err:  # noqa: BLE001 - never into the loop: every process runs fn
+        return (f"hlo_shard.jax: the processes could not agree on the step "
+                f"({describe(err)}); it runs as fn")
+
+
 class _Captured(Exception):
     """The module the wrapper's jit was called for, carried out through the wrapper
     (which would otherwise post-process what its jit returns)."""
@@ -642,8 +664,13 @@ class ShardedStep:
             refusal = err if isinstance(err, Unsupported) else Unsupported(
                 f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED)
             refusal.seconds = seconds
+            return self._fall_back(key, refusal, jit=cap.jit, capture=cap)
+        apart = _agreement(cap, program)
+        if apart:
+            refusal = Unsupported(apart, Reason.PROCESSES_DISAGREE, program.report,
+                                  program.decision)
+            refusal.seconds = seconds
             return self._fall_back(key, refusal, jit=cap.jit)
-        _distributed.agree_on_program("optimized module", program.hlo_text)
         self._entries[key] = _Entry(program, shards=False)
         if shard_key is not None:
             self._entries[shard_key] = _Entry(program, shards=True)
@@ -673,15 +700,17 @@ class ShardedStep:
         return True
 
     def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
-                   jit: JitStep | None = None) -> _Fallback:
+                   jit: JitStep | None = None, capture: Capture | None = None) -> _Fallback:
         """Run ``fn`` for this signature (and, for a program that failed its first run,
         for every signature it answered) from now on, after one warning: as ``jit``'s
         executable of the signature from the capture, where there is one (a failed
         program's full signature has its capture's; its shard form runs jit), compiled
         here where the capture stopped before it (its seconds in the first call's
-        ``compile``)."""
+        ``compile``). ``capture``: the step's, where the pass refused it: the other
+        processes learn at once that this one runs ``fn``."""
         if program is None:
-            _distributed.agree_on_program("fallback to fn", str(why))
+            if capture is not None:
+                _agreement(capture, None)
             runs = {key: jit}
         else:
             runs = {k: None if e.shards else program.capture.jit

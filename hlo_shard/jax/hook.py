@@ -222,9 +222,8 @@ class _Hook:
             return None
         if outcome.skipped:
             return None
-        name, out, report = outcome.name, outcome.text, outcome.report
-        result, reason = _agree_across_processes(out, outcome.result, outcome.reason,
-                                                 outcome.devices)
+        name, report = outcome.name, outcome.report
+        result, reason = _agree_across_processes(outcome)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start, reused,
                             None if reused else outcome.seconds)
@@ -258,7 +257,6 @@ class _Hook:
         any ``Exception`` becomes the reason it is kept (and is not remembered)."""
         name = "<module>"
         seconds = HookSeconds()
-        devices = 0
         try:
             xc = _xla_client()
             with seconds.timing("read"):
@@ -273,16 +271,17 @@ class _Hook:
                 return remembered, True
             # (the Python thread that asked XLA for this compile waits for it)
             with cyclic_gc_paused(caller_waits=True):
-                out, report, reason, devices = _shard(text, name, settings.options,
-                                                      settings.force, seconds)
+                sharded = _shard(text, name, settings.options, settings.force, seconds)
+            out = sharded.text
             with seconds.timing("write"):
                 result = None if out is None else \
                     xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
             return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}",
-                            seconds=seconds, devices=devices), False
-        outcome = _Outcome(settings, name, out, result, report, reason, seconds=seconds,
-                           devices=devices)
+                            seconds=seconds), False
+        outcome = _Outcome(settings, name, out, result, sharded.report, sharded.reason,
+                           seconds=seconds, devices=sharded.devices, build=sharded.build,
+                           program=sharded.program)
         self.remember(digest, outcome)
         return outcome, False
 
@@ -318,6 +317,27 @@ class _Outcome:
     seconds: HookSeconds | None = None
     #: The devices the module runs on (its replicas × partitions; 0: not read).
     devices: int = 0
+    #: Under ``jax.distributed``: the module's and the sharded one's programs as
+    #: processes compare them (:func:`~._distributed.program_digest`).
+    build: str | None = None
+    program: str | None = None
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """What :func:`_shard` made of a module's text."""
+
+    #: The sharded module's text (None: XLA compiles the module as it was).
+    text: str | None
+    report: ShardingReport | None
+    #: Why it was not sharded ("" where it was).
+    reason: str
+    #: The devices the module runs on (:func:`_devices`).
+    devices: int
+    #: Under ``jax.distributed`` (else None): the digests processes agree on
+    #: (:func:`~._distributed.program_digest`) of the module and of the sharded one.
+    build: str | None = None
+    program: str | None = None
 
 
 
@@ -353,11 +373,10 @@ def _module_text(hlo: Any) -> str:
 
 
 def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
-           seconds: HookSeconds | None = None
-           ) -> tuple[str | None, ShardingReport | None, str, int]:
-    """(the sharded module's text or None, the report, why not, the devices the module
-    runs on: :func:`_devices`); ``seconds``: the parse goes to its ``read``, the
-    optimizer and its output check to its ``pass``."""
+           seconds: HookSeconds | None = None) -> _Sharded:
+    """What the pass makes of the module ``text``; ``seconds``: the parse goes to its
+    ``read``, the optimizer and its output check to its ``pass``."""
+    from hlo_shard.jax import _distributed
     from hlo_shard.parser import parse
     from hlo_shard.passes.optimize import optimize
 
@@ -365,18 +384,21 @@ def _shard(text: str, name: str, options: ShardingOptions, force: bool = False,
     with seconds.timing("read"):
         module = parse(text, path=f"<{name}>")
     devices = _devices(module)
+    build = _distributed.program_digest(text) if _distributed.multi_process() else None
     with seconds.timing("pass_"):
         try:
             # (kept whole, XLA compiles the module as it was: nothing to write)
             result = optimize(module, options, force=force, write_kept_whole=False)
         except HloShardError as err:
-            return None, None, str(err), devices
+            return _Sharded(None, None, str(err), devices, build)
         report = result.report
         if not result.rewritten:
-            return None, report, "nothing sharded (" + (
+            return _Sharded(None, report, "nothing sharded (" + (
                 not_faster(result.decision) or report.whole_reasons() or
-                "no gradient all-reduce") + ")", devices
-        return result.xla_text, report, "", devices
+                "no gradient all-reduce") + ")", devices, build)
+        out = result.xla_text
+        return _Sharded(out, report, "", devices, build,
+                        None if build is None else _distributed.program_digest(out))
 
 
 def _devices(module: Module) -> int:
@@ -389,27 +411,28 @@ def _devices(module: Module) -> int:
     return math.prod(counts.values()) if counts else 0
 
 
-def _agree_across_processes(out: str | None, result: bytes | None, reason: str,
-                            devices: int) -> tuple[bytes | None, str]:
-    """Under ``jax.distributed`` every process compiles the step and runs this callback:
-    all must return the same module, or all the original (a process running another
-    program would wait in collectives forever). Compared by hash through the
-    coordination service, as :mod:`._distributed` does for ``shard_weight_update``. A
-    module on no more ``devices`` than this process holds is this process's own (rank 0
-    computing a metric on its devices): no other process compiles it, so there is
-    nothing to agree on (counted as a build, it put every later build out of step)."""
+def _agree_across_processes(outcome: _Outcome) -> tuple[bytes | None, str]:
+    """What XLA compiles of ``outcome`` (the sharded module's bytes, None: the module as
+    it was) and why not the sharded one. Under ``jax.distributed`` every process compiles
+    the step and runs this callback: a process returns a sharded module only where all
+    return that one (:func:`~._distributed.agree_on_program`; a process running another
+    program would wait in collectives forever). A module on no more devices than this
+    process holds is this process's own (rank 0 computing a metric on its devices): no
+    other process compiles it, so there is nothing to agree on. A failure of the
+    agreement itself (never into XLA) runs the module as it was."""
     import jax
 
     from hlo_shard.jax import _distributed
 
-    if not _distributed.multi_process() or 0 < devices <= jax.local_device_count():
-        return result, reason
+    devices = outcome.devices
+    if outcome.build is None or not _distributed.multi_process() or \
+            0 < devices <= jax.local_device_count():
+        return outcome.result, outcome.reason
     try:
-        _distributed.agree_on_program("sharded module" if out is not None else "kept whole",
-                                      out if out is not None else reason)
-    except HloShardError as err:
-        return None, str(err)
-    return result, reason
+        why = _distributed.agree_on_program(outcome.build, outcome.program)
+    except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
+        why = f"hlo_shard.jax: the processes could not agree ({type(err).__name__}: {err})"
+    return (None, why) if why else (outcome.result, outcome.reason)
 
 
 def platform_hook(platform: str, jaxlib: str) -> tuple[PlatformHook, str]:
