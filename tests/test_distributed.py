@@ -305,7 +305,9 @@ def initialize_then_keep_to_my_devices(**kwargs):
     jax.devices = jax.local_devices  # the demo's mesh: this process's devices
 
 jax.distributed.initialize = initialize_then_keep_to_my_devices
-for result in demo_distributed.train(demo_distributed.parse_args()):
+args = demo_distributed.parse_args()
+args.width = 32 if args.process_id == 0 else 48  # a sweep: each its own model
+for result in demo_distributed.train(args):
     print("RESULT " + demo_distributed.json.dumps(result))
 """)
     plain, ran = _modes(script, "jit,sharded")
