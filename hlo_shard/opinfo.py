@@ -425,6 +425,10 @@ ALL_REDUCES = frozenset(name for name, kind in COLLECTIVE_KINDS.items() if kind 
 ALL_GATHERS = frozenset(name for name, kind in COLLECTIVE_KINDS.items() if kind == "all-gather")
 #: Collectives that leave every device of a group the same value (a sum, a gather).
 REPLICATING_COLLECTIVES = ALL_REDUCES | ALL_GATHERS
+#: Collectives whose ``use_global_device_ids`` XLA holds as a flag (absent: false), not
+#: as an option: with a ``channel_id`` and without it, their groups name replicas (each
+#: with every partition), not partitions (XLA's ``GetCollectiveOpGroupMode``).
+GLOBAL_IDS_FLAGGED = SUMMING_COLLECTIVES | ALL_GATHERS
 #: Ops whose value is their first operand's (they order execution).
 FORWARDING = opcodes_where(lambda i: i.forwards)
 #: Ops whose ``replica_groups`` name the devices they run over.
@@ -482,7 +486,8 @@ __all__ = [
     "BRANCHES", "BROADCAST", "CALL", "CALLS_ONCE", "CHANNEL_PAIRED", "CHANNEL_UNIQUE",
     "COLLECTIVE_DONE", "COLLECTIVE_KINDS", "CONTROL_FLOW", "COPY", "DATA_MOVEMENT",
     "DETERMINISTIC", "DETERMINISTIC_OPS", "DEVICE_IDS", "ELEMENTWISE", "FLAGGED", "FLOP",
-    "FORMATTING", "FORWARDING", "FREE", "FUSIBLE", "GROUPED", "HOST_IO", "HOST_TRANSFERS",
+    "FORMATTING", "FORWARDING", "FREE", "FUSIBLE", "GLOBAL_IDS_FLAGGED", "GROUPED",
+    "HOST_IO", "HOST_TRANSFERS",
     "IMPURE", "IN_PLACE", "KERNEL", "KERNEL_ROOTS", "LOGICAL_VIEWS", "LOOP", "LOOP_BODY",
     "MATMULS", "NON_COMMUTATIVE", "NO_COST", "OPCODES", "OPERAND", "OPINFO",
     "ORDER_KEEPING_VIEWS", "PAIRED", "PER_DEVICE", "PER_ELEMENT", "PER_ELEMENT_COST", "PRED",

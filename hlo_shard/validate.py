@@ -19,6 +19,7 @@ from hlo_shard.graph import dependencies
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
                           Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
+from hlo_shard.values import read_dim_labels, read_window
 
 
 @dataclass(frozen=True)
@@ -245,9 +246,59 @@ def _slice(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
     for (start, limit, stride), size in zip(ranges.ranges, source):
         if not 0 <= start <= limit <= size:
             return f"slice [{start}:{limit}] outside 0..{size}"
+        if stride < 1:
+            return f"slice [{start}:{limit}:{stride}] has a stride below 1"
         expected.append(-(-(limit - start) // stride))
     if tuple(expected) != _dims(inst.shape):
         return f"result dims should be {expected}"
+    return None
+
+
+def _dot(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    """XLA's ``InferDotOpShape``: contracting and batch dimensions in range, once each,
+    of equal sizes on both sides; the result the batch dimensions, then the left's and
+    the right's others (a sparse dot's metadata operands: not checked)."""
+    if len(operands) != 2:
+        return None
+    sides = [(_dims(shape), _ints(inst, f"{side}_contracting_dims"),
+              _ints(inst, f"{side}_batch_dims")) for shape, side in zip(operands, ("lhs", "rhs"))]
+    for (dims, contracting, batch), side in zip(sides, ("lhs", "rhs")):
+        named = contracting + batch
+        if any(not 0 <= d < len(dims) for d in named) or len(set(named)) != len(named):
+            return (f"{side} contracting {list(contracting)} and batch {list(batch)} "
+                    f"dimensions must each name one of the {len(dims)} dimensions once")
+    (lhs, lhs_contracting, lhs_batch), (rhs, rhs_contracting, rhs_batch) = sides
+    for kind, left, right in (("contracting", lhs_contracting, rhs_contracting),
+                              ("batch", lhs_batch, rhs_batch)):
+        if [lhs[d] for d in left] != [rhs[d] for d in right]:
+            return (f"{kind} dimensions of sizes {[lhs[d] for d in left]} and "
+                    f"{[rhs[d] for d in right]} differ")
+    free = [[size for d, size in enumerate(dims) if d not in contracting + batch]
+            for dims, contracting, batch in sides]
+    expected = [lhs[d] for d in lhs_batch] + free[0] + free[1]
+    if tuple(expected) != _dims(inst.shape):
+        return f"result dims should be {expected}"
+    return None
+
+
+def _convolution(checker: _Checker, inst: Instruction, operands: list[Shape]
+                 ) -> str | None:
+    """``dim_labels`` as XLA reads them, naming the operands' and the result's ranks, and
+    a window of one dimension per spatial one (the result's sizes are not checked)."""
+    if len(operands) != 2:
+        return "a convolution takes two operands"
+    try:
+        labels = read_dim_labels(inst.attr("dim_labels"))
+        window = read_window(inst.attr("window"))
+    except ValueError as err:
+        return str(err)
+    ranks = (len(_dims(operands[0])), len(_dims(operands[1])), len(_dims(inst.shape)))
+    if labels.ranks != ranks:
+        return (f"dim_labels name {list(labels.ranks)} dimensions where the input, kernel "
+                f"and result have {list(ranks)}")
+    if window and len(window) != len(labels.input_spatial):
+        return (f"the window has {len(window)} dimensions where the convolution has "
+                f"{len(labels.input_spatial)} spatial ones")
     return None
 
 
@@ -343,8 +394,8 @@ def _group_size(checker: _Checker, inst: Instruction) -> int | None:
     module = checker.module
     if "replica_count" not in module.header and "num_partitions" not in module.header:
         return None
-    if inst.attr("channel_id") is not None and inst.attr("use_global_device_ids") is None:
-        return module.num_partitions
+    # (a reduce-scatter's or all-gather's channel without global ids: every replica
+    # with every partition, as with them; without a channel, every replica)
     return module.replica_count if inst.attr("channel_id") is None else \
         module.device_count
 
@@ -401,6 +452,8 @@ _SHAPE_RULES: dict[str, ShapeRule] = {
     "transpose": _transpose,
     "slice": _slice,
     "dynamic-slice": _dynamic_slice,
+    "dot": _dot,
+    "convolution": _convolution,
     "pad": _pad,
     "concatenate": _concatenate,
     "reduce": _reduce,

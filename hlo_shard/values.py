@@ -69,7 +69,8 @@ class WindowDim:
 
 def read_window(value: object) -> list[WindowDim]:
     """A ``window`` attribute's value (its text, or a value holding it as ``text``) → per
-    dimension; no dimension where it names no size."""
+    dimension; no dimension where it names no size. ``ValueError`` where a field is not
+    integers, one per dimension (``pad`` a ``low_high`` pair each)."""
     if value is None:
         return []
     text = getattr(value, "text", str(value)).strip().strip("{}")
@@ -79,14 +80,64 @@ def read_window(value: object) -> list[WindowDim]:
     sizes = [int(x) for x in fields["size"].split("x")]
     rank = len(sizes)
 
-    def ints(key: str, default: int) -> list[int]:
-        return [int(x) for x in fields[key].split("x")] if key in fields else [default] * rank
+    def per_dimension(key: str, default: tuple[int, ...]) -> list[tuple[int, ...]]:
+        if key not in fields:
+            return [default] * rank
+        values = [tuple(int(v) for v in part.split("_")) for part in fields[key].split("x")]
+        if len(values) != rank or any(len(v) != len(default) for v in values):
+            raise ValueError(f"window {key}={fields[key]} does not give each of the "
+                             f"{rank} dimensions of size={fields['size']} its value")
+        return values
 
-    pads = ([tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
-            if "pad" in fields else [(0, 0)] * rank)
-    strides, lhs, rhs = ints("stride", 1), ints("lhs_dilate", 1), ints("rhs_dilate", 1)
-    return [WindowDim(sizes[i], strides[i], pads[i][0], pads[i][1], lhs[i], rhs[i])
+    pads = per_dimension("pad", (0, 0))
+    strides, lhs, rhs = (per_dimension(key, (1,))
+                         for key in ("stride", "lhs_dilate", "rhs_dilate"))
+    return [WindowDim(sizes[i], strides[i][0], pads[i][0], pads[i][1], lhs[i][0], rhs[i][0])
             for i in range(rank)]
+
+
+@dataclass(frozen=True, slots=True)
+class ConvDims:
+    """Dimension numbers read from ``dim_labels=b01f_01io->b01f``."""
+
+    input_batch: int
+    input_feature: int
+    input_spatial: tuple[int, ...]
+    kernel_spatial: tuple[int, ...]
+    output_feature: int
+    output_spatial: tuple[int, ...]
+    #: The ranks the labels name: input, kernel, output.
+    ranks: tuple[int, int, int]
+
+
+_DIM_LABELS_RE = re.compile(r"([0-9bf]+)_([0-9io]+)->([0-9bf]+)\Z")
+
+
+def read_dim_labels(value: object) -> ConvDims:
+    """A convolution's ``dim_labels`` (its text, or a value holding it as ``text`` or
+    ``name``) → its dimension numbers. ``ValueError`` unless it reads as XLA's: input
+    and output each name b and f once, the kernel i and o once, and all three the same
+    spatial dimensions 0…k-1, each once."""
+    text = str(getattr(value, "text", getattr(value, "name", value)))
+    match = _DIM_LABELS_RE.match(text)
+    parts = match.groups() if match else ()
+
+    def spatial(labels: str) -> tuple[int, ...]:
+        digits = sorted((int(c), i) for i, c in enumerate(labels) if c.isdigit())
+        return tuple(i for _, i in digits)
+
+    def well_formed(labels: str, letters: str) -> bool:
+        digits = sorted(c for c in labels if c.isdigit())
+        return all(labels.count(c) == 1 for c in letters) and \
+            digits == [str(k) for k in range(len(digits))] and \
+            len(digits) == len(labels) - 2
+    if not parts or not well_formed(parts[0], "bf") or not well_formed(parts[1], "io") or \
+            not well_formed(parts[2], "bf") or not len({len(p) for p in parts}) == 1:
+        raise ValueError(f"dim_labels={text} is not of the form b01f_01io->b01f (b and f, "
+                         f"i and o once each, the same spatial dimensions 0..k-1 in all three)")
+    lhs, rhs, out = parts
+    return ConvDims(lhs.index("b"), lhs.index("f"), spatial(lhs), spatial(rhs),
+                    out.index("f"), spatial(out), (len(lhs), len(rhs), len(out)))
 
 
 def read_names(text: str) -> tuple[str, ...]:

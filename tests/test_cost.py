@@ -692,7 +692,9 @@ ENTRY e {
 }
 """)
     entry = module.entry
-    assert [group_size(entry[n], module) for n in "rgpf"] == [2, 2, 2, 8]
+    # (p: a channel without global ids, which XLA holds as false for an all-reduce: its
+    # groups name replicas, each with all 4 partitions)
+    assert [group_size(entry[n], module) for n in "rgpf"] == [2, 2, 8, 8]
 
 
 # ------------------------------------------------------------------------ profiles

@@ -169,6 +169,23 @@ def test_bad_input_exits_2_without_output(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", [("optimize",), ("report",)])
+def test_a_convolution_xla_would_refuse_is_a_located_error_not_an_internal_one(
+        tmp_path, command):
+    """XLA's test of malformed convolution labels (and a window of the wrong rank):
+    ``report`` and ``optimize`` stopped in the cost model with exit 3, "internal error"."""
+    bad = tmp_path / "conv.hlo"
+    bad.write_text("HloModule m\nENTRY e {\n  x = f32[1,2,1] parameter(0)\n"
+                   "  k = f32[1,1,1] parameter(1)\n  ROOT c = f32[1,2,1] convolution(x, k), "
+                   "window={size=1}, dim_labels=00_01->10\n}\n")
+    out = tmp_path / "o.hlo"
+    args = [*command, str(bad)] + (["-o", str(out)] if command == ("optimize",) else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.startswith(f"{bad}:5:8: error: %c: dim_labels=00_01->10 is not")
+    assert result.stderr.count("\n") == 1 and not out.exists()
+
+
 def test_refuses_to_write_a_module_that_fails_validation(sgd, tmp_path, monkeypatch):
     original = WeightUpdateSharding.apply
 

@@ -107,6 +107,28 @@ ENTRY e {{ w = f32[10] parameter(0) g = f32[10] parameter(1)
     assert verify_optimized(text).ok
 
 
+@pytest.mark.parametrize("state", ["gathered", "sharded"])
+def test_a_channel_without_global_ids_sums_over_replicas(state):
+    """An all-reduce with a ``channel_id`` and no ``use_global_device_ids`` (an XLA test's
+    form): XLA holds the flag as false, so its groups name replicas (each with every
+    partition), and with one partition it is the cross-replica sum. Read as naming
+    partitions, the pass kept it whole, "replica groups repeat a device or name one out
+    of range", though XLA runs it; the reduce-scatter and all-gather the pass writes in
+    its place keep that form and compute the same."""
+    text = f"""HloModule chan, replica_count=4
+{ADD}
+ENTRY e {{ w = f32[64] parameter(0) x = f32[64] parameter(1) g = f32[64] multiply(w, x)
+ a = f32[64] all-reduce(g), channel_id=1, replica_groups={{{{0,1,2,3}}}}, to_apply=add
+ lr = f32[] constant(0.1) b = f32[64] broadcast(lr), dimensions={{}}
+ u = f32[64] multiply(a, b) ROOT nw = f32[64] subtract(w, u) }}
+"""
+    from hlo_shard.analysis.collectives import GroupMode, group_mode
+
+    module = parse(text)
+    assert group_mode(module.entry["a"]) is GroupMode.CROSS_REPLICA_AND_PARTITION
+    assert verify_optimized(text, state=state).ok
+
+
 def test_unaliased_weights_and_state_kept_as_shards_loop_on_their_outputs():
     result = verify_optimized(cases.MOMENTUM_UNALIASED, state="sharded", params="sharded")
     assert result.ok, ([(leaf.index, leaf.verdict) for leaf in result.final()],

@@ -297,13 +297,18 @@ def test_the_golden_case_computes_what_the_pairs_computed(worker):
 
 #: The FSDP step's collectives in each mode (§8.3 of the HLO reference): global ids
 #: (as written, and with the groups in mesh form, which the reduce-scatter keeps),
-#: cross-partition (a channel, no global ids) and cross-replica (no
-#: channel: 8 replicas, the offset by replica-id).
+#: cross-replica-and-partition (a channel, no global ids: XLA holds the all-reduce's
+#: flag as false, so its groups name replicas; 8 replicas of one partition, the offset
+#: by replica-id) and cross-replica (no channel). An all-reduce is never
+#: cross-partition: that reading of a channel without global ids is another
+#: collective's (all-to-all, collective-permute).
 MODES = {
     "flattened-id": lambda text: text,
     "flattened-id-mesh": lambda text: text.replace("replica_groups={{0,1,2,3,4,5,6,7}}",
                                                    "replica_groups=mesh['data'=8] {'data'}"),
-    "cross-partition": lambda text: text.replace(", use_global_device_ids=true", ""),
+    "cross-replica-and-partition": lambda text: text
+    .replace(", use_global_device_ids=true", "").replace("partition-id", "replica-id")
+    .replace("HloModule fsdp_step,", "HloModule fsdp_step, replica_count=8,"),
     "cross-replica": lambda text: re.sub(r"channel_id=\d+, ", "", text)
     .replace(", use_global_device_ids=true", "").replace("partition-id", "replica-id")
     .replace("HloModule fsdp_step,", "HloModule fsdp_step, replica_count=8,"),
@@ -316,7 +321,7 @@ MODES = {
                          ids=["in-group-order", "permuted"])
 def test_the_fsdp_step_computes_the_same(worker, table, mode):
     module = parse(MODES[mode](FSDP_STEP.replace("{ds}", PARTITIONER_FORM.replace(TABLE, table))))
-    if mode != "cross-replica":
+    if not mode.startswith("cross-replica"):
         module.header["num_partitions"] = 8
     original = to_text(module)
     assert run_pass(module).created

@@ -104,6 +104,45 @@ def test_shape_rules_of_emitted_opcodes(body, check):
 
 
 @pytest.mark.parametrize("body, message", [
+    ("ROOT d = f32[2,4] dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}", None),
+    ("ROOT d = f32[3,2,4] dot(c, b3), lhs_batch_dims={0}, rhs_batch_dims={0}, "
+     "lhs_contracting_dims={2}, rhs_contracting_dims={1}", None),
+    ("ROOT d = f32[2,4] dot(a, b), lhs_contracting_dims={5}, rhs_contracting_dims={0}",
+     "lhs contracting [5] and batch [] dimensions must each name one of the 2"),
+    ("ROOT d = f32[2,3] dot(a, a), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+     "contracting dimensions of sizes [3] and [2] differ"),
+    ("ROOT d = f32[4,2] dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+     "result dims should be [2, 4]"),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1}, dim_labels=b0f_0io->b0f", None),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1}, dim_labels=00_01->10",
+     "dim_labels=00_01->10 is not of the form"),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1}, dim_labels=xyz",
+     "dim_labels=xyz is not of the form"),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1x1}, dim_labels=b0f_0io->b0f",
+     "the window has 2 dimensions where the convolution has 1 spatial ones"),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1 stride=1x1}, "
+     "dim_labels=b0f_0io->b0f", "window stride=1x1 does not give each of the 1 dimensions"),
+    ("ROOT y = f32[1,2,1] convolution(x, k), window={size=1x1}, dim_labels=b01f_01io->b01f",
+     "dim_labels name [4, 4, 4] dimensions where the input, kernel and result have [3, 3, 3]"),
+    ("ROOT s = f32[4] slice(v), slice={[0:4:0]}", "slice [0:4:0] has a stride below 1"),
+])
+def test_products_convolutions_and_strides_that_xla_would_refuse(body, message):
+    """XLA's own tests of malformed dot dimensions, convolution labels and windows, and a
+    zero stride (an XLA test corpus probe): hlo-shard's report and optimize stopped on
+    them with an internal error (exit 3) in the cost model; now each is a shape problem,
+    which the command line refuses at its line and column."""
+    text = ("HloModule m\nENTRY e { a = f32[2,3] parameter(0) b = f32[3,4] parameter(1) "
+            "c = f32[3,2,5] parameter(2) b3 = f32[3,5,4] parameter(3) "
+            "x = f32[1,2,1] parameter(4) k = f32[1,1,1] parameter(5) v = f32[4] parameter(6) "
+            f"{body} }}\n")
+    problems = [p for p in validate(parse(text)) if p.check == "shape"]
+    if message is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and message in problems[0].message, problems
+
+
+@pytest.mark.parametrize("body, message", [
     ("t = (f32[8]) tuple(p) ROOT s = f32[8,3] broadcast(t), dimensions={0}",
      "a tuple where an array is expected"),
     ("ROOT s = (f32[8]) negate(p)", "a tuple where an array is expected"),

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from hlo_shard.graph import is_zero, reachable, topological_order, users_map
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, ReplicaGroups, Shape,
                           TupleShape)
-from hlo_shard.opinfo import (ALL_REDUCES, DATA_MOVEMENT, DETERMINISTIC_OPS, DEVICE_IDS, GROUPED,
+from hlo_shard.opinfo import (ALL_REDUCES, DATA_MOVEMENT, DETERMINISTIC_OPS, DEVICE_IDS,
+                              GLOBAL_IDS_FLAGGED, GROUPED,
                               HOST_IO, HOST_TRANSFERS, OPINFO, VIEWS)
 
 
@@ -37,7 +38,7 @@ def group_mode(inst: Instruction) -> GroupMode:
     global_ids = inst.attr("use_global_device_ids")
     if not has_channel:
         return GroupMode.CROSS_REPLICA
-    if global_ids is None:
+    if global_ids is None and inst.opcode not in GLOBAL_IDS_FLAGGED:
         return GroupMode.CROSS_PARTITION
     return GroupMode.FLATTENED_ID if global_ids else GroupMode.CROSS_REPLICA_AND_PARTITION
 

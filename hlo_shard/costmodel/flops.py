@@ -32,7 +32,7 @@ from hlo_shard.ir import (
     shape_leaves,
 )
 from hlo_shard.opinfo import ALL_REDUCE, NO_COST, OPINFO, PER_ELEMENT_COST, opcodes_where
-from hlo_shard.values import WindowDim, read_window
+from hlo_shard.values import WindowDim, read_dim_labels, read_window
 
 #: Size of one tuple index-table entry (XLA CPU: ``sizeof(void*)``).
 POINTER_BYTES = 8
@@ -674,36 +674,11 @@ def _nested_fusion_read_bytes(analysis: CostAnalysis, comp: Computation, value: 
 # ----------------------------------------------------------------- attribute helpers
 
 
-@dataclass(frozen=True, slots=True)
-class ConvDims:
-    """Dimension numbers read from ``dim_labels=b01f_01io->b01f``."""
-
-    input_batch: int
-    input_feature: int
-    input_spatial: tuple[int, ...]
-    kernel_spatial: tuple[int, ...]
-    output_feature: int
-    output_spatial: tuple[int, ...]
-
-
-def parse_dim_labels(value: object) -> ConvDims:
-    text = getattr(value, "text", getattr(value, "name", str(value)))
-    lhs, rest = text.split("_", 1)
-    rhs, out = rest.split("->")
-
-    def spatial(labels: str) -> tuple[int, ...]:
-        digits = sorted((int(c), i) for i, c in enumerate(labels) if c.isdigit())
-        return tuple(i for _, i in digits)
-
-    return ConvDims(lhs.index("b"), lhs.index("f"), spatial(lhs), spatial(rhs),
-                    out.index("f"), spatial(out))
-
-
 def convolution_flops(site: Site) -> int:
     """``GetConvolutionFlops``: 2 × valid (input, kernel) position pairs × features."""
     inst = site.inst
     lhs, rhs, out = site.operand_shape(0), site.operand_shape(1), inst.shape
-    dims = parse_dim_labels(inst.attr("dim_labels"))
+    dims = read_dim_labels(inst.attr("dim_labels"))
     window = read_window(inst.attr("window")) or [WindowDim(1)]
     if not dims.input_spatial:
         in_limits = kernel_limits = out_limits = [1]
