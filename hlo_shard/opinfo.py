@@ -159,6 +159,9 @@ class OpInfo:
     neutral: tuple[tuple[str, str], ...] = ()
     #: Talks to the host (:data:`HostIO`).
     host: HostIO = ""
+    #: Draws other random numbers on every run (XLA's stateful generator): two runs of
+    #: the same module do not compare.
+    draws: bool = False
 
     def __post_init__(self) -> None:
         per_element = self.cost in (FLOP, TRANSCENDENTAL)
@@ -326,9 +329,9 @@ OPINFO: dict[str, OpInfo] = {info.name: info for info in (
     _op("replica-id", 0, values=PER_DEVICE, device_id=True),
     _op("reshape", 1, values=DETERMINISTIC, moves=RESHAPE, fusion=LOOP),
     _op("reverse", 1, values=DETERMINISTIC, fusion=LOOP, moves=REVERSE),
-    _op("rng", None, impure=True, values=PER_DEVICE),
+    _op("rng", None, impure=True, values=PER_DEVICE, draws=True),
     _op("rng-bit-generator", None, values=PER_DEVICE),
-    _op("rng-get-and-update-state", None, impure=True, values=PER_DEVICE),
+    _op("rng-get-and-update-state", None, impure=True, values=PER_DEVICE, draws=True),
     _op("round-nearest-afz", 1, elementwise=True, shape_from=OPERAND, cost=FLOP,
         values=DETERMINISTIC),
     _op("round-nearest-even", 1, elementwise=True, shape_from=OPERAND, cost=FLOP,
@@ -429,6 +432,8 @@ REPLICATING_COLLECTIVES = ALL_REDUCES | ALL_GATHERS
 #: as an option: with a ``channel_id`` and without it, their groups name replicas (each
 #: with every partition), not partitions (XLA's ``GetCollectiveOpGroupMode``).
 GLOBAL_IDS_FLAGGED = SUMMING_COLLECTIVES | ALL_GATHERS
+#: Ops that draw other random numbers on every run.
+RANDOM_DRAWS = opcodes_where(lambda i: i.draws)
 #: Ops whose value is their first operand's (they order execution).
 FORWARDING = opcodes_where(lambda i: i.forwards)
 #: Ops whose ``replica_groups`` name the devices they run over.
@@ -491,7 +496,7 @@ __all__ = [
     "IMPURE", "IN_PLACE", "KERNEL", "KERNEL_ROOTS", "LOGICAL_VIEWS", "LOOP", "LOOP_BODY",
     "MATMULS", "NON_COMMUTATIVE", "NO_COST", "OPCODES", "OPERAND", "OPINFO",
     "ORDER_KEEPING_VIEWS", "PAIRED", "PER_DEVICE", "PER_ELEMENT", "PER_ELEMENT_COST", "PRED",
-    "REPLICATING_COLLECTIVES", "RESHAPE", "REVERSE", "ROOT", "SCALAR_OPERANDS", "SECOND",
+    "RANDOM_DRAWS", "REPLICATING_COLLECTIVES", "RESHAPE", "REVERSE", "ROOT", "SCALAR_OPERANDS", "SECOND",
     "SHAPE_VIEWS", "STRUCTURAL", "SUMMING_COLLECTIVES", "TRANSCENDENTAL", "TRANSPOSE",
     "UNIQUE", "UPDATE", "VIEWS", "WINDOW", "ZERO_PRESERVING", "OpInfo", "is_impure", "moves",
     "opcodes_where", "with_async_forms",

@@ -297,6 +297,19 @@ def test_unparsable_and_unexecutable_inputs_are_exit_2(tmp_path):
     assert both.exit_code == 2 and "not supported yet" in both.stderr
 
 
+def test_a_module_drawing_from_xlas_stateful_generator_is_not_compared(tmp_path):
+    """``rng`` draws other numbers on every run: compared with itself, such a module was
+    DIFFERENT (exit 1), as if a rewrite had broken it. Run alone, it runs."""
+    path = write(tmp_path, "rng.hlo", "HloModule m\nENTRY e { lo = f32[] constant(0) "
+                 "hi = f32[] constant(1) ROOT r = f32[8] rng(lo, hi), "
+                 "distribution=rng_uniform }\n")
+    compared = verify(path, path, "-n", "1")
+    assert compared.exit_code == 2 and compared.stderr.count("\n") == 1
+    assert "%r in %e is an rng, which draws other random numbers on every run" in \
+        compared.stderr
+    assert verify(path, "-n", "1").exit_code == 0
+
+
 def test_outputs_are_read_in_the_declared_entry_layout(tmp_path):
     # jax writes some ROOT elements {0,1} beside a declared {1,0} (XLA copies them into
     # the declared layout): the new weight is then fed back as it is, not re-sharded.

@@ -29,6 +29,7 @@ import numpy as np
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.ir import ArrayShape, Module
+from hlo_shard.opinfo import RANDOM_DRAWS
 from hlo_shard.runtime.compare import (
     LeafComparison, check_padding, compare_leaf, compare_update, missing_leaf, shape_text,
 )
@@ -311,6 +312,19 @@ def _nonfinite(outputs: list[DeviceValues], shapes: list[ArrayShape]) -> list[in
     return bad
 
 
+def _refuse_random_draws(module: Module) -> None:
+    """A module that draws random numbers from XLA's stateful generator (``rng``) gets
+    other numbers on every run: compared, it would differ from itself."""
+    for comp in module.computations:
+        for inst in comp.instructions:
+            if inst.opcode in RANDOM_DRAWS:
+                raise HloShardError(
+                    f"{module.source_path or module.name}: %{inst.name} in %{comp.name} is "
+                    f"an {inst.opcode}, which draws other random numbers on every run, so "
+                    f"no two runs of the module compare (verify compares deterministic "
+                    f"modules; jax's random keys are)")
+
+
 def verify(original: str | Path | Module, candidate: str | Path | Module | None = None,
            options: VerifyOptions | None = None, progress: Progress | None = None
            ) -> VerifyReport:
@@ -329,6 +343,8 @@ def verify(original: str | Path | Module, candidate: str | Path | Module | None 
     modules = [read_module(original)] + ([read_module(candidate)] if candidate is not None else [])
     for module in modules:
         check_executable(module)
+        if candidate is not None:
+            _refuse_random_draws(module)
     counts = {m.device_count for m in modules} - {1}
     if len(counts) > 1:
         raise HloShardError(f"original and candidate are written for different device counts "
