@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from hlo_shard.errors import HloParseError
 from hlo_shard.graph import dependencies
-from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, ReplicaGroups,
-                          Shape, SliceRanges, TupleShape)
+from hlo_shard.ir import (ArrayShape, Computation, InputOutputAlias, Instruction, Module, Raw,
+                          ReplicaGroups, Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
 from hlo_shard.values import read_dim_labels, read_window
 
@@ -57,6 +57,7 @@ class _Checker:
                 self.header_readers(comp)
         self.comp = None
         self.entry_layout()
+        self.aliases()
         return self.problems
 
     # Per computation ---------------------------------------------------------------
@@ -137,6 +138,47 @@ class _Checker:
             self.problems.append(Problem(
                 "entry-layout", entry.name, entry.root.name,
                 f"root shape {actual} differs from entry_computation_layout result {declared}"))
+
+
+    def aliases(self) -> None:
+        """``input_output_alias`` as XLA's ``HloInputOutputAliasConfig::Verify`` holds
+        it: each entry pairs an array leaf of the entry's result with one of an entry
+        parameter, of the same size, and no leaf of either is paired twice."""
+        config = self.module.header.get("input_output_alias")
+        if not isinstance(config, InputOutputAlias) or not self.module.computations:
+            return
+        entry = self.module.entry
+        parameters = {p.parameter_number: p.shape for p in entry.parameters()}
+        outputs: set[tuple[int, ...]] = set()
+        inputs: set[tuple[int, tuple[int, ...]]] = set()
+        for alias in config.entries:
+            output = _array_leaf(entry.root.shape, alias.output)
+            parameter = parameters.get(alias.parameter)
+            source = None if parameter is None else _array_leaf(parameter, alias.parameter_index)
+            pair = f"output {{{','.join(map(str, alias.output))}}} and parameter " \
+                   f"({alias.parameter}, {{{','.join(map(str, alias.parameter_index))}}})"
+            message = \
+                f"{pair}: the entry's result has no array leaf there" if output is None else \
+                f"{pair}: the entry has no parameter {alias.parameter}" if parameter is None \
+                else f"{pair}: the parameter has no array leaf there" if source is None else \
+                (f"{pair}: {output.byte_size} and {source.byte_size} bytes"
+                 if output.byte_size != source.byte_size else
+                 f"{pair}: the output is aliased twice" if alias.output in outputs else
+                 f"{pair}: the parameter is aliased twice"
+                 if (alias.parameter, alias.parameter_index) in inputs else None)
+            outputs.add(alias.output)
+            inputs.add((alias.parameter, alias.parameter_index))
+            if message is not None:
+                self.problems.append(Problem("aliases", entry.name, "", message))
+
+
+def _array_leaf(shape: Shape, index: tuple[int, ...]) -> ArrayShape | None:
+    """The array at ``index`` of ``shape`` (None where there is none)."""
+    for position in index:
+        if not isinstance(shape, TupleShape) or not 0 <= position < len(shape.elements):
+            return None
+        shape = shape.elements[position]
+    return shape if isinstance(shape, ArrayShape) else None
 
 
 def _strip_layouts(text: str) -> str:
@@ -480,7 +522,7 @@ def validate(module: Module, computations: Collection[str] | None = None) -> lis
 #: The checks whose failure makes a text no HLO module XLA would compile, whatever its
 #: header says: a collective's result size and its groups follow device counts a header
 #: may have lost (which the passes recover), duplicate channel ids the passes renumber.
-_INPUT_CHECKS = frozenset({"unique-names", "def-before-use", "root", "shape"})
+_INPUT_CHECKS = frozenset({"unique-names", "def-before-use", "root", "shape", "aliases"})
 
 
 def check_input(module: Module, path: str | None = None) -> None:
