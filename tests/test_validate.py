@@ -103,6 +103,22 @@ def test_shape_rules_of_emitted_opcodes(body, check):
         assert check in found
 
 
+def test_a_scatter_whose_groups_cannot_give_its_result_is_refused_where_it_is_written():
+    """A reduce-scatter of 7 over groups of 2 said to give 3: optimize read it, then
+    refused to write "the optimized module", as if its own rewrite had slipped. Its
+    groups say how many devices it spans, so the input is refused at its line."""
+    from hlo_shard.errors import HloParseError
+    from hlo_shard.validate import check_input
+
+    text = (f"HloModule m\n{ADD}\nENTRY e {{ a = f32[7] parameter(0)\n"
+            f" ROOT r = f32[3] reduce-scatter(a), replica_groups={{{{0,1}}}}, "
+            f"dimensions={{0}}, to_apply=add }}\n")
+    with pytest.raises(HloParseError, match="dimension 0 of \\[7\\] over groups of 2"):
+        check_input(parse(text), "rs.hlo")
+    check_input(parse(text.replace("f32[3] reduce", "f32[4] reduce")
+                       .replace("f32[7]", "f32[8]")), "rs.hlo")
+
+
 @pytest.mark.parametrize("aliases, message", [
     ("{0}: (0, {}), {1}: (1, {})", None),
     ("{5}: (0, {})", "output {5} and parameter (0, {}): the entry's result has no array leaf"),
