@@ -338,6 +338,28 @@ _SHAPE_PART_RE = re.compile(
     rf"|{_ARRAY_SHAPE_PATTERN}|[(),]")
 
 
+_PARAMETER_NAME = r"%?[A-Za-z_][A-Za-z0-9_.\-]*"
+#: A signature whose parameters are all arrays of plain dimensions and layouts, the
+#: common form: one match, no shape read (the parameters' own instructions say their
+#: shapes); any other is read shape by shape.
+_PLAIN_ARRAY = r"[a-z][a-z0-9_]*\[[0-9,\s<=?]*\](?:\s*\{[0-9,\s]*\})?"
+_ARRAY_PARAMETERS_RE = re.compile(
+    rf"\(\s*(?:{_PARAMETER_NAME}\s*:\s*{_PLAIN_ARRAY}"
+    rf"(?:\s*,\s*{_PARAMETER_NAME}\s*:\s*{_PLAIN_ARRAY})*)?\s*\)\s*->")
+#: A parameter's ``name:`` at the start of the list or after a comma (comments kept).
+_PARAMETER_NAME_RE = re.compile(
+    rf"(?<=[(,])(\s*(?:/\*[^*]*\*+(?:[^/*][^*]*\*+)*/\s*)*){_PARAMETER_NAME}\s*:")
+
+
+def _check_parameter_list(token: Token, arrow: int) -> None:
+    """A coarse signature's parameter list (before ``arrow``) is names with shapes, as
+    XLA's parser reads it: ``(x: f32[4 ]]]]])`` was taken, the header rewritten."""
+    text = token.value
+    if _ARRAY_PARAMETERS_RE.match(text):
+        return
+    _read_shape(_PARAMETER_NAME_RE.sub(r"\1", text[:arrow].rstrip()), (token, 0))
+
+
 def _read_shape(text: str, loc: Loc) -> Shape:
     """Any shape, tuples included, from text (the result of a coarse signature)."""
     stack: list[list[Shape]] = [[]]
@@ -1037,8 +1059,9 @@ class _Builder(Transformer):
 
     def signature(self, children: list) -> Shape:
         token = children[0]
-        arrow = token.value.rindex("->") + 2
-        return _read_shape(token.value[arrow:], (token, arrow))
+        arrow = token.value.rindex("->")
+        _check_parameter_list(token, arrow)
+        return _read_shape(token.value[arrow + 2:], (token, arrow + 2))
 
     def long_signature(self, children: list) -> Shape:
         return _shape(children[-1])

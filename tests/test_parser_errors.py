@@ -140,6 +140,14 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     ("HloModule m, entry_computation_layout={(f32[4]{0})->f32[2]{0}}\n"
      "ENTRY e {\n  ROOT p = f32[4] parameter(0)\n}\n", 1, 14,
      "declares the result f32[2]{0}, the entry computation %e returns f32[4]"),
+    # A computation's parameter list XLA's parser refuses (XLA test corpus probe): it
+    # was taken, unread, and the header written anew.
+    ("HloModule m\nENTRY %e (x: f32[4 ]]]]] ) -> f32[4] {\n  x = f32[4] parameter(0)\n"
+     "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape '( f32[4 ]]]]] )'"),
+    ("HloModule m\nENTRY %e (x: f32[4\x00,3]) -> f32[4] {\n  x = f32[4] parameter(0)\n"
+     "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape 'f32[4\\x00,3]'"),
+    ("HloModule m\nENTRY %e (x f32[4]) -> f32[4] {\n  x = f32[4] parameter(0)\n"
+     "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape '(x f32[4])'"),
 ])
 def test_error_position_and_words(text, line, column, words):
     with pytest.raises(HloParseError) as info:
