@@ -23,6 +23,15 @@ def checks(text: str) -> set[str]:
     return {p.check for p in validate(parse(text))}
 
 
+def assert_only_problem(text: str, check: str, message: str | None) -> None:
+    """``text``'s problems of ``check``: one, saying ``message`` (None: none)."""
+    problems = [p for p in validate(parse(text)) if p.check == check]
+    if message is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and message in problems[0].message, problems
+
+
 def test_a_correct_module_passes():
     assert validate(parse(GOOD)) == []
 
@@ -135,11 +144,7 @@ def test_aliases_pair_existing_leaves_of_one_size_once(aliases, message):
     text = (f"HloModule m, input_output_alias={{ {aliases} }}\nENTRY e {{ "
             f"a = f32[4] parameter(0) b = f32[4] parameter(1) c = f32[2] parameter(2) "
             f"x = f32[4] negate(a) y = f32[4] negate(b) ROOT t = (f32[4], f32[4]) tuple(x, y) }}\n")
-    problems = [p for p in validate(parse(text)) if p.check == "aliases"]
-    if message is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and message in problems[0].message, problems
+    assert_only_problem(text, "aliases", message)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -174,11 +179,7 @@ def test_products_convolutions_and_strides_that_xla_would_refuse(body, message):
             "c = f32[3,2,5] parameter(2) b3 = f32[3,5,4] parameter(3) "
             "x = f32[1,2,1] parameter(4) k = f32[1,1,1] parameter(5) v = f32[4] parameter(6) "
             f"{body} }}\n")
-    problems = [p for p in validate(parse(text)) if p.check == "shape"]
-    if message is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and message in problems[0].message, problems
+    assert_only_problem(text, "shape", message)
 
 
 @pytest.mark.parametrize("body, message", [
