@@ -298,9 +298,12 @@ def _read_array_shape(text: str) -> ArrayShape:
     dynamic: list[str] = []
     for item in filter(None, (d.strip() for d in dims_text.split(","))):
         kind = "?" if item == "?" else "<=" if item.startswith("<=") else ""
-        size = -1 if kind == "?" else int(item[len(kind):])
+        digits = item[len(kind):]
+        if kind != "?" and not (digits.isascii() and digits.isdigit()):
+            raise ValueError(f"dimension {show(item)} is not a size")
+        size = -1 if kind == "?" else int(digits)
         if size > _INT64_MAX:
-            raise ValueError(f"dimension {item[len(kind):]} is beyond int64")
+            raise ValueError(f"dimension {digits} is beyond int64")
         dims.append(size)
         dynamic.append(kind)
     _check_byte_size(element_type, dims)

@@ -145,7 +145,8 @@ OK_HEAD = "HloModule m\nENTRY e {\n  p = f32[4] parameter(0)\n"
     ("HloModule m\nENTRY %e (x: f32[4 ]]]]] ) -> f32[4] {\n  x = f32[4] parameter(0)\n"
      "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape '( f32[4 ]]]]] )'"),
     ("HloModule m\nENTRY %e (x: f32[4\x00,3]) -> f32[4] {\n  x = f32[4] parameter(0)\n"
-     "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape 'f32[4\\x00,3]'"),
+     "  ROOT n = f32[4] negate(x)\n}\n", 2, 10,
+     "bad shape 'f32[4\\x00,3]': dimension '4\\x00' is not a size"),
     ("HloModule m\nENTRY %e (x f32[4]) -> f32[4] {\n  x = f32[4] parameter(0)\n"
      "  ROOT n = f32[4] negate(x)\n}\n", 2, 10, "bad shape '(x f32[4])'"),
 ])
