@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from hlo_shard.errors import HloParseError
 from hlo_shard.graph import dependencies
-from hlo_shard.ir import (ArrayShape, Computation, InputOutputAlias, Instruction, Module, Raw,
-                          ReplicaGroups, Shape, SliceRanges, TupleShape)
+from hlo_shard.ir import (Alias, ArrayShape, Computation, InputOutputAlias, Instruction, Module,
+                          Raw, ReplicaGroups, Shape, SliceRanges, TupleShape)
 from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
 from hlo_shard.values import read_dim_labels, read_window
 
@@ -139,7 +139,6 @@ class _Checker:
                 "entry-layout", entry.name, entry.root.name,
                 f"root shape {actual} differs from entry_computation_layout result {declared}"))
 
-
     def aliases(self) -> None:
         """``input_output_alias`` as XLA's ``HloInputOutputAliasConfig::Verify`` holds
         it: each entry pairs an array leaf of the entry's result with one of an entry
@@ -152,24 +151,39 @@ class _Checker:
         outputs: set[tuple[int, ...]] = set()
         inputs: set[tuple[int, tuple[int, ...]]] = set()
         for alias in config.entries:
-            output = _array_leaf(entry.root.shape, alias.output)
-            parameter = parameters.get(alias.parameter)
-            source = None if parameter is None else _array_leaf(parameter, alias.parameter_index)
-            pair = f"output {{{','.join(map(str, alias.output))}}} and parameter " \
-                   f"({alias.parameter}, {{{','.join(map(str, alias.parameter_index))}}})"
-            message = \
-                f"{pair}: the entry's result has no array leaf there" if output is None else \
-                f"{pair}: the entry has no parameter {alias.parameter}" if parameter is None \
-                else f"{pair}: the parameter has no array leaf there" if source is None else \
-                (f"{pair}: {output.byte_size} and {source.byte_size} bytes"
-                 if output.byte_size != source.byte_size else
-                 f"{pair}: the output is aliased twice" if alias.output in outputs else
-                 f"{pair}: the parameter is aliased twice"
-                 if (alias.parameter, alias.parameter_index) in inputs else None)
+            message = _alias_problem(alias, entry.root.shape, parameters, outputs, inputs)
             outputs.add(alias.output)
             inputs.add((alias.parameter, alias.parameter_index))
-            if message is not None:
-                self.problems.append(Problem("aliases", entry.name, "", message))
+            if message:
+                self.problems.append(Problem(
+                    "aliases", entry.name, "",
+                    f"output {{{','.join(map(str, alias.output))}}} and parameter "
+                    f"({alias.parameter}, {{{','.join(map(str, alias.parameter_index))}}}): "
+                    f"{message}"))
+
+
+def _alias_problem(alias: Alias, result: Shape, parameters: dict[int | None, Shape],
+                   outputs: set[tuple[int, ...]],
+                   inputs: set[tuple[int, tuple[int, ...]]]) -> str:
+    """What is wrong with ``alias`` of an entry returning ``result`` and taking
+    ``parameters`` (by number), the leaves already paired being ``outputs`` and
+    ``inputs`` ("" where nothing is)."""
+    output = _array_leaf(result, alias.output)
+    if output is None:
+        return "the entry's result has no array leaf there"
+    parameter = parameters.get(alias.parameter)
+    if parameter is None:
+        return f"the entry has no parameter {alias.parameter}"
+    source = _array_leaf(parameter, alias.parameter_index)
+    if source is None:
+        return "the parameter has no array leaf there"
+    if output.byte_size != source.byte_size:
+        return f"{output.byte_size} and {source.byte_size} bytes"
+    if alias.output in outputs:
+        return "the output is aliased twice"
+    if (alias.parameter, alias.parameter_index) in inputs:
+        return "the parameter is aliased twice"
+    return ""
 
 
 def _array_leaf(shape: Shape, index: tuple[int, ...]) -> ArrayShape | None:

@@ -225,7 +225,7 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     hook.decisions(clear=True)
     with hook.install(**{"force": True, **install}):
         losses, params = run(step, state0, mesh, params0)
-        texts = [o.text for o in hook_module._HOOK.outcomes.values() if o.text]
+        texts = [o.sharded.text for o in hook_module._HOOK.outcomes.values() if o.sharded.text]
     steps = [d for d in hook.decisions(clear=True) if d.module.startswith(("jit_step",
                                                                               "jit_local"))]
     return {

@@ -47,11 +47,11 @@ _POLL_S = 1.0
 _SAY_WAITING_AFTER_S = 30.0
 _KEY_PREFIX = "hlo_shard.jax/program"
 _ORIGINAL = "original"
-#: An instruction's ``metadata={...}`` attribute (its strings may hold braces).
 #: Per module handed over (its digest): the answers this process gave for it, in order,
 #: and what came of each ("" or why every process runs the original; None: not yet).
 _ANSWERS: dict[str, list[tuple[str, str | None]]] = {}
 _ANSWERS_LOCK = threading.Lock()
+#: An instruction's ``metadata={...}`` attribute (its strings may hold braces).
 _METADATA = re.compile(r', metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 #: The module's ``FileNames … StackFrames`` section after its header.
 _STACK_FRAMES = re.compile(r'^FileNames(?:\s+\d+\s+"(?:[^"\\]|\\.)*")*'

@@ -222,7 +222,7 @@ class _Hook:
             return None
         if outcome.skipped:
             return None
-        name, report = outcome.name, outcome.report
+        name, report = outcome.name, outcome.sharded.report
         result, reason = _agree_across_processes(outcome)
         decision = Decision(name, result is not None, reason, report,
                             time.perf_counter() - start, reused,
@@ -263,7 +263,8 @@ class _Hook:
                 hlo = xc.hlo.HloModule.from_serialized_hlo_module_proto(data)
                 name = hlo.name
                 if settings.only is not None and not settings.only.search(name):
-                    return _Outcome(settings, name, None, None, None, "", skipped=True), False
+                    return _Outcome(settings, name, _Sharded(None, None, "", 0), None,
+                                    skipped=True), False
                 text = _module_text(hlo)
                 digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
             remembered = self.recall(digest, settings)
@@ -277,11 +278,9 @@ class _Hook:
                 result = None if out is None else \
                     xc.hlo.hlo_module_from_text(out).as_serialized_hlo_module_proto()
         except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
-            return _Outcome(settings, name, None, None, None, f"{type(err).__name__}: {err}",
-                            seconds=seconds), False
-        outcome = _Outcome(settings, name, out, result, sharded.report, sharded.reason,
-                           seconds=seconds, devices=sharded.devices, build=sharded.build,
-                           program=sharded.program)
+            failed = _Sharded(None, None, f"{type(err).__name__}: {err}", 0)
+            return _Outcome(settings, name, failed, None, seconds=seconds), False
+        outcome = _Outcome(settings, name, sharded, result, seconds=seconds)
         self.remember(digest, outcome)
         return outcome, False
 
@@ -307,20 +306,13 @@ class _Outcome:
 
     settings: _Settings
     name: str
-    #: The sharded module's text and bytes (None: XLA compiles the module as it was).
-    text: str | None
+    #: What the pass made of it (where it failed: the reason alone).
+    sharded: _Sharded
+    #: The sharded module's bytes (None: XLA compiles the module as it was).
     result: bytes | None
-    report: ShardingReport | None
-    reason: str
     #: Not for the hook (``only`` does not match its name): no decision recorded.
     skipped: bool = False
     seconds: HookSeconds | None = None
-    #: The devices the module runs on (its replicas × partitions; 0: not read).
-    devices: int = 0
-    #: Under ``jax.distributed``: the module's and the sharded one's programs as
-    #: processes compare them (:func:`~._distributed.program_digest`).
-    build: str | None = None
-    program: str | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +324,7 @@ class _Sharded:
     report: ShardingReport | None
     #: Why it was not sharded ("" where it was).
     reason: str
-    #: The devices the module runs on (:func:`_devices`).
+    #: The devices the module runs on (:func:`_devices`; 0: not read).
     devices: int
     #: Under ``jax.distributed`` (else None): the digests processes agree on
     #: (:func:`~._distributed.program_digest`) of the module and of the sharded one.
@@ -424,15 +416,15 @@ def _agree_across_processes(outcome: _Outcome) -> tuple[bytes | None, str]:
 
     from hlo_shard.jax import _distributed
 
-    devices = outcome.devices
-    if outcome.build is None or not _distributed.multi_process() or \
-            0 < devices <= jax.local_device_count():
-        return outcome.result, outcome.reason
+    sharded = outcome.sharded
+    if sharded.build is None or not _distributed.multi_process() or \
+            0 < sharded.devices <= jax.local_device_count():
+        return outcome.result, sharded.reason
     try:
-        why = _distributed.agree_on_program(outcome.build, outcome.program)
+        why = _distributed.agree_on_program(sharded.build, sharded.program)
     except Exception as err:  # noqa: BLE001 - nothing may propagate into XLA
         why = f"hlo_shard.jax: the processes could not agree ({type(err).__name__}: {err})"
-    return (None, why) if why else (outcome.result, outcome.reason)
+    return (None, why) if why else (outcome.result, sharded.reason)
 
 
 def platform_hook(platform: str, jaxlib: str) -> tuple[PlatformHook, str]:
