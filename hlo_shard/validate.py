@@ -4,8 +4,9 @@ A rewrite that slips produces text XLA may accept and then compute garbage with
 (collective shapes, for one, are not checked by XLA's parser — reference §13.2). These
 checks catch that class of slip: def-before-use, unique names, result shapes that agree
 with the operands for the opcodes the sharding pass emits (a rule per opcode; opcodes
-without a rule are not checked), unique collective channel ids, well-formed replica
-groups, and a root that matches the entry layout.
+without a rule are not checked), called computations that fit their callers (calls,
+loops, conditionals, fusions, a reduce's reducer), unique collective channel ids,
+well-formed replica groups, and a root that matches the entry layout.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 
 from hlo_shard.errors import HloParseError
 from hlo_shard.graph import dependencies
-from hlo_shard.ir import (Alias, ArrayShape, Computation, InputOutputAlias, Instruction, Module,
-                          Raw, ReplicaGroups, Shape, SliceRanges, TupleShape)
-from hlo_shard.opinfo import CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
+from hlo_shard.ir import (Alias, ArrayShape, Computation, ComputationList, InputOutputAlias,
+                          Instruction, Module, Raw, ReplicaGroups, Shape, SliceRanges,
+                          TupleShape)
+from hlo_shard.opinfo import ALL_REDUCES, CHANNEL_UNIQUE, ELEMENTWISE, SCALAR_OPERANDS
+from hlo_shard.printer import format_shape
 from hlo_shard.values import read_dim_labels, read_window
 
 
@@ -101,11 +104,21 @@ class _Checker:
             self.replica_groups(inst, groups)
 
     def replica_groups(self, inst: Instruction, groups: ReplicaGroups) -> None:
+        """XLA's ``CheckReplicaGroups``: no empty group, no device twice, devices
+        0..n-1 for the n named, groups of one size (an all-reduce's may differ); and
+        devices the header has (a header may have lost its counts: not an input check)."""
         devices = [d for g in groups.groups for d in g]
-        if len(devices) != len(set(devices)):
-            self.fail("replica-groups", inst, "a device appears in more than one group")
-        if groups.groups and groups.group_size is None:
-            self.fail("replica-groups", inst, "groups have different sizes")
+        named = set(devices)
+        if any(not group for group in groups.groups):
+            self.fail("group-ids", inst, "an empty group")
+        elif len(devices) != len(named):
+            self.fail("group-ids", inst, "a device appears in more than one group")
+        elif named != set(range(len(named))):
+            absent = min(set(range(len(named))) - named)
+            self.fail("group-ids", inst,
+                      f"the groups name {len(named)} devices but not device {absent}")
+        if groups.groups and groups.group_size is None and inst.opcode not in ALL_REDUCES:
+            self.fail("group-ids", inst, "groups have different sizes")
         limit = self.module.device_count
         if any(d < 0 or d >= limit for d in devices):
             self.fail("replica-groups", inst, f"device id out of range 0..{limit - 1}")
@@ -129,8 +142,6 @@ class _Checker:
         result = self.module.declared_result()
         if result is None or not self.module.computations:
             return
-        from hlo_shard.printer import format_shape
-
         entry = self.module.entry
         declared = _strip_layouts(result)
         actual = _strip_layouts(format_shape(entry.root.shape))
@@ -407,7 +418,7 @@ def _reduce(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str 
         keep = tuple(d for i, d in enumerate(_dims(source)) if i not in reduced)
         if keep != _dims(result):
             return f"reducing {sorted(reduced)} of {list(_dims(source))} gives {list(keep)}"
-    return None
+    return _reducer(checker, inst, operands[half:])
 
 
 def _iota(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
@@ -429,6 +440,111 @@ def _tuple(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
     if not isinstance(inst.shape, TupleShape) or len(inst.shape.elements) != len(operands) \
             or any(_strip(a) != _strip(b) for a, b in zip(inst.shape.elements, operands)):
         return "tuple shape differs from its operands"
+    return None
+
+
+def _callee(checker: _Checker, name: str) -> Computation | None:
+    """The computation ``name`` where the module has it with a root (the parser and the
+    root check report the others)."""
+    if not name or not checker.module.has_computation(name):
+        return None
+    callee = checker.module.computation(name)
+    return callee if callee.root_name is not None and callee.root_name in callee else None
+
+
+def _takes(checker: _Checker, inst: Instruction, role: str, operands: list[Shape],
+           result: Shape | None) -> str | None:
+    """The computation ``inst`` calls as ``role`` takes ``operands`` as its parameters
+    and returns ``result`` (None: whatever it returns), layouts aside (XLA's verifier on
+    a call, a while's body and condition, a conditional's branches, a fusion)."""
+    name = inst.called(role)
+    callee = _callee(checker, name)
+    if callee is None:
+        return None
+    parameters = [p.shape for p in callee.parameters()]
+    if len(parameters) != len(operands):
+        return f"%{name} takes {len(parameters)} parameters, given {len(operands)}"
+    for number, (parameter, operand) in enumerate(zip(parameters, operands)):
+        if _strip(parameter) != _strip(operand):
+            return (f"parameter {number} of %{name} is {format_shape(parameter)}, given "
+                    f"{format_shape(operand)}")
+    if result is not None and _strip(callee.root.shape) != _strip(result):
+        return f"%{name} returns {format_shape(callee.root.shape)}, not {format_shape(result)}"
+    return None
+
+
+def _call(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    return _takes(checker, inst, "to_apply", operands, inst.shape)
+
+
+def _fusion(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    """The fused parameters are the operands (XLA's verifier does not compare the fused
+    root with the fusion's shape, so neither does this)."""
+    return _takes(checker, inst, "calls", operands, None)
+
+
+def _while(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    """The loop's state: the operand, the result, the body's parameter and root, and the
+    condition's parameter; the condition returns ``pred[]``."""
+    if len(operands) != 1:
+        return "a while takes one operand"
+    if _strip(operands[0]) != _strip(inst.shape):
+        return f"the loop state {format_shape(operands[0])} differs from the result"
+    message = _takes(checker, inst, "body", operands, inst.shape) or \
+        _takes(checker, inst, "condition", operands, None)
+    condition = _callee(checker, inst.called("condition"))
+    if message is None and condition is not None:
+        root = condition.root.shape
+        if _strip(root) != ("pred", ()):
+            return f"%{condition.name} returns {format_shape(root)}, not pred[]"
+    return message
+
+
+def _conditional(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
+    """Branch ``k`` takes operand ``k + 1`` and returns the result; the index is a
+    ``pred[]`` or an ``s32[]`` (the parser pairs a ``pred`` with two branches)."""
+    branches = [role for role in ("true_computation", "false_computation")
+                if inst.called(role)]
+    listed = inst.attr("branch_computations")
+    count = len(listed.names) if isinstance(listed, ComputationList) else len(branches)
+    if len(operands) != count + 1:
+        return f"{count} branches but {len(operands) - 1} branch operands"
+    if _strip(operands[0]) not in (("pred", ()), ("s32", ())):
+        return f"the branch index is {format_shape(operands[0])}, not pred[] or s32[]"
+    if isinstance(listed, ComputationList):
+        for name, operand in zip(listed.names, operands[1:]):
+            callee = _callee(checker, name)
+            if callee is None:
+                continue
+            parameters = [p.shape for p in callee.parameters()]
+            if len(parameters) != 1 or _strip(parameters[0]) != _strip(operand) or \
+                    _strip(callee.root.shape) != _strip(inst.shape):
+                return (f"%{name} must take {format_shape(operand)} and return "
+                        f"{format_shape(inst.shape)}")
+        return None
+    for role, operand in zip(branches, operands[1:]):
+        message = _takes(checker, inst, role, [operand], inst.shape)
+        if message:
+            return message
+    return None
+
+
+def _reducer(checker: _Checker, inst: Instruction, accumulators: list[Shape]) -> str | None:
+    """A reduce's ``to_apply`` returns scalars of its initial values' element types
+    (XLA's ``InferReduceShape``; its verifier leaves an all-reduce's reducer alone: XLA's
+    own tests sum f32 with a bf16 one)."""
+    name = inst.called("to_apply")
+    reducer = _callee(checker, name)
+    if reducer is None:
+        return None
+    root = reducer.root.shape
+    returned = list(root.elements) if isinstance(root, TupleShape) else [root]
+    types = [_strip(shape)[0] if isinstance(shape, ArrayShape) else None
+             for shape in returned]
+    wanted = [shape.element_type if isinstance(shape, ArrayShape) else None
+              for shape in accumulators]
+    if types != wanted:
+        return f"%{name} returns {format_shape(root)} for {', '.join(map(str, wanted))} values"
     return None
 
 
@@ -519,6 +635,10 @@ _SHAPE_RULES: dict[str, ShapeRule] = {
     "reduce-scatter": _reduce_scatter,
     "all-gather": _all_gather,
     "all-reduce": _all_reduce,
+    "call": _call,
+    "fusion": _fusion,
+    "while": _while,
+    "conditional": _conditional,
 }
 #: The shape rules that read the module's device counts (:func:`_group_size`).
 _HEADER_READING_RULES: frozenset[ShapeRule] = frozenset({_reduce_scatter, _all_gather})
@@ -538,7 +658,8 @@ def validate(module: Module, computations: Collection[str] | None = None) -> lis
 #: (which the passes recover), duplicate channel ids the passes renumber. (A collective's
 #: result size is checked where its groups or the header say how many devices it spans:
 #: :func:`_group_size`.)
-_INPUT_CHECKS = frozenset({"unique-names", "def-before-use", "root", "shape", "aliases"})
+_INPUT_CHECKS = frozenset({"unique-names", "def-before-use", "root", "shape", "aliases",
+                           "group-ids"})
 
 
 def check_input(module: Module, path: str | None = None) -> None:

@@ -124,6 +124,31 @@ def test_cross_partition_collectives_run_in_replica_form(worker):
         np.testing.assert_array_equal(swapped[device], np.concatenate(blocks))
 
 
+#: An all-reduce and an all-gather with a ``channel_id`` and no ``use_global_device_ids``
+#: in an SPMD module: XLA's cross-replica-and-partition mode, whose group of the one
+#: replica spans every partition.
+REPLICA_AND_PARTITION = """HloModule crp, num_partitions=4
+add { x = f32[] parameter(0) y = f32[] parameter(1) ROOT r = f32[] add(x, y) }
+ENTRY e { x = f32[2] parameter(0)
+ ar = f32[2] all-reduce(x), channel_id=1, replica_groups={{0}}, to_apply=add
+ everyone = f32[2] all-reduce(x), channel_id=2, replica_groups={}, to_apply=add
+ ag = f32[8] all-gather(x), channel_id=3, replica_groups={{0}}, dimensions={0}
+ ROOT t = (f32[2], f32[2], f32[8]) tuple(ar, everyone, ag) }
+"""
+
+
+def test_cross_replica_and_partition_collectives_span_every_partition(worker):
+    """The replica form's group is every device, not the one replica id it names (the
+    channel dropped and the groups kept read ``{{0}}`` as one device)."""
+    exe = runtime.load(parse(REPLICA_AND_PARTITION))
+    xs = [np.array([d, 10 * d], np.float32) for d in range(4)]
+    total, everyone, gathered = exe(xs)
+    for device in range(4):
+        np.testing.assert_array_equal(total[device], [6, 60])
+        np.testing.assert_array_equal(everyone[device], [6, 60])
+        np.testing.assert_array_equal(gathered[device], np.concatenate(xs))
+
+
 def test_memory_cost_and_timing_are_reported(worker):
     exe = runtime.load(SGD)
     assert exe.memory.argument == 2 * 1024 * 4

@@ -42,7 +42,8 @@ def test_a_correct_module_passes():
     ("channel_id=2, replica_groups={{0,1,2,3}}", "channel_id=2, replica_groups={{0,1},{2,3}}",
      "shape"),
     ("channel_id=2", "channel_id=1", "unique-channel-ids"),
-    ("{{0,1,2,3}}, dimensions={0} }", "{{0,1},{1,2,3}}, dimensions={0} }", "replica-groups"),
+    ("{{0,1,2,3}}, dimensions={0} }", "{{0,1},{1,2,3}}, dimensions={0} }", "group-ids"),
+    ("{{0,1,2,3}}, dimensions={0} }", "{{0,1},{2,4}}, dimensions={0} }", "replica-groups"),
     ("f32[2] negate", "f32[3] negate", "shape"),
 ])
 def test_broken_modules_name_the_failed_check(old, new, check):
@@ -199,3 +200,94 @@ def test_an_instruction_built_without_its_index_is_reported():
                    " ROOT x = f32[8] get-tuple-element(t), index=0 }\n")
     del module.entry.root.attributes["index"]
     assert "index= is missing" in str(validate(module)[0])
+
+
+#: Computations the calling instructions below call: ``f`` takes two f32[4] and returns
+#: one, ``body``/``cond`` read an (s32[], f32[4]) loop state, ``neg``/``wide`` are
+#: branches, ``addb`` a bf16 reducer.
+CALLEES = ADD + """
+f { a = f32[4] parameter(0) b = f32[4] parameter(1) ROOT s = f32[4] add(a, b) }
+body { ROOT p = (s32[], f32[4]) parameter(0) }
+wide { p = (s32[], f32[4]) parameter(0) i = s32[] get-tuple-element(p), index=0 x = f32[4] get-tuple-element(p), index=1 y = f32[8] concatenate(x, x), dimensions={0} ROOT t = (s32[], f32[8]) tuple(i, y) }
+cond { p = (s32[], f32[4]) parameter(0) ROOT t = pred[] constant(false) }
+count { p = (s32[], f32[4]) parameter(0) ROOT i = s32[] get-tuple-element(p), index=0 }
+neg { a = f32[4] parameter(0) ROOT n = f32[4] negate(a) }
+twice { a = f32[4] parameter(0) ROOT n = f32[8] concatenate(a, a), dimensions={0} }
+addb { x = bf16[] parameter(0) y = bf16[] parameter(1) ROOT r = bf16[] add(x, y) }
+"""
+
+
+@pytest.mark.parametrize("body, message", [
+    ("ROOT c = f32[4] call(x, x), to_apply=f", None),
+    ("ROOT c = f32[4] call(x), to_apply=f", "%f takes 2 parameters, given 1"),
+    ("ROOT c = f32[4] call(x, w), to_apply=f", "parameter 1 of %f is f32[4], given f32[8]"),
+    ("ROOT c = f32[8] call(x, x), to_apply=f", "%f returns f32[4], not f32[8]"),
+    ("ROOT l = (s32[], f32[4]) while(t), condition=cond, body=body", None),
+    ("ROOT l = (s32[], f32[4]) while(t), condition=cond, body=wide",
+     "%wide returns (s32[], f32[8]), not (s32[], f32[4])"),
+    ("ROOT l = (s32[], f32[4]) while(t), condition=count, body=body",
+     "%count returns s32[], not pred[]"),
+    ("ROOT l = (s32[], f32[8]) while(t), condition=cond, body=body",
+     "the loop state (s32[], f32[4]) differs from the result"),
+    ("ROOT c = f32[4] conditional(p, x, x), true_computation=neg, false_computation=neg", None),
+    ("ROOT c = f32[4] conditional(p, x, x), true_computation=neg, false_computation=twice",
+     "%twice returns f32[8], not f32[4]"),
+    ("ROOT c = f32[4] conditional(i, x, x, x), branch_computations={neg, neg, neg}", None),
+    ("ROOT c = f32[4] conditional(i, x, w), branch_computations={neg, neg}",
+     "%neg must take f32[8] and return f32[4]"),
+    ("ROOT c = f32[4] conditional(z, x, x), branch_computations={neg, neg}",
+     "the branch index is f32[], not pred[] or s32[]"),
+    ("ROOT c = f32[4] fusion(x), kind=kLoop, calls=neg", None),
+    ("ROOT c = f32[4] fusion(w), kind=kLoop, calls=neg", "parameter 0 of %neg is f32[4], given f32[8]"),
+    ("ROOT r = f32[4] all-reduce(x), replica_groups={{0,1}}, to_apply=add", None),
+    ("ROOT r = f32[4] all-reduce(x), replica_groups={{0,1}}, to_apply=addb", None),
+    ("ROOT r = f32[] reduce(x, z), dimensions={0}, to_apply=addb",
+     "%addb returns bf16[] for f32 values"),
+])
+def test_called_computations_take_the_operands_and_return_the_result(body, message):
+    """A call, a loop, a conditional, a fusion and a reducer whose computation does not
+    fit them: XLA refuses each when it compiles; optimize wrote them unchanged (exit 0)."""
+    text = (f"HloModule m, replica_count=2\n{CALLEES}\nENTRY e {{ x = f32[4] parameter(0) "
+            f"w = f32[8] parameter(1) p = pred[] parameter(2) i = s32[] parameter(3) "
+            f"z = f32[] constant(0) n = s32[] constant(0) t = (s32[], f32[4]) tuple(n, x) "
+            f"{body} }}\n")
+    assert_only_problem(text, "shape", message)
+
+
+@pytest.mark.parametrize("groups, message", [
+    ("{{0,1},{2,3}}", None),
+    ("{{0,1,2},{3}}", None),  # an all-reduce's groups may differ in size
+    ("{{0,1}}", None),  # two of the four devices: XLA names 0..n-1 for the n named
+    ("{{0,0}}", "a device appears in more than one group"),
+    ("{{0,1},{3,2},{}}", "an empty group"),
+    ("{{0,1},{3,4}}", "the groups name 4 devices but not device 2"),
+])
+def test_replica_groups_name_each_device_once_from_zero(groups, message):
+    """XLA's ``CheckReplicaGroups``, whatever the header counts: optimize refused to
+    write such an input "the optimized module fails validation" (exit 3, as if its own
+    rewrite had slipped) where the module had no gradient, or wrote it unchanged."""
+    text = (f"HloModule m, replica_count=4\n{ADD}\nENTRY e {{ x = f32[4] parameter(0) "
+            f"ROOT r = f32[4] all-reduce(x), replica_groups={groups}, to_apply=add }}\n")
+    assert_only_problem(text, "group-ids", message)
+
+
+def test_groups_of_different_sizes_are_an_all_reduce_s_alone():
+    text = (f"HloModule m, replica_count=4\n{ADD}\nENTRY e {{ x = f32[4] parameter(0) "
+            f"ROOT r = f32[12] all-gather(x), replica_groups={{{{0,1,2}},{{3}}}}, "
+            f"dimensions={{0}} }}\n")
+    assert_only_problem(text, "group-ids", "groups have different sizes")
+
+
+def test_a_loop_whose_body_changes_the_state_is_refused_at_its_line():
+    from hlo_shard.errors import HloParseError
+    from hlo_shard.validate import check_input
+
+    text = (f"HloModule m\n{CALLEES}\nENTRY e {{ x = f32[4] parameter(0) "
+            f"n = s32[] constant(0) t = (s32[], f32[4]) tuple(n, x)\n"
+            f" ROOT l = (s32[], f32[4]) while(t), condition=cond, body=wide }}\n")
+    with pytest.raises(HloParseError) as raised:
+        check_input(parse(text), "loop.hlo")
+    line = text.splitlines().index(" ROOT l = (s32[], f32[4]) while(t), condition=cond, "
+                                   "body=wide }") + 1
+    assert str(raised.value) == (f"loop.hlo:{line}:7: error: %l: %wide returns "
+                                 "(s32[], f32[8]), not (s32[], f32[4]) (shape)")

@@ -8,7 +8,10 @@ Flattened-id collectives keep their meaning since the flattened id equals the re
 id when there is one partition. A cross-partition collective (a ``channel_id`` and no
 ``use_global_device_ids``: the SPMD partitioner's all-to-all and collective-permute on
 a mesh with more than one axis) names partitions, which one partition cannot hold, so
-it loses its ``channel_id`` and reads the same ids as replicas (cross-replica mode).
+it loses its ``channel_id`` and reads the same ids as replicas (cross-replica mode). An
+all-reduce, reduce-scatter or all-gather with a ``channel_id`` and no
+``use_global_device_ids`` (cross-replica-and-partition) groups its one replica with
+every partition: it becomes a cross-replica collective over all devices.
 
 Every executed module also gets unique channel ids (XLA's CPU compiler miscompiles
 shared ids, §7.3; send/recv pairs keep sharing theirs) and loses
@@ -26,8 +29,9 @@ from typing import ClassVar
 
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
-from hlo_shard.ir import Computation, Instruction, Module, TupleShape, shape_leaves
-from hlo_shard.opinfo import CHANNEL_PAIRED, CHANNEL_UNIQUE
+from hlo_shard.ir import (Computation, Instruction, Module, ReplicaGroups, TupleShape,
+                          shape_leaves)
+from hlo_shard.opinfo import CHANNEL_PAIRED, CHANNEL_UNIQUE, GLOBAL_IDS_FLAGGED
 from hlo_shard.passes.base import ModulePass
 
 #: Header attributes dropped for execution: donation would delete reused inputs.
@@ -80,15 +84,19 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
                 rw.pop_attr(inst, "sharding")
                 if spmd and inst.opcode == "partition-id":
                     rw.set_opcode(inst, "replica-id")
-                if spmd and _cross_partition(inst):
+                if spmd and _names_partitions(inst):
                     rw.pop_attr(inst, "channel_id")
+                    if inst.opcode in GLOBAL_IDS_FLAGGED:
+                        # (the one replica's group spans every partition: all devices)
+                        rw.set_attr(inst, "replica_groups", ReplicaGroups(()))
             split += _split_variadic_all_reduces(rw)
         return ReplicaFormReport(devices, spmd, tuple(split), _renumber_channels(rewriter))
 
 
-def _cross_partition(inst: Instruction) -> bool:
-    """A collective whose groups name partitions (XLA's mode for a ``channel_id``
-    without ``use_global_device_ids``)."""
+def _names_partitions(inst: Instruction) -> bool:
+    """A collective whose groups span partitions without flattened ids (a
+    ``channel_id`` without ``use_global_device_ids``: XLA's cross-partition mode, or
+    cross-replica-and-partition for the collectives that flag global ids)."""
     return inst.opcode in CHANNEL_UNIQUE and "channel_id" in inst.attributes \
         and "use_global_device_ids" not in inst.attributes
 
