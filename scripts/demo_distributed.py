@@ -147,7 +147,8 @@ def train(args: argparse.Namespace) -> list[dict]:
                         if mode != "hook" else sum(d.changed for d in hsj.decisions()),
                         "hook_reasons": [d.reason for d in hsj.decisions()]
                         if mode == "hook" else [],
-                        "fallback": (getattr(step, "report", None) or {}).get("fallback")})
+                        "fallback": (getattr(step, "report", None) or {}).get("fallback"),
+                        "reason": (getattr(step, "report", None) or {}).get("reason")})
         if mode == "hook":
             hsj.uninstall()
     if args.num_processes > 1:

@@ -289,6 +289,31 @@ for result in demo_distributed.train(args):
     assert all(r["losses"] == p["losses"] for r, p in zip(ran, plain))
 
 
+def test_a_process_whose_capture_fails_tells_the_others_at_once(tmp_path):
+    """Process 1 cannot capture the step (its dump folder cannot be made): it runs ``fn``
+    and says so under the step's name, which it has from jit's lowering. It published
+    nothing (the processes named the step by the module only a capture gives), so
+    process 0 waited for it until the timeout before running ``fn`` too."""
+    script = tmp_path / "capture_fails.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(DEMO.parent)!r})
+import demo_distributed
+from hlo_shard.jax import _capture, _distributed
+args = demo_distributed.parse_args()
+_distributed.AGREE_TIMEOUT_S = 45
+if args.process_id == 1:
+    def no_folder():
+        raise OSError("no space left on device")
+    _capture._capture_folder = no_folder
+for result in demo_distributed.train(args):
+    print("RESULT " + demo_distributed.json.dumps(result))
+""")
+    plain, ran = _modes(script, "jit,gathered")
+    assert [r["fallback"] for r in ran] == ["processes_disagree", "capture_failed"], ran
+    assert "process 1: original" in ran[0]["reason"], ran[0]["reason"]
+    assert all(r["losses"] == p["losses"] for r, p in zip(ran, plain))
+
+
 def test_each_process_training_on_its_own_devices_needs_no_agreement(tmp_path):
     """Each process trains its own copy on a mesh of its own devices (a sweep, one run per
     host): no other process builds its step, so there is nothing to agree on (as the hook

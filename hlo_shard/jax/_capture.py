@@ -86,6 +86,10 @@ class Unsupported(Exception):
         #: jit's step, where the capture compiled (or started compiling) it: ``fast``
         #: runs its executable.
         self.jit: JitStep | None = None
+        #: jit's lowering of the step, where the capture failed after it (under
+        #: ``jax.distributed`` the other processes learn from it that this one runs
+        #: ``fn``).
+        self.lowered: Any = None
 
 
 @dataclass
@@ -177,12 +181,12 @@ def capture(jitted: Any, args: tuple, kwargs: dict) -> Capture:
         text, in_shardings, out_shardings = _compile_with_dumps(jit)
         return _capture_of(jit, text, in_shardings, out_shardings)
     except Unsupported as why:
-        why.jit = jit
+        why.jit, why.lowered = jit, lowered
         raise
     except Exception as err:  # noqa: BLE001 - our capture never breaks the loop
         failed = Unsupported(f"capturing the per-device module failed: {describe(err)}",
                              Reason.CAPTURE_FAILED)
-        failed.jit = jit
+        failed.jit, failed.lowered = jit, lowered
         raise failed from err
 
 

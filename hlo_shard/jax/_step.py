@@ -192,22 +192,25 @@ def _with_next_values(cap: Capture, next_values: list[tuple[int, int]]) -> str:
     return to_text(module)
 
 
-def _agreement(capture: Capture, program: Program | None) -> str:
+def _agreement(lowered: Any, program: Program | None) -> str:
     """Why this process runs ``fn`` instead of ``program`` under ``jax.distributed``: the
     other processes do not all build it (:func:`~._distributed.agree_on_program`); ""
     where they do, in one process, and for a step on this process's own devices (no
     other process builds it). ``program`` None: this process runs ``fn``, which the
-    others learn at once."""
+    others learn at once. The step is named by jit's ``lowered`` form, which every
+    process has before its capture can fail (a process whose capture failed has no
+    partitioned module to name it by: the others waited for it until the timeout)."""
     if not _distributed.multi_process():
         return ""
     import jax
 
-    me = jax.process_index()
-    if all(getattr(device, "process_index", me) == me for device in capture.devices):
-        return ""
     try:
+        me = jax.process_index()
+        if all(getattr(device, "process_index", me) == me
+               for device in _xla.device_assignment(lowered)):
+            return ""
         return _distributed.agree_on_program(
-            _distributed.program_digest(capture.text),
+            _distributed.program_digest(lowered.as_text()),
             None if program is None else _distributed.program_digest(program.hlo_text))
     except Exception as err:  # noqa: BLE001 - never into the loop: every process runs fn
         return (f"hlo_shard.jax: the processes could not agree on the step "
@@ -639,7 +642,7 @@ class ShardedStep:
             why.seconds = seconds
             with suppress(Exception):  # (the report's profile: the default's if it fails)
                 self._price_on(None)
-            return self._fall_back(key, why, jit=why.jit)
+            return self._fall_back(key, why, jit=why.jit, lowered=why.lowered)
         except Exception as err:
             if not self._traces(args, kwargs):  # jax's, tracing the user's function
                 _name_the_argument(err, call, self._latest_call, self._names(call))
@@ -664,8 +667,8 @@ class ShardedStep:
             refusal = err if isinstance(err, Unsupported) else Unsupported(
                 f"hlo-shard failed on the step: {describe(err)}", Reason.PASS_FAILED)
             refusal.seconds = seconds
-            return self._fall_back(key, refusal, jit=cap.jit, capture=cap)
-        apart = _agreement(cap, program)
+            return self._fall_back(key, refusal, jit=cap.jit, lowered=cap.jit.lowered)
+        apart = _agreement(cap.jit.lowered, program)
         if apart:
             refusal = Unsupported(apart, Reason.PROCESSES_DISAGREE, program.report,
                                   program.decision)
@@ -700,17 +703,17 @@ class ShardedStep:
         return True
 
     def _fall_back(self, key: tuple, why: Unsupported, program: Program | None = None,
-                   jit: JitStep | None = None, capture: Capture | None = None) -> _Fallback:
+                   jit: JitStep | None = None, lowered: Any = None) -> _Fallback:
         """Run ``fn`` for this signature (and, for a program that failed its first run,
         for every signature it answered) from now on, after one warning: as ``jit``'s
         executable of the signature from the capture, where there is one (a failed
         program's full signature has its capture's; its shard form runs jit), compiled
         here where the capture stopped before it (its seconds in the first call's
-        ``compile``). ``capture``: the step's, where the pass refused it: the other
-        processes learn at once that this one runs ``fn``."""
+        ``compile``). ``lowered``: jit's lowering of the step, where the capture or the
+        pass refused it: the other processes learn at once that this one runs ``fn``."""
         if program is None:
-            if capture is not None:
-                _agreement(capture, None)
+            if lowered is not None:
+                _agreement(lowered, None)
             runs = {key: jit}
         else:
             runs = {k: None if e.shards else program.capture.jit
