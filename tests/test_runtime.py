@@ -133,7 +133,8 @@ ENTRY e { x = f32[2] parameter(0)
  ar = f32[2] all-reduce(x), channel_id=1, replica_groups={{0}}, to_apply=add
  everyone = f32[2] all-reduce(x), channel_id=2, replica_groups={}, to_apply=add
  ag = f32[8] all-gather(x), channel_id=3, replica_groups={{0}}, dimensions={0}
- ROOT t = (f32[2], f32[2], f32[8]) tuple(ar, everyone, ag) }
+ flagged = f32[2] all-reduce(x), channel_id=4, replica_groups={{0}}, use_global_device_ids=false, to_apply=add
+ ROOT t = (f32[2], f32[2], f32[8], f32[2]) tuple(ar, everyone, ag, flagged) }
 """
 
 
@@ -142,10 +143,11 @@ def test_cross_replica_and_partition_collectives_span_every_partition(worker):
     channel dropped and the groups kept read ``{{0}}`` as one device)."""
     exe = runtime.load(parse(REPLICA_AND_PARTITION))
     xs = [np.array([d, 10 * d], np.float32) for d in range(4)]
-    total, everyone, gathered = exe(xs)
+    total, everyone, gathered, flagged = exe(xs)
     for device in range(4):
         np.testing.assert_array_equal(total[device], [6, 60])
         np.testing.assert_array_equal(everyone[device], [6, 60])
+        np.testing.assert_array_equal(flagged[device], [6, 60])
         np.testing.assert_array_equal(gathered[device], np.concatenate(xs))
 
 

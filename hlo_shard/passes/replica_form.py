@@ -9,7 +9,7 @@ id when there is one partition. A cross-partition collective (a ``channel_id`` a
 ``use_global_device_ids``: the SPMD partitioner's all-to-all and collective-permute on
 a mesh with more than one axis) names partitions, which one partition cannot hold, so
 it loses its ``channel_id`` and reads the same ids as replicas (cross-replica mode). An
-all-reduce, reduce-scatter or all-gather with a ``channel_id`` and no
+all-reduce, reduce-scatter or all-gather with a ``channel_id`` and no (or a false)
 ``use_global_device_ids`` (cross-replica-and-partition) groups its one replica with
 every partition: it becomes a cross-replica collective over all devices.
 
@@ -27,11 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hlo_shard.analysis.collectives import GroupMode, group_mode
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import ModuleRewriter, Rewriter
 from hlo_shard.ir import (Computation, Instruction, Module, ReplicaGroups, TupleShape,
                           shape_leaves)
-from hlo_shard.opinfo import CHANNEL_PAIRED, CHANNEL_UNIQUE, GLOBAL_IDS_FLAGGED
+from hlo_shard.opinfo import CHANNEL_PAIRED, CHANNEL_UNIQUE
 from hlo_shard.passes.base import ModulePass
 
 #: Header attributes dropped for execution: donation would delete reused inputs.
@@ -84,21 +85,20 @@ class ReplicaForm(ModulePass[ReplicaFormReport]):
                 rw.pop_attr(inst, "sharding")
                 if spmd and inst.opcode == "partition-id":
                     rw.set_opcode(inst, "replica-id")
-                if spmd and _names_partitions(inst):
+                mode = group_mode(inst) if spmd and inst.opcode in CHANNEL_UNIQUE else None
+                if mode in _NAMING_PARTITIONS:
                     rw.pop_attr(inst, "channel_id")
-                    if inst.opcode in GLOBAL_IDS_FLAGGED:
-                        # (the one replica's group spans every partition: all devices)
-                        rw.set_attr(inst, "replica_groups", ReplicaGroups(()))
+                    rw.pop_attr(inst, "use_global_device_ids")  # (false)
+                if mode is GroupMode.CROSS_REPLICA_AND_PARTITION:
+                    # (the one replica's group spans every partition: all devices)
+                    rw.set_attr(inst, "replica_groups", ReplicaGroups(()))
             split += _split_variadic_all_reduces(rw)
         return ReplicaFormReport(devices, spmd, tuple(split), _renumber_channels(rewriter))
 
 
-def _names_partitions(inst: Instruction) -> bool:
-    """A collective whose groups span partitions without flattened ids (a
-    ``channel_id`` without ``use_global_device_ids``: XLA's cross-partition mode, or
-    cross-replica-and-partition for the collectives that flag global ids)."""
-    return inst.opcode in CHANNEL_UNIQUE and "channel_id" in inst.attributes \
-        and "use_global_device_ids" not in inst.attributes
+#: The modes whose groups span partitions without flattened ids (a ``channel_id``
+#: without ``use_global_device_ids``, or with it false).
+_NAMING_PARTITIONS = (GroupMode.CROSS_PARTITION, GroupMode.CROSS_REPLICA_AND_PARTITION)
 
 
 def _replica_header(edits: ModuleRewriter, spmd: bool, devices: int,
