@@ -151,6 +151,30 @@ def test_cross_replica_and_partition_collectives_span_every_partition(worker):
         np.testing.assert_array_equal(gathered[device], np.concatenate(xs))
 
 
+#: A QR decomposition as jax lowers it on CPU: LAPACK's geqrf and orgqr as FFI custom
+#: calls (a step that orthogonalizes its update, optax.contrib.galore's SVD alike).
+QR = """HloModule qr, replica_count=2
+ENTRY e { a = f32[4,4]{1,0} parameter(0)
+ t = f32[4,4]{0,1} copy(a)
+ geqrf = (f32[4,4]{0,1}, f32[4]{0}) custom-call(t), custom_call_target="lapack_sgeqrf_ffi", operand_layout_constraints={f32[4,4]{0,1}}, output_to_operand_aliasing={{0}: (0, {})}, api_version=API_VERSION_TYPED_FFI, frontend_attributes={num_batch_dims="0"}, backend_config={}
+ r = f32[4,4]{0,1} get-tuple-element(geqrf), index=0
+ taus = f32[4]{0} get-tuple-element(geqrf), index=1
+ q = f32[4,4]{0,1} custom-call(r, taus), custom_call_target="lapack_sorgqr_ffi", operand_layout_constraints={f32[4,4]{0,1}, f32[4]{0}}, output_to_operand_aliasing={{}: (0, {})}, api_version=API_VERSION_TYPED_FFI, frontend_attributes={num_batch_dims="0"}, backend_config={}
+ ROOT out = f32[4,4]{1,0} copy(q) }
+"""
+
+
+def test_a_module_calling_lapack_runs(worker):
+    """The worker points XLA:CPU's LAPACK custom calls at their routines, as jax does
+    when it lowers such an op: the worker crashed (SIGSEGV) on the first one, so
+    ``verify`` refused every step with a QR or an SVD in it (a probe's GaLore step)."""
+    a = np.arange(16, dtype=np.float32).reshape(4, 4) + 4 * np.eye(4, dtype=np.float32)
+    (q,) = runtime.load(parse(QR))([a, a])
+    expected = np.linalg.qr(a)[0]
+    for device in range(2):
+        np.testing.assert_allclose(np.abs(q[device]), np.abs(expected), atol=1e-5)
+
+
 def test_memory_cost_and_timing_are_reported(worker):
     exe = runtime.load(SGD)
     assert exe.memory.argument == 2 * 1024 * 4

@@ -113,6 +113,8 @@ class Runtime:
             raise UsageError(f"{device_count} devices requested but the {backend} backend "
                              f"has only {len(available)}")
         self.devices = available[:device_count]
+        if backend == "cpu":
+            _initialize_lapack()
         self.executables: dict[int, tuple[Any, list]] = {}
         self.next_handle = 1
         # (text digest, replicas) → handle; the compile reply of each handle; users.
@@ -269,6 +271,20 @@ class Runtime:
             self.replies.pop(oldest, None)
             del self.users[oldest]
             self.by_source = {k: h for k, h in self.by_source.items() if h != oldest}
+
+
+def _initialize_lapack() -> None:
+    """Point XLA:CPU's LAPACK custom calls (``lapack_*geqrf``, ``*gesdd``: a QR or SVD in
+    the step) at their routines. jax does so when it lowers such an op; a module read as
+    text never went through that, and its first LAPACK call jumps through an unset
+    pointer (SIGSEGV). jax's export path makes the same call for the same reason."""
+    try:
+        from jax._src.lax import linalg  # private API, see module docstring
+    except ImportError:
+        return
+    initialize = getattr(linalg, "initialize_lapack", None)
+    if initialize is not None:
+        initialize()
 
 
 def _cost_if_implemented(analysis: Callable[[], Any]) -> dict[str, float]:
