@@ -75,6 +75,33 @@ def test_donated_arguments_are_consumed_as_by_jit(request, donate):
     assert not any(x.is_deleted() for x in jax.tree.leaves(batch))
 
 
+@pytest.mark.parametrize("state, donate", [("gathered", False), ("sharded", False),
+                                           ("sharded", True)])
+def test_the_wrapper_keeps_no_array_of_the_loop_alive(request, state, donate):
+    """Once the loop drops its params, optimizer state and batches, nothing holds them:
+    the wrapper kept the first call's arguments (for its report's names) and the latest
+    state outputs, so an undonated loop held a second copy of its state, and
+    ``state="sharded"`` the whole initial optimizer state, for good (a probe's loop)."""
+    if not needs_devices(request):
+        return
+    import gc
+    import weakref
+
+    program = make_program("mlp", "adam", 4, donate=donate)
+    fast = hsj.shard_weight_update(program.step, state=state, force=True)
+    params, opt_state = program.init()
+    arrays = [weakref.ref(x) for x in jax.tree.leaves((params, opt_state))]
+    for i in range(3):
+        batch = program.batch(i)
+        arrays += [weakref.ref(x) for x in jax.tree.leaves(batch)]
+        params, opt_state, loss = fast(params, opt_state, batch)
+        arrays += [weakref.ref(x) for x in jax.tree.leaves((params, opt_state, loss))]
+    assert fast.report is not None and fast.report["sharded"]
+    del params, opt_state, loss, batch
+    gc.collect()
+    assert [ref() for ref in arrays if ref() is not None] == []
+
+
 def test_static_arguments_pruned_arguments_and_deep_pytrees(request):
     if not needs_devices(request):
         return
@@ -396,6 +423,25 @@ def test_a_wrong_argument_is_named_in_the_error(request):
         fast(bad, opt_state, program.batch(1))
     assert "params['l1']['w'] is float32[64, 3], was float32[64, 64]" in \
         "\n".join(getattr(raised.value, "__notes__", []))
+
+
+def test_shards_given_to_a_step_that_has_not_run_say_to_gather_them(request):
+    """Another wrapper's weight and state shards (a restored checkpoint of them, a
+    fine-tuning step after a pretraining one) met the user's function as they were: a
+    bare shape error from inside it (a probe)."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 2, donate=False)
+    pretrain = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                       force=True)
+    params, opt_state, _ = pretrain(*program.init(), program.batch(0))
+    finetune = hsj.shard_weight_update(program.step, state="sharded", params="sharded",
+                                       force=True)
+    with pytest.raises(Exception) as raised:
+        finetune(params, opt_state, program.batch(1))
+    assert "go through that wrapper's gather_args first" in \
+        "\n".join(getattr(raised.value, "__notes__", []))
+    finetune(*pretrain.gather_args(params, opt_state), program.batch(1))
 
 
 def test_per_device_hlo_is_the_partitioned_module(request):

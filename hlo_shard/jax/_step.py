@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 import warnings
 from collections.abc import Callable
 from contextlib import suppress
@@ -80,6 +81,22 @@ class _Call:
     shown: list[str] = field(default_factory=list)
     #: The signature key, computed once per call.
     key: tuple | None = None
+
+    def described(self) -> _Call:
+        """This call with each leaf's shape and dtype in place of the leaf: what the
+        wrapper keeps of a call after it, for the report's names and the next signature's
+        error note (the user's arrays are not kept alive past their loop's use of them)."""
+        leaves = [_Described(tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None))
+                  for leaf in self.leaves]
+        return _Call(leaves, self.treedef, self.static, self.names, self.shown, self.key)
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A leaf's shape and dtype (:meth:`_Call.described`)."""
+
+    shape: tuple
+    dtype: Any
 
 
 @dataclass(frozen=True)
@@ -288,9 +305,11 @@ class ShardedStep:
         self._warned: set[str] = set()
         self._latest: Program | Unsupported | None = None
         self._latest_call: _Call | None = None
-        #: The shard-form state outputs of the latest run, by identity: (program, its
-        #: output numbers by array id), the arrays held so that no id is reused.
-        self._state_outputs: tuple[Program, dict[int, int], list] | None = None
+        #: The shard-form state outputs of the latest run, by identity: (program, by
+        #: array id its output number and a weak reference to the array — an id alone
+        #: could be a later array's; holding the arrays would keep the loop's previous
+        #: state alive after the loop dropped it).
+        self._state_outputs: tuple[Program, dict[int, tuple[int, weakref.ref]]] | None = None
         #: Sharded mode: per program keeping state in shards, state leaf name → where.
         self._states: list[tuple[Program, dict[str, _StateLeaf]]] = []
         #: The names of the arguments those programs take whole (not state): a batch
@@ -388,9 +407,8 @@ class ShardedStep:
             arrays.append(leaf)
         outs = _xla.execute(program.executable, arrays, program.out_handlers)
         if program.state_outputs:
-            held = [outs[k] for k in program.state_outputs]
-            self._state_outputs = (program, {id(outs[k]): k for k in program.state_outputs},
-                                   held)
+            self._state_outputs = (program, {id(outs[k]): (k, weakref.ref(outs[k]))
+                                             for k in program.state_outputs})
         if convert_state:  # the step consumed their shards; jit would consume them
             program.delete_donated_state(call.leaves)
         return jax.tree.unflatten(cap.out_tree, outs)
@@ -489,13 +507,16 @@ class ShardedStep:
         return _Call(_converted(leaves, chosen, to_shards), call.treedef, call.static)
 
     def _latest_state_outputs(self, leaves: list) -> tuple[Program, dict[int, int]] | None:
-        """The latest run's program and, per leaf that is one of its state outputs, which
-        (the run keeps those arrays alive, so an id it recorded is that array's); None
-        where no leaf is."""
+        """The latest run's program and, per leaf that is one of its state outputs, which;
+        None where no leaf is."""
         if self._state_outputs is None:
             return None
-        program, numbers, _ = self._state_outputs
-        found = {k: numbers[id(leaf)] for k, leaf in enumerate(leaves) if id(leaf) in numbers}
+        program, outputs = self._state_outputs
+        found = {}
+        for k, leaf in enumerate(leaves):
+            number, output = outputs.get(id(leaf), (0, None))
+            if output is not None and output() is leaf:
+                found[k] = number
         return (program, found) if found else None
 
     def _state_leaf(self, name: str, leaf: Any, to_shards: bool) -> _StateLeaf | None:
@@ -645,7 +666,8 @@ class ShardedStep:
             return self._fall_back(key, why, jit=why.jit, lowered=why.lowered)
         except Exception as err:
             if not self._traces(args, kwargs):  # jax's, tracing the user's function
-                _name_the_argument(err, call, self._latest_call, self._names(call))
+                _name_the_argument(err, call, self._latest_call, self._names(call),
+                                   shards=self.options.state == "sharded")
                 raise
             # The function traces: jax's lowering API failed where jit's own call does not
             # go (a pytree whose unflattening checks its leaves, jmp's loss scale, is
@@ -679,7 +701,7 @@ class ShardedStep:
             self._entries[shard_key] = _Entry(program, shards=True)
             self._states.append((program, state))
             self._whole_names.update(name for name in call.names if name not in state)
-        self._latest, self._latest_call = program, call
+        self._latest, self._latest_call = program, call.described()
         return self._entries[key]
 
     def _price_on(self, device: Any) -> None:
@@ -824,10 +846,25 @@ def _fully_replicated(leaf: Any) -> bool:
     return sharding is None or bool(getattr(sharding, "is_fully_replicated", False))
 
 
+#: The note on a shape error of a sharded-state wrapper's first call.
+_FIRST_CALL_TAKES_WHOLE_LEAVES = (
+    "hlo_shard.jax: this step has not run yet, so it takes whole leaves: state shards "
+    "(the flat [N*L] leaves a sharded step returns) from another wrapper, or a "
+    "checkpoint of them, go through that wrapper's gather_args first; checkpoint "
+    "gather_args's whole leaves (docs/jax.md)")
+
+
 def _name_the_argument(err: Exception, call: _Call, before: _Call | None,
-                       names: list[str]) -> None:
-    """Add to jax's error which argument differs from the last signature that ran."""
-    if before is None or not hasattr(err, "add_note"):
+                       names: list[str], shards: bool = False) -> None:
+    """Add to jax's error which argument differs from the last signature that ran; before
+    any ran, where the state is kept in ``shards``, that a wrapper's first call takes
+    whole leaves (shards from another wrapper, or a checkpoint of them, met the user's
+    function as they were: a bare shape error from inside it)."""
+    if not hasattr(err, "add_note"):
+        return
+    if before is None:
+        if shards:
+            err.add_note(_FIRST_CALL_TAKES_WHOLE_LEAVES)
         return
     if call.treedef != before.treedef:
         err.add_note(f"hlo_shard.jax: the arguments' tree structure differs from the "
