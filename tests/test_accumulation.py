@@ -1047,6 +1047,23 @@ def test_a_front_end_runs_the_moved_loop_where_it_pays_though_nothing_is_sharded
     assert not_faster(strict).startswith("sharding is not predicted at least")
 
 
+def test_the_command_s_summary_says_a_module_it_changed_without_sharding_is_changed(tmp_path):
+    """Its one line said "kept whole: sharding is predicted slower" of a module whose
+    all-reduces it moved out of the loop (a probe believed the written module the
+    input, then saw verify's wide-range note on it)."""
+    from click.testing import CliRunner
+
+    from hlo_shard.cli import main
+
+    source = tmp_path / "loop.hlo"
+    source.write_text(LOOP)
+    result = CliRunner().invoke(main, ["optimize", str(source), "-o", str(tmp_path / "o.hlo")])
+    assert result.exit_code == 0, result.output
+    assert "nothing sharded, but the module is changed: its gradient all-reduces moved out " \
+        "of accumulation loops" in result.stderr and "kept whole" not in result.stderr
+    assert body_collectives(parse((tmp_path / "o.hlo").read_text())) == []
+
+
 def test_a_forced_step_with_nothing_to_shard_still_runs_its_moved_loop():
     """``force`` with every gradient below the cut-off: nothing is sharded, but the
     accumulated all-reduces leave the loop, and that module is the one a front end runs

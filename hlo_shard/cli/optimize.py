@@ -167,6 +167,12 @@ def _speed_summary(decision: SpeedDecision) -> str:
                f"{_ratio(after, decision)}")
     if decision.nothing_to_shard and not decision.moves_written:
         return "nothing to shard (each gradient's row says why)"
+    if decision.moves_only:
+        return (f"nothing sharded, but the module is changed: its gradient all-reduces "
+                f"moved out of accumulation loops or conditionals, or made reduce-scatters "
+                f"(--explain's notes say which), predicted {figures} on profile "
+                f"{decision.profile}; sharding is not predicted faster still "
+                f"(--force shards anyway)")
     if decision.kept_whole:
         best = min(t.seconds for t in decision.priced)
         verdict = "slower" if best >= after else \
