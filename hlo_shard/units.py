@@ -12,26 +12,32 @@ def fmt_seconds(value: float) -> str:
     magnitude = abs(value)
     if 0 < magnitude < 1e-9:
         return "<1 ns"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-9:.3g} ns" if value else "0"
+    return _in_unit(value, (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))) or "0"
 
 
 def fmt_bytes(value: float) -> str:
-    magnitude = abs(value)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f} B"
+    return _in_unit(value, (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))) or \
+        f"{value:.0f} B"
 
 
 def fmt_count(value: float) -> str:
+    return _in_unit(value, (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))) or \
+        f"{value:.0f}"
+
+
+def _in_unit(value: float, units: tuple[tuple[str, float], ...]) -> str:
+    """``value`` in three significant digits of the largest of ``units`` (largest first)
+    it reaches, "" below the smallest; where the digits round up to a thousand of one
+    (1,031,000 bytes would read "1.01e+03 KiB"), in the next larger unit."""
     magnitude = abs(value)
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    for k, (unit, scale) in enumerate(units):
         if magnitude >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f}"
+            text = f"{value / scale:.3g}"
+            if "e" in text and k > 0:
+                unit, scale = units[k - 1]
+                text = f"{value / scale:.3g}"
+            return f"{text} {unit}"
+    return ""
 
 
 def fmt_share(part: float, whole: float) -> str:

@@ -79,6 +79,34 @@ def test_ctrl_c_in_the_callback_stops_the_program_as_a_keyboard_interrupt(quick,
     assert result["after_same_losses"]
 
 
+def test_the_interpreter_s_exit_waits_for_a_pass_running_on_xla_s_thread():
+    """XLA runs the hook on its own compile thread; a Ctrl-C ends the program in jax's
+    thread meanwhile, and an interpreter finalized under a thread still running the pass
+    aborted the process (SIGSEGV or SIGABRT, a probe's loop). The exit handler returns
+    only once no call of the hook is in progress, and leaves none to come."""
+    import threading
+
+    from hlo_shard.jax.hook import _Hook
+
+    hook = _Hook()
+    hook.running = 1
+    finished = threading.Event()
+
+    def pass_in_progress() -> None:
+        finished.wait(timeout=30)
+        with hook.idle:
+            hook.running -= 1
+            hook.idle.notify_all()
+
+    thread = threading.Thread(target=pass_in_progress)
+    thread.start()
+    threading.Timer(0.2, finished.set).start()
+    hook.wait_until_idle()
+    assert finished.is_set() and hook.running == 0 and hook.settings is None
+    thread.join()
+    assert hook.transform(b"all-reduce") is None  # (a later call returns at once)
+
+
 def test_modules_without_gradients_are_untouched(quick):
     result = quick["no_gradients"]
     # optax init has no all-reduce: skipped by the quick check, never parsed

@@ -479,6 +479,10 @@ def test_scaled_memory_categories_are_liveness_categories():
 def test_units():
     assert fmt_seconds(0.0123) == "12.3 ms" and fmt_seconds(4.5e-6) == "4.5 µs"
     assert fmt_bytes(3 * 2 ** 20) == "3 MiB" and fmt_bytes(12) == "12 B"
+    # three digits that round to a thousand of one unit read in the next (a probe's
+    # "gradient sent 1.01e+03 KiB")
+    assert fmt_bytes(1_031_000) == "0.983 MiB" and fmt_seconds(0.99995) == "1 s"
+    assert fmt_seconds(999.6e-9) == "1 µs" and fmt_seconds(2e-9) == "2 ns"
     assert fmt_delta(100.0, 50.0, fmt_bytes) == ("−50 B", "−50.0%")
     assert fmt_delta(0.0, 8.0, fmt_bytes) == ("+8 B", "new")
     assert fmt_delta(1.0, 1.0 + 1e-12, fmt_seconds) == ("0", "0.0%")

@@ -28,6 +28,7 @@ starts afresh), and a module seen before gets it without being parsed or passed 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
@@ -66,6 +67,9 @@ MAX_REMEMBERED = 16
 #: Bytes every serialized module with an all-reduce contains (its opcode string): the
 #: quick check that lets init functions and the like through without parsing.
 _ALL_REDUCE = b"all-reduce"
+#: The longest the interpreter's exit waits for a pass running on XLA's compile thread
+#: to return (:meth:`_Hook.wait_until_idle`).
+EXIT_WAIT_S = 60.0
 
 
 class PlatformWarning(UserWarning):
@@ -205,12 +209,41 @@ class _Hook:
         self.listening = False
         #: Digest of a module's bytes → its outcome (:data:`MAX_REMEMBERED`, latest).
         self.outcomes: OrderedDict[bytes, _Outcome] = OrderedDict()
+        #: Calls of :meth:`transform` in progress, and their end signalled.
+        self.running = 0
+        self.idle = threading.Condition(self.lock)
+
+    def wait_until_idle(self) -> None:
+        """At the interpreter's exit (``atexit``): wait, at most :data:`EXIT_WAIT_S`, for
+        a pass running on XLA's compile thread. XLA calls the hook on a thread of its
+        own while jax's thread waits; a Ctrl-C there ends the program, and an
+        interpreter finalized under a thread still running Python aborts the process
+        (SIGABRT or SIGSEGV instead of the KeyboardInterrupt's exit)."""
+        with self.idle:
+            self.idle.wait_for(lambda: self.running == 0, timeout=EXIT_WAIT_S)
+            self.settings = None  # (a call from here on returns at once)
+            stage, self.registered = self.registered, None
+        if stage is not None:  # no later stage of that compile calls into Python
+            from jax.extend import xla as jax_xla
+
+            jax_xla.clear_hlo_module_transformation(PASS_NAME,
+                                                    jax_xla.PipelineStage[stage])
 
     def transform(self, data: bytes) -> bytes | None:
         """The callback XLA calls: never raises, None unless the module was sharded."""
         settings = self.settings
         if settings is None or _ALL_REDUCE not in data:
             return None
+        with self.lock:
+            self.running += 1
+        try:
+            return self._transform(data, settings)
+        finally:
+            with self.idle:
+                self.running -= 1
+                self.idle.notify_all()
+
+    def _transform(self, data: bytes, settings: _Settings) -> bytes | None:
         if settings.platform_pending:
             settings = self.on_platform(settings)
         start = time.perf_counter()
@@ -513,6 +546,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(_raise_pending)
+        atexit.register(_HOOK.wait_until_idle)
         _HOOK.listening = True
     with _HOOK.lock:
         changed = _HOOK.settings != settings
