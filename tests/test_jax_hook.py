@@ -107,6 +107,30 @@ def test_the_interpreter_s_exit_waits_for_a_pass_running_on_xla_s_thread():
     assert hook.transform(b"all-reduce") is None  # (a later call returns at once)
 
 
+def test_install_warns_where_jax_s_persistent_compilation_cache_is_on(tmp_path):
+    """A step in the cache runs as cached, the hook never called (a probe: a step cached
+    without the hook ran unsharded under install(), decisions() empty, not a word)."""
+    script = f"""import json, warnings, jax
+import hlo_shard.jax as hsj
+seen = []
+for cache in (None, {str(tmp_path)!r}):
+    jax.config.update("jax_compilation_cache_dir", cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hsj.install()
+        hsj.uninstall()
+    seen.append([str(w.message) for w in caught
+                 if issubclass(w.category, hsj.CompilationCacheWarning)])
+print(json.dumps(seen))
+"""
+    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=False, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    without, with_cache = json.loads(run.stdout.strip().splitlines()[-1])
+    assert without == [] and len(with_cache) == 1
+    assert f"persistent compilation cache is on ({tmp_path})" in with_cache[0]
+
+
 def test_modules_without_gradients_are_untouched(quick):
     result = quick["no_gradients"]
     # optax init has no all-reduce: skipped by the quick check, never parsed

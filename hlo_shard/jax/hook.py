@@ -77,6 +77,12 @@ class PlatformWarning(UserWarning):
     ignore it without a word, and every step then compiles as it was."""
 
 
+class CompilationCacheWarning(UserWarning):
+    """``install()`` with jax's persistent compilation cache on: a step found there runs
+    as it was cached, without the hook (its key knows neither the pass nor its settings),
+    and a step compiled under the hook is cached sharded for processes without it."""
+
+
 @dataclass(frozen=True)
 class PlatformHook:
     """Where the pass runs on one platform (jax's ``default_backend()`` name)."""
@@ -487,6 +493,18 @@ def _read_platform(settings: _Settings, stacklevel: int = 2) -> tuple[_Settings,
                    device_profile=False), hook
 
 
+def _compilation_cache_warning(cache_dir: str | None) -> str:
+    """What :class:`CompilationCacheWarning` says where jax's persistent compilation cache
+    is on (``cache_dir``); "" where it is off."""
+    if not cache_dir:
+        return ""
+    return (f"hlo_shard.jax.install(): jax's persistent compilation cache is on "
+            f"({cache_dir}): a step found there runs as cached, without the hook (sharded "
+            f"or not, whatever install() says now), and the steps compiled under the hook "
+            f"are cached sharded for processes without it; give runs under install() a "
+            f"cache directory of their own")
+
+
 class Installation:
     """What :func:`install` returns: ``with install(): ...`` uninstalls at the end."""
 
@@ -530,6 +548,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         warnings.warn(f"hlo_shard.jax.install() installed nothing: {problem}",
                       FallbackWarning, stacklevel=2)
         return Installation()
+    import jax
     from jax.extend import xla as jax_xla
 
     # The platform and its devices: read now where jax's backend runs already, else at
@@ -541,6 +560,10 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     if _xla.backends_started():
         settings, platform = _read_platform(settings, stacklevel=3)
         stage = platform.stage
+    cache_warning = _compilation_cache_warning(
+        getattr(jax.config, "jax_compilation_cache_dir", None))
+    if cache_warning:
+        warnings.warn(cache_warning, CompilationCacheWarning, stacklevel=2)
 
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring
@@ -605,5 +628,5 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "HookSeconds",
+__all__ = ["CompilationCacheWarning", "MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "HookSeconds",
            "Installation", "PlatformWarning", "decisions", "install", "installed", "uninstall"]
