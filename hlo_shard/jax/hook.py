@@ -229,7 +229,9 @@ class _Hook:
             self.idle.wait_for(lambda: self.running == 0, timeout=EXIT_WAIT_S)
             self.settings = None  # (a call from here on returns at once)
             stage, self.registered = self.registered, None
-        if stage is not None:  # no later stage of that compile calls into Python
+        # (no later stage of a compile calls into Python; where jax started no backend
+        # nothing compiles, and unregistering would start them)
+        if stage is not None and _xla.backends_started():
             from jax.extend import xla as jax_xla
 
             jax_xla.clear_hlo_module_transformation(PASS_NAME,
