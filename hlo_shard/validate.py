@@ -12,7 +12,7 @@ well-formed replica groups, and a root that matches the entry layout.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from hlo_shard.errors import HloParseError
@@ -452,12 +452,11 @@ def _callee(checker: _Checker, name: str) -> Computation | None:
     return callee if callee.root_name is not None and callee.root_name in callee else None
 
 
-def _takes(checker: _Checker, inst: Instruction, role: str, operands: list[Shape],
+def _takes(checker: _Checker, name: str, operands: list[Shape],
            result: Shape | None) -> str | None:
-    """The computation ``inst`` calls as ``role`` takes ``operands`` as its parameters
-    and returns ``result`` (None: whatever it returns), layouts aside (XLA's verifier on
-    a call, a while's body and condition, a conditional's branches, a fusion)."""
-    name = inst.called(role)
+    """The computation ``name`` takes ``operands`` as its parameters and returns
+    ``result`` (None: whatever it returns), layouts aside (XLA's verifier on a call, a
+    while's body and condition, a conditional's branches, a fusion)."""
     callee = _callee(checker, name)
     if callee is None:
         return None
@@ -474,13 +473,13 @@ def _takes(checker: _Checker, inst: Instruction, role: str, operands: list[Shape
 
 
 def _call(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
-    return _takes(checker, inst, "to_apply", operands, inst.shape)
+    return _takes(checker, inst.called("to_apply"), operands, inst.shape)
 
 
 def _fusion(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     """The fused parameters are the operands (XLA's verifier does not compare the fused
     root with the fusion's shape, so neither does this)."""
-    return _takes(checker, inst, "calls", operands, None)
+    return _takes(checker, inst.called("calls"), operands, None)
 
 
 def _while(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
@@ -490,8 +489,8 @@ def _while(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
         return "a while takes one operand"
     if _strip(operands[0]) != _strip(inst.shape):
         return f"the loop state {format_shape(operands[0])} differs from the result"
-    message = _takes(checker, inst, "body", operands, inst.shape) or \
-        _takes(checker, inst, "condition", operands, None)
+    message = _takes(checker, inst.called("body"), operands, inst.shape) or \
+        _takes(checker, inst.called("condition"), operands, None)
     condition = _callee(checker, inst.called("condition"))
     if message is None and condition is not None:
         root = condition.root.shape
@@ -503,27 +502,16 @@ def _while(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str |
 def _conditional(checker: _Checker, inst: Instruction, operands: list[Shape]) -> str | None:
     """Branch ``k`` takes operand ``k + 1`` and returns the result; the index is a
     ``pred[]`` or an ``s32[]`` (the parser pairs a ``pred`` with two branches)."""
-    branches = [role for role in ("true_computation", "false_computation")
-                if inst.called(role)]
     listed = inst.attr("branch_computations")
-    count = len(listed.names) if isinstance(listed, ComputationList) else len(branches)
-    if len(operands) != count + 1:
-        return f"{count} branches but {len(operands) - 1} branch operands"
+    branches = list(listed.names) if isinstance(listed, ComputationList) else \
+        [inst.called(role) for role in ("true_computation", "false_computation")
+         if inst.called(role)]
+    if len(operands) != len(branches) + 1:
+        return f"{len(branches)} branches but {len(operands) - 1} branch operands"
     if _strip(operands[0]) not in (("pred", ()), ("s32", ())):
         return f"the branch index is {format_shape(operands[0])}, not pred[] or s32[]"
-    if isinstance(listed, ComputationList):
-        for name, operand in zip(listed.names, operands[1:]):
-            callee = _callee(checker, name)
-            if callee is None:
-                continue
-            parameters = [p.shape for p in callee.parameters()]
-            if len(parameters) != 1 or _strip(parameters[0]) != _strip(operand) or \
-                    _strip(callee.root.shape) != _strip(inst.shape):
-                return (f"%{name} must take {format_shape(operand)} and return "
-                        f"{format_shape(inst.shape)}")
-        return None
-    for role, operand in zip(branches, operands[1:]):
-        message = _takes(checker, inst, role, [operand], inst.shape)
+    for name, operand in zip(branches, operands[1:]):
+        message = _takes(checker, name, [operand], inst.shape)
         if message:
             return message
     return None
@@ -539,13 +527,15 @@ def _reducer(checker: _Checker, inst: Instruction, accumulators: list[Shape]) ->
         return None
     root = reducer.root.shape
     returned = list(root.elements) if isinstance(root, TupleShape) else [root]
-    types = [_strip(shape)[0] if isinstance(shape, ArrayShape) else None
-             for shape in returned]
-    wanted = [shape.element_type if isinstance(shape, ArrayShape) else None
-              for shape in accumulators]
-    if types != wanted:
+    wanted = _element_types(accumulators)
+    if _element_types(returned) != wanted:
         return f"%{name} returns {format_shape(root)} for {', '.join(map(str, wanted))} values"
     return None
+
+
+def _element_types(shapes: Sequence[Shape]) -> list[str | None]:
+    """Each array's element type (None for a tuple)."""
+    return [shape.element_type if isinstance(shape, ArrayShape) else None for shape in shapes]
 
 
 def _strip(shape: Shape) -> tuple:

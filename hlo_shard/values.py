@@ -106,8 +106,13 @@ class ConvDims:
     kernel_spatial: tuple[int, ...]
     output_feature: int
     output_spatial: tuple[int, ...]
-    #: The ranks the labels name: input, kernel, output.
-    ranks: tuple[int, int, int]
+
+    @property
+    def ranks(self) -> tuple[int, int, int]:
+        """The ranks the labels name: input, kernel, output (the spatial dimensions and
+        two more each: :func:`read_dim_labels` reads no other labels)."""
+        rank = len(self.input_spatial) + 2
+        return rank, rank, rank
 
 
 _DIM_LABELS_RE = re.compile(r"([0-9bf]+)_([0-9io]+)->([0-9bf]+)\Z")
@@ -137,7 +142,7 @@ def read_dim_labels(value: object) -> ConvDims:
                          f"i and o once each, the same spatial dimensions 0..k-1 in all three)")
     lhs, rhs, out = parts
     return ConvDims(lhs.index("b"), lhs.index("f"), spatial(lhs), spatial(rhs),
-                    out.index("f"), spatial(out), (len(lhs), len(rhs), len(out)))
+                    out.index("f"), spatial(out))
 
 
 def read_names(text: str) -> tuple[str, ...]:

@@ -234,7 +234,7 @@ addb { x = bf16[] parameter(0) y = bf16[] parameter(1) ROOT r = bf16[] add(x, y)
      "%twice returns f32[8], not f32[4]"),
     ("ROOT c = f32[4] conditional(i, x, x, x), branch_computations={neg, neg, neg}", None),
     ("ROOT c = f32[4] conditional(i, x, w), branch_computations={neg, neg}",
-     "%neg must take f32[8] and return f32[4]"),
+     "parameter 0 of %neg is f32[4], given f32[8]"),
     ("ROOT c = f32[4] conditional(z, x, x), branch_computations={neg, neg}",
      "the branch index is f32[], not pred[] or s32[]"),
     ("ROOT c = f32[4] fusion(x), kind=kLoop, calls=neg", None),

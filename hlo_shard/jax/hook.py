@@ -232,10 +232,7 @@ class _Hook:
         # (no later stage of a compile calls into Python; where jax started no backend
         # nothing compiles, and unregistering would start them)
         if stage is not None and _xla.backends_started():
-            from jax.extend import xla as jax_xla
-
-            jax_xla.clear_hlo_module_transformation(PASS_NAME,
-                                                    jax_xla.PipelineStage[stage])
+            _unregister(stage)
 
     def transform(self, data: bytes) -> bytes | None:
         """The callback XLA calls: never raises, None unless the module was sharded."""
@@ -607,12 +604,16 @@ def uninstall() -> None:
         _HOOK.outcomes.clear()
         if not _HOOK.registered:
             return
-        from jax.extend import xla as jax_xla
-
-        jax_xla.clear_hlo_module_transformation(PASS_NAME,
-                                                jax_xla.PipelineStage[_HOOK.registered])
+        _unregister(_HOOK.registered)
         _HOOK.registered = None
     _forget_executables()
+
+
+def _unregister(stage: str) -> None:
+    """Take the pass out of XLA's pipeline at ``stage``."""
+    from jax.extend import xla as jax_xla
+
+    jax_xla.clear_hlo_module_transformation(PASS_NAME, jax_xla.PipelineStage[stage])
 
 
 def installed() -> bool:
@@ -630,5 +631,6 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["CompilationCacheWarning", "MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision", "HookSeconds",
-           "Installation", "PlatformWarning", "decisions", "install", "installed", "uninstall"]
+__all__ = ["CompilationCacheWarning", "MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision",
+           "HookSeconds", "Installation", "PlatformWarning", "decisions", "install",
+           "installed", "uninstall"]
