@@ -220,12 +220,11 @@ def test_nothing_to_shard_still_writes_and_says_so(tmp_path):
 
 @pytest.mark.parametrize("profile", ["cpu-generic", "tpu-v3"])
 def test_profile_decides_auto_and_explain_names_it(tmp_path, profile):
-    crossovers = {p: crossover_bytes(p, 8) for p in ("cpu-generic", "tpu-v3")}
-    big = int((crossovers["cpu-generic"] * crossovers["tpu-v3"]) ** 0.5) // 4
-    pairs = 1 if crossovers[profile] == max(crossovers.values()) else 2
-    chosen = "combined" if pairs == 1 else "per-tensor"
+    # Below cpu-generic's crossover: one bucket there (XLA:CPU has no reduce-scatter
+    # combiner), a pair each on tpu-v3 (its combiners share their latency).
+    pairs, chosen = (1, "combined") if profile == "cpu-generic" else (2, "per-tensor")
     source = tmp_path / "two.hlo"
-    source.write_text(two_gradients(8, big))
+    source.write_text(two_gradients(8, crossover_bytes("cpu-generic", 8) // 16))
     out = tmp_path / "o.hlo"
     result = run(str(source), "-o", str(out), "--profile", profile, "--explain")
     assert result.exit_code == 0, result.output
@@ -233,10 +232,30 @@ def test_profile_decides_auto_and_explain_names_it(tmp_path, profile):
     assert line.startswith(f"strategy auto on profile {profile} (8 devices), e: auto {pairs} pair")
     figures = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
     assert set(figures) == {"auto", "per-tensor", "combined"}
+    assert figures["auto"].endswith("<- chosen")
     assert figures["auto"].split(" <-")[0].split(" ", 2)[2] == figures[chosen].split(" ", 2)[2]
     assert out.read_text().count("reduce-scatter(") == pairs
     data = json.loads(run(str(source), "-o", str(out), "--profile", profile, "--json").stdout)
-    assert data["profile"] == profile and data["strategies"][0]["strategy"] == "auto"
+    (choice,) = data["strategies"]
+    assert data["profile"] == profile and choice["strategy"] == choice["chosen"] == "auto"
+
+
+def test_explain_marks_the_strategy_auto_lowers(tmp_path):
+    # auto's per-tensor test prices its one bucket above a pair each: per-tensor is
+    # lowered, and marked chosen.
+    elements = int(crossover_bytes("cpu-generic", 8) * 0.7) // 4
+    source = tmp_path / "two.hlo"
+    source.write_text(two_gradients(8, elements, elements))
+    out = tmp_path / "o.hlo"
+    result = run(str(source), "-o", str(out), "--profile", "cpu-generic", "--explain")
+    (line,) = [text for text in result.stderr.splitlines() if text.startswith("strategy auto")]
+    figures = dict(part.split(" ", 1) for part in line.split(": ", 1)[1].split("; "))
+    assert figures["per-tensor"].startswith("2 pairs") and figures["per-tensor"].endswith(
+        "<- chosen") and line.count("<- chosen") == 1
+    assert out.read_text().count("reduce-scatter(") == 2
+    data = json.loads(run(str(source), "-o", str(out), "--profile", "cpu-generic",
+                          "--json").stdout)
+    assert data["strategies"][0]["chosen"] == "per-tensor"
 
 
 def test_unknown_profile_exits_2(sgd, tmp_path):

@@ -120,7 +120,7 @@ def _strategy_lines(choices: list[StrategyChoice]) -> list[str]:
     for choice in choices:
         figures = "; ".join(
             f"{e.strategy} {e.collectives} pair{'s' if e.collectives != 1 else ''} "
-            f"{e.seconds * 1e6:.1f} us{' <- chosen' if e.strategy == choice.strategy else ''}"
+            f"{e.seconds * 1e6:.1f} us{' <- chosen' if e.strategy == choice.chosen else ''}"
             for e in choice.estimates)
         lines.append(f"strategy {choice.strategy} on profile {choice.profile} "
                      f"({choice.devices} devices), {choice.computation}: {figures}")

@@ -39,7 +39,7 @@ profiles.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import GroupMode, group_mode
@@ -240,15 +240,27 @@ def combiner_buckets(module: Module, comp: Computation, threshold_bytes: int,
     buckets: list[list[str]] = []
     for (kind, size, _), members in groups.items():
         alone = size < 2 or (combined_kinds is not None and kind not in combined_kinds)
-        bucket: list[str] = []
-        total = 0
-        for inst in members:
-            payload = payload_bytes(inst, [comp[o].shape for o in inst.operands])
-            if bucket and (alone or total + payload > threshold_bytes):
-                buckets.append(bucket)
-                bucket, total = [], 0
-            bucket.append(inst.name)
-            total += payload
+        payloads = [payload_bytes(inst, [comp[o].shape for o in inst.operands])
+                    for inst in members]
+        buckets += [[members[i].name for i in bucket]
+                    for bucket in fill_buckets(payloads, 0 if alone else threshold_bytes)]
+    return buckets
+
+
+def fill_buckets(payloads: Sequence[int], threshold_bytes: int) -> list[list[int]]:
+    """Indices of ``payloads`` in order, cut into buckets as XLA's combiners fill them: a
+    bucket takes the next payload while its total stays within ``threshold_bytes`` (each
+    alone when that is 0); a payload above the threshold is a bucket of its own."""
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    total = 0
+    for i, payload in enumerate(payloads):
+        if bucket and (threshold_bytes == 0 or total + payload > threshold_bytes):
+            buckets.append(bucket)
+            bucket, total = [], 0
+        bucket.append(i)
+        total += payload
+    if bucket:
         buckets.append(bucket)
     return buckets
 
@@ -285,6 +297,10 @@ def instruction_collective_cost(inst: Instruction, module: Module, operand_shape
                            resident, operands)
 
 
+#: The collectives of a sharded gradient: scattered, then gathered back.
+PAIR_KINDS = ("reduce-scatter", "all-gather")
+
+
 @dataclass(frozen=True)
 class CollectivePricing:
     """What one gradient's collectives and its bucketing copies cost on ``hardware``
@@ -294,25 +310,38 @@ class CollectivePricing:
     hardware: HardwareProfile
     n: int
 
-    def pair_s(self, nbytes: int) -> float:
-        """A reduce-scatter of ``nbytes`` and the all-gather bringing them back."""
-        return sum(cost.seconds for cost in self._pair(nbytes))
+    def pairs_s(self, payloads: Sequence[int]) -> float:
+        """Reduce-scatter/all-gather pairs of ``payloads`` as XLA runs them: where the
+        backend has a combiner for a kind (the profile's ``combined_collectives``), the
+        independent collectives of that kind share one latency per bucket of its
+        ``combine_threshold_bytes`` (:func:`share_latency`), as the step estimate prices
+        them; elsewhere each pays its own."""
+        seconds = 0.0
+        for kind in PAIR_KINDS:
+            costs = [collective_cost(kind, self.n, nbytes, self.hardware) for nbytes in payloads]
+            combined = self.n > 1 and kind in self.hardware.combined_collectives
+            threshold = self.hardware.combine_threshold_bytes if combined else 0
+            for bucket in fill_buckets(payloads, threshold):
+                seconds += sum(share_latency([costs[i] for i in bucket]))
+        return seconds
 
     def pair_latency_s(self) -> float:
-        return sum(cost.latency_s for cost in self._pair(0))
-
-    def _pair(self, nbytes: int) -> tuple[CollectiveCost, CollectiveCost]:
-        return (collective_cost("reduce-scatter", self.n, nbytes, self.hardware),
-                collective_cost("all-gather", self.n, nbytes, self.hardware))
+        return sum(collective_cost(kind, self.n, 0, self.hardware).latency_s
+                   for kind in PAIR_KINDS)
 
     def bucketing_s(self, nbytes: int) -> float:
-        """Copying ``nbytes`` into the gradient bucket and out of the gathered one (each
-        copy reads and writes them once; the update's shards fuse into their bucket)."""
-        return 2 * self.hardware.memory_seconds(nbytes, nbytes)
+        """Copying ``nbytes`` into the gradient bucket and out of the gathered one: two
+        kernels, each reading and writing them once (the update's shards fuse into their
+        bucket)."""
+        return 2 * (self.hardware.memory_seconds(nbytes, nbytes)
+                    + self.hardware.kernel_overhead_s)
 
     def alone(self, nbytes: int) -> bool:
-        """A tensor this large gains nothing from sharing a collective."""
-        return self.n <= 1 or self.pair_latency_s() <= self.bucketing_s(nbytes)
+        """A tensor this large gains nothing from sharing a collective: its pair's
+        latency costs no more than its bucketing copies, or XLA combines both kinds of
+        the pair anyway (the backend's combiners share one latency without the copies)."""
+        return (self.n <= 1 or self.hardware.combined_collectives.issuperset(PAIR_KINDS)
+                or self.pair_latency_s() <= self.bucketing_s(nbytes))
 
 
 def split_all_reduce_seconds(group: int, payload: int, blocks: int, hardware: HardwareProfile,

@@ -486,6 +486,16 @@ STRATEGIES = ("auto", "per-tensor", "combined")
 
 
 @dataclass(frozen=True)
+class GradientSize:
+    """What a strategy's price reads of one sharded gradient."""
+
+    nbytes: int
+    element_type: str
+    #: Its shards are padded (its elements do not divide among the group).
+    padded: bool
+
+
+@dataclass(frozen=True)
 class StrategyEstimate:
     strategy: str
     #: Reduce-scatter/all-gather pairs the gradients take.
@@ -497,7 +507,8 @@ class StrategyEstimate:
 class Bucketing:
     """How collectives are grouped: ``per-tensor``, ``combined`` or ``auto`` (a tensor
     alone where :meth:`CollectivePricing.alone` says so, or from ``per_tensor_bytes`` on
-    when that is set), buckets of one element type up to ``bucket_bytes``."""
+    when that is set), buckets of one element type up to ``bucket_bytes``. ``auto``
+    lowers whichever of the three its estimates price lowest (:meth:`chosen`)."""
 
     strategy: str
     bucket_bytes: int
@@ -528,22 +539,32 @@ class Bucketing:
             bucket[1][0] += nbytes
         return out
 
-    def estimate(self, sizes: Sequence[tuple[int, str]]) -> StrategyEstimate:
-        """Gradients of (bytes, element type): collectives and seconds, this strategy."""
-        buckets = self.buckets(sizes, lambda s: s[0], lambda s: s[1])
-        seconds = 0.0
-        for bucket in buckets:
-            nbytes = sum(s[0] for s in bucket)
-            seconds += self.pricing.pair_s(nbytes)
-            if len(bucket) > 1:
-                seconds += self.pricing.bucketing_s(nbytes)
+    def estimate(self, sizes: Sequence[GradientSize]) -> StrategyEstimate:
+        """Collectives and seconds of these gradients under this strategy: the pairs as
+        XLA's combiners run them, and the copies of each bucket (a gradient alone copies
+        too where its shards are padded: into the padded vector and out of the gathered
+        one; in a bucket the padding is the concatenation's)."""
+        buckets = self.buckets(sizes, lambda s: s.nbytes, lambda s: s.element_type)
+        payloads = [sum(s.nbytes for s in bucket) for bucket in buckets]
+        seconds = self.pricing.pairs_s(payloads) + sum(
+            self.pricing.bucketing_s(nbytes)
+            for nbytes, bucket in zip(payloads, buckets) if len(bucket) > 1 or bucket[0].padded)
         return StrategyEstimate(self.strategy, len(buckets), seconds)
 
-    def estimates(self, sizes: Sequence[tuple[int, str]]) -> list[StrategyEstimate]:
+    def estimates(self, sizes: Sequence[GradientSize]) -> list[StrategyEstimate]:
         """The estimate of every strategy, for ``--explain``."""
         return [replace(self, strategy=s).estimate(sizes) for s in STRATEGIES]
+
+    def chosen(self, estimates: Sequence[StrategyEstimate]) -> Bucketing:
+        """The bucketing to lower: ``auto`` takes the strategy ``estimates`` (of every
+        strategy, :meth:`estimates`) price lowest, its own per-tensor test on a tie; an
+        explicit strategy or ``per_tensor_bytes`` is kept as asked."""
+        if self.strategy != "auto" or self.per_tensor_bytes is not None:
+            return self
+        best = min(estimates, key=lambda e: (e.seconds, e.strategy != "auto"))
+        return replace(self, strategy=best.strategy)
 
 
 __all__ = ["ChannelIds", "Gathered", "ShardEmitter", "block_body", "block_dims", "shard_body",
            "uses_blocks",
-           "Bucketing", "STRATEGIES", "StrategyEstimate"]
+           "Bucketing", "GradientSize", "STRATEGIES", "StrategyEstimate"]

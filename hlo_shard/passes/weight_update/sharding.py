@@ -30,7 +30,7 @@ writes the report; it decides and emits nothing itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
 
@@ -53,7 +53,7 @@ from hlo_shard.passes.weight_update.analysis import (LoopCarry, PlannedLeaf, Reg
                                                      proved_array, read_update_facts,
                                                      region_read_parameters, triage,
                                                      unsharded_state)
-from hlo_shard.passes.weight_update.emit import (STRATEGIES, Bucketing, ChannelIds,
+from hlo_shard.passes.weight_update.emit import (STRATEGIES, Bucketing, ChannelIds, GradientSize,
                                                  StrategyEstimate)
 from hlo_shard.passes.weight_update.lowering import (RegionRewrite, RegionSnapshot,
                                                      annotate_state, bypass_copies,
@@ -218,10 +218,12 @@ class StrategyChoice:
     devices: int
     strategy: str
     estimates: list[StrategyEstimate]
+    #: The strategy lowered: ``strategy``'s own, or the cheapest estimate under ``auto``.
+    chosen: str
 
     def to_json(self) -> dict:
         return {"computation": self.computation, "profile": self.profile,
-                "devices": self.devices, "strategy": self.strategy,
+                "devices": self.devices, "strategy": self.strategy, "chosen": self.chosen,
                 "estimates": [{"strategy": e.strategy, "collectives": e.collectives,
                                "seconds": e.seconds} for e in self.estimates]}
 
@@ -359,11 +361,14 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
             snapshot, mark = RegionSnapshot.take(run.edits, comp, run.channels), run.mark()
             try:
                 inputs, outputs = self._region_boundary(run, comp, plan, state_entry)
-                sizes = [(leaf.byte_size, leaf.shape.element_type) for leaf in plan.active]
+                sizes = [GradientSize(leaf.byte_size, leaf.shape.element_type,
+                                      bool(leaf.format.padding)) for leaf in plan.active]
+                estimates = run.bucketing.estimates(sizes)
+                bucketing = run.bucketing.chosen(estimates)
                 run.report.strategies.append(StrategyChoice(
                     comp.name, self.profile.name, plan.groups.size, self.options.strategy,
-                    run.bucketing.estimates(sizes)))
-                rewrite = RegionRewrite(run.edits, comp, plan, run.bucketing, run.channels,
+                    estimates, bucketing.strategy))
+                rewrite = RegionRewrite(run.edits, comp, plan, bucketing, run.channels,
                                         inputs, outputs,
                                         gather_at_top=state_entry and self.options.params == "sharded")
                 collectives = rewrite.run()
@@ -425,8 +430,11 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
 
     def _shard_carry(self, run: _Run, carry: LoopCarry) -> None:
         """Outside a loop whose body keeps shards: slice before it, gather after it (or,
-        with sharded state, let entry parameter and output be the shard)."""
-        sunk = shard_loop_carry(run.edits, carry, run.channels, run.bucketing,
+        with sharded state, let entry parameter and output be the shard), gathered in the
+        buckets of the strategy the body's region lowered."""
+        chosen = next(c.chosen for c in run.report.strategies if c.computation == carry.body)
+        sunk = shard_loop_carry(run.edits, carry, run.channels,
+                                replace(run.bucketing, strategy=chosen),
                                 self.options.state == "sharded")
         run.state_plan.update(sunk)
         run.report.notes.append(
