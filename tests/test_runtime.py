@@ -399,6 +399,20 @@ def test_worker_environment_sets_the_device_count(monkeypatch):
         runtime.worker.child_environment("cpu", 8)["XLA_FLAGS"]
 
 
+def test_memory_hint_reads_an_allocation_failure_under_the_limit():
+    # Two of XLA's threads failing their allocations together: the second one's
+    # std::terminate aborts the process before the first names bad_alloc (seen once
+    # under --worker-memory 1500M on a loaded 2-core machine).
+    hint = runtime.worker.memory_hint
+    limit = 1500 << 20
+    sure = hint("terminate called after throwing an instance of 'std::bad_alloc'", limit)
+    assert sure.startswith(" (out of memory under the worker's limit of 1500 MiB; raise it")
+    likely = hint("terminate called recursively\n", limit)
+    assert likely.startswith(" (likely out of memory under the worker's limit of 1500 MiB")
+    assert hint("terminate called recursively", None) == ""
+    assert hint("Segmentation fault", limit) == ""
+
+
 def test_a_backend_without_cost_analysis_gives_no_costs_and_other_errors_still_raise():
     """XLA GPU's plugin client answers UNIMPLEMENTED to hlo_module_cost_analysis (seen
     on an H200, jaxlib 0.11.2): the module still compiles and runs, with no costs."""

@@ -51,6 +51,25 @@ MEMORY_PER_DEVICE = 40 << 20
 _OUT_OF_MEMORY = re.compile(r"bad_alloc|MemoryError|Cannot allocate memory|out of memory|pthread_create|"
                             r"RESOURCE_EXHAUSTED|Resource exhausted|Failed to allocate",
                             re.IGNORECASE)
+#: A C++ exception escaping a second thread while the first one's aborts the process: the
+#: second aborts it at once, before the first says which exception. Under a memory limit
+#: that is XLA's threads failing their allocations together.
+_TERMINATED_TWICE = re.compile(r"terminate called recursively")
+
+
+def memory_hint(text: str, limit: int | None) -> str:
+    """Why the worker failed, where ``text`` (its error or the end of its stderr) says an
+    allocation failed under its address-space ``limit``, or likely did."""
+    if limit is None:
+        return ""
+    if _OUT_OF_MEMORY.search(text):
+        how = ""
+    elif _TERMINATED_TWICE.search(text):
+        how = "likely "
+    else:
+        return ""
+    return (f" ({how}out of memory under the worker's limit of {limit >> 20} MiB; "
+            f"raise it with {limits.WORKER_MEMORY.how_to_raise()})")
 
 
 def memory_limit(backend: str, device_count: int) -> int | None:
@@ -205,11 +224,7 @@ class Worker:
         raise HloRuntimeError(f"{what}: {message}" if what else message)
 
     def _memory_hint(self, text: str) -> str:
-        """Why an allocation failed, when it hit this worker's limit."""
-        if self.memory_limit is None or not _OUT_OF_MEMORY.search(text):
-            return ""
-        return (f" (out of memory under the worker's limit of {self.memory_limit >> 20} MiB; "
-                f"raise it with {limits.WORKER_MEMORY.how_to_raise()})")
+        return memory_hint(text, self.memory_limit)
 
     def _read_exactly(self, size: int, timeout: float, what: str) -> bytes:
         deadline = time.monotonic() + timeout
