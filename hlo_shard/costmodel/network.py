@@ -311,14 +311,16 @@ class CollectivePricing:
     n: int
 
     def pairs_s(self, payloads: Sequence[int]) -> float:
-        """Reduce-scatter/all-gather pairs of ``payloads`` as XLA runs them: where the
-        backend has a combiner for a kind (the profile's ``combined_collectives``), the
-        independent collectives of that kind share one latency per bucket of its
-        ``combine_threshold_bytes`` (:func:`share_latency`), as the step estimate prices
-        them; elsewhere each pays its own."""
+        """Reduce-scatter/all-gather pairs of ``payloads`` as XLA runs them, as the step
+        estimate prices them: into buffers the step has mapped already (a temporary's
+        pages are reused step after step), and where the backend has a combiner for a
+        kind (the profile's ``combined_collectives``), the independent collectives of
+        that kind share one latency per bucket of its ``combine_threshold_bytes``
+        (:func:`share_latency`); elsewhere each pays its own."""
         seconds = 0.0
         for kind in PAIR_KINDS:
-            costs = [collective_cost(kind, self.n, nbytes, self.hardware) for nbytes in payloads]
+            costs = [collective_cost(kind, self.n, nbytes, self.hardware, resident=True)
+                     for nbytes in payloads]
             combined = self.n > 1 and kind in self.hardware.combined_collectives
             threshold = self.hardware.combine_threshold_bytes if combined else 0
             for bucket in fill_buckets(payloads, threshold):
@@ -326,14 +328,14 @@ class CollectivePricing:
         return seconds
 
     def pair_latency_s(self) -> float:
-        return sum(collective_cost(kind, self.n, 0, self.hardware).latency_s
+        return sum(collective_cost(kind, self.n, 0, self.hardware, resident=True).latency_s
                    for kind in PAIR_KINDS)
 
     def bucketing_s(self, nbytes: int) -> float:
         """Copying ``nbytes`` into the gradient bucket and out of the gathered one: two
-        kernels, each reading and writing them once (the update's shards fuse into their
-        bucket)."""
-        return 2 * (self.hardware.memory_seconds(nbytes, nbytes)
+        kernels, each reading and writing them once into temporaries the step has mapped
+        already (the update's shards fuse into their bucket)."""
+        return 2 * (self.hardware.memory_seconds(nbytes, nbytes, resident=True)
                     + self.hardware.kernel_overhead_s)
 
     def alone(self, nbytes: int) -> bool:
