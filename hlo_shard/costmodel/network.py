@@ -327,6 +327,12 @@ class CollectivePricing:
                 seconds += sum(share_latency([costs[i] for i in bucket]))
         return seconds
 
+    def buckets_s(self, buckets: Sequence[tuple[int, bool]]) -> float:
+        """Gradient buckets of (bytes, copied): their pairs (:meth:`pairs_s`) and the
+        bucketing copies of those copied (:meth:`bucketing_s`)."""
+        return self.pairs_s([nbytes for nbytes, _ in buckets]) + sum(
+            self.bucketing_s(nbytes) for nbytes, copied in buckets if copied)
+
     def pair_latency_s(self) -> float:
         return sum(collective_cost(kind, self.n, 0, self.hardware, resident=True).latency_s
                    for kind in PAIR_KINDS)

@@ -545,10 +545,9 @@ class Bucketing:
         too where its shards are padded: into the padded vector and out of the gathered
         one; in a bucket the padding is the concatenation's)."""
         buckets = self.buckets(sizes, lambda s: s.nbytes, lambda s: s.element_type)
-        payloads = [sum(s.nbytes for s in bucket) for bucket in buckets]
-        seconds = self.pricing.pairs_s(payloads) + sum(
-            self.pricing.bucketing_s(nbytes)
-            for nbytes, bucket in zip(payloads, buckets) if len(bucket) > 1 or bucket[0].padded)
+        seconds = self.pricing.buckets_s([(sum(s.nbytes for s in bucket),
+                                           len(bucket) > 1 or bucket[0].padded)
+                                          for bucket in buckets])
         return StrategyEstimate(self.strategy, len(buckets), seconds)
 
     def estimates(self, sizes: Sequence[GradientSize]) -> list[StrategyEstimate]:
