@@ -297,10 +297,6 @@ def instruction_collective_cost(inst: Instruction, module: Module, operand_shape
                            resident, operands)
 
 
-#: The collectives of a sharded gradient: scattered, then gathered back.
-PAIR_KINDS = ("reduce-scatter", "all-gather")
-
-
 @dataclass(frozen=True)
 class CollectivePricing:
     """What one gradient's collectives and its bucketing copies cost on ``hardware``
@@ -317,11 +313,12 @@ class CollectivePricing:
         kind (the profile's ``combined_collectives``), the independent collectives of
         that kind share one latency per bucket of its ``combine_threshold_bytes``
         (:func:`share_latency`); elsewhere each pays its own."""
+        pairs = [self._pair(nbytes) for nbytes in payloads]
         seconds = 0.0
-        for kind in PAIR_KINDS:
-            costs = [collective_cost(kind, self.n, nbytes, self.hardware, resident=True)
-                     for nbytes in payloads]
-            combined = self.n > 1 and kind in self.hardware.combined_collectives
+        for half in range(2):  # the reduce-scatters, then the all-gathers
+            costs = [pair[half] for pair in pairs]
+            combined = self.n > 1 and bool(costs) and \
+                costs[0].kind in self.hardware.combined_collectives
             threshold = self.hardware.combine_threshold_bytes if combined else 0
             for bucket in fill_buckets(payloads, threshold):
                 seconds += sum(share_latency([costs[i] for i in bucket]))
@@ -334,8 +331,13 @@ class CollectivePricing:
             self.bucketing_s(nbytes) for nbytes, copied in buckets if copied)
 
     def pair_latency_s(self) -> float:
-        return sum(collective_cost(kind, self.n, 0, self.hardware, resident=True).latency_s
-                   for kind in PAIR_KINDS)
+        return sum(cost.latency_s for cost in self._pair(0))
+
+    def _pair(self, nbytes: int) -> tuple[CollectiveCost, CollectiveCost]:
+        """A reduce-scatter of ``nbytes`` and the all-gather bringing them back, into
+        buffers the step has mapped already (a temporary's pages are reused)."""
+        return (collective_cost("reduce-scatter", self.n, nbytes, self.hardware, resident=True),
+                collective_cost("all-gather", self.n, nbytes, self.hardware, resident=True))
 
     def bucketing_s(self, nbytes: int) -> float:
         """Copying ``nbytes`` into the gradient bucket and out of the gathered one: two
@@ -348,7 +350,8 @@ class CollectivePricing:
         """A tensor this large gains nothing from sharing a collective: its pair's
         latency costs no more than its bucketing copies, or XLA combines both kinds of
         the pair anyway (the backend's combiners share one latency without the copies)."""
-        return (self.n <= 1 or self.hardware.combined_collectives.issuperset(PAIR_KINDS)
+        return (self.n <= 1 or all(cost.kind in self.hardware.combined_collectives
+                                   for cost in self._pair(0))
                 or self.pair_latency_s() <= self.bucketing_s(nbytes))
 
 
