@@ -107,28 +107,47 @@ def test_the_interpreter_s_exit_waits_for_a_pass_running_on_xla_s_thread():
     assert hook.transform(b"all-reduce") is None  # (a later call returns at once)
 
 
-def test_install_warns_where_jax_s_persistent_compilation_cache_is_on(tmp_path):
-    """A step in the cache runs as cached, the hook never called (a probe: a step cached
-    without the hook ran unsharded under install(), decisions() empty, not a word)."""
-    script = f"""import json, warnings, jax
+#: One data-parallel SGD step through jax's persistent compilation cache in ``argv[1]``,
+#: compiled under ``install(**json.loads(argv[2]))`` (``null``: without the hook); prints
+#: whether the executable reduce-scatters and how many modules the hook saw.
+CACHED_STEP = """import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hlo_shard.jax as hsj
-seen = []
-for cache in (None, {str(tmp_path)!r}):
-    jax.config.update("jax_compilation_cache_dir", cache)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hsj.install()
-        hsj.uninstall()
-    seen.append([str(w.message) for w in caught
-                 if issubclass(w.category, hsj.CompilationCacheWarning)])
-print(json.dumps(seen))
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+settings = json.loads(sys.argv[2])
+if settings is not None:
+    hsj.install(**settings)
+mesh = Mesh(np.array(jax.devices()), ("d",))
+def step(w, x):
+    return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+w = jax.device_put(np.ones((64, 64), np.float32), NamedSharding(mesh, P()))
+x = jax.device_put(np.ones((8, 64), np.float32), NamedSharding(mesh, P("d")))
+text = jax.jit(step).lower(w, x).compile().as_text()
+print(json.dumps(["reduce-scatter" in text, len(hsj.decisions())]))
 """
-    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, check=False, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    without, with_cache = json.loads(run.stdout.strip().splitlines()[-1])
-    assert without == [] and len(with_cache) == 1
-    assert f"persistent compilation cache is on ({tmp_path})" in with_cache[0]
+
+
+def test_install_keys_jax_s_persistent_compilation_cache(tmp_path):
+    """A step is cached under the hook's build and settings: one cached without the hook
+    is compiled again under install() (a probe: it ran unsharded from the cache, the hook
+    never called, decisions() empty), one cached under it is not run by a process without
+    it, nor under other settings; under the same settings the cache serves it."""
+    def run(settings: dict | None) -> list:
+        done = subprocess.run([sys.executable, "-c", CACHED_STEP, str(tmp_path / "cache"),
+                               json.dumps(settings)], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                              capture_output=True, text=True, check=False, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run(None) == [False, 0]  # cached without the hook
+    assert run({"force": True}) == [True, 1]  # compiled again, through the hook
+    assert run(None) == [False, 0]  # the cache's entry without the hook
+    assert run({"force": True, "min_shard_bytes": 1 << 40}) == [False, 1]  # other settings
+    assert run({"force": True}) == [True, 0]  # from the cache, sharded
 
 
 def test_modules_without_gradients_are_untouched(quick):

@@ -19,9 +19,8 @@ from __future__ import annotations
 from hlo_shard.jax._api import per_device_hlo, shard_weight_update
 from hlo_shard.jax._capture import Reason
 from hlo_shard.jax._step import FallbackWarning, ShardedStep
-from hlo_shard.jax.hook import (CompilationCacheWarning, Decision, decisions, install,
-                                installed, uninstall)
+from hlo_shard.jax.hook import Decision, decisions, install, installed, uninstall
 
-__all__ = ["CompilationCacheWarning", "Decision", "FallbackWarning", "Reason", "ShardedStep",
+__all__ = ["Decision", "FallbackWarning", "Reason", "ShardedStep",
            "decisions", "install", "installed", "per_device_hlo", "shard_weight_update",
            "uninstall"]

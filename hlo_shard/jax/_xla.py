@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +107,19 @@ def backends_started() -> bool:
     from jax._src import xla_bridge  # private API (see the module docstring)
 
     return bool(xla_bridge.backends_are_initialized())
+
+
+def add_to_cache_key(addition: Callable[[], str]) -> None:
+    """Make ``addition()`` part of the key of every entry of jax's persistent compilation
+    cache from now on (after what another library added through the same hook)."""
+    from jax._src import cache_key  # private API (see the module docstring)
+
+    previous = cache_key.custom_hook
+
+    def custom_hook() -> str:
+        return previous() + addition()
+
+    cache_key.custom_hook = custom_hook
 
 
 def device_profile(device: Any) -> HardwareProfile:

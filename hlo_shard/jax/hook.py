@@ -29,7 +29,9 @@ starts afresh), and a module seen before gets it without being parsed or passed 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
+import json
 import logging
 import math
 import re
@@ -37,9 +39,11 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from hlo_shard import __version__
 from hlo_shard.analysis.collectives import recovered_device_counts
 from hlo_shard.analysis.replication import ParamOverrides
 from hlo_shard.errors import HloShardError
@@ -47,7 +51,7 @@ from hlo_shard.ir import Module
 from hlo_shard.jax import _xla
 from hlo_shard.jax._capture import StageSeconds
 from hlo_shard.jax._step import FallbackWarning
-from hlo_shard.parser import cyclic_gc_paused
+from hlo_shard.parser import cyclic_gc_paused, grammar_digest
 from hlo_shard.passes.optimize import checked_options
 from hlo_shard.passes.speed_gate import not_faster
 from hlo_shard.passes.weight_update import ShardingOptions, ShardingReport
@@ -75,12 +79,6 @@ EXIT_WAIT_S = 60.0
 class PlatformWarning(UserWarning):
     """``install()`` on a platform where the hook has not been seen to run: XLA may
     ignore it without a word, and every step then compiles as it was."""
-
-
-class CompilationCacheWarning(UserWarning):
-    """``install()`` with jax's persistent compilation cache on: a step found there runs
-    as it was cached, without the hook (its key knows neither the pass nor its settings),
-    and a step compiled under the hook is cached sharded for processes without it."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +196,9 @@ class _Settings:
     #: ``device_profile``, the devices' profile are read at the first module the hook sees.
     platform_pending: bool = False
     device_profile: bool = False
+    #: What install() adds to the key of jax's persistent compilation cache
+    #: (:func:`_cache_key`).
+    cache_key: str = ""
 
 
 class _Hook:
@@ -284,6 +285,12 @@ class _Hook:
             if self.settings is settings:
                 self.settings = done
         return done
+
+    def cache_key(self) -> str:
+        """What the installed settings add to jax's persistent cache keys ("" while not
+        installed: the key jax gives without hlo-shard)."""
+        settings = self.settings
+        return settings.cache_key if settings is not None else ""
 
     def record(self, decision: Decision) -> None:
         """Keep ``decision`` (the oldest goes once :data:`MAX_DECISIONS` are kept)."""
@@ -492,16 +499,30 @@ def _read_platform(settings: _Settings, stacklevel: int = 2) -> tuple[_Settings,
                    device_profile=False), hook
 
 
-def _compilation_cache_warning(cache_dir: str | None) -> str:
-    """What :class:`CompilationCacheWarning` says where jax's persistent compilation cache
-    is on (``cache_dir``); "" where it is off."""
-    if not cache_dir:
-        return ""
-    return (f"hlo_shard.jax.install(): jax's persistent compilation cache is on "
-            f"({cache_dir}): a step found there runs as cached, without the hook (sharded "
-            f"or not, whatever install() says now), and the steps compiled under the hook "
-            f"are cached sharded for processes without it; give runs under install() a "
-            f"cache directory of their own")
+def _cache_key(options: ShardingOptions, device_profile: bool, only: str | None,
+               force: bool) -> str:
+    """What install() adds to the key of jax's persistent compilation cache: the pass's
+    build and its settings. Without it a step cached without the hook ran as cached under
+    install() (the hook never called), one compiled under the hook ran sharded in a
+    process without it, and one cached under another build or other settings stayed as
+    it was. Read from the settings as asked (``device_profile``: the profile the devices
+    give, which jax's key already tells apart by its platform)."""
+    settings = json.dumps({"options": asdict(options), "device_profile": device_profile,
+                           "only": only, "force": force},
+                          sort_keys=True, default=lambda value: sorted(value))
+    return f" hlo-shard {_build()} {hashlib.sha256(settings.encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def _build() -> str:
+    """hlo-shard's release and a digest of its code, grammar and profiles."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(grammar_digest().encode())
+    for path in sorted(package.rglob("*")):
+        if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
+            digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:16]}"
 
 
 class Installation:
@@ -554,21 +575,18 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     # the first module the hook sees (reading them would start the backend, and
     # jax.distributed.initialize() refuses to run after that).
     settings = _Settings(options, pattern, force, platform_pending=True,
-                         device_profile=profile is None)
+                         device_profile=profile is None,
+                         cache_key=_cache_key(options, profile is None, only, force))
     stage = OTHER_PLATFORM.stage
     if _xla.backends_started():
         settings, platform = _read_platform(settings, stacklevel=3)
         stage = platform.stage
-    cache_warning = _compilation_cache_warning(
-        getattr(jax.config, "jax_compilation_cache_dir", None))
-    if cache_warning:
-        warnings.warn(cache_warning, CompilationCacheWarning, stacklevel=2)
-
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(_raise_pending)
         atexit.register(_HOOK.wait_until_idle)
+        _xla.add_to_cache_key(_HOOK.cache_key)
         _HOOK.listening = True
     with _HOOK.lock:
         changed = _HOOK.settings != settings
@@ -631,6 +649,6 @@ def decisions(*, clear: bool = False) -> list[Decision]:
     return out
 
 
-__all__ = ["CompilationCacheWarning", "MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision",
+__all__ = ["MAX_DECISIONS", "MAX_REMEMBERED", "PASS_NAME", "Decision",
            "HookSeconds", "Installation", "PlatformWarning", "decisions", "install",
            "installed", "uninstall"]
