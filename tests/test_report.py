@@ -200,6 +200,25 @@ def test_diff_says_which_module_is_faster_on_which_profile(modules):
     assert data["verdict"].startswith("verdict: after is predicted")
 
 
+def test_diff_says_when_the_modules_are_two_programs(modules):
+    # A module and its optimized form take the same parameter arrays (the state's
+    # shapes aside): no note. Two programs taking other parameters: the verdict
+    # compares two steps, and the note under it says so (it said nothing).
+    pair = run("diff", *modules, "--profile", "tpu-v3")
+    assert pair.exit_code == 0 and "two programs" not in pair.output
+    assert json.loads(run("diff", *modules, "--json")
+                      .output)["programs_differ"] is None
+    other = "fixtures/spmd/adam.n8.hlo"
+    apart = run("diff", modules[0], other, "--profile", "tpu-v3")
+    assert apart.exit_code == 0
+    (verdict,) = [i for i, line in enumerate(apart.output.splitlines())
+                  if line.startswith("verdict:")]
+    note = apart.output.splitlines()[verdict + 1]
+    assert note.startswith("note: before and after take ") and "two programs" in note
+    data = json.loads(run("diff", modules[0], other, "--json").output)
+    assert "two programs" in data["programs_differ"]
+
+
 def test_diff_notes_say_what_they_mean(modules):
     # Before: "the pass's own analysis did not apply" for every module, unexplained.
     text = run("diff", *modules, "--profile", "tpu-v3").output

@@ -12,7 +12,7 @@ from typing import Any
 from hlo_shard.analysis.names import instruction_names, labelled
 from hlo_shard.costmodel.memory import CATEGORIES as MEMORY_CATEGORIES
 from hlo_shard.costmodel.step_time import CATEGORIES, StepEstimate, per_weight_rows
-from hlo_shard.ir import Module
+from hlo_shard.ir import Module, shape_leaves
 from hlo_shard.profiles import HardwareProfile
 from hlo_shard.reports.document import Document, Figure, Table
 from hlo_shard.units import fmt_bytes, fmt_count, fmt_delta, fmt_seconds, fmt_share
@@ -164,6 +164,7 @@ def diff_json(before: StepEstimate, after: StepEstimate, before_module: Module,
     delta["seconds_by_category"] = {c: b["seconds_by_category"][c] - a["seconds_by_category"][c]
                                     for c in CATEGORIES}
     return {"before": a, "after": b, "delta": delta, "verdict": step_verdict(before, after),
+            "programs_differ": programs_differ(before_module, after_module) or None,
             "ratio": {"estimated_step_seconds": (b["estimated_step_seconds"]
                                                  / a["estimated_step_seconds"])
                       if a["estimated_step_seconds"] else None}}
@@ -182,9 +183,11 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
                   weights: tuple[dict[str, dict], dict[str, dict]] | None = None) -> Document:
     """``weights``: :func:`per_weight_rows` of ``before`` and ``after``, where the caller
     has them already (see :func:`report_document`)."""
+    differ = programs_differ(before_module, after_module)
     doc = Document(f"hlo-shard diff: {before.module} → {after.module}",
                    f"profile {before.profile.name}; {before.devices} → {after.devices} devices; "
-                   f"all figures per device\n{step_verdict(before, after)}")
+                   f"all figures per device\n{step_verdict(before, after)}"
+                   + (f"\nnote: {differ}" if differ else ""))
     rows = [(label, a, b, fmt) for (label, a, fmt), (_, b, _) in
             zip(_summary_rows(before), _summary_rows(after))]
     rows.append(("weight-update share", before.weight_update_share, after.weight_update_share,
@@ -229,6 +232,21 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
     doc.figures += [step_figure([before, after]), memory_figure([before, after])]
     doc.notes += [f"before: {n}" for n in _notes(before)] + [f"after: {n}" for n in _notes(after)]
     return doc
+
+
+def programs_differ(before: Module, after: Module) -> str:
+    """Why ``after`` is not ``before`` optimized ("" where it may be): the optimizer keeps
+    the entry's parameter arrays, their number and element types (a sharded state
+    changes their shapes only), so two steps whose parameters differ there are two
+    programs, and the verdict compares their steps, not a rewrite."""
+    types = [[leaf.element_type for param in module.entry.parameters()
+              for _, leaf in shape_leaves(param.shape)] for module in (before, after)]
+    if types[0] == types[1]:
+        return ""
+    what = (f"{len(types[0])} and {len(types[1])} parameter arrays"
+            if len(types[0]) != len(types[1]) else "parameters of other element types")
+    return (f"before and after take {what}: two programs, not a module and its optimized "
+            f"form (the verdict compares their steps)")
 
 
 def step_verdict(before: StepEstimate, after: StepEstimate) -> str:
