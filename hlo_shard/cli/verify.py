@@ -156,11 +156,18 @@ def _text_report(report: VerifyReport, timed: bool) -> list[str]:
                 lines.append("note: only the wide-range regime's steps differ. A candidate "
                              "that sums in another order (optimize --explain: sums moved "
                              "out of an accumulation loop) rounds otherwise where such terms "
-                             "cancel; the tolerance is not widened for it (docs/verify.md, "
-                             "'What it cannot excuse'). The other regimes matched.")
+                             "cancel, beyond what the original's own ill-conditioned elements excuse "
+                             "(docs/verify.md, 'Ill-conditioned elements'). The other "
+                             "regimes matched.")
         elif not report.unlooped:
             lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "
                          f"over {steps}")
+        if report.excused:
+            lines.append(f"note: {report.excused} update elements excused over the steps: "
+                         f"the original itself moves each out of the bound when its inputs "
+                         f"move by an ulp (a sum whose terms cancel, divided by a norm of "
+                         f"its own size): the order of a sum decides it beyond the bound "
+                         f"(docs/verify.md, 'Ill-conditioned elements')")
     if timed or report.candidate is not None:
         lines += _measure_lines(report)
     return lines

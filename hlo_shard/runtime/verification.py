@@ -32,6 +32,7 @@ from hlo_shard.ir import ArrayShape, Module
 from hlo_shard.opinfo import RANDOM_DRAWS
 from hlo_shard.runtime.compare import (
     LeafComparison, check_padding, compare_leaf, compare_update, missing_leaf, shape_text,
+    nudged as nudged_values,
 )
 from hlo_shard.runtime.executable import Executable, MemoryStats, Timing, load, read_module, time_interleaved
 from hlo_shard.parser import compatible
@@ -140,6 +141,12 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.differing and not self.unlooped
 
+    @property
+    def excused(self) -> int:
+        """Update elements excused as ill-conditioned, over every step and leaf
+        (:func:`~hlo_shard.runtime.compare.compare_update`)."""
+        return sum(leaf.excused for leaves in self.steps for leaf in leaves)
+
     def final(self) -> list[LeafComparison]:
         """Per leaf: its first failing step's comparison, else the last step's."""
         if not self.steps:
@@ -164,6 +171,7 @@ class VerifyReport:
             data["match"] = self.ok
             data["outputs"] = [leaf.to_json() for leaf in self.final()]
             data["first_difference_step"] = self.differing[0][0] if self.differing else None
+            data["excused"] = self.excused
         return data
 
 
@@ -513,17 +521,30 @@ class _Run:
         fed_from = {o: p for o, p in self.report.feedback}
         broken = _nonfinite_leaves(outputs_a, pair.original.outputs)
         leaves = []
+        nudged: tuple[list[DeviceValues], list[DeviceValues]] | None = None
         for index, shape in enumerate(pair.original.outputs):
             if index not in outputs_b:
                 leaves.append(missing_leaf(index, shape, "no candidate output stands for it"))
                 continue
-            leaf = compare_leaf(index, shape, outputs_a[index], outputs_b[index],
-                                self.options.rtol, self.options.atol)
+            compared = compare_leaf(index, shape, outputs_a[index], outputs_b[index],
+                                    self.options.rtol, self.options.atol)
+            leaf = compared
             parameter = fed_from.get(index)
             if parameter is not None and parameter in before_b:
-                leaf = compare_update(leaf, inputs_a[parameter], outputs_a[index],
+                leaf = compare_update(compared, inputs_a[parameter], outputs_a[index],
                                       before_b[parameter], outputs_b[index],
                                       self.options.update_rtol)
+                if leaf.verdict in ("differ", "update-differ"):
+                    # Out of the bound: ill-conditioned, or a slip? The original run
+                    # again on inputs an ulp away says which elements it cannot itself
+                    # compute to within the bound (run once per step, where needed).
+                    if nudged is None:
+                        inputs = [[nudged_values(v) for v in value] for value in inputs_a]
+                        nudged = inputs, pair.original.run(inputs)
+                    leaf = compare_update(compared, inputs_a[parameter], outputs_a[index],
+                                          before_b[parameter], outputs_b[index],
+                                          self.options.update_rtol,
+                                          (nudged[0][parameter], nudged[1][index]))
             # Where the original's math breaks down (NaN/inf in the leaf), the padding
             # lanes compute the same expressions on zeros: checked on finite steps only.
             finite = index not in broken
