@@ -483,6 +483,8 @@ def block_dims(fmt: ShardFormat) -> tuple[int, ...]:
 Item = TypeVar("Item")
 
 STRATEGIES = ("auto", "per-tensor", "combined")
+#: Estimates within this share of each other are a tie (:meth:`Bucketing.chosen`).
+TIE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -556,11 +558,15 @@ class Bucketing:
 
     def chosen(self, estimates: Sequence[StrategyEstimate]) -> Bucketing:
         """The bucketing to lower: ``auto`` takes the strategy ``estimates`` (of every
-        strategy, :meth:`estimates`) price lowest, its own per-tensor test on a tie; an
-        explicit strategy or ``per_tensor_bytes`` is kept as asked."""
+        strategy, :meth:`estimates`) price lowest; on a tie (within :data:`TIE`: the
+        same sums added in another order differ in their last bits) the first of its own
+        per-tensor test, per-tensor and combined (fewest bucketing copies and temporary
+        buffers first). An explicit strategy or ``per_tensor_bytes`` is kept as asked."""
         if self.strategy != "auto" or self.per_tensor_bytes is not None:
             return self
-        best = min(estimates, key=lambda e: (e.seconds, e.strategy != "auto"))
+        lowest = min(e.seconds for e in estimates)
+        best = next(e for e in sorted(estimates, key=lambda e: STRATEGIES.index(e.strategy))
+                    if e.seconds <= lowest * (1 + TIE))
         return replace(self, strategy=best.strategy)
 
 
