@@ -156,9 +156,9 @@ def _text_report(report: VerifyReport, timed: bool) -> list[str]:
                 lines.append("note: only the wide-range regime's steps differ. A candidate "
                              "that sums in another order (optimize --explain: sums moved "
                              "out of an accumulation loop) rounds otherwise where such terms "
-                             "cancel, beyond what the original's own ill-conditioned elements excuse "
-                             "(docs/verify.md, 'Ill-conditioned elements'). The other "
-                             "regimes matched.")
+                             "cancel, beyond what the original's own ill-conditioned "
+                             "elements excuse (docs/verify.md, 'Ill-conditioned "
+                             "elements'). The other regimes matched.")
         elif not report.unlooped:
             lines.append(f"MATCH: all {len(report.final())} outputs agree on {devices} "
                          f"over {steps}")

@@ -568,7 +568,6 @@ def install(*, state: str = "gathered", strategy: str = "auto",
         warnings.warn(f"hlo_shard.jax.install() installed nothing: {problem}",
                       FallbackWarning, stacklevel=2)
         return Installation()
-    import jax
     from jax.extend import xla as jax_xla
 
     # The platform and its devices: read now where jax's backend runs already, else at
@@ -581,6 +580,7 @@ def install(*, state: str = "gathered", strategy: str = "auto",
     if _xla.backends_started():
         settings, platform = _read_platform(settings, stacklevel=3)
         stage = platform.stage
+
     if not _HOOK.listening:  # once per process (jax keeps its listeners)
         import jax.monitoring
 

@@ -247,7 +247,7 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
             db = np.where(finite, b1 - b0, 0.0)
             drift = np.where(finite, np.abs(b0 - a0), 0.0)
             value_error = np.where(finite, np.abs(b1 - a1), 0.0)
-            dn = None
+            dn = da  # (not nudged: no element is unstable)
             if nudged is not None:
                 n0, n1 = (np.asarray(v[device]).astype(np.float64) for v in nudged)
                 dn = np.where(finite & np.isfinite(n0) & np.isfinite(n1), n1 - n0, da)
@@ -259,7 +259,7 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
         devices.append((da, db, dn, spacing, drift, value_error, value_allowed, finite, disagree))
     scale = max((float(np.max(np.abs(d[0]))) for d in devices if d[0].size), default=0.0)
     worst_abs, worst_ratio, worst_device = 0.0, 0.0, leaf.worst_device
-    outside: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+    outside: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     disagreeing = 0
     for device, (da, db, dn, spacing, drift, value_error, value_allowed, finite, disagree) in \
             enumerate(devices):
@@ -269,8 +269,7 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
         error = np.abs(db - da)
         allowed = tol * scale + UPDATE_ULPS * spacing
         value_outside = finite & (value_error > value_allowed) & (value_error > drift + allowed)
-        unstable = None if dn is None else np.abs(dn - da) > allowed
-        outside.append((error > allowed, value_outside, unstable))
+        outside.append((error > allowed, value_outside, np.abs(dn - da) > allowed))
         ratio = float(np.max(error / allowed))
         if ratio > worst_ratio:
             worst_ratio, worst_device = ratio, device
@@ -289,21 +288,21 @@ def compare_update(leaf: LeafComparison, before_a: Sequence[np.ndarray],
     return leaf
 
 
-def _outside_counts(outside: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+def _outside_counts(outside: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
                     ) -> tuple[int, int, int]:
     """Elements out of the update bound and out of the value bound, and those of them
-    excused (per device: update-outside, value-outside and unstable masks; unstable None
-    where the original was not nudged): the unstable ones where they are at most
-    :data:`EXCUSED_SHARE` of the elements, else none."""
-    elements = sum(mask.size for mask, _, _ in outside)
-    unstable_out = [(update | value) & unstable for update, value, unstable in outside
-                    if unstable is not None]
-    excused = sum(int(np.count_nonzero(mask)) for mask in unstable_out)
-    if not excused or excused > EXCUSED_SHARE * elements:
-        return (sum(int(np.count_nonzero(u)) for u, _, _ in outside),
-                sum(int(np.count_nonzero(v)) for _, v, _ in outside), 0)
-    return (sum(int(np.count_nonzero(u & ~s)) for u, _, s in outside if s is not None),
-            sum(int(np.count_nonzero(v & ~s)) for _, v, s in outside if s is not None), excused)
+    excused (per device: update-outside, value-outside and unstable masks): the
+    unstable ones where they are at most :data:`EXCUSED_SHARE` of the elements, else
+    none."""
+    elements = sum(update.size for update, _, _ in outside)
+    excused = sum(int(np.count_nonzero((update | value) & unstable))
+                  for update, value, unstable in outside)
+    if excused > EXCUSED_SHARE * elements:
+        excused = 0
+    kept = [(update, value) if not excused else (update & ~unstable, value & ~unstable)
+            for update, value, unstable in outside]
+    return (sum(int(np.count_nonzero(update)) for update, _ in kept),
+            sum(int(np.count_nonzero(value)) for _, value in kept), excused)
 
 
 def nudged(values: np.ndarray) -> np.ndarray:
