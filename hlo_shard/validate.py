@@ -128,8 +128,10 @@ class _Checker:
         seen: dict[int, str] = {}
         for comp in self.module.computations:
             for inst in comp.instructions:
+                if inst.opcode not in CHANNEL_UNIQUE:
+                    continue
                 channel = inst.attr("channel_id")
-                if not isinstance(channel, int) or inst.opcode not in CHANNEL_UNIQUE:
+                if not isinstance(channel, int):
                     continue
                 if channel in seen:
                     self.comp = comp

@@ -45,8 +45,10 @@ class ChannelIdDedupe(ModulePass[RenumberedChannels]):
         renumbered = 0
         for comp in module.computations:
             for inst in comp.instructions:
+                if inst.opcode not in CHANNEL_UNIQUE:
+                    continue
                 channel = inst.int_attr("channel_id")
-                if channel is None or inst.opcode not in CHANNEL_UNIQUE:
+                if channel is None:
                     continue
                 if channel in seen:
                     rewriter.rewriter(comp).set_attr(inst, "channel_id", channels.fresh())

@@ -55,8 +55,10 @@ class ChannelIds:
 
     def __init__(self, module: Module) -> None:
         self.module = module
+        # (the attribute's presence first: a module's instructions are mostly without it)
         ids = [channel for c in module.computations for i in c.instructions
-               if (channel := i.int_attr("channel_id")) is not None]
+               if "channel_id" in i.attributes and
+               (channel := i.int_attr("channel_id")) is not None]
         self.next = max(ids, default=0) + 1
 
     def fresh(self) -> int:
