@@ -11,8 +11,8 @@ from functools import partial
 import numpy as np
 import pytest
 
-from jax_train_helpers import (AXIS, assert_close, jax, make_program, needs_devices, optax,
-                               through_checkpoint, train)
+from jax_train_helpers import (AXIS, assert_close, jax, make_program, mlp_loss, needs_devices,
+                               optax, run_steps, through_checkpoint, train)
 
 import hlo_shard.jax as hsj
 from hlo_shard import optimize
@@ -1034,3 +1034,42 @@ def test_a_reduction_from_a_non_neutral_value_gives_jits_numbers(request):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     (row,) = [r for r in fast.report["explanations"] if r["shape"].startswith("f32[64,64]")]
     assert row["reason_code"] == "non_neutral_init"
+
+
+def test_an_integer_metric_carried_beside_the_weights_comes_back_whole(request):
+    """A confusion matrix summed over the global batch and carried in the step's state
+    is an integer all-reduce added to a leaf only the update reads: the form of a
+    gradient and its state, but no gradient (jax differentiates floats only). Sharded
+    state must not turn it into a shard the user's metric code cannot read."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 4)
+    opt = optax.adam(1e-3)
+
+    def train_step(params, opt_state, conf, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        predicted, actual = batch["x"][:, :8].argmax(-1), batch["y"].argmax(-1)
+        conf = conf + jnp.zeros((8, 8), jnp.int32).at[actual, predicted].add(1)
+        return optax.apply_updates(params, updates), opt_state, conf, loss
+
+    step = jax.jit(train_step, donate_argnums=(0, 1, 2))
+    replicated = NamedSharding(program.mesh, P())
+
+    def start():
+        params, opt_state = program.init()
+        return params, opt_state, jax.device_put(jnp.zeros((8, 8), jnp.int32), replicated)
+
+    fast = hsj.shard_weight_update(step, state="sharded", force=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hsj.FallbackWarning)
+        state, _ = run_steps(fast, start(), program.batch)
+    assert state[1][0].mu["l0"]["w"].shape == (32 * 64,)  # the optimizer state: shards
+    conf = state[2]
+    assert conf.shape == (8, 8) and conf.dtype == jnp.int32
+    jit_state, _ = run_steps(step, start(), program.batch)
+    np.testing.assert_array_equal(np.asarray(conf), np.asarray(jit_state[2]))
+    assert int(conf.sum()) == 3 * program.batch(0)["x"].shape[0]
+    rows = {row["reason_code"] for row in fast.report["explanations"]
+            if row["shape"].startswith("s32")}
+    assert rows == {"integer_sum"}

@@ -610,3 +610,30 @@ def test_an_xla_optimized_module_is_said_to_be_unverifiable(sgd, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "note: this is an XLA-optimized module (is_scheduled=true" in result.stderr
     assert "note:" not in run(str(sgd), "-o", str(tmp_path / "p.hlo")).stderr
+
+
+COUNTS = """HloModule counts, replica_count=4
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+add_s32 { a = s32[] parameter(0) b = s32[] parameter(1) ROOT c = s32[] add(a, b) }
+ENTRY e { w = f32[1024] parameter(0) g = f32[1024] parameter(1) c = s32[64] parameter(2)
+ k = s32[64] parameter(3)
+ ar = f32[1024] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add
+ lr = f32[] constant(0.01) b = f32[1024] broadcast(lr), dimensions={}
+ u = f32[1024] multiply(ar, b) nw = f32[1024] subtract(w, u)
+ counted = s32[64] all-reduce(k), replica_groups={{0,1,2,3}}, to_apply=add_s32
+ nc = s32[64] add(c, counted) ROOT out = (f32[1024], s32[64]) tuple(nw, nc) }
+"""
+
+
+def test_an_integer_sum_is_no_gradient_and_is_counted_apart(tmp_path):
+    path = tmp_path / "counts.hlo"
+    path.write_text(COUNTS)
+    result = run(str(path), "-o", str(tmp_path / "o.hlo"), "--state", "sharded", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {row["all_reduce"]: row for row in json.loads(result.stdout)["explanations"]}
+    assert rows["ar"]["sharded"] and not rows["counted"]["sharded"]
+    assert rows["counted"]["reason_code"] == "integer_sum"
+    assert ("sharded 1 of 2 gradient all-reduce leaves (4096 of 4352 bytes) across 4 devices; "
+            "1 integer sum (counts, not gradients), 0 kept whole;") in result.stderr
+    out = parse((tmp_path / "o.hlo").read_text())
+    assert out.entry.root.shape.elements[1].dims == (64,)  # the count's total, whole

@@ -255,6 +255,10 @@ class ReasonCode(str, enum.Enum):
     #: The partitioner's reduce-scatter form of a value of the forward/backward pass (an
     #: activation's sum under FSDP, another sum computed from its slice): not a gradient.
     ACTIVATION_SUM = "activation_sum"
+    #: The planner's: an integer sum (a count, a metric's accumulator): no gradient is
+    #: an integer, and the sum's carried total must come back whole (``state="sharded"``
+    #: keeps what only the update reads in shards between steps).
+    INTEGER_SUM = "integer_sum"
     #: A scalar summed from this device's slices of already-sharded gradients (the
     #: global norm's partial sums over the devices holding the other slices): not a
     #: gradient.
@@ -1092,9 +1096,10 @@ def recovered_device_counts(module: Module) -> dict[str, int]:
     largest: dict[str, int] = {}
     for comp in module.computations:
         for inst in comp.instructions:
+            if inst.opcode not in _GROUPED:
+                continue
             groups = inst.attr("replica_groups")
-            if inst.opcode not in _GROUPED or not isinstance(groups, ReplicaGroups) \
-                    or not groups.groups:
+            if not isinstance(groups, ReplicaGroups) or not groups.groups:
                 continue
             key = "num_partitions" if group_mode(inst) in (
                 GroupMode.CROSS_PARTITION, GroupMode.FLATTENED_ID) else "replica_count"

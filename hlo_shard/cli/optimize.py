@@ -198,16 +198,21 @@ def _summary(report: ShardingReport, options: ShardingOptions, output: str,
     already = sum(1 for r in rows if r.already_sharded)
     partial = sum(1 for r in rows if r.reason_code == ReasonCode.PARTIAL_SUM.value)
     activations = sum(1 for r in rows if r.reason_code == ReasonCode.ACTIVATION_SUM.value)
+    integers = sum(1 for r in rows if r.reason_code == ReasonCode.INTEGER_SUM.value)
     # Gradients the program already reduce-scatters are counted apart from those kept
     # whole: they are not a missed opportunity; nor are the partial sums of their slices,
-    # nor the activations' sums the partitioner reduce-scatters alike.
-    sums = (f", {partial} partial sum{'s' if partial > 1 else ''} of their slices (not "
-            f"gradients)") if partial else ""
-    sums += (f", {activations} activation sum{'s' if activations > 1 else ''} in the same "
-             f"form (not gradients)") if activations else ""
-    apart = (f"; {already} already sharded (reduce-scatter form){sums}, "
-             f"{len(rows) - len(done) - already - partial - activations} kept whole") \
-        if already or activations else ""
+    # the activations' sums the partitioner reduce-scatters alike, or integer sums.
+    scattered = bool(already or activations)  # (partial sums are of their slices)
+    parts = [f"{already} already sharded (reduce-scatter form)"] if scattered else []
+    parts += [f"{partial} partial sum{'s' if partial > 1 else ''} of their slices (not "
+              f"gradients)"] if partial and scattered else []
+    parts += [f"{activations} activation sum{'s' if activations > 1 else ''} in the same "
+              f"form (not gradients)"] if activations else []
+    parts += [f"{integers} integer sum{'s' if integers > 1 else ''} (counts, not "
+              f"gradients)"] if integers else []
+    kept = len(rows) - len(done) - already - activations - integers - \
+        (partial if scattered else 0)
+    apart = f"; {', '.join(parts)}, {kept} kept whole" if parts else ""
     text = (f"sharded {len(done)} of {len(rows)} gradient all-reduce leaves "
             f"({sum(r.bytes for r in done)} of {sum(r.bytes for r in rows)} bytes) across "
             f"{report.devices} devices{_groups_words(report)}{apart}; {moved} update ops "

@@ -55,8 +55,8 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
                              fused_structure, reachable, reading_only, topological_order,
                              upstream_bits, users_map)
-from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
-                          Module, Shape, TupleShape, shape_leaves)
+from hlo_shard.ir import (ELEMENT_BITS, INTEGER_TYPES, ArrayShape, Computation, Ident,
+                          Instruction, Module, Shape, TupleShape, shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
@@ -898,6 +898,12 @@ def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
     return cast(tuple[ArrayShape, ...], shape.elements)
 
 
+def is_integer_sum(leaf: Leaf) -> bool:
+    """A sum of integers: a count or a metric's total (a confusion matrix carried beside
+    the weights), never a gradient (jax differentiates floats only)."""
+    return leaf.shape.element_type in INTEGER_TYPES
+
+
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
     shape = leaf.shape
     if shape.element_type in ("token", "opaque") or shape.dynamic:
@@ -906,6 +912,9 @@ def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
         count = f"{shape.num_elements} element{'s' if shape.num_elements != 1 else ''}"
         return Whole(ReasonCode.NOTHING_TO_SHARD,
                      f"{'scalar' if shape.is_scalar else count}: nothing to shard")
+    if is_integer_sum(leaf):
+        return Whole(ReasonCode.INTEGER_SUM, f"an integer sum ({shape.element_type}: a count "
+                     f"or a metric's total): not a gradient")
     if shape.byte_size < options.min_shard_bytes:
         return Whole(ReasonCode.BELOW_MIN_SHARD_BYTES, f"smaller than --min-shard-bytes "
                      f"({shape.byte_size} < {options.min_shard_bytes})")
@@ -1889,7 +1898,7 @@ def unsharded_state(module: Module, comp: Computation, plan: RegionPlan,
     the summed gradients outside the region — a factored statistic such as Adafactor's
     ``v_row``/``v_col`` (the squared gradient reduced along one dimension)."""
     root = comp.root
-    gradients = {leaf.all_reduce for leaf in plan.leaves}
+    gradients = {leaf.all_reduce for leaf in plan.leaves if not is_integer_sum(leaf)}
     forward = reachable(gradients, lambda name: comp[name].operands)
     params = {p.parameter_number: p for p in comp.parameters()}
     from hlo_shard.printer import format_shape
