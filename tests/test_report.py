@@ -532,3 +532,37 @@ ENTRY e { w = f32[16] parameter(0), sharding={replicated}, frontend_attributes={
     assert "note: this is the global program before SPMD partitioning (%w carries a Shardy " \
            "sharding (xla.sdy.sharding)): its figures are the whole program's" in result.stderr
     assert "global program" not in run("report", modules[0]).stderr
+
+
+#: A step that reads its updated weight again (an EMA model's loss over the devices, as
+#: flax's and optax's EMA examples compute it) and whose learning rate is scaled by an
+#: integer step counter the forward pass reads too.
+READS_UPDATED = """HloModule ema, replica_count=4, input_output_alias={ {0}: (0, {}, may-alias), {2}: (2, {}, may-alias) }
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+ENTRY e { w = f32[1024] parameter(0) x = f32[1024] parameter(1) c = s32[] parameter(2)
+ m = f32[1024] multiply(w, x)
+ ar = f32[1024] all-reduce(m), replica_groups={{0,1,2,3}}, to_apply=add
+ cf = f32[] convert(c) k = f32[] constant(0.01) lr = f32[] multiply(k, cf)
+ b = f32[1024] broadcast(lr), dimensions={}
+ u = f32[1024] multiply(ar, b) nw = f32[1024] subtract(w, u)
+ one = s32[] constant(1) nc = s32[] add(c, one)
+ zero = f32[] constant(0) cg = f32[] convert(c) fb = f32[1024] broadcast(cg), dimensions={}
+ mx = f32[1024] multiply(x, fb) sx = f32[] reduce(mx, zero), dimensions={0}, to_apply=add
+ ev = f32[1024] multiply(nw, x) se = f32[] reduce(ev, zero), dimensions={0}, to_apply=add
+ ae = f32[] all-reduce(se), replica_groups={{0,1,2,3}}, to_apply=add
+ ROOT out = (f32[1024], f32[], s32[], f32[]) tuple(nw, ae, nc, sx) }
+"""
+
+
+def test_report_plans_the_update_as_the_pass_does(tmp_path):
+    """The report's update region is the pass's: a weight's next value the step reads
+    again is an update's (not a batch statistic feeding the EMA loss's sum), and a step
+    counter the schedule reads is no weight."""
+    path = tmp_path / "ema.hlo"
+    path.write_text(READS_UPDATED)
+    result = CliRunner().invoke(main, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["region_source"] == "update_region"
+    assert data["parameters"]["w"] == "weights" and "w" in data["weights"]
+    assert data["parameters"]["c"] == "other_parameters" and "c" not in data["weights"]

@@ -2235,7 +2235,12 @@ def planned_update_regions(module: Module) -> dict[str, frozenset[str]]:
             comp = view.computation(name)
             leaves, _ = collect_leaves(view, comp, all_reduces)
             if leaves:
-                regions[name] = frozenset(plan_region(view, comp, leaves, facts.replication).ops)
+                # (as the pass plans it: an output that is a parameter's next value is an
+                # update's, whatever of the step reads it again)
+                options = RegionOptions(next_value_outputs=frozenset(
+                    view.output_aliases() if comp.is_entry else ()))
+                regions[name] = frozenset(
+                    plan_region(view, comp, leaves, facts.replication, options).ops)
         return regions
 
 
