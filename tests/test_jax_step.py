@@ -1073,3 +1073,21 @@ def test_an_integer_metric_carried_beside_the_weights_comes_back_whole(request):
     rows = {row["reason_code"] for row in fast.report["explanations"]
             if row["shape"].startswith("s32")}
     assert rows == {"integer_sum"}
+
+
+def test_shard_args_names_a_leaf_restored_onto_other_devices(request):
+    """A checkpoint restored onto one device is refused in the user's words (the leaf,
+    both device sets, what to do), not with the error of hlo-shard's own conversion;
+    host arrays of the same checkpoint are placed as the step's."""
+    if not needs_devices(request):
+        return
+    program = make_program("mlp", "adam", 4)
+    fast = hsj.shard_weight_update(program.step, state="sharded", force=True)
+    (p, s), _ = train(fast, program, 1)
+    saved = jax.device_get(fast.gather_args(p, s))
+    on_one = jax.device_put(saved, jax.devices()[0])
+    with pytest.raises(ValueError, match=r"hlo_shard\.jax: opt_state\[0\]\.mu\['l0'\]\['[bw]'\] "
+                       r"is on devices \[0\], the step's on \[0, 1, 2, 3\]: .*host arrays"):
+        fast.shard_args(*on_one)
+    _, opt_state = fast.shard_args(*saved)
+    assert opt_state[0].mu["l0"]["w"].shape == (32 * 64,)

@@ -122,6 +122,20 @@ def _converted(leaves: list, chosen: list[tuple[int, _StateLeaf]], to_shards: bo
     return out
 
 
+def _refuse_other_devices(name: str, leaf: Any, full: Any) -> None:
+    """A full leaf committed to other devices than its program places it on (a
+    checkpoint restored onto one device) is refused in the user's words: jit refuses a
+    step's arguments on two sets of devices alike, and hlo-shard's conversion would
+    say so of its own arguments."""
+    if not getattr(leaf, "committed", False) or leaf.sharding.device_set == full.device_set:
+        return
+    ids = sorted(device.id for device in leaf.sharding.device_set)
+    raise ValueError(f"hlo_shard.jax: {name} is on devices {ids}, the step's on "
+                     f"{sorted(device.id for device in full.device_set)}: place it as the "
+                     f"step's arguments are (jax.device_put with the step's sharding) or "
+                     f"pass host arrays")
+
+
 def _front_and_jit(fn: Callable, caller: str = "shard_weight_update"
                    ) -> tuple[Callable[[Callable], Callable] | None, Any]:
     """The ``jax.jit`` that compiles ``fn`` and, for a library's jit wrapper, how to call
@@ -546,6 +560,8 @@ class ShardedStep:
             raise ValueError(f"hlo_shard.jax: {name} could be the state leaf of programs on "
                              f"different devices; put it on the devices of the one it is "
                              f"for (jax.device_put) first")
+        if to_shards and len(candidates) == 1:
+            _refuse_other_devices(name, leaf, next(iter(candidates.values())).full)
         if not candidates and misplaced and not _fully_replicated(leaf):
             raise ValueError(f"hlo_shard.jax: {name} {list(shape)} has the shape of a state "
                              f"leaf's shards but is placed as no program of this step places "
