@@ -76,6 +76,12 @@ class ArrayShape:
     def is_scalar(self) -> bool:
         return not self.dims
 
+    @property
+    def is_integer(self) -> bool:
+        """Its elements are signed or unsigned integers (no gradient is: jax
+        differentiates floats only)."""
+        return self.element_type in INTEGER_TYPES
+
     def minor_to_major(self) -> tuple[int, ...]:
         """The layout's order, or XLA's default ``{rank-1, …, 0}`` when absent."""
         if self.layout is not None and self.layout.minor_to_major:

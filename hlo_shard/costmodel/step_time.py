@@ -46,8 +46,8 @@ from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (NestedWalk, reading_only, run_nested, users_map,
                              zero_started_slots)
-from hlo_shard.ir import (INTEGER_TYPES, ArrayShape, Computation, ComputationRef, Instruction,
-                          Module, Shape, shape_leaves)
+from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
+                          shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ALL_GATHERS, BROADCAST, FORMATTING, MATMULS, ORDER_KEEPING_VIEWS,
                               PER_ELEMENT_COST, SUMMING_COLLECTIVES, opcodes_where,
@@ -440,7 +440,8 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
         if in_update and not elsewhere:  # sharded state is tiled too: the update first
             kinds[param.name] = "optimizer_state"
         elif in_update:  # (an integer is a step counter the schedule reads: no weight)
-            kinds[param.name] = "other_parameters" if _integer(param.shape) else "weights"
+            kinds[param.name] = "other_parameters" if isinstance(param.shape, ArrayShape) \
+                and param.shape.is_integer else "weights"
         elif "devices=" in sharding and "last_tile_dim_replicate" not in sharding:
             kinds[param.name] = "batch"
         elif not sharding and elements(param.shape) > 1 and readers:
@@ -448,10 +449,6 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
         else:
             kinds[param.name] = "other_parameters"
     return kinds
-
-
-def _integer(shape: Shape) -> bool:
-    return isinstance(shape, ArrayShape) and shape.element_type in INTEGER_TYPES
 
 
 def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:

@@ -220,11 +220,8 @@ class Worker:
             return reply["result"]
         if reply.get("kind") == "usage" and not self.info:
             self.close()  # the child refused to start; it exits by itself
-        message = _first_lines(reply["error"]) + self._memory_hint(reply["error"])
+        message = _first_lines(reply["error"]) + memory_hint(reply["error"], self.memory_limit)
         raise HloRuntimeError(f"{what}: {message}" if what else message)
-
-    def _memory_hint(self, text: str) -> str:
-        return memory_hint(text, self.memory_limit)
 
     def _read_exactly(self, size: int, timeout: float, what: str) -> bytes:
         deadline = time.monotonic() + timeout
@@ -263,7 +260,7 @@ class Worker:
         lines = list(self._stderr)
         detail = _crash_detail(lines)
         message = f"{what}: XLA {cause}" + (f": {detail}" if detail else "")
-        return HloRuntimeError(message + self._memory_hint("\n".join(lines[-50:])))
+        return HloRuntimeError(message + memory_hint("\n".join(lines[-50:]), self.memory_limit))
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "stopped"

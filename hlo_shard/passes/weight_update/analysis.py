@@ -55,8 +55,8 @@ from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
                              fused_structure, reachable, reading_only, topological_order,
                              upstream_bits, users_map)
-from hlo_shard.ir import (ELEMENT_BITS, INTEGER_TYPES, ArrayShape, Computation, Ident,
-                          Instruction, Module, Shape, TupleShape, shape_leaves)
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
+                          Module, Shape, TupleShape, shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
 from hlo_shard.opinfo import (ELEMENTWISE, LOGICAL_VIEWS, PER_ELEMENT_COST, SCALAR_OPERANDS,
                               SHAPE_VIEWS)
@@ -901,7 +901,7 @@ def shape_elements(inst: Instruction) -> tuple[ArrayShape, ...]:
 def is_integer_sum(leaf: Leaf) -> bool:
     """A sum of integers: a count or a metric's total (a confusion matrix carried beside
     the weights), never a gradient (jax differentiates floats only)."""
-    return leaf.shape.element_type in INTEGER_TYPES
+    return leaf.shape.is_integer
 
 
 def _leaf_filter(leaf: Leaf, options: RegionOptions) -> Whole | None:
