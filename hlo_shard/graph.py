@@ -26,8 +26,8 @@ from typing import TypeVar, cast
 
 import networkx as nx
 
-from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, Instruction, Module,
-                          Shape)
+from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, AttrValue, Computation, ComputationList,
+                          ComputationRef, Instruction, Module, Shape)
 from hlo_shard.opinfo import is_impure as opcode_is_impure
 
 # ------------------------------------------------------------------------ read views
@@ -942,17 +942,20 @@ def fused_structure(fusion: Instruction, fused: Computation) -> FusedStructure |
     position: dict[str, int] = {}
     parts = []
     for index, inst in enumerate(fused.instructions):
-        attributes = inst.attributes
-        if inst.name in position or (attributes and inst.called_computations()):
+        if inst.name in position:
             return None
         try:
             operands = tuple(map(position.__getitem__, inst.operands))
         except KeyError:
             return None
         position[inst.name] = index
+        attributes = inst.attributes
         values = tuple(attributes.values())
+        kinds = tuple(map(type, values))  # (read once: whether it calls, and the key's)
+        if ComputationRef in kinds or ComputationList in kinds:
+            return None
         parts.append((inst.opcode, inst.shape, operands, inst.parameter_number, inst.literal,
-                      tuple(attributes), tuple(map(type, values)), values))
+                      tuple(attributes), kinds, values))
     root = position.get(fused.root_name) if fused.root_name is not None else None
     if root is None:
         return None

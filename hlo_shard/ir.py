@@ -164,6 +164,10 @@ class ComputationList:
     names: tuple[str, ...]
 
 
+#: The attribute values that name called computations.
+_CALLING = (ComputationRef, ComputationList)
+
+
 @dataclass(frozen=True, slots=True)
 class SliceRanges:
     """``slice={[start:limit:stride], …}``."""
@@ -346,10 +350,11 @@ class Instruction:
         """Names of the computations this instruction calls, in attribute order."""
         names: list[str] = []
         for value in self.attributes.values():
-            if isinstance(value, ComputationRef):
-                names.append(value.name)
-            elif isinstance(value, ComputationList):
-                names.extend(value.names)
+            if isinstance(value, _CALLING):  # (one test for the common value that is not)
+                if isinstance(value, ComputationRef):
+                    names.append(value.name)
+                else:
+                    names.extend(value.names)
         return names
 
     def clone(self) -> Instruction:

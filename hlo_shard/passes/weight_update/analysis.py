@@ -40,7 +40,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from hlo_shard.analysis.collectives import (DeviceGroups, GradientAllReduce, ReasonCode,
@@ -52,7 +52,7 @@ from hlo_shard.analysis.names import sorted_dims
 from hlo_shard.analysis.replication import (ParamOverrides, Replication, analyze_replication,
                                             is_pmap_form)
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import (DataflowGraph, call_graph, control_predecessors, dataflow_graph,
+from hlo_shard.graph import (DataflowGraph, FusedStructure, call_graph, control_predecessors, dataflow_graph,
                              fused_structure, reachable, reading_only, topological_order,
                              upstream_bits, users_map)
 from hlo_shard.ir import (ELEMENT_BITS, ArrayShape, Computation, Ident, Instruction,
@@ -194,9 +194,8 @@ class _Context:
     sharded: dict[str, ShardFormat]
     #: :func:`is_laid_out` of the module (a scan of it: looked at once per planner).
     laid_out: bool
-    #: :func:`body_access` of fusions alike (:func:`~hlo_shard.graph.fused_structure`)
-    #: with the same sharded operands, shared by the planner's contexts.
-    accesses: dict[tuple, FusionAccess]
+    #: What the planner's contexts share of the fusions they look at.
+    fusions: FusionMemo
 
     def replicated(self, name: str) -> bool:
         return self.replication.is_replicated(self.comp.name, name)
@@ -457,6 +456,24 @@ class FusionAccess:
     operands: tuple[ShardFormat | None, ...]
 
 
+@dataclass
+class FusionMemo:
+    """What the contexts of one planner share of the fusions of its computation, which
+    stays as it is while the planner lives: each fusion's
+    :func:`~hlo_shard.graph.fused_structure` (a plan's growth looks at a fusion again
+    for each trial and leaf), and the :func:`body_access` of fusions alike with the same
+    sharded operands."""
+
+    structures: dict[tuple[str, str], FusedStructure | None] = field(default_factory=dict)
+    accesses: dict[tuple, FusionAccess] = field(default_factory=dict)
+
+    def structure(self, inst: Instruction, body: Computation) -> FusedStructure | None:
+        key = (inst.name, body.name)
+        if key not in self.structures:
+            self.structures[key] = fused_structure(inst, body)
+        return self.structures[key]
+
+
 def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
     """How ``inst`` (a fusion with sharded operands) runs on shards, or why it cannot:
     the op of its body that stops it."""
@@ -468,16 +485,16 @@ def fusion_access(ctx: _Context, inst: Instruction) -> FusionAccess | str:
         return "a multi-output fusion"
     body = ctx.module.computation(calls)
     seeds = {k: ctx.sharded[o] for k, o in enumerate(inst.operands) if o in ctx.sharded}
-    structure = fused_structure(inst, body)
+    structure = ctx.fusions.structure(inst, body)
     key = None if structure is None else (structure, tuple(sorted(seeds.items())))
-    access = ctx.accesses.get(key) if key is not None else None
+    access = ctx.fusions.accesses.get(key) if key is not None else None
     if access is None:
         found = body_access(body, seeds)
         if isinstance(found, str):
             return found  # (it names the body's own instruction: not shared)
         access = found
         if key is not None:
-            ctx.accesses[key] = access
+            ctx.fusions.accesses[key] = access
     for name in inst.operands:
         if name not in ctx.sharded and not ctx.replicated(name):
             return f"operand %{name} is neither sharded nor replicated"
@@ -1016,7 +1033,7 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
     """Why a gradient moves no work: the fusions reading it say which op of their body
     stops them (XLA's optimized modules fuse the whole update)."""
     ctx = _Context(planner.module, planner.comp, planner.replication, planner.groups.size,
-                   dict(plan.sharded), planner.laid_out, planner.accesses)
+                   dict(plan.sharded), planner.laid_out, planner.fusions)
     stops = [f"fusion %{user}: {why}" for value in leaf.values
              for user in dict.fromkeys(planner.graph.successors(value))
              if planner.comp[user].opcode == "fusion"
@@ -1110,7 +1127,7 @@ class _Planner:
         self.param_numbered = {param.param_number: param for param in self.params}
         self.graph = dataflow_graph(comp)
         self.laid_out = is_laid_out(module)
-        self.accesses: dict[tuple, FusionAccess] = {}
+        self.fusions = FusionMemo()
         self.order = topological_order(comp)
         self.index = {inst.name: i for i, inst in enumerate(self.order)}
         self._ancestors: dict[tuple[str, ...], set[str]] = {}
@@ -1393,7 +1410,7 @@ def _grow(planner: _Planner, leaves: list[PlannedLeaf], order: Sequence[Instruct
     sharded: dict[str, ShardFormat] = {}
     ops: dict[str, RegionOp] = {}
     ctx = _Context(planner.module, comp, planner.replication, planner.groups.size, sharded,
-                   planner.laid_out, planner.accesses)
+                   planner.laid_out, planner.fusions)
     for leaf in active:
         for value in leaf.values:
             sharded[value] = leaf.format
