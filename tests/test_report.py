@@ -566,3 +566,47 @@ def test_report_plans_the_update_as_the_pass_does(tmp_path):
     assert data["region_source"] == "update_region"
     assert data["parameters"]["w"] == "weights" and "w" in data["weights"]
     assert data["parameters"]["c"] == "other_parameters" and "c" not in data["weights"]
+
+
+#: A scan over 3 stacked layers as XLA's partitioner leaves it: each iteration
+#: all-reduces one layer's gradient and writes it into the stacked gradient the loop
+#: carries (slot 2, zeros to start); after the loop, SGD on the stacked weights, which
+#: the loop also reads (the forward pass).
+SCANNED_LAYERS = """HloModule scan, replica_count=4, input_output_alias={ {0}: (0, {}, may-alias) }
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+body { p = (s32[], f32[3,64], f32[3,64]) parameter(0)
+ i = s32[] get-tuple-element(p), index=0 w = f32[3,64] get-tuple-element(p), index=1
+ g = f32[3,64] get-tuple-element(p), index=2 z = s32[] constant(0)
+ wl = f32[1,64] dynamic-slice(w, i, z), dynamic_slice_sizes={1,64}
+ l = f32[64] reshape(wl) sq = f32[64] multiply(l, l)
+ ar = f32[64] all-reduce(sq), replica_groups={{0,1,2,3}}, to_apply=add
+ r = f32[1,64] reshape(ar) ng = f32[3,64] dynamic-update-slice(g, r, i, z)
+ one = s32[] constant(1) ni = s32[] add(i, one)
+ ROOT t = (s32[], f32[3,64], f32[3,64]) tuple(ni, w, ng) }
+cond { p = (s32[], f32[3,64], f32[3,64]) parameter(0) i = s32[] get-tuple-element(p), index=0
+ n = s32[] constant(3) ROOT lt = pred[] compare(i, n), direction=LT }
+ENTRY e { w = f32[3,64] parameter(0) zero = f32[] constant(0)
+ g0 = f32[3,64] broadcast(zero), dimensions={} i0 = s32[] constant(0)
+ init = (s32[], f32[3,64], f32[3,64]) tuple(i0, w, g0)
+ loop = (s32[], f32[3,64], f32[3,64]) while(init), condition=cond, body=body
+ g = f32[3,64] get-tuple-element(loop), index=2
+ lr = f32[] constant(0.01) b = f32[3,64] broadcast(lr), dimensions={}
+ u = f32[3,64] multiply(g, b) nw = f32[3,64] subtract(w, u)
+ ROOT out = (f32[3,64]) tuple(nw) }
+"""
+
+
+def test_report_counts_a_scans_stacked_weights_and_the_gradients_sent_in_its_loop(tmp_path):
+    """Stacked weights whose gradients a scan over layers all-reduces one layer at a time
+    (MaxText's ``scan_layers``, flax's ``nn.scan``) are weights, not "other parameters",
+    and the bytes of those all-reduces, run once per layer, are each weight's gradient
+    traffic, not 0 B."""
+    path = tmp_path / "scan.hlo"
+    path.write_text(SCANNED_LAYERS)
+    result = CliRunner().invoke(main, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["parameters"]["w"] == "weights"
+    # one layer's f32[64] per iteration, 3 iterations, 2 (N-1)/N of it sent at N = 4
+    assert data["weights"]["w"]["collective_bytes"] == 3 * 2 * 3 / 4 * 64 * 4
+    assert data["weights"]["w"]["update_flops"] > 0

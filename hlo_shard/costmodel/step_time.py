@@ -254,9 +254,8 @@ def update_region_fallback(module: Module, comp: Computation) -> set[str]:
     users = users_map(comp)
     is_update_op = _UpdateOps(module)
     seeds = _gradient_sums(module, comp)
-    downstream = _update_work(comp, users, seeds + _accumulated_sums(module, comp, users,
-                                                                     is_update_op),
-                              is_update_op)
+    accumulated = list(_accumulated_sums(module, comp, users, is_update_op))
+    downstream = _update_work(comp, users, seeds + accumulated, is_update_op)
     region = _reaching_outputs(module, comp, users, downstream)
     # A producer joins once its last user has: count the users outside the region, so
     # that each value is looked at once per user (a chain joins link by link).
@@ -307,12 +306,14 @@ def _update_work(comp: Computation, users: Mapping[str, list[str]], seeds: list[
 
 
 def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, list[str]],
-                      is_update_op: _UpdateOps) -> list[str]:
-    """The values of ``comp`` that are gradient sums a loop accumulated: each
-    ``get-tuple-element`` of a ``while`` whose body computes that slot's next value from
-    a sum across devices through update work (a scan or ``fori_loop`` adding each
-    microbatch's all-reduced gradient into its accumulator)."""
-    found: list[str] = []
+                     is_update_op: _UpdateOps) -> dict[str, list[tuple[str, str]]]:
+    """The values of ``comp`` that are gradient sums a loop accumulated, each with the
+    sums across devices that go into it (body, instruction): each ``get-tuple-element``
+    of a ``while`` whose body computes that slot's next value from a sum across devices
+    through update work (a scan or ``fori_loop`` adding each microbatch's all-reduced
+    gradient into its accumulator), or writes such a value into the slot (a scan over
+    layers stacking each layer's all-reduced gradient)."""
+    found: dict[str, list[tuple[str, str]]] = {}
     for loop in comp.instructions:
         body_name = loop.called("body") if loop.opcode == "while" else ""
         if not body_name or not module.has_computation(body_name):
@@ -325,12 +326,44 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
         # (an accumulator starts at zero, a training loop's weights at their values; a
         # summed loss is a scalar)
         zeros = zero_started_slots(module, comp, loop)
-        slots = {k for k, value in enumerate(body.root.operands) if value in summed
+        slots = {k: value for k, value in enumerate(body.root.operands)
+                 if (value in summed or _writes_into_slot(body, body[value], k, summed))
                  and elements(body[value].shape) > 1 and k in zeros}
-        found += [user for user in users[loop.name]
-                  if comp[user].opcode == "get-tuple-element"
-                  and comp[user].int_attr("index") in slots]
+        for user in users[loop.name]:
+            slot = comp[user].int_attr("index") if comp[user].opcode == "get-tuple-element" \
+                else None
+            if slot in slots:
+                found[user] = [(body_name, name) for name in
+                               _sums_into(body, slots[slot], summed, frozenset(sums))]
     return found
+
+
+def _sums_into(body: Computation, value: str, summed: set[str], sums: frozenset[str]
+               ) -> list[str]:
+    """The ``sums`` that ``value`` is computed from through ``summed`` work (and a write
+    into the carried slot), in ``body``'s order."""
+    reached: set[str] = set()
+    stack = [value]
+    while stack:
+        name = stack.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        if name not in sums:
+            stack.extend(o for o in body[name].operands if o in summed)
+    found = reached & sums
+    return [inst.name for inst in body.instructions if inst.name in found]
+
+
+def _writes_into_slot(body: Computation, inst: Instruction, slot: int,
+                      written: set[str]) -> bool:
+    """``inst`` is a ``dynamic-update-slice`` of the value ``body`` carries in ``slot``
+    with one of ``written``."""
+    if inst.opcode != "dynamic-update-slice" or inst.operands[1] not in written:
+        return False
+    buffer = body[inst.operands[0]]
+    return buffer.opcode == "get-tuple-element" and buffer.int_attr("index") == slot and \
+        body[buffer.operands[0]].opcode == "parameter"
 
 
 def _reaching_outputs(module: Module, comp: Computation, users: dict[str, list[str]],
@@ -430,7 +463,7 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
     kinds: dict[str, str] = {}
     for param in comp.parameters():
         sharding = str(getattr(param.attr("sharding"), "text", param.attr("sharding") or ""))
-        readers = _readers(comp, users, param.name)
+        readers = _readers(comp, users, param.name) + _loops_reading(comp, users, param.name)
         # (a parameter the partitioner slices at the device's offset is read where the
         # slice is: formatting, for the update's gradients; for a parameter, its users)
         readers += [later for r in readers if categories.get(r) == "formatting"
@@ -449,6 +482,14 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
         else:
             kinds[param.name] = "other_parameters"
     return kinds
+
+
+def _loops_reading(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:
+    """The ``while`` loops that carry ``name`` from their first iteration: a scan's
+    forward pass reads its stacked weights there, passed in as XLA's optimized modules
+    pass them (straight into the loop's tuple, no copy between)."""
+    return [loop for carry in users[name] if comp[carry].opcode == "tuple"
+            for loop in users[carry] if comp[loop].opcode == "while"]
 
 
 def _readers(comp: Computation, users: dict[str, list[str]], name: str) -> list[str]:
@@ -857,6 +898,11 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
     analysis = CostAnalysis(module, count_loop_iterations=True, xla_compatible=False)
     sizes = {p: leaf_bytes(comp[p].shape) for p, k in estimate.parameter_kinds.items()
              if k == "weights"}
+    # A gradient a loop accumulated was sent by the sums across devices in its body.
+    looped = _accumulated_sums(module, comp, users, _UpdateOps(module))
+    collectives = {(e.computation, e.name): e for e in estimate.instructions
+                   if e.collective is not None}
+    sent_in_loops: set[tuple[str, str]] = set()  # (each once, however often it is read)
 
     def in_update(name: str) -> bool:
         return (categories.get(name, "forward_backward") != "forward_backward"
@@ -913,11 +959,14 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             work = shared[key] = _OwnedWork(key[0].union(*(reaching[j] for j in key[1])))
         entry = entries.get(name)
         if entry is not None and entry.collective is not None:
-            work.collective_bytes += entry.collective.bytes_sent * entry.runs
-            work.collective_seconds += entry.seconds
+            work.add_collective(entry)
         else:
             work.update_flops += max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
             work.update_seconds += entry.seconds if entry else 0.0
+        for sent in looped.get(name, ()):
+            if sent not in sent_in_loops and sent in collectives:
+                sent_in_loops.add(sent)
+                work.add_collective(collectives[sent])
     return _split_among_weights(sizes, shared.values())
 
 
@@ -949,6 +998,12 @@ class _OwnedWork:
     update_flops: float = 0.0
     collective_bytes: float = 0.0
     collective_seconds: float = 0.0
+
+    def add_collective(self, estimate: InstructionEstimate) -> None:
+        """The bytes ``estimate``'s collective sends and its seconds, as often as it runs."""
+        assert estimate.collective is not None
+        self.collective_bytes += estimate.collective.bytes_sent * estimate.runs
+        self.collective_seconds += estimate.seconds
 
 
 def _is_junction(comp: Computation, inst: Instruction) -> bool:
