@@ -26,7 +26,7 @@ from hlo_shard.analysis.replication import analyze_replication
 from hlo_shard.costmodel.aliasing import donated_parameter_copies
 from hlo_shard.costmodel.kernels import plan_kernels
 from hlo_shard.costmodel.memory import memory_profile
-from hlo_shard.costmodel.step_time import estimate_step
+from hlo_shard.costmodel.step_time import estimate_step, per_weight_rows
 from hlo_shard.graph import topological_order
 from hlo_shard.ir import Module
 from hlo_shard.parser import parse
@@ -528,6 +528,51 @@ def backprop(n: int) -> str:
             f"replica_count=4\n\n" + _REDUCER + "ENTRY %main {\n" + "\n".join(lines) + "\n}\n")
 
 
+def scanned_weights(n: int) -> str:
+    """``n / 12`` stacked weights a scan over layers reads (passed straight into the
+    loop, as XLA's optimized modules pass them) and whose gradients it all-reduces one
+    layer at a time into its carried slots; SGD on each after the loop."""
+    slots = max(1, n // 12)
+    stack, row = "f32[4,16]{1,0}", "f32[16]{0}"
+    carry = "(s32[], " + ", ".join([stack] * (2 * slots)) + ")"
+    body = [f"  %b = {carry} parameter(0)", "  %i = s32[] get-tuple-element(%b), index=0",
+            "  %c0 = s32[] constant(0)"]
+    for k in range(slots):
+        body += [f"  %w.{k} = {stack} get-tuple-element(%b), index={2 * k + 1}",
+                 f"  %s.{k} = {stack} get-tuple-element(%b), index={2 * k + 2}",
+                 f"  %l.{k} = f32[1,16]{{1,0}} dynamic-slice(%w.{k}, %i, %c0), "
+                 "dynamic_slice_sizes={1,16}",
+                 f"  %f.{k} = {row} reshape(%l.{k})",
+                 f"  %g.{k} = {row} multiply(%f.{k}, %f.{k})",
+                 f"  %ar.{k} = {row} all-reduce(%g.{k}), channel_id={k + 1}, "
+                 f"replica_groups={{{{0,1,2,3}}}}, to_apply=%sum",
+                 f"  %r.{k} = f32[1,16]{{1,0}} reshape(%ar.{k})",
+                 f"  %u.{k} = {stack} dynamic-update-slice(%s.{k}, %r.{k}, %i, %c0)"]
+    body += ["  %one = s32[] constant(1)", "  %next = s32[] add(%i, %one)",
+             f"  ROOT %t = {carry} tuple(%next, "
+             + ", ".join(f"%w.{k}, %u.{k}" for k in range(slots)) + ")"]
+    entry = [f"  %p.{k} = {stack} parameter({k})" for k in range(slots)]
+    entry += ["  %zero = f32[] constant(0)", f"  %init = {stack} broadcast(%zero), dimensions={{}}",
+              "  %i0 = s32[] constant(0)",
+              f"  %start = {carry} tuple(%i0, "
+              + ", ".join(f"%p.{k}, %init" for k in range(slots)) + ")",
+              f"  %loop = {carry} while(%start), condition=%cond, body=%body",
+              "  %lr = f32[] constant(0.01)", f"  %rate = {stack} broadcast(%lr), dimensions={{}}"]
+    for k in range(slots):
+        entry += [f"  %st.{k} = {stack} get-tuple-element(%loop), index={2 * k + 2}",
+                  f"  %d.{k} = {stack} multiply(%st.{k}, %rate)",
+                  f"  %new.{k} = {stack} subtract(%p.{k}, %d.{k})"]
+    outputs = ", ".join([stack] * slots)
+    entry.append(f"  ROOT %out = ({outputs}) tuple("
+                 + ", ".join(f"%new.{k}" for k in range(slots)) + ")")
+    cond = (f"%cond (c: {carry}) -> pred[] {{\n  %c = {carry} parameter(0)\n"
+            "  %ci = s32[] get-tuple-element(%c), index=0\n  %n = s32[] constant(4)\n"
+            "  ROOT %more = pred[] compare(%ci, %n), direction=LT\n}\n\n")
+    return ("HloModule scanned_weights, replica_count=4\n\n" + _REDUCER + cond
+            + f"%body (b: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n\n"
+            + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
+
+
 GENERATORS: dict[str, Callable[[int], str]] = {
     "chain": chain, "ladder": ladder, "piecewise": piecewise, "fan": fan, "layers": layers,
     "clipped": clipped,
@@ -535,7 +580,7 @@ GENERATORS: dict[str, Callable[[int], str]] = {
     "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
     "nested_calls": nested_calls, "nested_loops": nested_loops, "branched": branched,
-    "carried_offsets": carried_offsets,
+    "carried_offsets": carried_offsets, "scanned_weights": scanned_weights,
 }
 
 
@@ -771,6 +816,21 @@ def test_optimize_lines_executed_are_linear(generator: str) -> None:
     use it moved: the scan's carried slots)."""
     small, large = (parse(GENERATORS[generator](size)) for size in (2_000, 4_000))
     growth = count_lines(ANALYSES["optimize"], large) / count_lines(ANALYSES["optimize"], small)
+    assert growth <= 2.05
+
+
+@pytest.mark.parametrize("generator", ["scanned_weights", "layers", "fan"])
+def test_per_weight_rows_lines_executed_are_linear(generator: str) -> None:
+    """``report``'s per-weight table, in lines: each weight's gradient traffic from the
+    sums a scan's body runs into its accumulated gradient (a walk back from each carried
+    slot) besides the update's walk from each weight."""
+    def rows(module: Module) -> object:
+        estimate = estimate_step(module, load_profile("cpu-local"), {})
+        return lines_run(lambda: per_weight_rows(estimate, module))
+
+    small, large = (parse(GENERATORS[generator](size)) for size in (2_000, 4_000))
+    assert rows(small) > 0
+    growth = rows(large) / rows(small)
     assert growth <= 2.05
 
 

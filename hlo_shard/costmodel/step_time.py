@@ -319,10 +319,10 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
         if not body_name or not module.has_computation(body_name):
             continue
         body = module.computation(body_name)
-        sums = [i.name for i in body.instructions if _is_sum_collective(module, i)]
+        sums = frozenset(i.name for i in body.instructions if _is_sum_collective(module, i))
         if not sums or body.root.opcode != "tuple":
             continue
-        summed = _update_work(body, users_map(body), sums, is_update_op) | set(sums)
+        summed = _update_work(body, users_map(body), list(sums), is_update_op) | sums
         # (an accumulator starts at zero, a training loop's weights at their values; a
         # summed loss is a scalar)
         zeros = zero_started_slots(module, comp, loop)
@@ -334,14 +334,16 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
                 else None
             if slot in slots:
                 found[user] = [(body_name, name) for name in
-                               _sums_into(body, slots[slot], summed, frozenset(sums))]
+                               _sums_into(body, slots[slot], summed, sums)]
     return found
 
 
 def _sums_into(body: Computation, value: str, summed: set[str], sums: frozenset[str]
                ) -> list[str]:
     """The ``sums`` that ``value`` is computed from through ``summed`` work (and a write
-    into the carried slot), in ``body``'s order."""
+    into the carried slot), by name. Scalars are not walked through: a scalar every
+    gradient reads (a global norm's sum) belongs to no one gradient, and walking it from
+    every slot would read every other gradient's sums from each."""
     reached: set[str] = set()
     stack = [value]
     while stack:
@@ -350,9 +352,9 @@ def _sums_into(body: Computation, value: str, summed: set[str], sums: frozenset[
             continue
         reached.add(name)
         if name not in sums:
-            stack.extend(o for o in body[name].operands if o in summed)
-    found = reached & sums
-    return [inst.name for inst in body.instructions if inst.name in found]
+            stack.extend(o for o in body[name].operands
+                         if o in summed and elements(body[o].shape) > 1)
+    return sorted(reached & sums)
 
 
 def _writes_into_slot(body: Computation, inst: Instruction, slot: int,
@@ -902,7 +904,6 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
     looped = _accumulated_sums(module, comp, users, _UpdateOps(module))
     collectives = {(e.computation, e.name): e for e in estimate.instructions
                    if e.collective is not None}
-    sent_in_loops: set[tuple[str, str]] = set()  # (each once, however often it is read)
 
     def in_update(name: str) -> bool:
         return (categories.get(name, "forward_backward") != "forward_backward"
@@ -963,11 +964,25 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
         else:
             work.update_flops += max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
             work.update_seconds += entry.seconds if entry else 0.0
-        for sent in looped.get(name, ()):
-            if sent not in sent_in_loops and sent in collectives:
-                sent_in_loops.add(sent)
-                work.add_collective(collectives[sent])
+    _share_loop_sums(shared, looped, owners, collectives)
     return _split_among_weights(sizes, shared.values())
+
+
+def _share_loop_sums(shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork],
+                     looped: dict[str, list[tuple[str, str]]], owners: dict[str, set[str]],
+                     collectives: dict[tuple[str, str], InstructionEstimate]) -> None:
+    """Each sum in a loop body (``looped``: an accumulated value → the sums going into
+    it) goes to the weights ``owners`` says own the values it goes into, shared among
+    them as a junction is (a combined bucket's)."""
+    sent_by: dict[tuple[str, str], set[str]] = {}
+    for name, sent in looped.items():
+        for body_sum in sent:
+            sent_by.setdefault(body_sum, set()).update(owners.get(name, ()))
+    for body_sum, params in sent_by.items():
+        if params and body_sum in collectives:
+            weights = frozenset(params)
+            work = shared.setdefault((weights, ()), _OwnedWork(weights))
+            work.add_collective(collectives[body_sum])
 
 
 def _split_among_weights(sizes: dict[str, int], shared: Iterable[_OwnedWork]
