@@ -610,3 +610,35 @@ def test_report_counts_a_scans_stacked_weights_and_the_gradients_sent_in_its_loo
     # one layer's f32[64] per iteration, 3 iterations, 2 (N-1)/N of it sent at N = 4
     assert data["weights"]["w"]["collective_bytes"] == 3 * 2 * 3 / 4 * 64 * 4
     assert data["weights"]["w"]["update_flops"] > 0
+
+
+#: A gradient that comes out of a tuple before the update reads it (a ``shard_map``
+#: returns its loss and gradients in one, the update takes them out).
+TUPLE_WRAPPED = """HloModule wrapped, replica_count=4, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+ENTRY e { w = f32[256] parameter(0) m = f32[256] parameter(1)
+ x = f32[256] parameter(2), parameter_replication={false}
+ g = f32[256] multiply(w, x) ar = f32[256] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add
+ z = f32[] constant(0) s = f32[] reduce(g, z), dimensions={0}, to_apply=add
+ out = (f32[], f32[256]) tuple(s, ar)
+ grad = f32[256] get-tuple-element(out), index=1 loss = f32[] get-tuple-element(out), index=0
+ k = f32[] constant(0.9) kb = f32[256] broadcast(k), dimensions={}
+ mm = f32[256] multiply(m, kb) nm = f32[256] add(mm, grad)
+ lr = f32[] constant(0.1) lrb = f32[256] broadcast(lr), dimensions={}
+ u = f32[256] multiply(nm, lrb) nw = f32[256] subtract(w, u)
+ ROOT t = (f32[256], f32[256], f32[]) tuple(nw, nm, loss) }
+"""
+
+
+def test_report_follows_a_gradient_through_the_tuple_it_comes_out_of(tmp_path):
+    """The update reads its gradient out of a tuple (``shard_map``'s outputs): the weight
+    and its momentum are classified as such, and the all-reduce before the tuple is the
+    weight's gradient traffic (they were "batch", with no per-weight row)."""
+    path = tmp_path / "wrapped.hlo"
+    path.write_text(TUPLE_WRAPPED)
+    result = CliRunner().invoke(main, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["parameters"]["w"] == "weights"
+    assert data["parameters"]["m"] == "optimizer_state"
+    assert data["weights"]["w"]["collective_bytes"] == 2 * 3 / 4 * 256 * 4

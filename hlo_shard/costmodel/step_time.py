@@ -293,16 +293,40 @@ def _gradient_sums(module: Module, comp: Computation) -> list[str]:
 
 def _update_work(comp: Computation, users: Mapping[str, list[str]], seeds: list[str],
                  is_update_op: _UpdateOps) -> set[str]:
-    """The update ops downstream of ``seeds`` through update ops (``users``: ``comp``'s)."""
+    """The update ops downstream of ``seeds`` through update ops (``users``: ``comp``'s),
+    and through a tuple to the ``get-tuple-element`` of the element it forwards (a
+    ``shard_map`` returns its gradients in one, the update reads them out of it)."""
     downstream: set[str] = set()
+    elements_read: dict[str, dict[str, list[str]]] = {}  # tuple → element → its reads
     stack = list(seeds)
     while stack:
-        for user in users[stack.pop()]:
-            if user in downstream or not is_update_op(comp[user]):
+        name = stack.pop()
+        for user in users[name]:
+            inst = comp[user]
+            if inst.opcode == "tuple":
+                if user not in elements_read:
+                    elements_read[user] = _element_reads(comp, users, inst)
+                found = elements_read[user].get(name, [])
+            elif is_update_op(inst):
+                found = [user]
+            else:
                 continue
-            downstream.add(user)
-            stack.append(user)
+            for read in found:
+                if read not in downstream:
+                    downstream.add(read)
+                    stack.append(read)
     return downstream
+
+
+def _element_reads(comp: Computation, users: Mapping[str, list[str]], tuple_inst: Instruction
+                   ) -> dict[str, list[str]]:
+    """Each element of ``tuple_inst`` → the ``get-tuple-element`` reading it."""
+    reads: dict[str, list[str]] = {}
+    for read in users[tuple_inst.name]:
+        if comp[read].opcode == "get-tuple-element":
+            element = tuple_inst.operands[comp[read].int_attr("index") or 0]
+            reads.setdefault(element, []).append(read)
+    return reads
 
 
 def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, list[str]],
@@ -465,13 +489,16 @@ def classify_parameters(module: Module, categories: dict[str, str]) -> dict[str,
     kinds: dict[str, str] = {}
     for param in comp.parameters():
         sharding = str(getattr(param.attr("sharding"), "text", param.attr("sharding") or ""))
-        readers = _readers(comp, users, param.name) + _loops_reading(comp, users, param.name)
+        readers = _readers(comp, users, param.name)
         # (a parameter the partitioner slices at the device's offset is read where the
         # slice is: formatting, for the update's gradients; for a parameter, its users)
         readers += [later for r in readers if categories.get(r) == "formatting"
                     for later in _readers(comp, users, r)]
         in_update = any(categories.get(r) in ("weight_update", "formatting") for r in readers)
-        elsewhere = any(categories.get(r) == "forward_backward" for r in readers)
+        # (a loop it is passed into reads it too: what the update reads besides is a
+        # weight; one the update does not read is nothing more for it)
+        elsewhere = any(categories.get(r) == "forward_backward" for r in readers) or \
+            (in_update and bool(_loops_reading(comp, users, param.name)))
         if in_update and not elsewhere:  # sharded state is tiled too: the update first
             kinds[param.name] = "optimizer_state"
         elif in_update:  # (an integer is a step counter the schedule reads: no weight)
@@ -929,7 +956,8 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
                 elif forward:
                     stack.extend(chain(name))
                 continue
-            stack.extend((o, False) for o in comp[name].operands if in_update(o))
+            stack.extend((o, False) for o in _operands_through_tuples(comp, comp[name])
+                         if in_update(o))
             if forward:
                 stack.extend((u, True) for u in users[name] if in_update(u))
         return seen
@@ -966,6 +994,14 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             work.update_seconds += entry.seconds if entry else 0.0
     _share_loop_sums(shared, looped, owners, collectives)
     return _split_among_weights(sizes, shared.values())
+
+
+def _operands_through_tuples(comp: Computation, inst: Instruction) -> list[str]:
+    """``inst``'s operands, a ``get-tuple-element`` of a tuple made here reading the
+    element itself (a ``shard_map``'s gradients come out of one)."""
+    if inst.opcode == "get-tuple-element" and comp[inst.operands[0]].opcode == "tuple":
+        return [comp[inst.operands[0]].operands[inst.int_attr("index") or 0]]
+    return inst.operands
 
 
 def _share_loop_sums(shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork],
@@ -1028,4 +1064,6 @@ def _is_junction(comp: Computation, inst: Instruction) -> bool:
         return True
     if inst.opcode in COLLECTIVE_KINDS and len(inst.operands) > 1:
         return True
+    if inst.opcode == "get-tuple-element":  # one element read (its tuple is the junction)
+        return False
     return bool(inst.operands) and all(elements(comp[o].shape) <= 1 for o in inst.operands)
