@@ -351,10 +351,16 @@ def scanned(n: int) -> str:
     outputs = ", ".join(["f32[4,2]{1,0}"] * slots)
     entry.append(f"  ROOT %out = ({outputs}) tuple("
                  + ", ".join(f"%mine.{k}" for k in range(slots)) + ")")
+    return _four_trip_loop("scanned_step, num_partitions=8", carry, body, entry)
+
+
+def _four_trip_loop(header: str, carry: str, body: list[str], entry: list[str]) -> str:
+    """A module of ``header`` whose ``entry`` runs the loop ``%body`` (over ``carry``,
+    slot 0 the counter) four times."""
     cond = (f"%cond (c: {carry}) -> pred[] {{\n  %c = {carry} parameter(0)\n"
             "  %ci = s32[] get-tuple-element(%c), index=0\n  %n = s32[] constant(4)\n"
             "  ROOT %more = pred[] compare(%ci, %n), direction=LT\n}\n\n")
-    return ("HloModule scanned_step, num_partitions=8\n\n" + _REDUCER + cond
+    return (f"HloModule {header}\n\n" + _REDUCER + cond
             + f"%body (b: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n\n"
             + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
 
@@ -565,12 +571,7 @@ def scanned_weights(n: int) -> str:
     outputs = ", ".join([stack] * slots)
     entry.append(f"  ROOT %out = ({outputs}) tuple("
                  + ", ".join(f"%new.{k}" for k in range(slots)) + ")")
-    cond = (f"%cond (c: {carry}) -> pred[] {{\n  %c = {carry} parameter(0)\n"
-            "  %ci = s32[] get-tuple-element(%c), index=0\n  %n = s32[] constant(4)\n"
-            "  ROOT %more = pred[] compare(%ci, %n), direction=LT\n}\n\n")
-    return ("HloModule scanned_weights, replica_count=4\n\n" + _REDUCER + cond
-            + f"%body (b: {carry}) -> {carry} {{\n" + "\n".join(body) + "\n}\n\n"
-            + "ENTRY %main {\n" + "\n".join(entry) + "\n}\n")
+    return _four_trip_loop("scanned_weights, replica_count=4", carry, body, entry)
 
 
 def tupled(n: int) -> str:

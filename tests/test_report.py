@@ -601,11 +601,7 @@ def test_report_counts_a_scans_stacked_weights_and_the_gradients_sent_in_its_loo
     (MaxText's ``scan_layers``, flax's ``nn.scan``) are weights, not "other parameters",
     and the bytes of those all-reduces, run once per layer, are each weight's gradient
     traffic, not 0 B."""
-    path = tmp_path / "scan.hlo"
-    path.write_text(SCANNED_LAYERS)
-    result = CliRunner().invoke(main, ["report", str(path), "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = _report_json(tmp_path / "scan.hlo", SCANNED_LAYERS)
     assert data["parameters"]["w"] == "weights"
     # one layer's f32[64] per iteration, 3 iterations, 2 (N-1)/N of it sent at N = 4
     assert data["weights"]["w"]["collective_bytes"] == 3 * 2 * 3 / 4 * 64 * 4
@@ -634,11 +630,15 @@ def test_report_follows_a_gradient_through_the_tuple_it_comes_out_of(tmp_path):
     """The update reads its gradient out of a tuple (``shard_map``'s outputs): the weight
     and its momentum are classified as such, and the all-reduce before the tuple is the
     weight's gradient traffic (they were "batch", with no per-weight row)."""
-    path = tmp_path / "wrapped.hlo"
-    path.write_text(TUPLE_WRAPPED)
-    result = CliRunner().invoke(main, ["report", str(path), "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = _report_json(tmp_path / "wrapped.hlo", TUPLE_WRAPPED)
     assert data["parameters"]["w"] == "weights"
     assert data["parameters"]["m"] == "optimizer_state"
     assert data["weights"]["w"]["collective_bytes"] == 2 * 3 / 4 * 256 * 4
+
+
+def _report_json(path, text: str) -> dict:
+    """``report --json`` of the module ``text``, written at ``path``."""
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["report", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
