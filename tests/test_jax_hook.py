@@ -3,7 +3,8 @@
 The jax programs run in a child process (tests/jax_hook_scenarios.py: the CPU device
 count must be set before jax starts), one per test module or slow test; each training
 scenario compares an unmodified ``jax.jit`` (or ``shard_map``) loop with and without the
-hook — bitwise, as XLA compiles the same arithmetic for these steps. Numeric checks of
+hook — bitwise where XLA vectorizes the sharded program as the whole one, within
+:data:`HOST_ROUNDING` elsewhere. Numeric checks of
 fused rewrites can only go through this path: XLA will not compile its own optimized
 dumps again.
 """
@@ -162,10 +163,24 @@ def test_only_filters_modules_by_name(quick):
     assert result["changed"] == [] and result["loss"] == 0.0 and result["params"] == 0.0
 
 
-def test_jit_adam_loop_is_bitwise_the_same(quick):
+#: How far a hooked step's numbers may be from plain jit's (relative to each tensor's
+#: largest value). Bitwise where XLA:CPU vectorizes the shards' loops as it does the whole
+#: arrays' (the hosts these tests were written on); on a host of another vector width
+#: some sums round in another order (an AMD EPYC without AVX-512: up to 9e-7 after 3
+#: steps, the code before and after this bound alike). A wrong rewrite is off by far more
+#: (test_the_comparison_catches_a_wrong_rewrite: 0.67).
+HOST_ROUNDING = 1e-5
+
+
+def jits_numbers(result: dict) -> bool:
+    """The hooked loop's losses and parameters are plain jit's, to :data:`HOST_ROUNDING`."""
+    return result["loss"] <= HOST_ROUNDING and result["params"] <= HOST_ROUNDING
+
+
+def test_jit_adam_loop_gives_jits_numbers(quick):
     result = quick["jit:adam"]
     assert result["changed"] == [True]
-    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert jits_numbers(result)
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
 
 
@@ -203,18 +218,18 @@ def test_the_clipping_norm_sums_its_tiles_on_the_gradients_blocks(quick):
     """The LayerNorm MLP with global norm clipping: XLA:CPU sums each weight gradient's
     squares in 32×32 tiles (a reduce-window fusion) before the norm; the pass runs those
     fusions on each device's block of rows instead of all-gathering the gradient for
-    them, and the step stays bitwise the same."""
+    them, and the step keeps jit's numbers."""
     result = quick["layernorm:adamw_clip"]
     assert result["changed"] == [True], result["reasons"]
     assert result["block_bodies"] >= 1
-    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert jits_numbers(result)
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4  # all but the loss
 
 
 def test_a_pmap_step_is_sharded_as_it_is(quick):
     """flax's ImageNet example steps with ``jax.pmap`` and ``lax.pmean``: that step, not
-    rewritten for ``jax.jit``, is sharded inside XLA's compile and trains bitwise the
-    same (``shard_weight_update`` refuses it up front: test_jax_step) — once the caller
+    rewritten for ``jax.jit``, is sharded inside XLA's compile and trains with jit's
+    numbers (``shard_weight_update`` refuses it up front: test_jax_step) — once the caller
     says every device holds the same copy of the weights (``pmap_replicated=True``, as
     ``flax.jax_utils.replicate`` makes them). The module cannot say so: a probe's copies
     that differed per device trained differently, sharded unasked. Unasked, the step
@@ -223,7 +238,7 @@ def test_a_pmap_step_is_sharded_as_it_is(quick):
     assert result["unasked"] and not any(changed for changed, _ in result["unasked"])
     assert any("install(pmap_replicated=True)" in reason for _, reason in result["unasked"])
     assert result["changed"] and all(result["changed"]), result["reasons"]
-    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert jits_numbers(result)
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4 * len(result["changed"])
 
 
@@ -241,12 +256,12 @@ def test_scanned_layers_in_bf16_compute_are_sharded_after_their_loop(quick):
     each layer's gradient in the backward loop and rounds the f32 sum back to bf16 as it
     writes it into the stacked gradient. The sum leaves the loop with its rounding (the
     hook kept every such gradient whole, "no update work downstream"); every gradient
-    but the loss's sum is sharded and the step trains bitwise like jit's."""
+    but the loss's sum is sharded and the step trains with jit's numbers."""
     result = quick["scan_bf16:adam"]
     assert result["changed"] == [True], result["reasons"]
     assert result["sharded_bytes"] == result["gradient_bytes"] - 4
     assert any("moved after the loop" in note for note in result["notes"])
-    assert result["loss"] == 0.0 and result["params"] == 0.0
+    assert jits_numbers(result)
 
 
 def test_a_step_that_calls_back_into_the_host_is_kept_as_it_is(quick):
@@ -259,18 +274,18 @@ def test_a_step_that_calls_back_into_the_host_is_kept_as_it_is(quick):
     assert result["calls"] == 2 * 3  # plain and hooked, STEPS each
 
 
-def test_per_tensor_collectives_are_bitwise_the_same(quick):
+def test_per_tensor_collectives_give_jits_numbers(quick):
     """One reduce-scatter per gradient: the transposed weight gradients go through the
     flat path (a laid-out module's collectives split the major dimension only)."""
     result = quick["per_tensor"]
-    assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
+    assert result["changed"] == [True] and jits_numbers(result)
 
 
 def test_a_training_loop_keeps_its_state_sharded_in_the_carry(quick):
     """fori_loop over three steps, compiled as one module: the signature cannot change,
     but inside the loop the optimizer state stays sharded across iterations."""
     result = quick["loop:adam"]
-    assert result["changed"] == [True] and result["params"] == 0.0 and result["loss"] == 0.0
+    assert result["changed"] == [True] and jits_numbers(result)
     assert any("stay sharded across iterations" in note for note in result["notes"])
 
 
