@@ -606,7 +606,7 @@ GENERATORS: dict[str, Callable[[int], str]] = {
     "momentum": momentum,
     "momentum_unaliased": lambda n: momentum(n, aliased=False), "scanned": scanned,
     "nested_calls": nested_calls, "nested_loops": nested_loops, "branched": branched,
-    "carried_offsets": carried_offsets, "scanned_weights": scanned_weights,
+    "carried_offsets": carried_offsets, "scanned_weights": scanned_weights, "tupled": tupled,
 }
 
 
@@ -677,8 +677,18 @@ def test_optimize_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
 
+#: Known not linear at scale, and why (each case's own test still runs at its size above).
+_NOT_YET_AT_SCALE = {
+    # The memory model of the sharded tuple form: each gradient's multiply is placed by
+    # the kernel plan after its last reader (born after its last use), and every
+    # allocation is checked against all such values it holds (2.2x per doubling at
+    # 2,000 -> 4,000; "last use before birth" in the closing notes).
+    ("tupled", analysis) for analysis in ANALYSES if analysis.startswith("optimize")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("generator,analysis", _cases(list(ANALYSES)))
+@pytest.mark.parametrize("generator,analysis", [
+    case for case in _cases(list(ANALYSES)) if case not in _NOT_YET_AT_SCALE])
 def test_analysis_is_linear_at_scale(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 25_000) <= MAX_GROWTH
 
@@ -855,10 +865,7 @@ def test_per_weight_rows_lines_executed_are_linear(generator: str) -> None:
         return lines_run(lambda: per_weight_rows(
             estimate_step(module, load_profile("cpu-local"), {}), module))
 
-    # (the tuple form is this test's alone: the replication and naming analyses grow
-    # 3.4-3.7x per doubling on it, not yet linear there)
-    make = {**GENERATORS, "tupled": tupled}[generator]
-    small, large = (parse(make(size)) for size in (2_000, 4_000))
+    small, large = (parse(GENERATORS[generator](size)) for size in (2_000, 4_000))
     assert rows(small) > 0
     growth = rows(large) / rows(small)
     assert growth <= 2.05

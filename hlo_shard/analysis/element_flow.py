@@ -62,6 +62,9 @@ class ElementOperands:
         info = OPINFO.get(inst.opcode)
         if info is None or not inst.operands:
             return []
+        if inst.opcode == "get-tuple-element" and comp[inst.operands[0]].opcode == "tuple":
+            # the element itself: each of a tuple's n reads would read all n otherwise
+            return [comp[inst.operands[0]].operands[inst.required_attr("index", int)]]
         if _forwards(inst):
             return list(inst.operands)
         if info.moves in _FIRST_ONLY:

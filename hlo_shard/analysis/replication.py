@@ -252,6 +252,9 @@ class _GradientMeeting:
     _reads: dict[str, dict[int, list[str]]] = field(default_factory=dict)
     #: Instruction → whether values flow through it elementwise (a fusion's body read once).
     _flows: dict[tuple[str, str], bool] = field(default_factory=dict)
+    #: Tuple → the while loops it starts, with its slots by value (:meth:`_loops_started`).
+    _started: dict[tuple[str, str], list[tuple[Instruction, dict[str, list[int]]]]] = \
+        field(default_factory=dict)
 
     def view(self, comp: Computation) -> tuple[DataflowGraph, set[str]]:
         """``comp``'s dataflow graph, and its gradient sources with all they reach."""
@@ -281,15 +284,26 @@ class _GradientMeeting:
     def _meets_through(self, graph: DataflowGraph, user: str, value: str,
                        meets: dict[str, bool], depth: int) -> bool:
         inst = graph.comp[user]
-        if inst.opcode == "tuple":  # carried only, never combined: followed into loops
-            return depth < 8 and any(
-                self._slot_meets(graph.comp[loop], slot, depth)
-                for loop in graph.successors(user) if graph.comp[loop].opcode == "while"
-                for slot, operand in enumerate(inst.operands) if operand == value)
         key = (graph.comp.name, user)
+        if inst.opcode == "tuple":  # carried only, never combined: followed into loops
+            return depth < 8 and any(self._slot_meets(loop, slot, depth)
+                                     for loop, slots in self._loops_started(graph, key)
+                                     for slot in slots.get(value, ()))
         if key not in self._flows:
             self._flows[key] = _flows_through(self.module, inst)
         return self._flows[key] and meets[user]
+
+    def _loops_started(self, graph: DataflowGraph, key: tuple[str, str]
+                       ) -> list[tuple[Instruction, dict[str, list[int]]]]:
+        """The while loops the tuple ``key`` starts, each with the tuple's slots by the
+        value in them (found once per tuple: a tuple of n values asked about n times)."""
+        if key not in self._started:
+            slots: dict[str, list[int]] = {}
+            for slot, operand in enumerate(graph.comp[key[1]].operands):
+                slots.setdefault(operand, []).append(slot)
+            self._started[key] = [(graph.comp[loop], slots) for loop in graph.successors(key[1])
+                                  if graph.comp[loop].opcode == "while"]
+        return self._started[key]
 
     def _slot_meets(self, loop: Instruction, slot: int, depth: int) -> bool:
         """Whether the body of ``loop`` reads carried slot ``slot`` into a value that

@@ -1059,19 +1059,23 @@ def _idle_reason(planner: _Planner, plan: RegionPlan, leaf: PlannedLeaf) -> Whol
 
 
 def _conditional_reader(planner: _Planner, user: str) -> bool:
-    """``user`` is a conditional, or a tuple a conditional reads (its operands)."""
+    """``user`` is a conditional, or a tuple a conditional reads (its operands): found
+    once per tuple, which each of its n elements asks about."""
     inst = planner.comp[user]
-    readers = planner.graph.successors(user) if inst.opcode == "tuple" else ()
-    return inst.opcode == "conditional" or \
-        any(planner.comp[r].opcode == "conditional" for r in readers)
+    if inst.opcode != "tuple":
+        return inst.opcode == "conditional"
+    if user not in planner.conditional_tuples:
+        planner.conditional_tuples[user] = any(
+            planner.comp[r].opcode == "conditional" for r in planner.graph.successors(user))
+    return planner.conditional_tuples[user]
 
 
 def _user_words(planner: _Planner, user: str) -> str:
-    """``%user (opcode)``; a tuple with the instruction that reads it."""
+    """``%user (opcode)``; a tuple with (the first) instruction that reads it."""
     opcode = planner.comp[user].opcode
-    readers = list(planner.graph.successors(user)) if opcode == "tuple" else []
+    reader = next(iter(planner.graph.successors(user)), None) if opcode == "tuple" else None
     return f"%{user} ({opcode}" + \
-        (f" read by %{readers[0]} ({planner.comp[readers[0]].opcode})" if readers else "") + ")"
+        (f" read by %{reader} ({planner.comp[reader].opcode})" if reader else "") + ")"
 
 
 def _candidate_orders(shape: ArrayShape) -> list[tuple[int, ...]]:
@@ -1135,6 +1139,8 @@ class _Planner:
         #: gradient (:meth:`stop_at`: those the filters let through); full plans at those
         #: of exactly their sharded leaves.
         self.all_ancestors: set[str] = set()
+        #: Tuple → whether a conditional reads it (:func:`_conditional_reader`).
+        self.conditional_tuples: dict[str, bool] = {}
 
     def stop_at(self, candidates: Sequence[Leaf]) -> None:
         """Let trials stop at the ancestors of ``candidates``."""
