@@ -36,6 +36,21 @@ ELEMENT_BITS: dict[str, int] = {
 FLOAT_TYPES = frozenset(
     t for t in ELEMENT_BITS if t.startswith(("f", "bf"))
 )
+#: The 16-bit floats, which XLA:CPU computes with in f32 (a profile's
+#: ``upcasts_16bit_floats``): its temporaries are f32.
+HALF_FLOAT_TYPES = frozenset({"bf16", "f16"})
+#: Of those, the ones whose collective sums such a backend makes in f32, from each
+#: device's value as its producer computed it (excess precision allowed, unrounded),
+#: rounding the sum once: bf16 on XLA:CPU, whose f16 sums are f16 adds in device order.
+F32_SUMMED_TYPES = frozenset({"bf16"})
+
+
+def summed_type(element_type: str, upcast: bool) -> str:
+    """The type a collective sums ``element_type`` in where the backend ``upcast``s
+    16-bit floats (:data:`F32_SUMMED_TYPES`), else the type itself."""
+    return "f32" if upcast and element_type in F32_SUMMED_TYPES else element_type
+
+
 INTEGER_TYPES = frozenset(t for t in ELEMENT_BITS if t[0] in "su" and t[1:].isdigit())
 COMPLEX_TYPES = frozenset({"c64", "c128"})
 

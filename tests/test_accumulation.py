@@ -83,10 +83,11 @@ SLICED = LOOP.replace(
     "mine = f32[32] reshape(ds) naccb = f32[32] add(mine, accb)")
 
 
-def motion(text: str, sliced: bool = False, memory_bytes: int = 0
+def motion(text: str, sliced: bool = False, memory_bytes: int = 0, upcast: bool = False
            ) -> tuple[Module, AccumulationReport]:
     module = parse(text)
-    result = Pipeline((AccumulationMotion(sliced=sliced, memory_bytes=memory_bytes),),
+    result = Pipeline((AccumulationMotion(sliced=sliced, memory_bytes=memory_bytes,
+                                          upcast=upcast),),
                       check=validate_printed).run(module)
     report = result.report(AccumulationReport)
     return module, report
@@ -470,6 +471,19 @@ def test_a_sum_accumulated_in_bf16_stays_and_a_written_one_moves():
     assert body_collectives(module) == [] and [m.all_reduce for m in report.moved] == ["ar"]
 
 
+def test_a_bf16_sum_written_into_its_slot_stays_where_the_backend_sums_bf16_in_f32():
+    """XLA:CPU sums a bf16 all-reduce in f32, from each device's value as its producer
+    computed it (unrounded, excess precision allowed): moved, the slot would round each
+    device's value before the sum (probe W F2: one bf16 ulp in a third of a scanned
+    weight's gradient). On such a profile the sum stays (``narrow-write``); an f32 one
+    still moves."""
+    module, report = motion(NARROW_STACKED, upcast=True)
+    assert body_collectives(module) == ["ar"] and not report.moved
+    assert [(k.all_reduce, k.reason) for k in report.kept] == [("ar", "narrow-write")]
+    module, report = motion(STACKED, upcast=True)
+    assert body_collectives(module) == [] and [m.all_reduce for m in report.moved] == ["ar"]
+
+
 def test_a_write_that_widens_its_bf16_slot_stays_and_says_so():
     """The sum moved, the loop would write the local f32 value into the bf16 slot:
     ``widened-write``, not the catch-all ``fused``."""
@@ -531,7 +545,8 @@ def test_a_sliced_sum_stays_where_the_whole_gradient_would_not_fit_the_device():
 
 def test_the_accumulator_mode_decides_what_the_sliced_sums_may_cost():
     """``whole`` moves them whatever the memory, ``auto`` within the profile's device
-    memory (unknown on the CPU profile: no bound), ``sharded`` keeps them in the loop."""
+    memory (unknown on the CPU profile: no bound), ``sharded`` keeps them in the loop.
+    XLA:CPU sums 16-bit floats in f32 (``upcast``), a GPU does not."""
     from hlo_shard.passes.sharding_pipeline import accumulation_motion
     from hlo_shard.passes.weight_update import WeightUpdateSharding
     from hlo_shard.profiles import resolve_profile
@@ -543,7 +558,8 @@ def test_the_accumulator_mode_decides_what_the_sliced_sums_may_cost():
     h100 = resolve_profile("h100").device_memory_bytes
     assert h100 > 0
     assert mode("auto", "h100") == AccumulationMotion(sliced=True, memory_bytes=h100)
-    assert mode("auto", "cpu-local") == AccumulationMotion(sliced=True, memory_bytes=0)
+    assert mode("auto", "cpu-local") == AccumulationMotion(sliced=True, memory_bytes=0,
+                                                           upcast=True)
     assert mode("whole", "h100") == AccumulationMotion(sliced=True, memory_bytes=0)
     assert mode("sharded", "h100") == AccumulationMotion(sliced=False, memory_bytes=0)
 
@@ -1315,3 +1331,57 @@ def test_big_vision_s_first_microbatch_gradient_is_sharded(request, worker):
     assert sorted(e["gradient_of"] for e in fast.report["explanations"] if e["sharded"]) == \
         sorted(f"params['{layer}']['{leaf}']" for layer in ("l0", "l1", "l2") for leaf in "bw")
     assert_close(final, run_steps(step, init(), batch)[0])
+
+
+def test_bf16_layers_in_a_scan_keep_jit_s_numbers(request):
+    """Weights stored in bf16, scanned over layers (probe W F2): XLA:CPU all-reduces each
+    layer's bf16 gradient in the backward loop as an f32 sum of each device's unrounded
+    product; moved after the loop, the stacked bf16 slot would round each device's
+    product first (a ulp in a third of the elements after one step). On the CPU profile
+    the sums stay in the loop (``narrow-write``) and the step is jit's, bit for bit."""
+    from jax_train_helpers import jax, needs_devices, optax
+
+    import hlo_shard.jax as hsj
+    from hlo_shard.passes.accumulation_motion import REASONS
+
+    if not needs_devices(request):
+        return
+    import numpy as np
+
+    jnp = jax.numpy
+    layers, width = 4, 64
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w1": jax.random.normal(keys[0], (layers, width, 2 * width), jnp.bfloat16) / 8,
+              "w2": jax.random.normal(keys[1], (layers, 2 * width, width), jnp.bfloat16) / 11,
+              "head": jax.random.normal(keys[2], (width, 1), jnp.bfloat16) / 8}
+    opt = optax.adam(1e-3)
+
+    def loss(p, x, y):
+        def layer(h, w):
+            return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"], None
+        h, _ = jax.lax.scan(layer, x.astype(jnp.bfloat16), {k: p[k] for k in ("w1", "w2")})
+        return jnp.mean(((h @ p["head"])[:, 0].astype(jnp.float32) - y) ** 2)
+
+    def step(p, s, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    state = jax.device_put((params, opt.init(params)), whole)
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (16, width)), split)
+    y = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), (16,)), split)
+    jitted = jax.jit(step)
+    fast = hsj.shard_weight_update(jitted)
+    state_fast, state_jit = state, state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hsj.FallbackWarning)  # (nothing else to shard)
+        for _ in range(2):
+            *state_fast, _ = fast(*state_fast, x, y)
+            *state_jit, _ = jitted(*state_jit, x, y)
+    assert any(REASONS["narrow-write"] in note for note in fast.report["notes"]), \
+        fast.report["notes"]
+    for got, want in zip(jax.tree.leaves(state_fast), jax.tree.leaves(state_jit)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

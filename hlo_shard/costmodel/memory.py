@@ -46,8 +46,8 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.graph import NestedWalk, run_nested, stable_topological_sort, topological_order
 from hlo_shard.ir import (
-    ELEMENT_BITS, ArrayShape, Computation, Instruction, Module, Shape, TupleShape,
-    shape_leaves,
+    ELEMENT_BITS, HALF_FLOAT_TYPES, ArrayShape, Computation, Instruction, Module, Shape,
+    TupleShape, shape_leaves,
 )
 from hlo_shard.opinfo import IN_PLACE
 from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
@@ -57,7 +57,6 @@ from hlo_shard.profiles import DEFAULT_COMBINE_THRESHOLD_BYTES
 #: updates, loops over their carry).
 _IN_PLACE_OPCODES = IN_PLACE
 
-_HALF_FLOATS = frozenset({"bf16", "f16"})
 
 #: Alignment of each buffer in XLA's temp allocation (the CPU backend's heap).
 HEAP_ALIGNMENT = 64
@@ -190,7 +189,7 @@ def temporary_bytes(shape: Shape, upcast: bool) -> int:
     """Bytes of a temporary of ``shape``; 16-bit floats as f32 when ``upcast``."""
     if not upcast:
         return leaf_bytes(shape)
-    return sum(leaf.num_elements * (4 if leaf.element_type in _HALF_FLOATS else
+    return sum(leaf.num_elements * (4 if leaf.element_type in HALF_FLOAT_TYPES else
                                     ELEMENT_BITS[leaf.element_type] // 8)
                for _, leaf in shape_leaves(shape))
 

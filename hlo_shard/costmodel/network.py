@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from hlo_shard.analysis.collectives import GroupMode, group_mode
 from hlo_shard.graph import topological_order
 from hlo_shard import opinfo
-from hlo_shard.ir import Computation, Instruction, Module, ReplicaGroups, shape_leaves
+from hlo_shard.ir import (ELEMENT_BITS, Computation, Instruction, Module, ReplicaGroups,
+                          shape_leaves, summed_type)
 from hlo_shard.profiles import HardwareProfile
 
 #: Opcode → collective kind as reported (async starts priced, their -done free), and the
@@ -94,12 +95,22 @@ def group_size(inst: Instruction, module: Module) -> int:
     }[mode]
 
 
-def payload_bytes(inst: Instruction, operand_shapes: list) -> int:
-    """S: the full buffer — the output of an all-gather, the input otherwise."""
-    shapes = [inst.shape] if COLLECTIVE_KINDS[inst.opcode] == "all-gather" else operand_shapes
+#: The collectives that sum: a backend computing 16-bit floats in f32 sums them in f32.
+_SUMMING_KINDS = frozenset({"all-reduce", "reduce-scatter"})
+
+
+def payload_bytes(inst: Instruction, operand_shapes: list, upcast: bool = False) -> int:
+    """S: the full buffer — the output of an all-gather, the input otherwise; a sum of
+    16-bit floats as f32 where the backend ``upcast``s them (XLA:CPU promotes the
+    collective: :func:`~hlo_shard.ir.summed_type`)."""
+    kind = COLLECTIVE_KINDS[inst.opcode]
+    shapes = [inst.shape] if kind == "all-gather" else operand_shapes
     if inst.opcode == "all-gather-start":
         shapes = [inst.shape.elements[-1]] if hasattr(inst.shape, "elements") else [inst.shape]
-    return sum(leaf.byte_size for shape in shapes for _, leaf in shape_leaves(shape))
+    upcast = upcast and kind in _SUMMING_KINDS
+    return sum(leaf.num_elements * ELEMENT_BITS[summed_type(leaf.element_type, upcast)] // 8
+               if upcast else leaf.byte_size
+               for shape in shapes for _, leaf in shape_leaves(shape))
 
 
 def algorithm_steps(kind: str, n: int, algorithm: str, operands: int = 1) -> int:
@@ -293,8 +304,9 @@ def instruction_collective_cost(inst: Instruction, module: Module, operand_shape
     kind = COLLECTIVE_KINDS[inst.opcode]
     n = group_size(inst, module)
     operands = sum(1 for shape in operand_shapes for _ in shape_leaves(shape)) or 1
-    return collective_cost(kind, n, payload_bytes(inst, operand_shapes), profile, algorithm,
-                           resident, operands)
+    return collective_cost(kind, n, payload_bytes(inst, operand_shapes,
+                                                  profile.upcasts_16bit_floats),
+                           profile, algorithm, resident, operands)
 
 
 @dataclass(frozen=True)

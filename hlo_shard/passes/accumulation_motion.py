@@ -75,7 +75,8 @@ from hlo_shard.analysis.collectives import (ReasonCode, device_index_values, hos
 from hlo_shard.costmodel.memory import memory_profile
 from hlo_shard.graph import (ModuleRewriter, Rewriter, call_counts, scalar_literal,
                              starts_at_zero, users_map)
-from hlo_shard.ir import ArrayShape, Computation, ComputationRef, Instruction, Module, TupleShape
+from hlo_shard.ir import (HALF_FLOAT_TYPES, ArrayShape, Computation, ComputationRef, Instruction,
+                          Module, TupleShape, summed_type)
 from hlo_shard.opinfo import VIEWS
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.weight_update import ChannelIds, ShardingReport
@@ -139,11 +140,6 @@ COMMUTING: dict[str, Rule] = {
 }
 
 
-#: Element types whose adds round at a grain the moved sum's other order shows: an
-#: accumulator of one is added into locally, per device, once its sum leaves the loop
-#: (a written slot is not added into: its sum moves as it is).
-NARROW_SUMS = frozenset({"bf16", "f16"})
-
 #: Ops a fused write may round its sum with on the way to the slot (XLA's CPU backend
 #: sums a 16-bit gradient in f32 and converts it back: see :func:`_writes_into_operand`),
 #: and the floating types they may round through.
@@ -163,6 +159,10 @@ REASONS: dict[str, str] = {
                   "every add (moved, each device's local values would be rounded as they are "
                   "accumulated, before the sum over the devices: other numbers at that "
                   "type's grain, not a reordering of the same sum)",
+    "narrow-write": "it is written into a bf16 slot, and the backend sums bf16 in f32 "
+                    "(XLA:CPU: the sum in the loop reads each device's value unrounded; "
+                    "moved, the slot would round it before the sum, other numbers at bf16's "
+                    "grain)",
     "widened-write": "it is written into a 16-bit slot that its fusion widens to write it and "
                      "narrows back (moved, the loop would carry the local value in the "
                      "slot's narrower type)",
@@ -358,17 +358,21 @@ class AccumulationMotion(ModulePass[AccumulationReport]):
     the block, N times its bytes, and the all-reduce and the slice run once, after the
     loop (otherwise they stay, reason ``sliced``). ``memory_bytes``: the device's
     memory, which such a move may not make the modelled peak exceed (reason
-    ``sliced-memory``); 0: not known, no bound."""
+    ``sliced-memory``); 0: not known, no bound. ``upcast``: the backend sums 16-bit floats
+    in f32 (the profile's ``upcasts_16bit_floats``), so a bf16 sum written into a slot
+    stays (reason ``narrow-write``: :func:`~hlo_shard.ir.summed_type`)."""
 
     name: ClassVar[str] = "accumulation-motion"
     sliced: bool = False
     memory_bytes: int = 0
+    upcast: bool = False
 
     def apply(self, module: Module, rewriter: ModuleRewriter) -> AccumulationReport:
         if host_callback(module):  # (its collectives stay where they are)
             return AccumulationReport()
         sinking = _Sinking(module, rewriter, ChannelIds(module),
-                           _MemoryBudget(module, self.memory_bytes), self.sliced)
+                           _MemoryBudget(module, self.memory_bytes), self.sliced,
+                           self.upcast)
         # A moved all-reduce lands in the loop's computation, which may itself be an
         # outer loop's body: sweep again until nothing moves (at most the nesting depth).
         while sinking.sweep():
@@ -393,6 +397,7 @@ class _Sinking:
     channels: ChannelIds
     budget: _MemoryBudget
     sliced: bool = False
+    upcast: bool = False
     moved: list[MovedAllReduce] = field(default_factory=list)
     kept: list[KeptAllReduce] = field(default_factory=list)
     lifted: list[LiftedStart] = field(default_factory=list)
@@ -485,7 +490,8 @@ class _Sinking:
         def accumulation(candidate: Instruction, writes: bool
                          ) -> tuple[list[_Element], dict[int, str]]:
             elements, staying = _accumulation(self.module, inner, reads, candidate,
-                                              from_device, zero_start, writes, self.sliced)
+                                              from_device, zero_start, writes, self.sliced,
+                                              self.upcast)
             if any(e.written for e in elements) and self.scatters(body, candidate):
                 raise Refusal("written-sliced")
             return elements, staying
@@ -693,8 +699,8 @@ def slots_read(rw: Rewriter) -> SlotReads:
 
 def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotReads],
                   all_reduce: Instruction, from_device: Callable[[], frozenset[str]],
-                  zero_start: Callable[[int], bool], writes: bool, sliced: bool = False
-                  ) -> tuple[list[_Element], dict[int, str]]:
+                  zero_start: Callable[[int], bool], writes: bool, sliced: bool = False,
+                  upcast: bool = False) -> tuple[list[_Element], dict[int, str]]:
     """The elements of ``all_reduce`` that move and the slot each accumulates into, and
     those of a tuple all-reduce that stay (element index → reason code; XLA's combiner
     puts a loss's sum in the same tuple as the gradients), or the reason none can move
@@ -730,8 +736,16 @@ def _accumulation(module: Module, body: Rewriter, reads: tuple[SlotReads, SlotRe
                 raise Refusal("written-beside-added")
             if written and not zero_start(slot):
                 raise Refusal("written-start")
-            if not written and cast(ArrayShape, shapes[index]).element_type in NARROW_SUMS:
+            # A 16-bit accumulator is added into locally, per device, once its sum leaves
+            # the loop: rounded at every add, at a grain the other order shows. A written
+            # slot is not added into, but where the backend sums the type in f32 (XLA:CPU's
+            # bf16), the sum in the loop reads each device's value unrounded, which the
+            # slot would round first.
+            element_type = cast(ArrayShape, shapes[index]).element_type
+            if element_type in HALF_FLOAT_TYPES and not written:
                 raise Refusal("narrow-sum")
+            if written and summed_type(element_type, upcast) != element_type:
+                raise Refusal("narrow-write")
             # the add's own read, and nothing else (in the condition: nothing at all)
             if in_body is None or in_condition is None or in_body.get(slot, 0) != 1 \
                     or in_condition.get(slot, 0):

@@ -101,7 +101,8 @@ def accumulation_motion(sharding: WeightUpdateSharding) -> AccumulationMotion:
     mode = sharding.options.accumulator
     return AccumulationMotion(sliced=mode != "sharded",
                               memory_bytes=sharding.profile.device_memory_bytes
-                              if mode == "auto" else 0)
+                              if mode == "auto" else 0,
+                              upcast=sharding.profile.upcasts_16bit_floats)
 
 
 def run_sharding(module: Module, sharding: WeightUpdateSharding,

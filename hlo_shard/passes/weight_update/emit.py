@@ -206,6 +206,30 @@ class ShardEmitter:
         return self.fused("dynamic-slice", shape, [operand, *(read_from[s] for s in starts)],
                           name, {"dynamic_slice_sizes": shape.dims})
 
+    def converted(self, value: str, element_type: str) -> str:
+        """``value`` as ``element_type`` (itself where it has that type already)."""
+        shape = self.comp[value].array_shape
+        if shape.element_type == element_type:
+            return value
+        return self.add("convert", replace(shape, element_type=element_type), [value],
+                        name=f"{value}.{element_type}")
+
+    def summing(self, element_type: str) -> ComputationRef:
+        """A reducer adding two ``element_type`` scalars (one per module and type), for a
+        collective summing in another type than the gradient's own reducer."""
+        key = ("summing", element_type)
+        if key not in self.cache:
+            scalar = ArrayShape(element_type, ())
+            body = [Instruction("lhs", "parameter", scalar, [], {}, 0),
+                    Instruction("rhs", "parameter", scalar, [], {}, 1),
+                    Instruction("sum", "add", scalar, ["lhs", "rhs"], {})]
+            name = next(candidate for k in itertools.count(1) if not
+                        self.module.has_computation(candidate := f"sum_{element_type}.{k}"))
+            self.edits.insert_computation(Computation(name, body, "sum"),
+                                          after=self.callee_slot())
+            self.cache[key] = name
+        return ComputationRef(self.cache[key])
+
     def position(self) -> str:
         """u32[] position of this device within its group."""
         def build() -> str:

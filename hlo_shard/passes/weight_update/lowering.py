@@ -30,7 +30,7 @@ from hlo_shard.analysis.collectives import DeviceGroups, reducer_opcode
 from hlo_shard.graph import ModuleRewriter, Rewriter, dependencies, topological_order
 from hlo_shard.ir import (ELEMENT_BITS, FLOAT_TYPES, ArrayShape, AttrValue, Computation,
                           ComputationRef, Ident, Instruction, Module, Raw, Shape,
-                          SliceRanges, TupleShape)
+                          SliceRanges, TupleShape, summed_type)
 from hlo_shard.opinfo import VIEWS, ZERO_PRESERVING
 from hlo_shard.passes.weight_update.analysis import (LoopCarry, OpKind, PlannedLeaf, RegionOp,
                                                      RegionPlan, StatePair,
@@ -123,7 +123,8 @@ class RegionRewrite:
     def __init__(self, edits: ModuleRewriter, comp: Computation, plan: RegionPlan,
                  bucketing: Bucketing, channels: ChannelIds,
                  inputs: dict[str, ShardFormat] | None = None,
-                 outputs: dict[int, str] | None = None, gather_at_top: bool = False) -> None:
+                 outputs: dict[int, str] | None = None, gather_at_top: bool = False,
+                 upcast: bool = False) -> None:
         module = edits.module
         self.module, self.comp, self.plan, self.bucketing = module, comp, plan, bucketing
         self.channels = channels
@@ -132,6 +133,8 @@ class RegionRewrite:
         #: Gather the input shards used outside the region together, before the first
         #: such use (see :func:`gather_before_use`).
         self.gather_at_top = gather_at_top
+        #: The backend sums 16-bit floats in f32 (:meth:`scatter`).
+        self.upcast = upcast
         #: The pass's edits of the module (a fusion body's sharded copy) and of ``comp``.
         self.edits = edits
         self.rw = edits.rewriter(comp)
@@ -171,16 +174,25 @@ class RegionRewrite:
     def scatter(self, leaves: list[PlannedLeaf], order: dict[str, int]) -> None:
         """One reduce-scatter for ``leaves`` (one element type), placed before the last of
         their all-reduces (``order``: where each all-reduce stands among them); records
-        each leaf's ``[L]`` shard."""
+        each leaf's ``[L]`` shard. Where the backend sums the type in f32
+        (:func:`~hlo_shard.ir.summed_type`: XLA:CPU's 16-bit floats), the gradients are
+        converted to f32 first, summed in f32 and each shard converted back: the sum the
+        all-reduce made, from each device's unrounded value (XLA skips a convert pair
+        with excess precision allowed), where a 16-bit bucket would round every
+        device's value before the sum."""
         emit = self.emit
         anchor = max((leaf.all_reduce for leaf in leaves), key=order.__getitem__)
         to_apply = self.comp[leaves[0].all_reduce].attr("to_apply")
-        element_type = leaves[0].shape.element_type
+        own_type = leaves[0].shape.element_type
+        element_type = summed_type(own_type, self.upcast)
+        if element_type != own_type:
+            to_apply = emit.summing(element_type)
         with self.rw.inserting_before(anchor):
             if len(leaves) == 1 and emit.scatters_blocks(leaves[0].operand, leaves[0].format):
-                self.scatter_block(leaves[0], to_apply)
+                self.scatter_block(leaves[0], to_apply, element_type)
                 return
-            flats = [emit.flat_padded(leaf.operand, leaf.format) for leaf in leaves]
+            flats = [emit.flat_padded(emit.converted(leaf.operand, element_type), leaf.format)
+                     for leaf in leaves]
             total = sum(leaf.format.shard_len for leaf in leaves)
             if len(leaves) == 1:
                 operand = flats[0]
@@ -199,23 +211,25 @@ class RegionRewrite:
                                                initial=0))
             read_from = emit.piece_starts(starts[:-1]) if len(leaves) > 1 else None
             for leaf, start in zip(leaves, starts):
-                shard = scattered if len(leaves) == 1 else emit.piece(
+                shard = emit.converted(scattered if len(leaves) == 1 else emit.piece(
                     scattered, emit.shape(element_type, (leaf.format.shard_len,)), (start,),
-                    f"{leaf.values[0]}.shard", read_from)
+                    f"{leaf.values[0]}.shard", read_from), own_type)
                 for value in leaf.values:
                     self.shard_of[value] = shard
                 self.collective_of[leaf.label] = scattered
 
-    def scatter_block(self, leaf: PlannedLeaf, to_apply: AttrValue | None) -> None:
+    def scatter_block(self, leaf: PlannedLeaf, to_apply: AttrValue | None,
+                      element_type: str) -> None:
         """Reduce-scatter the gradient along its format's major dimension (each device
-        gets its block) and transpose only that block into the shard order."""
+        gets its block) and transpose only that block into the shard order; summed in
+        ``element_type`` (:meth:`scatter`)."""
         emit = self.emit
-        element_type = leaf.shape.element_type
         scattered = emit.add("reduce-scatter", emit.shape(element_type, block_dims(leaf.format)),
-                             [leaf.operand], name="reduce-scatter",
+                             [emit.converted(leaf.operand, element_type)], name="reduce-scatter",
                              **emit.collective_attrs(dimensions=(leaf.format.known_block[0],),
                                                      to_apply=to_apply))
-        shard = emit.block_to_shard(scattered, leaf.format, element_type)
+        shard = emit.converted(emit.block_to_shard(scattered, leaf.format, element_type),
+                               leaf.shape.element_type)
         for value in leaf.values:
             self.shard_of[value] = shard
         self.collective_of[leaf.label] = scattered

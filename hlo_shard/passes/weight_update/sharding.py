@@ -370,7 +370,8 @@ class WeightUpdateSharding(ModulePass[ShardingReport]):
                     estimates, bucketing.strategy))
                 rewrite = RegionRewrite(run.edits, comp, plan, bucketing, run.channels,
                                         inputs, outputs,
-                                        gather_at_top=state_entry and self.options.params == "sharded")
+                                        gather_at_top=state_entry and self.options.params == "sharded",
+                                        upcast=self.profile.upcasts_16bit_floats)
                 collectives = rewrite.run()
             except DependencyCycle as cycle:  # a planning bug: refused, never raised
                 snapshot.restore()
