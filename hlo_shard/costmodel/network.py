@@ -95,10 +95,6 @@ def group_size(inst: Instruction, module: Module) -> int:
     }[mode]
 
 
-#: The collectives that sum: a backend computing 16-bit floats in f32 sums them in f32.
-_SUMMING_KINDS = frozenset({"all-reduce", "reduce-scatter"})
-
-
 def payload_bytes(inst: Instruction, operand_shapes: list, upcast: bool = False) -> int:
     """S: the full buffer — the output of an all-gather, the input otherwise; a sum of
     16-bit floats as f32 where the backend ``upcast``s them (XLA:CPU promotes the
@@ -107,7 +103,7 @@ def payload_bytes(inst: Instruction, operand_shapes: list, upcast: bool = False)
     shapes = [inst.shape] if kind == "all-gather" else operand_shapes
     if inst.opcode == "all-gather-start":
         shapes = [inst.shape.elements[-1]] if hasattr(inst.shape, "elements") else [inst.shape]
-    upcast = upcast and kind in _SUMMING_KINDS
+    upcast = upcast and inst.opcode in opinfo.SUMMING_COLLECTIVES
     return sum(leaf.num_elements * ELEMENT_BITS[summed_type(leaf.element_type, upcast)] // 8
                if upcast else leaf.byte_size
                for shape in shapes for _, leaf in shape_leaves(shape))
