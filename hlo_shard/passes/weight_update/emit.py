@@ -215,8 +215,9 @@ class ShardEmitter:
                         name=f"{value}.{element_type}")
 
     def summing(self, element_type: str) -> ComputationRef:
-        """A reducer adding two ``element_type`` scalars (one per module and type), for a
-        collective summing in another type than the gradient's own reducer."""
+        """A reducer adding two ``element_type`` scalars (one per computation rewritten
+        and type), for a collective summing in another type than the gradient's own
+        reducer."""
         key = ("summing", element_type)
         if key not in self.cache:
             scalar = ArrayShape(element_type, ())
