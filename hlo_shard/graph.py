@@ -187,6 +187,15 @@ def upstream_bits(comp: Computation, bits: Mapping[str, int],
     return below
 
 
+def element_read(comp: Computation, inst: Instruction) -> str | None:
+    """The value a ``get-tuple-element`` of a tuple made in ``comp`` reads (that tuple's
+    element), or None: a value read back out of a tuple (a ``shard_map``'s outputs) is
+    that element, not all of the tuple's."""
+    if inst.opcode != "get-tuple-element" or comp[inst.operands[0]].opcode != "tuple":
+        return None
+    return comp[inst.operands[0]].operands[inst.required_attr("index", int)]
+
+
 def users_map(comp: Computation) -> dict[str, list[str]]:
     """Name → names of its users, each user once, in program order (read it, do not
     edit it: see :func:`reading_only`)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hlo_shard.graph import element_read
 from hlo_shard.ir import ArrayShape, Computation, Instruction, Module, shape_leaves
 from hlo_shard.opinfo import FREE, OPINFO, Moves
 
@@ -62,9 +63,9 @@ class ElementOperands:
         info = OPINFO.get(inst.opcode)
         if info is None or not inst.operands:
             return []
-        if inst.opcode == "get-tuple-element" and comp[inst.operands[0]].opcode == "tuple":
-            # the element itself: each of a tuple's n reads would read all n otherwise
-            return [comp[inst.operands[0]].operands[inst.required_attr("index", int)]]
+        element = element_read(comp, inst)
+        if element is not None:  # each of a tuple's n reads would read all n otherwise
+            return [element]
         if _forwards(inst):
             return list(inst.operands)
         if info.moves in _FIRST_ONLY:

@@ -44,7 +44,7 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import (NestedWalk, reading_only, run_nested, users_map,
+from hlo_shard.graph import (NestedWalk, element_read, reading_only, run_nested, users_map,
                              zero_started_slots)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
@@ -956,8 +956,9 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
                 elif forward:
                     stack.extend(chain(name))
                 continue
-            stack.extend((o, False) for o in _operands_through_tuples(comp, comp[name])
-                         if in_update(o))
+            element = element_read(comp, comp[name])
+            stack.extend((o, False) for o in (comp[name].operands if element is None
+                                              else [element]) if in_update(o))
             if forward:
                 stack.extend((u, True) for u in users[name] if in_update(u))
         return seen
@@ -994,14 +995,6 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             work.update_seconds += entry.seconds if entry else 0.0
     _share_loop_sums(shared, looped, owners, collectives)
     return _split_among_weights(sizes, shared.values())
-
-
-def _operands_through_tuples(comp: Computation, inst: Instruction) -> list[str]:
-    """``inst``'s operands, a ``get-tuple-element`` of a tuple made here reading the
-    element itself (a ``shard_map``'s gradients come out of one)."""
-    if inst.opcode == "get-tuple-element" and comp[inst.operands[0]].opcode == "tuple":
-        return [comp[inst.operands[0]].operands[inst.int_attr("index") or 0]]
-    return inst.operands
 
 
 def _share_loop_sums(shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork],
