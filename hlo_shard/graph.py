@@ -57,8 +57,10 @@ def reading_only() -> Iterator[None]:
         _READ_ONLY.reset(token)
 
 
-def _read_once(kind: str, comp: Computation, make: Callable[[Computation], _View]) -> _View:
-    """``make(comp)``, once per computation within a :func:`reading_only` block."""
+def read_once(kind: str, comp: Computation, make: Callable[[Computation], _View]) -> _View:
+    """``make(comp)``, once per computation and ``kind`` within a :func:`reading_only`
+    block (every time outside one): for a fact of a computation that analyses of the
+    same module each ask for."""
     views = _READ_ONLY.get()
     if views is None:
         return make(comp)
@@ -199,7 +201,7 @@ def element_read(comp: Computation, inst: Instruction) -> str | None:
 def users_map(comp: Computation) -> dict[str, list[str]]:
     """Name → names of its users, each user once, in program order (read it, do not
     edit it: see :func:`reading_only`)."""
-    return _read_once("users", comp, _users_map)
+    return read_once("users", comp, _users_map)
 
 
 def _users_map(comp: Computation) -> dict[str, list[str]]:
@@ -237,7 +239,7 @@ def topological_order(comp: Computation) -> list[Instruction]:
     Kahn's algorithm with a priority on the original position: when the list is
     already valid (the common case) this returns it unchanged.
     """
-    return _read_once("order", comp, _topological_order)
+    return read_once("order", comp, _topological_order)
 
 
 def _topological_order(comp: Computation) -> list[Instruction]:

@@ -136,22 +136,58 @@ sys.stdout.write(per_device_hlo(jax.jit(step, donate_argnums=(0, 1)), params, op
 """
 
 
-def test_gradients_summed_in_a_scan_over_layers_inside_the_accumulation_are_named(tmp_path):
+@pytest.fixture(scope="module")
+def nested_capture(tmp_path_factory) -> Path:
+    """:data:`_NESTED_CAPTURE`'s module, captured once for the tests reading it."""
+    run = subprocess.run([sys.executable, "-c", _NESTED_CAPTURE], capture_output=True,
+                         text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    source = tmp_path_factory.mktemp("nested") / "nested.hlo"
+    source.write_text(run.stdout)
+    return source
+
+
+def test_gradients_summed_in_a_scan_over_layers_inside_the_accumulation_are_named(
+        tmp_path, nested_capture):
     """The stacked layers' gradient is all-reduced in the inner scan's body, written
     into a zero-started stacked slot, added into the accumulation's slot: named through
     both loops, also once moved out of both (it was null, as a probe found on a
     MaxText-style scan_layers step with accumulation)."""
-    run = subprocess.run([sys.executable, "-c", _NESTED_CAPTURE], capture_output=True,
-                         text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    source = tmp_path / "nested.hlo"
-    source.write_text(run.stdout)
-    run = cli("optimize", str(source), "-o", str(tmp_path / "out.hlo"), "--json", "--force")
+    run = cli("optimize", str(nested_capture), "-o", str(tmp_path / "out.hlo"), "--json",
+              "--force")
     assert run.returncode == 0, run.stderr
     rows = [row for row in json.loads(run.stdout)["explanations"] if row["shape"] != "f32[]"]
     assert sorted(str(row["gradient_of"]) for row in rows) == \
         ["params['embed']", "params['layers']"], rows
     assert all(row["sharded"] for row in rows), rows
+    # Each row names the sum the motion wrote after both loops, and the input's sum it
+    # came from, in the inner scan's body (the input has no instruction of the row's).
+    text = nested_capture.read_text()
+    for row in rows:
+        computation, all_reduce = row["moved_from"].split("/")
+        body = text[text.index(f"%{computation} "):]
+        assert f"%{all_reduce} = " in body[:body.index("\n}")], row
+        assert computation != row["computation"], row
+    explained = cli("optimize", str(nested_capture), "-o", str(tmp_path / "out.hlo"),
+                    "--explain", "--force").stderr
+    assert f"moved from {rows[0]['moved_from']})" in explained, explained
+
+
+def test_report_reads_the_weights_of_gradients_accumulated_through_two_loops(nested_capture):
+    """The update after the accumulation reads what the microbatch loop added up from
+    the layer scan's stacked sums: ``report`` counts the stacked layers as weights (with
+    Adam's two moments as optimizer state) and charges each weight the sums sent inside
+    both loops: 4 microbatches x 2 layers x 2(N-1)/N of a layer's slice, 4 x 2(N-1)/N of
+    the embedding (it called the stacked layers and their moments "other parameters",
+    with no row, as a probe found on a MaxText-style step)."""
+    report = json.loads(cli("report", str(nested_capture), "--json").stdout)
+    weights = (16 * 32 + 2 * 32 * 32) * 4  # embed, layers in f32
+    assert report["memory"]["peak_breakdown"]["weights"] == weights
+    assert report["memory"]["peak_breakdown"]["optimizer_state"] == 2 * weights
+    sent = {row["name"]: row["collective_bytes"] for row in report["weights"].values()}
+    ring = 2 * 7 / 8
+    assert sent == pytest.approx({"params['embed']": 4 * ring * 16 * 32 * 4,
+                                  "params['layers']": 4 * 2 * ring * 32 * 32 * 4}), sent
 
 
 def test_report_and_scale_read_the_update_of_the_accumulated_gradients(tmp_path):

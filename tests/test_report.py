@@ -156,6 +156,25 @@ def test_per_weight_rows_of_a_combined_bucket():
         assert after[name]["collective_bytes"] > 0
 
 
+def test_a_sharded_weights_gather_is_not_counted_as_its_gradient_sent(modules):
+    """Sharded, the 4 MiB weight's gradient is reduce-scattered ((N-1)/N of it sent at
+    N = 4, half the all-reduce's 2(N-1)/N) and the new weight all-gathered: "gradient
+    sent" is the first alone, the gather a column of its own (the two were added up as
+    "gradient sent", which then read as much as the all-reduce it replaced)."""
+    data = json.loads(run("diff", *modules, "--json", "--profile", "tpu-v3").output)
+    before, after = data["before"]["weights"]["w"], data["after"]["weights"]["w"]
+    size = 1024 * 1024 * 4
+    assert before["collective_bytes"] == pytest.approx(2 * 3 / 4 * size)
+    assert before["gathered_bytes"] == 0
+    assert after["collective_bytes"] == pytest.approx(3 / 4 * size)
+    assert after["gathered_bytes"] == pytest.approx(3 / 4 * size)
+    text = run("diff", *modules, "--profile", "tpu-v3").output
+    assert re.search(r"w: gradient sent\s+6 MiB\s+3 MiB", text), text
+    assert re.search(r"w: weight gathered\s+0 B\s+3 MiB", text), text
+    table = run("report", modules[1], "--profile", "tpu-v3").output
+    assert re.search(r"gradient sent\s+weight gathered\n.*\s3 MiB\s+3 MiB\n", table), table
+
+
 def test_diff_shows_the_pass_effect(modules):
     data = json.loads(run("diff", *modules, "--json", "--profile", "tpu-v3").output)
     before, after = data["before"], data["after"]

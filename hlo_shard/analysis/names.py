@@ -544,11 +544,20 @@ class UserNames:
             return None
         return self.parameters.get(weight)
 
+    def moved_from(self, computation: str, all_reduce: str) -> str | None:
+        """``computation/all-reduce`` of the input's sum a row's was moved out of a loop
+        or conditional from (the row names the one the motion wrote, which the input
+        lacks); None for a row of the input's own."""
+        origin = self.moved.get((computation, all_reduce))
+        return None if origin is None else "/".join(origin)
+
     def explained(self, row: dict) -> dict:
         """An ``--explain`` row's JSON with the weight it is the gradient of
-        (``gradient_of``, null where unknown)."""
+        (``gradient_of``, null where unknown) and the input's sum it was moved from
+        (``moved_from``, :meth:`moved_from`)."""
         return {**row, "gradient_of": self.gradient_of(row["computation"], row["all_reduce"],
-                                                       row["index"], row.get("reason_code"))}
+                                                       row["index"], row.get("reason_code")),
+                "moved_from": self.moved_from(row["computation"], row["all_reduce"])}
 
     def note(self, text: str) -> str:
         """A pass note naming an optimizer state parameter (``optimizer state parameter

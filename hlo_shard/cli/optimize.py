@@ -105,7 +105,10 @@ def _explain_lines(rows: list[Explanation], names: UserNames) -> list[str]:
         if row.computation:
             where = f"{row.computation}/{where}"
         weight = names.gradient_of(row.computation, row.all_reduce, row.index, row.reason_code)
-        where = labelled(where, weight and f"gradient of {weight}")
+        origin = names.moved_from(row.computation, row.all_reduce)
+        where = labelled(where, ", ".join(
+            words for words in (weight and f"gradient of {weight}",
+                                origin and f"moved from {origin}") if words) or None)
         table.append((where, row.shape, str(row.bytes), "yes" if row.sharded else "no",
                       str(row.ops_moved), str(row.formatting_copies), f"{row.saved_flops:.3g}",
                       row.collective if row.sharded else row.reason))

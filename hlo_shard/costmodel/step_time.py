@@ -27,7 +27,7 @@ roofline weight. Loop bodies count once per iteration when the trip count is kno
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Collection, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hlo_shard.analysis.collectives import DEVICE_ID_OPCODES, is_sum, with_device_counts
@@ -44,8 +44,8 @@ from hlo_shard.costmodel.kernels import (
 )
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
-from hlo_shard.graph import (NestedWalk, element_read, reading_only, run_nested, users_map,
-                             zero_started_slots)
+from hlo_shard.graph import (NestedWalk, element_read, read_once, reading_only, run_nested,
+                             users_map, zero_started_slots)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
@@ -330,20 +330,62 @@ def _element_reads(comp: Computation, users: Mapping[str, list[str]], tuple_inst
 
 
 def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, list[str]],
-                     is_update_op: _UpdateOps) -> dict[str, list[tuple[str, str]]]:
+                      is_update_op: _UpdateOps) -> dict[str, list[tuple[str, str]]]:
     """The values of ``comp`` that are gradient sums a loop accumulated, each with the
     sums across devices that go into it (body, instruction): each ``get-tuple-element``
     of a ``while`` whose body computes that slot's next value from a sum across devices
     through update work (a scan or ``fori_loop`` adding each microbatch's all-reduced
     gradient into its accumulator), or writes such a value into the slot (a scan over
-    layers stacking each layer's all-reduced gradient)."""
+    layers stacking each layer's all-reduced gradient). A body's own accumulated sums
+    count as its sums: a microbatch loop adding up what a layer scan inside it stacked
+    accumulates the inner loop's sums (nested loops are read innermost first, each body
+    once within a :func:`~hlo_shard.graph.reading_only` block: the module's memo of the
+    bodies read so far is shared there)."""
+    known: dict[str, dict[str, list[tuple[str, str]]]] = \
+        read_once("accumulated_sums", module.entry, lambda _: {})
+    for body in _nested_bodies(module, comp, known):
+        known[body.name] = _slot_sums(module, body, users_map(body), is_update_op, known)
+    found = known.get(comp.name)
+    return found if found is not None else _slot_sums(module, comp, users, is_update_op, known)
+
+
+def _nested_bodies(module: Module, comp: Computation, known: Collection[str]
+                   ) -> list[Computation]:
+    """The bodies of the ``while`` loops ``comp`` runs, directly or in those bodies,
+    each after the bodies of the loops it runs itself (an iterative post-order), but
+    the ``known`` ones and those they run."""
+    order: list[str] = []
+    seen = {comp.name}
+    stack: list[tuple[str, bool]] = [(comp.name, False)]
+    while stack:
+        name, expanded = stack.pop()
+        if expanded:
+            order.append(name)
+            continue
+        stack.append((name, True))
+        for loop in module.computation(name).instructions:
+            body = loop.called("body") if loop.opcode == "while" else ""
+            if body and body not in seen and body not in known and \
+                    module.has_computation(body):
+                seen.add(body)
+                stack.append((body, False))
+    return [module.computation(name) for name in order[:-1]]
+
+
+def _slot_sums(module: Module, comp: Computation, users: Mapping[str, list[str]],
+               is_update_op: _UpdateOps, inner: Mapping[str, dict[str, list[tuple[str, str]]]]
+               ) -> dict[str, list[tuple[str, str]]]:
+    """:func:`_accumulated_sums` of ``comp``, ``inner`` holding those of the bodies its
+    loops run."""
     found: dict[str, list[tuple[str, str]]] = {}
     for loop in comp.instructions:
         body_name = loop.called("body") if loop.opcode == "while" else ""
         if not body_name or not module.has_computation(body_name):
             continue
         body = module.computation(body_name)
-        sums = frozenset(i.name for i in body.instructions if _is_sum_collective(module, i))
+        nested = inner.get(body_name, {})
+        sums = frozenset(i.name for i in body.instructions
+                         if _is_sum_collective(module, i)) | frozenset(nested)
         if not sums or body.root.opcode != "tuple":
             continue
         summed = _update_work(body, users_map(body), list(sums), is_update_op) | sums
@@ -357,8 +399,8 @@ def _accumulated_sums(module: Module, comp: Computation, users: Mapping[str, lis
             slot = comp[user].int_attr("index") if comp[user].opcode == "get-tuple-element" \
                 else None
             if slot in slots:
-                found[user] = [(body_name, name) for name in
-                               _sums_into(body, slots[slot], summed, sums)]
+                found[user] = [pair for name in _sums_into(body, slots[slot], summed, sums)
+                               for pair in nested.get(name, [(body_name, name)])]
     return found
 
 
@@ -1030,7 +1072,8 @@ def _split_among_weights(sizes: dict[str, int], shared: Iterable[_OwnedWork]
 
 
 #: The per-weight columns that :class:`_OwnedWork` sums.
-_OWNED_COLUMNS = ("update_seconds", "update_flops", "collective_bytes", "collective_seconds")
+_OWNED_COLUMNS = ("update_seconds", "update_flops", "collective_bytes", "gathered_bytes",
+                  "collective_seconds")
 
 
 @dataclass
@@ -1040,13 +1083,22 @@ class _OwnedWork:
     weights: frozenset[str]
     update_seconds: float = 0.0
     update_flops: float = 0.0
+    #: What the gradient's collectives send (its sum; "gradient sent").
     collective_bytes: float = 0.0
+    #: What the all-gathers of a sharded update's new weights send: the weight's traffic,
+    #: not its gradient's.
+    gathered_bytes: float = 0.0
+    #: The seconds of both.
     collective_seconds: float = 0.0
 
     def add_collective(self, estimate: InstructionEstimate) -> None:
         """The bytes ``estimate``'s collective sends and its seconds, as often as it runs."""
         assert estimate.collective is not None
-        self.collective_bytes += estimate.collective.bytes_sent * estimate.runs
+        sent = estimate.collective.bytes_sent * estimate.runs
+        if estimate.opcode in ALL_GATHERS:
+            self.gathered_bytes += sent
+        else:
+            self.collective_bytes += sent
         self.collective_seconds += estimate.seconds
 
 
