@@ -447,6 +447,11 @@ class Rewriter:
     def users(self, name: str) -> list[Instruction]:
         return [self.comp[u] for u in self._users[name]]
 
+    def is_used(self, name: str) -> bool:
+        """Whether an instruction reads ``name`` (without listing them: a tuple taken
+        apart element by element asks after each element)."""
+        return bool(self._users[name])
+
     def operands(self, inst: Instruction) -> list[Instruction]:
         return self.comp.operands_of(inst)
 

@@ -677,18 +677,8 @@ def test_optimize_is_linear(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 1_000) <= MAX_GROWTH
 
 
-#: Known not linear at scale, and why (each case's own test still runs at its size above).
-_NOT_YET_AT_SCALE = {
-    # The memory model of the sharded tuple form: each gradient's multiply is placed by
-    # the kernel plan after its last reader (born after its last use), and every
-    # allocation is checked against all such values it holds (2.2x per doubling at
-    # 2,000 -> 4,000; "last use before birth" in the closing notes).
-    ("tupled", analysis) for analysis in ANALYSES if analysis.startswith("optimize")}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("generator,analysis", [
-    case for case in _cases(list(ANALYSES)) if case not in _NOT_YET_AT_SCALE])
+@pytest.mark.parametrize("generator,analysis", _cases(list(ANALYSES)))
 def test_analysis_is_linear_at_scale(generator: str, analysis: str) -> None:
     assert _growth(generator, analysis, 25_000) <= MAX_GROWTH
 

@@ -989,6 +989,47 @@ ENTRY e {
     assert kernel.read_bytes == 512 and kernel.write_bytes == 512
 
 
+_BUCKETED_PRODUCTS = """HloModule m
+ENTRY e {
+  x = f32[16]{0} parameter(0)
+  w0 = f32[16]{0} parameter(1)
+  w1 = f32[16]{0} parameter(2)
+  g0 = f32[16]{0} multiply(w0, x)
+  g1 = f32[16]{0} multiply(w1, x)
+  r0 = f32[4,4]{1,0} reshape(g0)
+  r1 = f32[4,4]{1,0} reshape(g1)
+  ROOT b = f32[4,8]{1,0} concatenate(r0, r1), dimensions={1}
+}
+"""
+
+
+def test_a_product_read_through_a_bitcast_by_its_kernel_is_not_written():
+    """The pass's gradient bucket: each product is reshaped into rows (a bitcast) and
+    concatenated. The products join the concatenate's kernel, which reads them through
+    the bitcasts, as XLA fuses them: nothing is written but the bucket. They were
+    counted as values in memory, written at the kernel's end yet read by their reshape
+    before it, whose inverted lifetimes the memory model then scanned at every
+    allocation (optimize grew 2.2x per doubling on such a module)."""
+    module = parse(_BUCKETED_PRODUCTS)
+    plan = plan_kernels(module.entry, True, False)
+    kernel = plan.kernel_of["b"]
+    assert {m.name for m in kernel.members} == {"g0", "g1", "b"}
+    assert plan.materialized == {"b"}
+    assert kernel.write_bytes == 32 * 4 and kernel.read_bytes == 3 * 16 * 4
+    memory = memory_profile(module)
+    assert memory.temp_bytes == 0, memory
+
+
+def test_a_product_also_read_outside_its_kernel_is_written():
+    """The same product read by the root besides the bucket is a value in memory."""
+    text = _BUCKETED_PRODUCTS.replace("ROOT b = f32[4,8]{1,0} concatenate(r0, r1), "
+                                      "dimensions={1}",
+                                      "b = f32[4,8]{1,0} concatenate(r0, r1), dimensions={1}\n"
+                                      "  ROOT t = (f32[4,8]{1,0}, f32[4,4]{1,0}) tuple(b, r0)")
+    plan = plan_kernels(parse(text).entry, True, False)
+    assert plan.materialized == {"b", "g0"}
+
+
 def test_reduces_run_at_the_reduction_rate_and_cpu_loops_add_compute_to_memory():
     profile = load_profile("cpu-local").for_devices(1)  # the section the module gets
     assert profile.reduction_elements_per_s < profile.vector_rate("f32")

@@ -598,6 +598,7 @@ def _is_cheap(comp: Computation, inst: Instruction) -> bool:
 def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
     """Fill each kernel's read and write bytes, and the plan's materialised values."""
     comp = plan.comp
+    within = _read_within(plan, users)
     for kernel in plan.kernels:
         member_names = {m.name for m in kernel.members}
         found = plan.kernel_inputs(kernel)
@@ -616,9 +617,33 @@ def _account(plan: KernelPlan, users: dict[str, list[str]]) -> None:
         kernel.reordered_read_bytes = sum(reads[name] for name in {
             operand for member, operand in found.named if operand in reordered[member.name]})
         for member in kernel.members:
-            if not member_names.issuperset(users[member.name]) or member.name == comp.root_name:
+            if member.name == comp.root_name or any(
+                    user not in member_names and within.get(user) != id(kernel)
+                    for user in users[member.name]):
                 plan.materialized.add(member.name)
                 kernel.write_bytes += _write_size(comp, member)
+
+
+def _read_within(plan: KernelPlan, users: dict[str, list[str]]) -> dict[str, int | None]:
+    """Per value recomputed where it is read (:attr:`KernelPlan.duplicated`: a bitcast, a
+    cheap producer): the id of the one kernel all its readers are in, looking through
+    such values, else None. A member read only through one (the reshape between a
+    gradient and the bucket its kernel concatenates) is no value in memory: the kernel
+    computes it where it reads it, as XLA fuses the bitcast in."""
+    within: dict[str, int | None] = {}
+    for inst in reversed(topological_order(plan.comp)):
+        if inst.name not in plan.duplicated:
+            continue
+        kernels: set[int | None] = set()
+        for user in users[inst.name]:
+            kernel = plan.kernel_of.get(user)
+            kernels.add(within[user] if user in plan.duplicated else
+                        id(kernel) if kernel is not None else None)
+            if len(kernels) > 1:
+                break
+        within[inst.name] = kernels.pop() if len(kernels) == 1 and \
+            inst.name != plan.comp.root_name else None
+    return within
 
 
 def _reordered_reads(plan: KernelPlan, member: Instruction) -> set[str]:

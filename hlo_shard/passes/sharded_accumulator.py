@@ -543,7 +543,7 @@ class _Recarry:
             for add in plan.adds.values():
                 inner.erase(add.name)
         for rw, name in stale:
-            if rw.comp.get(name) is not None and not rw.users(name):
+            if rw.comp.get(name) is not None and not rw.is_used(name):
                 rw.erase(name)
         return done
 

@@ -58,7 +58,7 @@ def forward_tuple_elements(rw: Rewriter) -> int:
         rw.replace_all_uses_with(inst.name, source.operands[index])
         rw.erase(inst.name)
         forwarded += 1
-        if not rw.users(source.name) and source.name != comp.root_name:
+        if not rw.is_used(source.name) and source.name != comp.root_name:
             rw.erase(source.name)
     return forwarded
 

@@ -1005,7 +1005,7 @@ def shard_loop_carry(edits: ModuleRewriter, carry: LoopCarry, channels: ChannelI
                 operands[index] = emit.local_slice(old.operands[index], fmt)
         init = rw.add("tuple", carried, operands, name=old.name)
     rw.set_operand(loop, 0, init.name)
-    if not rw.users(old.name) and parent.root_name != old.name:
+    if not rw.is_used(old.name) and parent.root_name != old.name:
         rw.erase(old.name)
     rw.set_shape(loop, carried)
     for comp in (body, module.computation(carry.condition)):
