@@ -655,6 +655,71 @@ def test_report_follows_a_gradient_through_the_tuple_it_comes_out_of(tmp_path):
     assert data["weights"]["w"]["collective_bytes"] == 2 * 3 / 4 * 256 * 4
 
 
+#: A one-element gradient summed before the scalar work of its update (equinox's vmapped
+#: bias: the sum reshaped and reduced over its one-row batch).
+ONE_ELEMENT = """HloModule one, replica_count=4, input_output_alias={ {0}: (0, {}, may-alias) }
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+ENTRY e { w = f32[1] parameter(0) x = f32[1] parameter(1), parameter_replication={false}
+ g = f32[1] multiply(w, x) ar = f32[1] all-reduce(g), replica_groups={{0,1,2,3}}, to_apply=add
+ r = f32[1,1] reshape(ar) z = f32[] constant(0)
+ s = f32[] reduce(r, z), dimensions={0,1}, to_apply=add
+ b = f32[1] reshape(s) lr = f32[] constant(0.1) lrb = f32[1] broadcast(lr), dimensions={}
+ u = f32[1] multiply(b, lrb) nw = f32[1] subtract(w, u)
+ ROOT t = (f32[1]) tuple(nw) }
+"""
+
+#: A ``shard_map`` gradient summed twice: jax's sum of each layer's slice (the transpose
+#: of the implicit ``pvary``), padded into the stack the user's ``pmean`` sums again.
+SUMMED_SLICES = """HloModule twice, replica_count=4, input_output_alias={ {0}: (0, {}, may-alias) }
+add { a = f32[] parameter(0) b = f32[] parameter(1) ROOT c = f32[] add(a, b) }
+ENTRY e { w = f32[2,16] parameter(0) x = f32[16] parameter(1), parameter_replication={false}
+ w0 = f32[1,16] slice(w), slice={[0:1], [0:16]} w1 = f32[1,16] slice(w), slice={[1:2], [0:16]}
+ f0 = f32[16] reshape(w0) f1 = f32[16] reshape(w1)
+ g0 = f32[16] multiply(f0, x) g1 = f32[16] multiply(f1, x)
+ sa = f32[16] all-reduce(g0), replica_groups={{0,1,2,3}}, to_apply=add
+ sb = f32[16] all-reduce(g1), replica_groups={{0,1,2,3}}, to_apply=add
+ r0 = f32[1,16] reshape(sa) r1 = f32[1,16] reshape(sb) z = f32[] constant(0)
+ p0 = f32[2,16] pad(r0, z), padding=0_1x0_0 p1 = f32[2,16] pad(r1, z), padding=1_0x0_0
+ stacked = f32[2,16] add(p0, p1)
+ g = f32[2,16] all-reduce(stacked), replica_groups={{0,1,2,3}}, to_apply=add
+ lr = f32[] constant(0.1) lrb = f32[2,16] broadcast(lr), dimensions={}
+ u = f32[2,16] multiply(g, lrb) nw = f32[2,16] subtract(w, u)
+ ROOT t = (f32[2,16]) tuple(nw) }
+"""
+
+
+@pytest.mark.parametrize("text, sent", [
+    (ONE_ELEMENT, 2 * 3 / 4 * 4),
+    (SUMMED_SLICES, 2 * (2 * 3 / 4 * 16 * 4) + 2 * 3 / 4 * 32 * 4)])
+def test_a_weight_is_charged_the_sums_whose_every_path_leads_to_its_update(
+        tmp_path, text, sent):
+    """A one-element gradient's sum feeds its update through scalar work the per-weight
+    walk does not go through; a shard_map gradient's first sums feed, through pads and
+    an add, the sum the update reads. Each sum is the weight's traffic all the same
+    (both read 0 B, or only the last sum's, before)."""
+    data = _report_json(tmp_path / "step.hlo", text)
+    assert data["parameters"]["w"] == "weights"
+    assert data["weights"]["w"]["collective_bytes"] == pytest.approx(sent)
+
+
+def test_a_sum_read_towards_several_weights_is_none_of_theirs(tmp_path):
+    """A sum whose value reaches two weights' updates (a batch statistic, a shared
+    scale) is charged to neither by that rule."""
+    text = SUMMED_SLICES.replace(
+        "ROOT t = (f32[2,16]) tuple(nw) }",
+        "d = f32[16] multiply(sa, v) nv = f32[16] subtract(v, d)\n"
+        " ROOT t = (f32[2,16], f32[16]) tuple(nw, nv) }").replace(
+        "g0 = f32[16] multiply(f0, x)",
+        "v = f32[16] parameter(2) xv = f32[16] multiply(x, v) g0 = f32[16] multiply(f0, xv)"
+    ).replace(
+        "input_output_alias={ {0}: (0, {}, may-alias) }",
+        "input_output_alias={ {0}: (0, {}, may-alias), {1}: (2, {}, may-alias) }")
+    data = _report_json(tmp_path / "step.hlo", text)
+    assert data["parameters"]["v"] == "weights"
+    assert data["weights"]["w"]["collective_bytes"] == pytest.approx(
+        2 * 3 / 4 * 16 * 4 + 2 * 3 / 4 * 32 * 4)
+
+
 def _report_json(path, text: str) -> dict:
     """``report --json`` of the module ``text``, written at ``path``."""
     path.write_text(text)

@@ -45,7 +45,7 @@ from hlo_shard.costmodel.kernels import (
 from hlo_shard.costmodel.memory import MemoryProfile, memory_profile
 from hlo_shard.errors import HloShardError
 from hlo_shard.graph import (NestedWalk, element_read, read_once, reading_only, run_nested,
-                             users_map, zero_started_slots)
+                             topological_order, users_map, zero_started_slots)
 from hlo_shard.ir import (ArrayShape, Computation, ComputationRef, Instruction, Module,
                           shape_leaves)
 from hlo_shard.parser import cyclic_gc_paused
@@ -1036,7 +1036,37 @@ def per_weight_rows(estimate: StepEstimate, module: Module) -> dict[str, dict[st
             work.update_flops += max(analysis.instruction_cost(comp, comp[name]).flops, 0.0)
             work.update_seconds += entry.seconds if entry else 0.0
     _share_loop_sums(shared, looped, owners, collectives)
+    for name, weights in _sums_leading_to_one_owner(module, comp, users, owners).items():
+        if name not in in_chains and (comp.name, name) in collectives:
+            work = shared.setdefault((weights, ()), _OwnedWork(weights))
+            work.add_collective(collectives[comp.name, name])
     return _split_among_weights(sizes, shared.values())
+
+
+def _sums_leading_to_one_owner(module: Module, comp: Computation,
+                               users: Mapping[str, list[str]], owners: Mapping[str, set[str]]
+                               ) -> dict[str, frozenset[str]]:
+    """The sums across devices no weight's walk reached whose every path forward comes to
+    the work of the same weights first (``owners``): a one-element gradient summed
+    before the scalar work of its update, which the walk does not go through (equinox's
+    vmapped bias), or a ``shard_map`` gradient's first sum, padded into the sum the
+    update reads. One reverse walk: each value's owners are its users' where those
+    agree; a value read by the work of different weights (a batch statistic, the loss)
+    belongs to none."""
+    several: frozenset[str] = frozenset()  # (a marker: read towards different owners)
+    ahead: dict[str, frozenset[str] | None] = {}
+    found: dict[str, frozenset[str]] = {}
+    for inst in reversed(topological_order(comp)):
+        owned = owners.get(inst.name)
+        if owned:
+            ahead[inst.name] = frozenset(owned)
+            continue
+        seen = {ahead[user] for user in users[inst.name]} - {None}
+        key = seen.pop() if len(seen) == 1 else several if seen else None
+        ahead[inst.name] = key
+        if key and _is_sum_collective(module, inst):
+            found[inst.name] = key
+    return found
 
 
 def _share_loop_sums(shared: dict[tuple[frozenset[str], tuple[str, ...]], _OwnedWork],
