@@ -259,3 +259,25 @@ def test_every_gradient_is_named_by_its_own_weight(fixture):
         assert sorted(params[weight].shape.dims) == sorted(shape.dims)
         weights.append(weight)
     assert weights and len(set(weights)) == len(weights)
+
+
+@pytest.mark.parametrize("metadata, written", [
+    (None, '{op_name="model.a[\'k\']"}'),
+    ('{op_name="model.states[0][3]" source_line=7}',
+     '{op_name="model.a[\'k\']" source_line=7}'),
+    ('{source_file="step.py" source_line=7}',
+     '{op_name="model.a[\'k\']" source_file="step.py" source_line=7}')])
+def test_with_op_name_writes_the_name_and_keeps_the_other_fields(metadata, written):
+    """What ``per_device_hlo`` writes into a wrapper's entry parameter: the user's path
+    as ``op_name`` (replaced, or added first), read back the same by ``op_name``."""
+    from hlo_shard.analysis.names import op_name, with_op_name
+    from hlo_shard.ir import Instruction, Raw
+
+    param = Instruction("p", "parameter", None, [], {} if metadata is None else
+                        {"metadata": Raw(metadata)}, 0)
+    value = with_op_name(param, "model.a['k']")
+    assert value.text == written
+    param.attributes["metadata"] = value
+    assert op_name(param) == "model.a['k']"
+    param.attributes["metadata"] = with_op_name(param, 'q"\\\n')
+    assert op_name(param) == 'q"\\\n'

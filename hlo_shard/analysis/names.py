@@ -21,7 +21,7 @@ from hlo_shard.analysis.element_flow import ElementOperands
 from hlo_shard.graph import topological_order, upstream_bits, users_map, zero_started_slots
 from hlo_shard.ir import (ArrayShape, Computation, Instruction, Module, Raw, Shape,
                           TupleShape)
-from hlo_shard.values import c_unescape
+from hlo_shard.values import c_quote, c_unescape
 
 #: Longer ``op_name`` are not taken for names (they would swamp every table).
 MAX_NAME = 200
@@ -54,6 +54,21 @@ def op_name(inst: Instruction) -> str | None:
         if match.group("key") == "op_name":
             return _utf8(c_unescape(match.group("value")))
     return None
+
+
+def with_op_name(inst: Instruction, name: str) -> Raw:
+    """``inst``'s metadata with its ``op_name`` ``name`` (added where it has none), its
+    other fields as they were."""
+    metadata = inst.attr_as("metadata", Raw)
+    quoted = c_quote(name)
+    if metadata is None or not metadata.text.strip("{} \n"):
+        return Raw(f"{{op_name={quoted}}}")
+    for match in _METADATA_FIELD_RE.finditer(metadata.text):
+        if match.group("key") == "op_name":
+            start, end = match.span("value")
+            return Raw(metadata.text[:start] + quoted + metadata.text[end:])
+    inside = metadata.text.strip()[1:]
+    return Raw(f"{{op_name={quoted} {inside}")
 
 
 def _utf8(text: str) -> str:
@@ -620,4 +635,4 @@ def labelled(hlo_name: str, name: str | None) -> str:
 __all__ = ["MAX_NAME", "NextValues", "UserNames", "WeightKey", "accumulated_gradient_weights",
            "as_path", "gradient_weights",
            "instruction_names", "labelled", "op_name", "pairs", "parameter_names",
-           "same_types", "sorted_dims", "user_names"]
+           "same_types", "sorted_dims", "user_names", "with_op_name"]

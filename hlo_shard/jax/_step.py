@@ -35,7 +35,7 @@ from hlo_shard.jax._capture import (Capture, FirstCallSeconds, JitStep, Reason, 
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.parser import parse
 from hlo_shard.passes.base import run_pass
-from hlo_shard.passes.executable_aliases import DonatedNextValueAliases
+from hlo_shard.passes.executable_aliases import DonatedNextValueAliases, ParameterOpNames
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
 from hlo_shard.runtime._child import version_refusal
@@ -192,7 +192,13 @@ def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
             cap = capture(jitted, args, kwargs)
         except Unsupported as why:
             raise HloShardError(str(why)) from None
-        return _with_next_values(cap, pairing._next_values(pairing._split(args, kwargs), cap))
+        call = pairing._split(args, kwargs)
+        call.names = pairing._names(call)
+        # (a wrapper's jit names its arguments its own way: the user's paths instead)
+        shown = pairing._shown_names(call)
+        renamed = tuple((number, shown[leaf]) for number, leaf in enumerate(cap.kept)
+                        if shown[leaf] and shown[leaf] != call.names[leaf])
+        return _with_next_values(cap, pairing._next_values(call, cap), renamed)
 
     if front is None:
         return text_of(args, kwargs)
@@ -200,6 +206,7 @@ def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     def captured(*jit_args: Any, **jit_kwargs: Any) -> Any:
         raise _Captured(text_of(jit_args, jit_kwargs))
 
+    pairing._wrapped = (args, kwargs)  # the user's arguments, which name the leaves
     try:
         front(captured)(*args, **kwargs)
     except _Captured as got:
@@ -207,18 +214,22 @@ def per_device_hlo(fn: Callable, *args: Any, **kwargs: Any) -> str:
     raise HloShardError("the step's jit wrapper returned without calling its jax.jit")
 
 
-def _with_next_values(cap: Capture, next_values: list[tuple[int, int]]) -> str:
+def _with_next_values(cap: Capture, next_values: list[tuple[int, int]],
+                      renamed: tuple[tuple[int, str], ...] = ()) -> str:
     """The captured module's text with each donated parameter whose next value the
     pytrees name aliased to it (:class:`DonatedNextValueAliases`): jit writes a bare
     ``buffer_donor``, from which ``hlo-shard optimize`` could only guess which output is
-    which parameter's next value (a loss is a scalar parameter's, by its type). Text
-    the parser refuses goes out as jit wrote it: ``hlo-shard optimize`` then says where
-    it stops reading, which is what a report of it needs."""
+    which parameter's next value (a loss is a scalar parameter's, by its type); and the
+    parameters ``renamed`` (number, the user's path) given that ``op_name``
+    (:class:`ParameterOpNames`). Text the parser refuses goes out as jit wrote it:
+    ``hlo-shard optimize`` then says where it stops reading, which is what a report of
+    it needs."""
     try:
         module = parse(cap.text, path="<captured step>")
     except HloShardError:
         return cap.text
-    if not run_pass(DonatedNextValueAliases(tuple(next_values)), module).changed:
+    aliased = run_pass(DonatedNextValueAliases(tuple(next_values)), module).changed
+    if not (run_pass(ParameterOpNames(renamed), module).changed or aliased):
         return cap.text
     return to_text(module)
 
