@@ -396,6 +396,24 @@ def test_scale_refuses_an_already_sharded_module_and_names_the_profile(modules):
     assert "Projected step time and peak memory (profile tpu-v3)" in table
 
 
+def test_scale_says_what_a_collective_over_other_groups_runs_over(tmp_path):
+    """A microbatch split resharded by an all-to-all over half the devices (GSPMD's
+    reshape, as MaxText's gradient accumulation writes it): scale cannot project it and
+    says over what it runs and what the other commands still do (it said only that it
+    supports one group)."""
+    text = ADAM.replace("  y = f32[8,1024] dot(x, w)",
+                        "  xs = f32[8,1024] all-to-all(x), replica_groups={{0,1},{2,3}}, "
+                        "dimensions={0}\n  y = f32[8,1024] dot(xs, w)")
+    path = tmp_path / "resharded.hlo"
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["scale", str(path), "--replicas", "8"])
+    assert result.exit_code == 2
+    assert "xs: scale projects steps whose every collective runs over the one data-parallel " \
+        "group of all 4 devices, and this all-to-all runs over 2 groups of 2 devices" \
+        in result.stderr, result.stderr
+    assert "report, optimize and verify take the module at its own size" in result.stderr
+
+
 def test_retarget_changes_only_the_group():
     module = parse(ADAM)
     assert data_parallel_size(module) == 4

@@ -51,8 +51,8 @@ class Retarget(ModulePass[RetargetReport]):
                     groups = inst.attr("replica_groups")
                     if isinstance(groups, ReplicaGroups) and groups.groups:
                         if len(groups.groups) != 1 or len(groups.groups[0]) != n0:
-                            raise HloShardError(f"{inst.name}: scale supports one "
-                                                "data-parallel group covering every device")
+                            raise HloShardError(_other_groups(inst.name, inst.opcode,
+                                                              groups, n0))
                         rw.set_attr(inst, "replica_groups",
                                     ReplicaGroups((tuple(range(self.replicas)),)))
                 sharding = inst.attr("sharding")
@@ -60,6 +60,19 @@ class Retarget(ModulePass[RetargetReport]):
                     rw.set_attr(inst, "sharding",
                                 Raw(_retarget_sharding(sharding.text, n0, self.replicas)))
         return RetargetReport(n0, self.replicas)
+
+
+def _other_groups(name: str, opcode: str, groups: ReplicaGroups, n0: int) -> str:
+    """Why ``scale`` stops at a collective over other groups than the data-parallel one:
+    what it runs over, and what the command can still do with the module."""
+    sizes = sorted({len(group) for group in groups.groups})
+    over = f"{len(groups.groups)} group{'s' * (len(groups.groups) != 1)} of " \
+        f"{'/'.join(map(str, sizes))} device{'s' * (sizes != [1])}"
+    return (f"{name}: scale projects steps whose every collective runs over the one "
+            f"data-parallel group of all {n0} devices, and this {opcode} runs over {over} "
+            "(a reshard of the batch, a model axis): what it becomes at another device "
+            "count depends on the mesh; report, optimize and verify take the module at its "
+            "own size")
 
 
 def data_parallel_size(module: Module) -> int:
