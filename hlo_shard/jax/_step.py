@@ -35,7 +35,8 @@ from hlo_shard.jax._capture import (Capture, FirstCallSeconds, JitStep, Reason, 
 from hlo_shard.jax._program import Program, StateLayout, build_program, convert, fallback_json
 from hlo_shard.parser import parse
 from hlo_shard.passes.base import run_pass
-from hlo_shard.passes.executable_aliases import DonatedNextValueAliases, ParameterOpNames
+from hlo_shard.passes.executable_aliases import DonatedNextValueAliases
+from hlo_shard.passes.parameter_names import ParameterOpNames
 from hlo_shard.passes.weight_update import ShardingOptions
 from hlo_shard.printer import to_text
 from hlo_shard.runtime._child import version_refusal

@@ -18,33 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hlo_shard.analysis.names import with_op_name
 from hlo_shard.graph import ModuleRewriter
 from hlo_shard.ir import (Alias, ArrayShape, BufferDonor, InputOutputAlias, Module, Shape,
                          TupleShape)
 from hlo_shard.passes.base import ModulePass
 from hlo_shard.passes.replica_form import DONATION_ATTRIBUTES
-
-@dataclass(frozen=True)
-class ParameterOpNames(ModulePass[None]):
-    """Each entry parameter numbered in ``names`` given that ``op_name`` in its metadata:
-    the user's path of the argument where a library's jit wrapper (``nnx.jit``,
-    ``eqx.filter_jit``) names its own ``jax.jit``'s arguments its own way, so that a
-    reader of the text (``report``, ``--explain``) names the weights as
-    :func:`~hlo_shard.jax.shard_weight_update`'s report does."""
-
-    name: ClassVar[str] = "parameter-op-names"
-    names: tuple[tuple[int, str], ...] = ()
-
-    def apply(self, module: Module, rewriter: ModuleRewriter) -> None:
-        rw = rewriter.rewriter(module.entry)
-        named = dict(self.names)
-        for param in module.entry.parameters():
-            name = named.get(param.parameter_number) if param.parameter_number is not None \
-                else None
-            if name:
-                rw.set_attr(param, "metadata", with_op_name(param, name))
-
 
 def donated_parameters(module: Module) -> tuple[int, ...]:
     """The entry parameters ``module``'s header donates (aliased or bare donors), sorted."""
@@ -165,4 +143,4 @@ def _same_array(a: object, b: object) -> bool:
 
 
 __all__ = ["DonatedNextValueAliases", "ExecutableAliases", "NextValueAliases",
-           "ParameterOpNames", "donated_parameters"]
+           "donated_parameters"]
