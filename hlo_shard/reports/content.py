@@ -124,14 +124,14 @@ def report_document(est: StepEstimate, module: Module, top: int = 10,
     if weights:
         # (a sharded update gathers its new weights: their own traffic, apart from the
         # gradient's; a column only where some weight is gathered)
-        gathered = any(r.get("gathered_bytes") for r in weights.values())
+        gathered = any(r["gathered_bytes"] for r in weights.values())
         doc.tables.append(Table("Per weight tensor", [
             "weight", "bytes", "update time", "update flops", "gradient sent",
             *(["weight gathered"] if gathered else [])],
             [[labelled(name, names.get(name)), fmt_bytes(r["bytes"]),
               fmt_seconds(r["update_seconds"]), fmt_count(r["update_flops"]),
               fmt_bytes(r["collective_bytes"]),
-              *([fmt_bytes(r.get("gathered_bytes", 0.0))] if gathered else [])]
+              *([fmt_bytes(r["gathered_bytes"])] if gathered else [])]
              for name, r in weights.items()]))
     doc.figures += [memory_figure([est]), step_figure([est])]
     doc.notes += _notes(est)
@@ -232,9 +232,9 @@ def diff_document(before: StepEstimate, after: StepEstimate, before_module: Modu
             (f"{label}: update time", a["update_seconds"], b["update_seconds"], fmt_seconds),
             (f"{label}: update flops", a["update_flops"], b["update_flops"], fmt_count),
             (f"{label}: gradient sent", a["collective_bytes"], b["collective_bytes"], fmt_bytes)]
-        if a.get("gathered_bytes") or b.get("gathered_bytes"):
-            weight_rows.append((f"{label}: weight gathered", a.get("gathered_bytes", 0.0),
-                                b.get("gathered_bytes", 0.0), fmt_bytes))
+        if a["gathered_bytes"] or b["gathered_bytes"]:
+            weight_rows.append((f"{label}: weight gathered", a["gathered_bytes"],
+                                b["gathered_bytes"], fmt_bytes))
     if weight_rows:
         doc.tables.append(_diff_table("Per weight tensor", weight_rows))
     doc.figures += [step_figure([before, after]), memory_figure([before, after])]
