@@ -23,6 +23,9 @@ import sys
 
 N = int(sys.argv[1])
 STEPS = int(sys.argv[2])
+#: Training scenarios also run the plain step from weights one ulp away
+#: (:func:`training`'s ``envelope``): what rounding alone makes of STEPS steps.
+ENVELOPE = os.environ.get("SCENARIOS_ENVELOPE") == "1"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 
 import jax  # noqa: E402
@@ -217,6 +220,21 @@ def relative_difference(a, b) -> float:
     return float(np.max(np.abs(a - b))) / scale
 
 
+def envelope(step, state0, mesh, params0, plain_losses, plain_params) -> dict:
+    """How far the plain step's own STEPS steps go from weights each one ulp away: the
+    differences rounding alone grows to (an optimizer that normalizes its updates, as
+    adafactor does, grows an ulp apart into far more over many steps). A rewrite that
+    only sums in another order is held to this, whatever the host's vector width."""
+    def nudged():
+        return jax.tree.map(lambda a: np.nextafter(a, np.inf, dtype=a.dtype),
+                            jax.tree.map(np.asarray, params0()))
+
+    losses, params = run(step, state0, mesh, nudged)
+    return {"envelope_loss": relative_difference(plain_losses, losses),
+            "envelope_params": max(relative_difference(plain_params[k], params[k])
+                                   for k in params)}
+
+
 def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     opt = OPTIMIZERS[name]()
     params0, model_loss = MODELS[model]
@@ -231,6 +249,8 @@ def training(name: str, make_step, mesh, model="mlp", **install) -> dict:
     return {
         "loss": relative_difference(plain_losses, losses),
         "params": max(relative_difference(plain_params[k], params[k]) for k in params),
+        **(envelope(step, state0, mesh, params0, plain_losses, plain_params) if ENVELOPE
+           else {}),
         "changed": [d.changed for d in steps],
         "reasons": [d.reason for d in steps],
         "notes": [n for d in steps if d.report for n in d.report.notes],

@@ -471,14 +471,15 @@ class RegionRewrite:
         narrowed: dict[str, list[str]] = {}
         for name, fmt in self.inputs.items():
             inst = comp[name]
+            full_shape = inst.array_shape
             users = [u.name for u in self.rw.users(name) if u.name not in self.plan.ops]
             users += [""] if name == comp.root_name else []
             narrow = narrowing_convert(comp, name, users)
+            self.rw.set_shape(inst, self.emit.shape(full_shape.element_type, (fmt.shard_len,)))
             if narrow is not None:
                 with self.rw.inserting_before(min(users, key=comp.position)
                                               if not self.gather_at_top else self.emit.first):
-                    source = self.emit.add("convert", self.emit.shape(narrow, (fmt.shard_len,)),
-                                           [name], name=f"{name}.{narrow}")
+                    source = self.emit.converted(name, narrow)
                 narrowed[source] = users
                 readers = [u.name for c in users for u in self.rw.users(c)]
                 readers += [""] if comp.root_name in users else []
@@ -488,10 +489,7 @@ class RegionRewrite:
             elif users:
                 outside[name] = users
                 items.append(Gathered(name, fmt,
-                                      self.emit.gathered_shape(inst.array_shape, fmt, users),
-                                      name))
-            self.rw.set_shape(inst, self.emit.shape(inst.array_shape.element_type,
-                                                    (fmt.shard_len,)))
+                                      self.emit.gathered_shape(full_shape, fmt, users), name))
             self.emit.cache[("shard", name, fmt)] = name
         for item, full in gather_before_use(self.rw, self.emit, self.bucketing, items,
                                             outside, self.gather_at_top).items():
