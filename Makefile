@@ -16,9 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 # The CI suite: lint, the type check of the typed modules, and every test but those
 # marked `slow` (one XLA compile per fixture for the cost model's accuracy, the
-# 1024-wide models, the whole mutant set): minutes on two cores.
+# 1024-wide models, the whole mutant set): minutes on two cores, in two workers
+# (pytest-xdist), each test file in one of them so that its module fixtures run once;
+# TEST_WORKERS=0 runs every test in this process.
 test: lint typecheck
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $${TEST_WORKERS:-2} --dist loadfile
 
 # Everything, including the slow accuracy and whole-fixture sweeps.
 test-all: install

@@ -442,6 +442,10 @@ def failure(mesh) -> dict:
     return out
 
 
+#: More Ctrl-Cs a user would press when the first was lost (:func:`interrupt`).
+SIGNAL_RETRIES = 4
+
+
 def interrupt(mesh) -> dict:
     """Ctrl-C while the pass runs inside XLA's compile: a KeyboardInterrupt raised in the
     callback (``raise``: as Python's SIGINT handler raises it there; ``signal``: a real
@@ -477,11 +481,13 @@ def interrupt(mesh) -> dict:
     out = {}
     for case, interrupted in (("raise", by_raise), ("signal", by_signal)):
         raised = interrupted_run(interrupted)
-        if case == "signal" and not raised:
+        for _ in range(SIGNAL_RETRIES if case == "signal" else 0):
+            if raised:
+                break
             # XLA runs the callback on a thread of its own: Python runs the SIGINT handler
             # in the main thread at its next bytecode once the compile returns, which on a
             # loaded machine can be a finalizer, whose exceptions Python only prints. A
-            # second real signal must come out.
+            # user presses Ctrl-C again: one of a few real signals must come out.
             raised = interrupted_run(interrupted)
         hook.decisions(clear=True)
         with hook.install(force=True):

@@ -159,19 +159,35 @@ def no_worker_left():
 
 
 def _workers_left() -> list[int]:
-    """Workers of this checkout not started by this test process (in-process runs keep a
+    """Workers of this checkout not started by a test process (in-process runs keep a
     pooled worker until exit)."""
     child = str(REPO / "hlo_shard" / "runtime" / "_child.py")
+    tests = _test_processes()
     left = []
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and child in (entry / "cmdline").read_bytes().decode(
                     errors="replace").split("\0") and not _gone(int(entry.name)) \
-                    and _parent(int(entry.name)) != os.getpid():
+                    and _parent(int(entry.name)) not in tests:
                 left.append(int(entry.name))
         except OSError:
             continue
     return left
+
+
+def _test_processes() -> set[int]:
+    """This process and, under pytest-xdist, the other workers of its run (children of
+    the same controller): each keeps its own pooled worker until it exits."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return {os.getpid()}
+    controller, siblings = os.getppid(), {os.getpid()}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and _parent(int(entry.name)) == controller:
+                siblings.add(int(entry.name))
+        except OSError:
+            continue
+    return siblings
 
 
 def _parent(pid: int) -> int:
