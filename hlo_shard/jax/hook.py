@@ -153,10 +153,15 @@ class Decision:
 
     @property
     def sharded_bytes(self) -> int:
+        """The bytes of the gradient all-reduces the pass sharded (of :attr:`gradient_bytes`)."""
         return sum(e.bytes for e in self.report.explanations if e.sharded) if self.report else 0
 
     @property
     def gradient_bytes(self) -> int:
+        """The bytes the step's gradient all-reduces sum, each counted: a weight whose
+        gradient comes in two (a tied embedding: the lookup's and the output
+        projection's, where XLA does not add them first) counts twice, as the wire
+        carries it twice."""
         return sum(e.bytes for e in self.report.explanations) if self.report else 0
 
     def summary(self) -> str:
