@@ -180,14 +180,7 @@ def _test_processes() -> set[int]:
     the same controller): each keeps its own pooled worker until it exits."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return {os.getpid()}
-    controller, siblings = os.getppid(), {os.getpid()}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and _parent(int(entry.name)) == controller:
-                siblings.add(int(entry.name))
-        except OSError:
-            continue
-    return siblings
+    return {os.getpid(), *_children(os.getppid())}
 
 
 def _parent(pid: int) -> int:
